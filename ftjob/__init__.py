@@ -1,0 +1,3 @@
+"""ftjob: fine-tune large language models on Kubernetes with one FineTuneJob resource."""
+
+__version__ = "0.1.0"

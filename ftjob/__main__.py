@@ -1,0 +1,5 @@
+import sys
+
+from ftjob.cli import main
+
+sys.exit(main())

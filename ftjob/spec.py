@@ -1,0 +1,729 @@
+"""The FineTuneJob spec: the one source of truth for the API.
+
+The CRD schema (``ftjob crd``), ``ftjob validate``, the operator and the trainer all read
+these classes. Each field's docstring becomes its ``kubectl explain`` text. Parse a spec with
+:func:`parse_spec`; it raises :class:`~ftjob.schema.SpecError` naming every bad field.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from ftjob import __version__
+from ftjob.schema import (
+    QUANTITY_PATTERN,
+    FieldError,
+    FreeForm,
+    IntOrString,
+    Rule,
+    SpecError,
+    api_field,
+    check_update,
+    parse,
+)
+
+GROUP, VERSION, KIND, PLURAL = "ftjob.dev", "v1alpha1", "FineTuneJob", "finetunejobs"
+API_VERSION = f"{GROUP}/{VERSION}"
+DEFAULT_IMAGE = f"ghcr.io/ftjob/trainer:{__version__}"
+
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_LABEL_HINT = "be a DNS label (lowercase letters, digits and '-')"
+# hf://org/name (or a legacy hf://name), an absolute path, or a path relative to the job.
+SOURCE_PATTERN = r"^(hf://[A-Za-z0-9][\w.-]*(/[\w.-]+)?|[^:\s]+)$"
+SOURCE_HINT = "be hf://org/name or a path (absolute on a volume, or relative)"
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# Segments start with a letter, digit or '_', so '..' (and absolute paths) cannot escape the
+# job's folder. RE2, which the API server uses, has no lookahead to say it more directly.
+RELATIVE_PATH = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$"
+RELATIVE_PATH_HINT = "be a relative path of plain names (no '..', no leading '/')"
+# Variables ftjob sets itself for torchrun and the trainer; a user value would break wiring.
+RESERVED_ENV_PREFIXES = ("PET_", "FTJOB_", "TORCHELASTIC_")
+RESERVED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "HF_TOKEN")
+
+
+@dataclass(kw_only=True)
+class VolumeRef:
+    """A PersistentVolumeClaim shared by every pod of the job (ReadWriteMany)."""
+
+    claim_name: str = api_field(
+        "claimName of a ReadWriteMany PersistentVolumeClaim in the job's namespace.",
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        pattern_hint="be a PersistentVolumeClaim name (lowercase letters, digits, '-', '.')",
+        max_length=253,
+    )
+
+
+@dataclass(kw_only=True)
+class SecretKeyRef:
+    """A key of a Secret in the job's namespace; its value only ever travels as a secretKeyRef."""
+
+    name: str = api_field("name of the Secret.", pattern=DNS_LABEL, max_length=253)
+    key: str = api_field("key inside the Secret.", "token", max_length=253)
+
+
+@dataclass(kw_only=True)
+class ModelSpec:
+    """model: the base model to fine-tune."""
+
+    source: str = api_field(
+        "source of the weights: hf://org/name from the Hugging Face Hub, or a folder path. A "
+        "relative path is read from the shared volume (cluster) or beside the job file "
+        "(ftjob run).",
+        pattern=SOURCE_PATTERN,
+        pattern_hint=SOURCE_HINT,
+        max_length=512,
+        example="hf://meta-llama/Meta-Llama-3-8B",
+    )
+    revision: str | None = api_field(
+        "revision (branch, tag or commit) of an hf:// source.", None, max_length=128
+    )
+    attention: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = api_field(
+        "attention implementation; flash_attention_* need GPUs and the flash-attn package.",
+        "sdpa",
+    )
+    trust_remote_code: bool = api_field(
+        "trustRemoteCode runs Python code shipped with the model. Off unless you trust it.",
+        False,
+    )
+
+
+@dataclass(kw_only=True)
+class DatasetSpec:
+    """dataset: what to train on and how records become tokens."""
+
+    source: str = api_field(
+        "source of the data: hf://org/name, or a .jsonl/.json/.parquet/.csv file or a "
+        "datasets folder saved with save_to_disk. Relative paths as for model.source.",
+        pattern=SOURCE_PATTERN,
+        pattern_hint=SOURCE_HINT,
+        max_length=512,
+    )
+    split: str = api_field("split of the source to train on.", "train", max_length=64)
+    subset: str | None = api_field("subset (configuration name) of an hf:// dataset.", None)
+    format: Literal["text", "chat", "instruction"] = api_field(
+        "format of each record: text (one text field), chat (a list of role/content "
+        "messages rendered by the tokenizer's chat template) or instruction (prompt and "
+        "completion fields).",
+        "text",
+    )
+    text_field: str = api_field("textField holds the text (format text).", "text", max_length=64)
+    messages_field: str = api_field(
+        "messagesField holds the messages (format chat).", "messages", max_length=64
+    )
+    prompt_field: str = api_field(
+        "promptField holds the prompt (format instruction).", "prompt", max_length=64
+    )
+    completion_field: str = api_field(
+        "completionField holds the completion (format instruction).", "completion", max_length=64
+    )
+    completion_only_loss: bool = api_field(
+        "completionOnlyLoss: for chat and instruction data, learn only from assistant turns / "
+        "completions (the prompt still conditions them).",
+        True,
+    )
+    max_seq_length: int = api_field(
+        "maxSeqLength: tokens per training sequence; longer records are truncated.",
+        2048,
+        minimum=16,
+        maximum=131072,
+    )
+    packing: bool = api_field(
+        "packing concatenates records into full sequences (no padding; faster).", True
+    )
+    eval_fraction: float | None = api_field(
+        "evalFraction of the records held out for evaluation (0 < f < 0.5). Set this or "
+        "evalSplit, not both.",
+        None,
+        minimum=0,
+        exclusive_minimum=True,
+        maximum=0.5,
+    )
+    eval_split: str | None = api_field(
+        "evalSplit: a split of the source used for evaluation.", None, max_length=64
+    )
+
+
+@dataclass(kw_only=True)
+class LoraSpec:
+    """lora: low-rank adapter settings (peft)."""
+
+    r: int = api_field("r: rank of the adapter matrices.", 16, minimum=1, maximum=1024)
+    alpha: float = api_field(
+        "alpha scales the adapter update by alpha/r.", 32.0, minimum=0, exclusive_minimum=True
+    )
+    dropout: float = api_field("dropout on the adapter input.", 0.05, minimum=0, maximum=0.9)
+    target_modules: list[str] = api_field(
+        "targetModules: module names to adapt, or [all-linear] for every linear layer but "
+        "the output head.",
+        factory=lambda: ["all-linear"],
+        max_items=64,
+        max_length=128,
+    )
+
+
+@dataclass(kw_only=True)
+class QuantizationSpec:
+    """quantization: how QLoRA stores the frozen base weights (bitsandbytes)."""
+
+    type: Literal["nf4", "fp4"] = api_field("type of 4-bit storage.", "nf4")
+    double_quant: bool = api_field(
+        "doubleQuant also quantizes the quantization constants (saves ~0.4 bit/param).", True
+    )
+
+
+@dataclass(kw_only=True)
+class MethodSpec:
+    """method: full fine-tune, LoRA or QLoRA."""
+
+    type: Literal["full", "lora", "qlora"] = api_field(
+        "type: full trains every weight; lora trains adapters on a frozen base; qlora trains "
+        "adapters on a 4-bit base.",
+        "lora",
+    )
+    lora: LoraSpec | None = api_field("lora settings (lora and qlora; defaults apply).", None)
+    quantization: QuantizationSpec | None = api_field(
+        "quantization of the base model; required for qlora, e.g. {type: nf4}.", None
+    )
+
+    def lora_settings(self) -> LoraSpec | None:
+        """The adapter settings in force, or None for a full fine-tune."""
+        if self.type == "full":
+            return None
+        return self.lora or LoraSpec()
+
+
+@dataclass(kw_only=True)
+class TrainingSpec:
+    """training: the optimisation loop."""
+
+    max_steps: int | None = api_field(
+        "maxSteps: optimizer steps to run. Set this or epochs.", None, minimum=1, maximum=10**8
+    )
+    epochs: float | None = api_field(
+        "epochs: passes over the training data. Set this or maxSteps.",
+        None,
+        minimum=0,
+        exclusive_minimum=True,
+        maximum=1000,
+    )
+    learning_rate: float | None = api_field(
+        "learningRate: peak learning rate. Default 2e-4 for lora/qlora, 2e-5 for full.",
+        None,
+        minimum=0,
+        exclusive_minimum=True,
+        maximum=1,
+    )
+    scheduler: Literal["cosine", "linear", "constant"] = api_field(
+        "scheduler: learning rate decay after warmup.", "cosine"
+    )
+    warmup: IntOrString = api_field(
+        'warmup: steps (an integer) or a share of all steps ("3%").',
+        "3%",
+        pattern=r"^([0-9]+|[0-9]+(\.[0-9]+)?%)$",
+        pattern_hint='be a number of steps (100) or a percentage ("3%")',
+    )
+    weight_decay: float = api_field("weightDecay of AdamW.", 0.0, minimum=0, maximum=1)
+    micro_batch_size: int = api_field(
+        "microBatchSize: sequences per GPU (or process) per forward pass.",
+        1,
+        minimum=1,
+        maximum=1024,
+    )
+    gradient_accumulation: int = api_field(
+        "gradientAccumulation: micro-batches per optimizer step.", 1, minimum=1, maximum=4096
+    )
+    max_grad_norm: float = api_field(
+        "maxGradNorm clips the gradient norm; 0 turns clipping off.", 1.0, minimum=0
+    )
+    precision: Literal["auto", "bf16", "fp32"] = api_field(
+        "precision of compute: auto is bf16 on GPUs and fp32 on CPUs. Weights and optimizer "
+        "states stay fp32.",
+        "auto",
+    )
+    activation_checkpointing: bool = api_field(
+        "activationCheckpointing recomputes activations in the backward pass: much less "
+        "memory for ~20-30% more compute.",
+        True,
+    )
+    seed: int = api_field("seed for initialisation and data order.", 42, minimum=0)
+    log_every: int = api_field("logEvery: steps between progress lines.", 10, minimum=1)
+    eval_every: int = api_field(
+        "evalEvery: steps between evaluations (when an eval set exists); 0 evaluates only at "
+        "the end.",
+        100,
+        minimum=0,
+    )
+
+    def peak_learning_rate(self, method: str) -> float:
+        if self.learning_rate is not None:
+            return self.learning_rate
+        return 2e-5 if method == "full" else 2e-4
+
+    def warmup_steps(self, total_steps: int) -> int:
+        if self.warmup.endswith("%"):
+            return math.ceil(total_steps * float(self.warmup[:-1]) / 100)
+        return int(self.warmup)
+
+
+@dataclass(kw_only=True)
+class ResourcesSpec:
+    """resources: the shape of the gang."""
+
+    nodes: int = api_field("nodes: pods in the gang, one per node.", 1, minimum=1, maximum=1024)
+    gpus_per_node: int = api_field(
+        "gpusPerNode: GPUs each pod takes, one training process each; 0 trains on CPU.",
+        1,
+        minimum=0,
+        maximum=64,
+    )
+    processes_per_node: int | None = api_field(
+        "processesPerNode: training processes per pod for CPU jobs (default 1). GPU jobs run "
+        "one per GPU.",
+        None,
+        minimum=1,
+        maximum=256,
+    )
+    gpu: str = api_field(
+        "gpu: the extended resource name of a GPU.",
+        "nvidia.com/gpu",
+        pattern=r"^[a-z0-9.-]+/[a-z0-9.-]+$",
+        pattern_hint="be a resource name like nvidia.com/gpu",
+        max_length=253,
+    )
+    cpu: IntOrString | None = api_field(
+        "cpu request and limit of each pod (a quantity, e.g. 90).",
+        None,
+        pattern=QUANTITY_PATTERN,
+        pattern_hint='be a Kubernetes quantity (e.g. 8, "500m")',
+        max_length=32,
+    )
+    memory: IntOrString | None = api_field(
+        "memory request and limit of each pod (a quantity, e.g. 1000Gi).",
+        None,
+        pattern=QUANTITY_PATTERN,
+        pattern_hint='be a Kubernetes quantity (e.g. "64Gi")',
+        max_length=32,
+    )
+
+    @property
+    def nproc_per_node(self) -> int:
+        return self.gpus_per_node or self.processes_per_node or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+
+@dataclass(kw_only=True)
+class ParallelismSpec:
+    """parallelism: how FSDP shards the model states."""
+
+    sharding: Literal["auto", "full", "hybrid", "grad-op", "none"] = api_field(
+        "sharding: full shards parameters, gradients and optimizer states across all "
+        "processes; hybrid shards within a node and replicates across nodes (less traffic "
+        "between nodes); grad-op keeps parameters whole between forward and backward; none "
+        "replicates (DDP-like); auto picks hybrid when one node holds the model states, "
+        "otherwise full.",
+        "auto",
+    )
+    cpu_offload: bool = api_field(
+        "cpuOffload keeps parameters, gradients and optimizer states in CPU memory.", False
+    )
+
+
+@dataclass(kw_only=True)
+class NetworkSpec:
+    """network: the fabric between nodes and the NCCL settings for it."""
+
+    fabric: Literal["efa", "infiniband", "tcp"] = api_field(
+        "fabric: efa (AWS Elastic Fabric Adapter), infiniband (RDMA), or tcp.", "tcp"
+    )
+    efa_devices_per_node: int | None = api_field(
+        "efaDevicesPerNode: vpc.amazonaws.com/efa devices per pod (p4d: 4, p5: 32); "
+        "required with fabric efa.",
+        None,
+        minimum=1,
+        maximum=64,
+    )
+    socket_interface: str | None = api_field(
+        "socketInterface for NCCL's bootstrap traffic (NCCL_SOCKET_IFNAME), e.g. eth0.",
+        None,
+        max_length=64,
+    )
+    nccl_env: dict[str, str] = api_field(
+        "ncclEnv: extra NCCL_*, FI_* or TORCH_NCCL_* variables, set on every pod.",
+        factory=dict,
+        pattern=r"^(NCCL|FI|TORCH_NCCL)_[A-Z0-9_]+$",
+        pattern_hint="start with NCCL_, FI_ or TORCH_NCCL_",
+        max_properties=64,
+        max_length=1024,
+    )
+    collective_timeout_seconds: int = api_field(
+        "collectiveTimeoutSeconds: a collective that waits this long fails the gang (shorter "
+        "than runPolicy.stallTimeoutSeconds).",
+        600,
+        minimum=30,
+    )
+    rendezvous_port: int = api_field(
+        "rendezvousPort of node 0 for torchrun.", 29500, minimum=1024, maximum=65535
+    )
+    progress_port: int = api_field(
+        "progressPort on which rank 0 serves progress (JSON) and Prometheus metrics.",
+        8000,
+        minimum=1024,
+        maximum=65535,
+    )
+
+
+@dataclass(kw_only=True)
+class CheckpointSpec:
+    """checkpoint: sharded checkpoints on a shared volume; restarts resume from the newest."""
+
+    volume: VolumeRef | None = api_field(
+        "volume shared by all pods for checkpoints and the exported model (required when "
+        "nodes > 1). Mounted at /ftjob.",
+        None,
+    )
+    path: str | None = api_field(
+        "path of the job's folder on the volume (default: the job's name).",
+        None,
+        pattern=RELATIVE_PATH,
+        pattern_hint=RELATIVE_PATH_HINT,
+        max_length=256,
+    )
+    every: int = api_field("every: steps between checkpoints.", 100, minimum=1)
+    keep: int = api_field("keep: newest complete checkpoints kept.", 3, minimum=1, maximum=100)
+    async_save: bool = api_field(
+        "asyncSave writes checkpoints in the background while training continues.", False
+    )
+
+
+@dataclass(kw_only=True)
+class OutputSpec:
+    """output: the exported model, written once training has finished."""
+
+    path: str | None = api_field(
+        "path of the exported model inside the job's folder (default: model).",
+        None,
+        pattern=RELATIVE_PATH,
+        pattern_hint=RELATIVE_PATH_HINT,
+        max_length=256,
+    )
+    merge_adapter: bool = api_field(
+        "mergeAdapter also writes the base model with the adapter merged in (lora/qlora).",
+        False,
+    )
+
+
+@dataclass(kw_only=True)
+class SecretsSpec:
+    """secrets: credentials, passed to pods only as secretKeyRefs."""
+
+    hugging_face_token: SecretKeyRef | None = api_field(
+        "huggingFaceToken for gated or private hf:// models and datasets (becomes HF_TOKEN).",
+        None,
+    )
+
+
+@dataclass(kw_only=True)
+class RunPolicySpec:
+    """runPolicy: retries, timeouts and suspension."""
+
+    backoff_limit: int = api_field(
+        "backoffLimit: gang restarts allowed after failures before the job fails.",
+        3,
+        minimum=0,
+        maximum=100,
+    )
+    stall_timeout_seconds: int = api_field(
+        "stallTimeoutSeconds: no training progress for this long restarts the gang.",
+        1800,
+        minimum=60,
+    )
+    active_deadline_seconds: int | None = api_field(
+        "activeDeadlineSeconds: the job fails once it has been active this long.", None, minimum=1
+    )
+    ttl_seconds_after_finished: int | None = api_field(
+        "ttlSecondsAfterFinished: delete the finished job after this long (the volume keeps "
+        "its files).",
+        None,
+        minimum=0,
+    )
+    suspend: bool = api_field(
+        "suspend: true removes the pods and keeps the checkpoints; false resumes from them.",
+        False,
+    )
+
+
+@dataclass(kw_only=True)
+class Toleration:
+    """A Kubernetes toleration."""
+
+    key: str | None = api_field("key of the taint.", None, max_length=316)
+    operator: Literal["Exists", "Equal"] = api_field("operator: Exists or Equal.", "Equal")
+    value: str | None = api_field("value of the taint (operator Equal).", None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = api_field(
+        "effect to tolerate; all effects when empty.", None
+    )
+    toleration_seconds: int | None = api_field(
+        "tolerationSeconds for NoExecute taints.", None, minimum=0
+    )
+
+
+@dataclass(kw_only=True)
+class SchedulingSpec:
+    """scheduling: where and when the pods may run."""
+
+    queue: str | None = api_field(
+        "queue: a Kueue LocalQueue; the gang is admitted as one pod group.",
+        None,
+        pattern=DNS_LABEL,
+        pattern_hint=DNS_LABEL_HINT,
+        max_length=63,
+    )
+    priority_class_name: str | None = api_field("priorityClassName of the pods.", None)
+    scheduler_name: str | None = api_field("schedulerName of the pods.", None, max_length=253)
+    node_selector: dict[str, str] = api_field(
+        "nodeSelector of the pods.", factory=dict, max_properties=64, max_length=63
+    )
+    tolerations: list[Toleration] = api_field(
+        "tolerations of the pods.", factory=list, max_items=64
+    )
+    affinity: FreeForm | None = api_field("affinity of the pods (a Kubernetes Affinity).", None)
+
+
+@dataclass(kw_only=True)
+class EnvVar:
+    """An environment variable set on every training process."""
+
+    name: str = api_field(
+        "name of the variable.", pattern=ENV_NAME, pattern_hint="be an identifier", max_length=128
+    )
+    value: str = api_field("value of the variable.", "", max_length=4096)
+
+
+def _reserved(name: str) -> bool:
+    return name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES)
+
+
+_RESERVED_CEL = " || ".join(
+    [f"e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES]
+    + [f"e.name == '{n}'" for n in RESERVED_ENV]
+)
+
+
+@dataclass(kw_only=True)
+class FineTuneJobSpec:
+    """FineTuneJob fine-tunes a language model with FSDP on a gang of torchrun pods."""
+
+    model: ModelSpec = api_field("model to fine-tune.", immutable=True)
+    dataset: DatasetSpec = api_field("dataset to train on.", immutable=True)
+    method: MethodSpec = api_field("method of fine-tuning.", factory=MethodSpec, immutable=True)
+    training: TrainingSpec = api_field(
+        "training loop settings.", factory=TrainingSpec, immutable=True
+    )
+    resources: ResourcesSpec = api_field(
+        "resources of each pod and the number of nodes.", factory=ResourcesSpec, immutable=True
+    )
+    parallelism: ParallelismSpec = api_field(
+        "parallelism: FSDP sharding.", factory=ParallelismSpec, immutable=True
+    )
+    network: NetworkSpec = api_field("network fabric and NCCL settings.", factory=NetworkSpec)
+    checkpoint: CheckpointSpec = api_field(
+        "checkpoint location and cadence.", factory=CheckpointSpec, immutable=True
+    )
+    output: OutputSpec = api_field("output: the exported model.", factory=OutputSpec)
+    secrets: SecretsSpec = api_field("secrets the pods may read.", factory=SecretsSpec)
+    run_policy: RunPolicySpec = api_field(
+        "runPolicy: retries, timeouts, suspension.", factory=RunPolicySpec
+    )
+    scheduling: SchedulingSpec = api_field(
+        "scheduling constraints of the pods.", factory=SchedulingSpec
+    )
+    image: str = api_field(
+        "image of the trainer; changes apply to the next gang attempt.",
+        DEFAULT_IMAGE,
+        max_length=512,
+    )
+    env: list[EnvVar] = api_field(
+        "env: extra environment variables of the training processes.", factory=list, max_items=64
+    )
+
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "self.method.type != 'full' || !has(self.method.lora)",
+            lambda s: s.method.type != "full" or s.method.lora is None,
+            "lora settings need method.type lora or qlora; remove method.lora for a full fine-tune",
+            ".method.lora",
+        ),
+        Rule(
+            "self.method.type == 'qlora' || !has(self.method.quantization)",
+            lambda s: s.method.type == "qlora" or s.method.quantization is None,
+            "quantization is only for method.type qlora; remove it or set type qlora",
+            ".method.quantization",
+        ),
+        Rule(
+            "self.method.type != 'qlora' || has(self.method.quantization)",
+            lambda s: s.method.type != "qlora" or s.method.quantization is not None,
+            "qlora needs a quantization block, e.g. quantization: {type: nf4}",
+            ".method.quantization",
+        ),
+        Rule(
+            "!self.output.mergeAdapter || self.method.type != 'full'",
+            lambda s: not s.output.merge_adapter or s.method.type != "full",
+            "mergeAdapter needs an adapter (method.type lora or qlora); remove it for a full "
+            "fine-tune",
+            ".output.mergeAdapter",
+        ),
+        Rule(
+            "has(self.training.maxSteps) != has(self.training.epochs)",
+            lambda s: (s.training.max_steps is None) != (s.training.epochs is None),
+            "set exactly one of training.maxSteps and training.epochs",
+            ".training",
+        ),
+        Rule(
+            "!(has(self.dataset.evalFraction) && has(self.dataset.evalSplit))",
+            lambda s: s.dataset.eval_fraction is None or s.dataset.eval_split is None,
+            "set evalFraction or evalSplit, not both",
+            ".dataset.evalSplit",
+        ),
+        Rule(
+            "self.parallelism.sharding != 'hybrid' || self.resources.nodes >= 2",
+            lambda s: s.parallelism.sharding != "hybrid" or s.resources.nodes >= 2,
+            "hybrid sharding needs resources.nodes >= 2; use full on one node",
+            ".parallelism.sharding",
+        ),
+        Rule(
+            "!self.parallelism.cpuOffload || self.parallelism.sharding != 'none'",
+            lambda s: not s.parallelism.cpu_offload or s.parallelism.sharding != "none",
+            "cpuOffload needs sharding (auto, full, hybrid or grad-op), not none",
+            ".parallelism.cpuOffload",
+        ),
+        Rule(
+            "self.network.fabric == 'tcp' || self.resources.gpusPerNode > 0",
+            lambda s: s.network.fabric == "tcp" or s.resources.gpus_per_node > 0,
+            "fabric efa and infiniband need GPUs (resources.gpusPerNode > 0); use tcp on CPU",
+            ".network.fabric",
+        ),
+        Rule(
+            "(self.network.fabric == 'efa') == has(self.network.efaDevicesPerNode)",
+            lambda s: (s.network.fabric == "efa") == (s.network.efa_devices_per_node is not None),
+            "fabric efa needs network.efaDevicesPerNode (p4d: 4, p5: 32), and only efa takes it",
+            ".network.efaDevicesPerNode",
+        ),
+        Rule(
+            "self.resources.gpusPerNode == 0 || !has(self.resources.processesPerNode)",
+            lambda s: s.resources.gpus_per_node == 0 or s.resources.processes_per_node is None,
+            "processesPerNode is for CPU jobs; GPU jobs run one process per GPU",
+            ".resources.processesPerNode",
+        ),
+        Rule(
+            "self.resources.gpusPerNode > 0 || !self.model.attention.startsWith('flash')",
+            lambda s: s.resources.gpus_per_node > 0 or not s.model.attention.startswith("flash"),
+            "flash attention needs GPUs; use sdpa on CPU",
+            ".model.attention",
+        ),
+        Rule(
+            "self.network.collectiveTimeoutSeconds < self.runPolicy.stallTimeoutSeconds",
+            lambda s: s.network.collective_timeout_seconds < s.run_policy.stall_timeout_seconds,
+            "collectiveTimeoutSeconds must be shorter than runPolicy.stallTimeoutSeconds, so a "
+            "hung collective fails before the job is declared stalled",
+            ".network.collectiveTimeoutSeconds",
+        ),
+        Rule(
+            "self.resources.nodes == 1 || has(self.checkpoint.volume)",
+            lambda s: s.resources.nodes == 1 or s.checkpoint.volume is not None,
+            "more than one node needs a shared checkpoint.volume (a ReadWriteMany claim) so "
+            "that every node writes its shards to one place",
+            ".checkpoint.volume",
+        ),
+        Rule(
+            f"!self.env.exists(e, {_RESERVED_CEL})",
+            lambda s: not any(_reserved(e.name) for e in s.env),
+            "env may not set variables ftjob manages (PET_*, FTJOB_*, TORCHELASTIC_*, "
+            "MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, HF_TOKEN)",
+            ".env",
+        ),
+    )
+
+    # ------------------------------------------------------------------ derived values
+
+    @property
+    def global_batch_size(self) -> int:
+        t = self.training
+        return t.micro_batch_size * t.gradient_accumulation * self.resources.world_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.dataset.max_seq_length
+
+    def compute_precision(self) -> str:
+        if self.training.precision != "auto":
+            return self.training.precision
+        return "bf16" if self.resources.gpus_per_node > 0 else "fp32"
+
+    def effective_sharding(self, state_bytes: int | None = None, gpu_bytes: int | None = None):
+        """The sharding in force; ``auto`` becomes hybrid if one node holds the states.
+
+        ``state_bytes`` is the size of parameters + gradients + optimizer states and
+        ``gpu_bytes`` one GPU's memory; without them auto is full, which always fits
+        where hybrid fits.
+        """
+        chosen = self.parallelism.sharding
+        if chosen != "auto":
+            return chosen
+        r = self.resources
+        if r.nodes == 1 or state_bytes is None or gpu_bytes is None:
+            return "full"
+        # Leave 40% of each GPU for activations, buffers and fragmentation.
+        fits_one_node = state_bytes / r.nproc_per_node <= 0.6 * gpu_bytes
+        return "hybrid" if fits_one_node else "full"
+
+
+def parse_spec(data: Any, path: str = "spec") -> FineTuneJobSpec:
+    return parse(FineTuneJobSpec, data, path)
+
+
+def validate_update(old: FineTuneJobSpec, new: FineTuneJobSpec) -> None:
+    errors = check_update(old, new)
+    if errors:
+        raise SpecError(errors)
+
+
+NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def parse_resource(doc: Any) -> tuple[str, FineTuneJobSpec]:
+    """Check a whole FineTuneJob document (kind, name, spec); return its name and spec."""
+    errors = []
+    if not isinstance(doc, dict):
+        raise SpecError([FieldError("(document)", "must be a FineTuneJob object")])
+    if doc.get("apiVersion") != API_VERSION:
+        errors.append(
+            FieldError("apiVersion", f"must be {API_VERSION}, got {doc.get('apiVersion')!r}")
+        )
+    if doc.get("kind") != KIND:
+        errors.append(FieldError("kind", f"must be {KIND}, got {doc.get('kind')!r}"))
+    meta = doc.get("metadata") or {}
+    name = meta.get("name", "")
+    # Pod names add "-node-N" and the headless Service takes the job name: keep room for both.
+    if not isinstance(name, str) or not NAME_PATTERN.match(name) or len(name) > 52:
+        errors.append(
+            FieldError(
+                "metadata.name",
+                f"must be a DNS label of at most 52 characters (it names the pods), got {name!r}",
+            )
+        )
+    if "spec" not in doc:
+        errors.append(FieldError("spec", "is required"))
+    try:
+        spec = parse_spec(doc.get("spec"))
+    except SpecError as e:
+        errors.extend(e.errors)
+        spec = None
+    if errors:
+        raise SpecError(errors)
+    return name, spec

@@ -1,0 +1,106 @@
+"""The FineTuneJob status: what the operator observed, as typed classes.
+
+Only the schema is generated from these (the API server drops status fields the CRD does not
+declare); the operator's pure ``operator/status.py`` fills them in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ftjob.schema import api_field
+
+PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+FAILURE_REASONS = (
+    "OOMKilled",
+    "CudaOOM",
+    "NCCLTimeout",
+    "BadInput",
+    "Evicted",
+    "Lost",
+    "Stalled",
+    "DeadlineExceeded",
+    "WillNotFit",
+    "Error",
+)
+
+
+@dataclass(kw_only=True)
+class Condition:
+    """A condition after the Kubernetes API conventions."""
+
+    type: str = api_field("type of the condition, PascalCase (Running, Succeeded, ...).")
+    status: Literal["True", "False", "Unknown"] = api_field("status of the condition.")
+    reason: str = api_field("reason: one CamelCase word.", max_length=64)
+    message: str = api_field("message for humans.", "", max_length=4096)
+    last_transition_time: str = api_field(
+        "lastTransitionTime: when status last changed.", fmt="date-time"
+    )
+    observed_generation: int | None = api_field(
+        "observedGeneration of the spec this condition was set from.", None
+    )
+
+
+@dataclass(kw_only=True)
+class Progress:
+    """progress as rank 0 of the trainer reports it."""
+
+    step: int = api_field("step: optimizer steps done.", 0)
+    total_steps: int | None = api_field("totalSteps of the run.", None)
+    display: str | None = api_field("display: step/total for the printer column.", None)
+    loss: float | None = api_field("loss: training loss of the latest logged step.", None)
+    eval_loss: float | None = api_field("evalLoss of the latest evaluation.", None)
+    learning_rate: float | None = api_field("learningRate in force.", None)
+    tokens_per_second: float | None = api_field("tokensPerSecond across the gang.", None)
+    mfu: float | None = api_field("mfu: model FLOPs utilisation, in percent.", None)
+    eta: str | None = api_field("eta: estimated time to finish, e.g. 1h12m.", None)
+    update_time: str | None = api_field(
+        "updateTime: when the trainer last reported.", None, fmt="date-time"
+    )
+
+
+@dataclass(kw_only=True)
+class CheckpointStatus:
+    """lastCheckpoint: the newest complete checkpoint."""
+
+    step: int = api_field("step the checkpoint was taken after.")
+    path: str = api_field("path of the checkpoint folder on the volume.")
+    time: str | None = api_field("time it was committed.", None, fmt="date-time")
+
+
+@dataclass(kw_only=True)
+class Failure:
+    """failure: the diagnosis of the latest failure."""
+
+    reason: Literal[FAILURE_REASONS] = api_field("reason: what kind of failure it was.")  # type: ignore[valid-type]
+    message: str = api_field("message: what happened and what to do.", "", max_length=4096)
+    pod: str | None = api_field("pod that failed.", None)
+    node: str | None = api_field("node the pod ran on.", None)
+    rank: int | None = api_field("rank: node rank of the pod.", None)
+    exit_code: int | None = api_field("exitCode of the trainer container.", None)
+
+
+@dataclass(kw_only=True)
+class FineTuneJobStatus:
+    """FineTuneJobStatus is the observed state of a FineTuneJob."""
+
+    phase: Literal[PHASES] | None = api_field("phase for humans and printer columns.", None)  # type: ignore[valid-type]
+    conditions: list[Condition] = api_field(
+        "conditions: Created, Running, Restarting, Suspended, Succeeded, Failed.",
+        factory=list,
+        max_items=16,
+    )
+    observed_generation: int | None = api_field(
+        "observedGeneration: the spec generation this status describes.", None
+    )
+    attempt: int | None = api_field("attempt: the gang attempt now running (0, 1, ...).", None)
+    restarts: int | None = api_field("restarts: gang restarts so far.", None)
+    start_time: str | None = api_field("startTime of the first attempt.", None, fmt="date-time")
+    completion_time: str | None = api_field(
+        "completionTime: when the job succeeded or failed.", None, fmt="date-time"
+    )
+    progress: Progress | None = api_field("progress of training.", None)
+    last_checkpoint: CheckpointStatus | None = api_field("lastCheckpoint committed.", None)
+    failure: Failure | None = api_field("failure: why the last attempt failed.", None)
+    model_path: str | None = api_field("modelPath: where the exported model is.", None)

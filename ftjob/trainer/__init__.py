@@ -1,0 +1,1 @@
+"""The trainer: runs in every pod under torchrun (``python -m ftjob.trainer --spec FILE``)."""

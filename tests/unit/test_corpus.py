@@ -1,0 +1,45 @@
+"""Every bad job is refused twice: by ftjob's validator and by the CRD (schema + CEL).
+
+Each corpus file names, in its `# expect:` line, the field both verdicts must point at. A
+file with two documents is an update: the second is checked against the first.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ftjob import manifest, validation
+
+CORPUS = sorted((Path(__file__).resolve().parents[1] / "corpus").glob("*.yaml"))
+
+
+def names(errors, field):
+    return any(re.match(re.escape(field) + r"([.:\[]|$)", e) for e in errors)
+
+
+def test_corpus_is_large_and_covers_every_kind_of_mistake():
+    assert len(CORPUS) >= 40
+    kinds = {p.name.split("-")[0] for p in CORPUS}
+    assert kinds == {"type", "range", "enum", "pattern", "unknown", "missing", "rule", "immutable"}
+
+
+@pytest.mark.parametrize("path", CORPUS, ids=lambda p: p.stem)
+def test_bad_job_is_refused_by_both_naming_the_field(path):
+    expect = re.search(r"^# expect: (\S+)$", path.read_text(), re.M).group(1)
+    docs = manifest.load(path)
+    old = docs[0] if len(docs) == 2 else None
+    verdict = validation.check(docs[-1], old)
+    assert names(verdict.errors, expect), verdict.errors
+    assert names(verdict.server_errors, expect), verdict.server_errors
+    # One defect, one message: the validator does not bury the cause in follow-on errors.
+    assert len(verdict.errors) == 1, verdict.errors
+
+
+@pytest.mark.parametrize("path", CORPUS, ids=lambda p: p.stem)
+def test_the_same_job_without_its_defect_is_valid(path):
+    """Guards the corpus itself: the base job each file mutates must be valid."""
+    docs = manifest.load(path)
+    base = docs[0] if len(docs) == 2 else None
+    if base is not None:
+        assert validation.check(base).ok

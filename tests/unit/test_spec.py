@@ -1,0 +1,89 @@
+"""The spec parser: defaults, derived values and error messages that name the field."""
+
+import pytest
+
+from ftjob import manifest
+from ftjob.schema import SpecError, to_dict
+from ftjob.spec import parse_spec
+
+MINIMAL = {"model": {"source": "hf://org/m"}, "dataset": {"source": "d.jsonl"}}
+
+
+def spec_of(**overrides):
+    data = {**MINIMAL, "training": {"maxSteps": 10}}
+    data.update(overrides)
+    return parse_spec(data)
+
+
+def errors_of(data):
+    with pytest.raises(SpecError) as e:
+        parse_spec(data)
+    return [str(x) for x in e.value.errors]
+
+
+def test_defaults_are_what_a_practitioner_would_choose():
+    s = spec_of()
+    assert s.method.type == "lora" and s.method.lora_settings().r == 16
+    assert s.model.attention == "sdpa" and s.model.trust_remote_code is False
+    assert s.training.peak_learning_rate("lora") == 2e-4
+    assert s.training.peak_learning_rate("full") == 2e-5
+    assert s.training.warmup_steps(1000) == 30
+    assert s.compute_precision() == "bf16"
+    assert s.run_policy.backoff_limit == 3
+
+
+def test_issue_example_message():
+    errs = errors_of({**MINIMAL, "training": {"maxSteps": 1}, "method": {"lora": {"r": "big"}}})
+    assert errs == ['spec.method.lora.r: must be an integer between 1 and 1024, got "big"']
+
+
+def test_every_problem_is_reported_at_once():
+    errs = errors_of({"model": {"source": 5}, "dataset": {}, "training": {"maxStep": 1}})
+    paths = sorted(e.split(":")[0] for e in errs)
+    assert paths == ["spec.dataset.source", "spec.model.source", "spec.training.maxStep"]
+
+
+def test_unknown_field_suggests_the_right_spelling():
+    errs = errors_of({**MINIMAL, "training": {"maxsteps": 3}})
+    assert errs == ['spec.training.maxsteps: unknown field; did you mean "maxSteps"?']
+
+
+def test_booleans_are_not_numbers_and_ints_are_floats():
+    errs = errors_of({**MINIMAL, "training": {"maxSteps": True}})
+    assert errs[0].startswith("spec.training.maxSteps: must be an integer")
+    assert spec_of(training={"maxSteps": 5, "learningRate": 1}).training.learning_rate == 1.0
+
+
+def test_yaml_floats_are_read_as_kubectl_reads_them():
+    (doc,) = manifest.loads("lr: 5e-5\nother: 1.5E+3\nword: e5\nver: '1e3'\n")
+    assert doc == {"lr": 5e-5, "other": 1500.0, "word": "e5", "ver": "1e3"}
+
+
+def test_derived_values():
+    s = spec_of(
+        resources={"nodes": 2, "gpusPerNode": 8},
+        training={"maxSteps": 5, "microBatchSize": 2, "gradientAccumulation": 4},
+        dataset={"source": "d", "maxSeqLength": 1024},
+        checkpoint={"volume": {"claimName": "fs"}},
+    )
+    assert s.resources.world_size == 16
+    assert s.global_batch_size == 2 * 4 * 16
+    assert s.tokens_per_step == 128 * 1024
+    cpu = spec_of(resources={"gpusPerNode": 0, "processesPerNode": 3})
+    assert cpu.resources.world_size == 3 and cpu.compute_precision() == "fp32"
+
+
+def test_auto_sharding_picks_hybrid_only_when_a_node_holds_the_states():
+    s = spec_of(resources={"nodes": 2, "gpusPerNode": 8}, checkpoint={"volume": {"claimName": "v"}})
+    gib = 2**30
+    # 8B with AdamW: ~16 bytes/param = 128 GiB over 8 x 80 GiB GPUs fits one node.
+    assert s.effective_sharding(128 * gib, 80 * gib) == "hybrid"
+    # 70B: ~1.1 TiB does not.
+    assert s.effective_sharding(1120 * gib, 80 * gib) == "full"
+    assert s.effective_sharding() == "full"
+    assert spec_of().effective_sharding(1, 80 * gib) == "full"  # one node: nothing to replicate
+
+
+def test_round_trip_through_dict_keeps_every_value():
+    s = spec_of(method={"type": "qlora", "quantization": {"type": "fp4"}}, env=[{"name": "A"}])
+    assert parse_spec(to_dict(s)) == s
