@@ -2,15 +2,18 @@
 
 ftjob validate examples/*.yaml      # the verdict kubectl apply would get, offline
 ftjob render examples/tiny.yaml     # what would be created for the job
+ftjob render --children examples/tiny.yaml  # ... with the operator's Service, ConfigMap, Pods
 ftjob crd > manifests/crd.yaml      # the CustomResourceDefinition
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
-from ftjob import __version__, crd, manifest, validation
+from ftjob import __version__, crd, manifest, modelshape, plan, validation
 from ftjob.schema import to_dict
 from ftjob.spec import API_VERSION, KIND
 
@@ -68,14 +71,65 @@ def cmd_render(args: argparse.Namespace) -> int:
                 "spec": to_dict(verdict.spec),
             }
         )
+        if args.children:
+            from ftjob.operator import render  # pure: no kopf or kubernetes needed
+
+            out += render.children(verdict.name, args.namespace, verdict.spec, args.attempt)
     print(f"# The trainer's spec with every default filled in: {args.file}")
     print(manifest.dumps(out), end="")
     return 0
 
 
+def _model_config(spec, job_file: str) -> dict | None:
+    """config.json of a model given as a folder (relative to the job file), else None."""
+    source = spec.model.source
+    if source.startswith("hf://"):
+        return None
+    folder = Path(source) if Path(source).is_absolute() else Path(job_file).parent / source
+    config = folder / "config.json"
+    if not config.is_file():
+        raise manifest.ManifestError(f"{job_file}: spec.model.source: no config.json in {folder}")
+    return json.loads(config.read_text())
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    worst = 0
+    for doc in _jobs(args.file):
+        verdict = validation.check(doc)
+        if not verdict.ok:
+            for line in verdict.errors or verdict.server_errors:
+                print(f"{args.file}: {line}", file=sys.stderr)
+            return EXIT_INVALID
+        spec = verdict.spec
+        try:
+            shape = modelshape.shape_for(spec.model.source, _model_config(spec, args.file))
+        except ValueError as e:
+            print(f"{args.file}: {e}", file=sys.stderr)
+            return EXIT_INVALID
+        result = plan.plan(spec, shape)
+        print(f"{args.file}: {KIND} {verdict.name}")
+        for line in plan.describe(spec, result):
+            print(f"  {line}")
+        if result.fits is False:
+            worst = EXIT_INVALID
+    return worst
+
+
 def cmd_crd(args: argparse.Namespace) -> int:
     print(crd.render_yaml(), end="")
     return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ftjob import local  # starts processes; kept out of the other commands' imports
+
+    return local.run(args.file, args.workdir)
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    from ftjob.operator.__main__ import run  # kopf and kubernetes load only here
+
+    return run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +158,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("file", metavar="FILE")
     p.add_argument("--namespace", "-n", default="default", help="namespace of the job")
+    p.add_argument(
+        "--children",
+        action="store_true",
+        help="also print the ConfigMap, headless Service and Pods the operator creates",
+    )
+    p.add_argument(
+        "--attempt", type=int, default=0, help="gang attempt the Pods belong to (--children)"
+    )
     p.set_defaults(func=cmd_render)
+
+    p = sub.add_parser(
+        "plan",
+        help="estimate memory, time and traffic; say whether the job fits",
+        description="Estimate per-GPU memory, CPU memory while loading, checkpoint size, "
+        "step time and network traffic for a job, and what to change if it will not fit. "
+        "Exit 0 if it fits (or cannot be checked), 1 if it will not fit.",
+    )
+    p.add_argument("file", metavar="FILE")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser(
         "crd",
@@ -112,6 +184,32 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the CRD generated from ftjob/spec.py (what manifests/crd.yaml holds).",
     )
     p.set_defaults(func=cmd_crd)
+
+    p = sub.add_parser(
+        "run",
+        help="train a job on this machine (each node a local process group)",
+        description="Run the job's nodes as local processes with the commands the pods would "
+        "run (CPU or local GPUs), the volume mapped to a local folder. Exit 0 when the model "
+        "is exported, 1 if a rank fails, 130 on Ctrl-C. Running again resumes.",
+    )
+    p.add_argument("file", metavar="FILE")
+    p.add_argument(
+        "--workdir",
+        metavar="DIR",
+        help="the job's folder: checkpoints, progress and the exported model "
+        "(default: runs/<job name> in the current directory)",
+    )
+    p.set_defaults(func=cmd_run)
+
+    from ftjob.operator.__main__ import add_arguments  # argparse only; kopf loads on run
+
+    p = sub.add_parser(
+        "operator",
+        help="run the FineTuneJob operator against the cluster of a kubeconfig",
+        description="Reconcile FineTuneJobs into gangs of torchrun pods (kopf).",
+    )
+    add_arguments(p)
+    p.set_defaults(func=cmd_operator)
     return parser
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from ftjob import __version__
+from ftjob.hardware import GPUS
 from ftjob.schema import (
     QUANTITY_PATTERN,
     FieldError,
@@ -41,6 +42,7 @@ RELATIVE_PATH = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$"
 RELATIVE_PATH_HINT = "be a relative path of plain names (no '..', no leading '/')"
 # Variables ftjob sets itself for torchrun and the trainer; a user value would break wiring.
 RESERVED_ENV_PREFIXES = ("PET_", "FTJOB_", "TORCHELASTIC_")
+GPU_TYPES = tuple(GPUS)
 RESERVED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "HF_TOKEN")
 
 
@@ -293,6 +295,11 @@ class ResourcesSpec:
         pattern_hint="be a resource name like nvidia.com/gpu",
         max_length=253,
     )
+    gpu_type: Literal[GPU_TYPES] | None = api_field(  # type: ignore[valid-type]
+        "gpuType: the GPU model, for the memory plan and MFU (e.g. H100-80GB). Unset skips "
+        "the fit check.",
+        None,
+    )
     cpu: IntOrString | None = api_field(
         "cpu request and limit of each pod (a quantity, e.g. 90).",
         None,
@@ -496,6 +503,17 @@ class SchedulingSpec:
 
 
 @dataclass(kw_only=True)
+class PlanSpec:
+    """plan: the memory check made before any pod starts (ftjob plan shows it)."""
+
+    enforce: bool = api_field(
+        "enforce: a job whose plan says it will not fit never starts pods (condition Planned, "
+        "reason WillNotFit, with what to change). false only records the plan.",
+        True,
+    )
+
+
+@dataclass(kw_only=True)
 class EnvVar:
     """An environment variable set on every training process."""
 
@@ -543,6 +561,7 @@ class FineTuneJobSpec:
     scheduling: SchedulingSpec = api_field(
         "scheduling constraints of the pods.", factory=SchedulingSpec
     )
+    plan: PlanSpec = api_field("plan: the fit check before launch.", factory=PlanSpec)
     image: str = api_field(
         "image of the trainer; changes apply to the next gang attempt.",
         DEFAULT_IMAGE,
@@ -625,6 +644,12 @@ class FineTuneJobSpec:
             lambda s: s.resources.gpus_per_node > 0 or not s.model.attention.startswith("flash"),
             "flash attention needs GPUs; use sdpa on CPU",
             ".model.attention",
+        ),
+        Rule(
+            "self.resources.gpusPerNode > 0 || !has(self.resources.gpuType)",
+            lambda s: s.resources.gpus_per_node > 0 or s.resources.gpu_type is None,
+            "gpuType names the GPU of a GPU job; remove it when gpusPerNode is 0",
+            ".resources.gpuType",
         ),
         Rule(
             "self.network.collectiveTimeoutSeconds < self.runPolicy.stallTimeoutSeconds",

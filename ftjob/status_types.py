@@ -87,7 +87,7 @@ class FineTuneJobStatus:
 
     phase: Literal[PHASES] | None = api_field("phase for humans and printer columns.", None)  # type: ignore[valid-type]
     conditions: list[Condition] = api_field(
-        "conditions: Created, Running, Restarting, Suspended, Succeeded, Failed.",
+        "conditions: Planned, Created, Running, Restarting, Suspended, Succeeded, Failed.",
         factory=list,
         max_items=16,
     )

@@ -1,0 +1,135 @@
+"""The command and environment of one node of a FineTuneJob (PURE: no torch, no I/O).
+
+Every node runs the same command::
+
+    python -m torch.distributed.run -m ftjob.trainer --spec /etc/ftjob/spec.json
+
+and differs only in its environment: torchrun reads its options from ``PET_*`` variables
+(``PET_NODE_RANK=1`` is ``--node-rank 1``), the trainer reads ``FTJOB_*``. The operator puts
+:func:`node_command`'s result into each pod; ``ftjob run`` runs it as local processes.
+
+    python -c "from ftjob import launch, spec; print(launch.node_command(
+        spec.parse_spec({'model': {'source': 'm'}, 'dataset': {'source': 'd.jsonl'},
+                         'training': {'maxSteps': 1}}), 'demo', 0, 'demo-node-0.demo',
+        'demo-1', '/etc/ftjob/spec.json'))"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ftjob.spec import FineTuneJobSpec, SecretKeyRef
+
+VOLUME_MOUNT = "/ftjob"  # where pods mount checkpoint.volume
+# NCCL's bootstrap traffic: any interface but loopback and container bridges.
+DEFAULT_SOCKET_IFNAME = "^lo,docker"
+TRAINER = ["python", "-m", "torch.distributed.run", "-m", "ftjob.trainer", "--spec"]
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    """What one node runs: argv, plain environment, and variables that come from Secrets."""
+
+    argv: list[str]
+    env: dict[str, str]
+    # name -> Secret key; the operator renders these as secretKeyRefs, never as values.
+    secret_env: dict[str, SecretKeyRef] = field(default_factory=dict)
+
+
+def job_dir(spec: FineTuneJobSpec, name: str, mount: str = VOLUME_MOUNT) -> str:
+    """The job's folder on the shared volume: checkpoints, progress, exported model."""
+    return f"{mount.rstrip('/')}/{spec.checkpoint.path or name}"
+
+
+def node_command(
+    spec: FineTuneJobSpec,
+    name: str,
+    node_rank: int,
+    master_addr: str,
+    rdzv_id: str,
+    spec_path: str,
+    *,
+    master_port: int | None = None,
+    job_folder: str | None = None,
+    source_root: str | None = None,
+) -> NodeCommand:
+    """The command and environment of node ``node_rank`` of job ``name``.
+
+    ``master_addr`` is node 0's address (a pod's DNS name, or 127.0.0.1 locally);
+    ``rdzv_id`` must change with every gang attempt. ``master_port`` defaults to
+    network.rendezvousPort; ``job_folder`` to :func:`job_dir`; ``source_root`` (where relative
+    model and dataset sources are read) to the volume.
+    """
+    r, net = spec.resources, spec.network
+    if not 0 <= node_rank < r.nodes:
+        raise ValueError(f"node_rank {node_rank} is outside 0..{r.nodes - 1}")
+    env = {
+        "PET_NNODES": str(r.nodes),
+        "PET_NPROC_PER_NODE": str(r.nproc_per_node),
+        "PET_NODE_RANK": str(node_rank),
+        "PET_MASTER_ADDR": master_addr,
+        "PET_MASTER_PORT": str(master_port or net.rendezvous_port),
+        "PET_RDZV_ID": rdzv_id,
+        # Static rendezvous: the gang is fixed; a failure restarts the whole gang (operator),
+        # not one node, because every rank's shards are needed to go on.
+        "PET_RDZV_BACKEND": "static",
+        "PET_MAX_RESTARTS": "0",
+        "FTJOB_JOB_DIR": job_folder or job_dir(spec, name),
+        "FTJOB_SOURCE_ROOT": source_root or VOLUME_MOUNT,
+        "PYTHONUNBUFFERED": "1",  # log lines reach the pod log (and ftjob run) at once
+    }
+    if r.gpus_per_node:
+        env.update(fabric_env(spec))  # includes the user's ncclEnv
+    else:
+        # torchrun would pin every process to 1 thread; give each its share of the pod's CPUs.
+        cpus = _cpus(r.cpu)
+        if cpus:
+            env["OMP_NUM_THREADS"] = str(max(1, cpus // r.nproc_per_node))
+        env.update(net.nccl_env)  # said explicitly: passed on, though gloo ignores NCCL_*
+    env.update({e.name: e.value for e in spec.env})
+    secrets = {}
+    if spec.secrets.hugging_face_token is not None:
+        secrets["HF_TOKEN"] = spec.secrets.hugging_face_token
+    return NodeCommand([*TRAINER, spec_path], env, secrets)
+
+
+def fabric_env(spec: FineTuneJobSpec) -> dict[str, str]:
+    """NCCL / libfabric settings for the job's fabric; the user's ncclEnv wins."""
+    net = spec.network
+    env = {
+        # Fail a rank on a NCCL error or timeout instead of hanging the gang forever.
+        # (The collective timeout itself is network.collectiveTimeoutSeconds, which the
+        # trainer passes to init_process_group; the CRD keeps it below the stall timeout.)
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "NCCL_DEBUG": "WARN",
+    }
+    ifname = net.socket_interface
+    if net.fabric == "efa":
+        env |= {
+            "FI_PROVIDER": "efa",
+            "FI_EFA_USE_DEVICE_RDMA": "1",
+            # NCCL and data loaders fork; without this libfabric's registered memory breaks.
+            "FI_EFA_FORK_SAFE": "1",
+            "NCCL_SOCKET_IFNAME": ifname or DEFAULT_SOCKET_IFNAME,
+        }
+    elif net.fabric == "infiniband":
+        env |= {"NCCL_IB_DISABLE": "0", "NCCL_SOCKET_IFNAME": ifname or DEFAULT_SOCKET_IFNAME}
+    else:
+        # Plain TCP: keep NCCL from probing RDMA devices that a shared node may expose.
+        env |= {"NCCL_IB_DISABLE": "1"}
+        if ifname:
+            env["NCCL_SOCKET_IFNAME"] = ifname
+    return env | dict(net.nccl_env)
+
+
+def _cpus(quantity: str | None) -> int | None:
+    """Whole CPUs in a Kubernetes quantity ("8", "500m" -> 0, None -> None)."""
+    if quantity is None:
+        return None
+    text = str(quantity)
+    if text.endswith("m"):
+        return int(float(text[:-1]) / 1000)
+    try:
+        return int(float(text))
+    except ValueError:
+        return None

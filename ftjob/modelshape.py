@@ -1,0 +1,130 @@
+"""The shape of a decoder-only transformer: what memory and FLOPs depend on.
+
+Read from a model's config.json, or, for hf:// sources that cannot be read offline, from a
+table of well-known models.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few numbers of a decoder-only transformer that memory and FLOPs depend on."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+
+    @classmethod
+    def from_config(cls, config: dict, name: str = "model") -> ModelShape:
+        try:
+            heads = config["num_attention_heads"]
+            return cls(
+                name=name,
+                hidden=config["hidden_size"],
+                layers=config["num_hidden_layers"],
+                heads=heads,
+                kv_heads=config.get("num_key_value_heads") or heads,
+                intermediate=config["intermediate_size"],
+                vocab=config["vocab_size"],
+                tied=bool(config.get("tie_word_embeddings", False)),
+            )
+        except KeyError as e:
+            raise ValueError(f"{name}: config.json has no {e.args[0]}; cannot plan") from e
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden // self.heads * self.kv_heads
+
+    @property
+    def attention_params(self) -> int:
+        return self.hidden * (2 * self.hidden + 2 * self.kv_dim)  # q, o and k, v
+
+    @property
+    def mlp_params(self) -> int:
+        return 3 * self.hidden * self.intermediate  # gate, up, down
+
+    @property
+    def layer_params(self) -> int:
+        return self.attention_params + self.mlp_params + 2 * self.hidden
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.embedding_params + self.hidden
+
+    @property
+    def linear_params(self) -> int:
+        """Weights of the decoder layers' linear layers: what LoRA adapts and QLoRA quantizes."""
+        return self.layers * (self.attention_params + self.mlp_params)
+
+    def lora_params(self, r: int, targets: list[str]) -> int:
+        h, kv, i = self.hidden, self.kv_dim, self.intermediate
+        shapes = {
+            "q_proj": (h, h),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (h, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+        chosen = (
+            shapes if "all-linear" in targets else {t: shapes[t] for t in targets if t in shapes}
+        )
+        return self.layers * sum(r * (a + b) for a, b in chosen.values())
+
+
+def _llama(name, hidden, layers, heads, kv, inter, vocab, tied=False):
+    return ModelShape(name, hidden, layers, heads, kv, inter, vocab, tied)
+
+
+# Well-known models, matched on the hf:// repository name (case-insensitive; -hf, -Instruct
+# and -chat variants share a shape).
+KNOWN_MODELS = [
+    (r"llama-2-7b", _llama("Llama-2-7B", 4096, 32, 32, 32, 11008, 32000)),
+    (r"llama-2-13b", _llama("Llama-2-13B", 5120, 40, 40, 40, 13824, 32000)),
+    (r"llama-2-70b", _llama("Llama-2-70B", 8192, 80, 64, 8, 28672, 32000)),
+    (r"llama-3(\.1)?-8b", _llama("Llama-3-8B", 4096, 32, 32, 8, 14336, 128256)),
+    (r"llama-3(\.[13])?-70b", _llama("Llama-3-70B", 8192, 80, 64, 8, 28672, 128256)),
+    (r"llama-3\.1-405b", _llama("Llama-3.1-405B", 16384, 126, 128, 8, 53248, 128256)),
+    (r"llama-3\.2-1b", _llama("Llama-3.2-1B", 2048, 16, 32, 8, 8192, 128256, tied=True)),
+    (r"llama-3\.2-3b", _llama("Llama-3.2-3B", 3072, 28, 24, 8, 8192, 128256, tied=True)),
+    (r"mistral-7b", _llama("Mistral-7B", 4096, 32, 32, 8, 14336, 32768)),
+    (r"qwen2\.5-7b", _llama("Qwen2.5-7B", 3584, 28, 28, 4, 18944, 152064)),
+]
+
+
+def shape_for(source: str, config: dict | None) -> ModelShape:
+    """The model's shape from its config.json, or from the table for hf:// sources."""
+    if config is not None:
+        return ModelShape.from_config(config, source.rsplit("/", 1)[-1])
+    shape = known_model(source)
+    if shape is None:
+        raise ValueError(
+            f"spec.model.source: {source} is not a model ftjob knows offline; plan it from a "
+            "folder with its config.json"
+        )
+    return shape
+
+
+def known_model(source: str) -> ModelShape | None:
+    """The shape of a well-known hf:// model, or None."""
+    if not source.startswith("hf://"):
+        return None
+    repo = source[len("hf://") :].lower()
+    for pattern, shape in KNOWN_MODELS:
+        if re.search(rf"(^|/)(meta-)?{pattern}($|[-_/])", repo):
+            return shape
+    return None

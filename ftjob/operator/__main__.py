@@ -1,0 +1,78 @@
+"""``ftjob operator``: run the FineTuneJob operator against the cluster of a kubeconfig.
+
+ftjob operator --all-namespaces                 # cluster-wide
+ftjob operator -n team-a -n team-b --metrics-port 9090
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--namespace", "-n", action="append", default=[], help="watch this namespace (repeat)"
+    )
+    p.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    p.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        help="liveness endpoint URL (empty to turn off)",
+    )
+    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics (0: off)")
+    p.add_argument(
+        "--peering",
+        default=None,
+        help="peering name: replicas with one name let only the highest priority act (needs "
+        "kopf's peering CRDs); without it kopf peers optionally",
+    )
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="peering priority of this replica (default: random, so replicas never tie)",
+    )
+    p.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
+    p.add_argument("--verbose", "-v", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.namespace and not args.all_namespaces:
+        raise SystemExit("ftjob operator: give --namespace NS (repeatable) or --all-namespaces")
+    # The handlers read these at import time.
+    os.environ.setdefault("FTJOB_METRICS_PORT", str(args.metrics_port))
+    import kopf
+
+    from ftjob.operator import handlers  # noqa: F401 - registers the handlers
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
+    priority = args.priority
+    if priority is None:
+        # kopf pauses every replica that ties for the highest priority, so identical replicas
+        # of one Deployment would all stand still; a random priority makes one of them lead.
+        priority = random.SystemRandom().randint(1, 2**31 - 1)
+    asyncio.run(
+        kopf.operator(
+            clusterwide=args.all_namespaces,
+            namespaces=args.namespace,
+            liveness_endpoint=args.liveness or None,
+            standalone=args.standalone,
+            peering_name=args.peering,
+            priority=priority,
+        )
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ftjob operator", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

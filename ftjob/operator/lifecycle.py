@@ -1,0 +1,290 @@
+"""PURE: one reconcile of a FineTuneJob -> the new status and what to change.
+
+:func:`decide` is level-triggered: it looks only at the job (spec, generation, the status
+written last time), the pods that exist now, the latest progress snapshot and the clock.
+Run it twice on the same inputs and the second run asks for nothing new, which is what
+makes handler retries and operator restarts safe.
+
+The gang is the unit: pods of one attempt share a rendezvous id; any failure (or a stall)
+deletes every pod of the attempt and the next attempt starts once they are gone, resuming
+from the newest checkpoint on the shared volume.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from ftjob import plan
+from ftjob.operator import status as st
+from ftjob.spec import FineTuneJobSpec
+
+TERMINAL = ("Succeeded", "Failed")
+
+
+@dataclass
+class Decision:
+    status: dict[str, Any]
+    create: list[int] = field(default_factory=list)  # node ranks to create for status.attempt
+    delete: list[str] = field(default_factory=list)  # pod names to delete
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+    delete_job: bool = False  # ttlSecondsAfterFinished ran out
+    requeue_after: float | None = None  # a deadline that no watch event will announce
+
+    @property
+    def phase(self) -> str:
+        return self.status["phase"]
+
+
+class _Step:
+    """Accumulates one decision; ``set`` writes phase, conditions and an Event on change."""
+
+    def __init__(self, old: dict, spec, generation: int | None, pods: list[dict], now: datetime):
+        self.old, self.spec, self.generation, self.now = old, spec, generation, now
+        self.new = copy.deepcopy(old)
+        self.new["observedGeneration"] = generation
+        self.new.setdefault("attempt", 0)
+        self.new.setdefault("restarts", 0)
+        self.pods = pods
+        self.decision = Decision(status=self.new)
+
+    @property
+    def attempt(self) -> int:
+        return self.new["attempt"]
+
+    def set(self, phase: str, reason: str, message: str, created: bool = False) -> Decision:
+        old_phase = self.old.get("phase")
+        self.new["phase"] = phase
+        self.new["conditions"] = st.conditions(
+            self.new.get("conditions", []),
+            phase,
+            reason,
+            message,
+            self.now,
+            self.generation,
+            created,
+        )
+        if phase != old_phase:
+            kind = "Warning" if phase in ("Failed", "Restarting") else "Normal"
+            self.decision.events.append((kind, reason, message.split("\n")[0]))
+        return self.decision
+
+    def delete_live(self, pods: list[dict]) -> None:
+        self.decision.delete += [
+            p["metadata"]["name"] for p in pods if not p["metadata"].get("deletionTimestamp")
+        ]
+
+    def fail(self, failure: dict, note: str = "") -> Decision:
+        self.new["failure"] = failure
+        self.new["completionTime"] = st.now_iso(self.now)
+        # Kill what still runs (ranks hung in a collective hold GPUs); finished pods stay for
+        # `kubectl logs`, and go with the job.
+        self.delete_live([p for p in self.pods if not st.terminated(p)])
+        message = failure["message"] + (f"; {note}" if note else "")
+        return self.set("Failed", failure["reason"], message)
+
+
+def _since(old: dict, now: datetime) -> float:
+    return (now - (st.parse_time(old) or now)).total_seconds()
+
+
+def decide(
+    spec: FineTuneJobSpec,
+    name: str,
+    generation: int | None,
+    old_status: dict | None,
+    pods: list[dict],
+    now: datetime,
+    snapshot: dict | None = None,
+) -> Decision:
+    """The new status of job ``name`` and the changes that bring its pods in line."""
+    s = _Step(old_status or {}, spec, generation, pods, now)
+    policy, new = spec.run_policy, s.new
+    if snapshot:
+        new["progress"] = st.progress(snapshot)
+        new["lastCheckpoint"] = st.last_checkpoint(snapshot) or new.get("lastCheckpoint")
+    if new.get("lastCheckpoint") is None:
+        new.pop("lastCheckpoint", None)
+
+    # 1. Finished: tidy up and wait for the TTL.
+    if s.old.get("phase") in TERMINAL:
+        s.delete_live([p for p in pods if not st.terminated(p)])
+        ttl = policy.ttl_seconds_after_finished
+        if ttl is not None:
+            left = ttl - _since(new.get("completionTime"), now)
+            if left <= 0:
+                s.decision.delete_job = True
+            else:
+                s.decision.requeue_after = left
+        created = (st.condition(s.old.get("conditions", []), "Created") or {}).get("status")
+        return s.set(s.old["phase"], _cond_reason(s.old), _cond_message(s.old), created == "True")
+
+    # 2. Will it fit? ftjob.plan's verdict, before the first pod (resources are immutable).
+    verdict = plan.admission(spec)
+    fits = verdict["reason"] != "WillNotFit"
+    new["conditions"] = st.set_condition(
+        new.get("conditions", []),
+        "Planned",
+        fits,
+        verdict["reason"],
+        verdict["message"],
+        now,
+        generation,
+    )
+    if not verdict["allowed"] and not new.get("startTime"):
+        failure = {"reason": "WillNotFit", "message": verdict["message"]}
+        return s.fail(failure, "spec.plan.enforce is on: no pod was started")
+
+    # 3. Suspended: no pods; checkpoints stay on the volume.
+    if policy.suspend:
+        s.delete_live(pods)
+        return s.set("Suspended", "Suspended", "runPolicy.suspend is true: the pods are removed")
+    if s.old.get("phase") == "Suspended":
+        # A resumed job is a new gang (new rendezvous), but not a restart after a failure;
+        # like a batch/v1 Job, the active deadline counts from the resume.
+        new["attempt"] += 1
+        new["startTime"] = st.now_iso(now)
+        s.decision.events.append(("Normal", "Resumed", f"resuming as attempt {new['attempt']}"))
+
+    # 4. activeDeadlineSeconds.
+    deadline = policy.active_deadline_seconds
+    if deadline is not None and new.get("startTime"):
+        left = deadline - _since(new["startTime"], now)
+        if left <= 0:
+            failure = {
+                "reason": "DeadlineExceeded",
+                "message": f"the job was active longer than activeDeadlineSeconds ({deadline})",
+            }
+            return s.fail(failure)
+        s.decision.requeue_after = left
+
+    # 5. Pods of an older gang go first; the new one reuses their names.
+    stale = [p for p in pods if st.attempt_of(p) != s.attempt]
+    current = {st.rank_of(p): p for p in pods if st.attempt_of(p) == s.attempt}
+    if stale:
+        s.delete_live(stale)
+        failure = new.get("failure") or {}
+        return s.set(
+            "Restarting",
+            failure.get("reason", "Restarting"),
+            f"waiting for {len(stale)} pod(s) of the previous gang to go before attempt "
+            f"{s.attempt}",
+        )
+
+    # 6. A failed, evicted or lost pod fails the whole gang.
+    nodes = spec.resources.nodes
+    was_complete = s.old.get("phase") == "Running" and s.old.get("attempt") == s.attempt
+    failures = [f for f in map(st.diagnose, current.values()) if f]
+    missing = [r for r in range(nodes) if r not in current]
+    if was_complete and missing:
+        failures += [
+            {
+                "reason": "Lost",
+                "message": f"pod of node rank {r} disappeared while the gang was running",
+                "pod": f"{name}-node-{r}",
+                "rank": r,
+            }
+            for r in missing
+        ]
+    if failures:
+        return _gang_failed(s, st.root_cause(failures))
+
+    # 7. Every node exited 0 and rank 0 names the export it wrote (its termination message):
+    # done. Exit 0 alone is not enough: a wrong image or wrapper can exit 0 without a model.
+    if not missing and all(st.succeeded(p) for p in current.values()):
+        model = st.export_path(current[0])
+        if model is None:
+            failure = {
+                "reason": "Error",
+                "message": f"{name}-node-0 (node rank 0): every node exited 0 but rank 0 named no "
+                "exported model in its termination message: is the image an ftjob trainer?",
+                "pod": f"{name}-node-0",
+                "rank": 0,
+            }
+            return s.fail(failure, "not retried")
+        new["completionTime"] = st.now_iso(now)
+        new["modelPath"] = model
+        # A failure that a restart got past stays: it explains `restarts`.
+        return s.set("Succeeded", "Completed", f"training finished; model at {model}", True)
+
+    # 8. Create what is missing; wait for the rest.
+    if missing:
+        s.decision.create = missing
+        new.setdefault("startTime", st.now_iso(now))
+        return s.set(
+            "Pending", "Creating", f"creating {len(missing)} pod(s) of attempt {s.attempt}"
+        )
+    if all(st.running(p) or st.succeeded(p) for p in current.values()):
+        return _running(s)
+    waiting = sorted({w for p in current.values() if (w := st.waiting_reason(p))})
+    message = f"waiting for {sum(not st.running(p) for p in current.values())} pod(s) to run"
+    return s.set(
+        "Pending", "PodsPending", message + (f" ({', '.join(waiting)})" if waiting else ""), True
+    )
+
+
+def _running(s: _Step) -> Decision:
+    """Every pod runs; restart the gang if training made no progress for too long."""
+    new, limit = s.new, s.spec.run_policy.stall_timeout_seconds
+    running_cond = st.condition(s.old.get("conditions", []), "Running")
+    was_running = (
+        s.old.get("phase") == "Running" and running_cond and running_cond["status"] == "True"
+    )
+    since = st.parse_time(running_cond["lastTransitionTime"]) if was_running else s.now
+    reported = st.parse_time((new.get("progress") or {}).get("updateTime"))
+    if reported and since and reported > since:
+        since = reported
+    quiet = (s.now - since).total_seconds() if since else 0.0
+    if quiet >= limit:
+        step = (new.get("progress") or {}).get("step", 0)
+        failure = {
+            "reason": "Stalled",
+            "message": f"no training progress for {int(quiet)}s (stallTimeoutSeconds {limit}) "
+            f"at step {step}",
+        }
+        return _gang_failed(s, failure)
+    left = limit - quiet
+    s.decision.requeue_after = min(left, s.decision.requeue_after or left)
+    return s.set("Running", "AllPodsRunning", f"all {s.spec.resources.nodes} pods run", True)
+
+
+def _gang_failed(s: _Step, failure: dict) -> Decision:
+    """Restart the gang as attempt+1, or fail the job if that cannot help any more."""
+    new, limit = s.new, s.spec.run_policy.backoff_limit
+    previous = (s.old.get("failure") or {}).get("reason")
+    if failure["reason"] == "BadInput":
+        return s.fail(failure, "not retried")
+    if failure["reason"] == "CudaOOM" and previous == "CudaOOM":
+        return s.fail(failure, "CUDA out of memory twice in a row: not retried")
+    if new["restarts"] >= limit:
+        return s.fail(failure, f"backoffLimit ({limit}) reached")
+    new["failure"] = failure
+    new["restarts"] += 1
+    new["attempt"] += 1
+    s.delete_live(s.pods)
+    message = (
+        f"restarting the gang as attempt {new['attempt']} (restart {new['restarts']} of "
+        f"{limit}) after {failure['reason']}: {failure['message']}"
+    )
+    return s.set("Restarting", failure["reason"], message)
+
+
+def _cond_reason(old: dict) -> str:
+    cond = st.condition(old.get("conditions", []), old["phase"]) or {}
+    return cond.get("reason", old["phase"])
+
+
+def _cond_message(old: dict) -> str:
+    cond = st.condition(old.get("conditions", []), old["phase"]) or {}
+    return cond.get("message", "")
+
+
+def invalid(errors: list[str], generation: int | None, old_status: dict | None, now: datetime):
+    """A spec the API server let through but ftjob cannot run: Failed at once, with the fix."""
+    if (old_status or {}).get("phase") == "Failed":
+        return Decision(status=copy.deepcopy(old_status))  # already said; nothing moves
+    s = _Step(old_status or {}, None, generation, [], now)
+    failure = {"reason": "BadInput", "message": "invalid spec: " + "; ".join(errors)}
+    return s.fail(failure)

@@ -1,0 +1,293 @@
+"""PURE: a FineTuneJob and an attempt number -> the child objects the operator applies.
+
+    ftjob render examples/llama3-8b-lora-efa.yaml     # prints what this module builds
+
+Children, all owned by the job (garbage-collected with it) and named deterministically so
+that re-running a reconcile never makes a second copy:
+
+* ``<job>`` -- a headless Service; gives every pod the DNS name ``<job>-node-<i>.<job>``
+  (publishNotReadyAddresses: rendezvous happens before any pod is ready).
+* ``<job>-spec`` -- a ConfigMap with the job document the trainer reads.
+* ``<job>-node-<i>`` -- one Pod per node; ``ftjob.dev/attempt`` says which gang it belongs to.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ftjob import launch
+from ftjob.schema import to_dict
+from ftjob.spec import API_VERSION, KIND, FineTuneJobSpec
+
+MANAGER = "ftjob-operator"
+GROUP_PREFIX = "ftjob.dev"
+LABEL_JOB = f"{GROUP_PREFIX}/job-name"
+LABEL_RANK = f"{GROUP_PREFIX}/node-rank"
+LABEL_ATTEMPT = f"{GROUP_PREFIX}/attempt"
+CONTAINER = "trainer"
+
+SPEC_DIR = "/etc/ftjob"
+SPEC_FILE = "spec.json"
+TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
+SHARED_DIR = launch.VOLUME_MOUNT  # the checkpoint volume (CheckpointSpec documents it)
+# Trainer processes run as this non-root user; fsGroup makes the shared volume writable.
+RUN_AS = 1000
+TERMINATION_GRACE_SECONDS = 60  # time for an in-flight async checkpoint to be abandoned cleanly
+
+# Kueue "plain pod" groups: the pods of one attempt are admitted together or not at all.
+KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
+KUEUE_GROUP = "kueue.x-k8s.io/pod-group-name"
+KUEUE_TOTAL = "kueue.x-k8s.io/pod-group-total-count"
+
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+# NCCL's bootstrap over every interface but loopback and container bridges, unless told.
+
+
+def labels(job: str, rank: int | None = None, attempt: int | None = None) -> dict[str, str]:
+    """DESIGN.md's labels; rank and attempt only where the child belongs to one."""
+    out = {
+        "app.kubernetes.io/name": "ftjob",
+        "app.kubernetes.io/managed-by": MANAGER,
+        LABEL_JOB: job,
+    }
+    if rank is not None:
+        out[LABEL_RANK] = str(rank)
+    if attempt is not None:
+        out[LABEL_ATTEMPT] = str(attempt)
+    return out
+
+
+def owner_reference(job: str, uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": job,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def pod_name(job: str, rank: int) -> str:
+    return f"{job}-node-{rank}"
+
+
+def spec_config_map_name(job: str) -> str:
+    return f"{job}-spec"
+
+
+def master_address(job: str, namespace: str) -> str:
+    """DNS name of node 0 through the headless Service (hostname.subdomain.namespace.svc)."""
+    return f"{pod_name(job, 0)}.{job}.{namespace}.svc"
+
+
+def rendezvous_id(job: str, uid: str, attempt: int) -> str:
+    """Unique per attempt: a late pod of an old gang can never join the new one."""
+    return f"{job}-{uid[:8]}-{attempt}" if uid else f"{job}-{attempt}"
+
+
+def job_dir(job: str, spec: FineTuneJobSpec) -> str:
+    """The job's folder on the shared volume, as the pods see it."""
+    return launch.job_dir(spec, job, SHARED_DIR)
+
+
+def job_document(job: str, spec: FineTuneJobSpec) -> dict[str, Any]:
+    """The FineTuneJob document the trainer reads (every default filled in)."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": job},
+        "spec": to_dict(spec),
+    }
+
+
+def _meta(name: str, namespace: str, lbls: dict, uid: str, **extra: Any) -> dict[str, Any]:
+    meta = {"name": name, "namespace": namespace, "labels": lbls, **extra}
+    if uid:
+        meta["ownerReferences"] = [owner_reference(lbls[LABEL_JOB], uid)]
+    return meta
+
+
+def service(job: str, namespace: str, spec: FineTuneJobSpec, uid: str = "") -> dict[str, Any]:
+    net = spec.network
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(job, namespace, labels(job), uid),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_JOB: job},
+            "ports": [
+                {"name": "rendezvous", "port": net.rendezvous_port, "protocol": "TCP"},
+                {"name": "progress", "port": net.progress_port, "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def config_map(job: str, namespace: str, spec: FineTuneJobSpec, uid: str = "") -> dict[str, Any]:
+    doc = json.dumps(job_document(job, spec), indent=1, sort_keys=True)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(spec_config_map_name(job), namespace, labels(job), uid),
+        "data": {SPEC_FILE: doc + "\n"},
+    }
+
+
+def resources(spec: FineTuneJobSpec) -> dict[str, Any]:
+    """Requests equal limits: Guaranteed QoS, the last pods a node evicts."""
+    r = spec.resources
+    amounts: dict[str, Any] = {}
+    if r.cpu is not None:
+        amounts["cpu"] = str(r.cpu)
+    if r.memory is not None:
+        amounts["memory"] = str(r.memory)
+    if r.gpus_per_node:
+        amounts[r.gpu] = str(r.gpus_per_node)
+    if spec.network.fabric == "efa":
+        amounts[EFA_RESOURCE] = str(spec.network.efa_devices_per_node)
+    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+
+
+def container_security(spec: FineTuneJobSpec) -> dict[str, Any]:
+    caps: dict[str, Any] = {"drop": ["ALL"]}
+    if spec.network.fabric in ("efa", "infiniband"):
+        # RDMA pins (registers) host memory; that needs IPC_LOCK (an unlimited memlock).
+        caps["add"] = ["IPC_LOCK"]
+    return {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "runAsNonRoot": True,
+        "readOnlyRootFilesystem": True,
+        "capabilities": caps,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def volumes(job: str, spec: FineTuneJobSpec) -> tuple[list[dict], list[dict]]:
+    """(volumes, mounts): the spec, the shared folder, /dev/shm and a writable /tmp."""
+    vol = spec.checkpoint.volume
+    shared = (
+        {"persistentVolumeClaim": {"claimName": vol.claim_name}}
+        if vol
+        else {"emptyDir": {}}  # one node without a volume: checkpoints live as long as the pod
+    )
+    vols = [
+        {"name": "spec", "configMap": {"name": spec_config_map_name(job)}},
+        {"name": "shared", **shared},
+        # NCCL and data loader workers pass tensors through shared memory; the runtime's
+        # default 64 MiB /dev/shm crashes them.
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts = [
+        {"name": "spec", "mountPath": SPEC_DIR, "readOnly": True},
+        {"name": "shared", "mountPath": SHARED_DIR},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    return vols, mounts
+
+
+def container(job: str, namespace: str, spec: FineTuneJobSpec, rank: int, attempt: int, uid: str):
+    """The trainer container of node ``rank``: torchrun as :mod:`ftjob.launch` builds it."""
+    node = launch.node_command(
+        spec,
+        job,
+        rank,
+        master_address(job, namespace),
+        rendezvous_id(job, uid, attempt),
+        f"{SPEC_DIR}/{SPEC_FILE}",
+        job_folder=job_dir(job, spec),
+        source_root=SHARED_DIR,
+    )
+    # HOME takes the caches (the root filesystem is read-only); then the fabric defaults;
+    # launch's environment (with the user's ncclEnv and env) wins over both.
+    # The trainer's rank 0 writes the export path to the termination message on success.
+    env = {"HOME": "/tmp", "FTJOB_TERMINATION_LOG": TERMINATION_LOG} | node.env
+    env_list = [{"name": k, "value": v} for k, v in env.items()]
+    for var, ref in node.secret_env.items():
+        secret = {"secretKeyRef": {"name": ref.name, "key": ref.key}}
+        env_list.append({"name": var, "valueFrom": secret})
+    net = spec.network
+    out = {
+        "name": CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": node.argv,
+        "env": env_list,
+        "ports": [
+            {"name": "rendezvous", "containerPort": net.rendezvous_port, "protocol": "TCP"},
+            {"name": "progress", "containerPort": net.progress_port, "protocol": "TCP"},
+        ],
+        "volumeMounts": volumes(job, spec)[1],
+        "securityContext": container_security(spec),
+        # The last lines of output become the termination message: the operator's diagnosis.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if res := resources(spec):
+        out["resources"] = res
+    return out
+
+
+def pod(
+    job: str, namespace: str, spec: FineTuneJobSpec, rank: int, attempt: int, uid: str = ""
+) -> dict[str, Any]:
+    """Node ``rank`` of gang ``attempt``."""
+    lbls = labels(job, rank, attempt)
+    annotations = {}
+    sched = spec.scheduling
+    if sched.queue:
+        lbls[KUEUE_QUEUE] = sched.queue
+        lbls[KUEUE_GROUP] = f"{job}-a{attempt}"
+        annotations[KUEUE_TOTAL] = str(spec.resources.nodes)
+    meta = _meta(pod_name(job, rank), namespace, lbls, uid)
+    if annotations:
+        meta["annotations"] = annotations
+    pod_spec: dict[str, Any] = {
+        "hostname": pod_name(job, rank),
+        "subdomain": job,
+        # The gang is restarted as a whole by the operator; a pod never restarts alone.
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "runAsGroup": RUN_AS,
+            "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container(job, namespace, spec, rank, attempt, uid)],
+        "volumes": volumes(job, spec)[0],
+    }
+    if sched.node_selector:
+        pod_spec["nodeSelector"] = dict(sched.node_selector)
+    if sched.tolerations:
+        pod_spec["tolerations"] = to_dict(sched.tolerations)
+    if sched.affinity:
+        pod_spec["affinity"] = dict(sched.affinity)
+    if sched.priority_class_name:
+        pod_spec["priorityClassName"] = sched.priority_class_name
+    if sched.scheduler_name:
+        pod_spec["schedulerName"] = sched.scheduler_name
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def pods(job: str, namespace: str, spec: FineTuneJobSpec, attempt: int, uid: str = "") -> list:
+    return [pod(job, namespace, spec, i, attempt, uid) for i in range(spec.resources.nodes)]
+
+
+def children(
+    job: str, namespace: str, spec: FineTuneJobSpec, attempt: int = 0, uid: str = ""
+) -> list[dict[str, Any]]:
+    """Everything one attempt of the job needs, in the order to create it."""
+    return [
+        config_map(job, namespace, spec, uid),
+        service(job, namespace, spec, uid),
+        *pods(job, namespace, spec, attempt, uid),
+    ]

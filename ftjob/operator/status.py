@@ -1,0 +1,277 @@
+"""PURE: what the operator observed -> the pieces of a FineTuneJob's status.
+
+Pods and the progress snapshot go in as the plain dicts the API server and the trainer
+return; what comes out is camelCase dicts in the shape of ``ftjob/status_types.py``:
+
+* :func:`diagnose` -- why a pod failed (OOMKilled, CudaOOM, NCCLTimeout, BadInput, ...),
+  from its phase, container state, exit code and termination message;
+* :func:`progress` -- rank 0's ``/progress`` snapshot as ``status.progress``;
+* :func:`set_condition` / :func:`conditions` -- conditions after the API conventions,
+  keeping ``lastTransitionTime`` while a condition's status does not change.
+
+:mod:`ftjob.operator.lifecycle` decides what to do with these.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timezone
+from typing import Any
+
+from ftjob.operator.render import CONTAINER, LABEL_ATTEMPT, LABEL_RANK
+
+# One condition per phase-like state, always present, plus Planned (ftjob.plan's verdict).
+PHASE_CONDITIONS = ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+CONDITION_TYPES = ("Planned", *PHASE_CONDITIONS)
+MESSAGE_LIMIT = 1500  # of the termination message kept in status (the schema allows 4096)
+
+# Patterns in the last lines of a failed trainer's output (its termination message).
+CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED")
+NCCL_TIMEOUT = re.compile(
+    r"Watchdog caught collective operation timeout|NCCL.{0,80}(timed out|timeout)"
+    r"|DistBackendError.{0,200}[Tt]imeout",
+    re.S,
+)
+BAD_INPUT = re.compile(r"error: bad data:|invalid FineTuneJob|needs exactly one FineTuneJob")
+
+ADVICE = {
+    "OOMKilled": "the pod ran out of memory: raise resources.memory, or lower "
+    "dataset.maxSeqLength / training.microBatchSize",
+    "CudaOOM": "a GPU ran out of memory: lower training.microBatchSize or "
+    "dataset.maxSeqLength, turn on training.activationCheckpointing or parallelism.cpuOffload",
+    "NCCLTimeout": "a collective waited longer than network.collectiveTimeoutSeconds: a rank "
+    "died or hung, or the fabric between nodes is broken",
+    "BadInput": "the spec or the data cannot be trained on; retrying cannot help -- fix it and "
+    "create the job again",
+    "Evicted": "the node evicted the pod",
+    "Lost": "the pod or its node disappeared",
+    "Error": "the trainer exited with an error",
+}
+# When several pods fail together the most specific cause is the diagnosis: the rank that ran
+# out of memory, not the ranks whose collectives then failed.
+SPECIFICITY = ("BadInput", "OOMKilled", "CudaOOM", "Evicted", "Lost", "NCCLTimeout", "Error")
+
+
+def now_iso(now: datetime) -> str:
+    return now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def rank_of(pod: dict) -> int:
+    return int(pod["metadata"].get("labels", {}).get(LABEL_RANK, -1))
+
+
+def attempt_of(pod: dict) -> int:
+    return int(pod["metadata"].get("labels", {}).get(LABEL_ATTEMPT, -1))
+
+
+def _trainer_state(pod: dict) -> dict:
+    for cs in pod.get("status", {}).get("containerStatuses") or []:
+        if cs.get("name") == CONTAINER:
+            return cs
+    return {}
+
+
+def terminated(pod: dict) -> dict | None:
+    """The trainer container's terminated state, if it has ended."""
+    return _trainer_state(pod).get("state", {}).get("terminated")
+
+
+def waiting_reason(pod: dict) -> str | None:
+    """Why the trainer container has not started (ImagePullBackOff, ...), if it is waiting."""
+    return _trainer_state(pod).get("state", {}).get("waiting", {}).get("reason")
+
+
+def succeeded(pod: dict) -> bool:
+    term = terminated(pod)
+    if term is not None:
+        return term.get("exitCode") == 0
+    return pod.get("status", {}).get("phase") == "Succeeded"
+
+
+def running(pod: dict) -> bool:
+    return pod.get("status", {}).get("phase") == "Running" and terminated(pod) is None
+
+
+def _tail(text: str) -> str:
+    text = text.strip()
+    return text if len(text) <= MESSAGE_LIMIT else "..." + text[-MESSAGE_LIMIT:]
+
+
+def export_path(pod: dict | None) -> str | None:
+    """The exported model rank 0 announced in its termination message, if any."""
+    term = terminated(pod) if pod else None
+    try:
+        message = json.loads((term or {}).get("message") or "")
+    except ValueError:
+        return None
+    path = message.get("exportPath") if isinstance(message, dict) else None
+    return path if isinstance(path, str) and path else None
+
+
+def diagnose(pod: dict) -> dict[str, Any] | None:
+    """``status.failure`` for a pod that failed, or None while it has not."""
+    meta, st = pod["metadata"], pod.get("status", {})
+    where = {"pod": meta["name"], "node": pod.get("spec", {}).get("nodeName"), "rank": rank_of(pod)}
+    reason, detail, code = None, "", None
+    term = terminated(pod)
+    if st.get("reason") == "Evicted":
+        reason, detail = "Evicted", st.get("message", "")
+    elif st.get("phase") == "Unknown" or st.get("reason") == "NodeLost":
+        reason, detail = "Lost", st.get("message", "the node stopped reporting")
+    elif meta.get("deletionTimestamp") and not succeeded(pod):
+        reason, detail = "Lost", "the pod was deleted while the gang was running"
+    elif term is not None and term.get("exitCode") != 0:
+        code, detail = term.get("exitCode"), term.get("message") or ""
+        if term.get("reason") == "OOMKilled":
+            reason = "OOMKilled"
+        elif CUDA_OOM.search(detail):
+            reason = "CudaOOM"
+        elif BAD_INPUT.search(detail):
+            reason = "BadInput"
+        elif NCCL_TIMEOUT.search(detail):
+            reason = "NCCLTimeout"
+        else:
+            reason = "Error"
+    elif st.get("phase") == "Failed":
+        reason, detail = "Error", st.get("message", "")
+    if reason is None:
+        return None
+    message = f"{where['pod']} (node rank {where['rank']}): {ADVICE[reason]}"
+    if code is not None:
+        message += f" (exit code {code})"
+    if detail:
+        message += f"\n{_tail(detail)}"
+    failure = {"reason": reason, "message": message, **where, "exitCode": code}
+    return {k: v for k, v in failure.items() if v is not None}
+
+
+def root_cause(failures: list[dict]) -> dict:
+    """The most telling failure of several (lowest rank among equally specific ones)."""
+    return min(failures, key=lambda f: (SPECIFICITY.index(f["reason"]), f.get("rank", 0)))
+
+
+def format_eta(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    s = int(round(seconds))
+    h, m = divmod(s // 60, 60)
+    if h:
+        return f"{h}h{m:02d}m"
+    return f"{m}m{s % 60:02d}s" if m else f"{s}s"
+
+
+def progress(snapshot: dict) -> dict[str, Any]:
+    """``status.progress`` from rank 0's ``/progress`` JSON (docs/progress.md)."""
+    step, total = snapshot.get("step") or 0, snapshot.get("totalSteps")
+    mfu = snapshot.get("mfu")
+    out = {
+        "step": step,
+        "totalSteps": total,
+        "display": f"{step}/{total}" if total else str(step),
+        "loss": snapshot.get("loss"),
+        "evalLoss": snapshot.get("evalLoss"),
+        "learningRate": snapshot.get("learningRate"),
+        "tokensPerSecond": snapshot.get("tokensPerSecond"),
+        "mfu": round(mfu * 100, 2) if mfu is not None else None,  # the trainer reports 0-1
+        "eta": format_eta(snapshot.get("etaSeconds")),
+        "updateTime": snapshot.get("updatedAt"),
+    }
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def last_checkpoint(snapshot: dict) -> dict[str, Any] | None:
+    step = snapshot.get("lastCheckpointStep")
+    if step is None:
+        return None
+    out = {"step": step, "path": snapshot.get("lastCheckpoint") or ""}
+    return out | ({"time": snapshot["updatedAt"]} if snapshot.get("updatedAt") else {})
+
+
+def set_condition(
+    conditions: list[dict],
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    now: datetime,
+    generation: int | None,
+) -> list[dict]:
+    """A copy of ``conditions`` with one condition set; its transition time moves only when
+    its status changes (so level-triggered re-runs do not churn it)."""
+    value = "True" if status else "False"
+    old = next((c for c in conditions if c["type"] == type_), None)
+    since = old["lastTransitionTime"] if old and old["status"] == value else now_iso(now)
+    new = {
+        "type": type_,
+        "status": value,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+    }
+    if generation is not None:
+        new["observedGeneration"] = generation
+    out = [c for c in conditions if c["type"] != type_] + [new]
+    return sorted(out, key=lambda c: CONDITION_TYPES.index(c["type"]))
+
+
+def condition(conditions: list[dict], type_: str) -> dict | None:
+    return next((c for c in conditions if c["type"] == type_), None)
+
+
+def conditions(
+    old: list[dict],
+    phase: str,
+    reason: str,
+    message: str,
+    now: datetime,
+    generation: int | None,
+    created: bool,
+) -> list[dict]:
+    """All six conditions for a phase: the phase's own True, the rest False, each with a
+    reason, so ``kubectl wait --for=condition=X`` always has something to read."""
+    truths = {
+        "Created": created,
+        "Running": phase == "Running",
+        "Restarting": phase == "Restarting",
+        "Suspended": phase == "Suspended",
+        "Succeeded": phase == "Succeeded",
+        "Failed": phase == "Failed",
+    }
+    out = old
+    for type_ in PHASE_CONDITIONS:
+        is_true = truths[type_]
+        if type_ == "Created":
+            why = "PodsCreated" if created else "PodsNotCreated"
+            text = "every pod of the gang exists" if created else "the gang has no pods now"
+        elif is_true or type_ == "Running":
+            why, text = reason, message
+        else:
+            why, text = f"Not{type_}", ""
+        out = set_condition(out, type_, is_true, why, text, now, generation)
+    return out
+
+
+def merge_patch(old: dict, new: dict) -> dict:
+    """The JSON merge patch (RFC 7386) that turns ``old`` into ``new``: removed keys become
+    null, so a new failure does not inherit the old one's exitCode."""
+    patch: dict[str, Any] = {}
+    for key in set(old) | set(new):
+        if key not in new:
+            patch[key] = None
+        elif isinstance(old.get(key), dict) and isinstance(new[key], dict):
+            inner = merge_patch(old[key], new[key])
+            if inner:
+                patch[key] = inner
+        elif old.get(key) != new[key]:
+            patch[key] = new[key]
+    return patch

@@ -1,0 +1,462 @@
+"""Will it fit? A pure memory and throughput estimate for a FineTuneJob.
+
+From the model's shape (its config.json, or a table of well-known models for hf:// sources
+that cannot be read offline) and the spec, :func:`estimate` gives per-GPU memory (weights,
+gradients, optimizer states, activations, temporaries), CPU memory while loading, checkpoint
+size, step time and network traffic. :func:`plan` adds the verdict and, when the job does not
+fit, the cheapest changes that would make it fit.
+
+It models what ftjob's trainer does, not an ideal FSDP:
+* weights are kept in fp32 (the optimizer's master copy; also LoRA's frozen base), computed in
+  bf16 on GPUs; gradients are reduced in fp32; AdamW keeps two fp32 moments;
+* QLoRA keeps the 4-bit base weights out of FSDP (replicated on every GPU: sharding 4-bit
+  weights is unreliable upstream) and shards everything else;
+* rank 0 reads the weights in fp32 and broadcasts them; other ranks start empty;
+* checkpoints hold the trainable parameters' weights and AdamW moments (fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from ftjob.hardware import GIB, GPUS, node_bandwidth
+from ftjob.modelshape import ModelShape, shape_for
+from ftjob.spec import FineTuneJobSpec, QuantizationSpec
+
+FP32 = 4
+# Measured on the GPUs we have run: CUDA context, NCCL buffers and the caching allocator.
+GPU_RESERVED_BYTES = 1.5 * GIB
+FRAGMENTATION = 1.10  # the caching allocator rarely packs activations tighter than this
+FIT_LIMIT = 1.0  # the margins are in FRAGMENTATION and GPU_RESERVED_BYTES
+TIGHT = 0.90  # above this share the estimate's error (~15%) could tip it: say so
+PROCESS_BASELINE_BYTES = 0.6 * GIB  # Python + torch + transformers in one process, on CPU
+ASSUMED_MFU = {"full": 0.40, "lora": 0.35, "qlora": 0.25}
+OFFLOAD_SLOWDOWN = 0.5  # CPU offload roughly halves throughput (PCIe copies each step)
+QLORA_BITS_PER_PARAM = {True: 4.127, False: 4.5}  # nf4/fp4 + constants; double quant saves 0.4
+
+
+@dataclass
+class Estimate:
+    """Bytes and seconds for one configuration; per GPU (or per process on CPU)."""
+
+    params: int
+    trainable: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    temporaries: float
+    reserved: float
+    device_bytes: float | None  # one GPU's memory (None: CPU job or unknown GPU)
+    pod_memory: float | None  # resources.memory of a pod (None: not set)
+    cpu_per_node: float  # steady state: offloaded states and per-process baselines
+    load_cpu_node0: float  # peak on node 0 while loading, rank-0 loading
+    load_cpu_every_rank: float  # the same if every rank read the weights
+    checkpoint_bytes: float
+    flops_per_token: float
+    step_seconds: float | None
+    network_bytes_per_node: float
+    network_seconds: float | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def per_device(self) -> float:
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.temporaries
+            + self.reserved
+        )
+
+    @property
+    def cpu_peak_per_node(self) -> float:
+        """The most CPU memory a pod needs: loading on node 0, or the steady state."""
+        return max(self.load_cpu_node0, self.cpu_per_node)
+
+    @property
+    def fits_device(self) -> bool | None:
+        if self.device_bytes is None:
+            return None
+        return self.per_device <= FIT_LIMIT * self.device_bytes
+
+    @property
+    def fits_pod(self) -> bool | None:
+        if self.pod_memory is None:
+            return None
+        return self.cpu_peak_per_node <= self.pod_memory
+
+    @property
+    def fits(self) -> bool | None:
+        checks = [c for c in (self.fits_device, self.fits_pod) if c is not None]
+        return all(checks) if checks else None
+
+
+def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
+    r, t, method = spec.resources, spec.training, spec.method.type
+    gpu = GPUS.get(r.gpu_type) if r.gpu_type else None
+    on_gpu = r.gpus_per_node > 0
+    nproc, world = r.nproc_per_node, r.world_size
+    act_bytes = 2 if spec.compute_precision() == "bf16" else FP32
+    lora = spec.method.lora_settings()
+    adapter = shape.lora_params(lora.r, lora.target_modules) if lora else 0
+    trainable = shape.params if method == "full" else adapter
+    frozen = 0 if method == "full" else shape.params
+    if method == "qlora":
+        frozen -= shape.linear_params  # the 4-bit base is not sharded (below)
+    # What FSDP shards: fp32 weights, plus gradients and two AdamW moments of what trains.
+    state_bytes = frozen * FP32 + 4 * trainable * FP32
+    sharding = spec.effective_sharding(state_bytes, gpu.memory_bytes if gpu else None)
+    group = {"full": world, "grad-op": world, "hybrid": nproc, "none": 1}[sharding]
+    offload = spec.parallelism.cpu_offload
+    notes = [f"sharding {sharding} over {group} process{'es' if group > 1 else ''}"]
+    # Weights held by FSDP (sharded over the group) and by each GPU whole (QLoRA's 4-bit base).
+    if method == "qlora":
+        bits = QLORA_BITS_PER_PARAM[spec.method.quantization.double_quant]
+        replicated = shape.linear_params * bits / 8
+        sharded_weights = (shape.params - shape.linear_params + adapter) * FP32
+        notes.append("4-bit base replicated on every GPU")
+    else:
+        replicated = 0.0
+        sharded_weights = (shape.params + (adapter if method != "full" else 0)) * FP32
+    states_on_device = 0.0 if offload else 1.0
+    weights = sharded_weights / group * states_on_device + replicated
+    gradients = trainable * FP32 / group * states_on_device
+    optimizer = 2 * trainable * FP32 / group * states_on_device
+
+    tokens = t.micro_batch_size * spec.dataset.max_seq_length
+    activations = _activations(spec, shape, tokens, act_bytes) * FRAGMENTATION
+    # FSDP gathers a layer (and prefetches the next) in compute precision and holds its
+    # unsharded fp32 gradient until the reduce-scatter; grad-op keeps every layer gathered
+    # from forward to backward.
+    layer = shape.layer_params
+    gathered = (shape.params if sharding == "grad-op" else 2 * layer) * act_bytes
+    temporaries = gathered + (layer if method == "full" else 0) * FP32
+    reserved = GPU_RESERVED_BYTES if on_gpu else PROCESS_BASELINE_BYTES
+
+    offloaded = (sharded_weights + 3 * trainable * FP32) / group if offload else 0.0
+    per_process_cpu = offloaded + PROCESS_BASELINE_BYTES
+    if not on_gpu:  # a CPU job keeps everything in CPU memory
+        per_process_cpu = weights + gradients + optimizer + activations + temporaries + reserved
+    cpu_per_node = nproc * per_process_cpu
+    full_fp32 = shape.params * FP32
+    load_node0 = full_fp32 + nproc * PROCESS_BASELINE_BYTES
+    load_every = nproc * (full_fp32 + PROCESS_BASELINE_BYTES)
+    checkpoint_bytes = 3 * trainable * FP32
+
+    flops = _flops_per_token(spec, shape, adapter)
+    step_seconds = None
+    if gpu:
+        mfu = ASSUMED_MFU[method] * (OFFLOAD_SLOWDOWN if offload else 1.0)
+        step_seconds = spec.tokens_per_step * flops / (world * gpu.peak_bf16_flops * mfu)
+    net = _network_bytes_per_node(spec, shape, sharding, trainable, act_bytes)
+    bandwidth = node_bandwidth(
+        spec.network.fabric, r.gpus_per_node, spec.network.efa_devices_per_node
+    )
+    return Estimate(
+        params=shape.params,
+        trainable=trainable,
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer,
+        activations=activations,
+        temporaries=temporaries,
+        reserved=reserved,
+        device_bytes=gpu.memory_bytes if gpu else None,
+        pod_memory=quantity_bytes(r.memory) if r.memory else None,
+        cpu_per_node=cpu_per_node,
+        load_cpu_node0=load_node0,
+        load_cpu_every_rank=load_every,
+        checkpoint_bytes=checkpoint_bytes,
+        flops_per_token=flops,
+        step_seconds=step_seconds,
+        network_bytes_per_node=net,
+        network_seconds=net / bandwidth if r.nodes > 1 else 0.0,
+        notes=notes,
+    )
+
+
+def _activations(spec: FineTuneJobSpec, s: ModelShape, tokens: int, nbytes: int) -> float:
+    """Bytes saved for the backward pass of one micro-batch (Llama-style decoder)."""
+    h, i = s.hidden, s.intermediate
+    # Per token and layer, what autograd keeps (HF Llama, sdpa): each RMSNorm's normalised
+    # value and output (2h) plus its fp32 input (4h bytes); q, k, v (repeated to all heads)
+    # and the attention output (4h); o_proj's input (h); the MLP's gate, activation, up and
+    # product (4i).
+    per_layer = nbytes * (9 * h + 4 * i) + 2 * 4 * h
+    if spec.model.attention == "eager":
+        per_layer += 2 * s.heads * spec.dataset.max_seq_length * nbytes  # scores + softmax
+    if spec.training.activation_checkpointing:
+        # Only each layer's input is kept; one layer at a time is recomputed in full.
+        stored = tokens * (s.layers * h * nbytes + per_layer)
+    else:
+        stored = tokens * s.layers * per_layer
+    # The output head: logits in compute precision, upcast to fp32 for the loss, and their grad.
+    logits = tokens * s.vocab * (nbytes + 2 * FP32)
+    return stored + logits
+
+
+def _flops_per_token(spec: FineTuneJobSpec, s: ModelShape, adapter: int) -> float:
+    """Training FLOPs per token: 6N for a full step plus attention, as MFU counts them."""
+    n = s.params - s.vocab * s.hidden * (0 if s.tied else 1)  # the input embedding is a lookup
+    attention = 12 * s.layers * s.hidden * spec.dataset.max_seq_length
+    # Frozen weights need forward and input gradients, not weight gradients.
+    full = spec.method.type == "full"
+    flops = 6 * n + attention if full else 4 * n + attention + 6 * adapter
+    if spec.training.activation_checkpointing:
+        flops += 2 * n + attention / 3  # the recomputed forward
+    return flops
+
+
+def _network_bytes_per_node(spec, s: ModelShape, sharding: str, trainable: int, nbytes: int):
+    """Bytes each node sends to other nodes per optimizer step (ring collectives)."""
+    r = spec.resources
+    if r.nodes == 1:
+        return 0.0
+    across = (r.nodes - 1) / r.nodes
+    micro = spec.training.gradient_accumulation
+    if sharding in ("full", "grad-op"):
+        gathers = 1 if sharding == "grad-op" else 2  # forward, and again for backward
+        per_micro = gathers * s.params * nbytes + trainable * FP32  # + the reduce-scatter
+        return per_micro * micro * across
+    # hybrid and none: gradients are all-reduced across nodes (2x the data in a ring).
+    return 2 * trainable * FP32 * micro * across
+
+
+_SUFFIX = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "m": 1e-3}
+_SUFFIX |= {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+
+
+def quantity_bytes(quantity: str) -> float:
+    """A Kubernetes quantity ("1100Gi", "64G", "5e9") in bytes."""
+    match = re.fullmatch(r"([0-9.]+)([eE][-+]?[0-9]+)?([a-zA-Z]*)", str(quantity))
+    if not match or match.group(3) not in _SUFFIX:
+        raise ValueError(f"not a Kubernetes quantity: {quantity!r}")
+    number = float(match.group(1) + (match.group(2) or ""))
+    return number * _SUFFIX[match.group(3)]
+
+
+# ----------------------------------------------------------------------------- the verdict
+
+
+@dataclass
+class Option:
+    change: str
+    spec: FineTuneJobSpec
+    estimate: Estimate
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    estimate: Estimate
+    options: list[Option]
+
+    @property
+    def fits(self) -> bool | None:
+        return self.estimate.fits
+
+
+def _with(spec: FineTuneJobSpec, **changes) -> FineTuneJobSpec:
+    """A copy of spec with dotted-path changes, e.g. training__micro_batch_size=1."""
+    groups: dict[str, dict] = {}
+    for key, value in changes.items():
+        part, name = key.split("__")
+        groups.setdefault(part, {})[name] = value
+    replaced = {k: dataclasses.replace(getattr(spec, k), **v) for k, v in groups.items()}
+    return dataclasses.replace(spec, **replaced)
+
+
+def _candidates(spec: FineTuneJobSpec):
+    """Single changes that lower memory, cheapest first (what each costs the user)."""
+    t, r, p, m = spec.training, spec.resources, spec.parallelism, spec.method
+    if not t.activation_checkpointing:
+        yield (
+            "activationCheckpointing: true (~25% more compute)",
+            {"training__activation_checkpointing": True},
+        )
+    if t.micro_batch_size > 1:
+        mb = max(1, t.micro_batch_size // 2)
+        ga = t.gradient_accumulation * t.micro_batch_size // mb
+        yield (
+            f"microBatchSize: {mb}, gradientAccumulation: {ga} (same global batch)",
+            {
+                "training__micro_batch_size": mb,
+                "training__gradient_accumulation": ga,
+            },
+        )
+    if p.sharding not in ("full", "auto") or (p.sharding == "auto" and r.nodes > 1):
+        yield "sharding: full (more traffic between nodes)", {"parallelism__sharding": "full"}
+    volume = "" if spec.checkpoint.volume else "; needs a shared checkpoint.volume"
+    for factor in (2, 4):
+        if r.gpus_per_node:
+            n = r.nodes * factor
+            yield f"nodes: {n} (more GPUs{volume})", {"resources__nodes": n}
+    if m.type == "full":
+        yield "method: lora (train adapters only)", {"method__type": "lora"}
+    if m.type in ("full", "lora"):
+        yield (
+            "method: qlora with nf4 (4-bit base)",
+            {"method__type": "qlora", "method__lora": m.lora},
+        )
+    if not p.cpu_offload and p.sharding != "none":
+        yield "cpuOffload: true (roughly halves throughput)", {"parallelism__cpu_offload": True}
+    if r.gpu_type:
+        bigger = [g for g in GPUS.values() if g.memory_bytes > GPUS[r.gpu_type].memory_bytes]
+        for gpu in sorted(bigger, key=lambda g: g.memory_bytes)[:2]:
+            yield f"gpuType: {gpu.name} (GPUs with more memory)", {"resources__gpu_type": gpu.name}
+
+
+def plan(spec: FineTuneJobSpec, shape: ModelShape, max_options: int = 3) -> Plan:
+    """The estimate and, if it does not fit, up to ``max_options`` changes that would."""
+    base = estimate(spec, shape)
+    options: list[Option] = []
+    if base.fits is False:
+        cumulative: dict = {}
+        labels: list[str] = []
+        for label, change in _candidates(spec):
+            single = _apply(spec, change)
+            est = estimate(single, shape)
+            if est.fits:
+                options.append(Option(label, single, est))
+            elif "nodes" not in label:
+                # Changes stack: activation checkpointing and a smaller micro-batch together.
+                cumulative.update(change)
+                labels.append(label.split(" (")[0])
+                stacked = _apply(spec, cumulative)
+                est = estimate(stacked, shape)
+                if est.fits and len(labels) > 1:
+                    options.append(Option(" + ".join(labels), stacked, est))
+            if len(options) >= max_options:
+                break
+    return Plan(shape=shape, estimate=base, options=options)
+
+
+def _apply(spec: FineTuneJobSpec, change: dict) -> FineTuneJobSpec:
+    if change.get("method__type") == "qlora":
+        change = {**change, "method__quantization": QuantizationSpec()}
+    return _with(spec, **change)
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def _gib(n: float) -> str:
+    if n >= 1024 * GIB:
+        return f"{n / 1024 / GIB:.1f} TiB"
+    if n >= GIB:
+        return f"{n / GIB:.1f} GiB"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes = seconds / 60
+    if minutes < 120:
+        return f"{minutes:.0f} min"
+    return f"{minutes / 60:.1f} h"
+
+
+def describe(spec: FineTuneJobSpec, result: Plan) -> list[str]:
+    """The plan as lines a person reads top to bottom."""
+    e, s, r = result.estimate, result.shape, spec.resources
+    device = r.gpu_type or ("CPU process" if not r.gpus_per_node else "GPU (gpuType unset)")
+    lines = [
+        f"model        {s.name}: {_count(s.params)} parameters, {s.layers} layers, hidden "
+        f"{s.hidden}; trainable {_count(e.trainable)} ({spec.method.type})",
+        f"shape        {r.nodes} node(s) x {r.nproc_per_node} x {device}, "
+        + ", ".join(e.notes)
+        + f", {spec.compute_precision()}"
+        + (", activation checkpointing" if spec.training.activation_checkpointing else ""),
+        f"{'per GPU' if r.gpus_per_node else 'per process'}  weights {_gib(e.weights)} + gradients "
+        f"{_gib(e.gradients)} + optimizer {_gib(e.optimizer)} + activations "
+        f"{_gib(e.activations)} + temporaries {_gib(e.temporaries)} + reserved "
+        f"{_gib(e.reserved)} = {_gib(e.per_device)}"
+        + (f" of {_gib(e.device_bytes)}" if e.device_bytes else ""),
+        f"CPU memory   {_gib(e.cpu_peak_per_node)} per pod at most: loading "
+        f"{_gib(e.load_cpu_node0)} on node 0 (rank-0 loading; if every rank read the weights: "
+        f"{_gib(e.load_cpu_every_rank)}), steady {_gib(e.cpu_per_node)} per node"
+        + (f", of {_gib(e.pod_memory)} (resources.memory)" if e.pod_memory else ""),
+        f"checkpoint   {_gib(e.checkpoint_bytes)} each on the volume "
+        f"(x keep {spec.checkpoint.keep} = {_gib(e.checkpoint_bytes * spec.checkpoint.keep)})",
+    ]
+    tokens = spec.tokens_per_step
+    if e.step_seconds is not None:
+        total, steps = "", spec.training.max_steps
+        if steps:
+            total = f", {steps} steps ~ {_duration(e.step_seconds * steps)}"
+        mfu = ASSUMED_MFU[spec.method.type] * (
+            OFFLOAD_SLOWDOWN if spec.parallelism.cpu_offload else 1
+        )
+        lines.append(
+            f"throughput   {tokens:,} tokens/step, ~{_duration(e.step_seconds)}/step at "
+            f"{mfu:.0%} MFU{total}"
+        )
+    else:
+        lines.append(f"throughput   {tokens:,} tokens/step (set resources.gpuType for time)")
+    if r.nodes > 1:
+        bw = node_bandwidth(spec.network.fabric, r.gpus_per_node, spec.network.efa_devices_per_node)
+        lines.append(
+            f"network      {_gib(e.network_bytes_per_node)} per node per step over "
+            f"{spec.network.fabric} ({bw / 1e9:.0f} GB/s): {_duration(e.network_seconds)} if "
+            "not overlapped with compute"
+        )
+    lines.append("verdict      " + verdict_text(result))
+    for option in result.options:
+        lines.append(
+            f"  fits with  {option.change}: {_gib(option.estimate.per_device)} per GPU"
+            + (
+                f", ~{_duration(option.estimate.step_seconds)}/step"
+                if option.estimate.step_seconds
+                else ""
+            )
+        )
+    return lines
+
+
+def verdict_text(result: Plan) -> str:
+    e = result.estimate
+    found = []
+    if e.fits_device is not None:
+        share = e.per_device / e.device_bytes
+        found.append(f"{_gib(e.per_device)} of {_gib(e.device_bytes)} per GPU ({share:.0%})")
+    if e.fits_pod is not None:
+        found.append(f"{_gib(e.cpu_peak_per_node)} of {_gib(e.pod_memory)} CPU memory per pod")
+        if e.fits_pod and e.load_cpu_every_rank > e.pod_memory:
+            found.append("only because rank 0 alone reads the weights")
+    if e.fits is None:
+        return "not checked: set resources.gpuType (and resources.memory) to check the fit"
+    if e.fits:
+        tight = e.fits_device and e.per_device > TIGHT * e.device_bytes
+        return ("FITS (tight)" if tight else "FITS") + ": " + ", ".join(found)
+    options = "; ".join(o.change.split(" (")[0] for o in result.options) or "no single change"
+    return "WILL NOT FIT: " + ", ".join(found) + f"; fits with: {options}"
+
+
+def admission(spec: FineTuneJobSpec, config: dict | None = None) -> dict:
+    """The ``Planned`` condition the operator records before it creates any pod.
+
+    ``config`` is the model's config.json when the operator can read it; hf:// sources of
+    well-known models are planned from the table. ``allowed`` is False only when the job will
+    not fit and ``spec.plan.enforce`` is on.
+    """
+    try:
+        shape = shape_for(spec.model.source, config)
+    except ValueError as e:
+        return {"reason": "Unknown", "message": f"not planned: {e}", "allowed": True}
+    result = plan(spec, shape)
+    if result.fits is None:
+        return {"reason": "Unknown", "message": verdict_text(result), "allowed": True}
+    if result.fits:
+        return {"reason": "Fits", "message": verdict_text(result), "allowed": True}
+    enforce = spec.plan.enforce
+    tail = "" if enforce else " (spec.plan.enforce is false: starting anyway)"
+    return {"reason": "WillNotFit", "message": verdict_text(result) + tail, "allowed": not enforce}

@@ -1,0 +1,67 @@
+"""Entry point of every training process: ``python -m ftjob.trainer --spec FILE``.
+
+    torchrun --standalone --nproc-per-node 2 -m ftjob.trainer --spec examples/tiny.yaml
+
+FILE is a FineTuneJob document, YAML or JSON (the job file itself, or what ``ftjob render``
+prints). The environment torchrun and ftjob set is described in docs/progress.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from ftjob import manifest
+from ftjob.schema import SpecError
+from ftjob.spec import KIND, parse_resource
+
+EXIT_FAILED = 1
+
+
+def load_spec(path: str):
+    """(name, spec) of the one FineTuneJob in ``path``."""
+    jobs = [d for d in manifest.load(path) if d.get("kind") == KIND]
+    if len(jobs) != 1:
+        raise manifest.ManifestError(f"{path}: needs exactly one {KIND}, found {len(jobs)}")
+    return parse_resource(jobs[0])
+
+
+@record  # torchrun reports the traceback of the first failing rank
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ftjob.trainer", description=__doc__)
+    parser.add_argument("--spec", required=True, metavar="FILE", help="FineTuneJob YAML/JSON")
+    args = parser.parse_args(argv)
+    try:
+        name, spec = load_spec(args.spec)
+    except SpecError as e:
+        print(f"error: {args.spec}: invalid {KIND}:", file=sys.stderr)
+        for err in e.errors:
+            print(f"  {err}", file=sys.stderr)
+        return EXIT_FAILED
+    except manifest.ManifestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    # bitsandbytes announces at import that an optional CPU kernel package is missing.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # Imported after the spec check: a bad spec fails before torch and transformers load.
+    from ftjob.trainer import train
+    from ftjob.trainer.data import DataError
+    from ftjob.trainer.model import SourceError
+
+    try:
+        train.run(spec, name)
+    except (DataError, SourceError) as e:
+        # A known problem with the inputs: its message says it all, no traceback needed.
+        kind = "bad data" if isinstance(e, DataError) else "bad model"
+        rank = os.environ.get("RANK", "0")
+        print(f"error: rank {rank}: {kind}: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

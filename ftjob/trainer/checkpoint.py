@@ -1,0 +1,153 @@
+"""Sharded checkpoints on the shared volume: complete or invisible, newest one resumed.
+
+Layout under ``FTJOB_JOB_DIR/checkpoints/``::
+
+    step-00000200/          committed: DCP shards + .metadata, rng-rank*.pt, COMMITTED
+    .tmp-step-00000300/     being written (or left by a crash): never read
+
+Every rank writes its shards into the temporary folder (``torch.distributed.checkpoint``);
+after a barrier rank 0 writes ``COMMITTED`` and renames the folder, an atomic step on POSIX
+file systems. Resume takes the newest ``step-*`` folder holding ``COMMITTED``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+COMMITTED = "COMMITTED"
+
+
+def folder(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def latest(root: Path) -> Path | None:
+    """The newest committed checkpoint, or None."""
+    if not root.is_dir():
+        return None
+    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / COMMITTED).is_file()]
+    return max(found, key=lambda p: p.name, default=None)
+
+
+def step_of(path: Path) -> int:
+    return int(STEP_DIR.match(path.name).group(1))
+
+
+# Frozen weights (the base under LoRA/QLoRA) are re-read from model.source on every start:
+# checkpoints hold only what training changes, a few MB of adapters instead of the base.
+# strict=False lets those frozen keys be absent; dcp.load still fails on any missing key of
+# the state requested, which is every trainable one.
+OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _state(model, optimizer, scheduler, step: int) -> dict:
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+    return {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": step}
+
+
+def _rng() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+class Checkpointer:
+    """Saves every ``checkpoint.every`` steps, keeps ``keep``, optionally in the background."""
+
+    def __init__(self, root: Path, rank: int, keep: int, async_save: bool):
+        self.root, self.rank, self.keep, self.async_save = root, rank, keep, async_save
+        self._pending: tuple[Future, Path, Path] | None = None
+        # Background saves run their collectives on their own gloo group, so they never
+        # interleave with training's collectives (and work with NCCL training too).
+        self._group = dist.new_group(backend="gloo") if async_save else None
+
+    def save(self, model, optimizer, scheduler, step: int) -> None:
+        self.wait()
+        final = folder(self.root, step)
+        tmp = self.root / f".tmp-{final.name}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a crash's leftovers
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        # RNG is per rank; DCP would keep one copy of a plain tensor, so it gets its own file.
+        torch.save(_rng(), tmp / f"rng-rank{self.rank}.pt")
+        state = _state(model, optimizer, scheduler, step)
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
+            self._pending = (future, tmp, final)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+            self._commit(tmp, final)
+
+    def wait(self) -> None:
+        """Finish and commit a background save (before the next one, and at the end)."""
+        if self._pending is None:
+            return
+        future, tmp, final = self._pending
+        self._pending = None
+        future.result()
+        self._commit(tmp, final)
+
+    def _commit(self, tmp: Path, final: Path) -> None:
+        dist.barrier()  # every rank's shards and RNG file are on disk
+        if self.rank == 0:
+            (tmp / COMMITTED).write_text(f"{step_of(final)}\n")
+            _fsync_dir(tmp)
+            shutil.rmtree(final, ignore_errors=True)  # a same-step leftover from a crash
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            self._prune()
+        dist.barrier()
+
+    def _prune(self) -> None:
+        # Any temporary folder left now is a crashed save's (one save is in flight at a time).
+        for leftover in self.root.glob(".tmp-step-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        done = sorted(p for p in self.root.iterdir() if STEP_DIR.match(p.name))
+        committed = [p for p in done if (p / COMMITTED).is_file()]
+        for old in committed[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, path: Path, model, optimizer, scheduler) -> int:
+        """Restore model, optimizer, scheduler and this rank's RNG; return the step."""
+        state = _state(model, optimizer, scheduler, 0)
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=OPTIONS,
+        )
+        scheduler.load_state_dict(state["scheduler"])
+        rng_file = path / f"rng-rank{self.rank}.pt"
+        if not rng_file.exists():  # resumed with more ranks than saved: fresh RNG streams
+            return int(state["step"])
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        return int(state["step"])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

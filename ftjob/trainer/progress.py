@@ -1,0 +1,258 @@
+"""Training progress for people (log lines, a bar on a terminal) and for the operator (HTTP).
+
+Rank 0 keeps one :class:`Progress` and publishes the same snapshot three ways, as
+docs/progress.md specifies: ``GET /progress`` (JSON), ``GET /metrics`` (Prometheus text) on
+``network.progressPort`` (``FTJOB_PROGRESS_PORT`` overrides it; 0 picks a free port), and
+``FTJOB_JOB_DIR/progress.json`` (replaced atomically), plus one line per logged step in
+``FTJOB_JOB_DIR/progress.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from ftjob.hardware import GPUS, gpu_for_device_name
+
+# name, JSON field, help text (Prometheus gauges; JSON nulls are left out of /metrics)
+METRICS = [
+    ("ftjob_step", "step", "Optimizer steps completed."),
+    ("ftjob_total_steps", "totalSteps", "Optimizer steps the job will run."),
+    ("ftjob_epoch", "epoch", "Passes over the training data so far."),
+    ("ftjob_loss", "loss", "Training loss (mean over the tokens of the last step)."),
+    ("ftjob_eval_loss", "evalLoss", "Loss on the eval set at the last evaluation."),
+    ("ftjob_learning_rate", "learningRate", "Learning rate of the last step."),
+    ("ftjob_tokens_per_second", "tokensPerSecond", "Training tokens per second, all ranks."),
+    ("ftjob_tokens_total", "tokensSeen", "Training tokens processed by this attempt."),
+    ("ftjob_mfu_ratio", "mfu", "Model FLOPs utilisation (0-1); absent on CPU."),
+    ("ftjob_eta_seconds", "etaSeconds", "Estimated seconds until training ends."),
+    ("ftjob_last_checkpoint_step", "lastCheckpointStep", "Step of the newest checkpoint."),
+]
+PHASES = ["loading", "training", "checkpointing", "exporting", "succeeded", "failed"]
+
+
+def peak_flops(device_name: str | None, gpu_type: str | None = None) -> float | None:
+    """Peak dense bf16 FLOP/s of one device (ftjob.hardware's table); None on CPU.
+
+    ``resources.gpuType`` names the table entry when the spec has it; otherwise the CUDA
+    device name is matched. An unknown device gives None (MFU is then not reported).
+    """
+    if gpu_type in GPUS:
+        return GPUS[gpu_type].peak_bf16_flops
+    gpu = gpu_for_device_name(device_name) if device_name else None
+    return gpu.peak_bf16_flops if gpu else None
+
+
+def flops_per_token(
+    params: int, adapter_params: int, layers: int, hidden: int, seq_len: int, frozen_base: bool
+) -> float:
+    """Training FLOPs per token: 6·N plus attention (12·layers·hidden·seq, PaLM's count).
+
+    ``params`` excludes the input embedding (a lookup). With a frozen base (LoRA, QLoRA) the
+    base weights need the forward (2·N) and the input gradients (2·N) but no weight gradients,
+    so they count 4·N; the adapters count 6 each. Recomputation by activation checkpointing
+    is not useful work and is not counted.
+    """
+    matmul = 4 * params + 6 * adapter_params if frozen_base else 6 * params
+    return float(matmul + 12 * layers * hidden * seq_len)
+
+
+def write_termination_message(export_path: Path) -> None:
+    """Tell Kubernetes where the model is: the pod's termination message (rank 0 only).
+
+    The operator declares a job Succeeded only when rank 0's message names the export, so an
+    exit 0 without a model (a wrong image, a wrapper script) is never taken for success.
+    ``FTJOB_TERMINATION_LOG`` is the container's terminationMessagePath; unset locally.
+    """
+    target = os.environ.get("FTJOB_TERMINATION_LOG")
+    if target:
+        Path(target).write_text(json.dumps({"exportPath": str(export_path)}))
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def prometheus(snapshot: dict) -> str:
+    """Prometheus text exposition of a snapshot."""
+    lines = []
+    for name, key, text in METRICS:
+        value = snapshot.get(key)
+        if value is None:
+            continue
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {value}"]
+    lines += ["# HELP ftjob_phase 1 for the job's current phase.", "# TYPE ftjob_phase gauge"]
+    lines += [f'ftjob_phase{{phase="{p}"}} {int(snapshot.get("phase") == p)}' for p in PHASES]
+    return "\n".join(lines) + "\n"
+
+
+class Progress:
+    """Rank 0's view of the run; other ranks get an instance that does nothing."""
+
+    def __init__(self, job_dir: Path, enabled: bool, total: int, world: int, **info):
+        self.enabled, self.job_dir, self.total = enabled, job_dir, total
+        self.flops_per_token = info.pop("flops_per_token", None)
+        self.peak = info.pop("peak", None)
+        self.world = world
+        self.tty = sys.stdout.isatty()
+        self.snapshot = {
+            "phase": "loading",
+            "step": 0,
+            "totalSteps": total,
+            "epoch": 0.0,
+            "loss": None,
+            "evalLoss": None,
+            "learningRate": None,
+            "tokensPerSecond": None,
+            "tokensSeen": 0,
+            "mfu": None,
+            "etaSeconds": None,
+            "lastCheckpointStep": None,
+            "lastCheckpoint": None,
+            "resumedFrom": None,
+            "exportPath": None,
+            "worldSize": world,
+            "port": None,
+            "startedAt": _now(),
+            "updatedAt": _now(),
+            **info,
+        }
+        self._lock = threading.Lock()
+        self._window = (time.perf_counter(), 0, 0)  # (time, tokens, step) at the last log
+        self._server: ThreadingHTTPServer | None = None
+
+    # -------------------------------------------------------------------- publishing
+
+    def serve(self, port: int) -> None:
+        """Serve /progress and /metrics from a daemon thread (a busy port only warns)."""
+        if not self.enabled:
+            return
+        progress = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                with progress._lock:
+                    snap = dict(progress.snapshot)
+                if self.path.startswith("/progress"):
+                    body, kind = json.dumps(snap).encode(), "application/json"
+                elif self.path.startswith("/metrics"):
+                    body, kind = prometheus(snap).encode(), "text/plain; version=0.0.4"
+                else:
+                    self.send_error(404, "try /progress or /metrics")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # keep scrapes out of the training log
+                pass
+
+        try:
+            self._server = ThreadingHTTPServer(("", port), Handler)
+        except OSError as e:
+            self.log(f"progress: cannot serve on port {port} ({e}); progress.json only")
+            return
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self.update(port=self._server.server_address[1])
+
+    def update(self, history: str | None = None, **fields) -> None:
+        """Change the snapshot; ``history`` ("step", "eval") also appends it to progress.jsonl."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self.snapshot.update(fields, updatedAt=_now())
+            snap = dict(self.snapshot)
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.job_dir / ".progress.json.tmp"
+        tmp.write_text(json.dumps(snap, indent=1) + "\n")
+        os.replace(tmp, self.job_dir / "progress.json")
+        if history:
+            with open(self.job_dir / "progress.jsonl", "a") as f:
+                f.write(json.dumps({"event": history, **snap}) + "\n")
+
+    def log(self, message: str) -> None:
+        if self.enabled:
+            if self.tty:
+                sys.stdout.write("\r\033[K")
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    # -------------------------------------------------------------------- training events
+
+    def begin(self, step: int) -> None:
+        """Training starts (or resumes) at ``step``: rates are measured from here."""
+        self._window = (time.perf_counter(), self.snapshot["tokensSeen"], step)
+        self.update(phase="training", step=step)
+
+    def step(self, step: int, loss: float, lr: float, tokens: int, epoch: float, log: bool):
+        """Record one optimizer step (``tokens`` over all ranks); log it every logEvery."""
+        if not self.enabled:
+            return
+        seen = self.snapshot["tokensSeen"] + tokens
+        fields = {"step": step, "loss": loss, "learningRate": lr, "tokensSeen": seen}
+        fields["epoch"] = round(epoch, 4)
+        if log or step == self.total:
+            t0, seen0, step0 = self._window
+            now = time.perf_counter()
+            rate = (seen - seen0) / max(now - t0, 1e-9)
+            per_step = (now - t0) / max(step - step0, 1)
+            fields["tokensPerSecond"] = round(rate, 1)
+            fields["etaSeconds"] = round(per_step * (self.total - step), 1)
+            if self.flops_per_token and self.peak:
+                fields["mfu"] = round(rate * self.flops_per_token / (self.peak * self.world), 4)
+            self._window = (now, seen, step)
+        log = log or step == self.total
+        self.update(history="step" if log else None, **fields)
+        if log:
+            self.log(self.line())
+        elif self.tty:
+            sys.stdout.write("\r" + self.line(bar=True))
+            sys.stdout.flush()
+
+    def line(self, bar: bool = False) -> str:
+        s = self.snapshot
+        width = len(str(self.total))
+        parts = [f"step {s['step']:>{width}}/{self.total}", f"loss {s['loss']:.4f}"]
+        if bar:
+            done = int(20 * s["step"] / max(self.total, 1))
+            parts.insert(0, "[" + "#" * done + "." * (20 - done) + "]")
+        if s["evalLoss"] is not None:
+            parts.append(f"eval {s['evalLoss']:.4f}")
+        parts.append(f"lr {s['learningRate']:.2e}")
+        if s["tokensPerSecond"] is not None:
+            parts.append(f"tok/s {s['tokensPerSecond']:,.0f}")
+        mfu = s["mfu"]
+        parts.append(f"mfu {mfu:.1%}" if mfu is not None else "mfu n/a")
+        parts.append(f"eta {_eta(s['etaSeconds'])}")
+        return "  ".join(parts)
+
+    def evaluated(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        self.update(history="eval", evalLoss=loss, evalStep=step)
+        self.log(f"eval  step {step}/{self.total}  eval loss {loss:.4f}  (ppl {_ppl(loss)})")
+
+
+def _ppl(loss: float) -> str:
+    return f"{math.exp(loss):.2f}" if loss < 50 else "inf"

@@ -1,0 +1,187 @@
+"""Sharding and rank-0 loading, checked inside 2 real processes.
+
+    python -m pytest tests/e2e/test_trainer_parallel.py -q
+
+The test runs this same file under torchrun (the ``__main__`` block below): each rank builds
+the tiny model the trainer's way (weights read by rank 0 only, broadcast into FSDP2 shards)
+for several sharding modes and writes what it holds; the test then checks the files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def job(sharding: str, nodes: int, per_node: int, method: str = "full", **extra) -> dict:
+    return {
+        "model": {"source": extra.pop("source", str(EXAMPLES / "tiny-model"))},
+        "dataset": {"source": str(EXAMPLES / "data" / "tiny-text.jsonl"), "maxSeqLength": 64},
+        "method": {"type": method},
+        "training": {"maxSteps": 1},
+        "resources": {"nodes": nodes, "gpusPerNode": 0, "processesPerNode": per_node},
+        "parallelism": {"sharding": sharding},
+        "checkpoint": {"volume": {"claimName": "x"}} if nodes > 1 else {},
+        **extra,
+    }
+
+
+# (label, spec, expected share of a decoder weight on each rank)
+CASES = [
+    ("full", job("full", 1, 2), 0.5),
+    ("grad-op", job("grad-op", 1, 2), 0.5),
+    ("none", job("none", 1, 2), 1.0),
+    ("hybrid", job("hybrid", 2, 1), 1.0),  # 2 nodes x 1: shard within a node of one
+    ("lora", job("full", 1, 2, "lora"), 0.5),
+    ("offload", job("full", 1, 2, parallelism={"sharding": "full", "cpuOffload": True}), 0.5),
+    # a model with tied input/output embeddings and a tokenizer without a pad token
+    ("tied", job("full", 1, 2, source="TIED"), 0.5),
+]
+
+
+# 4 processes as 2 nodes x 2: shards within a node, replicas across the two nodes.
+CASES_4 = [("hybrid-2x2", job("hybrid", 2, 2), 0.5)]
+
+
+def make_tied(folder: Path) -> None:
+    """The tiny model with tied embeddings, its tokenizer stripped of the pad token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(EXAMPLES / "tiny-model")
+    model.lm_head.weight = model.get_input_embeddings().weight
+    model.config.tie_word_embeddings, model.config.pad_token_id = True, None
+    model.save_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(EXAMPLES / "tiny-model")
+    tok.pad_token = None
+    tok.save_pretrained(folder)
+
+
+def probe(out: Path, tied: Path, cases: list) -> None:
+    """Run under torchrun: build every case, record shard sizes and equality with the files."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from ftjob.spec import parse_spec
+    from ftjob.trainer import data, export, model, parallel
+    from ftjob.trainer.train import token_loss
+
+    results = {}
+    d = None
+    for label, raw, _ in cases:
+        if raw["model"]["source"] == "TIED":
+            raw = {**raw, "model": {"source": str(tied)}}
+        spec = parse_spec(raw)
+        if d is None:
+            d = parallel.init(spec)
+        reference = AutoModelForCausalLM.from_pretrained(raw["model"]["source"])
+        ref_state = reference.state_dict()
+        ref_buffers = dict(reference.named_buffers())
+        tok = model.load_tokenizer(spec)
+        built = model.build(spec, d, tok)
+        read_weights = built.read_weights
+        sharding = spec.parallelism.sharding
+        net = parallel.shard(built.model, spec, parallel.mesh(spec, d, sharding), sharding)
+        model.materialize(built, d, spec.parallelism.cpu_offload)
+        net.eval()
+        q = next(p for n, p in net.named_parameters() if "layers.0.self_attn.q_proj" in n)
+        same = True
+        for name, param in net.state_dict().items():
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            key = name.replace("base_model.model.", "").replace(".base_layer", "")
+            if key in ref_state:
+                same &= torch.equal(full, ref_state[key])
+        buffers_equal = all(
+            torch.equal(b, ref_buffers[n.replace("base_model.model.", "")])
+            for n, b in net.named_buffers()
+        )
+        batch = data.collate(
+            [data.Example(list(range(10, 40)), list(range(10, 40)))], tok.pad_token_id
+        )
+        with torch.no_grad():
+            loss, count = token_loss(net, batch, d.device)
+            ref_loss, _ = token_loss(reference, batch, d.device)
+        results[label] = {
+            "read_weights": read_weights,
+            "q_proj_share": parallel.local_fraction(q),
+            "weights_equal_files": bool(same),
+            "buffers_equal": buffers_equal,
+            "loss": float(loss / count),
+            "reference_loss": float(ref_loss / count),
+            "pad_token": tok.pad_token,
+        }
+        if label == "tied":
+            export.export(net, spec, tok, out / "tied-export", d.rank)
+            reloaded = AutoModelForCausalLM.from_pretrained(out / "tied-export")
+            with torch.no_grad():
+                exported, _ = token_loss(reloaded, batch, d.device)
+            results[label]["export_loss"] = float(exported / count)
+            results[label]["export_tied"] = reloaded.config.tie_word_embeddings
+        del net, built
+    (out / f"rank{d.rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def run_probe(out: Path, processes: int) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(out)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(processes), __file__, str(out), str(out / "tied-model")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(processes)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("probe")
+    make_tied(out / "tied-model")
+    return run_probe(out, 2)
+
+
+@pytest.fixture(scope="module")
+def ranks_4(tmp_path_factory) -> list[dict]:
+    return run_probe(tmp_path_factory.mktemp("probe4"), 4)
+
+
+@pytest.mark.parametrize(("label", "share"), [(c[0], c[2]) for c in CASES])
+def test_each_rank_holds_its_share_of_the_weights(ranks, label, share):
+    for rank in ranks:
+        assert rank[label]["q_proj_share"] == pytest.approx(share)
+
+
+@pytest.mark.parametrize("label", [c[0] for c in CASES])
+def test_rank0_loading_gives_every_rank_the_files_weights(ranks, label):
+    assert ranks[0][label]["read_weights"] is True
+    assert ranks[1][label]["read_weights"] is False  # rank 1 never read the weight files
+    for rank in ranks:
+        assert rank[label]["weights_equal_files"]
+        assert rank[label]["buffers_equal"]  # rotary inv_freq is not in the state dict
+        assert rank[label]["loss"] == pytest.approx(rank[label]["reference_loss"], abs=1e-6)
+
+
+def test_hybrid_shards_within_a_node_and_replicates_across_nodes(ranks_4):
+    for rank in ranks_4:
+        case = rank["hybrid-2x2"]
+        assert case["q_proj_share"] == pytest.approx(0.5)
+        assert case["weights_equal_files"] and case["buffers_equal"]
+        assert case["loss"] == pytest.approx(case["reference_loss"], abs=1e-6)
+    assert [r["hybrid-2x2"]["read_weights"] for r in ranks_4] == [True, False, False, False]
+
+
+def test_tied_embeddings_and_a_missing_pad_token(ranks):
+    tied = ranks[0]["tied"]
+    assert tied["pad_token"] == "<|eos|>"  # eos stands in for the missing pad token
+    assert tied["export_tied"] is True
+    assert tied["export_loss"] == pytest.approx(tied["reference_loss"], abs=1e-6)
+
+
+if __name__ == "__main__":
+    world = int(os.environ["WORLD_SIZE"])
+    probe(Path(sys.argv[1]), Path(sys.argv[2]), CASES if world == 2 else CASES_4)

@@ -1,0 +1,382 @@
+"""The trainer end to end: `ftjob run` with 2 real processes (2 nodes x 1 CPU process).
+
+    python -m pytest tests/e2e/test_trainer_run.py -q
+
+Runs are module-scoped and shared between the assertions about them: a full fine-tune, the
+same job killed (SIGKILL of rank 1) and resumed, a LoRA run, a QLoRA run on the same base.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+RUN_TIMEOUT = 240
+
+BASE = {
+    "apiVersion": "ftjob.dev/v1alpha1",
+    "kind": "FineTuneJob",
+    "metadata": {"name": "t"},
+    "spec": {
+        "model": {"source": str(EXAMPLES / "tiny-model")},
+        "dataset": {
+            "source": str(EXAMPLES / "data" / "tiny-text.jsonl"),
+            "format": "text",
+            "maxSeqLength": 128,
+            "evalFraction": 0.02,
+        },
+        "method": {"type": "full"},
+        "training": {
+            "maxSteps": 30,
+            "learningRate": 3e-3,
+            "warmup": 2,
+            "microBatchSize": 2,
+            "activationCheckpointing": True,
+            "logEvery": 1,
+            "evalEvery": 0,
+        },
+        "resources": {"nodes": 2, "gpusPerNode": 0},
+        "checkpoint": {"volume": {"claimName": "shared"}, "every": 4, "keep": 2},
+    },
+}
+
+
+def job(name: str, **changes) -> dict:
+    """BASE with spec sections updated, e.g. job("x", method={"type": "lora"})."""
+    doc = copy.deepcopy(BASE)
+    doc["metadata"]["name"] = name
+    for section, values in changes.items():
+        doc["spec"].setdefault(section, {}).update(values)
+    return doc
+
+
+def start(doc: dict, workdir: Path) -> subprocess.Popen:
+    workdir.mkdir(parents=True, exist_ok=True)
+    job_file = workdir.parent / f"{workdir.name}.yaml"
+    job_file.write_text(yaml.safe_dump(doc, sort_keys=False))
+    cmd = [sys.executable, "-m", "ftjob", "run", str(job_file), "--workdir", str(workdir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FTJOB_PROGRESS_PORT": "0"}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)  # fmt: skip
+
+
+def run(doc: dict, workdir: Path) -> tuple[int, str]:
+    proc = start(doc, workdir)
+    out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    return proc.returncode, out
+
+
+def history(workdir: Path, event: str = "step") -> list[dict]:
+    path = workdir / "progress.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line being written while we read
+            continue
+    return [r for r in rows if r["event"] == event]
+
+
+def losses(workdir: Path) -> dict[int, float]:
+    """step -> loss; a resumed run's later lines overwrite the first attempt's."""
+    return {r["step"]: r["loss"] for r in history(workdir)}
+
+
+def eval_loss_of(model, workdir: Path) -> float:
+    """Eval loss of a reloaded model, on the eval set the trainer used (one process)."""
+    from ftjob.spec import parse_resource
+    from ftjob.trainer import data
+    from ftjob.trainer.model import load_tokenizer
+    from ftjob.trainer.train import token_loss
+
+    _, spec = parse_resource(json.loads((workdir / "spec.json").read_text()))
+    ds = data.load(spec, load_tokenizer(spec))
+    total = count = 0.0
+    model.eval()
+    with torch.no_grad():
+        for batch in data.eval_batches(ds, 0, 1, spec.training.micro_batch_size):
+            loss, n = token_loss(model, batch, torch.device("cpu"))
+            total, count = total + float(loss), count + n
+    return total / count
+
+
+def final(workdir: Path) -> dict:
+    return json.loads((workdir / "progress.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("runs")
+
+
+# ---------------------------------------------------------------------------------- full
+
+
+@pytest.fixture(scope="module")
+def full(runs):
+    code, out = run(job("full"), runs / "full")
+    assert code == 0, out
+    return runs / "full", out
+
+
+def test_full_run_lowers_the_loss_and_prints_the_export(full):
+    workdir, out = full
+    curve = losses(workdir)
+    assert sorted(curve) == list(range(1, 31))
+    first, last = curve[1], sum(curve[s] for s in (28, 29, 30)) / 3
+    assert last < first - 1.5, curve
+    assert f"the exported model is in {workdir / 'model'}" in out
+
+
+def test_full_run_keeps_the_last_k_committed_checkpoints(full):
+    workdir, _ = full
+    kept = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+    assert kept == ["step-00000024", "step-00000028"]
+    for name in kept:
+        folder = workdir / "checkpoints" / name
+        assert (folder / "COMMITTED").is_file() and (folder / ".metadata").is_file()
+        assert {p.name for p in folder.glob("rng-rank*.pt")} == {"rng-rank0.pt", "rng-rank1.pt"}
+
+
+def test_full_export_reloads_with_the_trained_models_eval_loss(full):
+    from transformers import AutoModelForCausalLM
+
+    workdir, _ = full
+    export = workdir / "model"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+        p.name for p in export.iterdir()
+    }
+    model = AutoModelForCausalLM.from_pretrained(export)
+    trained = final(workdir)["evalLoss"]
+    assert eval_loss_of(model, workdir) == pytest.approx(trained, abs=1e-5)
+
+
+def test_progress_json_is_the_documented_contract(full):
+    workdir, _ = full
+    snap = final(workdir)
+    assert snap["phase"] == "succeeded"
+    assert (snap["step"], snap["totalSteps"]) == (30, 30)
+    assert snap["exportPath"] == str(workdir / "model")
+    assert snap["mfu"] is None  # CPU: no meaningful peak FLOP/s
+    assert snap["tokensPerSecond"] > 0 and snap["lastCheckpointStep"] == 28
+    assert isinstance(snap["port"], int) and snap["port"] > 0
+
+
+# ---------------------------------------------------------------------------------- resume
+
+
+def rank_pid(workdir: Path, rank: int) -> int | None:
+    """The trainer process of ``rank`` in this job (found by its environment)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = dict(
+                item.split("=", 1)
+                for item in (proc / "environ").read_text().split("\0")
+                if "=" in item
+            )
+            cmdline = (proc / "cmdline").read_text()
+        except OSError:
+            continue
+        if (
+            env.get("FTJOB_JOB_DIR") == str(workdir)
+            and env.get("RANK") == str(rank)
+            and "ftjob.trainer" in cmdline
+            and "torch.distributed.run" not in cmdline
+        ):
+            return int(proc.name)
+    return None
+
+
+@pytest.fixture(scope="module")
+def killed(runs):
+    """The full job again: rank 1 SIGKILLed mid-run, then `ftjob run` once more."""
+    workdir = runs / "killed"
+    proc = start(job("full"), workdir)
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not any(s >= 6 for s in losses(workdir)):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.kill(rank_pid(workdir, 1), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    killed_at = max(losses(workdir))
+    # Leftovers a crash can leave: a half-written save and a folder that was never committed.
+    (workdir / "checkpoints" / ".tmp-step-00000032").mkdir()
+    (workdir / "checkpoints" / "step-00000096").mkdir()
+    (workdir / "checkpoints" / "step-00000096" / "__0_0.distcp").write_bytes(b"partial")
+    code, out2 = run(job("full"), workdir)
+    return workdir, proc.returncode, out, killed_at, code, out2
+
+
+def test_a_killed_rank_fails_the_run_with_its_error(killed):
+    _, code, out, killed_at, _, _ = killed
+    assert killed_at < 30
+    assert code == 1
+    assert "ftjob run: node " in out and " failed (exit code " in out
+    assert "run it again: it resumes from the newest checkpoint" in out
+
+
+def test_restart_resumes_from_newest_complete_checkpoint_ignoring_partial(killed):
+    workdir, _, _, killed_at, code, out = killed
+    assert code == 0, out
+    assert f"resuming from checkpoint {workdir / 'checkpoints'}/step-" in out
+    line = next(x for x in out.splitlines() if "resuming from checkpoint" in x)
+    step = int(line.rsplit("(step ", 1)[1].rstrip(")"))
+    assert 4 <= step <= killed_at and step % 4 == 0
+    assert "step-00000096" not in line
+
+
+def test_resumed_losses_equal_the_uninterrupted_run(killed, full):
+    workdir = killed[0]
+    resumed, reference = losses(workdir), losses(full[0])
+    assert sorted(resumed) == list(range(1, 31))
+    diffs = [abs(resumed[s] - reference[s]) for s in range(1, 31)]
+    print(f"resume parity: max |loss difference| = {max(diffs)}")
+    assert max(diffs) == 0.0
+
+
+# ---------------------------------------------------------------------------------- lora
+
+
+# The tiny base is random: adapters learn visibly only with the output head adapted too.
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+LORA = {"type": "lora", "lora": {"r": 16, "alpha": 16, "dropout": 0.0, "targetModules": TARGETS}}
+ADAPTER_TRAINING = {"maxSteps": 20, "learningRate": 1e-2, "evalEvery": 10}
+
+
+@pytest.fixture(scope="module")
+def lora(runs):
+    doc = job(
+        "lora",
+        method=LORA,
+        training=ADAPTER_TRAINING,
+        output={"mergeAdapter": True},
+        checkpoint={"every": 8, "asyncSave": True},
+    )
+    code, out = run(doc, runs / "lora")
+    assert code == 0, out
+    return runs / "lora"
+
+
+def test_lora_run_lowers_the_loss(lora):
+    curve = losses(lora)
+    assert sorted(curve) == list(range(1, 21))
+    assert sum(curve[s] for s in (18, 19, 20)) / 3 < curve[1] - 1.5, curve
+    # the async checkpoints were committed too
+    assert sorted(p.name for p in (lora / "checkpoints").iterdir()) == [
+        "step-00000008",
+        "step-00000016",
+    ]
+
+
+def test_lora_adapter_and_merged_model_reload_with_equal_loss(lora):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    export = lora / "model"
+    trained = final(lora)["evalLoss"]
+    base = AutoModelForCausalLM.from_pretrained(EXAMPLES / "tiny-model")
+    adapted = PeftModel.from_pretrained(base, export)
+    assert eval_loss_of(adapted, lora) == pytest.approx(trained, abs=1e-5)
+    merged = AutoModelForCausalLM.from_pretrained(export / "merged")
+    assert eval_loss_of(merged, lora) == pytest.approx(trained, abs=1e-4)
+
+
+# ---------------------------------------------------------------------------------- qlora
+
+
+@pytest.fixture(scope="module")
+def qlora(runs):
+    method = {**LORA, "type": "qlora", "quantization": {"type": "nf4", "doubleQuant": True}}
+    doc = job("qlora", method=method, training=ADAPTER_TRAINING)
+    code, out = run(doc, runs / "qlora")
+    assert code == 0, out
+    return runs / "qlora"
+
+
+def test_qlora_trains_like_lora_on_the_same_base(qlora, lora):
+    q, ref = losses(qlora), losses(lora)
+    assert sorted(q) == list(range(1, 21))
+    assert sum(q[s] for s in (18, 19, 20)) / 3 < q[1] - 1.5, q
+    # 4-bit weights shift the loss a little; the curves must stay together.
+    gaps = [abs(q[s] - ref[s]) / ref[s] for s in q]
+    print(f"qlora vs lora: max relative loss gap {max(gaps):.4f}")
+    assert max(gaps) < 0.05, (q, ref)
+    adapter = json.loads((qlora / "model" / "adapter_config.json").read_text())
+    assert adapter["r"] == 16
+
+
+def test_qlora_resumes_exactly_from_its_checkpoint(qlora, runs):
+    """4-bit base, sharded adapters: a restart after step 16 repeats steps 17-20 exactly."""
+    workdir = runs / "qlora-again"
+    shutil.copytree(qlora, workdir)
+    shutil.rmtree(workdir / "model")  # as if the gang died before the export
+    method = {**LORA, "type": "qlora", "quantization": {"type": "nf4", "doubleQuant": True}}
+    code, out = run(job("qlora", method=method, training=ADAPTER_TRAINING), workdir)
+    assert code == 0, out
+    assert "(step 16)" in out
+    again, first = losses(workdir), losses(qlora)
+    assert [again[s] for s in range(17, 21)] == [first[s] for s in range(17, 21)]
+
+
+# ---------------------------------------------------------------------------------- errors
+
+
+def test_bad_data_fails_at_once_naming_file_and_line(runs, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "fine too"}\n{"text": oops}\n')
+    doc = job("bad-data", dataset={"source": str(bad)})
+    start_time = time.monotonic()
+    code, out = run(doc, runs / "bad-data")
+    assert code == 1
+    assert f"{bad} line 3: not valid JSON" in out
+    assert "ftjob run: node " in out
+    assert time.monotonic() - start_time < 60
+
+
+def test_bad_spec_is_refused_before_any_process_starts(tmp_path):
+    doc = job("bad-spec", training={"maxSteps": 0})
+    code, out = run(doc, tmp_path / "bad-spec")
+    assert code == 1
+    assert "spec.training.maxSteps" in out
+    assert not (tmp_path / "bad-spec" / "spec.json").exists()
+
+
+def test_ctrl_c_stops_every_process(runs):
+    workdir = runs / "interrupted"
+    proc = start(job("interrupted", training={"maxSteps": 500}), workdir)
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not losses(workdir):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    assert rank_pid(workdir, 0) and rank_pid(workdir, 1)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "interrupted; stopping every process" in out
+    assert rank_pid(workdir, 0) is None and rank_pid(workdir, 1) is None
+
+
+def test_trainer_entry_refuses_a_bad_spec_naming_the_field(tmp_path):
+    spec_file = tmp_path / "bad.yaml"
+    spec_file.write_text(yaml.safe_dump(job("bad", dataset={"maxSeqLength": 4})))
+    cmd = [sys.executable, "-m", "ftjob.trainer", "--spec", str(spec_file)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "spec.dataset.maxSeqLength: must be an integer between 16" in proc.stderr

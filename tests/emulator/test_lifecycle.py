@@ -1,0 +1,213 @@
+"""Every lifecycle path of a FineTuneJob, with `ftjob operator` running as a real process
+against the API emulator; the test plays kubelet (pod phases, exit codes, messages)."""
+
+import json
+import threading
+from datetime import datetime, timedelta, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from support import ROOT, events_of, gang_running, job_pods, job_status, tiny_job, wait_phase
+
+from ftjob import manifest
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def env_of(pod: dict) -> dict:
+    return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_a_new_job_gets_its_children_and_runs(cluster, operator):
+    job = cluster.create_job(tiny_job("run"))
+    pods = gang_running(cluster, "run", 0)
+    uid = job["metadata"]["uid"]
+    for obj in [*pods, cluster.get("services", "run"), cluster.get("configmaps", "run-spec")]:
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
+        assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "ftjob-operator"
+    status = wait_phase(cluster, "run", "Running")
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Running"]["status"] == "True"
+    assert conditions["Created"]["reason"] == "PodsCreated"
+    assert status["observedGeneration"] == 1 and status["attempt"] == 0 and status["startTime"]
+    cluster.wait(lambda: "AllPodsRunning" in events_of(cluster, "run"), 10, "a Running event")
+    # kopf's bookkeeping stays out of .status, and its finalizer carries our name.
+    assert "kopf" not in job_status(cluster, "run")
+    assert cluster.get("finetunejobs", "run")["metadata"]["finalizers"] == ["ftjob.dev/finalizer"]
+
+
+def test_every_node_exiting_zero_succeeds(cluster, operator):
+    cluster.create_job(tiny_job("ok"))
+    gang_running(cluster, "ok", 0)
+    cluster.terminate("ok-node-1", 0)
+    cluster.terminate("ok-node-0", 0, message='{"exportPath": "/ftjob/ok/model"}')
+    status = wait_phase(cluster, "ok", "Succeeded")
+    assert status["completionTime"] and status["modelPath"] == "/ftjob/ok/model"
+    cluster.wait(lambda: "Completed" in events_of(cluster, "ok"), 10, "a Completed event")
+
+
+def test_exit_zero_without_an_exported_model_is_not_success(cluster, operator):
+    cluster.create_job(tiny_job("hollow"))
+    gang_running(cluster, "hollow", 0)
+    cluster.terminate("hollow-node-1", 0)
+    cluster.terminate("hollow-node-0", 0)  # no termination message: no model was written
+    status = wait_phase(cluster, "hollow", "Failed")
+    assert "named no exported model" in status["failure"]["message"]
+    assert status["restarts"] == 0
+
+
+def test_a_failed_pod_replaces_the_whole_gang(cluster, operator):
+    cluster.create_job(tiny_job("oom", runPolicy={"backoffLimit": 2}))
+    first = gang_running(cluster, "oom", 0)
+    cluster.terminate("oom-node-1", 137, "OOMKilled")
+    second = gang_running(cluster, "oom", 1)
+    status = job_status(cluster, "oom")
+    assert status["restarts"] == 1 and status["attempt"] == 1
+    assert status["failure"]["reason"] == "OOMKilled" and status["failure"]["rank"] == 1
+    rdzv = {env_of(p)["PET_RDZV_ID"] for p in first} | {env_of(p)["PET_RDZV_ID"] for p in second}
+    assert len(rdzv) == 2  # the new gang never rendezvouses with the old one
+    assert "OOMKilled" in events_of(cluster, "oom")
+
+
+def test_backoff_limit_fails_the_job_and_stops_the_gang(cluster, operator):
+    cluster.create_job(tiny_job("limit", runPolicy={"backoffLimit": 0}))
+    gang_running(cluster, "limit", 0)
+    cluster.terminate("limit-node-0", 1, message="RuntimeError: boom")
+    status = wait_phase(cluster, "limit", "Failed")
+    assert status["failure"]["reason"] == "Error" and "boom" in status["failure"]["message"]
+    failed = {c["type"]: c for c in status["conditions"]}["Failed"]
+    assert "backoffLimit (0) reached" in failed["message"]
+    # The surviving rank is stopped; the failed pod stays for `kubectl logs`.
+    cluster.wait(lambda: len(job_pods(cluster, "limit")) == 1, 10, "the survivor to go")
+
+
+def test_bad_input_fails_at_once(cluster, operator):
+    cluster.create_job(tiny_job("bad", runPolicy={"backoffLimit": 3}))
+    gang_running(cluster, "bad", 0)
+    cluster.terminate("bad-node-0", 1, message="error: bad data: no record has 'messages'")
+    status = wait_phase(cluster, "bad", "Failed")
+    assert status["failure"]["reason"] == "BadInput" and status["restarts"] == 0
+
+
+def test_no_progress_for_the_stall_timeout_restarts_the_gang(cluster, operator):
+    cluster.create_job(tiny_job("stall", runPolicy={"stallTimeoutSeconds": 60}))
+    gang_running(cluster, "stall", 0)
+    status = wait_phase(cluster, "stall", "Running")
+    # Let the clock run: the gang has been "running" without progress for two minutes.
+    past = (datetime.now(timezone.utc) - timedelta(minutes=2)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for c in status["conditions"]:
+        if c["type"] == "Running":
+            c["lastTransitionTime"] = past
+    cluster.call(lambda: cluster.api.write_status("finetunejobs", "default", "stall", status))
+    gang_running(cluster, "stall", 1)
+    status = job_status(cluster, "stall")
+    assert status["failure"]["reason"] == "Stalled" and status["restarts"] == 1
+    assert "stallTimeoutSeconds 60" in status["failure"]["message"]
+
+
+def test_suspend_removes_the_pods_and_resume_brings_a_new_gang(cluster, operator):
+    cluster.create_job(tiny_job("pause"))
+    gang_running(cluster, "pause", 0)
+    cluster.patch_job_spec("pause", {"runPolicy": {"suspend": True}})
+    wait_phase(cluster, "pause", "Suspended")
+    cluster.wait(lambda: not job_pods(cluster, "pause"), 10, "the pods to go")
+    assert cluster.get("configmaps", "pause-spec")  # the job keeps its spec and volume
+    cluster.patch_job_spec("pause", {"runPolicy": {"suspend": False}})
+    gang_running(cluster, "pause", 1)
+    status = wait_phase(cluster, "pause", "Running")
+    assert status["restarts"] == 0 and status["observedGeneration"] == 3
+    assert {"Suspended", "Resumed"} <= set(events_of(cluster, "pause"))
+
+
+def test_active_deadline_fails_the_job(cluster, operator):
+    cluster.create_job(tiny_job("late", runPolicy={"activeDeadlineSeconds": 2}))
+    gang_running(cluster, "late", 0)
+    status = wait_phase(cluster, "late", "Failed", timeout=15)
+    assert status["failure"]["reason"] == "DeadlineExceeded"
+    cluster.wait(lambda: not job_pods(cluster, "late"), 10, "the pods to go")
+
+
+def test_ttl_after_finished_deletes_the_job_and_its_children(cluster, operator):
+    cluster.create_job(tiny_job("ttl", runPolicy={"ttlSecondsAfterFinished": 1}))
+    gang_running(cluster, "ttl", 0)
+    cluster.terminate("ttl-node-0", 0, message='{"exportPath": "/ftjob/ttl/model"}')
+    cluster.terminate("ttl-node-1", 0)
+    cluster.wait(lambda: cluster.get("finetunejobs", "ttl") is None, 15, "the job to go")
+    cluster.wait(lambda: not job_pods(cluster, "ttl"), 10, "the pods to go")
+    assert cluster.get("configmaps", "ttl-spec") is None and cluster.get("services", "ttl") is None
+
+
+def test_deleting_a_job_removes_its_children(cluster, operator):
+    cluster.create_job(tiny_job("gone"))
+    gang_running(cluster, "gone", 0)
+    cluster.call(
+        lambda: cluster.api.begin_delete(
+            ("ftjob.dev", "v1alpha1", "finetunejobs", "default", "gone")
+        )
+    )
+    cluster.wait(lambda: cluster.get("finetunejobs", "gone") is None, 15, "the job to go")
+    cluster.wait(lambda: not job_pods(cluster, "gone"), 10, "the pods to go")
+    assert cluster.get("services", "gone") is None
+
+
+class _Progress(BaseHTTPRequestHandler):
+    snapshot: dict = {}
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        body = json.dumps(self.snapshot).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_progress_from_rank_0_reaches_status(cluster, operator):
+    doc = tiny_job("prog")
+    port = doc["spec"]["network"]["progressPort"]
+    _Progress.snapshot = {
+        "phase": "training",
+        "step": 30,
+        "totalSteps": 60,
+        "loss": 2.25,
+        "etaSeconds": 90,
+        "updatedAt": "2030-01-01T00:00:00Z",
+        "lastCheckpointStep": 20,
+        "lastCheckpoint": "/ftjob/prog/ckpt/20",
+    }
+    server = ThreadingHTTPServer(("127.0.0.1", port), _Progress)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cluster.create_job(doc)
+        gang_running(cluster, "prog", 0)
+        status = cluster.wait(
+            lambda: (s := job_status(cluster, "prog")).get("progress") and s, 15, "progress"
+        )
+        assert status["progress"]["display"] == "30/60" and status["progress"]["loss"] == 2.25
+        assert status["progress"]["eta"] == "1m30s"
+        assert status["lastCheckpoint"] == {
+            "step": 20,
+            "path": "/ftjob/prog/ckpt/20",
+            "time": "2030-01-01T00:00:00Z",
+        }
+    finally:
+        server.shutdown()
+
+
+def test_metrics_count_jobs_by_phase_and_restarts(cluster, operator):
+    text = operator.get_metrics()
+    assert 'ftjob_jobs{phase="Running"}' in text
+    restarts = next(line for line in text.splitlines() if line.startswith("ftjob_gang_restarts"))
+    assert int(restarts.split()[1]) >= 2  # oom and stall above
+    count = next(line for line in text.splitlines() if line.startswith("ftjob_reconcile_seconds_c"))
+    assert int(count.split()[1]) > 0
+
+
+def test_a_job_that_will_not_fit_fails_before_any_pod(cluster, operator):
+    doc = manifest.load(ROOT / "examples" / "llama31-70b-qlora.yaml")[0]
+    cluster.create_job(doc)
+    status = wait_phase(cluster, doc["metadata"]["name"], "Failed")
+    assert status["failure"]["reason"] == "WillNotFit" and "GiB" in status["failure"]["message"]
+    assert not job_pods(cluster, doc["metadata"]["name"]) and "startTime" not in status

@@ -1,0 +1,158 @@
+"""The operator converges through crashes, API errors and dropped watches: it never
+duplicates pods, never counts one failure twice and never loses status."""
+
+import time
+
+import pytest
+from apiserver import CRD_RESOURCE
+from cluster import Cluster
+from support import Operator, gang_running, job_pods, job_status, tiny_job, wait_phase
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def fresh(tmp_path):
+    """A cluster of its own and an operator that the test may kill."""
+    with Cluster(tmp_path) as cluster:
+        op = Operator(cluster, tmp_path / "operator.log")
+        yield cluster, op
+        op.stop()
+
+
+def test_operator_killed_mid_job_resumes_without_duplicates(fresh):
+    cluster, op = fresh
+    op.start()
+    cluster.create_job(tiny_job("crash", runPolicy={"backoffLimit": 3}))
+    first = {p["metadata"]["uid"] for p in gang_running(cluster, "crash", 0)}
+    wait_phase(cluster, "crash", "Running")
+    op.kill()
+    # While no operator runs, a node fails.
+    cluster.terminate("crash-node-1", 1, message="NCCL watchdog: operation timed out")
+    op.start()
+    second = gang_running(cluster, "crash", 1)
+    assert not first & {p["metadata"]["uid"] for p in second}
+    time.sleep(2)  # several resyncs: nothing more may happen
+    status = job_status(cluster, "crash")
+    assert status["restarts"] == 1 and status["attempt"] == 1 and status["phase"] == "Running"
+    assert status["failure"]["reason"] == "NCCLTimeout"
+    assert len(job_pods(cluster, "crash")) == 2
+
+
+def test_restarting_the_operator_changes_nothing_that_is_right(fresh):
+    cluster, op = fresh
+    op.start()
+    cluster.create_job(tiny_job("steady"))
+    pods = {p["metadata"]["uid"] for p in gang_running(cluster, "steady", 0)}
+    before = wait_phase(cluster, "steady", "Running")
+    op.stop()
+    op.start()
+    time.sleep(2.5)
+    assert {p["metadata"]["uid"] for p in job_pods(cluster, "steady")} == pods
+    assert job_status(cluster, "steady") == before
+
+
+def test_api_errors_and_conflicts_are_retried(fresh):
+    cluster, op = fresh
+    cluster.call(lambda: cluster.api.fail("POST", "pods", 500, times=2))
+    cluster.call(lambda: cluster.api.fail("PATCH", "finetunejobs", 409, subresource="status"))
+    op.start()
+    cluster.create_job(tiny_job("flaky"))
+    gang_running(cluster, "flaky", 0)
+    wait_phase(cluster, "flaky", "Running")
+    errors = next(
+        line for line in op.get_metrics().splitlines() if line.startswith("ftjob_reconcile_errors")
+    )
+    assert int(errors.split()[1]) >= 2
+    assert all(f.times == 0 for f in cluster.api.faults)
+
+
+def test_dropped_watches_are_resumed(fresh):
+    cluster, op = fresh
+    op.start()
+    cluster.create_job(tiny_job("drop"))
+    gang_running(cluster, "drop", 0)
+    wait_phase(cluster, "drop", "Running")
+    cluster.call(cluster.api.drop_watches)
+    time.sleep(0.5)
+    cluster.terminate("drop-node-0", 137, "OOMKilled")
+    gang_running(cluster, "drop", 1)
+    assert job_status(cluster, "drop")["failure"]["reason"] == "OOMKilled"
+
+
+# kopf's peering resource (as in kopf's docs/peering.yaml): peers write their liveness into
+# the object's status, which therefore is not a subresource here.
+PEERING_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "clusterkopfpeerings.kopf.dev"},
+    "spec": {
+        "group": "kopf.dev",
+        "scope": "Cluster",
+        "names": {
+            "kind": "ClusterKopfPeering",
+            "plural": "clusterkopfpeerings",
+            "singular": "clusterkopfpeering",
+        },
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "x-kubernetes-preserve-unknown-fields": True,
+                    }
+                },
+            }
+        ],
+    },
+}
+
+
+def test_two_replicas_peer_and_only_the_leader_acts(fresh, tmp_path):
+    cluster, _ = fresh
+    peering = {
+        "apiVersion": "kopf.dev/v1",
+        "kind": "ClusterKopfPeering",
+        "metadata": {"name": "ftjob"},
+    }
+    cluster.call(lambda: cluster.api.create_object(CRD_RESOURCE, None, PEERING_CRD))
+    gvp = ("kopf.dev", "v1", "clusterkopfpeerings")
+    cluster.call(lambda: cluster.api.create_object(gvp, None, peering))
+    peered = ("--peering", "ftjob")
+    leader = Operator(
+        cluster, tmp_path / "leader.log", *peered, "--priority", "20", standalone=False
+    ).start()
+    backup = Operator(
+        cluster, tmp_path / "backup.log", *peered, "--priority", "10", standalone=False
+    ).start()
+    try:
+        # The backup starts paused and stays so while a higher priority peer is alive.
+        cluster.create_job(tiny_job("peer"))
+        gang_running(cluster, "peer", 0)
+        wait_phase(cluster, "peer", "Running")
+        assert leader.metric("ftjob_reconcile_seconds_count") > 0
+        assert backup.metric("ftjob_reconcile_seconds_count") == 0
+        leader.stop()  # a clean exit takes it out of the peering at once
+        cluster.wait(lambda: backup.logged("Resuming operations"), 20, "the backup to resume")
+        cluster.terminate("peer-node-0", 137, "OOMKilled")
+        gang_running(cluster, "peer", 1)
+        assert backup.metric("ftjob_gang_restarts_total") == 1
+    finally:
+        leader.stop()
+        backup.stop()
+
+
+def test_an_operator_for_some_namespaces_leaves_the_others_alone(fresh):
+    cluster, _ = fresh
+    op = Operator(cluster, cluster.workdir / "scoped.log", "--namespace", "team-a").start()
+    try:
+        cluster.create_job(tiny_job("mine"), namespace="team-a")
+        cluster.create_job(tiny_job("other"), namespace="default")
+        cluster.wait(lambda: len(job_pods(cluster, "mine", "team-a")) == 2, 20, "team-a's pods")
+        time.sleep(1.5)  # more than a resync
+        assert not job_pods(cluster, "other") and job_status(cluster, "other") == {}
+    finally:
+        op.stop()

@@ -1,0 +1,659 @@
+"""The Helm chart, rendered offline by the real Helm engine (helm-python-sdk), and the
+kubectl manifests generated from it.
+
+Every combination of values is linted (strict) and rendered; every object it renders is
+checked against Kubernetes 1.30's and 1.37's own schemas (kubernetes-validate, strict) or,
+for custom resources, against their CRD's schema. The RBAC rules are compared, both ways,
+with what the operator's code calls: ftjob/operator/kube.py's API calls and the kopf
+handlers of ftjob/operator/handlers.py, both read with ``ast``.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from ftjob import __version__, crd, spec
+from ftjob.operator.__main__ import add_arguments
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "ftjob"
+KUBE_PY = ROOT / "ftjob" / "operator" / "kube.py"
+HANDLERS_PY = ROOT / "ftjob" / "operator" / "handlers.py"
+KUBE_VERSIONS = ["1.30.0", "1.37.0"]
+NAMESPACE = "ftjob-system"
+
+COMBOS = {
+    "defaults": {},
+    "namespaced": {"watchNamespaces": ["team-a", "team-b"]},
+    "ha-peering": {"replicaCount": 2, "peering": {"enabled": True, "name": "ftjob-ha"}},
+    "ha-namespaced": {
+        "replicaCount": 3,
+        "peering": {"enabled": True},
+        "watchNamespaces": ["team-a"],
+    },
+    "monitoring": {
+        "metrics": {
+            "port": 9400,
+            "service": {"annotations": {"prometheus.io/scrape": "true"}},
+            "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "kps"}},
+        }
+    },
+    "private-registry-gpu-cluster": {
+        "image": {"repository": "registry.example.com/ml/ftjob-operator", "tag": "0.1.0-rc1"},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "nodeSelector": {"node-role.kubernetes.io/control-plane": ""},
+        "tolerations": [{"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchExpressions": [
+                                {"key": "nvidia.com/gpu.present", "operator": "DoesNotExist"}
+                            ]
+                        }
+                    ]
+                }
+            }
+        },
+        "priorityClassName": "system-cluster-critical",
+        "podLabels": {"team": "ml-platform"},
+        "podAnnotations": {"example.com/owner": "ml-platform"},
+        "serviceAccount": {"name": "ftjob-operator", "annotations": {"example.com/role": "x"}},
+        "operator": {
+            "healthPort": 8081,
+            "extraArgs": ["--verbose"],
+            "env": [{"name": "FTJOB_RESYNC_SECONDS", "value": "60"}],
+        },
+        "resources": {"requests": {"cpu": "200m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
+    },
+    "no-metrics-own-rbac": {
+        "metrics": {"enabled": False},
+        "rbac": {"create": False},
+        "serviceAccount": {"create": False, "name": "platform-operator"},
+        "fullnameOverride": "finetune",
+    },
+}
+
+
+def render(values: dict, namespace: str = NAMESPACE) -> dict[str, str]:
+    with helm.Chart.load(str(CHART)) as chart:
+        return chart.render(values, name="ftjob", namespace=namespace, is_install=True)
+
+
+def objects(values: dict) -> list[dict]:
+    out = []
+    for path, text in sorted(render(values).items()):
+        if path.endswith(".yaml"):
+            out += [d for d in yaml.safe_load_all(text) if d]
+    return out
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {name: objects(values) for name, values in COMBOS.items()}
+
+
+def the(objs: list[dict], kind: str) -> dict:
+    found = [o for o in objs if o["kind"] == kind]
+    assert len(found) == 1, f"{len(found)} {kind}s"
+    return found[0]
+
+
+# -- lint, render, validate -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("combo", COMBOS)
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+def test_lint_is_clean_in_strict_mode(combo, kube):
+    report = helm.lint(str(CHART), COMBOS[combo], strict=True, kube_version=f"v{kube}")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # warnings and errors
+    assert report["errors"] == [] and problems == [], report
+
+
+@pytest.mark.parametrize("combo", COMBOS)
+def test_every_rendered_object_is_valid_kubernetes(combo, rendered):
+    crd_schemas = {(c["spec"]["group"], c["spec"]["names"]["kind"]): c for c in chart_crds()}
+    objs = rendered[combo]
+    assert objs
+    for obj in objs:
+        group = obj["apiVersion"].rpartition("/")[0]
+        if (group, obj["kind"]) in crd_schemas:
+            custom = crd_schemas[(group, obj["kind"])]
+            schema = custom["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+            jsonschema.validate(obj, schema)
+            namespaced = custom["spec"]["scope"] == "Namespaced"
+            assert ("namespace" in obj["metadata"]) == namespaced, obj["metadata"]
+        elif group == "monitoring.coreos.com":
+            jsonschema.validate(obj, SERVICE_MONITOR_SUBSET)
+        else:
+            for kube in KUBE_VERSIONS:
+                kubernetes_validate.validate(obj, kube, strict=True)
+
+
+# The chart's only resource whose CRD it does not ship (the Prometheus Operator's). A subset
+# of monitoring.coreos.com/v1 ServiceMonitor's schema, closed over the fields the chart
+# writes, so a misspelt or misplaced field fails here rather than being pruned by the server.
+SERVICE_MONITOR_SUBSET = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {"type": "object", "required": ["name", "namespace"]},
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "endpoints"],
+            "properties": {
+                "selector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"matchLabels": {"type": "object"}},
+                },
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"matchNames": {"type": "array", "items": {"type": "string"}}},
+                },
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "interval": {
+                                "type": "string",
+                                "pattern": "^(0|(([0-9]+)(ms|s|m|h))+)$",
+                            },
+                            "scrapeTimeout": {
+                                "type": "string",
+                                "pattern": "^(0|(([0-9]+)(ms|s|m|h))+)$",
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def chart_crds() -> list[dict]:
+    with helm.Chart.load(str(CHART)) as chart:
+        return [d for c in chart.crds for d in yaml.safe_load_all(c["data"]) if d]
+
+
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+def test_chart_crds_are_valid_kubernetes(kube):
+    kinds = sorted(c["spec"]["names"]["kind"] for c in chart_crds())
+    assert kinds == ["ClusterKopfPeering", "FineTuneJob", "KopfPeering"]
+    for c in chart_crds():
+        kubernetes_validate.validate(c, kube, strict=True)
+
+
+def test_chart_crd_equals_generator():
+    copy = CHART / "crds" / f"{spec.PLURAL}.{spec.GROUP}.yaml"
+    assert copy.read_text() == crd.render_yaml(), "regenerate: python scripts/manifests.py"
+
+
+def test_chart_version_is_ftjobs_and_so_is_the_image_tag(rendered):
+    meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert meta["appVersion"] == __version__
+    image = the(rendered["defaults"], "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert image["image"] == f"ghcr.io/ftjob/operator:{__version__}"
+    assert spec.DEFAULT_IMAGE.endswith(f":{__version__}")  # the trainer image of the same release
+
+
+# -- values --------------------------------------------------------------------------------
+
+
+def test_every_value_in_values_yaml_has_a_comment():
+    """Each leaf is documented by a comment on itself or on one of its parents."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    documented: dict[tuple[int, str], bool] = {}
+    stack: list[tuple[int, str, bool]] = []  # (indent, key, documented)
+    undocumented = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^( *)([A-Za-z][\w-]*):(.*)$", line)
+        if not m:
+            continue
+        indent, key, rest = len(m.group(1)), m.group(2), m.group(3)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        has_comment = i > 0 and lines[i - 1].strip().startswith("#") or "#" in rest
+        inherited = any(d for _, _, d in stack)
+        stack.append((indent, key, has_comment or inherited))
+        documented[(i, key)] = has_comment or inherited
+        is_leaf = rest.strip() != "" or not (
+            i + 1 < len(lines) and re.match(rf"^ {{{indent + 1},}}\S", lines[i + 1])
+        )
+        if is_leaf and not (has_comment or inherited):
+            undocumented.append(".".join(k for _, k, _ in stack))
+    assert len(documented) >= 30
+    assert undocumented == []
+
+
+def test_schema_and_values_agree():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    with helm.Chart.load(str(CHART)) as chart:
+        chart.validate_schema(values)
+        schema = chart.schema
+    assert set(schema["properties"]) - {"global"} == set(values)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"replicaCount": 2}, "/peering/enabled"),  # two operators acting at once
+        ({"watchNamespaces": ["Team_A"]}, "/watchNamespaces/0"),
+        ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+        ({"metrics": {"port": 80}}, "/metrics/port"),  # the pod runs non-root: no port < 1024
+        ({"replicas": 2}, "replicas"),  # unknown key: a typo is refused, not ignored
+    ],
+)
+def test_schema_refuses_bad_values(values, message):
+    with pytest.raises(helm.HelmValuesError, match=re.escape(message)):
+        render(values)
+
+
+def test_template_refuses_replicas_without_peering_even_without_the_schema(tmp_path):
+    """`helm install --skip-schema-validation` still cannot start two acting operators."""
+    chart = tmp_path / "ftjob"
+    shutil.copytree(CHART, chart)
+    (chart / "values.schema.json").unlink()
+    with helm.Chart.load(str(chart)) as loaded:
+        loaded.render({"peering": {"enabled": True}, "replicaCount": 2}, name="x", namespace="y")
+        with pytest.raises(helm.HelmRenderError, match="needs peering.enabled=true"):
+            loaded.render({"replicaCount": 2}, name="x", namespace="y")
+
+
+# -- the operator's Deployment -------------------------------------------------------------
+
+
+def operator_parser():
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="ftjob", exit_on_error=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_arguments(sub.add_parser("operator", exit_on_error=False))
+    return parser
+
+
+@pytest.mark.parametrize("combo", COMBOS)
+def test_operator_args_parse_with_the_operators_own_flags(combo, rendered):
+    values = COMBOS[combo]
+    pod = the(rendered[combo], "Deployment")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    args = operator_parser().parse_args(container["args"])
+    watch = values.get("watchNamespaces", [])
+    assert args.all_namespaces == (not watch) and args.namespace == watch
+    peering = values.get("peering", {}).get("enabled", False)
+    assert args.standalone == (not peering)
+    assert args.peering == (values["peering"].get("name", "ftjob") if peering else None)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert args.liveness == f"http://0.0.0.0:{ports['health']}/healthz"
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    metrics_on = values.get("metrics", {}).get("enabled", True)
+    assert args.metrics_port == (ports["metrics"] if metrics_on else 0)
+    assert ("metrics" in ports) == metrics_on
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
+def test_operator_pod_meets_the_restricted_pod_security_standard(rendered):
+    for combo, objs in rendered.items():
+        pod = the(objs, "Deployment")["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        sc, csc = pod["securityContext"], container["securityContext"]
+        assert sc["runAsNonRoot"] and sc["runAsUser"] > 0, combo
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert csc["allowPrivilegeEscalation"] is False and csc["capabilities"] == {"drop": ["ALL"]}
+        assert csc["readOnlyRootFilesystem"] is True
+        assert not pod.get("hostNetwork") and not pod.get("hostPID")
+        assert all(p["containerPort"] >= 1024 for p in container["ports"])
+        assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+
+
+def test_single_operator_is_recreated_replicas_roll(rendered):
+    assert the(rendered["defaults"], "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    ha = the(rendered["ha-peering"], "Deployment")["spec"]
+    assert ha["replicas"] == 2 and ha["strategy"]["type"] == "RollingUpdate"
+
+
+def test_values_reach_the_pod(rendered):
+    values = COMBOS["private-registry-gpu-cluster"]
+    pod = the(rendered["private-registry-gpu-cluster"], "Deployment")["spec"]["template"]
+    spec_ = pod["spec"]
+    assert spec_["containers"][0]["image"] == "registry.example.com/ml/ftjob-operator:0.1.0-rc1"
+    for key in ("imagePullSecrets", "nodeSelector", "tolerations", "affinity"):
+        assert spec_[key] == values[key], key
+    assert spec_["priorityClassName"] == values["priorityClassName"]
+    assert spec_["serviceAccountName"] == "ftjob-operator"
+    assert pod["metadata"]["labels"]["team"] == "ml-platform"
+    assert spec_["containers"][0]["args"][-1] == "--verbose"
+    assert spec_["containers"][0]["resources"] == values["resources"]
+
+
+def test_metrics_service_selects_only_the_operator(rendered):
+    objs = rendered["monitoring"]
+    service = the(objs, "Service")
+    deploy = the(objs, "Deployment")
+    selector = service["spec"]["selector"]
+    assert selector == deploy["spec"]["selector"]["matchLabels"]
+    assert selector["app.kubernetes.io/component"] == "operator"  # trainer pods lack it
+    assert service["spec"]["ports"][0]["port"] == 9400
+    monitor = the(objs, "ServiceMonitor")
+    assert monitor["spec"]["selector"]["matchLabels"] == selector
+    assert selector.items() <= service["metadata"]["labels"].items()  # it finds the Service
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    assert [o["kind"] for o in rendered["defaults"] if o["kind"] == "ServiceMonitor"] == []
+    assert not [o for o in rendered["no-metrics-own-rbac"] if o["kind"] in ("Service",)]
+
+
+def test_notes_tell_the_next_command():
+    notes = render({})["ftjob/templates/NOTES.txt"]
+    assert f"kubectl -n {NAMESPACE} rollout status deployment/ftjob" in notes
+    assert "kubectl get finetunejobs" in notes
+    namespaced = render(COMBOS["namespaced"])["ftjob/templates/NOTES.txt"]
+    assert "team-a, team-b" in namespaced
+
+
+# -- RBAC: exactly what the code uses -------------------------------------------------------
+
+CLUSTER_SCOPED = {
+    ("apiextensions.k8s.io", "customresourcedefinitions"),
+    ("kopf.dev", "clusterkopfpeerings"),
+}
+KUBE_METHOD = re.compile(
+    r"^(?P<verb>create|delete|list|patch|read|replace)_namespaced_(?P<kind>[a-z_]+?)"
+    r"(?P<sub>_status)?$"
+)
+VERB = {"create": "create", "delete": "delete", "list": "list", "patch": "patch"}
+VERB |= {"read": "get", "replace": "update"}
+HANDLERS_THAT_PATCH = {"daemon", "timer", "create", "update", "delete", "resume", "field"}
+HANDLERS_THAT_WATCH = HANDLERS_THAT_PATCH | {"index", "event"}
+
+
+def _constant(node: ast.expr) -> str:
+    """A string literal, or a name imported from ftjob.spec (GROUP, PLURAL, ...)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.Name) and hasattr(spec, node.id):
+        return getattr(spec, node.id)
+    raise AssertionError(f"cannot resolve {ast.unparse(node)} at line {node.lineno}")
+
+
+def kube_py_permissions() -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) of every API call in kube.py.
+
+    Calls are methods of the kubernetes client's CoreV1Api (``self.core``) and
+    CustomObjectsApi (``self.custom``), named directly or through
+    ``getattr(self.core, f"create_namespaced_{_KINDS[...]}")``. Anything else fails the
+    test, so a new kind of call cannot slip past the RBAC rules.
+    """
+    tree = ast.parse(KUBE_PY.read_text())
+    kinds: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["_KINDS"]:
+            kinds = ast.literal_eval(node.value)
+    calls: list[tuple[str, str, ast.Call | None]] = []  # (api, method, call)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    apis = ("self.core", "self.custom")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) in apis:
+            parent = parents.get(node)
+            called = isinstance(parent, ast.Call) and parent.func is node
+            calls.append((node.value.attr, node.attr, parent if called else None))
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr":
+            api, name = node.args
+            assert isinstance(name, ast.JoinedStr), ast.unparse(node)
+            prefix = name.values[0].value
+            assert ast.unparse(name.values[1].value).startswith("_KINDS["), ast.unparse(node)
+            calls += [(api.attr, prefix + kind, None) for kind in kinds.values()]
+    perms = set()
+    for api, method, call in calls:
+        m = KUBE_METHOD.match(method)
+        assert m, f"kube.py calls {api}.{method}: teach this test its RBAC verb and resource"
+        verb, kind, sub = VERB[m["verb"]], m["kind"], m["sub"] or ""
+        if call is None and verb == "list" and "watch.Watch" in KUBE_PY.read_text():
+            verb = "watch"  # a list method handed to watch.Watch().stream (list is added too)
+        if api == "core":
+            group, resource = "", kind.replace("_", "") + "s"
+        else:
+            assert kind == "custom_object" and call is not None, method
+            group, resource = _constant(call.args[0]), _constant(call.args[3])
+        perms.add((group, resource + sub.replace("_", "/"), verb))
+        if verb == "watch":
+            perms.add((group, resource + sub.replace("_", "/"), "list"))
+    return perms
+
+
+def kopf_permissions() -> set[tuple[str, str, str]]:
+    """What kopf itself does for the handlers registered in handlers.py."""
+    tree = ast.parse(HANDLERS_PY.read_text())
+    source = HANDLERS_PY.read_text()
+    perms = set()
+    decorators = [
+        d
+        for f in ast.walk(tree)
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for d in f.decorator_list
+        if isinstance(d, ast.Call)
+    ]
+    for node in decorators:
+        func = ast.unparse(node.func)
+        if not func.startswith("kopf.") or not node.args:
+            continue
+        kind = func.rpartition(".")[2]
+        if kind not in HANDLERS_THAT_WATCH:
+            continue
+        names = [_constant(a) for a in node.args]
+        if len(names) == 3:  # kopf.daemon(GROUP, VERSION, PLURAL)
+            group, resource = names[0], names[2]
+        elif len(names) == 2:  # kopf.on.event("v1", "pods") or (group, plural)
+            group, resource = ("" if names[0] == "v1" else names[0].partition("/")[0]), names[1]
+        elif "." in names[0]:  # kopf.on.event("finetunejobs.ftjob.dev")
+            resource, _, group = names[0].partition(".")
+        else:  # kopf.index("pods"): a core resource by its plural
+            group, resource = "", names[0]
+        perms |= {(group, resource, "list"), (group, resource, "watch")}
+        if kind in HANDLERS_THAT_PATCH:
+            # finalizers (daemons/timers are stopped before deletion) and kopf's
+            # progress/diff-base annotations
+            perms.add((group, resource, "patch"))
+    posts = re.search(r"kopf\.(event|info|warn|exception)\(", source)
+    posting_off = re.search(r"settings\.posting\.enabled\s*=\s*False", source)
+    if posts or not posting_off:  # kopf also posts its own log records as Events
+        perms.add(("", "events", "create"))
+    if not re.search(r"settings\.scanning\.disabled\s*=\s*True", source):
+        # kopf watches CRDs to notice the resource's CRD appearing or going away
+        perms |= {
+            ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")
+        }
+    return perms
+
+
+def expected_rules(values: dict) -> set[tuple]:
+    """(scope, apiGroup, resource, verb, resourceName) the chart must grant, no more."""
+    needs = {(g, r, v, None) for g, r, v in kube_py_permissions() | kopf_permissions()}
+    watch = values.get("watchNamespaces", [])
+    peering = values.get("peering", {})
+    if peering.get("enabled"):
+        name = peering.get("name", "ftjob")
+        plural = "kopfpeerings" if watch else "clusterkopfpeerings"
+        needs |= {("kopf.dev", plural, "list", None), ("kopf.dev", plural, "watch", None)}
+        needs.add(("kopf.dev", plural, "patch", name))  # keep-alives: only our peering object
+    out = set()
+    for g, r, v, n in needs:
+        if not watch or (g, r) in CLUSTER_SCOPED:
+            out.add(("cluster", g, r, v, n))
+        else:
+            out |= {(ns, g, r, v, n) for ns in watch}
+    return out
+
+
+def granted_rules(objs: list[dict], sa: str) -> set[tuple]:
+    roles = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o for o in objs}
+    out = set()
+    for o in objs:
+        if o["kind"] not in ("ClusterRoleBinding", "RoleBinding"):
+            continue
+        assert o["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
+        ns = o["metadata"].get("namespace")
+        role = roles[
+            (
+                o["roleRef"]["kind"],
+                ns if o["roleRef"]["kind"] == "Role" else None,
+                o["roleRef"]["name"],
+            )
+        ]
+        scope = ns or "cluster"
+        for rule in role["rules"]:
+            assert not rule.get("nonResourceURLs")
+            names = rule.get("resourceNames") or [None]
+            for g in rule["apiGroups"]:
+                for r in rule["resources"]:
+                    for v in rule["verbs"]:
+                        assert "*" not in (g, r, v), rule
+                        out |= {(scope, g, r, v, n) for n in names}
+    return out
+
+
+def test_code_reading_finds_the_operators_calls():
+    """The readers above see what the operator does today (guards the readers themselves)."""
+    kube = kube_py_permissions()
+    assert ("", "pods", "create") in kube and ("", "pods", "delete") in kube
+    assert (spec.GROUP, f"{spec.PLURAL}/status", "patch") in kube
+    kopf_ = kopf_permissions()
+    assert {(spec.GROUP, spec.PLURAL, "watch"), ("", "pods", "watch")} <= kopf_
+
+
+@pytest.mark.parametrize(
+    "combo", [c for c in COMBOS if COMBOS[c].get("rbac", {}).get("create", True)]
+)
+def test_rbac_grants_exactly_what_the_operator_uses(combo, rendered):
+    values = COMBOS[combo]
+    sa = values.get("serviceAccount", {}).get("name") or values.get("fullnameOverride", "ftjob")
+    granted = granted_rules(rendered[combo], sa)
+    expected = expected_rules(values)
+    assert granted - expected == set(), "granted but never used"
+    assert expected - granted == set(), "used but not granted"
+
+
+def test_namespaced_mode_has_no_cluster_access_to_namespaced_resources(rendered):
+    cluster = [o for o in rendered["namespaced"] if o["kind"] == "ClusterRole"]
+    resources = {r for o in cluster for rule in o["rules"] for r in rule["resources"]}
+    assert resources == {"customresourcedefinitions"}
+    roles = [o for o in rendered["namespaced"] if o["kind"] == "Role"]
+    assert sorted(o["metadata"]["namespace"] for o in roles) == ["team-a", "team-b"]
+
+
+def test_rbac_create_false_renders_no_rbac(rendered):
+    kinds = {o["kind"] for o in rendered["no-metrics-own-rbac"]}
+    assert not kinds & {
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
+        "ServiceAccount",
+    }
+    pod = the(rendered["no-metrics-own-rbac"], "Deployment")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "platform-operator"
+
+
+def test_peering_objects_exist_where_the_operator_looks(rendered):
+    cluster = [o for o in rendered["ha-peering"] if o["kind"] == "ClusterKopfPeering"]
+    assert [o["metadata"]["name"] for o in cluster] == ["ftjob-ha"]
+    spaced = [o for o in rendered["ha-namespaced"] if o["kind"] == "KopfPeering"]
+    assert [(o["metadata"]["namespace"], o["metadata"]["name"]) for o in spaced] == [
+        ("team-a", "ftjob")
+    ]
+    assert not [o for o in rendered["defaults"] if "KopfPeering" in o["kind"]]
+
+
+# -- manifests/ ----------------------------------------------------------------------------
+
+
+def generator():
+    loaded = importlib.util.spec_from_file_location(
+        "manifests_gen", ROOT / "scripts" / "manifests.py"
+    )
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    return module
+
+
+def test_install_yaml_is_the_charts_default_render():
+    gen = generator()
+    assert (ROOT / "manifests" / "install.yaml").read_text() == gen.install_yaml(), (
+        "regenerate: python scripts/manifests.py"
+    )
+
+
+def test_install_yaml_holds_crds_namespace_and_operator():
+    docs = [d for d in yaml.safe_load_all((ROOT / "manifests" / "install.yaml").read_text()) if d]
+    kinds = [d["kind"] for d in docs]
+    assert kinds[:2] == ["Namespace", "CustomResourceDefinition"]
+    assert {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment"} <= set(
+        kinds
+    )
+    assert kinds.index("CustomResourceDefinition") < kinds.index("Deployment")
+    namespace = docs[0]
+    for kube in KUBE_VERSIONS:
+        kubernetes_validate.validate(namespace, kube, strict=True)
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert all(d["metadata"].get("namespace", NAMESPACE) == NAMESPACE for d in docs)
+    ftj = next(d for d in docs if d["metadata"]["name"] == f"{spec.PLURAL}.{spec.GROUP}")
+    assert ftj == crd.crd()
+
+
+def test_samples_are_the_examples():
+    gen = generator()
+    assert gen.stale() == [], "regenerate: python scripts/manifests.py"
+    names = sorted(p.name for p in (ROOT / "manifests" / "samples").glob("*.yaml"))
+    assert names == sorted(p.name for p in (ROOT / "examples").glob("*.yaml")) and names
+
+
+def test_docs_name_real_files_and_their_helm_commands_render():
+    """Every repository path docs/install.md names exists; every `helm install/upgrade` it
+    shows renders with its --set values (so a renamed value breaks this test, not a user)."""
+    text = (ROOT / "docs" / "install.md").read_text()
+    paths = set(re.findall(r"(?:manifests|charts|examples|scripts)/[\w./-]+\.(?:ya?ml|py)", text))
+    paths |= set(re.findall(r"\bcharts/ftjob(?:/crds)?/?", text))
+    assert len(paths) >= 6
+    assert [p for p in paths if not (ROOT / p).exists()] == []
+    commands = re.findall(r"^(helm (?:install|upgrade) (?:.*\\\n)*.*)$", text, flags=re.MULTILINE)
+    assert len(commands) >= 3
+    for command in commands:
+        args = shlex.split(command.replace("\\\n", " "))
+        assert args[3] == "charts/ftjob", command
+        values: dict = {}
+        for i, arg in enumerate(args):
+            if args[i - 1] == "--set":
+                merge(values, helm.parse_set_string(arg))
+        render(values)  # refused if a key is unknown or a value has the wrong type
+
+
+def merge(into: dict, new: dict) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            merge(into[key], value)
+        else:
+            into[key] = value

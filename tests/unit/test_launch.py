@@ -1,0 +1,119 @@
+"""launch.py: the per-node command and environment (pure).
+
+python -m pytest tests/unit/test_launch.py -q
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ftjob import launch
+from ftjob.spec import parse_spec
+
+
+def spec(**sections):
+    raw = {
+        "model": {"source": "hf://meta-llama/Meta-Llama-3-8B"},
+        "dataset": {"source": "data/train.jsonl"},
+        "training": {"maxSteps": 10},
+        "resources": {"nodes": 2, "gpusPerNode": 8},
+        "checkpoint": {"volume": {"claimName": "shared"}},
+    }
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    return parse_spec(raw)
+
+
+def command(s=None, node=0, **kw):
+    return launch.node_command(
+        s or spec(), "job", node, "job-node-0.job", "job-3", "/etc/ftjob/spec.json", **kw
+    )
+
+
+def test_every_node_runs_the_same_command_through_torchrun():
+    a, b = command(node=0), command(node=1)
+    assert (
+        a.argv
+        == b.argv
+        == [
+            "python",
+            "-m",
+            "torch.distributed.run",
+            "-m",
+            "ftjob.trainer",
+            "--spec",
+            "/etc/ftjob/spec.json",
+        ]
+    )
+    assert {k for k in a.env if a.env[k] != b.env[k]} == {"PET_NODE_RANK"}
+
+
+def test_torchrun_is_wired_through_its_environment():
+    env = command(node=1).env
+    assert env["PET_NNODES"] == "2"
+    assert env["PET_NPROC_PER_NODE"] == "8"
+    assert env["PET_NODE_RANK"] == "1"
+    assert env["PET_MASTER_ADDR"] == "job-node-0.job"
+    assert env["PET_MASTER_PORT"] == "29500"  # network.rendezvousPort's default
+    assert env["PET_RDZV_ID"] == "job-3"
+    assert env["PET_MAX_RESTARTS"] == "0"  # the operator restarts the whole gang
+
+
+def test_trainer_environment_defaults_to_the_volume():
+    env = command().env
+    assert env["FTJOB_JOB_DIR"] == "/ftjob/job"
+    assert env["FTJOB_SOURCE_ROOT"] == "/ftjob"
+    s = spec(checkpoint={"path": "teams/a/run-1"})
+    assert command(s).env["FTJOB_JOB_DIR"] == "/ftjob/teams/a/run-1"
+    local = command(master_port=4321, job_folder="/w/runs/job", source_root="/w").env
+    assert (local["PET_MASTER_PORT"], local["FTJOB_JOB_DIR"]) == ("4321", "/w/runs/job")
+    assert local["FTJOB_SOURCE_ROOT"] == "/w"
+
+
+def test_fabric_nccl_and_user_environment():
+    s = spec(network={"fabric": "efa", "efaDevicesPerNode": 32, "ncclEnv": {"NCCL_PROTO": "LL128"}})
+    env = command(s).env
+    assert env["NCCL_PROTO"] == "LL128"
+    # The fabric's settings come with the command: pods and `ftjob run` on GPUs get the same.
+    assert env["FI_PROVIDER"] == "efa" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert "FI_PROVIDER" not in command(spec(resources={"gpusPerNode": 0})).env
+    s = parse_spec(
+        {
+            "model": {"source": "m"},
+            "dataset": {"source": "d.jsonl"},
+            "training": {"maxSteps": 1},
+            "env": [{"name": "WANDB_MODE", "value": "offline"}],
+            "network": {"socketInterface": "eth0"},
+        }
+    )
+    env = command(s).env
+    assert env["WANDB_MODE"] == "offline" and env["NCCL_SOCKET_IFNAME"] == "eth0"
+
+
+def test_token_travels_only_as_a_secret_reference():
+    s = spec(secrets={"huggingFaceToken": {"name": "hf", "key": "token"}})
+    cmd = command(s)
+    assert "HF_TOKEN" not in cmd.env
+    assert (cmd.secret_env["HF_TOKEN"].name, cmd.secret_env["HF_TOKEN"].key) == ("hf", "token")
+    assert command().secret_env == {}
+
+
+def test_cpu_jobs_get_their_share_of_cpus_per_process():
+    s = spec(resources={"gpusPerNode": 0, "processesPerNode": 4, "cpu": "16"})
+    assert command(s).env["OMP_NUM_THREADS"] == "4"
+    assert "OMP_NUM_THREADS" not in command(spec(resources={"gpusPerNode": 0})).env
+    assert "OMP_NUM_THREADS" not in command().env  # GPU jobs: torchrun's default
+
+
+def test_node_rank_outside_the_gang_is_refused():
+    with pytest.raises(ValueError, match="node_rank 2"):
+        command(node=2)
+
+
+def test_launch_imports_no_torch():
+    code = "import sys, ftjob.launch, ftjob.local; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

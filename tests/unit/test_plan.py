@@ -1,0 +1,155 @@
+"""The planner: model shapes, the seeds' verdicts, and the changes it proposes."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftjob import manifest, plan
+from ftjob.hardware import GIB
+from ftjob.modelshape import ModelShape, known_model, shape_for
+from ftjob.spec import parse_resource
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def example(name, **edits):
+    (doc,) = manifest.load(ROOT / "examples" / name)
+    for path, value in edits.items():
+        node = doc["spec"]
+        *parents, last = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return parse_resource(doc)[1]
+
+
+@pytest.mark.parametrize(
+    "source, billions",
+    [
+        # Published parameter counts.
+        ("hf://meta-llama/Llama-2-7b-hf", 6.74),
+        ("hf://meta-llama/Llama-2-70b-hf", 68.98),
+        ("hf://meta-llama/Meta-Llama-3-8B", 8.03),
+        ("hf://meta-llama/Llama-3.1-70B-Instruct", 70.55),
+        ("hf://meta-llama/Llama-3.2-1B", 1.24),
+        ("hf://mistralai/Mistral-7B-v0.3", 7.25),
+    ],
+)
+def test_parameter_counts_match_the_published_ones(source, billions):
+    assert round(known_model(source).params / 1e9, 2) == billions
+
+
+def test_shape_from_config_json_equals_the_table():
+    config = {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+    }
+    assert shape_for("/models/x", config).params == known_model("hf://org/Llama-3-8B").params
+    with pytest.raises(ValueError, match="spec.model.source"):
+        shape_for("hf://someone/unknown-model", None)
+    with pytest.raises(ValueError, match="config.json has no"):
+        ModelShape.from_config({"vocab_size": 3})
+
+
+def test_lora_counts_adapters_of_every_linear_layer():
+    s = known_model("hf://meta-llama/Meta-Llama-3-8B")
+    # r * (in + out) for q, k, v, o, gate, up, down in each of 32 layers: peft's count for r=16.
+    assert s.lora_params(16, ["all-linear"]) == 41_943_040
+    assert s.lora_params(16, ["q_proj", "v_proj"]) == 32 * 16 * ((4096 + 4096) + (4096 + 1024))
+
+
+def test_seed_70b_full_fits_on_16_a100_80gb_only_with_rank0_loading():
+    spec = example("llama2-70b-full.yaml")
+    e = plan.plan(spec, known_model(spec.model.source)).estimate
+    assert e.fits_device and e.fits_pod
+    assert e.load_cpu_every_rank > e.pod_memory > e.load_cpu_node0
+    # Hybrid sharding (over one node's 8 GPUs) would not fit: the seed's reason for full.
+    hybrid = example("llama2-70b-full.yaml", **{"parallelism.sharding": "hybrid"})
+    assert plan.estimate(hybrid, known_model(spec.model.source)).fits is False
+
+
+def test_seed_8b_full_on_40gb_needs_full_sharding_and_activation_checkpointing():
+    shape = known_model("hf://meta-llama/Meta-Llama-3-8B")
+    assert plan.plan(example("llama3-8b-full-40gb.yaml"), shape).fits
+    no_ac = example("llama3-8b-full-40gb.yaml", **{"training.activationCheckpointing": False})
+    result = plan.plan(no_ac, shape)
+    assert result.fits is False
+    assert result.options[0].change.startswith("activationCheckpointing: true")
+    assert all(o.estimate.fits for o in result.options)
+    replicated = example("llama3-8b-full-40gb.yaml", **{"parallelism.sharding": "none"})
+    assert plan.plan(replicated, shape).fits is False
+
+
+def test_qlora_70b_on_two_24gb_gpus_is_refused_with_the_reason():
+    spec = example("llama31-70b-qlora.yaml")
+    result = plan.plan(spec, known_model(spec.model.source))
+    assert result.fits is False
+    assert "4-bit base replicated on every GPU" in result.estimate.notes
+    assert "WILL NOT FIT" in plan.verdict_text(result)
+
+
+def test_auto_sharding_is_hybrid_for_8b_lora_on_two_nodes():
+    spec = example("llama3-8b-lora-efa.yaml")
+    e = plan.estimate(spec, known_model(spec.model.source))
+    assert e.notes[0] == "sharding hybrid over 8 processes"
+    # Hybrid keeps all-gathers inside a node: far less traffic between nodes than full.
+    full = example("llama3-8b-lora-efa.yaml", **{"parallelism.sharding": "full"})
+    full_e = plan.estimate(full, known_model(spec.model.source))
+    assert full_e.network_bytes_per_node > 50 * e.network_bytes_per_node
+
+
+def test_memory_falls_with_each_lever():
+    shape = known_model("hf://meta-llama/Meta-Llama-3-8B")
+    base = example("llama3-8b-full-40gb.yaml", **{"training.activationCheckpointing": False})
+    full = plan.estimate(base, shape).per_device
+    for lever in [
+        {"training.activationCheckpointing": True},
+        {"training.microBatchSize": 1},
+        {"parallelism.cpuOffload": True},
+        {"method.type": "lora"},
+    ]:
+        edits = {"training.activationCheckpointing": False} | lever
+        changed = example("llama3-8b-full-40gb.yaml", **edits)
+        assert plan.estimate(changed, shape).per_device < full, lever
+
+
+def test_quantities():
+    assert plan.quantity_bytes("1100Gi") == 1100 * GIB
+    assert plan.quantity_bytes("64G") == 64e9
+    assert plan.quantity_bytes("5e9") == 5e9
+    with pytest.raises(ValueError):
+        plan.quantity_bytes("lots")
+
+
+def test_plan_command_prints_breakdown_and_exits_by_verdict():
+    def run(path):
+        cmd = [sys.executable, "-m", "ftjob", "plan", str(path)]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+
+    fits = run(ROOT / "examples" / "llama2-70b-full.yaml")
+    assert fits.returncode == 0, fits.stderr
+    for word in ("weights", "gradients", "optimizer", "activations", "checkpoint", "network"):
+        assert word in fits.stdout
+    assert "only because rank 0 alone reads the weights" in fits.stdout
+    refused = run(ROOT / "examples" / "llama31-70b-qlora.yaml")
+    assert refused.returncode == 1 and "WILL NOT FIT" in refused.stdout
+    tiny = run(ROOT / "examples" / "tiny.yaml")  # read from the bundled model's config.json
+    assert tiny.returncode == 0 and "tiny-model" in tiny.stdout
+
+
+def test_admission_refuses_only_when_enforced():
+    refused = plan.admission(example("llama31-70b-qlora.yaml"))
+    assert refused["reason"] == "WillNotFit" and refused["allowed"] is False
+    assert "fits with" in refused["message"]
+    relaxed = plan.admission(example("llama31-70b-qlora.yaml", **{"plan.enforce": False}))
+    assert relaxed["reason"] == "WillNotFit" and relaxed["allowed"] is True
+    fits = plan.admission(example("llama2-70b-full.yaml"))
+    assert fits["reason"] == "Fits" and fits["allowed"] is True
+    unknown = plan.admission(example("tiny.yaml"))  # a path the operator cannot read
+    assert unknown["reason"] == "Unknown" and unknown["allowed"] is True

@@ -1,0 +1,226 @@
+"""The operator's children, rendered purely: valid Kubernetes objects wired for torchrun."""
+
+import json
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from ftjob import cli, manifest
+from ftjob.operator import render
+from ftjob.spec import parse_resource
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+UID = "0f3c9a52-7d4e-4b1a-9c55-3f2b8e1d6a70"
+DESIGN_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/managed-by", "ftjob.dev/job-name")
+
+
+def load(name: str, **patch):
+    doc = manifest.load(ROOT / "examples" / name)[0]
+    for dotted, value in patch.items():
+        node = doc["spec"]
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return parse_resource(doc)
+
+
+def env_of(pod: dict) -> dict:
+    return {
+        e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]
+    }
+
+
+@pytest.mark.parametrize("version", ["1.30", "1.37"])
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_child_of_every_example_is_valid_strictly(path, version):
+    name, spec = parse_resource(manifest.load(path)[0])
+    objs = render.children(name, "team-a", spec, attempt=2, uid=UID)
+    assert [o["kind"] for o in objs] == ["ConfigMap", "Service"] + ["Pod"] * spec.resources.nodes
+    for obj in objs:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_strict_validation_catches_a_misspelt_field():
+    name, spec = load("tiny.yaml")
+    pod = render.pod(name, "default", spec, 0, 0, UID)
+    pod["spec"]["containers"][0]["volumeMount"] = []
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(pod, "1.37", strict=True)
+
+
+def test_names_labels_and_owner_references_are_deterministic():
+    name, spec = load("llama3-8b-lora-efa.yaml")
+    first = render.children(name, "ns", spec, attempt=1, uid=UID)
+    assert first == render.children(name, "ns", spec, attempt=1, uid=UID)
+    names = [o["metadata"]["name"] for o in first]
+    assert names == [f"{name}-spec", name, f"{name}-node-0", f"{name}-node-1"]
+    for obj in first:
+        meta = obj["metadata"]
+        assert all(meta["labels"][k] for k in DESIGN_LABELS)
+        assert meta["labels"]["ftjob.dev/job-name"] == name
+        (ref,) = meta["ownerReferences"]
+        assert ref["uid"] == UID and ref["controller"] and ref["kind"] == "FineTuneJob"
+    for rank, pod in enumerate(first[2:]):
+        assert pod["metadata"]["labels"]["ftjob.dev/node-rank"] == str(rank)
+        assert pod["metadata"]["labels"]["ftjob.dev/attempt"] == "1"
+
+
+def test_headless_service_gives_every_pod_a_rendezvous_dns_name():
+    name, spec = load("llama3-8b-lora-efa.yaml")
+    svc, pods = render.service(name, "ns", spec, UID), render.pods(name, "ns", spec, 0, UID)
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+    assert svc["spec"]["selector"] == {"ftjob.dev/job-name": name}
+    for pod in pods:
+        assert pod["spec"]["subdomain"] == name
+        assert pod["spec"]["hostname"] == pod["metadata"]["name"]
+    master = env_of(pods[1])["PET_MASTER_ADDR"]
+    assert master == f"{pods[0]['spec']['hostname']}.{name}.ns.svc"
+
+
+def test_torchrun_reads_its_wiring_from_pet_variables():
+    name, spec = load("llama3-8b-lora-efa.yaml")
+    envs = [env_of(p) for p in render.pods(name, "ns", spec, 3, UID)]
+    assert [e["PET_NODE_RANK"] for e in envs] == ["0", "1"]
+    for e in envs:
+        assert e["PET_NNODES"] == "2" and e["PET_NPROC_PER_NODE"] == "8"
+        assert e["PET_MASTER_PORT"] == "29500"
+    assert envs[0]["PET_RDZV_ID"] == envs[1]["PET_RDZV_ID"]
+    next_attempt = env_of(render.pod(name, "ns", spec, 0, 4, UID))
+    assert next_attempt["PET_RDZV_ID"] != envs[0]["PET_RDZV_ID"]
+
+
+def test_the_trainer_reads_the_same_spec_from_the_config_map(tmp_path):
+    name, spec = load("llama3-8b-lora-efa.yaml")
+    cm = render.config_map(name, "ns", spec, UID)
+    doc = json.loads(cm["data"][render.SPEC_FILE])
+    assert parse_resource(doc) == (name, spec)
+    pod = render.pod(name, "ns", spec, 0, 0, UID)
+    (spec_volume,) = [v for v in pod["spec"]["volumes"] if v.get("configMap")]
+    assert spec_volume["configMap"]["name"] == cm["metadata"]["name"]
+    assert pod["spec"]["containers"][0]["command"][-1] == f"{render.SPEC_DIR}/{render.SPEC_FILE}"
+
+
+def test_efa_gets_devices_libfabric_settings_and_ipc_lock():
+    name, spec = load("llama3-8b-lora-efa.yaml")
+    pod = render.pod(name, "ns", spec, 0, 0, UID)
+    c = pod["spec"]["containers"][0]
+    assert c["resources"]["limits"]["vpc.amazonaws.com/efa"] == "4"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert c["resources"]["requests"] == c["resources"]["limits"]  # Guaranteed QoS
+    env = env_of(pod)
+    assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
+    assert env["FI_EFA_FORK_SAFE"] == "1" and env["NCCL_SOCKET_IFNAME"]
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+
+
+def test_every_fabric_gets_nccl_error_handling_and_its_own_settings():
+    base = dict(fabric="tcp")
+    cases = {
+        "tcp": ("llama31-70b-qlora.yaml", base),
+        "infiniband": ("llama31-70b-qlora.yaml", dict(fabric="infiniband", socketInterface="ib0")),
+    }
+    for fabric, (example, network) in cases.items():
+        name, spec = load(example, network=network)
+        pod = render.pod(name, "ns", spec, 0, 0, UID)
+        env = env_of(pod)
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and env["NCCL_DEBUG"] == "WARN"
+        assert "FI_PROVIDER" not in env
+        limits = pod["spec"]["containers"][0]["resources"]["limits"]
+        assert "vpc.amazonaws.com/efa" not in limits
+        caps = pod["spec"]["containers"][0]["securityContext"]["capabilities"]
+        if fabric == "tcp":
+            assert env["NCCL_IB_DISABLE"] == "1" and caps == {"drop": ["ALL"]}
+        else:
+            assert env["NCCL_IB_DISABLE"] == "0" and env["NCCL_SOCKET_IFNAME"] == "ib0"
+            assert caps["add"] == ["IPC_LOCK"]
+
+
+def test_user_nccl_env_wins_and_user_env_is_passed():
+    name, spec = load(
+        "tiny.yaml",
+        network={"ncclEnv": {"NCCL_DEBUG": "INFO"}},
+        env=[{"name": "WANDB_MODE", "value": "offline"}],
+    )
+    env = env_of(render.pod(name, "ns", spec, 0, 0, UID))
+    assert env["NCCL_DEBUG"] == "INFO" and env["WANDB_MODE"] == "offline"
+
+
+def test_pods_are_locked_down_and_secrets_travel_only_as_references():
+    name, spec = load("llama2-70b-full.yaml")
+    pod = render.pod(name, "ns", spec, 1, 0, UID)
+    ps, c = pod["spec"], pod["spec"]["containers"][0]
+    assert ps["automountServiceAccountToken"] is False and ps["restartPolicy"] == "Never"
+    assert ps["securityContext"]["runAsNonRoot"] and ps["securityContext"]["runAsUser"] != 0
+    assert ps["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and "ALL" in sc["capabilities"]["drop"]
+    (token,) = [e for e in c["env"] if e["name"] == "HF_TOKEN"]
+    assert token == {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}},
+    }
+    shm = {v["name"]: v for v in ps["volumes"]}["dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    shared = {v["name"]: v for v in ps["volumes"]}["shared"]
+    assert shared["persistentVolumeClaim"] == {"claimName": "shared-fs"}
+
+
+def test_kueue_admits_each_attempt_as_one_pod_group():
+    name, spec = load("llama2-70b-full.yaml")
+    a0 = render.pods(name, "ns", spec, 0, UID)
+    a1 = render.pods(name, "ns", spec, 1, UID)
+    for pod in a0:
+        assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "research"
+        assert pod["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "2"
+    groups = {p["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] for p in a0 + a1}
+    assert len(groups) == 2  # a new gang is a new group
+    name, spec = load("llama3-8b-lora-efa.yaml")
+    pod = render.pod(name, "ns", spec, 0, 0, UID)
+    assert not any(k.startswith("kueue") for k in pod["metadata"]["labels"])
+    assert "annotations" not in pod["metadata"]
+
+
+def test_scheduling_constraints_reach_the_pod():
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+                ]
+            }
+        }
+    }
+    name, spec = load(
+        "tiny.yaml",
+        scheduling={
+            "nodeSelector": {"pool": "gpu"},
+            "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": affinity,
+            "priorityClassName": "high",
+            "schedulerName": "volcano",
+        },
+    )
+    ps = render.pod(name, "ns", spec, 0, 0, UID)["spec"]
+    assert ps["nodeSelector"] == {"pool": "gpu"} and ps["affinity"] == affinity
+    assert ps["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert ps["priorityClassName"] == "high" and ps["schedulerName"] == "volcano"
+    kubernetes_validate.validate(render.pod(name, "ns", spec, 0, 0, UID), "1.30", strict=True)
+
+
+def test_cpu_job_requests_no_gpus():
+    name, spec = load("tiny.yaml")
+    pod = render.pod(name, "ns", spec, 0, 0, UID)
+    assert "resources" not in pod["spec"]["containers"][0]
+    assert env_of(pod)["PET_NPROC_PER_NODE"] == "1"
+
+
+def test_ftjob_render_children_prints_the_objects(capsys):
+    assert cli.main(["render", "--children", "-n", "ml", str(ROOT / "examples" / "tiny.yaml")]) == 0
+    docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    assert [d["kind"] for d in docs] == ["FineTuneJob", "ConfigMap", "Service", "Pod", "Pod"]
+    assert {d["metadata"]["namespace"] for d in docs} == {"ml"}

@@ -1,0 +1,337 @@
+"""Status and lifecycle decisions, as pure functions of spec, pods, progress and the clock."""
+
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from ftjob import manifest
+from ftjob.operator import lifecycle, render
+from ftjob.operator import status as st
+from ftjob.spec import parse_resource
+from ftjob.status_types import FAILURE_REASONS, PHASES
+
+ROOT = Path(__file__).resolve().parents[2]
+T0 = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
+
+
+def job(**run_policy):
+    doc = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
+    doc["spec"]["runPolicy"] = {"stallTimeoutSeconds": 600, **run_policy}
+    doc["spec"]["network"] = {"collectiveTimeoutSeconds": 60}
+    return parse_resource(doc)
+
+
+def pod(rank, attempt=0, phase="Running", exit_code=None, reason=None, message=None, extra=None):
+    name, spec = job()
+    p = render.pod(name, "ns", spec, rank, attempt, "uid")
+    state = {"running": {}} if phase == "Running" else {"waiting": {"reason": "ContainerCreating"}}
+    if exit_code is not None:
+        term = {
+            "exitCode": exit_code,
+            "reason": reason or ("Completed" if not exit_code else "Error"),
+        }
+        state = {"terminated": term | ({"message": message} if message else {})}
+    p["status"] = {"phase": phase, "containerStatuses": [{"name": "trainer", "state": state}]}
+    p["spec"]["nodeName"] = f"node-{rank}"
+    p["status"].update(extra or {})
+    return p
+
+
+def decide(status, pods, now=T0, snapshot=None, **policy):
+    name, spec = job(**policy)
+    return lifecycle.decide(spec, name, 1, status, pods, now, snapshot)
+
+
+def run_to(phase_pods, **policy):
+    """Status after the gang was created and observed with ``phase_pods``."""
+    d = decide(None, [], **policy)
+    assert d.create == [0, 1]
+    return decide(d.status, phase_pods, **policy)
+
+
+# ----------------------------------------------------------------------------- diagnosis
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        (dict(phase="Failed", exit_code=137, reason="OOMKilled"), "OOMKilled"),
+        (
+            dict(
+                phase="Failed",
+                exit_code=1,
+                message="torch.OutOfMemoryError: CUDA out of memory. Tried",
+            ),
+            "CudaOOM",
+        ),
+        (
+            dict(
+                phase="Failed",
+                exit_code=1,
+                message="[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)",
+            ),
+            "NCCLTimeout",
+        ),
+        (
+            dict(phase="Failed", exit_code=1, message="error: bad data: no records in train"),
+            "BadInput",
+        ),
+        (dict(phase="Failed", exit_code=2, message="Traceback ... KeyError: 'x'"), "Error"),
+        (dict(phase="Failed", reason_="Evicted"), "Evicted"),
+        (dict(phase="Unknown"), "Lost"),
+    ],
+)
+def test_diagnosis_from_container_state_and_termination_message(kwargs, reason):
+    evicted = kwargs.pop("reason_", None)
+    extra = (
+        {"reason": evicted, "message": "The node was low on resource: memory."} if evicted else {}
+    )
+    failure = st.diagnose(pod(1, **kwargs, extra=extra))
+    assert failure["reason"] == reason and reason in FAILURE_REASONS
+    assert failure["pod"] == "tiny-node-1" and failure["rank"] == 1 and failure["node"] == "node-1"
+    assert st.ADVICE[reason].split(":")[0] in failure["message"]
+
+
+def test_running_and_succeeded_pods_are_not_failures():
+    assert st.diagnose(pod(0)) is None
+    assert st.diagnose(pod(0, phase="Succeeded", exit_code=0)) is None
+    assert st.diagnose(pod(0, phase="Pending")) is None
+
+
+def test_the_most_specific_failure_is_the_root_cause():
+    nccl = st.diagnose(pod(0, phase="Failed", exit_code=1, message="NCCL operation timed out"))
+    oom = st.diagnose(pod(1, phase="Failed", exit_code=137, reason="OOMKilled"))
+    assert st.root_cause([nccl, oom])["reason"] == "OOMKilled"
+
+
+def test_long_termination_messages_are_cut_to_their_tail():
+    failure = st.diagnose(pod(0, phase="Failed", exit_code=1, message="x" * 5000 + "THE END"))
+    assert failure["message"].endswith("THE END") and len(failure["message"]) < 2000
+
+
+def test_progress_snapshot_becomes_status_progress():
+    snap = {
+        "step": 30,
+        "totalSteps": 60,
+        "loss": 2.5,
+        "mfu": 0.41,
+        "etaSeconds": 4380,
+        "updatedAt": "2026-01-01T12:00:00Z",
+        "lastCheckpointStep": 20,
+        "lastCheckpoint": "/ftjob/tiny/checkpoints/step-20",
+    }
+    p = st.progress(snap)
+    assert p == {
+        "step": 30,
+        "totalSteps": 60,
+        "display": "30/60",
+        "loss": 2.5,
+        "mfu": 41.0,
+        "eta": "1h13m",
+        "updateTime": "2026-01-01T12:00:00Z",
+    }
+    assert st.last_checkpoint(snap)["step"] == 20
+    assert st.format_eta(75) == "1m15s" and st.format_eta(9) == "9s"
+
+
+def test_conditions_keep_their_transition_time_while_unchanged():
+    first = st.conditions([], "Running", "AllPodsRunning", "m", T0, 1, True)
+    assert [c["type"] for c in first] == list(st.PHASE_CONDITIONS)
+    later = st.conditions(first, "Running", "AllPodsRunning", "m", T0 + timedelta(hours=1), 2, True)
+    running = st.condition(later, "Running")
+    assert running["lastTransitionTime"] == "2026-01-01T12:00:00Z"
+    assert running["observedGeneration"] == 2
+    done = st.conditions(later, "Succeeded", "Completed", "ok", T0 + timedelta(hours=2), 2, True)
+    assert st.condition(done, "Running")["status"] == "False"
+    assert st.condition(done, "Running")["lastTransitionTime"] == "2026-01-01T14:00:00Z"
+    assert all(c["reason"] and c["reason"].isalnum() for c in done)
+
+
+# ----------------------------------------------------------------------------- lifecycle
+
+
+def test_new_job_creates_the_gang_then_runs():
+    d = decide(None, [])
+    assert d.phase == "Pending" and d.create == [0, 1] and d.status["attempt"] == 0
+    assert d.status["startTime"] == "2026-01-01T12:00:00Z"
+    d2 = decide(d.status, [pod(0), pod(1, phase="Pending")])
+    assert d2.phase == "Pending" and d2.create == [] and "ContainerCreating" in str(d2.status)
+    d3 = decide(d2.status, [pod(0), pod(1)])
+    assert d3.phase == "Running" and not d3.create and not d3.delete
+    assert ("Normal", "AllPodsRunning", "all 2 pods run") in d3.events
+    assert all(p in PHASES for p in (d.phase, d2.phase, d3.phase))
+
+
+def test_reconciling_twice_changes_nothing():
+    d = run_to([pod(0), pod(1)])
+    again = decide(d.status, [pod(0), pod(1)])
+    assert again.status == d.status and not again.events and not again.create and not again.delete
+
+
+EXPORTED = '{"exportPath": "/ftjob/tiny/model"}'  # what rank 0 writes on success
+
+
+def test_success_needs_every_node_to_exit_zero_and_rank0_to_name_the_export():
+    d = run_to([pod(0), pod(1)])
+    rank0_done = pod(0, 0, "Succeeded", 0, message=EXPORTED)
+    half = decide(d.status, [rank0_done, pod(1)])
+    assert half.phase == "Running"
+    snap = {"step": 60, "totalSteps": 60}
+    done = decide(half.status, [rank0_done, pod(1, 0, "Succeeded", 0)], snapshot=snap)
+    assert done.phase == "Succeeded" and done.status["completionTime"]
+    again = decide(done.status, [rank0_done, pod(1, 0, "Succeeded", 0)])
+    assert again.status == done.status and not again.events
+    assert done.status["modelPath"] == "/ftjob/tiny/model"
+    assert st.condition(done.status["conditions"], "Succeeded")["status"] == "True"
+
+
+def test_exit_zero_without_an_export_fails_without_a_retry():
+    d = run_to([pod(0), pod(1)])
+    hollow = decide(d.status, [pod(0, 0, "Succeeded", 0), pod(1, 0, "Succeeded", 0)])
+    assert hollow.phase == "Failed" and hollow.status["restarts"] == 0
+    assert "named no exported model" in hollow.status["failure"]["message"]
+    not_json = pod(0, 0, "Succeeded", 0, message="done!")
+    assert st.export_path(not_json) is None
+
+
+def test_a_failed_pod_restarts_the_whole_gang_as_the_next_attempt():
+    d = run_to([pod(0), pod(1)], backoffLimit=2)
+    failed = [pod(0), pod(1, phase="Failed", exit_code=137, reason="OOMKilled")]
+    r = decide(d.status, failed, backoffLimit=2)
+    assert r.phase == "Restarting" and sorted(r.delete) == ["tiny-node-0", "tiny-node-1"]
+    assert r.status["attempt"] == 1 and r.status["restarts"] == 1
+    assert r.status["failure"]["reason"] == "OOMKilled" and r.events[0][0] == "Warning"
+    # Old pods still terminating: wait, do not create a second gang under the same names.
+    waiting = decide(r.status, failed, backoffLimit=2)
+    assert waiting.phase == "Restarting" and not waiting.create
+    # Gone: the next attempt is created.
+    nxt = decide(waiting.status, [], backoffLimit=2)
+    assert nxt.create == [0, 1] and nxt.status["attempt"] == 1
+
+
+def test_backoff_limit_fails_the_job():
+    d = run_to([pod(0), pod(1)], backoffLimit=0)
+    f = decide(d.status, [pod(0), pod(1, phase="Failed", exit_code=1)], backoffLimit=0)
+    assert f.phase == "Failed" and "backoffLimit (0) reached" in f.status["failure"][
+        "message"
+    ] + str(f.status["conditions"])
+    assert f.delete == ["tiny-node-0"]  # the survivor is killed, the failed pod kept for logs
+    assert f.status["completionTime"]
+
+
+def test_bad_input_fails_at_once_without_spending_retries():
+    d = run_to([pod(0), pod(1)], backoffLimit=5)
+    bad = pod(0, phase="Failed", exit_code=1, message="error: bad data: field 'messages' missing")
+    f = decide(d.status, [bad, pod(1)], backoffLimit=5)
+    assert f.phase == "Failed" and f.status["restarts"] == 0
+    assert f.status["failure"]["reason"] == "BadInput"
+
+
+def test_cuda_oom_twice_in_a_row_is_permanent():
+    oom = dict(phase="Failed", exit_code=1, message="CUDA out of memory")
+    d = run_to([pod(0), pod(1)], backoffLimit=5)
+    r = decide(d.status, [pod(0, **oom), pod(1)], backoffLimit=5)
+    assert r.phase == "Restarting"
+    r = decide(decide(r.status, [], backoffLimit=5).status, [pod(0, 1), pod(1, 1)], backoffLimit=5)
+    assert r.phase == "Running"
+    f = decide(r.status, [pod(0, 1, **oom), pod(1, 1)], backoffLimit=5)
+    assert f.phase == "Failed" and "twice" in str(f.status["conditions"])
+
+
+def test_a_pod_lost_from_a_running_gang_restarts_it():
+    d = run_to([pod(0), pod(1)])
+    r = decide(d.status, [pod(0)])
+    assert r.phase == "Restarting" and r.status["failure"]["reason"] == "Lost"
+    evicted = pod(1, phase="Failed", extra={"reason": "Evicted", "message": "low on memory"})
+    r2 = decide(d.status, [pod(0), evicted])
+    assert r2.status["failure"]["reason"] == "Evicted"
+
+
+def test_no_progress_for_the_stall_timeout_restarts_the_gang():
+    d = run_to([pod(0), pod(1)])
+    snap = {"step": 5, "totalSteps": 60, "updatedAt": "2026-01-01T12:05:00Z"}
+    ok = decide(d.status, [pod(0), pod(1)], T0 + timedelta(seconds=700), snap)
+    assert ok.phase == "Running" and ok.requeue_after == pytest.approx(200)
+    stalled = decide(ok.status, [pod(0), pod(1)], T0 + timedelta(seconds=901), snap)
+    assert stalled.phase == "Restarting" and stalled.status["failure"]["reason"] == "Stalled"
+    assert "step 5" in stalled.status["failure"]["message"]
+
+
+def test_suspend_removes_pods_and_resume_starts_a_new_gang():
+    d = run_to([pod(0), pod(1)])
+    s = decide(d.status, [pod(0), pod(1)], suspend=True)
+    assert s.phase == "Suspended" and sorted(s.delete) == ["tiny-node-0", "tiny-node-1"]
+    gone = decide(s.status, [], suspend=True)
+    assert gone.phase == "Suspended" and not gone.delete and not gone.events
+    r = decide(gone.status, [], T0 + timedelta(hours=1))
+    assert r.create == [0, 1] and r.status["attempt"] == 1 and r.status["restarts"] == 0
+    assert ("Normal", "Resumed", "resuming as attempt 1") in r.events
+
+
+def test_active_deadline_fails_the_job():
+    d = run_to([pod(0), pod(1)], activeDeadlineSeconds=60)
+    ok = decide(d.status, [pod(0), pod(1)], T0 + timedelta(seconds=30), activeDeadlineSeconds=60)
+    assert ok.phase == "Running" and ok.requeue_after == pytest.approx(30)
+    late = decide(ok.status, [pod(0), pod(1)], T0 + timedelta(seconds=61), activeDeadlineSeconds=60)
+    assert late.phase == "Failed" and late.status["failure"]["reason"] == "DeadlineExceeded"
+    assert sorted(late.delete) == ["tiny-node-0", "tiny-node-1"]
+
+
+def test_ttl_after_finished_deletes_the_job():
+    d = run_to([pod(0), pod(1)], ttlSecondsAfterFinished=100)
+    done_pods = [pod(0, 0, "Succeeded", 0), pod(1, 0, "Succeeded", 0)]
+    done = decide(d.status, done_pods, ttlSecondsAfterFinished=100)
+    wait = decide(done.status, done_pods, T0 + timedelta(seconds=40), ttlSecondsAfterFinished=100)
+    assert not wait.delete_job and wait.requeue_after == pytest.approx(60) and not wait.events
+    gone = decide(done.status, done_pods, T0 + timedelta(seconds=100), ttlSecondsAfterFinished=100)
+    assert gone.delete_job
+
+
+def test_an_invalid_spec_fails_at_once_with_the_field():
+    d = lifecycle.invalid(["spec.training: set exactly one of maxSteps and epochs"], 3, None, T0)
+    assert d.phase == "Failed" and d.status["failure"]["reason"] == "BadInput"
+    assert "spec.training" in d.status["failure"]["message"] and d.status["observedGeneration"] == 3
+
+
+def test_a_finished_job_stays_as_it_is():
+    d = lifecycle.invalid(["spec.x: bad"], 1, None, T0)
+    again = lifecycle.invalid(["spec.x: bad"], 1, d.status, T0 + timedelta(minutes=5))
+    assert again.status == d.status and not again.events
+    f = run_to([pod(0), pod(1, phase="Failed", exit_code=1)], backoffLimit=0)
+    later = decide(f.status, [pod(1, phase="Failed", exit_code=1)], T0 + timedelta(hours=1))
+    assert later.status == f.status and not later.events and not later.delete
+
+
+def test_status_patches_null_what_is_gone():
+    old = {"phase": "Restarting", "failure": {"reason": "OOMKilled", "exitCode": 137}, "x": 1}
+    new = {"phase": "Restarting", "failure": {"reason": "Stalled"}}
+    assert st.merge_patch(old, new) == {
+        "failure": {"reason": "Stalled", "exitCode": None},
+        "x": None,
+    }
+    assert st.merge_patch(new, new) == {}
+
+
+@pytest.mark.parametrize("enforce", [True, False])
+def test_a_job_that_will_not_fit_never_starts_pods_unless_told(enforce):
+    doc = manifest.load(ROOT / "examples" / "llama31-70b-qlora.yaml")[0]
+    doc["spec"]["plan"] = {"enforce": enforce}
+    name, spec = parse_resource(doc)
+    d = lifecycle.decide(spec, name, 1, None, [], T0)
+    planned = st.condition(d.status["conditions"], "Planned")
+    assert planned["status"] == "False" and planned["reason"] == "WillNotFit"
+    assert "GiB" in planned["message"]
+    if enforce:
+        assert d.phase == "Failed" and not d.create
+        assert d.status["failure"]["reason"] == "WillNotFit"
+    else:
+        assert d.phase == "Pending" and d.create == [0]
+
+
+def test_a_job_that_fits_says_so():
+    name, spec = parse_resource(manifest.load(ROOT / "examples" / "llama3-8b-lora-efa.yaml")[0])
+    planned = st.condition(
+        lifecycle.decide(spec, name, 1, None, [], T0).status["conditions"], "Planned"
+    )
+    assert planned["status"] == "True" and planned["reason"] == "Fits"

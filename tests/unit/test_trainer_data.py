@@ -1,0 +1,220 @@
+"""trainer/data.py: reading, masking, packing, batch order and data errors (one process).
+
+python -m pytest tests/unit/test_trainer_data.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from ftjob.spec import parse_spec
+from ftjob.trainer import data
+from ftjob.trainer.data import IGNORE, DataError
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(EXAMPLES / "tiny-model")
+
+
+def spec(source, **dataset):
+    return parse_spec(
+        {
+            "model": {"source": str(EXAMPLES / "tiny-model")},
+            "dataset": {"source": str(source), **dataset},
+            "training": {"maxSteps": 1},
+        }
+    )
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def decoded_labels(tok, example) -> str:
+    return tok.decode([t for t in example.labels if t != IGNORE])
+
+
+# ------------------------------------------------------------------------------ formats
+
+
+def test_text_learns_every_token_and_ends_with_eos(tok, tmp_path):
+    s = spec(write_jsonl(tmp_path / "t.jsonl", [{"text": "A dog barks."}]), packing=False)
+    (ex,) = data.load(s, tok).train
+    assert ex.ids == ex.labels
+    assert ex.ids[0] == tok.bos_token_id and ex.ids[-1] == tok.eos_token_id
+
+
+def test_chat_learns_assistant_turns_only(tok, tmp_path):
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "What colour is snow?"},
+                {"role": "assistant", "content": "Snow is white."},
+            ]
+        }
+    ]
+    s = spec(write_jsonl(tmp_path / "c.jsonl", rows), format="chat", packing=False)
+    (ex,) = data.load(s, tok).train
+    assert decoded_labels(tok, ex) == "Snow is white.<|eos|>"
+    assert "What colour" in tok.decode(ex.ids)
+    s = spec(tmp_path / "c.jsonl", format="chat", packing=False, completionOnlyLoss=False)
+    (ex,) = data.load(s, tok).train
+    assert ex.labels == ex.ids
+
+
+def test_instruction_learns_the_completion_only(tok, tmp_path):
+    rows = [{"prompt": "Question: What is 2 + 2?\nAnswer:", "completion": " 4"}]
+    s = spec(write_jsonl(tmp_path / "i.jsonl", rows), format="instruction", packing=False)
+    (ex,) = data.load(s, tok).train
+    assert decoded_labels(tok, ex) == " 4<|eos|>"
+    assert ex.labels[0] == IGNORE
+
+
+def test_packing_makes_full_sequences_with_masks_kept(tok):
+    source = EXAMPLES / "data" / "tiny-instruct.jsonl"
+    s = spec(source, format="instruction", maxSeqLength=64, packing=True)
+    train = data.load(s, tok).train
+    assert len(train) > 10 and all(len(e.ids) == 64 == len(e.labels) for e in train)
+    assert any(t == IGNORE for e in train for t in e.labels)  # prompts stay masked
+
+
+def test_eval_fraction_holds_out_records_deterministically(tok):
+    source = EXAMPLES / "data" / "tiny-text.jsonl"
+    s = spec(source, maxSeqLength=64, evalFraction=0.1)
+    a, b = data.load(s, tok), data.load(s, tok)
+    assert a.eval and [e.ids for e in a.eval] == [e.ids for e in b.eval]
+    assert [e.ids for e in a.train] == [e.ids for e in b.train]
+    train_tokens = sum(len(e.ids) for e in a.train)
+    eval_tokens = sum(len(e.ids) for e in a.eval)
+    assert 0.05 < eval_tokens / (train_tokens + eval_tokens) < 0.15
+
+
+@pytest.mark.parametrize("kind", ["parquet", "csv", "json", "saved"])
+def test_other_sources_read_the_same_records(tok, tmp_path, kind):
+    import datasets
+
+    rows = [{"text": f"A cat has {n} legs."} for n in range(5)]
+    table = datasets.Dataset.from_list(rows)
+    if kind == "parquet":
+        table.to_parquet(str(tmp_path / "d.parquet"))
+        source = tmp_path / "d.parquet"
+    elif kind == "csv":
+        table.to_csv(str(tmp_path / "d.csv"), index=False)
+        source = tmp_path / "d.csv"
+    elif kind == "json":
+        (tmp_path / "d.json").write_text(json.dumps(rows))
+        source = tmp_path / "d.json"
+    else:
+        datasets.DatasetDict({"train": table}).save_to_disk(str(tmp_path / "saved"))
+        source = tmp_path / "saved"
+    reference = spec(write_jsonl(tmp_path / "ref.jsonl", rows), packing=False)
+    got = data.load(spec(source, packing=False), tok).train
+    assert [e.ids for e in got] == [e.ids for e in data.load(reference, tok).train]
+
+
+def test_relative_sources_resolve_against_the_source_root(tok, tmp_path, monkeypatch):
+    write_jsonl(tmp_path / "rel.jsonl", [{"text": "A cow moos."}])
+    monkeypatch.setenv("FTJOB_SOURCE_ROOT", str(tmp_path))
+    assert len(data.load(spec("rel.jsonl", packing=False), tok).train) == 1
+
+
+# ------------------------------------------------------------------------------ batch order
+
+
+def test_batch_order_is_a_pure_function_of_seed_and_step():
+    a = data.Sampler(n=50, seed=7, world=2, micro_batch=3, accumulation=2)
+    b = data.Sampler(n=50, seed=7, world=2, micro_batch=3, accumulation=2)
+    # A fresh sampler (a resumed run) asked for step 9 first gives what the first run had.
+    late = b.indices(9, 1, 1)
+    seen = [a.indices(step, m, r) for step in range(10) for m in range(2) for r in range(2)]
+    assert seen[-1] == late
+    # Within an epoch every record comes once, ranks never share one.
+    first_epoch = [i for batch in seen for i in batch][:50]
+    assert sorted(first_epoch) == list(range(50))
+    assert data.Sampler(50, 8, 2, 3, 2).indices(0, 0, 0) != a.indices(0, 0, 0)
+    assert a.steps_for(1.0) == 5 and a.steps_for(2.5) == 11
+
+
+def test_eval_batches_are_even_across_ranks(tok):
+    ds = data.Data(
+        train=[],
+        eval=[data.Example([1, 2, 3], [1, 2, 3]) for _ in range(5)],
+        pad_id=tok.pad_token_id,
+    )
+    rank0, rank1 = data.eval_batches(ds, 0, 2, 2), data.eval_batches(ds, 1, 2, 2)
+    assert len(rank0) == len(rank1) == 2  # FSDP needs every rank in every forward
+    labelled = sum(int((b["labels"] != IGNORE).sum()) for b in rank0 + rank1)
+    assert labelled == 5 * 3
+
+
+def test_collate_pads_and_masks(tok):
+    batch = data.collate(
+        [data.Example([5, 6, 7], [IGNORE, 6, 7]), data.Example([8], [8])], tok.pad_token_id
+    )
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["labels"].tolist() == [[IGNORE, 6, 7], [8, IGNORE, IGNORE]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+# ------------------------------------------------------------------------------ bad data
+
+
+def load_error(tok, s) -> str:
+    with pytest.raises(DataError) as e:
+        data.load(s, tok)
+    return str(e.value)
+
+
+def test_invalid_json_names_file_and_line(tok, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n\n{"text": nope}\n')
+    assert load_error(tok, spec(path)) == f"{path} line 3: not valid JSON (Expecting value)"
+
+
+def test_invalid_utf8_names_file_and_line(tok, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    assert load_error(tok, spec(path)).startswith(f"{path} line 2: not valid UTF-8")
+
+
+def test_missing_field_names_record_and_knob(tok, tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"text": "a"}, {"body": "b"}])
+    message = load_error(tok, spec(path))
+    assert message == f"{path} line 2: has no field 'text' (dataset.textField); it has ['body']"
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user"}]}])
+    assert "line 1: each message needs a role and a string content" in load_error(
+        tok, spec(path, format="chat")
+    )
+
+
+def test_empty_set_is_refused(tok, tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    assert load_error(tok, spec(path)) == f"{path}: holds no records"
+
+
+def test_every_sequence_too_long_without_packing_is_refused(tok, tmp_path):
+    path = write_jsonl(tmp_path / "long.jsonl", [{"text": "word " * 40}] * 3)
+    message = load_error(tok, spec(path, packing=False, maxSeqLength=16))
+    assert message.startswith(f"{path}: every record is longer than dataset.maxSeqLength=16")
+    # with packing the same records are fine
+    assert data.load(spec(path, packing=True, maxSeqLength=16), tok).train
+
+
+def test_a_single_file_has_no_eval_split(tok, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}])
+    assert "has no split 'test'" in load_error(tok, spec(path, evalSplit="test"))
+
+
+def test_unknown_file_type_and_missing_file(tok, tmp_path):
+    (tmp_path / "d.txt").write_text("hello")
+    assert "unknown file type" in load_error(tok, spec(tmp_path / "d.txt"))
+    assert "no such file" in load_error(tok, spec(tmp_path / "nope.jsonl"))

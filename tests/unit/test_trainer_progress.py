@@ -1,0 +1,95 @@
+"""trainer/progress.py and the checkpoint selection rule: pure or local-only pieces.
+
+python -m pytest tests/unit/test_trainer_progress.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from ftjob.trainer import checkpoint, progress
+
+
+def test_flops_count_frozen_base_weights_without_weight_gradients():
+    full = progress.flops_per_token(1000, 0, layers=2, hidden=8, seq_len=16, frozen_base=False)
+    lora = progress.flops_per_token(1000, 10, layers=2, hidden=8, seq_len=16, frozen_base=True)
+    attention = 12 * 2 * 8 * 16
+    assert full == 6 * 1000 + attention
+    assert lora == 4 * 1000 + 6 * 10 + attention
+
+
+def test_peak_flops_by_device_name():
+    assert progress.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert progress.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert progress.peak_flops("NVIDIA H100 80GB HBM3", gpu_type="A100-80GB") == 312e12
+    assert progress.peak_flops(None) is None  # CPU
+    assert progress.peak_flops("Some Future GPU") is None
+
+
+def test_prometheus_text_leaves_out_unknown_values():
+    text = progress.prometheus({"phase": "training", "step": 3, "loss": 2.5, "mfu": None})
+    assert "ftjob_step 3\n" in text and "ftjob_loss 2.5\n" in text
+    assert "ftjob_mfu_ratio" not in text
+    assert 'ftjob_phase{phase="training"} 1' in text
+    assert 'ftjob_phase{phase="exporting"} 0' in text
+    assert "# TYPE ftjob_step gauge" in text
+
+
+@pytest.fixture
+def report(tmp_path):
+    p = progress.Progress(tmp_path, True, total=10, world=2, flops_per_token=100.0, peak=1e6)
+    p.serve(0)
+    yield p
+    p.close()
+
+
+def get(report, path: str) -> str:
+    url = f"http://127.0.0.1:{report.snapshot['port']}{path}"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.read().decode()
+
+
+def test_progress_is_served_as_json_and_prometheus_and_written_to_file(report, tmp_path):
+    report.begin(0)
+    report.step(1, loss=3.0, lr=1e-3, tokens=1000, epoch=0.1, log=True)
+    report.evaluated(1, 2.75)
+    served = json.loads(get(report, "/progress"))
+    assert (served["step"], served["totalSteps"], served["loss"]) == (1, 10, 3.0)
+    assert served["evalLoss"] == 2.75 and served["phase"] == "training"
+    assert served["tokensPerSecond"] > 0 and served["etaSeconds"] >= 0
+    # tokens/s x 100 FLOPs per token / (1e6 FLOP/s peak x 2 ranks)
+    assert served["mfu"] == pytest.approx(served["tokensPerSecond"] * 100 / 2e6, abs=1e-4)
+    assert "ftjob_eval_loss 2.75" in get(report, "/metrics")
+    on_disk = json.loads((tmp_path / "progress.json").read_text())
+    assert on_disk["step"] == 1 and on_disk["evalLoss"] == 2.75
+    events = [json.loads(line)["event"] for line in (tmp_path / "progress.jsonl").open()]
+    assert events == ["step", "eval"]
+
+
+def test_other_ranks_publish_nothing(tmp_path):
+    quiet = progress.Progress(tmp_path, False, total=10, world=2)
+    quiet.serve(0)
+    quiet.step(1, loss=3.0, lr=1e-3, tokens=10, epoch=0.0, log=True)
+    assert not (tmp_path / "progress.json").exists()
+
+
+def test_a_busy_port_does_not_stop_training(report, tmp_path, capsys):
+    other = progress.Progress(tmp_path / "b", True, total=1, world=1)
+    other.serve(report.snapshot["port"])
+    assert "cannot serve on port" in capsys.readouterr().out
+    assert other.snapshot["port"] is None
+
+
+def test_only_committed_checkpoints_are_resumed(tmp_path):
+    assert checkpoint.latest(tmp_path / "none") is None
+    for step, committed in [(4, True), (8, True), (12, False)]:
+        folder = checkpoint.folder(tmp_path, step)
+        folder.mkdir()
+        if committed:
+            (folder / checkpoint.COMMITTED).write_text(f"{step}\n")
+    (tmp_path / ".tmp-step-00000016").mkdir()
+    newest = checkpoint.latest(tmp_path)
+    assert newest.name == "step-00000008" and checkpoint.step_of(newest) == 8
