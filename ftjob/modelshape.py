@@ -69,6 +69,15 @@ class ModelShape:
         """Weights of the decoder layers' linear layers: what LoRA adapts and QLoRA quantizes."""
         return self.layers * (self.attention_params + self.mlp_params)
 
+    def adapted_input_width(self, targets: list[str]) -> int:
+        """Summed input widths of the adapted linear layers of one decoder layer."""
+        widths = {"q_proj": self.hidden, "k_proj": self.hidden, "v_proj": self.hidden}
+        widths |= {"o_proj": self.hidden, "gate_proj": self.hidden, "up_proj": self.hidden}
+        widths["down_proj"] = self.intermediate
+        if "all-linear" in targets:
+            return sum(widths.values())
+        return sum(widths.get(t, 0) for t in targets)
+
     def lora_params(self, r: int, targets: list[str]) -> int:
         h, kv, i = self.hidden, self.kv_dim, self.intermediate
         shapes = {

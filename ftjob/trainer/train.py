@@ -106,6 +106,11 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     ckpt.wait()
     if ds.eval and evaluated_at != total:
         report.evaluated(total, evaluate(net, ds, d, t.micro_batch_size))
+    # Before the export, whose full-model gather on rank 0 is not training memory: what
+    # `ftjob plan` estimates per process, measured (rank 1 never holds the whole model).
+    train_rss = [0.0] * d.world_size
+    dist.all_gather_object(train_rss, _peak_rss_mib())
+    report.update(trainPeakRssMiB=train_rss)
 
     report.update(phase="exporting")
     export.export(net, spec, tok, out, d.rank)

@@ -1,0 +1,103 @@
+"""Checkpoint timings on every rank of a 2-process FSDP2 gang (run by bench.checkpoints):
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/ckpt_worker.py \
+        --model DIR --out DIR
+
+* sharded: ftjob's Checkpointer (DCP, every rank writes its shards) with a synchronous save;
+* full: the baseline -- gather model and optimizer to rank 0 (full_state_dict, cpu_offload)
+  and write them with safetensors' save_file, as HF Trainer's FULL_STATE_DICT does;
+* async: ftjob's Checkpointer with async_save; the stall is the time save() blocks training;
+* resume: Checkpointer.load of the sharded checkpoint (model + optimizer + scheduler + RNG).
+Prints ``CKPT {json}`` on rank 0 (seconds; min over --repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ftjob.trainer import checkpoint
+
+
+def timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def train_step(model, optimizer, vocab: int) -> None:
+    ids = torch.randint(0, vocab, (2, 128))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def full_save(model, optimizer, out: Path, rank: int) -> None:
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in model_sd.items()}, out / "model.safetensors")
+        flat = {
+            f"{name}.{key}": value.contiguous()
+            for name, state in optim_sd["state"].items()
+            for key, value in state.items()
+            if torch.is_tensor(value) and value.dim() > 0
+        }
+        save_file(flat, out / "optimizer.safetensors")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--repeats", type=int, default=2)
+    a = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    config = AutoConfig.from_pretrained(a.model)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    train_step(model, optimizer, config.vocab_size)  # the optimizer's moments now exist
+    out = Path(a.out)
+    sync = checkpoint.Checkpointer(out / "sync", rank, keep=1, async_save=False)
+    background = checkpoint.Checkpointer(out / "async", rank, keep=1, async_save=True)
+    r = {"sharded": [], "full": [], "asyncStall": [], "asyncTotal": [], "resume": []}
+    for step in range(1, a.repeats + 1):
+        r["sharded"].append(timed(partial(sync.save, model, optimizer, scheduler, step)))
+        r["full"].append(timed(partial(full_save, model, optimizer, out / f"full-{step}", rank)))
+        start = time.perf_counter()
+        r["asyncStall"].append(timed(partial(background.save, model, optimizer, scheduler, step)))
+        background.wait()  # measured apart: the stall is what training waits for
+        r["asyncTotal"].append(time.perf_counter() - start)
+        found = checkpoint.latest(out / "sync")
+        r["resume"].append(timed(partial(sync.load, found, model, optimizer, scheduler)))
+        if rank == 0:
+            shutil.rmtree(out / f"full-{step}", ignore_errors=True)
+    size = sum(f.stat().st_size for f in checkpoint.latest(out / "sync").rglob("*") if f.is_file())
+    if rank == 0:
+        best = {k: min(v) for k, v in r.items()}
+        print("CKPT " + json.dumps({**best, "all": r, "bytes": size}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""What every suite shares: the machine's description, model folders, `ftjob run` of a
+generated job, and reading what the trainer published (progress.json / progress.jsonl)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+TINY_MODEL = EXAMPLES / "tiny-model"
+CHAT_DATA = EXAMPLES / "data" / "tiny-chat.jsonl"
+
+# Llama shapes built from a config (no download): the tiny model's tokenizer and vocabulary,
+# wider and deeper. Sizes are chosen so that a 2-process CPU step takes seconds, not minutes.
+SHAPES = {
+    "tiny": None,  # examples/tiny-model as committed (~0.3M parameters)
+    "medium": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=4),  # ~25M
+    "large": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                  num_attention_heads=12, num_key_value_heads=4),  # ~80M
+}  # fmt: skip
+
+
+def machine() -> dict:
+    import torch
+    import transformers
+
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    info = {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "loadavg": load,
+    }
+    try:
+        import trl
+
+        info["trl"] = trl.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def model_dir(size: str, work: Path) -> Path:
+    """A model folder of ``size``: the tiny model itself, or a bigger one built once in ``work``
+    with the tiny model's tokenizer (random weights; never committed)."""
+    if SHAPES[size] is None:
+        return TINY_MODEL
+    out = work / "models" / size
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_pretrained(TINY_MODEL)
+    for key, value in SHAPES[size].items():
+        setattr(config, key, value)
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def param_count(model: Path) -> int:
+    from ftjob.modelshape import ModelShape
+
+    config = json.loads((model / "config.json").read_text())
+    return ModelShape.from_config(config).params
+
+
+def job(name: str, model: Path, *, steps: int, nodes: int = 2, micro_batch: int = 4,
+        seq: int = 256, method: str = "full", log_every: int = 1, lr: float = 1e-3,
+        checkpoint_every: int | None = None) -> dict:  # fmt: skip
+    """A FineTuneJob on the tiny chat data: packed, fp32, no eval, one process per node."""
+    spec = {
+        "model": {"source": str(model)},
+        "dataset": {"source": str(CHAT_DATA), "format": "chat", "maxSeqLength": seq,
+                    "packing": True},
+        "method": {"type": method},
+        "training": {"maxSteps": steps, "learningRate": lr, "warmup": 0, "scheduler": "constant",
+                     "microBatchSize": micro_batch, "activationCheckpointing": False,
+                     "logEvery": log_every, "evalEvery": 0, "seed": 42, "maxGradNorm": 1.0},
+        "resources": {"nodes": nodes, "gpusPerNode": 0},
+        "checkpoint": {"volume": {"claimName": "bench"}, "every": checkpoint_every or steps + 1,
+                       "keep": 1},
+    }  # fmt: skip
+    if method == "lora":
+        spec["method"]["lora"] = {"r": 16, "alpha": 16, "dropout": 0.0}
+    return {"apiVersion": "ftjob.dev/v1alpha1", "kind": "FineTuneJob",
+            "metadata": {"name": name}, "spec": spec}  # fmt: skip
+
+
+@dataclass
+class Run:
+    wall: float
+    progress: dict
+    log: list[dict]
+    output: str
+
+    def steady_tokens_per_second(self, skip: int = 1) -> float:
+        """Tokens/s over the logged steps after the first ``skip`` (warm-up: allocation,
+        first-touch page faults), from the trainer's own per-interval numbers."""
+        steps = [e for e in self.log if e.get("event") == "step"]
+        rates = [e["tokensPerSecond"] for e in steps[skip:] if e.get("tokensPerSecond")]
+        return sum(rates) / len(rates) if rates else self.progress.get("tokensPerSecond") or 0.0
+
+    def losses(self) -> list[float]:
+        return [e["loss"] for e in self.log if e.get("event") == "step"]
+
+
+_CACHE: dict[str, Run] = {}
+
+
+def ftjob_run(doc: dict, work: Path, env: dict | None = None, timeout: float = 600) -> Run:
+    """``ftjob run`` of ``doc`` in a fresh folder; the same doc and env run once per bench."""
+    key = json.dumps([doc, env or {}], sort_keys=True)
+    if key in _CACHE:
+        return _CACHE[key]
+    name = doc["metadata"]["name"]
+    folder = work / "runs" / name
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    job_file = folder / "job.yaml"
+    job_file.write_text(yaml.safe_dump(doc, sort_keys=False))
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ftjob", "run", str(job_file), "--workdir", str(folder / "job")],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    wall = time.monotonic() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"ftjob run {name} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    job_dir = folder / "job"
+    progress = json.loads((job_dir / "progress.json").read_text())
+    log = [json.loads(x) for x in (job_dir / "progress.jsonl").read_text().splitlines() if x]
+    run = Run(wall, progress, log, proc.stdout[-2000:])
+    shutil.rmtree(job_dir / "checkpoints", ignore_errors=True)  # keep the temp folder small
+    _CACHE[key] = run
+    return run
+
+
+def torchrun(script: str, args: list[str], nproc: int, work: Path, timeout: float = 600,
+             env: dict | None = None) -> tuple[float, str]:  # fmt: skip
+    """Run ``python -m torch.distributed.run --standalone`` on a bench script; (wall, stdout)."""
+    tmp = work / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    threads = str(max(1, (os.cpu_count() or 1) // nproc))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", script, *args]  # fmt: skip
+    started = time.monotonic()
+    proc = subprocess.run(
+        cmd,
+        env={**os.environ, "OMP_NUM_THREADS": threads, "TMPDIR": str(tmp), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    wall = time.monotonic() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"{script} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return wall, proc.stdout
+
+
+def last_json(stdout: str, tag: str) -> dict:
+    """The last ``tag {json}`` line a worker printed."""
+    lines = [x for x in stdout.splitlines() if x.startswith(tag + " ")]
+    if not lines:
+        raise RuntimeError(f"no '{tag}' line in:\n{stdout[-2000:]}")
+    return json.loads(lines[-1][len(tag) + 1 :])

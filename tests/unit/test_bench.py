@@ -1,0 +1,113 @@
+"""bench's pure helpers: the RESULTS.md rows, the JSON shape, the job it generates, and how the
+operator benchmark names API requests. No timings are asserted (they belong in RESULTS.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # bench/ is a folder of the repo, not an installed package
+
+from bench import common, report  # noqa: E402
+from ftjob.spec import parse_resource  # noqa: E402
+
+
+def results(**suites) -> dict:
+    return {
+        "command": "python -m bench --quick",
+        "started": "2026-11-21 16:30 UTC",
+        "machine": {"cpus": 2, "python": "3.11.9", "torch": "2.13.0", "transformers": "5.23.0",
+                    "cuda": None, "loadavg": [1.5, 1.0, 0.5]},
+        "seconds": 61.2,
+        "loadavg_after": [2.0, 1.5, 1.0],
+        "json": "bench/results/x.json",
+        "suites": suites,
+    }  # fmt: skip
+
+
+def test_fmt_keeps_three_significant_figures_and_marks_missing_values():
+    assert report.fmt(0.123456) == "0.123"
+    assert report.fmt(12345.678) == "12,346"
+    assert report.fmt(1.5) == "1.50"
+    assert report.fmt(0) == "0"
+    assert report.fmt(None) == "-"
+    assert report.fmt([411.0, 409.8]) == "411 / 410"
+    assert report.fmt(True) == "yes"
+
+
+def test_a_row_becomes_one_table_line_with_the_baseline_and_the_goal():
+    r = report.row("save s", 0.5, 2.0, "gather + save_file", 0.25, "<= 0.25x", True)
+    lines = report.table_rows(results(checkpoints={"rows": [r]}))
+    assert lines == [
+        "| checkpoints | save s | 0.500 | 2.00 | gather + save_file | 0.250 | <= 0.25x | **met** |"
+    ]
+    assert lines[0].count("|") == report.HEADER.count("|")
+
+
+def test_a_failed_suite_is_a_row_not_a_crash_and_pipes_cannot_break_the_table():
+    lines = report.table_rows(results(operator={"error": "RuntimeError: a | b"}))
+    assert len(lines) == 1 and lines[0].startswith("| operator | failed: RuntimeError: a / b")
+    assert lines[0].count("|") == report.HEADER.count("|")
+
+
+def test_markdown_has_command_machine_load_and_table(tmp_path):
+    r = report.row("tokens/s", 100.0, 80.0, "TRL", 1.25, ">= 1.1x", True)
+    res = results(throughput={"rows": [r]})
+    text = report.markdown(res)
+    assert "`python -m bench --quick`" in text
+    assert "2 CPUs" in text and "torch 2.13.0" in text and "1.50 / 1.00 / 0.500" in text
+    assert report.HEADER in text and "| throughput | tokens/s | 100 | 80.0 | TRL |" in text
+    md = tmp_path / "RESULTS.md"
+    report.append(md, res)
+    report.append(md, res)
+    body = md.read_text()
+    assert body.startswith("# Benchmark results") and body.count(report.HEADER) == 2
+
+
+def test_json_round_trips(tmp_path):
+    res = results(loading={"rows": [report.row("rss", 1.0)], "cases": [{"rank0": [1.0, 2.0]}]})
+    report.write_json(tmp_path / "out" / "r.json", res)
+    back = json.loads((tmp_path / "out" / "r.json").read_text())
+    assert back["suites"]["loading"]["rows"][0] == {
+        "measurement": "rss", "ftjob": 1.0, "baseline": None, "baseline_name": "-",
+        "ratio": None, "goal": "-", "met": None,
+    }  # fmt: skip
+    assert set(back) >= {"command", "machine", "suites", "seconds"}
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_generated_jobs_are_valid_finetunejobs(method, tmp_path):
+    name, spec = parse_resource(common.job("b", tmp_path, steps=3, method=method))
+    assert name == "b" and spec.training.max_steps == 3 and spec.method.type == method
+    assert spec.resources.world_size == 2 and spec.checkpoint.every > 3  # no mid-run saves
+
+
+def test_steady_tokens_per_second_skips_the_warm_up_step():
+    log = [{"event": "step", "tokensPerSecond": t} for t in (10.0, 100.0, 200.0)]
+    run = common.Run(1.0, {"tokensPerSecond": 5.0}, log + [{"event": "eval"}], "")
+    assert run.steady_tokens_per_second() == 150.0
+    assert common.Run(1.0, {"tokensPerSecond": 5.0}, [], "").steady_tokens_per_second() == 5.0
+
+
+def test_last_json_reads_the_workers_tagged_line():
+    out = 'noise\nCKPT {"sharded": 1}\nmore\nCKPT {"sharded": 2}\n'
+    assert common.last_json(out, "CKPT") == {"sharded": 2}
+    with pytest.raises(RuntimeError):
+        common.last_json("nothing", "CKPT")
+
+
+def test_request_keys_name_the_resource_the_verb_and_the_subresource():
+    pytest.importorskip("kmock")
+    from bench.operator import request_key
+
+    assert request_key("POST", "/api/v1/namespaces/default/pods", False) == "POST pods"
+    path = "/apis/ftjob.dev/v1alpha1/namespaces/default/finetunejobs/x/status"
+    assert request_key("PATCH", path, False) == "PATCH finetunejobs/status"
+    assert request_key("GET", "/apis/ftjob.dev/v1alpha1/finetunejobs", True) == "WATCH finetunejobs"
+    assert request_key("GET", "/apis", False) == "GET discovery"
+    assert request_key("GET", "/version", False) == "GET other"
