@@ -2,11 +2,12 @@
 
     python -m pytest tests/e2e/test_plan_accuracy.py -q
 
-A ~25M-parameter Llama (built from a config, weights random) is fine-tuned for a few steps,
-full and LoRA, by `ftjob run`; the trainer reports each rank's peak RSS over loading and
-training (`trainPeakRssMiB`). Rank 1 never holds the whole model, so its peak is what the
-plan's per-process total (weights + gradients + optimizer + activations + temporaries +
-process baseline) should predict. The goal of issue 6 is +-30% overall.
+Llamas of ~25M and ~80M parameters (built from a config, weights random) are fine-tuned for
+a few steps, full and LoRA, by `ftjob run`; the trainer reports each rank's peak RSS over
+loading and training (`trainPeakRssMiB`). Rank 1 never holds the whole model, so its peak is
+what the plan's per-process total (weights + gradients + optimizer + activations +
+temporaries + process baseline) should predict. The goal of issue 6 is +-30% overall.
+Measured here: 0.76-0.87 of the RSS; the likely gap is memory the CPU allocator keeps.
 """
 
 from __future__ import annotations
@@ -26,28 +27,38 @@ from ftjob.modelshape import ModelShape
 from ftjob.spec import parse_resource
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-MEDIUM = dict(
-    hidden_size=512,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    intermediate_size=1408,
-    vocab_size=1024,
-    max_position_embeddings=512,
-)
+SHAPES = {
+    # hidden, layers, heads, kv heads, intermediate
+    "25M": (512, 8, 8, 4, 1408),
+    "80M": (768, 12, 12, 4, 2048),
+}
 
 
 @pytest.fixture(scope="module")
-def medium_model(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("medium")
-    config = LlamaConfig(**MEDIUM, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(EXAMPLES / "tiny-model" / name, folder / name)
-    return folder
+def models(tmp_path_factory) -> dict[str, Path]:
+    folders = {}
+    for size, (hidden, layers, heads, kv, inter) in SHAPES.items():
+        folder = tmp_path_factory.mktemp(size)
+        config = LlamaConfig(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            intermediate_size=inter,
+            vocab_size=1024,
+            max_position_embeddings=512,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+        LlamaForCausalLM(config).save_pretrained(folder)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(EXAMPLES / "tiny-model" / name, folder / name)
+        folders[size] = folder
+    return folders
 
 
-def job(model: Path, method: str) -> dict:
+def job(model: Path, method: str, micro_batch: int) -> dict:
     return {
         "apiVersion": "ftjob.dev/v1alpha1",
         "kind": "FineTuneJob",
@@ -59,16 +70,25 @@ def job(model: Path, method: str) -> dict:
                 "maxSeqLength": 256,
             },
             "method": {"type": method},
-            "training": {"maxSteps": 3, "microBatchSize": 4, "activationCheckpointing": False},
+            "training": {
+                "maxSteps": 2,
+                "microBatchSize": micro_batch,
+                "activationCheckpointing": False,
+            },
             "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2},
             "checkpoint": {"every": 1000},
         },
     }
 
 
-@pytest.mark.parametrize("method", ["full", "lora"])
-def test_plan_predicts_per_process_memory_within_30_percent(medium_model, tmp_path, method):
-    doc = job(medium_model, method)
+@pytest.mark.parametrize(
+    "size, method, micro_batch", [("25M", "full", 4), ("25M", "lora", 4), ("80M", "full", 2)]
+)
+def test_plan_predicts_per_process_memory_within_30_percent(
+    models, tmp_path, size, method, micro_batch
+):
+    model = models[size]
+    doc = job(model, method, micro_batch)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(doc))
     work = tmp_path / "run"
@@ -78,8 +98,10 @@ def test_plan_predicts_per_process_memory_within_30_percent(medium_model, tmp_pa
     measured = json.loads((work / "progress.json").read_text())["trainPeakRssMiB"][1] * 2**20
 
     spec = parse_resource(doc)[1]
-    config = json.loads((medium_model / "config.json").read_text())
+    config = json.loads((model / "config.json").read_text())
     estimate = plan.estimate(spec, ModelShape.from_config(config)).per_device
     ratio = estimate / measured
-    print(f"{method}: estimate {estimate / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
+    print(
+        f"{size} {method}: estimate {estimate / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB"
+    )
     assert 0.7 <= ratio <= 1.3, f"estimate/measured = {ratio:.2f}"
