@@ -1,9 +1,12 @@
 """The ftjob command line.
 
+ftjob run examples/tiny.yaml        # fine-tune on this machine (2 CPU processes here)
 ftjob validate examples/*.yaml      # the verdict kubectl apply would get, offline
+ftjob plan examples/llama2-70b-full.yaml   # will it fit? memory, time, traffic
 ftjob render examples/tiny.yaml     # what would be created for the job
 ftjob render --children examples/tiny.yaml  # ... with the operator's Service, ConfigMap, Pods
 ftjob crd > manifests/crd.yaml      # the CustomResourceDefinition
+ftjob operator --all-namespaces     # the operator, against the kubeconfig's cluster
 """
 
 from __future__ import annotations
@@ -20,12 +23,29 @@ from ftjob.spec import API_VERSION, KIND
 EXIT_INVALID, EXIT_USAGE = 1, 2
 
 
+class InvalidJob(Exception):
+    """A FineTuneJob that ftjob or the API server refuses; ``lines`` say why."""
+
+    def __init__(self, lines: list[str]):
+        self.lines = lines
+        super().__init__("\n".join(lines))
+
+
 def _jobs(path: str) -> list[dict]:
     docs = manifest.load(path)
     jobs = [d for d in docs if d.get("kind") == KIND]
     if not jobs:
         raise manifest.ManifestError(f"{path}: holds no {KIND} (kind: {KIND})")
     return jobs
+
+
+def _valid_jobs(path: str) -> list[validation.Verdict]:
+    """The verdicts of the jobs in ``path``; :class:`InvalidJob` if any is refused."""
+    verdicts = [validation.check(doc) for doc in _jobs(path)]
+    for verdict in verdicts:
+        if not verdict.ok:
+            raise InvalidJob([f"{path}: {x}" for x in verdict.errors or verdict.server_errors])
+    return verdicts
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -56,12 +76,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_render(args: argparse.Namespace) -> int:
     out = []
-    for doc in _jobs(args.file):
-        verdict = validation.check(doc)
-        if not verdict.ok:
-            for line in verdict.errors or verdict.server_errors:
-                print(f"{args.file}: {line}", file=sys.stderr)
-            return EXIT_INVALID
+    for verdict in _valid_jobs(args.file):
         meta = {"name": verdict.name, "namespace": args.namespace}
         out.append(
             {
@@ -94,12 +109,7 @@ def _model_config(spec, job_file: str) -> dict | None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     worst = 0
-    for doc in _jobs(args.file):
-        verdict = validation.check(doc)
-        if not verdict.ok:
-            for line in verdict.errors or verdict.server_errors:
-                print(f"{args.file}: {line}", file=sys.stderr)
-            return EXIT_INVALID
+    for verdict in _valid_jobs(args.file):
         spec = verdict.spec
         try:
             shape = modelshape.shape_for(spec.model.source, _model_config(spec, args.file))
@@ -220,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     except manifest.ManifestError as e:
         print(f"ftjob: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except InvalidJob as e:
+        for line in e.lines:
+            print(line, file=sys.stderr)
+        return EXIT_INVALID
 
 
 if __name__ == "__main__":
