@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     clock = time.monotonic()
     try:
         for name in suites:
-            t = time.monotonic()
+            t, load = time.monotonic(), [round(x, 2) for x in os.getloadavg()]
             print(f"bench: {name} ...", flush=True)
             try:
                 module = importlib.import_module(f"bench.{name}")
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
                 results["suites"][name] = {"error": f"{type(e).__name__}: {e}"}
             results["suites"][name]["seconds"] = time.monotonic() - t
+            results["suites"][name]["loadavg"] = load  # others' work slows a suite down
             for line in report.table_rows({"suites": {name: results["suites"][name]}}):
                 print(line, flush=True)
     finally:

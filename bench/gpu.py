@@ -13,7 +13,8 @@ from bench import common
 from bench.report import row
 
 ONE_B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-             num_attention_heads=32, num_key_value_heads=4)  # fmt: skip
+             num_attention_heads=32, num_key_value_heads=4,
+             max_position_embeddings=4096)  # fmt: skip
 SEQ, MICRO_BATCH, STEPS = 2048, 4, 12
 
 

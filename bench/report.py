@@ -66,9 +66,14 @@ def markdown(results: dict) -> str:
         "",
         f"- machine: {m['cpus']} CPUs, {m.get('cuda') or 'no GPU'}, Python {m['python']}, "
         f"{versions}",
-        f"- load average before / after: {fmt(m.get('loadavg'))} / {fmt(load)} "
-        "(shared machine: numbers are noisy)",
+        f"- load average (1, 5, 15 min) before: {fmt(m.get('loadavg'))}; after: {fmt(load)} "
+        "(a shared machine: numbers are noisy)",
         f"- wall time of the whole run: {results['seconds']:.0f} s; JSON: `{results['json']}`",
+        "- per suite, seconds (1-min load average at its start): "
+        + ", ".join(
+            f"{name} {r.get('seconds', 0):.0f} s ({fmt((r.get('loadavg') or [None])[0])})"
+            for name, r in results["suites"].items()
+        ),
         "",
         HEADER,
         RULE,

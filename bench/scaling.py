@@ -13,15 +13,21 @@ from bench.throughput import STEPS
 def run(work: Path, quick: bool) -> dict:
     size = "tiny" if quick else "medium"
     model, steps = common.model_dir(size, work), STEPS[size]
-    two = common.ftjob_run(common.job(f"tput-{size}-full", model, steps=steps, seq=256,
-                                      micro_batch=4), work)  # fmt: skip
-    one = common.ftjob_run(common.job(f"scale-{size}-1", model, steps=steps, seq=256,
-                                      micro_batch=8, nodes=1), work)  # fmt: skip
+    tries = 1 if quick else 2
+    # The 2-process runs are bench.throughput's (cached); best of each side, as there.
+    twos = [common.ftjob_run(common.job(f"tput-{size}-full" + (f"-{i}" if i else ""), model,
+                                        steps=steps, seq=256, micro_batch=4), work)
+            for i in range(tries)]  # fmt: skip
+    ones = [common.ftjob_run(common.job(f"scale-{size}-1-{i}", model, steps=steps, seq=256,
+                                        micro_batch=8, nodes=1), work)
+            for i in range(tries)]  # fmt: skip
+    two = max(twos, key=lambda r: r.steady_tokens_per_second())
+    one = max(ones, key=lambda r: r.steady_tokens_per_second())
     diff = max(abs(a - b) for a, b in zip(two.losses(), one.losses(), strict=True))
     t2, t1 = two.steady_tokens_per_second(), one.steady_tokens_per_second()
     rows = [
         row(
-            f"tokens/s 2 procs vs 1 proc, {size}, global batch 8 x 256",
+            f"tokens/s 2 procs vs 1 proc, {size}, global batch 8 x 256, best of {tries}",
             t2,
             t1,
             "1 process (2 threads)",
@@ -35,7 +41,7 @@ def run(work: Path, quick: bool) -> dict:
             two.wall / one.wall,
         ),
         row(
-            "loss parity: max /loss(2 procs) - loss(1 proc)/ over steps",
+            "loss parity: max abs(loss 2 procs - loss 1 proc) over steps",
             diff,
             goal="< 1e-3",
             met=diff < 1e-3,

@@ -7,12 +7,17 @@ a few steps, full and LoRA, by `ftjob run`; the trainer reports each rank's peak
 loading and training (`trainPeakRssMiB`). Rank 1 never holds the whole model, so its peak is
 what the plan's per-process total (weights + gradients + optimizer + activations +
 temporaries + process baseline) should predict. The goal of issue 6 is +-30% overall.
-Measured here: 0.76-0.87 of the RSS; the likely gap is memory the CPU allocator keeps.
+
+The plan estimates live memory. glibc's default malloc keeps freed large blocks resident, so
+default RSS peaks run 1.2-1.8x the live memory (bench/RESULTS.md, planner suite); the runs
+here pin its mmap threshold so that RSS measures what the plan predicts (that setting costs
+~26% of CPU throughput, which is why ftjob does not impose it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -84,7 +89,7 @@ def job(model: Path, method: str, micro_batch: int) -> dict:
 @pytest.mark.parametrize(
     "size, method, micro_batch", [("25M", "full", 4), ("25M", "lora", 4), ("80M", "full", 2)]
 )
-def test_plan_predicts_per_process_memory_within_30_percent(
+def test_plan_predicts_per_process_memory_within_20_percent(
     models, tmp_path, size, method, micro_batch
 ):
     model = models[size]
@@ -93,7 +98,8 @@ def test_plan_predicts_per_process_memory_within_30_percent(
     path.write_text(yaml.safe_dump(doc))
     work = tmp_path / "run"
     cmd = [sys.executable, "-m", "ftjob", "run", str(path), "--workdir", str(work)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     measured = json.loads((work / "progress.json").read_text())["trainPeakRssMiB"][1] * 2**20
 
@@ -104,4 +110,4 @@ def test_plan_predicts_per_process_memory_within_30_percent(
     print(
         f"{size} {method}: estimate {estimate / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB"
     )
-    assert 0.7 <= ratio <= 1.3, f"estimate/measured = {ratio:.2f}"
+    assert 0.8 <= ratio <= 1.2, f"estimate/measured = {ratio:.2f}"

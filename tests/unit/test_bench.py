@@ -60,7 +60,11 @@ def test_markdown_has_command_machine_load_and_table(tmp_path):
     res = results(throughput={"rows": [r]})
     text = report.markdown(res)
     assert "`python -m bench --quick`" in text
-    assert "2 CPUs" in text and "torch 2.13.0" in text and "1.50 / 1.00 / 0.500" in text
+    assert (
+        "2 CPUs" in text
+        and "torch 2.13.0" in text
+        and "before: 1.50 / 1.00 / 0.500; after: 2.00 / 1.50 / 1.00" in text
+    )
     assert report.HEADER in text and "| throughput | tokens/s | 100 | 80.0 | TRL |" in text
     md = tmp_path / "RESULTS.md"
     report.append(md, res)
