@@ -21,6 +21,7 @@ what a real API server does that kmock's own emulator leaves out:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import json
@@ -92,17 +93,15 @@ class ApiServer(kmock.KubernetesScaffold):
         return await super().__call__(raw_request)
 
     async def _namespaces(self, raw_request) -> aiohttp.web.StreamResponse:
-        """Every namespace an object lives in (and default) -- namespaces exist implicitly."""
+        """Every namespace an object lives in (and default) -- namespaces exist implicitly.
+
+        A watch announces a namespace when the first object in it appears, as a real server
+        announces a created namespace: kopf, given --namespace, starts serving a namespace
+        only once it has seen it exist.
+        """
         names = sorted({key[3] for key in self.store if key[3]} | {"default"})
         rv = str(self._last_rv())
-        items = [
-            {
-                "apiVersion": "v1",
-                "kind": "Namespace",
-                "metadata": {"name": n, "resourceVersion": rv},
-            }
-            for n in names
-        ]
+        items = [_namespace(n, rv) for n in names]
         if raw_request.query.get("watch") not in ("true", "1"):
             listing = {"apiVersion": "v1", "kind": "NamespaceList", "items": items}
             return aiohttp.web.json_response(listing | {"metadata": {"resourceVersion": rv}})
@@ -110,17 +109,23 @@ class ApiServer(kmock.KubernetesScaffold):
         await response.prepare(raw_request)
         for item in items:
             await response.write(json.dumps({"type": "ADDED", "object": item}).encode() + b"\n")
+        announced = set(names)
         queue: asyncio.Queue = asyncio.Queue()
         self.watchers.add(queue)
         timeout = float(raw_request.query.get("timeoutSeconds") or 3600)
         try:
-            while await asyncio.wait_for(queue.get(), timeout) is not None:
-                pass  # new namespaces are not announced: kopf needs them only for globs
+            while (item := await asyncio.wait_for(queue.get(), timeout)) is not None:
+                namespace = item[2]["object"].get("metadata", {}).get("namespace")
+                if namespace and namespace not in announced:
+                    announced.add(namespace)
+                    event = {"type": "ADDED", "object": _namespace(namespace, str(item[0]))}
+                    await response.write(json.dumps(event).encode() + b"\n")
         except (asyncio.TimeoutError, ConnectionResetError, asyncio.CancelledError):
             pass
         finally:
             self.watchers.discard(queue)
-        await response.write_eof()
+        with contextlib.suppress(ConnectionResetError):  # the client may have gone first
+            await response.write_eof()
         return response
 
     async def _serve_version(self, request):
@@ -499,3 +504,11 @@ class ApiServer(kmock.KubernetesScaffold):
             raise Refused(404, "NotFound", f'{gvp[2]} "{request.name}" not found')
         obj = self.begin_delete(key)
         return aiohttp.web.json_response(obj)
+
+
+def _namespace(name: str, resource_version: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": name, "resourceVersion": resource_version},
+    }
