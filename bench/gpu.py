@@ -41,13 +41,13 @@ def data(work: Path) -> Path:
 def mfu(tokens_per_second: float, model: Path, method: str, gpus: int) -> float | None:
     import torch
 
-    from ftjob.modelshape import ModelShape
+    from ftjob.modelshape import ModelShape, flops_per_token
     from ftjob.trainer import progress
 
     shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
     adapter = shape.lora_params(16, ["all-linear"]) if method == "lora" else 0
-    flops = progress.flops_per_token(
-        params=shape.params - shape.vocab * shape.hidden,  # the input embedding is a lookup
+    flops = flops_per_token(
+        params=shape.matmul_params,
         adapter_params=adapter, layers=shape.layers, hidden=shape.hidden, seq_len=SEQ,
         frozen_base=method != "full",
     )  # fmt: skip

@@ -51,10 +51,7 @@ def _valid_jobs(path: str) -> list[validation.Verdict]:
 def cmd_validate(args: argparse.Namespace) -> int:
     old = None
     if args.old:
-        old_jobs = _jobs(args.old)
-        if len(old_jobs) != 1:
-            raise manifest.ManifestError(f"{args.old}: --old needs exactly one {KIND}")
-        old = old_jobs[0]
+        old = manifest.load_one(args.old, KIND)
     failed = 0
     for path in args.files:
         for doc in _jobs(path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ftjob.schema import quantity
 from ftjob.spec import FineTuneJobSpec, SecretKeyRef
 
 VOLUME_MOUNT = "/ftjob"  # where pods mount checkpoint.volume
@@ -82,7 +83,7 @@ def node_command(
         env.update(fabric_env(spec))  # includes the user's ncclEnv
     else:
         # torchrun would pin every process to 1 thread; give each its share of the pod's CPUs.
-        cpus = _cpus(r.cpu)
+        cpus = int(quantity(r.cpu)) if r.cpu is not None else 0
         if cpus:
             env["OMP_NUM_THREADS"] = str(max(1, cpus // r.nproc_per_node))
         env.update(net.nccl_env)  # said explicitly: passed on, though gloo ignores NCCL_*
@@ -120,16 +121,3 @@ def fabric_env(spec: FineTuneJobSpec) -> dict[str, str]:
         if ifname:
             env["NCCL_SOCKET_IFNAME"] = ifname
     return env | dict(net.nccl_env)
-
-
-def _cpus(quantity: str | None) -> int | None:
-    """Whole CPUs in a Kubernetes quantity ("8", "500m" -> 0, None -> None)."""
-    if quantity is None:
-        return None
-    text = str(quantity)
-    if text.endswith("m"):
-        return int(float(text[:-1]) / 1000)
-    try:
-        return int(float(text))
-    except ValueError:
-        return None

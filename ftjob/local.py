@@ -113,11 +113,9 @@ class Node:
 def run(job_file: str, workdir: str | None = None, out=None) -> int:
     """Run every node of the job in ``job_file`` locally; return an exit code."""
     out = out or sys.stdout
-    docs = [d for d in manifest.load(job_file) if d.get("kind") == KIND]
-    if len(docs) != 1:
-        raise manifest.ManifestError(f"{job_file}: needs exactly one {KIND}, found {len(docs)}")
+    doc = manifest.load_one(job_file, KIND)
     try:
-        name, spec = parse_resource(docs[0])
+        name, spec = parse_resource(doc)
     except SpecError as e:
         print(f"{job_file}: invalid {KIND}:", file=sys.stderr)
         for err in e.errors:

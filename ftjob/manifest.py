@@ -58,5 +58,13 @@ def load(path: str | Path) -> list[dict[str, Any]]:
     return loads(text, str(path))
 
 
+def load_one(path: str | Path, kind: str) -> dict[str, Any]:
+    """The one document of ``kind`` in ``path`` (a job file holds exactly one job)."""
+    docs = [d for d in load(path) if d.get("kind") == kind]
+    if len(docs) != 1:
+        raise ManifestError(f"{path}: needs exactly one {kind}, found {len(docs)}")
+    return docs[0]
+
+
 def dumps(docs: list[dict[str, Any]]) -> str:
     return yaml.safe_dump_all(docs, sort_keys=False, width=100)

@@ -65,6 +65,11 @@ class ModelShape:
         return self.layers * self.layer_params + self.embedding_params + self.hidden
 
     @property
+    def matmul_params(self) -> int:
+        """Parameters that cost FLOPs: all but an untied input embedding (a lookup)."""
+        return self.params - (0 if self.tied else self.vocab * self.hidden)
+
+    @property
     def linear_params(self) -> int:
         """Weights of the decoder layers' linear layers: what LoRA adapts and QLoRA quantizes."""
         return self.layers * (self.attention_params + self.mlp_params)
@@ -137,3 +142,17 @@ def known_model(source: str) -> ModelShape | None:
         if re.search(rf"(^|/)(meta-)?{pattern}($|[-_/])", repo):
             return shape
     return None
+
+
+def flops_per_token(
+    params: int, adapter_params: int, layers: int, hidden: int, seq_len: int, frozen_base: bool
+) -> float:
+    """Training FLOPs per token: 6·N plus attention (12·layers·hidden·seq, PaLM's count).
+
+    ``params`` excludes the input embedding (a lookup). With a frozen base (LoRA, QLoRA) the
+    base weights need the forward (2·N) and the input gradients (2·N) but no weight gradients,
+    so they count 4·N; the adapters count 6 each. Recomputation by activation checkpointing
+    is not useful work and is not counted.
+    """
+    matmul = 4 * params + 6 * adapter_params if frozen_base else 6 * params
+    return float(matmul + 12 * layers * hidden * seq_len)

@@ -18,11 +18,11 @@ It models what ftjob's trainer does, not an ideal FSDP:
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 
 from ftjob.hardware import GIB, GPUS, node_bandwidth
-from ftjob.modelshape import ModelShape, shape_for
+from ftjob.modelshape import ModelShape, flops_per_token, shape_for
+from ftjob.schema import quantity
 from ftjob.spec import FineTuneJobSpec, QuantizationSpec
 
 FP32 = 4
@@ -178,7 +178,7 @@ def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
         temporaries=temporaries,
         reserved=reserved,
         device_bytes=gpu.memory_bytes if gpu else None,
-        pod_memory=quantity_bytes(r.memory) if r.memory else None,
+        pod_memory=quantity(r.memory) if r.memory else None,
         cpu_per_node=cpu_per_node,
         load_cpu_node0=load_node0,
         load_cpu_every_rank=load_every,
@@ -217,14 +217,13 @@ def _activations(spec: FineTuneJobSpec, s: ModelShape, tokens: int, nbytes: int)
 
 
 def _flops_per_token(spec: FineTuneJobSpec, s: ModelShape, adapter: int) -> float:
-    """Training FLOPs per token: 6N for a full step plus attention, as MFU counts them."""
-    n = s.params - s.vocab * s.hidden * (0 if s.tied else 1)  # the input embedding is a lookup
-    attention = 12 * s.layers * s.hidden * spec.dataset.max_seq_length
-    # Frozen weights need forward and input gradients, not weight gradients.
-    full = spec.method.type == "full"
-    flops = 6 * n + attention if full else 4 * n + attention + 6 * adapter
+    """MFU's FLOPs per token, plus the forward that activation checkpointing recomputes."""
+    frozen = spec.method.type != "full"
+    n = s.matmul_params  # the base model's; adapters are counted apart
+    seq = spec.dataset.max_seq_length
+    flops = flops_per_token(n, adapter if frozen else 0, s.layers, s.hidden, seq, frozen)
     if spec.training.activation_checkpointing:
-        flops += 2 * n + attention / 3  # the recomputed forward
+        flops += 2 * n + 4 * s.layers * s.hidden * seq  # the recomputed forward
     return flops
 
 
@@ -241,19 +240,6 @@ def _network_bytes_per_node(spec, s: ModelShape, sharding: str, trainable: int, 
         return per_micro * micro * across
     # hybrid and none: gradients are all-reduced across nodes (2x the data in a ring).
     return 2 * trainable * FP32 * micro * across
-
-
-_SUFFIX = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "m": 1e-3}
-_SUFFIX |= {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
-
-
-def quantity_bytes(quantity: str) -> float:
-    """A Kubernetes quantity ("1100Gi", "64G", "5e9") in bytes."""
-    match = re.fullmatch(r"([0-9.]+)([eE][-+]?[0-9]+)?([a-zA-Z]*)", str(quantity))
-    if not match or match.group(3) not in _SUFFIX:
-        raise ValueError(f"not a Kubernetes quantity: {quantity!r}")
-    number = float(match.group(1) + (match.group(2) or ""))
-    return number * _SUFFIX[match.group(3)]
 
 
 # ----------------------------------------------------------------------------- the verdict

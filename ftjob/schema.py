@@ -29,6 +29,19 @@ from typing import Any, Literal
 QUANTITY_PATTERN = r"^[+]?[0-9.]+([eE][-+]?[0-9]+|[numkKMGTP]i?)?$"
 
 
+_SUFFIX = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "m": 1e-3}
+_SUFFIX |= {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+
+
+def quantity(value: str | int) -> float:
+    """The number a Kubernetes quantity stands for ("1100Gi", "64G", "5e9", "500m")."""
+    match = re.fullmatch(r"([0-9.]+)([eE][-+]?[0-9]+)?([a-zA-Z]*)", str(value))
+    if not match or match.group(3) not in _SUFFIX:
+        raise ValueError(f"not a Kubernetes quantity: {value!r}")
+    number = float(match.group(1) + (match.group(2) or ""))
+    return number * _SUFFIX[match.group(3)]
+
+
 class IntOrString(str):
     """Marker type: the API accepts an integer or a string (``x-kubernetes-int-or-string``)."""
 

@@ -24,10 +24,7 @@ EXIT_FAILED = 1
 
 def load_spec(path: str):
     """(name, spec) of the one FineTuneJob in ``path``."""
-    jobs = [d for d in manifest.load(path) if d.get("kind") == KIND]
-    if len(jobs) != 1:
-        raise manifest.ManifestError(f"{path}: needs exactly one {KIND}, found {len(jobs)}")
-    return parse_resource(jobs[0])
+    return parse_resource(manifest.load_one(path, KIND))
 
 
 @record  # torchrun reports the traceback of the first failing rank

@@ -50,20 +50,6 @@ def peak_flops(device_name: str | None, gpu_type: str | None = None) -> float | 
     return gpu.peak_bf16_flops if gpu else None
 
 
-def flops_per_token(
-    params: int, adapter_params: int, layers: int, hidden: int, seq_len: int, frozen_base: bool
-) -> float:
-    """Training FLOPs per token: 6·N plus attention (12·layers·hidden·seq, PaLM's count).
-
-    ``params`` excludes the input embedding (a lookup). With a frozen base (LoRA, QLoRA) the
-    base weights need the forward (2·N) and the input gradients (2·N) but no weight gradients,
-    so they count 4·N; the adapters count 6 each. Recomputation by activation checkpointing
-    is not useful work and is not counted.
-    """
-    matmul = 4 * params + 6 * adapter_params if frozen_base else 6 * params
-    return float(matmul + 12 * layers * hidden * seq_len)
-
-
 def write_termination_message(export_path: Path) -> None:
     """Tell Kubernetes where the model is: the pod's termination message (rank 0 only).
 

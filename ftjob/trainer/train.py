@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from transformers import get_scheduler
 from transformers.utils import logging as hf_logging
 
+from ftjob.modelshape import flops_per_token
 from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer import checkpoint, data, export, model, parallel, progress
 
@@ -190,9 +191,10 @@ def _gpu_bytes(d: parallel.Dist) -> int | None:
 
 def _progress(spec, d, job_dir, total, net, params, trainable, sharding) -> progress.Progress:
     config = net.config
-    embed = net.get_input_embeddings().weight.numel()
+    # An untied input embedding is a lookup; a tied one is also the output head's matmul.
+    embed = 0 if config.tie_word_embeddings else net.get_input_embeddings().weight.numel()
     frozen_base = spec.method.type != "full"
-    flops = progress.flops_per_token(
+    flops = flops_per_token(
         params=params - embed - (trainable if frozen_base else 0),
         adapter_params=trainable if frozen_base else 0,
         layers=config.num_hidden_layers,

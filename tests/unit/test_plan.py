@@ -9,6 +9,7 @@ import pytest
 from ftjob import manifest, plan
 from ftjob.hardware import GIB
 from ftjob.modelshape import ModelShape, known_model, shape_for
+from ftjob.schema import quantity
 from ftjob.spec import parse_resource
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,11 +135,19 @@ def test_memory_falls_with_each_lever():
 
 
 def test_quantities():
-    assert plan.quantity_bytes("1100Gi") == 1100 * GIB
-    assert plan.quantity_bytes("64G") == 64e9
-    assert plan.quantity_bytes("5e9") == 5e9
+    assert quantity("1100Gi") == 1100 * GIB
+    assert quantity("64G") == 64e9
+    assert quantity("5e9") == 5e9
+    assert quantity("500m") == 0.5 and quantity(8) == 8
     with pytest.raises(ValueError):
-        plan.quantity_bytes("lots")
+        quantity("lots")
+
+
+def test_flops_count_a_tied_embedding_as_the_output_head():
+    tied = known_model("hf://meta-llama/Llama-3.2-1B")
+    untied = known_model("hf://meta-llama/Meta-Llama-3-8B")
+    assert tied.matmul_params == tied.params
+    assert untied.matmul_params == untied.params - untied.vocab * untied.hidden
 
 
 def test_plan_command_prints_breakdown_and_exits_by_verdict():

@@ -10,12 +10,13 @@ import urllib.request
 
 import pytest
 
+from ftjob.modelshape import flops_per_token
 from ftjob.trainer import checkpoint, progress
 
 
 def test_flops_count_frozen_base_weights_without_weight_gradients():
-    full = progress.flops_per_token(1000, 0, layers=2, hidden=8, seq_len=16, frozen_base=False)
-    lora = progress.flops_per_token(1000, 10, layers=2, hidden=8, seq_len=16, frozen_base=True)
+    full = flops_per_token(1000, 0, layers=2, hidden=8, seq_len=16, frozen_base=False)
+    lora = flops_per_token(1000, 10, layers=2, hidden=8, seq_len=16, frozen_base=True)
     attention = 12 * 2 * 8 * 16
     assert full == 6 * 1000 + attention
     assert lora == 4 * 1000 + 6 * 10 + attention
