@@ -6,7 +6,11 @@
 * sharded: ftjob's Checkpointer (DCP, every rank writes its shards) with a synchronous save;
 * full: the baseline -- gather model and optimizer to rank 0 (full_state_dict, cpu_offload)
   and write them with safetensors' save_file, as HF Trainer's FULL_STATE_DICT does;
-* async: ftjob's Checkpointer with async_save; the stall is the time save() blocks training;
+* async: ftjob's Checkpointer with async_save, followed by STEPS_AFTER training steps while
+  the copy and the write go on in the background. The stall is what training waits for:
+  save() itself plus the waits before each optimizer update (``before_update``). The overlap
+  cost is everything the save adds to those steps (stall and competition for the CPU), against
+  the same steps without a save;
 * resume: Checkpointer.load of the sharded checkpoint (model + optimizer + scheduler + RNG).
 Prints ``CKPT {json}`` on rank 0 (seconds; min over --repeats).
 """
@@ -38,11 +42,46 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def train_step(model, optimizer, vocab: int) -> None:
-    ids = torch.randint(0, vocab, (2, 128))
+# Short steps (1 x 64 tokens), enough of them to outlast the background write on CPU.
+STEPS_AFTER, TOKENS = 2, (1, 64)
+
+
+def train_step(model, optimizer, vocab: int, before_update=lambda: None) -> float:
+    """One step; returns the seconds spent waiting in before_update."""
+    ids = torch.randint(0, vocab, TOKENS)
     model(input_ids=ids, labels=ids).loss.backward()
+    start = time.perf_counter()
+    before_update()
+    waited = time.perf_counter() - start
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return waited
+
+
+def async_save(model, optimizer, scheduler, saver, step: int, vocab: int) -> dict:
+    """Start a background save, train STEPS_AFTER steps, then wait for the save to commit."""
+    dist.barrier()
+    start = time.perf_counter()
+    saver.save(model, optimizer, scheduler, step)
+    call = time.perf_counter() - start
+    waits = sum(
+        train_step(model, optimizer, vocab, saver.before_update) for _ in range(STEPS_AFTER)
+    )
+    steps = time.perf_counter() - start - call
+    saver.wait()
+    dist.barrier()
+    return {"stall": call + waits, "call": call, "steps": steps,
+            "total": time.perf_counter() - start}  # fmt: skip
+
+
+def steps_alone(model, optimizer, vocab: int) -> float:
+    """Seconds for STEPS_AFTER steps with no save running."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(STEPS_AFTER):
+        train_step(model, optimizer, vocab)
+    dist.barrier()
+    return time.perf_counter() - start
 
 
 def full_save(model, optimizer, out: Path, rank: int) -> None:
@@ -80,14 +119,19 @@ def main() -> None:
     out = Path(a.out)
     sync = checkpoint.Checkpointer(out / "sync", rank, keep=1, async_save=False)
     background = checkpoint.Checkpointer(out / "async", rank, keep=1, async_save=True)
-    r = {"sharded": [], "full": [], "asyncStall": [], "asyncTotal": [], "resume": []}
+    vocab = config.vocab_size
+    r = {"sharded": [], "full": [], "asyncStall": [], "asyncCall": [], "asyncTotal": [],
+         "asyncOverlapCost": [], "stepsAlone": [], "resume": []}  # fmt: skip
     for step in range(1, a.repeats + 1):
         r["sharded"].append(timed(partial(sync.save, model, optimizer, scheduler, step)))
         r["full"].append(timed(partial(full_save, model, optimizer, out / f"full-{step}", rank)))
-        start = time.perf_counter()
-        r["asyncStall"].append(timed(partial(background.save, model, optimizer, scheduler, step)))
-        background.wait()  # measured apart: the stall is what training waits for
-        r["asyncTotal"].append(time.perf_counter() - start)
+        alone = steps_alone(model, optimizer, vocab)
+        started = async_save(model, optimizer, scheduler, background, step, vocab)
+        r["stepsAlone"].append(alone)
+        r["asyncStall"].append(started["stall"])
+        r["asyncCall"].append(started["call"])
+        r["asyncTotal"].append(started["total"])
+        r["asyncOverlapCost"].append(started["call"] + started["steps"] - alone)
         found = checkpoint.latest(out / "sync")
         r["resume"].append(timed(partial(sync.load, found, model, optimizer, scheduler)))
         if rank == 0:
@@ -95,7 +139,9 @@ def main() -> None:
     size = sum(f.stat().st_size for f in checkpoint.latest(out / "sync").rglob("*") if f.is_file())
     if rank == 0:
         best = {k: min(v) for k, v in r.items()}
-        print("CKPT " + json.dumps({**best, "all": r, "bytes": size}), flush=True)
+        print("CKPT " + json.dumps({**best, "all": r, "bytes": size, "stepsAfter": STEPS_AFTER}),
+              flush=True)  # fmt: skip
+    background.close()
     dist.destroy_process_group()
 
 

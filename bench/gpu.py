@@ -2,11 +2,17 @@
 config (TinyLlama-1.1B's shape), sequence 2048 packed, bf16, activation checkpointing, full
 fine-tune and LoRA: ftjob (`ftjob run`, one process per GPU) against TRL SFTTrainer with
 accelerate FSDP2 on the same GPUs. MFU = tokens/s x flops/token / (peak x GPUs), both sides
-with ftjob's flop count (docs/progress.md)."""
+with ftjob's flop count (docs/progress.md).
+
+``compare`` takes the sizes and the device as a ``Setup``: the GPU suite is ``gpu_setup()``;
+tests/e2e/test_bench_gpu_suite.py runs the very same code with ``SMOKE`` (the tiny model on 2
+CPU processes), so that the suite's plumbing is exercised on every CI run, not only on a GPU.
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench import common
@@ -15,7 +21,29 @@ from bench.report import row
 ONE_B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
              num_attention_heads=32, num_key_value_heads=4,
              max_position_embeddings=4096)  # fmt: skip
-SEQ, MICRO_BATCH, STEPS = 2048, 4, 12
+common.SHAPES.setdefault("1b", ONE_B)
+MFU_GOAL = 0.45  # issue 7: a ~1B full fine-tune on one H100
+
+
+@dataclass(frozen=True)
+class Setup:
+    shape: str  # a key of common.SHAPES
+    seq: int
+    micro_batch: int
+    steps: int
+    processes: int  # one per GPU, or CPU processes
+    gpu: bool
+    repeat_data: int  # copies of the tiny chat data: enough packed sequences for the steps
+
+
+def gpu_setup() -> Setup:
+    import torch
+
+    return Setup("1b", seq=2048, micro_batch=4, steps=12, processes=torch.cuda.device_count(),
+                 gpu=True, repeat_data=40)  # fmt: skip
+
+
+SMOKE = Setup("tiny", seq=64, micro_batch=2, steps=4, processes=2, gpu=False, repeat_data=1)
 
 
 def available() -> bool:
@@ -24,62 +52,74 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
-def model_1b(work: Path) -> Path:
-    common.SHAPES.setdefault("1b", ONE_B)
-    return common.model_dir("1b", work)
-
-
-def data(work: Path) -> Path:
-    """The tiny chat data repeated: enough packed 2048-token sequences for STEPS steps."""
-    out = work / "data" / "chat-x40.jsonl"
+def data(work: Path, copies: int) -> Path:
+    """The tiny chat data repeated ``copies`` times."""
+    out = work / "data" / f"chat-x{copies}.jsonl"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(common.CHAT_DATA.read_text() * 40)
+        out.write_text(common.CHAT_DATA.read_text() * copies)
     return out
 
 
-def mfu(tokens_per_second: float, model: Path, method: str, gpus: int) -> float | None:
+def mfu(tokens_per_second: float, model: Path, method: str, s: Setup) -> float | None:
+    """Model FLOPs utilisation by ftjob's formula; None where the device's peak is unknown."""
     import torch
 
     from ftjob.modelshape import ModelShape, flops_per_token
     from ftjob.trainer import progress
 
+    if not s.gpu:
+        return None
     shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
     adapter = shape.lora_params(16, ["all-linear"]) if method == "lora" else 0
     flops = flops_per_token(
         params=shape.matmul_params,
-        adapter_params=adapter, layers=shape.layers, hidden=shape.hidden, seq_len=SEQ,
+        adapter_params=adapter, layers=shape.layers, hidden=shape.hidden, seq_len=s.seq,
         frozen_base=method != "full",
     )  # fmt: skip
     peak = progress.peak_flops(torch.cuda.get_device_name(0))
-    return tokens_per_second * flops / (peak * gpus) if peak else None
+    return tokens_per_second * flops / (peak * s.processes) if peak else None
 
 
-def run(work: Path, quick: bool) -> dict:
-    import torch
+def job(method: str, model: Path, chat: Path, s: Setup) -> dict:
+    doc = common.job(f"gpu-{s.shape}-{method}", model, steps=s.steps, seq=s.seq, method=method,
+                     micro_batch=s.micro_batch, nodes=1, lr=1e-5)  # fmt: skip
+    spec = doc["spec"]
+    spec["dataset"]["source"] = str(chat)
+    spec["training"]["activationCheckpointing"] = True
+    if s.gpu:
+        spec["training"]["precision"] = "bf16"
+        spec["resources"]["gpusPerNode"] = s.processes
+    else:
+        spec["resources"]["processesPerNode"] = s.processes
+    return doc
 
-    gpus = torch.cuda.device_count()
-    model, chat = model_1b(work), data(work)
+
+def trl_args(method: str, model: Path, chat: Path, s: Setup) -> list[str]:
+    args = ["--model", str(model), "--data", str(chat), "--steps", str(s.steps), "--seq",
+            str(s.seq), "--micro-batch", str(s.micro_batch), "--method", method, "--lr", "1e-5",
+            "--fsdp", "--activation-checkpointing"]  # fmt: skip
+    return args + (["--bf16"] if s.gpu else [])
+
+
+def compare(work: Path, s: Setup, methods: list[str]) -> dict:
+    model, chat = common.model_dir(s.shape, work), data(work, s.repeat_data)
     cases, rows = [], []
-    for method in ["full"] if quick else ["full", "lora"]:
-        doc = common.job(f"gpu-1b-{method}", model, steps=STEPS, seq=SEQ, method=method,
-                         micro_batch=MICRO_BATCH, nodes=1, lr=1e-5)  # fmt: skip
-        doc["spec"]["dataset"]["source"] = str(chat)
-        doc["spec"]["training"].update(precision="bf16", activationCheckpointing=True)
-        doc["spec"]["resources"]["gpusPerNode"] = gpus
-        ours = common.ftjob_run(doc, work, timeout=1800)
-        args = ["--model", str(model), "--data", str(chat), "--steps", str(STEPS), "--seq",
-                str(SEQ), "--micro-batch", str(MICRO_BATCH), "--method", method, "--lr", "1e-5",
-                "--bf16", "--fsdp", "--activation-checkpointing"]  # fmt: skip
-        wall, out = common.torchrun(str(common.ROOT / "bench" / "trl_worker.py"), args, gpus,
-                                    work, timeout=1800)  # fmt: skip
+    for method in methods:
+        ours = common.ftjob_run(job(method, model, chat, s), work, timeout=1800)
+        wall, out = common.torchrun(str(common.ROOT / "bench" / "trl_worker.py"),
+                                    trl_args(method, model, chat, s), s.processes, work,
+                                    timeout=1800)  # fmt: skip
         trl = common.last_json(out, "TRL")
         mine, theirs = ours.steady_tokens_per_second(skip=2), trl["tokensPerSecond"]
-        m_mfu = ours.progress.get("mfu") or mfu(mine, model, method, gpus)
-        t_mfu = mfu(theirs, model, method, gpus)
+        m_mfu = ours.progress.get("mfu") or mfu(mine, model, method, s)
+        t_mfu = mfu(theirs, model, method, s)
         cases.append({"method": method, "ftjob": mine, "trl": theirs, "ftjobMfu": m_mfu,
-                      "trlMfu": t_mfu, "trlWrapper": trl["wrapper"]})  # fmt: skip
-        label = f"~1B {method}, {gpus} GPU, seq {SEQ} x mb {MICRO_BATCH}, bf16"
+                      "trlMfu": t_mfu, "trlWrapper": trl["wrapper"],
+                      "ftjobLosses": ours.losses(), "trlLosses": trl["losses"]})  # fmt: skip
+        where = f"{s.processes} GPU, bf16" if s.gpu else f"{s.processes} CPU processes, fp32"
+        params = common.param_count(model) / 1e6
+        label = f"{params:,.0f}M {method}, {where}, seq {s.seq} x mb {s.micro_batch}"
         rows.append(
             row(
                 f"tokens/s, {label}",
@@ -98,8 +138,12 @@ def run(work: Path, quick: bool) -> dict:
                 m_mfu,
                 t_mfu,
                 "TRL SFTTrainer",
-                goal=">= 0.45" if full else "-",
-                met=(m_mfu or 0) >= 0.45 if full else None,
+                goal=f">= {MFU_GOAL}" if full else "-",
+                met=(m_mfu or 0) >= MFU_GOAL if full else None,
             )
         )
-    return {"cases": cases, "rows": rows}
+    return {"setup": s.__dict__, "cases": cases, "rows": rows}
+
+
+def run(work: Path, quick: bool) -> dict:
+    return compare(work, gpu_setup(), ["full"] if quick else ["full", "lora"])

@@ -143,9 +143,16 @@ def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
 
     offloaded = (sharded_weights + 3 * trainable * FP32) / group if offload else 0.0
     baseline = GPU_PROCESS_BASELINE_BYTES if on_gpu else PROCESS_BASELINE_BYTES
-    per_process_cpu = offloaded + baseline
+    # Background checkpoints copy each process's share of what they save (trained weights and
+    # both moments) into CPU buffers that are kept for the whole run.
+    staging = 3 * trainable * FP32 / group if spec.checkpoint.async_save else 0.0
+    if staging:
+        notes.append(f"asyncSave keeps a {_gib(staging)} CPU copy per process")
+    per_process_cpu = offloaded + baseline + staging
     if not on_gpu:  # a CPU job keeps everything in CPU memory
-        per_process_cpu = weights + gradients + optimizer + activations + temporaries + reserved
+        per_process_cpu = (
+            weights + gradients + optimizer + activations + temporaries + reserved + staging
+        )
     cpu_per_node = nproc * per_process_cpu
     full_fp32 = shape.params * FP32
     load_node0 = full_fp32 + nproc * baseline

@@ -404,7 +404,9 @@ class CheckpointSpec:
     every: int = api_field("every: steps between checkpoints.", 100, minimum=1)
     keep: int = api_field("keep: newest complete checkpoints kept.", 3, minimum=1, maximum=100)
     async_save: bool = api_field(
-        "asyncSave writes checkpoints in the background while training continues.", False
+        "asyncSave writes checkpoints in the background while training continues; each "
+        "process then keeps a CPU copy of its share of the checkpoint.",
+        False,
     )
 
 

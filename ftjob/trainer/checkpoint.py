@@ -8,6 +8,12 @@ Layout under ``FTJOB_JOB_DIR/checkpoints/``::
 Every rank writes its shards into the temporary folder (``torch.distributed.checkpoint``);
 after a barrier rank 0 writes ``COMMITTED`` and renames the folder, an atomic step on POSIX
 file systems. Resume takes the newest ``step-*`` folder holding ``COMMITTED``.
+
+With ``asyncSave`` training pauses only to start a save. A copy of the state ("staging") is
+taken on a background thread into buffers kept from one save to the next, while the next
+step's forward and backward run; the step waits for it only before its optimizer update, the
+first thing that changes the state being copied (``before_update``). The copy is then written
+and committed on another thread, which the next save (or the end of training) waits for.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -72,9 +79,22 @@ class Checkpointer:
     def __init__(self, root: Path, rank: int, keep: int, async_save: bool):
         self.root, self.rank, self.keep, self.async_save = root, rank, keep, async_save
         self._pending: tuple[Future, Path, Path] | None = None
-        # Background saves run their collectives on their own gloo group, so they never
-        # interleave with training's collectives (and work with NCCL training too).
-        self._group = dist.new_group(backend="gloo") if async_save else None
+        self._staging: Future | None = None
+        self._group = self._stager = None
+        if async_save:
+            # Background saves run their collectives on their own gloo group, so they never
+            # interleave with training's collectives (and work with NCCL training too).
+            self._group = dist.new_group(backend="gloo")
+            gpu = torch.cuda.is_available()
+            # Pinned buffers and non-blocking copies on a side stream where there is a GPU.
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=gpu,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=gpu,
+                )
+            )
 
     def save(self, model, optimizer, scheduler, step: int) -> None:
         self.wait()
@@ -88,20 +108,42 @@ class Checkpointer:
         torch.save(_rng(), tmp / f"rng-rank{self.rank}.pt")
         state = _state(model, optimizer, scheduler, step)
         if self.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
-            self._pending = (future, tmp, final)
+            response = dcp.async_save(
+                state,
+                checkpoint_id=str(tmp),
+                process_group=self._group,
+                async_stager=self._stager,
+            )
+            self._staging = response.staging_completion
+            self._pending = (response.upload_completion, tmp, final)
         else:
             dcp.save(state, checkpoint_id=str(tmp))
             self._commit(tmp, final)
 
+    def before_update(self) -> None:
+        """Call before anything changes the weights or the optimizer's state: a background
+        save may still be copying them."""
+        if self._staging is not None:
+            staging, self._staging = self._staging, None
+            staging.result()
+
     def wait(self) -> None:
-        """Finish and commit a background save (before the next one, and at the end)."""
+        """Finish and commit a background save (before the next one, whose copy reuses the
+        same buffers, and at the end)."""
+        self.before_update()
         if self._pending is None:
             return
         future, tmp, final = self._pending
         self._pending = None
         future.result()
         self._commit(tmp, final)
+
+    def close(self) -> None:
+        """Finish any background save and free the staging buffers."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _commit(self, tmp: Path, final: Path) -> None:
         dist.barrier()  # every rank's shards and RNG file are on disk

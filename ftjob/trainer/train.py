@@ -91,7 +91,9 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
 
     evaluated_at = None
     for step in range(start, total):
-        loss, tokens = _train_step(net, optimizer, weights, ds, sampler, step, d, t.max_grad_norm)
+        loss, tokens = _train_step(
+            net, optimizer, weights, ds, sampler, step, d, t.max_grad_norm, ckpt.before_update
+        )
         scheduler.step()
         done = step + 1
         lr = scheduler.get_last_lr()[0]
@@ -104,7 +106,7 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
             ckpt.save(net, optimizer, scheduler, done)
             path = checkpoint.folder(ckpt.root, done)
             report.update(phase="training", lastCheckpoint=str(path), lastCheckpointStep=done)
-    ckpt.wait()
+    ckpt.close()
     if ds.eval and evaluated_at != total:
         report.evaluated(total, evaluate(net, ds, d, t.micro_batch_size))
     # Before the export, whose full-model gather on rank 0 is not training memory: what
@@ -138,7 +140,9 @@ def token_loss(net, batch: dict, device: torch.device) -> tuple[torch.Tensor, in
     return loss, int((target != data.IGNORE).sum())
 
 
-def _train_step(net, optimizer, weights, ds, sampler, step, d, max_norm) -> tuple[float, int]:
+def _train_step(
+    net, optimizer, weights, ds, sampler, step, d, max_norm, before_update
+) -> tuple[float, int]:
     micro = [
         data.collate([ds.train[i] for i in sampler.indices(step, m, d.rank)], ds.pad_id)
         for m in range(sampler.accumulation)
@@ -158,6 +162,7 @@ def _train_step(net, optimizer, weights, ds, sampler, step, d, max_norm) -> tupl
         total += loss.detach()
     if max_norm > 0:
         torch.nn.utils.clip_grad_norm_(weights, max_norm)
+    before_update()  # a background checkpoint may still be copying weights and moments
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(total)

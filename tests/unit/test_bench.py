@@ -91,6 +91,18 @@ def test_generated_jobs_are_valid_finetunejobs(method, tmp_path):
     assert spec.resources.world_size == 2 and spec.checkpoint.every > 3  # no mid-run saves
 
 
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_the_gpu_suites_job_is_a_valid_bf16_gpu_finetunejob(method, tmp_path):
+    from bench import gpu
+
+    one_gpu = gpu.Setup("1b", seq=2048, micro_batch=4, steps=12, processes=1, gpu=True,
+                        repeat_data=40)  # fmt: skip
+    _, spec = parse_resource(gpu.job(method, tmp_path, tmp_path / "chat.jsonl", one_gpu))
+    assert spec.compute_precision() == "bf16" and spec.resources.gpus_per_node == 1
+    assert spec.dataset.max_seq_length == 2048 and spec.training.activation_checkpointing
+    assert "--bf16" in gpu.trl_args(method, tmp_path, tmp_path / "chat.jsonl", one_gpu)
+
+
 def test_steady_tokens_per_second_skips_the_warm_up_step():
     log = [{"event": "step", "tokensPerSecond": t} for t in (10.0, 100.0, 200.0)]
     run = common.Run(1.0, {"tokensPerSecond": 5.0}, log + [{"event": "eval"}], "")

@@ -176,3 +176,15 @@ def test_admission_refuses_only_when_enforced():
     assert fits["reason"] == "Fits" and fits["allowed"] is True
     unknown = plan.admission(example("tiny.yaml"))  # a path the operator cannot read
     assert unknown["reason"] == "Unknown" and unknown["allowed"] is True
+
+
+def test_async_save_adds_a_staging_copy_of_each_process_share_to_cpu_memory():
+    sync = example("llama2-70b-full.yaml", **{"checkpoint.asyncSave": False})
+    background = example("llama2-70b-full.yaml", **{"checkpoint.asyncSave": True})
+    shape = known_model(sync.model.source)
+    a, b = plan.estimate(sync, shape), plan.estimate(background, shape)
+    # full fine-tune sharded over all 16 GPUs: 3 fp32 tensors (weights, 2 moments) per param
+    share = 3 * shape.params * 4 / sync.resources.world_size
+    per_node = sync.resources.nproc_per_node
+    assert b.cpu_per_node - a.cpu_per_node == pytest.approx(per_node * share)
+    assert any("asyncSave keeps a" in n for n in b.notes)
