@@ -108,6 +108,10 @@ class Checkpointer:
         torch.save(_rng(), tmp / f"rng-rank{self.rank}.pt")
         state = _state(model, optimizer, scheduler, step)
         if self.async_save:
+            if torch.cuda.is_available():
+                # The copy runs on a side stream that does not wait for this one: let the
+                # step's queued updates finish first.
+                torch.cuda.current_stream().synchronize()
             response = dcp.async_save(
                 state,
                 checkpoint_id=str(tmp),
