@@ -35,6 +35,14 @@ def run(work: Path, quick: bool) -> dict:
             shard_ratio <= 0.25,
         ),
         row(
+            f"sync sharded save s vs its floor here (each rank torch.save + fsync of the same "
+            f"tensors, no DCP), {label}",
+            r["sharded"],
+            r["rawWrite"],
+            "raw write per rank",
+            r["sharded"] / r["rawWrite"],
+        ),
+        row(
             f"async save stall s (save() + waits before the next {steps} optimizer updates) "
             f"vs sync sharded save, {label}",
             r["asyncStall"],

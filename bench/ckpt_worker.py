@@ -4,6 +4,7 @@
         --model DIR --out DIR
 
 * sharded: ftjob's Checkpointer (DCP, every rank writes its shards) with a synchronous save;
+* raw: each rank torch.save()s its local tensors to one fsynced file (the disk's floor);
 * full: the baseline -- gather model and optimizer to rank 0 (full_state_dict, cpu_offload)
   and write them with safetensors' save_file, as HF Trainer's FULL_STATE_DICT does;
 * async: ftjob's Checkpointer with async_save, followed by STEPS_AFTER training steps while
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import time
 from functools import partial
@@ -84,6 +86,19 @@ def steps_alone(model, optimizer, vocab: int) -> float:
     return time.perf_counter() - start
 
 
+def raw_write(model, optimizer, out: Path, rank: int) -> None:
+    """The floor under any sharded save here: each rank torch.save()s the same local tensors
+    (weights and moments) to one file and fsyncs it, with no planning or metadata."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=checkpoint.OPTIONS)
+    local = [v.to_local() for v in model_sd.values()]
+    local += [v.to_local() for s in optim_sd["state"].values() for v in s.values() if v.dim()]
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"rank{rank}.pt", "wb") as f:
+        torch.save(local, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def full_save(model, optimizer, out: Path, rank: int) -> None:
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
@@ -120,11 +135,12 @@ def main() -> None:
     sync = checkpoint.Checkpointer(out / "sync", rank, keep=1, async_save=False)
     background = checkpoint.Checkpointer(out / "async", rank, keep=1, async_save=True)
     vocab = config.vocab_size
-    r = {"sharded": [], "full": [], "asyncStall": [], "asyncCall": [], "asyncTotal": [],
-         "asyncOverlapCost": [], "stepsAlone": [], "resume": []}  # fmt: skip
+    r = {"sharded": [], "full": [], "rawWrite": [], "asyncStall": [], "asyncCall": [],
+         "asyncTotal": [], "asyncOverlapCost": [], "stepsAlone": [], "resume": []}  # fmt: skip
     for step in range(1, a.repeats + 1):
         r["sharded"].append(timed(partial(sync.save, model, optimizer, scheduler, step)))
         r["full"].append(timed(partial(full_save, model, optimizer, out / f"full-{step}", rank)))
+        r["rawWrite"].append(timed(partial(raw_write, model, optimizer, out / f"raw-{step}", rank)))
         alone = steps_alone(model, optimizer, vocab)
         started = async_save(model, optimizer, scheduler, background, step, vocab)
         r["stepsAlone"].append(alone)
@@ -134,8 +150,10 @@ def main() -> None:
         r["asyncOverlapCost"].append(started["call"] + started["steps"] - alone)
         found = checkpoint.latest(out / "sync")
         r["resume"].append(timed(partial(sync.load, found, model, optimizer, scheduler)))
+        dist.barrier()
         if rank == 0:
             shutil.rmtree(out / f"full-{step}", ignore_errors=True)
+            shutil.rmtree(out / f"raw-{step}", ignore_errors=True)
     size = sum(f.stat().st_size for f in checkpoint.latest(out / "sync").rglob("*") if f.is_file())
     if rank == 0:
         best = {k: min(v) for k, v in r.items()}
