@@ -5,13 +5,13 @@ holds the pods; a pod event wakes the job's daemon), when a deadline the decisio
 comes due, and at least every ``FTJOB_RESYNC_SECONDS``. Status is written *before* pods are
 created or deleted, so a crash between the two repeats the same step instead of counting a
 restart twice. Rank 0's progress is polled at most every ``FTJOB_PROGRESS_SECONDS``.
+At most ``FTJOB_RECONCILE_CONCURRENCY`` reconciles run at once; the other daemons wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import logging
 import os
@@ -30,10 +30,17 @@ from ftjob.spec import GROUP, PLURAL, VERSION, parse_resource
 RESYNC = float(os.environ.get("FTJOB_RESYNC_SECONDS", "30"))
 PROGRESS_EVERY = float(os.environ.get("FTJOB_PROGRESS_SECONDS", "15"))
 POD_SELECTOR = {"app.kubernetes.io/managed-by": render.MANAGER}
+# A reconcile in flight holds a copy of its job, the parsed spec and the rendered children
+# while its API calls queue for a thread of asyncio's default pool (min(32, CPUs + 4)
+# threads). Unbounded, a burst of N new jobs holds N such sets at once, and the allocator
+# keeps that high-water mark for the operator's life; bounded, a daemon waiting for a slot
+# holds only itself. More slots than the pool has threads would only queue for them.
+RECONCILE_CONCURRENCY = int(os.environ.get("FTJOB_RECONCILE_CONCURRENCY", "8"))
 
 WAKE: dict[tuple[str, str], asyncio.Event] = {}
 METRICS = {"phases": {}, "restarts": 0, "errors": 0, "latency_sum": 0.0, "latency_count": 0}
 _kube: Kube | None = None
+_slots: asyncio.Semaphore | None = None
 
 
 def kube() -> Kube:
@@ -45,6 +52,8 @@ def kube() -> Kube:
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, **_) -> None:
+    global _slots
+    _slots = asyncio.Semaphore(RECONCILE_CONCURRENCY)  # in the operator's own event loop
     # kopf's own bookkeeping goes to annotations; .status belongs to the FineTuneJob API.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -66,8 +75,10 @@ async def configure(settings: kopf.OperatorSettings, **_) -> None:
 
 @kopf.index("pods", labels=POD_SELECTOR)
 def job_pods(namespace, labels, body, **_):
-    """Pods by (namespace, job), kept current by kopf's watch."""
-    return {(namespace, labels.get(render.LABEL_JOB)): copy.deepcopy(dict(body))}
+    """Pods by (namespace, job), kept current by kopf's watch. The index holds every managed
+    pod for as long as it exists, so it keeps only what the decisions read (a few small
+    dicts), not whole pods (10-20 KiB each as Python objects, more with managedFields)."""
+    return {(namespace, labels.get(render.LABEL_JOB)): status.observed_pod(body)}
 
 
 @kopf.on.event("pods", labels=POD_SELECTOR)
@@ -86,17 +97,26 @@ async def job_daemon(name, namespace, body, stopped, job_pods: kopf.Index, logge
         while not stopped:
             wake.clear()
             try:
-                delay = await _reconcile(name, namespace, body, job_pods, state, logger)
+                async with _slots:
+                    delay = await _reconcile(name, namespace, body, job_pods, state, logger)
             except Exception as e:  # noqa: BLE001 - a failed reconcile is retried, not fatal
                 METRICS["errors"] += 1
                 logger.warning(f"reconcile failed, retrying: {error_text(e)}")
                 delay = 1.0
-            timeout = min(delay or RESYNC, RESYNC)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), timeout=max(timeout, 0.05))
+            await _sleep(wake, max(min(delay or RESYNC, RESYNC), 0.05))
     finally:
         WAKE.pop(key, None)
         METRICS["phases"].pop(key, None)
+
+
+async def _sleep(wake: asyncio.Event, seconds: float) -> None:
+    """Until a pod event or ``seconds`` pass. A timer that sets the same event, rather than
+    ``asyncio.wait_for``: that would keep a task (and its coroutine) per sleeping job."""
+    timer = asyncio.get_running_loop().call_later(seconds, wake.set)
+    try:
+        await wake.wait()
+    finally:
+        timer.cancel()
 
 
 async def _reconcile(name, namespace, body, job_pods, state, logger) -> float | None:
@@ -110,6 +130,8 @@ async def _reconcile(name, namespace, body, job_pods, state, logger) -> float | 
         # write back yet, so what we wrote is the truth (deciding again from the older status
         # could count one failure twice).
         old_status = written[1]
+    elif written:
+        state["written"] = None  # the watch brought a newer job: that copy is never read again
     pods = [p for p in job_pods.get((namespace, name), []) if _owned_by(p, meta["uid"])]
     now = datetime.now(timezone.utc)
     try:

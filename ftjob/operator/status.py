@@ -1,8 +1,10 @@
 """PURE: what the operator observed -> the pieces of a FineTuneJob's status.
 
 Pods and the progress snapshot go in as the plain dicts the API server and the trainer
-return; what comes out is camelCase dicts in the shape of ``ftjob/status_types.py``:
+return (pods whole, or as the slim :func:`observed_pod` views the operator keeps); what
+comes out is camelCase dicts in the shape of ``ftjob/status_types.py``:
 
+* :func:`observed_pod` -- the few fields of a pod that the decisions read;
 * :func:`diagnose` -- why a pod failed (OOMKilled, CudaOOM, NCCLTimeout, BadInput, ...),
   from its phase, container state, exit code and termination message;
 * :func:`progress` -- rank 0's ``/progress`` snapshot as ``status.progress``;
@@ -14,12 +16,14 @@ return; what comes out is camelCase dicts in the shape of ``ftjob/status_types.p
 
 from __future__ import annotations
 
+import copy
 import json
 import re
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from ftjob.operator.render import CONTAINER, LABEL_ATTEMPT, LABEL_RANK
+from ftjob.operator.render import CONTAINER, LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK
 
 # One condition per phase-like state, always present, plus Planned (ftjob.plan's verdict).
 PHASE_CONDITIONS = ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
@@ -64,6 +68,40 @@ def parse_time(text: str | None) -> datetime | None:
         return datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
         return None
+
+
+def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a pod that the operator's decisions read, in the pod's own shape.
+
+    The operator holds every pod it manages in memory for as long as the pod exists (kopf's
+    pod index), and a whole pod -- containers with their env, volumes, managedFields -- is
+    10-20 KiB of Python objects or more, of which the decisions read a few fields. This keeps
+    exactly what this module, :mod:`lifecycle` and the handlers read: name, the ftjob
+    labels, owner uids, deletionTimestamp, node name, phase/reason/message, pod IP and the
+    trainer container's state (its termination message included). A new reader of another
+    field must add it here; tests/unit/test_status.py checks that decisions made from these
+    views equal those made from whole pods.
+    """
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    status = pod.get("status") or {}
+    labels = meta.get("labels") or {}
+    view_meta: dict[str, Any] = {
+        "name": meta.get("name"),
+        "labels": {k: labels[k] for k in (LABEL_JOB, LABEL_RANK, LABEL_ATTEMPT) if k in labels},
+        "ownerReferences": [{"uid": r.get("uid")} for r in meta.get("ownerReferences") or []],
+    }
+    if meta.get("deletionTimestamp"):
+        view_meta["deletionTimestamp"] = meta["deletionTimestamp"]
+    view_status = {k: status[k] for k in ("phase", "reason", "message", "podIP") if k in status}
+    trainer = _trainer_state(pod)
+    if trainer:
+        # A copy: the view outlives the watch event it came from, whose dicts kopf owns.
+        state = copy.deepcopy(trainer.get("state") or {})
+        view_status["containerStatuses"] = [{"name": CONTAINER, "state": state}]
+    view = {"metadata": view_meta, "status": view_status}
+    if spec.get("nodeName"):
+        view["spec"] = {"nodeName": spec["nodeName"]}
+    return view
 
 
 def rank_of(pod: dict) -> int:

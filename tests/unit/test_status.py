@@ -1,5 +1,6 @@
 """Status and lifecycle decisions, as pure functions of spec, pods, progress and the clock."""
 
+import json
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -335,3 +336,119 @@ def test_a_job_that_fits_says_so():
         lifecycle.decide(spec, name, 1, None, [], T0).status["conditions"], "Planned"
     )
     assert planned["status"] == "True" and planned["reason"] == "Fits"
+
+
+# ----------------------------------------------------------------------------- pod views
+
+
+def served(p, deleting=False, sidecar=False):
+    """``p`` as the API server hands it back: server fields, defaults, conditions, the
+    kubelet's container status details, and what other controllers add."""
+    p = json.loads(json.dumps(p))
+    meta, status = p["metadata"], p["status"]
+    meta |= {
+        "uid": f"pod-uid-{meta['name']}",
+        "resourceVersion": "4242",
+        "creationTimestamp": "2026-01-01T11:59:00Z",
+        "managedFields": [{"manager": "ftjob-operator", "operation": "Update", "fieldsV1": {}}],
+    }
+    meta["labels"]["kueue.x-k8s.io/queue-name"] = "team-a"
+    meta["annotations"] = {"kubectl.kubernetes.io/last-applied-configuration": "{}"}
+    meta["ownerReferences"][0] |= {"kind": "FineTuneJob", "apiVersion": "ftjob.dev/v1alpha1"}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T12:00:30Z"
+    p["spec"] |= {"schedulerName": "default-scheduler", "dnsPolicy": "ClusterFirst"}
+    status |= {
+        "hostIP": "10.0.0.7",
+        "podIP": "10.1.2.3",
+        "qosClass": "Guaranteed",
+        "conditions": [{"type": "Ready", "status": "False"}],
+    }
+    for cs in status["containerStatuses"]:
+        cs |= {"image": "ghcr.io/ftjob/trainer:0.1.0", "restartCount": 0, "ready": False}
+    if sidecar:  # another container (a mesh proxy) that must not be taken for the trainer
+        state = {"terminated": {"exitCode": 1, "reason": "OOMKilled"}}
+        status["containerStatuses"].insert(0, {"name": "proxy", "state": state})
+    return p
+
+
+def realistic_pods():
+    """Pods in every state the decisions tell apart, as the API server serves them."""
+    failed = dict(phase="Failed", exit_code=1)
+    image_pull = served(pod(1, phase="Pending"))
+    image_pull["status"]["containerStatuses"][0]["state"]["waiting"]["reason"] = "ImagePullBackOff"
+    return {
+        "pending": served(pod(0, phase="Pending")),
+        "running": served(pod(0), sidecar=True),
+        "running-1": served(pod(1)),
+        "image-pull": image_pull,
+        "exported": served(pod(0, 0, "Succeeded", 0, message=EXPORTED)),
+        "exited-0": served(pod(1, 0, "Succeeded", 0)),
+        "oom-killed": served(pod(1, phase="Failed", exit_code=137, reason="OOMKilled")),
+        "cuda-oom": served(pod(0, **failed, message="torch.OutOfMemoryError: CUDA out of memory")),
+        "nccl": served(pod(1, **failed, message="Watchdog caught collective operation timeout")),
+        "bad-input": served(pod(0, **failed, message="error: bad data: no records in train")),
+        "error": served(pod(1, **failed, message="x" * 5000 + "KeyError: 'x'")),
+        "evicted": served(pod(1, phase="Failed", extra={"reason": "Evicted", "message": "low"})),
+        "lost": served(pod(0, phase="Unknown", extra={"reason": "NodeLost"})),
+        "deleting": served(pod(1), deleting=True),
+        "old-attempt": served(pod(0, attempt=3)),
+    }
+
+
+def test_a_pod_view_reads_the_same_as_the_whole_pod():
+    readers = [st.diagnose, st.succeeded, st.running, st.terminated, st.waiting_reason]
+    readers += [st.export_path, st.rank_of, st.attempt_of]
+    for name, whole in realistic_pods().items():
+        view = st.observed_pod(whole)
+        for read in readers:
+            assert read(view) == read(whole), (name, read.__name__)
+        # What the handlers read: the owner (handlers._owned_by) and rank 0's address.
+        assert view["metadata"]["ownerReferences"] == [{"uid": "uid"}], name
+        assert view["status"].get("podIP") == whole["status"].get("podIP"), name
+        # Small whatever the pod's spec holds; only a termination message (at most 4 KiB, the
+        # kubelet's limit) is kept whole, since the diagnosis searches all of it.
+        message = (st.terminated(whole) or {}).get("message", "")
+        assert len(json.dumps(view)) - len(json.dumps(message)) < 600, name
+
+
+def test_decisions_from_pod_views_equal_those_from_whole_pods():
+    pods = realistic_pods()
+    gangs = [
+        [],
+        ["pending", "image-pull"],
+        ["running", "running-1"],
+        ["running"],
+        ["exported", "running-1"],
+        ["exported", "exited-0"],
+        ["running", "exited-0"],
+        ["running", "oom-killed"],
+        ["cuda-oom", "running-1"],
+        ["running", "nccl"],
+        ["bad-input", "running-1"],
+        ["running", "error"],
+        ["running", "evicted"],
+        ["lost", "running-1"],
+        ["running", "deleting"],
+        ["old-attempt", "running-1"],
+    ]
+    running = run_to([pod(0), pod(1)]).status
+    one_failed = [pod(0), pod(1, phase="Failed", exit_code=1)]
+    restarting = decide(running, one_failed).status
+    failed = decide(running, one_failed, backoffLimit=0).status
+    later = T0 + timedelta(minutes=5)
+    for old in (None, running, restarting, failed):
+        for gang in gangs:
+            for policy in ({}, {"suspend": True}, {"backoffLimit": 0}):
+                whole = [pods[n] for n in gang]
+                from_whole = decide(old, whole, later, **policy)
+                from_views = decide(old, [st.observed_pod(p) for p in whole], later, **policy)
+                assert from_views == from_whole, (gang, policy)
+
+
+def test_a_pod_view_shares_no_dicts_with_the_event_it_came_from():
+    whole = realistic_pods()["exported"]
+    view = st.observed_pod(whole)
+    whole["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] = 1
+    whole["metadata"]["labels"][render.LABEL_RANK] = "1"
+    assert st.succeeded(view) and st.rank_of(view) == 0
