@@ -28,6 +28,9 @@ SHAPES = {
                    num_attention_heads=8, num_key_value_heads=4),  # ~25M
     "large": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                   num_attention_heads=12, num_key_value_heads=4),  # ~80M
+    # The GPU suite's: TinyLlama-1.1B's shape (its own vocabulary size, the tiny tokenizer).
+    "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+               num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096),
 }  # fmt: skip
 
 
@@ -143,21 +146,12 @@ def ftjob_run(doc: dict, work: Path, env: dict | None = None, timeout: float = 6
     folder.mkdir(parents=True)
     job_file = folder / "job.yaml"
     job_file.write_text(yaml.safe_dump(doc, sort_keys=False))
-    started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "ftjob", "run", str(job_file), "--workdir", str(folder / "job")],
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    wall = time.monotonic() - started
-    if proc.returncode != 0:
-        raise RuntimeError(f"ftjob run {name} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    cmd = [sys.executable, "-m", "ftjob", "run", str(job_file), "--workdir", str(folder / "job")]
+    wall, stdout = _timed(cmd, f"ftjob run {name}", env or {}, timeout)
     job_dir = folder / "job"
     progress = json.loads((job_dir / "progress.json").read_text())
     log = [json.loads(x) for x in (job_dir / "progress.jsonl").read_text().splitlines() if x]
-    run = Run(wall, progress, log, proc.stdout[-2000:])
+    run = Run(wall, progress, log, stdout[-2000:])
     shutil.rmtree(job_dir / "checkpoints", ignore_errors=True)  # keep the temp folder small
     _CACHE[key] = run
     return run
@@ -171,18 +165,19 @@ def torchrun(script: str, args: list[str], nproc: int, work: Path, timeout: floa
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", script, *args]  # fmt: skip
+    return _timed(cmd, script, {"OMP_NUM_THREADS": threads, "TMPDIR": str(tmp), **(env or {})},
+                  timeout)  # fmt: skip
+
+
+def _timed(cmd: list[str], what: str, env: dict, timeout: float) -> tuple[float, str]:
+    """Run ``cmd`` in the repo with ``env`` added; (wall seconds, stdout), or raise with the
+    output's tail."""
     started = time.monotonic()
-    proc = subprocess.run(
-        cmd,
-        env={**os.environ, "OMP_NUM_THREADS": threads, "TMPDIR": str(tmp), **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)  # fmt: skip
     wall = time.monotonic() - started
     if proc.returncode != 0:
-        raise RuntimeError(f"{script} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+        raise RuntimeError(f"{what} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return wall, proc.stdout
 
 

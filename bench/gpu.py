@@ -18,10 +18,6 @@ from pathlib import Path
 from bench import common
 from bench.report import row
 
-ONE_B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-             num_attention_heads=32, num_key_value_heads=4,
-             max_position_embeddings=4096)  # fmt: skip
-common.SHAPES.setdefault("1b", ONE_B)
 MFU_GOAL = 0.45  # issue 7: a ~1B full fine-tune on one H100
 
 

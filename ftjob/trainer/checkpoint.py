@@ -81,18 +81,18 @@ class Checkpointer:
         self._pending: tuple[Future, Path, Path] | None = None
         self._staging: Future | None = None
         self._group = self._stager = None
+        self._gpu = torch.cuda.is_available()
         if async_save:
             # Background saves run their collectives on their own gloo group, so they never
             # interleave with training's collectives (and work with NCCL training too).
             self._group = dist.new_group(backend="gloo")
-            gpu = torch.cuda.is_available()
             # Pinned buffers and non-blocking copies on a side stream where there is a GPU.
             self._stager = DefaultStager(
                 StagingOptions(
-                    use_pinned_memory=gpu,
+                    use_pinned_memory=self._gpu,
                     use_shared_memory=False,
                     use_async_staging=True,
-                    use_non_blocking_copy=gpu,
+                    use_non_blocking_copy=self._gpu,
                 )
             )
 
@@ -108,7 +108,7 @@ class Checkpointer:
         torch.save(_rng(), tmp / f"rng-rank{self.rank}.pt")
         state = _state(model, optimizer, scheduler, step)
         if self.async_save:
-            if torch.cuda.is_available():
+            if self._gpu:
                 # The copy runs on a side stream that does not wait for this one: let the
                 # step's queued updates finish first.
                 torch.cuda.current_stream().synchronize()
