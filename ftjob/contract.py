@@ -1,0 +1,105 @@
+"""PURE: the trainer-operator contract. Trainer, operator and ``ftjob run`` import this.
+
+Two documents cross the boundary between a training process and whoever watches it:
+
+* the **termination record**, a small JSON object written to ``FTJOB_TERMINATION_LOG`` (the
+  container's terminationMessagePath on a cluster, a file in the job folder under
+  ``ftjob run``) when the trainer ends: ``{"outcome": "succeeded", "exportPath": ...}`` or
+  ``{"outcome": "failed", "reason": ..., "message": ..., ...}``;
+* the **progress document** (``/progress``, ``progress.json``), whose ``phase`` is one of
+  :data:`PHASES` from the first second of the run.
+
+The operator decides from the record (retry or not); it reads the log tail only when no
+record exists (the process was killed, or crashed below Python).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# Phases in the order a run passes through them; "failed" can follow any of them.
+PHASES = (
+    "starting",
+    "downloading",
+    "preparing-data",
+    "loading",
+    "training",
+    "checkpointing",
+    "evaluating",
+    "exporting",
+    "succeeded",
+    "failed",
+)
+# Phases before the first training step: the stall timeout does not apply to them.
+STARTUP_PHASES = ("starting", "downloading", "preparing-data", "loading")
+
+# Failure reasons a trainer can name (one CamelCase word, as Kubernetes condition reasons).
+BAD_DATA = "BadData"
+BAD_MODEL = "BadModel"  # the model source cannot be read (missing folder, bad config, hub 404)
+BAD_SPEC = "BadSpec"  # the job document itself is invalid
+CUDA_OOM = "CudaOOM"
+HOST_OOM = "HostOOM"
+NCCL_TIMEOUT = "NCCLTimeout"
+NCCL_ERROR = "NCCLError"
+DISK_FULL = "DiskFull"
+CHECKPOINT_UNREADABLE = "CheckpointUnreadable"
+EXPORT_FAILED = "ExportFailed"
+OWNED_ELSEWHERE = "JobFolderBusy"  # another run owns the job folder
+INTERNAL = "Internal"
+
+# Retrying the same inputs cannot help: the operator fails the job at once.
+PERMANENT = frozenset({BAD_DATA, BAD_MODEL, BAD_SPEC})
+
+
+@dataclass
+class Failure:
+    """Why a training process stopped, as far as it knows."""
+
+    reason: str
+    message: str
+    rank: int | None = None
+    node: str | None = None
+    step: int | None = None
+    where: str | None = None  # file:line, or the spec field, when known
+
+    def record(self) -> dict[str, Any]:
+        data = {k: v for k, v in asdict(self).items() if v is not None}
+        return {"outcome": "failed", **data}
+
+
+class TrainerError(Exception):
+    """A failure the trainer can name. Raise it (or a subclass) anywhere in the trainer; the
+    entry point turns it into a termination record without a traceback."""
+
+    reason = INTERNAL
+
+    def __init__(self, message: str, *, reason: str | None = None, where: str | None = None):
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+        self.where = where
+
+
+def success_record(export_path: str) -> dict[str, Any]:
+    return {"outcome": "succeeded", "exportPath": export_path}
+
+
+def dumps(record: dict[str, Any]) -> str:
+    return json.dumps(record, sort_keys=True)
+
+
+def parse(text: str | None) -> dict[str, Any] | None:
+    """The record in a termination message, or None (a log tail, or nothing)."""
+    try:
+        value = json.loads(text or "")
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    if value.get("outcome") in ("succeeded", "failed"):
+        return value
+    if isinstance(value.get("exportPath"), str):  # the record before it had an outcome
+        return {"outcome": "succeeded", **value}
+    return None
