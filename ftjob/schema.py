@@ -17,7 +17,9 @@ side by side so that a test can hold them equal.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
+import math
 import re
 import types
 import typing
@@ -54,6 +56,7 @@ class FreeForm(dict):
 class FieldError:
     path: str
     message: str
+    unknown: bool = False  # an unknown key: a typo, so the object holding it is suspect
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message}"
@@ -92,14 +95,24 @@ def api_field(
     exclusive_minimum: bool = False,
     pattern: str | None = None,
     pattern_hint: str | None = None,
+    min_length: int | None = None,
     max_length: int | None = None,
+    min_items: int | None = None,
     max_items: int | None = None,
     max_properties: int | None = None,
+    key_pattern: str | None = None,
+    key_hint: str | None = None,
+    key_max_length: int | None = None,
     immutable: bool = False,
     fmt: str | None = None,
     example: Any = None,
 ) -> Any:
-    """Declare one API field: its documentation, default and constraints."""
+    """Declare one API field: its documentation, default and constraints.
+
+    String constraints (``pattern``, ``min_length``, ``max_length``) apply to the field's
+    strings: the field itself, each item of a list, each value of a map. ``key_*`` constrain
+    the keys of a map.
+    """
     meta = {
         "doc": doc,
         "minimum": minimum,
@@ -107,9 +120,14 @@ def api_field(
         "exclusive_minimum": exclusive_minimum,
         "pattern": pattern,
         "pattern_hint": pattern_hint,
+        "min_length": min_length,
         "max_length": max_length,
+        "min_items": min_items,
         "max_items": max_items,
         "max_properties": max_properties,
+        "key_pattern": key_pattern,
+        "key_hint": key_hint,
+        "key_max_length": key_max_length,
         "immutable": immutable,
         "format": fmt,
         "example": example,
@@ -146,6 +164,8 @@ def _show(value: Any) -> str:
         return "a list"
     if value is None:
         return "null"
+    if isinstance(value, float) and not math.isfinite(value):
+        return ".nan" if math.isnan(value) else ("-" if value < 0 else "") + ".inf"
     return repr(value).lower() if isinstance(value, bool) else repr(value)
 
 
@@ -160,31 +180,286 @@ def _range_text(meta: dict, what: str) -> str:
     return what
 
 
+# ----------------------------------------------------------------------------- API types
+#
+# Each kind of API type is one class that knows both how to parse a value (collecting
+# FieldErrors) and how OpenAPI describes it, so the two can never drift apart.
+
+Errors = list[FieldError]
+
+
+class _Kind:
+    def parse(self, meta: dict, value: Any, path: str, errors: Errors) -> Any:
+        raise NotImplementedError
+
+    def openapi(self, meta: dict) -> dict:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class _Object(_Kind):
+    cls: type
+
+    def parse(self, meta, value, path, errors):
+        return _parse_object(self.cls, value, path, errors)
+
+    def openapi(self, meta):
+        return openapi(self.cls)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Enum(_Kind):
+    allowed: tuple
+
+    def parse(self, meta, value, path, errors):
+        if value not in self.allowed or isinstance(value, bool):
+            options = ", ".join(str(a) for a in self.allowed)
+            errors.append(FieldError(path, f"must be one of {options}; got {_show(value)}"))
+        return value
+
+    def openapi(self, meta):
+        return {"type": "string", "enum": list(self.allowed)}
+
+
+class _Bool(_Kind):
+    def parse(self, meta, value, path, errors):
+        if not isinstance(value, bool):
+            errors.append(FieldError(path, f"must be true or false, got {_show(value)}"))
+        return value
+
+    def openapi(self, meta):
+        return {"type": "boolean"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Number(_Kind):
+    integer: bool
+
+    def parse(self, meta, value, path, errors):
+        kinds = int if self.integer else (int, float)
+        lo, hi = meta.get("minimum"), meta.get("maximum")
+        # NaN compares false with every bound, so finiteness is checked on its own.
+        if (
+            isinstance(value, kinds)
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and not (
+                lo is not None and (value <= lo if meta.get("exclusive_minimum") else value < lo)
+            )
+            and not (hi is not None and value > hi)
+        ):
+            return value if self.integer else float(value)
+        what = "an integer" if self.integer else "a finite number"
+        errors.append(FieldError(path, f"must be {_range_text(meta, what)}, got {_show(value)}"))
+        return value
+
+    def openapi(self, meta):
+        schema: dict[str, Any] = {"type": "integer", "format": "int64"}
+        if not self.integer:
+            schema = {"type": "number"}
+        if meta.get("minimum") is not None:
+            schema["minimum"] = meta["minimum"]
+            if meta.get("exclusive_minimum"):
+                schema["exclusiveMinimum"] = True
+        if meta.get("maximum") is not None:
+            schema["maximum"] = meta["maximum"]
+        return schema
+
+
+@dataclasses.dataclass(frozen=True)
+class _String(_Kind):
+    int_or_string: bool = False
+
+    def parse(self, meta, value, path, errors):
+        if self.int_or_string and isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str):
+            errors.append(FieldError(path, f"must be a string, got {_show(value)}"))
+            return value
+        _check_string(meta, value, path, errors)
+        return value
+
+    def openapi(self, meta):
+        schema: dict[str, Any] = {"type": "string"}
+        if self.int_or_string:
+            schema = {"x-kubernetes-int-or-string": True}
+        elif meta.get("format"):
+            schema["format"] = meta["format"]
+        for key, keyword in (("min_length", "minLength"), ("max_length", "maxLength")):
+            if meta.get(key) is not None:
+                schema[keyword] = meta[key]
+        if meta.get("pattern"):
+            schema["pattern"] = meta["pattern"]
+        return schema
+
+
+def _check_string(meta: dict, value: str, path: str, errors: Errors, what: str = "") -> None:
+    shortest, limit = meta.get("min_length"), meta.get("max_length")
+    if shortest is not None and len(value) < shortest:
+        errors.append(
+            FieldError(
+                path,
+                f"{what}may not be empty"
+                if shortest == 1
+                else f"{what}must be at least {shortest} characters",
+            )
+        )
+    if limit is not None and len(value) > limit:
+        errors.append(
+            FieldError(path, f"{what}must be at most {limit} characters, got {len(value)}")
+        )
+    pattern = meta.get("pattern")
+    if pattern and value and not re.search(pattern, value):
+        hint = meta.get("pattern_hint") or f"match {pattern}"
+        errors.append(FieldError(path, f"{what}must {hint}, got {_show(value)}"))
+
+
+def _item_meta(meta: dict) -> dict:
+    """The constraints a list's items or a map's values inherit from the field."""
+    keys = ("pattern", "pattern_hint", "min_length", "max_length", "format")
+    return {k: meta.get(k) for k in keys}
+
+
+@dataclasses.dataclass(frozen=True)
+class _List(_Kind):
+    item: _Kind
+
+    def parse(self, meta, value, path, errors):
+        if not isinstance(value, list):
+            errors.append(FieldError(path, f"must be a list, got {_show(value)}"))
+            return value
+        shortest, limit = meta.get("min_items"), meta.get("max_items")
+        if shortest is not None and len(value) < shortest:
+            errors.append(FieldError(path, f"must have at least {shortest} item(s), got none"))
+        if limit is not None and len(value) > limit:
+            errors.append(FieldError(path, f"must have at most {limit} items, got {len(value)}"))
+        item_meta = _item_meta(meta)
+        return [self.item.parse(item_meta, v, f"{path}[{i}]", errors) for i, v in enumerate(value)]
+
+    def openapi(self, meta):
+        schema = {"type": "array", "items": self.item.openapi(_item_meta(meta))}
+        if meta.get("min_items") is not None:
+            schema["minItems"] = meta["min_items"]
+        if meta.get("max_items") is not None:
+            schema["maxItems"] = meta["max_items"]
+        return schema
+
+
+class _Map(_Kind):
+    """string -> string (labels, selectors, environment)."""
+
+    def parse(self, meta, value, path, errors):
+        if not isinstance(value, dict):
+            errors.append(FieldError(path, f"must be an object, got {_show(value)}"))
+            return value
+        limit = meta.get("max_properties")
+        if limit is not None and len(value) > limit:
+            errors.append(FieldError(path, f"must have at most {limit} entries, got {len(value)}"))
+        key_meta = {
+            "pattern": meta.get("key_pattern"),
+            "pattern_hint": meta.get("key_hint"),
+            "max_length": meta.get("key_max_length"),
+        }
+        for k, v in value.items():
+            _check_string(key_meta, str(k), f"{path}.{k}", errors, what="key ")
+            if not isinstance(v, str):
+                errors.append(FieldError(f"{path}.{k}", f"must be a string, got {_show(v)}"))
+            else:
+                _check_string(_item_meta(meta), v, f"{path}.{k}", errors)
+        return dict(value)
+
+    def openapi(self, meta):
+        values = _String().openapi(_item_meta(meta))
+        schema: dict[str, Any] = {"type": "object", "additionalProperties": values}
+        if meta.get("max_properties") is not None:
+            schema["maxProperties"] = meta["max_properties"]
+        # Core CEL checks map keys; OpenAPI's propertyNames is not allowed in a CRD.
+        checks = []
+        if meta.get("key_pattern"):
+            checks.append(f"k.matches('{meta['key_pattern']}')")
+        if meta.get("key_max_length"):
+            checks.append(f"size(k) <= {meta['key_max_length']}")
+        if checks:
+            hint = meta.get("key_hint") or "match " + meta.get("key_pattern", "")
+            schema["x-kubernetes-validations"] = [
+                {"rule": f"self.all(k, {' && '.join(checks)})", "message": f"every key must {hint}"}
+            ]
+        return schema
+
+
+class _FreeForm(_Kind):
+    def parse(self, meta, value, path, errors):
+        if not isinstance(value, dict):
+            errors.append(FieldError(path, f"must be an object, got {_show(value)}"))
+            return value
+        return dict(value)
+
+    def openapi(self, meta):
+        return {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+
+@functools.cache
+def _kind(tp: Any) -> _Kind:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _Object(tp)
+    if origin is Literal:
+        return _Enum(typing.get_args(tp))
+    if tp is bool:
+        return _Bool()
+    if tp in (int, float):
+        return _Number(integer=tp is int)
+    if tp in (str, IntOrString):
+        return _String(int_or_string=tp is IntOrString)
+    if origin is list:
+        return _List(_kind(typing.get_args(tp)[0]))
+    if origin is dict and typing.get_args(tp) == (str, str):
+        return _Map()
+    if tp is FreeForm:
+        return _FreeForm()
+    raise TypeError(f"unsupported field type {tp!r}")
+
+
 # ----------------------------------------------------------------------------- parsing
 
 
 def parse(cls: type, data: Any, path: str = "spec") -> Any:
-    """Parse ``data`` into ``cls``; raise :class:`SpecError` listing every problem."""
+    """Parse ``data`` into ``cls``; raise :class:`SpecError` listing every problem.
+
+    Field errors and cross-field rules are reported together: a rule is left out only when
+    a field it reads is itself wrong, or sits beside a misspelt key (the rule's verdict would
+    be noise: ``maxStep: 10`` should not also say that neither maxSteps nor epochs is set).
+    """
     errors: list[FieldError] = []
     result = _parse_object(cls, data, path, errors)
-    if not errors:
-        errors.extend(check_rules(result, path))
+    if dataclasses.is_dataclass(result):
+        bad = [e.path.rsplit(".", 1)[0] if e.unknown else e.path for e in errors]
+        errors.extend(check_rules(result, path, bad=bad))
     if errors:
         raise SpecError(errors)
     return result
 
 
-def _parse_object(cls: type, data: Any, path: str, errors: list[FieldError]) -> Any:
+def _suggest(key: str, known: list[str]) -> str:
+    close = [k for k in known if k.lower() == key.lower()]
+    close = close or difflib.get_close_matches(key, known, n=1, cutoff=0.7)
+    if close:
+        return f'unknown field; did you mean "{close[0]}"?'
+    return f"unknown field; allowed: {', '.join(known)}"
+
+
+def _parse_object(cls: type, data: Any, path: str, errors: Errors) -> Any:
+    """The object even when some fields are wrong (they keep their raw value), so that the
+    rules that do not read them can still be checked."""
     if not isinstance(data, dict):
         errors.append(FieldError(path, f"must be an object, got {_show(data)}"))
-        return None
+        return data
     hints = _hints(cls)
     known = {camel(f.name): f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in known:
-            close = [k for k in known if k.lower() == str(key).lower()]
-            hint = f'; did you mean "{close[0]}"?' if close else f"; allowed: {', '.join(known)}"
-            errors.append(FieldError(f"{path}.{key}", f"unknown field{hint}"))
+            message = _suggest(str(key), list(known))
+            errors.append(FieldError(f"{path}.{key}", message, unknown=True))
     values = {}
     for key, f in known.items():
         sub = f"{path}.{key}"
@@ -192,106 +467,50 @@ def _parse_object(cls: type, data: Any, path: str, errors: list[FieldError]) -> 
         if key not in data or (data[key] is None and optional):
             if f.default is MISSING and f.default_factory is MISSING:
                 errors.append(FieldError(sub, "is required"))
+                values[f.name] = None
             continue
-        values[f.name] = _parse_value(tp, f.metadata, data[key], sub, errors)
-    if any(e.path.startswith(path) for e in errors):
-        return None
+        values[f.name] = _kind(tp).parse(f.metadata, data[key], sub, errors)
     return cls(**values)
 
 
-def _parse_value(tp: Any, meta: dict, value: Any, path: str, errors: list[FieldError]) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return _parse_object(tp, value, path, errors)
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed or isinstance(value, bool):
-            options = ", ".join(str(a) for a in allowed)
-            errors.append(FieldError(path, f"must be one of {options}; got {_show(value)}"))
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            errors.append(FieldError(path, f"must be true or false, got {_show(value)}"))
-        return value
-    if tp in (int, float):
-        ok = isinstance(value, int) if tp is int else isinstance(value, (int, float))
-        lo, hi = meta.get("minimum"), meta.get("maximum")
-        if ok and not isinstance(value, bool):
-            below = lo is not None and (
-                value <= lo if meta.get("exclusive_minimum") else value < lo
-            )
-            if not below and not (hi is not None and value > hi):
-                return float(value) if tp is float else value
-        what = "an integer" if tp is int else "a number"
-        errors.append(FieldError(path, f"must be {_range_text(meta, what)}, got {_show(value)}"))
-        return value
-    if tp in (str, IntOrString):
-        if tp is IntOrString and isinstance(value, int) and not isinstance(value, bool):
-            value = str(value)
-        if not isinstance(value, str):
-            errors.append(FieldError(path, f"must be a string, got {_show(value)}"))
-            return value
-        _check_string(meta, value, path, errors)
-        return value
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            errors.append(FieldError(path, f"must be a list, got {_show(value)}"))
-            return value
-        limit = meta.get("max_items")
-        if limit is not None and len(value) > limit:
-            errors.append(FieldError(path, f"must have at most {limit} items, got {len(value)}"))
-        item_meta = {"pattern": meta.get("pattern"), "pattern_hint": meta.get("pattern_hint")}
-        item_meta["max_length"] = meta.get("max_length")
-        return [
-            _parse_value(item_tp, item_meta, v, f"{path}[{i}]", errors) for i, v in enumerate(value)
-        ]
-    if origin is dict or tp is FreeForm:
-        if not isinstance(value, dict):
-            errors.append(FieldError(path, f"must be an object, got {_show(value)}"))
-            return value
-        limit = meta.get("max_properties")
-        if limit is not None and len(value) > limit:
-            errors.append(FieldError(path, f"must have at most {limit} entries, got {len(value)}"))
-        if origin is dict:
-            for k, v in value.items():
-                if not isinstance(v, str):
-                    errors.append(FieldError(f"{path}.{k}", f"must be a string, got {_show(v)}"))
-                else:
-                    _check_string({"max_length": meta.get("max_length")}, v, f"{path}.{k}", errors)
-            key_pattern = meta.get("pattern")
-            for k in value:
-                if key_pattern and not re.search(key_pattern, str(k)):
-                    hint = meta.get("pattern_hint") or f"match {key_pattern}"
-                    errors.append(FieldError(f"{path}.{k}", f"key must {hint}"))
-        return dict(value)
-    raise TypeError(f"unsupported field type {tp!r} at {path}")
+_SELF_FIELD = re.compile(r"\bself((?:\.[A-Za-z_]\w*)+)(\()?")
 
 
-def _check_string(meta: dict, value: str, path: str, errors: list[FieldError]) -> None:
-    limit = meta.get("max_length")
-    if limit is not None and len(value) > limit:
-        errors.append(FieldError(path, f"must be at most {limit} characters, got {len(value)}"))
-    pattern = meta.get("pattern")
-    if pattern and not re.search(pattern, value):
-        hint = meta.get("pattern_hint") or f"match {pattern}"
-        errors.append(FieldError(path, f"must {hint}, got {_show(value)}"))
+@functools.cache
+def _reads(rule: Rule) -> tuple[str, ...]:
+    """The field paths (relative, ".a.b") a rule's CEL expression reads."""
+    reads = set()
+    for m in _SELF_FIELD.finditer(rule.cel):
+        # self.env.exists(...) reads .env; the last name before "(" is a method.
+        reads.add(m.group(1).rsplit(".", 1)[0] if m.group(2) else m.group(1))
+    return tuple(reads) or ("",)
 
 
-def check_rules(obj: Any, path: str, old: Any = None) -> list[FieldError]:
-    """Evaluate the Python side of every ``__rules__`` in ``obj`` and its nested objects."""
+def _overlaps(a: str, b: str) -> bool:
+    return a == b or a.startswith((b + ".", b + "[")) or b.startswith((a + ".", a + "["))
+
+
+def check_rules(obj: Any, path: str, old: Any = None, bad: list[str] = ()) -> list[FieldError]:
+    """Evaluate the Python side of every ``__rules__`` in ``obj`` and its nested objects,
+    leaving out rules that read a field listed in ``bad``."""
     errors = []
     for rule in getattr(type(obj), "__rules__", ()):
         if rule.transition and old is None:
+            continue
+        if any(_overlaps(path + read, b) for read in _reads(rule) for b in bad):
             continue
         ok = rule.check(obj, old) if rule.transition else rule.check(obj)
         if not ok:
             errors.append(FieldError(path + rule.field, rule.message))
     for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
+        value, sub = getattr(obj, f.name), f"{path}.{camel(f.name)}"
         if dataclasses.is_dataclass(value):
             old_value = getattr(old, f.name, None) if old is not None else None
-            errors.extend(check_rules(value, f"{path}.{camel(f.name)}", old_value))
+            errors.extend(check_rules(value, sub, old_value, bad))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    errors.extend(check_rules(item, f"{sub}[{i}]", None, bad))
     return errors
 
 
@@ -340,7 +559,11 @@ def openapi(cls: type, doc: str | None = None) -> dict:
     props, required = {}, []
     for f in dataclasses.fields(cls):
         tp, optional = _unwrap_optional(hints[f.name])
-        schema = _openapi_value(tp, f.metadata)
+        schema = _kind(tp).openapi(f.metadata)
+        if f.metadata.get("doc"):
+            # The field's own words describe it, in place of its class's docstring.
+            schema = {"description": None} | schema
+            schema["description"] = _clean(f.metadata["doc"])
         if f.metadata.get("immutable"):
             schema.setdefault("x-kubernetes-validations", []).append(
                 {"rule": "self == oldSelf", "message": IMMUTABLE_MESSAGE}
@@ -375,72 +598,3 @@ def _cel_rule(rule: Rule) -> dict:
 
 def _clean(text: str) -> str:
     return " ".join(text.split())
-
-
-def _openapi_value(tp: Any, meta: dict) -> dict:
-    origin = typing.get_origin(tp)
-    doc = _clean(meta.get("doc", "")) if meta.get("doc") else None
-    if dataclasses.is_dataclass(tp):
-        schema = openapi(tp)
-        if doc:
-            schema["description"] = doc
-        return schema
-    schema: dict[str, Any] = {}
-    if doc:
-        schema["description"] = doc
-    if origin is Literal:
-        schema.update(type="string", enum=list(typing.get_args(tp)))
-    elif tp is bool:
-        schema["type"] = "boolean"
-    elif tp in (int, float):
-        schema["type"] = "integer" if tp is int else "number"
-        if tp is int:
-            schema["format"] = "int64"
-        if meta.get("minimum") is not None:
-            schema["minimum"] = meta["minimum"]
-            if meta.get("exclusive_minimum"):
-                schema["exclusiveMinimum"] = True
-        if meta.get("maximum") is not None:
-            schema["maximum"] = meta["maximum"]
-    elif tp is str:
-        schema["type"] = "string"
-        if meta.get("format"):
-            schema["format"] = meta["format"]
-        _string_limits(schema, meta)
-    elif tp is IntOrString:
-        schema["x-kubernetes-int-or-string"] = True
-        _string_limits(schema, meta)
-    elif origin is list:
-        (item_tp,) = typing.get_args(tp)
-        item_meta = {k: meta.get(k) for k in ("pattern", "max_length")}
-        schema.update(type="array", items=_openapi_value(item_tp, item_meta))
-        if meta.get("max_items") is not None:
-            schema["maxItems"] = meta["max_items"]
-    elif origin is dict:
-        values: dict[str, Any] = {"type": "string"}
-        if meta.get("max_length"):
-            values["maxLength"] = meta["max_length"]
-        schema.update(type="object", additionalProperties=values)
-        if meta.get("max_properties") is not None:
-            schema["maxProperties"] = meta["max_properties"]
-        if meta.get("pattern"):
-            # Core CEL can check map keys; OpenAPI's propertyNames is not allowed in a CRD.
-            schema["x-kubernetes-validations"] = [
-                {
-                    "rule": f"self.all(k, k.matches('{meta['pattern']}'))",
-                    "message": "every key must " + (meta.get("pattern_hint") or "match"),
-                }
-            ]
-    elif tp is FreeForm:
-        schema.update(type="object")
-        schema["x-kubernetes-preserve-unknown-fields"] = True
-    else:
-        raise TypeError(f"unsupported field type {tp!r}")
-    return schema
-
-
-def _string_limits(schema: dict, meta: dict) -> None:
-    if meta.get("max_length") is not None:
-        schema["maxLength"] = meta["max_length"]
-    if meta.get("pattern"):
-        schema["pattern"] = meta["pattern"]

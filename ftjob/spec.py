@@ -363,8 +363,8 @@ class NetworkSpec:
     nccl_env: dict[str, str] = api_field(
         "ncclEnv: extra NCCL_*, FI_* or TORCH_NCCL_* variables, set on every pod.",
         factory=dict,
-        pattern=r"^(NCCL|FI|TORCH_NCCL)_[A-Z0-9_]+$",
-        pattern_hint="start with NCCL_, FI_ or TORCH_NCCL_",
+        key_pattern=r"^(NCCL|FI|TORCH_NCCL)_[A-Z0-9_]+$",
+        key_hint="start with NCCL_, FI_ or TORCH_NCCL_",
         max_properties=64,
         max_length=1024,
     )
