@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from functools import lru_cache
 from typing import Any
 
@@ -166,12 +167,29 @@ def _cel_errors(schema: dict, obj: Any, old: Any, path: str) -> list[tuple[str, 
     return errors
 
 
+def _non_finite(obj: Any, path: str):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        yield path, ("NaN" if math.isnan(obj) else "+Inf" if obj > 0 else "-Inf")
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _non_finite(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            yield from _non_finite(value, f"{path}[{i}]")
+
+
 def admit(schema: dict, obj: dict, old: dict | None = None) -> tuple[dict, list[str]]:
     """Default and validate ``obj`` (an update of ``old`` if given).
 
     Returns the defaulted object and the API server's error lines, ``field: message``;
     an empty list means the object would be accepted.
     """
+    unsendable = list(_non_finite(obj, ""))
+    if unsendable:
+        # JSON has no NaN or Infinity: kubectl stops at encoding ("json: unsupported value").
+        return obj, [
+            f"{p}: Invalid value: {v}: json: unsupported value: {v}" for p, v in unsendable
+        ]
     obj = apply_defaults(schema, copy.deepcopy(obj))
     if old is not None:
         old = apply_defaults(schema, copy.deepcopy(old))

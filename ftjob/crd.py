@@ -14,14 +14,15 @@ from ftjob import __version__, spec
 from ftjob.schema import openapi
 from ftjob.status_types import FineTuneJobStatus
 
-# Pod and Service names are built from the job name, so it must be a short DNS label. A CRD
-# may constrain metadata.name (and nothing else of metadata) in its schema.
+# Pod and Service names are built from the job name, so it must be a short DNS-1035 label. A
+# CRD may constrain metadata.name (and nothing else of metadata) in its schema.
 NAME_SCHEMA = {
     "type": "string",
-    "maxLength": 52,
-    "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
-    "description": "name of the job: a DNS label of at most 52 characters (it names the pods).",
+    "maxLength": spec.NAME_MAX,
+    "pattern": spec.NAME_PATTERN,
+    "description": "name of the job: " + spec.NAME_HINT.removeprefix("must be ") + ".",
 }
+
 
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},

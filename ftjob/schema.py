@@ -376,7 +376,7 @@ class _Map(_Kind):
         # Core CEL checks map keys; OpenAPI's propertyNames is not allowed in a CRD.
         checks = []
         if meta.get("key_pattern"):
-            checks.append(f"k.matches('{meta['key_pattern']}')")
+            checks.append(f"k.matches({cel_string(meta['key_pattern'])})")
         if meta.get("key_max_length"):
             checks.append(f"size(k) <= {meta['key_max_length']}")
         if checks:
@@ -385,6 +385,11 @@ class _Map(_Kind):
                 {"rule": f"self.all(k, {' && '.join(checks)})", "message": f"every key must {hint}"}
             ]
         return schema
+
+
+def cel_string(text: str) -> str:
+    """``text`` as a CEL string literal (a regex's backslashes survive)."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 class _FreeForm(_Kind):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from ftjob import __version__
+from ftjob import kubevalidation as kv
 from ftjob.hardware import GPUS
 from ftjob.schema import (
     QUANTITY_PATTERN,
@@ -30,8 +31,17 @@ GROUP, VERSION, KIND, PLURAL = "ftjob.dev", "v1alpha1", "FineTuneJob", "finetune
 API_VERSION = f"{GROUP}/{VERSION}"
 DEFAULT_IMAGE = f"ghcr.io/ftjob/trainer:{__version__}"
 
-DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_LABEL = kv.DNS_LABEL
 DNS_LABEL_HINT = "be a DNS label (lowercase letters, digits and '-')"
+DNS_SUBDOMAIN_HINT = "be a DNS subdomain (lowercase letters, digits, '-' and '.')"
+LABEL_KEY_HINT = (
+    "be a label key: an optional DNS prefix and '/', then at most 63 letters, digits, '-', "
+    "'_' or '.', starting and ending with a letter or digit"
+)
+LABEL_VALUE_HINT = (
+    "be a label value: at most 63 letters, digits, '-', '_' or '.', starting and ending with "
+    "a letter or digit"
+)
 # hf://org/name (or a legacy hf://name), an absolute path, or a path relative to the job.
 SOURCE_PATTERN = r"^(hf://[A-Za-z0-9][\w.-]*(/[\w.-]+)?|[^:\s]+)$"
 SOURCE_HINT = "be hf://org/name or a path (absolute on a volume, or relative)"
@@ -40,6 +50,11 @@ ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 # job's folder. RE2, which the API server uses, has no lookahead to say it more directly.
 RELATIVE_PATH = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$"
 RELATIVE_PATH_HINT = "be a relative path of plain names (no '..', no leading '/')"
+# What the job's folder already holds (checkpoints, prepared data, the hub cache, logs,
+# torchrun's temp files, progress and spec files): an export there would overwrite it.
+RESERVED_OUTPUT = r"^(checkpoints|data|hub|logs|tmp|progress[.]jsonl?|spec[.]json)(/|$)"
+# A share of all steps: 0% to 100%.
+WARMUP = r"^([0-9]+|([0-9]{1,2}([.][0-9]+)?|100([.]0+)?)%)$"
 # Variables ftjob sets itself for torchrun and the trainer; a user value would break wiring.
 RESERVED_ENV_PREFIXES = ("PET_", "FTJOB_", "TORCHELASTIC_")
 GPU_TYPES = tuple(GPUS)
@@ -62,8 +77,19 @@ class VolumeRef:
 class SecretKeyRef:
     """A key of a Secret in the job's namespace; its value only ever travels as a secretKeyRef."""
 
-    name: str = api_field("name of the Secret.", pattern=DNS_LABEL, max_length=253)
-    key: str = api_field("key inside the Secret.", "token", max_length=253)
+    name: str = api_field(
+        "name of the Secret.",
+        pattern=kv.DNS_SUBDOMAIN,
+        pattern_hint=DNS_SUBDOMAIN_HINT,
+        max_length=253,
+    )
+    key: str = api_field(
+        "key inside the Secret.",
+        "token",
+        pattern=kv.CONFIG_MAP_KEY,
+        pattern_hint="be a Secret key: letters, digits, '-', '_' and '.' (not '.' or '..')",
+        max_length=253,
+    )
 
 
 @dataclass(kw_only=True)
@@ -80,7 +106,7 @@ class ModelSpec:
         example="hf://meta-llama/Meta-Llama-3-8B",
     )
     revision: str | None = api_field(
-        "revision (branch, tag or commit) of an hf:// source.", None, max_length=128
+        "revision (branch, tag or commit) of an hf:// source.", None, min_length=1, max_length=128
     )
     attention: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = api_field(
         "attention implementation; flash_attention_* need GPUs and the flash-attn package.",
@@ -103,23 +129,30 @@ class DatasetSpec:
         pattern_hint=SOURCE_HINT,
         max_length=512,
     )
-    split: str = api_field("split of the source to train on.", "train", max_length=64)
-    subset: str | None = api_field("subset (configuration name) of an hf:// dataset.", None)
+    split: str = api_field("split of the source to train on.", "train", min_length=1, max_length=64)
+    subset: str | None = api_field(
+        "subset (configuration name) of an hf:// dataset.", None, min_length=1, max_length=128
+    )
     format: Literal["text", "chat", "instruction"] = api_field(
         "format of each record: text (one text field), chat (a list of role/content "
         "messages rendered by the tokenizer's chat template) or instruction (prompt and "
         "completion fields).",
         "text",
     )
-    text_field: str = api_field("textField holds the text (format text).", "text", max_length=64)
+    text_field: str = api_field(
+        "textField holds the text (format text).", "text", min_length=1, max_length=64
+    )
     messages_field: str = api_field(
-        "messagesField holds the messages (format chat).", "messages", max_length=64
+        "messagesField holds the messages (format chat).", "messages", min_length=1, max_length=64
     )
     prompt_field: str = api_field(
-        "promptField holds the prompt (format instruction).", "prompt", max_length=64
+        "promptField holds the prompt (format instruction).", "prompt", min_length=1, max_length=64
     )
     completion_field: str = api_field(
-        "completionField holds the completion (format instruction).", "completion", max_length=64
+        "completionField holds the completion (format instruction).",
+        "completion",
+        min_length=1,
+        max_length=64,
     )
     completion_only_loss: bool = api_field(
         "completionOnlyLoss: for chat and instruction data, learn only from assistant turns / "
@@ -144,7 +177,7 @@ class DatasetSpec:
         maximum=0.5,
     )
     eval_split: str | None = api_field(
-        "evalSplit: a split of the source used for evaluation.", None, max_length=64
+        "evalSplit: a split of the source used for evaluation.", None, min_length=1, max_length=64
     )
 
 
@@ -161,7 +194,10 @@ class LoraSpec:
         "targetModules: module names to adapt, or [all-linear] for every linear layer but "
         "the output head.",
         factory=lambda: ["all-linear"],
+        min_items=1,
         max_items=64,
+        pattern=r"^[^\s]+$",
+        pattern_hint="be a module name (e.g. q_proj) without spaces",
         max_length=128,
     )
 
@@ -224,8 +260,8 @@ class TrainingSpec:
     warmup: IntOrString = api_field(
         'warmup: steps (an integer) or a share of all steps ("3%").',
         "3%",
-        pattern=r"^([0-9]+|[0-9]+(\.[0-9]+)?%)$",
-        pattern_hint='be a number of steps (100) or a percentage ("3%")',
+        pattern=WARMUP,
+        pattern_hint='be a number of steps (100) or a percentage from 0% to 100% ("3%")',
     )
     weight_decay: float = api_field("weightDecay of AdamW.", 0.0, minimum=0, maximum=1)
     micro_batch_size: int = api_field(
@@ -358,6 +394,7 @@ class NetworkSpec:
     socket_interface: str | None = api_field(
         "socketInterface for NCCL's bootstrap traffic (NCCL_SOCKET_IFNAME), e.g. eth0.",
         None,
+        min_length=1,
         max_length=64,
     )
     nccl_env: dict[str, str] = api_field(
@@ -382,6 +419,15 @@ class NetworkSpec:
         8000,
         minimum=1024,
         maximum=65535,
+    )
+
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "self.progressPort != self.rendezvousPort",
+            lambda n: n.progress_port != n.rendezvous_port,
+            "progressPort must differ from rendezvousPort (both listen on node 0)",
+            ".progressPort",
+        ),
     )
 
 
@@ -424,6 +470,16 @@ class OutputSpec:
     merge_adapter: bool = api_field(
         "mergeAdapter also writes the base model with the adapter merged in (lora/qlora).",
         False,
+    )
+
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            f"!has(self.path) || !self.path.matches('{RESERVED_OUTPUT}')",
+            lambda o: o.path is None or not re.match(RESERVED_OUTPUT, o.path),
+            "path may not be or lie inside checkpoints, data, hub, logs or tmp, nor be "
+            "progress.json(l) or spec.json: the job's folder keeps those; use e.g. model",
+            ".path",
+        ),
     )
 
 
@@ -471,14 +527,49 @@ class RunPolicySpec:
 class Toleration:
     """A Kubernetes toleration."""
 
-    key: str | None = api_field("key of the taint.", None, max_length=316)
+    key: str | None = api_field(
+        "key of the taint; unset matches every key (operator Exists).",
+        None,
+        pattern=kv.QUALIFIED_NAME,
+        pattern_hint=LABEL_KEY_HINT,
+        max_length=kv.QUALIFIED_NAME_MAX,
+    )
     operator: Literal["Exists", "Equal"] = api_field("operator: Exists or Equal.", "Equal")
-    value: str | None = api_field("value of the taint (operator Equal).", None, max_length=63)
+    value: str | None = api_field(
+        "value of the taint (operator Equal).",
+        None,
+        pattern=kv.LABEL_VALUE,
+        pattern_hint=LABEL_VALUE_HINT,
+        max_length=63,
+    )
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = api_field(
         "effect to tolerate; all effects when empty.", None
     )
     toleration_seconds: int | None = api_field(
         "tolerationSeconds for NoExecute taints.", None, minimum=0
+    )
+
+    # core/validation ValidateTolerations, so that the pods cannot be refused for them.
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "has(self.key) || self.operator == 'Exists'",
+            lambda t: t.key is not None or t.operator == "Exists",
+            "a toleration without a key must have operator Exists (it then tolerates every "
+            "taint); add a key or set operator: Exists",
+            ".operator",
+        ),
+        Rule(
+            "self.operator != 'Exists' || !has(self.value)",
+            lambda t: t.operator != "Exists" or t.value is None,
+            "operator Exists takes no value; remove value or use operator Equal",
+            ".value",
+        ),
+        Rule(
+            "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+            lambda t: t.toleration_seconds is None or t.effect == "NoExecute",
+            "tolerationSeconds needs effect NoExecute; remove it or set effect: NoExecute",
+            ".tolerationSeconds",
+        ),
     )
 
 
@@ -493,10 +584,30 @@ class SchedulingSpec:
         pattern_hint=DNS_LABEL_HINT,
         max_length=63,
     )
-    priority_class_name: str | None = api_field("priorityClassName of the pods.", None)
-    scheduler_name: str | None = api_field("schedulerName of the pods.", None, max_length=253)
+    priority_class_name: str | None = api_field(
+        "priorityClassName of the pods.",
+        None,
+        pattern=kv.DNS_SUBDOMAIN,
+        pattern_hint=DNS_SUBDOMAIN_HINT,
+        max_length=253,
+    )
+    scheduler_name: str | None = api_field(
+        "schedulerName of the pods.",
+        None,
+        pattern=kv.DNS_SUBDOMAIN,
+        pattern_hint=DNS_SUBDOMAIN_HINT,
+        max_length=253,
+    )
     node_selector: dict[str, str] = api_field(
-        "nodeSelector of the pods.", factory=dict, max_properties=64, max_length=63
+        "nodeSelector of the pods: node label keys and the values they must have.",
+        factory=dict,
+        max_properties=64,
+        key_pattern=kv.QUALIFIED_NAME,
+        key_hint=LABEL_KEY_HINT,
+        key_max_length=kv.QUALIFIED_NAME_MAX,
+        pattern=kv.LABEL_VALUE,
+        pattern_hint=LABEL_VALUE_HINT,
+        max_length=63,
     )
     tolerations: list[Toleration] = api_field(
         "tolerations of the pods.", factory=list, max_items=64
@@ -567,6 +678,8 @@ class FineTuneJobSpec:
     image: str = api_field(
         "image of the trainer; changes apply to the next gang attempt.",
         DEFAULT_IMAGE,
+        pattern=kv.IMAGE,
+        pattern_hint="be an image reference without spaces, e.g. ghcr.io/org/trainer:1.0",
         max_length=512,
     )
     env: list[EnvVar] = api_field(
@@ -720,11 +833,43 @@ def validate_update(old: FineTuneJobSpec, new: FineTuneJobSpec) -> None:
         raise SpecError(errors)
 
 
-NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# The headless Service takes the job's name, so it is a DNS-1035 label (it starts with a
+# letter); pod names add "-node-<rank>" (up to 10 characters): 52 leaves room for both.
+NAME_PATTERN = kv.DNS_1035_LABEL
+NAME_MAX = 52
+NAME_HINT = (
+    f"must be at most {NAME_MAX} lowercase letters, digits and '-', starting with a letter and "
+    "ending with a letter or digit (it names the job's Service and pods)"
+)
+
+
+def _metadata_errors(meta: Any) -> list[FieldError]:
+    """What the API server checks of the job's own metadata: name, namespace, labels."""
+    if not isinstance(meta, dict):
+        return [FieldError("metadata", f"must be an object with a name, got {meta!r}")]
+    errors = []
+    name = meta.get("name", "")
+    if not isinstance(name, str) or not re.match(NAME_PATTERN, name) or len(name) > NAME_MAX:
+        errors.append(FieldError("metadata.name", f"{NAME_HINT}; got {name!r}"))
+    namespace = meta.get("namespace")
+    if namespace is not None and not (isinstance(namespace, str) and kv.is_dns_label(namespace)):
+        errors.append(FieldError("metadata.namespace", f"must {DNS_LABEL_HINT}; got {namespace!r}"))
+    labels = meta.get("labels") or {}
+    if not isinstance(labels, dict):
+        errors.append(FieldError("metadata.labels", "must be a map of label keys to values"))
+        labels = {}
+    for key, value in labels.items():
+        if not kv.is_qualified_name(str(key)):
+            errors.append(FieldError(f"metadata.labels.{key}", f"key must {LABEL_KEY_HINT}"))
+        if not isinstance(value, str) or not kv.is_label_value(value):
+            errors.append(
+                FieldError(f"metadata.labels.{key}", f"must {LABEL_VALUE_HINT}, got {value!r}")
+            )
+    return errors
 
 
 def parse_resource(doc: Any) -> tuple[str, FineTuneJobSpec]:
-    """Check a whole FineTuneJob document (kind, name, spec); return its name and spec."""
+    """Check a whole FineTuneJob document (kind, metadata, spec); return its name and spec."""
     errors = []
     if not isinstance(doc, dict):
         raise SpecError([FieldError("(document)", "must be a FineTuneJob object")])
@@ -734,16 +879,7 @@ def parse_resource(doc: Any) -> tuple[str, FineTuneJobSpec]:
         )
     if doc.get("kind") != KIND:
         errors.append(FieldError("kind", f"must be {KIND}, got {doc.get('kind')!r}"))
-    meta = doc.get("metadata") or {}
-    name = meta.get("name", "")
-    # Pod names add "-node-N" and the headless Service takes the job name: keep room for both.
-    if not isinstance(name, str) or not NAME_PATTERN.match(name) or len(name) > 52:
-        errors.append(
-            FieldError(
-                "metadata.name",
-                f"must be a DNS label of at most 52 characters (it names the pods), got {name!r}",
-            )
-        )
+    errors.extend(_metadata_errors(doc.get("metadata") or {}))
     if "spec" not in doc:
         errors.append(FieldError("spec", "is required"))
     try:
@@ -753,4 +889,4 @@ def parse_resource(doc: Any) -> tuple[str, FineTuneJobSpec]:
         spec = None
     if errors:
         raise SpecError(errors)
-    return name, spec
+    return doc["metadata"]["name"], spec

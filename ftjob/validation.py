@@ -2,17 +2,26 @@
 
 Both must agree: ``spec.py`` raises readable errors for people, the generated CRD (schema +
 CEL, through :mod:`ftjob.admission`) is what a cluster enforces at ``kubectl apply``.
+
+A job is accepted only if every child the operator would create for it is valid too: the
+children are rendered and held to the API server's rules (:mod:`ftjob.kubevalidation`), and
+each refusal is traced back to the FineTuneJob field that produced the value.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from ftjob import admission, crd
-from ftjob.schema import SpecError
+from ftjob import admission, crd, kubevalidation
+from ftjob.operator import render
+from ftjob.schema import FieldError, SpecError
 from ftjob.spec import FineTuneJobSpec, parse_resource, validate_update
+
+# A stand-in for the UID the API server assigns: same shape, so names and labels are as long.
+SAMPLE_UID = "00000000-0000-4000-8000-000000000000"
 
 
 @cache
@@ -37,14 +46,78 @@ def check(doc: dict[str, Any], old: dict[str, Any] | None = None) -> Verdict:
     name = (doc.get("metadata") or {}).get("name")
     verdict = Verdict(name=name if isinstance(name, str) else None)
     try:
-        _, verdict.spec = parse_resource(doc)
+        name, verdict.spec = parse_resource(doc)
+        namespace = (doc.get("metadata") or {}).get("namespace") or "default"
+        if child_errors := children_errors(name, namespace, verdict.spec):
+            raise SpecError(child_errors)
         if old is not None:
             _, old_spec = parse_resource(old)
             validate_update(old_spec, verdict.spec)
     except SpecError as e:
         verdict.errors = [str(err) for err in e.errors]
+        verdict.spec = None
     _, verdict.server_errors = admission.admit(crd_schema(), doc, old)
     return verdict
+
+
+def children_errors(name: str, namespace: str, spec: FineTuneJobSpec) -> list[FieldError]:
+    """What the API server would refuse in the job's children, each blamed on a job field.
+
+    The last attempt the job may reach is rendered: its labels are the longest.
+    """
+    attempt = spec.run_policy.backoff_limit + 1
+    objs = render.children(name, namespace, spec, attempt=attempt, uid=SAMPLE_UID)
+    found = []
+    for err in kubevalidation.errors(objs):
+        where = f"(in {err.kind} {err.name}: {err.path})"
+        found.append(FieldError(blame(err, spec, objs), f"{err.message} {where}"))
+    return found
+
+
+# Where each child field's value comes from in the FineTuneJob; first match wins.
+_SOURCES = [
+    (r"metadata\.namespace", "metadata.namespace"),
+    (r"metadata\.labels\[kueue\.x-k8s\.io/queue-name\]", "spec.scheduling.queue"),
+    (r"metadata\.|spec\.(hostname|subdomain|selector)", "metadata.name"),
+    (r"spec\.containers\[0\]\.image", "spec.image"),
+    (r"spec\.containers\[0\]\.resources", "spec.resources"),
+    (r"spec\.nodeSelector\[(.*)\]", "spec.scheduling.nodeSelector.{0}"),
+    (r"spec\.tolerations(\[.*)", "spec.scheduling.tolerations{0}"),
+    (r"spec\.priorityClassName", "spec.scheduling.priorityClassName"),
+    (r"spec\.schedulerName", "spec.scheduling.schedulerName"),
+    (r"spec\.volumes\[\d+\]\.persistentVolumeClaim", "spec.checkpoint.volume.claimName"),
+    (r"data", "spec"),  # the ConfigMap carries the whole job document
+]
+_PORTS = ("spec.network.rendezvousPort", "spec.network.progressPort")
+
+
+def blame(err: kubevalidation.ChildError, spec: FineTuneJobSpec, objs: list[dict]) -> str:
+    """The FineTuneJob field that put the refused value into the child."""
+    port = re.match(r"spec\.(containers\[0\]\.)?ports\[(\d+)\]", err.path)
+    if port:
+        return _PORTS[int(port.group(2))] if int(port.group(2)) < len(_PORTS) else "spec.network"
+    env = re.match(r"spec\.containers\[0\]\.env\[(\d+)\]", err.path)
+    if env:
+        pod = next(o for o in objs if o["kind"] == err.kind and o["metadata"]["name"] == err.name)
+        var = pod["spec"]["containers"][0]["env"][int(env.group(1))]["name"]
+        return _env_source(var, spec, err.path)
+    for pattern, source in _SOURCES:
+        m = re.match(pattern, err.path)
+        if m:
+            return source.format(*m.groups())
+    return "spec"
+
+
+def _env_source(var: str, spec: FineTuneJobSpec, path: str) -> str:
+    if var == "HF_TOKEN":
+        leaf = "key" if path.endswith(".key") else "name"
+        return f"spec.secrets.huggingFaceToken.{leaf}"
+    for i, e in enumerate(spec.env):
+        if e.name == var:
+            return f"spec.env[{i}]"
+    if var in spec.network.nccl_env:
+        return f"spec.network.ncclEnv.{var}"
+    return "spec"
 
 
 def summary(spec: FineTuneJobSpec) -> str:
