@@ -21,6 +21,8 @@ from typing import Any
 import cel
 import jsonschema
 
+from ftjob import kubevalidation
+
 _KEYWORDS_DROPPED = ("description", "default", "format", "example")
 
 
@@ -121,6 +123,16 @@ def _schema_message(err: jsonschema.ValidationError) -> tuple[str, str]:
         )
     if kind == "pattern":
         return path, f"Invalid value: {_quote(value)}: {path} in body should match '{rule}'"
+    if kind == "minLength":
+        return (
+            path,
+            f"Invalid value: {_quote(value)}: {path} in body should be at least {rule} chars long",
+        )
+    if kind == "minItems":
+        return (
+            path,
+            f"Invalid value: {len(value)}: {path} in body should have at least {rule} items",
+        )
     if kind == "maxLength":
         return path, f"Too long: may not be more than {rule} bytes"
     if kind == "maxItems":
@@ -195,6 +207,12 @@ def admit(schema: dict, obj: dict, old: dict | None = None) -> tuple[dict, list[
         old = apply_defaults(schema, copy.deepcopy(old))
     validator = jsonschema.Draft4Validator(_json_schema(schema, root=True))
     found = [_schema_message(e) for e in validator.iter_errors(obj)]
+    # ObjectMeta is the API server's own: a custom resource's name is a DNS subdomain.
+    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    found += [
+        (path, f"Invalid value: {message}")
+        for path, message in kubevalidation.metadata_errors({"name": "x"} | meta)
+    ]
     if not found:
         # The API server evaluates CEL only on objects that pass the structural schema.
         found = _cel_errors(schema, obj, old, "")

@@ -294,22 +294,16 @@ class _String(_Kind):
 
 
 def _check_string(meta: dict, value: str, path: str, errors: Errors, what: str = "") -> None:
-    shortest, limit = meta.get("min_length"), meta.get("max_length")
+    """One message per string: the first limit it breaks."""
+    shortest, limit, pattern = meta.get("min_length"), meta.get("max_length"), meta.get("pattern")
     if shortest is not None and len(value) < shortest:
-        errors.append(
-            FieldError(
-                path,
-                f"{what}may not be empty"
-                if shortest == 1
-                else f"{what}must be at least {shortest} characters",
-            )
-        )
-    if limit is not None and len(value) > limit:
+        need = "may not be empty" if shortest == 1 else f"must be at least {shortest} characters"
+        errors.append(FieldError(path, what + need))
+    elif limit is not None and len(value) > limit:
         errors.append(
             FieldError(path, f"{what}must be at most {limit} characters, got {len(value)}")
         )
-    pattern = meta.get("pattern")
-    if pattern and value and not re.search(pattern, value):
+    elif pattern and not re.search(pattern, value):
         hint = meta.get("pattern_hint") or f"match {pattern}"
         errors.append(FieldError(path, f"{what}must {hint}, got {_show(value)}"))
 

@@ -22,10 +22,11 @@ from datetime import datetime, timezone
 import kopf
 from aiohttp import web
 
+from ftjob import validation
 from ftjob.operator import lifecycle, render, status
 from ftjob.operator.kube import Kube, error_text
 from ftjob.schema import SpecError
-from ftjob.spec import GROUP, PLURAL, VERSION, parse_resource
+from ftjob.spec import GROUP, PLURAL, VERSION
 
 RESYNC = float(os.environ.get("FTJOB_RESYNC_SECONDS", "30"))
 PROGRESS_EVERY = float(os.environ.get("FTJOB_PROGRESS_SECONDS", "15"))
@@ -135,7 +136,7 @@ async def _reconcile(name, namespace, body, job_pods, state, logger) -> float | 
     pods = [p for p in job_pods.get((namespace, name), []) if _owned_by(p, meta["uid"])]
     now = datetime.now(timezone.utc)
     try:
-        _, spec = parse_resource(doc)
+        _, spec = validation.parse_job(doc)  # the job and every child it would create
     except SpecError as e:
         decision = lifecycle.invalid(
             [str(x) for x in e.errors], meta.get("generation"), old_status, now
