@@ -12,7 +12,6 @@ The patterns are RE2-compatible: ``spec.py`` also puts them into the CRD.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -225,7 +224,3 @@ def errors(objs: list[dict[str, Any]]) -> list[ChildError]:
         for path, message in object_errors(obj):
             found.append(ChildError(obj.get("kind", ""), name, path, message))
     return found
-
-
-def json_size(obj: Any) -> int:
-    return len(json.dumps(obj, separators=(",", ":")).encode())

@@ -87,3 +87,38 @@ def test_auto_sharding_picks_hybrid_only_when_a_node_holds_the_states():
 def test_round_trip_through_dict_keeps_every_value():
     s = spec_of(method={"type": "qlora", "quantization": {"type": "fp4"}}, env=[{"name": "A"}])
     assert parse_spec(to_dict(s)) == s
+
+
+def test_field_errors_and_cross_field_rules_come_together():
+    """One pass: a type error does not hide that maxSteps and epochs are both set."""
+    errs = errors_of(
+        {**MINIMAL, "training": {"maxSteps": 10, "epochs": 2}, "resources": {"nodes": "two"}}
+    )
+    assert sorted(e.split(":")[0] for e in errs) == ["spec.resources.nodes", "spec.training"]
+
+
+def test_a_rule_that_reads_a_wrong_field_stays_quiet():
+    # nodes is wrong, so "more than one node needs a volume" has nothing sound to say.
+    errs = errors_of({**MINIMAL, "training": {"maxSteps": 10}, "resources": {"nodes": 2.5}})
+    assert [e.split(":")[0] for e in errs] == ["spec.resources.nodes"]
+
+
+@pytest.mark.parametrize(
+    "section, typo, meant",
+    [
+        ("dataset", "maxSeqLenght", "maxSeqLength"),
+        ("training", "lerningRate", "learningRate"),
+        ("training", "microbatchsize", "microBatchSize"),
+        ("training", "gradientAccumulationSteps", "gradientAccumulation"),
+    ],
+)
+def test_an_unknown_field_suggests_the_closest_known_one(section, typo, meant):
+    data = {**MINIMAL, "training": {"maxSteps": 10}}
+    data[section] = {**data.get(section, {}), typo: 1}
+    (err,) = errors_of(data)
+    assert err == f'spec.{section}.{typo}: unknown field; did you mean "{meant}"?'
+
+
+def test_an_unknown_field_far_from_any_lists_the_known_ones():
+    (err,) = errors_of({**MINIMAL, "training": {"maxSteps": 10}, "method": {"banana": 1}})
+    assert err == "spec.method.banana: unknown field; allowed: type, lora, quantization"
