@@ -149,15 +149,18 @@ def _program(expr: str) -> Any:
 
 def _cel_errors(schema: dict, obj: Any, old: Any, path: str) -> list[tuple[str, str]]:
     errors = []
+    # One context per object: its values are converted to CEL once, not once per rule.
+    env, env_with_old = cel.Context(variables={"self": obj}), None
     for rule in schema.get("x-kubernetes-validations", []):
         expr = rule["rule"]
         uses_old = "oldSelf" in expr
         if uses_old and old is None:
             continue  # transition rules only run on updates where the old value exists
-        env = {"self": obj, **({"oldSelf": old} if uses_old else {})}
+        if uses_old and env_with_old is None:
+            env_with_old = cel.Context(variables={"self": obj, "oldSelf": old})
         where = (path + rule.get("fieldPath", "")).lstrip(".") or "(object)"
         try:
-            ok = _program(expr).execute(env)
+            ok = _program(expr).execute(env_with_old if uses_old else env)
         except Exception as e:  # noqa: BLE001 - any evaluation error rejects, as in the API server
             errors.append((where, f"Invalid value: {_quote(obj)}: rule evaluation failed: {e}"))
             continue
