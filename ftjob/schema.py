@@ -231,23 +231,22 @@ class _Bool(_Kind):
         return {"type": "boolean"}
 
 
+def _within(meta: dict, value: float) -> bool:
+    lo, hi = meta.get("minimum"), meta.get("maximum")
+    if lo is not None and (value <= lo if meta.get("exclusive_minimum") else value < lo):
+        return False
+    return hi is None or value <= hi
+
+
 @dataclasses.dataclass(frozen=True)
 class _Number(_Kind):
     integer: bool
 
     def parse(self, meta, value, path, errors):
         kinds = int if self.integer else (int, float)
-        lo, hi = meta.get("minimum"), meta.get("maximum")
+        is_number = isinstance(value, kinds) and not isinstance(value, bool)
         # NaN compares false with every bound, so finiteness is checked on its own.
-        if (
-            isinstance(value, kinds)
-            and not isinstance(value, bool)
-            and math.isfinite(value)
-            and not (
-                lo is not None and (value <= lo if meta.get("exclusive_minimum") else value < lo)
-            )
-            and not (hi is not None and value > hi)
-        ):
+        if is_number and math.isfinite(value) and _within(meta, value):
             return value if self.integer else float(value)
         what = "an integer" if self.integer else "a finite number"
         errors.append(FieldError(path, f"must be {_range_text(meta, what)}, got {_show(value)}"))

@@ -43,7 +43,7 @@ from apimachinery import (
     table,
 )
 
-from ftjob import admission
+from ftjob import admission, kubevalidation
 
 CORE = {  # plural: (kind, namespaced, subresources)
     "pods": ("Pod", True, {"status"}),
@@ -408,6 +408,12 @@ class ApiServer(kmock.KubernetesScaffold):
         return saved
 
     def _admit(self, gvp, obj, old):
+        if not gvp[0] and gvp[1:] in (("v1", "pods"), ("v1", "services"), ("v1", "configmaps")):
+            # The API server's own rules for the objects the operator creates.
+            errors = [f"{path}: {msg}" for path, msg in kubevalidation.object_errors(obj)]
+            if errors:
+                message = f'{self._info(gvp).kind} "{obj["metadata"]["name"]}" is invalid: '
+                raise Refused(422, "Invalid", message + ", ".join(errors))
         version = self.crds.get(gvp)
         if not version:
             return obj

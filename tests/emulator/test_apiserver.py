@@ -156,3 +156,29 @@ def test_injected_faults_answer_once(api, cluster):
         core.create_namespaced_config_map("f", cm("one"), _preload_content=False)
     assert e.value.status == 500
     core.create_namespaced_config_map("f", cm("one"), _preload_content=False)
+
+
+def test_pods_services_and_config_maps_are_held_to_the_api_servers_rules(api):
+    """So the operator's real children meet kubevalidation's rules in every emulator test."""
+    core, _ = api
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "p"},
+        "spec": {
+            "containers": [{"name": "c", "image": "busybox"}],
+            "tolerations": [{"key": "a", "operator": "Exists", "value": "b"}],
+        },
+    }
+    with pytest.raises(client.ApiException) as e:
+        core.create_namespaced_pod("ns1", pod, _preload_content=False)
+    assert e.value.status == 422 and "spec.tolerations[0].value" in e.value.body
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "1st"},
+        "spec": {"ports": [{"name": "a", "port": 80}]},
+    }
+    with pytest.raises(client.ApiException) as e:
+        core.create_namespaced_service("ns1", service, _preload_content=False)
+    assert e.value.status == 422 and "metadata.name" in e.value.body
