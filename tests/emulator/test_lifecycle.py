@@ -211,3 +211,15 @@ def test_a_job_that_will_not_fit_fails_before_any_pod(cluster, operator):
     status = wait_phase(cluster, doc["metadata"]["name"], "Failed")
     assert status["failure"]["reason"] == "WillNotFit" and "GiB" in status["failure"]["message"]
     assert not job_pods(cluster, doc["metadata"]["name"]) and "startTime" not in status
+
+
+def test_a_job_the_crd_takes_but_whose_children_cannot_exist_fails_clearly(cluster, operator):
+    """The CRD cannot bound a free-form affinity; the job's ConfigMap (the whole job document)
+    could never be created. The operator fails the job naming why, and creates nothing."""
+    affinity = {"nodeAffinity": {"note": "x" * (1024 * 1024)}}
+    cluster.create_job(tiny_job("huge", scheduling={"affinity": affinity}))
+    status = wait_phase(cluster, "huge", "Failed")
+    assert status["failure"]["reason"] == "BadInput"
+    assert "spec: Too long" in status["failure"]["message"]
+    assert "ConfigMap huge-spec" in status["failure"]["message"]
+    assert not job_pods(cluster, "huge")
