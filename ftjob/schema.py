@@ -323,7 +323,8 @@ class _List(_Kind):
             return value
         shortest, limit = meta.get("min_items"), meta.get("max_items")
         if shortest is not None and len(value) < shortest:
-            errors.append(FieldError(path, f"must have at least {shortest} item(s), got none"))
+            need = f"must have at least {shortest} items, got {len(value)}"
+            errors.append(FieldError(path, "may not be empty" if shortest == 1 else need))
         if limit is not None and len(value) > limit:
             errors.append(FieldError(path, f"must have at most {limit} items, got {len(value)}"))
         item_meta = _item_meta(meta)
