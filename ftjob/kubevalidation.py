@@ -77,8 +77,10 @@ def is_label_value(value: str) -> bool:
 
 def metadata_errors(meta: dict, name_rule: str = "subdomain") -> Iterator[tuple[str, str]]:
     """ObjectMeta: the name (by the kind's rule), namespace, label keys and values."""
-    name = meta.get("name", "")
-    if name_rule == "service":
+    name, namespace = meta.get("name", ""), meta.get("namespace", "default")
+    if not isinstance(name, str):
+        yield "metadata.name", f"must be a string, got {name!r}"
+    elif name_rule == "service":
         if len(name) > 63 or not re.match(DNS_1035_LABEL, name):
             yield (
                 "metadata.name",
@@ -92,11 +94,15 @@ def metadata_errors(meta: dict, name_rule: str = "subdomain") -> Iterator[tuple[
             "metadata.name",
             f"{name!r} is not a DNS subdomain (lowercase letters, digits, '-', '.')",
         )
-    if "namespace" in meta and not is_dns_label(meta["namespace"]):
-        yield "metadata.namespace", f"{meta['namespace']!r} is not a DNS label"
-    yield from label_errors(meta.get("labels") or {}, "metadata.labels")
+    if not isinstance(namespace, str) or not is_dns_label(namespace):
+        yield "metadata.namespace", f"{namespace!r} is not a DNS label"
+    labels = meta.get("labels") or {}
+    if not isinstance(labels, dict):
+        yield "metadata.labels", "must be a map of label keys to values"
+    else:
+        yield from label_errors(labels, "metadata.labels")
     for key in meta.get("annotations") or {}:
-        if not is_qualified_name(key):
+        if not is_qualified_name(str(key)):
             yield f"metadata.annotations[{key}]", "is not a qualified name"
 
 
