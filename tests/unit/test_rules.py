@@ -53,3 +53,49 @@ def test_python_and_cel_agree_on_every_combination():
         assert rule_paths(python) == rule_paths(server), (spec, python, server)
         combos += 1
     assert combos == 7 * 4 * 4 * 3 * 3 * 2 * 2
+
+
+def paths_of(spec_changes):
+    spec = {"model": {"source": "m"}, "dataset": {"source": "d"}, "training": {"maxSteps": 10}}
+    doc = {"apiVersion": "ftjob.dev/v1alpha1", "kind": "FineTuneJob", "metadata": {"name": "x"}}
+    doc["spec"] = spec | spec_changes
+    try:
+        parse_resource(doc)
+        python = []
+    except SpecError as e:
+        python = [str(x) for x in e.errors]
+    return rule_paths(python), rule_paths(validation.check(doc).server_errors)
+
+
+OUTPUT_PATHS = {
+    "model": True,
+    "exports/checkpoints": True,
+    "checkpointsx": True,
+    "database": True,
+    "checkpoints": False,
+    "checkpoints/final": False,
+    "data": False,
+    "hub/x": False,
+    "logs": False,
+    "tmp": False,
+    "progress.json": False,
+    "progress.jsonl": False,
+    "spec.json": False,
+    ".": False,
+}
+
+
+def test_reserved_output_paths_agree_in_python_and_cel():
+    for path, ok in OUTPUT_PATHS.items():
+        python, server = paths_of({"output": {"path": path}})
+        assert python == server == ([] if ok else ["spec.output.path"]), path
+
+
+WARMUPS = {"0": True, "3%": True, "0%": True, "12.5%": True, "100%": True, "100.0%": True}
+WARMUPS |= {"100.5%": False, "150%": False, "1000%": False, "-1%": False, "%": False}
+
+
+def test_warmup_percentages_stay_within_the_run():
+    for warmup, ok in WARMUPS.items():
+        python, server = paths_of({"training": {"maxSteps": 10, "warmup": warmup}})
+        assert python == server == ([] if ok else ["spec.training.warmup"]), warmup
