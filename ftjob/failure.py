@@ -50,7 +50,8 @@ KNOWN = [
 ERROR_LINE = re.compile(r"^error: (?:rank (\d+): )?(?:(bad data|bad model): )?(.*)$")
 EXCEPTION = re.compile(r"^(?:\[rank(\d+)\]: )?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*)$")
 TORCHRUN_RANK = re.compile(r"^\s+rank\s+: (\d+)")
-TORCHRUN_EXIT = re.compile(r"^\s+exitcode\s+: (-?\d+).*?(?:\((SIG\w+)\))?$")
+TORCHRUN_EXIT = re.compile(r"^\s+exitcode\s+: (-?\d+)")
+TORCHRUN_SIGNAL = re.compile(r"Signal \d+ \((SIG\w+)\) received")
 
 
 @dataclass
@@ -135,8 +136,9 @@ def _from_log(o: NodeOutcome) -> Summary:
             rank = int(m[1]) if m[1] is not None else rank
             return Summary(o.node, rank, m[2], None, None, o.log, [])
     # 3. Only an exit code: say what it means.
-    code = next(((int(m[1]), m[2]) for x in lines if (m := TORCHRUN_EXIT.match(x))), None)
-    if code and code[1] == "SIGKILL":
+    code = next((int(m[1]) for x in lines if (m := TORCHRUN_EXIT.match(x))), o.exit_code)
+    sig = next((m[1] for x in lines if (m := TORCHRUN_SIGNAL.search(x))), None)
+    if sig == "SIGKILL":
         return Summary(
             o.node,
             rank,
@@ -146,10 +148,7 @@ def _from_log(o: NodeOutcome) -> Summary:
             o.log,
             [],
         )
-    if code:
-        cause = f"exit code {code[0]}" + (f" ({code[1]})" if code[1] else "")
-    else:
-        cause = f"exit code {o.exit_code}"
+    cause = f"exit code {code}" + (f" ({sig})" if sig else "")
     return Summary(o.node, rank, cause, None, None, o.log, [])
 
 
