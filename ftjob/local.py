@@ -168,8 +168,8 @@ def run(job_file: str, workdir: str | None = None, out=None) -> int:
     except KeyboardInterrupt:
         _stop(nodes)
         print(
-            f"ftjob run: interrupted; every process stopped. Run the same command again to "
-            f"resume from the newest checkpoint in {job_dir / 'checkpoints'}",
+            "ftjob run: interrupted; every process stopped. Run the same command again to "
+            f"resume from {_newest_checkpoint(job_dir)}",
             file=out,
             flush=True,
         )
@@ -182,8 +182,8 @@ def run(job_file: str, workdir: str | None = None, out=None) -> int:
         ordered = [first, *(n for n in nodes if n is not first)]
         for line in _describe(failure.summarize([n.outcome() for n in ordered])):
             print(line, file=out)
-        print(f"ftjob run: once fixed, run it again: it resumes from the newest checkpoint in "
-              f"{job_dir / 'checkpoints'}", file=out, flush=True)  # fmt: skip
+        print(f"ftjob run: once fixed, run it again: it resumes from "
+              f"{_newest_checkpoint(job_dir)}", file=out, flush=True)  # fmt: skip
         return EXIT_FAILED
     export = _export_path(job_dir)
     print(f"ftjob run: done; the exported model is in {export}", file=out, flush=True)
@@ -261,6 +261,19 @@ def _stop(nodes: list[Node]) -> None:
             node.proc.wait()
     for node in nodes:
         node.close()
+
+
+def _newest_checkpoint(job_dir: Path) -> str:
+    """Where a rerun resumes, as rank 0 last reported it (the trainer decides on the rerun)."""
+    root = job_dir / "checkpoints"
+    try:
+        snap = json.loads((job_dir / "progress.json").read_text())
+    except (OSError, ValueError):
+        snap = {}
+    last = snap.get("lastCheckpoint")
+    if last and Path(last).is_dir():
+        return f"the newest checkpoint in {root} (step {snap.get('lastCheckpointStep')})"
+    return f"the newest checkpoint in {root}, if any (else from the start)"
 
 
 def _export_path(job_dir: Path) -> str:

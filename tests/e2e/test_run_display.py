@@ -158,7 +158,9 @@ def test_ctrl_c_stops_quietly_and_says_how_to_resume(tmp_path):
     after = screen[screen.index("checkpoint saved: step 40 in") :]
     assert code == 130, screen[-3000:]
     assert "interrupted; every process stopped" in after
-    assert "Run the same command again to resume from the newest checkpoint" in after
+    hint = re.search(r"Run the same command again to resume from the newest checkpoint in "
+                     r"(\S+) \(step (\d+)\)", after)  # fmt: skip
+    assert hint and hint[1] == str(workdir / "checkpoints") and int(hint[2]) >= 40, after
     for noise in ("Traceback", "death signal", "SIGTERM", "KeyboardInterrupt", "W1"):
         assert noise not in after, after
     assert trainer_pids(workdir) == []
