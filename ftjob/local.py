@@ -79,7 +79,8 @@ class Node:
     def _copy(self, stream, shown: bool) -> None:
         for line in stream:
             with self._lock:
-                self._log.write(line)
+                if not self._log.closed:  # a straggler after close() is dropped, not raised
+                    self._log.write(line)
             if shown and self.screen is not None and not self.quiet.is_set():
                 self.screen.line(line.rstrip("\n"))
 
