@@ -16,6 +16,7 @@ summarised first (:mod:`ftjob.failure`): which node and rank, what, the fix, whe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 from ftjob import contract, failure, launch, manifest
-from ftjob.schema import SpecError, to_dict
+from ftjob.schema import SpecError, check_rules, to_dict
 from ftjob.screen import Screen
 from ftjob.spec import API_VERSION, KIND, parse_resource
 
@@ -211,10 +212,14 @@ def _missing_gpus(spec) -> str | None:
     need, have = r.nodes * r.gpus_per_node, torch.cuda.device_count()
     if have >= need:
         return None
+    # The CPU variant must pass the spec's rules too: name what else it has to change.
+    cpu = dataclasses.replace(spec, resources=dataclasses.replace(r, gpus_per_node=0))
+    also = sorted({e.path.removeprefix("spec.") for e in check_rules(cpu, "spec")})
+    then = f" (then also change {', '.join(also)})" if also else ""
     return (
         f"needs {need} GPUs (resources.nodes {r.nodes} x resources.gpusPerNode "
         f"{r.gpus_per_node}) but this machine has {have}; run it on a cluster "
-        f"(kubectl apply -f), or on CPU with resources.gpusPerNode: 0"
+        f"(kubectl apply -f), or on CPU with resources.gpusPerNode: 0{then}"
     )
 
 

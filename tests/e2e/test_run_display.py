@@ -178,7 +178,9 @@ def test_a_gpu_job_on_a_machine_without_enough_gpus_is_refused_at_once(tmp_path)
     assert result.returncode == 1
     first = result.stdout.splitlines()[0]
     assert first.startswith(f"ftjob run: {job}: needs ") and "GPUs" in first
-    assert "resources.gpusPerNode" in first and "kubectl apply" in first
+    assert "resources.gpusPerNode: 0" in first and "kubectl apply" in first
+    # The CPU variant it suggests must pass the rules: it names what else has to change.
+    assert first.endswith("(then also change network.fabric, resources.gpuType)"), first
     assert len(result.stdout.splitlines()) == 1 and "Traceback" not in result.stderr
     assert not (tmp_path / "gpu").exists()  # nothing started, nothing written
     assert time.monotonic() - started < 60
