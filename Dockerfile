@@ -21,7 +21,7 @@ COPY constraints.txt /src/constraints.txt
 # The names are ftjob's dependencies + the "operator" extra (the test keeps them equal).
 RUN /opt/ftjob/bin/pip install --no-cache-dir -c /src/constraints.txt \
       pyyaml jsonschema common-expression-language \
-      kopf kubernetes
+      kopf kubernetes prometheus-client
 COPY pyproject.toml README.md /src/
 COPY ftjob /src/ftjob
 RUN /opt/ftjob/bin/pip install --no-cache-dir --no-deps /src
@@ -86,7 +86,7 @@ COPY constraints.txt /src/constraints.txt
 # nvcc: build it with TRAINER_IMAGE=...-devel); off by default, sdpa needs nothing.
 RUN pip install --no-cache-dir -c /src/constraints.txt \
       pyyaml jsonschema common-expression-language \
-      transformers accelerate peft trl datasets safetensors tokenizers bitsandbytes \
+      transformers peft datasets safetensors tokenizers bitsandbytes prometheus-client rich \
     && if [ "${FLASH_ATTN}" = "true" ]; then \
       pip install --no-cache-dir --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"; \
     fi

@@ -1,8 +1,8 @@
 """Suite a: trainer throughput, ftjob (`ftjob run`, FSDP2) against TRL SFTTrainer + accelerate
 (torchrun, 2 processes) on the same model, data, sequence length, micro-batch and steps.
 
-On CPU accelerate falls back to DDP (FINDINGS.md): the baseline is DDP, so this compares the
-cost of ftjob's sharding against an unsharded trainer. GPU: see bench.gpu.
+On CPU accelerate falls back to DDP (its FSDP plugin needs CUDA): the baseline is DDP, so
+this compares the cost of ftjob's sharding against an unsharded trainer. GPU: see bench.gpu.
 """
 
 from __future__ import annotations

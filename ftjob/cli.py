@@ -2,7 +2,8 @@
 
 ftjob run examples/tiny.yaml        # fine-tune on this machine (2 CPU processes here)
 ftjob validate examples/*.yaml      # the verdict kubectl apply would get, offline
-ftjob plan examples/llama2-70b-full.yaml   # will it fit? memory, time, traffic
+ftjob validate -o json examples/*.yaml     # ... as one JSON document, for CI (docs/cli.md)
+ftjob plan examples/*.yaml          # will it fit? memory, time, traffic
 ftjob render examples/tiny.yaml     # what would be created for the job
 ftjob render --children examples/tiny.yaml  # ... with the operator's Service, ConfigMap, Pods
 ftjob crd > manifests/crd.yaml      # the CustomResourceDefinition
@@ -16,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from ftjob import __version__, crd, manifest, modelshape, plan, validation
+from ftjob import __version__, crd, manifest, modelshape, output, plan, validation
 from ftjob.schema import to_dict
 from ftjob.spec import API_VERSION, KIND
 
@@ -52,23 +53,30 @@ def cmd_validate(args: argparse.Namespace) -> int:
     old = None
     if args.old:
         old = manifest.load_one(args.old, KIND)
-    failed = 0
+    results = []
     for path in args.files:
         for doc in _jobs(path):
             verdict = validation.check(doc, old)
-            label = f"{path}: {KIND} {verdict.name or '(unnamed)'}"
-            if verdict.ok:
-                print(f"{label}: valid -- {validation.summary(verdict.spec)}")
-                continue
-            failed += 1
-            print(f"{label}: INVALID")
-            for line in verdict.errors:
-                print(f"  {line}")
-            if verdict.server_errors:
-                print("  kubectl apply would be refused with:")
-                for line in verdict.server_errors:
-                    print(f"    {line}")
-    return EXIT_INVALID if failed else 0
+            results.append(output.validation_result(path, verdict))
+            if not args.output:
+                _print_verdict(path, verdict)
+    if args.output:
+        print(output.dumps(output.validation_list(results), args.output), end="")
+    return 0 if all(r["valid"] for r in results) else EXIT_INVALID
+
+
+def _print_verdict(path: str, verdict: validation.Verdict) -> None:
+    label = f"{path}: {KIND} {verdict.name or '(unnamed)'}"
+    if verdict.ok:
+        print(f"{label}: valid -- {validation.summary(verdict.spec)}")
+        return
+    print(f"{label}: INVALID")
+    for line in verdict.errors:
+        print(f"  {line}")
+    if verdict.server_errors:
+        print("  kubectl apply would be refused with:")
+        for line in verdict.server_errors:
+            print(f"    {line}")
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -87,6 +95,9 @@ def cmd_render(args: argparse.Namespace) -> int:
             from ftjob.operator import render  # pure: no kopf or kubernetes needed
 
             out += render.children(verdict.name, args.namespace, verdict.spec, args.attempt)
+    if args.output:
+        print(output.dumps(output.object_list(out), args.output), end="")
+        return 0
     print(f"# The trainer's spec with every default filled in: {args.file}")
     print(manifest.dumps(out), end="")
     return 0
@@ -105,20 +116,26 @@ def _model_config(spec, job_file: str) -> dict | None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    worst = 0
-    for verdict in _valid_jobs(args.file):
+    worst, results = 0, []
+    # Every file is checked first: a refused job stops the command before any plan prints.
+    jobs = [(path, verdict) for path in args.files for verdict in _valid_jobs(path)]
+    for path, verdict in jobs:
         spec = verdict.spec
         try:
-            shape = modelshape.shape_for(spec.model.source, _model_config(spec, args.file))
+            shape = modelshape.shape_for(spec.model.source, _model_config(spec, path))
         except ValueError as e:
-            print(f"{args.file}: {e}", file=sys.stderr)
-            return EXIT_INVALID
+            raise InvalidJob([f"{path}: {e}"]) from None
         result = plan.plan(spec, shape)
-        print(f"{args.file}: {KIND} {verdict.name}")
-        for line in plan.describe(spec, result):
-            print(f"  {line}")
         if result.fits is False:
             worst = EXIT_INVALID
+        if args.output:
+            results.append(output.plan_result(path, verdict.name, spec, result))
+            continue
+        print(f"{path}: {KIND} {verdict.name}")
+        for line in plan.describe(spec, result):
+            print(f"  {line}")
+    if args.output:
+        print(output.dumps(output.plan_list(results), args.output), end="")
     return worst
 
 
@@ -139,6 +156,15 @@ def cmd_operator(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _output_option(p: argparse.ArgumentParser, what: str = "one document") -> None:
+    p.add_argument(
+        "-o",
+        "--output",
+        choices=output.FORMATS,
+        help=f"print {what} as json or yaml for scripts (docs/cli.md) instead of text",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ftjob", description="Fine-tune language models on Kubernetes with FineTuneJobs."
@@ -156,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--old", metavar="FILE", help="check FILEs as updates of this job (immutable fields)"
     )
+    _output_option(p)
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser(
@@ -173,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--attempt", type=int, default=0, help="gang attempt the Pods belong to (--children)"
     )
+    _output_option(p, "a v1 List of the objects (kubectl apply -f takes it)")
     p.set_defaults(func=cmd_render)
 
     p = sub.add_parser(
@@ -180,9 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="estimate memory, time and traffic; say whether the job fits",
         description="Estimate per-GPU memory, CPU memory while loading, checkpoint size, "
         "step time and network traffic for a job, and what to change if it will not fit. "
-        "Exit 0 if it fits (or cannot be checked), 1 if it will not fit.",
+        "Exit 0 if all fit (or cannot be checked), 1 if any will not fit.",
     )
-    p.add_argument("file", metavar="FILE")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    _output_option(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser(

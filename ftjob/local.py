@@ -1,4 +1,4 @@
-"""``ftjob run job.yaml``: the job's nodes as local processes, one merged log.
+"""``ftjob run job.yaml``: the job's nodes as local processes; progress on screen, logs on disk.
 
     ftjob run examples/tiny.yaml                 # 2 CPU processes, about a minute
     ftjob run examples/tiny.yaml --workdir /tmp/tiny
@@ -7,16 +7,19 @@ Each node gets exactly the command and environment a pod would (:mod:`ftjob.laun
 node 0 at 127.0.0.1 on a free port. The job's volume is a local folder (``runs/<name>/`` by
 default) and relative sources are read beside the job file. Any node failing stops the
 others (a gang, as on a cluster); running it again resumes from the newest checkpoint.
+
+The screen shows rank 0's own lines and, on a terminal, a live bar (:mod:`ftjob.screen`);
+each node's full output is kept in ``<job folder>/logs/node-<rank>.log``, and a failure is
+summarised first (:mod:`ftjob.failure`): which node and rank, what, the fix, where the log is.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
+import dataclasses
 import json
 import os
 import random
-import re
 import signal
 import socket
 import subprocess
@@ -25,8 +28,9 @@ import threading
 import time
 from pathlib import Path
 
-from ftjob import launch, manifest
-from ftjob.schema import SpecError, to_dict
+from ftjob import contract, failure, launch, manifest
+from ftjob.schema import SpecError, check_rules, to_dict
+from ftjob.screen import Screen
 from ftjob.spec import API_VERSION, KIND, parse_resource
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
@@ -47,67 +51,63 @@ def free_port() -> int:
 
 
 class Node:
-    """One node's torchrun, in its own process group, its output copied line by line."""
+    """One node's torchrun, in its own process group. Its whole output (stdout and stderr)
+    goes to its log file; node 0's stdout (rank 0's log lines) also goes to the screen."""
 
-    def __init__(self, rank: int, argv: list[str], env: dict[str, str], out, lock):
-        self.rank, self.lines = rank, collections.deque(maxlen=400)
+    def __init__(self, rank: int, argv: list[str], env: dict[str, str], log: Path, screen):
+        self.rank, self.log_path, self.screen = rank, log, screen if rank == 0 else None
+        self.quiet = threading.Event()  # set while stopping: nothing more reaches the screen
+        self._log = open(log, "a", buffering=1)  # noqa: SIM115 - closed by close()
+        self._log.write(f"--- ftjob run, node {rank}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        self._lock = threading.Lock()
         self.proc = subprocess.Popen(
             argv,
             env=env,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: stop() reaches every rank
             text=True,
             errors="replace",
         )
-        self.reader = threading.Thread(target=self._copy, args=(out, lock), daemon=True)
-        self.reader.start()
+        self.readers = [
+            threading.Thread(target=self._copy, args=(self.proc.stdout, True), daemon=True),
+            threading.Thread(target=self._copy, args=(self.proc.stderr, False), daemon=True),
+        ]
+        for reader in self.readers:
+            reader.start()
 
-    def _copy(self, out, lock) -> None:
-        agent_traceback = 0  # lines left to hide of torchrun's own (uninformative) traceback
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            self.lines.append(line)
-            # torchrun raises ChildFailedError with its own stack after a rank fails; the
-            # rank's error and torchrun's summary are what matter, so the stack is hidden.
-            if line == "Traceback (most recent call last):":
-                agent_traceback = 60
-            if agent_traceback:
-                agent_traceback = (
-                    0 if line.startswith("torch.distributed.elastic") else (agent_traceback - 1)
-                )
-                if agent_traceback or line.startswith("torch.distributed.elastic"):
-                    continue
-            with lock:
-                out.write(f"[node-{self.rank}] {line}\n")
-                out.flush()
+    def _copy(self, stream, shown: bool) -> None:
+        for line in stream:
+            with self._lock:
+                if not self._log.closed:  # a straggler after close() is dropped, not raised
+                    self._log.write(line)
+            if shown and self.screen is not None and not self.quiet.is_set():
+                self.screen.line(line.rstrip("\n"))
 
     def stop(self, sig: int) -> None:
+        self.quiet.set()
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
                 os.killpg(self.proc.pid, sig)
 
-    def error(self) -> list[str]:
-        """Why this node failed: the trainer's error (or the rank's traceback tail), then
-        which rank failed with which exit code, from torchrun's summary."""
-        lines = list(self.lines)
-        found, own = False, []
-        for line in lines:
-            if line.startswith("error:"):
-                found = True
-            elif not line.startswith("  "):
-                found = False
-            if found:
-                own.append(line)
-        if not own:
-            own = [line for line in lines if line.startswith("[rank")][-8:]
-        summary = [
-            line.strip()
-            for line in lines
-            if re.match(r"^\s+(rank|exitcode|traceback)\s+:", line) and "To enable" not in line
-        ]
-        return (own + summary[:3]) or lines[-12:]
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.join(timeout=5)
+        with self._lock:
+            self._log.close()
+
+    def outcome(self) -> failure.NodeOutcome:
+        termination = self.log_path.with_suffix(".termination")
+        try:
+            record = contract.parse(termination.read_text())
+        except OSError:
+            record = None  # killed, or crashed below Python: the log says what it can
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        start = max((i for i, x in enumerate(lines) if x.startswith("--- ftjob run,")), default=0)
+        return failure.NodeOutcome(
+            self.rank, self.proc.returncode, record, lines[start:], str(self.log_path)
+        )
 
 
 def run(job_file: str, workdir: str | None = None, out=None) -> int:
@@ -121,9 +121,14 @@ def run(job_file: str, workdir: str | None = None, out=None) -> int:
         for err in e.errors:
             print(f"  {err}", file=sys.stderr)
         return EXIT_FAILED
+    refusal = _missing_gpus(spec)
+    if refusal:
+        print(f"ftjob run: {job_file}: {refusal}", file=out, flush=True)
+        return EXIT_FAILED
 
     job_dir = Path(workdir or Path.cwd() / "runs" / name).resolve()
-    job_dir.mkdir(parents=True, exist_ok=True)
+    logs = job_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     (job_dir / "tmp").mkdir(exist_ok=True)
     spec_file = job_dir / "spec.json"
     rendered = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}}
@@ -133,49 +138,89 @@ def run(job_file: str, workdir: str | None = None, out=None) -> int:
     port, attempt = free_port(), int(time.time())
     print(
         f"ftjob run: {name}: {r.nodes} node(s) x {r.nproc_per_node} process(es) on this "
-        f"machine, job folder {job_dir}",
+        f"machine, job folder {job_dir}, logs in {logs}",
         file=out,
         flush=True,
     )
-    lock, nodes = threading.Lock(), []
+    nodes: list[Node] = []
     # `kill` or a CI timeout (SIGTERM) stops the gang the same way as Ctrl-C.
     previous = signal.signal(signal.SIGTERM, _interrupt)
+    screen = Screen(out, job_dir / "progress.json", since=time.time())
     try:
-        for rank in range(r.nodes):
-            cmd = launch.node_command(
-                spec,
-                name,
-                rank,
-                "127.0.0.1",
-                f"{name}-{attempt}",
-                str(spec_file),
-                master_port=port,
-                job_folder=str(job_dir),
-                source_root=str(Path(job_file).resolve().parent),
-            )
-            env = {**os.environ, **cmd.env, **_local_env(spec, rank, job_dir)}
-            argv = [sys.executable, *cmd.argv[1:]]  # this Python, with ftjob installed
-            nodes.append(Node(rank, argv, env, out, lock))
-        failed = _wait(nodes)
+        with screen:
+            for rank in range(r.nodes):
+                cmd = launch.node_command(
+                    spec,
+                    name,
+                    rank,
+                    "127.0.0.1",
+                    f"{name}-{attempt}",
+                    str(spec_file),
+                    master_port=port,
+                    job_folder=str(job_dir),
+                    source_root=str(Path(job_file).resolve().parent),
+                )
+                termination = logs / f"node-{rank}.termination"
+                termination.unlink(missing_ok=True)  # a previous run's record says nothing now
+                env = {**os.environ, **cmd.env, **_local_env(spec, rank, job_dir)}
+                env["FTJOB_TERMINATION_LOG"] = str(termination)
+                argv = [sys.executable, *cmd.argv[1:]]  # this Python, with ftjob installed
+                nodes.append(Node(rank, argv, env, logs / f"node-{rank}.log", screen))
+            first = _wait(nodes, screen)
     except KeyboardInterrupt:
-        print("\nftjob run: interrupted; stopping every process", file=out, flush=True)
+        _stop(nodes)
+        print(
+            "ftjob run: interrupted; every process stopped. Run the same command again to "
+            f"resume from {_newest_checkpoint(job_dir)}",
+            file=out,
+            flush=True,
+        )
         return EXIT_INTERRUPTED
     finally:
         _stop(nodes)  # no-op for processes that have ended; never leaves orphans
         signal.signal(signal.SIGTERM, previous)
-    if failed is not None:
-        code = failed.proc.returncode
-        print(f"ftjob run: node {failed.rank} failed (exit code {code}):", file=out)
-        for line in failed.error():
-            print(f"  {line}", file=out)
-        print(f"ftjob run: once fixed, run it again: it resumes from the newest checkpoint in "
-              f"{job_dir / 'checkpoints'}", file=out, flush=True)  # fmt: skip
+    if first is not None:
+        # The first node to fail leads, so that a tie between unnamed causes goes to it.
+        ordered = [first, *(n for n in nodes if n is not first)]
+        for line in _describe(failure.summarize([n.outcome() for n in ordered])):
+            print(line, file=out)
+        print(f"ftjob run: once fixed, run it again: it resumes from "
+              f"{_newest_checkpoint(job_dir)}", file=out, flush=True)  # fmt: skip
         return EXIT_FAILED
-    for node in nodes:
-        node.reader.join(timeout=5)
     export = _export_path(job_dir)
     print(f"ftjob run: done; the exported model is in {export}", file=out, flush=True)
     return EXIT_OK
+
+
+def _describe(summary: failure.Summary) -> list[str]:
+    """The failure, most important first: the headline, its details, the fix, the log."""
+    lines = [f"ftjob run: {summary.headline()}"]
+    lines += [f"  {x}" for x in summary.details]
+    if summary.fix:
+        lines.append(f"  fix: {summary.fix}")
+    lines.append(f"  full log: {summary.log}")
+    return lines
+
+
+def _missing_gpus(spec) -> str | None:
+    """Why this machine cannot run a GPU job (None if it can), said before any process starts."""
+    r = spec.resources
+    if not r.gpus_per_node:
+        return None
+    import torch  # only GPU jobs pay for the import
+
+    need, have = r.nodes * r.gpus_per_node, torch.cuda.device_count()
+    if have >= need:
+        return None
+    # The CPU variant must pass the spec's rules too: name what else it has to change.
+    cpu = dataclasses.replace(spec, resources=dataclasses.replace(r, gpus_per_node=0))
+    also = sorted({e.path.removeprefix("spec.") for e in check_rules(cpu, "spec")})
+    then = f" (then also change {', '.join(also)})" if also else ""
+    return (
+        f"needs {need} GPUs (resources.nodes {r.nodes} x resources.gpusPerNode "
+        f"{r.gpus_per_node}) but this machine has {have}; run it on a cluster "
+        f"(kubectl apply -f), or on CPU with resources.gpusPerNode: 0{then}"
+    )
 
 
 def _interrupt(signum, frame):
@@ -197,8 +242,8 @@ def _local_env(spec, rank: int, job_dir: Path) -> dict[str, str]:
     return env
 
 
-def _wait(nodes: list[Node]) -> Node | None:
-    """Wait until all nodes succeed (None) or one fails (that node)."""
+def _wait(nodes: list[Node], screen: Screen) -> Node | None:
+    """Wait until all nodes succeed (None) or one fails (that node); move the bar meanwhile."""
     while True:
         codes = [n.proc.poll() for n in nodes]
         for node, code in zip(nodes, codes, strict=True):
@@ -206,6 +251,7 @@ def _wait(nodes: list[Node]) -> Node | None:
                 return node
         if all(code == 0 for code in codes):
             return None
+        screen.poll()
         time.sleep(0.2)
 
 
@@ -220,7 +266,20 @@ def _stop(nodes: list[Node]) -> None:
             node.stop(signal.SIGKILL)
             node.proc.wait()
     for node in nodes:
-        node.reader.join(timeout=5)
+        node.close()
+
+
+def _newest_checkpoint(job_dir: Path) -> str:
+    """Where a rerun resumes, as rank 0 last reported it (the trainer decides on the rerun)."""
+    root = job_dir / "checkpoints"
+    try:
+        snap = json.loads((job_dir / "progress.json").read_text())
+    except (OSError, ValueError):
+        snap = {}
+    last = snap.get("lastCheckpoint")
+    if last and Path(last).is_dir():
+        return f"the newest checkpoint in {root} (step {snap.get('lastCheckpointStep')})"
+    return f"the newest checkpoint in {root}, if any (else from the start)"
 
 
 def _export_path(job_dir: Path) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from ftjob.hardware import GIB, GPUS, node_bandwidth
 from ftjob.modelshape import ModelShape, flops_per_token, shape_for
-from ftjob.schema import quantity
+from ftjob.schema import check_rules, quantity
 from ftjob.spec import FineTuneJobSpec, QuantizationSpec
 
 FP32 = 4
@@ -264,6 +264,7 @@ class Plan:
     shape: ModelShape
     estimate: Estimate
     options: list[Option]
+    on_gpus: bool = True  # what the advice may name: gpuType only for a GPU job
 
     @property
     def fits(self) -> bool | None:
@@ -329,6 +330,8 @@ def plan(spec: FineTuneJobSpec, shape: ModelShape, max_options: int = 3) -> Plan
         labels: list[str] = []
         for label, change in _candidates(spec):
             single = _apply(spec, change)
+            if check_rules(single, "spec"):
+                continue  # advice must be a job the API server accepts
             est = estimate(single, shape)
             if est.fits:
                 options.append(Option(label, single, est))
@@ -338,11 +341,13 @@ def plan(spec: FineTuneJobSpec, shape: ModelShape, max_options: int = 3) -> Plan
                 labels.append(label.split(" (")[0])
                 stacked = _apply(spec, cumulative)
                 est = estimate(stacked, shape)
-                if est.fits and len(labels) > 1:
+                if est.fits and len(labels) > 1 and not check_rules(stacked, "spec"):
                     options.append(Option(" + ".join(labels), stacked, est))
             if len(options) >= max_options:
                 break
-    return Plan(shape=shape, estimate=base, options=options)
+    return Plan(
+        shape=shape, estimate=base, options=options, on_gpus=spec.resources.gpus_per_node > 0
+    )
 
 
 def _apply(spec: FineTuneJobSpec, change: dict) -> FineTuneJobSpec:
@@ -376,32 +381,46 @@ def _duration(seconds: float) -> str:
 
 
 def describe(spec: FineTuneJobSpec, result: Plan) -> list[str]:
-    """The plan as lines a person reads top to bottom."""
+    """The plan as lines a person reads top to bottom: a label column, then the numbers."""
     e, s, r = result.estimate, result.shape, spec.resources
     device = r.gpu_type or ("CPU process" if not r.gpus_per_node else "GPU (gpuType unset)")
-    lines = [
-        f"model        {s.name}: {_count(s.params)} parameters, {s.layers} layers, hidden "
-        f"{s.hidden}; trainable {_count(e.trainable)} ({spec.method.type})",
-        f"shape        {r.nodes} node(s) x {r.nproc_per_node} x {device}, "
-        + ", ".join(e.notes)
-        + f", {spec.compute_precision()}"
-        + (", activation checkpointing" if spec.training.activation_checkpointing else ""),
-        f"{'per GPU' if r.gpus_per_node else 'per process'}  weights {_gib(e.weights)} + gradients "
-        f"{_gib(e.gradients)} + optimizer {_gib(e.optimizer)} + activations "
-        f"{_gib(e.activations)} + temporaries {_gib(e.temporaries)} + reserved "
-        f"{_gib(e.reserved)} = {_gib(e.per_device)}"
-        + (f" of {_gib(e.device_bytes)}" if e.device_bytes else ""),
-        f"CPU memory   {_gib(e.cpu_peak_per_node)} per pod at most: loading "
-        + (
-            f"{_gib(e.load_cpu_node0)} per node (every rank reads the 4-bit base)"
-            if spec.method.type == "qlora"
-            else f"{_gib(e.load_cpu_node0)} on node 0 (rank-0 loading; if every rank read the "
-            f"weights: {_gib(e.load_cpu_every_rank)})"
-        )
-        + f", steady {_gib(e.cpu_per_node)} per node"
-        + (f", of {_gib(e.pod_memory)} (resources.memory)" if e.pod_memory else ""),
-        f"checkpoint   {_gib(e.checkpoint_bytes)} each on the volume "
-        f"(x keep {spec.checkpoint.keep} = {_gib(e.checkpoint_bytes * spec.checkpoint.keep)})",
+    rows = [
+        (
+            "model",
+            f"{s.name}: {_count(s.params)} parameters, {s.layers} layers, hidden "
+            f"{s.hidden}; trainable {_count(e.trainable)} ({spec.method.type})",
+        ),
+        (
+            "shape",
+            f"{r.nodes} node(s) x {r.nproc_per_node} x {device}, "
+            + ", ".join(e.notes)
+            + f", {spec.compute_precision()}"
+            + (", activation checkpointing" if spec.training.activation_checkpointing else ""),
+        ),
+        (
+            "per GPU" if r.gpus_per_node else "per process",
+            f"weights {_gib(e.weights)} + gradients {_gib(e.gradients)} + optimizer "
+            f"{_gib(e.optimizer)} + activations {_gib(e.activations)} + temporaries "
+            f"{_gib(e.temporaries)} + reserved {_gib(e.reserved)} = {_gib(e.per_device)}"
+            + (f" of {_gib(e.device_bytes)}" if e.device_bytes else ""),
+        ),
+        (
+            "CPU memory",
+            f"{_gib(e.cpu_peak_per_node)} per pod at most: loading "
+            + (
+                f"{_gib(e.load_cpu_node0)} per node (every rank reads the 4-bit base)"
+                if spec.method.type == "qlora"
+                else f"{_gib(e.load_cpu_node0)} on node 0 (rank-0 loading; if every rank read "
+                f"the weights: {_gib(e.load_cpu_every_rank)})"
+            )
+            + f", steady {_gib(e.cpu_per_node)} per node"
+            + (f", of {_gib(e.pod_memory)} (resources.memory)" if e.pod_memory else ""),
+        ),
+        (
+            "checkpoint",
+            f"{_gib(e.checkpoint_bytes)} each on the volume "
+            f"(x keep {spec.checkpoint.keep} = {_gib(e.checkpoint_bytes * spec.checkpoint.keep)})",
+        ),
     ]
     tokens = spec.tokens_per_step
     if e.step_seconds is not None:
@@ -411,30 +430,40 @@ def describe(spec: FineTuneJobSpec, result: Plan) -> list[str]:
         mfu = ASSUMED_MFU[spec.method.type] * (
             OFFLOAD_SLOWDOWN if spec.parallelism.cpu_offload else 1
         )
-        lines.append(
-            f"throughput   {tokens:,} tokens/step, ~{_duration(e.step_seconds)}/step at "
-            f"{mfu:.0%} MFU{total}"
-        )
-    else:
-        lines.append(f"throughput   {tokens:,} tokens/step (set resources.gpuType for time)")
-    if r.nodes > 1:
-        bw = node_bandwidth(spec.network.fabric, r.gpus_per_node, spec.network.efa_devices_per_node)
-        lines.append(
-            f"network      {_gib(e.network_bytes_per_node)} per node per step over "
-            f"{spec.network.fabric} ({bw / 1e9:.0f} GB/s): {_duration(e.network_seconds)} if "
-            "not overlapped with compute"
-        )
-    lines.append("verdict      " + verdict_text(result))
-    for option in result.options:
-        lines.append(
-            f"  fits with  {option.change}: {_gib(option.estimate.per_device)} per GPU"
-            + (
-                f", ~{_duration(option.estimate.step_seconds)}/step"
-                if option.estimate.step_seconds
-                else ""
+        rows.append(
+            (
+                "throughput",
+                f"{tokens:,} tokens/step, ~{_duration(e.step_seconds)}/step at {mfu:.0%} MFU"
+                + total,
             )
         )
-    return lines
+    elif r.gpus_per_node:
+        rows.append(("throughput", f"{tokens:,} tokens/step (set resources.gpuType for time)"))
+    else:
+        rows.append(("throughput", f"{tokens:,} tokens/step (no time estimate on CPU)"))
+    if r.nodes > 1:
+        bw = node_bandwidth(spec.network.fabric, r.gpus_per_node, spec.network.efa_devices_per_node)
+        rows.append(
+            (
+                "network",
+                f"{_gib(e.network_bytes_per_node)} per node per step over "
+                f"{spec.network.fabric} ({bw / 1e9:.0f} GB/s): {_duration(e.network_seconds)} if "
+                "not overlapped with compute",
+            )
+        )
+    rows.append(("verdict", verdict_text(result)))
+    unit = "GPU" if r.gpus_per_node else "process"
+    for option in result.options:
+        step = option.estimate.step_seconds
+        rows.append(
+            (
+                "  fits with",
+                f"{option.change}: {_gib(option.estimate.per_device)} per {unit}"
+                + (f", ~{_duration(step)}/step" if step else ""),
+            )
+        )
+    width = max(len(label) for label, _ in rows) + 2
+    return [f"{label:<{width}}{text}" for label, text in rows]
 
 
 def verdict_text(result: Plan) -> str:
@@ -448,6 +477,8 @@ def verdict_text(result: Plan) -> str:
         if e.fits_pod and e.load_cpu_every_rank > e.pod_memory:
             found.append("only because rank 0 alone reads the weights")
     if e.fits is None:
+        if not result.on_gpus:  # gpuType is for GPU jobs only (a CRD rule)
+            return "not checked: set resources.memory to check the CPU memory"
         return "not checked: set resources.gpuType (and resources.memory) to check the fit"
     if e.fits:
         tight = e.fits_device and e.per_device > TIGHT * e.device_bytes

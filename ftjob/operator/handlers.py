@@ -23,7 +23,7 @@ import kopf
 from aiohttp import web
 
 from ftjob import validation
-from ftjob.operator import lifecycle, render, status
+from ftjob.operator import lifecycle, metrics, render, status
 from ftjob.operator.kube import Kube, error_text
 from ftjob.schema import SpecError
 from ftjob.spec import GROUP, PLURAL, VERSION
@@ -39,7 +39,6 @@ POD_SELECTOR = {"app.kubernetes.io/managed-by": render.MANAGER}
 RECONCILE_CONCURRENCY = int(os.environ.get("FTJOB_RECONCILE_CONCURRENCY", "8"))
 
 WAKE: dict[tuple[str, str], asyncio.Event] = {}
-METRICS = {"phases": {}, "restarts": 0, "errors": 0, "latency_sum": 0.0, "latency_count": 0}
 _kube: Kube | None = None
 _slots: asyncio.Semaphore | None = None
 
@@ -101,13 +100,13 @@ async def job_daemon(name, namespace, body, stopped, job_pods: kopf.Index, logge
                 async with _slots:
                     delay = await _reconcile(name, namespace, body, job_pods, state, logger)
             except Exception as e:  # noqa: BLE001 - a failed reconcile is retried, not fatal
-                METRICS["errors"] += 1
+                metrics.RECONCILE_ERRORS.inc()
                 logger.warning(f"reconcile failed, retrying: {error_text(e)}")
                 delay = 1.0
             await _sleep(wake, max(min(delay or RESYNC, RESYNC), 0.05))
     finally:
         WAKE.pop(key, None)
-        METRICS["phases"].pop(key, None)
+        metrics.job_phase(key, None)
 
 
 async def _sleep(wake: asyncio.Event, seconds: float) -> None:
@@ -156,8 +155,8 @@ async def _reconcile(name, namespace, body, job_pods, state, logger) -> float | 
     for kind, reason, message in decision.events:
         kopf.event(body, type=kind, reason=reason, message=message)
     if new.get("restarts", 0) > old_status.get("restarts", 0):
-        METRICS["restarts"] += 1
-    METRICS["phases"][(namespace, name)] = decision.phase
+        metrics.GANG_RESTARTS.inc()
+    metrics.job_phase((namespace, name), decision.phase)
 
     if decision.create and spec is not None:
         uid, attempt = meta["uid"], new["attempt"]
@@ -173,8 +172,7 @@ async def _reconcile(name, namespace, body, job_pods, state, logger) -> float | 
     if decision.delete_job:
         logger.info("ttlSecondsAfterFinished passed: deleting the job")
         await asyncio.to_thread(kube().delete_job, namespace, name)
-    METRICS["latency_sum"] += time.monotonic() - started
-    METRICS["latency_count"] += 1
+    metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
     return decision.requeue_after
 
 
@@ -205,25 +203,4 @@ def _get_json(url: str) -> dict:
 
 
 async def _serve_metrics(request: web.Request) -> web.Response:
-    return web.Response(text=metrics_text(), content_type="text/plain")
-
-
-def metrics_text() -> str:
-    """Prometheus text format: jobs by phase, gang restarts, reconcile errors and latency."""
-    lines = ["# HELP ftjob_jobs FineTuneJobs by phase.", "# TYPE ftjob_jobs gauge"]
-    for phase in ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"):
-        count = sum(1 for p in METRICS["phases"].values() if p == phase)
-        lines.append(f'ftjob_jobs{{phase="{phase}"}} {count}')
-    lines += [
-        "# HELP ftjob_gang_restarts_total Gangs replaced after a failure or stall.",
-        "# TYPE ftjob_gang_restarts_total counter",
-        f"ftjob_gang_restarts_total {METRICS['restarts']}",
-        "# HELP ftjob_reconcile_errors_total Reconciles that failed and were retried.",
-        "# TYPE ftjob_reconcile_errors_total counter",
-        f"ftjob_reconcile_errors_total {METRICS['errors']}",
-        "# HELP ftjob_reconcile_seconds Time spent reconciling.",
-        "# TYPE ftjob_reconcile_seconds summary",
-        f"ftjob_reconcile_seconds_sum {METRICS['latency_sum']:.6f}",
-        f"ftjob_reconcile_seconds_count {METRICS['latency_count']}",
-    ]
-    return "\n".join(lines) + "\n"
+    return web.Response(body=metrics.text(), headers={"Content-Type": metrics.CONTENT_TYPE})

@@ -14,6 +14,7 @@ from typing import Any
 
 from kubernetes import client, config
 
+from ftjob.operator import metrics
 from ftjob.spec import GROUP, PLURAL, VERSION
 
 FIELD_MANAGER = "ftjob-operator"
@@ -31,6 +32,7 @@ class Kube:
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
 
+    @metrics.timed("create")
     def create(self, obj: dict[str, Any]) -> bool:
         """Create a namespaced core object; False if it already existed."""
         create = getattr(self.core, f"create_namespaced_{_KINDS[obj['kind']]}")
@@ -48,6 +50,7 @@ class Kube:
             raise
         return True
 
+    @metrics.timed("delete_pod")
     def delete_pod(self, namespace: str, name: str) -> bool:
         """Delete a pod (graceful); False if it was already gone."""
         try:
@@ -58,6 +61,7 @@ class Kube:
             raise
         return True
 
+    @metrics.timed("patch_status")
     def patch_status(self, namespace: str, name: str, changes: dict[str, Any]) -> dict:
         """Merge-patch ``.status`` through the status subresource; returns the new object."""
         return self.custom.patch_namespaced_custom_object_status(
@@ -71,6 +75,7 @@ class Kube:
             _content_type="application/merge-patch+json",
         )
 
+    @metrics.timed("delete_job")
     def delete_job(self, namespace: str, name: str) -> None:
         """Delete the job; its children follow by owner reference (garbage collection)."""
         try:

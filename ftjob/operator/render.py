@@ -45,7 +45,8 @@ EFA_RESOURCE = "vpc.amazonaws.com/efa"
 
 
 def labels(job: str, rank: int | None = None, attempt: int | None = None) -> dict[str, str]:
-    """DESIGN.md's labels; rank and attempt only where the child belongs to one."""
+    """The children's labels (docs/operator.md); rank and attempt only where the child
+    belongs to one."""
     out = {
         "app.kubernetes.io/name": "ftjob",
         "app.kubernetes.io/managed-by": MANAGER,

@@ -7,7 +7,8 @@ checkpoint's dtype; the caller shards the model (:mod:`ftjob.trainer.parallel`);
 70B model is thus read from disk once for the whole gang, not once per GPU.
 
 QLoRA is the exception: 4-bit weights are made while loading, on every rank, and stay whole
-(FSDP2 does not shard bitsandbytes' packed 4-bit tensors reliably, FINDINGS.md); only the
+(FSDP2 does not shard bitsandbytes' packed 4-bit tensors reliably: their quantization state
+is not a plain tensor that FSDP2 can split); only the
 adapters and the other trainable or full-precision tensors are sharded.
 """
 

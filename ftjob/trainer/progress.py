@@ -1,10 +1,10 @@
 """Training progress for people (log lines, a bar on a terminal) and for the operator (HTTP).
 
 Rank 0 keeps one :class:`Progress` and publishes the same snapshot three ways, as
-docs/progress.md specifies: ``GET /progress`` (JSON), ``GET /metrics`` (Prometheus text) on
-``network.progressPort`` (``FTJOB_PROGRESS_PORT`` overrides it; 0 picks a free port), and
-``FTJOB_JOB_DIR/progress.json`` (replaced atomically), plus one line per logged step in
-``FTJOB_JOB_DIR/progress.jsonl``.
+docs/progress.md specifies: ``GET /progress`` (JSON), ``GET /metrics`` (Prometheus,
+:mod:`ftjob.trainer.metrics`) on ``network.progressPort`` (``FTJOB_PROGRESS_PORT`` overrides
+it; 0 picks a free port), and ``FTJOB_JOB_DIR/progress.json`` (replaced atomically), plus
+one line per logged step in ``FTJOB_JOB_DIR/progress.jsonl``.
 """
 
 from __future__ import annotations
@@ -20,22 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from ftjob.hardware import GPUS, gpu_for_device_name
-
-# name, JSON field, help text (Prometheus gauges; JSON nulls are left out of /metrics)
-METRICS = [
-    ("ftjob_step", "step", "Optimizer steps completed."),
-    ("ftjob_total_steps", "totalSteps", "Optimizer steps the job will run."),
-    ("ftjob_epoch", "epoch", "Passes over the training data so far."),
-    ("ftjob_loss", "loss", "Training loss (mean over the tokens of the last step)."),
-    ("ftjob_eval_loss", "evalLoss", "Loss on the eval set at the last evaluation."),
-    ("ftjob_learning_rate", "learningRate", "Learning rate of the last step."),
-    ("ftjob_tokens_per_second", "tokensPerSecond", "Training tokens per second, all ranks."),
-    ("ftjob_tokens_total", "tokensSeen", "Training tokens processed by this attempt."),
-    ("ftjob_mfu_ratio", "mfu", "Model FLOPs utilisation (0-1); absent on CPU."),
-    ("ftjob_eta_seconds", "etaSeconds", "Estimated seconds until training ends."),
-    ("ftjob_last_checkpoint_step", "lastCheckpointStep", "Step of the newest checkpoint."),
-]
-PHASES = ["loading", "training", "checkpointing", "exporting", "succeeded", "failed"]
+from ftjob.trainer import metrics
 
 
 def peak_flops(device_name: str | None, gpu_type: str | None = None) -> float | None:
@@ -73,19 +58,6 @@ def _eta(seconds: float | None) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def prometheus(snapshot: dict) -> str:
-    """Prometheus text exposition of a snapshot."""
-    lines = []
-    for name, key, text in METRICS:
-        value = snapshot.get(key)
-        if value is None:
-            continue
-        lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {value}"]
-    lines += ["# HELP ftjob_phase 1 for the job's current phase.", "# TYPE ftjob_phase gauge"]
-    lines += [f'ftjob_phase{{phase="{p}"}} {int(snapshot.get("phase") == p)}' for p in PHASES]
-    return "\n".join(lines) + "\n"
-
-
 class Progress:
     """Rank 0's view of the run; other ranks get an instance that does nothing."""
 
@@ -120,6 +92,11 @@ class Progress:
         self._lock = threading.Lock()
         self._window = (time.perf_counter(), 0, 0)  # (time, tokens, step) at the last log
         self._server: ThreadingHTTPServer | None = None
+        self.metrics = metrics.TrainerMetrics(self._copy)
+
+    def _copy(self) -> dict:
+        with self._lock:
+            return dict(self.snapshot)
 
     # -------------------------------------------------------------------- publishing
 
@@ -131,12 +108,10 @@ class Progress:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - http.server's name
-                with progress._lock:
-                    snap = dict(progress.snapshot)
                 if self.path.startswith("/progress"):
-                    body, kind = json.dumps(snap).encode(), "application/json"
+                    body, kind = json.dumps(progress._copy()).encode(), "application/json"
                 elif self.path.startswith("/metrics"):
-                    body, kind = prometheus(snap).encode(), "text/plain; version=0.0.4"
+                    body, kind = progress.metrics.text(), metrics.CONTENT_TYPE
                 else:
                     self.send_error(404, "try /progress or /metrics")
                     return
@@ -191,10 +166,16 @@ class Progress:
         self._window = (time.perf_counter(), self.snapshot["tokensSeen"], step)
         self.update(phase="training", step=step)
 
-    def step(self, step: int, loss: float, lr: float, tokens: int, epoch: float, log: bool):
-        """Record one optimizer step (``tokens`` over all ranks); log it every logEvery."""
+    def step(
+        self, step: int, loss: float, lr: float, tokens: int, epoch: float, log: bool,
+        seconds: float | None = None,
+    ):  # fmt: skip
+        """Record one optimizer step (``tokens`` over all ranks, ``seconds`` it took); log it
+        every logEvery."""
         if not self.enabled:
             return
+        if seconds is not None:
+            self.metrics.step_seconds.observe(seconds)
         seen = self.snapshot["tokensSeen"] + tokens
         fields = {"step": step, "loss": loss, "learningRate": lr, "tokensSeen": seen}
         fields["epoch"] = round(epoch, 4)

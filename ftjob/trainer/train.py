@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+import time
 from pathlib import Path
 
 import torch
@@ -91,13 +92,15 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
 
     evaluated_at = None
     for step in range(start, total):
+        began = time.perf_counter()
         loss, tokens = _train_step(
             net, optimizer, weights, ds, sampler, step, d, t.max_grad_norm, ckpt.before_update
         )
         scheduler.step()
         done = step + 1
         lr = scheduler.get_last_lr()[0]
-        report.step(done, loss, lr, tokens, sampler.epoch(done), log=done % t.log_every == 0)
+        report.step(done, loss, lr, tokens, sampler.epoch(done), log=done % t.log_every == 0,
+                    seconds=time.perf_counter() - began)  # fmt: skip
         if ds.eval and t.eval_every and done % t.eval_every == 0:
             report.evaluated(done, evaluate(net, ds, d, t.micro_batch_size))
             evaluated_at = done
@@ -106,6 +109,8 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
             ckpt.save(net, optimizer, scheduler, done)
             path = checkpoint.folder(ckpt.root, done)
             report.update(phase="training", lastCheckpoint=str(path), lastCheckpointStep=done)
+            background = " (written in the background)" if spec.checkpoint.async_save else ""
+            report.log(f"checkpoint saved: step {done} in {path}{background}")
     ckpt.close()
     if ds.eval and evaluated_at != total:
         report.evaluated(total, evaluate(net, ds, d, t.micro_batch_size))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -228,7 +229,8 @@ def test_a_killed_rank_fails_the_run_with_its_error(killed):
     _, code, out, killed_at, _, _ = killed
     assert killed_at < 30
     assert code == 1
-    assert "ftjob run: node " in out and " failed (exit code " in out
+    # The rank killed from outside leaves no record: its log's exit code says what happened.
+    assert re.search(r"ftjob run: node 1 \(rank 1\) failed: killed \(SIGKILL\)", out), out
     assert "run it again: it resumes from the newest checkpoint" in out
 
 
@@ -369,7 +371,7 @@ def test_ctrl_c_stops_every_process(runs):
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out
-    assert "interrupted; stopping every process" in out
+    assert "interrupted; every process stopped" in out
     assert rank_pid(workdir, 0) is None and rank_pid(workdir, 1) is None
 
 

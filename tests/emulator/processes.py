@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -32,7 +31,6 @@ class ProcessKubelet:
         self.stopping: dict[str, float] = {}
         self.ports: dict[str, int] = {}  # rendezvous id -> node 0's port on 127.0.0.1
         self.termination_logs: dict[str, Path] = {}  # pod uid -> its terminationMessagePath
-        self.lock = threading.Lock()
 
     def tick(self) -> None:
         for pod in self.api.objects("pods"):
@@ -93,16 +91,16 @@ class ProcessKubelet:
         # The container's terminationMessagePath, as a local file read back at exit.
         env["FTJOB_TERMINATION_LOG"] = str(folder / "termination-log")
         self.termination_logs[meta["uid"]] = folder / "termination-log"
-        log = open(folder / "log.txt", "w")  # noqa: SIM115 - closed with the process
         rank = int(meta["labels"][render.LABEL_RANK])
-        return Node(rank, argv, env, log, self.lock)
+        return Node(rank, argv, env, folder / "log.txt", screen=None)
 
     def _termination_message(self, uid: str, node: Node, code: int) -> str:
         """The file the container wrote, else (on failure) its last log lines."""
         written = self.termination_logs[uid]
         if written.is_file() and written.read_text():
             return written.read_text()[:4096]
-        return "\n".join(list(node.lines)[-80:])[-2048:] if code else ""
+        lines = node.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-80:])[-2048:] if code else ""
 
     def _local(self, value: str) -> str:
         """A path on the pod's shared volume -> the local folder standing in for it."""

@@ -1,5 +1,7 @@
 """The ftjob command line, run as a user runs it: a real process, its output and exit code."""
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,7 +75,83 @@ def test_crd_command_prints_the_committed_crd():
     assert result.stdout == (ROOT / "manifests" / "crd.yaml").read_text()
 
 
-@pytest.mark.parametrize("command", ["validate", "render", "crd"])
+@pytest.mark.parametrize("command", ["validate", "render", "plan", "run", "crd"])
 def test_every_command_has_help(command):
     result = ftjob(command, "--help")
     assert result.returncode == 0 and "usage: ftjob" in result.stdout
+
+
+# ------------------------------------------------------------------ -o json|yaml (docs/cli.md)
+
+
+def test_validate_json_lists_every_document_with_its_field_errors():
+    result = ftjob("validate", "-o", "json", ROOT / "examples" / "tiny.yaml",
+                   CORPUS / "rule-full-with-lora.yaml")  # fmt: skip
+    assert result.returncode == 1 and result.stderr == ""
+    doc = json.loads(result.stdout)
+    assert (doc["kind"], doc["valid"]) == ("ValidationList", False)
+    tiny, bad = doc["items"]
+    assert tiny["valid"] and tiny["name"] == "tiny" and tiny["errors"] == []
+    assert tiny["summary"].startswith("full, 2 nodes")
+    assert not bad["valid"] and bad["summary"] is None
+    assert {"field": "spec.method.lora", "message": bad["errors"][0]["message"]} in bad["errors"]
+    assert bad["serverErrors"][0]["field"] == "spec.method.lora"
+
+
+def test_validate_yaml_is_the_same_document():
+    as_json = json.loads(ftjob("validate", "-o", "json", ROOT / "examples" / "tiny.yaml").stdout)
+    result = ftjob("validate", "-o", "yaml", ROOT / "examples" / "tiny.yaml")
+    assert result.returncode == 0
+    assert yaml.safe_load(result.stdout) == as_json
+
+
+def test_plan_takes_several_files_and_prints_json():
+    files = [ROOT / "examples" / "tiny.yaml", ROOT / "examples" / "llama31-70b-qlora.yaml"]
+    text = ftjob("plan", *files)
+    assert text.returncode == 1  # the 70B QLoRA job will not fit on 24 GB GPUs
+    assert text.stdout.count(": FineTuneJob ") == 2
+    result = ftjob("plan", "-o", "json", *files)
+    assert result.returncode == 1
+    tiny, qlora = json.loads(result.stdout)["items"]
+    assert tiny["fits"] is None and tiny["stepSeconds"] is None
+    assert tiny["model"]["parameters"] == 223_552 and tiny["perDevice"]["deviceBytes"] is None
+    assert qlora["fits"] is False and qlora["verdict"].startswith("WILL NOT FIT")
+    assert qlora["perDevice"]["totalBytes"] > qlora["perDevice"]["deviceBytes"] == 24 * 2**30
+    assert qlora["options"] and all(o["perDeviceBytes"] > 0 for o in qlora["options"])
+
+
+def value_columns(text: str) -> set[int]:
+    """Where each row's value starts, after its label ("model", "per GPU", "fits with")."""
+    rows = text.splitlines()[1:]
+    return {len(re.match(r"^( +\S+(?: \S+)* {2,})", row)[1]) for row in rows}
+
+
+def test_plan_of_a_cpu_job_is_an_aligned_table_without_gpu_advice():
+    result = ftjob("plan", ROOT / "examples" / "tiny.yaml")
+    assert result.returncode == 0
+    assert "per process" in result.stdout and "gpuType" not in result.stdout
+    assert len(value_columns(result.stdout)) == 1, result.stdout
+
+
+def test_plan_of_a_gpu_job_is_aligned_too():
+    result = ftjob("plan", ROOT / "examples" / "llama31-70b-qlora.yaml")
+    assert "per GPU" in result.stdout and "fits with" in result.stdout
+    assert len(value_columns(result.stdout)) == 1, result.stdout
+
+
+def test_render_json_is_a_list_kubectl_can_apply():
+    result = ftjob("render", "-o", "json", "--children", ROOT / "examples" / "tiny.yaml")
+    assert result.returncode == 0
+    doc = json.loads(result.stdout)
+    assert (doc["apiVersion"], doc["kind"]) == ("v1", "List")
+    kinds = [item["kind"] for item in doc["items"]]
+    assert kinds[0] == "FineTuneJob" and kinds.count("Pod") == 2
+    assert {"ConfigMap", "Service"} <= set(kinds)
+    as_yaml = yaml.safe_load(ftjob("render", "-o", "yaml", "--children",
+                                   ROOT / "examples" / "tiny.yaml").stdout)  # fmt: skip
+    assert as_yaml == doc
+
+
+def test_an_unknown_output_format_is_a_usage_error():
+    result = ftjob("plan", "-o", "xml", ROOT / "examples" / "tiny.yaml")
+    assert result.returncode == 2 and "invalid choice: 'xml'" in result.stderr

@@ -1,4 +1,4 @@
-"""Lint, format and the layering contracts (DESIGN.md's house rules) are part of the tests."""
+"""Lint, format and the layering contracts (import-linter, pyproject.toml) are tests too."""
 
 import shutil
 import subprocess

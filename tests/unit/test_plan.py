@@ -1,5 +1,6 @@
 """The planner: model shapes, the seeds' verdicts, and the changes it proposes."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 from ftjob import manifest, plan
 from ftjob.hardware import GIB
 from ftjob.modelshape import ModelShape, known_model, shape_for
-from ftjob.schema import quantity
+from ftjob.schema import check_rules, quantity
 from ftjob.spec import parse_resource
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,3 +189,35 @@ def test_async_save_adds_a_staging_copy_of_each_process_share_to_cpu_memory():
     per_node = sync.resources.nproc_per_node
     assert b.cpu_per_node - a.cpu_per_node == pytest.approx(per_node * share)
     assert any("asyncSave keeps a" in n for n in b.notes)
+
+
+def test_advice_is_always_a_job_the_rules_accept():
+    """70B full on one node of 8 x A100-80GB does not fit; two nodes do (the seed). Without a
+    shared checkpoint.volume, more nodes would break a rule (nodes > 1 needs one), so that
+    change is not advised; whatever is advised passes every rule."""
+    one_node = example("llama2-70b-full.yaml", **{"resources.nodes": 1})
+    shape = known_model(one_node.model.source)
+    offered = plan.plan(one_node, shape, max_options=20)
+    assert offered.fits is False
+    assert any(o.change.startswith("nodes: 2") for o in offered.options)
+
+    (doc,) = manifest.load(ROOT / "examples" / "llama2-70b-full.yaml")
+    doc["spec"]["resources"]["nodes"] = 1
+    del doc["spec"]["checkpoint"]["volume"]
+    no_volume = parse_resource(doc)[1]
+    result = plan.plan(no_volume, shape, max_options=20)
+    assert result.fits is False
+    assert not any(o.change.startswith("nodes:") for o in result.options)
+    assert all(check_rules(o.spec, "spec") == [] for o in result.options)
+
+
+def test_a_cpu_plan_never_advises_gpu_type():
+    """gpuType is forbidden when gpusPerNode is 0 (a rule): a CPU plan names only memory."""
+    config = json.loads((ROOT / "examples" / "tiny-model" / "config.json").read_text())
+    for memory in (None, "64Mi"):  # unchecked, then too small
+        spec = example("tiny.yaml", **({"resources.memory": memory} if memory else {}))
+        result = plan.plan(spec, shape_for(spec.model.source, config), max_options=20)
+        text = "\n".join(plan.describe(spec, result))
+        assert "gpuType" not in text, text
+    assert result.fits is False and "64.0 MiB (resources.memory)" in text
+    assert all(check_rules(o.spec, "spec") == [] for o in result.options)

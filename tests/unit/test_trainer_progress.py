@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from ftjob.modelshape import flops_per_token
-from ftjob.trainer import checkpoint, progress
+from ftjob.trainer import checkpoint, metrics, progress
 
 
 def test_flops_count_frozen_base_weights_without_weight_gradients():
@@ -31,11 +31,12 @@ def test_peak_flops_by_device_name():
 
 
 def test_prometheus_text_leaves_out_unknown_values():
-    text = progress.prometheus({"phase": "training", "step": 3, "loss": 2.5, "mfu": None})
-    assert "ftjob_step 3\n" in text and "ftjob_loss 2.5\n" in text
+    snapshot = {"phase": "training", "step": 3, "loss": 2.5, "mfu": None}
+    text = metrics.TrainerMetrics(lambda: snapshot).text().decode()
+    assert "ftjob_step 3.0\n" in text and "ftjob_loss 2.5\n" in text
     assert "ftjob_mfu_ratio" not in text
-    assert 'ftjob_phase{phase="training"} 1' in text
-    assert 'ftjob_phase{phase="exporting"} 0' in text
+    assert 'ftjob_phase{phase="training"} 1.0' in text
+    assert 'ftjob_phase{phase="exporting"} 0.0' in text
     assert "# TYPE ftjob_step gauge" in text
 
 
@@ -55,19 +56,26 @@ def get(report, path: str) -> str:
 
 def test_progress_is_served_as_json_and_prometheus_and_written_to_file(report, tmp_path):
     report.begin(0)
-    report.step(1, loss=3.0, lr=1e-3, tokens=1000, epoch=0.1, log=True)
-    report.evaluated(1, 2.75)
+    report.step(1, loss=3.0, lr=1e-3, tokens=1000, epoch=0.1, log=True, seconds=0.3)
+    report.step(2, loss=2.9, lr=1e-3, tokens=1000, epoch=0.2, log=False, seconds=7.0)
+    report.evaluated(2, 2.75)
     served = json.loads(get(report, "/progress"))
-    assert (served["step"], served["totalSteps"], served["loss"]) == (1, 10, 3.0)
+    assert (served["step"], served["totalSteps"], served["loss"]) == (2, 10, 2.9)
     assert served["evalLoss"] == 2.75 and served["phase"] == "training"
     assert served["tokensPerSecond"] > 0 and served["etaSeconds"] >= 0
     # tokens/s x 100 FLOPs per token / (1e6 FLOP/s peak x 2 ranks)
     assert served["mfu"] == pytest.approx(served["tokensPerSecond"] * 100 / 2e6, abs=1e-4)
-    assert "ftjob_eval_loss 2.75" in get(report, "/metrics")
+    scraped = get(report, "/metrics")
+    assert "ftjob_eval_loss 2.75" in scraped
+    # Step time is a histogram: one step under half a second, one between 5 and 10.
+    assert 'ftjob_step_seconds_bucket{le="0.5"} 1.0' in scraped
+    assert 'ftjob_step_seconds_bucket{le="5.0"} 1.0' in scraped
+    assert 'ftjob_step_seconds_bucket{le="10.0"} 2.0' in scraped
+    assert "ftjob_step_seconds_sum 7.3" in scraped
     on_disk = json.loads((tmp_path / "progress.json").read_text())
-    assert on_disk["step"] == 1 and on_disk["evalLoss"] == 2.75
+    assert on_disk["step"] == 2 and on_disk["evalLoss"] == 2.75
     events = [json.loads(line)["event"] for line in (tmp_path / "progress.jsonl").open()]
-    assert events == ["step", "eval"]
+    assert events == ["step", "eval"]  # step 2 was not a logged step
 
 
 def test_other_ranks_publish_nothing(tmp_path):

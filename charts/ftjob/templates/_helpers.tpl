@@ -20,7 +20,7 @@
 
 {{/*
 Selector labels. component=operator keeps the operator's selector from matching trainer
-pods, which carry app.kubernetes.io/name=ftjob too (DESIGN.md's child labels).
+pods, which carry app.kubernetes.io/name=ftjob too (the children's labels, docs/operator.md).
 */}}
 {{- define "ftjob.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "ftjob.name" . }}
