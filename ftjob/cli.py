@@ -147,7 +147,7 @@ def cmd_crd(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from ftjob import local  # starts processes; kept out of the other commands' imports
 
-    return local.run(args.file, args.workdir)
+    return local.run(args.file, args.workdir, restart=args.restart)
 
 
 def cmd_operator(args: argparse.Namespace) -> int:
@@ -234,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="the job's folder: checkpoints, progress and the exported model "
         "(default: runs/<job name> in the current directory)",
+    )
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="start over: move the job folder's earlier run aside (to <folder>.old-<time>, "
+        "nothing is deleted) and train from step 0",
     )
     p.set_defaults(func=cmd_run)
 

@@ -22,6 +22,7 @@ from ftjob.schema import quantity
 from ftjob.spec import FineTuneJobSpec, SecretKeyRef
 
 VOLUME_MOUNT = "/ftjob"  # where pods mount checkpoint.volume
+HUB_DIR = "hub"  # the Hugging Face cache inside the job's folder
 # NCCL's bootstrap traffic: any interface but loopback and container bridges.
 DEFAULT_SOCKET_IFNAME = "^lo,docker"
 TRAINER = ["python", "-m", "torch.distributed.run", "-m", "ftjob.trainer", "--spec"]
@@ -37,9 +38,19 @@ class NodeCommand:
     secret_env: dict[str, SecretKeyRef] = field(default_factory=dict)
 
 
-def job_dir(spec: FineTuneJobSpec, name: str, mount: str = VOLUME_MOUNT) -> str:
-    """The job's folder on the shared volume: checkpoints, progress, exported model."""
-    return f"{mount.rstrip('/')}/{spec.checkpoint.path or name}"
+def job_folder_name(spec: FineTuneJobSpec, name: str, uid: str = "") -> str:
+    """The job's folder, relative to the volume: ``checkpoint.path`` when the user chose one,
+    else ``<name>-<uid8>``. A name is not an identity: a job deleted and created again with the
+    same name has a new UID, and so a new, empty folder (``checkpoint.resumeFrom`` seeds it
+    from an older one on request)."""
+    if spec.checkpoint.path:
+        return spec.checkpoint.path
+    return f"{name}-{uid[:8]}" if uid else name
+
+
+def job_dir(spec: FineTuneJobSpec, name: str, mount: str = VOLUME_MOUNT, uid: str = "") -> str:
+    """The job's folder on the shared volume: checkpoints, progress, caches, exported model."""
+    return f"{mount.rstrip('/')}/{job_folder_name(spec, name, uid)}"
 
 
 def node_command(
@@ -62,6 +73,7 @@ def node_command(
     model and dataset sources are read) to the volume.
     """
     r, net = spec.resources, spec.network
+    folder = job_folder or job_dir(spec, name)
     if not 0 <= node_rank < r.nodes:
         raise ValueError(f"node_rank {node_rank} is outside 0..{r.nodes - 1}")
     env = {
@@ -75,7 +87,11 @@ def node_command(
         # not one node, because every rank's shards are needed to go on.
         "PET_RDZV_BACKEND": "static",
         "PET_MAX_RESTARTS": "0",
-        "FTJOB_JOB_DIR": job_folder or job_dir(spec, name),
+        "FTJOB_JOB_DIR": folder,
+        # Model and dataset downloads land in the job's folder on the shared volume: fetched
+        # once (by global rank 0), read from there by every restarted gang. A job's env may
+        # point HF_HOME at a folder that several jobs on the volume share.
+        "HF_HOME": f"{folder}/{HUB_DIR}",
         "FTJOB_SOURCE_ROOT": source_root or VOLUME_MOUNT,
         "PYTHONUNBUFFERED": "1",  # log lines reach the pod log (and ftjob run) at once
     }

@@ -28,10 +28,10 @@ import threading
 import time
 from pathlib import Path
 
-from ftjob import contract, failure, launch, manifest
-from ftjob.schema import SpecError, check_rules, to_dict
+from ftjob import contract, failure, jobfolder, launch, manifest
+from ftjob.schema import SpecError, check_rules
 from ftjob.screen import Screen
-from ftjob.spec import API_VERSION, KIND, parse_resource
+from ftjob.spec import KIND, parse_resource
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 STOP_GRACE_SECONDS = 10
@@ -110,7 +110,7 @@ class Node:
         )
 
 
-def run(job_file: str, workdir: str | None = None, out=None) -> int:
+def run(job_file: str, workdir: str | None = None, out=None, restart: bool = False) -> int:
     """Run every node of the job in ``job_file`` locally; return an exit code."""
     out = out or sys.stdout
     doc = manifest.load_one(job_file, KIND)
@@ -127,12 +127,25 @@ def run(job_file: str, workdir: str | None = None, out=None) -> int:
         return EXIT_FAILED
 
     job_dir = Path(workdir or Path.cwd() / "runs" / name).resolve()
+    if restart and job_dir.exists():
+        aside = job_dir.with_name(f"{job_dir.name}.old-{time.strftime('%Y%m%dT%H%M%S')}")
+        os.rename(job_dir, aside)
+        print(f"ftjob run: --restart: the earlier run is kept in {aside}", file=out, flush=True)
+    recorded = jobfolder.read(job_dir)
+    diff = jobfolder.changes(recorded, spec) if recorded else []
+    if diff:
+        fix = (
+            "Keep it and train elsewhere (--workdir DIR), or start over here (--restart: "
+            "the earlier run is moved aside, not deleted)."
+        )
+        print(f"ftjob run: {jobfolder.refusal(job_dir, diff, fix)}", file=sys.stderr)
+        return EXIT_FAILED
     logs = job_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     (job_dir / "tmp").mkdir(exist_ok=True)
-    spec_file = job_dir / "spec.json"
-    rendered = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}}
-    spec_file.write_text(json.dumps({**rendered, "spec": to_dict(spec)}, indent=1) + "\n")
+    # The folder's record, also the spec file the nodes read (safe changes update it).
+    jobfolder.write(job_dir, name, spec)
+    spec_file = job_dir / jobfolder.RECORD
 
     r = spec.resources
     port, attempt = free_port(), int(time.time())

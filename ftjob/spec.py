@@ -441,7 +441,18 @@ class CheckpointSpec:
         None,
     )
     path: str | None = api_field(
-        "path of the job's folder on the volume (default: the job's name).",
+        "path of the job's folder on the volume (default: <name>-<first 8 characters of the "
+        "job's uid>, so a job deleted and created again starts in a new, empty folder; "
+        "ftjob run: runs/<name>). A path given here is reused by every job that names it.",
+        None,
+        pattern=RELATIVE_PATH,
+        pattern_hint=RELATIVE_PATH_HINT,
+        max_length=256,
+    )
+    resume_from: str | None = api_field(
+        "resumeFrom: a folder on the volume (another job's folder, or one of its "
+        "checkpoints/step-N folders) whose newest committed checkpoint this job starts from "
+        "while its own folder has none. Read only: the job writes only to its own folder.",
         None,
         pattern=RELATIVE_PATH,
         pattern_hint=RELATIVE_PATH_HINT,

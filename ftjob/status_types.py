@@ -104,3 +104,9 @@ class FineTuneJobStatus:
     last_checkpoint: CheckpointStatus | None = api_field("lastCheckpoint committed.", None)
     failure: Failure | None = api_field("failure: why the last attempt failed.", None)
     model_path: str | None = api_field("modelPath: where the exported model is.", None)
+    job_folder: str | None = api_field(
+        "jobFolder: the job's folder on the checkpoint volume as the pods see it "
+        "(checkpoints, caches, export): /ftjob/<name>-<first 8 characters of the uid> unless "
+        "spec.checkpoint.path names one.",
+        None,
+    )

@@ -146,6 +146,7 @@ async def _reconcile(name, namespace, body, job_pods, state, logger) -> float | 
         decision = lifecycle.decide(
             spec, name, meta.get("generation"), old_status, pods, now, snapshot
         )
+        decision.status["jobFolder"] = render.job_dir(name, spec, meta["uid"])
 
     new = decision.status
     if new != old_status:

@@ -88,9 +88,9 @@ def rendezvous_id(job: str, uid: str, attempt: int) -> str:
     return f"{job}-{uid[:8]}-{attempt}" if uid else f"{job}-{attempt}"
 
 
-def job_dir(job: str, spec: FineTuneJobSpec) -> str:
-    """The job's folder on the shared volume, as the pods see it."""
-    return launch.job_dir(spec, job, SHARED_DIR)
+def job_dir(job: str, spec: FineTuneJobSpec, uid: str = "") -> str:
+    """The job's folder on the shared volume, as the pods see it (``<job>-<uid8>``)."""
+    return launch.job_dir(spec, job, SHARED_DIR, uid)
 
 
 def job_document(job: str, spec: FineTuneJobSpec) -> dict[str, Any]:
@@ -202,10 +202,11 @@ def container(job: str, namespace: str, spec: FineTuneJobSpec, rank: int, attemp
         master_address(job, namespace),
         rendezvous_id(job, uid, attempt),
         f"{SPEC_DIR}/{SPEC_FILE}",
-        job_folder=job_dir(job, spec),
+        job_folder=job_dir(job, spec, uid),
         source_root=SHARED_DIR,
     )
-    # HOME takes the caches (the root filesystem is read-only); then the fabric defaults;
+    # HOME takes what other caches there are (the root filesystem is read-only; the Hugging
+    # Face cache is on the volume, see launch); then the fabric defaults;
     # launch's environment (with the user's ncclEnv and env) wins over both.
     # The trainer's rank 0 writes the export path to the termination message on success.
     env = {"HOME": "/tmp", "FTJOB_TERMINATION_LOG": TERMINATION_LOG} | node.env

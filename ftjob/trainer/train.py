@@ -19,9 +19,11 @@ import torch.nn.functional as F
 from transformers import get_scheduler
 from transformers.utils import logging as hf_logging
 
+from ftjob import jobfolder
+from ftjob.contract import BAD_SPEC, TrainerError
 from ftjob.modelshape import flops_per_token
 from ftjob.spec import FineTuneJobSpec
-from ftjob.trainer import checkpoint, data, export, model, parallel, progress
+from ftjob.trainer import checkpoint, data, export, model, parallel, progress, sources
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
@@ -35,10 +37,14 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     hf_logging.disable_progress_bar()  # pod logs are not terminals
     if not d.is_main:
         hf_logging.set_verbosity_error()  # one copy of each warning is enough
-    if out.exists():
+    recorded = jobfolder.claim(job_dir, name, spec, writer=d.is_main)
+    total_asked = spec.training.max_steps
+    if out.exists() and (total_asked is None or recorded.get("trainedSteps", 0) >= total_asked):
         say(f"{name}: already trained; the exported model is in {out}", flush=True)
         dist.destroy_process_group()
         return out
+    asked = spec  # what the job folder records; the run reads downloads from the volume
+    spec = sources.fetch(spec, job_dir, d.is_main, say=lambda m: say(m, flush=True))
     t = spec.training
     torch.manual_seed(t.seed)
 
@@ -73,7 +79,7 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     )
     report = _progress(spec, d, job_dir, total, net, params, trainable, sharding)
     report.log(
-        f"{name}: {spec.method.type} fine-tune of {spec.model.source}, {params:,} parameters "
+        f"{name}: {spec.method.type} fine-tune of {asked.model.source}, {params:,} parameters "
         f"({trainable:,} trained), {sharding} sharding over {d.world_size} ranks, "
         f"{len(ds.train)} train / {len(ds.eval)} eval sequences, {total} steps"
     )
@@ -81,7 +87,7 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     report.log("peak RSS per rank after loading (MiB): " + ", ".join(f"{m:.0f}" for m in load_rss))
 
     start = 0
-    found = checkpoint.latest(job_dir / "checkpoints")
+    found = checkpoint.latest(job_dir / "checkpoints") or _seed(spec)
     if found is not None:
         start = ckpt.load(found, net, optimizer, scheduler)
         report.update(resumedFrom=str(found), lastCheckpoint=str(found), lastCheckpointStep=start)
@@ -122,6 +128,8 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
 
     report.update(phase="exporting")
     export.export(net, spec, tok, out, d.rank)
+    if d.is_main:
+        jobfolder.write(job_dir, name, asked, trained_steps=total)
     report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
     report.log(f"exported model: {out}")
     if d.rank == 0:
@@ -129,6 +137,24 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     report.close()
     dist.destroy_process_group()
     return out
+
+
+def _seed(spec: FineTuneJobSpec) -> Path | None:
+    """The checkpoint ``checkpoint.resumeFrom`` names, for a job folder with none yet."""
+    if not spec.checkpoint.resume_from:
+        return None
+    given = Path(model.resolve(spec.checkpoint.resume_from))
+    if (given / checkpoint.COMMITTED).is_file():
+        return given
+    found = checkpoint.latest(given / "checkpoints") or checkpoint.latest(given)
+    if found is None:
+        raise TrainerError(
+            f"spec.checkpoint.resumeFrom: no committed checkpoint in {given} (nor in its "
+            "checkpoints/ folder); name a job folder or a checkpoints/step-N folder",
+            reason=BAD_SPEC,
+            where="spec.checkpoint.resumeFrom",
+        )
+    return found
 
 
 def token_loss(net, batch: dict, device: torch.device) -> tuple[torch.Tensor, int]:

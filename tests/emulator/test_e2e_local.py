@@ -32,31 +32,38 @@ def job(name: str, steps: int) -> dict:
     return tiny_job(name, training={"maxSteps": steps}, checkpoint={"every": 10, "keep": 2})
 
 
-def progress(shared: Path, name: str) -> dict:
+def folder(shared: Path, created: dict) -> Path:
+    """The job's folder on the shared volume: <name>-<uid8>."""
+    meta = created["metadata"]
+    return shared / f"{meta['name']}-{meta['uid'][:8]}"
+
+
+def progress(job_folder: Path) -> dict:
     try:
-        return json.loads((shared / name / "progress.json").read_text())
+        return json.loads((job_folder / "progress.json").read_text())
     except (OSError, ValueError):
         return {}
 
 
 def test_the_job_trains_checkpoints_and_exports(local):
     cluster, shared = local
-    cluster.create_job(job("e2e", 20))
+    here = folder(shared, cluster.create_job(job("e2e", 20)))
     status = wait_phase(cluster, "e2e", "Succeeded", timeout=180)
     # No restart, unless something outside killed a process (a SIGKILL from outside was seen
     # once on a shared test machine): then a gang restart is right and the job still succeeds.
     assert status["restarts"] == 0 or status["failure"]["exitCode"] == 137
-    assert status["modelPath"].endswith("/e2e/model")
-    assert (shared / "e2e" / "model" / "model.safetensors").is_file()
-    assert (shared / "e2e" / "checkpoints" / "step-00000010").is_dir()
-    assert progress(shared, "e2e")["step"] == 20
+    assert status["jobFolder"] == f"/ftjob/{here.name}"
+    assert status["modelPath"].endswith(f"/{here.name}/model")  # the kubelet maps /ftjob
+    assert (here / "model" / "model.safetensors").is_file()
+    assert (here / "checkpoints" / "step-00000010").is_dir()
+    assert progress(here)["step"] == 20
 
 
 def test_a_killed_node_restarts_the_gang_which_resumes(local):
     cluster, shared = local
-    cluster.create_job(job("kill", 60))
+    here = folder(shared, cluster.create_job(job("kill", 60)))
     cluster.wait(
-        lambda: (progress(shared, "kill").get("lastCheckpointStep") or 0) >= 10,
+        lambda: (progress(here).get("lastCheckpointStep") or 0) >= 10,
         180,
         "the first checkpoint",
     )
@@ -65,6 +72,24 @@ def test_a_killed_node_restarts_the_gang_which_resumes(local):
     status = wait_phase(cluster, "kill", "Succeeded", timeout=180)
     assert status["restarts"] == 1 and status["attempt"] == 1
     assert status["failure"]["pod"] in ("kill-node-0", "kill-node-1")  # the kill, diagnosed
-    final = progress(shared, "kill")
+    final = progress(here)
     assert final["step"] == 60 and final["resumedFrom"]  # attempt 1 resumed, not restarted
-    assert (shared / "kill" / "model" / "model.safetensors").is_file()
+    assert (here / "model" / "model.safetensors").is_file()
+
+
+def test_a_job_created_again_under_its_old_name_starts_from_step_0(local):
+    """A fix-and-reapply: the old job's checkpoints and model are not the new job's."""
+    cluster, shared = local
+    old = folder(shared, cluster.create_job(job("again", 20)))  # a checkpoint at step 10
+    wait_phase(cluster, "again", "Succeeded", timeout=180)
+    key = ("ftjob.dev", "v1alpha1", "finetunejobs", "default", "again")
+    cluster.call(lambda: cluster.api.begin_delete(key))
+    cluster.wait(lambda: cluster.get("finetunejobs", "again") is None, 15, "the job to go")
+    new = folder(shared, cluster.create_job(job("again", 30)))
+    status = wait_phase(cluster, "again", "Succeeded", timeout=180)
+    assert new != old and status["jobFolder"] == f"/ftjob/{new.name}"
+    lines = (new / "progress.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines]
+    assert min(steps) < 10 and max(steps) == 30  # trained from the start, not from step 10
+    assert progress(new)["resumedFrom"] is None
+    assert (old / "model" / "model.safetensors").is_file()  # the old run is left as it was

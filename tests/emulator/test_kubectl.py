@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -25,8 +26,10 @@ def kubectl(cluster, tmp_path_factory):
     cache = tmp_path_factory.mktemp("kubecache")
     env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig), KUBECACHEDIR=str(cache))
 
-    def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-        result = subprocess.run([KUBECTL, *args], capture_output=True, text=True, env=env)
+    def run(*args: str, ok: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+        result = subprocess.run(
+            [KUBECTL, *args], capture_output=True, text=True, env=env, input=input
+        )
         if ok:
             assert result.returncode == 0, result.stdout + result.stderr
         return result
@@ -99,3 +102,35 @@ def test_kubectl_sends_scientific_notation_as_the_job_file_reader_reads_it(kubec
     assert training["maxSteps"] == 1000 and type(training["maxSteps"]) is int
     read = manifest.load(path)[0]["spec"]["training"]
     assert read == {k: training[k] for k in read}
+
+
+def test_uninstall_order_and_the_documented_way_out_when_the_operator_is_gone(
+    cluster, operator, kubectl
+):
+    """docs/install.md: jobs deleted while the operator runs go at once; deleted after it is
+    gone, they wait on its finalizer until the documented patch removes it."""
+    for name in ("first", "orphan"):
+        kubectl("apply", "--validate=false", "-f", "-", input=_tiny(name))
+        gang_running(cluster, name, 0)
+    kubectl("delete", "finetunejob", "first", "--timeout=20s")  # 1. with the operator running
+    assert cluster.get("finetunejobs", "first") is None
+    operator.stop()
+    try:
+        kubectl("delete", "finetunejob", "orphan", "--wait=false")
+        time.sleep(2)
+        stuck = cluster.get("finetunejobs", "orphan")
+        assert stuck["metadata"]["deletionTimestamp"] and stuck["metadata"]["finalizers"]
+        docs = (ROOT / "docs" / "install.md").read_text()
+        patch = next(line for line in docs.splitlines() if line.startswith("kubectl patch"))
+        args = patch.split(maxsplit=1)[1].replace("NAMESPACE", "default").replace("NAME", "orphan")
+        kubectl(*shlex.split(args))
+        cluster.wait(lambda: cluster.get("finetunejobs", "orphan") is None, 15, "the job to go")
+        cluster.wait(lambda: not job_pods(cluster, "orphan"), 15, "its pods to go")
+    finally:
+        operator.start()
+
+
+def _tiny(name: str) -> str:
+    doc = manifest.load_one(str(ROOT / "examples" / "tiny.yaml"), "FineTuneJob")
+    doc["metadata"]["name"] = name
+    return json.dumps(doc)

@@ -14,14 +14,18 @@ from ftjob import launch
 from ftjob.spec import parse_spec
 
 
-def spec(**sections):
-    raw = {
+def _raw() -> dict:
+    return {
         "model": {"source": "hf://meta-llama/Meta-Llama-3-8B"},
         "dataset": {"source": "data/train.jsonl"},
         "training": {"maxSteps": 10},
         "resources": {"nodes": 2, "gpusPerNode": 8},
         "checkpoint": {"volume": {"claimName": "shared"}},
     }
+
+
+def spec(**sections):
+    raw = _raw()
     for key, value in sections.items():
         raw[key] = {**raw.get(key, {}), **value}
     return parse_spec(raw)
@@ -71,6 +75,17 @@ def test_trainer_environment_defaults_to_the_volume():
     local = command(master_port=4321, job_folder="/w/runs/job", source_root="/w").env
     assert (local["PET_MASTER_PORT"], local["FTJOB_JOB_DIR"]) == ("4321", "/w/runs/job")
     assert local["FTJOB_SOURCE_ROOT"] == "/w"
+
+
+def test_the_job_folder_carries_the_uid_and_holds_the_hub_cache():
+    uid = "3f2a9c1e-0000-4000-8000-000000000000"
+    assert launch.job_dir(spec(), "job", uid=uid) == "/ftjob/job-3f2a9c1e"
+    # A folder the user names is reused by whichever job names it.
+    assert launch.job_dir(spec(checkpoint={"path": "runs/a"}), "job", uid=uid) == "/ftjob/runs/a"
+    assert command().env["HF_HOME"] == "/ftjob/job/hub"
+    assert command(job_folder="/w/runs/job").env["HF_HOME"] == "/w/runs/job/hub"
+    shared = parse_spec({**_raw(), "env": [{"name": "HF_HOME", "value": "/ftjob/hub-cache"}]})
+    assert command(shared).env["HF_HOME"] == "/ftjob/hub-cache"  # shared between jobs
 
 
 def test_fabric_nccl_and_user_environment():

@@ -1,0 +1,154 @@
+"""The job folder's record of the spec it trains: ``<job folder>/spec.json``.
+
+A job folder's checkpoints and export belong to one training run. Continuing them with a
+spec that trains differently (another learning rate, data set, seed, batch or world size)
+would silently mix two runs, and a finished folder would answer "already trained" for a
+model it never trained. So the folder records the spec and the fingerprint of the fields that
+change training; ``ftjob run`` and the trainer refuse a spec that differs there, naming the
+fields, while what does not change the steps already taken may change freely: how long to
+train (maxSteps, epochs), how often to log, evaluate or checkpoint, where and how it runs
+(images, scheduling, network, sharding, offload), and what is exported.
+
+    python -c "from ftjob import jobfolder; help(jobfolder)"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ftjob.schema import to_dict
+from ftjob.spec import API_VERSION, KIND, FineTuneJobSpec
+
+RECORD = "spec.json"
+# The spec sections whose fields change what training computes ...
+TRAINING_SECTIONS = ("model", "dataset", "method", "training")
+# ... except these, which change how long it runs or what it reports, not the steps taken.
+SAFE = frozenset(
+    {
+        "model.attention",  # the same attention, computed by another kernel
+        "training.maxSteps",
+        "training.epochs",
+        "training.logEvery",
+        "training.evalEvery",
+        "training.activationCheckpointing",  # recomputes the same activations
+    }
+)
+
+
+def _flat(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            _flat(inner, f"{prefix}.{key}" if prefix else key, out)
+    else:
+        out[prefix] = value
+
+
+def training_fields(spec: FineTuneJobSpec) -> dict[str, Any]:
+    """The fields that change training, flat (``training.learningRate``: 3e-3, ...)."""
+    full = to_dict(spec)
+    out: dict[str, Any] = {}
+    for section in TRAINING_SECTIONS:
+        _flat(full.get(section, {}), section, out)
+    # The batch order and the global batch follow from the number of processes.
+    out["resources.worldSize"] = spec.resources.world_size
+    return {k: v for k, v in sorted(out.items()) if k not in SAFE}
+
+
+def fingerprint(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def record(name: str, spec: FineTuneJobSpec) -> dict[str, Any]:
+    """The document kept in the folder: the whole spec, and what training depends on."""
+    fields = training_fields(spec)
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": name},
+        "spec": to_dict(spec),
+        "training": fields,
+        "fingerprint": fingerprint(fields),
+    }
+
+
+def changes(recorded: dict[str, Any], spec: FineTuneJobSpec) -> list[str]:
+    """``spec.X: old -> new`` for each training field that differs from the record."""
+    old = recorded.get("training")
+    if not isinstance(old, dict):  # a record older than fingerprints: derive from its spec
+        from ftjob.spec import parse_spec
+
+        old = training_fields(parse_spec(recorded.get("spec") or {}))
+    new = training_fields(spec)
+    if fingerprint(old) == fingerprint(new):
+        return []
+    missing = object()
+    return [
+        f"spec.{key}: {_show(old.get(key, missing))} -> {_show(new.get(key, missing))}"
+        for key in sorted(set(old) | set(new))
+        if old.get(key, missing) != new.get(key, missing)
+    ]
+
+
+def _show(value: Any) -> str:
+    return (
+        "(unset)"
+        if not isinstance(value, str | int | float | bool | list | dict)
+        else (json.dumps(value))
+    )
+
+
+def read(folder: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads((folder / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def write(folder: Path, name: str, spec: FineTuneJobSpec, trained_steps: int | None = None):
+    """Record ``spec`` (atomically: a reader sees the old record or the new one), keeping
+    what the record says of the export unless ``trained_steps`` says it anew."""
+    if trained_steps is None:
+        trained_steps = (read(folder) or {}).get("trainedSteps")
+    doc = record(name, spec)
+    if trained_steps is not None:
+        doc["trainedSteps"] = trained_steps
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{RECORD}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, folder / RECORD)
+    return doc
+
+
+def refusal(folder: Path, diff: list[str], fix: str) -> str:
+    """The message for a folder whose record differs in ``diff``."""
+    lines = [
+        f"{folder} holds a run trained with another spec; continuing it would mix two runs:",
+        *(f"  {line}" for line in diff),
+        fix,
+    ]
+    return "\n".join(lines)
+
+
+def claim(folder: Path, name: str, spec: FineTuneJobSpec, writer: bool) -> dict[str, Any]:
+    """At the start of every training process: refuse a folder recorded with a spec that
+    trains differently (every rank reads and decides alike); the writer (rank 0) records
+    ``spec``. Returns the record; its ``trainedSteps`` is how many steps the export holds (a
+    run asked for more trains on from the newest checkpoint instead of stopping)."""
+    from ftjob.contract import BAD_SPEC, TrainerError
+
+    recorded = read(folder) or {}
+    diff = changes(recorded, spec) if recorded else []
+    if diff:
+        fix = (
+            "Create the job under another name, set spec.checkpoint.path to a new folder, "
+            "or remove this folder to start over."
+        )
+        raise TrainerError(refusal(folder, diff, fix), reason=BAD_SPEC, where="spec")
+    if writer:
+        return write(folder, name, spec)
+    return {**record(name, spec), **{k: v for k, v in recorded.items() if k == "trainedSteps"}}

@@ -1,0 +1,117 @@
+"""The job folder is one run's: downloads cached in it, a changed spec refused, restarts cheap.
+
+    python -m pytest tests/e2e/test_job_folder.py -q
+
+One short job whose model comes from hf:// (a local Hub mirror, tests/e2e/hubmirror.py) is
+killed after its first checkpoint and run again, then run with a changed learning rate
+(refused), with more steps (trains on), and with --restart (starts over).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from hubmirror import HubMirror
+from test_trainer_run import EXAMPLES, RUN_TIMEOUT, job, losses
+
+REPO = "ftjob-test/tiny"
+
+
+def doc(**training) -> dict:
+    out = job("hub", training={"maxSteps": 12, **training}, checkpoint={"every": 4, "keep": 3})
+    out["spec"]["model"]["source"] = f"hf://{REPO}"
+    return out
+
+
+def ftjob_run(d: dict, workdir: Path, mirror: HubMirror, *flags: str) -> subprocess.Popen:
+    job_file = workdir.parent / f"{workdir.name}.yaml"
+    job_file.write_text(yaml.safe_dump(d, sort_keys=False))
+    cmd = [sys.executable, "-m", "ftjob", "run", str(job_file), "--workdir", str(workdir), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FTJOB_PROGRESS_PORT": "0"}
+    env |= {"HF_ENDPOINT": mirror.url, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env.pop("HF_HOME", None)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)  # fmt: skip
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    return proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def mirror():
+    hub = HubMirror({REPO: EXAMPLES / "tiny-model"})
+    yield hub
+    hub.close()
+
+
+@pytest.fixture(scope="module")
+def killed_and_rerun(tmp_path_factory, mirror):
+    """Killed (the whole gang, SIGKILL) after its first checkpoint, then run again."""
+    workdir = tmp_path_factory.mktemp("jobs") / "hub"
+    proc = ftjob_run(doc(), workdir, mirror)
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not list((workdir / "checkpoints").glob("step-*/COMMITTED")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first = dict(mirror.requests)
+    code, out = finish(ftjob_run(doc(), workdir, mirror))
+    assert code == 0, out
+    return workdir, first, dict(mirror.requests), out
+
+
+def test_the_model_is_downloaded_once_into_the_job_folder(killed_and_rerun, mirror):
+    workdir, first, after, out = killed_and_rerun
+    assert first["GET file model.safetensors"] == 1
+    # The restarted gang read the snapshot from the folder: not one more request to the Hub.
+    assert after == first, (first, after)
+    assert "resuming from checkpoint" in out
+    cached = json.loads((workdir / "sources.json").read_text())
+    assert Path(cached[f"hf://{REPO}@main"]).is_relative_to(workdir / "hub")
+    assert sorted(losses(workdir)) == list(range(1, 13))
+
+
+def test_a_changed_learning_rate_is_refused_naming_the_field(killed_and_rerun, mirror):
+    workdir = killed_and_rerun[0]
+    before = (workdir / "spec.json").read_text()
+    code, out = finish(ftjob_run(doc(learningRate=1e-3), workdir, mirror))
+    assert code == 1
+    assert "spec.training.learningRate: 0.003 -> 0.001" in out, out
+    assert "--restart" in out and "--workdir" in out
+    assert (workdir / "spec.json").read_text() == before  # the record still tells the truth
+    assert (workdir / "model").is_dir()
+
+
+def test_more_steps_train_on_from_the_newest_checkpoint(killed_and_rerun, mirror):
+    workdir = killed_and_rerun[0]
+    code, out = finish(ftjob_run(doc(maxSteps=16), workdir, mirror))
+    assert code == 0, out
+    assert "already trained" not in out
+    assert "resuming from checkpoint" in out and "(step 12)" not in out  # no step-12 checkpoint
+    assert max(losses(workdir)) == 16
+    assert json.loads((workdir / "spec.json").read_text())["trainedSteps"] == 16
+    code, out = finish(ftjob_run(doc(maxSteps=16), workdir, mirror))
+    assert code == 0 and "already trained" in out, out
+
+
+def test_restart_moves_the_old_run_aside_and_starts_over(killed_and_rerun, mirror):
+    workdir = killed_and_rerun[0]
+    code, out = finish(ftjob_run(doc(learningRate=1e-3, maxSteps=4), workdir, mirror, "--restart"))
+    assert code == 0, out
+    aside = [p for p in workdir.parent.iterdir() if p.name.startswith("hub.old-")]
+    assert len(aside) == 1 and (aside[0] / "model").is_dir()
+    assert "no checkpoint in" in out and sorted(losses(workdir)) == [1, 2, 3, 4]
+    assert json.loads((workdir / "spec.json").read_text())["training"][
+        "training.learningRate"
+    ] == pytest.approx(1e-3)

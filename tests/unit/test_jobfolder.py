@@ -1,0 +1,79 @@
+"""jobfolder.py: which spec changes a job folder refuses, and the record it keeps.
+
+python -m pytest tests/unit/test_jobfolder.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ftjob import jobfolder
+from ftjob.contract import BAD_SPEC, TrainerError
+from ftjob.spec import parse_spec
+
+RAW = {
+    "model": {"source": "tiny-model"},
+    "dataset": {"source": "data/train.jsonl", "maxSeqLength": 128},
+    "training": {"maxSteps": 10, "learningRate": 3e-3},
+    "resources": {"nodes": 2, "gpusPerNode": 0},
+    "checkpoint": {"volume": {"claimName": "shared"}},
+}
+
+
+def spec(**sections):
+    raw = {k: dict(v) for k, v in RAW.items()}
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    return parse_spec(raw)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"training": {"maxSteps": 500}},
+        {"training": {"logEvery": 1, "evalEvery": 3}},
+        {"checkpoint": {"every": 7, "keep": 9, "asyncSave": True}},
+        {"output": {"mergeAdapter": False}},
+        {"parallelism": {"sharding": "full"}},
+        {"runPolicy": {"backoffLimit": 9}},
+        {"model": {"attention": "eager"}},
+    ],
+)
+def test_what_does_not_change_the_steps_taken_may_change(change):
+    assert jobfolder.changes(jobfolder.record("j", spec()), spec(**change)) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "line"),
+    [
+        ({"training": {"learningRate": 1e-3}}, "spec.training.learningRate: 0.003 -> 0.001"),
+        ({"training": {"seed": 7}}, "spec.training.seed: 42 -> 7"),
+        ({"dataset": {"maxSeqLength": 64}}, "spec.dataset.maxSeqLength: 128 -> 64"),
+        ({"model": {"source": "other"}}, 'spec.model.source: "tiny-model" -> "other"'),
+        ({"resources": {"nodes": 4}}, "spec.resources.worldSize: 2 -> 4"),
+        ({"method": {"type": "full"}}, 'spec.method.type: "lora" -> "full"'),
+    ],
+)
+def test_what_changes_training_is_named(change, line):
+    assert line in jobfolder.changes(jobfolder.record("j", spec()), spec(**change))
+
+
+def test_claim_records_refuses_and_keeps_what_the_export_holds(tmp_path):
+    jobfolder.write(tmp_path, "j", spec(), trained_steps=10)
+    record = jobfolder.claim(tmp_path, "j", spec(training={"maxSteps": 20}), writer=True)
+    assert record["trainedSteps"] == 10  # a safe change keeps what the export holds
+    on_disk = json.loads((tmp_path / jobfolder.RECORD).read_text())
+    assert on_disk["spec"]["training"]["maxSteps"] == 20 and on_disk["trainedSteps"] == 10
+    with pytest.raises(TrainerError) as refused:
+        jobfolder.claim(tmp_path, "j", spec(training={"learningRate": 1.0}), writer=False)
+    assert refused.value.reason == BAD_SPEC
+    assert "spec.training.learningRate: 0.003 -> 1.0" in str(refused.value)
+    assert json.loads((tmp_path / jobfolder.RECORD).read_text()) == on_disk  # untouched
+
+
+def test_a_record_written_before_fingerprints_is_still_compared(tmp_path):
+    old = {k: v for k, v in jobfolder.record("j", spec()).items() if k == "spec"}
+    assert jobfolder.changes(old, spec()) == []
+    assert jobfolder.changes(old, spec(training={"seed": 1})) == ["spec.training.seed: 42 -> 1"]
