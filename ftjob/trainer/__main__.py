@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     # bitsandbytes announces at import that an optional CPU kernel package is missing.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     # Imported after the spec check: a bad spec fails before torch and transformers load.
+    from ftjob.contract import TrainerError
     from ftjob.trainer import train
     from ftjob.trainer.data import DataError
     from ftjob.trainer.model import SourceError
@@ -56,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         kind = "bad data" if isinstance(e, DataError) else "bad model"
         rank = os.environ.get("RANK", "0")
         print(f"error: rank {rank}: {kind}: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    except TrainerError as e:  # a failure the trainer named (full disk, busy job folder...)
+        rank = os.environ.get("RANK", "0")
+        print(f"error: rank {rank}: {e.reason}: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 from pathlib import Path
 
 import torch
@@ -18,9 +19,10 @@ import torch.nn.functional as F
 from transformers import get_scheduler
 from transformers.utils import logging as hf_logging
 
+from ftjob.contract import EXPORT_FAILED
 from ftjob.modelshape import flops_per_token
 from ftjob.spec import FineTuneJobSpec
-from ftjob.trainer import checkpoint, data, export, model, parallel, progress
+from ftjob.trainer import checkpoint, data, export, model, owner, parallel, progress, volume
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
@@ -34,8 +36,14 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     hf_logging.disable_progress_bar()  # pod logs are not terminals
     if not d.is_main:
         hf_logging.set_verbosity_error()  # one copy of each warning is enough
+    # Before anything is written to the job folder: one run writes there at a time.
+    lease = owner.take(job_dir, d.rank)
     if out.exists():
         say(f"{name}: already trained; the exported model is in {out}", flush=True)
+        if d.is_main:  # a gang killed after its export: the record says done, not exporting
+            progress.finished(job_dir, out)
+            progress.write_termination_message(out)
+            lease.release()
         dist.destroy_process_group()
         return out
     t = spec.training
@@ -68,7 +76,11 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     )
     scheduler = get_scheduler(SCHEDULERS[t.scheduler], optimizer, t.warmup_steps(total), total)
     ckpt = checkpoint.Checkpointer(
-        job_dir / "checkpoints", d.rank, spec.checkpoint.keep, spec.checkpoint.async_save
+        job_dir / "checkpoints",
+        d.rank,
+        spec.checkpoint.keep,
+        spec.checkpoint.async_save,
+        fence=lease.check if lease else None,
     )
     report = _progress(spec, d, job_dir, total, net, params, trainable, sharding)
     report.log(
@@ -80,7 +92,9 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     report.log("peak RSS per rank after loading (MiB): " + ", ".join(f"{m:.0f}" for m in load_rss))
 
     start = 0
-    found = checkpoint.latest(job_dir / "checkpoints")
+    found, damaged = checkpoint.choose(job_dir / "checkpoints", d.rank, d.world_size)
+    for note in damaged:
+        report.log(f"{note}; using {found or 'none: starting at step 0'} instead")
     if found is not None:
         start = ckpt.load(found, net, optimizer, scheduler)
         report.update(resumedFrom=str(found), lastCheckpoint=str(found), lastCheckpointStep=start)
@@ -116,14 +130,31 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     report.update(trainPeakRssMiB=train_rss)
 
     report.update(phase="exporting")
-    export.export(net, spec, tok, out, d.rank)
+    _export(net, spec, tok, out, d.rank, lease)
     report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
     report.log(f"exported model: {out}")
     if d.rank == 0:
         progress.write_termination_message(out)
     report.close()
+    if lease:
+        lease.release()
     dist.destroy_process_group()
     return out
+
+
+def _export(net, spec, tok, out: Path, rank: int, lease: owner.Lease | None) -> None:
+    """The export, with a failed write named (a full volume: DiskFull) and its temporary
+    folder removed; the checkpoints stay, so a rerun exports again."""
+    if lease:
+        lease.check()
+    try:
+        export.export(net, spec, tok, out, rank)
+    except Exception as e:
+        named = volume.write_failed(e, "export", out.parent, EXPORT_FAILED)
+        if named is None:
+            raise
+        shutil.rmtree(out.with_name(f".tmp-{out.name}"), ignore_errors=True)  # export's temp
+        raise named from e
 
 
 def token_loss(net, batch: dict, device: torch.device) -> tuple[torch.Tensor, int]:

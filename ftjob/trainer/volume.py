@@ -1,0 +1,79 @@
+"""Write errors on the job's volume, named: a full disk is a diagnosis, not a traceback.
+
+torch.distributed.checkpoint gathers each rank's failure into a ``CheckpointException``
+(a BaseException); the OSError that matters (ENOSPC, EDQUOT, EIO, ...) is somewhere inside.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+
+from ftjob.contract import DISK_FULL, TrainerError
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def os_error(error: BaseException | None, _seen: int = 0) -> OSError | None:
+    """The OSError behind ``error``: itself, a DCP rank's failure, or its cause."""
+    if error is None or _seen > 8:
+        return None
+    if isinstance(error, OSError):
+        return error
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict):  # CheckpointException: rank -> (exception, traceback)
+        for value in failures.values():
+            inner = value[0] if isinstance(value, tuple) else value
+            if isinstance(inner, BaseException) and (found := os_error(inner, _seen + 1)):
+                return found
+    if "os error 28" in str(error) or "No space left on device" in str(error):
+        # safetensors (Rust) reports I/O errors as its own exception, with the OS's text.
+        return OSError(errno.ENOSPC, "No space left on device")
+    return os_error(error.__cause__ or error.__context__, _seen + 1)
+
+
+def size_of(path: Path | None) -> int | None:
+    if path is None or not path.exists():
+        return None
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def human(n: int | None) -> str:
+    if n is None:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def write_failed(
+    error: BaseException, what: str, where: Path, other_reason: str, needed: int | None = None
+) -> TrainerError | None:
+    """A TrainerError for a failed write of ``what`` under ``where`` (None: not a write
+    error). A full volume is DiskFull with the free space and, where known, what is needed;
+    any other OSError is ``other_reason``."""
+    cause = os_error(error)
+    if cause is None:
+        return None
+    try:
+        free = shutil.disk_usage(where if where.exists() else where.parent).free
+    except OSError:
+        free = None
+    if cause.errno in FULL:
+        need = f"; it needs about {human(needed)}" if needed else ""
+        return TrainerError(
+            f"{what}: no space left on the volume holding {where} ({human(free)} free{need}). "
+            "Free space or enlarge the volume, then run again: training resumes from the "
+            "last complete checkpoint.",
+            reason=DISK_FULL,
+            where=str(where),
+        )
+    return TrainerError(
+        f"{what}: writing to {where} failed: {cause.strerror or cause} "
+        f"(errno {cause.errno}, {human(free)} free)",
+        reason=other_reason,
+        where=str(where),
+    )
