@@ -255,7 +255,7 @@ class Checkpointer:
         what = f"checkpoint {tmp.name.removeprefix('.tmp-')} (rank {self.rank})"
         needed = self._size or volume.size_of(latest(self.root))
         named = volume.write_failed(error, what, self.root, INTERNAL, needed)
-        return named or TrainerError(f"{what} failed: {error}", reason=INTERNAL)
+        return named or TrainerError(f"{what} failed: {volume.summary(error)}", reason=INTERNAL)
 
     def _prune(self) -> None:
         # Any temporary folder left now is a crashed save's (one save is in flight at a time).

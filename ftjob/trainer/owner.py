@@ -5,8 +5,9 @@ Rank 0 takes the folder before anything is written and refreshes the file every
 may not write stops on all ranks at once. The folder is free when the file is absent, names
 this run, or names a run that is over:
 
-* its heartbeat is older than ``LEASE_SECONDS`` (a process killed without cleaning up), or
-* it ran on this machine (same host, kernel boot and PID namespace) and its process is gone.
+* it ran on this machine (same host, kernel boot and PID namespace) and its process is gone;
+* it ran elsewhere and its heartbeat is older than ``LEASE_SECONDS`` (killed, or its node
+  lost).
 
 A live owner on this machine is another ``ftjob run``: refused at once. A live owner
 elsewhere is, on a cluster, the previous attempt's gang still terminating: a newer attempt
@@ -58,11 +59,9 @@ class Owner:
         )
 
     def alive(self, now: float) -> bool:
-        if now - self.heartbeat > LEASE_SECONDS:
-            return False
-        if self.machine == _machine():
+        if self.machine == _machine():  # its process tells, however old the heartbeat
             return _pid_alive(self.pid)
-        return True
+        return now - self.heartbeat <= LEASE_SECONDS
 
     def describe(self, now: float) -> str:
         return (

@@ -13,6 +13,7 @@ from pathlib import Path
 from ftjob.contract import DISK_FULL, TrainerError
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
+MIN_FREE = 1 << 20  # a failed write with less than this left: the volume is full
 
 
 def os_error(error: BaseException | None, _seen: int = 0) -> OSError | None:
@@ -49,20 +50,35 @@ def human(n: int | None) -> str:
     return f"{n:.1f} TiB"
 
 
+def root_error(error: BaseException) -> BaseException:
+    """The first rank's own exception inside a CheckpointException, else ``error``."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        return first[0] if isinstance(first, tuple) else first
+    return error
+
+
+def summary(error: BaseException) -> str:
+    inner = root_error(error)
+    text = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {text[-1] if text else ''}"[:300]
+
+
 def write_failed(
     error: BaseException, what: str, where: Path, other_reason: str, needed: int | None = None
 ) -> TrainerError | None:
     """A TrainerError for a failed write of ``what`` under ``where`` (None: not a write
-    error). A full volume is DiskFull with the free space and, where known, what is needed;
-    any other OSError is ``other_reason``."""
+    error). Call it before removing what the write left: a full volume is told by ENOSPC, or,
+    where a library lost the errno (torch's zip writer says "unexpected pos"), by less room
+    left than the write needed. Any other OSError is ``other_reason``."""
     cause = os_error(error)
-    if cause is None:
-        return None
     try:
         free = shutil.disk_usage(where if where.exists() else where.parent).free
     except OSError:
         free = None
-    if cause.errno in FULL:
+    short = free is not None and free < max(needed or 0, MIN_FREE)
+    if (cause is not None and cause.errno in FULL) or short:
         need = f"; it needs about {human(needed)}" if needed else ""
         return TrainerError(
             f"{what}: no space left on the volume holding {where} ({human(free)} free{need}). "
@@ -71,6 +87,8 @@ def write_failed(
             reason=DISK_FULL,
             where=str(where),
         )
+    if cause is None:
+        return None
     return TrainerError(
         f"{what}: writing to {where} failed: {cause.strerror or cause} "
         f"(errno {cause.errno}, {human(free)} free)",
