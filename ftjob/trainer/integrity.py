@@ -56,10 +56,13 @@ def manifest(step: int, files: dict[str, dict]) -> str:
 def read_manifest(folder: Path) -> dict[str, dict]:
     """The files a committed folder must hold; ValueError when the manifest is unreadable."""
     try:
-        files = json.loads((folder / COMMITTED).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        doc = json.loads((folder / COMMITTED).read_text())
+    except (OSError, ValueError) as e:
         raise ValueError(f"its manifest {COMMITTED} is unreadable ({e})") from e
-    if not isinstance(files, dict) or ".metadata" not in files:
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, dict):
+        raise ValueError(f"its manifest {COMMITTED} has no list of files")
+    if ".metadata" not in files:
         raise ValueError(f"its manifest {COMMITTED} lists no .metadata")
     return files
 
