@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     # Imported after the spec check: a bad spec fails before torch and transformers load.
     from ftjob.contract import TrainerError
-    from ftjob.trainer import train
+    from ftjob.trainer import owner, train
     from ftjob.trainer.data import DataError
     from ftjob.trainer.model import SourceError
 
@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         rank = os.environ.get("RANK", "0")
         print(f"error: rank {rank}: {e.reason}: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED
+    finally:
+        owner.release_held()  # a failed run gives the job folder up at once
     return 0
 
 

@@ -159,15 +159,20 @@ class Lease:
         )
 
 
+_held: Lease | None = None  # this process's lease, released however the run ends
+
+
 def take(job_dir: Path, rank: int) -> Lease | None:
     """A collective: rank 0 takes the job folder for this run; every rank raises the same
     TrainerError if it may not. Returns rank 0's lease (None on the other ranks)."""
+    global _held
     lease, refusal = None, None
     if rank == 0:
         job_dir.mkdir(parents=True, exist_ok=True)
         lease = Lease(job_dir)
         try:
             lease.take()
+            _held = lease
         except TrainerError as e:
             refusal = (str(e), e.reason, e.where)
     answer = [refusal]
@@ -176,6 +181,13 @@ def take(job_dir: Path, rank: int) -> Lease | None:
         message, reason, where = answer[0]
         raise TrainerError(message, reason=reason, where=where)
     return lease
+
+
+def release_held() -> None:
+    """Give the folder up at the end of the process, failed or not: the next attempt need
+    not wait for the lease to expire."""
+    if _held is not None:
+        _held.release()
 
 
 def _machine() -> str:

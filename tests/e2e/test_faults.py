@@ -116,8 +116,10 @@ def test_a_full_volume_is_named_and_the_run_resumes_exactly_with_room_again(refe
     assert f"no space left on the volume holding {tmpfs}" in error
     assert "it needs about 2." in error  # the size of the checkpoint before it, in MiB
     assert "Traceback" not in out
-    # The temporary folder is gone (it held the room the next attempt needs); step 4 stays.
+    # The temporary folder is gone (it held the room the next attempt needs); step 4 stays,
+    # and the failed run gave the job folder up.
     assert sorted(p.name for p in tmpfs.iterdir()) == ["step-00000004"]
+    assert not (workdir / "owner").exists()
 
     subprocess.run(["mount", "-o", "remount,size=64m", str(tmpfs)], check=True)
     code, out = run(faults_job(), workdir)
