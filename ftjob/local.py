@@ -28,6 +28,7 @@ from pathlib import Path
 from ftjob import launch, manifest
 from ftjob.schema import SpecError, to_dict
 from ftjob.spec import API_VERSION, KIND, parse_resource
+from ftjob.trainer import owner
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 STOP_GRACE_SECONDS = 10
@@ -123,6 +124,10 @@ def run(job_file: str, workdir: str | None = None, out=None) -> int:
         return EXIT_FAILED
 
     job_dir = Path(workdir or Path.cwd() / "runs" / name).resolve()
+    busy = owner.in_use(job_dir)  # before anything is written there (spec.json)
+    if busy:
+        print(f"ftjob run: {busy}", file=sys.stderr)
+        return EXIT_FAILED
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "tmp").mkdir(exist_ok=True)
     spec_file = job_dir / "spec.json"

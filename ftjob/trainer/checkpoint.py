@@ -70,7 +70,9 @@ def choose(root: Path, rank: int, world: int) -> tuple[Path | None, list[str]]:
     result. Damaged folders are moved to ``damaged/`` by rank 0.
     """
     notes = []
-    for path in committed(root):
+    candidates = [committed(root)]
+    dist.broadcast_object_list(candidates, src=0)  # rank 0's listing: one list for all ranks
+    for path in candidates[0]:
         mine = integrity.problems(path, rank, world)
         found = [None] * world
         dist.all_gather_object(found, mine)
@@ -78,8 +80,11 @@ def choose(root: Path, rank: int, world: int) -> tuple[Path | None, list[str]]:
         if not wrong:
             return path, notes
         if rank == 0:
-            aside = integrity.move_aside(path)
-            notes.append(f"checkpoint {path} is damaged ({'; '.join(wrong[:3])}); moved to {aside}")
+            try:
+                where = f"moved to {integrity.move_aside(path)}"
+            except OSError as e:  # checked again next time; never deleted
+                where = f"left in place ({e.strerror})"
+            notes.append(f"checkpoint {path} is damaged ({'; '.join(wrong[:3])}); {where}")
         dist.barrier()  # the next candidate is read only once this one is out of the way
     return None, notes
 

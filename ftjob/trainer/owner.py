@@ -29,8 +29,6 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch.distributed as dist
-
 from ftjob.contract import OWNED_ELSEWHERE, TrainerError
 
 FILE = "owner"
@@ -150,13 +148,26 @@ class Lease:
                 self._write()
 
     def _refusal(self, current: Owner, now: float) -> TrainerError:
-        return TrainerError(
-            f"job folder {self.path.parent} is in use by {current.describe(now)}. Wait for it "
-            f"to finish, or stop it; if it is gone for good, delete {self.path} (a lease "
-            f"also expires {LEASE_SECONDS:.0f} s after its last heartbeat).",
-            reason=OWNED_ELSEWHERE,
-            where=str(self.path),
-        )
+        return TrainerError(_in_use(self.path, current, now), reason=OWNED_ELSEWHERE,
+                            where=str(self.path))  # fmt: skip
+
+
+def in_use(job_dir: Path) -> str | None:
+    """Why ``job_dir`` may not be written now (a live owner), or None. ``ftjob run`` asks
+    before it writes anything there; the trainer's :func:`take` is what guarantees it."""
+    lease = Lease(job_dir)
+    current, now = lease.read(), time.time()
+    if current is None or not current.alive(now):
+        return None
+    return _in_use(lease.path, current, now)
+
+
+def _in_use(path: Path, current: Owner, now: float) -> str:
+    return (
+        f"job folder {path.parent} is in use by {current.describe(now)}. Wait for it to "
+        f"finish, or stop it; if it is gone for good, delete {path} (a lease also expires "
+        f"{LEASE_SECONDS:.0f} s after its last heartbeat)."
+    )
 
 
 _held: Lease | None = None  # this process's lease, released however the run ends
@@ -165,6 +176,8 @@ _held: Lease | None = None  # this process's lease, released however the run end
 def take(job_dir: Path, rank: int) -> Lease | None:
     """A collective: rank 0 takes the job folder for this run; every rank raises the same
     TrainerError if it may not. Returns rank 0's lease (None on the other ranks)."""
+    import torch.distributed as dist  # here: `ftjob run` reads this module without torch
+
     global _held
     lease, refusal = None, None
     if rank == 0:

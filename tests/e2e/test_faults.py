@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -95,36 +96,69 @@ def test_a_checkpoint_that_does_not_fit_the_job_is_named_not_a_traceback(referen
 
 
 @pytest.fixture
-def tmpfs(tmp_path):
-    """A 5 MiB volume: the first checkpoint (about 3 MiB) fits, the second does not."""
-    mount = tmp_path / "volume" / "checkpoints"
-    mount.mkdir(parents=True)
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)  # fmt: skip
-    if made.returncode != 0:
-        pytest.skip(f"a full volume needs `mount -t tmpfs` (root): {made.stderr.strip()}")
+def tmpfs():
+    """mount(path, size): a small tmpfs volume at ``path``, unmounted after the test."""
+    mounted = []
+
+    def mount(path: Path, size: str) -> Path:
+        path.mkdir(parents=True)
+        made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True)  # fmt: skip
+        if made.returncode != 0:
+            pytest.skip(f"a full volume needs `mount -t tmpfs` (root): {made.stderr.strip()}")
+        mounted.append(path)
+        return path
+
     yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def test_a_full_volume_is_named_and_the_run_resumes_exactly_with_room_again(reference, tmpfs):
-    workdir = tmpfs.parent
+def grow(path: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,size=64m", str(path)], check=True)
+
+
+def test_a_full_volume_is_named_and_the_run_resumes_exactly_with_room_again(
+    reference, tmpfs, tmp_path
+):
+    # 5 MiB: the first checkpoint (about 2.9 MiB) fits, the second does not.
+    volume = tmpfs(tmp_path / "volume" / "checkpoints", "5m")
+    workdir = volume.parent
     code, out = run(faults_job(), workdir)
     assert code == 1, out
     error = next(x for x in out.splitlines() if x.startswith("  error: rank"))
     assert "DiskFull: checkpoint step-00000008" in error
-    assert f"no space left on the volume holding {tmpfs}" in error
+    assert f"no space left on the volume holding {volume}" in error
     assert "it needs about 2." in error  # the size of the checkpoint before it, in MiB
     assert "Traceback" not in out
     # The temporary folder is gone (it held the room the next attempt needs); step 4 stays,
     # and the failed run gave the job folder up.
-    assert sorted(p.name for p in tmpfs.iterdir()) == ["step-00000004"]
+    assert sorted(p.name for p in volume.iterdir()) == ["step-00000004"]
     assert not (workdir / "owner").exists()
 
-    subprocess.run(["mount", "-o", "remount,size=64m", str(tmpfs)], check=True)
+    grow(volume)
     code, out = run(faults_job(), workdir)
     assert code == 0, out
-    assert f"resuming from checkpoint {tmpfs}/step-00000004 (step 4)" in out
+    assert f"resuming from checkpoint {volume}/step-00000004 (step 4)" in out
+    assert_same_losses(workdir, reference, first=1)
+
+
+def test_a_full_volume_during_the_export_is_named_and_the_rerun_exports(reference, tmpfs, tmp_path):
+    workdir = tmp_path / "exporting"
+    export = tmpfs(workdir / "export", "256k")  # the tiny model's export takes about 1 MiB
+    doc = faults_job(output={"path": "export/model"})
+    code, out = run(doc, workdir)
+    assert code == 1, out
+    error = next(x for x in out.splitlines() if x.startswith("  error: rank"))
+    assert f"DiskFull: export: no space left on the volume holding {export}" in error
+    assert list(export.iterdir()) == []  # its temporary folder is gone
+    assert "step-00000016" in {p.name for p in (workdir / "checkpoints").iterdir()}
+
+    grow(export)
+    code, out = run(doc, workdir)
+    assert code == 0, out
+    assert f"resuming from checkpoint {workdir / 'checkpoints'}/step-00000016" in out
+    assert (export / "model" / "model.safetensors").is_file()
     assert_same_losses(workdir, reference, first=1)
 
 
@@ -137,21 +171,35 @@ def test_a_second_run_on_the_same_job_folder_refuses_and_the_first_is_intact(ref
         assert time.monotonic() < deadline
         time.sleep(0.05)
     owner = json.loads((workdir / "owner").read_text())
-    # The first run holds still while the second starts (both would take ~10 s here).
+    spec_written = (workdir / "spec.json").read_bytes()
+    # The first run holds still while the others start (each would take ~10 s here).
     ranks = [rank_pid(workdir, rank) for rank in (0, 1)]
     for pid in ranks:
         os.kill(pid, signal.SIGSTOP)
     try:
-        code, out = run(faults_job(), workdir)
+        # `ftjob run` asks before it writes anything into the folder...
+        code, out = run(faults_job(training={"seed": 7}), workdir)
+        # ...and the trainer itself refuses, on every rank, whoever launched it (a pod).
+        env = {**os.environ, "FTJOB_JOB_DIR": str(workdir), "OMP_NUM_THREADS": "1",
+               "FTJOB_PROGRESS_PORT": "0", "TMPDIR": str(tmp_path)}  # fmt: skip
+        torchrun = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node", "2", "-m", "ftjob.trainer",
+             "--spec", str(workdir.parent / "shared.yaml")],
+            env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT,
+        )  # fmt: skip
     finally:
         for pid in ranks:
             os.kill(pid, signal.SIGCONT)
     first_out, _ = first.communicate(timeout=RUN_TIMEOUT)
 
-    assert code == 1, out
-    error = next(x for x in out.splitlines() if x.startswith("  error: rank"))
-    assert f"JobFolderBusy: job folder {workdir} is in use by run {owner['run']}" in error
-    assert f"pid {owner['pid']}" in error and "delete" in error
+    busy = f"job folder {workdir} is in use by run {owner['run']} (host {owner['host']}, "
+    assert code == 1 and f"ftjob run: {busy}" in out, out
+    assert f"pid {owner['pid']})" in out and f"delete {workdir / 'owner'}" in out
+    assert (workdir / "spec.json").read_bytes() == spec_written  # nothing was written
+    assert torchrun.returncode != 0
+    for rank in (0, 1):
+        assert f"error: rank {rank}: JobFolderBusy: {busy}" in torchrun.stderr, torchrun.stderr
     assert first.returncode == 0, first_out
     assert_same_losses(workdir, reference, first=1)
     assert not (workdir / "owner").exists()  # released when the first run finished
