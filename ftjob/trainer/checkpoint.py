@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -125,13 +125,14 @@ class Checkpointer:
         self.fence = fence or (lambda: None)
         self._pending: tuple[Future, Path, Path] | None = None
         self._staging: Future | None = None
-        self._group = self._stager = None
+        self._group = self._stager = self._hasher = None
         self._size: int | None = None  # bytes of the last checkpoint: what the next needs
         self._gpu = torch.cuda.is_available()
         if async_save:
             # Background saves run their collectives on their own gloo group, so they never
             # interleave with training's collectives (and work with NCCL training too).
             self._group = dist.new_group(backend="gloo")
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ftjob-checksums")
             # Pinned buffers and non-blocking copies on a side stream where there is a GPU.
             self._stager = DefaultStager(
                 StagingOptions(
@@ -173,14 +174,19 @@ class Checkpointer:
                 async_stager=self._stager,
             )
             self._staging = response.staging_completion
-            self._pending = (response.upload_completion, tmp, final)
+            # The checksums are taken in the background too, once the files are written.
+            upload = response.upload_completion
+            sums = self._hasher.submit(lambda: (upload.result(), self._checksums(tmp))[1])
+            self._pending = (sums, tmp, final)
         else:
+            sums = {}
             try:
                 dcp.save(state, checkpoint_id=str(tmp))
+                sums = self._checksums(tmp)
             except (OSError, CheckpointException) as e:  # DCP fails on every rank alike
                 error = e
             self._agree(error, tmp)
-            self._commit(tmp, final)
+            self._commit(tmp, final, sums)
 
     def before_update(self) -> None:
         """Call before anything changes the weights or the optimizer's state: a background
@@ -197,13 +203,13 @@ class Checkpointer:
             return
         future, tmp, final = self._pending
         self._pending = None
-        error = None
+        error, sums = None, {}
         try:
-            future.result()
+            sums = future.result()
         except (OSError, CheckpointException) as e:
             error = e
         self._agree(error, tmp)
-        self._commit(tmp, final)
+        self._commit(tmp, final, sums)
 
     def close(self) -> None:
         """Finish any background save and free the staging buffers."""
@@ -211,18 +217,20 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
 
-    def _commit(self, tmp: Path, final: Path) -> None:
-        # Every rank's shards and RNG file are on disk (DCP's save ends with a collective).
-        error, sums = None, {}
-        try:
-            names = [p.name for p in tmp.iterdir()]
-            sums = integrity.describe(tmp, integrity.share(names, self.rank, self.world))
-        except OSError as e:
-            error = e
+    def _checksums(self, tmp: Path) -> dict[str, dict]:
+        """Sizes and CRC-32 of this rank's share of a written checkpoint (DCP's save ends
+        with a collective: every rank's files are there; this rank's are in its page cache)."""
+        names = [p.name for p in tmp.iterdir()]
+        return integrity.describe(tmp, integrity.share(names, self.rank, self.world))
+
+    def _commit(self, tmp: Path, final: Path, sums: dict[str, dict]) -> None:
+        error = None
         gathered = [None] * self.world
         dist.all_gather_object(gathered, sums)
-        self._agree(error, tmp)
         if self.rank == 0:
             files = {name: entry for part in gathered for name, entry in part.items()}
             try:
