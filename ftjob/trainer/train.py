@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers import get_scheduler
 from transformers.utils import logging as hf_logging
 
-from ftjob.contract import EXPORT_FAILED
+from ftjob.contract import EXPORT_FAILED, TrainerError
 from ftjob.modelshape import flops_per_token
 from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer import checkpoint, data, export, model, owner, parallel, progress, volume
@@ -143,10 +143,11 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
 
 
 def _export(net, spec, tok, out: Path, rank: int, lease: owner.Lease | None) -> None:
-    """The export, with a failed write named (a full volume: DiskFull) and its temporary
-    folder removed; the checkpoints stay, so a rerun exports again."""
+    """The export, with a failed write named (a full volume: DiskFull) on every rank and its
+    temporary folder removed; the checkpoints stay, so a rerun exports again."""
     if lease:
         lease.check()
+    failed = None
     try:
         export.export(net, spec, tok, out, rank)
     except Exception as e:
@@ -154,7 +155,13 @@ def _export(net, spec, tok, out: Path, rank: int, lease: owner.Lease | None) -> 
         if named is None:
             raise
         shutil.rmtree(out.with_name(f".tmp-{out.name}"), ignore_errors=True)  # export's temp
-        raise named from e
+        failed = (str(named), named.reason, named.where)
+        dist.barrier()  # the one the other ranks wait in at the end of export.export
+    agreed = [failed]
+    dist.broadcast_object_list(agreed, src=0)  # only rank 0 writes: its outcome is everyone's
+    if agreed[0] is not None:
+        message, reason, where = agreed[0]
+        raise TrainerError(message, reason=reason, where=where)
 
 
 def token_loss(net, batch: dict, device: torch.device) -> tuple[torch.Tensor, int]:
