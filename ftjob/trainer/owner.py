@@ -173,9 +173,10 @@ def _in_use(path: Path, current: Owner, now: float) -> str:
 _held: Lease | None = None  # this process's lease, released however the run ends
 
 
-def take(job_dir: Path, rank: int) -> Lease | None:
+def take(job_dir: Path, rank: int, wait_seconds: float = 2 * LEASE_SECONDS) -> Lease | None:
     """A collective: rank 0 takes the job folder for this run; every rank raises the same
-    TrainerError if it may not. Returns rank 0's lease (None on the other ranks)."""
+    TrainerError if it may not. Returns rank 0's lease (None on the other ranks). The other
+    ranks wait in a collective meanwhile: keep ``wait_seconds`` below its timeout."""
     import torch.distributed as dist  # here: `ftjob run` reads this module without torch
 
     global _held
@@ -184,7 +185,7 @@ def take(job_dir: Path, rank: int) -> Lease | None:
         job_dir.mkdir(parents=True, exist_ok=True)
         lease = Lease(job_dir)
         try:
-            lease.take()
+            lease.take(wait_seconds)
             _held = lease
         except TrainerError as e:
             refusal = (str(e), e.reason, e.where)

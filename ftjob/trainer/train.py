@@ -37,7 +37,8 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     if not d.is_main:
         hf_logging.set_verbosity_error()  # one copy of each warning is enough
     # Before anything is written to the job folder: one run writes there at a time.
-    lease = owner.take(job_dir, d.rank)
+    wait = min(2 * owner.LEASE_SECONDS, spec.network.collective_timeout_seconds - 5)
+    lease = owner.take(job_dir, d.rank, wait)
     if out.exists():
         say(f"{name}: already trained; the exported model is in {out}", flush=True)
         if d.is_main:  # a gang killed after its export: the record says done, not exporting
