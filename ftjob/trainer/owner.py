@@ -29,11 +29,13 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ftjob.contract import OWNED_ELSEWHERE, TrainerError
+from ftjob.contract import INTERNAL, OWNED_ELSEWHERE, TrainerError
+from ftjob.trainer import volume
 
 FILE = "owner"
 HEARTBEAT_SECONDS = 5.0
 LEASE_SECONDS = 30.0
+SETTLE_SECONDS = 0.2  # after taking the folder, before trusting it is ours
 
 
 @dataclass
@@ -96,7 +98,13 @@ class Lease:
             now = time.time()
             if current is None or current.run == self.me.run or not current.alive(now):
                 self._write()
-                break
+                # Two runs that found the folder free at once both wrote: the last rename
+                # won; the other sees it now and refuses like any later run.
+                time.sleep(SETTLE_SECONDS)
+                current = self.read()
+                if current is not None and current.run == self.me.run:
+                    break
+                continue
             may_wait = current.machine != self.me.machine and newer_attempt(
                 self.me.run, current.run
             )
@@ -126,16 +134,15 @@ class Lease:
                 self.path.unlink()
 
     def read(self) -> Owner | None:
+        """The owner, or None: no file, or one a crash left unreadable (nobody holds it)."""
         try:
             return Owner(**json.loads(self.path.read_text()))
-        except FileNotFoundError:
-            return None
         except (OSError, ValueError, TypeError):
-            return None  # unreadable (half-written by a crash): nobody holds it
+            return None
 
     def _write(self) -> None:
         self.me.heartbeat = time.time()
-        tmp = self.path.with_name(f".{FILE}-{os.getpid()}")
+        tmp = self.path.with_name(f".{FILE}-{os.getpid()}-{threading.get_ident()}")
         tmp.write_text(json.dumps(asdict(self.me), indent=1) + "\n")
         os.replace(tmp, self.path)  # readers see the old file or the new one, never half
 
@@ -187,6 +194,9 @@ def take(job_dir: Path, rank: int, wait_seconds: float = 2 * LEASE_SECONDS) -> L
         try:
             lease.take(wait_seconds)
             _held = lease
+        except OSError as e:  # the owner file cannot be written (a full or read-only volume)
+            named = volume.write_failed(e, f"taking the job folder ({FILE})", job_dir, INTERNAL)
+            refusal = (str(named), named.reason, named.where)
         except TrainerError as e:
             refusal = (str(e), e.reason, e.where)
     answer = [refusal]

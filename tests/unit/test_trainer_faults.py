@@ -184,3 +184,30 @@ def test_a_run_that_lost_the_folder_stops_before_writing(tmp_path, run_id):
     )
     old.release()  # releasing leaves the new owner's file alone
     assert json.loads((tmp_path / owner.FILE).read_text())["run"] == "job-abcdef12-2"
+
+
+def test_two_runs_taking_a_free_folder_at_once_leave_one_owner(tmp_path, monkeypatch):
+    import threading
+
+    leases = []
+    for run in ("job-a-1", "job-b-1"):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run)
+        leases.append(owner.Lease(tmp_path))
+    outcomes, start = {}, threading.Barrier(2)
+
+    def take(lease):
+        start.wait()
+        try:
+            lease.take(wait_seconds=0)
+            outcomes[lease.me.run] = "owner"
+        except TrainerError as e:
+            outcomes[lease.me.run] = e.reason
+
+    threads = [threading.Thread(target=take, args=(lease,)) for lease in leases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes.values()) == [OWNED_ELSEWHERE, "owner"]
+    winner = next(run for run, outcome in outcomes.items() if outcome == "owner")
+    assert json.loads((tmp_path / owner.FILE).read_text())["run"] == winner
