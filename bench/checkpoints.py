@@ -62,5 +62,19 @@ def run(work: Path, quick: bool) -> dict:
         ),
         row(f"async save start to commit s, with the {steps} steps, {label}", r["asyncTotal"]),
         row(f"resume (load) s, sharded, {label}", r["resume"]),
+        row(
+            f"checksums of one rank's files at commit s (in the sync save above), {label}",
+            r["checksums"],
+            r["sharded"],
+            "sync DCP save",
+            r["checksums"] / r["sharded"],
+        ),
+        row(
+            f"verify before resume s (every rank its share, then agree), {label}",
+            r["verify"],
+            r["resume"],
+            "resume (load)",
+            r["verify"] / r["resume"],
+        ),
     ]
     return {"model": size, "wall": wall, "timings": r, "rows": rows}

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ftjob.trainer import checkpoint
+from ftjob.trainer import checkpoint, integrity
 
 
 def timed(fn) -> float:
@@ -136,7 +136,8 @@ def main() -> None:
     background = checkpoint.Checkpointer(out / "async", rank, keep=1, async_save=True)
     vocab = config.vocab_size
     r = {"sharded": [], "full": [], "rawWrite": [], "asyncStall": [], "asyncCall": [],
-         "asyncTotal": [], "asyncOverlapCost": [], "stepsAlone": [], "resume": []}  # fmt: skip
+         "asyncTotal": [], "asyncOverlapCost": [], "stepsAlone": [], "resume": [],
+         "checksums": [], "verify": []}  # fmt: skip
     for step in range(1, a.repeats + 1):
         r["sharded"].append(timed(partial(sync.save, model, optimizer, scheduler, step)))
         r["full"].append(timed(partial(full_save, model, optimizer, out / f"full-{step}", rank)))
@@ -149,6 +150,11 @@ def main() -> None:
         r["asyncTotal"].append(started["total"])
         r["asyncOverlapCost"].append(started["call"] + started["steps"] - alone)
         found = checkpoint.latest(out / "sync")
+        # What integrity adds: each rank's checksums at commit (part of "sharded" above; its
+        # files are still in the page cache) and the verification before a resume.
+        mine = integrity.share([p.name for p in found.iterdir()], rank, dist.get_world_size())
+        r["checksums"].append(timed(partial(integrity.describe, found, mine)))
+        r["verify"].append(timed(partial(checkpoint.choose, out / "sync", rank, 2)))
         r["resume"].append(timed(partial(sync.load, found, model, optimizer, scheduler)))
         dist.barrier()
         if rank == 0:

@@ -32,6 +32,7 @@ from ftjob import contract, failure, jobfolder, launch, manifest
 from ftjob.schema import SpecError, check_rules
 from ftjob.screen import Screen
 from ftjob.spec import KIND, parse_resource
+from ftjob.trainer import owner
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 STOP_GRACE_SECONDS = 10
@@ -127,6 +128,10 @@ def run(job_file: str, workdir: str | None = None, out=None, restart: bool = Fal
         return EXIT_FAILED
 
     job_dir = Path(workdir or Path.cwd() / "runs" / name).resolve()
+    busy = owner.in_use(job_dir)  # before anything is written there (spec.json)
+    if busy:
+        print(f"ftjob run: {busy}", file=sys.stderr)
+        return EXIT_FAILED
     if restart and job_dir.exists():
         aside = job_dir.with_name(f"{job_dir.name}.old-{time.strftime('%Y%m%dT%H%M%S')}")
         os.rename(job_dir, aside)

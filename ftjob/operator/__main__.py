@@ -27,8 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--peering",
         default=None,
-        help="peering name: replicas with one name let only the highest priority act (needs "
-        "kopf's peering CRDs); without it kopf peers optionally",
+        help="peering name: replicas with one name let only the highest priority act. Needs "
+        "kopf's peering CRDs and a ClusterKopfPeering (-A) or KopfPeering (-n) named NAME, as "
+        "the chart's peering.enabled creates; without that object kopf pauses every handler "
+        "(docs/operator.md). Without --peering kopf peers optionally",
     )
     p.add_argument(
         "--priority",
@@ -43,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.namespace and not args.all_namespaces:
         raise SystemExit("ftjob operator: give --namespace NS (repeatable) or --all-namespaces")
-    # The handlers read these at import time.
+    # The handlers read their settings from the environment when the operator starts.
     os.environ.setdefault("FTJOB_METRICS_PORT", str(args.metrics_port))
     import kopf
 

@@ -1,11 +1,17 @@
 """Thin kopf handlers: read -> decide (pure) -> write status -> change children.
 
 One daemon per FineTuneJob reconciles it whenever one of its pods changes (a kopf index
-holds the pods; a pod event wakes the job's daemon), when a deadline the decision asked for
-comes due, and at least every ``FTJOB_RESYNC_SECONDS``. Status is written *before* pods are
-created or deleted, so a crash between the two repeats the same step instead of counting a
-restart twice. Rank 0's progress is polled at most every ``FTJOB_PROGRESS_SECONDS``.
-At most ``FTJOB_RECONCILE_CONCURRENCY`` reconciles run at once; the other daemons wait.
+holds the pods; a pod event wakes the job's daemon), when its spec changes or it is being
+deleted (a job event wakes it), when rank 0's progress changed (polled on its own timer
+every ``FTJOB_PROGRESS_SECONDS``), when a deadline the decision asked for comes due, and at
+least every ``FTJOB_RESYNC_SECONDS``. Status is written *before* pods are created or
+deleted, so a crash between the two repeats the same step instead of counting a restart
+twice. At most ``FTJOB_RECONCILE_CONCURRENCY`` reconciles run at once.
+
+A daemon serves one object, the UID it was started for, not a name: every status write is
+a JSON patch that tests that UID, children carry it as owner, and once the object is gone
+(404) or replaced by a new one of the same name, the daemon stops. A child of the same name
+owned by another UID (left by a deleted job) is removed, never adopted.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import logging
 import os
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import kopf
@@ -24,21 +31,50 @@ from aiohttp import web
 
 from ftjob import validation
 from ftjob.operator import lifecycle, metrics, render, status
-from ftjob.operator.kube import Kube, error_text
+from ftjob.operator.kube import Gone, Kube, error_text
 from ftjob.schema import SpecError
 from ftjob.spec import GROUP, PLURAL, VERSION
 
-RESYNC = float(os.environ.get("FTJOB_RESYNC_SECONDS", "30"))
-PROGRESS_EVERY = float(os.environ.get("FTJOB_PROGRESS_SECONDS", "15"))
 POD_SELECTOR = {"app.kubernetes.io/managed-by": render.MANAGER}
-# A reconcile in flight holds a copy of its job, the parsed spec and the rendered children
-# while its API calls queue for a thread of asyncio's default pool (min(32, CPUs + 4)
-# threads). Unbounded, a burst of N new jobs holds N such sets at once, and the allocator
-# keeps that high-water mark for the operator's life; bounded, a daemon waiting for a slot
-# holds only itself. More slots than the pool has threads would only queue for them.
-RECONCILE_CONCURRENCY = int(os.environ.get("FTJOB_RECONCILE_CONCURRENCY", "8"))
 
-WAKE: dict[tuple[str, str], asyncio.Event] = {}
+
+@dataclass(frozen=True)
+class Settings:
+    """The operator's knobs, read from the environment once, at startup."""
+
+    resync: float = 30.0  # FTJOB_RESYNC_SECONDS: reconcile at least this often
+    progress_every: float = 15.0  # FTJOB_PROGRESS_SECONDS: poll rank 0's /progress
+    # FTJOB_RECONCILE_CONCURRENCY: a reconcile in flight holds a copy of its job, the parsed
+    # spec and the rendered children while its API calls queue for a thread of asyncio's
+    # default pool (min(32, CPUs + 4) threads). Unbounded, a burst of N new jobs holds N such
+    # sets at once, and the allocator keeps that high-water mark for the operator's life;
+    # bounded, a daemon waiting for a slot holds only itself.
+    concurrency: int = 8
+    metrics_port: int = 0  # FTJOB_METRICS_PORT: 0 serves no /metrics
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> Settings:
+        return cls(
+            resync=float(env.get("FTJOB_RESYNC_SECONDS", cls.resync)),
+            progress_every=float(env.get("FTJOB_PROGRESS_SECONDS", cls.progress_every)),
+            concurrency=int(env.get("FTJOB_RECONCILE_CONCURRENCY", cls.concurrency)),
+            metrics_port=int(env.get("FTJOB_METRICS_PORT") or 0),
+        )
+
+
+@dataclass
+class Watch:
+    """What the handlers share with one running daemon."""
+
+    uid: str
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    generation: int | None = None  # the spec generation last reconciled
+    gone: bool = False
+
+
+WATCHES: dict[str, Watch] = {}  # by job UID
+LATEST: dict[tuple[str, str], Watch] = {}  # by (namespace, name): the newest object's
+SETTINGS = Settings()
 _kube: Kube | None = None
 _slots: asyncio.Semaphore | None = None
 
@@ -52,8 +88,9 @@ def kube() -> Kube:
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, **_) -> None:
-    global _slots
-    _slots = asyncio.Semaphore(RECONCILE_CONCURRENCY)  # in the operator's own event loop
+    global _slots, SETTINGS
+    SETTINGS = Settings.from_env()
+    _slots = asyncio.Semaphore(SETTINGS.concurrency)  # in the operator's own event loop
     # kopf's own bookkeeping goes to annotations; .status belongs to the FineTuneJob API.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -64,7 +101,7 @@ async def configure(settings: kopf.OperatorSettings, **_) -> None:
     # The daemons' finalizer (it lets kopf stop a job's daemon before the job is gone).
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.watching.server_timeout = 300  # re-list now and then: watches can drop silently
-    port = int(os.environ.get("FTJOB_METRICS_PORT", "0") or 0)
+    port = SETTINGS.metrics_port
     if port:
         app = web.Application()
         app.router.add_get("/metrics", _serve_metrics)
@@ -83,30 +120,58 @@ def job_pods(namespace, labels, body, **_):
 
 @kopf.on.event("pods", labels=POD_SELECTOR)
 def pod_changed(namespace, labels, **_) -> None:
-    event = WAKE.get((namespace, labels.get(render.LABEL_JOB)))
-    if event is not None:
-        event.set()
+    watch = LATEST.get((namespace, labels.get(render.LABEL_JOB)))
+    if watch is not None:
+        watch.wake.set()
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def job_changed(type, body, **_) -> None:  # noqa: A002 - kopf's argument name
+    """Spec changes (suspend, resume) and deletion act now, not at the next resync. Our own
+    status writes come back here too; they change no generation and wake nothing."""
+    meta = body.get("metadata", {})
+    watch = WATCHES.get(meta.get("uid"))
+    if watch is None:
+        return
+    if type == "DELETED":
+        watch.gone = True
+    if (
+        type == "DELETED"
+        or meta.get("deletionTimestamp")
+        or (meta.get("generation") != watch.generation)
+    ):
+        watch.wake.set()
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0)
 async def job_daemon(name, namespace, body, stopped, job_pods: kopf.Index, logger, **_) -> None:
-    key = (namespace, name)
-    wake = WAKE.setdefault(key, asyncio.Event())
-    state = {"written": None, "progress_at": 0.0, "snapshot": None}
+    uid = body["metadata"]["uid"]
+    watch = WATCHES[uid] = LATEST[(namespace, name)] = Watch(uid)
+    state = {"written": None, "snapshot": None, "port": None}
+    poller = asyncio.create_task(_poll_progress(namespace, name, job_pods, state, watch))
     try:
-        while not stopped:
-            wake.clear()
+        while not stopped and not watch.gone:
+            watch.wake.clear()
             try:
                 async with _slots:
-                    delay = await _reconcile(name, namespace, body, job_pods, state, logger)
+                    delay = await _reconcile(name, namespace, body, job_pods, state, watch)
+            except Gone as e:
+                logger.info(f"stopping: {e}")
+                return
             except Exception as e:  # noqa: BLE001 - a failed reconcile is retried, not fatal
                 metrics.RECONCILE_ERRORS.inc()
                 logger.warning(f"reconcile failed, retrying: {error_text(e)}")
                 delay = 1.0
-            await _sleep(wake, max(min(delay or RESYNC, RESYNC), 0.05))
+            resync = SETTINGS.resync
+            await _sleep(watch.wake, max(min(delay or resync, resync), 0.05))
+        if watch.gone:
+            logger.info(f"stopping: {namespace}/{name} (object {uid}) was deleted")
     finally:
-        WAKE.pop(key, None)
-        metrics.job_phase(key, None)
+        poller.cancel()
+        WATCHES.pop(uid, None)
+        if LATEST.get((namespace, name)) is watch:
+            del LATEST[(namespace, name)]
+        metrics.job_phase(uid, None)
 
 
 async def _sleep(wake: asyncio.Event, seconds: float) -> None:
@@ -119,10 +184,14 @@ async def _sleep(wake: asyncio.Event, seconds: float) -> None:
         timer.cancel()
 
 
-async def _reconcile(name, namespace, body, job_pods, state, logger) -> float | None:
+async def _reconcile(name, namespace, body, job_pods, state, watch: Watch) -> float | None:
     started = time.monotonic()
     doc = json.loads(json.dumps(body, default=dict))
     meta = doc["metadata"]
+    uid = watch.uid
+    if meta.get("uid") != uid:
+        raise Gone(f"{namespace}/{name} is now object {meta.get('uid')}, not {uid}")
+    watch.generation = meta.get("generation")
     old_status = doc.get("status") or {}
     written = state["written"]
     if written and written[0] == meta.get("resourceVersion"):
@@ -132,7 +201,7 @@ async def _reconcile(name, namespace, body, job_pods, state, logger) -> float | 
         old_status = written[1]
     elif written:
         state["written"] = None  # the watch brought a newer job: that copy is never read again
-    pods = [p for p in job_pods.get((namespace, name), []) if _owned_by(p, meta["uid"])]
+    pods = _own_pods(job_pods, namespace, name, uid)
     now = datetime.now(timezone.utc)
     try:
         _, spec = validation.parse_job(doc)  # the job and every child it would create
@@ -142,60 +211,82 @@ async def _reconcile(name, namespace, body, job_pods, state, logger) -> float | 
         )
         spec = None
     else:
-        snapshot = await _progress(spec, pods, old_status, state)
+        state["port"] = spec.network.progress_port
         decision = lifecycle.decide(
-            spec, name, meta.get("generation"), old_status, pods, now, snapshot
+            spec, name, meta.get("generation"), old_status, pods, now, state["snapshot"]
         )
         decision.status["jobFolder"] = render.job_dir(name, spec, meta["uid"])
 
     new = decision.status
     if new != old_status:
-        changes = status.merge_patch(old_status, new)
-        await asyncio.to_thread(kube().patch_status, namespace, name, changes)
+        await asyncio.to_thread(kube().patch_status, namespace, name, uid, new)
         state["written"] = (meta.get("resourceVersion"), new)
     for kind, reason, message in decision.events:
         kopf.event(body, type=kind, reason=reason, message=message)
     if new.get("restarts", 0) > old_status.get("restarts", 0):
         metrics.GANG_RESTARTS.inc()
-    metrics.job_phase((namespace, name), decision.phase)
+    metrics.job_phase(uid, decision.phase)
 
+    requeue = decision.requeue_after
     if decision.create and spec is not None:
-        uid, attempt = meta["uid"], new["attempt"]
+        if await asyncio.to_thread(kube().job_uid, namespace, name) != uid:
+            raise Gone(f"{namespace}/{name} is no longer object {uid}: nothing is created")
+        attempt = new["attempt"]
         children = [
             render.config_map(name, namespace, spec, uid),
             render.service(name, namespace, spec, uid),
         ]
         children += [render.pod(name, namespace, spec, r, attempt, uid) for r in decision.create]
         for child in children:
-            await asyncio.to_thread(kube().create, child)
+            if not await _create(child, uid):
+                requeue = 0.5  # a dead job's child was in the way: create again once gone
     for pod_name in decision.delete:
-        await asyncio.to_thread(kube().delete_pod, namespace, pod_name)
+        await asyncio.to_thread(kube().delete, "Pod", namespace, pod_name)
     if decision.delete_job:
-        logger.info("ttlSecondsAfterFinished passed: deleting the job")
-        await asyncio.to_thread(kube().delete_job, namespace, name)
+        logging.getLogger(__name__).info(f"{namespace}/{name}: ttlSecondsAfterFinished passed")
+        await asyncio.to_thread(kube().delete_job, namespace, name, uid)
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
-    return decision.requeue_after
+    return requeue
 
 
-def _owned_by(pod: dict, uid: str) -> bool:
-    refs = pod["metadata"].get("ownerReferences") or []
-    return any(r.get("uid") == uid for r in refs)
+async def _create(child: dict, uid: str) -> bool:
+    """Create a child of job ``uid``; True once one of its own exists. A child of the same
+    name owned by another UID (a deleted job's, not yet collected) is removed, not adopted."""
+    if await asyncio.to_thread(kube().create, child):
+        return True
+    kind, meta = child["kind"], child["metadata"]
+    owners = await asyncio.to_thread(kube().owners, kind, meta["namespace"], meta["name"])
+    if owners is None or uid in owners:
+        return owners is not None
+    logging.getLogger(__name__).warning(
+        f"{kind} {meta['namespace']}/{meta['name']} belongs to {sorted(owners)}, not to job "
+        f"{uid}: deleting it"
+    )
+    await asyncio.to_thread(kube().delete, kind, meta["namespace"], meta["name"])
+    return False
 
 
-async def _progress(spec, pods, old_status, state) -> dict | None:
-    """Rank 0's latest snapshot, fetched at a bounded rate while the gang runs."""
-    if time.monotonic() - state["progress_at"] < PROGRESS_EVERY:
-        return state["snapshot"]
-    rank0 = next((p for p in pods if p["metadata"]["labels"].get(render.LABEL_RANK) == "0"), None)
-    ip = (rank0 or {}).get("status", {}).get("podIP")
-    if not ip or rank0["status"].get("phase") != "Running":
-        return state["snapshot"]
-    state["progress_at"] = time.monotonic()
-    url = f"http://{ip}:{spec.network.progress_port}/progress"
-    # Not serving yet (still loading) or gone: keep the last snapshot.
-    with contextlib.suppress(OSError, ValueError):
-        state["snapshot"] = await asyncio.to_thread(_get_json, url)
-    return state["snapshot"]
+def _own_pods(job_pods, namespace: str, name: str, uid: str) -> list[dict]:
+    pods = job_pods.get((namespace, name), [])
+    return [p for p in pods if any(r.get("uid") == uid for r in p["metadata"]["ownerReferences"])]
+
+
+async def _poll_progress(namespace, name, job_pods, state, watch: Watch) -> None:
+    """Rank 0's snapshot every ``progress_every`` seconds while it runs; a new one wakes the
+    reconcile (progress is not a Kubernetes event, so no watch would)."""
+    while True:
+        await asyncio.sleep(SETTINGS.progress_every)
+        pods = _own_pods(job_pods, namespace, name, watch.uid)
+        rank0 = next((p for p in pods if status.rank_of(p) == 0), None)
+        ip = (rank0 or {}).get("status", {}).get("podIP")
+        if not ip or rank0["status"].get("phase") != "Running" or not state["port"]:
+            continue
+        # Not serving yet (still loading) or gone: keep the last snapshot.
+        with contextlib.suppress(OSError, ValueError):
+            snapshot = await asyncio.to_thread(_get_json, f"http://{ip}:{state['port']}/progress")
+            if snapshot != state["snapshot"]:
+                state["snapshot"] = snapshot
+                watch.wake.set()
 
 
 def _get_json(url: str) -> dict:

@@ -21,6 +21,11 @@ FIELD_MANAGER = "ftjob-operator"
 _KINDS = {"Pod": "pod", "Service": "service", "ConfigMap": "config_map"}
 
 
+class Gone(Exception):
+    """The job a write was meant for no longer exists: deleted (404), or replaced by a new
+    object of the same name (its UID differs: the JSON patch's ``test`` answers 422)."""
+
+
 class Kube:
     def __init__(self, api: client.ApiClient | None = None):
         if api is None:
@@ -50,40 +55,81 @@ class Kube:
             raise
         return True
 
-    @metrics.timed("delete_pod")
-    def delete_pod(self, namespace: str, name: str) -> bool:
-        """Delete a pod (graceful); False if it was already gone."""
+    @metrics.timed("read")
+    def owners(self, kind: str, namespace: str, name: str) -> set[str] | None:
+        """UIDs in the ownerReferences of an existing child; None if it is gone."""
+        read = getattr(self.core, f"read_namespaced_{_KINDS[kind]}")
         try:
-            self.core.delete_namespaced_pod(name, namespace, _preload_content=False)
+            response = read(name, namespace, _preload_content=False)
+        except client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        meta = json.loads(response.data).get("metadata") or {}
+        return {r.get("uid") for r in meta.get("ownerReferences") or []}
+
+    @metrics.timed("delete")
+    def delete(self, kind: str, namespace: str, name: str) -> bool:
+        """Delete a child (graceful); False if it was already gone."""
+        delete = getattr(self.core, f"delete_namespaced_{_KINDS[kind]}")
+        try:
+            delete(name, namespace, _preload_content=False)
         except client.ApiException as e:
             if e.status == 404:
                 return False
             raise
         return True
 
-    @metrics.timed("patch_status")
-    def patch_status(self, namespace: str, name: str, changes: dict[str, Any]) -> dict:
-        """Merge-patch ``.status`` through the status subresource; returns the new object."""
-        return self.custom.patch_namespaced_custom_object_status(
-            GROUP,
-            VERSION,
-            namespace,
-            PLURAL,
-            name,
-            {"status": changes},
-            field_manager=FIELD_MANAGER,
-            _content_type="application/merge-patch+json",
-        )
-
-    @metrics.timed("delete_job")
-    def delete_job(self, namespace: str, name: str) -> None:
-        """Delete the job; its children follow by owner reference (garbage collection)."""
+    @metrics.timed("read_job")
+    def job_uid(self, namespace: str, name: str) -> str | None:
         try:
-            self.custom.delete_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, name, propagation_policy="Background"
+            job = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        return job["metadata"].get("uid")
+
+    @metrics.timed("patch_status")
+    def patch_status(self, namespace: str, name: str, uid: str, status: dict[str, Any]) -> dict:
+        """Replace ``.status`` of the job ``name`` if it still is object ``uid``; raise
+        :class:`Gone` otherwise. A JSON patch whose ``test`` on metadata.uid fails as a whole:
+        a status meant for a deleted job never lands on a new job of the same name."""
+        patch = [
+            {"op": "test", "path": "/metadata/uid", "value": uid},
+            {"op": "add", "path": "/status", "value": status},
+        ]
+        try:
+            return self.custom.patch_namespaced_custom_object_status(
+                GROUP,
+                VERSION,
+                namespace,
+                PLURAL,
+                name,
+                patch,
+                field_manager=FIELD_MANAGER,
+                _content_type="application/json-patch+json",
             )
         except client.ApiException as e:
-            if e.status != 404:
+            if e.status in (404, 422):
+                raise Gone(f"{namespace}/{name} is no longer object {uid}") from e
+            raise
+
+    @metrics.timed("delete_job")
+    def delete_job(self, namespace: str, name: str, uid: str) -> None:
+        """Delete the job (object ``uid`` only); its children follow by owner reference."""
+        try:
+            self.custom.delete_namespaced_custom_object(
+                GROUP,
+                VERSION,
+                namespace,
+                PLURAL,
+                name,
+                propagation_policy="Background",
+                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
+            )
+        except client.ApiException as e:
+            if e.status not in (404, 409):  # gone, or another object now (uid precondition)
                 raise
 
 

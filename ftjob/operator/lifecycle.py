@@ -82,7 +82,8 @@ class _Step:
         # Kill what still runs (ranks hung in a collective hold GPUs); finished pods stay for
         # `kubectl logs`, and go with the job.
         self.delete_live([p for p in self.pods if not st.terminated(p)])
-        message = failure["message"] + (f"; {note}" if note else "")
+        # The note first: the Event carries only the first line ("backoffLimit (3) reached").
+        message = f"{note}: {failure['message']}" if note else failure["message"]
         return self.set("Failed", failure["reason"], message)
 
 

@@ -45,10 +45,10 @@ API_SECONDS = Histogram(
     registry=REGISTRY,
 )
 
-_phases: dict[tuple[str, str], str] = {}  # (namespace, name) -> phase of each live job
+_phases: dict[str, str] = {}  # job uid -> phase of each live job
 
 
-def job_phase(key: tuple[str, str], phase: str | None) -> None:
+def job_phase(key: str, phase: str | None) -> None:
     """Record a job's phase; None when the job is gone (its daemon stopped)."""
     if phase is None:
         _phases.pop(key, None)

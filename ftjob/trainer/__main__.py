@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     # bitsandbytes announces at import that an optional CPU kernel package is missing.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     # Imported after the spec check: a bad spec fails before torch and transformers load.
-    from ftjob.trainer import train
+    from ftjob.contract import TrainerError
+    from ftjob.trainer import owner, train
     from ftjob.trainer.data import DataError
     from ftjob.trainer.model import SourceError
 
@@ -57,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         rank = os.environ.get("RANK", "0")
         print(f"error: rank {rank}: {kind}: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED
+    except TrainerError as e:  # a failure the trainer named (full disk, busy job folder...)
+        rank = os.environ.get("RANK", "0")
+        print(f"error: rank {rank}: {e.reason}: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    finally:
+        owner.release_held()  # a failed run gives the job folder up at once
     return 0
 
 

@@ -47,6 +47,20 @@ def write_termination_message(export_path: Path) -> None:
         Path(target).write_text(json.dumps({"exportPath": str(export_path)}))
 
 
+def finished(job_dir: Path, export_path: Path) -> None:
+    """Mark progress.json done for a run that found its export already written (a gang
+    killed after the export, rerun): its last snapshot may still say "exporting"."""
+    path = job_dir / "progress.json"
+    try:
+        snap = json.loads(path.read_text())
+    except (OSError, ValueError):
+        snap = {}
+    snap.update(phase="succeeded", exportPath=str(export_path), etaSeconds=0, updatedAt=_now())
+    tmp = job_dir / ".progress.json.tmp"
+    tmp.write_text(json.dumps(snap, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import time
 from pathlib import Path
 
@@ -20,10 +21,20 @@ from transformers import get_scheduler
 from transformers.utils import logging as hf_logging
 
 from ftjob import jobfolder
-from ftjob.contract import BAD_SPEC, TrainerError
+from ftjob.contract import BAD_SPEC, EXPORT_FAILED, TrainerError
 from ftjob.modelshape import flops_per_token
 from ftjob.spec import FineTuneJobSpec
-from ftjob.trainer import checkpoint, data, export, model, parallel, progress, sources
+from ftjob.trainer import (
+    checkpoint,
+    data,
+    export,
+    model,
+    owner,
+    parallel,
+    progress,
+    sources,
+    volume,
+)
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
@@ -37,10 +48,17 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     hf_logging.disable_progress_bar()  # pod logs are not terminals
     if not d.is_main:
         hf_logging.set_verbosity_error()  # one copy of each warning is enough
+    # Before anything is written to the job folder: one run writes there at a time.
+    wait = min(2 * owner.LEASE_SECONDS, spec.network.collective_timeout_seconds - 5)
+    lease = owner.take(job_dir, d.rank, wait)
     recorded = jobfolder.claim(job_dir, name, spec, writer=d.is_main)
     total_asked = spec.training.max_steps
     if out.exists() and (total_asked is None or recorded.get("trainedSteps", 0) >= total_asked):
         say(f"{name}: already trained; the exported model is in {out}", flush=True)
+        if d.is_main:  # a gang killed after its export: the record says done, not exporting
+            progress.finished(job_dir, out)
+            progress.write_termination_message(out)
+            lease.release()
         dist.destroy_process_group()
         return out
     asked = spec  # what the job folder records; the run reads downloads from the volume
@@ -75,7 +93,11 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     )
     scheduler = get_scheduler(SCHEDULERS[t.scheduler], optimizer, t.warmup_steps(total), total)
     ckpt = checkpoint.Checkpointer(
-        job_dir / "checkpoints", d.rank, spec.checkpoint.keep, spec.checkpoint.async_save
+        job_dir / "checkpoints",
+        d.rank,
+        spec.checkpoint.keep,
+        spec.checkpoint.async_save,
+        fence=lease.check if lease else None,
     )
     report = _progress(spec, d, job_dir, total, net, params, trainable, sharding)
     report.log(
@@ -87,7 +109,10 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     report.log("peak RSS per rank after loading (MiB): " + ", ".join(f"{m:.0f}" for m in load_rss))
 
     start = 0
-    found = checkpoint.latest(job_dir / "checkpoints") or _seed(spec)
+    found, damaged = checkpoint.choose(job_dir / "checkpoints", d.rank, d.world_size)
+    for note in damaged:
+        report.log(f"{note}; using {found or 'none: starting at step 0'} instead")
+    found = found or _seed(spec)
     if found is not None:
         start = ckpt.load(found, net, optimizer, scheduler)
         report.update(resumedFrom=str(found), lastCheckpoint=str(found), lastCheckpointStep=start)
@@ -127,7 +152,7 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     report.update(trainPeakRssMiB=train_rss)
 
     report.update(phase="exporting")
-    export.export(net, spec, tok, out, d.rank)
+    _export(net, spec, tok, out, d.rank, lease)
     if d.is_main:
         jobfolder.write(job_dir, name, asked, trained_steps=total)
     report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
@@ -135,6 +160,8 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     if d.rank == 0:
         progress.write_termination_message(out)
     report.close()
+    if lease:
+        lease.release()
     dist.destroy_process_group()
     return out
 
@@ -155,6 +182,28 @@ def _seed(spec: FineTuneJobSpec) -> Path | None:
             where="spec.checkpoint.resumeFrom",
         )
     return found
+
+
+def _export(net, spec, tok, out: Path, rank: int, lease: owner.Lease | None) -> None:
+    """The export, with a failed write named (a full volume: DiskFull) on every rank and its
+    temporary folder removed; the checkpoints stay, so a rerun exports again."""
+    if lease:
+        lease.check()
+    failed = None
+    try:
+        export.export(net, spec, tok, out, rank)
+    except Exception as e:
+        named = volume.write_failed(e, "export", out.parent, EXPORT_FAILED)
+        if named is None:
+            raise
+        shutil.rmtree(out.with_name(f".tmp-{out.name}"), ignore_errors=True)  # export's temp
+        failed = (str(named), named.reason, named.where)
+        dist.barrier()  # the one the other ranks wait in at the end of export.export
+    agreed = [failed]
+    dist.broadcast_object_list(agreed, src=0)  # only rank 0 writes: its outcome is everyone's
+    if agreed[0] is not None:
+        message, reason, where = agreed[0]
+        raise TrainerError(message, reason=reason, where=where)
 
 
 def token_loss(net, batch: dict, device: torch.device) -> tuple[torch.Tensor, int]:

@@ -37,9 +37,9 @@ def tiny_job(name: str, **spec_changes) -> dict:
 class Operator:
     """``ftjob operator`` against the cluster's kubeconfig, with short resync periods."""
 
-    def __init__(self, cluster: Cluster, log: Path, *extra: str, standalone: bool = True):
+    def __init__(self, cluster: Cluster, log: Path, *extra: str, standalone: bool = True, env=None):
         self.cluster, self.log, self.extra = cluster, log, extra
-        self.standalone = standalone
+        self.standalone, self.env = standalone, env or {}
         self.health, self.metrics = free_port(), free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -50,6 +50,7 @@ class Operator:
             FTJOB_RESYNC_SECONDS="1",
             FTJOB_PROGRESS_SECONDS="0.2",
         )
+        env.update(self.env)
         argv = [sys.executable, "-m", "ftjob", "operator"]
         if not any(a in ("-n", "--namespace") for a in self.extra):
             argv.append("--all-namespaces")

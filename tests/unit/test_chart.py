@@ -382,11 +382,11 @@ CLUSTER_SCOPED = {
     ("kopf.dev", "clusterkopfpeerings"),
 }
 KUBE_METHOD = re.compile(
-    r"^(?P<verb>create|delete|list|patch|read|replace)_namespaced_(?P<kind>[a-z_]+?)"
+    r"^(?P<verb>create|delete|get|list|patch|read|replace)_namespaced_(?P<kind>[a-z_]+?)"
     r"(?P<sub>_status)?$"
 )
 VERB = {"create": "create", "delete": "delete", "list": "list", "patch": "patch"}
-VERB |= {"read": "get", "replace": "update"}
+VERB |= {"get": "get", "read": "get", "replace": "update"}
 HANDLERS_THAT_PATCH = {"daemon", "timer", "create", "update", "delete", "resume", "field"}
 HANDLERS_THAT_WATCH = HANDLERS_THAT_PATCH | {"index", "event"}
 

@@ -217,6 +217,8 @@ def test_backoff_limit_fails_the_job():
     assert f.phase == "Failed" and "backoffLimit (0) reached" in f.status["failure"][
         "message"
     ] + str(f.status["conditions"])
+    assert f.events[-1][:2] == ("Warning", "Error")  # the Event says why it is final
+    assert f.events[-1][2].startswith("backoffLimit (0) reached: ")
     assert f.delete == ["tiny-node-0"]  # the survivor is killed, the failed pod kept for logs
     assert f.status["completionTime"]
 

@@ -85,24 +85,27 @@ ftjob/operator/kube.py or one need of kopf for the handlers in ftjob/operator/ha
 {{- define "ftjob.namespacedRules" -}}
 # kopf: one daemon per FineTuneJob needs the jobs listed and watched, and patched for the
 # finalizer that stops the daemon before deletion and for kopf's progress annotations.
+# get: kube.job_uid, that the job is still the object its daemon serves before creating.
 # delete: kube.delete_job, when ttlSecondsAfterFinished runs out.
 - apiGroups: [ftjob.dev]
   resources: [finetunejobs]
-  verbs: [list, watch, patch, delete]
+  verbs: [get, list, watch, patch, delete]
 # kube.patch_status: phase, conditions, progress (the status subresource).
 - apiGroups: [ftjob.dev]
   resources: [finetunejobs/status]
   verbs: [patch]
 # kopf: the pod index and pod event handler watch the trainer pods.
-# kube.create: one pod per node; kube.delete_pod: a failed gang is replaced whole.
+# kube.create: one pod per node; kube.delete: a failed gang is replaced whole.
+# kube.owners (get): whose is a pod of the same name that already exists.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, watch, create, delete]
+  verbs: [list, watch, create, get, delete]
 # kube.create: the headless rendezvous Service and the ConfigMap holding the job's spec.
-# Never updated or deleted by the operator: owner references garbage-collect them.
+# Never updated: owner references garbage-collect them. get and delete: one of the same
+# name left by a deleted job (another owner UID) is removed, never adopted.
 - apiGroups: [""]
   resources: [services, configmaps]
-  verbs: [create]
+  verbs: [create, get, delete]
 # kopf.event(): an Event on every phase transition, and kopf's own warnings.
 - apiGroups: [""]
   resources: [events]

@@ -1,0 +1,236 @@
+"""One writer per job folder: ``<job folder>/owner`` names the run that writes there.
+
+Rank 0 takes the folder before anything is written and refreshes the file every
+``HEARTBEAT_SECONDS`` while the run lives; every rank gets rank 0's answer, so a run that
+may not write stops on all ranks at once. The folder is free when the file is absent, names
+this run, or names a run that is over:
+
+* it ran on this machine (same host, kernel boot and PID namespace) and its process is gone;
+* it ran elsewhere and its heartbeat is older than ``LEASE_SECONDS`` (killed, or its node
+  lost).
+
+A live owner on this machine is another ``ftjob run``: refused at once. A live owner
+elsewhere is, on a cluster, the previous attempt's gang still terminating: a newer attempt
+of the same job waits for it to stop (at most two leases), an older or foreign run is
+refused. Before each commit and before the export, rank 0 checks that the file still names
+this run (:func:`Lease.check`), so a run that lost the folder never commits into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ftjob.contract import INTERNAL, OWNED_ELSEWHERE, TrainerError
+from ftjob.trainer import volume
+
+FILE = "owner"
+HEARTBEAT_SECONDS = 5.0
+LEASE_SECONDS = 30.0
+SETTLE_SECONDS = 0.2  # after taking the folder, before trusting it is ours
+
+
+@dataclass
+class Owner:
+    run: str  # the rendezvous id: unique per ftjob run and per operator attempt
+    machine: str  # where ``pid`` means something (host, boot, PID namespace)
+    host: str
+    pid: int
+    since: str
+    heartbeat: float  # Unix time of the last refresh
+
+    @classmethod
+    def me(cls) -> Owner:
+        return cls(
+            run=os.environ.get("TORCHELASTIC_RUN_ID", f"pid-{os.getpid()}"),
+            machine=_machine(),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            since=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            heartbeat=time.time(),
+        )
+
+    def alive(self, now: float) -> bool:
+        if self.machine == _machine():  # its process tells, however old the heartbeat
+            return _pid_alive(self.pid)
+        return now - self.heartbeat <= LEASE_SECONDS
+
+    def describe(self, now: float) -> str:
+        return (
+            f"run {self.run} (host {self.host}, pid {self.pid}) since {self.since}, "
+            f"last seen {max(0.0, now - self.heartbeat):.0f} s ago"
+        )
+
+
+def attempt_of(run: str) -> tuple[str, int] | None:
+    """(job, attempt) of a rendezvous id ``<job>-<uid8>-<attempt>``, else None."""
+    found = re.match(r"^(.*)-(\d+)$", run)
+    return (found.group(1), int(found.group(2))) if found else None
+
+
+def newer_attempt(mine: str, theirs: str) -> bool:
+    a, b = attempt_of(mine), attempt_of(theirs)
+    return bool(a and b and a[0] == b[0] and a[1] > b[1])
+
+
+class Lease:
+    """This run's hold on the job folder (rank 0 holds it; other ranks hold nothing)."""
+
+    def __init__(self, job_dir: Path):
+        self.path = job_dir / FILE
+        self.me = Owner.me()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def take(self, wait_seconds: float = 2 * LEASE_SECONDS) -> None:
+        """Own the folder, or raise TrainerError(OWNED_ELSEWHERE)."""
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            current = self.read()
+            now = time.time()
+            if current is None or current.run == self.me.run or not current.alive(now):
+                self._write()
+                # Two runs that found the folder free at once both wrote: the last rename
+                # won; the other sees it now and refuses like any later run.
+                time.sleep(SETTLE_SECONDS)
+                current = self.read()
+                if current is not None and current.run == self.me.run:
+                    break
+                continue
+            may_wait = current.machine != self.me.machine and newer_attempt(
+                self.me.run, current.run
+            )
+            if not may_wait or time.monotonic() > deadline:
+                raise self._refusal(current, now)
+            time.sleep(1.0)
+        self._thread = threading.Thread(target=self._beat, name="ftjob-owner", daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        """Raise TrainerError(OWNED_ELSEWHERE) if the folder is no longer this run's."""
+        current = self.read()
+        if current is None or current.run != self.me.run:
+            who = current.describe(time.time()) if current else "nobody (the file is gone)"
+            raise TrainerError(
+                f"job folder {self.path.parent} was taken over by {who}; this run stops "
+                "without writing there",
+                reason=OWNED_ELSEWHERE,
+                where=str(self.path),
+            )
+
+    def release(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            current = self.read()
+            if current is not None and current.run == self.me.run:
+                self.path.unlink()
+
+    def read(self) -> Owner | None:
+        """The owner, or None: no file, or one a crash left unreadable (nobody holds it)."""
+        try:
+            return Owner(**json.loads(self.path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def _write(self) -> None:
+        self.me.heartbeat = time.time()
+        tmp = self.path.with_name(f".{FILE}-{os.getpid()}-{threading.get_ident()}")
+        tmp.write_text(json.dumps(asdict(self.me), indent=1) + "\n")
+        os.replace(tmp, self.path)  # readers see the old file or the new one, never half
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            current = self.read()
+            if current is None or current.run != self.me.run:
+                return  # taken over: stop refreshing; check() refuses the next write
+            with contextlib.suppress(OSError):  # a full disk: the lease just ages
+                self._write()
+
+    def _refusal(self, current: Owner, now: float) -> TrainerError:
+        return TrainerError(_in_use(self.path, current, now), reason=OWNED_ELSEWHERE,
+                            where=str(self.path))  # fmt: skip
+
+
+def in_use(job_dir: Path) -> str | None:
+    """Why ``job_dir`` may not be written now (a live owner), or None. ``ftjob run`` asks
+    before it writes anything there; the trainer's :func:`take` is what guarantees it."""
+    lease = Lease(job_dir)
+    current, now = lease.read(), time.time()
+    if current is None or not current.alive(now):
+        return None
+    return _in_use(lease.path, current, now)
+
+
+def _in_use(path: Path, current: Owner, now: float) -> str:
+    return (
+        f"job folder {path.parent} is in use by {current.describe(now)}. Wait for it to "
+        f"finish, or stop it; if it is gone for good, delete {path} (a lease also expires "
+        f"{LEASE_SECONDS:.0f} s after its last heartbeat)."
+    )
+
+
+_held: Lease | None = None  # this process's lease, released however the run ends
+
+
+def take(job_dir: Path, rank: int, wait_seconds: float = 2 * LEASE_SECONDS) -> Lease | None:
+    """A collective: rank 0 takes the job folder for this run; every rank raises the same
+    TrainerError if it may not. Returns rank 0's lease (None on the other ranks). The other
+    ranks wait in a collective meanwhile: keep ``wait_seconds`` below its timeout."""
+    import torch.distributed as dist  # here: `ftjob run` reads this module without torch
+
+    global _held
+    lease, refusal = None, None
+    if rank == 0:
+        job_dir.mkdir(parents=True, exist_ok=True)
+        lease = Lease(job_dir)
+        try:
+            lease.take(wait_seconds)
+            _held = lease
+        except OSError as e:  # the owner file cannot be written (a full or read-only volume)
+            named = volume.write_failed(e, f"taking the job folder ({FILE})", job_dir, INTERNAL)
+            refusal = (str(named), named.reason, named.where)
+        except TrainerError as e:
+            refusal = (str(e), e.reason, e.where)
+    answer = [refusal]
+    dist.broadcast_object_list(answer, src=0)
+    if answer[0] is not None:
+        message, reason, where = answer[0]
+        raise TrainerError(message, reason=reason, where=where)
+    return lease
+
+
+def release_held() -> None:
+    """Give the folder up at the end of the process, failed or not: the next attempt need
+    not wait for the lease to expire."""
+    if _held is not None:
+        _held.release()
+
+
+def _machine() -> str:
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        boot = pidns = "?"
+    return f"{socket.gethostname()}/{boot}/{pidns}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie has exited: its writes are over.
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    return True
