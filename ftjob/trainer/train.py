@@ -48,11 +48,12 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
                            t.gradient_accumulation)  # fmt: skip
     total = t.max_steps or sampler.steps_for(t.epochs)
 
-    built = model.build(spec, d, tok)
+    built = model.build(spec, tok)
     params, trainable = model.count_parameters(built.model)
     sharding = spec.effective_sharding(4 * params + 12 * trainable, _gpu_bytes(d))
     mesh = parallel.mesh(spec, d, sharding)
-    net = parallel.shard(built.model, spec, mesh, sharding, built.ignored)
+    model.check_shardable(built, parallel.shard_group_size(mesh))  # before any weight is read
+    net = parallel.shard(built.model, spec, mesh, sharding)
     model.materialize(built, d, spec.parallelism.cpu_offload)
     net.train()
     torch.manual_seed(t.seed + d.rank)  # dropout: a different stream on each rank
