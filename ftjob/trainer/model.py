@@ -221,8 +221,8 @@ def _own_shard(full: torch.Tensor, like: torch.Tensor, home: torch.device) -> to
             # torch.chunk is how FSDP2 splits a parameter (shorter last chunk, then padding).
             chunks = torch.chunk(local, mesh.size(dim), dim=placement.dim)
             index = mesh.get_local_rank(dim)
-            empty = local.new_empty((0, *local.shape[1:]))  # a rank past the last chunk
-            local = chunks[index] if index < len(chunks) else empty
+            # A rank past the last chunk holds nothing (never NF4: check_shardable).
+            local = chunks[index] if index < len(chunks) else local[:0]
     # A slice would keep the whole tensor alive: copy it out.
     local = local.to(home).clone()
     return DTensor.from_local(
