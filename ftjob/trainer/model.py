@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torchao.quantization import NF4Tensor, to_nf4
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from ftjob.contract import BAD_SPEC, TrainerError
@@ -151,6 +152,15 @@ def _adapters(model: nn.Module, spec: FineTuneJobSpec) -> nn.Module:
     return get_peft_model(model, config)
 
 
+def left_whole(built: Built, shards: int) -> set[nn.Parameter]:
+    """QLoRA's 4-bit weights when the shard group is one process: FSDP2 skips the NF4 hooks
+    for a group of one (its all-gather fails), and there is nothing to split them over."""
+    if shards > 1:
+        return set()
+    params = dict(built.model.named_parameters())
+    return {params[name] for name in built.quantized}
+
+
 def materialize(built: Built, d: Dist, cpu_offload: bool = False) -> None:
     """After sharding: read the weights on rank 0 and give every rank its shards (collective).
 
@@ -175,8 +185,6 @@ def materialize(built: Built, d: Dist, cpu_offload: bool = False) -> None:
             if id(old) not in done:
                 full = _broadcast(state.pop(name, None), old, d)
                 if name in built.quantized:
-                    from torchao.quantization import to_nf4
-
                     full = to_nf4(full, NF4_BLOCK, NF4_SCALE_BLOCK)
                 done[id(old)] = nn.Parameter(_own_shard(full, old, home), old.requires_grad)
             setattr(module, attr, done[id(old)])
@@ -214,7 +222,7 @@ def _broadcast(value: torch.Tensor | None, like: torch.Tensor, d: Dist) -> torch
 def _own_shard(full: torch.Tensor, like: torch.Tensor, home: torch.device) -> torch.Tensor:
     """This rank's piece of ``full`` laid out as the sharded (meta) parameter ``like``."""
     if not isinstance(like, DTensor):
-        return full.to(home)
+        return full  # left whole by FSDP: it stays on the compute device
     mesh, local = like.device_mesh, full
     for dim, placement in enumerate(like.placements):
         if placement.is_shard():
@@ -223,8 +231,16 @@ def _own_shard(full: torch.Tensor, like: torch.Tensor, home: torch.device) -> to
             index = mesh.get_local_rank(dim)
             # A rank past the last chunk holds nothing (never NF4: check_shardable).
             local = chunks[index] if index < len(chunks) else local[:0]
-    # A slice would keep the whole tensor alive: copy it out.
-    local = local.to(home).clone()
+    local = local.to(home)
+    if isinstance(local, NF4Tensor):
+        # NF4's clone() quantizes again (and a slice's own scale mean differs from the whole
+        # weight's): copy its parts instead. Fresh unit strides also matter, as FSDP2 views
+        # each all-gather input as bytes (a one-element slice keeps its parent's stride).
+        for attr in ("quantized_scalers", "quantization_factor", "quantized_data"):
+            part = getattr(local, attr)
+            setattr(local, attr, part.clone(memory_format=torch.contiguous_format))
+    else:
+        local = local.clone()  # a slice would keep the whole tensor alive
     return DTensor.from_local(
         local, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
     )

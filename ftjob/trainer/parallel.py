@@ -108,8 +108,11 @@ def shard(
     spec: FineTuneJobSpec,
     device_mesh: DeviceMesh,
     sharding: str,
+    whole: set[nn.Parameter] | None = None,
 ) -> nn.Module:
-    """Activation checkpointing, then ``fully_shard`` per decoder layer, then the root."""
+    """Activation checkpointing, then ``fully_shard`` per decoder layer, then the root.
+
+    ``whole``: parameters FSDP leaves alone (each rank holds them whole)."""
     if spec.training.activation_checkpointing:
         # Non-reentrant checkpointing recomputes inside FSDP's hooks and needs no input grads.
         model.activation_checkpointing_enable(
@@ -127,7 +130,7 @@ def shard(
     )
     # grad-op keeps each layer's gathered parameters from forward until backward (ZeRO-2).
     reshard = sharding != "grad-op"
-    kwargs = dict(mesh=device_mesh, mp_policy=mp, offload_policy=offload)
+    kwargs = dict(mesh=device_mesh, mp_policy=mp, offload_policy=offload, ignored_params=whole)
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard, **kwargs)
     # The root (embeddings, final norm, head) is gathered last and used first in backward:

@@ -52,8 +52,9 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     params, trainable = model.count_parameters(built.model)
     sharding = spec.effective_sharding(4 * params + 12 * trainable, _gpu_bytes(d))
     mesh = parallel.mesh(spec, d, sharding)
-    model.check_shardable(built, parallel.shard_group_size(mesh))  # before any weight is read
-    net = parallel.shard(built.model, spec, mesh, sharding)
+    shards = parallel.shard_group_size(mesh)
+    model.check_shardable(built, shards)  # before any weight is read
+    net = parallel.shard(built.model, spec, mesh, sharding, model.left_whole(built, shards))
     model.materialize(built, d, spec.parallelism.cpu_offload)
     net.train()
     torch.manual_seed(t.seed + d.rank)  # dropout: a different stream on each rank
