@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -22,6 +24,7 @@ class ModelShape:
     intermediate: int
     vocab: int
     tied: bool = False
+    checkpoint_bytes: int = 2  # bytes per weight as published (bf16 for the known models)
 
     @classmethod
     def from_config(cls, config: dict, name: str = "model") -> ModelShape:
@@ -36,6 +39,9 @@ class ModelShape:
                 intermediate=config["intermediate_size"],
                 vocab=config["vocab_size"],
                 tied=bool(config.get("tie_word_embeddings", False)),
+                checkpoint_bytes=DTYPE_BYTES.get(
+                    str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"), 4
+                ),
             )
         except KeyError as e:
             raise ValueError(f"{name}: config.json has no {e.args[0]}; cannot plan") from e
