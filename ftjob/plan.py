@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ftjob.hardware import GIB, GPUS, node_bandwidth
-from ftjob.modelshape import ModelShape, flops_per_token, shape_for
+from ftjob.modelshape import ModelShape, flops_per_token, nf4_shard_problem, shape_for
 from ftjob.schema import quantity
 from ftjob.spec import FineTuneJobSpec, QuantizationSpec
 
@@ -66,6 +66,7 @@ class Estimate:
     network_bytes_per_node: float
     network_seconds: float | None
     notes: list[str] = field(default_factory=list)
+    problem: str | None = None  # why the job cannot run at all, whatever the memory
 
     @property
     def per_device(self) -> float:
@@ -97,6 +98,8 @@ class Estimate:
 
     @property
     def fits(self) -> bool | None:
+        if self.problem:
+            return False
         checks = [c for c in (self.fits_device, self.fits_pod) if c is not None]
         return all(checks) if checks else None
 
@@ -123,8 +126,10 @@ def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
     group = {"full": world, "grad-op": world, "hybrid": nproc, "none": 1}[sharding]
     offload = spec.parallelism.cpu_offload
     notes = [f"sharding {sharding} over {group} process{'es' if group > 1 else ''}"]
+    problem = None
     if method == "qlora":
         notes.append("4-bit base sharded" if group > 1 else "4-bit base")
+        problem = nf4_shard_problem(shape.linear_shapes(), group)
     elif method == "lora" and frozen_bytes == 2:
         notes.append("bf16 frozen base")
     states_on_device = 0.0 if offload else 1.0
@@ -195,6 +200,7 @@ def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
         network_bytes_per_node=net,
         network_seconds=net / bandwidth if r.nodes > 1 else 0.0,
         notes=notes,
+        problem=problem and f"method.type qlora: {problem}",
     )
 
 
@@ -435,6 +441,8 @@ def describe(spec: FineTuneJobSpec, result: Plan) -> list[str]:
 
 def verdict_text(result: Plan) -> str:
     e = result.estimate
+    if e.problem:
+        return f"CANNOT RUN: {e.problem}"
     found = []
     if e.fits_device is not None:
         share = e.per_device / e.device_bytes
@@ -464,6 +472,8 @@ def admission(spec: FineTuneJobSpec, config: dict | None = None) -> dict:
     except ValueError as e:
         return {"reason": "Unknown", "message": f"not planned: {e}", "allowed": True}
     result = plan(spec, shape)
+    if result.estimate.problem:  # the trainer would refuse it: no enforce can let it through
+        return {"reason": "CannotRun", "message": verdict_text(result), "allowed": False}
     if result.fits is None:
         return {"reason": "Unknown", "message": verdict_text(result), "allowed": True}
     if result.fits:

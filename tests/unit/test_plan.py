@@ -134,6 +134,12 @@ def test_nf4_sharding_is_refused_where_a_weight_cannot_split():
     problem = nf4_shard_problem(shapes, 3)
     assert "cannot be split into 3 equal 4-bit shards" in problem
     assert "must be 1, 2, 4, 8 or 16 processes" in problem
+    # ftjob plan and admission refuse it before any pod starts, whatever plan.enforce says
+    three = example("llama31-70b-qlora.yaml", **{"resources.gpusPerNode": 3,
+                    "plan.enforce": False})  # fmt: skip
+    verdict = plan.admission(three)
+    assert verdict["reason"] == "CannotRun" and verdict["allowed"] is False
+    assert "must be 1, 2, 4, 8 or 16 processes" in verdict["message"]
     tiny = nf4_shard_problem({"q_proj": (64, 64)}, 2)
     assert "not a multiple of 16384" in tiny and "use method.type lora" in tiny
 
