@@ -108,8 +108,10 @@ def job(name: str, model: Path, *, steps: int, nodes: int = 2, micro_batch: int 
         "checkpoint": {"volume": {"claimName": "bench"}, "every": checkpoint_every or steps + 1,
                        "keep": 1},
     }  # fmt: skip
-    if method == "lora":
+    if method in ("lora", "qlora"):
         spec["method"]["lora"] = {"r": 16, "alpha": 16, "dropout": 0.0}
+    if method == "qlora":
+        spec["method"]["quantization"] = {"type": "nf4"}
     return {"apiVersion": "ftjob.dev/v1alpha1", "kind": "FineTuneJob",
             "metadata": {"name": name}, "spec": spec}  # fmt: skip
 

@@ -116,6 +116,10 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     train_rss = [0.0] * d.world_size
     dist.all_gather_object(train_rss, _peak_rss_mib())
     report.update(trainPeakRssMiB=train_rss)
+    if d.device.type == "cuda":  # what the caching allocator handed out at most, per rank
+        gpu_peak = [0.0] * d.world_size
+        dist.all_gather_object(gpu_peak, round(torch.cuda.max_memory_allocated(d.device) / 2**20))
+        report.update(trainPeakGpuMiB=gpu_peak)
 
     report.update(phase="exporting")
     export.export(net, spec, tok, out, d.rank)
