@@ -206,3 +206,15 @@ def nf4_shard_problem(weights: dict[str, tuple[int, int]], shards: int) -> str |
             f"sharding) must be {counts}{good[-1]} processes"
         )
     return None
+
+
+def nf4_settings_problem(kind: str, double_quant: bool) -> str | None:
+    """What ftjob's 4-bit storage (torchao NF4, scales always quantized) cannot honour."""
+    if kind != "nf4":
+        return f"method.quantization.type {kind}: ftjob stores the 4-bit base as nf4 only; use nf4"
+    if not double_quant:
+        return (
+            "method.quantization.doubleQuant false: ftjob's NF4 always quantizes the scales "
+            "(0.13 bit a weight); remove doubleQuant or set it true"
+        )
+    return None

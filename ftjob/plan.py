@@ -22,7 +22,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ftjob.hardware import GIB, GPUS, node_bandwidth
-from ftjob.modelshape import ModelShape, flops_per_token, nf4_shard_problem, shape_for
+from ftjob.modelshape import (
+    ModelShape,
+    flops_per_token,
+    nf4_settings_problem,
+    nf4_shard_problem,
+    shape_for,
+)
 from ftjob.schema import quantity
 from ftjob.spec import FineTuneJobSpec, QuantizationSpec
 
@@ -129,7 +135,10 @@ def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
     problem = None
     if method == "qlora":
         notes.append("4-bit base sharded" if group > 1 else "4-bit base")
-        problem = nf4_shard_problem(shape.linear_shapes(), group)
+        q = spec.method.quantization
+        problem = nf4_settings_problem(q.type, q.double_quant) or nf4_shard_problem(
+            shape.linear_shapes(), group
+        )
     elif method == "lora" and frozen_bytes == 2:
         notes.append("bf16 frozen base")
     states_on_device = 0.0 if offload else 1.0
@@ -200,7 +209,7 @@ def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
         network_bytes_per_node=net,
         network_seconds=net / bandwidth if r.nodes > 1 else 0.0,
         notes=notes,
-        problem=problem and f"method.type qlora: {problem}",
+        problem=problem and f"qlora: {problem}",
     )
 
 

@@ -28,7 +28,12 @@ from torchao.quantization import NF4Tensor, to_nf4
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from ftjob.contract import BAD_SPEC, TrainerError
-from ftjob.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK, nf4_shard_problem
+from ftjob.modelshape import (
+    NF4_BLOCK,
+    NF4_SCALE_BLOCK,
+    nf4_settings_problem,
+    nf4_shard_problem,
+)
 from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer.parallel import Dist
 
@@ -121,7 +126,9 @@ def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase) -> Built:
 
 def check_shardable(built: Built, shards: int) -> None:
     """Refuse, before any weight is read, a QLoRA job whose 4-bit weights cannot be split."""
-    problem = nf4_shard_problem(built.quantized, shards)
+    q = built.spec.method.quantization
+    problem = q and nf4_settings_problem(q.type, q.double_quant)
+    problem = problem or nf4_shard_problem(built.quantized, shards)
     if problem:
         raise TrainerError(f"qlora: {problem}", reason=BAD_SPEC, where=".resources")
 

@@ -140,6 +140,8 @@ def test_nf4_sharding_is_refused_where_a_weight_cannot_split():
     verdict = plan.admission(three)
     assert verdict["reason"] == "CannotRun" and verdict["allowed"] is False
     assert "must be 1, 2, 4, 8 or 16 processes" in verdict["message"]
+    fp4 = plan.admission(example("llama31-70b-qlora.yaml", **{"method.quantization.type": "fp4"}))
+    assert fp4["allowed"] is False and "nf4 only; use nf4" in fp4["message"]
     tiny = nf4_shard_problem({"q_proj": (64, 64)}, 2)
     assert "not a multiple of 16384" in tiny and "use method.type lora" in tiny
 
