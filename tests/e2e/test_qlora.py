@@ -248,15 +248,17 @@ def probe(base: Path, out: Path) -> None:
     from ftjob.trainer.train import token_loss
 
     results, d = {}, None
-    for precision in ("fp32", "bf16"):
-        spec = parse_spec(job("p", base, "qlora", training={"precision": precision})["spec"])
+    cases = {"fp32": {}, "bf16": {}, "offload": {"parallelism": {"cpuOffload": True}}}
+    for precision, extra in cases.items():
+        training = {"precision": "bf16" if precision == "bf16" else "fp32"}
+        spec = parse_spec(job("p", base, "qlora", training=training, **extra)["spec"])
         d = d or parallel.init(spec)
         tok = model.load_tokenizer(spec)
         built = model.build(spec, tok)
         mesh = parallel.mesh(spec, d, "full")
         model.check_shardable(built, parallel.shard_group_size(mesh))
         net = parallel.shard(built.model, spec, mesh, "full")
-        model.materialize(built, d)
+        model.materialize(built, d, spec.parallelism.cpu_offload)
         nf4 = {n: p for n, p in net.named_parameters() if isinstance(p.to_local(), NF4Tensor)}
         shares = []
         for p in nf4.values():
@@ -351,8 +353,10 @@ def test_each_rank_holds_half_of_every_4bit_weight(ranks):
 
 def test_sharded_qlora_equals_the_unsharded_nf4_reference(ranks):
     for rank in ranks:
-        case = rank["fp32"]
-        assert case["loss"] == pytest.approx(case["reference_loss"], abs=1e-5)
+        for label in ("fp32", "offload"):  # CPU offload: FSDP's CPUOffloadPolicy over NF4
+            case = rank[label]
+            assert case["loss"] == pytest.approx(case["reference_loss"], abs=1e-5)
+            assert case["nf4_shares"] == [0.5] * 14
 
 
 def test_a_bf16_job_holds_its_base_in_bf16_and_trains_fp32_adapters(ranks):
@@ -375,7 +379,7 @@ def test_hybrid_with_one_process_per_node_keeps_the_4bit_weights_whole(ranks):
 
 
 def test_dcp_round_trip_of_the_sharded_4bit_state_is_exact(ranks):
-    assert all(rank[p]["dcp_exact"] for rank in ranks for p in ("fp32", "bf16"))
+    assert all(rank[p]["dcp_exact"] for rank in ranks for p in ("fp32", "bf16", "offload"))
 
 
 if __name__ == "__main__":
