@@ -28,6 +28,9 @@ SHAPES = {
                    num_attention_heads=8, num_key_value_heads=4),  # ~25M
     "large": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                   num_attention_heads=12, num_key_value_heads=4),  # ~80M
+    # The memory suite's: big enough that the weights dominate a process (~190M).
+    "190m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+                 num_attention_heads=16, num_key_value_heads=8),
     # The GPU suite's: TinyLlama-1.1B's shape (its own vocabulary size, the tiny tokenizer).
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096),
@@ -108,8 +111,10 @@ def job(name: str, model: Path, *, steps: int, nodes: int = 2, micro_batch: int 
         "checkpoint": {"volume": {"claimName": "bench"}, "every": checkpoint_every or steps + 1,
                        "keep": 1},
     }  # fmt: skip
-    if method == "lora":
+    if method in ("lora", "qlora"):
         spec["method"]["lora"] = {"r": 16, "alpha": 16, "dropout": 0.0}
+    if method == "qlora":
+        spec["method"]["quantization"] = {"type": "nf4"}
     return {"apiVersion": "ftjob.dev/v1alpha1", "kind": "FineTuneJob",
             "metadata": {"name": name}, "spec": spec}  # fmt: skip
 

@@ -141,5 +141,32 @@ def compare(work: Path, s: Setup, methods: list[str]) -> dict:
     return {"setup": s.__dict__, "cases": cases, "rows": rows}
 
 
+def memory(work: Path, s: Setup) -> dict:
+    """LoRA (bf16 frozen base) and QLoRA (NF4 base sharded under NCCL) on the GPUs: peak GPU
+    memory per rank against `ftjob plan`'s estimate (less its fixed CUDA/NCCL reserve, which
+    the allocator does not count), and the QLoRA loss curve next to LoRA's."""
+    from ftjob import plan
+    from ftjob.modelshape import ModelShape
+    from ftjob.spec import parse_spec
+
+    model, chat = common.model_dir(s.shape, work), data(work, s.repeat_data)
+    shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
+    cases, rows = [], []
+    for method in ("lora", "qlora"):
+        doc = job(method, model, chat, s)
+        ours = common.ftjob_run(doc, work, timeout=1800)
+        measured = max(ours.progress.get("trainPeakGpuMiB") or [0])
+        e = plan.estimate(parse_spec(doc["spec"]), shape)
+        planned = (e.per_device - e.reserved) / 2**20
+        cases.append({"method": method, "peakGpuMiB": ours.progress.get("trainPeakGpuMiB"),
+                      "plannedMiB": planned, "losses": ours.losses()})  # fmt: skip
+        rows.append(row(f"peak GPU MiB per rank, {shape.params / 1e6:,.0f}M {method}, "
+                        f"{s.processes} GPU", measured, planned, "ftjob plan", measured / planned,
+                        "within +-30%", abs(measured / planned - 1) <= 0.3))  # fmt: skip
+    return {"cases": cases, "rows": rows}
+
+
 def run(work: Path, quick: bool) -> dict:
-    return compare(work, gpu_setup(), ["full"] if quick else ["full", "lora"])
+    result = compare(work, gpu_setup(), ["full"] if quick else ["full", "lora"])
+    mem = memory(work, gpu_setup())
+    return {**result, "memory": mem["cases"], "rows": result["rows"] + mem["rows"]}

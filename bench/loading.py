@@ -1,19 +1,32 @@
 """Suite c: peak RSS per rank while loading, rank-0 loading (ftjob's default: rank 0 reads the
 weights and broadcasts them into the shards) vs every rank reading the whole checkpoint
-(FTJOB_LOAD_ON_ALL_RANKS=1, what a plain from_pretrained on every rank does).
+(bench/every_rank_trainer.py: what a plain from_pretrained on every rank does).
 
 Growth is measured against the tiny model's run, whose weights are ~1 MiB: what remains is the
 process baseline (Python, torch, transformers), the same for every size."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import yaml
 
 from bench import common
 from bench.report import row
 
-ALL_RANKS = {"FTJOB_LOAD_ON_ALL_RANKS": "1"}
 EVERY = "every rank loads"
+
+
+def every_rank_run(doc: dict, work: Path) -> dict:
+    """The same job under bench/every_rank_trainer.py (2 processes); its progress.json."""
+    folder = work / "runs" / f"{doc['metadata']['name']}-every-rank"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "job.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    env = {"FTJOB_JOB_DIR": str(folder / "job"), "FTJOB_PROGRESS_PORT": "0"}
+    script = str(common.ROOT / "bench" / "every_rank_trainer.py")
+    common.torchrun(script, ["--spec", str(folder / "job.yaml")], 2, work, env=env)
+    return json.loads((folder / "job" / "progress.json").read_text())
 
 
 def small_job(size: str, work: Path, method: str = "full") -> dict:
@@ -25,8 +38,7 @@ def small_job(size: str, work: Path, method: str = "full") -> dict:
 
 def measure(size: str, work: Path, base: list[float]) -> dict:
     ours = common.ftjob_run(small_job(size, work), work).progress["loadPeakRssMiB"]
-    every = common.ftjob_run(small_job(size, work), work, env=ALL_RANKS)
-    theirs = every.progress["loadPeakRssMiB"]
+    theirs = every_rank_run(small_job(size, work), work)["loadPeakRssMiB"]
     return {
         "model": size,
         "params": common.param_count(common.model_dir(size, work)),

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -22,6 +24,7 @@ class ModelShape:
     intermediate: int
     vocab: int
     tied: bool = False
+    checkpoint_bytes: int = 2  # bytes per weight as published (bf16 for the known models)
 
     @classmethod
     def from_config(cls, config: dict, name: str = "model") -> ModelShape:
@@ -36,6 +39,9 @@ class ModelShape:
                 intermediate=config["intermediate_size"],
                 vocab=config["vocab_size"],
                 tied=bool(config.get("tie_word_embeddings", False)),
+                checkpoint_bytes=DTYPE_BYTES.get(
+                    str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"), 4
+                ),
             )
         except KeyError as e:
             raise ValueError(f"{name}: config.json has no {e.args[0]}; cannot plan") from e
@@ -73,6 +79,12 @@ class ModelShape:
     def linear_params(self) -> int:
         """Weights of the decoder layers' linear layers: what LoRA adapts and QLoRA quantizes."""
         return self.layers * (self.attention_params + self.mlp_params)
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of each linear weight of a decoder layer (the same in every layer)."""
+        h, kv, i = self.hidden, self.kv_dim, self.intermediate
+        return {"q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, h),
+                "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}  # fmt: skip
 
     def adapted_input_width(self, targets: list[str]) -> int:
         """Summed input widths of the adapted linear layers of one decoder layer."""
@@ -156,3 +168,53 @@ def flops_per_token(
     """
     matmul = 4 * params + 6 * adapter_params if frozen_base else 6 * params
     return float(matmul + 12 * layers * hidden * seq_len)
+
+
+# torchao's NF4 stores 4-bit values in blocks of 64 and their scales, quantized again, in
+# blocks of 256: a weight quantizes only whole scale blocks, and FSDP2 splits its NF4 storage
+# along the first dimension without padding, so each shard must hold whole scale blocks too.
+NF4_BLOCK = 64
+NF4_SCALE_BLOCK = 256
+
+
+def nf4_splits(rows: int, cols: int, shards: int) -> bool:
+    """Whether a rows x cols weight quantizes to NF4 and splits evenly into ``shards``."""
+    numel = rows * cols
+    scales = NF4_BLOCK * NF4_SCALE_BLOCK
+    return numel % scales == 0 and rows % shards == 0 and (numel // scales) % shards == 0
+
+
+def nf4_shard_problem(weights: dict[str, tuple[int, int]], shards: int) -> str | None:
+    """Why these weights cannot be sharded as NF4 over ``shards`` processes (None: they can).
+
+    The message names the first weight that does not split and the shard counts that would
+    work (up to 16), so the person can pick the number of GPUs.
+    """
+    for name, (rows, cols) in weights.items():
+        if nf4_splits(rows, cols, shards):
+            continue
+        if not nf4_splits(rows, cols, 1):
+            return (
+                f"{name} ({rows}x{cols}) has {rows * cols} values, not a multiple of "
+                f"{NF4_BLOCK * NF4_SCALE_BLOCK}: it cannot be stored in NF4; use method.type lora"
+            )
+        good = [n for n in range(1, 17) if all(nf4_splits(r, c, n) for r, c in weights.values())]
+        counts = ", ".join(str(n) for n in good[:-1]) + (" or " if len(good) > 1 else "")
+        return (
+            f"{name} ({rows}x{cols}) cannot be split into {shards} equal 4-bit shards; the "
+            f"shard group (resources.processesPerNode / gpusPerNode, or nodes with hybrid "
+            f"sharding) must be {counts}{good[-1]} processes"
+        )
+    return None
+
+
+def nf4_settings_problem(kind: str, double_quant: bool) -> str | None:
+    """What ftjob's 4-bit storage (torchao NF4, scales always quantized) cannot honour."""
+    if kind != "nf4":
+        return f"method.quantization.type {kind}: ftjob stores the 4-bit base as nf4 only; use nf4"
+    if not double_quant:
+        return (
+            "method.quantization.doubleQuant false: ftjob's NF4 always quantizes the scales "
+            "(0.13 bit a weight); remove doubleQuant or set it true"
+        )
+    return None

@@ -7,11 +7,12 @@ size, step time and network traffic. :func:`plan` adds the verdict and, when the
 fit, the cheapest changes that would make it fit.
 
 It models what ftjob's trainer does, not an ideal FSDP:
-* weights are kept in fp32 (the optimizer's master copy; also LoRA's frozen base), computed in
-  bf16 on GPUs; gradients are reduced in fp32; AdamW keeps two fp32 moments;
-* QLoRA keeps the 4-bit base weights out of FSDP (replicated on every GPU: sharding 4-bit
-  weights is unreliable upstream) and shards everything else;
-* rank 0 reads the weights in fp32 and broadcasts them; other ranks start empty;
+* full fine-tuning keeps fp32 weights (the optimizer's master copy), computed in bf16 on GPUs;
+  LoRA and QLoRA keep the frozen base in the compute precision (bf16 on GPUs) and only the
+  adapters in fp32; gradients are reduced in fp32; AdamW keeps two fp32 moments;
+* QLoRA stores the decoder layers' linear weights in NF4 (~4.1 bits each), sharded by FSDP
+  like everything else, and gathers one layer (plus the next) of 4-bit weights at a time;
+* rank 0 reads the checkpoint (in its own dtype) and broadcasts it; other ranks start empty;
 * checkpoints hold the trainable parameters' weights and AdamW moments (fp32).
 """
 
@@ -21,7 +22,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ftjob.hardware import GIB, GPUS, node_bandwidth
-from ftjob.modelshape import ModelShape, flops_per_token, shape_for
+from ftjob.modelshape import (
+    ModelShape,
+    flops_per_token,
+    nf4_settings_problem,
+    nf4_shard_problem,
+    shape_for,
+)
 from ftjob.schema import check_rules, quantity
 from ftjob.spec import FineTuneJobSpec, QuantizationSpec
 
@@ -38,7 +45,8 @@ PROCESS_BASELINE_BYTES = 0.4 * GIB
 GPU_PROCESS_BASELINE_BYTES = 3 * GIB
 ASSUMED_MFU = {"full": 0.40, "lora": 0.35, "qlora": 0.25}
 OFFLOAD_SLOWDOWN = 0.5  # CPU offload roughly halves throughput (PCIe copies each step)
-QLORA_BITS_PER_PARAM = {True: 4.127, False: 4.5}  # nf4/fp4 + constants; double quant saves 0.4
+# torchao NF4: 4 bits a value, an int8 scale per 64 values, a scale of scales per 256 scales.
+NF4_BITS_PER_PARAM = 4 + 8 / 64 + 16 / (64 * 256)
 
 
 @dataclass
@@ -64,6 +72,7 @@ class Estimate:
     network_bytes_per_node: float
     network_seconds: float | None
     notes: list[str] = field(default_factory=list)
+    problem: str | None = None  # why the job cannot run at all, whatever the memory
 
     @property
     def per_device(self) -> float:
@@ -95,6 +104,8 @@ class Estimate:
 
     @property
     def fits(self) -> bool | None:
+        if self.problem:
+            return False
         checks = [c for c in (self.fits_device, self.fits_pod) if c is not None]
         return all(checks) if checks else None
 
@@ -108,26 +119,30 @@ def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
     lora = spec.method.lora_settings()
     adapter = shape.lora_params(lora.r, lora.target_modules) if lora else 0
     trainable = shape.params if method == "full" else adapter
-    frozen = 0 if method == "full" else shape.params
-    if method == "qlora":
-        frozen -= shape.linear_params  # the 4-bit base is not sharded (below)
-    # What FSDP shards: fp32 weights, plus gradients and two AdamW moments of what trains.
-    state_bytes = frozen * FP32 + 4 * trainable * FP32
+    # Bytes of what FSDP shards: the base (4-bit linear weights under QLoRA, the rest in the
+    # frozen dtype), then the trained weights with their gradients and two AdamW moments.
+    frozen_bytes = FP32 if method == "full" or act_bytes == FP32 else 2
+    quantized = shape.linear_params if method == "qlora" else 0
+    base_bytes = (shape.params - quantized) * frozen_bytes + quantized * NF4_BITS_PER_PARAM / 8
+    if method == "full":
+        base_bytes = 0.0  # every weight trains: counted below
+    sharded_weights = base_bytes + trainable * FP32
+    state_bytes = sharded_weights + 3 * trainable * FP32
     sharding = spec.effective_sharding(state_bytes, gpu.memory_bytes if gpu else None)
     group = {"full": world, "grad-op": world, "hybrid": nproc, "none": 1}[sharding]
     offload = spec.parallelism.cpu_offload
     notes = [f"sharding {sharding} over {group} process{'es' if group > 1 else ''}"]
-    # Weights held by FSDP (sharded over the group) and by each GPU whole (QLoRA's 4-bit base).
+    problem = None
     if method == "qlora":
-        bits = QLORA_BITS_PER_PARAM[spec.method.quantization.double_quant]
-        replicated = shape.linear_params * bits / 8
-        sharded_weights = (shape.params - shape.linear_params + adapter) * FP32
-        notes.append("4-bit base replicated on every GPU")
-    else:
-        replicated = 0.0
-        sharded_weights = (shape.params + (adapter if method != "full" else 0)) * FP32
+        notes.append("4-bit base sharded" if group > 1 else "4-bit base")
+        q = spec.method.quantization
+        problem = nf4_settings_problem(q.type, q.double_quant) or nf4_shard_problem(
+            shape.linear_shapes(), group
+        )
+    elif method == "lora" and frozen_bytes == 2:
+        notes.append("bf16 frozen base")
     states_on_device = 0.0 if offload else 1.0
-    weights = sharded_weights / group * states_on_device + replicated
+    weights = sharded_weights / group * states_on_device
     gradients = trainable * FP32 / group * states_on_device
     optimizer = 2 * trainable * FP32 / group * states_on_device
 
@@ -138,10 +153,15 @@ def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
     # from forward to backward.
     layer = shape.layer_params
     gathered = (shape.params if sharding == "grad-op" else 2 * layer) * act_bytes
+    if method == "qlora":
+        # The gathered layers stay 4-bit; each linear weight is dequantized as it is used.
+        layers = shape.params / shape.layer_params if sharding == "grad-op" else 2
+        largest = max(r * c for r, c in shape.linear_shapes().values())
+        gathered = layers * layer * NF4_BITS_PER_PARAM / 8 + largest * act_bytes
     temporaries = gathered + (layer if method == "full" else 0) * FP32
     reserved = GPU_RESERVED_BYTES if on_gpu else PROCESS_BASELINE_BYTES
 
-    offloaded = (sharded_weights + 3 * trainable * FP32) / group if offload else 0.0
+    offloaded = state_bytes / group if offload else 0.0
     baseline = GPU_PROCESS_BASELINE_BYTES if on_gpu else PROCESS_BASELINE_BYTES
     # Background checkpoints copy each process's share of what they save (trained weights and
     # both moments) into CPU buffers that are kept for the whole run.
@@ -154,16 +174,10 @@ def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
             weights + gradients + optimizer + activations + temporaries + reserved + staging
         )
     cpu_per_node = nproc * per_process_cpu
-    full_fp32 = shape.params * FP32
-    load_node0 = full_fp32 + nproc * baseline
-    load_every = nproc * (full_fp32 + baseline)
-    if method == "qlora":
-        # Every rank quantizes the base itself as it reads it (rank-0 loading does not apply):
-        # the 4-bit weights go to its device, the rest is read in fp32.
-        per_rank = (shape.params - shape.linear_params) * FP32 + baseline
-        per_rank += 0 if on_gpu else replicated
-        load_node0 = load_every = nproc * per_rank
-        notes.append("every rank reads the base")
+    # Rank 0 reads the whole checkpoint in its own dtype; the others receive their shards.
+    # Were every rank to build the model itself, each would hold it whole in its training dtype.
+    load_node0 = shape.params * shape.checkpoint_bytes + nproc * baseline
+    load_every = nproc * (shape.params * frozen_bytes + baseline)
     checkpoint_bytes = 3 * trainable * FP32
 
     flops = _flops_per_token(spec, shape, adapter)
@@ -195,6 +209,7 @@ def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
         network_bytes_per_node=net,
         network_seconds=net / bandwidth if r.nodes > 1 else 0.0,
         notes=notes,
+        problem=problem and f"qlora: {problem}",
     )
 
 
@@ -407,12 +422,8 @@ def describe(spec: FineTuneJobSpec, result: Plan) -> list[str]:
         (
             "CPU memory",
             f"{_gib(e.cpu_peak_per_node)} per pod at most: loading "
-            + (
-                f"{_gib(e.load_cpu_node0)} per node (every rank reads the 4-bit base)"
-                if spec.method.type == "qlora"
-                else f"{_gib(e.load_cpu_node0)} on node 0 (rank-0 loading; if every rank read "
-                f"the weights: {_gib(e.load_cpu_every_rank)})"
-            )
+            f"{_gib(e.load_cpu_node0)} on node 0 (rank-0 loading; if every rank read the "
+            f"weights: {_gib(e.load_cpu_every_rank)})"
             + f", steady {_gib(e.cpu_per_node)} per node"
             + (f", of {_gib(e.pod_memory)} (resources.memory)" if e.pod_memory else ""),
         ),
@@ -468,6 +479,8 @@ def describe(spec: FineTuneJobSpec, result: Plan) -> list[str]:
 
 def verdict_text(result: Plan) -> str:
     e = result.estimate
+    if e.problem:
+        return f"CANNOT RUN: {e.problem}"
     found = []
     if e.fits_device is not None:
         share = e.per_device / e.device_bytes
@@ -499,6 +512,8 @@ def admission(spec: FineTuneJobSpec, config: dict | None = None) -> dict:
     except ValueError as e:
         return {"reason": "Unknown", "message": f"not planned: {e}", "allowed": True}
     result = plan(spec, shape)
+    if result.estimate.problem:  # the trainer would refuse it: no enforce can let it through
+        return {"reason": "CannotRun", "message": verdict_text(result), "allowed": False}
     if result.fits is None:
         return {"reason": "Unknown", "message": verdict_text(result), "allowed": True}
     if result.fits:

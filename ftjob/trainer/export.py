@@ -4,8 +4,11 @@
 * lora / qlora: the peft adapter and tokenizer, plus ``merged/`` (the base model with the
   adapter merged in, full precision) when ``output.mergeAdapter``.
 
-The shards are gathered to rank 0's CPU memory (``get_model_state_dict(full_state_dict=True,
-cpu_offload=True)``), written to ``.tmp-<name>`` beside the target, then renamed into place.
+A full fine-tune's shards are gathered to rank 0's CPU memory (``get_model_state_dict(
+full_state_dict=True, cpu_offload=True)``); an adapter job gathers only what trained (the
+frozen base, bf16 or NF4, is never gathered: the merge re-reads it from the source in its
+original precision, so merging does not inherit the 4-bit rounding of QLoRA's base). The
+folder is written to ``.tmp-<name>`` beside the target, then renamed into place.
 Reload it with ``AutoModelForCausalLM.from_pretrained(path)`` or
 ``PeftModel.from_pretrained(base, path)``.
 """
@@ -34,8 +37,11 @@ def export(
     model: nn.Module, spec: FineTuneJobSpec, tok: PreTrainedTokenizerBase, out: Path, rank: int
 ) -> None:
     """Gather the trained weights and write the export (collective; rank 0 writes)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
+    if spec.method.type == "full":
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)
+    else:
+        state = _trained(model)
     if rank == 0:
         tmp = out.with_name(f".tmp-{out.name}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -49,6 +55,16 @@ def export(
         tok.save_pretrained(tmp)
         _replace(tmp, out)
     dist.barrier()
+
+
+def _trained(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full tensors of what trained, on CPU (collective: every rank gathers in turn)."""
+    state = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            state[name] = full.detach().cpu()
+    return state
 
 
 def _save_full(state: dict[str, torch.Tensor], spec: FineTuneJobSpec, tmp: Path) -> None:
@@ -75,7 +91,7 @@ def _to_saved_dtype(model: nn.Module, config) -> None:
 
 
 def _save_adapter(model: nn.Module, state: dict[str, torch.Tensor], tmp: Path) -> None:
-    # peft picks the adapter's tensors out of the full state (names without the adapter name).
+    # peft picks the adapter's tensors out of the state (names without the adapter name).
     state = {k: v.contiguous() for k, v in state.items() if "lora_" in k}
     model.save_pretrained(str(tmp), state_dict=state)
 

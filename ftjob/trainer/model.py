@@ -1,15 +1,17 @@
-"""Tokenizer and model: read once on rank 0, built empty elsewhere, adapters applied.
+"""Tokenizer and model: built empty everywhere, read once on rank 0, adapters applied.
 
 The order follows torchtune's ``_setup_model``: :func:`build` gives every rank the
-architecture on the meta device (no memory) and rank 0 also the weights, read in the
-checkpoint's dtype; the caller shards the model (:mod:`ftjob.trainer.parallel`);
-:func:`materialize` then gives every rank its fp32 shards of rank 0's weights by broadcast. A
-70B model is thus read from disk once for the whole gang, not once per GPU.
+architecture with its adapters on the meta device (no memory, no weights read); the caller
+shards it (:mod:`ftjob.trainer.parallel`); :func:`materialize` then reads the weights on rank
+0 and hands every rank its shard of each tensor, one tensor at a time. A 70B model is read from
+disk once for the whole gang, and no rank ever holds more than its shards plus one tensor.
 
-QLoRA is the exception: 4-bit weights are made while loading, on every rank, and stay whole
-(FSDP2 does not shard bitsandbytes' packed 4-bit tensors reliably: their quantization state
-is not a plain tensor that FSDP2 can split); only the
-adapters and the other trainable or full-precision tensors are sharded.
+Dtypes: full fine-tuning keeps fp32 master weights. LoRA and QLoRA keep the frozen base in the
+compute precision (bf16 on GPUs) and only what trains (the adapters, hence their gradients and
+AdamW moments) in fp32. QLoRA stores the decoder layers' frozen linear weights in torchao's
+NF4, which FSDP2 shards like any other parameter (``Shard(0)``: each rank holds 1/world of the
+4-bit bytes), as long as every weight splits into whole quantization blocks
+(:func:`check_shardable`).
 """
 
 from __future__ import annotations
@@ -21,15 +23,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from torchao.quantization import NF4Tensor, to_nf4
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from ftjob.contract import BAD_SPEC, TrainerError
+from ftjob.modelshape import (
+    NF4_BLOCK,
+    NF4_SCALE_BLOCK,
+    nf4_settings_problem,
+    nf4_shard_problem,
+)
 from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer.parallel import Dist
-
-# Benchmark switch only: every rank reads the weights itself (to measure what rank-0 loading
-# saves). Off in every real run.
-LOAD_ON_ALL_RANKS = "FTJOB_LOAD_ON_ALL_RANKS"
 
 
 class SourceError(ValueError):
@@ -71,80 +77,60 @@ def load_tokenizer(spec: FineTuneJobSpec) -> PreTrainedTokenizerBase:
     return tok
 
 
+def frozen_dtype(spec: FineTuneJobSpec) -> torch.dtype:
+    """The dtype of weights that do not train: the compute precision (full: fp32 masters)."""
+    if spec.method.type != "full" and spec.compute_precision() == "bf16":
+        return torch.bfloat16
+    return torch.float32
+
+
 @dataclass
 class Built:
-    """A model before sharding, with what :func:`materialize` needs afterwards."""
+    """A model on the meta device, with what :func:`materialize` needs after sharding."""
 
     model: nn.Module
-    # Rank 0's full state in the checkpoint's dtype, and the non-persistent buffers (rotary
-    # inv_freq) outside it, to broadcast; empty on the other ranks.
-    full_state: dict[str, torch.Tensor] = field(default_factory=dict)
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    on_meta: bool = True  # False: this rank built real weights itself (QLoRA, benchmark)
-    read_weights: bool = False  # this rank read the weight files
-    # Parameters FSDP leaves whole on every rank (QLoRA's 4-bit base weights).
-    ignored: set[nn.Parameter] = field(default_factory=set)
+    spec: FineTuneJobSpec
+    # Names of the frozen linear weights that QLoRA stores in NF4 (empty otherwise).
+    quantized: dict[str, tuple[int, int]] = field(default_factory=dict)
+    read_weights: bool = False  # this rank read the weight files (set by materialize)
 
 
-def build(spec: FineTuneJobSpec, d: Dist, tokenizer: PreTrainedTokenizerBase) -> Built:
-    """The model with adapters applied, on the meta device; rank 0 also reads the weights."""
+def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase) -> Built:
+    """The model with adapters applied, on the meta device: no weight is read yet."""
     path, hub = resolve(spec.model.source), hub_kwargs(spec)
-    common = dict(attn_implementation=spec.model.attention, **hub)
-    if spec.method.type == "qlora":
-        return _build_qlora(spec, d, tokenizer, path, common)
-    if os.environ.get(LOAD_ON_ALL_RANKS) == "1":
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **common)
-        _prepare(model, tokenizer)
-        return Built(_adapters(model, spec), on_meta=False, read_weights=True)
     config = AutoConfig.from_pretrained(path, **hub)
-    with torch.device("meta"):  # fp32 master weights; costs no memory until sharded
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config,
-            dtype=torch.float32,
+            dtype=frozen_dtype(spec),
             attn_implementation=spec.model.attention,
             trust_remote_code=spec.model.trust_remote_code,
         )
     _prepare(model, tokenizer)
     model = _adapters(model, spec)
-    if not d.is_main:
-        return Built(model)
-    # Rank 0 reads the weights in the checkpoint's own dtype (bf16 for most LLMs: half the
-    # memory of fp32); they are copied into the fp32 shards. Adapters get rank 0's init.
-    source = AutoModelForCausalLM.from_pretrained(path, dtype="auto", **common)
-    _prepare(source, tokenizer)
-    source = _adapters(source, spec)
-    state = source.state_dict()
-    buffers = {n: b for n, b in source.named_buffers() if n not in state}
-    return Built(model, full_state=state, buffers=buffers, read_weights=True)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # what trains keeps fp32 weights, gradients and moments
+    quantized = {}
+    if spec.method.type == "qlora":
+        from ftjob.trainer.parallel import decoder_layers
+
+        prefix = {id(m): n for n, m in model.named_modules()}
+        for layer in decoder_layers(model):
+            for name, module in layer.named_modules():
+                if isinstance(module, nn.Linear) and not module.weight.requires_grad:
+                    full = f"{prefix[id(layer)]}.{name}.weight"
+                    quantized[full] = tuple(module.weight.shape)
+    return Built(model, spec, quantized)
 
 
-def _build_qlora(
-    spec: FineTuneJobSpec, d: Dist, tokenizer: PreTrainedTokenizerBase, path: str, common: dict
-) -> Built:
-    from transformers import BitsAndBytesConfig
-
-    q = spec.method.quantization
-    compute = torch.bfloat16 if spec.compute_precision() == "bf16" else torch.float32
-    bnb = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=q.type,
-        bnb_4bit_use_double_quant=q.double_quant,
-        bnb_4bit_compute_dtype=compute,
-        bnb_4bit_quant_storage=torch.uint8,
-    )
-    device_map = {"": d.device.index if d.device.type == "cuda" else "cpu"}
-    model = AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=bnb, dtype=torch.float32, device_map=device_map, **common
-    )
-    _prepare(model, tokenizer)
-    for module in model.modules():
-        # bitsandbytes repacks 4-bit weights in place for fast CPU inference under no_grad
-        # (our eval); that needs out_features % 32 == 0 and changes what training then reads.
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
-    model = _adapters(model, spec)
-    ignored = {p for p in model.parameters() if type(p).__name__ == "Params4bit"}
-    return Built(model, on_meta=False, read_weights=True, ignored=ignored)
+def check_shardable(built: Built, shards: int) -> None:
+    """Refuse, before any weight is read, a QLoRA job whose 4-bit weights cannot be split."""
+    q = built.spec.method.quantization
+    problem = q and nf4_settings_problem(q.type, q.double_quant)
+    problem = problem or nf4_shard_problem(built.quantized, shards)
+    if problem:
+        raise TrainerError(f"qlora: {problem}", reason=BAD_SPEC, where=".resources")
 
 
 def _prepare(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -167,37 +153,110 @@ def _adapters(model: nn.Module, spec: FineTuneJobSpec) -> nn.Module:
         target_modules="all-linear" if targets == ["all-linear"] else targets,
         task_type="CAUSAL_LM",
     )
-    # Adapter init draws random numbers: the same seed everywhere gives QLoRA (built on every
-    # rank) identical adapters; other methods take rank 0's by broadcast anyway.
+    # Adapter init draws random numbers: rank 0 reads the model with the seed's adapters, and
+    # every rank receives them by broadcast.
     torch.manual_seed(spec.training.seed)
     return get_peft_model(model, config)
 
 
+def left_whole(built: Built, shards: int) -> set[nn.Parameter]:
+    """QLoRA's 4-bit weights when the shard group is one process: FSDP2 skips the NF4 hooks
+    for a group of one (its all-gather fails), and there is nothing to split them over."""
+    if shards > 1:
+        return set()
+    params = dict(built.model.named_parameters())
+    return {params[name] for name in built.quantized}
+
+
 def materialize(built: Built, d: Dist, cpu_offload: bool = False) -> None:
-    """After sharding: give every rank its shards of rank 0's weights (collective)."""
+    """After sharding: read the weights on rank 0 and give every rank its shards (collective).
+
+    Each tensor is broadcast whole in its training dtype, one at a time; each rank keeps its
+    own slice. A QLoRA weight is quantized whole on every rank before it is sliced: the NF4
+    scales of its blocks are normalised by a mean over the whole weight, so only whole-weight
+    quantization gives every rank the shard the unsharded model would have.
+    """
     model = built.model
-    if not built.on_meta:
-        return  # every rank loaded real weights itself (QLoRA, or the benchmark switch)
+    state: dict[str, torch.Tensor] = {}
+    if d.is_main:
+        state = _read(built.spec, built.model.config)
+        built.read_weights = True
     # Offloaded shards live in CPU memory; FSDP moves them to the GPU one layer at a time.
-    model.to_empty(device="cpu" if cpu_offload else d.device)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, built.full_state, options=options)
-    # Buffers outside the state dict (rotary inv_freq) are garbage after to_empty: copy rank 0's.
-    buffers = dict(model.named_buffers())
-    state_keys = set(model.state_dict().keys())
-    for name in sorted(n for n in buffers if n not in state_keys):
-        if d.is_main:
-            buffers[name].copy_(built.buffers[name].to(buffers[name].device))
-        dist.broadcast(buffers[name], src=0)
-    built.full_state.clear()
-    built.buffers.clear()
+    home = torch.device("cpu") if cpu_offload else d.device
+    done: dict[int, nn.Parameter] = {}  # tied weights: one tensor under two names
+    for prefix, module in model.named_modules():
+        for attr, old in list(module._parameters.items()):
+            if old is None:
+                continue
+            name = f"{prefix}.{attr}" if prefix else attr
+            if id(old) not in done:
+                full = _broadcast(state.pop(name, None), old, d)
+                if name in built.quantized:
+                    full = to_nf4(full, NF4_BLOCK, NF4_SCALE_BLOCK)
+                done[id(old)] = nn.Parameter(_own_shard(full, old, home), old.requires_grad)
+            setattr(module, attr, done[id(old)])
+        for attr, old in list(module._buffers.items()):
+            if old is not None:
+                name = f"{prefix}.{attr}" if prefix else attr
+                module._buffers[attr] = _broadcast(state.pop(name, None), old, d).to(home)
+
+
+def _read(spec: FineTuneJobSpec, config) -> dict[str, torch.Tensor]:
+    """Rank 0: every tensor of the model with its adapters, buffers too, by name."""
+    path = resolve(spec.model.source)
+    common = dict(attn_implementation=spec.model.attention, **hub_kwargs(spec))
+    # Read in the checkpoint's own dtype (bf16 for most LLMs: half of fp32); cast per tensor.
+    source = AutoModelForCausalLM.from_pretrained(path, dtype="auto", **common)
+    source.config.pad_token_id = config.pad_token_id
+    source = _adapters(source, spec)  # the same seed: the adapters' initial values
+    state = dict(source.named_buffers())
+    state.update(source.state_dict())
+    return state
+
+
+def _broadcast(value: torch.Tensor | None, like: torch.Tensor, d: Dist) -> torch.Tensor:
+    """Rank 0's ``value`` on every rank, whole, in ``like``'s dtype, on the compute device."""
+    if d.is_main:
+        if value is None:
+            raise RuntimeError(f"the model read on rank 0 has no tensor shaped {like.shape}")
+        full = value.to(device=d.device, dtype=like.dtype).contiguous()
+    else:
+        full = torch.empty(like.shape, dtype=like.dtype, device=d.device)
+    dist.broadcast(full, src=0)
+    return full
+
+
+def _own_shard(full: torch.Tensor, like: torch.Tensor, home: torch.device) -> torch.Tensor:
+    """This rank's piece of ``full`` laid out as the sharded (meta) parameter ``like``."""
+    if not isinstance(like, DTensor):
+        return full  # left whole by FSDP: it stays on the compute device
+    mesh, local = like.device_mesh, full
+    for dim, placement in enumerate(like.placements):
+        if placement.is_shard():
+            # torch.chunk is how FSDP2 splits a parameter (shorter last chunk, then padding).
+            chunks = torch.chunk(local, mesh.size(dim), dim=placement.dim)
+            index = mesh.get_local_rank(dim)
+            # A rank past the last chunk holds nothing (never NF4: check_shardable).
+            local = chunks[index] if index < len(chunks) else local[:0]
+    local = local.to(home)
+    if isinstance(local, NF4Tensor):
+        # NF4's clone() quantizes again (and a slice's own scale mean differs from the whole
+        # weight's): copy its parts instead. Fresh unit strides also matter, as FSDP2 views
+        # each all-gather input as bytes (a one-element slice keeps its parent's stride).
+        for attr in ("quantized_scalers", "quantization_factor", "quantized_data"):
+            part = getattr(local, attr)
+            setattr(local, attr, part.clone(memory_format=torch.contiguous_format))
+    else:
+        local = local.clone()  # a slice would keep the whole tensor alive
+    return DTensor.from_local(
+        local, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(all, trainable) parameters, counted on the unsharded shapes."""
     total = trainable = 0
     for p in model.parameters():
-        n = p.numel() * (2 if type(p).__name__ == "Params4bit" else 1)  # two 4-bit per byte
-        total += n
-        trainable += n if p.requires_grad else 0
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
     return total, trainable

@@ -88,6 +88,11 @@ def mesh(spec: FineTuneJobSpec, d: Dist, sharding: str) -> DeviceMesh:
     return init_device_mesh(d.device.type, shape, mesh_dim_names=("replicate", "shard"))
 
 
+def shard_group_size(device_mesh: DeviceMesh) -> int:
+    """How many ranks split each parameter (the mesh's shard dimension)."""
+    return device_mesh["shard"].size()
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks, found by the class names transformers marks as not splittable."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -103,9 +108,11 @@ def shard(
     spec: FineTuneJobSpec,
     device_mesh: DeviceMesh,
     sharding: str,
-    ignored: set[nn.Parameter] | None = None,
+    whole: set[nn.Parameter] | None = None,
 ) -> nn.Module:
-    """Activation checkpointing, then ``fully_shard`` per decoder layer, then the root."""
+    """Activation checkpointing, then ``fully_shard`` per decoder layer, then the root.
+
+    ``whole``: parameters FSDP leaves alone (each rank holds them whole)."""
     if spec.training.activation_checkpointing:
         # Non-reentrant checkpointing recomputes inside FSDP's hooks and needs no input grads.
         model.activation_checkpointing_enable(
@@ -123,16 +130,10 @@ def shard(
     )
     # grad-op keeps each layer's gathered parameters from forward until backward (ZeRO-2).
     reshard = sharding != "grad-op"
-    kwargs = dict(mesh=device_mesh, mp_policy=mp, offload_policy=offload, ignored_params=ignored)
+    kwargs = dict(mesh=device_mesh, mp_policy=mp, offload_policy=offload, ignored_params=whole)
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard, **kwargs)
     # The root (embeddings, final norm, head) is gathered last and used first in backward:
     # keeping it gathered after forward saves one all-gather per step.
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
-
-
-def local_fraction(param: torch.Tensor) -> float:
-    """Share of a parameter this rank stores (1.0 when replicated); tests use this."""
-    local = param.to_local() if hasattr(param, "to_local") else param
-    return local.numel() / max(param.numel(), 1)

@@ -73,11 +73,13 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
                            t.gradient_accumulation)  # fmt: skip
     total = t.max_steps or sampler.steps_for(t.epochs)
 
-    built = model.build(spec, d, tok)
+    built = model.build(spec, tok)
     params, trainable = model.count_parameters(built.model)
     sharding = spec.effective_sharding(4 * params + 12 * trainable, _gpu_bytes(d))
     mesh = parallel.mesh(spec, d, sharding)
-    net = parallel.shard(built.model, spec, mesh, sharding, built.ignored)
+    shards = parallel.shard_group_size(mesh)
+    model.check_shardable(built, shards)  # before any weight is read
+    net = parallel.shard(built.model, spec, mesh, sharding, model.left_whole(built, shards))
     model.materialize(built, d, spec.parallelism.cpu_offload)
     net.train()
     torch.manual_seed(t.seed + d.rank)  # dropout: a different stream on each rank
@@ -150,6 +152,10 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     train_rss = [0.0] * d.world_size
     dist.all_gather_object(train_rss, _peak_rss_mib())
     report.update(trainPeakRssMiB=train_rss)
+    if d.device.type == "cuda":  # what the caching allocator handed out at most, per rank
+        gpu_peak = [0.0] * d.world_size
+        dist.all_gather_object(gpu_peak, round(torch.cuda.max_memory_allocated(d.device) / 2**20))
+        report.update(trainPeakGpuMiB=gpu_peak)
 
     report.update(phase="exporting")
     _export(net, spec, tok, out, d.rank, lease)

@@ -3,7 +3,7 @@
     python -m pytest tests/e2e/test_trainer_run.py -q
 
 Runs are module-scoped and shared between the assertions about them: a full fine-tune, the
-same job killed (SIGKILL of rank 1) and resumed, a LoRA run, a QLoRA run on the same base.
+same job killed (SIGKILL of rank 1) and resumed, a LoRA run (QLoRA: test_qlora.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import copy
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -298,43 +297,6 @@ def test_lora_adapter_and_merged_model_reload_with_equal_loss(lora):
     assert eval_loss_of(adapted, lora) == pytest.approx(trained, abs=1e-5)
     merged = AutoModelForCausalLM.from_pretrained(export / "merged")
     assert eval_loss_of(merged, lora) == pytest.approx(trained, abs=1e-4)
-
-
-# ---------------------------------------------------------------------------------- qlora
-
-
-@pytest.fixture(scope="module")
-def qlora(runs):
-    method = {**LORA, "type": "qlora", "quantization": {"type": "nf4", "doubleQuant": True}}
-    doc = job("qlora", method=method, training=ADAPTER_TRAINING)
-    code, out = run(doc, runs / "qlora")
-    assert code == 0, out
-    return runs / "qlora"
-
-
-def test_qlora_trains_like_lora_on_the_same_base(qlora, lora):
-    q, ref = losses(qlora), losses(lora)
-    assert sorted(q) == list(range(1, 21))
-    assert sum(q[s] for s in (18, 19, 20)) / 3 < q[1] - 1.5, q
-    # 4-bit weights shift the loss a little; the curves must stay together.
-    gaps = [abs(q[s] - ref[s]) / ref[s] for s in q]
-    print(f"qlora vs lora: max relative loss gap {max(gaps):.4f}")
-    assert max(gaps) < 0.05, (q, ref)
-    adapter = json.loads((qlora / "model" / "adapter_config.json").read_text())
-    assert adapter["r"] == 16
-
-
-def test_qlora_resumes_exactly_from_its_checkpoint(qlora, runs):
-    """4-bit base, sharded adapters: a restart after step 16 repeats steps 17-20 exactly."""
-    workdir = runs / "qlora-again"
-    shutil.copytree(qlora, workdir)
-    shutil.rmtree(workdir / "model")  # as if the gang died before the export
-    method = {**LORA, "type": "qlora", "quantization": {"type": "nf4", "doubleQuant": True}}
-    code, out = run(job("qlora", method=method, training=ADAPTER_TRAINING), workdir)
-    assert code == 0, out
-    assert "(step 16)" in out
-    again, first = losses(workdir), losses(qlora)
-    assert [again[s] for s in range(17, 21)] == [first[s] for s in range(17, 21)]
 
 
 # ---------------------------------------------------------------------------------- errors
