@@ -131,7 +131,9 @@ def token_loss(net, batch: dict, device: torch.device) -> tuple[torch.Tensor, in
     """Sum of next-token losses over the labelled tokens, and their count."""
     batch = {k: v.to(device) for k, v in batch.items()}
     # No attention mask: the position ids keep each packed document to itself (data.collate).
-    logits = net(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    # transformers reads them so only without a KV cache, hence use_cache=False.
+    ids, positions = batch["input_ids"], batch["position_ids"]
+    logits = net(input_ids=ids, position_ids=positions, use_cache=False).logits
     target = batch["labels"][:, 1:]
     loss = F.cross_entropy(
         logits[:, :-1].float().reshape(-1, logits.size(-1)),
