@@ -20,7 +20,7 @@ from pathlib import Path
 
 from bench import common, report
 
-CPU_SUITES = ["throughput", "checkpoints", "loading", "operator", "scaling", "planner"]
+CPU_SUITES = ["throughput", "checkpoints", "loading", "operator", "scaling", "planner", "data"]
 ALL_SUITES = [*CPU_SUITES, "gpu"]
 
 

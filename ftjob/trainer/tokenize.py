@@ -67,7 +67,7 @@ def batch(
     """``datasets.map(batched=True)`` function: columns of records -> columns of tokens."""
     if ds.format == "text":
         eos = [tok.eos_token_id]
-        ids = [x + eos for x in tok(rows["text"])["input_ids"]]
+        ids = [x + eos for x in tok(rows["text"], return_attention_mask=False)["input_ids"]]
         labels = [list(x) for x in ids]
     elif ds.format == "chat":
         ids, labels = [], []
@@ -77,8 +77,10 @@ def batch(
             labels.append(lab)
     else:
         eos = [tok.eos_token_id]
-        prompts = tok(rows["prompt"])["input_ids"]
-        completions = tok(rows["completion"], add_special_tokens=False)["input_ids"]
+        prompts = tok(rows["prompt"], return_attention_mask=False)["input_ids"]
+        completions = tok(
+            rows["completion"], add_special_tokens=False, return_attention_mask=False
+        )["input_ids"]
         ids = [p + c + eos for p, c in zip(prompts, completions, strict=True)]
         if ds.completion_only_loss:
             labels = [
