@@ -115,7 +115,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             return EXIT_INVALID
         result = plan.plan(spec, shape)
         print(f"{args.file}: {KIND} {verdict.name}")
-        for line in plan.describe(spec, result):
+        for line in plan.describe(spec, result, Path(args.file).resolve().parent):
             print(f"  {line}")
         if result.fits is False:
             worst = EXIT_INVALID
