@@ -259,7 +259,8 @@ def _sequences(table, tok, ds, name, template, seed, out: Path, log, on_progress
     if len(seqs) == 0:
         raise DataError(f"{name}: no record has a token to learn from (all labels masked)")
     seqs.save_to_disk(str(out))
-    kept = int(pc.sum(pc.list_value_length(seqs.data.table.column("input_ids"))).as_py() or 0)
+    saved = datasets.load_from_disk(str(out)).data.table  # filtered rows only, memory-mapped
+    kept = int(pc.sum(pc.list_value_length(saved.column("input_ids"))).as_py() or 0)
     info = {"records": documents, "tokens": total_tokens, "sequences": len(seqs),
             "sequenceTokens": kept, "bytes": _size(out)}  # fmt: skip
     how = f"packed {ds.packing_strategy}" if ds.packing else "one record each"
@@ -288,14 +289,11 @@ def _whole(table: pa.Table, n: int) -> pa.Table:
     return table.append_column("seq_lengths", _one_length(table.column("input_ids")))
 
 
-def _one_length(ids) -> pa.Array:
-    lengths = (
-        pc.list_value_length(ids).combine_chunks()
-        if hasattr(ids, "chunks")
-        else pc.list_value_length(ids)
-    )
+def _one_length(ids: pa.ChunkedArray) -> pa.Array:
+    """A one-element seq_lengths list per row: the row is one position run."""
+    lengths = pc.list_value_length(ids).combine_chunks().cast(pa.int32())
     offsets = pa.array(np.arange(len(lengths) + 1, dtype=np.int32))
-    return pa.ListArray.from_arrays(offsets, lengths.cast(pa.int32()))
+    return pa.ListArray.from_arrays(offsets, lengths)
 
 
 def _learnable(table: pa.Table) -> list[bool]:
