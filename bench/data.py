@@ -96,3 +96,39 @@ def run(work: Path, quick: bool) -> dict:
         rows.append(row("waiting rank RSS growth, 200k minus 20k MiB", big - small, None, "-",
                         None, "flat (< 50 MiB)", big - small < 50))  # fmt: skip
     return {"cases": cases, "rows": rows}
+
+
+def mapped_rank(work: Path, sequences: int = 70_000, seq: int = 2048) -> dict:
+    """A waiting rank's RSS growth with a 200k-record-sized prepared folder (70k x 2048 tokens,
+    ~1.1 GB) built directly from random ids: what a rank maps does not depend on the tokens,
+    and tokenizing 200k records takes half an hour on 2 busy cores."""
+    import datasets
+    import numpy as np
+    import pyarrow as pa
+    from transformers import AutoTokenizer
+
+    from bench.data_worker import TOKENIZER, spec_for
+    from ftjob.trainer import prepare
+
+    source = work / "mapped.jsonl"
+    source.write_text('{"text": "a"}\n')
+    spec = spec_for(source)
+    folder = work / "mapped" / "data" / prepare.key(spec, AutoTokenizer.from_pretrained(TOKENIZER))
+    # One flat array of random ids cut into rows: Arrow builds it without per-row Python.
+    values = pa.array(np.random.default_rng(0).integers(3, 1000, sequences * seq, dtype=np.int32))
+    offsets = pa.array(np.arange(0, sequences * seq + 1, seq, dtype=np.int32))
+    ids = pa.ListArray.from_arrays(offsets, values)
+    halves = pa.array(np.tile(np.array([seq // 2, seq - seq // 2], dtype=np.int32), sequences))
+    lengths = pa.ListArray.from_arrays(
+        pa.array(np.arange(0, 2 * sequences + 1, 2, dtype=np.int32)), halves
+    )
+    table = datasets.Dataset(pa.table({"input_ids": ids, "labels": ids, "seq_lengths": lengths}))
+    table.save_to_disk(str(folder / "train"))
+    (folder / "info.json").write_text("{}")
+    result = measure("rank", source, work / "mapped")
+    shutil.rmtree(work / "mapped", ignore_errors=True)
+    return {
+        **result,
+        "sequences": sequences,
+        "growthMiB": result["peakMiB"] - result["rssBeforeMiB"],
+    }

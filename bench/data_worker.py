@@ -29,8 +29,24 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def peak_mib(who: int) -> float:
-    return round(resource.getrusage(who).ru_maxrss / 1024, 1)
+def rss_parts_mib() -> dict:
+    """Private (RssAnon) and file-backed (RssFile: mapped pages, shared with other ranks
+    through the page cache and reclaimable) resident memory."""
+    with open("/proc/self/status") as f:
+        fields = dict(x.split(":", 1) for x in f if x.startswith(("RssAnon", "RssFile")))
+    return {k: round(int(v.split()[0]) / 1024, 1) for k, v in fields.items()}
+
+
+def peak_mib() -> float:
+    """This process's own peak (VmHWM): ru_maxrss would carry over the parent's peak across
+    fork and exec, and the bench's parent may have built a large table."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return round(int(line.split()[1]) / 1024, 1)
+
+
+def workers_peak_mib() -> float:
+    return round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)
 
 
 def spec_for(source: Path):
@@ -49,7 +65,7 @@ def main(mode: str, source: Path, root: Path) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
-    before = rss_mib()
+    before, parts = rss_mib(), rss_parts_mib()
     started = time.monotonic()
     out: dict = {"mode": mode}
     if mode == "baseline":
@@ -78,8 +94,10 @@ def main(mode: str, source: Path, root: Path) -> dict:
         seconds=round(time.monotonic() - started, 2),
         rssBeforeMiB=round(before, 1),
         rssAfterMiB=round(rss_mib(), 1),
-        peakMiB=peak_mib(resource.RUSAGE_SELF),
-        workersPeakMiB=peak_mib(resource.RUSAGE_CHILDREN),
+        anonGrowthMiB=round(rss_parts_mib()["RssAnon"] - parts["RssAnon"], 1),
+        fileGrowthMiB=round(rss_parts_mib()["RssFile"] - parts["RssFile"], 1),
+        peakMiB=peak_mib(),
+        workersPeakMiB=workers_peak_mib(),
     )
     return out
 

@@ -14,8 +14,13 @@ from ftjob.spec import FineTuneJobSpec
 
 TEXT_BYTES_PER_TOKEN = 4.0  # JSONL bytes per token for English with a 32k-150k BPE vocabulary
 STORED_BYTES_PER_TOKEN = 8  # input_ids + labels, int32 each (Arrow; offsets are negligible)
-RANK_DATA_BYTES = 64 * 2**20  # a rank's RSS for mapped data + batches, measured: flat in size
-PREPARE_BYTES_PER_PROCESS = 600 * 2**20  # rank 0's prepare: each tokenizing process, measured
+# Measured by bench --suite data and bench.data.mapped_rank (bench/RESULTS.md): a waiting rank's
+# private memory grew 50 MiB mapping the data and collating 200 batches, flat from a 7k- to a
+# 70k-sequence set, plus 136 MiB importing datasets/pyarrow. The mapped pages it touches are
+# page cache (shared by the node's ranks, reclaimable), not counted here. Rank 0's prepare
+# peaked at 648 MiB in the main process and 843 MiB in a tokenizing worker (20k records).
+RANK_DATA_BYTES = 190 * 2**20
+PREPARE_BYTES_PER_PROCESS = 850 * 2**20
 
 
 @dataclass
