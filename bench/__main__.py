@@ -20,7 +20,16 @@ from pathlib import Path
 
 from bench import common, report
 
-CPU_SUITES = ["throughput", "checkpoints", "loading", "operator", "scaling", "planner", "memory"]
+CPU_SUITES = [
+    "throughput",
+    "checkpoints",
+    "loading",
+    "operator",
+    "scaling",
+    "planner",
+    "memory",
+    "data",
+]
 ALL_SUITES = [*CPU_SUITES, "gpu"]
 
 

@@ -132,7 +132,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             results.append(output.plan_result(path, verdict.name, spec, result))
             continue
         print(f"{path}: {KIND} {verdict.name}")
-        for line in plan.describe(spec, result):
+        for line in plan.describe(spec, result, Path(path).resolve().parent):
             print(f"  {line}")
     if args.output:
         print(output.dumps(output.plan_list(results), args.output), end="")

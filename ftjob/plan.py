@@ -19,8 +19,11 @@ It models what ftjob's trainer does, not an ideal FSDP:
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from ftjob import datasize
 from ftjob.hardware import GIB, GPUS, node_bandwidth
 from ftjob.modelshape import (
     ModelShape,
@@ -374,6 +377,11 @@ def _apply(spec: FineTuneJobSpec, change: dict) -> FineTuneJobSpec:
 # ----------------------------------------------------------------------------- text
 
 
+def _source_root() -> Path | None:
+    root = os.environ.get("FTJOB_SOURCE_ROOT")  # relative sources, as the trainer resolves them
+    return Path(root) if root else None
+
+
 def _gib(n: float) -> str:
     if n >= 1024 * GIB:
         return f"{n / 1024 / GIB:.1f} TiB"
@@ -395,8 +403,9 @@ def _duration(seconds: float) -> str:
     return f"{minutes / 60:.1f} h"
 
 
-def describe(spec: FineTuneJobSpec, result: Plan) -> list[str]:
-    """The plan as lines a person reads top to bottom: a label column, then the numbers."""
+def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = None) -> list[str]:
+    """The plan as lines a person reads top to bottom; relative data sources are looked up
+    under ``source_root`` (the job file's folder)."""
     e, s, r = result.estimate, result.shape, spec.resources
     device = r.gpu_type or ("CPU process" if not r.gpus_per_node else "GPU (gpuType unset)")
     rows = [
@@ -432,6 +441,7 @@ def describe(spec: FineTuneJobSpec, result: Plan) -> list[str]:
             f"{_gib(e.checkpoint_bytes)} each on the volume "
             f"(x keep {spec.checkpoint.keep} = {_gib(e.checkpoint_bytes * spec.checkpoint.keep)})",
         ),
+        ("data", datasize.describe(spec, source_root or _source_root())),
     ]
     tokens = spec.tokens_per_step
     if e.step_seconds is not None:

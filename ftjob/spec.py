@@ -166,7 +166,15 @@ class DatasetSpec:
         maximum=131072,
     )
     packing: bool = api_field(
-        "packing concatenates records into full sequences (no padding; faster).", True
+        "packing puts several records in one sequence (less padding; faster); each record "
+        "still attends only to itself.",
+        True,
+    )
+    packing_strategy: Literal["bfd", "wrapped"] = api_field(
+        "packingStrategy: bfd (best-fit decreasing: whole records share a sequence, each "
+        "with its own positions and attention, longer ones truncated) or wrapped (one "
+        "token stream cut every maxSeqLength tokens; tokens attend across records).",
+        "bfd",
     )
     eval_fraction: float | None = api_field(
         "evalFraction of the records held out for evaluation (0 < f < 0.5). Set this or "
@@ -178,6 +186,13 @@ class DatasetSpec:
     )
     eval_split: str | None = api_field(
         "evalSplit: a split of the source used for evaluation.", None, min_length=1, max_length=64
+    )
+    max_eval_sequences: int = api_field(
+        "maxEvalSequences: at most this many eval sequences are evaluated each time (the same "
+        "ones every time), so a large eval set stays affordable.",
+        1000,
+        minimum=1,
+        maximum=10_000_000,
     )
 
 

@@ -68,7 +68,8 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
 
     # Data first: a bad record fails the job in seconds, before any weights are read.
     tok = model.load_tokenizer(spec)
-    ds = data.load(spec, tok)
+    # Rank 0 prepares (or reuses) the data on the volume; the others wait, then memory-map it.
+    ds = data.load(spec, tok, job_dir, is_main=d.is_main, log=lambda m: say(m, flush=True))
     sampler = data.Sampler(len(ds.train), t.seed, d.world_size, t.micro_batch_size,
                            t.gradient_accumulation)  # fmt: skip
     total = t.max_steps or sampler.steps_for(t.epochs)
@@ -105,7 +106,7 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     report.log(
         f"{name}: {spec.method.type} fine-tune of {asked.model.source}, {params:,} parameters "
         f"({trainable:,} trained), {sharding} sharding over {d.world_size} ranks, "
-        f"{len(ds.train)} train / {len(ds.eval)} eval sequences, {total} steps"
+        f"{len(ds.train)} train / {len(ds.eval or [])} eval sequences, {total} steps"
     )
     report.update(loadPeakRssMiB=load_rss)
     report.log("peak RSS per rank after loading (MiB): " + ", ".join(f"{m:.0f}" for m in load_rss))
@@ -134,7 +135,7 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
         lr = scheduler.get_last_lr()[0]
         report.step(done, loss, lr, tokens, sampler.epoch(done), log=done % t.log_every == 0,
                     seconds=time.perf_counter() - began)  # fmt: skip
-        if ds.eval and t.eval_every and done % t.eval_every == 0:
+        if ds.eval is not None and t.eval_every and done % t.eval_every == 0:
             report.evaluated(done, evaluate(net, ds, d, t.micro_batch_size))
             evaluated_at = done
         if done % spec.checkpoint.every == 0 and done < total:
@@ -145,7 +146,7 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
             background = " (written in the background)" if spec.checkpoint.async_save else ""
             report.log(f"checkpoint saved: step {done} in {path}{background}")
     ckpt.close()
-    if ds.eval and evaluated_at != total:
+    if ds.eval is not None and evaluated_at != total:
         report.evaluated(total, evaluate(net, ds, d, t.micro_batch_size))
     # Before the export, whose full-model gather on rank 0 is not training memory: what
     # `ftjob plan` estimates per process, measured (rank 1 never holds the whole model).
@@ -215,7 +216,10 @@ def _export(net, spec, tok, out: Path, rank: int, lease: owner.Lease | None) -> 
 def token_loss(net, batch: dict, device: torch.device) -> tuple[torch.Tensor, int]:
     """Sum of next-token losses over the labelled tokens, and their count."""
     batch = {k: v.to(device) for k, v in batch.items()}
-    logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    # No attention mask: the position ids keep each packed document to itself (data.collate).
+    # transformers reads them so only without a KV cache, hence use_cache=False.
+    ids, positions = batch["input_ids"], batch["position_ids"]
+    logits = net(input_ids=ids, position_ids=positions, use_cache=False).logits
     target = batch["labels"][:, 1:]
     loss = F.cross_entropy(
         logits[:, :-1].float().reshape(-1, logits.size(-1)),
@@ -230,7 +234,7 @@ def _train_step(
     net, optimizer, weights, ds, sampler, step, d, max_norm, before_update
 ) -> tuple[float, int]:
     micro = [
-        data.collate([ds.train[i] for i in sampler.indices(step, m, d.rank)], ds.pad_id)
+        data.collate(ds.rows(sampler.indices(step, m, d.rank)), ds.pad_id)
         for m in range(sampler.accumulation)
     ]
     # Every labelled token of the step weighs the same, whichever rank or micro-batch has it:
@@ -252,7 +256,7 @@ def _train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(total)
-    seen = sum(int(b["attention_mask"].sum()) for b in micro) * d.world_size
+    seen = sum(int(b["tokens"].sum()) for b in micro) * d.world_size
     return float(total) / tokens_all, seen
 
 

@@ -110,9 +110,9 @@ def probe(out: Path, tied: Path, cases: list) -> None:
             torch.equal(b, ref_buffers[n.replace("base_model.model.", "")])
             for n, b in net.named_buffers()
         )
-        batch = data.collate(
-            [data.Example(list(range(10, 40)), list(range(10, 40)))], tok.pad_token_id
-        )
+        ids = list(range(10, 40))
+        row = {"input_ids": ids, "labels": ids, "seq_lengths": [len(ids)]}
+        batch = data.collate([row], tok.pad_token_id)
         with torch.no_grad():
             loss, count = token_loss(net, batch, d.device)
             ref_loss, _ = token_loss(reference, batch, d.device)

@@ -104,7 +104,7 @@ def eval_loss_of(model, workdir: Path) -> float:
     from ftjob.trainer.train import token_loss
 
     _, spec = parse_resource(json.loads((workdir / "spec.json").read_text()))
-    ds = data.load(spec, load_tokenizer(spec))
+    ds = data.load(spec, load_tokenizer(spec), workdir)  # the trainer's prepared data
     total = count = 0.0
     model.eval()
     with torch.no_grad():

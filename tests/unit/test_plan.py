@@ -277,3 +277,21 @@ def test_a_cpu_plan_never_advises_gpu_type():
         assert "gpuType" not in text, text
     assert result.fits is False and "64.0 MiB (resources.memory)" in text
     assert all(check_rules(o.spec, "spec") == [] for o in result.options)
+
+
+def test_plan_counts_the_prepared_data_on_the_volume(tmp_path):
+    from ftjob import datasize
+    from ftjob.spec import parse_spec
+
+    source = tmp_path / "d.jsonl"
+    source.write_bytes(b"x" * 4_000_000)
+    doc = {"model": {"source": "hf://org/m"}, "dataset": {"source": "d.jsonl"},
+           "resources": {"cpu": 8}, "training": {"maxSteps": 1}}  # fmt: skip
+    e = datasize.estimate(parse_spec(doc), tmp_path)
+    assert e.source_bytes == 4_000_000 and e.tokens == 1_000_000  # ~4 bytes a token
+    assert e.prepared_bytes == 8_000_000  # ids + labels, int32
+    assert e.preparing_bytes == 4_000_000 + 2 * 8_000_000
+    assert e.prepare_memory == 9 * datasize.PREPARE_BYTES_PER_PROCESS  # 8 tokenizers + main
+    assert "7.6 MiB prepared on the volume" in datasize.describe(parse_spec(doc), tmp_path)
+    doc["dataset"]["source"] = "hf://org/data"
+    assert "size unknown until prepared" in datasize.describe(parse_spec(doc))

@@ -1,4 +1,4 @@
-"""trainer/data.py: reading, masking, packing, batch order and data errors (one process).
+"""trainer/data.py + prepare.py: reading, masking, packing, batch order, data errors.
 
 python -m pytest tests/unit/test_trainer_data.py -q
 """
@@ -38,8 +38,16 @@ def write_jsonl(path: Path, rows) -> Path:
     return path
 
 
-def decoded_labels(tok, example) -> str:
-    return tok.decode([t for t in example.labels if t != IGNORE])
+def decoded_labels(tok, row) -> str:
+    return tok.decode([t for t in row["labels"] if t != IGNORE])
+
+
+def load(s, tok, job_dir: Path) -> data.Data:
+    return data.load(s, tok, job_dir, log=lambda _: None)
+
+
+def as_rows(table) -> list[dict]:
+    return [table[i] for i in range(len(table))]
 
 
 # ------------------------------------------------------------------------------ formats
@@ -47,9 +55,11 @@ def decoded_labels(tok, example) -> str:
 
 def test_text_learns_every_token_and_ends_with_eos(tok, tmp_path):
     s = spec(write_jsonl(tmp_path / "t.jsonl", [{"text": "A dog barks."}]), packing=False)
-    (ex,) = data.load(s, tok).train
-    assert ex.ids == ex.labels
-    assert ex.ids[0] == tok.bos_token_id and ex.ids[-1] == tok.eos_token_id
+    (ex,) = as_rows(load(s, tok, tmp_path / "job").train)
+    # The first label is never a target: alone nothing precedes it, packed it must not be
+    # predicted from the previous document.
+    assert ex["labels"] == [IGNORE] + ex["input_ids"][1:]
+    assert ex["input_ids"][0] == tok.bos_token_id and ex["input_ids"][-1] == tok.eos_token_id
 
 
 def test_chat_learns_assistant_turns_only(tok, tmp_path):
@@ -62,38 +72,60 @@ def test_chat_learns_assistant_turns_only(tok, tmp_path):
         }
     ]
     s = spec(write_jsonl(tmp_path / "c.jsonl", rows), format="chat", packing=False)
-    (ex,) = data.load(s, tok).train
+    (ex,) = as_rows(load(s, tok, tmp_path / "job").train)
     assert decoded_labels(tok, ex) == "Snow is white.<|eos|>"
-    assert "What colour" in tok.decode(ex.ids)
+    assert "What colour" in tok.decode(ex["input_ids"])
     s = spec(tmp_path / "c.jsonl", format="chat", packing=False, completionOnlyLoss=False)
-    (ex,) = data.load(s, tok).train
-    assert ex.labels == ex.ids
+    (ex,) = as_rows(load(s, tok, tmp_path / "job").train)
+    assert ex["labels"][1:] == ex["input_ids"][1:]
 
 
 def test_instruction_learns_the_completion_only(tok, tmp_path):
     rows = [{"prompt": "Question: What is 2 + 2?\nAnswer:", "completion": " 4"}]
     s = spec(write_jsonl(tmp_path / "i.jsonl", rows), format="instruction", packing=False)
-    (ex,) = data.load(s, tok).train
+    (ex,) = as_rows(load(s, tok, tmp_path / "job").train)
     assert decoded_labels(tok, ex) == " 4<|eos|>"
-    assert ex.labels[0] == IGNORE
+    assert ex["labels"][0] == IGNORE
 
 
-def test_packing_makes_full_sequences_with_masks_kept(tok):
+def test_wrapped_packing_makes_full_sequences_with_masks_kept(tok, tmp_path):
     source = EXAMPLES / "data" / "tiny-instruct.jsonl"
-    s = spec(source, format="instruction", maxSeqLength=64, packing=True)
-    train = data.load(s, tok).train
-    assert len(train) > 10 and all(len(e.ids) == 64 == len(e.labels) for e in train)
-    assert any(t == IGNORE for e in train for t in e.labels)  # prompts stay masked
+    s = spec(source, format="instruction", maxSeqLength=64, packingStrategy="wrapped")
+    train = as_rows(load(s, tok, tmp_path / "job").train)
+    assert len(train) > 10 and all(len(e["input_ids"]) == 64 == len(e["labels"]) for e in train)
+    assert any(t == IGNORE for e in train for t in e["labels"])  # prompts stay masked
 
 
-def test_eval_fraction_holds_out_records_deterministically(tok):
+def test_bfd_packing_keeps_whole_documents_in_one_sequence(tok, tmp_path):
+    rows_in = [{"text": "word " * n} for n in (3, 20, 7, 40, 12, 2, 30)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows_in)
+    alone = {
+        tuple(e["input_ids"])
+        for e in as_rows(
+            load(spec(path, packing=False, maxSeqLength=64), tok, tmp_path / "a").train
+        )
+    }
+    packed = as_rows(load(spec(path, maxSeqLength=64), tok, tmp_path / "b").train)
+    assert len(packed) < len(rows_in)  # several documents share a sequence
+    pieces = set()
+    for e in packed:
+        assert sum(e["seq_lengths"]) == len(e["input_ids"]) <= 64
+        start = 0
+        for n in e["seq_lengths"]:
+            pieces.add(tuple(e["input_ids"][start : start + n]))
+            assert e["labels"][start] == IGNORE  # never predicted from the previous document
+            start += n
+    assert pieces == alone  # every document is there, whole, exactly once
+
+
+def test_eval_fraction_holds_out_records_deterministically(tok, tmp_path):
     source = EXAMPLES / "data" / "tiny-text.jsonl"
     s = spec(source, maxSeqLength=64, evalFraction=0.1)
-    a, b = data.load(s, tok), data.load(s, tok)
-    assert a.eval and [e.ids for e in a.eval] == [e.ids for e in b.eval]
-    assert [e.ids for e in a.train] == [e.ids for e in b.train]
-    train_tokens = sum(len(e.ids) for e in a.train)
-    eval_tokens = sum(len(e.ids) for e in a.eval)
+    a, b = load(s, tok, tmp_path / "a"), load(s, tok, tmp_path / "b")  # prepared twice
+    assert len(a.eval) and a.eval["input_ids"] == b.eval["input_ids"]
+    assert a.train["input_ids"] == b.train["input_ids"]
+    train_tokens = sum(map(len, a.train["input_ids"]))
+    eval_tokens = sum(map(len, a.eval["input_ids"]))
     assert 0.05 < eval_tokens / (train_tokens + eval_tokens) < 0.15
 
 
@@ -116,14 +148,14 @@ def test_other_sources_read_the_same_records(tok, tmp_path, kind):
         datasets.DatasetDict({"train": table}).save_to_disk(str(tmp_path / "saved"))
         source = tmp_path / "saved"
     reference = spec(write_jsonl(tmp_path / "ref.jsonl", rows), packing=False)
-    got = data.load(spec(source, packing=False), tok).train
-    assert [e.ids for e in got] == [e.ids for e in data.load(reference, tok).train]
+    got = load(spec(source, packing=False), tok, tmp_path / "a").train
+    assert got["input_ids"] == load(reference, tok, tmp_path / "b").train["input_ids"]
 
 
 def test_relative_sources_resolve_against_the_source_root(tok, tmp_path, monkeypatch):
     write_jsonl(tmp_path / "rel.jsonl", [{"text": "A cow moos."}])
     monkeypatch.setenv("FTJOB_SOURCE_ROOT", str(tmp_path))
-    assert len(data.load(spec("rel.jsonl", packing=False), tok).train) == 1
+    assert len(load(spec("rel.jsonl", packing=False), tok, tmp_path / "job").train) == 1
 
 
 # ------------------------------------------------------------------------------ batch order
@@ -144,11 +176,10 @@ def test_batch_order_is_a_pure_function_of_seed_and_step():
 
 
 def test_eval_batches_are_even_across_ranks(tok):
-    ds = data.Data(
-        train=[],
-        eval=[data.Example([1, 2, 3], [1, 2, 3]) for _ in range(5)],
-        pad_id=tok.pad_token_id,
-    )
+    import datasets
+
+    table = {"input_ids": [[1, 2, 3]] * 5, "labels": [[1, 2, 3]] * 5, "seq_lengths": [[3]] * 5}
+    ds = data.Data(train=None, eval=datasets.Dataset.from_dict(table), pad_id=tok.pad_token_id)
     rank0, rank1 = data.eval_batches(ds, 0, 2, 2), data.eval_batches(ds, 1, 2, 2)
     assert len(rank0) == len(rank1) == 2  # FSDP needs every rank in every forward
     labelled = sum(int((b["labels"] != IGNORE).sum()) for b in rank0 + rank1)
@@ -157,11 +188,17 @@ def test_eval_batches_are_even_across_ranks(tok):
 
 def test_collate_pads_and_masks(tok):
     batch = data.collate(
-        [data.Example([5, 6, 7], [IGNORE, 6, 7]), data.Example([8], [8])], tok.pad_token_id
+        [
+            {"input_ids": [5, 6, 7], "labels": [IGNORE, 6, 7], "seq_lengths": [1, 2]},
+            {"input_ids": [8], "labels": [IGNORE], "seq_lengths": [1]},
+        ],
+        tok.pad_token_id,
     )
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
-    assert batch["labels"].tolist() == [[IGNORE, 6, 7], [8, IGNORE, IGNORE]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[IGNORE, 6, 7], [IGNORE, IGNORE, IGNORE]]
+    # Positions restart per document; the padding is a document of its own.
+    assert batch["position_ids"].tolist() == [[0, 0, 1], [0, 0, 1]]
+    assert batch["tokens"].tolist() == [3, 1]
 
 
 # ------------------------------------------------------------------------------ bad data
@@ -169,7 +206,7 @@ def test_collate_pads_and_masks(tok):
 
 def load_error(tok, s) -> str:
     with pytest.raises(DataError) as e:
-        data.load(s, tok)
+        load(s, tok, Path(s.dataset.source).parent / "job")
     return str(e.value)
 
 
@@ -206,7 +243,7 @@ def test_every_sequence_too_long_without_packing_is_refused(tok, tmp_path):
     message = load_error(tok, spec(path, packing=False, maxSeqLength=16))
     assert message.startswith(f"{path}: every record is longer than dataset.maxSeqLength=16")
     # with packing the same records are fine
-    assert data.load(spec(path, packing=True, maxSeqLength=16), tok).train
+    assert load(spec(path, packing=True, maxSeqLength=16), tok, tmp_path / "job").train
 
 
 def test_a_single_file_has_no_eval_split(tok, tmp_path):

@@ -1,0 +1,107 @@
+"""One measurement of bench.data in a fresh process (so its peak RSS is its own).
+
+    python bench/data_worker.py MODE FILE ROOT
+
+MODE: prepare (rank 0's first prepare), restart (prepare again with the data present, then
+memory-map it), rank (a waiting rank: memory-map and collate a few hundred batches),
+baseline (datasets.load_dataset("json") + batched .map(num_proc) tokenization into ROOT).
+Prints ``data {json}``: seconds, peak RSS of this process and of its worker processes (MiB),
+and the RSS before the data was touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TOKENIZER = ROOT / "examples" / "tiny-model"
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def rss_parts_mib() -> dict:
+    """Private (RssAnon) and file-backed (RssFile: mapped pages, shared with other ranks
+    through the page cache and reclaimable) resident memory."""
+    with open("/proc/self/status") as f:
+        fields = dict(x.split(":", 1) for x in f if x.startswith(("RssAnon", "RssFile")))
+    return {k: round(int(v.split()[0]) / 1024, 1) for k, v in fields.items()}
+
+
+def peak_mib() -> float:
+    """This process's own peak (VmHWM): ru_maxrss would carry over the parent's peak across
+    fork and exec, and the bench's parent may have built a large table."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return round(int(line.split()[1]) / 1024, 1)
+
+
+def workers_peak_mib() -> float:
+    return round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)
+
+
+def spec_for(source: Path):
+    from ftjob.spec import parse_spec
+
+    return parse_spec(
+        {
+            "model": {"source": str(TOKENIZER)},
+            "dataset": {"source": str(source), "maxSeqLength": 2048},
+            "training": {"maxSteps": 1, "microBatchSize": 4},
+        }
+    )
+
+
+def main(mode: str, source: Path, root: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    before, parts = rss_mib(), rss_parts_mib()
+    started = time.monotonic()
+    out: dict = {"mode": mode}
+    if mode == "baseline":
+        import datasets
+
+        datasets.disable_progress_bars()
+        table = datasets.load_dataset("json", data_files=str(source), split="train",
+                                      cache_dir=str(root))  # fmt: skip
+        procs = len(os.sched_getaffinity(0))
+        table = table.map(lambda b: tok(b["text"]), batched=True, batch_size=1000,
+                          num_proc=procs, remove_columns=["text"])  # fmt: skip
+        out["sequences"] = len(table)
+    else:
+        from ftjob.trainer import data
+
+        spec = spec_for(source)
+        quiet = lambda _: None  # noqa: E731
+        ds = data.load(spec, tok, root, is_main=mode != "rank", log=quiet)
+        out["sequences"] = len(ds.train)
+        if mode == "rank":
+            # What a training rank does with the data: random micro-batches of 4 sequences.
+            sampler = data.Sampler(len(ds.train), 42, world=2, micro_batch=4, accumulation=1)
+            for step in range(200):
+                data.collate(ds.rows(sampler.indices(step, 0, 1)), ds.pad_id)
+    out.update(
+        seconds=round(time.monotonic() - started, 2),
+        rssBeforeMiB=round(before, 1),
+        rssAfterMiB=round(rss_mib(), 1),
+        anonGrowthMiB=round(rss_parts_mib()["RssAnon"] - parts["RssAnon"], 1),
+        fileGrowthMiB=round(rss_parts_mib()["RssFile"] - parts["RssFile"], 1),
+        peakMiB=peak_mib(),
+        workersPeakMiB=workers_peak_mib(),
+    )
+    return out
+
+
+if __name__ == "__main__":
+    result = main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+    print("data " + json.dumps(result), flush=True)

@@ -1,0 +1,348 @@
+"""Prepare the data once per job: read, validate, tokenize, split, pack -> Arrow on the volume.
+
+Global rank 0 does the work and writes ``<job_dir>/data/<key>/`` atomically (a temporary
+folder renamed into place); every rank then memory-maps it, so no rank holds token lists in
+Python objects and a restarted gang (or another job with the same key) starts in seconds.
+The key hashes everything that changes the tokens, so a changed file or setting never
+reuses stale sequences.
+
+    python -c "from ftjob.trainer import prepare; help(prepare.prepare)"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from transformers import PreTrainedTokenizerBase
+
+from ftjob.spec import FineTuneJobSpec
+from ftjob.trainer import records, tokenize
+from ftjob.trainer.records import DataError
+
+LAYOUT = 1  # bump when the prepared layout or the tokenization rules change
+SHARD = 50_000  # records tokenized between two progress reports
+WAIT_LIMIT_S = 24 * 3600  # how long other ranks wait for rank 0's prepare (see wait())
+
+Progress = Callable[[dict], None]
+
+
+def key(spec: FineTuneJobSpec, tok: PreTrainedTokenizerBase) -> str:
+    """A hash of everything that changes the prepared tokens (and nothing that does not)."""
+    ds = spec.dataset
+    settings = {
+        "layout": LAYOUT,
+        "dataset": {
+            k: getattr(ds, k)
+            for k in (
+                "source",
+                "split",
+                "subset",
+                "format",
+                "text_field",
+                "messages_field",
+                "prompt_field",
+                "completion_field",
+                "completion_only_loss",
+                "max_seq_length",
+                "packing",
+                "packing_strategy",
+                "eval_fraction",
+                "eval_split",
+            )
+        },  # fmt: skip
+        "seed": spec.training.seed,
+        "files": _source_identity(ds.source),
+        "tokenizer": _tokenizer_identity(tok),
+    }
+    text = json.dumps(settings, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _source_identity(source: str) -> list:
+    # Size and modification time name a file's version without reading gigabytes; a
+    # rewritten file gets a new mtime. Hub sources are keyed by their name (and subset).
+    if source.startswith("hf://"):
+        return []
+    path = Path(records.resolve(source))
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    out = []
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:
+            continue  # a missing file is reported by the reader, with the fix
+        out.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _tokenizer_identity(tok: PreTrainedTokenizerBase) -> str:
+    backend = getattr(tok, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
+    special = [tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, type(tok).__name__]
+    text = json.dumps([vocab, tok.chat_template, special], default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# ------------------------------------------------------------------------------ preparing
+
+
+def prepare(
+    spec: FineTuneJobSpec,
+    tok: PreTrainedTokenizerBase,
+    root: Path,
+    *,
+    is_main: bool = True,
+    log: Callable[[str], None] = print,
+    on_progress: Progress | None = None,
+) -> Path:
+    """The folder of prepared sequences for this spec under ``root``, preparing it if needed.
+
+    ``is_main`` prepares; the others wait for the folder to appear. ``on_progress`` gets
+    ``{"stage", "records", "total", "recordsPerSecond", "etaSeconds"}`` as work goes on.
+    """
+    folder = root / key(spec, tok)
+    if (folder / "info.json").exists():
+        if is_main:
+            log(f"data: reusing the prepared sequences in {folder}")
+        return folder
+    if not is_main:
+        return wait(folder)
+    started = time.monotonic()
+    tmp = root / f".{folder.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        info = _build(spec, tok, tmp, log, on_progress or (lambda _: None))
+        info["seconds"] = round(time.monotonic() - started, 1)
+        (tmp / "info.json").write_text(json.dumps(info, indent=1))
+        shutil.rmtree(tmp / "cache", ignore_errors=True)
+        try:
+            tmp.rename(folder)
+        except OSError:
+            if not (folder / "info.json").exists():
+                raise
+            # Another job with the same key committed first; its copy is as good as ours.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"data: prepared in {info['seconds']:.1f} s into {folder}")
+    return folder
+
+
+def wait(folder: Path) -> Path:
+    """Wait for rank 0's prepare by polling for the committed folder.
+
+    Not a collective: a barrier would time out after the process group's timeout (minutes)
+    while a large prepare takes an hour. If rank 0 fails, torchrun ends this rank with it.
+    """
+    deadline = time.monotonic() + WAIT_LIMIT_S
+    while not (folder / "info.json").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not finish preparing {folder} in {WAIT_LIMIT_S} s")
+        time.sleep(1.0)
+    return folder
+
+
+def _build(spec, tok, tmp: Path, log, on_progress) -> dict:
+    import datasets
+
+    datasets.disable_progress_bars()  # we report progress ourselves; pod logs are not terminals
+    ds, seed = spec.dataset, spec.training.seed
+    template = tokenize.chat_template(tok, ds)
+    cache = tmp / "cache"
+    train = _read(ds, ds.split, cache, log, on_progress)
+    name = records.origin(ds, ds.split)
+    evaluation, eval_name = None, f"{name} (eval)"
+    if ds.eval_split:
+        evaluation = _read(ds, ds.eval_split, cache, log, on_progress)
+        eval_name = f"{records.origin(ds, ds.eval_split)} (eval)"
+    elif ds.eval_fraction:
+        # Hold out whole records, chosen by the seed, before tokenizing: no leak by packing.
+        order = np.random.default_rng(seed).permutation(len(train))
+        held = np.zeros(len(train), dtype=bool)
+        held[order[: max(1, math.ceil(len(train) * ds.eval_fraction))]] = True
+        evaluation = train.select(np.flatnonzero(held))
+        train = train.select(np.flatnonzero(~held))
+    info = {"train": _sequences(train, tok, ds, name, template, seed, tmp / "train", log,
+                                on_progress)}  # fmt: skip
+    if evaluation is not None:
+        info["eval"] = _sequences(evaluation, tok, ds, eval_name, template, seed, tmp / "eval",
+                                  log, on_progress)  # fmt: skip
+    return info
+
+
+def _read(ds, split, cache: Path, log, on_progress):
+    import datasets
+
+    meter = Meter("reading", None, log, on_progress)
+    try:
+        table = datasets.Dataset.from_generator(
+            _normalized,
+            features=records.columns(ds),
+            gen_kwargs={"ds": ds, "split": split, "meter": meter},
+            cache_dir=str(cache),
+        )
+    except datasets.exceptions.DatasetGenerationError as e:
+        if isinstance(e.__cause__, DataError):
+            raise e.__cause__ from None  # our message names the file and line; keep it first
+        raise
+    meter.done(len(table))
+    return table
+
+
+def _normalized(ds, split, meter):
+    n = 0
+    for n, (where, number, row) in enumerate(records.raw(ds, split), start=1):
+        yield {"line": number, **records.normalize(row, ds, where)}
+        meter.update(n)
+    if n == 0:
+        raise DataError(f"{records.origin(ds, split)}: holds no records")
+
+
+def _sequences(table, tok, ds, name, template, seed, out: Path, log, on_progress) -> dict:
+    """Tokenize, pack (or truncate), drop sequences with nothing to learn; save to ``out``."""
+    import datasets
+
+    procs = _processes(len(table))
+    features = datasets.Features(
+        input_ids=datasets.List(datasets.Value("int32")),
+        labels=datasets.List(datasets.Value("int32")),
+    )
+    meter = Meter("tokenizing", len(table), log, on_progress)
+    parts = []
+    for start in range(0, len(table), SHARD):
+        part = table.select(range(start, min(start + SHARD, len(table))))
+        parts.append(
+            part.map(
+                tokenize.batch,
+                batched=True,
+                num_proc=procs,
+                fn_kwargs={"tok": tok, "ds": ds, "name": name, "template": template},
+                remove_columns=part.column_names,
+                features=features,
+                new_fingerprint=f"tokens-{out.name}-{start}",  # hashing a tokenizer is slow
+            )
+        )
+        meter.update(start + len(part), force=True)
+    tokens = datasets.concatenate_datasets(parts)
+    n = ds.max_seq_length
+    lengths = pc.list_value_length(tokens.data.table.column("input_ids")).to_numpy()
+    documents, total_tokens = len(tokens), int(lengths.sum())
+    Meter("packing", None, log, on_progress).update(0, force=True)
+    batches = {"batch_size": 10_000, "num_proc": procs}  # bfd fills bins within a batch
+    arrow = {"batched": True, **batches}
+    if not ds.packing:
+        if (lengths > n).all():
+            raise DataError(
+                f"{name}: every record is longer than dataset.maxSeqLength={n} tokens "
+                f"(the shortest has {lengths.min()}); raise maxSeqLength or turn packing on"
+            )
+        seqs = tokens.with_format("arrow").map(_single, fn_kwargs={"n": n}, **arrow)
+    else:
+        from trl.data_utils import pack_dataset
+
+        # Shuffle documents before packing so that a sequence mixes topics, deterministically.
+        shuffled = tokens.shuffle(seed=seed)
+        seqs = pack_dataset(shuffled, n, strategy=ds.packing_strategy, map_kwargs=batches)
+        if ds.packing_strategy == "wrapped":
+            seqs = seqs.with_format("arrow").map(_whole, fn_kwargs={"n": n}, **arrow)
+    seqs = seqs.with_format("arrow").filter(_learnable, **arrow).with_format(None)
+    if len(seqs) == 0:
+        raise DataError(f"{name}: no record has a token to learn from (all labels masked)")
+    seqs.save_to_disk(str(out))
+    saved = datasets.load_from_disk(str(out)).data.table  # filtered rows only, memory-mapped
+    kept = int(pc.sum(pc.list_value_length(saved.column("input_ids"))).as_py() or 0)
+    info = {"records": documents, "tokens": total_tokens, "sequences": len(seqs),
+            "sequenceTokens": kept, "bytes": _size(out)}  # fmt: skip
+    how = f"packed {ds.packing_strategy}" if ds.packing else "one record each"
+    log(
+        f"data: {name}: {documents:,} records, {total_tokens:,} tokens -> {len(seqs):,} "
+        f"sequences of <= {n} tokens ({how})"
+    )
+    return info
+
+
+def _single(table: pa.Table, n: int) -> pa.Table:
+    """One record per sequence, truncated to n tokens."""
+    ids = pc.list_slice(table.column("input_ids"), 0, n)
+    labels = pc.list_slice(table.column("labels"), 0, n)
+    return pa.table({"input_ids": ids, "labels": labels, "seq_lengths": _one_length(ids)})
+
+
+def _whole(table: pa.Table, n: int) -> pa.Table:
+    """Wrapped sequences are one stream: a single position run per full sequence.
+
+    Each batch's ragged tail is dropped, unless the batch has nothing else.
+    """
+    full = pc.equal(pc.list_value_length(table.column("input_ids")), n)
+    if pc.any(full).as_py():
+        table = table.filter(full)
+    return table.append_column("seq_lengths", _one_length(table.column("input_ids")))
+
+
+def _one_length(ids: pa.ChunkedArray) -> pa.Array:
+    """A one-element seq_lengths list per row: the row is one position run."""
+    lengths = pc.list_value_length(ids).combine_chunks().cast(pa.int32())
+    offsets = pa.array(np.arange(len(lengths) + 1, dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, lengths)
+
+
+def _learnable(table: pa.Table) -> list[bool]:
+    """A sequence whose labels are all masked (a prompt cut off by truncation) teaches nothing."""
+    labels = table.column("labels").combine_chunks()
+    learned = pc.not_equal(labels.flatten(), tokenize.IGNORE).cast(pa.int32()).to_numpy()
+    offsets = labels.offsets.to_numpy()
+    counts = (
+        np.add.reduceat(np.append(learned, 0), offsets[:-1]) if len(learned) else offsets[:-1] * 0
+    )
+    empty = offsets[1:] == offsets[:-1]  # reduceat gives an element, not 0, for empty ranges
+    return list((counts > 0) & ~empty)
+
+
+def _processes(count: int) -> int | None:
+    # The pod's CPUs (its affinity set), and none for small sets where a pool costs more.
+    if count < 5_000:
+        return None
+    return max(1, min(len(os.sched_getaffinity(0)), 32))
+
+
+def _size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+class Meter:
+    """Progress of one stage: a log line and an on_progress call every few seconds."""
+
+    EVERY_S = 10.0
+
+    def __init__(self, stage: str, total: int | None, log, on_progress: Progress):
+        self.stage, self.total, self.log, self.on_progress = stage, total, log, on_progress
+        self.start = self.last = time.monotonic()
+
+    def update(self, done: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < self.EVERY_S:
+            return
+        self.last = now
+        rate = done / max(now - self.start, 1e-9)
+        eta = (self.total - done) / rate if self.total and rate > 0 else None
+        self.on_progress(
+            {"stage": self.stage, "records": done, "total": self.total,
+             "recordsPerSecond": round(rate, 1), "etaSeconds": None if eta is None else round(eta)}
+        )  # fmt: skip
+        if done:
+            of = f"/{self.total:,}" if self.total else ""
+            left = f", about {eta:.0f} s left" if eta is not None and done != self.total else ""
+            self.log(f"data: {self.stage} {done:,}{of} records, {rate:,.0f} records/s{left}")
+
+    def done(self, count: int) -> None:
+        self.update(count, force=True)

@@ -1,0 +1,168 @@
+"""Source -> validated records, one at a time, each with the line (or record number) it came from.
+
+Reading is a cheap single pass that stops at the first bad record, before anything is
+tokenized: a malformed line 3 fails the job in seconds, not after an hour of tokenizing.
+Records are yielded, never collected, so a file larger than RAM streams through.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from ftjob.spec import DatasetSpec
+from ftjob.trainer.model import resolve
+
+
+class DataError(ValueError):
+    """The data cannot be trained on; the message names the file and record."""
+
+
+def origin(ds: DatasetSpec, split: str) -> str:
+    """How errors name the source of one split."""
+    if ds.source.startswith("hf://") or Path(resolve(ds.source)).is_dir():
+        return f"{ds.source} split {split}"
+    return ds.source
+
+
+def check_source(ds: DatasetSpec, split: str) -> Path | None:
+    """Refuse a source that cannot hold the split; the local file or folder, if any."""
+    if ds.source.startswith("hf://"):
+        return None
+    path = Path(resolve(ds.source))
+    if path.is_dir():
+        return path
+    if split != ds.split:
+        raise DataError(
+            f"{ds.source}: a single file has no split {split!r}; "
+            "use dataset.evalFraction, or a datasets folder or hf:// source with splits"
+        )
+    if not path.exists():
+        raise DataError(f"{ds.source}: no such file (looked at {path})")
+    if path.suffix.lower() not in (".jsonl", ".json", ".parquet", ".csv"):
+        raise DataError(f"{ds.source}: unknown file type; use .jsonl, .json, .parquet or .csv")
+    return path
+
+
+def raw(ds: DatasetSpec, split: str) -> Iterator[tuple[str, int, dict]]:
+    """(where, number, row) for every record of one split, in source order.
+
+    ``number`` is the JSONL line, else the record's position from 1; ``where`` names both.
+    """
+    name = origin(ds, split)
+    path = check_source(ds, split)
+    if path is None or path.is_dir():
+        yield from _table_rows(_table(ds, split, path), name)
+    elif path.suffix.lower() == ".jsonl":
+        yield from _jsonl(path, name)
+    elif path.suffix.lower() == ".json":
+        yield from _json(path, name)
+    else:
+        yield from _table_rows(_table(ds, split, path), name)
+
+
+def _table(ds: DatasetSpec, split: str, path: Path | None):
+    import datasets
+
+    if path is None:
+        token = os.environ.get("HF_TOKEN")
+        return datasets.load_dataset(resolve(ds.source), ds.subset, split=split, token=token)
+    if path.is_dir():
+        try:
+            saved = datasets.load_from_disk(str(path))
+        except FileNotFoundError as e:
+            raise DataError(
+                f"{ds.source}: a folder, but not one saved with save_to_disk: {e}"
+            ) from e
+        if isinstance(saved, datasets.DatasetDict):
+            if split not in saved:
+                raise DataError(f"{ds.source}: no split {split!r} (has {sorted(saved)})")
+            saved = saved[split]
+        return saved
+    if path.suffix.lower() == ".parquet":
+        return datasets.Dataset.from_parquet(str(path))
+    return datasets.Dataset.from_csv(str(path))
+
+
+def _table_rows(table, name: str) -> Iterator[tuple[str, int, dict]]:
+    for i, row in enumerate(table, start=1):
+        yield f"{name} record {i}", i, row
+
+
+def _jsonl(path: Path, name: str) -> Iterator[tuple[str, int, dict]]:
+    with path.open("rb") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                yield f"{name} line {number}", number, _object(line, f"{name} line {number}")
+
+
+def _json(path: Path, name: str) -> Iterator[tuple[str, int, dict]]:
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{name}: not valid UTF-8 ({e.reason})") from e
+    except json.JSONDecodeError:
+        yield from _jsonl(path, name)  # .json files are often JSON lines
+        return
+    if not isinstance(value, list):
+        raise DataError(f"{name}: a JSON array of objects (or JSON lines) is expected")
+    for i, row in enumerate(value, start=1):
+        if not isinstance(row, dict):
+            raise DataError(f"{name} record {i}: a JSON object is expected")
+        yield f"{name} record {i}", i, row
+
+
+def _object(line: bytes, where: str) -> dict:
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not valid UTF-8 ({e.reason})") from e
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not valid JSON ({e.msg})") from e
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a JSON object is expected")
+    return row
+
+
+# ------------------------------------------------------------------------------ normalizing
+
+
+def columns(ds: DatasetSpec):
+    """The Arrow features of a normalized record: the line and the format's fields only."""
+    import datasets
+
+    text = datasets.Value("string")
+    fields = {"line": datasets.Value("int64")}
+    if ds.format == "text":
+        fields["text"] = text
+    elif ds.format == "chat":
+        fields["messages"] = datasets.List({"role": text, "content": text})
+    else:
+        fields.update(prompt=text, completion=text)
+    return datasets.Features(fields)
+
+
+def normalize(row: dict, ds: DatasetSpec, where: str) -> dict:
+    """The fields the format needs, checked; a DataError names the record and the knob."""
+    if ds.format == "text":
+        return {"text": _field(row, ds.text_field, str, where, "textField")}
+    if ds.format == "chat":
+        messages = _field(row, ds.messages_field, list, where, "messagesField")
+        for m in messages:
+            if not (isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m):
+                raise DataError(f"{where}: each message needs a role and a string content")
+        return {"messages": [{"role": str(m["role"]), "content": m["content"]} for m in messages]}
+    return {
+        "prompt": _field(row, ds.prompt_field, str, where, "promptField"),
+        "completion": _field(row, ds.completion_field, str, where, "completionField"),
+    }
+
+
+def _field(row: dict, name: str, kind: type, where: str, knob: str):
+    if name not in row:
+        raise DataError(f"{where}: has no field {name!r} (dataset.{knob}); it has {sorted(row)}")
+    if not isinstance(row[name], kind):
+        raise DataError(f"{where}: field {name!r} must be a {kind.__name__}")
+    return row[name]
