@@ -248,15 +248,17 @@ def probe(base: Path, out: Path) -> None:
     from ftjob.trainer.train import token_loss
 
     results, d = {}, None
-    for precision in ("fp32", "bf16"):
-        spec = parse_spec(job("p", base, "qlora", training={"precision": precision})["spec"])
+    cases = {"fp32": {}, "bf16": {}, "offload": {"parallelism": {"cpuOffload": True}}}
+    for precision, extra in cases.items():
+        training = {"precision": "bf16" if precision == "bf16" else "fp32"}
+        spec = parse_spec(job("p", base, "qlora", training=training, **extra)["spec"])
         d = d or parallel.init(spec)
         tok = model.load_tokenizer(spec)
         built = model.build(spec, tok)
         mesh = parallel.mesh(spec, d, "full")
         model.check_shardable(built, parallel.shard_group_size(mesh))
         net = parallel.shard(built.model, spec, mesh, "full")
-        model.materialize(built, d)
+        model.materialize(built, d, spec.parallelism.cpu_offload)
         nf4 = {n: p for n, p in net.named_parameters() if isinstance(p.to_local(), NF4Tensor)}
         shares = []
         for p in nf4.values():
@@ -294,6 +296,35 @@ def probe(base: Path, out: Path) -> None:
             "dcp_exact": exact,
             "read_weights": built.read_weights,
         }
+    # Hybrid over 2 nodes x 1 process: a shard group of one, where the 4-bit weights stay whole
+    # (outside FSDP) on each rank and only the replicas' gradients are averaged.
+    raw = job(
+        "p",
+        base,
+        "qlora",
+        resources={"nodes": 2, "processesPerNode": 1},
+        parallelism={"sharding": "hybrid"},
+        checkpoint={"volume": {"claimName": "x"}},
+    )
+    spec = parse_spec(raw["spec"])  # fmt: skip
+    built = model.build(spec, model.load_tokenizer(spec))
+    mesh = parallel.mesh(spec, d, "hybrid")
+    shards = parallel.shard_group_size(mesh)
+    net = parallel.shard(built.model, spec, mesh, "hybrid", model.left_whole(built, shards))
+    model.materialize(built, d)
+    reference = model._adapters(nf4_reference(base, torch.float32), spec)
+    loss, count = token_loss(net, batch, d.device)
+    (loss / count).backward()  # gradients flow through the whole 4-bit weights
+    with torch.no_grad():
+        ref_loss, _ = token_loss(reference, batch, d.device)
+    grads = [p.grad is not None for p in net.parameters() if p.requires_grad]
+    results["hybrid"] = {
+        "shards": shards,
+        "whole_nf4": sum(isinstance(p, NF4Tensor) for p in net.parameters()),
+        "loss": float(loss / count),
+        "reference_loss": float(ref_loss / count),
+        "all_adapters_have_grads": all(grads),
+    }
     (out / f"rank{d.rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -322,8 +353,10 @@ def test_each_rank_holds_half_of_every_4bit_weight(ranks):
 
 def test_sharded_qlora_equals_the_unsharded_nf4_reference(ranks):
     for rank in ranks:
-        case = rank["fp32"]
-        assert case["loss"] == pytest.approx(case["reference_loss"], abs=1e-5)
+        for label in ("fp32", "offload"):  # CPU offload: FSDP's CPUOffloadPolicy over NF4
+            case = rank[label]
+            assert case["loss"] == pytest.approx(case["reference_loss"], abs=1e-5)
+            assert case["nf4_shares"] == [0.5] * 14
 
 
 def test_a_bf16_job_holds_its_base_in_bf16_and_trains_fp32_adapters(ranks):
@@ -337,8 +370,16 @@ def test_a_bf16_job_holds_its_base_in_bf16_and_trains_fp32_adapters(ranks):
         assert bf16["loss"] == pytest.approx(bf16["reference_loss"], rel=1e-2)
 
 
+def test_hybrid_with_one_process_per_node_keeps_the_4bit_weights_whole(ranks):
+    for rank in ranks:
+        case = rank["hybrid"]
+        assert case["shards"] == 1 and case["whole_nf4"] == 14
+        assert case["loss"] == pytest.approx(case["reference_loss"], abs=1e-5)
+        assert case["all_adapters_have_grads"]
+
+
 def test_dcp_round_trip_of_the_sharded_4bit_state_is_exact(ranks):
-    assert all(rank[p]["dcp_exact"] for rank in ranks for p in ("fp32", "bf16"))
+    assert all(rank[p]["dcp_exact"] for rank in ranks for p in ("fp32", "bf16", "offload"))
 
 
 if __name__ == "__main__":
