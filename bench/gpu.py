@@ -152,8 +152,14 @@ def memory(work: Path, s: Setup) -> dict:
     model, chat = common.model_dir(s.shape, work), data(work, s.repeat_data)
     shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
     cases, rows = [], []
-    for method in ("lora", "qlora"):
+    # The last is the 70B recipe's layout: 4-bit base sharded, states in CPU memory (the
+    # gradient clipping and export gather on CPU tensors need gloo beside NCCL).
+    for method, offload in (("lora", False), ("qlora", False), ("qlora", True)):
         doc = job(method, model, chat, s)
+        if offload:
+            doc["metadata"]["name"] += "-offload"
+            doc["spec"]["parallelism"] = {"sharding": "full", "cpuOffload": True}
+            method += " + cpuOffload"
         ours = common.ftjob_run(doc, work, timeout=1800)
         measured = max(ours.progress.get("trainPeakGpuMiB") or [0])
         e = plan.estimate(parse_spec(doc["spec"]), shape)

@@ -51,7 +51,10 @@ def init(spec: FineTuneJobSpec) -> Dist:
             raise RuntimeError("the spec asks for GPUs (resources.gpusPerNode) but none is visible")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
+        # NCCL for GPU tensors, gloo beside it for CPU ones: with cpuOffload the sharded
+        # parameters and gradients live in CPU memory, and the collectives on them (gradient
+        # norm clipping, the export's gather of the adapters) need a CPU backend.
+        backend = "cuda:nccl,cpu:gloo"
     else:
         device, backend = torch.device("cpu"), "gloo"
     # `python -m ftjob.trainer` without torchrun: a world of one, no rendezvous needed.
