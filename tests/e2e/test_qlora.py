@@ -110,7 +110,7 @@ def eval_loss_of(model, workdir: Path) -> float:
     from ftjob.trainer.train import token_loss
 
     _, spec = parse_resource(json.loads((workdir / "spec.json").read_text()))
-    ds = data.load(spec, load_tokenizer(spec))
+    ds = data.load(spec, load_tokenizer(spec), workdir)  # the trainer's prepared data
     total = count = 0.0
     model.eval()
     with torch.no_grad():
@@ -266,7 +266,8 @@ def probe(base: Path, out: Path) -> None:
             held = [local.quantized_data, local.quantized_scalers, local.quantization_factor]
             whole = [full.quantized_data, full.quantized_scalers, full.quantization_factor]
             shares.append(sum(t.nbytes for t in held) / sum(t.nbytes for t in whole))
-        batch = data.collate([data.Example(list(range(10, 70)), list(range(10, 70)))], 0)
+        row = {"input_ids": list(range(10, 70)), "labels": list(range(10, 70))}
+        batch = data.collate([{**row, "seq_lengths": [60]}], 0)
         reference = model._adapters(nf4_reference(base, model.frozen_dtype(spec)), spec)
         with torch.no_grad():
             loss, count = token_loss(net, batch, d.device)

@@ -36,7 +36,8 @@ def probe(base: Path, out: Path) -> None:
     from ftjob.trainer.train import token_loss
 
     results, d = {}, None
-    batch = data.collate([data.Example(list(range(10, 70)), list(range(10, 70)))], 0)
+    row = {"input_ids": list(range(10, 70)), "labels": list(range(10, 70))}
+    batch = data.collate([{**row, "seq_lengths": [60]}], 0)
     for label, layout in LAYOUTS.items():
         doc = job("p", base, "qlora", resources={"nodes": 2, "processesPerNode": 2},
                   parallelism=layout, checkpoint={"volume": {"claimName": "shared"}})  # fmt: skip
