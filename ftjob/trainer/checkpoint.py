@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from ftjob.contract import CHECKPOINT_UNREADABLE, TrainerError
+
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 COMMITTED = "COMMITTED"
 
@@ -172,15 +174,24 @@ class Checkpointer:
     def load(self, path: Path, model, optimizer, scheduler) -> int:
         """Restore model, optimizer, scheduler and this rank's RNG; return the step."""
         state = _state(model, optimizer, scheduler, 0)
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=OPTIONS,
-        )
-        scheduler.load_state_dict(state["scheduler"])
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=OPTIONS,
+            )
+            scheduler.load_state_dict(state["scheduler"])
+        except (RuntimeError, ValueError, KeyError, OSError) as e:
+            raise TrainerError(
+                f"checkpoint {path} cannot be loaded into this model ({type(e).__name__}: "
+                f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); move it aside "
+                "to resume from an older one, or start the job in a new folder",
+                reason=CHECKPOINT_UNREADABLE,
+                where=str(path),
+            ) from e
         rng_file = path / f"rng-rank{self.rank}.pt"
         if not rng_file.exists():  # resumed with more ranks than saved: fresh RNG streams
             return int(state["step"])

@@ -21,14 +21,17 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from ftjob import contract
 from ftjob.spec import DatasetSpec, FineTuneJobSpec
 from ftjob.trainer.model import resolve
 
 IGNORE = -100  # label of tokens that are context only (prompts, user turns, padding)
 
 
-class DataError(ValueError):
+class DataError(contract.TrainerError, ValueError):
     """The data cannot be trained on; the message names the file and record."""
+
+    reason = contract.BAD_DATA
 
 
 @dataclass

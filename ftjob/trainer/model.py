@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from ftjob import contract
 from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer.parallel import Dist
 
@@ -31,8 +32,10 @@ from ftjob.trainer.parallel import Dist
 LOAD_ON_ALL_RANKS = "FTJOB_LOAD_ON_ALL_RANKS"
 
 
-class SourceError(ValueError):
+class SourceError(contract.TrainerError, ValueError):
     """The model cannot be read; the message names the source."""
+
+    reason = contract.BAD_MODEL
 
 
 def resolve(source: str) -> str:

@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from ftjob.contract import PHASES
 from ftjob.hardware import GPUS, gpu_for_device_name
 
 # name, JSON field, help text (Prometheus gauges; JSON nulls are left out of /metrics)
@@ -35,7 +36,6 @@ METRICS = [
     ("ftjob_eta_seconds", "etaSeconds", "Estimated seconds until training ends."),
     ("ftjob_last_checkpoint_step", "lastCheckpointStep", "Step of the newest checkpoint."),
 ]
-PHASES = ["loading", "training", "checkpointing", "exporting", "succeeded", "failed"]
 
 
 def peak_flops(device_name: str | None, gpu_type: str | None = None) -> float | None:
@@ -48,18 +48,6 @@ def peak_flops(device_name: str | None, gpu_type: str | None = None) -> float | 
         return GPUS[gpu_type].peak_bf16_flops
     gpu = gpu_for_device_name(device_name) if device_name else None
     return gpu.peak_bf16_flops if gpu else None
-
-
-def write_termination_message(export_path: Path) -> None:
-    """Tell Kubernetes where the model is: the pod's termination message (rank 0 only).
-
-    The operator declares a job Succeeded only when rank 0's message names the export, so an
-    exit 0 without a model (a wrong image, a wrapper script) is never taken for success.
-    ``FTJOB_TERMINATION_LOG`` is the container's terminationMessagePath; unset locally.
-    """
-    target = os.environ.get("FTJOB_TERMINATION_LOG")
-    if target:
-        Path(target).write_text(json.dumps({"exportPath": str(export_path)}))
 
 
 def _now() -> str:
@@ -87,16 +75,21 @@ def prometheus(snapshot: dict) -> str:
 
 
 class Progress:
-    """Rank 0's view of the run; other ranks get an instance that does nothing."""
+    """Rank 0's view of the run; other ranks get an instance that does nothing.
 
-    def __init__(self, job_dir: Path, enabled: bool, total: int, world: int, **info):
+    It exists from the first second of the run (phase "starting"), before the number of steps
+    is known: :meth:`planned` fills that in once data and model are loaded.
+    """
+
+    def __init__(self, job_dir: Path, enabled: bool, total: int | None, world: int, **info):
         self.enabled, self.job_dir, self.total = enabled, job_dir, total
         self.flops_per_token = info.pop("flops_per_token", None)
         self.peak = info.pop("peak", None)
         self.world = world
         self.tty = sys.stdout.isatty()
         self.snapshot = {
-            "phase": "loading",
+            "phase": "starting",
+            "phaseStartedAt": _now(),
             "step": 0,
             "totalSteps": total,
             "epoch": 0.0,
@@ -117,6 +110,7 @@ class Progress:
             "updatedAt": _now(),
             **info,
         }
+        self.last_step: int | None = None  # kept on every rank, for the failure record
         self._lock = threading.Lock()
         self._window = (time.perf_counter(), 0, 0)  # (time, tokens, step) at the last log
         self._server: ThreadingHTTPServer | None = None
@@ -163,6 +157,8 @@ class Progress:
         if not self.enabled:
             return
         with self._lock:
+            if fields.get("phase", self.snapshot["phase"]) != self.snapshot["phase"]:
+                fields["phaseStartedAt"] = _now()
             self.snapshot.update(fields, updatedAt=_now())
             snap = dict(self.snapshot)
         self.job_dir.mkdir(parents=True, exist_ok=True)
@@ -186,13 +182,25 @@ class Progress:
 
     # -------------------------------------------------------------------- training events
 
+    def phase(self, phase: str, **fields) -> None:
+        """Enter ``phase`` (one of ftjob.contract.PHASES), with that phase's own fields, e.g.
+        ``report.phase("downloading", downloadedBytes=..., totalBytes=...)``."""
+        self.update(phase=phase, **fields)
+
+    def planned(self, total: int, flops_per_token: float | None = None, **info) -> None:
+        """What loading found out: the steps to run, FLOPs per token, sharding, ..."""
+        self.total, self.flops_per_token = total, flops_per_token
+        self.update(totalSteps=total, **info)
+
     def begin(self, step: int) -> None:
         """Training starts (or resumes) at ``step``: rates are measured from here."""
+        self.last_step = step
         self._window = (time.perf_counter(), self.snapshot["tokensSeen"], step)
         self.update(phase="training", step=step)
 
     def step(self, step: int, loss: float, lr: float, tokens: int, epoch: float, log: bool):
         """Record one optimizer step (``tokens`` over all ranks); log it every logEvery."""
+        self.last_step = step
         if not self.enabled:
             return
         seen = self.snapshot["tokensSeen"] + tokens

@@ -18,36 +18,61 @@ import torch.nn.functional as F
 from transformers import get_scheduler
 from transformers.utils import logging as hf_logging
 
+from ftjob import contract
 from ftjob.modelshape import flops_per_token
 from ftjob.spec import FineTuneJobSpec
-from ftjob.trainer import checkpoint, data, export, model, parallel, progress
+from ftjob.trainer import checkpoint, data, export, model, parallel, progress, termination
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
 
 def run(spec: FineTuneJobSpec, name: str) -> Path:
-    """Train the job described by ``spec``; return the export's path."""
-    d = parallel.init(spec)
+    """Train the job described by ``spec``; return the export's path.
+
+    Progress is served from the first second (phase "starting"), so whoever watches sees a
+    download or a long load as what it is, not as silence; a failure sets phase "failed"
+    and leaves the step it happened at on the exception (``ftjob_step``) for the record.
+    """
     job_dir = Path(os.environ.get("FTJOB_JOB_DIR") or Path("runs") / name)
+    report = _progress(spec, job_dir)
+    try:
+        return _run(spec, name, job_dir, report)
+    except BaseException as e:
+        e.ftjob_step = report.last_step  # type: ignore[attr-defined]
+        report.update(phase="failed")
+        raise
+    finally:
+        report.close()
+
+
+def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progress) -> Path:
+    d = parallel.init(spec)
     out = export.target(spec, job_dir)
     say = print if d.is_main else (lambda *a, **k: None)
     hf_logging.disable_progress_bar()  # pod logs are not terminals
     if not d.is_main:
         hf_logging.set_verbosity_error()  # one copy of each warning is enough
     if out.exists():
+        # A gang restarted after the export was written (a pod evicted at the very end): the
+        # job is done, and says so in the record the operator requires for success.
         say(f"{name}: already trained; the exported model is in {out}", flush=True)
+        report.update(phase="succeeded", exportPath=str(out))
+        if d.is_main:
+            termination.write(contract.success_record(str(out)))
         dist.destroy_process_group()
         return out
     t = spec.training
     torch.manual_seed(t.seed)
 
     # Data first: a bad record fails the job in seconds, before any weights are read.
+    report.phase("preparing-data")
     tok = model.load_tokenizer(spec)
     ds = data.load(spec, tok)
     sampler = data.Sampler(len(ds.train), t.seed, d.world_size, t.micro_batch_size,
                            t.gradient_accumulation)  # fmt: skip
     total = t.max_steps or sampler.steps_for(t.epochs)
 
+    report.phase("loading")
     built = model.build(spec, d, tok)
     params, trainable = model.count_parameters(built.model)
     sharding = spec.effective_sharding(4 * params + 12 * trainable, _gpu_bytes(d))
@@ -70,7 +95,7 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     ckpt = checkpoint.Checkpointer(
         job_dir / "checkpoints", d.rank, spec.checkpoint.keep, spec.checkpoint.async_save
     )
-    report = _progress(spec, d, job_dir, total, net, params, trainable, sharding)
+    _plan_progress(report, spec, d, total, net, params, trainable, sharding)
     report.log(
         f"{name}: {spec.method.type} fine-tune of {spec.model.source}, {params:,} parameters "
         f"({trainable:,} trained), {sharding} sharding over {d.world_size} ranks, "
@@ -116,12 +141,16 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     report.update(trainPeakRssMiB=train_rss)
 
     report.update(phase="exporting")
-    export.export(net, spec, tok, out, d.rank)
+    try:
+        export.export(net, spec, tok, out, d.rank)
+    except Exception as e:  # a full disk inside stays DiskFull: the most telling name wins
+        raise contract.TrainerError(
+            f"writing the model to {out} failed: {e}", reason=contract.EXPORT_FAILED, where=str(out)
+        ) from e
     report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
     report.log(f"exported model: {out}")
     if d.rank == 0:
-        progress.write_termination_message(out)
-    report.close()
+        termination.write(contract.success_record(str(out)))
     dist.destroy_process_group()
     return out
 
@@ -194,7 +223,16 @@ def _gpu_bytes(d: parallel.Dist) -> int | None:
     return torch.cuda.get_device_properties(d.device).total_memory
 
 
-def _progress(spec, d, job_dir, total, net, params, trainable, sharding) -> progress.Progress:
+def _progress(spec: FineTuneJobSpec, job_dir: Path) -> progress.Progress:
+    """Rank 0's reporter, serving before the process group exists (RANK is torchrun's)."""
+    main = int(os.environ.get("RANK", "0")) == 0
+    report = progress.Progress(job_dir, main, None, int(os.environ.get("WORLD_SIZE", "1")))
+    port = os.environ.get("FTJOB_PROGRESS_PORT")
+    report.serve(int(port) if port else spec.network.progress_port)
+    return report
+
+
+def _plan_progress(report, spec, d, total, net, params, trainable, sharding) -> None:
     config = net.config
     # An untied input embedding is a lookup; a tied one is also the output head's matmul.
     embed = 0 if config.tie_word_embeddings else net.get_input_embeddings().weight.numel()
@@ -208,17 +246,11 @@ def _progress(spec, d, job_dir, total, net, params, trainable, sharding) -> prog
         frozen_base=frozen_base,
     )
     name = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else None
-    report = progress.Progress(
-        job_dir,
-        d.is_main,
+    report.peak = progress.peak_flops(name, spec.resources.gpu_type)
+    report.planned(
         total,
-        d.world_size,
         flops_per_token=flops,
-        peak=progress.peak_flops(name, spec.resources.gpu_type),
         device=name or "cpu",
         sharding=sharding,
         method=spec.method.type,
     )
-    port = os.environ.get("FTJOB_PROGRESS_PORT")
-    report.serve(int(port) if port else spec.network.progress_port)
-    return report
