@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         train.run(spec, name)
-    except Exception as e:
+    except (KeyboardInterrupt, SystemExit):
+        raise  # stopped from outside: whoever stopped it knows why
+    except BaseException as e:  # noqa: BLE001 - dcp's CheckpointException is a BaseException
         # Every failure leaves a record for whoever watches (the operator decides from it).
         record = termination.failure(e, step=getattr(e, "ftjob_step", None))
         termination.write(record)

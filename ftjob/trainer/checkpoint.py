@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -184,7 +185,7 @@ class Checkpointer:
                 options=OPTIONS,
             )
             scheduler.load_state_dict(state["scheduler"])
-        except (RuntimeError, ValueError, KeyError, OSError) as e:
+        except (Exception, CheckpointException) as e:  # dcp's is a BaseException
             raise TrainerError(
                 f"checkpoint {path} cannot be loaded into this model ({type(e).__name__}: "
                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); move it aside "

@@ -57,8 +57,8 @@ def _name(e: BaseException) -> tuple[str, str | None] | None:
         text = str(e).lower()
         timed_out = "timeout" in text or "timed out" in text
         return (contract.NCCL_TIMEOUT if timed_out else contract.NCCL_ERROR), None
-    if isinstance(e, RuntimeError) and "No space left on device" in str(e):
-        return contract.DISK_FULL, None  # torch.save's writer reports errno as text
+    if "No space left on device" in str(e):
+        return contract.DISK_FULL, None  # torch.save's and dcp's writers report it as text
     return None
 
 

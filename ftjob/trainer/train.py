@@ -8,6 +8,7 @@ FTJOB_SOURCE_ROOT.) Every rank runs this file top to bottom; rank 0 also reports
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 from pathlib import Path
@@ -39,7 +40,8 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
         return _run(spec, name, job_dir, report)
     except BaseException as e:
         e.ftjob_step = report.last_step  # type: ignore[attr-defined]
-        report.update(phase="failed")
+        with contextlib.suppress(OSError):  # a full disk must not hide what failed
+            report.update(phase="failed")
         raise
     finally:
         report.close()
