@@ -154,6 +154,8 @@ def run(job_file: str, workdir: str | None = None, out=None) -> int:
                 source_root=str(Path(job_file).resolve().parent),
             )
             env = {**os.environ, **cmd.env, **_local_env(spec, rank, job_dir)}
+            # An earlier run's record is not this run's (a container's file starts empty).
+            Path(env["FTJOB_TERMINATION_LOG"]).unlink(missing_ok=True)
             argv = [sys.executable, *cmd.argv[1:]]  # this Python, with ftjob installed
             nodes.append(Node(rank, argv, env, out, lock))
         failed = _wait(nodes)
@@ -183,7 +185,11 @@ def _interrupt(signum, frame):
 
 
 def _local_env(spec, rank: int, job_dir: Path) -> dict[str, str]:
-    env = {"TMPDIR": str(job_dir / "tmp")}  # torchrun leaves torchelastic_* folders there
+    env = {
+        "TMPDIR": str(job_dir / "tmp"),  # torchrun leaves torchelastic_* folders there
+        # Each node's termination record (ftjob.contract), as a container's message file.
+        "FTJOB_TERMINATION_LOG": str(job_dir / "logs" / f"node-{rank}.termination"),
+    }
     r = spec.resources
     if r.gpus_per_node:
         gpus = range(rank * r.gpus_per_node, (rank + 1) * r.gpus_per_node)

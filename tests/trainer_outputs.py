@@ -106,7 +106,7 @@ class Runs:
 
     # ------------------------------------------------------------------ running the trainer
 
-    def start(self, name: str, doc: dict, job_dir: Path | None = None, wrap=()):
+    def start(self, name: str, doc: dict, job_dir: Path | None = None, wrap=(), env=None):
         folder = self.workdir / name
         folder.mkdir(parents=True, exist_ok=True)
         spec = folder / "job.yaml"
@@ -121,6 +121,7 @@ class Runs:
             "FTJOB_PROGRESS_PORT": "0",
             "OMP_NUM_THREADS": "1",
             "NODE_NAME": "node-a",
+            **(env or {}),
         }
         argv = [*wrap, sys.executable, "-m", "ftjob.trainer", "--spec", str(spec)]
         log = open(folder / "log.txt", "w")  # noqa: SIM115 - closed in finish()
@@ -139,6 +140,7 @@ class Runs:
         return Outcome(code, text, (folder / "log.txt").read_text(), job_dir)
 
     def run(self, name: str, doc: dict, **kw) -> Outcome:
+        """Run the trainer on ``doc`` to its end."""
         return self.finish(self.start(name, doc, **kw))
 
 
