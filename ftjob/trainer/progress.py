@@ -244,7 +244,7 @@ class Progress:
     def evaluated(self, step: int, loss: float) -> None:
         if not self.enabled:
             return
-        self.update(history="eval", evalLoss=loss, evalStep=step)
+        self.update(history="eval", phase="training", evalLoss=loss, evalStep=step)
         self.log(f"eval  step {step}/{self.total}  eval loss {loss:.4f}  (ppl {_ppl(loss)})")
 
 

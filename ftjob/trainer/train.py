@@ -126,6 +126,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
         lr = scheduler.get_last_lr()[0]
         report.step(done, loss, lr, tokens, sampler.epoch(done), log=done % t.log_every == 0)
         if ds.eval and t.eval_every and done % t.eval_every == 0:
+            report.phase("evaluating")
             report.evaluated(done, evaluate(net, ds, d, t.micro_batch_size))
             evaluated_at = done
         if done % spec.checkpoint.every == 0 and done < total:
@@ -135,6 +136,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
             report.update(phase="training", lastCheckpoint=str(path), lastCheckpointStep=done)
     ckpt.close()
     if ds.eval and evaluated_at != total:
+        report.phase("evaluating")
         report.evaluated(total, evaluate(net, ds, d, t.micro_batch_size))
     # Before the export, whose full-model gather on rank 0 is not training memory: what
     # `ftjob plan` estimates per process, measured (rank 1 never holds the whole model).
