@@ -196,7 +196,7 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     """``status.failure`` for a pod that failed, or None while it has not."""
     meta, st = pod["metadata"], pod.get("status", {})
     where = {"pod": meta["name"], "node": pod.get("spec", {}).get("nodeName"), "rank": rank_of(pod)}
-    reason, detail, code = None, "", None
+    reason, detail, code, note = None, "", None, ""
     term = terminated(pod)
     if st.get("reason") == "Evicted":
         reason, detail = "Evicted", st.get("message", "")
@@ -206,7 +206,7 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
         reason, detail = "Lost", "the pod was deleted while the gang was running"
     elif term is not None and term.get("exitCode") != 0:
         code = term.get("exitCode")
-        reason, detail = _from_container(term)
+        reason, detail, note = _from_container(term)
     elif st.get("phase") == "Failed":
         reason, detail = "Error", st.get("message", "")
     if reason is None:
@@ -214,28 +214,30 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     message = f"{where['pod']} (node rank {where['rank']}): {ADVICE[reason]}"
     if code is not None:
         message += f" (exit code {code})"
+    if note:
+        message += f"; {note}"
     if detail:
         message += f"\n{_tail(detail)}"
     failure = {"reason": reason, "message": message, **where, "exitCode": code}
     return {k: v for k, v in failure.items() if v is not None}
 
 
-def _from_container(term: dict) -> tuple[str, str]:
-    """(reason, detail) of a trainer container that exited non-zero: from its termination
-    record; only without one (killed, segfault) from the log tail, and the detail says so."""
+def _from_container(term: dict) -> tuple[str, str, str]:
+    """(reason, detail, note) of a trainer container that exited non-zero: from its
+    termination record; only without one (killed, segfault) from the log tail, noted so."""
     text = term.get("message") or ""
     rec = contract.parse(text)
     if term.get("reason") == "OOMKilled":  # the kernel's verdict, whatever was written before
-        return "OOMKilled", _record_detail(rec) if rec else ""
+        return "OOMKilled", _record_detail(rec) if rec else "", ""
     if rec and rec.get("outcome") == "failed" and rec.get("reason") in ADVICE:
-        return rec["reason"], _record_detail(rec)
+        return rec["reason"], _record_detail(rec), ""
     if LOG_CUDA_OOM.search(text):
         reason = contract.CUDA_OOM
     elif LOG_NCCL_TIMEOUT.search(text):
         reason = contract.NCCL_TIMEOUT
     else:
         reason = "Error"
-    return reason, f"{NO_RECORD}:\n{text}" if text.strip() else NO_RECORD
+    return reason, text, NO_RECORD
 
 
 def _record_detail(rec: dict) -> str:

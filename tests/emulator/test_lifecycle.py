@@ -85,7 +85,7 @@ def test_backoff_limit_fails_the_job_and_stops_the_gang(cluster, operator, train
     cluster.terminate("limit-node-0", 137, message=killed.message)
     status = wait_phase(cluster, "limit", "Failed")
     assert status["failure"]["reason"] == "Error" and NO_RECORD in status["failure"]["message"]
-    assert "starting at step 0" in status["failure"]["message"]
+    assert killed.log.strip().splitlines()[-1] in status["failure"]["message"]
     failed = {c["type"]: c for c in status["conditions"]}["Failed"]
     assert "backoffLimit (0) reached" in failed["message"]
     # The surviving rank is stopped; the failed pod stays for `kubectl logs`.
