@@ -187,9 +187,10 @@ class Progress:
         ``report.phase("downloading", downloadedBytes=..., totalBytes=...)``."""
         self.update(phase=phase, **fields)
 
-    def planned(self, total: int, flops_per_token: float | None = None, **info) -> None:
-        """What loading found out: the steps to run, FLOPs per token, sharding, ..."""
-        self.total, self.flops_per_token = total, flops_per_token
+    def planned(self, total: int, flops_per_token=None, peak=None, **info) -> None:
+        """What loading found out: the steps to run, FLOPs per token and the device's peak
+        (for MFU), sharding, ..."""
+        self.total, self.flops_per_token, self.peak = total, flops_per_token, peak
         self.update(totalSteps=total, **info)
 
     def begin(self, step: int) -> None:

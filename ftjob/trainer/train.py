@@ -250,10 +250,10 @@ def _plan_progress(report, spec, d, total, net, params, trainable, sharding) -> 
         frozen_base=frozen_base,
     )
     name = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else None
-    report.peak = progress.peak_flops(name, spec.resources.gpu_type)
     report.planned(
         total,
         flops_per_token=flops,
+        peak=progress.peak_flops(name, spec.resources.gpu_type),
         device=name or "cpu",
         sharding=sharding,
         method=spec.method.type,
