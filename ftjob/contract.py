@@ -49,8 +49,39 @@ EXPORT_FAILED = "ExportFailed"
 OWNED_ELSEWHERE = "JobFolderBusy"  # another run owns the job folder
 INTERNAL = "Internal"
 
+REASONS = (
+    BAD_DATA,
+    BAD_MODEL,
+    BAD_SPEC,
+    CUDA_OOM,
+    HOST_OOM,
+    NCCL_TIMEOUT,
+    NCCL_ERROR,
+    DISK_FULL,
+    CHECKPOINT_UNREADABLE,
+    EXPORT_FAILED,
+    OWNED_ELSEWHERE,
+    INTERNAL,
+)
 # Retrying the same inputs cannot help: the operator fails the job at once.
 PERMANENT = frozenset({BAD_DATA, BAD_MODEL, BAD_SPEC})
+# When several processes of one pod fail, the record that explains the others wins: the rank
+# whose memory ran out, not the ranks whose collectives then timed out waiting for it.
+# Earlier in this tuple is more telling.
+SPECIFICITY = (
+    BAD_SPEC,
+    BAD_DATA,
+    BAD_MODEL,
+    CHECKPOINT_UNREADABLE,
+    DISK_FULL,
+    CUDA_OOM,
+    HOST_OOM,
+    OWNED_ELSEWHERE,
+    EXPORT_FAILED,
+    INTERNAL,
+    NCCL_ERROR,
+    NCCL_TIMEOUT,
+)
 
 
 @dataclass
@@ -84,6 +115,25 @@ class TrainerError(Exception):
 
 def success_record(export_path: str) -> dict[str, Any]:
     return {"outcome": "succeeded", "exportPath": export_path}
+
+
+def rank_of(reason: str | None) -> int:
+    """How telling a reason is: 0 the most (SPECIFICITY), unknown reasons last."""
+    return SPECIFICITY.index(reason) if reason in SPECIFICITY else len(SPECIFICITY)
+
+
+def keep(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """Which of two records one termination file should hold (several ranks share a pod's).
+
+    A failure beats a success (the pod did fail); of two failures the more telling reason
+    wins, and between equally telling ones the first written stays (it came first, the
+    others followed from it).
+    """
+    if old is None or old.get("outcome") != "failed":
+        return new
+    if new.get("outcome") != "failed":
+        return old
+    return new if rank_of(new.get("reason")) < rank_of(old.get("reason")) else old
 
 
 def dumps(record: dict[str, Any]) -> str:

@@ -246,7 +246,11 @@ def _interrupt(signum, frame):
 
 
 def _local_env(spec, rank: int, job_dir: Path) -> dict[str, str]:
-    env = {"TMPDIR": str(job_dir / "tmp")}  # torchrun leaves torchelastic_* folders there
+    env = {
+        "TMPDIR": str(job_dir / "tmp"),  # torchrun leaves torchelastic_* folders there
+        # Each node's termination record (ftjob.contract), as a container's message file.
+        "FTJOB_TERMINATION_LOG": str(job_dir / "logs" / f"node-{rank}.termination"),
+    }
     r = spec.resources
     if r.gpus_per_node:
         gpus = range(rank * r.gpus_per_node, (rank + 1) * r.gpus_per_node)

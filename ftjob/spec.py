@@ -530,8 +530,16 @@ class RunPolicySpec:
         maximum=100,
     )
     stall_timeout_seconds: int = api_field(
-        "stallTimeoutSeconds: no training progress for this long restarts the gang.",
+        "stallTimeoutSeconds: no training progress for this long restarts the gang (training "
+        "steps only; see startupTimeoutSeconds for what comes before the first).",
         1800,
+        minimum=60,
+    )
+    startup_timeout_seconds: int = api_field(
+        "startupTimeoutSeconds: the gang is restarted if its first training step has not "
+        "started this long after every pod runs (downloading, preparing data, loading weights; "
+        "rank 0 reports the phase it is in).",
+        3600,
         minimum=60,
     )
     active_deadline_seconds: int | None = api_field(

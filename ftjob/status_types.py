@@ -9,17 +9,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ftjob import contract
 from ftjob.schema import api_field
 
 PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+# The trainer's own reasons (its termination record), then what the operator sees itself.
 FAILURE_REASONS = (
+    *contract.REASONS,
     "OOMKilled",
-    "CudaOOM",
-    "NCCLTimeout",
     "BadInput",
     "Evicted",
     "Lost",
     "Stalled",
+    "StartupTimeout",
     "DeadlineExceeded",
     "WillNotFit",
     "Error",
@@ -46,6 +48,11 @@ class Condition:
 class Progress:
     """progress as rank 0 of the trainer reports it."""
 
+    phase: str | None = api_field(
+        "phase of the trainer: starting, downloading, preparing-data, loading, training, "
+        "checkpointing, evaluating, exporting, succeeded or failed.",
+        None,
+    )
     step: int = api_field("step: optimizer steps done.", 0)
     total_steps: int | None = api_field("totalSteps of the run.", None)
     display: str | None = api_field("display: step/total for the printer column.", None)

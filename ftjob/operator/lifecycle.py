@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ftjob import plan
+from ftjob import contract, plan
 from ftjob.operator import status as st
 from ftjob.spec import FineTuneJobSpec
 
@@ -41,8 +41,10 @@ class Decision:
 class _Step:
     """Accumulates one decision; ``set`` writes phase, conditions and an Event on change."""
 
-    def __init__(self, old: dict, spec, generation: int | None, pods: list[dict], now: datetime):
-        self.old, self.spec, self.generation, self.now = old, spec, generation, now
+    def __init__(
+        self, old: dict, spec, generation: int | None, pods: list[dict], now: datetime, name=""
+    ):
+        self.old, self.spec, self.generation, self.now, self.name = old, spec, generation, now, name
         self.new = copy.deepcopy(old)
         self.new["observedGeneration"] = generation
         self.new.setdefault("attempt", 0)
@@ -53,6 +55,16 @@ class _Step:
     @property
     def attempt(self) -> int:
         return self.new["attempt"]
+
+    @property
+    def current(self) -> dict[int, dict]:
+        """The pods of the attempt now running, by node rank."""
+        return {st.rank_of(p): p for p in self.pods if st.attempt_of(p) == self.attempt}
+
+    @property
+    def missing(self) -> list[int]:
+        """Node ranks of the current attempt that have no pod."""
+        return [r for r in range(self.spec.resources.nodes) if r not in self.current]
 
     def set(self, phase: str, reason: str, message: str, created: bool = False) -> Decision:
         old_phase = self.old.get("phase")
@@ -100,122 +112,156 @@ def decide(
     now: datetime,
     snapshot: dict | None = None,
 ) -> Decision:
-    """The new status of job ``name`` and the changes that bring its pods in line."""
-    s = _Step(old_status or {}, spec, generation, pods, now)
-    policy, new = spec.run_policy, s.new
+    """The new status of job ``name`` and the changes that bring its pods in line.
+
+    The steps below run in order; the first that decides ends the reconcile.
+    """
+    s = _Step(old_status or {}, spec, generation, pods, now, name)
+    _observe(s, snapshot)
+    if s.old.get("phase") in TERMINAL:
+        return _finished(s)
+    for step in (_will_fit, _suspension, _deadline, _previous_gang, _gang_failures, _gang_done):
+        decision = step(s)
+        if decision is not None:
+            return decision
+    return _create_or_wait(s)
+
+
+def _observe(s: _Step, snapshot: dict | None) -> None:
+    """Rank 0's progress snapshot, when the operator has one, goes into the status."""
+    new = s.new
     if snapshot:
         new["progress"] = st.progress(snapshot)
         new["lastCheckpoint"] = st.last_checkpoint(snapshot) or new.get("lastCheckpoint")
     if new.get("lastCheckpoint") is None:
         new.pop("lastCheckpoint", None)
 
-    # 1. Finished: tidy up and wait for the TTL.
-    if s.old.get("phase") in TERMINAL:
-        s.delete_live([p for p in pods if not st.terminated(p)])
-        ttl = policy.ttl_seconds_after_finished
-        if ttl is not None:
-            left = ttl - _since(new.get("completionTime"), now)
-            if left <= 0:
-                s.decision.delete_job = True
-            else:
-                s.decision.requeue_after = left
-        created = (st.condition(s.old.get("conditions", []), "Created") or {}).get("status")
-        return s.set(s.old["phase"], _cond_reason(s.old), _cond_message(s.old), created == "True")
 
-    # 2. Will it fit? ftjob.plan's verdict, before the first pod (resources are immutable).
-    verdict = plan.admission(spec)
+def _finished(s: _Step) -> Decision:
+    """Succeeded or Failed already: tidy up and wait for the TTL."""
+    s.delete_live([p for p in s.pods if not st.terminated(p)])
+    ttl = s.spec.run_policy.ttl_seconds_after_finished
+    if ttl is not None:
+        left = ttl - _since(s.new.get("completionTime"), s.now)
+        if left <= 0:
+            s.decision.delete_job = True
+        else:
+            s.decision.requeue_after = left
+    created = (st.condition(s.old.get("conditions", []), "Created") or {}).get("status")
+    return s.set(s.old["phase"], _cond_reason(s.old), _cond_message(s.old), created == "True")
+
+
+def _will_fit(s: _Step) -> Decision | None:
+    """ftjob.plan's verdict, before the first pod (resources are immutable)."""
+    verdict = plan.admission(s.spec)
     fits = verdict["reason"] != "WillNotFit"
-    new["conditions"] = st.set_condition(
-        new.get("conditions", []),
+    s.new["conditions"] = st.set_condition(
+        s.new.get("conditions", []),
         "Planned",
         fits,
         verdict["reason"],
         verdict["message"],
-        now,
-        generation,
+        s.now,
+        s.generation,
     )
-    if not verdict["allowed"] and not new.get("startTime"):
+    if not verdict["allowed"] and not s.new.get("startTime"):
         failure = {"reason": "WillNotFit", "message": verdict["message"]}
         return s.fail(failure, "spec.plan.enforce is on: no pod was started")
+    return None
 
-    # 3. Suspended: no pods; checkpoints stay on the volume.
-    if policy.suspend:
-        s.delete_live(pods)
+
+def _suspension(s: _Step) -> Decision | None:
+    """Suspended: no pods; checkpoints stay on the volume. Resumed: a new gang."""
+    if s.spec.run_policy.suspend:
+        s.delete_live(s.pods)
         return s.set("Suspended", "Suspended", "runPolicy.suspend is true: the pods are removed")
     if s.old.get("phase") == "Suspended":
         # A resumed job is a new gang (new rendezvous), but not a restart after a failure;
         # like a batch/v1 Job, the active deadline counts from the resume.
-        new["attempt"] += 1
-        new["startTime"] = st.now_iso(now)
-        s.decision.events.append(("Normal", "Resumed", f"resuming as attempt {new['attempt']}"))
+        s.new["attempt"] += 1
+        s.new["startTime"] = st.now_iso(s.now)
+        s.decision.events.append(("Normal", "Resumed", f"resuming as attempt {s.attempt}"))
+    return None
 
-    # 4. activeDeadlineSeconds.
-    deadline = policy.active_deadline_seconds
-    if deadline is not None and new.get("startTime"):
-        left = deadline - _since(new["startTime"], now)
-        if left <= 0:
-            failure = {
-                "reason": "DeadlineExceeded",
-                "message": f"the job was active longer than activeDeadlineSeconds ({deadline})",
-            }
-            return s.fail(failure)
-        s.decision.requeue_after = left
 
-    # 5. Pods of an older gang go first; the new one reuses their names.
-    stale = [p for p in pods if st.attempt_of(p) != s.attempt]
-    current = {st.rank_of(p): p for p in pods if st.attempt_of(p) == s.attempt}
-    if stale:
-        s.delete_live(stale)
-        failure = new.get("failure") or {}
-        return s.set(
-            "Restarting",
-            failure.get("reason", "Restarting"),
-            f"waiting for {len(stale)} pod(s) of the previous gang to go before attempt "
-            f"{s.attempt}",
-        )
+def _deadline(s: _Step) -> Decision | None:
+    """activeDeadlineSeconds."""
+    deadline = s.spec.run_policy.active_deadline_seconds
+    if deadline is None or not s.new.get("startTime"):
+        return None
+    left = deadline - _since(s.new["startTime"], s.now)
+    if left <= 0:
+        failure = {
+            "reason": "DeadlineExceeded",
+            "message": f"the job was active longer than activeDeadlineSeconds ({deadline})",
+        }
+        return s.fail(failure)
+    s.decision.requeue_after = left
+    return None
 
-    # 6. A failed, evicted or lost pod fails the whole gang.
-    nodes = spec.resources.nodes
+
+def _previous_gang(s: _Step) -> Decision | None:
+    """Pods of an older gang go first; the new one reuses their names."""
+    stale = [p for p in s.pods if st.attempt_of(p) != s.attempt]
+    if not stale:
+        return None
+    s.delete_live(stale)
+    failure = s.new.get("failure") or {}
+    return s.set(
+        "Restarting",
+        failure.get("reason", "Restarting"),
+        f"waiting for {len(stale)} pod(s) of the previous gang to go before attempt {s.attempt}",
+    )
+
+
+def _gang_failures(s: _Step) -> Decision | None:
+    """A failed, evicted or lost pod fails the whole gang."""
+    current = s.current
     was_complete = s.old.get("phase") == "Running" and s.old.get("attempt") == s.attempt
     failures = [f for f in map(st.diagnose, current.values()) if f]
-    missing = [r for r in range(nodes) if r not in current]
-    if was_complete and missing:
+    if was_complete:
         failures += [
             {
                 "reason": "Lost",
                 "message": f"pod of node rank {r} disappeared while the gang was running",
-                "pod": f"{name}-node-{r}",
+                "pod": f"{s.name}-node-{r}",
                 "rank": r,
             }
-            for r in missing
+            for r in s.missing
         ]
-    if failures:
-        return _gang_failed(s, st.root_cause(failures))
+    return _gang_failed(s, st.root_cause(failures)) if failures else None
 
-    # 7. Every node exited 0 and rank 0 names the export it wrote (its termination message):
-    # done. Exit 0 alone is not enough: a wrong image or wrapper can exit 0 without a model.
-    if not missing and all(st.succeeded(p) for p in current.values()):
-        model = st.export_path(current[0])
-        if model is None:
-            failure = {
-                "reason": "Error",
-                "message": f"{name}-node-0 (node rank 0): every node exited 0 but rank 0 named no "
-                "exported model in its termination message: is the image an ftjob trainer?",
-                "pod": f"{name}-node-0",
-                "rank": 0,
-            }
-            return s.fail(failure, "not retried")
-        new["completionTime"] = st.now_iso(now)
-        new["modelPath"] = model
-        # A failure that a restart got past stays: it explains `restarts`.
-        return s.set("Succeeded", "Completed", f"training finished; model at {model}", True)
 
-    # 8. Create what is missing; wait for the rest.
-    if missing:
-        s.decision.create = missing
-        new.setdefault("startTime", st.now_iso(now))
+def _gang_done(s: _Step) -> Decision | None:
+    """Every node exited 0 and rank 0 names the export it wrote (its termination record):
+    done. Exit 0 alone is not enough: a wrong image or wrapper can exit 0 without a model."""
+    current = s.current
+    if s.missing or not all(st.succeeded(p) for p in current.values()):
+        return None
+    model = st.export_path(current[0])
+    if model is None:
+        failure = {
+            "reason": "Error",
+            "message": f"{s.name}-node-0 (node rank 0): every node exited 0 but rank 0 named no "
+            "exported model in its termination message: is the image an ftjob trainer?",
+            "pod": f"{s.name}-node-0",
+            "rank": 0,
+        }
+        return s.fail(failure, "not retried")
+    s.new["completionTime"] = st.now_iso(s.now)
+    s.new["modelPath"] = model
+    # A failure that a restart got past stays: it explains `restarts`.
+    return s.set("Succeeded", "Completed", f"training finished; model at {model}", True)
+
+
+def _create_or_wait(s: _Step) -> Decision:
+    """Create what is missing; wait for the rest; watch a running gang for a stall."""
+    current = s.current
+    if s.missing:
+        s.decision.create = s.missing
+        s.new.setdefault("startTime", st.now_iso(s.now))
         return s.set(
-            "Pending", "Creating", f"creating {len(missing)} pod(s) of attempt {s.attempt}"
+            "Pending", "Creating", f"creating {len(s.missing)} pod(s) of attempt {s.attempt}"
         )
     if all(st.running(p) or st.succeeded(p) for p in current.values()):
         return _running(s)
@@ -227,24 +273,37 @@ def decide(
 
 
 def _running(s: _Step) -> Decision:
-    """Every pod runs; restart the gang if training made no progress for too long."""
-    new, limit = s.new, s.spec.run_policy.stall_timeout_seconds
+    """Every pod runs; restart the gang if it made no progress for too long.
+
+    Two clocks: before the first training step (rank 0 reports a startup phase --
+    downloading, preparing data, loading -- or nothing yet from this gang) the generous
+    startupTimeoutSeconds counts from when every pod ran; from then on stallTimeoutSeconds
+    counts from rank 0's latest report.
+    """
+    policy, progress = s.spec.run_policy, s.new.get("progress") or {}
     running_cond = st.condition(s.old.get("conditions", []), "Running")
     was_running = (
         s.old.get("phase") == "Running" and running_cond and running_cond["status"] == "True"
     )
-    since = st.parse_time(running_cond["lastTransitionTime"]) if was_running else s.now
-    reported = st.parse_time((new.get("progress") or {}).get("updateTime"))
-    if reported and since and reported > since:
-        since = reported
-    quiet = (s.now - since).total_seconds() if since else 0.0
-    if quiet >= limit:
-        step = (new.get("progress") or {}).get("step", 0)
+    since = (st.parse_time(running_cond["lastTransitionTime"]) if was_running else None) or s.now
+    reported = st.parse_time(progress.get("updateTime"))
+    fresh = reported is not None and reported >= since  # not the previous gang's report
+    if not fresh or progress.get("phase") in contract.STARTUP_PHASES:
+        limit, quiet = policy.startup_timeout_seconds, (s.now - since).total_seconds()
+        phase = progress.get("phase", "starting") if fresh else "starting"
+        failure = {
+            "reason": "StartupTimeout",
+            "message": f"no training step {int(quiet)}s after every pod ran "
+            f"(startupTimeoutSeconds {limit}); rank 0 is {phase}",
+        }
+    else:
+        limit, quiet = policy.stall_timeout_seconds, (s.now - reported).total_seconds()
         failure = {
             "reason": "Stalled",
             "message": f"no training progress for {int(quiet)}s (stallTimeoutSeconds {limit}) "
-            f"at step {step}",
+            f"at step {progress.get('step', 0)}",
         }
+    if quiet >= limit:
         return _gang_failed(s, failure)
     left = limit - quiet
     s.decision.requeue_after = min(left, s.decision.requeue_after or left)
@@ -255,7 +314,7 @@ def _gang_failed(s: _Step, failure: dict) -> Decision:
     """Restart the gang as attempt+1, or fail the job if that cannot help any more."""
     new, limit = s.new, s.spec.run_policy.backoff_limit
     previous = (s.old.get("failure") or {}).get("reason")
-    if failure["reason"] == "BadInput":
+    if failure["reason"] in st.PERMANENT:
         return s.fail(failure, "not retried")
     if failure["reason"] == "CudaOOM" and previous == "CudaOOM":
         return s.fail(failure, "CUDA out of memory twice in a row: not retried")

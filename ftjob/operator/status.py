@@ -5,8 +5,9 @@ return (pods whole, or as the slim :func:`observed_pod` views the operator keeps
 comes out is camelCase dicts in the shape of ``ftjob/status_types.py``:
 
 * :func:`observed_pod` -- the few fields of a pod that the decisions read;
-* :func:`diagnose` -- why a pod failed (OOMKilled, CudaOOM, NCCLTimeout, BadInput, ...),
-  from its phase, container state, exit code and termination message;
+* :func:`diagnose` -- why a pod failed (OOMKilled, BadData, CudaOOM, NCCLTimeout, ...),
+  from its phase, container state, exit code and the trainer's termination record
+  (ftjob.contract), or the log tail when the trainer left none;
 * :func:`progress` -- rank 0's ``/progress`` snapshot as ``status.progress``;
 * :func:`set_condition` / :func:`conditions` -- conditions after the API conventions,
   keeping ``lastTransitionTime`` while a condition's status does not change.
@@ -17,12 +18,12 @@ comes out is camelCase dicts in the shape of ``ftjob/status_types.py``:
 from __future__ import annotations
 
 import copy
-import json
 import re
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
+from ftjob import contract
 from ftjob.operator.render import CONTAINER, LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK
 
 # One condition per phase-like state, always present, plus Planned (ftjob.plan's verdict).
@@ -30,31 +31,64 @@ PHASE_CONDITIONS = ("Created", "Running", "Restarting", "Suspended", "Succeeded"
 CONDITION_TYPES = ("Planned", *PHASE_CONDITIONS)
 MESSAGE_LIMIT = 1500  # of the termination message kept in status (the schema allows 4096)
 
-# Patterns in the last lines of a failed trainer's output (its termination message).
-CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED")
-NCCL_TIMEOUT = re.compile(
+# Only for a pod that left no termination record (killed, or crashed below Python): patterns
+# in the log tail Kubernetes puts in the message instead (FallbackToLogsOnError).
+LOG_CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED")
+LOG_NCCL_TIMEOUT = re.compile(
     r"Watchdog caught collective operation timeout|NCCL.{0,80}(timed out|timeout)"
     r"|DistBackendError.{0,200}[Tt]imeout",
     re.S,
 )
-BAD_INPUT = re.compile(r"error: bad data:|invalid FineTuneJob|needs exactly one FineTuneJob")
+NO_RECORD = "no termination record (killed, or crashed below Python): diagnosed from the log tail"
 
+_RETRY_CANNOT_HELP = "retrying cannot help -- fix it and create the job again"
 ADVICE = {
+    contract.BAD_DATA: f"the data cannot be trained on; {_RETRY_CANNOT_HELP}",
+    contract.BAD_MODEL: f"the model source cannot be read; {_RETRY_CANNOT_HELP}",
+    contract.BAD_SPEC: f"the trainer cannot read the job's spec; {_RETRY_CANNOT_HELP}",
+    "BadInput": f"the spec or the data cannot be trained on; {_RETRY_CANNOT_HELP}",
     "OOMKilled": "the pod ran out of memory: raise resources.memory, or lower "
     "dataset.maxSeqLength / training.microBatchSize",
-    "CudaOOM": "a GPU ran out of memory: lower training.microBatchSize or "
+    contract.HOST_OOM: "a trainer process could not get host memory: raise resources.memory, "
+    "or lower dataset.maxSeqLength / training.microBatchSize",
+    contract.CUDA_OOM: "a GPU ran out of memory: lower training.microBatchSize or "
     "dataset.maxSeqLength, turn on training.activationCheckpointing or parallelism.cpuOffload",
-    "NCCLTimeout": "a collective waited longer than network.collectiveTimeoutSeconds: a rank "
-    "died or hung, or the fabric between nodes is broken",
-    "BadInput": "the spec or the data cannot be trained on; retrying cannot help -- fix it and "
-    "create the job again",
+    contract.NCCL_TIMEOUT: "a collective waited longer than network.collectiveTimeoutSeconds: a "
+    "rank died or hung, or the fabric between nodes is broken",
+    contract.NCCL_ERROR: "a collective failed: a rank died, or the fabric between nodes is broken",
+    contract.DISK_FULL: "the checkpoint volume is full: enlarge it, or lower checkpoint.keep",
+    contract.CHECKPOINT_UNREADABLE: "the newest checkpoint cannot be loaded into this model: "
+    "move it aside on the volume to resume from an older one",
+    contract.EXPORT_FAILED: "the trained model could not be written to output.path",
+    contract.OWNED_ELSEWHERE: "another run owns the job folder on the volume",
+    contract.INTERNAL: "the trainer failed (a bug, or something it cannot name)",
     "Evicted": "the node evicted the pod",
     "Lost": "the pod or its node disappeared",
     "Error": "the trainer exited with an error",
 }
+# Retrying the same inputs cannot help: the job fails at once.
+PERMANENT = contract.PERMANENT | {"BadInput"}
 # When several pods fail together the most specific cause is the diagnosis: the rank that ran
 # out of memory, not the ranks whose collectives then failed.
-SPECIFICITY = ("BadInput", "OOMKilled", "CudaOOM", "Evicted", "Lost", "NCCLTimeout", "Error")
+SPECIFICITY = (
+    contract.BAD_SPEC,
+    contract.BAD_DATA,
+    contract.BAD_MODEL,
+    "BadInput",
+    contract.CHECKPOINT_UNREADABLE,
+    contract.DISK_FULL,
+    "OOMKilled",
+    contract.HOST_OOM,
+    contract.CUDA_OOM,
+    contract.OWNED_ELSEWHERE,
+    contract.EXPORT_FAILED,
+    "Evicted",
+    "Lost",
+    contract.INTERNAL,
+    contract.NCCL_ERROR,
+    contract.NCCL_TIMEOUT,
+    "Error",
+)
 
 
 def now_iso(now: datetime) -> str:
@@ -145,14 +179,16 @@ def _tail(text: str) -> str:
     return text if len(text) <= MESSAGE_LIMIT else "..." + text[-MESSAGE_LIMIT:]
 
 
-def export_path(pod: dict | None) -> str | None:
-    """The exported model rank 0 announced in its termination message, if any."""
+def record(pod: dict | None) -> dict[str, Any] | None:
+    """The trainer's termination record (ftjob.contract) in the pod's message, if any."""
     term = terminated(pod) if pod else None
-    try:
-        message = json.loads((term or {}).get("message") or "")
-    except ValueError:
-        return None
-    path = message.get("exportPath") if isinstance(message, dict) else None
+    return contract.parse((term or {}).get("message"))
+
+
+def export_path(pod: dict | None) -> str | None:
+    """The exported model rank 0 announced in its termination record, if any."""
+    rec = record(pod) or {}
+    path = rec.get("exportPath") if rec.get("outcome") == "succeeded" else None
     return path if isinstance(path, str) and path else None
 
 
@@ -160,7 +196,7 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     """``status.failure`` for a pod that failed, or None while it has not."""
     meta, st = pod["metadata"], pod.get("status", {})
     where = {"pod": meta["name"], "node": pod.get("spec", {}).get("nodeName"), "rank": rank_of(pod)}
-    reason, detail, code = None, "", None
+    reason, detail, code, note = None, "", None, ""
     term = terminated(pod)
     if st.get("reason") == "Evicted":
         reason, detail = "Evicted", st.get("message", "")
@@ -169,17 +205,8 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     elif meta.get("deletionTimestamp") and not succeeded(pod):
         reason, detail = "Lost", "the pod was deleted while the gang was running"
     elif term is not None and term.get("exitCode") != 0:
-        code, detail = term.get("exitCode"), term.get("message") or ""
-        if term.get("reason") == "OOMKilled":
-            reason = "OOMKilled"
-        elif CUDA_OOM.search(detail):
-            reason = "CudaOOM"
-        elif BAD_INPUT.search(detail):
-            reason = "BadInput"
-        elif NCCL_TIMEOUT.search(detail):
-            reason = "NCCLTimeout"
-        else:
-            reason = "Error"
+        code = term.get("exitCode")
+        reason, detail, note = _from_container(term)
     elif st.get("phase") == "Failed":
         reason, detail = "Error", st.get("message", "")
     if reason is None:
@@ -187,10 +214,38 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     message = f"{where['pod']} (node rank {where['rank']}): {ADVICE[reason]}"
     if code is not None:
         message += f" (exit code {code})"
+    if note:
+        message += f"; {note}"
     if detail:
         message += f"\n{_tail(detail)}"
     failure = {"reason": reason, "message": message, **where, "exitCode": code}
     return {k: v for k, v in failure.items() if v is not None}
+
+
+def _from_container(term: dict) -> tuple[str, str, str]:
+    """(reason, detail, note) of a trainer container that exited non-zero: from its
+    termination record; only without one (killed, segfault) from the log tail, noted so."""
+    text = term.get("message") or ""
+    rec = contract.parse(text)
+    if term.get("reason") == "OOMKilled":  # the kernel's verdict, whatever was written before
+        return "OOMKilled", _record_detail(rec) if rec else "", ""
+    if rec and rec.get("outcome") == "failed" and rec.get("reason") in ADVICE:
+        return rec["reason"], _record_detail(rec), ""
+    if LOG_CUDA_OOM.search(text):
+        reason = contract.CUDA_OOM
+    elif LOG_NCCL_TIMEOUT.search(text):
+        reason = contract.NCCL_TIMEOUT
+    else:
+        reason = "Error"
+    return reason, text, NO_RECORD
+
+
+def _record_detail(rec: dict) -> str:
+    """The record's message with where it happened: rank, step, file:line or field."""
+    at = [f"rank {rec['rank']}" if "rank" in rec else "", f"step {rec['step']}" if "step" in rec
+          else "", f"at {rec['where']}" if rec.get("where") else ""]  # fmt: skip
+    context = ", ".join(a for a in at if a)
+    return f"{rec.get('message', '')}" + (f" ({context})" if context else "")
 
 
 def root_cause(failures: list[dict]) -> dict:
@@ -213,6 +268,7 @@ def progress(snapshot: dict) -> dict[str, Any]:
     step, total = snapshot.get("step") or 0, snapshot.get("totalSteps")
     mfu = snapshot.get("mfu")
     out = {
+        "phase": snapshot.get("phase"),
         "step": step,
         "totalSteps": total,
         "display": f"{step}/{total}" if total else str(step),

@@ -16,8 +16,10 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ftjob import manifest
+from ftjob.contract import BAD_SPEC, TrainerError
 from ftjob.schema import SpecError
 from ftjob.spec import KIND, parse_resource
+from ftjob.trainer import termination
 
 EXIT_FAILED = 1
 
@@ -34,37 +36,42 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         name, spec = load_spec(args.spec)
-    except SpecError as e:
-        print(f"error: {args.spec}: invalid {KIND}:", file=sys.stderr)
-        for err in e.errors:
-            print(f"  {err}", file=sys.stderr)
-        return EXIT_FAILED
-    except manifest.ManifestError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_FAILED
+    except (SpecError, manifest.ManifestError) as e:
+        return _bad_spec(args.spec, e)
     # bitsandbytes announces at import that an optional CPU kernel package is missing.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     # Imported after the spec check: a bad spec fails before torch and transformers load.
-    from ftjob.contract import TrainerError
     from ftjob.trainer import owner, train
-    from ftjob.trainer.data import DataError
-    from ftjob.trainer.model import SourceError
 
     try:
         train.run(spec, name)
-    except (DataError, SourceError) as e:
-        # A known problem with the inputs: its message says it all, no traceback needed.
-        kind = "bad data" if isinstance(e, DataError) else "bad model"
-        rank = os.environ.get("RANK", "0")
-        print(f"error: rank {rank}: {kind}: {e}", file=sys.stderr, flush=True)
-        return EXIT_FAILED
-    except TrainerError as e:  # a failure the trainer named (full disk, busy job folder...)
-        rank = os.environ.get("RANK", "0")
-        print(f"error: rank {rank}: {e.reason}: {e}", file=sys.stderr, flush=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise  # stopped from outside: whoever stopped it knows why
+    except BaseException as e:  # noqa: BLE001 - dcp's CheckpointException is a BaseException
+        # Every failure leaves a record for whoever watches (the operator decides from it).
+        record = termination.failure(e, step=getattr(e, "ftjob_step", None))
+        termination.write(record)
+        if not isinstance(e, TrainerError):
+            raise  # unforeseen: the traceback is worth having (torchrun's @record keeps it)
+        # A known problem: its message says it all, no traceback needed.
+        where = f" ({record['where']})" if record.get("where") else ""
+        print(f"error: rank {record['rank']}: {record['reason']}: {e}{where}",
+              file=sys.stderr, flush=True)  # fmt: skip
         return EXIT_FAILED
     finally:
         owner.release_held()  # a failed run gives the job folder up at once
     return 0
+
+
+def _bad_spec(path: str, e: Exception) -> int:
+    """The job file cannot be read: say why, for people and in the termination record."""
+    if isinstance(e, SpecError):
+        lines = [f"{path}: invalid {KIND}:", *(f"  {err}" for err in e.errors)]
+    else:
+        lines = [str(e)]
+    print("error: " + "\n".join(lines), file=sys.stderr, flush=True)
+    termination.write(termination.named(BAD_SPEC, "\n".join(lines), where=path))
+    return EXIT_FAILED
 
 
 def exit_now(code: int) -> None:

@@ -282,29 +282,25 @@ class Checkpointer:
 
         The files were verified (:func:`choose`); what fails now does not fit this job (a
         changed model or method) and is named as such rather than as a traceback."""
+        state = _state(model, optimizer, scheduler, 0)
         try:
-            return self._load(path, model, optimizer, scheduler)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - named, with its cause
+            dcp.load(state, checkpoint_id=str(path))
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=OPTIONS,
+            )
+            scheduler.load_state_dict(state["scheduler"])
+        except (Exception, CheckpointException) as e:  # dcp's is a BaseException
             raise TrainerError(
-                f"checkpoint {path} is intact but cannot be loaded into this job "
-                f"({type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}). Was the "
-                "model or method changed? Move the folder aside to start from the previous "
-                "checkpoint, or use a new job folder.",
+                f"checkpoint {path} cannot be loaded into this model ({type(e).__name__}: "
+                f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); move it aside "
+                "to resume from an older one, or start the job in a new folder",
                 reason=CHECKPOINT_UNREADABLE,
                 where=str(path),
             ) from e
-
-    def _load(self, path: Path, model, optimizer, scheduler) -> int:
-        state = _state(model, optimizer, scheduler, 0)
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=OPTIONS,
-        )
-        scheduler.load_state_dict(state["scheduler"])
         rng_file = path / f"rng-rank{self.rank}.pt"
         if not rng_file.exists():  # resumed with more ranks than saved: fresh RNG streams
             return int(state["step"])

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torchao.quantization import NF4Tensor, to_nf4
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from ftjob import contract
 from ftjob.contract import BAD_SPEC, TrainerError
 from ftjob.modelshape import (
     NF4_BLOCK,
@@ -38,8 +39,10 @@ from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer.parallel import Dist
 
 
-class SourceError(ValueError):
+class SourceError(contract.TrainerError, ValueError):
     """The model cannot be read; the message names the source."""
+
+    reason = contract.BAD_MODEL
 
 
 def resolve(source: str) -> str:

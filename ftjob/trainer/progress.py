@@ -35,32 +35,6 @@ def peak_flops(device_name: str | None, gpu_type: str | None = None) -> float | 
     return gpu.peak_bf16_flops if gpu else None
 
 
-def write_termination_message(export_path: Path) -> None:
-    """Tell Kubernetes where the model is: the pod's termination message (rank 0 only).
-
-    The operator declares a job Succeeded only when rank 0's message names the export, so an
-    exit 0 without a model (a wrong image, a wrapper script) is never taken for success.
-    ``FTJOB_TERMINATION_LOG`` is the container's terminationMessagePath; unset locally.
-    """
-    target = os.environ.get("FTJOB_TERMINATION_LOG")
-    if target:
-        Path(target).write_text(json.dumps({"exportPath": str(export_path)}))
-
-
-def finished(job_dir: Path, export_path: Path) -> None:
-    """Mark progress.json done for a run that found its export already written (a gang
-    killed after the export, rerun): its last snapshot may still say "exporting"."""
-    path = job_dir / "progress.json"
-    try:
-        snap = json.loads(path.read_text())
-    except (OSError, ValueError):
-        snap = {}
-    snap.update(phase="succeeded", exportPath=str(export_path), etaSeconds=0, updatedAt=_now())
-    tmp = job_dir / ".progress.json.tmp"
-    tmp.write_text(json.dumps(snap, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -73,16 +47,21 @@ def _eta(seconds: float | None) -> str:
 
 
 class Progress:
-    """Rank 0's view of the run; other ranks get an instance that does nothing."""
+    """Rank 0's view of the run; other ranks get an instance that does nothing.
 
-    def __init__(self, job_dir: Path, enabled: bool, total: int, world: int, **info):
+    It exists from the first second of the run (phase "starting"), before the number of steps
+    is known: :meth:`planned` fills that in once data and model are loaded.
+    """
+
+    def __init__(self, job_dir: Path, enabled: bool, total: int | None, world: int, **info):
         self.enabled, self.job_dir, self.total = enabled, job_dir, total
         self.flops_per_token = info.pop("flops_per_token", None)
         self.peak = info.pop("peak", None)
         self.world = world
         self.tty = sys.stdout.isatty()
         self.snapshot = {
-            "phase": "loading",
+            "phase": "starting",
+            "phaseStartedAt": _now(),
             "step": 0,
             "totalSteps": total,
             "epoch": 0.0,
@@ -103,6 +82,7 @@ class Progress:
             "updatedAt": _now(),
             **info,
         }
+        self.last_step: int | None = None  # kept on every rank, for the failure record
         self._lock = threading.Lock()
         self._window = (time.perf_counter(), 0, 0)  # (time, tokens, step) at the last log
         self._server: ThreadingHTTPServer | None = None
@@ -152,6 +132,8 @@ class Progress:
         if not self.enabled:
             return
         with self._lock:
+            if fields.get("phase", self.snapshot["phase"]) != self.snapshot["phase"]:
+                fields["phaseStartedAt"] = _now()
             self.snapshot.update(fields, updatedAt=_now())
             snap = dict(self.snapshot)
         self.job_dir.mkdir(parents=True, exist_ok=True)
@@ -175,8 +157,20 @@ class Progress:
 
     # -------------------------------------------------------------------- training events
 
+    def phase(self, phase: str, **fields) -> None:
+        """Enter ``phase`` (one of ftjob.contract.PHASES), with that phase's own fields, e.g.
+        ``report.phase("downloading", downloadedBytes=..., totalBytes=...)``."""
+        self.update(phase=phase, **fields)
+
+    def planned(self, total: int, flops_per_token=None, peak=None, **info) -> None:
+        """What loading found out: the steps to run, FLOPs per token and the device's peak
+        (for MFU), sharding, ..."""
+        self.total, self.flops_per_token, self.peak = total, flops_per_token, peak
+        self.update(totalSteps=total, **info)
+
     def begin(self, step: int) -> None:
         """Training starts (or resumes) at ``step``: rates are measured from here."""
+        self.last_step = step
         self._window = (time.perf_counter(), self.snapshot["tokensSeen"], step)
         self.update(phase="training", step=step)
 
@@ -186,6 +180,7 @@ class Progress:
     ):  # fmt: skip
         """Record one optimizer step (``tokens`` over all ranks, ``seconds`` it took); log it
         every logEvery."""
+        self.last_step = step
         if not self.enabled:
             return
         if seconds is not None:
@@ -231,7 +226,7 @@ class Progress:
     def evaluated(self, step: int, loss: float) -> None:
         if not self.enabled:
             return
-        self.update(history="eval", evalLoss=loss, evalStep=step)
+        self.update(history="eval", phase="training", evalLoss=loss, evalStep=step)
         self.log(f"eval  step {step}/{self.total}  eval loss {loss:.4f}  (ppl {_ppl(loss)})")
 
 

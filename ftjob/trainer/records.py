@@ -12,12 +12,15 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from ftjob.contract import BAD_DATA, TrainerError
 from ftjob.spec import DatasetSpec
 from ftjob.trainer.model import resolve
 
 
-class DataError(ValueError):
+class DataError(TrainerError, ValueError):
     """The data cannot be trained on; the message names the file and record."""
+
+    reason = BAD_DATA
 
 
 def origin(ds: DatasetSpec, split: str) -> str:

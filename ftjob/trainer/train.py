@@ -3,11 +3,13 @@
     torchrun --standalone --nproc-per-node 2 -m ftjob.trainer --spec examples/tiny.yaml
 
 (``ftjob run examples/tiny.yaml`` sets the environment up for you: FTJOB_JOB_DIR,
-FTJOB_SOURCE_ROOT.) Every rank runs this file top to bottom; rank 0 also reports progress.
+FTJOB_SOURCE_ROOT.) Every rank runs this file top to bottom; rank 0 also reports progress,
+phase by phase (ftjob.contract.PHASES), from the first second.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import shutil
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from transformers import get_scheduler
 from transformers.utils import logging as hf_logging
 
-from ftjob import jobfolder
+from ftjob import contract, jobfolder
 from ftjob.contract import BAD_SPEC, EXPORT_FAILED, TrainerError
 from ftjob.modelshape import flops_per_token
 from ftjob.spec import FineTuneJobSpec
@@ -33,6 +35,7 @@ from ftjob.trainer import (
     parallel,
     progress,
     sources,
+    termination,
     volume,
 )
 
@@ -40,9 +43,27 @@ SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with
 
 
 def run(spec: FineTuneJobSpec, name: str) -> Path:
-    """Train the job described by ``spec``; return the export's path."""
-    d = parallel.init(spec)
+    """Train the job described by ``spec``; return the export's path.
+
+    Progress is served from the first second (phase "starting"), so whoever watches sees a
+    download or a long load as what it is, not as silence; a failure sets phase "failed"
+    and leaves the step it happened at on the exception (``ftjob_step``) for the record.
+    """
     job_dir = Path(os.environ.get("FTJOB_JOB_DIR") or Path("runs") / name)
+    report = _progress(spec, job_dir)
+    try:
+        return _run(spec, name, job_dir, report)
+    except BaseException as e:
+        e.ftjob_step = report.last_step  # type: ignore[attr-defined]
+        with contextlib.suppress(OSError):  # a full disk must not hide what failed
+            report.update(phase="failed")
+        raise
+    finally:
+        report.close()
+
+
+def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progress) -> Path:
+    d = parallel.init(spec)
     out = export.target(spec, job_dir)
     say = print if d.is_main else (lambda *a, **k: None)
     hf_logging.disable_progress_bar()  # pod logs are not terminals
@@ -54,26 +75,39 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     recorded = jobfolder.claim(job_dir, name, spec, writer=d.is_main)
     total_asked = spec.training.max_steps
     if out.exists() and (total_asked is None or recorded.get("trainedSteps", 0) >= total_asked):
+        # A gang restarted after the export was written (a pod evicted at the very end): the
+        # job is done, and says so in the record the operator requires for success.
         say(f"{name}: already trained; the exported model is in {out}", flush=True)
-        if d.is_main:  # a gang killed after its export: the record says done, not exporting
-            progress.finished(job_dir, out)
-            progress.write_termination_message(out)
+        report.update(phase="succeeded", exportPath=str(out))
+        if d.is_main:
+            termination.write(contract.success_record(str(out)))
             lease.release()
         dist.destroy_process_group()
         return out
     asked = spec  # what the job folder records; the run reads downloads from the volume
+    if spec.model.source.startswith(sources.HF):
+        report.phase("downloading")
     spec = sources.fetch(spec, job_dir, d.is_main, say=lambda m: say(m, flush=True))
     t = spec.training
     torch.manual_seed(t.seed)
 
     # Data first: a bad record fails the job in seconds, before any weights are read.
+    report.phase("preparing-data")
     tok = model.load_tokenizer(spec)
     # Rank 0 prepares (or reuses) the data on the volume; the others wait, then memory-map it.
-    ds = data.load(spec, tok, job_dir, is_main=d.is_main, log=lambda m: say(m, flush=True))
+    ds = data.load(
+        spec,
+        tok,
+        job_dir,
+        is_main=d.is_main,
+        log=lambda m: say(m, flush=True),
+        on_progress=lambda p: report.update(preparing=p),
+    )
     sampler = data.Sampler(len(ds.train), t.seed, d.world_size, t.micro_batch_size,
                            t.gradient_accumulation)  # fmt: skip
     total = t.max_steps or sampler.steps_for(t.epochs)
 
+    report.phase("loading")
     built = model.build(spec, tok)
     params, trainable = model.count_parameters(built.model)
     sharding = spec.effective_sharding(4 * params + 12 * trainable, _gpu_bytes(d))
@@ -102,7 +136,7 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
         spec.checkpoint.async_save,
         fence=lease.check if lease else None,
     )
-    report = _progress(spec, d, job_dir, total, net, params, trainable, sharding)
+    _plan_progress(report, spec, d, total, net, params, trainable, sharding)
     report.log(
         f"{name}: {spec.method.type} fine-tune of {asked.model.source}, {params:,} parameters "
         f"({trainable:,} trained), {sharding} sharding over {d.world_size} ranks, "
@@ -111,19 +145,8 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     report.update(loadPeakRssMiB=load_rss)
     report.log("peak RSS per rank after loading (MiB): " + ", ".join(f"{m:.0f}" for m in load_rss))
 
-    start = 0
-    found, damaged = checkpoint.choose(job_dir / "checkpoints", d.rank, d.world_size)
-    for note in damaged:
-        report.log(f"{note}; using {found or 'none: starting at step 0'} instead")
-    found = found or _seed(spec)
-    if found is not None:
-        start = ckpt.load(found, net, optimizer, scheduler)
-        report.update(resumedFrom=str(found), lastCheckpoint=str(found), lastCheckpointStep=start)
-        report.log(f"resuming from checkpoint {found} (step {start})")
-    else:
-        report.log(f"no checkpoint in {job_dir / 'checkpoints'}: starting at step 0")
+    start = _resume(job_dir, spec, d, ckpt, net, optimizer, scheduler, report)
     report.begin(start)
-
     evaluated_at = None
     for step in range(start, total):
         began = time.perf_counter()
@@ -136,10 +159,11 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
         report.step(done, loss, lr, tokens, sampler.epoch(done), log=done % t.log_every == 0,
                     seconds=time.perf_counter() - began)  # fmt: skip
         if ds.eval is not None and t.eval_every and done % t.eval_every == 0:
+            report.phase("evaluating")
             report.evaluated(done, evaluate(net, ds, d, t.micro_batch_size))
             evaluated_at = done
         if done % spec.checkpoint.every == 0 and done < total:
-            report.update(phase="checkpointing")
+            report.phase("checkpointing")
             ckpt.save(net, optimizer, scheduler, done)
             path = checkpoint.folder(ckpt.root, done)
             report.update(phase="training", lastCheckpoint=str(path), lastCheckpointStep=done)
@@ -147,9 +171,43 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
             report.log(f"checkpoint saved: step {done} in {path}{background}")
     ckpt.close()
     if ds.eval is not None and evaluated_at != total:
+        report.phase("evaluating")
         report.evaluated(total, evaluate(net, ds, d, t.micro_batch_size))
-    # Before the export, whose full-model gather on rank 0 is not training memory: what
-    # `ftjob plan` estimates per process, measured (rank 1 never holds the whole model).
+    _measure_peaks(d, report)
+
+    report.phase("exporting")
+    _export(net, spec, tok, out, d.rank, lease)
+    if d.is_main:
+        jobfolder.write(job_dir, name, asked, trained_steps=total)
+    report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
+    report.log(f"exported model: {out}")
+    if d.is_main:
+        termination.write(contract.success_record(str(out)))
+    if lease:
+        lease.release()
+    dist.destroy_process_group()
+    return out
+
+
+def _resume(job_dir, spec, d, ckpt, net, optimizer, scheduler, report) -> int:
+    """Load the newest intact checkpoint (damaged ones are moved aside and named), or the
+    one ``checkpoint.resumeFrom`` names; the step to start at."""
+    found, damaged = checkpoint.choose(job_dir / "checkpoints", d.rank, d.world_size)
+    for note in damaged:
+        report.log(f"{note}; using {found or 'none: starting at step 0'} instead")
+    found = found or _seed(spec)
+    if found is None:
+        report.log(f"no checkpoint in {job_dir / 'checkpoints'}: starting at step 0")
+        return 0
+    start = ckpt.load(found, net, optimizer, scheduler)
+    report.update(resumedFrom=str(found), lastCheckpoint=str(found), lastCheckpointStep=start)
+    report.log(f"resuming from checkpoint {found} (step {start})")
+    return start
+
+
+def _measure_peaks(d: parallel.Dist, report: progress.Progress) -> None:
+    """Peak memory per rank before the export, whose full-model gather on rank 0 is not
+    training memory: what `ftjob plan` estimates per process, measured."""
     train_rss = [0.0] * d.world_size
     dist.all_gather_object(train_rss, _peak_rss_mib())
     report.update(trainPeakRssMiB=train_rss)
@@ -157,20 +215,6 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
         gpu_peak = [0.0] * d.world_size
         dist.all_gather_object(gpu_peak, round(torch.cuda.max_memory_allocated(d.device) / 2**20))
         report.update(trainPeakGpuMiB=gpu_peak)
-
-    report.update(phase="exporting")
-    _export(net, spec, tok, out, d.rank, lease)
-    if d.is_main:
-        jobfolder.write(job_dir, name, asked, trained_steps=total)
-    report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
-    report.log(f"exported model: {out}")
-    if d.rank == 0:
-        progress.write_termination_message(out)
-    report.close()
-    if lease:
-        lease.release()
-    dist.destroy_process_group()
-    return out
 
 
 def _seed(spec: FineTuneJobSpec) -> Path | None:
@@ -199,10 +243,10 @@ def _export(net, spec, tok, out: Path, rank: int, lease: owner.Lease | None) -> 
     failed = None
     try:
         export.export(net, spec, tok, out, rank)
-    except Exception as e:
-        named = volume.write_failed(e, "export", out.parent, EXPORT_FAILED)
-        if named is None:
-            raise
+    except Exception as e:  # noqa: BLE001 - every failure is named, agreed and raised below
+        named = volume.write_failed(e, "export", out.parent, EXPORT_FAILED) or TrainerError(
+            f"writing the model to {out} failed: {e}", reason=EXPORT_FAILED, where=str(out)
+        )
         shutil.rmtree(out.with_name(f".tmp-{out.name}"), ignore_errors=True)  # export's temp
         failed = (str(named), named.reason, named.where)
         dist.barrier()  # the one the other ranks wait in at the end of export.export
@@ -284,7 +328,16 @@ def _gpu_bytes(d: parallel.Dist) -> int | None:
     return torch.cuda.get_device_properties(d.device).total_memory
 
 
-def _progress(spec, d, job_dir, total, net, params, trainable, sharding) -> progress.Progress:
+def _progress(spec: FineTuneJobSpec, job_dir: Path) -> progress.Progress:
+    """Rank 0's reporter, serving before the process group exists (RANK is torchrun's)."""
+    main = int(os.environ.get("RANK", "0")) == 0
+    report = progress.Progress(job_dir, main, None, int(os.environ.get("WORLD_SIZE", "1")))
+    port = os.environ.get("FTJOB_PROGRESS_PORT")
+    report.serve(int(port) if port else spec.network.progress_port)
+    return report
+
+
+def _plan_progress(report, spec, d, total, net, params, trainable, sharding) -> None:
     config = net.config
     # An untied input embedding is a lookup; a tied one is also the output head's matmul.
     embed = 0 if config.tie_word_embeddings else net.get_input_embeddings().weight.numel()
@@ -298,17 +351,11 @@ def _progress(spec, d, job_dir, total, net, params, trainable, sharding) -> prog
         frozen_base=frozen_base,
     )
     name = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else None
-    report = progress.Progress(
-        job_dir,
-        d.is_main,
+    report.planned(
         total,
-        d.world_size,
         flops_per_token=flops,
         peak=progress.peak_flops(name, spec.resources.gpu_type),
         device=name or "cpu",
         sharding=sharding,
         method=spec.method.type,
     )
-    port = os.environ.get("FTJOB_PROGRESS_PORT")
-    report.serve(int(port) if port else spec.network.progress_port)
-    return report

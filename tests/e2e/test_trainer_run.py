@@ -174,6 +174,9 @@ def test_progress_json_is_the_documented_contract(full):
     assert snap["mfu"] is None  # CPU: no meaningful peak FLOP/s
     assert snap["tokensPerSecond"] > 0 and snap["lastCheckpointStep"] == 28
     assert isinstance(snap["port"], int) and snap["port"] > 0
+    # Each node's termination record (ftjob.contract), as a pod's message file.
+    record = json.loads((workdir / "logs" / "node-0.termination").read_text())
+    assert record == {"outcome": "succeeded", "exportPath": str(workdir / "model")}
 
 
 # ---------------------------------------------------------------------------------- resume
@@ -311,6 +314,9 @@ def test_bad_data_fails_at_once_naming_file_and_line(runs, tmp_path):
     assert code == 1
     assert f"{bad} line 3: not valid JSON" in out
     assert "ftjob run: node " in out
+    logs = runs / "bad-data" / "logs"
+    records = [json.loads(p.read_text()) for p in logs.glob("node-*.termination")]
+    assert any(r["reason"] == "BadData" and "line 3" in r["message"] for r in records), records
     assert time.monotonic() - start_time < 60
 
 

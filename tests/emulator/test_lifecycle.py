@@ -1,5 +1,6 @@
 """Every lifecycle path of a FineTuneJob, with `ftjob operator` running as a real process
-against the API emulator; the test plays kubelet (pod phases, exit codes, messages)."""
+against the API emulator; the test plays kubelet (pod phases, exit codes), and the termination
+messages it reports are the real trainer's (the ``trainer_runs`` fixture)."""
 
 import json
 import threading
@@ -10,8 +11,11 @@ import pytest
 from support import ROOT, events_of, gang_running, job_pods, job_status, tiny_job, wait_phase
 
 from ftjob import manifest
+from ftjob.operator.status import NO_RECORD
 
 pytestmark = pytest.mark.timeout(60)
+# The first test to ask for the real trainer's outputs waits for them to be produced.
+REAL_RUNS = pytest.mark.timeout(600)
 
 
 def env_of(pod: dict) -> dict:
@@ -36,14 +40,18 @@ def test_a_new_job_gets_its_children_and_runs(cluster, operator):
     assert cluster.get("finetunejobs", "run")["metadata"]["finalizers"] == ["ftjob.dev/finalizer"]
 
 
-def test_every_node_exiting_zero_succeeds(cluster, operator):
-    cluster.create_job(tiny_job("ok"))
-    gang_running(cluster, "ok", 0)
-    cluster.terminate("ok-node-1", 0)
-    cluster.terminate("ok-node-0", 0, message='{"exportPath": "/ftjob/ok/model"}')
-    status = wait_phase(cluster, "ok", "Succeeded")
-    assert status["completionTime"] and status["modelPath"] == "/ftjob/ok/model"
-    cluster.wait(lambda: "Completed" in events_of(cluster, "ok"), 10, "a Completed event")
+@REAL_RUNS
+@pytest.mark.parametrize("scenario", ["succeeded", "already-trained"])
+def test_every_node_exiting_zero_succeeds(cluster, operator, trainer_runs, scenario):
+    run = trainer_runs.get(scenario)
+    name = f"ok-{scenario}"
+    cluster.create_job(tiny_job(name))
+    gang_running(cluster, name, 0)
+    cluster.terminate(f"{name}-node-1", 0)
+    cluster.terminate(f"{name}-node-0", 0, message=run.message)
+    status = wait_phase(cluster, name, "Succeeded")
+    assert status["completionTime"] and status["modelPath"] == str(run.job_dir / "model")
+    cluster.wait(lambda: "Completed" in events_of(cluster, name), 10, "a Completed event")
 
 
 def test_exit_zero_without_an_exported_model_is_not_success(cluster, operator):
@@ -69,28 +77,46 @@ def test_a_failed_pod_replaces_the_whole_gang(cluster, operator):
     assert "OOMKilled" in events_of(cluster, "oom")
 
 
-def test_backoff_limit_fails_the_job_and_stops_the_gang(cluster, operator):
+@REAL_RUNS
+def test_backoff_limit_fails_the_job_and_stops_the_gang(cluster, operator, trainer_runs):
+    killed = trainer_runs.get("killed")  # no record: its log tail is the message
     cluster.create_job(tiny_job("limit", runPolicy={"backoffLimit": 0}))
     gang_running(cluster, "limit", 0)
-    cluster.terminate("limit-node-0", 1, message="RuntimeError: boom")
+    cluster.terminate("limit-node-0", 137, message=killed.message)
     status = wait_phase(cluster, "limit", "Failed")
-    assert status["failure"]["reason"] == "Error" and "boom" in status["failure"]["message"]
+    assert status["failure"]["reason"] == "Error" and NO_RECORD in status["failure"]["message"]
+    assert killed.log.strip().splitlines()[-1] in status["failure"]["message"]
     failed = {c["type"]: c for c in status["conditions"]}["Failed"]
     assert "backoffLimit (0) reached" in failed["message"]
     # The surviving rank is stopped; the failed pod stays for `kubectl logs`.
     cluster.wait(lambda: len(job_pods(cluster, "limit")) == 1, 10, "the survivor to go")
 
 
-def test_bad_input_fails_at_once(cluster, operator):
+@REAL_RUNS
+def test_bad_data_fails_at_once(cluster, operator, trainer_runs):
+    bad = trainer_runs.get("bad-data")
     cluster.create_job(tiny_job("bad", runPolicy={"backoffLimit": 3}))
     gang_running(cluster, "bad", 0)
-    cluster.terminate("bad-node-0", 1, message="error: bad data: no record has 'messages'")
+    cluster.terminate("bad-node-0", bad.exit_code, message=bad.message)
     status = wait_phase(cluster, "bad", "Failed")
-    assert status["failure"]["reason"] == "BadInput" and status["restarts"] == 0
+    assert status["failure"]["reason"] == "BadData" and status["restarts"] == 0
+    assert "line 2: has no field 'text'" in status["failure"]["message"]
 
 
-def test_no_progress_for_the_stall_timeout_restarts_the_gang(cluster, operator):
-    cluster.create_job(tiny_job("stall", runPolicy={"stallTimeoutSeconds": 60}))
+@REAL_RUNS
+def test_a_full_disk_restarts_the_gang(cluster, operator, trainer_runs):
+    full = trainer_runs.get("disk-full")
+    cluster.create_job(tiny_job("full", runPolicy={"backoffLimit": 3}))
+    gang_running(cluster, "full", 0)
+    cluster.terminate("full-node-1", full.exit_code, message=full.message)
+    gang_running(cluster, "full", 1)
+    status = job_status(cluster, "full")
+    assert status["failure"]["reason"] == "DiskFull" and status["restarts"] == 1
+
+
+def test_no_first_step_within_the_startup_limit_restarts_the_gang(cluster, operator):
+    policy = {"stallTimeoutSeconds": 60, "startupTimeoutSeconds": 60}
+    cluster.create_job(tiny_job("stall", runPolicy=policy))
     gang_running(cluster, "stall", 0)
     status = wait_phase(cluster, "stall", "Running")
     # Let the clock run: the gang has been "running" without progress for two minutes.
@@ -101,8 +127,9 @@ def test_no_progress_for_the_stall_timeout_restarts_the_gang(cluster, operator):
     cluster.call(lambda: cluster.api.write_status("finetunejobs", "default", "stall", status))
     gang_running(cluster, "stall", 1)
     status = job_status(cluster, "stall")
-    assert status["failure"]["reason"] == "Stalled" and status["restarts"] == 1
-    assert "stallTimeoutSeconds 60" in status["failure"]["message"]
+    # No report from rank 0 at all: the gang never got past starting.
+    assert status["failure"]["reason"] == "StartupTimeout" and status["restarts"] == 1
+    assert "startupTimeoutSeconds 60" in status["failure"]["message"]
 
 
 def test_suspend_removes_the_pods_and_resume_brings_a_new_gang(cluster, operator):
@@ -199,7 +226,7 @@ def test_progress_from_rank_0_reaches_status(cluster, operator):
 def test_metrics_count_jobs_by_phase_and_restarts(cluster, operator):
     text = operator.get_metrics()
     assert 'ftjob_jobs{phase="Running"}' in text
-    assert operator.metric("ftjob_gang_restarts_total") >= 2  # oom and stall above
+    assert operator.metric("ftjob_gang_restarts_total") >= 3  # oom, disk full and stall above
     assert operator.metric("ftjob_reconcile_seconds_count") > 0
     # Latency histograms: every reconcile falls in some bucket, and API calls are timed.
     assert 'ftjob_reconcile_seconds_bucket{le="+Inf"}' in text

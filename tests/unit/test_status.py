@@ -1,4 +1,9 @@
-"""Status and lifecycle decisions, as pure functions of spec, pods, progress and the clock."""
+"""Status and lifecycle decisions, as pure functions of spec, pods, progress and the clock.
+
+What a trainer container ends with -- its termination record or, without one, its log tail --
+comes from the real trainer (the ``trainer_runs`` fixture, tests/trainer_outputs.py), never
+from a line typed here.
+"""
 
 import json
 from datetime import datetime, timedelta, timezone
@@ -6,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ftjob import manifest
+from ftjob import contract, manifest
 from ftjob.operator import lifecycle, render
 from ftjob.operator import status as st
 from ftjob.spec import parse_resource
@@ -23,11 +28,16 @@ def job(**run_policy):
     return parse_resource(doc)
 
 
-def pod(rank, attempt=0, phase="Running", exit_code=None, reason=None, message=None, extra=None):
+def pod(rank, attempt=0, phase="Running", exit_code=None, reason=None, message=None, extra=None,
+        real=None):  # fmt: skip
+    """A pod of the tiny job; ``real``: its trainer ended as that real run did."""
     name, spec = job()
     p = render.pod(name, "ns", spec, rank, attempt, "uid")
     state = {"running": {}} if phase == "Running" else {"waiting": {"reason": "ContainerCreating"}}
-    if exit_code is not None:
+    if real is not None:
+        phase = "Succeeded" if real.exit_code == 0 else "Failed"
+        state = {"terminated": real.terminated()}
+    elif exit_code is not None:
         term = {
             "exitCode": exit_code,
             "reason": reason or ("Completed" if not exit_code else "Error"),
@@ -58,32 +68,11 @@ def run_to(phase_pods, **policy):
     "kwargs, reason",
     [
         (dict(phase="Failed", exit_code=137, reason="OOMKilled"), "OOMKilled"),
-        (
-            dict(
-                phase="Failed",
-                exit_code=1,
-                message="torch.OutOfMemoryError: CUDA out of memory. Tried",
-            ),
-            "CudaOOM",
-        ),
-        (
-            dict(
-                phase="Failed",
-                exit_code=1,
-                message="[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)",
-            ),
-            "NCCLTimeout",
-        ),
-        (
-            dict(phase="Failed", exit_code=1, message="error: bad data: no records in train"),
-            "BadInput",
-        ),
-        (dict(phase="Failed", exit_code=2, message="Traceback ... KeyError: 'x'"), "Error"),
         (dict(phase="Failed", reason_="Evicted"), "Evicted"),
         (dict(phase="Unknown"), "Lost"),
     ],
 )
-def test_diagnosis_from_container_state_and_termination_message(kwargs, reason):
+def test_diagnosis_from_what_the_kubelet_reports(kwargs, reason):
     evicted = kwargs.pop("reason_", None)
     extra = (
         {"reason": evicted, "message": "The node was low on resource: memory."} if evicted else {}
@@ -94,16 +83,72 @@ def test_diagnosis_from_container_state_and_termination_message(kwargs, reason):
     assert st.ADVICE[reason].split(":")[0] in failure["message"]
 
 
+@pytest.mark.parametrize(
+    "scenario, reason, permanent, detail",
+    [
+        ("bad-data", contract.BAD_DATA, True, "line 2: has no field 'text'"),
+        ("bad-model", contract.BAD_MODEL, True, "no-such-model"),
+        ("bad-spec", contract.BAD_SPEC, True, "spec.method.type"),
+        ("checkpoint-unreadable", contract.CHECKPOINT_UNREADABLE, False, "step-00000001"),
+        ("disk-full", contract.DISK_FULL, False, "No space left on device"),
+        ("host-oom", contract.HOST_OOM, False, "can't allocate memory"),
+    ],
+)
+def test_diagnosis_from_the_real_trainers_record(trainer_runs, scenario, reason, permanent, detail):
+    run = trainer_runs.get(scenario)
+    assert run.exit_code != 0 and contract.parse(run.record)["reason"] == reason, run.log[-3000:]
+    failure = st.diagnose(pod(1, real=run))
+    assert failure["reason"] == reason and reason in FAILURE_REASONS
+    assert (reason in st.PERMANENT) == permanent
+    assert st.ADVICE[reason] in failure["message"] and detail in failure["message"]
+    assert "rank 0" in failure["message"] and st.NO_RECORD not in failure["message"]
+    # The decision follows: a permanent reason fails the job at once, others restart the gang.
+    d = run_to([pod(0), pod(1)], backoffLimit=5)
+    r = decide(d.status, [pod(0), pod(1, real=run)], backoffLimit=5)
+    assert r.phase == ("Failed" if permanent else "Restarting"), r.status
+    assert r.status["failure"]["reason"] == reason
+
+
+def test_without_a_record_the_log_tail_decides_and_the_message_says_so(trainer_runs):
+    killed = trainer_runs.get("killed")
+    assert killed.exit_code == -9 and killed.record == ""
+    failure = st.diagnose(pod(0, real=killed))
+    assert failure["reason"] == "Error" and st.NO_RECORD in failure["message"]
+    assert killed.log.strip().splitlines()[-1] in failure["message"]  # its real log's tail
+
+
+@pytest.mark.parametrize(
+    "tail, reason",  # torch's and NCCL's own words, for a process that died before writing
+    [
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried", contract.CUDA_OOM),
+        ("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)",
+         contract.NCCL_TIMEOUT),
+    ],
+)  # fmt: skip
+def test_log_tail_patterns_only_apply_without_a_record(trainer_runs, tail, reason):
+    killed = trainer_runs.get("killed")
+    failure = st.diagnose(pod(0, phase="Failed", exit_code=-9, message=killed.message + tail))
+    assert failure["reason"] == reason and st.NO_RECORD in failure["message"]
+    bad = trainer_runs.get("bad-data")  # a record wins, whatever its message mentions
+    record = json.loads(bad.record) | {"message": tail}
+    assert (
+        st.diagnose(pod(0, phase="Failed", exit_code=1, message=json.dumps(record)))["reason"]
+        == contract.BAD_DATA
+    )
+
+
 def test_running_and_succeeded_pods_are_not_failures():
     assert st.diagnose(pod(0)) is None
     assert st.diagnose(pod(0, phase="Succeeded", exit_code=0)) is None
     assert st.diagnose(pod(0, phase="Pending")) is None
 
 
-def test_the_most_specific_failure_is_the_root_cause():
-    nccl = st.diagnose(pod(0, phase="Failed", exit_code=1, message="NCCL operation timed out"))
+def test_the_most_specific_failure_is_the_root_cause(trainer_runs):
+    killed = st.diagnose(pod(0, real=trainer_runs.get("killed")))
     oom = st.diagnose(pod(1, phase="Failed", exit_code=137, reason="OOMKilled"))
-    assert st.root_cause([nccl, oom])["reason"] == "OOMKilled"
+    assert st.root_cause([killed, oom])["reason"] == "OOMKilled"
+    bad = st.diagnose(pod(1, real=trainer_runs.get("bad-data")))
+    assert st.root_cause([killed, oom, bad])["reason"] == contract.BAD_DATA
 
 
 def test_long_termination_messages_are_cut_to_their_tail():
@@ -170,12 +215,12 @@ def test_reconciling_twice_changes_nothing():
     assert again.status == d.status and not again.events and not again.create and not again.delete
 
 
-EXPORTED = '{"exportPath": "/ftjob/tiny/model"}'  # what rank 0 writes on success
-
-
-def test_success_needs_every_node_to_exit_zero_and_rank0_to_name_the_export():
+@pytest.mark.parametrize("scenario", ["succeeded", "already-trained"])
+def test_success_needs_every_node_to_exit_zero_and_rank0_to_name_the_export(trainer_runs, scenario):
+    run = trainer_runs.get(scenario)
+    model = str(run.job_dir / "model")
     d = run_to([pod(0), pod(1)])
-    rank0_done = pod(0, 0, "Succeeded", 0, message=EXPORTED)
+    rank0_done = pod(0, real=run)
     half = decide(d.status, [rank0_done, pod(1)])
     assert half.phase == "Running"
     snap = {"step": 60, "totalSteps": 60}
@@ -183,7 +228,7 @@ def test_success_needs_every_node_to_exit_zero_and_rank0_to_name_the_export():
     assert done.phase == "Succeeded" and done.status["completionTime"]
     again = decide(done.status, [rank0_done, pod(1, 0, "Succeeded", 0)])
     assert again.status == done.status and not again.events
-    assert done.status["modelPath"] == "/ftjob/tiny/model"
+    assert done.status["modelPath"] == model
     assert st.condition(done.status["conditions"], "Succeeded")["status"] == "True"
 
 
@@ -223,16 +268,19 @@ def test_backoff_limit_fails_the_job():
     assert f.status["completionTime"]
 
 
-def test_bad_input_fails_at_once_without_spending_retries():
+def test_bad_input_fails_at_once_without_spending_retries(trainer_runs):
     d = run_to([pod(0), pod(1)], backoffLimit=5)
-    bad = pod(0, phase="Failed", exit_code=1, message="error: bad data: field 'messages' missing")
+    bad = pod(0, real=trainer_runs.get("bad-data"))
     f = decide(d.status, [bad, pod(1)], backoffLimit=5)
     assert f.phase == "Failed" and f.status["restarts"] == 0
-    assert f.status["failure"]["reason"] == "BadInput"
+    assert f.status["failure"]["reason"] == contract.BAD_DATA
+    assert "not retried" in st.condition(f.status["conditions"], "Failed")["message"]
 
 
 def test_cuda_oom_twice_in_a_row_is_permanent():
-    oom = dict(phase="Failed", exit_code=1, message="CUDA out of memory")
+    # CPU cannot run out of GPU memory: the record as contract.py builds it for the trainer.
+    record = contract.Failure(contract.CUDA_OOM, "CUDA out of memory", rank=0).record()
+    oom = dict(phase="Failed", exit_code=1, message=contract.dumps(record))
     d = run_to([pod(0), pod(1)], backoffLimit=5)
     r = decide(d.status, [pod(0, **oom), pod(1)], backoffLimit=5)
     assert r.phase == "Restarting"
@@ -259,6 +307,31 @@ def test_no_progress_for_the_stall_timeout_restarts_the_gang():
     stalled = decide(ok.status, [pod(0), pod(1)], T0 + timedelta(seconds=901), snap)
     assert stalled.phase == "Restarting" and stalled.status["failure"]["reason"] == "Stalled"
     assert "step 5" in stalled.status["failure"]["message"]
+
+
+def test_a_long_load_is_not_a_stall_but_has_its_own_limit():
+    d = run_to([pod(0), pod(1)])  # stallTimeoutSeconds 600; startupTimeoutSeconds 3600
+    pods = [pod(0), pod(1)]
+    loading = {"phase": "loading", "step": 0, "updatedAt": "2026-01-01T12:00:30Z"}
+    slow = decide(d.status, pods, T0 + timedelta(seconds=1800), loading)
+    assert slow.phase == "Running" and slow.requeue_after == pytest.approx(1800)
+    assert slow.status["progress"]["phase"] == "loading"
+    late = decide(slow.status, pods, T0 + timedelta(seconds=3600), loading)
+    assert late.phase == "Restarting" and late.status["failure"]["reason"] == "StartupTimeout"
+    assert "rank 0 is loading" in late.status["failure"]["message"]
+    # Once training, the stall clock runs from rank 0's latest report.
+    training = {"phase": "training", "step": 3, "updatedAt": "2026-01-01T12:30:00Z"}
+    ok = decide(slow.status, pods, T0 + timedelta(seconds=2000), training)
+    assert ok.phase == "Running" and ok.requeue_after == pytest.approx(400)
+    stalled = decide(ok.status, pods, T0 + timedelta(seconds=2400), training)
+    assert stalled.status["failure"]["reason"] == "Stalled"
+
+
+def test_the_previous_gangs_report_does_not_count_for_the_new_one():
+    d = run_to([pod(0), pod(1)])
+    old = {"phase": "training", "step": 9, "updatedAt": "2026-01-01T11:00:00Z"}  # before T0
+    quiet = decide(d.status, [pod(0), pod(1)], T0 + timedelta(seconds=1200), old)
+    assert quiet.phase == "Running"  # 1200s > stallTimeoutSeconds, but the gang is starting
 
 
 def test_suspend_removes_pods_and_resume_starts_a_new_gang():
@@ -374,9 +447,8 @@ def served(p, deleting=False, sidecar=False):
     return p
 
 
-def realistic_pods():
+def realistic_pods(runs):
     """Pods in every state the decisions tell apart, as the API server serves them."""
-    failed = dict(phase="Failed", exit_code=1)
     image_pull = served(pod(1, phase="Pending"))
     image_pull["status"]["containerStatuses"][0]["state"]["waiting"]["reason"] = "ImagePullBackOff"
     return {
@@ -384,13 +456,13 @@ def realistic_pods():
         "running": served(pod(0), sidecar=True),
         "running-1": served(pod(1)),
         "image-pull": image_pull,
-        "exported": served(pod(0, 0, "Succeeded", 0, message=EXPORTED)),
+        "exported": served(pod(0, real=runs.get("succeeded"))),
         "exited-0": served(pod(1, 0, "Succeeded", 0)),
         "oom-killed": served(pod(1, phase="Failed", exit_code=137, reason="OOMKilled")),
-        "cuda-oom": served(pod(0, **failed, message="torch.OutOfMemoryError: CUDA out of memory")),
-        "nccl": served(pod(1, **failed, message="Watchdog caught collective operation timeout")),
-        "bad-input": served(pod(0, **failed, message="error: bad data: no records in train")),
-        "error": served(pod(1, **failed, message="x" * 5000 + "KeyError: 'x'")),
+        "host-oom": served(pod(0, real=runs.get("host-oom"))),
+        "disk-full": served(pod(1, real=runs.get("disk-full"))),
+        "bad-input": served(pod(0, real=runs.get("bad-data"))),
+        "error": served(pod(1, real=runs.get("killed"))),
         "evicted": served(pod(1, phase="Failed", extra={"reason": "Evicted", "message": "low"})),
         "lost": served(pod(0, phase="Unknown", extra={"reason": "NodeLost"})),
         "deleting": served(pod(1), deleting=True),
@@ -398,10 +470,10 @@ def realistic_pods():
     }
 
 
-def test_a_pod_view_reads_the_same_as_the_whole_pod():
+def test_a_pod_view_reads_the_same_as_the_whole_pod(trainer_runs):
     readers = [st.diagnose, st.succeeded, st.running, st.terminated, st.waiting_reason]
     readers += [st.export_path, st.rank_of, st.attempt_of]
-    for name, whole in realistic_pods().items():
+    for name, whole in realistic_pods(trainer_runs).items():
         view = st.observed_pod(whole)
         for read in readers:
             assert read(view) == read(whole), (name, read.__name__)
@@ -414,8 +486,8 @@ def test_a_pod_view_reads_the_same_as_the_whole_pod():
         assert len(json.dumps(view)) - len(json.dumps(message)) < 600, name
 
 
-def test_decisions_from_pod_views_equal_those_from_whole_pods():
-    pods = realistic_pods()
+def test_decisions_from_pod_views_equal_those_from_whole_pods(trainer_runs):
+    pods = realistic_pods(trainer_runs)
     gangs = [
         [],
         ["pending", "image-pull"],
@@ -425,8 +497,8 @@ def test_decisions_from_pod_views_equal_those_from_whole_pods():
         ["exported", "exited-0"],
         ["running", "exited-0"],
         ["running", "oom-killed"],
-        ["cuda-oom", "running-1"],
-        ["running", "nccl"],
+        ["host-oom", "running-1"],
+        ["running", "disk-full"],
         ["bad-input", "running-1"],
         ["running", "error"],
         ["running", "evicted"],
@@ -448,8 +520,8 @@ def test_decisions_from_pod_views_equal_those_from_whole_pods():
                 assert from_views == from_whole, (gang, policy)
 
 
-def test_a_pod_view_shares_no_dicts_with_the_event_it_came_from():
-    whole = realistic_pods()["exported"]
+def test_a_pod_view_shares_no_dicts_with_the_event_it_came_from(trainer_runs):
+    whole = realistic_pods(trainer_runs)["exported"]
     view = st.observed_pod(whole)
     whole["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] = 1
     whole["metadata"]["labels"][render.LABEL_RANK] = "1"

@@ -1,0 +1,128 @@
+"""The trainer's termination record: what an exception means, and the file that says so.
+
+:func:`classify` names a failure (ftjob.contract's reasons) from the exception that ended the
+run; :func:`write` puts a record into ``FTJOB_TERMINATION_LOG`` -- the container's
+terminationMessagePath on a cluster, ``<job>/logs/node-<rank>.termination`` under
+``ftjob run``. Every process of a pod shares that file, so writes are serialised with a lock
+and :func:`ftjob.contract.keep` decides which record stays.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftjob import contract
+
+# The CPU allocator's message when a tensor cannot get host memory (torch raises a plain
+# RuntimeError for it, where Python's own allocations raise MemoryError).
+_HOST_ALLOC = "DefaultCPUAllocator: can't allocate memory"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+
+
+def classify(exc: BaseException) -> tuple[str, str, str | None]:
+    """(reason, message, where) for the exception that ended the run.
+
+    The exception and its causes are all looked at, and the most telling name wins
+    (contract.SPECIFICITY): an export that failed because the disk was full is DiskFull. What
+    names nothing is Internal, with the exception's last line and the trainer line that raised
+    it.
+    """
+    named = [(n, e) for e in _chain(exc) if (n := _name(e)) is not None]
+    if not named:
+        return contract.INTERNAL, _last_line(exc), _where(exc)
+    (reason, where), e = min(named, key=lambda item: contract.rank_of(item[0][0]))
+    return reason, _last_line(e), where or _where(e)
+
+
+def _name(e: BaseException) -> tuple[str, str | None] | None:
+    if isinstance(e, contract.TrainerError):
+        return e.reason, e.where
+    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and _HOST_ALLOC in str(e)):
+        return contract.HOST_OOM, None
+    if isinstance(e, torch.OutOfMemoryError):
+        return contract.CUDA_OOM, None
+    if isinstance(e, OSError) and e.errno in _DISK_FULL:
+        return contract.DISK_FULL, e.filename
+    if isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "NCCL" in str(e)):
+        text = str(e).lower()
+        timed_out = "timeout" in text or "timed out" in text
+        return (contract.NCCL_TIMEOUT if timed_out else contract.NCCL_ERROR), None
+    if "No space left on device" in str(e):
+        return contract.DISK_FULL, None  # torch.save's and dcp's writers report it as text
+    return None
+
+
+def _chain(exc: BaseException):
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _last_line(e: BaseException) -> str:
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    text = lines[-1].strip() if lines else ""
+    if isinstance(e, contract.TrainerError):
+        return str(e).strip()  # written for people already, every line of it
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _where(e: BaseException) -> str | None:
+    """file:line of the innermost ftjob frame (else the innermost frame) that raised ``e``."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return None
+    ours = [f for f in frames if f.filename.startswith(_PACKAGE)]
+    frame = (ours or frames)[-1]
+    name = frame.filename
+    if name.startswith(_PACKAGE):
+        name = "ftjob" + name[len(_PACKAGE) :]
+    return f"{name}:{frame.lineno}"
+
+
+def failure(exc: BaseException, step: int | None = None) -> dict[str, Any]:
+    """The failure record for ``exc`` raised in this process."""
+    reason, message, where = classify(exc)
+    return named(reason, message, where, step)
+
+
+def named(reason: str, message: str, where: str | None = None, step: int | None = None):
+    """A failure record of this process (its rank and node filled in)."""
+    return contract.Failure(
+        reason=reason,
+        message=message,
+        rank=int(os.environ.get("RANK", "0")),
+        node=os.environ.get("NODE_NAME") or socket.gethostname(),
+        step=step,
+        where=where,
+    ).record()
+
+
+def write(record: dict[str, Any]) -> None:
+    """Put ``record`` in ``FTJOB_TERMINATION_LOG`` (unset: nowhere), unless the file already
+    holds a more telling one. The file always holds one whole JSON record."""
+    target = os.environ.get("FTJOB_TERMINATION_LOG")
+    if not target:
+        return
+    path = Path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        f.seek(0)
+        chosen = contract.keep(contract.parse(f.read()), record)
+        f.seek(0)
+        f.truncate()
+        f.write(contract.dumps(chosen))
+        f.flush()

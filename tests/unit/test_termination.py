@@ -1,0 +1,96 @@
+"""The trainer's termination record: naming failures, and one record per shared file.
+
+    python -m pytest tests/unit/test_termination.py -q
+
+What the operator makes of real records is tested with the real trainer (test_status.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import multiprocessing
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ftjob import contract
+from ftjob.trainer import termination
+
+
+def raised(exc: BaseException, cause: BaseException | None = None) -> BaseException:
+    """``exc`` as it arrives at the entry point: raised, with its traceback and cause."""
+    try:
+        raise exc from cause
+    except BaseException as e:  # noqa: BLE001
+        return e
+
+
+@pytest.mark.parametrize(
+    "exc, reason",
+    [
+        (MemoryError(), contract.HOST_OOM),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+         contract.CUDA_OOM),
+        (dist.DistBackendError("[Rank 1] Watchdog caught collective operation timeout"),
+         contract.NCCL_TIMEOUT),
+        (dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp, unhandled system error"),
+         contract.NCCL_ERROR),
+        (OSError(errno.ENOSPC, "No space left on device", "/ftjob/x/checkpoints"),
+         contract.DISK_FULL),
+        (KeyError("x"), contract.INTERNAL),
+    ],
+)  # fmt: skip
+def test_exceptions_are_named(exc, reason):
+    got, message, where = termination.classify(raised(exc))
+    assert got == reason
+    assert message.startswith(type(exc).__name__)
+    assert where  # the file:line, or the path, it happened at
+
+
+def test_the_most_telling_cause_names_the_failure():
+    full = OSError(errno.ENOSPC, "No space left on device", "/ftjob/x/model/model.safetensors")
+    export = contract.TrainerError("writing the model failed", reason=contract.EXPORT_FAILED)
+    assert termination.classify(raised(export, full))[0] == contract.DISK_FULL
+    bad = contract.TrainerError("line 3: no text", reason=contract.BAD_DATA, where="data.jsonl")
+    assert termination.classify(raised(bad, KeyError("text"))) == (
+        contract.BAD_DATA,
+        "line 3: no text",
+        "data.jsonl",
+    )
+
+
+def _write(path: str, record: dict) -> None:
+    import os
+
+    os.environ["FTJOB_TERMINATION_LOG"] = path
+    termination.write(record)
+
+
+def test_ranks_sharing_one_file_leave_one_whole_record_the_most_telling(tmp_path):
+    path = str(tmp_path / "termination-log")
+    timeouts = [contract.Failure(contract.NCCL_TIMEOUT, "waited", rank=r).record()
+                for r in range(1, 8)]  # fmt: skip
+    oom = contract.Failure(contract.HOST_OOM, "no memory", rank=5).record()
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_write, args=(path, rec)) for rec in [*timeouts[:4], oom,
+                                                                    *timeouts[4:]]]  # fmt: skip
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    record = json.loads((tmp_path / "termination-log").read_text())
+    assert record["reason"] == contract.HOST_OOM and record["rank"] == 5
+
+
+def test_a_failure_beats_success_and_the_first_of_equals_stays():
+    first = contract.Failure(contract.INTERNAL, "first", rank=0).record()
+    second = contract.Failure(contract.INTERNAL, "second", rank=1).record()
+    done = contract.success_record("/ftjob/x/model")
+    assert contract.keep(contract.keep(None, first), second) == first
+    assert contract.keep(first, done) == first and contract.keep(done, first) == first
+    assert contract.parse(contract.dumps(done)) == done
+    assert contract.parse('{"exportPath": "/m"}') == {"outcome": "succeeded", "exportPath": "/m"}
+    assert contract.parse("Traceback (most recent call last):") is None
