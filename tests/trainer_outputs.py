@@ -15,7 +15,6 @@ import copy
 import json
 import os
 import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -177,13 +176,15 @@ def bad_spec(runs: Runs) -> Outcome:
 
 
 def trained_then_restarted(runs: Runs) -> tuple[Outcome, Outcome, Outcome]:
-    """A run that succeeds; the same job started again (already trained); then, its export
-    gone, started as LoRA on the full fine-tune's checkpoints, which cannot hold LoRA."""
+    """A run that succeeds; the same job started again (already trained); then a LoRA job
+    told to start from the full fine-tune's checkpoints (checkpoint.resumeFrom), which cannot
+    hold LoRA. (The same folder would refuse the changed method before any checkpoint.)"""
     done = runs.run("succeeded", job("trained"))
     again = runs.run("already-trained", job("trained"), job_dir=done.job_dir)
-    shutil.rmtree(done.job_dir / "model")
-    lora = job("trained", method={"type": "lora"})
-    misfit = runs.run("checkpoint-unreadable", lora, job_dir=done.job_dir)
+    seeded = {"resumeFrom": str(done.job_dir.relative_to(runs.workdir))}
+    lora = job("misfit", method={"type": "lora"}, checkpoint=seeded)
+    root = {"FTJOB_SOURCE_ROOT": str(runs.workdir)}  # where relative paths are read, as on a volume
+    misfit = runs.run("checkpoint-unreadable", lora, env=root)
     return done, again, misfit
 
 

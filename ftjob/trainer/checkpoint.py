@@ -294,10 +294,12 @@ class Checkpointer:
             )
             scheduler.load_state_dict(state["scheduler"])
         except (Exception, CheckpointException) as e:  # dcp's is a BaseException
+            last = (str(e).strip().splitlines() or [""])[-1][:300]
             raise TrainerError(
-                f"checkpoint {path} cannot be loaded into this model ({type(e).__name__}: "
-                f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); move it aside "
-                "to resume from an older one, or start the job in a new folder",
+                f"checkpoint {path} is intact but cannot be loaded into this job "
+                f"({type(e).__name__}: {last}). "
+                "Is it another model's or method's (checkpoint.resumeFrom)? Name a checkpoint "
+                "of this model and method, or start without one.",
                 reason=CHECKPOINT_UNREADABLE,
                 where=str(path),
             ) from e

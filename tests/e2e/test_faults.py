@@ -84,14 +84,15 @@ def test_damaged_checkpoints_are_moved_aside_and_the_newest_intact_one_resumed(r
 
 
 def test_a_checkpoint_that_does_not_fit_the_job_is_named_not_a_traceback(reference, tmp_path):
-    workdir = rerun_copy(reference, tmp_path / "changed")
-    # The spec changed under the job folder: full fine-tune checkpoints, a LoRA job now.
+    old = rerun_copy(reference, tmp_path / "full")
+    # A LoRA job told to start from a full fine-tune's checkpoints (the job file sits in
+    # tmp_path, so relative paths are read there, as from the volume on a cluster).
     lora = {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}}
-    code, out = run(faults_job(method=lora), workdir)
+    code, out = run(faults_job(method=lora, checkpoint={"resumeFrom": "full"}), tmp_path / "lora")
     assert code == 1
     error = next(x for x in out.splitlines() if x.startswith("  error: rank"))
     assert "CheckpointUnreadable" in error
-    assert f"checkpoint {workdir / 'checkpoints'}/step-00000016 is intact but cannot" in error
+    assert f"checkpoint {old / 'checkpoints'}/step-00000016 is intact but cannot" in error
     assert "Traceback" not in out.split("ftjob run: node", 1)[1]
 
 
