@@ -219,7 +219,7 @@ class LoraSpec:
 
 @dataclass(kw_only=True)
 class QuantizationSpec:
-    """quantization: how QLoRA stores the frozen base weights (bitsandbytes)."""
+    """quantization: how QLoRA stores the frozen base weights (torchao NF4, sharded by FSDP2)."""
 
     type: Literal["nf4", "fp4"] = api_field("type of 4-bit storage.", "nf4")
     double_quant: bool = api_field(

@@ -9,7 +9,6 @@ prints). The environment torchrun and ftjob set is described in docs/progress.md
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -38,8 +37,6 @@ def main(argv: list[str] | None = None) -> int:
         name, spec = load_spec(args.spec)
     except (SpecError, manifest.ManifestError) as e:
         return _bad_spec(args.spec, e)
-    # bitsandbytes announces at import that an optional CPU kernel package is missing.
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     # Imported after the spec check: a bad spec fails before torch and transformers load.
     from ftjob.trainer import owner, train
 
