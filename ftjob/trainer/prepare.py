@@ -319,6 +319,10 @@ def _size(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
+def _nowhere(_) -> None:
+    pass
+
+
 class Meter:
     """Progress of one stage: a log line and an on_progress call every few seconds."""
 
@@ -327,6 +331,12 @@ class Meter:
     def __init__(self, stage: str, total: int | None, log, on_progress: Progress):
         self.stage, self.total, self.log, self.on_progress = stage, total, log, on_progress
         self.start = self.last = time.monotonic()
+
+    def __reduce__(self):
+        # datasets fingerprints a generator's kwargs by pickling them. The callbacks reach the
+        # trainer's progress reporter (an HTTP server: a socket, which cannot be pickled) and
+        # change nothing in the data, so a copy reports nowhere.
+        return (Meter, (self.stage, self.total, _nowhere, _nowhere))
 
     def update(self, done: int, force: bool = False) -> None:
         now = time.monotonic()
