@@ -9,6 +9,7 @@ killed after its first checkpoint and run again, then run with a changed learnin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 from hubmirror import HubMirror
@@ -63,7 +65,12 @@ def killed_and_rerun(tmp_path_factory, mirror):
     while not list((workdir / "checkpoints").glob("step-*/COMMITTED")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
+    # The whole gang at once, as a lost node takes it: ftjob run and every node's processes
+    # (each node runs in its own session, so the parent's process group is not enough).
+    gang = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+    for pid in gang:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     proc.wait()
     first = dict(mirror.requests)
     code, out = finish(ftjob_run(doc(), workdir, mirror))
