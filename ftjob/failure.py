@@ -47,7 +47,8 @@ KNOWN = [
         NO_GPU,
     ),
 ]
-ERROR_LINE = re.compile(r"^error: (?:rank (\d+): )?(?:(bad data|bad model): )?(.*)$")
+# The trainer's own line: "error: rank R: <Reason>: message (where)" (ftjob.trainer.__main__).
+ERROR_LINE = re.compile(r"^error: (?:rank (\d+): )?(?:([A-Z][A-Za-z0-9]+): )?(.*)$")
 EXCEPTION = re.compile(r"^(?:\[rank(\d+)\]: )?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*)$")
 TORCHRUN_RANK = re.compile(r"^\s+rank\s+: (\d+)")
 TORCHRUN_EXIT = re.compile(r"^\s+exitcode\s+: (-?\d+)")
@@ -118,7 +119,7 @@ def _from_log(o: NodeOutcome) -> Summary:
     for i, line in enumerate(lines):
         m = ERROR_LINE.match(line)
         if m:
-            reason = {"bad data": contract.BAD_DATA, "bad model": contract.BAD_MODEL}.get(m[2])
+            reason = m[2] if m[2] in contract.REASONS else None
             details = [x.strip() for x in _indented(lines, i + 1)]
             rank = int(m[1]) if m[1] is not None else rank
             cause = f"{m[2]}: {m[3]}" if m[2] else m[3]

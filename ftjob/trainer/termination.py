@@ -41,6 +41,8 @@ def classify(exc: BaseException) -> tuple[str, str, str | None]:
     if not named:
         return contract.INTERNAL, _last_line(exc), _where(exc)
     (reason, where), e = min(named, key=lambda item: contract.rank_of(item[0][0]))
+    if isinstance(e, contract.TrainerError):
+        return reason, _last_line(e), where  # its message names the file, line or field
     return reason, _last_line(e), where or _where(e)
 
 

@@ -90,7 +90,7 @@ def test_a_checkpoint_that_does_not_fit_the_job_is_named_not_a_traceback(referen
     lora = {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}}
     code, out = run(faults_job(method=lora, checkpoint={"resumeFrom": "full"}), tmp_path / "lora")
     assert code == 1
-    error = next(x for x in out.splitlines() if x.startswith("  error: rank"))
+    error = next(x for x in out.splitlines() if x.startswith("ftjob run: node"))
     assert "CheckpointUnreadable" in error
     assert f"checkpoint {old / 'checkpoints'}/step-00000016 is intact but cannot" in error
     assert "Traceback" not in out.split("ftjob run: node", 1)[1]
@@ -127,7 +127,7 @@ def test_a_full_volume_is_named_and_the_run_resumes_exactly_with_room_again(
     workdir = volume.parent
     code, out = run(faults_job(), workdir)
     assert code == 1, out
-    error = next(x for x in out.splitlines() if x.startswith("  error: rank"))
+    error = next(x for x in out.splitlines() if x.startswith("ftjob run: node"))
     assert "DiskFull: checkpoint step-00000008" in error
     assert f"no space left on the volume holding {volume}" in error
     assert "it needs about 2." in error  # the size of the checkpoint before it, in MiB
@@ -150,7 +150,7 @@ def test_a_full_volume_during_the_export_is_named_and_the_rerun_exports(referenc
     doc = faults_job(output={"path": "export/model"})
     code, out = run(doc, workdir)
     assert code == 1, out
-    error = next(x for x in out.splitlines() if x.startswith("  error: rank"))
+    error = next(x for x in out.splitlines() if x.startswith("ftjob run: node"))
     assert f"DiskFull: export: no space left on the volume holding {export}" in error
     assert list(export.iterdir()) == []  # its temporary folder is gone
     assert "step-00000016" in {p.name for p in (workdir / "checkpoints").iterdir()}

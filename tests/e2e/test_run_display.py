@@ -205,7 +205,7 @@ def test_a_failure_is_summarised_first_with_node_rank_cause_fix_and_log(tmp_path
     lines = result.stdout.splitlines()
     summary = next(i for i, x in enumerate(lines) if x.startswith("ftjob run: node "))
     headline = lines[summary]
-    assert re.match(r"ftjob run: node \d \(rank \d\) failed: bad data: ", headline), headline
+    assert re.match(r"ftjob run: node \d \(rank \d\) failed: BadData: ", headline), headline
     assert f"{bad} line 2" in headline
     assert lines[summary + 1].startswith("  fix: ") and "spec.dataset.source" in lines[summary + 1]
     log = lines[summary + 2].removeprefix("  full log: ")

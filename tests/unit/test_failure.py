@@ -48,15 +48,14 @@ def test_a_record_names_rank_reason_and_fix_and_beats_a_peers_timeout():
     assert "spec.dataset.source" in s.fix and s.log == "logs/node-1.log"
 
 
-def test_without_a_record_the_trainers_error_line_is_the_cause():
-    lines = [
-        "W1123 a warning",
-        "error: rank 1: bad data: /d/bad.jsonl line 2: not valid JSON",
-        "Traceback (most recent call last):",
-    ]
+def test_without_a_record_the_trainers_error_line_is_the_cause(trainer_runs):
+    """The real trainer's log of a bad record, its termination record lost."""
+    real = trainer_runs.get("bad-data")
+    lines = real.log.splitlines()
     s = failure.summarize([outcome(0, 1, PEER_GONE), outcome(1, 1, lines)])
-    assert s.headline() == "node 1 (rank 1) failed: bad data: /d/bad.jsonl line 2: not valid JSON"
-    assert s.reason == contract.BAD_DATA
+    said = next(x for x in lines if x.startswith("error: rank"))
+    assert s.headline() == "node 1 (rank 0) failed: " + said.split(": ", 2)[2]
+    assert s.reason == contract.BAD_DATA and "line 2" in s.cause
 
 
 def test_an_invalid_spec_lists_its_fields():
