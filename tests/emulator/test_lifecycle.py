@@ -235,7 +235,7 @@ def test_metrics_count_jobs_by_phase_and_restarts(cluster, operator):
 
 
 def test_a_job_that_will_not_fit_fails_before_any_pod(cluster, operator):
-    doc = manifest.load(ROOT / "examples" / "llama31-70b-qlora.yaml")[0]
+    doc = manifest.load(ROOT / "examples" / "llama3-8b-full-1gpu.yaml")[0]
     cluster.create_job(doc)
     status = wait_phase(cluster, doc["metadata"]["name"], "Failed")
     assert status["failure"]["reason"] == "WillNotFit" and "GiB" in status["failure"]["message"]

@@ -106,9 +106,9 @@ def test_validate_yaml_is_the_same_document():
 
 
 def test_plan_takes_several_files_and_prints_json():
-    files = [ROOT / "examples" / "tiny.yaml", ROOT / "examples" / "llama31-70b-qlora.yaml"]
+    files = [ROOT / "examples" / "tiny.yaml", ROOT / "examples" / "llama3-8b-full-1gpu.yaml"]
     text = ftjob("plan", *files)
-    assert text.returncode == 1  # the 70B QLoRA job will not fit on 24 GB GPUs
+    assert text.returncode == 1  # the 8B full fine-tune will not fit on one 40 GB GPU
     assert text.stdout.count(": FineTuneJob ") == 2
     result = ftjob("plan", "-o", "json", *files)
     assert result.returncode == 1
@@ -116,7 +116,7 @@ def test_plan_takes_several_files_and_prints_json():
     assert tiny["fits"] is None and tiny["stepSeconds"] is None
     assert tiny["model"]["parameters"] == 223_552 and tiny["perDevice"]["deviceBytes"] is None
     assert qlora["fits"] is False and qlora["verdict"].startswith("WILL NOT FIT")
-    assert qlora["perDevice"]["totalBytes"] > qlora["perDevice"]["deviceBytes"] == 24 * 2**30
+    assert qlora["perDevice"]["totalBytes"] > qlora["perDevice"]["deviceBytes"] == 40 * 2**30
     assert qlora["options"] and all(o["perDeviceBytes"] > 0 for o in qlora["options"])
 
 
@@ -134,7 +134,7 @@ def test_plan_of_a_cpu_job_is_an_aligned_table_without_gpu_advice():
 
 
 def test_plan_of_a_gpu_job_is_aligned_too():
-    result = ftjob("plan", ROOT / "examples" / "llama31-70b-qlora.yaml")
+    result = ftjob("plan", ROOT / "examples" / "llama3-8b-full-1gpu.yaml")
     assert "per GPU" in result.stdout and "fits with" in result.stdout
     assert len(value_columns(result.stdout)) == 1, result.stdout
 

@@ -391,7 +391,7 @@ def test_status_patches_null_what_is_gone():
 
 @pytest.mark.parametrize("enforce", [True, False])
 def test_a_job_that_will_not_fit_never_starts_pods_unless_told(enforce):
-    doc = manifest.load(ROOT / "examples" / "llama31-70b-qlora.yaml")[0]
+    doc = manifest.load(ROOT / "examples" / "llama3-8b-full-1gpu.yaml")[0]
     doc["spec"]["plan"] = {"enforce": enforce}
     name, spec = parse_resource(doc)
     d = lifecycle.decide(spec, name, 1, None, [], T0)
