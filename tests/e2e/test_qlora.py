@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from test_trainer_run import eval_loss_of, losses
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RUN_TIMEOUT = 240
@@ -91,35 +92,6 @@ def run(doc: dict, workdir: Path) -> str:
     out, _ = proc.communicate(timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, out
     return out
-
-
-def losses(workdir: Path) -> dict[int, float]:
-    rows = []
-    path = workdir / "progress.jsonl"
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:  # a line being written while we read
-            continue
-    return {r["step"]: r["loss"] for r in rows if r["event"] == "step"}
-
-
-def eval_loss_of(model, workdir: Path) -> float:
-    """Eval loss of a model on the eval set the trainer used (one process)."""
-    from ftjob.spec import parse_resource
-    from ftjob.trainer import data
-    from ftjob.trainer.model import load_tokenizer
-    from ftjob.trainer.train import token_loss
-
-    _, spec = parse_resource(json.loads((workdir / "spec.json").read_text()))
-    ds = data.load(spec, load_tokenizer(spec), workdir)  # the trainer's prepared data
-    total = count = 0.0
-    model.eval()
-    with torch.no_grad():
-        for batch in data.eval_batches(ds, 0, 1, spec.training.micro_batch_size):
-            loss, n = token_loss(model, batch, torch.device("cpu"))
-            total, count = total + float(loss), count + n
-    return total / count
 
 
 def nf4_reference(base: Path, dtype: torch.dtype):
