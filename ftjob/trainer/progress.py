@@ -55,6 +55,7 @@ class Progress:
 
     def __init__(self, job_dir: Path, enabled: bool, total: int | None, world: int, **info):
         self.enabled, self.job_dir, self.total = enabled, job_dir, total
+        self.writes_files = info.pop("writes_files", True)  # see own_folder()
         self.flops_per_token = info.pop("flops_per_token", None)
         self.peak = info.pop("peak", None)
         self.world = world
@@ -136,6 +137,8 @@ class Progress:
                 fields["phaseStartedAt"] = _now()
             self.snapshot.update(fields, updatedAt=_now())
             snap = dict(self.snapshot)
+        if not self.writes_files:
+            return
         self.job_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.job_dir / ".progress.json.tmp"
         tmp.write_text(json.dumps(snap, indent=1) + "\n")
@@ -143,6 +146,13 @@ class Progress:
         if history:
             with open(self.job_dir / "progress.jsonl", "a") as f:
                 f.write(json.dumps({"event": history, **snap}) + "\n")
+
+    def own_folder(self) -> None:
+        """Write the snapshot to the job folder from now on: once this run holds the folder
+        (its owner lease). Before that only ``/progress`` serves it, so a run refused as a
+        second writer leaves another run's progress files as they were."""
+        self.writes_files = True
+        self.update()
 
     def log(self, message: str) -> None:
         if self.enabled:

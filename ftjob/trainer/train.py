@@ -72,6 +72,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     # Before anything is written to the job folder: one run writes there at a time.
     wait = min(2 * owner.LEASE_SECONDS, spec.network.collective_timeout_seconds - 5)
     lease = owner.take(job_dir, d.rank, wait)
+    report.own_folder()
     recorded = jobfolder.claim(job_dir, name, spec, writer=d.is_main)
     total_asked = spec.training.max_steps
     if out.exists() and (total_asked is None or recorded.get("trainedSteps", 0) >= total_asked):
@@ -331,7 +332,9 @@ def _gpu_bytes(d: parallel.Dist) -> int | None:
 def _progress(spec: FineTuneJobSpec, job_dir: Path) -> progress.Progress:
     """Rank 0's reporter, serving before the process group exists (RANK is torchrun's)."""
     main = int(os.environ.get("RANK", "0")) == 0
-    report = progress.Progress(job_dir, main, None, int(os.environ.get("WORLD_SIZE", "1")))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # Files in the job folder only once this run owns it (train._run takes the lease).
+    report = progress.Progress(job_dir, main, None, world, writes_files=False)
     port = os.environ.get("FTJOB_PROGRESS_PORT")
     report.serve(int(port) if port else spec.network.progress_port)
     return report
