@@ -21,11 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from test_trainer_run import eval_loss_of, losses
+from test_trainer_run import RUN_TIMEOUT, eval_loss_of, losses, start
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-RUN_TIMEOUT = 240
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
 
@@ -75,16 +73,6 @@ def job(name: str, base: Path, method: str, **changes) -> dict:
         spec.setdefault(section, {}).update(values)
     return {"apiVersion": "ftjob.dev/v1alpha1", "kind": "FineTuneJob",
             "metadata": {"name": name}, "spec": spec}  # fmt: skip
-
-
-def start(doc: dict, workdir: Path) -> subprocess.Popen:
-    workdir.mkdir(parents=True, exist_ok=True)
-    job_file = workdir.parent / f"{workdir.name}.yaml"
-    job_file.write_text(yaml.safe_dump(doc, sort_keys=False))
-    cmd = [sys.executable, "-m", "ftjob", "run", str(job_file), "--workdir", str(workdir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FTJOB_PROGRESS_PORT": "0"}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)  # fmt: skip
 
 
 def run(doc: dict, workdir: Path) -> str:
