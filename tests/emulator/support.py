@@ -7,12 +7,14 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from pathlib import Path
 
 from cluster import Cluster
 
 from ftjob import manifest
+from ftjob.trainer.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
@@ -134,3 +136,11 @@ def events_of(cluster: Cluster, name: str) -> list[str]:
         for e in cluster.list("events")
         if e.get("involvedObject", {}).get("name") == name
     ]
+
+
+def rank0_progress(port: int, total: int) -> Progress:
+    """Rank 0's real progress reporter (ftjob.trainer.progress) serving /progress on ``port``,
+    as the trainer does; a test drives it with the calls train.py makes. close() it after."""
+    report = Progress(Path(tempfile.mkdtemp()), True, total, 1, writes_files=False)
+    report.serve(port)
+    return report

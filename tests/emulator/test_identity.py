@@ -2,14 +2,19 @@
 before its finalizer lands, a job of the same name created after it, suspend and resume and
 progress with the resync far away (60 s)."""
 
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from cluster import Cluster
-from support import Operator, gang_running, job_pods, job_status, tiny_job, wait_phase
+from support import (
+    Operator,
+    gang_running,
+    job_pods,
+    job_status,
+    rank0_progress,
+    tiny_job,
+    wait_phase,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -108,37 +113,22 @@ def test_suspend_and_resume_act_within_seconds(slow_resync):
     print(f"suspend acted in {suspended:.2f} s, resume in {resumed:.2f} s (resync 60 s)")
 
 
-class _Progress(BaseHTTPRequestHandler):
-    snapshot: dict = {}
-
-    def do_GET(self):  # noqa: N802 - http.server's name
-        body = json.dumps(self.snapshot).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 def test_progress_is_polled_on_its_own_timer(slow_resync):
     cluster, _ = slow_resync
     doc = tiny_job("poll")
-    _Progress.snapshot = {"phase": "training", "step": 1, "totalSteps": 60, "loss": 3.0,
-                          "updatedAt": "2030-01-01T00:00:00Z"}  # fmt: skip
-    server = ThreadingHTTPServer(("127.0.0.1", doc["spec"]["network"]["progressPort"]), _Progress)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    report = rank0_progress(doc["spec"]["network"]["progressPort"], 60)
+    report.begin(0)
+    report.step(1, 3.0, 1e-3, 4096, 0.0, log=True)
     try:
         cluster.create_job(doc)
         gang_running(cluster, "poll", 0)
         wait_phase(cluster, "poll", "Running")
         for step in (10, 20):
-            _Progress.snapshot = {**_Progress.snapshot, "step": step}
+            report.step(step, 3.0, 1e-3, 4096, 0.0, log=False)
             cluster.wait(
                 lambda s=step: job_status(cluster, "poll").get("progress", {}).get("step") == s,
                 PROMPT,
                 f"step {step} in status",
             )
     finally:
-        server.shutdown()
+        report.close()

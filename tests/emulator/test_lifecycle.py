@@ -2,16 +2,22 @@
 against the API emulator; the test plays kubelet (pod phases, exit codes), and the termination
 messages it reports are the real trainer's (the ``trainer_runs`` fixture)."""
 
-import json
-import threading
 from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from support import ROOT, events_of, gang_running, job_pods, job_status, tiny_job, wait_phase
+from support import (
+    ROOT,
+    events_of,
+    gang_running,
+    job_pods,
+    job_status,
+    rank0_progress,
+    tiny_job,
+    wait_phase,
+)
 
 from ftjob import manifest
-from ftjob.operator.status import NO_RECORD
+from ftjob.operator.status import NO_RECORD, format_eta
 
 pytestmark = pytest.mark.timeout(60)
 # The first test to ask for the real trainer's outputs waits for them to be produced.
@@ -177,35 +183,13 @@ def test_deleting_a_job_removes_its_children(cluster, operator):
     assert cluster.get("services", "gone") is None
 
 
-class _Progress(BaseHTTPRequestHandler):
-    snapshot: dict = {}
-
-    def do_GET(self):  # noqa: N802 - http.server's name
-        body = json.dumps(self.snapshot).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 def test_progress_from_rank_0_reaches_status(cluster, operator):
     doc = tiny_job("prog")
-    port = doc["spec"]["network"]["progressPort"]
-    _Progress.snapshot = {
-        "phase": "training",
-        "step": 30,
-        "totalSteps": 60,
-        "loss": 2.25,
-        "etaSeconds": 90,
-        "updatedAt": "2030-01-01T00:00:00Z",
-        "lastCheckpointStep": 20,
-        "lastCheckpoint": "/ftjob/prog/ckpt/20",
-    }
-    server = ThreadingHTTPServer(("127.0.0.1", port), _Progress)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    report = rank0_progress(doc["spec"]["network"]["progressPort"], 60)
+    report.begin(0)
+    report.step(30, 2.25, 1e-3, 4096, 0.5, log=True)
+    report.update(lastCheckpoint="/ftjob/prog/ckpt/20", lastCheckpointStep=20)
+    served = dict(report.snapshot)
     try:
         cluster.create_job(doc)
         gang_running(cluster, "prog", 0)
@@ -213,14 +197,14 @@ def test_progress_from_rank_0_reaches_status(cluster, operator):
             lambda: (s := job_status(cluster, "prog")).get("progress") and s, 15, "progress"
         )
         assert status["progress"]["display"] == "30/60" and status["progress"]["loss"] == 2.25
-        assert status["progress"]["eta"] == "1m30s"
+        assert status["progress"]["eta"] == format_eta(served["etaSeconds"])
         assert status["lastCheckpoint"] == {
             "step": 20,
             "path": "/ftjob/prog/ckpt/20",
-            "time": "2030-01-01T00:00:00Z",
+            "time": served["updatedAt"],
         }
     finally:
-        server.shutdown()
+        report.close()
 
 
 def test_metrics_count_jobs_by_phase_and_restarts(cluster, operator):
