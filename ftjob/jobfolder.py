@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from ftjob import atomic
 from ftjob.schema import to_dict
 from ftjob.spec import API_VERSION, KIND, FineTuneJobSpec
 
@@ -117,10 +117,7 @@ def write(folder: Path, name: str, spec: FineTuneJobSpec, trained_steps: int | N
     doc = record(name, spec)
     if trained_steps is not None:
         doc["trainedSteps"] = trained_steps
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{RECORD}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, folder / RECORD)
+    atomic.write_json(folder / RECORD, doc)
     return doc
 
 

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ftjob import atomic
 from ftjob.contract import INTERNAL, OWNED_ELSEWHERE, TrainerError
 from ftjob.trainer import volume
 
@@ -142,9 +143,7 @@ class Lease:
 
     def _write(self) -> None:
         self.me.heartbeat = time.time()
-        tmp = self.path.with_name(f".{FILE}-{os.getpid()}-{threading.get_ident()}")
-        tmp.write_text(json.dumps(asdict(self.me), indent=1) + "\n")
-        os.replace(tmp, self.path)  # readers see the old file or the new one, never half
+        atomic.write_json(self.path, asdict(self.me))
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_SECONDS):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from ftjob import atomic
 from ftjob.hardware import GPUS, gpu_for_device_name
 from ftjob.trainer import metrics
 
@@ -139,10 +139,7 @@ class Progress:
             snap = dict(self.snapshot)
         if not self.writes_files:
             return
-        self.job_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.job_dir / ".progress.json.tmp"
-        tmp.write_text(json.dumps(snap, indent=1) + "\n")
-        os.replace(tmp, self.job_dir / "progress.json")
+        atomic.write_json(self.job_dir / "progress.json", snap)
         if history:
             with open(self.job_dir / "progress.jsonl", "a") as f:
                 f.write(json.dumps({"event": history, **snap}) + "\n")

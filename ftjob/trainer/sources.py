@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ftjob import atomic
 from ftjob.contract import BAD_MODEL, TrainerError
 from ftjob.spec import FineTuneJobSpec
 
@@ -92,7 +93,4 @@ def _write(record: Path, key: str, folder: str) -> None:
         known = json.loads(record.read_text())
     except (OSError, ValueError):
         known = {}
-    record.parent.mkdir(parents=True, exist_ok=True)
-    tmp = record.with_name(f".{record.name}.tmp")
-    tmp.write_text(json.dumps({**known, key: folder}, indent=1) + "\n")
-    os.replace(tmp, record)
+    atomic.write_json(record, {**known, key: folder})

@@ -1,0 +1,23 @@
+"""Files replaced whole: a reader sees the old file or the new one, never half.
+
+The job folder's small records (spec.json, owner, sources.json, progress.json) are read by
+other processes -- other ranks, another node, ``ftjob run``, a person -- while they change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write ``value`` to ``path`` through a temporary file beside it and a rename (atomic on
+    POSIX file systems). The temporary name is per process and thread, so concurrent writers
+    (a heartbeat thread, several ranks) never share one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    os.replace(tmp, path)
