@@ -34,15 +34,23 @@ WAIT_POLL_SECONDS = 1.0
 
 
 def fetch(
-    spec: FineTuneJobSpec, job_dir: Path, is_main: bool, say: Callable[[str], None] = print
+    spec: FineTuneJobSpec,
+    job_dir: Path,
+    is_main: bool,
+    say: Callable[[str], None] = print,
+    downloading: Callable[[], None] = lambda: None,
 ) -> FineTuneJobSpec:
-    """``spec`` with an hf:// model source replaced by its local snapshot folder."""
+    """``spec`` with an hf:// model source replaced by its local snapshot folder.
+    ``downloading()`` is called when this job has not fetched it yet (a download, or a wait
+    for the rank that downloads): the progress phase of that name."""
     source = spec.model.source
     if not source.startswith(HF):
         return spec
     key = f"{source}@{spec.model.revision or 'main'}"
     record = job_dir / RECORD
     folder = _recorded(record, key)
+    if folder is None:
+        downloading()
     if folder is None and is_main:
         folder = _download(spec, key, say)
         _write(record, key, folder)

@@ -86,9 +86,13 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
         dist.destroy_process_group()
         return out
     asked = spec  # what the job folder records; the run reads downloads from the volume
-    if spec.model.source.startswith(sources.HF):
-        report.phase("downloading")
-    spec = sources.fetch(spec, job_dir, d.is_main, say=lambda m: say(m, flush=True))
+    spec = sources.fetch(
+        spec,
+        job_dir,
+        d.is_main,
+        say=lambda m: say(m, flush=True),
+        downloading=lambda: report.phase("downloading"),
+    )
     t = spec.training
     torch.manual_seed(t.seed)
 
