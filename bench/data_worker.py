@@ -5,8 +5,11 @@
 MODE: prepare (rank 0's first prepare), restart (prepare again with the data present, then
 memory-map it), rank (a waiting rank: memory-map and collate a few hundred batches),
 baseline (datasets.load_dataset("json") + batched .map(num_proc) tokenization into ROOT).
-Prints ``data {json}``: seconds, peak RSS of this process and of its worker processes (MiB),
-and the RSS before the data was touched.
+Prints ``data {json}``: seconds, peak RSS of this process and of its largest worker process,
+peak PSS (and its private part) of the whole process tree at once (sampled every 0.2 s), all
+in MiB, and the RSS before the data was touched. The modes that play a trainer rank first
+import the trainer (as a rank has when it reaches the data), so the time and memory are the
+data's own.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +49,47 @@ def peak_mib() -> float:
     return round(int(line.split()[1]) / 1024, 1)
 
 
+def tree_pss_mib(pid: int) -> tuple[float, float]:
+    """(PSS, private PSS) of a process and all its descendants now (MiB). PSS splits a page
+    shared by n processes (forked workers share the parent's pages) n ways, so the sum is
+    what the tree takes; the part that is not private is mapped file pages (page cache,
+    reclaimable)."""
+    total = private = 0.0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                fields = dict(x.split(":", 1) for x in f if x.startswith(("Pss:", "Pss_Anon")))
+            total += int(fields["Pss"].split()[0]) / 1024
+            private += int(fields["Pss_Anon"].split()[0]) / 1024
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError, KeyError):
+            continue  # a worker that just ended
+    return total, private
+
+
+class TreePeak(threading.Thread):
+    """The largest PSS (and private PSS) of this process tree taken together: workers run
+    side by side."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.peak = self.private = 0.0
+        self.running = True
+
+    def sample(self) -> None:
+        total, private = tree_pss_mib(os.getpid())
+        self.peak, self.private = max(self.peak, total), max(self.private, private)
+
+    def run(self) -> None:
+        while self.running:
+            self.sample()
+            time.sleep(0.2)
+
+
 def workers_peak_mib() -> float:
     return round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)
 
@@ -64,8 +109,13 @@ def spec_for(source: Path):
 def main(mode: str, source: Path, root: Path) -> dict:
     from transformers import AutoTokenizer
 
+    if mode != "baseline":
+        import ftjob.trainer.train  # noqa: F401 - what a rank has imported when it loads data
+
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
     before, parts = rss_mib(), rss_parts_mib()
+    tree = TreePeak()
+    tree.start()
     started = time.monotonic()
     out: dict = {"mode": mode}
     if mode == "baseline":
@@ -99,6 +149,9 @@ def main(mode: str, source: Path, root: Path) -> dict:
         peakMiB=peak_mib(),
         workersPeakMiB=workers_peak_mib(),
     )
+    tree.running = False
+    tree.sample()
+    out.update(treePssPeakMiB=round(tree.peak, 1), treePrivatePeakMiB=round(tree.private, 1))
     return out
 
 

@@ -133,6 +133,13 @@ class DatasetSpec:
     subset: str | None = api_field(
         "subset (configuration name) of an hf:// dataset.", None, min_length=1, max_length=128
     )
+    revision: str | None = api_field(
+        "revision (branch, tag or commit) of an hf:// dataset; the job pins the commit it "
+        "names when it first starts.",
+        None,
+        min_length=1,
+        max_length=128,
+    )
     format: Literal["text", "chat", "instruction"] = api_field(
         "format of each record: text (one text field), chat (a list of role/content "
         "messages rendered by the tokenizer's chat template) or instruction (prompt and "

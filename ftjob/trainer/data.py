@@ -12,10 +12,12 @@ Bad data stops the job before any training, naming the file and the record.
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -24,21 +26,58 @@ from ftjob.trainer import prepare
 from ftjob.trainer.records import DataError
 from ftjob.trainer.tokenize import IGNORE
 
-__all__ = ["IGNORE", "Data", "DataError", "Sampler", "collate", "eval_batches", "load"]
+__all__ = ["IGNORE", "Data", "DataError", "Sampler", "Sequences", "collate", "eval_batches", "load"]
+
+
+class Sequences:
+    """One split's prepared sequences (input_ids, labels, seq_lengths), memory-mapped.
+
+    Rank 0 wrote them as Arrow stream files (``datasets.Dataset.from_file`` reads them too).
+    A rank reads a few rows per step, at random, and copies them into Python lists, so after
+    each read it hands the mapped pages back (MADV_DONTNEED; they stay in the node's page
+    cache for the next read). Otherwise every row read leaves its pages, and the kernel's
+    neighbours of them (fault-around, readahead), in the rank's RSS: measured here, 800
+    random rows made 184 MiB of a 189 MiB file resident in each rank.
+    """
+
+    def __init__(self, table: pa.Table, maps: tuple[mmap.mmap, ...] = ()):
+        self.table, self.maps = table, maps
+
+    @classmethod
+    def open(cls, folder: Path) -> Sequences:
+        maps, tables = [], []
+        for path in sorted(folder.glob("*.arrow")):
+            with path.open("rb") as f:
+                maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+            maps[-1].madvise(mmap.MADV_RANDOM)  # no readahead around a row: rows are random
+            tables.append(pa.ipc.open_stream(pa.py_buffer(maps[-1])).read_all())  # zero-copy
+        return cls(pa.concat_tables(tables), tuple(maps))
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def rows(self, indices) -> list[dict]:
+        # Row slices are views of the map; a take() would copy them through Arrow's allocator.
+        rows = [self.table.slice(i, 1).to_pylist()[0] for i in indices]
+        for memory in self.maps:
+            memory.madvise(mmap.MADV_DONTNEED)  # a read-only file map: re-read on next touch
+        return rows
+
+    def column(self, name: str) -> list:
+        return self.table.column(name).to_pylist()
+
+    def head(self, n: int) -> Sequences:
+        return Sequences(self.table.slice(0, n), self.maps)
 
 
 @dataclass
 class Data:
-    train: object  # datasets.Dataset (memory-mapped): input_ids, labels, seq_lengths
-    eval: object | None
+    train: Sequences
+    eval: Sequences | None
     pad_id: int
 
     def rows(self, indices: list[int], split: str = "train") -> list[dict]:
-        table = self.train if split == "train" else self.eval
-        batch = table[indices]
-        return [
-            dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)
-        ]
+        return (self.train if split == "train" else self.eval).rows(indices)
 
 
 def load(
@@ -51,20 +90,18 @@ def load(
     on_progress: prepare.Progress | None = None,
 ) -> Data:
     """The job's prepared train (and eval) sequences, memory-mapped; prepared if missing."""
-    import datasets
-
     folder = prepare.prepare(
         spec, tok, Path(job_dir) / "data", is_main=is_main, log=log, on_progress=on_progress
     )
-    train = datasets.load_from_disk(str(folder / "train"))
+    train = Sequences.open(folder / "train")
     evaluation = None
     if (folder / "eval").exists():
-        evaluation = datasets.load_from_disk(str(folder / "eval"))
+        evaluation = Sequences.open(folder / "eval")
         cap = spec.dataset.max_eval_sequences
         if len(evaluation) > cap:
             log(f"data: evaluating {cap:,} of {len(evaluation):,} eval sequences "
                 "(dataset.maxEvalSequences)")  # fmt: skip
-            evaluation = evaluation.select(range(cap))
+            evaluation = evaluation.head(cap)
         else:
             log(f"data: evaluating all {len(evaluation):,} eval sequences")
     return Data(train, evaluation, tok.pad_token_id)

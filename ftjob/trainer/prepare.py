@@ -29,7 +29,7 @@ from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer import records, tokenize
 from ftjob.trainer.records import DataError
 
-LAYOUT = 1  # bump when the prepared layout or the tokenization rules change
+LAYOUT = 2  # bump when the prepared layout or the tokenization rules change
 SHARD = 50_000  # records tokenized between two progress reports
 WAIT_LIMIT_S = 24 * 3600  # how long other ranks wait for rank 0's prepare (see wait())
 
@@ -47,6 +47,7 @@ def key(spec: FineTuneJobSpec, tok: PreTrainedTokenizerBase) -> str:
                 "source",
                 "split",
                 "subset",
+                "revision",
                 "format",
                 "text_field",
                 "messages_field",
@@ -70,7 +71,8 @@ def key(spec: FineTuneJobSpec, tok: PreTrainedTokenizerBase) -> str:
 
 def _source_identity(source: str) -> list:
     # Size and modification time name a file's version without reading gigabytes; a
-    # rewritten file gets a new mtime. Hub sources are keyed by their name (and subset).
+    # rewritten file gets a new mtime. Hub sources are keyed by the commit sources.fetch
+    # pinned (dataset.revision).
     if source.startswith("hf://"):
         return []
     path = Path(records.resolve(source))
@@ -172,100 +174,99 @@ def _build(spec, tok, tmp: Path, log, on_progress) -> dict:
         held[order[: max(1, math.ceil(len(train) * ds.eval_fraction))]] = True
         evaluation = train.select(np.flatnonzero(held))
         train = train.select(np.flatnonzero(~held))
-    info = {"train": _sequences(train, tok, ds, name, template, seed, tmp / "train", log,
-                                on_progress)}  # fmt: skip
+    info = {"train": _sequences(train, tok, ds, name, template, tmp / "train", log, on_progress)}
     if evaluation is not None:
-        info["eval"] = _sequences(evaluation, tok, ds, eval_name, template, seed, tmp / "eval",
-                                  log, on_progress)  # fmt: skip
+        info["eval"] = _sequences(
+            evaluation, tok, ds, eval_name, template, tmp / "eval", log, on_progress
+        )
     return info
 
 
 def _read(ds, split, cache: Path, log, on_progress):
+    """One split's validated records, streamed into an Arrow file that is then mapped."""
     import datasets
 
     meter = Meter("reading", None, log, on_progress)
-    try:
-        table = datasets.Dataset.from_generator(
-            _normalized,
-            features=records.columns(ds),
-            gen_kwargs={"ds": ds, "split": split, "meter": meter},
-            cache_dir=str(cache),
-        )
-    except datasets.exceptions.DatasetGenerationError as e:
-        if isinstance(e.__cause__, DataError):
-            raise e.__cause__ from None  # our message names the file and line; keep it first
-        raise
-    meter.done(len(table))
-    return table
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / f"records-{split}.arrow"
+    count = 0
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, records.schema(ds)) as out:
+        for batch in records.batches(ds, split):
+            out.write_batch(batch)
+            count += batch.num_rows
+            meter.update(count)
+    meter.done(count)
+    return datasets.Dataset.from_file(str(path))
 
 
-def _normalized(ds, split, meter):
-    n = 0
-    for n, (where, number, row) in enumerate(records.raw(ds, split), start=1):
-        yield {"line": number, **records.normalize(row, ds, where)}
-        meter.update(n)
-    if n == 0:
-        raise DataError(f"{records.origin(ds, split)}: holds no records")
+def _sequences(table, tok, ds, name, template, out: Path, log, on_progress) -> dict:
+    """Tokenize, pack (or truncate) and write the sequences to ``out``.
 
-
-def _sequences(table, tok, ds, name, template, seed, out: Path, log, on_progress) -> dict:
-    """Tokenize, pack (or truncate), drop sequences with nothing to learn; save to ``out``."""
+    Documents with nothing to learn are dropped while tokenizing (within the first
+    maxSeqLength tokens, where the sequence step truncates). The last pass writes straight
+    into ``out``: no copy of the whole set is made to save it.
+    """
     import datasets
 
-    procs = _processes(len(table))
+    n, procs = ds.max_seq_length, _processes(len(table))
+    strategy = ds.packing_strategy if ds.packing else None
     features = datasets.Features(
         input_ids=datasets.List(datasets.Value("int32")),
         labels=datasets.List(datasets.Value("int32")),
     )
     meter = Meter("tokenizing", len(table), log, on_progress)
+    fn_kwargs = {"tok": tok, "ds": ds, "name": name, "template": template,
+                 "limit": None if strategy == "wrapped" else n}  # fmt: skip
     parts = []
     for start in range(0, len(table), SHARD):
-        part = table.select(range(start, min(start + SHARD, len(table))))
+        part = table.select(range(start, min(start + SHARD, len(table)))).with_format("arrow")
         parts.append(
             part.map(
                 tokenize.batch,
                 batched=True,
                 num_proc=procs,
-                fn_kwargs={"tok": tok, "ds": ds, "name": name, "template": template},
+                fn_kwargs=fn_kwargs,
                 remove_columns=part.column_names,
                 features=features,
                 new_fingerprint=f"tokens-{out.name}-{start}",  # hashing a tokenizer is slow
             )
         )
         meter.update(start + len(part), force=True)
-    tokens = datasets.concatenate_datasets(parts)
-    n = ds.max_seq_length
+    tokens = datasets.concatenate_datasets(parts).with_format(None)
+    if len(tokens) == 0:
+        raise DataError(f"{name}: no record has a token to learn from (all labels masked)")
     lengths = pc.list_value_length(tokens.data.table.column("input_ids")).to_numpy()
-    documents, total_tokens = len(tokens), int(lengths.sum())
+    if strategy is None and (lengths > n).all():
+        raise DataError(
+            f"{name}: every record is longer than dataset.maxSeqLength={n} tokens "
+            f"(the shortest has {lengths.min()}); raise maxSeqLength or turn packing on"
+        )
     Meter("packing", None, log, on_progress).update(0, force=True)
-    batches = {"batch_size": 10_000, "num_proc": procs}  # bfd fills bins within a batch
-    arrow = {"batched": True, **batches}
-    if not ds.packing:
-        if (lengths > n).all():
-            raise DataError(
-                f"{name}: every record is longer than dataset.maxSeqLength={n} tokens "
-                f"(the shortest has {lengths.min()}); raise maxSeqLength or turn packing on"
-            )
-        seqs = tokens.with_format("arrow").map(_single, fn_kwargs={"n": n}, **arrow)
-    else:
+    out.mkdir()
+    # bfd fills bins within a batch. The last pass writes its shards into the folder ranks map.
+    passes = {"batch_size": 10_000, "num_proc": procs}
+    last = {**passes, "cache_file_name": str(out / "part.arrow")}
+    if strategy == "bfd":
         from trl.data_utils import pack_dataset
 
-        # Shuffle documents before packing so that a sequence mixes topics, deterministically.
-        shuffled = tokens.shuffle(seed=seed)
-        seqs = pack_dataset(shuffled, n, strategy=ds.packing_strategy, map_kwargs=batches)
-        if ds.packing_strategy == "wrapped":
-            seqs = seqs.with_format("arrow").map(_whole, fn_kwargs={"n": n}, **arrow)
-    seqs = seqs.with_format("arrow").filter(_learnable, **arrow).with_format(None)
+        # In source order: a shuffle would make packing gather rows at random (twice as
+        # slow). Documents in a sequence never see each other; the sampler shuffles sequences.
+        seqs = pack_dataset(tokens, n, strategy="bfd", map_kwargs=last)
+    else:
+        if strategy == "wrapped":
+            from trl.data_utils import pack_dataset
+
+            tokens = pack_dataset(tokens, n, strategy="wrapped", map_kwargs=passes)
+        shape = _single if strategy is None else _whole
+        seqs = tokens.with_format("arrow").map(shape, fn_kwargs={"n": n}, batched=True, **last)
     if len(seqs) == 0:
-        raise DataError(f"{name}: no record has a token to learn from (all labels masked)")
-    seqs.save_to_disk(str(out))
-    saved = datasets.load_from_disk(str(out)).data.table  # filtered rows only, memory-mapped
-    kept = int(pc.sum(pc.list_value_length(saved.column("input_ids"))).as_py() or 0)
-    info = {"records": documents, "tokens": total_tokens, "sequences": len(seqs),
+        raise DataError(f"{name}: no sequence has a token to learn from (all labels masked)")
+    kept = int(pc.sum(pc.list_value_length(seqs.data.table.column("input_ids"))).as_py())
+    info = {"records": len(table), "tokens": int(lengths.sum()), "sequences": len(seqs),
             "sequenceTokens": kept, "bytes": _size(out)}  # fmt: skip
-    how = f"packed {ds.packing_strategy}" if ds.packing else "one record each"
+    how = f"packed {strategy}" if strategy else "one record each"
     log(
-        f"data: {name}: {documents:,} records, {total_tokens:,} tokens -> {len(seqs):,} "
+        f"data: {name}: {len(table):,} records, {info['tokens']:,} tokens -> {len(seqs):,} "
         f"sequences of <= {n} tokens ({how})"
     )
     return info
@@ -286,6 +287,7 @@ def _whole(table: pa.Table, n: int) -> pa.Table:
     full = pc.equal(pc.list_value_length(table.column("input_ids")), n)
     if pc.any(full).as_py():
         table = table.filter(full)
+    table = table.filter(tokenize.learnable(table))  # a chunk can be all prompt
     return table.append_column("seq_lengths", _one_length(table.column("input_ids")))
 
 
@@ -294,18 +296,6 @@ def _one_length(ids: pa.ChunkedArray) -> pa.Array:
     lengths = pc.list_value_length(ids).combine_chunks().cast(pa.int32())
     offsets = pa.array(np.arange(len(lengths) + 1, dtype=np.int32))
     return pa.ListArray.from_arrays(offsets, lengths)
-
-
-def _learnable(table: pa.Table) -> list[bool]:
-    """A sequence whose labels are all masked (a prompt cut off by truncation) teaches nothing."""
-    labels = table.column("labels").combine_chunks()
-    learned = pc.not_equal(labels.flatten(), tokenize.IGNORE).cast(pa.int32()).to_numpy()
-    offsets = labels.offsets.to_numpy()
-    counts = (
-        np.add.reduceat(np.append(learned, 0), offsets[:-1]) if len(learned) else offsets[:-1] * 0
-    )
-    empty = offsets[1:] == offsets[:-1]  # reduceat gives an element, not 0, for empty ranges
-    return list((counts > 0) & ~empty)
 
 
 def _processes(count: int) -> int | None:
@@ -319,10 +309,6 @@ def _size(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def _nowhere(_) -> None:
-    pass
-
-
 class Meter:
     """Progress of one stage: a log line and an on_progress call every few seconds."""
 
@@ -331,12 +317,6 @@ class Meter:
     def __init__(self, stage: str, total: int | None, log, on_progress: Progress):
         self.stage, self.total, self.log, self.on_progress = stage, total, log, on_progress
         self.start = self.last = time.monotonic()
-
-    def __reduce__(self):
-        # datasets fingerprints a generator's kwargs by pickling them. The callbacks reach the
-        # trainer's progress reporter (an HTTP server: a socket, which cannot be pickled) and
-        # change nothing in the data, so a copy reports nowhere.
-        return (Meter, (self.stage, self.total, _nowhere, _nowhere))
 
     def update(self, done: int, force: bool = False) -> None:
         now = time.monotonic()

@@ -12,6 +12,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import pyarrow as pa
+
 from ftjob.contract import BAD_DATA, TrainerError
 from ftjob.spec import DatasetSpec
 from ftjob.trainer.model import resolve
@@ -71,7 +73,9 @@ def _table(ds: DatasetSpec, split: str, path: Path | None):
 
     if path is None:
         token = os.environ.get("HF_TOKEN")
-        return datasets.load_dataset(resolve(ds.source), ds.subset, split=split, token=token)
+        return datasets.load_dataset(
+            resolve(ds.source), ds.subset, split=split, revision=ds.revision, token=token
+        )
     if path.is_dir():
         try:
             saved = datasets.load_from_disk(str(path))
@@ -132,19 +136,40 @@ def _object(line: bytes, where: str) -> dict:
 # ------------------------------------------------------------------------------ normalizing
 
 
-def columns(ds: DatasetSpec):
-    """The Arrow features of a normalized record: the line and the format's fields only."""
-    import datasets
-
-    text = datasets.Value("string")
-    fields = {"line": datasets.Value("int64")}
+def schema(ds: DatasetSpec) -> pa.Schema:
+    """The Arrow schema of a normalized record: the line and the format's fields only."""
+    fields = [("line", pa.int64())]
     if ds.format == "text":
-        fields["text"] = text
+        fields.append(("text", pa.string()))
     elif ds.format == "chat":
-        fields["messages"] = datasets.List({"role": text, "content": text})
+        message = pa.struct([("role", pa.string()), ("content", pa.string())])
+        fields.append(("messages", pa.list_(message)))
     else:
-        fields.update(prompt=text, completion=text)
-    return datasets.Features(fields)
+        fields += [("prompt", pa.string()), ("completion", pa.string())]
+    return pa.schema(fields)
+
+
+def batches(ds: DatasetSpec, split: str, size: int = 2_000) -> Iterator[pa.RecordBatch]:
+    """Normalized records of one split as Arrow batches of ``size`` rows, in source order.
+
+    Columns are built straight from Python lists: going through ``datasets`` row encoding
+    cost three times the JSON parsing.
+    """
+    shape = schema(ds)
+    columns: dict[str, list] = {name: [] for name in shape.names}
+    count = 0
+    for where, number, row in raw(ds, split):
+        columns["line"].append(number)
+        for name, value in normalize(row, ds, where).items():
+            columns[name].append(value)
+        count += 1
+        if len(columns["line"]) == size:
+            yield pa.record_batch(columns, schema=shape)
+            columns = {name: [] for name in shape.names}
+    if columns["line"]:
+        yield pa.record_batch(columns, schema=shape)
+    if count == 0:
+        raise DataError(f"{origin(ds, split)}: holds no records")
 
 
 def normalize(row: dict, ds: DatasetSpec, where: str) -> dict:

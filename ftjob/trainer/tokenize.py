@@ -8,7 +8,11 @@ that document's last token. One rule, the same for single, packed and wrapped se
 from __future__ import annotations
 
 import re
+from itertools import chain
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerBase
 
 from ftjob.spec import DatasetSpec
@@ -57,40 +61,88 @@ def chat_template(tok: PreTrainedTokenizerBase, ds: DatasetSpec) -> str | None:
 
 
 def batch(
-    rows: dict[str, list],
+    rows: pa.Table,
     *,
     tok: PreTrainedTokenizerBase,
     ds: DatasetSpec,
     name: str,
     template: str | None,
-) -> dict[str, list]:
-    """``datasets.map(batched=True)`` function: columns of records -> columns of tokens."""
-    if ds.format == "text":
-        eos = [tok.eos_token_id]
-        ids = [x + eos for x in tok(rows["text"], return_attention_mask=False)["input_ids"]]
-        labels = [list(x) for x in ids]
-    elif ds.format == "chat":
-        ids, labels = [], []
-        for line, messages in zip(rows["line"], rows["messages"], strict=True):
-            i, lab = _chat(messages, tok, ds, template, _where(name, line))
-            ids.append(i)
-            labels.append(lab)
+    limit: int | None = None,
+) -> pa.Table:
+    """``datasets.map(batched=True)`` over Arrow: a table of records -> input_ids and labels.
+
+    Documents with no token to learn within their first ``limit`` tokens (all of them when
+    None) are dropped here, once, rather than as whole sequences after packing.
+
+    The columns are built as flat numpy arrays, not lists of Python lists: converting 24M
+    Python ints to an int32 Arrow column (and copying them again for the labels) cost as much
+    as the tokenizer itself.
+    """
+    eos = tok.eos_token_id
+    if ds.format == "chat":
+        pairs = [
+            _chat(messages, tok, ds, template, _where(name, line))
+            for line, messages in zip(
+                rows.column("line").to_pylist(), rows.column("messages").to_pylist(), strict=True
+            )
+        ]
+        ids, offsets = _flat([i for i, _ in pairs])
+        labels, _ = _flat([lab for _, lab in pairs])
+    elif ds.format == "text":
+        ids, offsets = _flat(_encode(tok, rows.column("text").to_pylist()), end=eos)
+        labels = ids.copy()
     else:
-        eos = [tok.eos_token_id]
-        prompts = tok(rows["prompt"], return_attention_mask=False)["input_ids"]
-        completions = tok(
-            rows["completion"], add_special_tokens=False, return_attention_mask=False
-        )["input_ids"]
-        ids = [p + c + eos for p, c in zip(prompts, completions, strict=True)]
+        prompts = _encode(tok, rows.column("prompt").to_pylist())
+        completions = _encode(tok, rows.column("completion").to_pylist(), special=False)
+        ids, offsets = _flat([p + c for p, c in zip(prompts, completions, strict=True)], end=eos)
+        labels = ids.copy()
         if ds.completion_only_loss:
-            labels = [
-                [IGNORE] * len(p) + c + eos for p, c in zip(prompts, completions, strict=True)
-            ]
-        else:
-            labels = [list(x) for x in ids]
-    for lab in labels:
-        lab[0] = IGNORE
-    return {"input_ids": ids, "labels": labels}
+            prompt = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
+            labels[_within(offsets, prompt)] = IGNORE
+    # Mask every document's first token; empty documents have none.
+    starts = offsets[:-1][offsets[1:] > offsets[:-1]]
+    labels[starts] = IGNORE
+    lists = pa.list_(pa.int32())
+    table = pa.table(
+        {
+            "input_ids": pa.ListArray.from_arrays(offsets, ids, type=lists),
+            "labels": pa.ListArray.from_arrays(offsets, labels, type=lists),
+        }
+    )
+    return table.filter(learnable(table, limit))
+
+
+def learnable(table: pa.Table, limit: int | None = None) -> pa.Array:
+    """Which rows have a label to learn within their first ``limit`` tokens (any, if None)."""
+    labels = table.column("labels").combine_chunks()
+    if limit is not None:
+        labels = pc.list_slice(labels, 0, limit)
+    values, rows = pc.list_flatten(labels), pc.list_parent_indices(labels)
+    learned = pc.not_equal(values, IGNORE).to_numpy(zero_copy_only=False)
+    return pa.array(np.bincount(rows.to_numpy()[learned], minlength=len(table)) > 0)
+
+
+def _encode(tok, texts: list[str], special: bool = True) -> list[list[int]]:
+    return tok(texts, add_special_tokens=special, return_attention_mask=False)["input_ids"]
+
+
+def _flat(lists: list[list[int]], end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged lists -> (values, offsets) as int32 arrays, with ``end`` appended to each."""
+    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    values = np.fromiter(chain.from_iterable(lists), dtype=np.int32, count=int(lengths.sum()))
+    if end is not None:
+        values = np.insert(values, np.cumsum(lengths), end)
+        lengths += 1
+    offsets = np.zeros(len(lists) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return values, offsets
+
+
+def _within(offsets: np.ndarray, heads: np.ndarray) -> np.ndarray:
+    """A mask of the first ``heads[i]`` values of each document i."""
+    lengths = np.diff(offsets)
+    doc = np.repeat(np.arange(len(lengths)), lengths)
+    return np.arange(int(offsets[-1])) - offsets[doc] < heads[doc]
 
 
 def _chat(messages, tok, ds, template, where) -> tuple[list[int], list[int]]:

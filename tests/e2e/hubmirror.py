@@ -3,7 +3,9 @@
 Point ``HF_ENDPOINT`` at :attr:`HubMirror.url` and ``huggingface_hub`` (so transformers and
 ftjob) downloads ``hf://org/name`` from here. It answers the four requests a
 ``snapshot_download`` makes -- the revision's info, the file tree, and HEAD/GET of each file
--- and counts them, so that a test can tell a download from a cache hit.
+-- and counts them, so that a test can tell a download from a cache hit. For the dataset
+repositories in ``datasets`` it answers the revision's info only (which commit a revision
+names now: :attr:`commit`, which a test may move), counted as "dataset info".
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 class HubMirror:
-    def __init__(self, repos: dict[str, Path]):
-        self.repos = repos
+    def __init__(self, repos: dict[str, Path], datasets: tuple[str, ...] = ()):
+        self.repos, self.datasets, self.commit = repos, datasets, COMMIT
         self.requests: collections.Counter[str] = collections.Counter()
         mirror = self
 
@@ -54,6 +56,12 @@ class HubMirror:
 
     def _answer(self, h: BaseHTTPRequestHandler, body: bool) -> None:
         path = unquote(urlparse(h.path).path)
+        for repo in self.datasets:
+            if path == f"/api/datasets/{repo}" or path.startswith(
+                f"/api/datasets/{repo}/revision/"
+            ):
+                self.requests["dataset info"] += 1
+                return _json(h, {"id": repo, "sha": self.commit, "siblings": []}, body)
         for repo in self.repos:
             info = f"/api/models/{repo}/revision/"
             tree = f"/api/models/{repo}/tree/"
@@ -61,7 +69,7 @@ class HubMirror:
             if path.startswith(info):
                 self.requests["info"] += 1
                 siblings = [{"rfilename": f} for f in self._files(repo)]
-                return _json(h, {"id": repo, "sha": COMMIT, "siblings": siblings}, body)
+                return _json(h, {"id": repo, "sha": self.commit, "siblings": siblings}, body)
             if path.startswith(tree):
                 self.requests["tree"] += 1
                 entries = [
@@ -80,7 +88,7 @@ class HubMirror:
                 self.requests[f"{h.command} file {name}"] += 1
                 data = file.read_bytes()
                 h.send_response(200)
-                h.send_header("X-Repo-Commit", COMMIT)
+                h.send_header("X-Repo-Commit", self.commit)
                 h.send_header("ETag", f'"{_oid(file)}"')
                 h.send_header("Content-Length", str(len(data)))
                 h.end_headers()

@@ -62,8 +62,12 @@ def test_a_job_deleted_before_its_finalizer_and_recreated_is_run_for_the_new_uid
     assert old_uid != new_uid
 
     own_gang(cluster, "race", new_uid)
-    for child in (cluster.get("services", "race"), cluster.get("configmaps", "race-spec")):
-        assert owners(child) == {new_uid}
+
+    def children_owned():  # the old job's are deleted and made again, maybe after the pods
+        found = (cluster.get("services", "race"), cluster.get("configmaps", "race-spec"))
+        return all(c is not None and owners(c) == {new_uid} for c in found)
+
+    cluster.wait(children_owned, 20, f"the service and configmap of race owned by {new_uid}")
     status = wait_phase(cluster, "race", "Running")
     assert status["attempt"] == 0 and status["restarts"] == 0
     # The old job's daemon stopped; nothing is written for the dead UID any more.

@@ -46,8 +46,8 @@ def load(s, tok, job_dir: Path) -> data.Data:
     return data.load(s, tok, job_dir, log=lambda _: None)
 
 
-def as_rows(table) -> list[dict]:
-    return [table[i] for i in range(len(table))]
+def as_rows(table: data.Sequences) -> list[dict]:
+    return table.rows(range(len(table)))
 
 
 # ------------------------------------------------------------------------------ formats
@@ -118,14 +118,36 @@ def test_bfd_packing_keeps_whole_documents_in_one_sequence(tok, tmp_path):
     assert pieces == alone  # every document is there, whole, exactly once
 
 
+def test_records_with_nothing_to_learn_within_the_sequence_are_dropped(tok, tmp_path):
+    rows = [
+        {"prompt": "q " * 60, "completion": " late answer"},  # completion after token 32
+        {"prompt": "Q:", "completion": " short answer"},
+    ]
+    path = write_jsonl(tmp_path / "i.jsonl", rows)
+    for packing in ({"packing": False}, {"packingStrategy": "bfd"}):
+        s = spec(path, format="instruction", maxSeqLength=32, **packing)
+        train = as_rows(load(s, tok, tmp_path / str(packing)).train)
+        assert [decoded_labels(tok, r) for r in train] == [" short answer<|eos|>"], packing
+    # Wrapped sequences continue a record into the next sequence: its answer is learned, and
+    # no sequence of prompt alone is kept.
+    s = spec(path, format="instruction", maxSeqLength=32, packingStrategy="wrapped")
+    train = as_rows(load(s, tok, tmp_path / "wrapped").train)
+    assert "late answer" in "".join(decoded_labels(tok, r) for r in train)
+    assert all(any(t != IGNORE for t in r["labels"]) for r in train)
+    # With no record left, the error says why.
+    only = write_jsonl(tmp_path / "only.jsonl", rows[:1])
+    message = load_error(tok, spec(only, format="instruction", maxSeqLength=32, packing=False))
+    assert message == f"{only}: no record has a token to learn from (all labels masked)"
+
+
 def test_eval_fraction_holds_out_records_deterministically(tok, tmp_path):
     source = EXAMPLES / "data" / "tiny-text.jsonl"
     s = spec(source, maxSeqLength=64, evalFraction=0.1)
     a, b = load(s, tok, tmp_path / "a"), load(s, tok, tmp_path / "b")  # prepared twice
-    assert len(a.eval) and a.eval["input_ids"] == b.eval["input_ids"]
-    assert a.train["input_ids"] == b.train["input_ids"]
-    train_tokens = sum(map(len, a.train["input_ids"]))
-    eval_tokens = sum(map(len, a.eval["input_ids"]))
+    assert len(a.eval) and as_rows(a.eval) == as_rows(b.eval)
+    assert as_rows(a.train) == as_rows(b.train)
+    train_tokens = sum(len(r["input_ids"]) for r in as_rows(a.train))
+    eval_tokens = sum(len(r["input_ids"]) for r in as_rows(a.eval))
     assert 0.05 < eval_tokens / (train_tokens + eval_tokens) < 0.15
 
 
@@ -149,7 +171,7 @@ def test_other_sources_read_the_same_records(tok, tmp_path, kind):
         source = tmp_path / "saved"
     reference = spec(write_jsonl(tmp_path / "ref.jsonl", rows), packing=False)
     got = load(spec(source, packing=False), tok, tmp_path / "a").train
-    assert got["input_ids"] == load(reference, tok, tmp_path / "b").train["input_ids"]
+    assert got.column("input_ids") == load(reference, tok, tmp_path / "b").train.column("input_ids")
 
 
 def test_relative_sources_resolve_against_the_source_root(tok, tmp_path, monkeypatch):
@@ -176,10 +198,10 @@ def test_batch_order_is_a_pure_function_of_seed_and_step():
 
 
 def test_eval_batches_are_even_across_ranks(tok):
-    import datasets
+    import pyarrow as pa
 
     table = {"input_ids": [[1, 2, 3]] * 5, "labels": [[1, 2, 3]] * 5, "seq_lengths": [[3]] * 5}
-    ds = data.Data(train=None, eval=datasets.Dataset.from_dict(table), pad_id=tok.pad_token_id)
+    ds = data.Data(train=None, eval=data.Sequences(pa.table(table)), pad_id=tok.pad_token_id)
     rank0, rank1 = data.eval_batches(ds, 0, 2, 2), data.eval_batches(ds, 1, 2, 2)
     assert len(rank0) == len(rank1) == 2  # FSDP needs every rank in every forward
     labelled = sum(int((b["labels"] != IGNORE).sum()) for b in rank0 + rank1)

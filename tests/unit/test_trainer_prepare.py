@@ -75,7 +75,7 @@ def test_a_packed_sequence_has_the_loss_of_its_documents_run_one_by_one(tok, tmp
     texts = [{"text": f"Doc {n}: " + "the cat sat on the mat. " * (n % 3 + 1)} for n in range(12)]
     path = write_jsonl(tmp_path / "d.jsonl", texts)
     packed = data.load(spec(path, maxSeqLength=128), tok, tmp_path / "p", log=quiet).train
-    row = max((packed[i] for i in range(len(packed))), key=lambda r: len(r["seq_lengths"]))
+    row = max(packed.rows(range(len(packed))), key=lambda r: len(r["seq_lengths"]))
     assert len(row["seq_lengths"]) >= 3  # several documents share this sequence
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -102,7 +102,7 @@ def test_padding_in_a_batch_does_not_change_a_sequences_loss(tok, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a b c " * n} for n in (2, 9)])
     train = data.load(spec(path, packing=False), tok, tmp_path / "p", log=quiet).train
     model = AutoModelForCausalLM.from_pretrained(EXAMPLES / "tiny-model", dtype=torch.float32)
-    short, long = sorted((train[0], train[1]), key=lambda r: len(r["input_ids"]))
+    short, long = sorted(train.rows([0, 1]), key=lambda r: len(r["input_ids"]))
     (alone,) = per_token_loss(model.eval(), [short], tok.pad_token_id)
     padded, _ = per_token_loss(model, [short, long], tok.pad_token_id)
     torch.testing.assert_close(padded, alone, atol=1e-5, rtol=1e-5)
@@ -129,7 +129,8 @@ def test_real_family_templates_learn_the_assistant_turns_only(tok, tmp_path, fam
     family_tok.chat_template = shipped
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}])
     s = spec(path, format="chat", packing=False, maxSeqLength=1024)
-    (row,) = data.load(s, family_tok, tmp_path / "job", log=quiet).train
+    train = data.load(s, family_tok, tmp_path / "job", log=quiet).train
+    (row,) = train.rows(range(len(train)))
     learned = family_tok.decode([t for t in row["labels"] if t != IGNORE])
     everything = family_tok.decode(row["input_ids"])
     assert "Snow is white." in learned and "Grass is green." in learned
@@ -166,10 +167,10 @@ def test_usual_formats_prepare_unicode_long_multiturn(tok, tmp_path):
         for packing in (True, False):
             s = spec(path, format=fmt, packing=packing, maxSeqLength=256)
             train = data.load(s, tok, tmp_path / f"{fmt}-{packing}", log=quiet).train
-            lengths = [len(ids) for ids in train["input_ids"]]
+            lengths = [len(ids) for ids in train.column("input_ids")]
             assert lengths and max(lengths) <= 256, (fmt, packing)
     s = spec(tmp_path / "text.jsonl", packing=False)
-    first = data.load(s, tok, tmp_path / "t", log=quiet).train[0]
+    first = data.load(s, tok, tmp_path / "t", log=quiet).train.rows([0])[0]
     assert "🚀" in tok.decode(first["input_ids"])
 
 
@@ -205,7 +206,7 @@ def test_other_ranks_wait_for_rank_zero_and_map_the_same_data(tok, tmp_path):
     waiter.start()
     rank0 = data.load(s, tok, tmp_path, log=quiet)
     waiter.join(timeout=60)
-    assert got["rank1"].train["input_ids"] == rank0.train["input_ids"]
+    assert got["rank1"].train.column("input_ids") == rank0.train.column("input_ids")
 
 
 def test_a_bad_record_fails_before_tokenizing_and_leaves_nothing(tok, tmp_path):
