@@ -123,6 +123,36 @@ def runs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("runs")
 
 
+# ------------------------------------------------------------------------------ formats
+
+
+def unicode_and_long_records(path: Path) -> Path:
+    """Text records in several scripts, with emoji, and some far longer than maxSeqLength."""
+    lines = ["Ünïcødé ✓ naïve café 🚀", "日本語のテキストです。", "Ελληνικά και русский текст"]
+    rows = [{"text": f"{lines[i % 3]} {i}. " + ("lorem ipsum " * (400 if i % 10 == 0 else 3))}
+            for i in range(300)]  # fmt: skip
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["chat", "instruction", "unicode-long-text"])
+def test_every_usual_format_trains(runs, fmt):
+    """Chat (system prompts, multi-turn, assistant turns only), prompt/completion and unicode
+    text with records longer than a sequence: each trains, and its loss drops."""
+    if fmt == "unicode-long-text":
+        kind, source = "text", unicode_and_long_records(runs / f"{fmt}.jsonl")
+    else:
+        kind, source = fmt, EXAMPLES / "data" / f"tiny-{fmt.removesuffix('ion')}.jsonl"
+    dataset = {"source": str(source), "format": kind}
+    training = {"maxSteps": 15}
+    code, out = run(job(fmt, dataset=dataset, training=training, checkpoint={"every": 15}),
+                    runs / fmt)  # fmt: skip
+    assert code == 0, out
+    curve = losses(runs / fmt)
+    assert sorted(curve) == list(range(1, 16)), out
+    assert sum(curve[s] for s in (13, 14, 15)) / 3 < curve[1] - 0.5, curve
+
+
 # ---------------------------------------------------------------------------------- full
 
 
