@@ -210,10 +210,6 @@ def _sequences(table, tok, ds, name, template, out: Path, log, on_progress) -> d
 
     n, procs = ds.max_seq_length, _processes(len(table))
     strategy = ds.packing_strategy if ds.packing else None
-    features = datasets.Features(
-        input_ids=datasets.List(datasets.Value("int32")),
-        labels=datasets.List(datasets.Value("int32")),
-    )
     meter = Meter("tokenizing", len(table), log, on_progress)
     fn_kwargs = {"tok": tok, "ds": ds, "name": name, "template": template,
                  "limit": None if strategy == "wrapped" else n}  # fmt: skip
@@ -227,7 +223,6 @@ def _sequences(table, tok, ds, name, template, out: Path, log, on_progress) -> d
                 num_proc=procs,
                 fn_kwargs=fn_kwargs,
                 remove_columns=part.column_names,
-                features=features,
                 new_fingerprint=f"tokens-{out.name}-{start}",  # hashing a tokenizer is slow
             )
         )
@@ -246,19 +241,17 @@ def _sequences(table, tok, ds, name, template, out: Path, log, on_progress) -> d
     # bfd fills bins within a batch. The last pass writes its shards into the folder ranks map.
     passes = {"batch_size": 10_000, "num_proc": procs}
     last = {**passes, "cache_file_name": str(out / "part.arrow")}
-    if strategy == "bfd":
+    if strategy is None:
+        seqs = tokens.with_format("arrow").map(_single, fn_kwargs={"n": n}, batched=True, **last)
+    else:
         from trl.data_utils import pack_dataset
 
         # In source order: a shuffle would make packing gather rows at random (twice as
         # slow). Documents in a sequence never see each other; the sampler shuffles sequences.
-        seqs = pack_dataset(tokens, n, strategy="bfd", map_kwargs=last)
-    else:
-        if strategy == "wrapped":
-            from trl.data_utils import pack_dataset
-
-            tokens = pack_dataset(tokens, n, strategy="wrapped", map_kwargs=passes)
-        shape = _single if strategy is None else _whole
-        seqs = tokens.with_format("arrow").map(shape, fn_kwargs={"n": n}, batched=True, **last)
+        bfd = strategy == "bfd"
+        seqs = pack_dataset(tokens, n, strategy=strategy, map_kwargs=last if bfd else passes)
+        if not bfd:
+            seqs = seqs.with_format("arrow").map(_whole, fn_kwargs={"n": n}, batched=True, **last)
     if len(seqs) == 0:
         raise DataError(f"{name}: no sequence has a token to learn from (all labels masked)")
     kept = int(pc.sum(pc.list_value_length(seqs.data.table.column("input_ids"))).as_py())
