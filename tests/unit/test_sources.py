@@ -59,7 +59,7 @@ def test_rank_zero_pins_the_commit_once_and_restarts_keep_it(mirror, tmp_path):
     assert mirror.requests["dataset info"] == 1
 
 
-def test_a_new_commit_gets_new_prepared_data(mirror, tmp_path):
+def test_a_new_commit_gets_a_new_prepared_data_key(mirror, tmp_path):
     tok = AutoTokenizer.from_pretrained(EXAMPLES / "tiny-model")
     old = sources.fetch(spec(), tmp_path / "a", True)
     mirror.commit = "f" * 40

@@ -197,15 +197,16 @@ def test_batch_order_is_a_pure_function_of_seed_and_step():
     assert a.steps_for(1.0) == 5 and a.steps_for(2.5) == 11
 
 
-def test_eval_batches_are_even_across_ranks(tok):
-    import pyarrow as pa
-
-    table = {"input_ids": [[1, 2, 3]] * 5, "labels": [[1, 2, 3]] * 5, "seq_lengths": [[3]] * 5}
-    ds = data.Data(train=None, eval=data.Sequences(pa.table(table)), pad_id=tok.pad_token_id)
+def test_eval_batches_are_even_across_ranks(tok, tmp_path):
+    rows = [{"text": f"a cat has {n} legs"} for n in range(50)]
+    s = spec(write_jsonl(tmp_path / "d.jsonl", rows), packing=False, evalFraction=0.1)
+    ds = load(s, tok, tmp_path / "job")  # the real prepare: 5 eval sequences
+    assert len(ds.eval) == 5
     rank0, rank1 = data.eval_batches(ds, 0, 2, 2), data.eval_batches(ds, 1, 2, 2)
     assert len(rank0) == len(rank1) == 2  # FSDP needs every rank in every forward
+    # Every eval sequence's labels are counted once, none twice, the filler batch none.
     labelled = sum(int((b["labels"] != IGNORE).sum()) for b in rank0 + rank1)
-    assert labelled == 5 * 3
+    assert labelled == sum(t != IGNORE for r in as_rows(ds.eval) for t in r["labels"])
 
 
 def test_collate_pads_and_masks(tok):
