@@ -192,3 +192,13 @@ def last_json(stdout: str, tag: str) -> dict:
     if not lines:
         raise RuntimeError(f"no '{tag}' line in:\n{stdout[-2000:]}")
     return json.loads(lines[-1][len(tag) + 1 :])
+
+
+def proc_mib(pid: int | str, names: tuple[str, ...], table: str = "status") -> dict[str, float]:
+    """The fields ``names`` of /proc/<pid>/<table> (status or smaps_rollup; kB there), in MiB."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/{table}").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in names:
+            fields[key] = int(value.split()[0]) / 1024
+    return fields

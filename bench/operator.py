@@ -65,15 +65,6 @@ class CountingApiServer(ApiServer):
         return response
 
 
-def rss_mib(pid: int) -> dict:
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            fields[key] = int(value.split()[0]) / 1024
-    return fields
-
-
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (where the operator's wall time goes)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -184,7 +175,7 @@ def lifecycle_requests(env: Env) -> dict:
 
 def concurrent(work: Path, jobs: int, deadline: float) -> dict:
     with Env(work) as env:
-        before = rss_mib(env.proc.pid)
+        before = common.proc_mib(env.proc.pid, ("VmRSS", "VmHWM"))
         cpu0, own0 = cpu_seconds(env.proc.pid), own_cpu()
         start = time.monotonic()
         for i in range(jobs):
@@ -197,7 +188,7 @@ def concurrent(work: Path, jobs: int, deadline: float) -> dict:
                 break
             time.sleep(0.5)
         wall = time.monotonic() - start
-        after = rss_mib(env.proc.pid)
+        after = common.proc_mib(env.proc.pid, ("VmRSS", "VmHWM"))
         operator_cpu, emulator_cpu = cpu_seconds(env.proc.pid) - cpu0, own_cpu() - own0
     return {"jobs": jobs, "running": done, "podsRunning": pods, "wall": wall,
             "createSeconds": created, "complete": done == jobs and pods == 2 * jobs,
