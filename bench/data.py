@@ -100,6 +100,7 @@ def rows_for(c: dict) -> list[dict]:
             "<= 300 MiB", growth <= 300),
         row(f"waiting rank RSS growth MiB (private / mapped file pages), {n}",
             [rank["anonGrowthMiB"], rank["fileGrowthMiB"]]),
+        row(f"waiting rank ms per micro-batch of 4 (read rows + collate), {n}", rank["batchMs"]),
         row(f"prepared size on the volume MiB, {n}", c["preparedMiB"]),
     ]  # fmt: skip
 
@@ -118,7 +119,7 @@ def run(work: Path, quick: bool) -> dict:
 
 def huge(work: Path, gigabytes: float = 2.5) -> dict:
     """The issue's "a 2.5 GB JSONL prepares on a 24 GB machine": rank 0's first prepare only
-    (no baseline: it would take as long again), with the peak RSS of the whole process tree.
+    (no baseline: it would take as long again), with the peak PSS of the whole process tree.
 
         python -m bench.data --huge 2.5 [--workdir DIR]
     """

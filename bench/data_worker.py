@@ -27,26 +27,11 @@ sys.path.insert(0, str(ROOT))
 
 TOKENIZER = ROOT / "examples" / "tiny-model"
 
+from bench import common  # noqa: E402 - after the path is set
 
-def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def rss_parts_mib() -> dict:
-    """Private (RssAnon) and file-backed (RssFile: mapped pages, shared with other ranks
-    through the page cache and reclaimable) resident memory."""
-    with open("/proc/self/status") as f:
-        fields = dict(x.split(":", 1) for x in f if x.startswith(("RssAnon", "RssFile")))
-    return {k: round(int(v.split()[0]) / 1024, 1) for k, v in fields.items()}
-
-
-def peak_mib() -> float:
-    """This process's own peak (VmHWM): ru_maxrss would carry over the parent's peak across
-    fork and exec, and the bench's parent may have built a large table."""
-    with open("/proc/self/status") as f:
-        line = next(x for x in f if x.startswith("VmHWM:"))
-    return round(int(line.split()[1]) / 1024, 1)
+MINE = ("VmRSS", "VmHWM", "RssAnon", "RssFile")  # of this process: VmHWM is its own peak
+# (ru_maxrss would carry over the parent's peak across fork and exec); RssAnon is private,
+# RssFile mapped file pages, shared with other ranks through the page cache and reclaimable.
 
 
 def tree_pss_mib(pid: int) -> tuple[float, float]:
@@ -59,10 +44,8 @@ def tree_pss_mib(pid: int) -> tuple[float, float]:
     while todo:
         p = todo.pop()
         try:
-            with open(f"/proc/{p}/smaps_rollup") as f:
-                fields = dict(x.split(":", 1) for x in f if x.startswith(("Pss:", "Pss_Anon")))
-            total += int(fields["Pss"].split()[0]) / 1024
-            private += int(fields["Pss_Anon"].split()[0]) / 1024
+            pss = common.proc_mib(p, ("Pss", "Pss_Anon"), "smaps_rollup")
+            total, private = total + pss["Pss"], private + pss["Pss_Anon"]
             for task in os.listdir(f"/proc/{p}/task"):
                 with open(f"/proc/{p}/task/{task}/children") as f:
                     todo += [int(c) for c in f.read().split()]
@@ -113,7 +96,7 @@ def main(mode: str, source: Path, root: Path) -> dict:
         import ftjob.trainer.train  # noqa: F401 - what a rank has imported when it loads data
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
-    before, parts = rss_mib(), rss_parts_mib()
+    before = common.proc_mib("self", MINE)
     tree = TreePeak()
     tree.start()
     started = time.monotonic()
@@ -138,15 +121,18 @@ def main(mode: str, source: Path, root: Path) -> dict:
         if mode == "rank":
             # What a training rank does with the data: random micro-batches of 4 sequences.
             sampler = data.Sampler(len(ds.train), 42, world=2, micro_batch=4, accumulation=1)
+            read = time.monotonic()
             for step in range(200):
                 data.collate(ds.rows(sampler.indices(step, 0, 1)), ds.pad_id)
+            out["batchMs"] = round((time.monotonic() - read) / 200 * 1e3, 2)
+    out["seconds"] = round(time.monotonic() - started, 2)
+    after = common.proc_mib("self", MINE)
     out.update(
-        seconds=round(time.monotonic() - started, 2),
-        rssBeforeMiB=round(before, 1),
-        rssAfterMiB=round(rss_mib(), 1),
-        anonGrowthMiB=round(rss_parts_mib()["RssAnon"] - parts["RssAnon"], 1),
-        fileGrowthMiB=round(rss_parts_mib()["RssFile"] - parts["RssFile"], 1),
-        peakMiB=peak_mib(),
+        rssBeforeMiB=round(before["VmRSS"], 1),
+        rssAfterMiB=round(after["VmRSS"], 1),
+        anonGrowthMiB=round(after["RssAnon"] - before["RssAnon"], 1),
+        fileGrowthMiB=round(after["RssFile"] - before["RssFile"], 1),
+        peakMiB=round(after["VmHWM"], 1),
         workersPeakMiB=workers_peak_mib(),
     )
     tree.running = False

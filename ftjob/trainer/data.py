@@ -37,7 +37,9 @@ class Sequences:
     each read it hands the mapped pages back (MADV_DONTNEED; they stay in the node's page
     cache for the next read). Otherwise every row read leaves its pages, and the kernel's
     neighbours of them (fault-around, readahead), in the rank's RSS: measured here, 800
-    random rows made 184 MiB of a 189 MiB file resident in each rank.
+    random rows made 184 MiB of the 189 MiB prepared from 20k records resident in each rank
+    (972 MiB of 1.1 GB at the 200k-record size). The madvise costs ~0.1 ms per read of 4
+    sequences of 2,048 tokens, next to ~4 ms to collate them (bench/RESULTS.md).
     """
 
     def __init__(self, table: pa.Table, maps: tuple[mmap.mmap, ...] = ()):
