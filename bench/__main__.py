@@ -29,6 +29,7 @@ CPU_SUITES = [
     "planner",
     "memory",
     "data",
+    "accumulation",
 ]
 ALL_SUITES = [*CPU_SUITES, "gpu"]
 

@@ -22,6 +22,8 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from ftjob import plan
+from ftjob.modelshape import ModelShape
 from ftjob.spec import FineTuneJobSpec
 
 
@@ -106,21 +108,48 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+@dataclass(frozen=True)
+class Speed:
+    """The speed settings, resolved for this device (plan.checkpoint_stride, spec)."""
+
+    checkpoint_every: int  # recompute every Nth decoder layer in backward; 0: none
+    compile: bool  # torch.compile each decoder layer
+
+
+def speed_settings(spec: FineTuneJobSpec, config, device_bytes: int | None) -> Speed:
+    """Resolve activationCheckpointing (``auto``: the planner's fastest setting that fits this
+    device) and compile for this device; ``config`` is the model's transformers config."""
+    shape = ModelShape.from_config(config.to_dict())
+    on_gpu = spec.resources.gpus_per_node > 0
+    return Speed(plan.checkpoint_stride(spec, shape, device_bytes), spec.compile_enabled(on_gpu))
+
+
 def shard(
     model: nn.Module,
     spec: FineTuneJobSpec,
     device_mesh: DeviceMesh,
     sharding: str,
     whole: set[nn.Parameter] | None = None,
+    speed: Speed | None = None,
 ) -> nn.Module:
-    """Activation checkpointing, then ``fully_shard`` per decoder layer, then the root.
+    """Activation checkpointing, compile, then ``fully_shard`` per decoder layer, then the root
+    (torchtitan's order).
 
-    ``whole``: parameters FSDP leaves alone (each rank holds them whole)."""
-    if spec.training.activation_checkpointing:
+    ``whole``: parameters FSDP leaves alone (each rank holds them whole); ``speed``: as
+    :func:`speed_settings` resolves it for a CPU (no device memory to fit) when not given."""
+    speed = speed or speed_settings(spec, model.config, None)
+    if speed.checkpoint_every:
         # Non-reentrant checkpointing recomputes inside FSDP's hooks and needs no input grads.
         model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False}
+            activation_checkpointing_kwargs={"use_reentrant": False},
+            every_n_layers=speed.checkpoint_every,
         )
+    layers = decoder_layers(model)
+    if speed.compile:
+        for layer in layers:
+            # The layer's forward only: FSDP's hooks (in __call__) stay eager around it, and
+            # the layer keeps its name, so checkpoints and the export see the same keys.
+            layer.forward = torch.compile(layer.forward)
     if spec.compute_precision() == "bf16":
         # Gradients are reduced in fp32 so that averaging across ranks loses nothing.
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -134,7 +163,7 @@ def shard(
     # grad-op keeps each layer's gathered parameters from forward until backward (ZeRO-2).
     reshard = sharding != "grad-op"
     kwargs = dict(mesh=device_mesh, mp_policy=mp, offload_policy=offload, ignored_params=whole)
-    for layer in decoder_layers(model):
+    for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard, **kwargs)
     # The root (embeddings, final norm, head) is gathered last and used first in backward:
     # keeping it gathered after forward saves one all-gather per step.

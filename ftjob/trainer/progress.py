@@ -56,7 +56,6 @@ class Progress:
     def __init__(self, job_dir: Path, enabled: bool, total: int | None, world: int, **info):
         self.enabled, self.job_dir, self.total = enabled, job_dir, total
         self.writes_files = info.pop("writes_files", True)  # see own_folder()
-        self.flops_per_token = info.pop("flops_per_token", None)
         self.peak = info.pop("peak", None)
         self.world = world
         self.tty = sys.stdout.isatty()
@@ -85,8 +84,9 @@ class Progress:
         }
         self.last_step: int | None = None  # kept on every rank, for the failure record
         self._lock = threading.Lock()
-        self._window = (time.perf_counter(), 0, 0)  # (time, tokens, step) at the last log
+        self._window = (time.perf_counter(), 0)  # (time, step) at the last log
         self._server: ThreadingHTTPServer | None = None
+        self._files = _FileWriter(job_dir) if enabled else None
         self.metrics = metrics.TrainerMetrics(self._copy)
 
     def _copy(self) -> dict:
@@ -137,12 +137,8 @@ class Progress:
                 fields["phaseStartedAt"] = _now()
             self.snapshot.update(fields, updatedAt=_now())
             snap = dict(self.snapshot)
-        if not self.writes_files:
-            return
-        atomic.write_json(self.job_dir / "progress.json", snap)
-        if history:
-            with open(self.job_dir / "progress.jsonl", "a") as f:
-                f.write(json.dumps({"event": history, **snap}) + "\n")
+        if self.writes_files:
+            self._files.write(snap, history)
 
     def own_folder(self) -> None:
         """Write the snapshot to the job folder from now on: once this run holds the folder
@@ -157,7 +153,14 @@ class Progress:
                 sys.stdout.write("\r\033[K")
             print(message, flush=True)
 
+    def flush(self) -> None:
+        """Wait until progress.json and progress.jsonl hold everything reported so far."""
+        if self._files is not None:
+            self._files.flush()
+
     def close(self) -> None:
+        if self._files is not None:
+            self._files.close()  # what was last reported is on the volume before the exit
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -169,49 +172,50 @@ class Progress:
         ``report.phase("downloading", downloadedBytes=..., totalBytes=...)``."""
         self.update(phase=phase, **fields)
 
-    def planned(self, total: int, flops_per_token=None, peak=None, **info) -> None:
-        """What loading found out: the steps to run, FLOPs per token and the device's peak
-        (for MFU), sharding, ..."""
-        self.total, self.flops_per_token, self.peak = total, flops_per_token, peak
+    def planned(self, total: int, peak=None, **info) -> None:
+        """What loading found out: the steps to run, the device's peak FLOP/s (for MFU),
+        sharding, ..."""
+        self.total, self.peak = total, peak
         self.update(totalSteps=total, **info)
 
     def begin(self, step: int) -> None:
         """Training starts (or resumes) at ``step``: rates are measured from here."""
         self.last_step = step
-        self._window = (time.perf_counter(), self.snapshot["tokensSeen"], step)
+        self._window = (time.perf_counter(), step)
         self.update(phase="training", step=step)
 
-    def step(
-        self, step: int, loss: float, lr: float, tokens: int, epoch: float, log: bool,
-        seconds: float | None = None,
-    ):  # fmt: skip
-        """Record one optimizer step (``tokens`` over all ranks, ``seconds`` it took); log it
-        every logEvery."""
+    def step(self, step: int, lr: float, epoch: float, seconds: float | None = None) -> None:
+        """Record one optimizer step (``seconds`` it took) in memory: /progress serves it, and
+        a terminal's bar moves. Nothing is written and no number waits for the device."""
         self.last_step = step
         if not self.enabled:
             return
         if seconds is not None:
             self.metrics.step_seconds.observe(seconds)
-        seen = self.snapshot["tokensSeen"] + tokens
-        fields = {"step": step, "loss": loss, "learningRate": lr, "tokensSeen": seen}
-        fields["epoch"] = round(epoch, 4)
-        if log or step == self.total:
-            t0, seen0, step0 = self._window
-            now = time.perf_counter()
-            rate = (seen - seen0) / max(now - t0, 1e-9)
-            per_step = (now - t0) / max(step - step0, 1)
-            fields["tokensPerSecond"] = round(rate, 1)
-            fields["etaSeconds"] = round(per_step * (self.total - step), 1)
-            if self.flops_per_token and self.peak:
-                fields["mfu"] = round(rate * self.flops_per_token / (self.peak * self.world), 4)
-            self._window = (now, seen, step)
-        log = log or step == self.total
-        self.update(history="step" if log else None, **fields)
-        if log:
-            self.log(self.line())
-        elif self.tty:
+        with self._lock:
+            self.snapshot.update(
+                step=step, learningRate=lr, epoch=round(epoch, 4), updatedAt=_now()
+            )
+        if self.tty and self.snapshot["loss"] is not None:
             sys.stdout.write("\r" + self.line(bar=True))
             sys.stdout.flush()
+
+    def logged(self, step: int, loss: float, tokens: int, flops: float) -> None:
+        """A log step: the step's loss over all ranks, and the tokens and model FLOPs of all
+        ranks since the last log, from which tokens/s, MFU (docs/progress.md) and the ETA."""
+        if not self.enabled:
+            return
+        t0, step0 = self._window
+        now = time.perf_counter()
+        elapsed = max(now - t0, 1e-9)
+        fields = {"step": step, "loss": loss, "tokensSeen": self.snapshot["tokensSeen"] + tokens}
+        fields["tokensPerSecond"] = round(tokens / elapsed, 1)
+        fields["etaSeconds"] = round(elapsed / max(step - step0, 1) * (self.total - step), 1)
+        if self.peak:
+            fields["mfu"] = round(flops / (elapsed * self.peak * self.world), 4)
+        self._window = (now, step)
+        self.update(history="step", **fields)
+        self.log(self.line())
 
     def line(self, bar: bool = False) -> str:
         s = self.snapshot
@@ -239,3 +243,56 @@ class Progress:
 
 def _ppl(loss: float) -> str:
     return f"{math.exp(loss):.2f}" if loss < 50 else "inf"
+
+
+class _FileWriter:
+    """Writes progress.json (and appends progress.jsonl) from a thread of its own: a slow
+    shared volume never holds up rank 0, and so never the other ranks waiting for it at the
+    next collective. Only the newest snapshot is written; no history line is dropped."""
+
+    def __init__(self, job_dir: Path):
+        self.job_dir = job_dir
+        self._wake = threading.Condition()
+        self._snapshot: dict | None = None
+        self._history: list[str] = []
+        self._busy = self._closed = False
+        threading.Thread(target=self._run, daemon=True, name="progress-files").start()
+
+    def write(self, snapshot: dict, history: str | None) -> None:
+        with self._wake:
+            self._snapshot = snapshot
+            if history:
+                self._history.append(json.dumps({"event": history, **snapshot}))
+            self._wake.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._snapshot is not None or self._closed)
+                if self._snapshot is None:
+                    return
+                snapshot, lines = self._snapshot, self._history
+                self._snapshot, self._history, self._busy = None, [], True
+            try:
+                atomic.write_json(self.job_dir / "progress.json", snapshot)
+                if lines:
+                    with open(self.job_dir / "progress.jsonl", "a") as f:
+                        f.write("".join(line + "\n" for line in lines))
+            except OSError as e:  # a full volume: the checkpoint or export names it properly
+                print(f"progress: cannot write to {self.job_dir}: {e}", file=sys.stderr)
+            finally:
+                with self._wake:
+                    self._busy = False
+                    self._wake.notify_all()
+
+    def flush(self, timeout: float = 30) -> None:
+        """Wait until what was reported so far is on the volume."""
+        with self._wake:
+            self._wake.wait_for(lambda: self._snapshot is None and not self._busy, timeout)
+
+    def close(self) -> None:
+        """Write what is pending, then stop."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
+        self.flush()

@@ -14,27 +14,30 @@ import os
 import resource
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from transformers import get_scheduler
 from transformers.utils import logging as hf_logging
 
 from ftjob import contract, jobfolder
 from ftjob.contract import BAD_SPEC, EXPORT_FAILED, TrainerError
-from ftjob.modelshape import flops_per_token
+from ftjob.modelshape import model_flops
 from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer import (
     checkpoint,
     data,
     export,
+    loss,
     model,
     owner,
     parallel,
     progress,
     sources,
+    step,
     termination,
     volume,
 )
@@ -113,19 +116,81 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     total = t.max_steps or sampler.steps_for(t.epochs)
 
     report.phase("loading")
+    run = _load(spec, tok, d, job_dir, lease, total)
+    report.log(
+        f"{name}: {spec.method.type} fine-tune of {asked.model.source}, {run.params:,} "
+        f"parameters ({run.trainable:,} trained), {run.sharding} sharding over "
+        f"{d.world_size} ranks, {len(ds.train)} train / {len(ds.eval or [])} eval sequences, "
+        f"{total} steps" + run.speed_note()
+    )
+    _plan_progress(report, spec, d, total, run)
+    load_rss = [0.0] * d.world_size
+    dist.all_gather_object(load_rss, _peak_rss_mib())
+    report.update(loadPeakRssMiB=load_rss)
+    report.log("peak RSS per rank after loading (MiB): " + ", ".join(f"{m:.0f}" for m in load_rss))
+
+    start = _resume(job_dir, spec, d, run.ckpt, run.net, run.optimizer, run.scheduler, report)
+    evaluated_at = _train(spec, d, run, ds, sampler, range(start, total), report)
+    run.ckpt.close()
+    if ds.eval is not None and evaluated_at != total:
+        report.phase("evaluating")
+        report.evaluated(total, evaluate(run.net, ds, d, t.micro_batch_size))
+    _measure_peaks(d, report)
+
+    report.phase("exporting")
+    _export(run.net, spec, tok, out, d.rank, lease)
+    if d.is_main:
+        jobfolder.write(job_dir, name, asked, trained_steps=total)
+    report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
+    report.log(f"exported model: {out}")
+    if d.is_main:
+        termination.write(contract.success_record(str(out)))
+    if lease:
+        lease.release()
+    dist.destroy_process_group()
+    return out
+
+
+@dataclass
+class Run:
+    """The sharded model and what trains it (:func:`_load`)."""
+
+    net: torch.nn.Module
+    weights: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    ckpt: checkpoint.Checkpointer
+    params: int
+    trainable: int
+    sharding: str
+    replicated: bool  # a mesh with replicas (hybrid, none): their all-reduce can wait
+    speed: parallel.Speed
+    flops: Callable[[int, int], float]
+
+    def speed_note(self) -> str:
+        every = self.speed.checkpoint_every
+        recompute = {0: "no", 1: "every layer's"}.get(every, f"every {every}th layer's")
+        return f"; {recompute} activations recomputed" + (
+            ", compiled" if self.speed.compile else ""
+        )
+
+
+def _load(spec, tok, d: parallel.Dist, job_dir: Path, lease, total: int) -> Run:
+    """Build on meta, shard, read the weights (rank 0) into every rank's shards; optimizer,
+    schedule and checkpointer beside them."""
+    t = spec.training
     built = model.build(spec, tok)
+    loss.install(built.model)  # before sharding: the head's forward computes the loss
     params, trainable = model.count_parameters(built.model)
     sharding = spec.effective_sharding(4 * params + 12 * trainable, _gpu_bytes(d))
     mesh = parallel.mesh(spec, d, sharding)
     shards = parallel.shard_group_size(mesh)
     model.check_shardable(built, shards)  # before any weight is read
-    net = parallel.shard(built.model, spec, mesh, sharding, model.left_whole(built, shards))
+    speed = parallel.speed_settings(spec, built.model.config, _gpu_bytes(d))
+    net = parallel.shard(built.model, spec, mesh, sharding, model.left_whole(built, shards), speed)
     model.materialize(built, d, spec.parallelism.cpu_offload)
     net.train()
     torch.manual_seed(t.seed + d.rank)  # dropout: a different stream on each rank
-    load_rss = [0.0] * d.world_size
-    dist.all_gather_object(load_rss, _peak_rss_mib())
-
     weights = [p for p in net.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         weights,
@@ -141,57 +206,51 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
         spec.checkpoint.async_save,
         fence=lease.check if lease else None,
     )
-    _plan_progress(report, spec, d, total, net, params, trainable, sharding)
-    report.log(
-        f"{name}: {spec.method.type} fine-tune of {asked.model.source}, {params:,} parameters "
-        f"({trainable:,} trained), {sharding} sharding over {d.world_size} ranks, "
-        f"{len(ds.train)} train / {len(ds.eval or [])} eval sequences, {total} steps"
-    )
-    report.update(loadPeakRssMiB=load_rss)
-    report.log("peak RSS per rank after loading (MiB): " + ", ".join(f"{m:.0f}" for m in load_rss))
+    replicated = mesh.ndim == 2 and mesh["replicate"].size() > 1
+    flops = _flops_counter(spec, net, params, trainable)
+    return Run(net, weights, optimizer, scheduler, ckpt, params, trainable, sharding, replicated,
+               speed, flops)  # fmt: skip
 
-    start = _resume(job_dir, spec, d, ckpt, net, optimizer, scheduler, report)
-    report.begin(start)
-    evaluated_at = None
-    for step in range(start, total):
-        began = time.perf_counter()
-        loss, tokens = _train_step(
-            net, optimizer, weights, ds, sampler, step, d, t.max_grad_norm, ckpt.before_update
-        )
-        scheduler.step()
-        done = step + 1
-        lr = scheduler.get_last_lr()[0]
-        report.step(done, loss, lr, tokens, sampler.epoch(done), log=done % t.log_every == 0,
-                    seconds=time.perf_counter() - began)  # fmt: skip
-        if ds.eval is not None and t.eval_every and done % t.eval_every == 0:
-            report.phase("evaluating")
-            report.evaluated(done, evaluate(net, ds, d, t.micro_batch_size))
-            evaluated_at = done
-        if done % spec.checkpoint.every == 0 and done < total:
-            report.phase("checkpointing")
-            ckpt.save(net, optimizer, scheduler, done)
-            path = checkpoint.folder(ckpt.root, done)
-            report.update(phase="training", lastCheckpoint=str(path), lastCheckpointStep=done)
-            background = " (written in the background)" if spec.checkpoint.async_save else ""
-            report.log(f"checkpoint saved: step {done} in {path}{background}")
-    ckpt.close()
-    if ds.eval is not None and evaluated_at != total:
-        report.phase("evaluating")
-        report.evaluated(total, evaluate(net, ds, d, t.micro_batch_size))
-    _measure_peaks(d, report)
 
-    report.phase("exporting")
-    _export(net, spec, tok, out, d.rank, lease)
-    if d.is_main:
-        jobfolder.write(job_dir, name, asked, trained_steps=total)
-    report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
-    report.log(f"exported model: {out}")
-    if d.is_main:
-        termination.write(contract.success_record(str(out)))
-    if lease:
-        lease.release()
-    dist.destroy_process_group()
-    return out
+def _train(spec, d, run: Run, ds, sampler, steps: range, report) -> int | None:
+    """The optimizer steps, with evaluations and checkpoints on their schedules; the step
+    last evaluated at."""
+    t, every = spec.training, spec.checkpoint.every
+    report.begin(steps.start)
+    tally, evaluated_at = step.Tally(run.flops), None
+    batches = step.Prefetch(ds, sampler, d.rank, steps)
+    try:
+        for n in steps:
+            began = time.perf_counter()
+            micro = batches.next(n)
+            share = step.train_step(run.net, run.optimizer, run.weights, micro, d.device,
+                                    d.world_size, run.replicated, t.max_grad_norm,
+                                    run.ckpt.before_update)  # fmt: skip
+            run.scheduler.step()
+            tally.add(share, micro)
+            done = n + 1
+            report.step(done, run.scheduler.get_last_lr()[0], sampler.epoch(done),
+                        seconds=time.perf_counter() - began)  # fmt: skip
+            if done % t.log_every == 0 or done == steps.stop:
+                report.logged(done, *tally.reduce(d.device))  # the step's one host wait
+            if ds.eval is not None and t.eval_every and done % t.eval_every == 0:
+                report.phase("evaluating")
+                report.evaluated(done, evaluate(run.net, ds, d, t.micro_batch_size))
+                evaluated_at = done
+            if done % every == 0 and done < steps.stop:
+                _checkpoint(spec, run, done, report)
+    finally:
+        batches.close()
+    return evaluated_at
+
+
+def _checkpoint(spec, run: Run, done: int, report) -> None:
+    report.phase("checkpointing")
+    run.ckpt.save(run.net, run.optimizer, run.scheduler, done)
+    path = checkpoint.folder(run.ckpt.root, done)
+    report.update(phase="training", lastCheckpoint=str(path), lastCheckpointStep=done)
+    background = " (written in the background)" if spec.checkpoint.async_save else ""
+    report.log(f"checkpoint saved: step {done} in {path}{background}")
 
 
 def _resume(job_dir, spec, d, ckpt, net, optimizer, scheduler, report) -> int:
@@ -262,61 +321,17 @@ def _export(net, spec, tok, out: Path, rank: int, lease: owner.Lease | None) -> 
         raise TrainerError(message, reason=reason, where=where)
 
 
-def token_loss(net, batch: dict, device: torch.device) -> tuple[torch.Tensor, int]:
-    """Sum of next-token losses over the labelled tokens, and their count."""
-    batch = {k: v.to(device) for k, v in batch.items()}
-    # No attention mask: the position ids keep each packed document to itself (data.collate).
-    # transformers reads them so only without a KV cache, hence use_cache=False.
-    ids, positions = batch["input_ids"], batch["position_ids"]
-    logits = net(input_ids=ids, position_ids=positions, use_cache=False).logits
-    target = batch["labels"][:, 1:]
-    loss = F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.size(-1)),
-        target.reshape(-1),
-        ignore_index=data.IGNORE,
-        reduction="sum",
-    )
-    return loss, int((target != data.IGNORE).sum())
-
-
-def _train_step(
-    net, optimizer, weights, ds, sampler, step, d, max_norm, before_update
-) -> tuple[float, int]:
-    micro = [
-        data.collate(ds.rows(sampler.indices(step, m, d.rank)), ds.pad_id)
-        for m in range(sampler.accumulation)
-    ]
-    # Every labelled token of the step weighs the same, whichever rank or micro-batch has it:
-    # divide by the global count (FSDP then averages gradients over ranks, hence x world).
-    labelled = sum(int((b["labels"][:, 1:] != data.IGNORE).sum()) for b in micro)
-    counts = torch.tensor([float(labelled)], device=d.device)
-    dist.all_reduce(counts)
-    tokens_all = max(float(counts.item()), 1.0)
-    total = torch.zeros((), device=d.device)
-    for m, batch in enumerate(micro):
-        # Reduce-scatter gradients once per step, not once per micro-batch.
-        net.set_requires_gradient_sync(m == len(micro) - 1)
-        loss, _ = token_loss(net, batch, d.device)
-        (loss * d.world_size / tokens_all).backward()
-        total += loss.detach()
-    if max_norm > 0:
-        torch.nn.utils.clip_grad_norm_(weights, max_norm)
-    before_update()  # a background checkpoint may still be copying weights and moments
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    dist.all_reduce(total)
-    seen = sum(int(b["tokens"].sum()) for b in micro) * d.world_size
-    return float(total) / tokens_all, seen
-
-
 @torch.no_grad()
 def evaluate(net, ds: data.Data, d: parallel.Dist, micro_batch: int) -> float:
     """Mean next-token loss over the whole eval set (all ranks)."""
     net.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=d.device)
+    total = torch.zeros((), dtype=torch.float64, device=d.device)
+    labelled = 0
     for batch in data.eval_batches(ds, d.rank, d.world_size, micro_batch):
-        loss, count = token_loss(net, batch, d.device)
-        sums += torch.tensor([float(loss), count], dtype=torch.float64, device=d.device)
+        part, count = loss.token_loss(net, batch, d.device)
+        total += part
+        labelled += count  # a host count: the loop never waits for the device
+    sums = torch.stack([total, torch.tensor(float(labelled), dtype=torch.float64, device=d.device)])
     dist.all_reduce(sums)
     net.train()
     return float(sums[0] / sums[1])
@@ -344,25 +359,30 @@ def _progress(spec: FineTuneJobSpec, job_dir: Path) -> progress.Progress:
     return report
 
 
-def _plan_progress(report, spec, d, total, net, params, trainable, sharding) -> None:
-    config = net.config
-    # An untied input embedding is a lookup; a tied one is also the output head's matmul.
-    embed = 0 if config.tie_word_embeddings else net.get_input_embeddings().weight.numel()
-    frozen_base = spec.method.type != "full"
-    flops = flops_per_token(
-        params=params - embed - (trainable if frozen_base else 0),
-        adapter_params=trainable if frozen_base else 0,
-        layers=config.num_hidden_layers,
-        hidden=config.hidden_size,
-        seq_len=spec.dataset.max_seq_length,
-        frozen_base=frozen_base,
-    )
+def _plan_progress(report, spec, d, total, run: Run) -> None:
     name = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else None
     report.planned(
         total,
-        flops_per_token=flops,
         peak=progress.peak_flops(name, spec.resources.gpu_type),
         device=name or "cpu",
-        sharding=sharding,
+        sharding=run.sharding,
         method=spec.method.type,
+        activationCheckpointing=run.speed.checkpoint_every,
+        compiled=run.speed.compile,
     )
+
+
+def _flops_counter(spec: FineTuneJobSpec, net, params: int, trainable: int):
+    """Model FLOPs of a micro-batch from its tokens and its documents' lengths (modelshape's
+    one definition, shared with ftjob plan; recomputation is not counted)."""
+    config = net.config
+    # An untied input embedding is a lookup; a tied one is also the output head's matmul.
+    embed = 0 if config.tie_word_embeddings else net.get_input_embeddings().weight.numel()
+    frozen = spec.method.type != "full"
+    base = params - embed - (trainable if frozen else 0)
+
+    def flops(tokens: int, attention_sq: int) -> float:
+        return model_flops(base, trainable if frozen else 0, config.num_hidden_layers,
+                           config.hidden_size, frozen, tokens, attention_sq)  # fmt: skip
+
+    return flops

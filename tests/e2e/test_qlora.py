@@ -207,7 +207,7 @@ def probe(base: Path, out: Path) -> None:
 
     from ftjob.spec import parse_spec
     from ftjob.trainer import data, model, parallel
-    from ftjob.trainer.train import token_loss
+    from ftjob.trainer.loss import token_loss
 
     results, d = {}, None
     cases = {"fp32": {}, "bf16": {}, "offload": {"parallelism": {"cpuOffload": True}}}

@@ -79,7 +79,7 @@ def probe(out: Path, tied: Path, cases: list) -> None:
 
     from ftjob.spec import parse_spec
     from ftjob.trainer import data, export, model, parallel
-    from ftjob.trainer.train import token_loss
+    from ftjob.trainer.loss import token_loss
 
     results = {}
     d = None

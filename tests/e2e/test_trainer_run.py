@@ -101,7 +101,7 @@ def eval_loss_of(model, workdir: Path) -> float:
     from ftjob.spec import parse_resource
     from ftjob.trainer import data
     from ftjob.trainer.model import load_tokenizer
-    from ftjob.trainer.train import token_loss
+    from ftjob.trainer.loss import token_loss
 
     _, spec = parse_resource(json.loads((workdir / "spec.json").read_text()))
     ds = data.load(spec, load_tokenizer(spec), workdir)  # the trainer's prepared data

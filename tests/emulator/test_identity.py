@@ -122,13 +122,14 @@ def test_progress_is_polled_on_its_own_timer(slow_resync):
     doc = tiny_job("poll")
     report = rank0_progress(doc["spec"]["network"]["progressPort"], 60)
     report.begin(0)
-    report.step(1, 3.0, 1e-3, 4096, 0.0, log=True)
+    report.step(1, 1e-3, 0.0)
+    report.logged(1, 3.0, tokens=4096, flops=0.0)
     try:
         cluster.create_job(doc)
         gang_running(cluster, "poll", 0)
         wait_phase(cluster, "poll", "Running")
         for step in (10, 20):
-            report.step(step, 3.0, 1e-3, 4096, 0.0, log=False)
+            report.step(step, 1e-3, 0.0)
             cluster.wait(
                 lambda s=step: job_status(cluster, "poll").get("progress", {}).get("step") == s,
                 PROMPT,

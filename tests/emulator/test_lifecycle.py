@@ -187,7 +187,8 @@ def test_progress_from_rank_0_reaches_status(cluster, operator):
     doc = tiny_job("prog")
     report = rank0_progress(doc["spec"]["network"]["progressPort"], 60)
     report.begin(0)
-    report.step(30, 2.25, 1e-3, 4096, 0.5, log=True)
+    report.step(30, 1e-3, 0.5)
+    report.logged(30, 2.25, tokens=4096, flops=0.0)
     report.update(lastCheckpoint="/ftjob/prog/ckpt/20", lastCheckpointStep=20)
     served = dict(report.snapshot)
     try:

@@ -42,7 +42,7 @@ def test_prometheus_text_leaves_out_unknown_values():
 
 @pytest.fixture
 def report(tmp_path):
-    p = progress.Progress(tmp_path, True, total=10, world=2, flops_per_token=100.0, peak=1e6)
+    p = progress.Progress(tmp_path, True, total=10, world=2, peak=1e6)
     p.serve(0)
     yield p
     p.close()
@@ -56,15 +56,20 @@ def get(report, path: str) -> str:
 
 def test_progress_is_served_as_json_and_prometheus_and_written_to_file(report, tmp_path):
     report.begin(0)
-    report.step(1, loss=3.0, lr=1e-3, tokens=1000, epoch=0.1, log=True, seconds=0.3)
-    report.step(2, loss=2.9, lr=1e-3, tokens=1000, epoch=0.2, log=False, seconds=7.0)
+    report.step(1, lr=1e-3, epoch=0.1, seconds=0.3)
+    report.logged(1, loss=3.0, tokens=2000, flops=5e5)
+    report.step(2, lr=1e-3, epoch=0.2, seconds=7.0)  # not a log step: no loss, no file line
     report.evaluated(2, 2.75)
+    report.flush()
     served = json.loads(get(report, "/progress"))
-    assert (served["step"], served["totalSteps"], served["loss"]) == (2, 10, 2.9)
+    assert (served["step"], served["totalSteps"], served["loss"]) == (2, 10, 3.0)
     assert served["evalLoss"] == 2.75 and served["phase"] == "training"
-    assert served["tokensPerSecond"] > 0 and served["etaSeconds"] >= 0
-    # tokens/s x 100 FLOPs per token / (1e6 FLOP/s peak x 2 ranks)
-    assert served["mfu"] == pytest.approx(served["tokensPerSecond"] * 100 / 2e6, abs=1e-4)
+    assert served["tokensSeen"] == 2000 and served["tokensPerSecond"] > 0
+    assert served["etaSeconds"] >= 0
+    # MFU: the window's model FLOPs (all ranks) / (seconds x 1e6 FLOP/s peak x 2 ranks); the
+    # seconds are those tokens/s was measured over.
+    seconds = 2000 / served["tokensPerSecond"]
+    assert served["mfu"] == pytest.approx(5e5 / (seconds * 2e6), rel=1e-3, abs=1e-4)
     scraped = get(report, "/metrics")
     assert "ftjob_eval_loss 2.75" in scraped
     # Step time is a histogram: one step under half a second, one between 5 and 10.
@@ -78,10 +83,33 @@ def test_progress_is_served_as_json_and_prometheus_and_written_to_file(report, t
     assert events == ["step", "eval"]  # step 2 was not a logged step
 
 
+def test_files_are_written_by_their_own_thread_and_nothing_is_lost(tmp_path, monkeypatch):
+    """A slow volume holds up the writer thread, never the step; what was reported reaches
+    the files by close(), every history line included."""
+    import threading
+
+    from ftjob import atomic
+
+    gate, real = threading.Event(), atomic.write_json
+    monkeypatch.setattr(atomic, "write_json", lambda *a: (gate.wait(10), real(*a)))
+    p = progress.Progress(tmp_path, True, total=3, world=1)
+    p.begin(0)
+    for n in (1, 2, 3):
+        p.step(n, lr=1e-3, epoch=0.0)
+        p.logged(n, loss=3.0 - n / 10, tokens=10, flops=0.0)  # returns with the volume stuck
+    assert not (tmp_path / "progress.json").exists()
+    gate.set()
+    p.close()
+    assert json.loads((tmp_path / "progress.json").read_text())["step"] == 3
+    lines = [json.loads(line) for line in (tmp_path / "progress.jsonl").open()]
+    assert [e["step"] for e in lines if e["event"] == "step"] == [1, 2, 3]
+
+
 def test_other_ranks_publish_nothing(tmp_path):
     quiet = progress.Progress(tmp_path, False, total=10, world=2)
     quiet.serve(0)
-    quiet.step(1, loss=3.0, lr=1e-3, tokens=10, epoch=0.0, log=True)
+    quiet.step(1, lr=1e-3, epoch=0.0)
+    quiet.logged(1, loss=3.0, tokens=10, flops=0.0)
     assert not (tmp_path / "progress.json").exists()
 
 

@@ -1,0 +1,79 @@
+"""trainer/loss.py: the chunked loss through the head equals the plain one, and never holds
+a micro-batch's fp32 logits.
+
+    python -m pytest tests/unit/test_loss.py -q
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from ftjob.trainer import data, loss
+from ftjob.trainer.tokenize import IGNORE
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-model"
+
+
+def test_chunked_loss_and_gradients_equal_the_plain_cross_entropy():
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (300,))
+    targets[::7] = IGNORE
+    chunked = loss.linear_cross_entropy(hidden, weight, targets, chunk=64)
+    chunked.backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    plain = F.cross_entropy(hidden @ weight.t(), targets, ignore_index=IGNORE, reduction="sum")
+    plain.backward()
+    assert chunked.item() == pytest.approx(plain.item(), rel=1e-5)
+    torch.testing.assert_close(grads[0], hidden.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[1], weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_no_chunk_of_logits_outlives_its_own_loss(monkeypatch):
+    """Peak memory of the loss is one chunk of logits, not the whole micro-batch's: count the
+    largest [tokens x vocab] tensor the loss ever makes."""
+    shapes = []
+    real = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: (shapes.append(t.shape), real(t))[1])
+    hidden = torch.randn(4096, 8, requires_grad=True)
+    weight = torch.randn(1000, 8, requires_grad=True)
+    loss.linear_cross_entropy(hidden, weight, torch.randint(0, 1000, (4096,)), 1024).backward()
+    assert max(s.numel() for s in shapes) == 1024 * 1000
+
+
+def batch(pad_id: int) -> data.Batch:
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for lengths in ([20, 30, 14], [64], [10, 5]):
+        ids = torch.randint(5, 200, (sum(lengths),), generator=g).tolist()
+        labels = list(ids)
+        labels[0] = IGNORE
+        rows.append({"input_ids": ids, "labels": labels, "seq_lengths": lengths})
+    return data.collate(rows, pad_id)
+
+
+def test_token_loss_through_the_installed_head_equals_plain_logits():
+    plain = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    fused = copy.deepcopy(plain)
+    assert loss.install(fused)
+    b = batch(plain.config.pad_token_id or 0)
+    got, count = loss.token_loss(fused, b, torch.device("cpu"))
+    want, _ = loss.token_loss(plain, b, torch.device("cpu"))  # head not installed: logits
+    assert count == b.labelled > 0
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    got.backward()
+    want.backward()
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():  # evaluation: the loss alone, the same number
+        assert loss.token_loss(fused, b, torch.device("cpu"))[0].item() == pytest.approx(
+            want.item(), rel=1e-5
+        )
