@@ -185,17 +185,14 @@ class Progress:
         self.update(phase="training", step=step)
 
     def step(self, step: int, lr: float, epoch: float, seconds: float | None = None) -> None:
-        """Record one optimizer step (``seconds`` it took) in memory: /progress serves it, and
-        a terminal's bar moves. Nothing is written and no number waits for the device."""
+        """Record one optimizer step (``seconds`` it took): /progress serves it, the file
+        thread writes it when it can, a terminal's bar moves; no number waits for the device."""
         self.last_step = step
         if not self.enabled:
             return
         if seconds is not None:
             self.metrics.step_seconds.observe(seconds)
-        with self._lock:
-            self.snapshot.update(
-                step=step, learningRate=lr, epoch=round(epoch, 4), updatedAt=_now()
-            )
+        self.update(step=step, learningRate=lr, epoch=round(epoch, 4))
         if self.tty and self.snapshot["loss"] is not None:
             sys.stdout.write("\r" + self.line(bar=True))
             sys.stdout.flush()

@@ -79,15 +79,9 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     recorded = jobfolder.claim(job_dir, name, spec, writer=d.is_main)
     total_asked = spec.training.max_steps
     if out.exists() and (total_asked is None or recorded.get("trainedSteps", 0) >= total_asked):
-        # A gang restarted after the export was written (a pod evicted at the very end): the
-        # job is done, and says so in the record the operator requires for success.
+        # A gang restarted after the export was written (a pod evicted at the very end).
         say(f"{name}: already trained; the exported model is in {out}", flush=True)
-        report.update(phase="succeeded", exportPath=str(out))
-        if d.is_main:
-            termination.write(contract.success_record(str(out)))
-            lease.release()
-        dist.destroy_process_group()
-        return out
+        return _succeeded(out, d, report, lease)
     asked = spec  # what the job folder records; the run reads downloads from the volume
     spec = sources.fetch(
         spec,
@@ -103,14 +97,8 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     report.phase("preparing-data")
     tok = model.load_tokenizer(spec)
     # Rank 0 prepares (or reuses) the data on the volume; the others wait, then memory-map it.
-    ds = data.load(
-        spec,
-        tok,
-        job_dir,
-        is_main=d.is_main,
-        log=lambda m: say(m, flush=True),
-        on_progress=lambda p: report.update(preparing=p),
-    )
+    ds = data.load(spec, tok, job_dir, is_main=d.is_main, log=lambda m: say(m, flush=True),
+                   on_progress=lambda p: report.update(preparing=p))  # fmt: skip
     sampler = data.Sampler(len(ds.train), t.seed, d.world_size, t.micro_batch_size,
                            t.gradient_accumulation)  # fmt: skip
     total = t.max_steps or sampler.steps_for(t.epochs)
@@ -141,8 +129,13 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     _export(run.net, spec, tok, out, d.rank, lease)
     if d.is_main:
         jobfolder.write(job_dir, name, asked, trained_steps=total)
-    report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
     report.log(f"exported model: {out}")
+    return _succeeded(out, d, report, lease)
+
+
+def _succeeded(out: Path, d: parallel.Dist, report, lease: owner.Lease | None) -> Path:
+    """The job is done: say so in progress and in the record the operator requires."""
+    report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
     if d.is_main:
         termination.write(contract.success_record(str(out)))
     if lease:
