@@ -41,8 +41,3 @@ def test_checkpointing_and_compile_settings_train_to_the_same_losses(tmp_path):
             # inductor fuses and reorders fp32 arithmetic: equal to rounding, not bit for bit
             assert curve[step] == pytest.approx(loss, rel=1e-4), (name, step)
 
-
-def test_auto_checkpointing_on_a_cpu_recomputes_every_layer(tmp_path):
-    """No device memory to fit on a CPU: auto keeps the memory-safe setting."""
-    _, snap = settings_run(tmp_path, "auto", activationCheckpointing="auto")
-    assert snap["activationCheckpointing"] == 1

@@ -203,6 +203,16 @@ def test_progress_json_is_the_documented_contract(full):
     assert snap["exportPath"] == str(workdir / "model")
     assert snap["mfu"] is None  # CPU: no meaningful peak FLOP/s
     assert snap["tokensPerSecond"] > 0 and snap["lastCheckpointStep"] == 28
+    assert snap["activationCheckpointing"] == 1  # "all": every layer recomputed
+    # Tokens are counted on every rank and summed (not rank 0's times the world size): the
+    # real tokens of every sequence the sampler gave either rank, padding left out.
+    from ftjob.trainer import data
+
+    (train,) = (workdir / "data").glob("*/train")
+    seqs = data.Sequences.open(train)
+    sampler = data.Sampler(len(seqs), 42, world=2, micro_batch=2, accumulation=1)
+    picked = [i for s in range(30) for r in (0, 1) for i in sampler.indices(s, 0, r)]
+    assert snap["tokensSeen"] == sum(len(row["input_ids"]) for row in seqs.rows(picked))
     assert isinstance(snap["port"], int) and snap["port"] > 0
     # Each node's termination record (ftjob.contract), as a pod's message file.
     record = json.loads((workdir / "logs" / "node-0.termination").read_text())
