@@ -105,7 +105,7 @@ def job(name: str, model: Path, *, steps: int, nodes: int = 2, micro_batch: int 
                     "packing": True},
         "method": {"type": method},
         "training": {"maxSteps": steps, "learningRate": lr, "warmup": 0, "scheduler": "constant",
-                     "microBatchSize": micro_batch, "activationCheckpointing": False,
+                     "microBatchSize": micro_batch, "activationCheckpointing": "none",
                      "logEvery": log_every, "evalEvery": 0, "seed": 42, "maxGradNorm": 1.0},
         "resources": {"nodes": nodes, "gpusPerNode": 0},
         "checkpoint": {"volume": {"claimName": "bench"}, "every": checkpoint_every or steps + 1,

@@ -82,7 +82,7 @@ def job(method: str, model: Path, chat: Path, s: Setup) -> dict:
                      micro_batch=s.micro_batch, nodes=1, lr=1e-5)  # fmt: skip
     spec = doc["spec"]
     spec["dataset"]["source"] = str(chat)
-    spec["training"]["activationCheckpointing"] = True
+    spec["training"]["activationCheckpointing"] = "all"
     if s.gpu:
         spec["training"]["precision"] = "bf16"
         spec["resources"]["gpusPerNode"] = s.processes

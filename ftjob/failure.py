@@ -22,7 +22,7 @@ FIXES = {
     contract.BAD_MODEL: "check spec.model.source: a folder with config.json, or hf://org/name",
     contract.BAD_SPEC: "`ftjob validate FILE` names every invalid field",
     contract.CUDA_OOM: "lower spec.training.microBatchSize or spec.dataset.maxSeqLength, or set "
-    "spec.training.activationCheckpointing: true; `ftjob plan FILE` estimates the memory",
+    "spec.training.activationCheckpointing: all; `ftjob plan FILE` estimates the memory",
     contract.HOST_OOM: "this machine ran out of memory: `ftjob plan FILE` estimates it per "
     "process; use fewer processes (resources.nodes) or a smaller model",
     contract.DISK_FULL: "free space where the job folder is, or lower spec.checkpoint.keep",

@@ -1,11 +1,14 @@
 """What ftjob knows about accelerators and fabrics: memory, peak FLOP/s, bandwidth.
 
-Peak numbers are the vendors' dense bf16 tensor-core figures (no sparsity); MFU and the planner's
-step-time estimates divide by them. Bandwidth is per node and one direction.
+Peak numbers are the vendors' dense bf16 tensor-core figures (no sparsity; for the RTX 4090,
+bf16 with fp32 accumulate); MFU and the planner's step-time estimates divide by them. Each
+entry is one exact product: the H100's SXM, PCIe and NVL boards differ by 30% in peak, so
+"an H100" is not a table entry. Bandwidth is per node and one direction.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 GIB = 2**30
@@ -22,38 +25,52 @@ class Gpu:
 GPUS = {
     g.name: g
     for g in [
+        # NVIDIA publishes no datasheet for the A10G (an AWS part); third-party tables
+        # disagree (70 and 125 TFLOP/s). The lower figure is kept until measured.
         Gpu("A10G-24GB", 24 * GIB, 70e12),
         Gpu("L4-24GB", 24 * GIB, 121e12),
         Gpu("RTX4090-24GB", 24 * GIB, 165e12),
         Gpu("A100-40GB", 40 * GIB, 312e12),
         Gpu("A100-80GB", 80 * GIB, 312e12),
         Gpu("L40S-48GB", 48 * GIB, 362e12),
-        Gpu("H100-80GB", 80 * GIB, 989e12),
+        Gpu("H100-PCIe-80GB", 80 * GIB, 756e12),
+        Gpu("H100-NVL-94GB", 94 * GIB, 835e12),
+        Gpu("H100-SXM-80GB", 80 * GIB, 989e12),
         Gpu("H200-141GB", 141 * GIB, 989e12),
         Gpu("B200-180GB", 180 * GIB, 2250e12),
     ]
 }
 
-# Substrings of torch.cuda.get_device_name() -> table entry, most specific first.
+# Names the table once had, and why they are gone (resources.gpuType's error says so).
+RETIRED_GPU_TYPES = {
+    "H100-80GB": "is ambiguous (the SXM, PCIe and NVL boards differ in peak FLOP/s); use "
+    "H100-SXM-80GB, H100-PCIe-80GB or H100-NVL-94GB",
+}
+
+# torch.cuda.get_device_name() -> table entry, first match wins. Word boundaries keep GH200
+# and GB200 (other products) from matching H200 and B200; a variant the table has no entry
+# for (H200 NVL, L40, RTX 4090 D, A10) matches nothing, so no wrong peak is used.
 _DEVICE_NAMES = [
-    ("H200", "H200-141GB"),
-    ("H100", "H100-80GB"),
-    ("B200", "B200-180GB"),
-    ("A100-SXM4-40GB", "A100-40GB"),
-    ("A100-PCIE-40GB", "A100-40GB"),
-    ("A100", "A100-80GB"),
-    ("L40S", "L40S-48GB"),
-    ("L4", "L4-24GB"),
-    ("A10G", "A10G-24GB"),
-    ("4090", "RTX4090-24GB"),
+    (r"\bH100\b.*\bNVL\b", "H100-NVL-94GB"),
+    (r"\bH100\b.*\bPCIe\b", "H100-PCIe-80GB"),
+    (r"\bH100\b.*\b(HBM3|SXM)", "H100-SXM-80GB"),  # "NVIDIA H100 80GB HBM3"
+    (r"\bH200\b(?!.*\bNVL\b)", "H200-141GB"),
+    (r"\bB200\b", "B200-180GB"),
+    (r"\bA100\b.*\b40GB\b", "A100-40GB"),  # "NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"
+    (r"\bA100\b.*\b80GB\b", "A100-80GB"),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"
+    (r"\bL40S\b", "L40S-48GB"),
+    (r"\bL4$", "L4-24GB"),
+    (r"\bA10G$", "A10G-24GB"),
+    (r"\bRTX 4090$", "RTX4090-24GB"),
 ]
 
 
 def gpu_for_device_name(device_name: str) -> Gpu | None:
-    """The table entry for a CUDA device name, or None for an unknown device."""
-    for needle, name in _DEVICE_NAMES:
-        if needle in device_name:
-            return GPUS[name]
+    """The table entry for a CUDA device name, or None for a device the table lacks."""
+    name = device_name.strip()
+    for pattern, entry in _DEVICE_NAMES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return GPUS[entry]
     return None
 
 

@@ -35,6 +35,7 @@ SAFE = frozenset(
         "training.logEvery",
         "training.evalEvery",
         "training.activationCheckpointing",  # recomputes the same activations
+        "training.compile",  # the same layers, compiled
     }
 )
 

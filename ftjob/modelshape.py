@@ -156,18 +156,49 @@ def known_model(source: str) -> ModelShape | None:
     return None
 
 
+def model_flops(
+    params: int,
+    adapter_params: int,
+    layers: int,
+    hidden: int,
+    frozen_base: bool,
+    tokens: int,
+    attention_sq: int,
+) -> float:
+    """Model FLOPs of one forward and backward over ``tokens`` tokens: THE definition behind
+    MFU, for the planner and for the trainer's live figure alike.
+
+    ``(6·N or 4·N + 6·A)·tokens + 12·layers·hidden·attention_sq``:
+
+    * ``params`` (N) excludes the input embedding (a lookup; a tied one still counts as the
+      output head). A trained weight costs 6 FLOPs a token: 2 forward, 2 for the input
+      gradient, 2 for its own gradient. With a frozen base (LoRA, QLoRA) the base weights
+      need no weight gradient and cost 4; the adapters (A) cost 6.
+    * Attention's two matmuls (scores q·kᵀ and their product with v) cost 2·hidden FLOPs per
+      query-key pair each, forward; with the backward (twice the forward) 12·hidden per pair
+      and layer: the count of PaLM's MFU (Chowdhery et al. 2022), without causal halving.
+      A packed document attends only to itself, so the pairs are ``attention_sq``, the sum
+      over documents of length² (the planner, which assumes every document is maxSeqLength
+      long, passes tokens·maxSeqLength).
+
+    Recomputation by activation checkpointing is not counted: it is not the model's work,
+    and MFU compares setups that recompute differently.
+    """
+    matmul = 4 * params + 6 * adapter_params if frozen_base else 6 * params
+    return float(matmul * tokens + 12 * layers * hidden * attention_sq)
+
+
 def flops_per_token(
     params: int, adapter_params: int, layers: int, hidden: int, seq_len: int, frozen_base: bool
 ) -> float:
-    """Training FLOPs per token: 6·N plus attention (12·layers·hidden·seq, PaLM's count).
+    """:func:`model_flops` of one token of a ``seq_len``-long document (the planner's view:
+    every document fills maxSeqLength)."""
+    return model_flops(params, adapter_params, layers, hidden, frozen_base, 1, seq_len)
 
-    ``params`` excludes the input embedding (a lookup). With a frozen base (LoRA, QLoRA) the
-    base weights need the forward (2·N) and the input gradients (2·N) but no weight gradients,
-    so they count 4·N; the adapters count 6 each. Recomputation by activation checkpointing
-    is not useful work and is not counted.
-    """
-    matmul = 4 * params + 6 * adapter_params if frozen_base else 6 * params
-    return float(matmul + 12 * layers * hidden * seq_len)
+
+# The loss computes the output head and the cross-entropy this many tokens at a time
+# (trainer/loss.py), so fp32 logits never exist for a whole micro-batch.
+LOSS_CHUNK_TOKENS = 1024
 
 
 # torchao's NF4 stores 4-bit values in blocks of 64 and their scales, quantized again, in

@@ -85,8 +85,16 @@ def plan_result(path: str, name: str, spec: FineTuneJobSpec, result: plan.Plan) 
             "podMemoryBytes": _int(e.pod_memory),
         },
         "checkpointBytes": int(e.checkpoint_bytes),
+        # What activationCheckpointing asks for, and what it means here (auto resolved).
+        "activationCheckpointing": {
+            "setting": spec.training.activation_checkpointing,
+            "chosen": plan.stride_name(e.checkpoint_stride),
+        },
         "tokensPerStep": spec.tokens_per_step,
+        "flopsPerToken": e.flops_per_token,
+        "recomputedFlopsPerToken": e.recomputed_flops_per_token,
         "stepSeconds": e.step_seconds,
+        "mfu": e.mfu,
         "networkBytesPerNodePerStep": int(e.network_bytes_per_node),
         "networkSecondsPerStep": e.network_seconds,
         "options": [

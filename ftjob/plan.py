@@ -12,8 +12,19 @@ It models what ftjob's trainer does, not an ideal FSDP:
   adapters in fp32; gradients are reduced in fp32; AdamW keeps two fp32 moments;
 * QLoRA stores the decoder layers' linear weights in NF4 (~4.1 bits each), sharded by FSDP
   like everything else, and gathers one layer (plus the next) of 4-bit weights at a time;
+* gradients are reduce-scattered after every micro-batch and accumulate sharded (fp32), so
+  gradient accumulation adds no memory; hybrid (and none) all-reduce across replicas once
+  per step, full and grad-op gather and reduce-scatter every micro-batch;
+* activation checkpointing every N layers: a checkpointed layer keeps only its input, the
+  others everything, and one layer at a time is recomputed; ``auto`` takes the fastest
+  setting that fits (:func:`checkpoint_stride`);
+* the loss computes logits LOSS_CHUNK_TOKENS tokens at a time, with the gradients of the
+  hidden states and of the head taken chunk by chunk in the forward;
 * rank 0 reads the checkpoint (in its own dtype) and broadcasts it; other ranks start empty;
 * checkpoints hold the trainable parameters' weights and AdamW moments (fp32).
+
+MFU counts model FLOPs only (:func:`ftjob.modelshape.model_flops`), as the trainer's live
+figure does; the step time also counts the recomputed forward.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from pathlib import Path
 from ftjob import datasize
 from ftjob.hardware import GIB, GPUS, node_bandwidth
 from ftjob.modelshape import (
+    LOSS_CHUNK_TOKENS,
     ModelShape,
     flops_per_token,
     nf4_settings_problem,
@@ -46,7 +58,12 @@ TIGHT = 0.90  # above this share the estimate's error (~15%) could tip it: say s
 PROCESS_BASELINE_BYTES = 0.4 * GIB
 # The same for a CUDA process (CUDA and NCCL libraries mapped in): not measured here.
 GPU_PROCESS_BASELINE_BYTES = 3 * GIB
-ASSUMED_MFU = {"full": 0.40, "lora": 0.35, "qlora": 0.25}
+# Share of the peak the GPUs are assumed to spend on matmuls, recomputed ones included
+# (hardware FLOPs utilisation): the step time divides model + recomputed FLOPs by it. Without
+# recomputation it equals MFU; the plan's MFU is it x model / (model + recomputed) FLOPs.
+ASSUMED_HFU = {"full": 0.40, "lora": 0.35, "qlora": 0.25}
+# activationCheckpointing: auto tries these strides, fastest first (0: none, 1: every layer).
+AUTO_STRIDES = (0, 4, 3, 2, 1)
 OFFLOAD_SLOWDOWN = 0.5  # CPU offload roughly halves throughput (PCIe copies each step)
 # torchao NF4: 4 bits a value, an int8 scale per 64 values, a scale of scales per 256 scales.
 NF4_BITS_PER_PARAM = 4 + 8 / 64 + 16 / (64 * 256)
@@ -70,12 +87,16 @@ class Estimate:
     load_cpu_node0: float  # peak on node 0 while loading, rank-0 loading
     load_cpu_every_rank: float  # the same if every rank read the weights
     checkpoint_bytes: float
-    flops_per_token: float
+    flops_per_token: float  # model FLOPs (MFU's), every document maxSeqLength long
+    recomputed_flops_per_token: float  # the forward that activation checkpointing repeats
+    checkpoint_stride: int  # 0 none, 1 every layer, N every Nth (auto resolved)
     step_seconds: float | None
     network_bytes_per_node: float
     network_seconds: float | None
     notes: list[str] = field(default_factory=list)
     problem: str | None = None  # why the job cannot run at all, whatever the memory
+    # The assumed share of peak behind step_seconds (ASSUMED_HFU; None without a GPU type).
+    hardware_utilisation: float | None = None
 
     @property
     def per_device(self) -> float:
@@ -86,6 +107,17 @@ class Estimate:
             + self.activations
             + self.temporaries
             + self.reserved
+        )
+
+    @property
+    def mfu(self) -> float | None:
+        """The MFU the step time implies: model FLOPs only, as the trainer reports it."""
+        if self.hardware_utilisation is None:
+            return None
+        return (
+            self.hardware_utilisation
+            * self.flops_per_token
+            / (self.flops_per_token + self.recomputed_flops_per_token)
         )
 
     @property
@@ -113,7 +145,57 @@ class Estimate:
         return all(checks) if checks else None
 
 
+def stride_name(stride: int) -> str:
+    """A checkpoint stride as activationCheckpointing spells it."""
+    return {0: "none", 1: "all"}.get(stride, f"every-{stride}")
+
+
+def _stride_of(setting: str) -> int | None:
+    """The stride an explicit activationCheckpointing names; None for auto."""
+    if setting == "auto":
+        return None
+    named = {"none": 0, "all": 1}
+    return named[setting] if setting in named else int(setting.removeprefix("every-"))
+
+
+def checkpointed(layer: int, stride: int) -> bool:
+    """Whether decoder layer ``layer`` (0-based) is recomputed at ``stride``: every
+    ``stride``-th layer, counting from 1 (stride 2: layers 1, 3, 5, ...; 0: none)."""
+    return stride > 0 and (layer + 1) % stride == 0
+
+
+def checkpoint_stride(spec: FineTuneJobSpec, shape: ModelShape, device_bytes: int | None) -> int:
+    """training.activationCheckpointing as a layer stride: 0 none, 1 every layer, N every
+    Nth (:func:`checkpointed` says which).
+
+    ``auto`` is the fastest of AUTO_STRIDES whose estimate stays within TIGHT of
+    ``device_bytes`` (one GPU's memory), leaving room for the estimate's error: a job that
+    runs out of memory mid-run costs more than a recomputed layer. Where nothing fits, and on
+    CPU or an unknown GPU (``device_bytes`` None), every layer.
+    """
+    explicit = _stride_of(spec.training.activation_checkpointing)
+    if explicit is not None:
+        return explicit
+    if device_bytes is None or spec.resources.gpus_per_node == 0:
+        return 1
+    for stride in AUTO_STRIDES[:-1]:
+        if _estimate(spec, shape, stride, device_bytes).per_device <= TIGHT * device_bytes:
+            return stride
+    return AUTO_STRIDES[-1]
+
+
 def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
+    """The estimate for the GPU resources.gpuType names (none: no device fit, auto
+    activation checkpointing every layer)."""
+    gpu = GPUS.get(spec.resources.gpu_type) if spec.resources.gpu_type else None
+    device_bytes = gpu.memory_bytes if gpu else None
+    stride = checkpoint_stride(spec, shape, device_bytes)
+    return _estimate(spec, shape, stride, device_bytes)
+
+
+def _estimate(
+    spec: FineTuneJobSpec, shape: ModelShape, stride: int, device_bytes: int | None
+) -> Estimate:
     r, t, method = spec.resources, spec.training, spec.method.type
     gpu = GPUS.get(r.gpu_type) if r.gpu_type else None
     on_gpu = r.gpus_per_node > 0
@@ -131,7 +213,7 @@ def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
         base_bytes = 0.0  # every weight trains: counted below
     sharded_weights = base_bytes + trainable * FP32
     state_bytes = sharded_weights + 3 * trainable * FP32
-    sharding = spec.effective_sharding(state_bytes, gpu.memory_bytes if gpu else None)
+    sharding = spec.effective_sharding(state_bytes, device_bytes)
     group = {"full": world, "grad-op": world, "hybrid": nproc, "none": 1}[sharding]
     offload = spec.parallelism.cpu_offload
     notes = [f"sharding {sharding} over {group} process{'es' if group > 1 else ''}"]
@@ -150,7 +232,7 @@ def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
     optimizer = 2 * trainable * FP32 / group * states_on_device
 
     tokens = t.micro_batch_size * spec.dataset.max_seq_length
-    activations = _activations(spec, shape, tokens, act_bytes) * FRAGMENTATION
+    activations = _activations(spec, shape, tokens, act_bytes, stride) * FRAGMENTATION
     # FSDP gathers a layer (and prefetches the next) in compute precision and holds its
     # unsharded fp32 gradient until the reduce-scatter; grad-op keeps every layer gathered
     # from forward to backward.
@@ -183,11 +265,12 @@ def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
     load_every = nproc * (shape.params * frozen_bytes + baseline)
     checkpoint_bytes = 3 * trainable * FP32
 
-    flops = _flops_per_token(spec, shape, adapter)
-    step_seconds = None
+    flops, recomputed = _flops_per_token(spec, shape, adapter, stride)
+    step_seconds = hfu = None
     if gpu:
-        mfu = ASSUMED_MFU[method] * (OFFLOAD_SLOWDOWN if offload else 1.0)
-        step_seconds = spec.tokens_per_step * flops / (world * gpu.peak_bf16_flops * mfu)
+        hfu = ASSUMED_HFU[method] * (OFFLOAD_SLOWDOWN if offload else 1.0)
+        work = spec.tokens_per_step * (flops + recomputed)
+        step_seconds = work / (world * gpu.peak_bf16_flops * hfu)
     net = _network_bytes_per_node(spec, shape, sharding, trainable, act_bytes)
     bandwidth = node_bandwidth(
         spec.network.fabric, r.gpus_per_node, spec.network.efa_devices_per_node
@@ -201,23 +284,29 @@ def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
         activations=activations,
         temporaries=temporaries,
         reserved=reserved,
-        device_bytes=gpu.memory_bytes if gpu else None,
+        device_bytes=device_bytes if on_gpu else None,
         pod_memory=quantity(r.memory) if r.memory else None,
         cpu_per_node=cpu_per_node,
         load_cpu_node0=load_node0,
         load_cpu_every_rank=load_every,
         checkpoint_bytes=checkpoint_bytes,
         flops_per_token=flops,
+        recomputed_flops_per_token=recomputed,
+        checkpoint_stride=stride,
         step_seconds=step_seconds,
         network_bytes_per_node=net,
         network_seconds=net / bandwidth if r.nodes > 1 else 0.0,
         notes=notes,
         problem=problem and f"qlora: {problem}",
+        hardware_utilisation=hfu,
     )
 
 
-def _activations(spec: FineTuneJobSpec, s: ModelShape, tokens: int, nbytes: int) -> float:
-    """Bytes saved for the backward pass of one micro-batch (Llama-style decoder)."""
+def _activations(
+    spec: FineTuneJobSpec, s: ModelShape, tokens: int, nbytes: int, stride: int
+) -> float:
+    """Bytes saved for the backward pass of one micro-batch (Llama-style decoder), and the
+    loss's working memory."""
     h, i = s.hidden, s.intermediate
     # Per token and layer, what autograd keeps (HF Llama, sdpa): each RMSNorm's normalised
     # value and output (2h) plus its fp32 input (4h bytes); q, k, v (repeated to all heads)
@@ -231,25 +320,33 @@ def _activations(spec: FineTuneJobSpec, s: ModelShape, tokens: int, nbytes: int)
         per_layer += (nbytes + 1) * s.adapted_input_width(lora.target_modules)
     if spec.model.attention == "eager":
         per_layer += 2 * s.heads * spec.dataset.max_seq_length * nbytes  # scores + softmax
-    if spec.training.activation_checkpointing:
-        # Only each layer's input is kept; one layer at a time is recomputed in full.
-        stored = tokens * (s.layers * h * nbytes + per_layer)
-    else:
-        stored = tokens * s.layers * per_layer
-    # The output head: logits in compute precision, upcast to fp32 for the loss, and their grad.
-    logits = tokens * s.vocab * (nbytes + 2 * FP32)
-    return stored + logits
+    # A checkpointed layer keeps only its input; the others keep everything; the backward
+    # recomputes one checkpointed layer at a time, which then holds everything too.
+    recomputed = sum(checkpointed(n, stride) for n in range(s.layers))
+    kept = (s.layers - recomputed) * per_layer + recomputed * h * nbytes
+    stored = tokens * (kept + (per_layer if recomputed else 0))
+    # The loss takes LOSS_CHUNK_TOKENS tokens at a time: that chunk's logits in compute
+    # precision and fp32 (the upcast and its gradient) come and go; what stays is the
+    # gradient of the hidden states, and under a full fine-tune the head's fp32 gradient.
+    chunk = min(tokens, LOSS_CHUNK_TOKENS)
+    loss = chunk * s.vocab * (nbytes + 2 * FP32) + tokens * h * nbytes
+    if spec.method.type == "full":
+        loss += s.vocab * h * FP32
+    return stored + loss
 
 
-def _flops_per_token(spec: FineTuneJobSpec, s: ModelShape, adapter: int) -> float:
-    """MFU's FLOPs per token, plus the forward that activation checkpointing recomputes."""
+def _flops_per_token(
+    spec: FineTuneJobSpec, s: ModelShape, adapter: int, stride: int
+) -> tuple[float, float]:
+    """MFU's model FLOPs per token, and the forward that activation checkpointing repeats."""
     frozen = spec.method.type != "full"
     n = s.matmul_params  # the base model's; adapters are counted apart
     seq = spec.dataset.max_seq_length
     flops = flops_per_token(n, adapter if frozen else 0, s.layers, s.hidden, seq, frozen)
-    if spec.training.activation_checkpointing:
-        flops += 2 * n + 4 * s.layers * s.hidden * seq  # the recomputed forward
-    return flops
+    recomputed = sum(checkpointed(k, stride) for k in range(s.layers))
+    # One layer's forward: its weights (and adapters) 2 FLOPs each, attention 4·hidden·seq.
+    layer_forward = 2 * (s.layer_params + adapter / s.layers) + 4 * s.hidden * seq
+    return flops, recomputed * layer_forward
 
 
 def _network_bytes_per_node(spec, s: ModelShape, sharding: str, trainable: int, nbytes: int):
@@ -260,11 +357,13 @@ def _network_bytes_per_node(spec, s: ModelShape, sharding: str, trainable: int, 
     across = (r.nodes - 1) / r.nodes
     micro = spec.training.gradient_accumulation
     if sharding in ("full", "grad-op"):
+        # Every micro-batch gathers the weights and reduce-scatters its gradients (fp32).
         gathers = 1 if sharding == "grad-op" else 2  # forward, and again for backward
-        per_micro = gathers * s.params * nbytes + trainable * FP32  # + the reduce-scatter
+        per_micro = gathers * s.params * nbytes + trainable * FP32
         return per_micro * micro * across
-    # hybrid and none: gradients are all-reduced across nodes (2x the data in a ring).
-    return 2 * trainable * FP32 * micro * across
+    # hybrid and none: gradients accumulate within the node and are all-reduced across
+    # nodes once per step, after the last micro-batch (a ring sends 2x the data).
+    return 2 * trainable * FP32 * across
 
 
 # ----------------------------------------------------------------------------- the verdict
@@ -299,14 +398,22 @@ def _with(spec: FineTuneJobSpec, **changes) -> FineTuneJobSpec:
     return dataclasses.replace(spec, **replaced)
 
 
-def _candidates(spec: FineTuneJobSpec):
+def _candidates(spec: FineTuneJobSpec, shape: ModelShape):
     """Single changes that lower memory, cheapest first (what each costs the user)."""
     t, r, p, m = spec.training, spec.resources, spec.parallelism, spec.method
-    if not t.activation_checkpointing:
-        yield (
-            "activationCheckpointing: true (~25% more compute)",
-            {"training__activation_checkpointing": True},
-        )
+    if t.activation_checkpointing not in ("auto", "all"):
+        # What auto would pick here: the fewest recomputed layers that fit (else all). auto
+        # itself already recomputes as much as it takes, so it gets no such advice.
+        gpu = GPUS.get(r.gpu_type) if r.gpu_type else None
+        auto = _with(spec, training__activation_checkpointing="auto")
+        stride = checkpoint_stride(auto, shape, gpu.memory_bytes if gpu else None)
+        if stride != _stride_of(t.activation_checkpointing):
+            e = _estimate(auto, shape, stride, gpu.memory_bytes if gpu else None)
+            more = e.recomputed_flops_per_token / e.flops_per_token
+            yield (
+                f"activationCheckpointing: {stride_name(stride)} (~{more:.0%} more compute)",
+                {"training__activation_checkpointing": stride_name(stride)},
+            )
     if t.micro_batch_size > 1:
         mb = max(1, t.micro_batch_size // 2)
         ga = t.gradient_accumulation * t.micro_batch_size // mb
@@ -346,7 +453,7 @@ def plan(spec: FineTuneJobSpec, shape: ModelShape, max_options: int = 3) -> Plan
     if base.fits is False:
         cumulative: dict = {}
         labels: list[str] = []
-        for label, change in _candidates(spec):
+        for label, change in _candidates(spec, shape):
             single = _apply(spec, change)
             if check_rules(single, "spec"):
                 continue  # advice must be a job the API server accepts
@@ -418,8 +525,8 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
             "shape",
             f"{r.nodes} node(s) x {r.nproc_per_node} x {device}, "
             + ", ".join(e.notes)
-            + f", {spec.compute_precision()}"
-            + (", activation checkpointing" if spec.training.activation_checkpointing else ""),
+            + f", {spec.compute_precision()}, "
+            + checkpointing_text(spec, e),
         ),
         (
             "per GPU" if r.gpus_per_node else "per process",
@@ -448,13 +555,15 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
         total, steps = "", spec.training.max_steps
         if steps:
             total = f", {steps} steps ~ {_duration(e.step_seconds * steps)}"
-        mfu = ASSUMED_MFU[spec.method.type] * (
-            OFFLOAD_SLOWDOWN if spec.parallelism.cpu_offload else 1
-        )
         rows.append(
             (
                 "throughput",
-                f"{tokens:,} tokens/step, ~{_duration(e.step_seconds)}/step at {mfu:.0%} MFU"
+                f"{tokens:,} tokens/step, ~{_duration(e.step_seconds)}/step at {e.mfu:.0%} MFU"
+                + (
+                    f" ({e.hardware_utilisation:.0%} of peak with recomputation)"
+                    if e.recomputed_flops_per_token
+                    else ""
+                )
                 + total,
             )
         )
@@ -485,6 +594,20 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
         )
     width = max(len(label) for label, _ in rows) + 2
     return [f"{label:<{width}}{text}" for label, text in rows]
+
+
+def checkpointing_text(spec: FineTuneJobSpec, e: Estimate) -> str:
+    """What activation checkpointing does here, and what auto chose."""
+    chosen = stride_name(e.checkpoint_stride)
+    if spec.training.activation_checkpointing != "auto":
+        return f"activation checkpointing {chosen}"
+    if not e.device_bytes:
+        why = "no GPU memory to fit against"
+    elif e.checkpoint_stride == 1:
+        why = "nothing faster fits"
+    else:
+        why = "the fastest that fits"
+    return f"activation checkpointing auto: {chosen} ({why})"
 
 
 def verdict_text(result: Plan) -> str:

@@ -106,12 +106,14 @@ def api_field(
     immutable: bool = False,
     fmt: str | None = None,
     example: Any = None,
+    fixes: dict[Any, str] | None = None,
 ) -> Any:
     """Declare one API field: its documentation, default and constraints.
 
     String constraints (``pattern``, ``min_length``, ``max_length``) apply to the field's
     strings: the field itself, each item of a list, each value of a map. ``key_*`` constrain
-    the keys of a map.
+    the keys of a map. ``fixes`` maps values the field once took (a retired name, a boolean
+    that became a word) to the message that says what to write instead.
     """
     meta = {
         "doc": doc,
@@ -131,6 +133,7 @@ def api_field(
         "immutable": immutable,
         "format": fmt,
         "example": example,
+        "fixes": fixes,
     }
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
@@ -167,6 +170,15 @@ def _show(value: Any) -> str:
     if isinstance(value, float) and not math.isfinite(value):
         return ".nan" if math.isnan(value) else ("-" if value < 0 else "") + ".inf"
     return repr(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def _fix(meta: dict, value: Any) -> str | None:
+    """The message for a value the field no longer takes, if it has one. The type is compared
+    too: 1 == True in Python, but a YAML 1 is not a YAML true."""
+    for old, message in (meta.get("fixes") or {}).items():
+        if type(old) is type(value) and old == value:
+            return message
+    return None
 
 
 def _range_text(meta: dict, what: str) -> str:
@@ -213,6 +225,10 @@ class _Enum(_Kind):
 
     def parse(self, meta, value, path, errors):
         if value not in self.allowed or isinstance(value, bool):
+            fix = _fix(meta, value)
+            if fix:
+                errors.append(FieldError(path, f"{_show(value)} {fix}"))
+                return value
             options = ", ".join(str(a) for a in self.allowed)
             errors.append(FieldError(path, f"must be one of {options}; got {_show(value)}"))
         return value
@@ -273,7 +289,11 @@ class _String(_Kind):
         if self.int_or_string and isinstance(value, int) and not isinstance(value, bool):
             value = str(value)
         if not isinstance(value, str):
-            errors.append(FieldError(path, f"must be a string, got {_show(value)}"))
+            fix = _fix(meta, value)
+            # The words the pattern stands for say more than "a string" does.
+            what = meta.get("pattern_hint") or "be a string"
+            message = f"must {what}, got {_show(value)}"
+            errors.append(FieldError(path, f"{message}: {fix}" if fix else message))
             return value
         _check_string(meta, value, path, errors)
         return value

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from ftjob import __version__
 from ftjob import kubevalidation as kv
-from ftjob.hardware import GPUS
+from ftjob.hardware import GPUS, RETIRED_GPU_TYPES
 from ftjob.schema import (
     QUANTITY_PATTERN,
     FieldError,
@@ -58,6 +58,11 @@ WARMUP = r"^([0-9]+|([0-9]{1,2}([.][0-9]+)?|100([.]0+)?)%)$"
 # Variables ftjob sets itself for torchrun and the trainer; a user value would break wiring.
 RESERVED_ENV_PREFIXES = ("PET_", "FTJOB_", "TORCHELASTIC_")
 GPU_TYPES = tuple(GPUS)
+# activationCheckpointing: auto, all, none or every-N (N >= 2; N = 1 is all).
+CHECKPOINTING_PATTERN = r"^(auto|all|none|every-([2-9]|[1-9][0-9]{1,2}))$"
+# Whether compile: unset turns torch.compile on for GPU jobs. Off until a GPU run has shown
+# that compiled layers train to the same losses, faster.
+COMPILE_VERIFIED_ON_GPU = False
 RESERVED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "HF_TOKEN")
 
 
@@ -303,10 +308,24 @@ class TrainingSpec:
         "states stay fp32.",
         "auto",
     )
-    activation_checkpointing: bool = api_field(
-        "activationCheckpointing recomputes activations in the backward pass: much less "
-        "memory for ~20-30% more compute.",
-        True,
+    activation_checkpointing: str = api_field(
+        "activationCheckpointing: which decoder layers keep only their input in the forward "
+        "pass and recompute the rest in the backward (less memory, more compute). all: every "
+        "layer (~1/3 more compute); every-N: every Nth layer (N >= 2: less recompute, more "
+        "memory); none: no recompute (fastest, most memory); auto: the fastest of none, "
+        "every-4, every-3, every-2 and all whose memory estimate (ftjob plan) fits the GPU, "
+        "all on CPU or an unknown GPU.",
+        "auto",
+        pattern=CHECKPOINTING_PATTERN,
+        pattern_hint="be auto, all, none or every-N with N >= 2 (e.g. every-2)",
+        max_length=16,
+        fixes={b: "use all (was true) or none (was false)" for b in (True, False)},
+    )
+    compile: bool | None = api_field(
+        "compile each decoder layer with torch.compile before sharding (faster steps after "
+        "a slower first one). Unset, ftjob decides: off on CPU, and off on GPUs until "
+        "compile has been verified on one.",
+        None,
     )
     seed: int = api_field("seed for initialisation and data order.", 42, minimum=0)
     log_every: int = api_field("logEvery: steps between progress lines.", 10, minimum=1)
@@ -354,9 +373,11 @@ class ResourcesSpec:
         max_length=253,
     )
     gpu_type: Literal[GPU_TYPES] | None = api_field(  # type: ignore[valid-type]
-        "gpuType: the GPU model, for the memory plan and MFU (e.g. H100-80GB). Unset skips "
-        "the fit check.",
+        "gpuType: the exact GPU product, for the memory plan and MFU (e.g. H100-SXM-80GB; "
+        "the H100's SXM, PCIe and NVL boards differ in peak FLOP/s). Unset skips the fit "
+        "check, and MFU uses the CUDA device name.",
         None,
+        fixes=RETIRED_GPU_TYPES,
     )
     cpu: IntOrString | None = api_field(
         "cpu request and limit of each pod (a quantity, e.g. 90).",
@@ -840,6 +861,13 @@ class FineTuneJobSpec:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.dataset.max_seq_length
+
+    def compile_enabled(self, on_gpu: bool) -> bool:
+        """Whether the trainer compiles the decoder layers: training.compile when set; unset,
+        off on CPU, and on GPUs only once compile has been verified there."""
+        if self.training.compile is not None:
+            return self.training.compile
+        return on_gpu and COMPILE_VERIFIED_ON_GPU
 
     def compute_precision(self) -> str:
         if self.training.precision != "auto":

@@ -52,7 +52,8 @@ ADVICE = {
     contract.HOST_OOM: "a trainer process could not get host memory: raise resources.memory, "
     "or lower dataset.maxSeqLength / training.microBatchSize",
     contract.CUDA_OOM: "a GPU ran out of memory: lower training.microBatchSize or "
-    "dataset.maxSeqLength, turn on training.activationCheckpointing or parallelism.cpuOffload",
+    "dataset.maxSeqLength, or set training.activationCheckpointing: all or "
+    "parallelism.cpuOffload: true",
     contract.NCCL_TIMEOUT: "a collective waited longer than network.collectiveTimeoutSeconds: a "
     "rank died or hung, or the fabric between nodes is broken",
     contract.NCCL_ERROR: "a collective failed: a rank died, or the fabric between nodes is broken",

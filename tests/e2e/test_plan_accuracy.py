@@ -78,7 +78,7 @@ def job(model: Path, method: str, micro_batch: int) -> dict:
             "training": {
                 "maxSteps": 2,
                 "microBatchSize": micro_batch,
-                "activationCheckpointing": False,
+                "activationCheckpointing": "none",
             },
             "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2},
             "checkpoint": {"every": 1000},

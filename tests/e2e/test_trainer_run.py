@@ -43,7 +43,7 @@ BASE = {
             "learningRate": 3e-3,
             "warmup": 2,
             "microBatchSize": 2,
-            "activationCheckpointing": True,
+            "activationCheckpointing": "all",
             "logEvery": 1,
             "evalEvery": 0,
         },

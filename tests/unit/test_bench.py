@@ -99,7 +99,7 @@ def test_the_gpu_suites_job_is_a_valid_bf16_gpu_finetunejob(method, tmp_path):
                         repeat_data=40)  # fmt: skip
     _, spec = parse_resource(gpu.job(method, tmp_path, tmp_path / "chat.jsonl", one_gpu))
     assert spec.compute_precision() == "bf16" and spec.resources.gpus_per_node == 1
-    assert spec.dataset.max_seq_length == 2048 and spec.training.activation_checkpointing
+    assert spec.dataset.max_seq_length == 2048 and spec.training.activation_checkpointing == "all"
     assert "--bf16" in gpu.trl_args(method, tmp_path, tmp_path / "chat.jsonl", one_gpu)
 
 

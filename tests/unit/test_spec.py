@@ -122,3 +122,41 @@ def test_an_unknown_field_suggests_the_closest_known_one(section, typo, meant):
 def test_an_unknown_field_far_from_any_lists_the_known_ones():
     (err,) = errors_of({**MINIMAL, "training": {"maxSteps": 10}, "method": {"banana": 1}})
     assert err == "spec.method.banana: unknown field; allowed: type, lora, quantization"
+
+
+def test_activation_checkpointing_takes_words_and_refuses_the_old_booleans():
+    assert spec_of().training.activation_checkpointing == "auto"
+    for word in ("auto", "all", "none", "every-2", "every-12"):
+        training = {"maxSteps": 1, "activationCheckpointing": word}
+        assert spec_of(training=training).training.activation_checkpointing == word
+    for old in (True, False):
+        (err,) = errors_of({**MINIMAL, "training": {"maxSteps": 1, "activationCheckpointing": old}})
+        assert err.startswith("spec.training.activationCheckpointing: must be auto, all, none")
+        assert err.endswith("use all (was true) or none (was false)"), err
+    for bad in ("every-1", "every-0", "every", "some", 1):
+        (err,) = errors_of({**MINIMAL, "training": {"maxSteps": 1, "activationCheckpointing": bad}})
+        assert "every-N with N >= 2" in err and "was true" not in err, err
+
+
+def test_compile_is_off_unless_asked_until_verified_on_a_gpu():
+    unset = spec_of()
+    assert unset.training.compile is None
+    assert unset.compile_enabled(on_gpu=False) is False
+    assert unset.compile_enabled(on_gpu=True) is False  # spec.COMPILE_VERIFIED_ON_GPU
+    on = spec_of(training={"maxSteps": 1, "compile": True})
+    assert on.compile_enabled(on_gpu=False) and on.compile_enabled(on_gpu=True)
+    off = spec_of(training={"maxSteps": 1, "compile": False})
+    assert not off.compile_enabled(on_gpu=True)
+    (err,) = errors_of({**MINIMAL, "training": {"maxSteps": 1, "compile": "yes"}})
+    assert err.startswith("spec.training.compile: must be true or false")
+
+
+def test_gpu_type_names_one_product_and_the_ambiguous_h100_is_refused_with_the_choices():
+    assert spec_of(resources={"gpuType": "H100-PCIe-80GB"}).resources.gpu_type == "H100-PCIe-80GB"
+    (err,) = errors_of(
+        {**MINIMAL, "training": {"maxSteps": 1}, "resources": {"gpuType": "H100-80GB"}}
+    )
+    assert err.startswith('spec.resources.gpuType: "H100-80GB" is ambiguous')
+    assert "H100-SXM-80GB, H100-PCIe-80GB or H100-NVL-94GB" in err
+    (err,) = errors_of({**MINIMAL, "training": {"maxSteps": 1}, "resources": {"gpuType": "V100"}})
+    assert err.startswith("spec.resources.gpuType: must be one of") and "B200-180GB" in err
