@@ -250,8 +250,3 @@ def nf4_settings_problem(kind: str, double_quant: bool) -> str | None:
         )
     return None
 
-
-# The loss computes the output head's logits this many tokens at a time (ftjob/trainer/loss.py):
-# 1,024 x a 128k vocabulary is 0.5 GiB in fp32, a small share of any GPU next to the 4-8 GiB
-# that a whole micro-batch's logits would take.
-LOSS_CHUNK_TOKENS = 1024

@@ -138,13 +138,14 @@ def shard(
     ``whole``: parameters FSDP leaves alone (each rank holds them whole); ``speed``: as
     :func:`speed_settings` resolves it for a CPU (no device memory to fit) when not given."""
     speed = speed or speed_settings(spec, model.config, None)
+    layers = decoder_layers(model)
     if speed.checkpoint_every:
         # Non-reentrant checkpointing recomputes inside FSDP's hooks and needs no input grads.
         model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False},
-            every_n_layers=speed.checkpoint_every,
+            activation_checkpointing_kwargs={"use_reentrant": False}
         )
-    layers = decoder_layers(model)
+        for i, layer in enumerate(layers):  # the layers ftjob plan counted as recomputed
+            layer.gradient_checkpointing = plan.checkpointed(i, speed.checkpoint_every)
     if speed.compile:
         for layer in layers:
             # The layer's forward only: FSDP's hooks (in __call__) stay eager around it, and
