@@ -31,7 +31,6 @@ reference: a dense block-diagonal mask from the position ids, slow; for checking
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -188,17 +187,8 @@ def per_document(
 def _kernel(query: torch.Tensor) -> Varlen | None:
     """torch's varlen flash kernel where it runs (CUDA, half precision), else None."""
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
-        return _torch_varlen()
+        return _VARLEN
     return None
-
-
-@functools.cache
-def _torch_varlen() -> Varlen | None:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch < 2.9: no varlen kernel; per-document SDPA is still exact
-        return None
-    return adapt_varlen(varlen_attn)
 
 
 def adapt_varlen(fn: Callable) -> Varlen:
@@ -270,4 +260,14 @@ def _boundaries(position_ids: torch.Tensor | None, b: int, s: int) -> tuple[torc
     return cu, longest
 
 
+def _torch_varlen() -> Varlen | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.9: no varlen kernel; per-document SDPA is still exact
+        return None
+    return adapt_varlen(varlen_attn)
+
+
+# Resolved once at import, not inside a forward that torch.compile may trace.
+_VARLEN = _torch_varlen()
 register()

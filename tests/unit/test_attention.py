@@ -387,3 +387,23 @@ def test_a_varlen_without_a_causal_option_is_refused():
 
     with pytest.raises(TypeError, match="no causal option"):
         attention.adapt_varlen(varlen)
+
+
+def test_the_installed_torchs_varlen_signature_binds_the_adapted_call():
+    """The kwargs the adapter picks for this torch's varlen_attn are ones it accepts."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    signature, bound = inspect.signature(varlen_attn), []
+
+    def varlen(*args, **kwargs):
+        bound.append(signature.bind(*args, **kwargs).arguments)
+        return reference(args[0], args[1], args[2], args[3], True, kwargs.get("scale"))
+
+    varlen.__signature__ = signature
+    q, kv = torch.randn(10, 4, 16), torch.randn(10, 2, 16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    attention.adapt_varlen(varlen)(q, kv, kv, cu, 6, 0.25)
+    (arguments,) = bound
+    assert arguments.get("window_size") == (-1, 0) or arguments.get("is_causal") is True
