@@ -1,8 +1,15 @@
 """GPU suite (runs only where torch.cuda.is_available()): a ~1B Llama initialised from its
 config (TinyLlama-1.1B's shape), sequence 2048 packed, bf16, activation checkpointing, full
 fine-tune and LoRA: ftjob (`ftjob run`, one process per GPU) against TRL SFTTrainer with
-accelerate FSDP2 on the same GPUs. MFU = tokens/s x flops/token / (peak x GPUs), both sides
-with ftjob's flop count (docs/progress.md).
+accelerate FSDP2 on the same GPUs.
+
+Like with like: both sides pack whole documents best-fit-decreasing into rows of `seq`
+tokens, each document attending only to itself (TRL padding-free), through the same
+attention (ftjob's packed implementation: torch's varlen flash kernel), recomputing every
+decoder layer (non-reentrant checkpointing), fp32 master weights and bf16 compute (a bf16
+frozen base for LoRA). Tokens/s is the mean of per-step rates after ``skip`` warm-up steps
+on both sides, and MFU = that x flops/token / (peak x GPUs), both sides with ftjob's flop
+count (docs/progress.md), its attention term from the documents' real lengths.
 
 ``compare`` takes the sizes and the device as a ``Setup``: the GPU suite is ``gpu_setup()``;
 tests/e2e/test_bench_gpu_suite.py runs the very same code with ``SMOKE`` (the tiny model on 2
@@ -30,16 +37,20 @@ class Setup:
     processes: int  # one per GPU, or CPU processes
     gpu: bool
     repeat_data: int  # copies of the tiny chat data: enough packed sequences for the steps
+    skip: int  # warm-up steps (allocation, autotuning) left out of tokens/s on both sides
 
 
 def gpu_setup() -> Setup:
     import torch
 
     return Setup("1b", seq=2048, micro_batch=4, steps=12, processes=torch.cuda.device_count(),
-                 gpu=True, repeat_data=40)  # fmt: skip
+                 gpu=True, repeat_data=40, skip=3)  # fmt: skip
 
 
-SMOKE = Setup("tiny", seq=64, micro_batch=2, steps=4, processes=2, gpu=False, repeat_data=1)
+SMOKE = Setup("tiny", seq=64, micro_batch=2, steps=4, processes=2, gpu=False, repeat_data=1,
+              skip=2)  # fmt: skip
+# Every decoder layer recomputed, as TRL's gradient_checkpointing does.
+CHECKPOINTING = True
 
 
 def available() -> bool:
@@ -57,8 +68,22 @@ def data(work: Path, copies: int) -> Path:
     return out
 
 
-def mfu(tokens_per_second: float, model: Path, method: str, s: Setup) -> float | None:
-    """Model FLOPs utilisation by ftjob's formula; None where the device's peak is unknown."""
+def attention_length(run_dir: Path) -> float:
+    """sum(length^2) / sum(length) over the documents ftjob prepared for a run: a packed
+    document attends only to itself, so attention costs per token as if every sequence
+    were this long (12 x layers x hidden x it)."""
+    from ftjob.trainer.data import Sequences
+
+    (info,) = (run_dir / "job" / "data").glob("*/info.json")
+    lengths = [n for row in Sequences.open(info.parent / "train").column("seq_lengths")
+               for n in row]  # fmt: skip
+    return sum(n * n for n in lengths) / sum(lengths)
+
+
+def mfu(tokens_per_second: float, model: Path, method: str, s: Setup,
+        attention: float) -> float | None:  # fmt: skip
+    """Model FLOPs utilisation by ftjob's formula; None where the device's peak is unknown.
+    ``attention``: the attention length per token (:func:`attention_length`)."""
     import torch
 
     from ftjob.modelshape import ModelShape, flops_per_token
@@ -70,7 +95,7 @@ def mfu(tokens_per_second: float, model: Path, method: str, s: Setup) -> float |
     adapter = shape.lora_params(16, ["all-linear"]) if method == "lora" else 0
     flops = flops_per_token(
         params=shape.matmul_params,
-        adapter_params=adapter, layers=shape.layers, hidden=shape.hidden, seq_len=s.seq,
+        adapter_params=adapter, layers=shape.layers, hidden=shape.hidden, seq_len=attention,
         frozen_base=method != "full",
     )  # fmt: skip
     peak = progress.peak_flops(torch.cuda.get_device_name(0))
@@ -82,7 +107,7 @@ def job(method: str, model: Path, chat: Path, s: Setup) -> dict:
                      micro_batch=s.micro_batch, nodes=1, lr=1e-5)  # fmt: skip
     spec = doc["spec"]
     spec["dataset"]["source"] = str(chat)
-    spec["training"]["activationCheckpointing"] = "all"
+    spec["training"]["activationCheckpointing"] = "all" if CHECKPOINTING else "none"
     if s.gpu:
         spec["training"]["precision"] = "bf16"
         spec["resources"]["gpusPerNode"] = s.processes
@@ -94,7 +119,8 @@ def job(method: str, model: Path, chat: Path, s: Setup) -> dict:
 def trl_args(method: str, model: Path, chat: Path, s: Setup) -> list[str]:
     args = ["--model", str(model), "--data", str(chat), "--steps", str(s.steps), "--seq",
             str(s.seq), "--micro-batch", str(s.micro_batch), "--method", method, "--lr", "1e-5",
-            "--fsdp", "--activation-checkpointing"]  # fmt: skip
+            "--fsdp", "--skip", str(s.skip), "--attention", "ftjob"]  # fmt: skip
+    args += ["--activation-checkpointing"] if CHECKPOINTING else []
     return args + (["--bf16"] if s.gpu else [])
 
 
@@ -102,16 +128,19 @@ def compare(work: Path, s: Setup, methods: list[str]) -> dict:
     model, chat = common.model_dir(s.shape, work), data(work, s.repeat_data)
     cases, rows = [], []
     for method in methods:
-        ours = common.ftjob_run(job(method, model, chat, s), work, timeout=1800)
+        doc = job(method, model, chat, s)
+        ours = common.ftjob_run(doc, work, timeout=1800)
         wall, out = common.torchrun(str(common.ROOT / "bench" / "trl_worker.py"),
                                     trl_args(method, model, chat, s), s.processes, work,
                                     timeout=1800)  # fmt: skip
         trl = common.last_json(out, "TRL")
-        mine, theirs = ours.steady_tokens_per_second(skip=2), trl["tokensPerSecond"]
-        m_mfu = ours.progress.get("mfu") or mfu(mine, model, method, s)
-        t_mfu = mfu(theirs, model, method, s)
+        mine, theirs = ours.steady_tokens_per_second(skip=s.skip), trl["tokensPerSecond"]
+        length = attention_length(work / "runs" / doc["metadata"]["name"])
+        m_mfu, t_mfu = mfu(mine, model, method, s, length), mfu(theirs, model, method, s, length)
         cases.append({"method": method, "ftjob": mine, "trl": theirs, "ftjobMfu": m_mfu,
                       "trlMfu": t_mfu, "trlWrapper": trl["wrapper"],
+                      "trlAttention": trl["attention"], "trlPacking": trl["packing"],
+                      "attentionLength": length, "skip": s.skip,
                       "ftjobLosses": ours.losses(), "trlLosses": trl["losses"]})  # fmt: skip
         where = f"{s.processes} GPU, bf16" if s.gpu else f"{s.processes} CPU processes, fp32"
         params = common.param_count(model) / 1e6

@@ -4,9 +4,14 @@
         --model examples/tiny-model --data examples/data/tiny-chat.jsonl --steps 6
 
 Same model, data, sequence length, micro-batch, steps and optimizer as the ftjob job that
-bench.throughput generates. On CPU accelerate wraps the model in DDP (it has no FSDP on CPU),
+bench.throughput generates, and the same packed-attention semantics: TRL's best-fit-decreasing
+packing, padding-free (each micro-batch flattened to one row, documents delimited by
+cu_seq_lens), into a model built with ftjob's packed attention (``--attention ftjob``, the
+default: torch's varlen flash kernel on GPUs, per-document SDPA on CPU), so that both sides
+run the same kernel class. On CPU accelerate wraps the model in DDP (it has no FSDP on CPU),
 so this is DDP versus ftjob's FSDP2; on GPUs pass --fsdp for accelerate's FSDP2.
-Prints ``TRL {json}`` on rank 0: steady tokens/s (after the first step) and per-step losses.
+Prints ``TRL {json}`` on rank 0: steady tokens/s (the mean of per-step rates after --skip
+warm-up steps, as bench/common.py reads ftjob's) and per-step losses.
 """
 
 from __future__ import annotations
@@ -25,10 +30,10 @@ from trl import SFTConfig, SFTTrainer
 
 
 class Clock(TrainerCallback):
-    """Wall time at the end of every optimizer step, and the logged losses."""
+    """Wall time at the end of every optimizer step; the logged losses and token counts."""
 
     def __init__(self):
-        self.ends, self.losses = [], []
+        self.ends, self.losses, self.tokens = [], [], []
 
     def on_step_end(self, args, state, control, **kw):
         if torch.cuda.is_available():
@@ -38,6 +43,18 @@ class Clock(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs:
             self.losses.append(logs["loss"])
+            # SFTTrainer's running count of trained tokens, summed over ranks (padding-free:
+            # the flattened rows hold no padding).
+            self.tokens.append(logs["num_tokens"])
+
+    def steady_tokens_per_second(self, skip: int) -> float | None:
+        """Mean of per-step rates after the first ``skip`` steps (step k's rate: its tokens
+        over the time since step k-1 ended, so step 1 never counts)."""
+        rates = [
+            (self.tokens[k] - self.tokens[k - 1]) / (self.ends[k] - self.ends[k - 1])
+            for k in range(max(skip, 1), min(len(self.ends), len(self.tokens)))
+        ]
+        return sum(rates) / len(rates) if rates else None
 
 
 def main() -> None:
@@ -52,11 +69,21 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--fsdp", action="store_true", help="accelerate FSDP2 (GPUs only)")
     p.add_argument("--activation-checkpointing", action="store_true")
+    # ftjob: ftjob's packed attention (needs ftjob importable); or a transformers name.
+    p.add_argument("--attention", choices=["ftjob", "sdpa", "flash_attention_2"], default="ftjob")
+    p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of tokens/s")
     a = p.parse_args()
     cuda = torch.cuda.is_available()
     tok = AutoTokenizer.from_pretrained(a.model)
+    attn = a.attention
+    if attn == "ftjob":
+        from ftjob.trainer import attention
+
+        attn = attention.implementation("sdpa")
+    # Under FSDP2 with bf16, accelerate upcasts what trains to fp32 masters and computes in
+    # bf16 (MixedPrecisionPolicy): ftjob's layout for full and LoRA alike.
     dtype = torch.bfloat16 if a.bf16 else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype, attn_implementation=attn)
     peft_config = None
     if a.method == "lora":
         from peft import LoraConfig
@@ -87,9 +114,14 @@ def main() -> None:
         # TRL 1.16 defaults to both; ftjob's CPU job runs fp32 without recomputation.
         bf16=a.bf16,
         gradient_checkpointing=a.activation_checkpointing,
+        # ftjob recomputes every decoder layer with non-reentrant checkpointing.
+        gradient_checkpointing_kwargs={"use_reentrant": False},
         max_length=a.seq,
         packing=True,
-        packing_strategy="wrapped",  # ftjob's packing: one token stream cut every `seq`
+        # ftjob's packing: whole documents placed best-fit-decreasing into rows of `seq`
+        # tokens (longer ones truncated), each attending only to itself.
+        packing_strategy="bfd",
+        padding_free=True,
         use_cpu=not cuda,
         dataloader_num_workers=0,
         **fsdp,
@@ -99,13 +131,12 @@ def main() -> None:
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tok,
                          peft_config=peft_config, callbacks=[clock])  # fmt: skip
     trainer.train()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    tokens_per_step = a.micro_batch * a.seq * world  # wrapped packing: no padding
-    span = clock.ends[-1] - clock.ends[0]
     result = {
-        "tokensPerSecond": tokens_per_step * (len(clock.ends) - 1) / span if span else None,
+        "tokensPerSecond": clock.steady_tokens_per_second(a.skip),
         "losses": clock.losses,
         "wrapper": type(trainer.model_wrapped).__name__,
+        "attention": model.config._attn_implementation,
+        "packing": config.packing_strategy,
         "peakRssMiB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "cudaMaxAllocatedGiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
     }

@@ -114,7 +114,11 @@ class ModelSpec:
         "revision (branch, tag or commit) of an hf:// source.", None, min_length=1, max_length=128
     )
     attention: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = api_field(
-        "attention implementation; flash_attention_* need GPUs and the flash-attn package.",
+        "attention implementation; each keeps packed documents apart at every microBatchSize. "
+        "sdpa: ftjob's packed attention, torch's varlen flash kernel on GPUs (bf16) and one "
+        "scaled_dot_product_attention per document elsewhere, no sequence x sequence mask; "
+        "flash_attention_2/3: the flash-attn packages' varlen kernels (GPUs, installed "
+        "separately); eager: transformers' dense-mask reference, slow, for checking.",
         "sdpa",
     )
     trust_remote_code: bool = api_field(

@@ -14,9 +14,10 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -26,7 +27,17 @@ from ftjob.trainer import prepare
 from ftjob.trainer.records import DataError
 from ftjob.trainer.tokenize import IGNORE
 
-__all__ = ["IGNORE", "Data", "DataError", "Sampler", "Sequences", "collate", "eval_batches", "load"]
+__all__ = [
+    "IGNORE",
+    "Batch",
+    "Data",
+    "DataError",
+    "Sampler",
+    "Sequences",
+    "collate",
+    "eval_batches",
+    "load",
+]
 
 
 class Sequences:
@@ -39,7 +50,8 @@ class Sequences:
     neighbours of them (fault-around, readahead), in the rank's RSS: measured here, 800
     random rows made 184 MiB of the 189 MiB prepared from 20k records resident in each rank
     (972 MiB of 1.1 GB at the 200k-record size). The madvise costs ~0.1 ms per read of 4
-    sequences of 2,048 tokens, next to ~4 ms to collate them (bench/RESULTS.md).
+    sequences of 2,048 tokens, next to ~4.5 ms to read and collate them (bench/RESULTS.md,
+    measured when collate took ~1.5 ms of it; collate in numpy now takes ~0.3 ms).
     """
 
     def __init__(self, table: pa.Table, maps: tuple[mmap.mmap, ...] = ()):
@@ -112,26 +124,85 @@ def load(
 # ------------------------------------------------------------------------------ batches
 
 
-def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded tensors with per-document position ids and no attention mask.
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch: right-padded rows whose packed documents never see each other.
 
-    Positions restart at 0 for every packed document (and for the padding, which becomes a
-    document of its own with no labels). With no attention mask, transformers turns restarts
-    into a block-diagonal causal mask (sdpa/eager) or varlen flash-attention, so a token
-    never attends to another document.
+    ``position_ids`` restart at 0 for every packed document and for each row's padding (a
+    document of its own, with no labels). ``cu_seqlens`` are the same boundaries over the
+    micro-batch flattened to one row of B x S tokens, as varlen attention kernels take them
+    (trainer/attention.py); ``max_seqlen`` is the longest of those documents. The counts are
+    host ints, computed from the rows' lengths, so reading them never waits for a device.
+    """
+
+    input_ids: torch.Tensor  # [B, S] long
+    labels: torch.Tensor  # [B, S] long, IGNORE where no loss
+    position_ids: torch.Tensor  # [B, S] long
+    cu_seqlens: torch.Tensor  # [documents + 1] int32; cu_seqlens[-1] == B * S
+    max_seqlen: int
+    tokens: int  # real tokens (no padding)
+    labelled: int  # next-token targets: (labels[:, 1:] != IGNORE).sum()
+    attention_sq: int  # sum of the real documents' length^2 (attention FLOPs)
+
+    _TENSORS = ("input_ids", "labels", "position_ids", "cu_seqlens")
+
+    def pin(self) -> Batch:
+        """This batch in page-locked memory, so that ``to(cuda, non_blocking=True)`` copies
+        without the host waiting; itself where there is no CUDA (pinning needs a driver)."""
+        if not torch.cuda.is_available():
+            return self
+        return replace(self, **{k: getattr(self, k).pin_memory() for k in self._TENSORS})
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> Batch:
+        """This batch's tensors on ``device``; the host ints stay where they are."""
+        moved = {k: getattr(self, k).to(device, non_blocking=non_blocking) for k in self._TENSORS}
+        return replace(self, **moved)
+
+
+def collate(rows: list[dict], pad_id: int) -> Batch:
+    """Rows of prepared sequences (input_ids, labels, seq_lengths) -> a right-padded Batch.
+
+    Built in numpy from the rows' Python lists (np.full plus slice assignment is ~6x faster
+    than ``torch.as_tensor`` of each list): this runs once per micro-batch on every rank.
     """
     width = max(len(r["input_ids"]) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    labels = np.full((len(rows), width), IGNORE, dtype=np.int64)
+    lengths: list[int] = []  # every document of the flattened batch, padding runs included
+    tokens = labelled = attention_sq = 0
     for row, r in enumerate(rows):
         n = len(r["input_ids"])
-        ids[row, :n] = torch.as_tensor(r["input_ids"])
-        labels[row, :n] = torch.as_tensor(r["labels"])
-        runs = [*r["seq_lengths"], width - n] if width > n else list(r["seq_lengths"])
-        positions[row] = torch.cat([torch.arange(k) for k in runs])
-    tokens = torch.tensor([len(r["input_ids"]) for r in rows])
-    return {"input_ids": ids, "labels": labels, "position_ids": positions, "tokens": tokens}
+        ids[row, :n] = r["input_ids"]
+        labels[row, :n] = r["labels"]
+        if sum(r["seq_lengths"]) != n:
+            raise DataError(
+                f"a sequence's seq_lengths {r['seq_lengths']} do not add up to its {n} "
+                "tokens: the prepared data is inconsistent; delete the job's data/ folder to "
+                "prepare it again"
+            )
+        for k in r["seq_lengths"]:
+            if k:
+                lengths.append(k)
+                attention_sq += k * k
+        if width > n:
+            lengths.append(width - n)
+        tokens += n
+        if n:  # a row's first label is never a target (nothing precedes it)
+            labelled += n - 1 - r["labels"].count(IGNORE) + (r["labels"][0] == IGNORE)
+    cu = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    # Each token's position in its document: its index minus its document's start.
+    positions = np.arange(ids.size) - np.repeat(cu[:-1], lengths)
+    return Batch(
+        input_ids=torch.from_numpy(ids),
+        labels=torch.from_numpy(labels),
+        position_ids=torch.from_numpy(positions.reshape(ids.shape)),
+        cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
+        max_seqlen=max(lengths),
+        tokens=tokens,
+        labelled=labelled,
+        attention_sq=attention_sq,
+    )
 
 
 class Sampler:
@@ -168,7 +239,7 @@ class Sampler:
         return int(self._perm[i])
 
 
-def eval_batches(data: Data, rank: int, world: int, micro_batch: int) -> list[dict]:
+def eval_batches(data: Data, rank: int, world: int, micro_batch: int) -> list[Batch]:
     """This rank's share of the eval set; every rank gets the same number of batches.
 
     FSDP needs every rank in every forward, so short ranks get a batch with no labels.

@@ -123,7 +123,7 @@ def token_loss(net: nn.Module, batch, device: torch.device) -> tuple[torch.Tenso
     targets[:, :-1] = on.labels[:, 1:]
     # No attention mask: the documents' boundaries travel as cu_seqlens (ftjob.trainer.attention).
     inputs = dict(input_ids=on.input_ids, position_ids=on.position_ids, use_cache=False)
-    inputs.update(attention.model_kwargs(on))
+    inputs.update(attention.model_kwargs(on, net.config._attn_implementation))
     head = net.get_output_embeddings()
     if isinstance(head, _LossHead):
         with _targets(head, targets):

@@ -36,6 +36,7 @@ from ftjob.modelshape import (
     nf4_shard_problem,
 )
 from ftjob.spec import FineTuneJobSpec
+from ftjob.trainer import attention
 from ftjob.trainer.parallel import Dist
 
 
@@ -106,7 +107,7 @@ def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase) -> Built:
         model = AutoModelForCausalLM.from_config(
             config,
             dtype=frozen_dtype(spec),
-            attn_implementation=spec.model.attention,
+            attn_implementation=attention.implementation(spec.model.attention),
             trust_remote_code=spec.model.trust_remote_code,
         )
     _prepare(model, tokenizer)
@@ -207,7 +208,9 @@ def materialize(built: Built, d: Dist, cpu_offload: bool = False) -> None:
 def _read(spec: FineTuneJobSpec, config) -> dict[str, torch.Tensor]:
     """Rank 0: every tensor of the model with its adapters, buffers too, by name."""
     path = resolve(spec.model.source)
-    common = dict(attn_implementation=spec.model.attention, **hub_kwargs(spec))
+    common = dict(
+        attn_implementation=attention.implementation(spec.model.attention), **hub_kwargs(spec)
+    )
     # Read in the checkpoint's own dtype (bf16 for most LLMs: half of fp32); cast per tensor.
     source = AutoModelForCausalLM.from_pretrained(path, dtype="auto", **common)
     source.config.pad_token_id = config.pad_token_id

@@ -4,7 +4,8 @@ model, 2 CPU processes, fp32) instead of the ~1B model on GPUs.
     python -m pytest tests/e2e/test_bench_gpu_suite.py -q
 
 It checks the plumbing a GPU session relies on (the generated job, ``ftjob run``, the TRL
-worker, reading both sides' numbers into rows), not speed: no timing is asserted.
+worker with the same packing and attention as ftjob, reading both sides' numbers into rows),
+not speed: no timing is asserted.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # bench/ is a folder of the repo, not an installed package
 
 from bench import gpu  # noqa: E402
+from ftjob.trainer import attention  # noqa: E402
 
 
 def test_gpu_suite_compares_ftjob_and_trl_for_full_and_lora(tmp_path):
@@ -26,6 +28,9 @@ def test_gpu_suite_compares_ftjob_and_trl_for_full_and_lora(tmp_path):
     for case in result["cases"]:
         assert case["ftjob"] > 0 and case["trl"] > 0
         assert case["trlWrapper"] == "DistributedDataParallel"  # accelerate on CPU
+        # Like with like: TRL packs as ftjob does, through ftjob's packed attention.
+        assert case["trlPacking"] == "bfd" and case["trlAttention"] == attention.NAME
+        assert 1 < case["attentionLength"] <= gpu.SMOKE.seq  # documents, not whole rows
         assert case["ftjobMfu"] is None and case["trlMfu"] is None  # no peak FLOP/s on CPU
         for losses in (case["ftjobLosses"], case["trlLosses"]):
             assert len(losses) == gpu.SMOKE.steps and all(math.isfinite(x) for x in losses)

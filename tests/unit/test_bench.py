@@ -96,11 +96,25 @@ def test_the_gpu_suites_job_is_a_valid_bf16_gpu_finetunejob(method, tmp_path):
     from bench import gpu
 
     one_gpu = gpu.Setup("1b", seq=2048, micro_batch=4, steps=12, processes=1, gpu=True,
-                        repeat_data=40)  # fmt: skip
+                        repeat_data=40, skip=3)  # fmt: skip
     _, spec = parse_resource(gpu.job(method, tmp_path, tmp_path / "chat.jsonl", one_gpu))
     assert spec.compute_precision() == "bf16" and spec.resources.gpus_per_node == 1
     assert spec.dataset.max_seq_length == 2048 and spec.training.activation_checkpointing == "all"
-    assert "--bf16" in gpu.trl_args(method, tmp_path, tmp_path / "chat.jsonl", one_gpu)
+    args = gpu.trl_args(method, tmp_path, tmp_path / "chat.jsonl", one_gpu)
+    assert "--bf16" in args
+    # TRL recomputes as ftjob does, skips the same warm-up steps, uses ftjob's attention.
+    assert "--activation-checkpointing" in args
+    assert args[args.index("--skip") + 1] == "3" and args[args.index("--attention") + 1] == "ftjob"
+
+
+def test_trls_steady_rate_leaves_out_the_warm_up_steps():
+    from bench.trl_worker import Clock
+
+    clock = Clock()
+    clock.ends = [1.0, 3.0, 4.0, 4.5]  # step k ends here
+    clock.tokens = [100, 200, 300, 400]  # tokens trained so far, after step k
+    assert clock.steady_tokens_per_second(skip=2) == (100 / 1.0 + 100 / 0.5) / 2
+    assert clock.steady_tokens_per_second(skip=0) == (50 + 100 + 200) / 3  # step 1: no start
 
 
 def test_steady_tokens_per_second_skips_the_warm_up_step():

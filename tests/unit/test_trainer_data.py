@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from ftjob.spec import parse_spec
@@ -205,7 +206,7 @@ def test_eval_batches_are_even_across_ranks(tok, tmp_path):
     rank0, rank1 = data.eval_batches(ds, 0, 2, 2), data.eval_batches(ds, 1, 2, 2)
     assert len(rank0) == len(rank1) == 2  # FSDP needs every rank in every forward
     # Every eval sequence's labels are counted once, none twice, the filler batch none.
-    labelled = sum(int((b["labels"] != IGNORE).sum()) for b in rank0 + rank1)
+    labelled = sum(int((b.labels != IGNORE).sum()) for b in rank0 + rank1)
     assert labelled == sum(t != IGNORE for r in as_rows(ds.eval) for t in r["labels"])
 
 
@@ -217,11 +218,38 @@ def test_collate_pads_and_masks(tok):
         ],
         tok.pad_token_id,
     )
-    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
-    assert batch["labels"].tolist() == [[IGNORE, 6, 7], [IGNORE, IGNORE, IGNORE]]
+    assert batch.input_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch.labels.tolist() == [[IGNORE, 6, 7], [IGNORE, IGNORE, IGNORE]]
     # Positions restart per document; the padding is a document of its own.
-    assert batch["position_ids"].tolist() == [[0, 0, 1], [0, 0, 1]]
-    assert batch["tokens"].tolist() == [3, 1]
+    assert batch.position_ids.tolist() == [[0, 0, 1], [0, 0, 1]]
+    # The same documents over the flattened 2 x 3 tokens, as varlen attention takes them.
+    assert batch.cu_seqlens.tolist() == [0, 1, 3, 4, 6] and batch.cu_seqlens.dtype == torch.int32
+    assert batch.max_seqlen == 2
+    # Host counts: real tokens, next-token targets, attention of real documents only.
+    assert (batch.tokens, batch.labelled, batch.attention_sq) == (4, 2, 1 + 4 + 1)
+
+
+def test_collate_counts_match_the_tensors_on_a_real_packed_batch(tok, tmp_path):
+    texts = [{"text": f"Doc {n}: " + "the cat sat. " * (n % 7 + 1)} for n in range(40)]
+    ds = load(spec(write_jsonl(tmp_path / "d.jsonl", texts), maxSeqLength=64), tok, tmp_path / "j")
+    rows = ds.rows(range(4))
+    batch = data.collate(rows, ds.pad_id)
+    assert batch.labelled == int((batch.labels[:, 1:] != IGNORE).sum())
+    assert batch.tokens == sum(len(r["input_ids"]) for r in rows)
+    assert batch.attention_sq == sum(n * n for r in rows for n in r["seq_lengths"])
+    # cu_seqlens starts a document exactly where a position restarts at 0.
+    flat = batch.position_ids.reshape(-1)
+    assert batch.cu_seqlens[:-1].tolist() == (flat == 0).nonzero().flatten().tolist()
+    assert batch.cu_seqlens[-1] == batch.input_ids.numel()
+    assert batch.max_seqlen == int(batch.cu_seqlens.diff().max())
+    # Without CUDA pinning is a no-op; to() moves the tensors and keeps the host counts.
+    moved = batch.pin().to("cpu")
+    assert torch.equal(moved.input_ids, batch.input_ids) and moved.labelled == batch.labelled
+
+
+def test_collate_refuses_lengths_that_do_not_add_up(tok):
+    with pytest.raises(DataError, match=r"seq_lengths \[2\] do not add up to its 3 tokens"):
+        data.collate([{"input_ids": [5, 6, 7], "labels": [5, 6, 7], "seq_lengths": [2]}], 0)
 
 
 # ------------------------------------------------------------------------------ bad data

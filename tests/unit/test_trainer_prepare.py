@@ -63,9 +63,9 @@ def per_token_loss(model, rows, pad_id) -> list[torch.Tensor]:
     batch = data.collate(rows, pad_id)
     with torch.no_grad():
         logits = model(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False
         ).logits
-    target = batch["labels"][:, 1:]
+    target = batch.labels[:, 1:]
     loss = F.cross_entropy(logits[:, :-1].transpose(1, 2), target, ignore_index=IGNORE,
                            reduction="none")  # fmt: skip
     return [loss[r][target[r] != IGNORE] for r in range(len(rows))]
