@@ -112,7 +112,7 @@ def packed_attention(
         cu = cu_seq_lens_q
         longest = int(max_length_q) if max_length_q is not None else _longest(cu)
     else:
-        cu, longest = _boundaries(position_ids, b, s)
+        cu, longest = _boundaries(position_ids, b, s, query.device)
     if sliding_window is not None and longest > sliding_window:
         raise ValueError(
             f"{NAME}: the model's sliding window ({sliding_window} tokens) is shorter than a "
@@ -241,12 +241,14 @@ def _longest(cu: torch.Tensor) -> int:
 _derived: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
 
-def _boundaries(position_ids: torch.Tensor | None, b: int, s: int) -> tuple[torch.Tensor, int]:
+def _boundaries(
+    position_ids: torch.Tensor | None, b: int, s: int, device: torch.device
+) -> tuple[torch.Tensor, int]:
     """cu_seqlens over the flattened batch from position ids: a document starts at every row
     start and wherever the position does not follow the previous one (a restart)."""
     global _derived
-    if position_ids is None:
-        return torch.arange(0, b * s + 1, s, dtype=torch.int32), s
+    if position_ids is None:  # each row one document, on the device the kernel reads it from
+        return torch.arange(0, b * s + 1, s, dtype=torch.int32, device=device), s
     if _derived is not None and _derived[0] is position_ids:
         return _derived[1], _derived[2]
     pos = position_ids.expand(b, s)
