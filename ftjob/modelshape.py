@@ -249,4 +249,3 @@ def nf4_settings_problem(kind: str, double_quant: bool) -> str | None:
             "(0.13 bit a weight); remove doubleQuant or set it true"
         )
     return None
-

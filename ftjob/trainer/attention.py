@@ -174,11 +174,14 @@ def per_document(
             f"{q.shape[0]} tokens (B x S)"
         )
     gqa = k.shape[1] != q.shape[1]
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        if end > start:
+    # split, not a slice per document: split's backward is one cat, where each slice's would
+    # write its gradient into a zeroed copy of the whole tensor (measured: 2x the time).
+    for doc in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
+        if doc[0].shape[0]:
             # [L, H, D] -> [H, L, D]: SDPA's (heads, length, dim) layout.
-            doc = (t[start:end].transpose(0, 1) for t in (q, k, v))
+            doc = (t.transpose(0, 1) for t in doc)
             out = F.scaled_dot_product_attention(*doc, is_causal=True, scale=scale, enable_gqa=gqa)
             outs.append(out.transpose(0, 1))
     return torch.cat(outs)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from transformers import get_scheduler
 from transformers.utils import logging as hf_logging
 
-from ftjob import contract, jobfolder
+from ftjob import contract, jobfolder, plan
 from ftjob.contract import BAD_SPEC, EXPORT_FAILED, TrainerError
 from ftjob.modelshape import model_flops
 from ftjob.spec import FineTuneJobSpec
@@ -161,11 +161,9 @@ class Run:
     flops: Callable[[int, int], float]
 
     def speed_note(self) -> str:
-        every = self.speed.checkpoint_every
-        recompute = {0: "no", 1: "every layer's"}.get(every, f"every {every}th layer's")
-        return f"; {recompute} activations recomputed" + (
-            ", compiled" if self.speed.compile else ""
-        )
+        setting = plan.stride_name(self.speed.checkpoint_every)
+        compiled = ", layers compiled" if self.speed.compile else ""
+        return f"; activation checkpointing {setting}{compiled}"
 
 
 def _load(spec, tok, d: parallel.Dist, job_dir: Path, lease, total: int) -> Run:

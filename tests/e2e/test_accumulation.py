@@ -21,8 +21,12 @@ STEPS = 4
 def split(name: str, micro: int, accumulation: int, **resources) -> dict:
     return job(
         name,
-        training={"maxSteps": STEPS, "microBatchSize": micro, "gradientAccumulation": accumulation,
-                  "learningRate": 1e-3},  # fmt: skip
+        training={
+            "maxSteps": STEPS,
+            "microBatchSize": micro,
+            "gradientAccumulation": accumulation,
+            "learningRate": 1e-3,
+        },  # fmt: skip
         dataset={"evalFraction": None},
         resources={"nodes": 2, "gpusPerNode": 0, **resources},
     )

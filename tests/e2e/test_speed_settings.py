@@ -40,4 +40,3 @@ def test_checkpointing_and_compile_settings_train_to_the_same_losses(tmp_path):
         for step, loss in reference.items():
             # inductor fuses and reorders fp32 arithmetic: equal to rounding, not bit for bit
             assert curve[step] == pytest.approx(loss, rel=1e-4), (name, step)
-

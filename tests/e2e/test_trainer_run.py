@@ -100,8 +100,8 @@ def eval_loss_of(model, workdir: Path) -> float:
     """Eval loss of a reloaded model, on the eval set the trainer used (one process)."""
     from ftjob.spec import parse_resource
     from ftjob.trainer import data
-    from ftjob.trainer.model import load_tokenizer
     from ftjob.trainer.loss import token_loss
+    from ftjob.trainer.model import load_tokenizer
 
     _, spec = parse_resource(json.loads((workdir / "spec.json").read_text()))
     ds = data.load(spec, load_tokenizer(spec), workdir)  # the trainer's prepared data
