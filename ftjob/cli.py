@@ -13,7 +13,6 @@ ftjob operator --all-namespaces     # the operator, against the kubeconfig's clu
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -40,9 +39,11 @@ def _jobs(path: str) -> list[dict]:
     return jobs
 
 
-def _valid_jobs(path: str) -> list[validation.Verdict]:
-    """The verdicts of the jobs in ``path``; :class:`InvalidJob` if any is refused."""
-    verdicts = [validation.check(doc) for doc in _jobs(path)]
+def _valid_jobs(path: str, local: bool = False) -> list[validation.Verdict]:
+    """The verdicts of the jobs in ``path``; :class:`InvalidJob` if any is refused.
+
+    ``local``: the model and data must be beside the job file (plan reads them)."""
+    verdicts = [validation.check(doc, job_file=path, local=local) for doc in _jobs(path)]
     for verdict in verdicts:
         if not verdict.ok:
             raise InvalidJob([f"{path}: {x}" for x in verdict.errors or verdict.server_errors])
@@ -56,7 +57,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     results = []
     for path in args.files:
         for doc in _jobs(path):
-            verdict = validation.check(doc, old)
+            verdict = validation.check(doc, old, job_file=path)
             results.append(output.validation_result(path, verdict))
             if not args.output:
                 _print_verdict(path, verdict)
@@ -69,6 +70,8 @@ def _print_verdict(path: str, verdict: validation.Verdict) -> None:
     label = f"{path}: {KIND} {verdict.name or '(unnamed)'}"
     if verdict.ok:
         print(f"{label}: valid -- {validation.summary(verdict.spec)}")
+        for note in verdict.notes:
+            print(f"  {note}")
         return
     print(f"{label}: INVALID")
     for line in verdict.errors:
@@ -103,26 +106,15 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_config(spec, job_file: str) -> dict | None:
-    """config.json of a model given as a folder (relative to the job file), else None."""
-    source = spec.model.source
-    if source.startswith("hf://"):
-        return None
-    folder = Path(source) if Path(source).is_absolute() else Path(job_file).parent / source
-    config = folder / "config.json"
-    if not config.is_file():
-        raise manifest.ManifestError(f"{job_file}: spec.model.source: no config.json in {folder}")
-    return json.loads(config.read_text())
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     worst, results = 0, []
     # Every file is checked first: a refused job stops the command before any plan prints.
-    jobs = [(path, verdict) for path in args.files for verdict in _valid_jobs(path)]
+    # The model and data are read here (local=True): a missing one refuses, naming its field.
+    jobs = [(path, verdict) for path in args.files for verdict in _valid_jobs(path, local=True)]
     for path, verdict in jobs:
         spec = verdict.spec
         try:
-            shape = modelshape.shape_for(spec.model.source, _model_config(spec, path))
+            shape = verdict.shape or modelshape.shape_for(spec.model.source, None)
         except ValueError as e:
             raise InvalidJob([f"{path}: {e}"]) from None
         result = plan.plan(spec, shape)

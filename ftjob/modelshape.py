@@ -215,37 +215,5 @@ def nf4_splits(rows: int, cols: int, shards: int) -> bool:
     return numel % scales == 0 and rows % shards == 0 and (numel // scales) % shards == 0
 
 
-def nf4_shard_problem(weights: dict[str, tuple[int, int]], shards: int) -> str | None:
-    """Why these weights cannot be sharded as NF4 over ``shards`` processes (None: they can).
-
-    The message names the first weight that does not split and the shard counts that would
-    work (up to 16), so the person can pick the number of GPUs.
-    """
-    for name, (rows, cols) in weights.items():
-        if nf4_splits(rows, cols, shards):
-            continue
-        if not nf4_splits(rows, cols, 1):
-            return (
-                f"{name} ({rows}x{cols}) has {rows * cols} values, not a multiple of "
-                f"{NF4_BLOCK * NF4_SCALE_BLOCK}: it cannot be stored in NF4; use method.type lora"
-            )
-        good = [n for n in range(1, 17) if all(nf4_splits(r, c, n) for r, c in weights.values())]
-        counts = ", ".join(str(n) for n in good[:-1]) + (" or " if len(good) > 1 else "")
-        return (
-            f"{name} ({rows}x{cols}) cannot be split into {shards} equal 4-bit shards; the "
-            f"shard group (resources.processesPerNode / gpusPerNode, or nodes with hybrid "
-            f"sharding) must be {counts}{good[-1]} processes"
-        )
-    return None
-
-
-def nf4_settings_problem(kind: str, double_quant: bool) -> str | None:
-    """What ftjob's 4-bit storage (torchao NF4, scales always quantized) cannot honour."""
-    if kind != "nf4":
-        return f"method.quantization.type {kind}: ftjob stores the 4-bit base as nf4 only; use nf4"
-    if not double_quant:
-        return (
-            "method.quantization.doubleQuant false: ftjob's NF4 always quantizes the scales "
-            "(0.13 bit a weight); remove doubleQuant or set it true"
-        )
-    return None
+# The rule built on nf4_splits (which job is refused, with which field and fix) is
+# ftjob.verdict.qlora_problem, shared by validate, plan, the operator and the trainer.

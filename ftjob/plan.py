@@ -40,12 +40,11 @@ from ftjob.modelshape import (
     LOSS_CHUNK_TOKENS,
     ModelShape,
     flops_per_token,
-    nf4_settings_problem,
-    nf4_shard_problem,
     shape_for,
 )
-from ftjob.schema import check_rules, quantity
-from ftjob.spec import FineTuneJobSpec, QuantizationSpec
+from ftjob.schema import FieldError, check_rules, quantity
+from ftjob.spec import FineTuneJobSpec
+from ftjob.verdict import model_problems, shard_group
 
 FP32 = 4
 # Measured on the GPUs we have run: CUDA context, NCCL buffers and the caching allocator.
@@ -94,9 +93,10 @@ class Estimate:
     network_bytes_per_node: float
     network_seconds: float | None
     notes: list[str] = field(default_factory=list)
-    problem: str | None = None  # why the job cannot run at all, whatever the memory
+    problem: FieldError | None = None  # why the job cannot run at all, whatever the memory
     # The assumed share of peak behind step_seconds (ASSUMED_HFU; None without a GPU type).
     hardware_utilisation: float | None = None
+    on_gpu: bool = True  # a GPU job fits only if its GPUs and its pods' CPU memory both do
 
     @property
     def per_device(self) -> float:
@@ -139,10 +139,15 @@ class Estimate:
 
     @property
     def fits(self) -> bool | None:
+        """False if any check fails; True only if every check was made (a GPU job's GPU
+        memory and, for every job, the pod's CPU memory against resources.memory); else None:
+        a job is never said to fit on memory nobody checked."""
         if self.problem:
             return False
-        checks = [c for c in (self.fits_device, self.fits_pod) if c is not None]
-        return all(checks) if checks else None
+        checks = [self.fits_pod] + ([self.fits_device] if self.on_gpu else [])
+        if False in checks:
+            return False
+        return None if None in checks else True
 
 
 def stride_name(stride: int) -> str:
@@ -214,16 +219,12 @@ def _estimate(
     sharded_weights = base_bytes + trainable * FP32
     state_bytes = sharded_weights + 3 * trainable * FP32
     sharding = spec.effective_sharding(state_bytes, device_bytes)
-    group = {"full": world, "grad-op": world, "hybrid": nproc, "none": 1}[sharding]
+    group = shard_group(spec, sharding)
     offload = spec.parallelism.cpu_offload
     notes = [f"sharding {sharding} over {group} process{'es' if group > 1 else ''}"]
-    problem = None
+    problems = model_problems(spec, shape, sharding)  # the rule validate and the trainer use
     if method == "qlora":
         notes.append("4-bit base sharded" if group > 1 else "4-bit base")
-        q = spec.method.quantization
-        problem = nf4_settings_problem(q.type, q.double_quant) or nf4_shard_problem(
-            shape.linear_shapes(), group
-        )
     elif method == "lora" and frozen_bytes == 2:
         notes.append("bf16 frozen base")
     states_on_device = 0.0 if offload else 1.0
@@ -297,8 +298,9 @@ def _estimate(
         network_bytes_per_node=net,
         network_seconds=net / bandwidth if r.nodes > 1 else 0.0,
         notes=notes,
-        problem=problem and f"qlora: {problem}",
+        problem=problems[0] if problems else None,
         hardware_utilisation=hfu,
+        on_gpu=on_gpu,
     )
 
 
@@ -446,6 +448,20 @@ def _candidates(spec: FineTuneJobSpec, shape: ModelShape):
             yield f"gpuType: {gpu.name} (GPUs with more memory)", {"resources__gpu_type": gpu.name}
 
 
+def option_fits(base: Estimate, option: Estimate) -> bool:
+    """Whether a suggested change fits by the job's own standard: no check fails, the GPUs
+    were checked, and the pods' CPU memory was checked against resources.memory, or, where
+    that is not set, the change asks no more CPU memory than the job already needs (so
+    cpuOffload, which moves the states to CPU memory, is never offered unchecked)."""
+    if option.problem or option.fits_device is False or option.fits_pod is False:
+        return False
+    if option.on_gpu and not option.fits_device:
+        return False
+    if option.fits_pod is None:
+        return option.cpu_peak_per_node <= base.cpu_peak_per_node
+    return True
+
+
 def plan(spec: FineTuneJobSpec, shape: ModelShape, max_options: int = 3) -> Plan:
     """The estimate and, if it does not fit, up to ``max_options`` changes that would."""
     base = estimate(spec, shape)
@@ -453,21 +469,28 @@ def plan(spec: FineTuneJobSpec, shape: ModelShape, max_options: int = 3) -> Plan
     if base.fits is False:
         cumulative: dict = {}
         labels: list[str] = []
+        stacked_fits = False
         for label, change in _candidates(spec, shape):
             single = _apply(spec, change)
             if check_rules(single, "spec"):
                 continue  # advice must be a job the API server accepts
             est = estimate(single, shape)
-            if est.fits:
+            if option_fits(base, est):
                 options.append(Option(label, single, est))
-            elif "nodes" not in label:
+            elif (
+                "nodes" not in label and not stacked_fits and not cumulative.keys() & change.keys()
+            ):
                 # Changes stack: activation checkpointing and a smaller micro-batch together.
+                # A change of a field already changed (a second gpuType, qlora after lora)
+                # replaces rather than adds, so it is not stacked: the label would lie. Once
+                # a stack fits, more changes on top of it are not advice.
                 cumulative.update(change)
                 labels.append(label.split(" (")[0])
                 stacked = _apply(spec, cumulative)
                 est = estimate(stacked, shape)
-                if est.fits and len(labels) > 1 and not check_rules(stacked, "spec"):
+                if option_fits(base, est) and len(labels) > 1 and not check_rules(stacked, "spec"):
                     options.append(Option(" + ".join(labels), stacked, est))
+                    stacked_fits = True
             if len(options) >= max_options:
                 break
     return Plan(
@@ -476,9 +499,7 @@ def plan(spec: FineTuneJobSpec, shape: ModelShape, max_options: int = 3) -> Plan
 
 
 def _apply(spec: FineTuneJobSpec, change: dict) -> FineTuneJobSpec:
-    if change.get("method__type") == "qlora":
-        change = {**change, "method__quantization": QuantizationSpec()}
-    return _with(spec, **change)
+    return _with(spec, **change)  # qlora needs no quantization block: nf4 is its default
 
 
 # ----------------------------------------------------------------------------- text
@@ -589,11 +610,25 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
             (
                 "  fits with",
                 f"{option.change}: {_gib(option.estimate.per_device)} per {unit}"
-                + (f", ~{_duration(step)}/step" if step else ""),
+                + (" (tight)" if _tight(option.estimate) else "")
+                + (f", ~{_duration(step)}/step" if step else "")
+                + _more_cpu(e, option.estimate),
             )
         )
     width = max(len(label) for label, _ in rows) + 2
     return [f"{label:<{width}}{text}" for label, text in rows]
+
+
+def _tight(e: Estimate) -> bool:
+    """Above TIGHT of a GPU's memory: the estimate's error could tip it."""
+    return bool(e.device_bytes) and e.per_device > TIGHT * e.device_bytes
+
+
+def _more_cpu(base: Estimate, option: Estimate) -> str:
+    """The CPU memory a change needs, where it needs more than the job (cpuOffload)."""
+    if option.cpu_peak_per_node <= base.cpu_peak_per_node:
+        return ""
+    return f", {_gib(option.cpu_peak_per_node)} CPU memory per pod"
 
 
 def checkpointing_text(spec: FineTuneJobSpec, e: Estimate) -> str:
@@ -625,10 +660,15 @@ def verdict_text(result: Plan) -> str:
     if e.fits is None:
         if not result.on_gpus:  # gpuType is for GPU jobs only (a CRD rule)
             return "not checked: set resources.memory to check the CPU memory"
-        return "not checked: set resources.gpuType (and resources.memory) to check the fit"
+        if e.fits_device is None:
+            return "not checked: set resources.gpuType (and resources.memory) to check the fit"
+        # The GPUs fit, but the pods' CPU memory (offloaded states, loading) was not checked.
+        return (
+            f"GPU memory fits: {found[0]}; CPU MEMORY NOT CHECKED: a pod needs up to "
+            f"{_gib(e.cpu_peak_per_node)}; set resources.memory to check it"
+        )
     if e.fits:
-        tight = e.fits_device and e.per_device > TIGHT * e.device_bytes
-        return ("FITS (tight)" if tight else "FITS") + ": " + ", ".join(found)
+        return ("FITS (tight)" if _tight(e) else "FITS") + ": " + ", ".join(found)
     options = "; ".join(o.change.split(" (")[0] for o in result.options) or "no single change"
     return "WILL NOT FIT: " + ", ".join(found) + f"; fits with: {options}"
 

@@ -254,7 +254,8 @@ class MethodSpec:
     )
     lora: LoraSpec | None = api_field("lora settings (lora and qlora; defaults apply).", None)
     quantization: QuantizationSpec | None = api_field(
-        "quantization of the base model; required for qlora, e.g. {type: nf4}.", None
+        "quantization of the base model (qlora only); default {type: nf4, doubleQuant: true}.",
+        None,
     )
 
     def lora_settings(self) -> LoraSpec | None:
@@ -262,6 +263,13 @@ class MethodSpec:
         if self.type == "full":
             return None
         return self.lora or LoraSpec()
+
+    def quantization_settings(self) -> QuantizationSpec | None:
+        """The 4-bit storage in force: qlora without a quantization block gets the defaults
+        (every field has one), other methods none."""
+        if self.type != "qlora":
+            return None
+        return self.quantization or QuantizationSpec()
 
 
 @dataclass(kw_only=True)
@@ -763,12 +771,6 @@ class FineTuneJobSpec:
             "self.method.type == 'qlora' || !has(self.method.quantization)",
             lambda s: s.method.type == "qlora" or s.method.quantization is None,
             "quantization is only for method.type qlora; remove it or set type qlora",
-            ".method.quantization",
-        ),
-        Rule(
-            "self.method.type != 'qlora' || has(self.method.quantization)",
-            lambda s: s.method.type != "qlora" or s.method.quantization is not None,
-            "qlora needs a quantization block, e.g. quantization: {type: nf4}",
             ".method.quantization",
         ),
         Rule(

@@ -6,16 +6,29 @@ CEL, through :mod:`ftjob.admission`) is what a cluster enforces at ``kubectl app
 A job is accepted only if every child the operator would create for it is valid too: the
 children are rendered and held to the API server's rules (:mod:`ftjob.kubevalidation`), and
 each refusal is traced back to the FineTuneJob field that produced the value.
+
+Where the model's shape is known (its config.json beside the job file, or an hf:// model in
+:data:`ftjob.modelshape.KNOWN_MODELS`), the job is also held to what the trainer would refuse
+on that model (:mod:`ftjob.verdict`, through the plan's estimate): validate, plan, the
+operator and the trainer give one verdict.
+
+Local inputs: ``ftjob plan`` and ``ftjob run`` read the model and data beside the job file, so
+a missing one refuses the job (``local=True``). ``ftjob validate`` checks a job for a cluster,
+where a relative or absolute path names the checkpoint volume, not this machine: a path not
+found here is a note saying the model's shape (or the data) was not checked, not an error.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from functools import cache
+from pathlib import Path
 from typing import Any
 
-from ftjob import admission, crd, kubevalidation
+from ftjob import admission, crd, kubevalidation, plan
+from ftjob.modelshape import ModelShape, known_model
 from ftjob.operator import render
 from ftjob.schema import FieldError, SpecError
 from ftjob.spec import FineTuneJobSpec, parse_resource, validate_update
@@ -35,14 +48,25 @@ class Verdict:
     spec: FineTuneJobSpec | None = None
     errors: list[str] = field(default_factory=list)  # ftjob's messages
     server_errors: list[str] = field(default_factory=list)  # the API server's messages
+    notes: list[str] = field(default_factory=list)  # what could not be checked here, and why
+    shape: ModelShape | None = None  # the model's, where it could be read
 
     @property
     def ok(self) -> bool:
         return not self.errors and not self.server_errors
 
 
-def check(doc: dict[str, Any], old: dict[str, Any] | None = None) -> Verdict:
-    """Check ``doc`` (as an update of ``old`` when given) both ways."""
+def check(
+    doc: dict[str, Any],
+    old: dict[str, Any] | None = None,
+    job_file: str | None = None,
+    local: bool = False,
+) -> Verdict:
+    """Check ``doc`` (as an update of ``old`` when given) both ways, and on its model.
+
+    ``job_file``: where relative model and data sources are looked up. ``local``: they must
+    be there (plan, run); otherwise a missing one is only a note (validate).
+    """
     name = (doc.get("metadata") or {}).get("name")
     verdict = Verdict(name=name if isinstance(name, str) else None)
     try:
@@ -50,11 +74,74 @@ def check(doc: dict[str, Any], old: dict[str, Any] | None = None) -> Verdict:
         if old is not None:
             _, old_spec = parse_resource(old)
             validate_update(old_spec, verdict.spec)
+        base = Path(job_file).parent if job_file else None
+        missing, verdict.shape = _model_shape(verdict.spec, base)
+        missing += _data_missing(verdict.spec, base)
+        if local and missing:
+            raise SpecError(missing)
+        verdict.notes = [
+            f"not checked: {m.path}: {m.message.split('; fix')[0]} on this machine (a "
+            "cluster reads the path from the checkpoint volume)"
+            for m in missing
+        ]
+        if verdict.shape is not None:
+            problem = plan.estimate(verdict.spec, verdict.shape).problem
+            if problem:
+                raise SpecError([problem])
     except SpecError as e:
         verdict.errors = [str(err) for err in e.errors]
         verdict.spec = None
+    except ValueError as e:  # a config.json without the fields a decoder has
+        verdict.errors = [f"spec.model.source: {e}"]
+        verdict.spec = None
     _, verdict.server_errors = admission.admit(crd_schema(), doc, old)
     return verdict
+
+
+_FIX_LOCAL = "relative to the job file's folder, or an hf:// id"
+
+
+def _model_shape(
+    spec: FineTuneJobSpec, base: Path | None
+) -> tuple[list[FieldError], ModelShape | None]:
+    """The model's shape where it can be read, and a note if a local model is not found."""
+    source = spec.model.source
+    if source.startswith("hf://"):
+        return [], known_model(source)  # None: not in the table; the trainer checks it
+    if base is None and not Path(source).is_absolute():
+        return [], None
+    folder = Path(source) if Path(source).is_absolute() else base / source
+    config = folder / "config.json"
+    if not config.is_file():
+        what = "no config.json in" if folder.is_dir() else "no such folder:"
+        return [
+            FieldError(
+                "spec.model.source",
+                f"{what} {folder}; fix: name the folder holding the model's config.json and "
+                f"weights, {_FIX_LOCAL}",
+            )
+        ], None
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{config} cannot be read as JSON: {e}") from None
+    return [], ModelShape.from_config(data, Path(source).name)
+
+
+def _data_missing(spec: FineTuneJobSpec, base: Path | None) -> list[FieldError]:
+    source = spec.dataset.source
+    if source.startswith("hf://") or (base is None and not Path(source).is_absolute()):
+        return []
+    path = Path(source) if Path(source).is_absolute() else base / source
+    if path.exists():
+        return []
+    return [
+        FieldError(
+            "spec.dataset.source",
+            f"no such file or folder: {path}; fix: name the JSONL file (or folder of them), "
+            f"{_FIX_LOCAL}",
+        )
+    ]
 
 
 def parse_job(doc: dict[str, Any]) -> tuple[str, FineTuneJobSpec]:

@@ -29,12 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from ftjob import contract
 from ftjob.contract import BAD_SPEC, TrainerError
-from ftjob.modelshape import (
-    NF4_BLOCK,
-    NF4_SCALE_BLOCK,
-    nf4_settings_problem,
-    nf4_shard_problem,
-)
+from ftjob.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK
 from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer import attention
 from ftjob.trainer.parallel import Dist
@@ -130,11 +125,12 @@ def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase) -> Built:
 
 def check_shardable(built: Built, shards: int) -> None:
     """Refuse, before any weight is read, a QLoRA job whose 4-bit weights cannot be split."""
-    q = built.spec.method.quantization
-    problem = q and nf4_settings_problem(q.type, q.double_quant)
-    problem = problem or nf4_shard_problem(built.quantized, shards)
+    from ftjob.verdict import qlora_problem  # the rule validate, plan and the operator apply
+
+    problem = qlora_problem(built.spec, built.quantized, shards)
     if problem:
-        raise TrainerError(f"qlora: {problem}", reason=BAD_SPEC, where=".resources")
+        where = problem.path.removeprefix("spec")  # the termination record's field, e.g. .resources
+        raise TrainerError(problem.message, reason=BAD_SPEC, where=where)
 
 
 def _prepare(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:

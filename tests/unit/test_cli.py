@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ftjob import manifest
+
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 CORPUS = ROOT / "tests" / "corpus"
@@ -155,3 +157,159 @@ def test_render_json_is_a_list_kubectl_can_apply():
 def test_an_unknown_output_format_is_a_usage_error():
     result = ftjob("plan", "-o", "xml", ROOT / "examples" / "tiny.yaml")
     assert result.returncode == 2 and "invalid choice: 'xml'" in result.stderr
+
+
+# ------------------------------------------------------------------ one verdict everywhere
+
+
+def tiny_job(tmp_path, name="job.yaml", **spec_changes):
+    """examples/tiny.yaml with its sources made absolute (the job file lives in tmp_path)."""
+    (doc,) = manifest.load(ROOT / "examples" / "tiny.yaml")
+    doc["spec"]["model"]["source"] = str(ROOT / "examples" / "tiny-model")
+    doc["spec"]["dataset"]["source"] = str(ROOT / "examples" / "data" / "tiny-chat.jsonl")
+    for key, value in spec_changes.items():
+        doc["spec"][key] = value
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc))
+    return path, doc
+
+
+TINY_QLORA = (
+    "spec.method.type: qlora: q_proj (64x64) has 4096 values, not a multiple of 16384: this "
+    "model cannot be stored in NF4; fix: use method.type lora"
+)
+
+
+def test_qlora_on_the_tiny_model_is_refused_alike_by_validate_plan_and_the_trainer(
+    tmp_path, monkeypatch
+):
+    """`type: qlora` alone (no quantization block: nf4 is the default) on a model whose
+    weights cannot be stored in NF4: validate, plan and the trainer's own check say the same
+    field and fix, so the trainer's "see ftjob validate" points at a command that agrees."""
+    path, doc = tiny_job(tmp_path, method={"type": "qlora"})
+    validate = ftjob("validate", path)
+    assert validate.returncode == 1
+    assert f"  {TINY_QLORA}\n" in validate.stdout and ": INVALID" in validate.stdout
+    planned = ftjob("plan", path)
+    assert planned.returncode == 1 and planned.stderr == f"{path}: {TINY_QLORA}\n"
+
+    from ftjob.contract import BAD_SPEC, TrainerError
+    from ftjob.spec import parse_resource
+    from ftjob.trainer import model
+
+    monkeypatch.chdir(tmp_path)
+    spec = parse_resource(doc)[1]
+    built = model.build(spec, model.load_tokenizer(spec))
+    with pytest.raises(TrainerError) as refused:
+        model.check_shardable(built, 2)
+    field, message = TINY_QLORA.split(": ", 1)
+    assert str(refused.value) == message and refused.value.reason == BAD_SPEC
+    assert refused.value.where == field.removeprefix("spec")
+
+
+def test_qlora_needs_no_quantization_block(tmp_path):
+    """Every field has a default: qlora stores its base in nf4 unless told otherwise."""
+    (doc,) = manifest.load(ROOT / "examples" / "llama31-70b-qlora.yaml")
+    del doc["spec"]["method"]["quantization"]
+    path = tmp_path / "qlora.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    result = ftjob("validate", path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ": valid -- qlora, 1 node x 2 GPUs" in result.stdout
+    planned = ftjob("plan", path)
+    assert planned.returncode == 0 and "4-bit base sharded" in planned.stdout, planned.stderr
+
+
+# ------------------------------------------------------- plans never admit the impossible
+
+
+def llama70b_full_one_gpu(tmp_path, name="big.yaml", **resources_and_parallelism):
+    """Llama-2-70B full on one A100-80GB, no resources.memory unless given."""
+    resources = {"nodes": 1, "gpusPerNode": 1, "gpuType": "A100-80GB"}
+    parallelism = {}
+    for key, value in resources_and_parallelism.items():
+        (parallelism if key == "cpuOffload" else resources)[key] = value
+    doc = {
+        "apiVersion": "ftjob.dev/v1alpha1", "kind": "FineTuneJob", "metadata": {"name": "big"},
+        "spec": {"model": {"source": "hf://meta-llama/Llama-2-70b-hf"},
+                 "dataset": {"source": "hf://org/chat", "maxSeqLength": 2048},
+                 "method": {"type": "full"}, "training": {"maxSteps": 10},
+                 "resources": resources, "parallelism": parallelism},
+    }  # fmt: skip
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def verdict_line(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if line.strip().startswith("verdict"))
+
+
+def test_host_memory_is_checked_or_the_verdict_says_it_was_not(tmp_path):
+    """The states offloaded to CPU need ~1 TiB a pod: without resources.memory that is not
+    FITS but "not checked"; with too little memory it will not fit."""
+    unchecked = ftjob("plan", llama70b_full_one_gpu(tmp_path, cpuOffload=True))
+    line = verdict_line(unchecked.stdout)
+    assert unchecked.returncode == 0, unchecked.stderr  # nothing failed; nothing claimed
+    assert "FITS" not in line and "CPU MEMORY NOT CHECKED: a pod needs up to 1.0 TiB" in line
+    assert "set resources.memory to check it" in line
+    small = ftjob("plan", llama70b_full_one_gpu(tmp_path, cpuOffload=True, memory="200Gi"))
+    assert small.returncode == 1
+    assert "WILL NOT FIT" in verdict_line(small.stdout)
+    assert "1.0 TiB of 200.0 GiB CPU memory per pod" in verdict_line(small.stdout)
+    big = ftjob("plan", llama70b_full_one_gpu(tmp_path, cpuOffload=True, memory="1200Gi"))
+    assert big.returncode == 0 and verdict_line(big.stdout).split()[1] == "FITS:"
+
+
+def test_cpu_offload_is_suggested_only_where_the_pod_has_the_memory(tmp_path):
+    no_memory = ftjob("plan", llama70b_full_one_gpu(tmp_path))
+    assert no_memory.returncode == 1 and "cpuOffload" not in no_memory.stdout
+    with_memory = ftjob("plan", llama70b_full_one_gpu(tmp_path, memory="1200Gi"))
+    offload = [line for line in with_memory.stdout.splitlines() if "fits with  cpuOffload" in line]
+    assert offload and offload[0].endswith("1.0 TiB CPU memory per pod"), with_memory.stdout
+    too_little = ftjob("plan", "-o", "json", llama70b_full_one_gpu(tmp_path, memory="500Gi"))
+    (item,) = json.loads(too_little.stdout)["items"]
+    changes = [o["change"] for o in item["options"]]
+    assert changes and not any(c.startswith("cpuOffload") for c in changes)  # 1 TiB > 500 GiB
+
+
+def test_stacked_suggestions_change_each_field_once_and_fit(tmp_path):
+    """70B full on one A100 once suggested "method: lora + gpuType: H100-NVL-94GB + gpuType:
+    H200-141GB": two GPU types joined, the estimate of neither."""
+    result = ftjob("plan", "-o", "json", llama70b_full_one_gpu(tmp_path, memory="1200Gi"))
+    options = json.loads(result.stdout)["items"][0]["options"]
+    assert options
+    for option in options:
+        fields = [part.split(":")[0] for part in option["change"].split(" (")[0].split(" + ")]
+        assert len(fields) == len(set(fields)), option["change"]
+        assert option["perDeviceBytes"] <= 80 * 2**30, option
+
+
+def test_plan_names_a_missing_model_and_missing_data_once_with_the_fix(tmp_path):
+    """plan reads the model and data beside the job file: missing, each is named once, with its
+    field; validate (a job for a cluster, where the path is on the volume) notes them."""
+    path, _ = tiny_job(tmp_path)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["model"]["source"] = "no-model"
+    doc["spec"]["dataset"]["source"] = "data/none.jsonl"
+    path.write_text(yaml.safe_dump(doc))
+    planned = ftjob("plan", path)
+    assert planned.returncode == 1 and planned.stdout == ""
+    assert planned.stderr.splitlines() == [
+        f"{path}: spec.model.source: no such folder: {tmp_path / 'no-model'}; fix: name the "
+        "folder holding the model's config.json and weights, relative to the job file's "
+        "folder, or an hf:// id",
+        f"{path}: spec.dataset.source: no such file or folder: {tmp_path / 'data/none.jsonl'}; "
+        "fix: name the JSONL file (or folder of them), relative to the job file's folder, or "
+        "an hf:// id",
+    ]
+    validate = ftjob("validate", path)
+    assert validate.returncode == 0, validate.stdout
+    notes = [line.strip() for line in validate.stdout.splitlines()[1:]]
+    assert notes == [
+        f"not checked: spec.model.source: no such folder: {tmp_path / 'no-model'} on this "
+        "machine (a cluster reads the path from the checkpoint volume)",
+        f"not checked: spec.dataset.source: no such file or folder: "
+        f"{tmp_path / 'data/none.jsonl'} on this machine (a cluster reads the path from the "
+        "checkpoint volume)",
+    ]

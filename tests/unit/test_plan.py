@@ -129,13 +129,15 @@ def test_llama3_8b_full_on_one_80gb_gpu_without_offload_does_not_fit():
 
 
 def test_nf4_sharding_is_refused_where_a_weight_cannot_split():
-    from ftjob.modelshape import nf4_shard_problem
+    from ftjob.verdict import qlora_problem
 
+    qlora = example("llama31-70b-qlora.yaml")
     shapes = known_model("hf://meta-llama/Llama-3.1-70B").linear_shapes()
-    assert nf4_shard_problem(shapes, 2) is None and nf4_shard_problem(shapes, 8) is None
-    problem = nf4_shard_problem(shapes, 3)
-    assert "cannot be split into 3 equal 4-bit shards" in problem
-    assert "must be 1, 2, 4, 8 or 16 processes" in problem
+    assert qlora_problem(qlora, shapes, 2) is None and qlora_problem(qlora, shapes, 8) is None
+    problem = qlora_problem(qlora, shapes, 3)
+    assert problem.path == "spec.resources"
+    assert "cannot be split into 3 equal 4-bit shards" in problem.message
+    assert "must be 1, 2, 4, 8 or 16 processes" in problem.message
     # ftjob plan and admission refuse it before any pod starts, whatever plan.enforce says
     three = example("llama31-70b-qlora.yaml", **{"resources.gpusPerNode": 3,
                     "plan.enforce": False})  # fmt: skip
@@ -143,9 +145,11 @@ def test_nf4_sharding_is_refused_where_a_weight_cannot_split():
     assert verdict["reason"] == "CannotRun" and verdict["allowed"] is False
     assert "must be 1, 2, 4, 8 or 16 processes" in verdict["message"]
     fp4 = plan.admission(example("llama31-70b-qlora.yaml", **{"method.quantization.type": "fp4"}))
-    assert fp4["allowed"] is False and "nf4 only; use nf4" in fp4["message"]
-    tiny = nf4_shard_problem({"q_proj": (64, 64)}, 2)
-    assert "not a multiple of 16384" in tiny and "use method.type lora" in tiny
+    assert fp4["allowed"] is False and "spec.method.quantization.type: qlora: fp4" in fp4["message"]
+    assert "fix: set type nf4" in fp4["message"]
+    tiny = qlora_problem(qlora, {"q_proj": (64, 64)}, 2)
+    assert tiny.path == "spec.method.type" and "not a multiple of 16384" in tiny.message
+    assert "fix: use method.type lora" in tiny.message
 
 
 def test_auto_sharding_is_hybrid_for_8b_lora_on_two_nodes():
@@ -448,3 +452,16 @@ def test_plan_json_says_what_auto_chose_and_the_mfu():
     item = output.plan_result("f.yaml", "n", spec, result)
     assert item["activationCheckpointing"] == {"setting": "auto", "chosen": "none"}
     assert item["mfu"] == plan.ASSUMED_HFU["lora"] and item["recomputedFlopsPerToken"] == 0
+
+
+def test_admission_never_says_fits_on_unchecked_host_memory():
+    """The operator's Planned condition is the plan's verdict: 70B full with cpuOffload on one
+    A100-80GB needs ~1 TiB of CPU memory a pod; unchecked it is Unknown, too little refuses."""
+    edits = {**ONE_80GB, "parallelism.cpuOffload": True, "checkpoint.asyncSave": False}
+    unchecked = example("llama2-70b-full.yaml", **edits, **{"resources.memory": None})
+    verdict = plan.admission(unchecked)
+    assert verdict["reason"] == "Unknown" and "CPU MEMORY NOT CHECKED" in verdict["message"]
+    small = example("llama2-70b-full.yaml", **edits, **{"resources.memory": "200Gi",
+                    "plan.enforce": True})  # fmt: skip
+    refused = plan.admission(small)
+    assert refused["reason"] == "WillNotFit" and refused["allowed"] is False
