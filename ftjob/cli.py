@@ -72,6 +72,7 @@ def _print_verdict(path: str, verdict: validation.Verdict) -> None:
         print(f"{label}: valid -- {validation.summary(verdict.spec)}")
         for note in verdict.notes:
             print(f"  {note}")
+        _print_image_warning(verdict.spec)
         return
     print(f"{label}: INVALID")
     for line in verdict.errors:
@@ -80,6 +81,15 @@ def _print_verdict(path: str, verdict: validation.Verdict) -> None:
         print("  kubectl apply would be refused with:")
         for line in verdict.server_errors:
             print(f"    {line}")
+
+
+def _print_image_warning(spec) -> None:
+    """Which image a job without spec.image gets: valid, but the placeholder cannot be pulled
+    unless the cluster's operator names a default image."""
+    from ftjob.operator import render  # pure: no kopf or kubernetes needed
+
+    if note := render.image_warning(spec):
+        print(f"  warning: {note}")
 
 
 def cmd_render(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ PRINTER_COLUMNS = [
         "priority": 1,
     },
     {"name": "MFU", "type": "number", "jsonPath": ".status.progress.mfu", "priority": 1},
+    {"name": "Image", "type": "string", "jsonPath": ".status.image", "priority": 1},
 ]
 
 

@@ -29,6 +29,8 @@ from ftjob.schema import (
 
 GROUP, VERSION, KIND, PLURAL = "ftjob.dev", "v1alpha1", "FineTuneJob", "finetunejobs"
 API_VERSION = f"{GROUP}/{VERSION}"
+# The release's trainer image name: a placeholder (nothing is published under it), used only
+# when neither spec.image nor the operator's --default-image names one.
 DEFAULT_IMAGE = f"ghcr.io/ftjob/trainer:{__version__}"
 
 DNS_LABEL = kv.DNS_LABEL
@@ -749,9 +751,12 @@ class FineTuneJobSpec:
         "scheduling constraints of the pods.", factory=SchedulingSpec
     )
     plan: PlanSpec = api_field("plan: the fit check before launch.", factory=PlanSpec)
-    image: str = api_field(
-        "image of the trainer; changes apply to the next gang attempt.",
-        DEFAULT_IMAGE,
+    # No schema default: an unset image stays unset in the stored job, so the operator's
+    # cluster-wide default (ftjob operator --default-image) can fill it in.
+    image: str | None = api_field(
+        "image of the trainer (default: the operator's --default-image, the chart's "
+        "trainer.defaultImage); changes apply to the next gang attempt.",
+        None,
         pattern=kv.IMAGE,
         pattern_hint="be an image reference without spaces, e.g. ghcr.io/org/trainer:1.0",
         max_length=512,

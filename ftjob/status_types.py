@@ -111,6 +111,11 @@ class FineTuneJobStatus:
     last_checkpoint: CheckpointStatus | None = api_field("lastCheckpoint committed.", None)
     failure: Failure | None = api_field("failure: why the last attempt failed.", None)
     model_path: str | None = api_field("modelPath: where the exported model is.", None)
+    image: str | None = api_field(
+        "image: the trainer image of the newest gang's pods (spec.image, else the operator's "
+        "default image).",
+        None,
+    )
     job_folder: str | None = api_field(
         "jobFolder: the job's folder on the checkpoint volume as the pods see it "
         "(checkpoints, caches, export): /ftjob/<name>-<first 8 characters of the uid> unless "

@@ -2,6 +2,7 @@
 
 ftjob operator --all-namespaces                 # cluster-wide
 ftjob operator -n team-a -n team-b --metrics-port 9090
+ftjob operator -A --default-image registry.example.com/ftjob/trainer:0.1.0
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import asyncio
 import logging
 import os
 import random
+import re
+
+from ftjob.kubevalidation import IMAGE
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,6 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--liveness",
         default="http://0.0.0.0:8080/healthz",
         help="liveness endpoint URL (empty to turn off)",
+    )
+    p.add_argument(
+        "--default-image",
+        default=None,
+        help="trainer image of jobs that set no spec.image (default: $FTJOB_DEFAULT_IMAGE; "
+        "without either, the unpublished placeholder ghcr.io/ftjob/trainer:<version>)",
     )
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics (0: off)")
     p.add_argument(
@@ -47,6 +57,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("ftjob operator: give --namespace NS (repeatable) or --all-namespaces")
     # The handlers read their settings from the environment when the operator starts.
     os.environ.setdefault("FTJOB_METRICS_PORT", str(args.metrics_port))
+    if args.default_image is not None:  # the flag wins over the variable
+        if not re.match(IMAGE, args.default_image):
+            raise SystemExit(
+                f"ftjob operator: --default-image {args.default_image!r} is not an image "
+                "reference (no spaces, not empty), e.g. registry.example.com/ftjob/trainer:0.1.0"
+            )
+        os.environ["FTJOB_DEFAULT_IMAGE"] = args.default_image
     import kopf
 
     from ftjob.operator import handlers  # noqa: F401 - registers the handlers

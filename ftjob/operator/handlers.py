@@ -51,6 +51,9 @@ class Settings:
     # bounded, a daemon waiting for a slot holds only itself.
     concurrency: int = 8
     metrics_port: int = 0  # FTJOB_METRICS_PORT: 0 serves no /metrics
+    # FTJOB_DEFAULT_IMAGE (ftjob operator --default-image): the trainer image of jobs that
+    # name none in spec.image.
+    default_image: str | None = None
 
     @classmethod
     def from_env(cls, env=os.environ) -> Settings:
@@ -59,6 +62,7 @@ class Settings:
             progress_every=float(env.get("FTJOB_PROGRESS_SECONDS", cls.progress_every)),
             concurrency=int(env.get("FTJOB_RECONCILE_CONCURRENCY", cls.concurrency)),
             metrics_port=int(env.get("FTJOB_METRICS_PORT") or 0),
+            default_image=env.get(render.DEFAULT_IMAGE_ENV) or None,
         )
 
 
@@ -216,6 +220,10 @@ async def _reconcile(name, namespace, body, job_pods, state, watch: Watch) -> fl
             spec, name, meta.get("generation"), old_status, pods, now, state["snapshot"]
         )
         decision.status["jobFolder"] = render.job_dir(name, spec, meta["uid"])
+        if decision.create:
+            # Recorded with the pods it is about to create (status is written first): the
+            # image they run, wherever it came from (spec.image or the operator's default).
+            decision.status["image"] = render.trainer_image(spec, SETTINGS.default_image)
 
     new = decision.status
     if new != old_status:
@@ -236,7 +244,10 @@ async def _reconcile(name, namespace, body, job_pods, state, watch: Watch) -> fl
             render.config_map(name, namespace, spec, uid),
             render.service(name, namespace, spec, uid),
         ]
-        children += [render.pod(name, namespace, spec, r, attempt, uid) for r in decision.create]
+        image = SETTINGS.default_image
+        children += [
+            render.pod(name, namespace, spec, r, attempt, uid, image) for r in decision.create
+        ]
         for child in children:
             if not await _create(child, uid):
                 requeue = 0.5  # a dead job's child was in the way: create again once gone

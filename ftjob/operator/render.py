@@ -18,7 +18,7 @@ from typing import Any
 
 from ftjob import launch
 from ftjob.schema import to_dict
-from ftjob.spec import API_VERSION, KIND, FineTuneJobSpec
+from ftjob.spec import API_VERSION, DEFAULT_IMAGE, KIND, FineTuneJobSpec
 
 MANAGER = "ftjob-operator"
 GROUP_PREFIX = "ftjob.dev"
@@ -42,6 +42,32 @@ KUEUE_TOTAL = "kueue.x-k8s.io/pod-group-total-count"
 
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 # NCCL's bootstrap over every interface but loopback and container bridges, unless told.
+
+
+# The operator's cluster-wide trainer image (ftjob operator --default-image, the chart's
+# trainer.defaultImage); platform teams set it once instead of in every job.
+DEFAULT_IMAGE_ENV = "FTJOB_DEFAULT_IMAGE"
+
+
+def trainer_image(spec: FineTuneJobSpec, default_image: str | None = None) -> str:
+    """The image the pods run: spec.image, else the operator's default, else the release's
+    placeholder name (which no registry serves: :func:`image_warning` says so). Only an
+    absent spec.image is defaulted; an empty one stays, to be refused with its field."""
+    if spec.image is not None:
+        return spec.image
+    return default_image or DEFAULT_IMAGE
+
+
+def image_warning(spec: FineTuneJobSpec) -> str | None:
+    """What ``ftjob validate`` says about a job that names no image: which one it gets."""
+    if spec.image is not None:
+        return None
+    return (
+        "spec.image is unset: on a cluster the pods get the operator's default image "
+        f"(ftjob operator --default-image, ${DEFAULT_IMAGE_ENV}, chart value "
+        f"trainer.defaultImage), else the placeholder {DEFAULT_IMAGE}, which is not published. "
+        "Fix: set spec.image, or the operator's default image (docs/install.md)"
+    )
 
 
 def labels(job: str, rank: int | None = None, attempt: int | None = None) -> dict[str, str]:
@@ -193,7 +219,15 @@ def volumes(job: str, spec: FineTuneJobSpec) -> tuple[list[dict], list[dict]]:
     return vols, mounts
 
 
-def container(job: str, namespace: str, spec: FineTuneJobSpec, rank: int, attempt: int, uid: str):
+def container(
+    job: str,
+    namespace: str,
+    spec: FineTuneJobSpec,
+    rank: int,
+    attempt: int,
+    uid: str,
+    default_image: str | None = None,
+):
     """The trainer container of node ``rank``: torchrun as :mod:`ftjob.launch` builds it."""
     node = launch.node_command(
         spec,
@@ -217,7 +251,7 @@ def container(job: str, namespace: str, spec: FineTuneJobSpec, rank: int, attemp
     net = spec.network
     out = {
         "name": CONTAINER,
-        "image": spec.image,
+        "image": trainer_image(spec, default_image),
         "imagePullPolicy": "IfNotPresent",
         "command": node.argv,
         "env": env_list,
@@ -236,7 +270,13 @@ def container(job: str, namespace: str, spec: FineTuneJobSpec, rank: int, attemp
 
 
 def pod(
-    job: str, namespace: str, spec: FineTuneJobSpec, rank: int, attempt: int, uid: str = ""
+    job: str,
+    namespace: str,
+    spec: FineTuneJobSpec,
+    rank: int,
+    attempt: int,
+    uid: str = "",
+    default_image: str | None = None,
 ) -> dict[str, Any]:
     """Node ``rank`` of gang ``attempt``."""
     lbls = labels(job, rank, attempt)
@@ -264,7 +304,7 @@ def pod(
             "fsGroup": RUN_AS,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [container(job, namespace, spec, rank, attempt, uid)],
+        "containers": [container(job, namespace, spec, rank, attempt, uid, default_image)],
         "volumes": volumes(job, spec)[0],
     }
     if sched.node_selector:
@@ -280,16 +320,31 @@ def pod(
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
-def pods(job: str, namespace: str, spec: FineTuneJobSpec, attempt: int, uid: str = "") -> list:
-    return [pod(job, namespace, spec, i, attempt, uid) for i in range(spec.resources.nodes)]
+def pods(
+    job: str,
+    namespace: str,
+    spec: FineTuneJobSpec,
+    attempt: int,
+    uid: str = "",
+    default_image: str | None = None,
+) -> list:
+    return [
+        pod(job, namespace, spec, i, attempt, uid, default_image)
+        for i in range(spec.resources.nodes)
+    ]
 
 
 def children(
-    job: str, namespace: str, spec: FineTuneJobSpec, attempt: int = 0, uid: str = ""
+    job: str,
+    namespace: str,
+    spec: FineTuneJobSpec,
+    attempt: int = 0,
+    uid: str = "",
+    default_image: str | None = None,
 ) -> list[dict[str, Any]]:
     """Everything one attempt of the job needs, in the order to create it."""
     return [
         config_map(job, namespace, spec, uid),
         service(job, namespace, spec, uid),
-        *pods(job, namespace, spec, attempt, uid),
+        *pods(job, namespace, spec, attempt, uid, default_image),
     ]

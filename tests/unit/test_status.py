@@ -165,7 +165,7 @@ def test_progress_snapshot_becomes_status_progress():
         "etaSeconds": 4380,
         "updatedAt": "2026-01-01T12:00:00Z",
         "lastCheckpointStep": 20,
-        "lastCheckpoint": "/ftjob/tiny/checkpoints/step-20",
+        "lastCheckpoint": "/ftjob/tiny-0f3c9a52/checkpoints/step-20",
     }
     p = st.progress(snap)
     assert p == {
