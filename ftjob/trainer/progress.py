@@ -151,8 +151,13 @@ class Progress:
         the job already trained ends with the finished run's step and losses, not step 0."""
         if self.enabled:
             previous = _read_snapshot(self.job_dir / "progress.json")
+            kept = {k: previous[k] for k in KEPT if k in previous}
+            if not _inside(kept.get("lastCheckpoint"), self.job_dir):
+                # A folder copied or moved here: its numbers are this run's, that path is not.
+                kept.pop("lastCheckpoint", None)
+                kept.pop("lastCheckpointStep", None)
             with self._lock:
-                self.snapshot.update({k: previous[k] for k in KEPT if k in previous})
+                self.snapshot.update(kept)
         self.writes_files = True
         self.update()
 
@@ -264,6 +269,10 @@ def _read_snapshot(path: Path) -> dict:
     except (OSError, ValueError):  # none yet, or unreadable: start from a fresh snapshot
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def _inside(path, folder: Path) -> bool:
+    return isinstance(path, str) and Path(path).is_relative_to(folder)
 
 
 def _ppl(loss: float) -> str:
