@@ -7,7 +7,9 @@ model it never trained. So the folder records the spec and the fingerprint of th
 change training; ``ftjob run`` and the trainer refuse a spec that differs there, naming the
 fields, while what does not change the steps already taken may change freely: how long to
 train (maxSteps, epochs), how often to log, evaluate or checkpoint, where and how it runs
-(images, scheduling, network, sharding, offload), and what is exported.
+(images, scheduling, network, sharding, offload), and what is exported. The export is
+swapped in whole (:func:`swap_in_export`): a continued job's older export stays readable
+until the new one is complete.
 
     python -c "from ftjob import jobfolder; help(jobfolder)"
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +153,41 @@ def claim(folder: Path, name: str, spec: FineTuneJobSpec, writer: bool) -> dict[
     if writer:
         return write(folder, name, spec)
     return {**record(name, spec), **{k: v for k, v in recorded.items() if k == "trainedSteps"}}
+
+
+# ------------------------------------------------------------------------------ the export
+# A continued job (maxSteps raised after its export) writes a new export over the old one.
+# The old one must stay readable until the new one is complete, and a crash at any instant
+# must leave one complete export where people and the next run look for it.
+
+
+def _aside(out: Path) -> Path:
+    return out.with_name(f".old-{out.name}")
+
+
+def recover_export(out: Path) -> None:
+    """Undo a swap cut short between its two renames: the previous export was moved aside and
+    the new one never moved in, so put the previous one back (it is complete: it is only
+    ever deleted once the new one is in place). Run by the folder's one writer."""
+    old = _aside(out)
+    if old.is_dir() and not out.exists():
+        old.rename(out)
+
+
+def export_present(out: Path) -> bool:
+    """Whether the folder holds a complete export (in place, or aside after a crash). Asks
+    for the aside copy first: if the writer moves it back meanwhile, ``out`` exists after."""
+    return _aside(out).is_dir() or out.exists()
+
+
+def swap_in_export(new: Path, out: Path) -> None:
+    """Put the complete export ``new`` at ``out``: the old export is renamed aside, the new
+    one renamed in, and only then is the old one removed. Each rename is atomic, so at every
+    instant one complete export is at ``out`` or aside (see :func:`recover_export`)."""
+    old = _aside(out)
+    recover_export(out)  # an earlier crash's aside copy may be the only complete export
+    shutil.rmtree(old, ignore_errors=True)  # else it is the half-removed rest of a finished swap
+    if out.exists():
+        out.rename(old)
+    new.rename(out)
+    shutil.rmtree(old, ignore_errors=True)

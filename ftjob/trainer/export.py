@@ -8,13 +8,19 @@ A full fine-tune's shards are gathered to rank 0's CPU memory (``get_model_state
 full_state_dict=True, cpu_offload=True)``); an adapter job gathers only what trained (the
 frozen base, bf16 or NF4, is never gathered: the merge re-reads it from the source in its
 original precision, so merging does not inherit the 4-bit rounding of QLoRA's base). The
-folder is written to ``.tmp-<name>`` beside the target, then renamed into place.
+folder is written to ``.tmp-<name>`` beside the target, then swapped into place
+(:func:`ftjob.jobfolder.swap_in_export`: an older export stays readable until the new one is
+complete). Its files follow the process umask like the rest of the job folder (safetensors
+writes 0600), so a serving pod running as another user reads them; an adapter names the
+job's model source as its base (``org/name`` for ``hf://org/name``), not a path of the
+training machine.
 Reload it with ``AutoModelForCausalLM.from_pretrained(path)`` or
 ``PeftModel.from_pretrained(base, path)``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -25,7 +31,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from ftjob.spec import FineTuneJobSpec
+from ftjob import jobfolder
+from ftjob.spec import FineTuneJobSpec, ModelSpec
 from ftjob.trainer.model import hub_kwargs, resolve
 
 
@@ -34,9 +41,16 @@ def target(spec: FineTuneJobSpec, job_dir: Path) -> Path:
 
 
 def export(
-    model: nn.Module, spec: FineTuneJobSpec, tok: PreTrainedTokenizerBase, out: Path, rank: int
+    model: nn.Module,
+    spec: FineTuneJobSpec,
+    tok: PreTrainedTokenizerBase,
+    out: Path,
+    rank: int,
+    asked: FineTuneJobSpec | None = None,
 ) -> None:
-    """Gather the trained weights and write the export (collective; rank 0 writes)."""
+    """Gather the trained weights and write the export (collective; rank 0 writes).
+    ``asked`` is the spec as the job gave it (``spec`` may name a downloaded copy): its model
+    source is the base an adapter names."""
     if spec.method.type == "full":
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(model, options=options)
@@ -52,8 +66,10 @@ def export(
             if spec.output.merge_adapter:
                 _save_merged(spec, tmp, tmp / "merged")
                 tok.save_pretrained(tmp / "merged")
+            _name_base(tmp, (asked or spec).model)
         tok.save_pretrained(tmp)
-        _replace(tmp, out)
+        readable_like_the_folder(tmp)
+        jobfolder.swap_in_export(tmp, out)
     dist.barrier()
 
 
@@ -107,11 +123,29 @@ def _save_merged(spec: FineTuneJobSpec, adapter: Path, tmp: Path) -> None:
     merged.save_pretrained(tmp)
 
 
-def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished folder into place; an older export is swapped out, then removed."""
-    old = out.with_name(f".old-{out.name}")
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        os.rename(out, old)
-    os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+def base_name(source: str) -> str:
+    """The base an adapter names: the Hub id of ``hf://org/name``, else the source as the
+    spec gives it (a path relative to the job file or on the volume), never a local path."""
+    return source.removeprefix("hf://")
+
+
+def _name_base(adapter: Path, model: ModelSpec) -> None:
+    # peft records the folder the base was read from: a cache or mount of this machine.
+    path = adapter / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config["base_model_name_or_path"] = base_name(model.source)
+    if model.source.startswith("hf://") and model.revision:
+        config["revision"] = model.revision
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def readable_like_the_folder(folder: Path) -> None:
+    """Give every file and folder under ``folder`` the mode the process umask gives new ones
+    (safetensors writes its files 0600; a reader with another uid must open them)."""
+    probe = folder / ".umask-probe"
+    probe.mkdir()  # what mkdir gives is 0o777 less the umask (os.umask() would have to set it)
+    umask = ~probe.stat().st_mode & 0o777
+    probe.rmdir()
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)

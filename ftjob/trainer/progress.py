@@ -142,8 +142,22 @@ class Progress:
 
     def own_folder(self) -> None:
         """Write the snapshot to the job folder from now on: once this run holds the folder
-        (its owner lease). Before that only ``/progress`` serves it, so a run refused as a
-        second writer leaves another run's progress files as they were."""
+        (its owner lease) and the folder's record matches its spec. Before that only
+        ``/progress`` serves it, so a run refused as a second writer, or for a changed spec,
+        leaves another run's progress files as they were.
+
+        The numbers the previous run of this job left in progress.json (:data:`KEPT`) seed
+        the snapshot, and this run overwrites them as it reports its own: a rerun that finds
+        the job already trained ends with the finished run's step and losses, not step 0."""
+        if self.enabled:
+            previous = _read_snapshot(self.job_dir / "progress.json")
+            kept = {k: previous[k] for k in KEPT if k in previous}
+            if not _inside(kept.get("lastCheckpoint"), self.job_dir):
+                # A folder copied or moved here: its numbers are this run's, that path is not.
+                kept.pop("lastCheckpoint", None)
+                kept.pop("lastCheckpointStep", None)
+            with self._lock:
+                self.snapshot.update(kept)
         self.writes_files = True
         self.update()
 
@@ -182,7 +196,8 @@ class Progress:
         """Training starts (or resumes) at ``step``: rates are measured from here."""
         self.last_step = step
         self._window = (time.perf_counter(), step)
-        self.update(phase="training", step=step)
+        # tokensSeen counts this attempt's tokens (a seeded figure is the previous run's).
+        self.update(phase="training", step=step, tokensSeen=0)
 
     def step(self, step: int, lr: float, epoch: float, seconds: float | None = None) -> None:
         """Record one optimizer step (``seconds`` it took): /progress serves it, the file
@@ -236,6 +251,28 @@ class Progress:
             return
         self.update(history="eval", phase="training", evalLoss=loss, evalStep=step)
         self.log(f"eval  step {step}/{self.total}  eval loss {loss:.4f}  (ppl {_ppl(loss)})")
+
+
+# What a run found out and a rerun keeps until it knows better (docs/progress.md): not its
+# phase, times, port or per-attempt fields (resumedFrom, replacesExport), and not exportPath,
+# which a run sets only once it has succeeded.
+KEPT = (
+    "step", "totalSteps", "epoch", "loss", "evalLoss", "evalStep", "learningRate",
+    "tokensPerSecond", "tokensSeen", "mfu", "lastCheckpointStep", "lastCheckpoint",
+    "loadPeakRssMiB", "trainPeakRssMiB", "trainPeakGpuMiB",
+)  # fmt: skip
+
+
+def _read_snapshot(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: start from a fresh snapshot
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _inside(path, folder: Path) -> bool:
+    return isinstance(path, str) and Path(path).is_relative_to(folder)
 
 
 def _ppl(loss: float) -> str:

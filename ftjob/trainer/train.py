@@ -75,13 +75,20 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     # Before anything is written to the job folder: one run writes there at a time.
     wait = min(2 * owner.LEASE_SECONDS, spec.network.collective_timeout_seconds - 5)
     lease = owner.take(job_dir, d.rank, wait)
-    report.own_folder()
     recorded = jobfolder.claim(job_dir, name, spec, writer=d.is_main)
+    # The folder is this run's and its record this spec's: progress.json carries on from
+    # what the previous run of this job left there (a refused spec left it untouched).
+    report.own_folder()
+    if d.is_main:
+        jobfolder.recover_export(out)  # an export swap a crash cut short
+    exported = recorded.get("trainedSteps")
     total_asked = spec.training.max_steps
-    if out.exists() and (total_asked is None or recorded.get("trainedSteps", 0) >= total_asked):
-        # A gang restarted after the export was written (a pod evicted at the very end).
-        say(f"{name}: already trained; the exported model is in {out}", flush=True)
-        return _succeeded(out, d, report, lease)
+    if jobfolder.export_present(out):
+        if total_asked is None or (exported or 0) >= total_asked:
+            # A gang restarted after the export was written (a pod evicted at the very end).
+            say(f"{name}: already trained; the exported model is in {out}", flush=True)
+            return _succeeded(out, d, report, lease)
+        _continuing(report, name, out, exported, total_asked)
     asked = spec  # what the job folder records; the run reads downloads from the volume
     spec = sources.fetch(
         spec,
@@ -126,7 +133,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     _measure_peaks(d, report)
 
     report.phase("exporting")
-    _export(run.net, spec, tok, out, d.rank, lease)
+    _export(run.net, spec, tok, out, d.rank, lease, asked)
     if d.is_main:
         jobfolder.write(job_dir, name, asked, trained_steps=total)
     report.log(f"exported model: {out}")
@@ -142,6 +149,18 @@ def _succeeded(out: Path, d: parallel.Dist, report, lease: owner.Lease | None) -
         lease.release()
     dist.destroy_process_group()
     return out
+
+
+def _continuing(report, name: str, out: Path, exported: int | None, total: int) -> None:
+    """Say, before anything trains, that this run goes on from a finished job and that its
+    export will be replaced (maxSteps raised after the export): the log and the progress
+    field ``replacesExport`` tell ``ftjob run`` and the operator."""
+    held = f"holds {exported} steps" if exported is not None else "was written earlier"
+    report.update(replacesExport=str(out), exportedSteps=exported)
+    report.log(
+        f"{name}: continues a finished job to {total} steps; the export at {out} ({held}) "
+        f"will be replaced when this run completes, and stays readable until then"
+    )
 
 
 @dataclass
@@ -290,14 +309,14 @@ def _seed(spec: FineTuneJobSpec) -> Path | None:
     return found
 
 
-def _export(net, spec, tok, out: Path, rank: int, lease: owner.Lease | None) -> None:
+def _export(net, spec, tok, out: Path, rank: int, lease: owner.Lease | None, asked) -> None:
     """The export, with a failed write named (a full volume: DiskFull) on every rank and its
     temporary folder removed; the checkpoints stay, so a rerun exports again."""
     if lease:
         lease.check()
     failed = None
     try:
-        export.export(net, spec, tok, out, rank)
+        export.export(net, spec, tok, out, rank, asked)
     except Exception as e:  # noqa: BLE001 - every failure is named, agreed and raised below
         named = volume.write_failed(e, "export", out.parent, EXPORT_FAILED) or TrainerError(
             f"writing the model to {out} failed: {e}", reason=EXPORT_FAILED, where=str(out)

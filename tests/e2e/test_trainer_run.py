@@ -3,7 +3,8 @@
     python -m pytest tests/e2e/test_trainer_run.py -q
 
 Runs are module-scoped and shared between the assertions about them: a full fine-tune, the
-same job killed (SIGKILL of rank 1) and resumed, a LoRA run (QLoRA: test_qlora.py).
+same job killed (SIGKILL of rank 1) and resumed, a LoRA run whose model source is relative to
+the job file (QLoRA: test_qlora.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -104,7 +106,9 @@ def eval_loss_of(model, workdir: Path) -> float:
     from ftjob.trainer.model import load_tokenizer
 
     _, spec = parse_resource(json.loads((workdir / "spec.json").read_text()))
-    ds = data.load(spec, load_tokenizer(spec), workdir)  # the trainer's prepared data
+    # Relative sources resolve beside the job file, which start() writes beside the workdir.
+    with mock.patch.dict(os.environ, {"FTJOB_SOURCE_ROOT": str(workdir.parent)}):
+        ds = data.load(spec, load_tokenizer(spec), workdir)  # the trainer's prepared data
     total = count = 0.0
     model.eval()
     with torch.no_grad():
@@ -193,6 +197,30 @@ def test_full_export_reloads_with_the_trained_models_eval_loss(full):
     model = AutoModelForCausalLM.from_pretrained(export)
     trained = final(workdir)["evalLoss"]
     assert eval_loss_of(model, workdir) == pytest.approx(trained, abs=1e-5)
+
+
+def modes(export: Path) -> dict[str, str]:
+    return {str(p.relative_to(export)): oct(p.stat().st_mode & 0o777) for p in export.rglob("*")}
+
+
+def umasked(kind: str) -> str:
+    umask = os.umask(0)  # the mode the trainer's processes (this one's children) give files
+    os.umask(umask)
+    return oct((0o777 if kind == "dir" else 0o666) & ~umask)
+
+
+def test_full_export_is_readable_like_the_rest_of_the_folder(full):
+    """Every file of the export has the umask's mode, as spec.json and progress.json do
+    (safetensors writes 0600: a serving pod with another uid could not read the weights)."""
+    workdir, _ = full
+    export = workdir / "model"
+    assert (
+        modes(export)["model.safetensors"]
+        == umasked("file")
+        == oct((workdir / "spec.json").stat().st_mode & 0o777)
+    )
+    assert set(modes(export).values()) == {umasked("file")}
+    assert oct(export.stat().st_mode & 0o777) == umasked("dir")
 
 
 def test_progress_json_is_the_documented_contract(full):
@@ -306,8 +334,11 @@ ADAPTER_TRAINING = {"maxSteps": 20, "learningRate": 1e-2, "evalEvery": 10}
 
 @pytest.fixture(scope="module")
 def lora(runs):
+    # The base named as a job file beside it names it: relative to the job file's folder.
+    (runs / "tiny-model").symlink_to(EXAMPLES / "tiny-model")
     doc = job(
         "lora",
+        model={"source": "tiny-model"},
         method=LORA,
         training=ADAPTER_TRAINING,
         output={"mergeAdapter": True},
@@ -340,6 +371,21 @@ def test_lora_adapter_and_merged_model_reload_with_equal_loss(lora):
     assert eval_loss_of(adapted, lora) == pytest.approx(trained, abs=1e-5)
     merged = AutoModelForCausalLM.from_pretrained(export / "merged")
     assert eval_loss_of(merged, lora) == pytest.approx(trained, abs=1e-4)
+
+
+def test_lora_adapter_names_the_jobs_model_source_and_is_readable(lora):
+    """adapter_config.json names the base as the job does (not the training machine's path);
+    every file, merged/ included, is readable like the rest of the folder."""
+    from peft import PeftConfig
+
+    export = lora / "model"
+    config = json.loads((export / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "tiny-model"
+    assert PeftConfig.from_pretrained(export).base_model_name_or_path == "tiny-model"
+    found = modes(export)
+    assert {"adapter_model.safetensors", "merged/model.safetensors"} <= set(found)
+    assert found["merged"] == umasked("dir")
+    assert {m for name, m in found.items() if name != "merged"} == {umasked("file")}
 
 
 # ---------------------------------------------------------------------------------- errors

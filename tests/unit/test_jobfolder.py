@@ -77,3 +77,73 @@ def test_a_record_written_before_fingerprints_is_still_compared(tmp_path):
     old = {k: v for k, v in jobfolder.record("j", spec()).items() if k == "spec"}
     assert jobfolder.changes(old, spec()) == []
     assert jobfolder.changes(old, spec(training={"seed": 1})) == ["spec.training.seed: 42 -> 1"]
+
+
+# ------------------------------------------------------------------ the export's swap
+
+
+def folder(path, text: str):
+    path.mkdir()
+    (path / "model.safetensors").write_text(text)
+    return path
+
+
+def test_a_new_export_replaces_the_old_one_whole(tmp_path):
+    out = folder(tmp_path / "model", "old")
+    jobfolder.swap_in_export(folder(tmp_path / ".tmp-model", "new"), out)
+    assert (out / "model.safetensors").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_crash_between_the_renames_leaves_the_old_export_found(tmp_path, monkeypatch):
+    """The process dies after moving the old export aside, before moving the new one in: the
+    next run (and ftjob's "already trained" check) finds the old export, complete, in place."""
+    out = folder(tmp_path / "model", "old")
+    new = folder(tmp_path / ".tmp-model", "new")
+    real, calls = type(out).rename, []
+
+    def crash_on_second(self, target):
+        calls.append(self.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed between the renames")
+        return real(self, target)
+
+    monkeypatch.setattr(type(out), "rename", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        jobfolder.swap_in_export(new, out)
+    monkeypatch.undo()
+    assert calls == ["model", ".tmp-model"] and not out.exists()  # the crash window
+    assert jobfolder.export_present(out)
+    jobfolder.recover_export(out)
+    assert (out / "model.safetensors").read_text() == "old"
+    # The next export swaps in over the recovered one, never deleting it first.
+    jobfolder.swap_in_export(new, out)
+    assert (out / "model.safetensors").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_swap_after_a_crash_keeps_the_only_complete_export(tmp_path):
+    """An aside copy with nothing in place is the only complete export: the next swap puts
+    it back before anything is removed (the old code removed it first)."""
+    folder(tmp_path / ".old-model", "old")
+    out = tmp_path / "model"
+    assert jobfolder.export_present(out) and not out.exists()
+    real = type(out).rename
+
+    def crash_moving_in(self, target):
+        if self.name == ".tmp-model":
+            raise KeyboardInterrupt("killed before the new export moved in")
+        return real(self, target)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(type(out), "rename", crash_moving_in)
+        with pytest.raises(KeyboardInterrupt):
+            jobfolder.swap_in_export(folder(tmp_path / ".tmp-model", "new"), out)
+    jobfolder.recover_export(out)
+    assert (out / "model.safetensors").read_text() == "old"
+
+
+def test_no_export_is_no_export(tmp_path):
+    assert not jobfolder.export_present(tmp_path / "model")
+    jobfolder.recover_export(tmp_path / "model")
+    assert not (tmp_path / "model").exists()
