@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from ftjob import contract, failure
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny.yaml"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "FTJOB_PROGRESS_PORT": "0"}
@@ -151,3 +153,27 @@ def test_a_json_error_names_its_column_and_the_fix_is_the_json(tmp_path):
     headline, fix = summary(out)
     assert f"{data} line 1: not valid JSON at column 56 (Expecting value)" in headline, headline
     assert fix == "  fix: fix the JSON at that line and column of spec.dataset.source"
+
+
+def test_a_pods_trainer_names_a_missing_data_file_with_the_source_fix(tmp_path):
+    """On a cluster no `ftjob run` checks first: the trainer's record and log carry the fix,
+    and the summary read from either says to change the source, not to fix a record."""
+    doc = yaml.safe_load(tiny_job(tmp_path, "pod", dataset={"source": "gone.jsonl"}).read_text())
+    spec_file = tmp_path / "pod-spec.yaml"
+    spec_file.write_text(yaml.safe_dump(doc))
+    record = tmp_path / "termination-log"
+    env = {**ENV, "FTJOB_JOB_DIR": str(tmp_path / "job"), "FTJOB_TERMINATION_LOG": str(record),
+           "FTJOB_SOURCE_ROOT": str(tmp_path)}  # fmt: skip
+    cmd = [sys.executable, "-m", "ftjob.trainer", "--spec", str(spec_file)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 1
+    fix = "set spec.dataset.source to an existing file or folder"
+    assert json.loads(record.read_text())["fix"].startswith(fix)
+    lines = proc.stderr.splitlines()
+    said = next(i for i, x in enumerate(lines) if x.startswith("error: rank 0: BadData: "))
+    assert f"gone.jsonl: no such file (looked at {tmp_path / 'gone.jsonl'})" in lines[said]
+    assert lines[said + 1] == f"  fix: {json.loads(record.read_text())['fix']}"
+    # What `ftjob run` and the operator's log fallback make of it, record or not.
+    for rec in (contract.parse(record.read_text()), None):
+        s = failure.summarize([failure.NodeOutcome(0, 1, rec, lines, "node-0.log")])
+        assert s.fix.startswith(fix) and "record" not in s.fix
