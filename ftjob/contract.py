@@ -94,6 +94,7 @@ class Failure:
     node: str | None = None
     step: int | None = None
     where: str | None = None  # file:line, or the spec field, when known
+    fix: str | None = None  # what to change, when the cause says more than the reason's fix
 
     def record(self) -> dict[str, Any]:
         data = {k: v for k, v in asdict(self).items() if v is not None}
@@ -106,11 +107,20 @@ class TrainerError(Exception):
 
     reason = INTERNAL
 
-    def __init__(self, message: str, *, reason: str | None = None, where: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str | None = None,
+        where: str | None = None,
+        fix: str | None = None,
+    ):
         super().__init__(message)
         if reason is not None:
             self.reason = reason
         self.where = where
+        # The fix for this cause (a field to set, a file to create); None: the reason's own.
+        self.fix = fix
 
 
 def success_record(export_path: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from ftjob import contract
 
 # What a person can do about each reason (the spec's field names, the command that helps).
 FIXES = {
-    contract.BAD_DATA: "fix the record named above in spec.dataset.source",
+    contract.BAD_DATA: "fix spec.dataset as the message above says",
     contract.BAD_MODEL: "check spec.model.source: a folder with config.json, or hf://org/name",
     contract.BAD_SPEC: "`ftjob validate FILE` names every invalid field",
     contract.CUDA_OOM: "lower spec.training.microBatchSize or spec.dataset.maxSeqLength, or set "
@@ -28,6 +28,9 @@ FIXES = {
     contract.DISK_FULL: "free space where the job folder is, or lower spec.checkpoint.keep",
     contract.NCCL_TIMEOUT: "a rank stopped answering: the other nodes' logs say why",
 }
+# BadData naming one record (a JSONL line, a record number): that record is the thing to fix.
+RECORD_FIX = "fix the record named above in spec.dataset.source"
+NAMES_A_RECORD = re.compile(r" (?:line|record) \d+\b")
 NO_GPU = (
     "no usable GPU here: run the job on a cluster (kubectl apply), or on CPU with "
     "resources.gpusPerNode: 0"
@@ -105,7 +108,7 @@ def _summary(o: NodeOutcome) -> Summary:
             rank=record.get("rank"),
             cause=f"{reason}: {record.get('message', '')}{where}",
             reason=reason,
-            fix=record.get("fix") or FIXES.get(reason),
+            fix=record.get("fix") or _fix(reason, record.get("message", "")),
             log=o.log,
             details=[],
         )
@@ -121,11 +124,15 @@ def _from_log(o: NodeOutcome) -> Summary:
         if m:
             reason = m[2] if m[2] in contract.REASONS else None
             details = [x.strip() for x in _indented(lines, i + 1)]
+            # The trainer's own fix for this cause, when it printed one ("  fix: ...").
+            fixes = [x.removeprefix("fix: ") for x in details if x.startswith("fix: ")]
+            details = [x for x in details if not x.startswith("fix: ")]
             rank = int(m[1]) if m[1] is not None else rank
             cause = f"{m[2]}: {m[3]}" if m[2] else m[3]
             if not m[3] and details:  # "error: FILE: invalid FineTuneJob:" then the fields
                 cause = details.pop(0)
-            return Summary(o.node, rank, cause, reason, FIXES.get(reason), o.log, details)
+            fix = fixes[0] if fixes else _fix(reason, cause)
+            return Summary(o.node, rank, cause, reason, fix, o.log, details)
     # 2. A message worth knowing, then the first exception a rank raised.
     for pattern, reason, fix in KNOWN:
         hit = next((x for x in lines if re.search(pattern, x)), None)
@@ -151,6 +158,13 @@ def _from_log(o: NodeOutcome) -> Summary:
         )
     cause = f"exit code {code}" + (f" ({sig})" if sig else "")
     return Summary(o.node, rank, cause, None, None, o.log, [])
+
+
+def _fix(reason: str | None, message: str) -> str | None:
+    """The reason's fix, unless the message says more precisely what to fix (a record)."""
+    if reason == contract.BAD_DATA and NAMES_A_RECORD.search(message):
+        return RECORD_FIX
+    return FIXES.get(reason)
 
 
 def _indented(lines: list[str], start: int) -> list[str]:

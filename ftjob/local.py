@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from ftjob import contract, failure, jobfolder, launch, manifest
+from ftjob import contract, failure, inputs, jobfolder, launch, manifest
 from ftjob.schema import SpecError, check_rules
 from ftjob.screen import Screen
 from ftjob.spec import KIND, parse_resource
@@ -128,6 +128,15 @@ def run(job_file: str, workdir: str | None = None, out=None, restart: bool = Fal
         return EXIT_FAILED
 
     job_dir = Path(workdir or Path.cwd() / "runs" / name).resolve()
+    source_root = Path(job_file).resolve().parent
+    # Named here in a moment, not by the trainer after torch's 10-20 s start-up (the trainer
+    # keeps its own checks: pods on a cluster read the volume, not this machine).
+    missing = inputs.missing(spec, source_root, None if restart else job_dir)
+    if missing:
+        for problem in missing:
+            print(f"ftjob run: {job_file}: {problem.message}", file=out)
+            print(f"  fix: {problem.fix}", file=out, flush=True)
+        return EXIT_FAILED
     busy = owner.in_use(job_dir)  # before anything is written there (spec.json)
     if busy:
         print(f"ftjob run: {busy}", file=sys.stderr)
@@ -145,6 +154,17 @@ def run(job_file: str, workdir: str | None = None, out=None, restart: bool = Fal
         )
         print(f"ftjob run: {jobfolder.refusal(job_dir, diff, fix)}", file=sys.stderr)
         return EXIT_FAILED
+    export = inputs.already_trained(spec, job_dir, recorded)
+    if export is not None:
+        # Answered without starting torch; progress.json stays as the finished run left it.
+        print(
+            f"ftjob run: {name}: already trained ({recorded['trainedSteps']} steps); the "
+            f"exported model is in {export}. To train on, raise spec.training.maxSteps; to "
+            "start over, --restart",
+            file=out,
+            flush=True,
+        )
+        return EXIT_OK
     logs = job_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     (job_dir / "tmp").mkdir(exist_ok=True)
@@ -176,7 +196,7 @@ def run(job_file: str, workdir: str | None = None, out=None, restart: bool = Fal
                     str(spec_file),
                     master_port=port,
                     job_folder=str(job_dir),
-                    source_root=str(Path(job_file).resolve().parent),
+                    source_root=str(source_root),
                 )
                 termination = logs / f"node-{rank}.termination"
                 termination.unlink(missing_ok=True)  # a previous run's record says nothing now

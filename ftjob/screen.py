@@ -11,8 +11,19 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from typing import TextIO
+
+# Before rank 0's first progress.json: Python, torch and the trainer are being imported.
+IMPORTING = "importing torch and the trainer"
+# What each start-up phase is doing, for the bar while no step has been taken.
+STARTUP = {
+    "starting": "setting up the processes",
+    "downloading": "downloading the model",
+    "preparing-data": "preparing the data",
+    "loading": "loading the model",
+}
 
 
 class Screen:
@@ -41,7 +52,7 @@ class Screen:
                 transient=True,  # the bar leaves no trace once the run ends
                 refresh_per_second=4,
             )
-            self._task = self._bar.add_task("starting", total=None, info="")
+            self._task = self._bar.add_task("starting", total=None, info=IMPORTING)
             self._bar.start()
         return self
 
@@ -68,6 +79,11 @@ class Screen:
             return
         snap = self._read()
         if snap is None:
+            if not self._seen:  # still importing: the seconds say it is not stuck
+                waited = time.time() - self.since
+                with self._lock:
+                    if self._bar is not None:
+                        self._bar.update(self._task, info=f"{IMPORTING} ({waited:.0f} s)")
             return
         with self._lock:
             if self._bar is not None:
@@ -88,6 +104,9 @@ class Screen:
 def bar_fields(snap: dict) -> dict:
     """The bar's description, position and text for one progress snapshot."""
     parts = []
+    phase = snap.get("phase") or ""
+    if phase in STARTUP and not snap.get("step"):
+        parts.append(startup_detail(snap))
     if snap.get("loss") is not None:
         parts.append(f"loss {snap['loss']:.4f}")
     if snap.get("tokensPerSecond") is not None:
@@ -100,6 +119,17 @@ def bar_fields(snap: dict) -> dict:
         "total": snap.get("totalSteps"),
         "info": "  ".join(parts),
     }
+
+
+def startup_detail(snap: dict) -> str:
+    """What a start-up phase is doing: the data stage and its count when preparing."""
+    phase = snap.get("phase") or ""
+    preparing = snap.get("preparing") or {}
+    if phase == "preparing-data" and preparing.get("stage"):
+        done, total = preparing.get("records") or 0, preparing.get("total")
+        count = f" {done:,}/{total:,} records" if total else f" {done:,} records" if done else ""
+        return f"data: {preparing['stage']}{count}"
+    return STARTUP.get(phase, "")
 
 
 def eta(seconds: float) -> str:

@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             raise  # unforeseen: the traceback is worth having (torchrun's @record keeps it)
         # A known problem: its message says it all, no traceback needed.
         where = f" ({record['where']})" if record.get("where") else ""
-        print(f"error: rank {record['rank']}: {record['reason']}: {e}{where}",
+        fix = f"\n  fix: {record['fix']}" if record.get("fix") else ""
+        print(f"error: rank {record['rank']}: {record['reason']}: {e}{where}{fix}",
               file=sys.stderr, flush=True)  # fmt: skip
         return EXIT_FAILED
     finally:

@@ -29,8 +29,9 @@ from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer import records, tokenize
 from ftjob.trainer.records import DataError
 
-LAYOUT = 2  # bump when the prepared layout or the tokenization rules change
+LAYOUT = 3  # bump when the prepared layout or the tokenization rules change
 SHARD = 50_000  # records tokenized between two progress reports
+LARGE_LOSS = 0.05  # a share of tokens (or records) lost above which the log says what to change
 WAIT_LIMIT_S = 24 * 3600  # how long other ranks wait for rank 0's prepare (see wait())
 
 Progress = Callable[[dict], None]
@@ -116,6 +117,7 @@ def prepare(
     if (folder / "info.json").exists():
         if is_main:
             log(f"data: reusing the prepared sequences in {folder}")
+            _say_losses(folder, spec.dataset.max_seq_length, log)  # said on every run
         return folder
     if not is_main:
         return wait(folder)
@@ -234,7 +236,8 @@ def _sequences(table, tok, ds, name, template, out: Path, log, on_progress) -> d
     if strategy is None and (lengths > n).all():
         raise DataError(
             f"{name}: every record is longer than dataset.maxSeqLength={n} tokens "
-            f"(the shortest has {lengths.min()}); raise maxSeqLength or turn packing on"
+            f"(the shortest has {lengths.min()}); raise maxSeqLength or turn packing on",
+            fix=f"raise dataset.maxSeqLength above {lengths.min()}, or set dataset.packing: true",
         )
     Meter("packing", None, log, on_progress).update(0, force=True)
     out.mkdir()
@@ -255,14 +258,74 @@ def _sequences(table, tok, ds, name, template, out: Path, log, on_progress) -> d
     if len(seqs) == 0:
         raise DataError(f"{name}: no sequence has a token to learn from (all labels masked)")
     kept = int(pc.sum(pc.list_value_length(seqs.data.table.column("input_ids"))).as_py())
-    info = {"records": len(table), "tokens": int(lengths.sum()), "sequences": len(seqs),
-            "sequenceTokens": kept, "bytes": _size(out)}  # fmt: skip
+    info = {"name": name, "records": len(table), "tokens": int(lengths.sum()),
+            "sequences": len(seqs), "sequenceTokens": kept, "bytes": _size(out),
+            **_losses(len(table), lengths, kept, n, strategy)}  # fmt: skip
     how = f"packed {strategy}" if strategy else "one record each"
     log(
         f"data: {name}: {len(table):,} records, {info['tokens']:,} tokens -> {len(seqs):,} "
         f"sequences of <= {n} tokens ({how})"
     )
+    for line in loss_lines(info, n):
+        log(line)
     return info
+
+
+def _losses(records: int, lengths: np.ndarray, kept: int, n: int, strategy) -> dict:
+    """What the sequences leave out of the records, counted (the prepared data's record).
+
+    ``lengths`` are the tokens of the records kept after tokenizing; the others had nothing
+    to learn within their first n tokens (dropped). Single sequences and bfd packing (TRL
+    truncates there too) cut a record longer than n; wrapped packing cuts nothing but drops
+    each batch's ragged tail. Every token not in a sequence is counted as lost.
+    """
+    cut = lengths > n if strategy in (None, "bfd") else np.zeros(len(lengths), dtype=bool)
+    total = int(lengths.sum())
+    return {
+        "droppedRecords": records - len(lengths),
+        "cutRecords": int(cut.sum()),
+        "cutTokens": int((lengths[cut] - n).sum()),
+        "lostTokens": total - kept,
+        "lostTokenFraction": round((total - kept) / total, 4) if total else 0.0,
+        "longestRecordTokens": int(lengths.max()) if len(lengths) else 0,
+    }
+
+
+def loss_lines(info: dict, n: int) -> list[str]:
+    """The log's lines about data left out of training (none when nothing is)."""
+    name, lines = info.get("name", "data"), []
+    if info.get("cutRecords"):
+        lines.append(
+            f"data: {name}: {info['cutRecords']:,} of {info['records']:,} records cut at "
+            f"dataset.maxSeqLength={n}: {info['cutTokens']:,} tokens not trained on"
+        )
+    if info.get("droppedRecords"):
+        lines.append(
+            f"data: {name}: {info['droppedRecords']:,} records dropped: nothing to learn "
+            f"within their first {n} tokens (dataset.maxSeqLength)"
+        )
+    lost = info.get("lostTokens", 0) - info.get("cutTokens", 0)
+    if lost > 0:
+        lines.append(f"data: {name}: {lost:,} tokens of partial sequences left out (packing)")
+    dropped = info.get("droppedRecords", 0) / max(info.get("records", 0), 1)
+    if info.get("lostTokenFraction", 0) > LARGE_LOSS or dropped > LARGE_LOSS:
+        share = max(info.get("lostTokenFraction", 0), dropped)
+        lines.append(
+            f"data: {name}: warning: {share:.0%} of the data is not trained on; raise "
+            f"dataset.maxSeqLength (the longest record has {info['longestRecordTokens']:,} "
+            "tokens) to keep it"
+        )
+    return lines
+
+
+def _say_losses(folder: Path, n: int, log) -> None:
+    try:
+        info = json.loads((folder / "info.json").read_text())
+    except (OSError, ValueError):
+        return
+    for split in ("train", "eval"):
+        for line in loss_lines(info.get(split) or {}, n):
+            log(line)
 
 
 def _single(table: pa.Table, n: int) -> pa.Table:

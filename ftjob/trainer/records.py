@@ -25,6 +25,20 @@ class DataError(TrainerError, ValueError):
     reason = BAD_DATA
 
 
+# Fixes by cause, where the message names no single record to fix (ftjob.failure).
+MISSING_SOURCE = (
+    "set spec.dataset.source to an existing file or folder (a relative path is read beside "
+    "the job file, or from the volume on a cluster), or hf://org/name"
+)
+# Names a field usually has in public data sets, per knob: a likely field to suggest.
+USUAL_NAMES = {
+    "messagesField": ("messages", "conversations", "conversation", "chat", "dialog", "turns"),
+    "textField": ("text", "content", "body", "document", "sentence"),
+    "promptField": ("prompt", "instruction", "question", "input", "query", "source"),
+    "completionField": ("completion", "response", "output", "answer", "target", "chosen"),
+}
+
+
 def origin(ds: DatasetSpec, split: str) -> str:
     """How errors name the source of one split."""
     if ds.source.startswith("hf://") or Path(resolve(ds.source)).is_dir():
@@ -42,12 +56,20 @@ def check_source(ds: DatasetSpec, split: str) -> Path | None:
     if split != ds.split:
         raise DataError(
             f"{ds.source}: a single file has no split {split!r}; "
-            "use dataset.evalFraction, or a datasets folder or hf:// source with splits"
+            "use dataset.evalFraction, or a datasets folder or hf:// source with splits",
+            fix="set dataset.evalFraction instead of dataset.evalSplit",
         )
     if not path.exists():
-        raise DataError(f"{ds.source}: no such file (looked at {path})")
+        raise DataError(
+            f"{ds.source}: no such file (looked at {path})",
+            fix=MISSING_SOURCE,
+            where="spec.dataset.source",
+        )
     if path.suffix.lower() not in (".jsonl", ".json", ".parquet", ".csv"):
-        raise DataError(f"{ds.source}: unknown file type; use .jsonl, .json, .parquet or .csv")
+        raise DataError(
+            f"{ds.source}: unknown file type; use .jsonl, .json, .parquet or .csv",
+            fix="convert spec.dataset.source to JSON lines, JSON, Parquet or CSV",
+        )
     return path
 
 
@@ -85,7 +107,10 @@ def _table(ds: DatasetSpec, split: str, path: Path | None):
             ) from e
         if isinstance(saved, datasets.DatasetDict):
             if split not in saved:
-                raise DataError(f"{ds.source}: no split {split!r} (has {sorted(saved)})")
+                raise DataError(
+                    f"{ds.source}: no split {split!r} (has {sorted(saved)})",
+                    fix=f"set dataset.split (or evalSplit) to one of {sorted(saved)}",
+                )
             saved = saved[split]
         return saved
     if path.suffix.lower() == ".parquet":
@@ -127,7 +152,11 @@ def _object(line: bytes, where: str) -> dict:
     except UnicodeDecodeError as e:
         raise DataError(f"{where}: not valid UTF-8 ({e.reason})") from e
     except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e.msg})") from e
+        # The column too: one JSON line can be a whole document long.
+        raise DataError(
+            f"{where}: not valid JSON at column {e.colno} ({e.msg})",
+            fix="fix the JSON at that line and column of spec.dataset.source",
+        ) from e
     if not isinstance(row, dict):
         raise DataError(f"{where}: a JSON object is expected")
     return row
@@ -169,7 +198,10 @@ def batches(ds: DatasetSpec, split: str, size: int = 2_000) -> Iterator[pa.Recor
     if columns["line"]:
         yield pa.record_batch(columns, schema=shape)
     if count == 0:
-        raise DataError(f"{origin(ds, split)}: holds no records")
+        raise DataError(
+            f"{origin(ds, split)}: holds no records",
+            fix="point spec.dataset.source at a file or split with records",
+        )
 
 
 def normalize(row: dict, ds: DatasetSpec, where: str) -> dict:
@@ -190,7 +222,33 @@ def normalize(row: dict, ds: DatasetSpec, where: str) -> dict:
 
 def _field(row: dict, name: str, kind: type, where: str, knob: str):
     if name not in row:
-        raise DataError(f"{where}: has no field {name!r} (dataset.{knob}); it has {sorted(row)}")
+        raise DataError(
+            f"{where}: has no field {name!r} (dataset.{knob}); it has {sorted(row)}",
+            fix=_field_fix(row, kind, knob),
+        )
     if not isinstance(row[name], kind):
         raise DataError(f"{where}: field {name!r} must be a {kind.__name__}")
     return row[name]
+
+
+def _field_fix(row: dict, kind: type, knob: str) -> str:
+    """The knob to set when the record has a likely other field; else what the record needs.
+
+    Likely: a field of the right type with a usual name for the knob, or the only field of
+    that type (a list of objects, for messages).
+    """
+    fitting = [k for k, v in row.items() if isinstance(v, kind)]
+    if kind is list:
+        fitting = [k for k in fitting if row[k] and all(isinstance(m, dict) for m in row[k])]
+    usual = [k for k in USUAL_NAMES[knob] if k in fitting]
+    likely = usual[0] if usual else fitting[0] if len(fitting) == 1 else None
+    if likely is None:
+        return (
+            f"set spec.dataset.{knob} to the field that holds it, or fix the records of "
+            "spec.dataset.source"
+        )
+    fix = f"set dataset.{knob}: {likely}"
+    first = row[likely][0] if kind is list else None
+    if isinstance(first, dict) and not {"role", "content"} <= first.keys():
+        fix += f" (its messages have {sorted(first)}; each needs role and content)"
+    return fix

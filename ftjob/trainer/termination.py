@@ -97,10 +97,17 @@ def _where(e: BaseException) -> str | None:
 def failure(exc: BaseException, step: int | None = None) -> dict[str, Any]:
     """The failure record for ``exc`` raised in this process."""
     reason, message, where = classify(exc)
-    return named(reason, message, where, step)
+    fix = next((e.fix for e in _chain(exc) if isinstance(e, contract.TrainerError)), None)
+    return named(reason, message, where, step, fix)
 
 
-def named(reason: str, message: str, where: str | None = None, step: int | None = None):
+def named(
+    reason: str,
+    message: str,
+    where: str | None = None,
+    step: int | None = None,
+    fix: str | None = None,
+):
     """A failure record of this process (its rank and node filled in)."""
     return contract.Failure(
         reason=reason,
@@ -109,6 +116,7 @@ def named(reason: str, message: str, where: str | None = None, step: int | None 
         node=os.environ.get("NODE_NAME") or socket.gethostname(),
         step=step,
         where=where,
+        fix=fix,
     ).record()
 
 

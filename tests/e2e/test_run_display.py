@@ -112,6 +112,10 @@ def test_a_terminal_gets_a_live_bar_and_a_line_per_checkpoint(tmp_path):
         r"training .*? (\d+)/60 +loss [\d.]+ +tok/s [\d,]+ +eta \d:\d\d:\d\d", screen
     )
     assert frames, screen[-3000:]
+    # Start-up says what it is doing, not a bare "starting 0/?": the imports with their
+    # seconds first, then the trainer's own start-up phases.
+    assert re.search(r"starting .*importing torch and the trainer \(\d+ s\)", screen), screen
+    assert re.search(r"(preparing-data|loading) .*(data: \w+|loading the model)", screen), screen
     # Checkpoint and evaluation lines stay on screen above the bar.
     assert "checkpoint saved: step 20 in " in screen and "checkpoint saved: step 40 in " in screen
     assert "eval  step 60/60" in screen

@@ -238,3 +238,31 @@ def test_progress_reports_rate_and_eta(tok, tmp_path):
     tokenizing = [p for p in progress if p["stage"] == "tokenizing"]
     assert tokenizing[-1]["records"] == tokenizing[-1]["total"] == 100
     assert tokenizing[-1]["recordsPerSecond"] > 0 and tokenizing[-1]["etaSeconds"] == 0
+
+
+@pytest.mark.parametrize(
+    ("fmt", "row", "fix"),
+    [
+        ("chat", {"conversations": [{"role": "user", "content": "hi"}]},
+         "set dataset.messagesField: conversations"),
+        ("chat", {"conversations": [{"from": "human", "value": "hi"}]},
+         "set dataset.messagesField: conversations (its messages have ['from', 'value']; "
+         "each needs role and content)"),
+        ("text", {"id": 3, "content": "a story"}, "set dataset.textField: content"),
+        ("text", {"id": 3, "body_text": "a story"}, "set dataset.textField: body_text"),
+        ("instruction", {"instruction": "Add 2 and 2.", "completion": "4"},
+         "set dataset.promptField: instruction"),
+        ("instruction", {"prompt": "Add 2 and 2.", "output": "4", "source": "x"},
+         "set dataset.completionField: output"),
+        ("text", {"a": "one", "b": "two"},
+         "set spec.dataset.textField to the field that holds it, or fix the records of "
+         "spec.dataset.source"),
+    ],
+)  # fmt: skip
+def test_a_missing_field_gets_the_knob_to_set_when_the_record_has_a_likely_one(
+    tok, tmp_path, fmt, row, fix
+):
+    path = write_jsonl(tmp_path / "d.jsonl", [row])
+    with pytest.raises(DataError, match=r"d.jsonl line 1: has no field") as caught:
+        data.load(spec(path, format=fmt), tok, tmp_path / "job", log=quiet)
+    assert caught.value.fix == fix

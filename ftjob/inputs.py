@@ -1,0 +1,99 @@
+"""PURE but for reading this machine's files: a local job's inputs, checked before torch starts.
+
+``ftjob run`` calls :func:`missing` before it launches any process, so a mistyped model or
+data path is named in a moment with its field and fix, not after the trainer's 10-20 s of
+imports; and :func:`already_trained` answers a rerun of a finished job without starting torch.
+The trainer keeps its own checks (pods on a cluster read the volume, not this machine), and
+resolves relative paths the same way: beside the job file (FTJOB_SOURCE_ROOT).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ftjob.spec import FineTuneJobSpec
+
+
+@dataclass(frozen=True)
+class Missing:
+    field: str  # the spec field, e.g. spec.model.source
+    message: str  # what is wrong, naming the field and the path looked at
+    fix: str  # what to change
+
+
+def _local(source: str, root: Path) -> Path | None:
+    """The path a local source names (None for a Hub source)."""
+    if source.startswith("hf://"):
+        return None
+    path = Path(source)
+    return path if path.is_absolute() else root / path
+
+
+def missing(spec: FineTuneJobSpec, root: Path, job_dir: Path | None) -> list[Missing]:
+    """Every local input of ``spec`` that is not there; ``root`` is the job file's folder.
+
+    ``job_dir`` is the job folder (None: a fresh one); checkpoint.resumeFrom is read only
+    while it holds no checkpoint, as the trainer does, so only then must it exist.
+    """
+    out = []
+    model = _local(spec.model.source, root)
+    if model is not None and not (model / "config.json").is_file():
+        what = "no such folder" if not model.exists() else "no config.json in that folder"
+        out.append(
+            Missing(
+                "spec.model.source",
+                f"spec.model.source {spec.model.source}: {what} (looked at {model})",
+                "set spec.model.source to a Hugging Face model folder (with config.json; a "
+                "relative path is read beside the job file), or hf://org/name",
+            )
+        )
+    data = _local(spec.dataset.source, root)
+    if data is not None and not data.exists():
+        out.append(
+            Missing(
+                "spec.dataset.source",
+                f"spec.dataset.source {spec.dataset.source}: no such file or folder "
+                f"(looked at {data})",
+                "set spec.dataset.source to an existing file or folder (a relative path is "
+                "read beside the job file), or hf://org/name",
+            )
+        )
+    seed = spec.checkpoint.resume_from
+    fresh = job_dir is None or not any((job_dir / "checkpoints").glob("step-*"))
+    if seed and fresh and not (path := _local(seed, root)).is_dir():
+        out.append(
+            Missing(
+                "spec.checkpoint.resumeFrom",
+                f"spec.checkpoint.resumeFrom {seed}: no such folder (looked at {path})",
+                "name another job's folder or one of its checkpoints/step-N folders (a "
+                "relative path is read beside the job file), or remove resumeFrom",
+            )
+        )
+    return out
+
+
+def already_trained(
+    spec: FineTuneJobSpec, job_dir: Path, recorded: dict[str, Any] | None
+) -> Path | None:
+    """The export, if the job folder's run is finished for ``spec``; else None.
+
+    The trainer's own rule (ftjob/trainer/train.py): the export exists and the folder's record
+    says it holds at least maxSteps steps (any, when the job trains for epochs). And
+    progress.json must say so too: a gang killed after its export but before its last
+    progress update is left to the trainer, which completes the record.
+    """
+    out = job_dir / (spec.output.path or "model")  # ftjob.trainer.export.target
+    trained = (recorded or {}).get("trainedSteps")
+    if trained is None or not out.is_dir():
+        return None
+    try:
+        snap = json.loads((job_dir / "progress.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(snap, dict) or snap.get("phase") != "succeeded":
+        return None
+    asked = spec.training.max_steps
+    return out if asked is None or trained >= asked else None

@@ -1,0 +1,179 @@
+"""`ftjob run` about its inputs, as a person sees it: data left out of training counted and
+shown, fix lines that fit the cause, missing paths named before torch starts, a finished job
+answered at once, and node logs free of torchao's optional-kernel noise.
+
+python -m pytest tests/e2e/test_run_inputs.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from ftjob import contract, failure
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "tiny.yaml"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "FTJOB_PROGRESS_PORT": "0"}
+
+
+def tiny_job(tmp_path: Path, name: str, **sections) -> Path:
+    """examples/tiny.yaml with absolute sources and ``sections`` updated (dataset={...})."""
+    doc = yaml.safe_load(TINY.read_text())
+    doc["metadata"]["name"] = name
+    for key in ("model", "dataset"):
+        doc["spec"][key]["source"] = str(ROOT / "examples" / doc["spec"][key]["source"])
+    for section, values in sections.items():
+        doc["spec"].setdefault(section, {}).update(values)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def ftjob_run(job: Path, workdir: Path, timeout: float = 240) -> tuple[int, str, float]:
+    started = time.monotonic()
+    cmd = [sys.executable, "-m", "ftjob", "run", str(job), "--workdir", str(workdir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started
+
+
+def summary(out: str) -> tuple[str, str]:
+    """(headline, fix) of a failed run's summary."""
+    lines = out.splitlines()
+    i = next(i for i, x in enumerate(lines) if x.startswith("ftjob run: node "))
+    return lines[i], lines[i + 1]
+
+
+# ------------------------------------------------------- truncation, rerun, node logs
+
+
+def test_cut_records_are_counted_shown_and_a_finished_rerun_is_answered_at_once(tmp_path):
+    workdir = tmp_path / "short"
+    job = tiny_job(
+        tmp_path,
+        "short",
+        dataset={"maxSeqLength": 16},
+        training={"maxSteps": 4, "logEvery": 2, "evalEvery": 0},
+        checkpoint={"every": 4},
+    )
+    code, out, _ = ftjob_run(job, workdir)
+    assert code == 0, out[-3000:]
+    # On screen: how many records were cut, the tokens lost, and what to change.
+    cut = re.search(r"data: \S+: ([\d,]+) of ([\d,]+) records cut at dataset.maxSeqLength=16: "
+                    r"([\d,]+) tokens not trained on", out)  # fmt: skip
+    assert cut, out
+    assert re.search(r"warning: \d+% of the data is not trained on; raise dataset.maxSeqLength "
+                     r"\(the longest record has [\d,]+ tokens\)", out), out  # fmt: skip
+    # In the prepared data's record, the same numbers.
+    (info_file,) = (workdir / "data").glob("*/info.json")
+    train = json.loads(info_file.read_text())["train"]
+    assert train["cutRecords"] == int(cut[1].replace(",", "")) > 0
+    assert train["cutTokens"] == int(cut[3].replace(",", "")) > 0
+    assert train["lostTokens"] == train["tokens"] - train["sequenceTokens"] >= train["cutTokens"]
+    assert train["lostTokenFraction"] > 0.05
+    # In the trainer's log too; and no torchao "Failed to load ..._C_mxfp8" in any node log.
+    logs = sorted((workdir / "logs").glob("node-*.log"))
+    assert len(logs) == 2 and cut[0] in logs[0].read_text()
+    for log in logs:
+        assert "_C_mxfp8" not in log.read_text() and "_C_cutlass" not in log.read_text()
+
+    # The same command again: answered without starting torch, progress.json untouched.
+    progress = (workdir / "progress.json").read_bytes()
+    sizes = [log.stat().st_size for log in logs]
+    code, again, seconds = ftjob_run(job, workdir)
+    assert code == 0, again
+    assert f"already trained (4 steps); the exported model is in {workdir / 'model'}" in again
+    assert seconds < 5, seconds
+    assert (workdir / "progress.json").read_bytes() == progress
+    assert json.loads(progress)["step"] == 4 and json.loads(progress)["loss"] is not None
+    assert [log.stat().st_size for log in logs] == sizes  # no process was started
+
+
+# ---------------------------------------------------------------- local inputs, at once
+
+
+def test_missing_model_and_data_are_named_before_any_process_starts(tmp_path):
+    job = tiny_job(
+        tmp_path, "gone", model={"source": "no-such-model"}, dataset={"source": "no/data.jsonl"}
+    )
+    code, out, seconds = ftjob_run(job, tmp_path / "gone")
+    assert code == 1
+    assert seconds < 5, seconds
+    assert (
+        f"ftjob run: {job}: spec.model.source no-such-model: no such folder "
+        f"(looked at {tmp_path / 'no-such-model'})"
+    ) in out
+    assert "  fix: set spec.model.source to a Hugging Face model folder (with config.json" in out
+    assert f"spec.dataset.source no/data.jsonl: no such file or folder (looked at {tmp_path}" in out
+    assert "  fix: set spec.dataset.source to an existing file or folder" in out
+    assert "fix the record" not in out
+    assert not (tmp_path / "gone").exists()  # nothing started, nothing written
+
+
+def test_a_model_folder_without_config_and_a_missing_resume_from_are_named_at_once(tmp_path):
+    (tmp_path / "weights").mkdir()
+    job = tiny_job(
+        tmp_path, "seeded", model={"source": "weights"}, checkpoint={"resumeFrom": "other-job"}
+    )
+    code, out, seconds = ftjob_run(job, tmp_path / "seeded")
+    assert code == 1 and seconds < 5, (seconds, out)
+    assert "spec.model.source weights: no config.json in that folder" in out
+    assert f"spec.checkpoint.resumeFrom other-job: no such folder (looked at {tmp_path}" in out
+    assert not (tmp_path / "seeded" / "logs").exists()
+
+
+# ------------------------------------------------------------------ fix lines by cause
+
+
+def test_a_chat_file_with_conversations_gets_the_messages_field_fix(tmp_path):
+    data = tmp_path / "sharegpt.jsonl"
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    data.write_text(json.dumps({"id": 1, "conversations": turns}) + "\n")
+    job = tiny_job(tmp_path, "convs", dataset={"source": str(data)})
+    code, out, _ = ftjob_run(job, tmp_path / "convs")
+    assert code == 1
+    headline, fix = summary(out)
+    assert f"{data} line 1: has no field 'messages' (dataset.messagesField)" in headline
+    assert fix == "  fix: set dataset.messagesField: conversations", out
+
+
+def test_a_json_error_names_its_column_and_the_fix_is_the_json(tmp_path):
+    data = tmp_path / "broken.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}], "x": nope}\n')
+    job = tiny_job(tmp_path, "json", dataset={"source": str(data)})
+    code, out, _ = ftjob_run(job, tmp_path / "json")
+    assert code == 1
+    headline, fix = summary(out)
+    assert f"{data} line 1: not valid JSON at column 56 (Expecting value)" in headline, headline
+    assert fix == "  fix: fix the JSON at that line and column of spec.dataset.source"
+
+
+def test_a_pods_trainer_names_a_missing_data_file_with_the_source_fix(tmp_path):
+    """On a cluster no `ftjob run` checks first: the trainer's record and log carry the fix,
+    and the summary read from either says to change the source, not to fix a record."""
+    doc = yaml.safe_load(tiny_job(tmp_path, "pod", dataset={"source": "gone.jsonl"}).read_text())
+    spec_file = tmp_path / "pod-spec.yaml"
+    spec_file.write_text(yaml.safe_dump(doc))
+    record = tmp_path / "termination-log"
+    env = {**ENV, "FTJOB_JOB_DIR": str(tmp_path / "job"), "FTJOB_TERMINATION_LOG": str(record),
+           "FTJOB_SOURCE_ROOT": str(tmp_path)}  # fmt: skip
+    cmd = [sys.executable, "-m", "ftjob.trainer", "--spec", str(spec_file)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 1
+    fix = "set spec.dataset.source to an existing file or folder"
+    assert json.loads(record.read_text())["fix"].startswith(fix)
+    lines = proc.stderr.splitlines()
+    said = next(i for i, x in enumerate(lines) if x.startswith("error: rank 0: BadData: "))
+    assert f"gone.jsonl: no such file (looked at {tmp_path / 'gone.jsonl'})" in lines[said]
+    assert lines[said + 1] == f"  fix: {json.loads(record.read_text())['fix']}"
+    # What `ftjob run` and the operator's log fallback make of it, record or not.
+    for rec in (contract.parse(record.read_text()), None):
+        s = failure.summarize([failure.NodeOutcome(0, 1, rec, lines, "node-0.log")])
+        assert s.fix.startswith(fix) and "record" not in s.fix
