@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ftjob import jobfolder
 from ftjob.spec import FineTuneJobSpec
 
 
@@ -80,20 +81,15 @@ def already_trained(
 ) -> Path | None:
     """The export, if the job folder's run is finished for ``spec``; else None.
 
-    The trainer's own rule (ftjob/trainer/train.py): the export exists and the folder's record
-    says it holds at least maxSteps steps (any, when the job trains for epochs). And
+    The trainer's own rule (:func:`ftjob.jobfolder.finished`), and
     progress.json must say so too: a gang killed after its export but before its last
     progress update is left to the trainer, which completes the record.
     """
-    out = job_dir / (spec.output.path or "model")  # ftjob.trainer.export.target
-    trained = (recorded or {}).get("trainedSteps")
-    if trained is None or not out.is_dir():
+    out = jobfolder.export_path(job_dir, spec)
+    if not jobfolder.finished(spec, recorded or {}, out) or not out.is_dir():
         return None
     try:
         snap = json.loads((job_dir / "progress.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(snap, dict) or snap.get("phase") != "succeeded":
-        return None
-    asked = spec.training.max_steps
-    return out if asked is None or trained >= asked else None
+    return out if isinstance(snap, dict) and snap.get("phase") == "succeeded" else None

@@ -174,6 +174,20 @@ def recover_export(out: Path) -> None:
         old.rename(out)
 
 
+def export_path(job_dir: Path, spec: FineTuneJobSpec) -> Path:
+    """Where the job's export goes: ``output.path`` inside the job folder, else ``model``."""
+    return job_dir / (spec.output.path or "model")
+
+
+def finished(spec: FineTuneJobSpec, recorded: dict, out: Path) -> bool:
+    """Whether the folder's run is done for ``spec``: the export exists and the folder's record
+    says it holds at least maxSteps steps (any, when the job trains for epochs). The trainer
+    answers "already trained" by this rule, and ``ftjob run`` before starting any process."""
+    asked = spec.training.max_steps
+    trained = recorded.get("trainedSteps") or 0
+    return export_present(out) and (asked is None or trained >= asked)
+
+
 def export_present(out: Path) -> bool:
     """Whether the folder holds a complete export (in place, or aside after a crash). Asks
     for the aside copy first: if the writer moves it back meanwhile, ``out`` exists after."""

@@ -62,6 +62,11 @@ class Progress:
     tokens_per_second: float | None = api_field("tokensPerSecond across the gang.", None)
     mfu: float | None = api_field("mfu: model FLOPs utilisation, in percent.", None)
     eta: str | None = api_field("eta: estimated time to finish, e.g. 1h12m.", None)
+    replaces_export: str | None = api_field(
+        "replacesExport: this run continues a finished job (maxSteps raised) and will replace "
+        "the export at this path when it completes; the export stays readable until then.",
+        None,
+    )
     update_time: str | None = api_field(
         "updateTime: when the trainer last reported.", None, fmt="date-time"
     )

@@ -37,7 +37,7 @@ from ftjob.trainer.model import hub_kwargs, resolve
 
 
 def target(spec: FineTuneJobSpec, job_dir: Path) -> Path:
-    return job_dir / (spec.output.path or "model")
+    return jobfolder.export_path(job_dir, spec)
 
 
 def export(

@@ -81,14 +81,12 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     report.own_folder()
     if d.is_main:
         jobfolder.recover_export(out)  # an export swap a crash cut short
-    exported = recorded.get("trainedSteps")
-    total_asked = spec.training.max_steps
+    if jobfolder.finished(spec, recorded, out):
+        # A gang restarted after the export was written (a pod evicted at the very end).
+        say(f"{name}: already trained; the exported model is in {out}", flush=True)
+        return _succeeded(out, d, report, lease)
     if jobfolder.export_present(out):
-        if total_asked is None or (exported or 0) >= total_asked:
-            # A gang restarted after the export was written (a pod evicted at the very end).
-            say(f"{name}: already trained; the exported model is in {out}", flush=True)
-            return _succeeded(out, d, report, lease)
-        _continuing(report, name, out, exported, total_asked)
+        _continuing(report, name, out, recorded.get("trainedSteps"), spec.training.max_steps)
     asked = spec  # what the job folder records; the run reads downloads from the volume
     spec = sources.fetch(
         spec,

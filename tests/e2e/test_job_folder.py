@@ -132,6 +132,10 @@ def test_more_steps_say_they_replace_the_export_which_stays_until_the_new_one_is
     resumed = [r for r in history(workdir) if r["step"] > 12]
     assert resumed and all(r["replacesExport"] == str(export) for r in resumed)
     assert all(r["exportedSteps"] == 12 for r in resumed)
+    # ... and the operator shows it in status.progress, read from the trainer's real snapshot.
+    from ftjob.operator import status
+
+    assert status.progress(resumed[0])["replacesExport"] == str(export)
     assert json.loads((workdir / "spec.json").read_text())["trainedSteps"] == 16
     assert (export / "model.safetensors").read_bytes() != before  # the new export, in place
     assert not [p.name for p in workdir.iterdir() if p.name.endswith("-model")]  # no leftovers
