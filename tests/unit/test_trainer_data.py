@@ -264,7 +264,10 @@ def load_error(tok, s) -> str:
 def test_invalid_json_names_file_and_line(tok, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n\n{"text": nope}\n')
-    assert load_error(tok, spec(path)) == f"{path} line 3: not valid JSON (Expecting value)"
+    assert (
+        load_error(tok, spec(path))
+        == f"{path} line 3: not valid JSON at column 10 (Expecting value)"
+    )
 
 
 def test_invalid_utf8_names_file_and_line(tok, tmp_path):
