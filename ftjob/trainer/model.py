@@ -130,7 +130,9 @@ def check_shardable(built: Built, shards: int) -> None:
     problem = qlora_problem(built.spec, built.quantized, shards)
     if problem:
         where = problem.path.removeprefix("spec")  # the termination record's field, e.g. .resources
-        raise TrainerError(problem.message, reason=BAD_SPEC, where=where)
+        # The fix travels on its own, so the failure summary's fix line is this cause's.
+        message, _, fix = problem.message.partition("; fix: ")
+        raise TrainerError(message, reason=BAD_SPEC, where=where, fix=fix or None)
 
 
 def _prepare(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:

@@ -192,7 +192,7 @@ def test_qlora_on_weights_that_cannot_split_is_refused_before_loading(tmp_path):
     proc = start(doc, tmp_path / "bad")
     out, _ = proc.communicate(timeout=RUN_TIMEOUT)
     assert proc.returncode != 0
-    assert "cannot be stored in NF4; use method.type lora" in out, out
+    assert "cannot be stored in NF4" in out and "fix: use method.type lora" in out, out
     assert "step 1" not in out
 
 

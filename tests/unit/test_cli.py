@@ -203,7 +203,8 @@ def test_qlora_on_the_tiny_model_is_refused_alike_by_validate_plan_and_the_train
     with pytest.raises(TrainerError) as refused:
         model.check_shardable(built, 2)
     field, message = TINY_QLORA.split(": ", 1)
-    assert str(refused.value) == message and refused.value.reason == BAD_SPEC
+    assert f"{refused.value}; fix: {refused.value.fix}" == message
+    assert refused.value.reason == BAD_SPEC
     assert refused.value.where == field.removeprefix("spec")
 
 
