@@ -554,7 +554,13 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
             f"weights {_gib(e.weights)} + gradients {_gib(e.gradients)} + optimizer "
             f"{_gib(e.optimizer)} + activations {_gib(e.activations)} + temporaries "
             f"{_gib(e.temporaries)} + reserved {_gib(e.reserved)} = {_gib(e.per_device)}"
-            + (f" of {_gib(e.device_bytes)}" if e.device_bytes else ""),
+            + (f" of {_gib(e.device_bytes)}" if e.device_bytes else "")
+            # 0 bytes of weights, gradients and optimizer are not a mistake: say where they are.
+            + (
+                "; weights, gradients and optimizer states live in CPU memory (cpuOffload)"
+                if spec.parallelism.cpu_offload and r.gpus_per_node
+                else ""
+            ),
         ),
         (
             "CPU memory",

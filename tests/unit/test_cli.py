@@ -315,3 +315,14 @@ def test_plan_names_a_missing_model_and_missing_data_once_with_the_fix(tmp_path)
         f"{tmp_path / 'data/none.jsonl'} on this machine (a cluster reads the path from the "
         "checkpoint volume)",
     ]
+
+
+def test_plan_says_where_offloaded_states_live():
+    """A plan showing 0 bytes of weights per GPU says they are in CPU memory, not missing."""
+    planned = ftjob("plan", ROOT / "examples" / "llama31-70b-qlora.yaml")
+    assert planned.returncode == 0, planned.stderr
+    (row,) = [line for line in planned.stdout.splitlines() if line.lstrip().startswith("per GPU")]
+    assert "weights 0.0 MiB" in row
+    assert row.endswith("weights, gradients and optimizer states live in CPU memory (cpuOffload)")
+    full = ftjob("plan", ROOT / "examples" / "llama3-8b-full-40gb.yaml").stdout
+    assert "cpuOffload)" not in full
