@@ -10,19 +10,22 @@ resolves relative paths the same way: beside the job file (FTJOB_SOURCE_ROOT).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ftjob import jobfolder
+from ftjob.schema import FieldError
 from ftjob.spec import FineTuneJobSpec
 
-
-@dataclass(frozen=True)
-class Missing:
-    field: str  # the spec field, e.g. spec.model.source
-    message: str  # what is wrong, naming the field and the path looked at
-    fix: str  # what to change
+# What to change when a local source is missing (the trainer's own checks say the same).
+MODEL_FIX = (
+    "set spec.model.source to a Hugging Face model folder (with config.json; a relative path "
+    "is read beside the job file, or from the volume on a cluster), or hf://org/name"
+)
+DATA_FIX = (
+    "set spec.dataset.source to an existing file or folder (a relative path is read beside "
+    "the job file, or from the volume on a cluster), or hf://org/name"
+)
 
 
 def _local(source: str, root: Path) -> Path | None:
@@ -33,7 +36,7 @@ def _local(source: str, root: Path) -> Path | None:
     return path if path.is_absolute() else root / path
 
 
-def missing(spec: FineTuneJobSpec, root: Path, job_dir: Path | None) -> list[Missing]:
+def missing(spec: FineTuneJobSpec, root: Path, job_dir: Path | None) -> list[FieldError]:
     """Every local input of ``spec`` that is not there; ``root`` is the job file's folder.
 
     ``job_dir`` is the job folder (None: a fresh one); checkpoint.resumeFrom is read only
@@ -44,32 +47,29 @@ def missing(spec: FineTuneJobSpec, root: Path, job_dir: Path | None) -> list[Mis
     if model is not None and not (model / "config.json").is_file():
         what = "no such folder" if not model.exists() else "no config.json in that folder"
         out.append(
-            Missing(
+            FieldError(
                 "spec.model.source",
-                f"spec.model.source {spec.model.source}: {what} (looked at {model})",
-                "set spec.model.source to a Hugging Face model folder (with config.json; a "
-                "relative path is read beside the job file), or hf://org/name",
+                f"{spec.model.source}: {what} (looked at {model})",
+                fix=MODEL_FIX,
             )
         )
     data = _local(spec.dataset.source, root)
     if data is not None and not data.exists():
         out.append(
-            Missing(
+            FieldError(
                 "spec.dataset.source",
-                f"spec.dataset.source {spec.dataset.source}: no such file or folder "
-                f"(looked at {data})",
-                "set spec.dataset.source to an existing file or folder (a relative path is "
-                "read beside the job file), or hf://org/name",
+                f"{spec.dataset.source}: no such file or folder (looked at {data})",
+                fix=DATA_FIX,
             )
         )
     seed = spec.checkpoint.resume_from
     fresh = job_dir is None or not any((job_dir / "checkpoints").glob("step-*"))
     if seed and fresh and not (path := _local(seed, root)).is_dir():
         out.append(
-            Missing(
+            FieldError(
                 "spec.checkpoint.resumeFrom",
-                f"spec.checkpoint.resumeFrom {seed}: no such folder (looked at {path})",
-                "name another job's folder or one of its checkpoints/step-N folders (a "
+                f"{seed}: no such folder (looked at {path})",
+                fix="name another job's folder or one of its checkpoints/step-N folders (a "
                 "relative path is read beside the job file), or remove resumeFrom",
             )
         )

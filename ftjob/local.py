@@ -134,7 +134,7 @@ def run(job_file: str, workdir: str | None = None, out=None, restart: bool = Fal
     missing = inputs.missing(spec, source_root, None if restart else job_dir)
     if missing:
         for problem in missing:
-            print(f"ftjob run: {job_file}: {problem.message}", file=out)
+            print(f"ftjob run: {job_file}: {problem.path}: {problem.message}", file=out)
             print(f"  fix: {problem.fix}", file=out, flush=True)
         return EXIT_FAILED
     busy = owner.in_use(job_dir)  # before anything is written there (spec.json)
@@ -158,7 +158,7 @@ def run(job_file: str, workdir: str | None = None, out=None, restart: bool = Fal
     if export is not None:
         # Answered without starting torch; progress.json stays as the finished run left it.
         print(
-            f"ftjob run: {name}: already trained ({recorded['trainedSteps']} steps); the "
+            f"ftjob run: {name}: already trained ({recorded.get('trainedSteps', '?')} steps); the "
             f"exported model is in {export}. To train on, raise spec.training.maxSteps; to "
             "start over, --restart",
             file=out,

@@ -13,8 +13,10 @@ It models what ftjob's trainer does, not an ideal FSDP:
 * QLoRA stores the decoder layers' linear weights in NF4 (~4.1 bits each), sharded by FSDP
   like everything else, and gathers one layer (plus the next) of 4-bit weights at a time;
 * gradients are reduce-scattered after every micro-batch and accumulate sharded (fp32), so
-  gradient accumulation adds no memory; hybrid (and none) all-reduce across replicas once
-  per step, full and grad-op gather and reduce-scatter every micro-batch;
+  gradient accumulation adds nothing beyond the gradient shard always counted (measured:
+  one shard more than at accumulation 1, where it never meets the activations); hybrid
+  (and none) all-reduce across replicas once per step, full and grad-op gather and
+  reduce-scatter every micro-batch;
 * activation checkpointing every N layers: a checkpointed layer keeps only its input, the
   others everything, and one layer at a time is recomputed; ``auto`` takes the fastest
   setting that fits (:func:`checkpoint_stride`);
@@ -44,7 +46,7 @@ from ftjob.modelshape import (
 )
 from ftjob.schema import FieldError, check_rules, quantity
 from ftjob.spec import FineTuneJobSpec
-from ftjob.verdict import model_problems, shard_group
+from ftjob.verdict import qlora_problem, shard_group
 
 FP32 = 4
 # Measured on the GPUs we have run: CUDA context, NCCL buffers and the caching allocator.
@@ -222,7 +224,8 @@ def _estimate(
     group = shard_group(spec, sharding)
     offload = spec.parallelism.cpu_offload
     notes = [f"sharding {sharding} over {group} process{'es' if group > 1 else ''}"]
-    problems = model_problems(spec, shape, sharding)  # the rule validate and the trainer use
+    # The rule validate and the trainer apply; every decoder layer has the same weights.
+    problem = qlora_problem(spec, shape.linear_shapes(), group)
     if method == "qlora":
         notes.append("4-bit base sharded" if group > 1 else "4-bit base")
     elif method == "lora" and frozen_bytes == 2:
@@ -298,7 +301,7 @@ def _estimate(
         network_bytes_per_node=net,
         network_seconds=net / bandwidth if r.nodes > 1 else 0.0,
         notes=notes,
-        problem=problems[0] if problems else None,
+        problem=problem,
         hardware_utilisation=hfu,
         on_gpu=on_gpu,
     )
@@ -471,7 +474,7 @@ def plan(spec: FineTuneJobSpec, shape: ModelShape, max_options: int = 3) -> Plan
         labels: list[str] = []
         stacked_fits = False
         for label, change in _candidates(spec, shape):
-            single = _apply(spec, change)
+            single = _with(spec, **change)
             if check_rules(single, "spec"):
                 continue  # advice must be a job the API server accepts
             est = estimate(single, shape)
@@ -486,7 +489,7 @@ def plan(spec: FineTuneJobSpec, shape: ModelShape, max_options: int = 3) -> Plan
                 # a stack fits, more changes on top of it are not advice.
                 cumulative.update(change)
                 labels.append(label.split(" (")[0])
-                stacked = _apply(spec, cumulative)
+                stacked = _with(spec, **cumulative)
                 est = estimate(stacked, shape)
                 if option_fits(base, est) and len(labels) > 1 and not check_rules(stacked, "spec"):
                     options.append(Option(" + ".join(labels), stacked, est))
@@ -496,10 +499,6 @@ def plan(spec: FineTuneJobSpec, shape: ModelShape, max_options: int = 3) -> Plan
     return Plan(
         shape=shape, estimate=base, options=options, on_gpus=spec.resources.gpus_per_node > 0
     )
-
-
-def _apply(spec: FineTuneJobSpec, change: dict) -> FineTuneJobSpec:
-    return _with(spec, **change)  # qlora needs no quantization block: nf4 is its default
 
 
 # ----------------------------------------------------------------------------- text

@@ -57,9 +57,10 @@ class FieldError:
     path: str
     message: str
     unknown: bool = False  # an unknown key: a typo, so the object holding it is suspect
+    fix: str | None = None  # what to change, where the message alone does not say it
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.message}"
+        return f"{self.path}: {self.message}" + (f"; fix: {self.fix}" if self.fix else "")
 
 
 class SpecError(ValueError):

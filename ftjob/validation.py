@@ -9,11 +9,13 @@ each refusal is traced back to the FineTuneJob field that produced the value.
 
 Where the model's shape is known (its config.json beside the job file, or an hf:// model in
 :data:`ftjob.modelshape.KNOWN_MODELS`), the job is also held to what the trainer would refuse
-on that model (:mod:`ftjob.verdict`, through the plan's estimate): validate, plan, the
-operator and the trainer give one verdict.
+on that model (:mod:`ftjob.verdict`, through the plan's estimate): validate, plan and the
+trainer give one verdict; the operator's admission applies it where the model is in that table
+(it reads no volume).
 
-Local inputs: ``ftjob plan`` and ``ftjob run`` read the model and data beside the job file, so
-a missing one refuses the job (``local=True``). ``ftjob validate`` checks a job for a cluster,
+Local inputs (:func:`ftjob.inputs.missing`, the check ``ftjob run`` makes before it starts
+anything): ``ftjob plan`` reads the model and data beside the job file, so a missing one
+refuses the job (``local=True``). ``ftjob validate`` checks a job for a cluster,
 where a relative or absolute path names the checkpoint volume, not this machine: a path not
 found here is a note saying the model's shape (or the data) was not checked, not an error.
 """
@@ -27,8 +29,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from ftjob import admission, crd, kubevalidation, plan
-from ftjob.modelshape import ModelShape, known_model
+from ftjob import admission, crd, inputs, kubevalidation, plan
+from ftjob.modelshape import ModelShape, shape_for
 from ftjob.operator import render
 from ftjob.schema import FieldError, SpecError
 from ftjob.spec import FineTuneJobSpec, parse_resource, validate_update
@@ -74,16 +76,17 @@ def check(
         if old is not None:
             _, old_spec = parse_resource(old)
             validate_update(old_spec, verdict.spec)
-        base = Path(job_file).parent if job_file else None
-        missing, verdict.shape = _model_shape(verdict.spec, base)
-        missing += _data_missing(verdict.spec, base)
+        # Relative sources are read beside the job file; without one, only absolute ones.
+        root = Path(job_file).parent if job_file else None
+        missing = inputs.missing(verdict.spec, root, None) if root else []
         if local and missing:
             raise SpecError(missing)
         verdict.notes = [
-            f"not checked: {m.path}: {m.message.split('; fix')[0]} on this machine (a "
-            "cluster reads the path from the checkpoint volume)"
+            f"not checked: {m.path}: {m.message} on this machine (a cluster reads the path "
+            "from the checkpoint volume)"
             for m in missing
         ]
+        verdict.shape = _model_shape(verdict.spec, root)
         if verdict.shape is not None:
             problem = plan.estimate(verdict.spec, verdict.shape).problem
             if problem:
@@ -98,50 +101,25 @@ def check(
     return verdict
 
 
-_FIX_LOCAL = "relative to the job file's folder, or an hf:// id"
-
-
-def _model_shape(
-    spec: FineTuneJobSpec, base: Path | None
-) -> tuple[list[FieldError], ModelShape | None]:
-    """The model's shape where it can be read, and a note if a local model is not found."""
+def _model_shape(spec: FineTuneJobSpec, root: Path | None) -> ModelShape | None:
+    """The model's shape where it can be read: the config.json of a local folder, or the
+    table's entry for an hf:// model (None: not known here; the trainer checks it)."""
     source = spec.model.source
-    if source.startswith("hf://"):
-        return [], known_model(source)  # None: not in the table; the trainer checks it
-    if base is None and not Path(source).is_absolute():
-        return [], None
-    folder = Path(source) if Path(source).is_absolute() else base / source
-    config = folder / "config.json"
-    if not config.is_file():
-        what = "no config.json in" if folder.is_dir() else "no such folder:"
-        return [
-            FieldError(
-                "spec.model.source",
-                f"{what} {folder}; fix: name the folder holding the model's config.json and "
-                f"weights, {_FIX_LOCAL}",
-            )
-        ], None
+    config = None
+    if not source.startswith("hf://"):
+        folder = Path(source) if Path(source).is_absolute() or root is None else root / source
+        if not (folder / "config.json").is_file():
+            return None
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{folder / 'config.json'} cannot be read as JSON: {e}") from None
     try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{config} cannot be read as JSON: {e}") from None
-    return [], ModelShape.from_config(data, Path(source).name)
-
-
-def _data_missing(spec: FineTuneJobSpec, base: Path | None) -> list[FieldError]:
-    source = spec.dataset.source
-    if source.startswith("hf://") or (base is None and not Path(source).is_absolute()):
-        return []
-    path = Path(source) if Path(source).is_absolute() else base / source
-    if path.exists():
-        return []
-    return [
-        FieldError(
-            "spec.dataset.source",
-            f"no such file or folder: {path}; fix: name the JSONL file (or folder of them), "
-            f"{_FIX_LOCAL}",
-        )
-    ]
+        return shape_for(source, config)
+    except ValueError:
+        if config is not None:
+            raise  # a config.json without the fields a decoder has
+        return None  # an hf:// model not in the table
 
 
 def parse_job(doc: dict[str, Any]) -> tuple[str, FineTuneJobSpec]:

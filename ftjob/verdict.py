@@ -8,7 +8,7 @@ job one of them refuses is refused by all with the same field and words. Pure: n
 
 from __future__ import annotations
 
-from ftjob.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK, ModelShape, nf4_splits
+from ftjob.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK, nf4_splits
 from ftjob.schema import FieldError
 from ftjob.spec import FineTuneJobSpec
 
@@ -39,14 +39,15 @@ def qlora_problem(
     if q.type != "nf4":
         return FieldError(
             "spec.method.quantization.type",
-            f"qlora: {q.type} is not supported: ftjob stores the 4-bit base as nf4 only; "
-            "fix: set type nf4 (or remove the quantization block)",
+            f"qlora: {q.type} is not supported: ftjob stores the 4-bit base as nf4 only",
+            fix="set type nf4 (or remove the quantization block)",
         )
     if not q.double_quant:
         return FieldError(
             "spec.method.quantization.doubleQuant",
             "qlora: false is not supported: ftjob's NF4 always quantizes the scales (0.13 bit "
-            "a weight); fix: remove doubleQuant or set it true",
+            "a weight)",
+            fix="remove doubleQuant or set it true",
         )
     for full_name, (rows, cols) in weights.items():
         if nf4_splits(rows, cols, shards):
@@ -56,15 +57,15 @@ def qlora_problem(
             return FieldError(
                 "spec.method.type",
                 f"qlora: {name} ({rows}x{cols}) has {rows * cols} values, not a multiple of "
-                f"{NF4_BLOCK * NF4_SCALE_BLOCK}: this model cannot be stored in NF4; "
-                "fix: use method.type lora",
+                f"{NF4_BLOCK * NF4_SCALE_BLOCK}: this model cannot be stored in NF4",
+                fix="use method.type lora",
             )
         good = [n for n in range(1, 17) if all(nf4_splits(r, c, n) for r, c in weights.values())]
         counts = ", ".join(str(n) for n in good[:-1]) + (" or " if len(good) > 1 else "")
         return FieldError(
             "spec.resources",
-            f"qlora: {name} ({rows}x{cols}) cannot be split into {shards} equal 4-bit shards; "
-            f"fix: the shard group (resources.processesPerNode / gpusPerNode, or nodes with "
+            f"qlora: {name} ({rows}x{cols}) cannot be split into {shards} equal 4-bit shards",
+            fix=f"the shard group (resources.processesPerNode / gpusPerNode, or nodes with "
             f"hybrid sharding) must be {counts}{good[-1]} processes",
         )
     return None
@@ -75,10 +76,3 @@ def module_name(weight: str) -> str:
     -> ``q_proj`` (the planner's): every decoder layer has the same, so the messages agree."""
     parts = [p for p in weight.split(".") if p not in ("weight", "base_layer")]
     return parts[-1] if parts else weight
-
-
-def model_problems(spec: FineTuneJobSpec, shape: ModelShape, sharding: str) -> list[FieldError]:
-    """Everything :func:`qlora_problem` finds for a model of this shape (every decoder layer
-    has the same linear weights, so one layer stands for all)."""
-    problem = qlora_problem(spec, shape.linear_shapes(), shard_group(spec, sharding))
-    return [problem] if problem else []

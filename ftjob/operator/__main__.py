@@ -15,6 +15,7 @@ import random
 import re
 
 from ftjob.kubevalidation import IMAGE
+from ftjob.operator import render
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,12 +59,14 @@ def run(args: argparse.Namespace) -> int:
     # The handlers read their settings from the environment when the operator starts.
     os.environ.setdefault("FTJOB_METRICS_PORT", str(args.metrics_port))
     if args.default_image is not None:  # the flag wins over the variable
-        if not re.match(IMAGE, args.default_image):
-            raise SystemExit(
-                f"ftjob operator: --default-image {args.default_image!r} is not an image "
-                "reference (no spaces, not empty), e.g. registry.example.com/ftjob/trainer:0.1.0"
-            )
-        os.environ["FTJOB_DEFAULT_IMAGE"] = args.default_image
+        os.environ[render.DEFAULT_IMAGE_ENV] = args.default_image
+    # Checked however it was set (the chart and `kubectl set env` set the variable).
+    image = os.environ.get(render.DEFAULT_IMAGE_ENV)
+    if image and not re.match(IMAGE, image):
+        raise SystemExit(
+            f"ftjob operator: --default-image / ${render.DEFAULT_IMAGE_ENV} {image!r} is not an "
+            "image reference (no spaces), e.g. registry.example.com/ftjob/trainer:0.1.0"
+        )
     import kopf
 
     from ftjob.operator import handlers  # noqa: F401 - registers the handlers

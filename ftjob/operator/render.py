@@ -340,11 +340,10 @@ def children(
     spec: FineTuneJobSpec,
     attempt: int = 0,
     uid: str = "",
-    default_image: str | None = None,
 ) -> list[dict[str, Any]]:
     """Everything one attempt of the job needs, in the order to create it."""
     return [
         config_map(job, namespace, spec, uid),
         service(job, namespace, spec, uid),
-        *pods(job, namespace, spec, attempt, uid, default_image),
+        *pods(job, namespace, spec, attempt, uid),
     ]

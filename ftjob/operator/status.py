@@ -197,7 +197,7 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     """``status.failure`` for a pod that failed, or None while it has not."""
     meta, st = pod["metadata"], pod.get("status", {})
     where = {"pod": meta["name"], "node": pod.get("spec", {}).get("nodeName"), "rank": rank_of(pod)}
-    reason, detail, code, note = None, "", None, ""
+    reason, detail, code, note, fix = None, "", None, "", None
     term = terminated(pod)
     if st.get("reason") == "Evicted":
         reason, detail = "Evicted", st.get("message", "")
@@ -207,12 +207,13 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
         reason, detail = "Lost", "the pod was deleted while the gang was running"
     elif term is not None and term.get("exitCode") != 0:
         code = term.get("exitCode")
-        reason, detail, note = _from_container(term)
+        reason, detail, note, fix = _from_container(term)
     elif st.get("phase") == "Failed":
         reason, detail = "Error", st.get("message", "")
     if reason is None:
         return None
-    message = f"{where['pod']} (node rank {where['rank']}): {ADVICE[reason]}"
+    # The trainer's fix for this very cause (a field to set) before the reason's general advice.
+    message = f"{where['pod']} (node rank {where['rank']}): {fix or ADVICE[reason]}"
     if code is not None:
         message += f" (exit code {code})"
     if note:
@@ -223,22 +224,22 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     return {k: v for k, v in failure.items() if v is not None}
 
 
-def _from_container(term: dict) -> tuple[str, str, str]:
-    """(reason, detail, note) of a trainer container that exited non-zero: from its
+def _from_container(term: dict) -> tuple[str, str, str, str | None]:
+    """(reason, detail, note, fix) of a trainer container that exited non-zero: from its
     termination record; only without one (killed, segfault) from the log tail, noted so."""
     text = term.get("message") or ""
     rec = contract.parse(text)
     if term.get("reason") == "OOMKilled":  # the kernel's verdict, whatever was written before
-        return "OOMKilled", _record_detail(rec) if rec else "", ""
+        return "OOMKilled", _record_detail(rec) if rec else "", "", None
     if rec and rec.get("outcome") == "failed" and rec.get("reason") in ADVICE:
-        return rec["reason"], _record_detail(rec), ""
+        return rec["reason"], _record_detail(rec), "", rec.get("fix")
     if LOG_CUDA_OOM.search(text):
         reason = contract.CUDA_OOM
     elif LOG_NCCL_TIMEOUT.search(text):
         reason = contract.NCCL_TIMEOUT
     else:
         reason = "Error"
-    return reason, text, NO_RECORD
+    return reason, text, NO_RECORD, None
 
 
 def _record_detail(rec: dict) -> str:

@@ -58,11 +58,12 @@ def implementation(spec_attention: str) -> str:
     raise ValueError(f"model.attention {spec_attention!r}: use one of {', '.join(SPEC_CHOICES)}")
 
 
-def model_kwargs(batch, spec_attention: str) -> dict:
-    """Extra forward kwargs for a ``data.Batch`` (already on the device): the documents'
-    boundaries over the flattened micro-batch, for :data:`NAME` and transformers' flash path.
-    Eager needs none (its mask comes from the position ids)."""
-    if spec_attention == "eager":
+def model_kwargs(batch, implementation: str) -> dict:
+    """Extra forward kwargs for a ``data.Batch`` (already on the device) on a model built with
+    ``implementation`` (:func:`implementation`'s answer; ``net.config._attn_implementation``):
+    the documents' boundaries over the flattened micro-batch, for :data:`NAME` and
+    transformers' flash path. Eager needs none (its mask comes from the position ids)."""
+    if implementation == "eager":
         return {}
     return {
         "cu_seq_lens_q": batch.cu_seqlens,

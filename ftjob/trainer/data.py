@@ -169,7 +169,7 @@ def collate(rows: list[dict], pad_id: int) -> Batch:
     ids = np.full((len(rows), width), pad_id, dtype=np.int64)
     labels = np.full((len(rows), width), IGNORE, dtype=np.int64)
     lengths: list[int] = []  # every document of the flattened batch, padding runs included
-    tokens = labelled = attention_sq = 0
+    tokens = attention_sq = 0
     for row, r in enumerate(rows):
         n = len(r["input_ids"])
         ids[row, :n] = r["input_ids"]
@@ -187,8 +187,6 @@ def collate(rows: list[dict], pad_id: int) -> Batch:
         if width > n:
             lengths.append(width - n)
         tokens += n
-        if n:  # a row's first label is never a target (nothing precedes it)
-            labelled += n - 1 - r["labels"].count(IGNORE) + (r["labels"][0] == IGNORE)
     cu = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=cu[1:])
     # Each token's position in its document: its index minus its document's start.
@@ -200,7 +198,7 @@ def collate(rows: list[dict], pad_id: int) -> Batch:
         cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
         max_seqlen=max(lengths),
         tokens=tokens,
-        labelled=labelled,
+        labelled=int((labels[:, 1:] != IGNORE).sum()),  # a row's first label predicts nothing
         attention_sq=attention_sq,
     )
 

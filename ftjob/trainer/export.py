@@ -36,10 +36,6 @@ from ftjob.spec import FineTuneJobSpec, ModelSpec
 from ftjob.trainer.model import hub_kwargs, resolve
 
 
-def target(spec: FineTuneJobSpec, job_dir: Path) -> Path:
-    return jobfolder.export_path(job_dir, spec)
-
-
 def export(
     model: nn.Module,
     spec: FineTuneJobSpec,

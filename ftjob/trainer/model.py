@@ -131,8 +131,7 @@ def check_shardable(built: Built, shards: int) -> None:
     if problem:
         where = problem.path.removeprefix("spec")  # the termination record's field, e.g. .resources
         # The fix travels on its own, so the failure summary's fix line is this cause's.
-        message, _, fix = problem.message.partition("; fix: ")
-        raise TrainerError(message, reason=BAD_SPEC, where=where, fix=fix or None)
+        raise TrainerError(problem.message, reason=BAD_SPEC, where=where, fix=problem.fix)
 
 
 def _prepare(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from ftjob.contract import BAD_DATA, TrainerError
+from ftjob.inputs import DATA_FIX
 from ftjob.spec import DatasetSpec
 from ftjob.trainer.model import resolve
 
@@ -25,11 +26,8 @@ class DataError(TrainerError, ValueError):
     reason = BAD_DATA
 
 
-# Fixes by cause, where the message names no single record to fix (ftjob.failure).
-MISSING_SOURCE = (
-    "set spec.dataset.source to an existing file or folder (a relative path is read beside "
-    "the job file, or from the volume on a cluster), or hf://org/name"
-)
+# The fix for a missing source, as `ftjob run` gives it before any process starts.
+MISSING_SOURCE = DATA_FIX
 # Names a field usually has in public data sets, per knob: a likely field to suggest.
 USUAL_NAMES = {
     "messagesField": ("messages", "conversations", "conversation", "chat", "dialog", "turns"),

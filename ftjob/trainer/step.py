@@ -26,8 +26,6 @@ import torch.distributed as dist
 from ftjob.trainer import data
 from ftjob.trainer.loss import token_loss
 
-_DONE = object()
-
 
 class Prefetch:
     """Each step's micro-batches for this rank, collated (and pinned for a GPU) by a thread
@@ -52,7 +50,6 @@ class Prefetch:
                     return
         except BaseException as e:  # noqa: BLE001 - raised again on the training thread
             self._put((None, e))
-        self._put((None, _DONE))
 
     def _put(self, item) -> bool:
         while not self._stop.is_set():

@@ -67,7 +67,7 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
 
 def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progress) -> Path:
     d = parallel.init(spec)
-    out = export.target(spec, job_dir)
+    out = jobfolder.export_path(job_dir, spec)
     say = print if d.is_main else (lambda *a, **k: None)
     hf_logging.disable_progress_bar()  # pod logs are not terminals
     if not d.is_main:

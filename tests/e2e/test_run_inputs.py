@@ -107,11 +107,13 @@ def test_missing_model_and_data_are_named_before_any_process_starts(tmp_path):
     assert code == 1
     assert seconds < 5, seconds
     assert (
-        f"ftjob run: {job}: spec.model.source no-such-model: no such folder "
+        f"ftjob run: {job}: spec.model.source: no-such-model: no such folder "
         f"(looked at {tmp_path / 'no-such-model'})"
     ) in out
     assert "  fix: set spec.model.source to a Hugging Face model folder (with config.json" in out
-    assert f"spec.dataset.source no/data.jsonl: no such file or folder (looked at {tmp_path}" in out
+    assert (
+        f"spec.dataset.source: no/data.jsonl: no such file or folder (looked at {tmp_path}" in out
+    )
     assert "  fix: set spec.dataset.source to an existing file or folder" in out
     assert "fix the record" not in out
     assert not (tmp_path / "gone").exists()  # nothing started, nothing written
@@ -124,8 +126,8 @@ def test_a_model_folder_without_config_and_a_missing_resume_from_are_named_at_on
     )
     code, out, seconds = ftjob_run(job, tmp_path / "seeded")
     assert code == 1 and seconds < 5, (seconds, out)
-    assert "spec.model.source weights: no config.json in that folder" in out
-    assert f"spec.checkpoint.resumeFrom other-job: no such folder (looked at {tmp_path}" in out
+    assert "spec.model.source: weights: no config.json in that folder" in out
+    assert f"spec.checkpoint.resumeFrom: other-job: no such folder (looked at {tmp_path}" in out
     assert not (tmp_path / "seeded" / "logs").exists()
 
 

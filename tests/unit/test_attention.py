@@ -111,7 +111,7 @@ def test_packed_loss_equals_the_documents_run_one_by_one(
     models, alone, spec_attention, micro_batch
 ):
     net = get(models, attention.implementation(spec_attention))
-    kwargs = lambda b: attention.model_kwargs(b, spec_attention)  # noqa: E731
+    kwargs = lambda b: attention.model_kwargs(b, attention.implementation(spec_attention))  # noqa: E731
     close(packed(net, micro_batch, kwargs), alone)
 
 
@@ -127,7 +127,7 @@ def test_the_varlen_kernel_path_flattens_and_restores_the_batch(models, alone, m
 
     monkeypatch.setattr(attention, "_kernel", lambda q: attention.adapt_varlen(varlen_2_11))
     net = get(models, attention.NAME)
-    kwargs = lambda b: attention.model_kwargs(b, "sdpa")  # noqa: E731
+    kwargs = lambda b: attention.model_kwargs(b, attention.NAME)  # noqa: E731
     close(packed(net, 4, kwargs), alone)
     width = max(sum(d) for d in DOCS)
     assert seen == [((4 * width, 4, 16), 30)] * 2  # both layers, the whole micro-batch at once
@@ -274,7 +274,7 @@ def test_the_default_path_runs_per_document_sdpa_without_a_mask(job, alone, monk
         return sdpa(query, key, value, attn_mask, *args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
-    kwargs = lambda b: attention.model_kwargs(b, spec.model.attention)  # noqa: E731
+    kwargs = lambda b: attention.model_kwargs(b, net.config._attn_implementation)  # noqa: E731
     close(packed(net, 4, kwargs), alone)
     assert calls, "the default path never reached scaled_dot_product_attention"
     assert all(mask is None for _, mask, _ in calls), "a dense mask on the default path"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ftjob import manifest
+from ftjob import inputs, manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -296,24 +296,24 @@ def test_plan_names_a_missing_model_and_missing_data_once_with_the_fix(tmp_path)
     path.write_text(yaml.safe_dump(doc))
     planned = ftjob("plan", path)
     assert planned.returncode == 1 and planned.stdout == ""
+    # The same words `ftjob run` prints before starting (ftjob/inputs.py: one check, one text).
     assert planned.stderr.splitlines() == [
-        f"{path}: spec.model.source: no such folder: {tmp_path / 'no-model'}; fix: name the "
-        "folder holding the model's config.json and weights, relative to the job file's "
-        "folder, or an hf:// id",
-        f"{path}: spec.dataset.source: no such file or folder: {tmp_path / 'data/none.jsonl'}; "
-        "fix: name the JSONL file (or folder of them), relative to the job file's folder, or "
-        "an hf:// id",
+        f"{path}: spec.model.source: no-model: no such folder (looked at "
+        f"{tmp_path / 'no-model'}); fix: {inputs.MODEL_FIX}",
+        f"{path}: spec.dataset.source: data/none.jsonl: no such file or folder (looked at "
+        f"{tmp_path / 'data/none.jsonl'}); fix: {inputs.DATA_FIX}",
     ]
     validate = ftjob("validate", path)
     assert validate.returncode == 0, validate.stdout
     lines = [line.strip() for line in validate.stdout.splitlines()[1:]]
     notes = [line for line in lines if line.startswith("not checked")]  # (and the image warning)
     assert notes == [
-        f"not checked: spec.model.source: no such folder: {tmp_path / 'no-model'} on this "
-        "machine (a cluster reads the path from the checkpoint volume)",
-        f"not checked: spec.dataset.source: no such file or folder: "
-        f"{tmp_path / 'data/none.jsonl'} on this machine (a cluster reads the path from the "
+        f"not checked: spec.model.source: no-model: no such folder (looked at "
+        f"{tmp_path / 'no-model'}) on this machine (a cluster reads the path from the "
         "checkpoint volume)",
+        f"not checked: spec.dataset.source: data/none.jsonl: no such file or folder (looked "
+        f"at {tmp_path / 'data/none.jsonl'}) on this machine (a cluster reads the path from "
+        "the checkpoint volume)",
     ]
 
 

@@ -37,16 +37,34 @@ def test_chunked_loss_and_gradients_equal_the_plain_cross_entropy():
     torch.testing.assert_close(grads[1], weight.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_no_chunk_of_logits_outlives_its_own_loss(monkeypatch):
-    """Peak memory of the loss is one chunk of logits, not the whole micro-batch's: count the
-    largest [tokens x vocab] tensor the loss ever makes."""
+def saved_for_backward(compute) -> list[torch.Size]:
+    """The shapes autograd keeps from ``compute()``'s forward until its backward."""
     shapes = []
-    real = torch.Tensor.float
-    monkeypatch.setattr(torch.Tensor, "float", lambda t: (shapes.append(t.shape), real(t))[1])
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: shapes.append(t.shape) or t, lambda t: t
+    ):
+        out = compute()
+    out.backward()
+    return shapes
+
+
+def test_no_logits_are_kept_for_backward_and_only_one_chunk_exists_at_a_time(monkeypatch):
+    """Peak memory of the loss is one chunk of logits, not the whole micro-batch's: nothing of
+    [tokens x vocab] is kept for backward (the plain loss keeps it: the control), and the
+    largest logits the forward makes are one chunk's."""
     hidden = torch.randn(4096, 8, requires_grad=True)
     weight = torch.randn(1000, 8, requires_grad=True)
-    loss.linear_cross_entropy(hidden, weight, torch.randint(0, 1000, (4096,)), 1024).backward()
-    assert max(s.numel() for s in shapes) == 1024 * 1000
+    targets = torch.randint(0, 1000, (4096,))
+    plain = saved_for_backward(
+        lambda: F.cross_entropy(hidden @ weight.t(), targets, reduction="sum")
+    )
+    assert torch.Size([4096, 1000]) in plain  # the control: the plain loss keeps its logits
+    made = []
+    real = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: (made.append(t.shape), real(t))[1])
+    kept = saved_for_backward(lambda: loss.linear_cross_entropy(hidden, weight, targets, 1024))
+    assert kept and all(s.numel() <= 4096 * 8 for s in kept)  # the gradients of hidden / head
+    assert max(s.numel() for s in made) == 1024 * 1000
 
 
 def batch(pad_id: int) -> data.Batch:

@@ -137,7 +137,7 @@ def test_nf4_sharding_is_refused_where_a_weight_cannot_split():
     problem = qlora_problem(qlora, shapes, 3)
     assert problem.path == "spec.resources"
     assert "cannot be split into 3 equal 4-bit shards" in problem.message
-    assert "must be 1, 2, 4, 8 or 16 processes" in problem.message
+    assert "must be 1, 2, 4, 8 or 16 processes" in problem.fix
     # ftjob plan and admission refuse it before any pod starts, whatever plan.enforce says
     three = example("llama31-70b-qlora.yaml", **{"resources.gpusPerNode": 3,
                     "plan.enforce": False})  # fmt: skip
@@ -149,7 +149,7 @@ def test_nf4_sharding_is_refused_where_a_weight_cannot_split():
     assert "fix: set type nf4" in fp4["message"]
     tiny = qlora_problem(qlora, {"q_proj": (64, 64)}, 2)
     assert tiny.path == "spec.method.type" and "not a multiple of 16384" in tiny.message
-    assert "fix: use method.type lora" in tiny.message
+    assert tiny.fix == "use method.type lora" and "fix: use method.type lora" in str(tiny)
 
 
 def test_auto_sharding_is_hybrid_for_8b_lora_on_two_nodes():
