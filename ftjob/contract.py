@@ -16,6 +16,8 @@ record exists (the process was killed, or crashed below Python).
 from __future__ import annotations
 
 import json
+import os
+import socket
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -47,7 +49,19 @@ DISK_FULL = "DiskFull"
 CHECKPOINT_UNREADABLE = "CheckpointUnreadable"
 EXPORT_FAILED = "ExportFailed"
 OWNED_ELSEWHERE = "JobFolderBusy"  # another run owns the job folder
+# The preflight's verdicts (ftjob.trainer.preflight), before any weight is read:
+NODE_UNHEALTHY = "NodeUnhealthy"  # a GPU of this node is slow, short of memory or broken
+FABRIC_MISCONFIGURED = "FabricMisconfigured"  # the gang's all-reduce is far below the fabric's
+VOLUME_UNUSABLE = "VolumeUnusable"  # the job's volume cannot be written and read back
 INTERNAL = "Internal"
+
+NODE_NAME_ENV = "FTJOB_NODE_NAME"  # set by the operator from the downward API (spec.nodeName)
+
+
+def node_name() -> str:
+    """The Kubernetes node this process runs on (the host name outside a cluster)."""
+    return os.environ.get(NODE_NAME_ENV) or socket.gethostname()
+
 
 REASONS = (
     BAD_DATA,
@@ -61,6 +75,9 @@ REASONS = (
     CHECKPOINT_UNREADABLE,
     EXPORT_FAILED,
     OWNED_ELSEWHERE,
+    NODE_UNHEALTHY,
+    FABRIC_MISCONFIGURED,
+    VOLUME_UNUSABLE,
     INTERNAL,
 )
 # Retrying the same inputs cannot help: the operator fails the job at once.
@@ -74,9 +91,12 @@ SPECIFICITY = (
     BAD_MODEL,
     CHECKPOINT_UNREADABLE,
     DISK_FULL,
+    VOLUME_UNUSABLE,
+    NODE_UNHEALTHY,
     CUDA_OOM,
     HOST_OOM,
     OWNED_ELSEWHERE,
+    FABRIC_MISCONFIGURED,
     EXPORT_FAILED,
     INTERNAL,
     NCCL_ERROR,
@@ -114,6 +134,7 @@ class TrainerError(Exception):
         reason: str | None = None,
         where: str | None = None,
         fix: str | None = None,
+        node: str | None = None,
     ):
         super().__init__(message)
         if reason is not None:
@@ -121,6 +142,9 @@ class TrainerError(Exception):
         self.where = where
         # The fix for this cause (a field to set, a file to create); None: the reason's own.
         self.fix = fix
+        # The node at fault when it is not this process's own (a preflight check that failed on
+        # another node fails every rank, and every record names that node); None: this one.
+        self.node = node
 
 
 def success_record(export_path: str) -> dict[str, Any]:

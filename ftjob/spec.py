@@ -599,6 +599,68 @@ class RunPolicySpec:
     )
 
 
+# The bus bandwidth (GB/s, nccl-tests' busbw of an all-reduce) below which a multi-node gang's
+# fabric is taken for misconfigured when preflight.minBusBandwidth is unset. Far below what
+# the fabric gives (EFA on p4d/p5 and 200-400 Gb/s InfiniBand reach tens of GB/s or more), and
+# above what NCCL's fallback to sockets reaches on the same hosts (a few GB/s): the check is for
+# a wrong transport, not a slow one. tcp: no floor.
+FABRIC_MIN_BUS_GBPS = {"efa": 10.0, "infiniband": 10.0, "tcp": None}
+
+
+@dataclass(kw_only=True)
+class PreflightSpec:
+    """preflight: checks every pod runs before any weight is read (seconds): per GPU a timed
+    matmul and a memory check, an all-reduce across the gang (its bus bandwidth and the
+    transport NCCL chose), a write/read of the job's volume. A failed check fails the gang
+    with NodeUnhealthy, FabricMisconfigured or VolumeUnusable; the node is kept away from the
+    next gang where the fault is the node's."""
+
+    mode: Literal["auto", "on", "off"] = api_field(
+        "mode: auto runs the preflight when the job requests GPUs, on always (CPU jobs check "
+        "the volume and the all-reduce), off never.",
+        "auto",
+    )
+    min_bus_bandwidth: float | None = api_field(
+        "minBusBandwidth: the all-reduce's bus bandwidth (GB/s, as nccl-tests reports "
+        "busbw) below which the gang fails with FabricMisconfigured. Unset: 10 for fabric efa "
+        "and infiniband with more than one node, no floor otherwise.",
+        None,
+        minimum=0,
+        exclusive_minimum=True,
+    )
+    min_matmul_tflops: float | None = api_field(
+        "minMatmulTflops: a GPU whose bf16 matmul runs slower than this (TFLOP/s) fails its "
+        "node with NodeUnhealthy. Unset: 40% of the dense bf16 peak of resources.gpuType (or "
+        "of the GPU's CUDA name), no floor for an unknown GPU.",
+        None,
+        minimum=0,
+        exclusive_minimum=True,
+    )
+    min_free_memory_fraction: float = api_field(
+        "minFreeMemoryFraction: a GPU with less of its memory free than this before loading "
+        "(another process holds it, or the device reports less than it has) fails its node.",
+        0.9,
+        minimum=0,
+        maximum=1,
+    )
+    timeout_seconds: int = api_field(
+        "timeoutSeconds: the all-reduce must finish within this long, or the gang fails with "
+        "FabricMisconfigured.",
+        120,
+        minimum=5,
+        maximum=3600,
+    )
+
+    def enabled(self, gpus_per_node: int) -> bool:
+        return self.mode == "on" or (self.mode == "auto" and gpus_per_node > 0)
+
+    def bus_floor(self, fabric: str, nodes: int) -> float | None:
+        """The bus bandwidth floor in force (GB/s), or None."""
+        if self.min_bus_bandwidth is not None:
+            return self.min_bus_bandwidth
+        return FABRIC_MIN_BUS_GBPS[fabric] if nodes > 1 else None
+
+
 @dataclass(kw_only=True)
 class Toleration:
     """A Kubernetes toleration."""
@@ -751,6 +813,9 @@ class FineTuneJobSpec:
         "scheduling constraints of the pods.", factory=SchedulingSpec
     )
     plan: PlanSpec = api_field("plan: the fit check before launch.", factory=PlanSpec)
+    preflight: PreflightSpec = api_field(
+        "preflight: node, fabric and volume checks before loading.", factory=PreflightSpec
+    )
     # No schema default: an unset image stays unset in the stored job, so the operator's
     # cluster-wide default (ftjob operator --default-image) can fill it in.
     image: str | None = api_field(

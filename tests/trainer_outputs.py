@@ -119,7 +119,7 @@ class Runs:
             "FTJOB_TERMINATION_LOG": str(record),
             "FTJOB_PROGRESS_PORT": "0",
             "OMP_NUM_THREADS": "1",
-            "NODE_NAME": "node-a",
+            "FTJOB_NODE_NAME": "node-a",
             **(env or {}),
         }
         argv = [*wrap, sys.executable, "-m", "ftjob.trainer", "--spec", str(spec)]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import socket
 import traceback
 from pathlib import Path
 from typing import Any
@@ -98,7 +97,8 @@ def failure(exc: BaseException, step: int | None = None) -> dict[str, Any]:
     """The failure record for ``exc`` raised in this process."""
     reason, message, where = classify(exc)
     fix = next((e.fix for e in _chain(exc) if isinstance(e, contract.TrainerError)), None)
-    return named(reason, message, where, step, fix)
+    node = next((e.node for e in _chain(exc) if isinstance(e, contract.TrainerError)), None)
+    return named(reason, message, where, step, fix, node)
 
 
 def named(
@@ -107,13 +107,15 @@ def named(
     where: str | None = None,
     step: int | None = None,
     fix: str | None = None,
+    node: str | None = None,
 ):
-    """A failure record of this process (its rank and node filled in)."""
+    """A failure record of this process (its rank filled in, and its node unless the failure
+    names the node at fault)."""
     return contract.Failure(
         reason=reason,
         message=message,
         rank=int(os.environ.get("RANK", "0")),
-        node=os.environ.get("NODE_NAME") or socket.gethostname(),
+        node=node or contract.node_name(),
         step=step,
         where=where,
         fix=fix,

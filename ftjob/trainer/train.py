@@ -35,6 +35,7 @@ from ftjob.trainer import (
     model,
     owner,
     parallel,
+    preflight,
     progress,
     sources,
     step,
@@ -66,7 +67,11 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
 
 
 def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progress) -> Path:
+    # NCCL names the transport it chose only in its own log, set up before it starts.
+    nccl_file = preflight.nccl_log(spec, job_dir, int(os.environ.get("RANK", "0")))
     d = parallel.init(spec)
+    if preflight.enabled(spec):  # before anything is read or written: a bad node fails fast
+        report.update(preflight=preflight.run(spec, d, job_dir, report.log, nccl_file))
     out = jobfolder.export_path(job_dir, spec)
     say = print if d.is_main else (lambda *a, **k: None)
     hf_logging.disable_progress_bar()  # pod logs are not terminals
