@@ -33,6 +33,12 @@ PRINTER_COLUMNS = [
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1},
     {
+        "name": "In-Place",
+        "type": "integer",
+        "jsonPath": ".status.restartsInPlace",
+        "priority": 1,
+    },
+    {
         "name": "Tokens/s",
         "type": "number",
         "jsonPath": ".status.progress.tokensPerSecond",

@@ -599,11 +599,11 @@ class RunPolicySpec:
     )
 
 
-# The bus bandwidth (GB/s, nccl-tests' busbw of an all-reduce) below which a multi-node gang's
-# fabric is taken for misconfigured when preflight.minBusBandwidth is unset. Far below what
-# the fabric gives (EFA on p4d/p5 and 200-400 Gb/s InfiniBand reach tens of GB/s or more), and
-# above what NCCL's fallback to sockets reaches on the same hosts (a few GB/s): the check is for
-# a wrong transport, not a slow one. tcp: no floor.
+# The bus bandwidth (GB/s, nccl-tests' busbw of an all-reduce) below which a multi-node
+# gang's fabric is taken for misconfigured when preflight.minBusBandwidthGBps is unset. Far
+# below what the fabric should give (EFA on p4d/p5 and 200-400 Gb/s InfiniBand: tens of GB/s,
+# read from vendor figures, not measured here), and above what NCCL's fallback to sockets
+# reaches on such hosts (a few GB/s): the check is for a wrong transport, not a slow one.
 FABRIC_MIN_BUS_GBPS = {"efa": 10.0, "infiniband": 10.0, "tcp": None}
 
 
@@ -620,8 +620,8 @@ class PreflightSpec:
         "the volume and the all-reduce), off never.",
         "auto",
     )
-    min_bus_bandwidth: float | None = api_field(
-        "minBusBandwidth: the all-reduce's bus bandwidth (GB/s, as nccl-tests reports "
+    min_bus_bandwidth_g_bps: float | None = api_field(
+        "minBusBandwidthGBps: the all-reduce's bus bandwidth (GB/s, as nccl-tests reports "
         "busbw) below which the gang fails with FabricMisconfigured. Unset: 10 for fabric efa "
         "and infiniband with more than one node, no floor otherwise.",
         None,
@@ -656,8 +656,8 @@ class PreflightSpec:
 
     def bus_floor(self, fabric: str, nodes: int) -> float | None:
         """The bus bandwidth floor in force (GB/s), or None."""
-        if self.min_bus_bandwidth is not None:
-            return self.min_bus_bandwidth
+        if self.min_bus_bandwidth_g_bps is not None:
+            return self.min_bus_bandwidth_g_bps
         return FABRIC_MIN_BUS_GBPS[fabric] if nodes > 1 else None
 
 

@@ -91,6 +91,54 @@ class Failure:
     node: str | None = api_field("node the pod ran on.", None)
     rank: int | None = api_field("rank: node rank of the pod.", None)
     exit_code: int | None = api_field("exitCode of the trainer container.", None)
+    node_fault: bool | None = api_field(
+        "nodeFault: the failure is the node's (a GPU failed the preflight, a hardware error, "
+        "the pod evicted or its node lost), not the job's: the node went on badNodes.",
+        None,
+    )
+
+
+@dataclass(kw_only=True)
+class BadNode:
+    """A node a failure was blamed on; the job's next gangs avoid it."""
+
+    node: str = api_field("node: the Kubernetes node name.", max_length=253)
+    reason: str = api_field("reason of the latest failure blamed on it.", max_length=64)
+    count: int = api_field("count: failures blamed on it.", 1)
+    last_seen: str | None = api_field("lastSeen: when the latest was.", None, fmt="date-time")
+
+
+@dataclass(kw_only=True)
+class Straggler:
+    """A rank rank 0 names as persistently slower than the median of all ranks."""
+
+    rank: int = api_field("rank of the slow process.")
+    node: str | None = api_field("node it runs on.", None, max_length=253)
+    step_seconds: float | None = api_field("stepSeconds: its recent step time.", None)
+    median_seconds: float | None = api_field("medianSeconds: the median of all ranks.", None)
+
+
+@dataclass(kw_only=True)
+class PreflightStatus:
+    """preflight: what the newest gang's checks before loading measured."""
+
+    bus_bandwidth_g_bps: float | None = api_field(
+        "busBandwidthGBps: bus bandwidth of the all-reduce across the gang (GB/s, "
+        "nccl-tests' busbw).",
+        None,
+    )
+    transport: str | None = api_field(
+        "transport NCCL chose between the nodes (efa, ib, socket; gloo on CPU).", None
+    )
+    matmul_tflops: float | None = api_field(
+        "matmulTflops: the slowest GPU's bf16 matmul (TFLOP/s).", None
+    )
+    volume_write_m_bps: float | None = api_field(
+        "volumeWriteMBps: the slowest node's write to the job's volume (MB/s).", None
+    )
+    seconds: float | None = api_field("seconds the checks took.", None)
+    nodes: int | None = api_field("nodes checked.", None)
+    note: str | None = api_field("note: what was not checked, and why.", None)
 
 
 @dataclass(kw_only=True)
@@ -107,7 +155,32 @@ class FineTuneJobStatus:
         "observedGeneration: the spec generation this status describes.", None
     )
     attempt: int | None = api_field("attempt: the gang attempt now running (0, 1, ...).", None)
-    restarts: int | None = api_field("restarts: gang restarts so far.", None)
+    restarts: int | None = api_field(
+        "restarts: gang restarts so far (every pod replaced; runPolicy.backoffLimit bounds them).",
+        None,
+    )
+    restarts_in_place: int | None = api_field(
+        "restartsInPlace: worker restarts in place so far, across gangs (torchrun restarted "
+        "the training processes inside the pods; runPolicy.inPlaceRestarts bounds them per "
+        "gang).",
+        None,
+    )
+    attempt_restarts_in_place: int | None = api_field(
+        "attemptRestartsInPlace: the current gang's restarts in place.", None
+    )
+    bad_nodes: list[BadNode] = api_field(
+        "badNodes: nodes failures were blamed on, oldest first (at most 16); the next gangs' "
+        "pods avoid them (required node anti-affinity). Patch it away to allow them again "
+        "(docs/operator.md).",
+        factory=list,
+        max_items=16,
+    )
+    stragglers: list[Straggler] = api_field(
+        "stragglers: ranks now persistently slower than the median.", factory=list, max_items=16
+    )
+    preflight: PreflightStatus | None = api_field(
+        "preflight: what the checks before loading measured.", None
+    )
     start_time: str | None = api_field("startTime of the first attempt.", None, fmt="date-time")
     completion_time: str | None = api_field(
         "completionTime: when the job succeeded or failed.", None, fmt="date-time"

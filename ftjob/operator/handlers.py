@@ -151,7 +151,7 @@ def job_changed(type, body, **_) -> None:  # noqa: A002 - kopf's argument name
 async def job_daemon(name, namespace, body, stopped, job_pods: kopf.Index, logger, **_) -> None:
     uid = body["metadata"]["uid"]
     watch = WATCHES[uid] = LATEST[(namespace, name)] = Watch(uid)
-    state = {"written": None, "snapshot": None, "port": None}
+    state = {"written": None, "snapshot": None, "port": None, "attempt": None}
     poller = asyncio.create_task(_poll_progress(namespace, name, job_pods, state, watch))
     try:
         while not stopped and not watch.gone:
@@ -175,6 +175,7 @@ async def job_daemon(name, namespace, body, stopped, job_pods: kopf.Index, logge
         WATCHES.pop(uid, None)
         if LATEST.get((namespace, name)) is watch:
             del LATEST[(namespace, name)]
+            metrics.forget(namespace, name)
         metrics.job_phase(uid, None)
 
 
@@ -226,13 +227,15 @@ async def _reconcile(name, namespace, body, job_pods, state, watch: Watch) -> fl
             decision.status["image"] = render.trainer_image(spec, SETTINGS.default_image)
 
     new = decision.status
+    if new.get("attempt") != old_status.get("attempt"):
+        state["snapshot"] = None  # the old gang's: its restartsInPlace are not the new gang's
+    state["attempt"] = new.get("attempt")
     if new != old_status:
         await asyncio.to_thread(kube().patch_status, namespace, name, uid, new)
         state["written"] = (meta.get("resourceVersion"), new)
     for kind, reason, message in decision.events:
         kopf.event(body, type=kind, reason=reason, message=message)
-    if new.get("restarts", 0) > old_status.get("restarts", 0):
-        metrics.GANG_RESTARTS.inc()
+    metrics.observed(namespace, name, old_status, new)
     metrics.job_phase(uid, decision.phase)
 
     requeue = decision.requeue_after
@@ -244,9 +247,10 @@ async def _reconcile(name, namespace, body, job_pods, state, watch: Watch) -> fl
             render.config_map(name, namespace, spec, uid),
             render.service(name, namespace, spec, uid),
         ]
-        image = SETTINGS.default_image
+        image, avoid = SETTINGS.default_image, lifecycle.bad_nodes(new)
         children += [
-            render.pod(name, namespace, spec, r, attempt, uid, image) for r in decision.create
+            render.pod(name, namespace, spec, r, attempt, uid, image, avoid)
+            for r in decision.create
         ]
         for child in children:
             if not await _create(child, uid):
@@ -288,7 +292,18 @@ async def _poll_progress(namespace, name, job_pods, state, watch: Watch) -> None
     while True:
         await asyncio.sleep(SETTINGS.progress_every)
         pods = _own_pods(job_pods, namespace, name, watch.uid)
-        rank0 = next((p for p in pods if status.rank_of(p) == 0), None)
+        # The current gang's rank 0 only: a pod of the gang being replaced reports another
+        # gang's restarts in place.
+        rank0 = next(
+            (
+                p
+                for p in pods
+                if status.rank_of(p) == 0
+                and status.attempt_of(p) == state.get("attempt")
+                and not p["metadata"].get("deletionTimestamp")
+            ),
+            None,
+        )
         ip = (rank0 or {}).get("status", {}).get("podIP")
         if not ip or rank0["status"].get("phase") != "Running" or not state["port"]:
             continue

@@ -5,9 +5,13 @@ written last time), the pods that exist now, the latest progress snapshot and th
 Run it twice on the same inputs and the second run asks for nothing new, which is what
 makes handler retries and operator restarts safe.
 
-The gang is the unit: pods of one attempt share a rendezvous id; any failure (or a stall)
-deletes every pod of the attempt and the next attempt starts once they are gone, resuming
-from the newest checkpoint on the shared volume.
+Recovery is a ladder. Inside the pods torchrun restarts the workers of every node in place
+(runPolicy.inPlaceRestarts per gang); rank 0 reports how often (``restartsInPlace``) and
+the status counts them across gangs. When a pod fails (the in-place budget spent, a pod or
+node lost, a stall), the gang is the unit: every pod of the attempt is deleted and the next
+attempt starts once they are gone, resuming from the newest checkpoint on the shared volume,
+its pods kept away from the nodes a failure was blamed on (``status.badNodes``). A
+permanent failure, or backoffLimit spent, fails the job.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class _Step:
         self.new["observedGeneration"] = generation
         self.new.setdefault("attempt", 0)
         self.new.setdefault("restarts", 0)
+        self.new.setdefault("restartsInPlace", 0)
         self.pods = pods
         self.decision = Decision(status=self.new)
 
@@ -128,13 +133,40 @@ def decide(
 
 
 def _observe(s: _Step, snapshot: dict | None) -> None:
-    """Rank 0's progress snapshot, when the operator has one, goes into the status."""
+    """Rank 0's progress snapshot, when the operator has one, goes into the status: progress,
+    the preflight's figures, stragglers and the workers' restarts in place (the handlers drop
+    the snapshot when a new gang starts, so it is always the current gang's)."""
     new = s.new
     if snapshot:
         new["progress"] = st.progress(snapshot)
         new["lastCheckpoint"] = st.last_checkpoint(snapshot) or new.get("lastCheckpoint")
+        if (preflight := st.preflight(snapshot)) is not None:
+            new["preflight"] = preflight
+        if "stragglers" in snapshot:
+            new["stragglers"] = st.stragglers(snapshot)
+        _count_in_place(s, st.restarts_in_place(snapshot))
     if new.get("lastCheckpoint") is None:
         new.pop("lastCheckpoint", None)
+
+
+def _count_in_place(s: _Step, now_in_gang: int | None) -> None:
+    """restartsInPlace: the job's total across gangs; attemptRestartsInPlace: this gang's,
+    as torchrun counts them (TORCHELASTIC_RESTART_COUNT), which only grows within a gang."""
+    new = s.new
+    before = new.get("attemptRestartsInPlace", 0)
+    if now_in_gang is None or now_in_gang <= before or s.old.get("phase") in TERMINAL:
+        return
+    new["attemptRestartsInPlace"] = now_in_gang
+    new["restartsInPlace"] += now_in_gang - before
+    s.decision.events.append(
+        (
+            "Warning",
+            "RestartedInPlace",
+            f"workers of attempt {s.attempt} restarted in place ({now_in_gang} in this gang, "
+            f"{new['restartsInPlace']} in all): the pods stay, training resumes from the "
+            "newest checkpoint",
+        )
+    )
 
 
 def _finished(s: _Step) -> Decision:
@@ -179,6 +211,7 @@ def _suspension(s: _Step) -> Decision | None:
         # A resumed job is a new gang (new rendezvous), but not a restart after a failure;
         # like a batch/v1 Job, the active deadline counts from the resume.
         s.new["attempt"] += 1
+        s.new["attemptRestartsInPlace"] = 0
         s.new["startTime"] = st.now_iso(s.now)
         s.decision.events.append(("Normal", "Resumed", f"resuming as attempt {s.attempt}"))
     return None
@@ -316,6 +349,7 @@ def _gang_failed(s: _Step, failure: dict) -> Decision:
     previous = (s.old.get("failure") or {}).get("reason")
     if failure["reason"] in st.PERMANENT:
         return s.fail(failure, "not retried")
+    _keep_away(s, failure)
     if failure["reason"] == "CudaOOM" and previous == "CudaOOM":
         return s.fail(failure, "CUDA out of memory twice in a row: not retried")
     if new["restarts"] >= limit:
@@ -323,12 +357,36 @@ def _gang_failed(s: _Step, failure: dict) -> Decision:
     new["failure"] = failure
     new["restarts"] += 1
     new["attempt"] += 1
+    new["attemptRestartsInPlace"] = 0
     s.delete_live(s.pods)
+    avoid = f"; avoiding node(s) {', '.join(bad_nodes(new))}" if new.get("badNodes") else ""
     message = (
         f"restarting the gang as attempt {new['attempt']} (restart {new['restarts']} of "
-        f"{limit}) after {failure['reason']}: {failure['message']}"
+        f"{limit}) after {failure['reason']}{avoid}: {failure['message']}"
     )
     return s.set("Restarting", failure["reason"], message)
+
+
+def _keep_away(s: _Step, failure: dict) -> None:
+    """A failure that is the node's (status.diagnose's nodeFault) puts the node on
+    status.badNodes, which the next gang's pods avoid (required node anti-affinity)."""
+    bad, entry = st.note_bad_node(s.new.get("badNodes") or [], failure, s.now)
+    if entry is None:
+        return
+    s.new["badNodes"] = bad
+    s.decision.events.append(
+        (
+            "Warning",
+            "BadNode",
+            f"node {entry['node']} is kept away from the next gangs: {entry['reason']} "
+            f"({entry['count']} time(s)); clear status.badNodes to allow it again",
+        )
+    )
+
+
+def bad_nodes(status: dict | None) -> list[str]:
+    """The nodes the next gang's pods must avoid."""
+    return [b["node"] for b in (status or {}).get("badNodes") or [] if b.get("node")]
 
 
 def _cond_reason(old: dict) -> str:

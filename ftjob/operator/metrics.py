@@ -1,13 +1,15 @@
 """The operator's Prometheus metrics (``--metrics-port``), through prometheus_client.
 
-Names as docs/operator.md lists them: jobs by phase (gauge), gang restarts and failed
-reconciles (counters), and two latency histograms: one reconcile, and one Kubernetes API
+Names as docs/operator.md lists them: jobs by phase (gauge), gang restarts, restarts in
+place, bad nodes and failed reconciles (counters), stragglers and the preflight's bus
+bandwidth by job (gauges), and two latency histograms: one reconcile, and one Kubernetes API
 request by operation. One registry for the process, not prometheus_client's global one, so
 that /metrics shows the operator's series only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from prometheus_client import (
@@ -27,6 +29,30 @@ REGISTRY = CollectorRegistry()
 JOBS = Gauge("ftjob_jobs", "FineTuneJobs by phase.", ["phase"], registry=REGISTRY)
 GANG_RESTARTS = Counter(
     "ftjob_gang_restarts", "Gangs replaced after a failure or stall.", registry=REGISTRY
+)
+RESTARTS_IN_PLACE = Counter(
+    "ftjob_restarts_in_place",
+    "Worker restarts in place (torchrun's agent, pods kept) that rank 0 reported.",
+    registry=REGISTRY,
+)
+BAD_NODES = Counter(
+    "ftjob_bad_nodes",
+    "Failures blamed on a node (the node is then kept away from the job's next gangs), by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+STRAGGLERS = Gauge(
+    "ftjob_stragglers",
+    "Ranks rank 0 names as persistently slower than the median, by job.",
+    ["namespace", "job"],
+    registry=REGISTRY,
+)
+BUS_BANDWIDTH = Gauge(
+    "ftjob_preflight_bus_bandwidth_gbps",
+    "Bus bandwidth (GB/s, nccl-tests' busbw) of the preflight's all-reduce of the job's "
+    "newest gang.",
+    ["namespace", "job"],
+    registry=REGISTRY,
 )
 RECONCILE_ERRORS = Counter(
     "ftjob_reconcile_errors", "Reconciles that failed and were retried.", registry=REGISTRY
@@ -56,6 +82,30 @@ def job_phase(key: str, phase: str | None) -> None:
         _phases[key] = phase
     for p in PHASES:
         JOBS.labels(p).set(sum(1 for v in _phases.values() if v == p))
+
+
+def observed(namespace: str, name: str, old: dict, new: dict) -> None:
+    """What one reconcile changed in a job's status, counted."""
+    if new.get("restarts", 0) > old.get("restarts", 0):
+        GANG_RESTARTS.inc()
+    grown = new.get("restartsInPlace", 0) - old.get("restartsInPlace", 0)
+    if grown > 0:
+        RESTARTS_IN_PLACE.inc(grown)
+    before = {b.get("node"): b.get("count", 0) for b in old.get("badNodes") or []}
+    for b in new.get("badNodes") or []:
+        if b.get("count", 0) > before.get(b.get("node"), 0):
+            BAD_NODES.labels(b.get("reason", "")).inc()
+    if "stragglers" in new:
+        STRAGGLERS.labels(namespace, name).set(len(new["stragglers"]))
+    if (new.get("preflight") or {}).get("busBandwidthGBps") is not None:
+        BUS_BANDWIDTH.labels(namespace, name).set(new["preflight"]["busBandwidthGBps"])
+
+
+def forget(namespace: str, name: str) -> None:
+    """A job is gone: its series go too."""
+    for gauge in (STRAGGLERS, BUS_BANDWIDTH):
+        with contextlib.suppress(KeyError):
+            gauge.remove(namespace, name)
 
 
 def timed(operation: str):

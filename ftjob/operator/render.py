@@ -13,10 +13,11 @@ that re-running a reconcile never makes a second copy:
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
-from ftjob import launch
+from ftjob import contract, launch
 from ftjob.schema import to_dict
 from ftjob.spec import API_VERSION, DEFAULT_IMAGE, KIND, FineTuneJobSpec
 
@@ -248,6 +249,10 @@ def container(
     for var, ref in node.secret_env.items():
         secret = {"secretKeyRef": {"name": ref.name, "key": ref.key}}
         env_list.append({"name": var, "valueFrom": secret})
+    # The node the pod runs on: the trainer's failure records and preflight name it, and the
+    # operator keeps a node blamed for a failure away from the next gang.
+    node_ref = {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}
+    env_list.append({"name": contract.NODE_NAME_ENV, "valueFrom": node_ref})
     net = spec.network
     out = {
         "name": CONTAINER,
@@ -277,8 +282,9 @@ def pod(
     attempt: int,
     uid: str = "",
     default_image: str | None = None,
+    avoid: list[str] | tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Node ``rank`` of gang ``attempt``."""
+    """Node ``rank`` of gang ``attempt``, kept off the nodes in ``avoid`` (status.badNodes)."""
     lbls = labels(job, rank, attempt)
     annotations = {}
     sched = spec.scheduling
@@ -311,13 +317,35 @@ def pod(
         pod_spec["nodeSelector"] = dict(sched.node_selector)
     if sched.tolerations:
         pod_spec["tolerations"] = to_dict(sched.tolerations)
-    if sched.affinity:
-        pod_spec["affinity"] = dict(sched.affinity)
+    if sched.affinity or avoid:
+        pod_spec["affinity"] = affinity(sched.affinity, avoid)
     if sched.priority_class_name:
         pod_spec["priorityClassName"] = sched.priority_class_name
     if sched.scheduler_name:
         pod_spec["schedulerName"] = sched.scheduler_name
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+
+
+def affinity(given: dict | None, avoid: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The pods' affinity: the spec's, with ``avoid``'s nodes excluded (required node
+    anti-affinity on kubernetes.io/hostname). nodeSelectorTerms are ORed, so the exclusion
+    goes into every term the spec has (or into a new, only term)."""
+    out = copy.deepcopy(dict(given or {}))
+    if not avoid:
+        return out
+    away = {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": sorted(set(avoid))}
+    required = out.setdefault("nodeAffinity", {}).setdefault(
+        "requiredDuringSchedulingIgnoredDuringExecution", {}
+    )
+    terms = required.setdefault("nodeSelectorTerms", [])
+    if not terms:
+        terms.append({})
+    for term in terms:
+        term["matchExpressions"] = [*term.get("matchExpressions", []), away]
+    return out
 
 
 def pods(

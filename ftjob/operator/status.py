@@ -39,6 +39,12 @@ LOG_NCCL_TIMEOUT = re.compile(
     r"|DistBackendError.{0,200}[Tt]imeout",
     re.S,
 )
+# Hardware trouble as CUDA, NCCL and the driver word it, in a record's message or a log tail:
+# the node's fault whatever reason the trainer could give (Internal, NCCLError, Error).
+LOG_HARDWARE = re.compile(
+    r"uncorrectable ECC|ECC error|GPU is lost|fallen off the bus|NVML_ERROR_GPU_IS_LOST"
+    r"|cudaErrorECCUncorrectable|\bXid\b|unrecoverable hardware|hardware error"
+)
 NO_RECORD = "no termination record (killed, or crashed below Python): diagnosed from the log tail"
 
 _RETRY_CANNOT_HELP = "retrying cannot help -- fix it and create the job again"
@@ -62,6 +68,11 @@ ADVICE = {
     "move it aside on the volume to resume from an older one",
     contract.EXPORT_FAILED: "the trained model could not be written to output.path",
     contract.OWNED_ELSEWHERE: "another run owns the job folder on the volume",
+    contract.NODE_UNHEALTHY: "a GPU of this node failed the preflight (slow, short of memory "
+    "or broken): the next gang avoids the node",
+    contract.FABRIC_MISCONFIGURED: "the preflight's all-reduce is far slower than "
+    "network.fabric gives, or NCCL chose the wrong transport",
+    contract.VOLUME_UNUSABLE: "the preflight could not write and read back the job's volume",
     contract.INTERNAL: "the trainer failed (a bug, or something it cannot name)",
     "Evicted": "the node evicted the pod",
     "Lost": "the pod or its node disappeared",
@@ -78,10 +89,13 @@ SPECIFICITY = (
     "BadInput",
     contract.CHECKPOINT_UNREADABLE,
     contract.DISK_FULL,
+    contract.VOLUME_UNUSABLE,
+    contract.NODE_UNHEALTHY,
     "OOMKilled",
     contract.HOST_OOM,
     contract.CUDA_OOM,
     contract.OWNED_ELSEWHERE,
+    contract.FABRIC_MISCONFIGURED,
     contract.EXPORT_FAILED,
     "Evicted",
     "Lost",
@@ -198,16 +212,24 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     meta, st = pod["metadata"], pod.get("status", {})
     where = {"pod": meta["name"], "node": pod.get("spec", {}).get("nodeName"), "rank": rank_of(pod)}
     reason, detail, code, note, fix = None, "", None, "", None
+    node_fault = False  # the node's fault, not the job's (see BAD_NODE_REASONS)
     term = terminated(pod)
     if st.get("reason") == "Evicted":
-        reason, detail = "Evicted", st.get("message", "")
+        reason, detail, node_fault = "Evicted", st.get("message", ""), True
     elif st.get("phase") == "Unknown" or st.get("reason") == "NodeLost":
         reason, detail = "Lost", st.get("message", "the node stopped reporting")
+        node_fault = True
     elif meta.get("deletionTimestamp") and not succeeded(pod):
         reason, detail = "Lost", "the pod was deleted while the gang was running"
     elif term is not None and term.get("exitCode") != 0:
         code = term.get("exitCode")
         reason, detail, note, fix = _from_container(term)
+        rec = contract.parse(term.get("message")) or {}
+        if rec.get("reason") == reason and rec.get("node"):
+            where["node"] = rec["node"]  # the trainer names the node at fault (preflight)
+        node_fault = reason == contract.NODE_UNHEALTHY or (
+            reason not in PERMANENT and bool(LOG_HARDWARE.search(term.get("message") or ""))
+        )
     elif st.get("phase") == "Failed":
         reason, detail = "Error", st.get("message", "")
     if reason is None:
@@ -221,6 +243,8 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     if detail:
         message += f"\n{_tail(detail)}"
     failure = {"reason": reason, "message": message, **where, "exitCode": code}
+    if node_fault and where["node"]:
+        failure["nodeFault"] = True
     return {k: v for k, v in failure.items() if v is not None}
 
 
@@ -284,6 +308,54 @@ def progress(snapshot: dict) -> dict[str, Any]:
         "updateTime": snapshot.get("updatedAt"),
     }
     return {k: v for k, v in out.items() if v is not None}
+
+
+def restarts_in_place(snapshot: dict | None) -> int | None:
+    """How often torchrun restarted this gang's workers in place, as rank 0 reports it."""
+    n = (snapshot or {}).get("restartsInPlace")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+
+
+STRAGGLERS_KEPT = 16  # status.stragglers is a bounded list (the schema says so too)
+
+
+def stragglers(snapshot: dict) -> list[dict[str, Any]]:
+    """``status.stragglers``: the ranks rank 0 names as persistently slower than the median."""
+    out = []
+    for s in snapshot.get("stragglers") or []:
+        if isinstance(s, dict) and isinstance(s.get("rank"), int):
+            keys = ("rank", "node", "stepSeconds", "medianSeconds")
+            out.append({k: s[k] for k in keys if s.get(k) is not None})
+    return out[:STRAGGLERS_KEPT]
+
+
+def preflight(snapshot: dict) -> dict[str, Any] | None:
+    """``status.preflight``: the gang's figures from the preflight (not each node's)."""
+    found = snapshot.get("preflight")
+    if not isinstance(found, dict):
+        return None
+    keys = ("busBandwidthGBps", "transport", "matmulTflops", "volumeWriteMBps", "seconds", "note")
+    out = {k: found[k] for k in keys if found.get(k) is not None}
+    return out | {"nodes": len(found["nodes"])} if isinstance(found.get("nodes"), dict) else out
+
+
+BAD_NODES_KEPT = 16  # status.badNodes: the oldest entry goes when a new one would pass this
+
+
+def note_bad_node(bad: list[dict], failure: dict, now: datetime) -> tuple[list[dict], dict | None]:
+    """``status.badNodes`` after ``failure``, and the entry it added to or made (None when the
+    failure is not the node's). Entries are {node, reason, count, lastSeen}, one per node."""
+    node = failure.get("node")
+    if not failure.get("nodeFault") or not node:
+        return bad, None
+    out = [dict(b) for b in bad]
+    entry = next((b for b in out if b.get("node") == node), None)
+    if entry is None:
+        entry = {"node": node, "count": 0}
+        out.append(entry)
+    entry.update(reason=failure["reason"], count=entry["count"] + 1, lastSeen=now_iso(now))
+    out.sort(key=lambda b: b.get("lastSeen") or "")
+    return out[-BAD_NODES_KEPT:], entry
 
 
 def last_checkpoint(snapshot: dict) -> dict[str, Any] | None:

@@ -60,7 +60,7 @@ FABRIC_FIX = {
     "has the aws-ofi-nccl plugin and libfabric, and network.ncclEnv (FI_PROVIDER=efa)",
     "infiniband": "check that the pods see the RDMA devices (the RDMA device plugin, "
     "IPC_LOCK) and network.ncclEnv (NCCL_IB_HCA, NCCL_SOCKET_IFNAME)",
-    "tcp": "check the nodes' network, or lower spec.preflight.minBusBandwidth",
+    "tcp": "check the nodes' network, or lower spec.preflight.minBusBandwidthGBps",
 }
 
 
@@ -326,7 +326,7 @@ def _judge(spec: FineTuneJobSpec, figures: dict[str, Any], world: int, chosen: l
             f"the all-reduce across {world} ranks on {nodes} node(s) "
             f"({', '.join(figures['nodes'])}) reached a bus bandwidth of {measured:.3g} GB/s, "
             f"under the floor of {floor:g} GB/s "
-            f"(preflight.minBusBandwidth; transport {chosen or 'unknown'})",
+            f"(preflight.minBusBandwidthGBps; transport {chosen or 'unknown'})",
         )
 
 
