@@ -183,6 +183,34 @@ def _port_errors(ports: list, path: str, number: str) -> Iterator[tuple[str, str
         numbers.add((value, port.get("protocol", "TCP")))
 
 
+NODE_SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt")
+
+
+def node_selector_term_errors(term: dict, path: str) -> Iterator[tuple[str, str]]:
+    """core/validation ValidateNodeSelectorTerm: label requirements (matchExpressions) and
+    field requirements (matchFields: metadata.name only, In or NotIn, exactly one value)."""
+    for i, req in enumerate(term.get("matchExpressions") or []):
+        at, op, values = f"{path}.matchExpressions[{i}]", req.get("operator"), req.get("values")
+        if not is_qualified_name(req.get("key", "")):
+            yield f"{at}.key", f"{req.get('key')!r} is not a label key"
+        if op not in NODE_SELECTOR_OPERATORS:
+            yield f"{at}.operator", f"{op!r} is not one of {', '.join(NODE_SELECTOR_OPERATORS)}"
+        elif op in ("In", "NotIn") and not values:
+            yield f"{at}.values", "must be specified when operator is In or NotIn"
+        elif op in ("Exists", "DoesNotExist") and values:
+            yield f"{at}.values", "may not be specified when operator is Exists or DoesNotExist"
+        elif op in ("Gt", "Lt") and (len(values or []) != 1 or not str(values[0]).isdigit()):
+            yield f"{at}.values", "must be one integer when operator is Gt or Lt"
+    for i, req in enumerate(term.get("matchFields") or []):
+        at = f"{path}.matchFields[{i}]"
+        if req.get("key") != "metadata.name":
+            yield f"{at}.key", "the only supported field is metadata.name"
+        if req.get("operator") not in ("In", "NotIn"):
+            yield f"{at}.operator", "must be In or NotIn for metadata.name"
+        if len(req.get("values") or []) != 1:
+            yield f"{at}.values", "must be only one value when operator is In or NotIn"
+
+
 def pod_spec_errors(spec: dict) -> Iterator[tuple[str, str]]:
     for field in ("hostname", "subdomain"):
         if field in spec and not is_dns_label(spec[field]):
@@ -193,6 +221,11 @@ def pod_spec_errors(spec: dict) -> Iterator[tuple[str, str]]:
         yield from label_errors({key: value}, "spec.nodeSelector")
     for i, tol in enumerate(spec.get("tolerations") or []):
         yield from toleration_errors(tol, f"spec.tolerations[{i}]")
+    node_affinity = (spec.get("affinity") or {}).get("nodeAffinity") or {}
+    required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    path = "spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+    for i, term in enumerate(required.get("nodeSelectorTerms") or []):
+        yield from node_selector_term_errors(term, f"{path}.nodeSelectorTerms[{i}]")
     for field in ("priorityClassName", "schedulerName"):
         if field in spec and not is_dns_subdomain(spec[field]):
             yield f"spec.{field}", f"{spec[field]!r} is not a DNS subdomain"

@@ -326,17 +326,20 @@ def pod(
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
-HOSTNAME_LABEL = "kubernetes.io/hostname"
-
-
 def affinity(given: dict | None, avoid: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """The pods' affinity: the spec's, with ``avoid``'s nodes excluded (required node
-    anti-affinity on kubernetes.io/hostname). nodeSelectorTerms are ORed, so the exclusion
-    goes into every term the spec has (or into a new, only term)."""
+    anti-affinity). The exclusion matches the node's name (matchFields on metadata.name, as
+    the DaemonSet controller pins pods), which is what spec.nodeName and status.badNodes
+    hold; the kubernetes.io/hostname label usually equals it but need not. The API server
+    takes one value per field requirement, so each node is its own NotIn. nodeSelectorTerms
+    are ORed: the exclusion goes into every term the spec has (or into a new, only term)."""
     out = copy.deepcopy(dict(given or {}))
     if not avoid:
         return out
-    away = {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": sorted(set(avoid))}
+    away = [
+        {"key": "metadata.name", "operator": "NotIn", "values": [node]}
+        for node in sorted(set(avoid))
+    ]
     required = out.setdefault("nodeAffinity", {}).setdefault(
         "requiredDuringSchedulingIgnoredDuringExecution", {}
     )
@@ -344,7 +347,7 @@ def affinity(given: dict | None, avoid: list[str] | tuple[str, ...] = ()) -> dic
     if not terms:
         terms.append({})
     for term in terms:
-        term["matchExpressions"] = [*term.get("matchExpressions", []), away]
+        term["matchFields"] = [*term.get("matchFields", []), *away]
     return out
 
 
