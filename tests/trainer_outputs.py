@@ -224,6 +224,16 @@ def killed(runs: Runs) -> Outcome:
     return runs.finish(started)
 
 
+def volume_unusable(runs: Runs) -> Outcome:
+    """The preflight's volume check on a job folder that cannot be made (its parent is a
+    file: refused even to root, which the tests may run as)."""
+    blocker = runs.workdir / "volume-unusable" / "not-a-folder"
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_text("a file where the volume's folder should be\n")
+    doc = job("volume-unusable", preflight={"mode": "on"})
+    return runs.run("volume-unusable", doc, job_dir=blocker / "job")
+
+
 # Each scenario runs once and may end several ways in a row (one job folder, restarted).
 SCENARIOS = {
     ("bad-data",): bad_data,
@@ -233,5 +243,6 @@ SCENARIOS = {
     ("disk-full",): disk_full,
     ("host-oom",): host_oom,
     ("killed",): killed,
+    ("volume-unusable",): volume_unusable,
 }
 NAMES = tuple(name for names in SCENARIOS for name in names)

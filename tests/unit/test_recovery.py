@@ -129,13 +129,17 @@ def test_the_same_node_again_counts_up_and_the_list_is_bounded():
     assert bad[-1]["node"] == "n3" and len(bad) == st.BAD_NODES_KEPT
 
 
-@pytest.mark.parametrize("scenario", ["host-oom", "disk-full", "checkpoint-unreadable"])
+@pytest.mark.parametrize(
+    "scenario", ["host-oom", "disk-full", "checkpoint-unreadable", "volume-unusable"]
+)
 def test_failures_of_the_job_not_the_node_blame_no_node(trainer_runs, scenario):
     run = trainer_runs.get(scenario)
     d = run_to([pod(0), pod(1)], backoffLimit=5)
     r = decide(d.status, [pod(0), pod(1, real=run)], backoffLimit=5)
     assert r.phase == "Restarting" and "badNodes" not in r.status
     assert "nodeFault" not in r.status["failure"]
+    # The record names the node the trainer ran on (FTJOB_NODE_NAME, the downward API's).
+    assert contract.parse(run.record)["node"] == r.status["failure"]["node"] == "node-a"
 
 
 def test_a_pod_deleted_by_someone_blames_no_node_but_a_lost_node_does():

@@ -92,6 +92,7 @@ def test_diagnosis_from_what_the_kubelet_reports(kwargs, reason):
         ("checkpoint-unreadable", contract.CHECKPOINT_UNREADABLE, False, "step-00000001"),
         ("disk-full", contract.DISK_FULL, False, "No space left on device"),
         ("host-oom", contract.HOST_OOM, False, "can't allocate memory"),
+        ("volume-unusable", contract.VOLUME_UNUSABLE, False, "cannot write and read back"),
     ],
 )
 def test_diagnosis_from_the_real_trainers_record(trainer_runs, scenario, reason, permanent, detail):
