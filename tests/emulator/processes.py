@@ -22,6 +22,7 @@ from ftjob.local import Node, free_port
 from ftjob.operator import render
 
 GRACE_SECONDS = 5
+NODE = "localhost"  # the one node every pod runs on
 
 
 class ProcessKubelet:
@@ -47,7 +48,7 @@ class ProcessKubelet:
                     node.stop(signal.SIGKILL)
             elif node is None and pod["status"].get("phase") == "Pending":
                 self.nodes[uid] = self._start(pod)
-                self.api.set_spec_field("pods", ns, name, "nodeName", "localhost")
+                self.api.set_spec_field("pods", ns, name, "nodeName", NODE)
                 self.api.write_status("pods", ns, name, running_status())
             elif node is not None and pod["status"].get("phase") == "Running":
                 code = node.proc.poll()
@@ -74,6 +75,12 @@ class ProcessKubelet:
         spec_file = folder / render.SPEC_FILE
         spec_file.write_text(cm["data"][render.SPEC_FILE])
         env = {e["name"]: self._local(e["value"]) for e in container["env"] if "value" in e}
+        # The downward API: the node the pod is bound to (set just after this, as a scheduler
+        # binds before the kubelet starts the container).
+        for e in container["env"]:
+            ref = (e.get("valueFrom") or {}).get("fieldRef") or {}
+            if ref.get("fieldPath") == "spec.nodeName":
+                env[e["name"]] = NODE
         rdzv = env["PET_RDZV_ID"]
         port = self.ports.setdefault(rdzv, free_port())
         env |= {
