@@ -52,7 +52,7 @@ ALL_REDUCE_REPEATS = 5
 NCCL_LOG_DIR = "logs/nccl"
 # NCCL's INIT line naming the network plugin ("Using network IB", "... Socket", "... AWS
 # Libfabric") and aws-ofi-nccl's provider line ("Selected Provider is efa").
-_NETWORK = re.compile(r"NCCL INFO Using (?:non-device )?net(?:work)? ([A-Za-z][\w ]*)")
+_NETWORK = re.compile(r"NCCL INFO Using network (\S.*?)\s*$", re.M)
 _PROVIDER = re.compile(r"Selected [Pp]rovider is (\w+)")
 EXPECTED_TRANSPORT = {"efa": "efa", "infiniband": "ib"}
 FABRIC_FIX = {
@@ -266,6 +266,10 @@ def run(spec: FineTuneJobSpec, d, job_dir: Path, log=print, nccl_file: Path | No
     _judge(spec, figures, d.world_size, chosen)
     figures["seconds"] = round(time.perf_counter() - began, 2)
     log("preflight: " + describe(figures))
+    if d.device.type == "cuda":
+        # The checks' buffers are not the job's: free them and measure peaks from here.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(d.device)
     return figures
 
 

@@ -36,6 +36,7 @@ def test_bus_bandwidth_is_nccl_tests_busbw():
             "tcp",
         ),  # fmt: skip
         ("NCCL INFO Bootstrap : Using eth0:10.0.0.1<0>\n", None),
+        ("NCCL INFO Using non-device net plugin version 0\nNCCL INFO Using network IB\n", "ib"),
     ],
 )
 def test_the_transport_is_read_from_nccl_s_init_lines(lines, chosen):
