@@ -88,7 +88,11 @@ class Failure:
     reason: Literal[FAILURE_REASONS] = api_field("reason: what kind of failure it was.")  # type: ignore[valid-type]
     message: str = api_field("message: what happened and what to do.", "", max_length=4096)
     pod: str | None = api_field("pod that failed.", None)
-    node: str | None = api_field("node the pod ran on.", None)
+    node: str | None = api_field(
+        "node of the failure: the one the trainer's record names (its own, or the node a "
+        "preflight check failed on), else the node the pod ran on.",
+        None,
+    )
     rank: int | None = api_field("rank: node rank of the pod.", None)
     exit_code: int | None = api_field("exitCode of the trainer container.", None)
     node_fault: bool | None = api_field(
