@@ -23,6 +23,7 @@ import pytest
 import yaml
 from cluster import Cluster
 from conftest import ROOT
+from contents import assert_extra_installed
 from podrun import layer_writes, logs, podman, remove, run_argv, state
 from support import free_port, gang_running, job_status, tiny_job, wait_phase
 
@@ -86,6 +87,10 @@ def operator(images, cluster, tmp_path_factory):
         yield name
     finally:
         remove(name)
+
+
+def test_the_image_imports_the_operator_and_every_dependency_of_its_extra_at_the_pin(images):
+    assert_extra_installed(images.operator, "operator")
 
 
 def test_the_operator_runs_as_uid_10001_on_a_read_only_root(images, operator):

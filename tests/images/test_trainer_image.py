@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from contents import assert_extra_installed
 from podrun import fs_group, hosts_of, layer_writes, logs, podman, remove, run_argv, state
 
 from ftjob import contract, manifest
@@ -34,58 +35,8 @@ GANG_TIMEOUT = 300
 NODE_ENV = {"OMP_NUM_THREADS": "1"}
 
 
-def pins() -> dict[str, str]:
-    out = {}
-    for line in (ROOT / "constraints.txt").read_text().splitlines():
-        name, _, version = line.split("#")[0].strip().partition("==")
-        if version:
-            out[name.lower()] = version
-    return out
-
-
-# Run inside an image: every distribution ftjob requires with ``extra`` (and without any)
-# is installed at its version, and each of its top-level modules imports.
-CHECK_IMPORTS = r"""
-import importlib, importlib.metadata as md, json, re, sys
-extra = sys.argv[1]
-top = {}
-for module, dists in md.packages_distributions().items():
-    for dist in dists:
-        top.setdefault(re.sub(r"[-_.]+", "-", dist).lower(), set()).add(module)
-out = {}
-for req in md.requires("ftjob"):
-    name = re.sub(r"[-_.]+", "-", re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0]).lower()
-    wanted = re.search(r'extra == "([^"]+)"', req)
-    if wanted and wanted.group(1) != extra:
-        continue
-    modules = sorted(m for m in top.get(name, ()) if not m.startswith("_") and m.isidentifier())
-    for module in modules:
-        importlib.import_module(module)
-    out[name] = {"version": md.version(name), "modules": modules}
-importlib.import_module(sys.argv[2])  # ftjob's entry point for this image
-print(json.dumps(out))
-"""
-ENTRY = {"trainer": "ftjob.trainer.__main__", "operator": "ftjob.operator.handlers"}
-
-
-def check_imports(image: str, extra: str) -> dict:
-    out = podman("run", "--rm", "-i", "--network", "none", "--read-only", "--cap-drop", "ALL",
-                 "--entrypoint", "python", image, "-", extra, ENTRY[extra], input=CHECK_IMPORTS,
-                 timeout=300)  # fmt: skip
-    return json.loads(out.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("extra", ["trainer", "operator"])
-def test_each_image_imports_ftjob_and_every_dependency_of_its_extra_at_the_pin(images, extra):
-    image = images.trainer if extra == "trainer" else images.operator
-    found = check_imports(image, extra)
-    listed = {"pyyaml", "jsonschema", "common-expression-language"}  # ftjob's own
-    assert listed <= found.keys()
-    assert len(found) > len(listed), f"no {extra} extra found: {found}"
-    for name, info in found.items():
-        assert info["modules"], f"{name} has no importable module in the {extra} image"
-        if name in pins():  # torch is the base's build: 2.13.0+cpu here, +cu128 for users
-            assert info["version"].split("+")[0] == pins()[name], (name, info)
+def test_the_image_imports_the_trainer_and_every_dependency_of_its_extra_at_the_pin(images):
+    assert_extra_installed(images.trainer, "trainer")
 
 
 def test_the_image_runs_as_uid_1000_and_a_pod_with_home_tmp_on_a_read_only_root(images):
