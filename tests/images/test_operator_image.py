@@ -18,15 +18,16 @@ import copy
 import json
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
 from cluster import Cluster
-from conftest import ROOT
 from contents import assert_extra_installed
 from podrun import layer_writes, logs, podman, remove, run_argv, state
 from support import free_port, gang_running, job_status, tiny_job, wait_phase
 
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(1800)  # the first test also waits for the build
 UID = 10001
 

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
 from contents import assert_extra_installed
 from podrun import fs_group, hosts_of, layer_writes, logs, podman, remove, run_argv, state
 
@@ -27,6 +26,7 @@ from ftjob import contract, manifest
 from ftjob.operator import render
 from ftjob.spec import parse_resource
 
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(1800)  # the first test also waits for the build
 TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
 NAMESPACE = "default"
