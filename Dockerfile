@@ -1,10 +1,12 @@
-# ftjob images: one file, two targets. Built elsewhere (no Docker engine in CI here):
+# ftjob images: one file, two targets (docs/install.md, "Build the images"):
 #   docker build --target operator -t ghcr.io/ftjob/operator:0.1.0 .
 #   docker build --target trainer  -t ghcr.io/ftjob/trainer:0.1.0 .
 #   docker build --target trainer --build-arg EFA=true -t ghcr.io/ftjob/trainer:0.1.0-efa .
 #   docker build --target trainer --build-arg FLASH_ATTN=true ...   # optional flash-attn
 # What each target pip-installs is checked against pyproject.toml's extras and
 # constraints.txt by tests/unit/test_dockerfile.py; hadolint runs in the same test.
+# CI builds both targets from this file with podman on stand-in bases and runs them
+# (scripts/images.sh, tests/images/).
 
 # Bases, pinned by tag. The trainer base must carry the torch that constraints.txt pins
 # (a test compares the tag with the pin), so pip never swaps it for another build.

@@ -1,10 +1,10 @@
 """The Dockerfile, without a Docker engine: hadolint, and what each target installs compared
 with pyproject.toml's extras, constraints.txt's pins, the chart and the operator's code.
 
-Images are built elsewhere (`docker build --target operator|trainer .`); what only a build
-can show (the base tags exist, the EFA installer ships the NCCL plugin, flash-attn
-compiles) is checked by the build itself where it can be (the EFA step fails the build if
-the plugin is missing) and listed in docs/install.md.
+The images themselves are built and run by tests/images (podman, stand-in bases). What only
+a build on the real bases can show (the base tags exist, the EFA installer ships the NCCL
+plugin, flash-attn compiles) is checked by the build itself where it can be (the EFA step
+fails the build if the plugin is missing) and listed in docs/install.md.
 """
 
 from __future__ import annotations

@@ -1,0 +1,70 @@
+"""What an image holds: ftjob's dependencies and one extra's, each at constraints.txt's pin,
+every one importable (checked by a script run inside the image)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import tomllib
+from podrun import podman
+
+ROOT = Path(__file__).resolve().parents[2]
+# ftjob's entry point in each image: what the pods and the Deployment run.
+ENTRY = {"trainer": "ftjob.trainer.__main__", "operator": "ftjob.operator.handlers"}
+
+# Run inside the image: the distributions ftjob's installed metadata requires, with the
+# extra argv[1] (and without any extra), their versions and top-level modules, each imported.
+CHECK_IMPORTS = r"""
+import importlib, importlib.metadata as md, json, re, sys
+extra = sys.argv[1]
+top = {}
+for module, dists in md.packages_distributions().items():
+    for dist in dists:
+        top.setdefault(re.sub(r"[-_.]+", "-", dist).lower(), set()).add(module)
+out = {}
+for req in md.requires("ftjob"):
+    name = re.sub(r"[-_.]+", "-", re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0]).lower()
+    wanted = re.search(r'extra == "([^"]+)"', req)
+    if wanted and wanted.group(1) != extra:
+        continue
+    modules = sorted(m for m in top.get(name, ()) if not m.startswith("_") and m.isidentifier())
+    for module in modules:
+        importlib.import_module(module)
+    out[name] = {"version": md.version(name), "modules": modules}
+importlib.import_module(sys.argv[2])
+print(json.dumps(out))
+"""
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", re.split(r"[<>=!~;\[ ]", name, maxsplit=1)[0]).lower()
+
+
+def pins() -> dict[str, str]:
+    out = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        name, _, version = line.split("#")[0].strip().partition("==")
+        if version:
+            out[norm(name)] = version
+    return out
+
+
+def wanted(extra: str) -> set[str]:
+    """pyproject.toml's dependencies and the extra's, by normalised name."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    listed = project["dependencies"] + project["optional-dependencies"][extra]
+    return {norm(r) for r in listed}
+
+
+def assert_extra_installed(image: str, extra: str) -> None:
+    out = podman("run", "--rm", "-i", "--network", "none", "--read-only", "--cap-drop", "ALL",
+                 "--entrypoint", "python", image, "-", extra, ENTRY[extra],
+                 input=CHECK_IMPORTS, timeout=300)  # fmt: skip
+    found = json.loads(out.strip().splitlines()[-1])
+    assert found.keys() == wanted(extra), (sorted(found), sorted(wanted(extra)))
+    for name, info in found.items():
+        assert info["modules"], f"{name} has no importable module in {image}"
+        # torch is the base's build (2.13.0+cpu on the stand-in, +cu128 on the release base).
+        assert info["version"].split("+")[0] == pins()[name], (name, info["version"])
