@@ -25,6 +25,7 @@ from transformers.utils import logging as hf_logging
 
 from ftjob import contract, jobfolder, plan
 from ftjob.contract import BAD_SPEC, EXPORT_FAILED, TrainerError
+from ftjob.lease import LEASE_SECONDS, Lease, take_folder
 from ftjob.modelshape import model_flops
 from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer import (
@@ -33,7 +34,6 @@ from ftjob.trainer import (
     export,
     loss,
     model,
-    owner,
     parallel,
     progress,
     sources,
@@ -73,8 +73,8 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     if not d.is_main:
         hf_logging.set_verbosity_error()  # one copy of each warning is enough
     # Before anything is written to the job folder: one run writes there at a time.
-    wait = min(2 * owner.LEASE_SECONDS, spec.network.collective_timeout_seconds - 5)
-    lease = owner.take(job_dir, d.rank, wait)
+    wait = min(2 * LEASE_SECONDS, spec.network.collective_timeout_seconds - 5)
+    lease = take_folder(job_dir, d.rank, wait)
     recorded = jobfolder.claim(job_dir, name, spec, writer=d.is_main)
     # The folder is this run's and its record this spec's: progress.json carries on from
     # what the previous run of this job left there (a refused spec left it untouched).
@@ -138,7 +138,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     return _succeeded(out, d, report, lease)
 
 
-def _succeeded(out: Path, d: parallel.Dist, report, lease: owner.Lease | None) -> Path:
+def _succeeded(out: Path, d: parallel.Dist, report, lease: Lease | None) -> Path:
     """The job is done: say so in progress and in the record the operator requires."""
     report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
     if d.is_main:
@@ -307,7 +307,7 @@ def _seed(spec: FineTuneJobSpec) -> Path | None:
     return found
 
 
-def _export(net, spec, tok, out: Path, rank: int, lease: owner.Lease | None, asked) -> None:
+def _export(net, spec, tok, out: Path, rank: int, lease: Lease | None, asked) -> None:
     """The export, with a failed write named (a full volume: DiskFull) on every rank and its
     temporary folder removed; the checkpoints stay, so a rerun exports again."""
     if lease:
