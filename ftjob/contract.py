@@ -16,6 +16,8 @@ record exists (the process was killed, or crashed below Python).
 from __future__ import annotations
 
 import json
+import os
+import socket
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -41,7 +43,10 @@ BAD_MODEL = "BadModel"  # the model source cannot be read (missing folder, bad c
 BAD_SPEC = "BadSpec"  # the job document itself is invalid
 CUDA_OOM = "CudaOOM"
 HOST_OOM = "HostOOM"
-NCCL_TIMEOUT = "NCCLTimeout"
+# A collective (NCCL or gloo) that waited longer than network.collectiveTimeoutSeconds; the
+# message names the rank (and node) that stopped answering when the heartbeats tell.
+COLLECTIVE_TIMEOUT = "CollectiveTimeout"
+NCCL_TIMEOUT = "NCCLTimeout"  # written by trainers before CollectiveTimeout; still understood
 NCCL_ERROR = "NCCLError"
 DISK_FULL = "DiskFull"
 CHECKPOINT_UNREADABLE = "CheckpointUnreadable"
@@ -55,6 +60,7 @@ REASONS = (
     BAD_SPEC,
     CUDA_OOM,
     HOST_OOM,
+    COLLECTIVE_TIMEOUT,
     NCCL_TIMEOUT,
     NCCL_ERROR,
     DISK_FULL,
@@ -80,8 +86,16 @@ SPECIFICITY = (
     EXPORT_FAILED,
     INTERNAL,
     NCCL_ERROR,
+    COLLECTIVE_TIMEOUT,
     NCCL_TIMEOUT,
 )
+
+NODE_NAME_ENV = "FTJOB_NODE_NAME"  # set by the operator from the downward API (spec.nodeName)
+
+
+def node_name() -> str:
+    """The Kubernetes node this process runs on (the host name outside a cluster)."""
+    return os.environ.get(NODE_NAME_ENV) or socket.gethostname()
 
 
 @dataclass

@@ -21,7 +21,9 @@ torch's own agent (:class:`LocalElasticAgent`) with three differences:
 Before restarting, the agent says why in the log and clears the node's termination record
 (a later success must not be read as that failure), and wakes stopped workers (SIGCONT) so
 that torch's SIGTERM ends them at once. The workers see the gang's restarts so far in
-``FTJOB_RESTARTS_IN_PLACE``.
+``FTJOB_RESTARTS_IN_PLACE`` (the same count on every node: each restart of the gang is one
+rendezvous round that every node joins); their process group keeps its keys in the store
+under that round (:func:`ftjob.trainer.parallel.init`).
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class Agent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self.node_rank, self.termination = node_rank, termination
         self.restarts = 0
+        os.environ[RESTARTS_ENV] = "0"  # the workers' environment (ftjob.trainer.parallel)
 
     def _monitor_workers(self, worker_group) -> RunResult:
         result = super()._monitor_workers(worker_group)

@@ -32,12 +32,14 @@ from ftjob.trainer import (
     checkpoint,
     data,
     export,
+    heartbeat,
     loss,
     model,
     parallel,
     progress,
     sources,
     step,
+    stragglers,
     termination,
     volume,
 )
@@ -67,6 +69,10 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
 
 def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progress) -> Path:
     d = parallel.init(spec)
+    # Every rank's last step in the gang's store: a collective that times out names the rank
+    # that stopped answering (ftjob.trainer.heartbeat).
+    beat = heartbeat.start(d.rank, d.world_size, contract.node_name(),
+                           spec.network.collective_timeout_seconds)  # fmt: skip
     out = jobfolder.export_path(job_dir, spec)
     say = print if d.is_main else (lambda *a, **k: None)
     hf_logging.disable_progress_bar()  # pod logs are not terminals
@@ -123,7 +129,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     report.log("peak RSS per rank after loading (MiB): " + ", ".join(f"{m:.0f}" for m in load_rss))
 
     start = _resume(job_dir, spec, d, run.ckpt, run.net, run.optimizer, run.scheduler, report)
-    evaluated_at = _train(spec, d, run, ds, sampler, range(start, total), report)
+    evaluated_at = _train(spec, d, run, ds, sampler, range(start, total), report, beat)
     run.ckpt.close()
     if ds.eval is not None and evaluated_at != total:
         report.phase("evaluating")
@@ -220,10 +226,13 @@ def _load(spec, tok, d: parallel.Dist, job_dir: Path, lease, total: int) -> Run:
                speed, flops)  # fmt: skip
 
 
-def _train(spec, d, run: Run, ds, sampler, steps: range, report) -> int | None:
+def _train(spec, d, run: Run, ds, sampler, steps: range, report, beat) -> int | None:
     """The optimizer steps, with evaluations and checkpoints on their schedules; the step
     last evaluated at."""
     t, every = spec.training, spec.checkpoint.every
+    nodes = [None] * d.world_size
+    dist.all_gather_object(nodes, contract.node_name())  # once: stragglers name their node
+    slow = stragglers.Stragglers(spec.run_policy.straggler_margin, nodes)
     report.begin(steps.start)
     tally, evaluated_at = step.Tally(run.flops), None
     batches = step.Prefetch(ds, sampler, d.rank, steps)
@@ -231,16 +240,21 @@ def _train(spec, d, run: Run, ds, sampler, steps: range, report) -> int | None:
         for n in steps:
             began = time.perf_counter()
             micro = batches.next(n)
-            share = step.train_step(run.net, run.optimizer, run.weights, micro, d.device,
-                                    d.world_size, run.replicated, t.max_grad_norm,
-                                    run.ckpt.before_update)  # fmt: skip
+            share, waited = step.train_step(run.net, run.optimizer, run.weights, micro,
+                                            d.device, d.world_size, run.replicated,
+                                            t.max_grad_norm, run.ckpt.before_update)  # fmt: skip
             run.scheduler.step()
-            tally.add(share, micro)
+            wall = time.perf_counter() - began
+            tally.add(share, micro, own_seconds=wall - waited)
             done = n + 1
-            report.step(done, run.scheduler.get_last_lr()[0], sampler.epoch(done),
-                        seconds=time.perf_counter() - began)  # fmt: skip
+            beat.at(done)
+            report.step(done, run.scheduler.get_last_lr()[0], sampler.epoch(done), seconds=wall)
             if done % t.log_every == 0 or done == steps.stop:
-                report.logged(done, *tally.reduce(d.device))  # the step's one host wait
+                # The step's one host wait: loss, counts and every rank's own step time.
+                loss_, tokens, flops, seconds = tally.reduce(d.device, d.rank, d.world_size)
+                report.logged(done, loss_, tokens, flops)
+                if slow.observe(seconds):
+                    report.stragglers(slow.named, slow.describe())
             if ds.eval is not None and t.eval_every and done % t.eval_every == 0:
                 report.phase("evaluating")
                 report.evaluated(done, evaluate(run.net, ds, d, t.micro_batch_size))
