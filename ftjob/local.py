@@ -154,10 +154,16 @@ def run(job_file: str, workdir: str | None = None, out=None, restart: bool = Fal
     except TrainerError as e:
         print(f"ftjob run: {e}", file=sys.stderr)
         return EXIT_FAILED
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    saved = {sig: signal.getsignal(sig) for sig in signals}
     try:
         return _run_held(job_file, name, spec, job_dir, source_root, run_id, out)
     finally:
         held.release()
+        # Restored only now: a Ctrl-C that comes while the run is stopped and summarised
+        # must not cut the summary short (ftjob.local._stop leaves its handler in place).
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def _run_held(job_file, name, spec, job_dir: Path, source_root: Path, run_id: str, out) -> int:
@@ -202,7 +208,8 @@ def _run_held(job_file, name, spec, job_dir: Path, source_root: Path, run_id: st
     # them with the rest (ftjob.processes).
     processes.become_subreaper()
     # `kill`, a closed terminal or a CI timeout stop the gang the same way as Ctrl-C.
-    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     screen = Screen(out, job_dir / "progress.json", since=time.time())
     first, interrupted, hurried = None, False, False
     try:
@@ -234,8 +241,6 @@ def _run_held(job_file, name, spec, job_dir: Path, source_root: Path, run_id: st
         # Every exit path ends every process of the run (an exception included); a second
         # Ctrl-C only hurries this along.
         hurried = _stop(nodes)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     restarts = _restarts(job_dir)
     if interrupted:
         how = " (killed at once on the second Ctrl-C)" if hurried else ""
@@ -339,22 +344,19 @@ def _wait(nodes: list[Node], screen: Screen) -> Node | None:
 
 def _stop(nodes: list[Node]) -> bool:
     """End every process of the run (ftjob.processes: stopped ones too, SIGKILL after
-    STOP_GRACE_SECONDS); a Ctrl-C or SIGTERM meanwhile kills at once. True if one did."""
+    STOP_GRACE_SECONDS); a Ctrl-C or SIGTERM meanwhile kills at once. True if one did.
+    The handler stays until :func:`run` returns: later signals are noted, not raised."""
     hurry = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: hurry.set())
-                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}  # fmt: skip
-    try:
-        for node in nodes:
-            node.quiet.set()
-        processes.end_all(STOP_GRACE_SECONDS, hurry.is_set)
-        for node in nodes:
-            node.proc.wait()
-        processes.reap()  # orphans this process adopted, once the nodes' codes are read
-        for node in nodes:
-            node.close()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: hurry.set())
+    for node in nodes:
+        node.quiet.set()
+    processes.end_all(STOP_GRACE_SECONDS, hurry.is_set)
+    for node in nodes:
+        node.proc.wait()
+    processes.reap()  # orphans this process adopted, once the nodes' codes are read
+    for node in nodes:
+        node.close()
     return hurry.is_set()
 
 
