@@ -104,7 +104,7 @@ class Agent(LocalElasticAgent):
     def __init__(self, *args, node_rank: int, termination: Path | None, **kwargs):
         super().__init__(*args, **kwargs)
         self.node_rank, self.termination = node_rank, termination
-        self.restarts = 0
+        self.restarts, self._restarting = 0, False
         os.environ[RESTARTS_ENV] = "0"  # the workers' environment (ftjob.trainer.parallel)
 
     def _monitor_workers(self, worker_group) -> RunResult:
@@ -131,7 +131,11 @@ class Agent(LocalElasticAgent):
             say(f"node {self.node_rank}: another node restarts its workers; restarting these")
         self.restarts += 1
         os.environ[RESTARTS_ENV] = str(self.restarts)  # the next workers' environment
-        super()._restart_workers(worker_group)
+        self._restarting = True
+        try:
+            super()._restart_workers(worker_group)  # stop, rendezvous, start
+        finally:
+            self._restarting = False
 
     def _stop_workers(self, worker_group) -> None:
         # A stopped process ignores SIGTERM until continued: wake it so it ends now, not at
@@ -140,8 +144,9 @@ class Agent(LocalElasticAgent):
             for pid in self._pcontext.pids().values():
                 _signal_group(pid, signal.SIGCONT)
         super()._stop_workers(worker_group)
-        if self.termination is not None:
-            # The failure restarted from is said in the log; the next workers write their own.
+        if self._restarting and self.termination is not None:
+            # The failure restarted from is said in the log; the next workers write their
+            # own. (A node that fails for good keeps its record: it says why.)
             self.termination.unlink(missing_ok=True)
 
 

@@ -22,7 +22,12 @@ from test_trainer_run import RUN_TIMEOUT, job, losses, rank_pid, run, start
 
 STEPS = 20
 # Checkpoints at 4, 8, 12 and 16, all kept: room to damage three and resume from the fourth.
-SPEC = {"training": {"maxSteps": STEPS}, "checkpoint": {"every": 4, "keep": 4}}
+# No restarts in place: a full volume fails each restart alike (test_recovery.py has those).
+SPEC = {
+    "training": {"maxSteps": STEPS},
+    "checkpoint": {"every": 4, "keep": 4},
+    "runPolicy": {"inPlaceRestarts": 0},
+}
 
 
 def faults_job(**changes) -> dict:

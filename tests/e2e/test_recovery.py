@@ -204,7 +204,9 @@ def test_processes_ends_a_stopped_process_and_an_orphan(tmp_path):
         "child.wait(); p.reap()\n"
         "print(p.descendants(), flush=True)\n"
     ) % (tmp_path / "orphan")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     child, left = done.stdout.splitlines()
     orphan = int((tmp_path / "orphan").read_text())

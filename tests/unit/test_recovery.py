@@ -1,0 +1,151 @@
+"""The pure parts of recovery: who went silent, who straggles, what the agent decides and
+says, the trainer's metrics for them, and the exclusive take of a job folder by processes."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from pathlib import Path
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from ftjob import contract, lease
+from ftjob.trainer import agent, heartbeat, metrics
+from ftjob.trainer.stragglers import CONSECUTIVE, Stragglers
+
+
+def beats(now: float, **ranks) -> dict[int, dict]:
+    """rank -> heartbeat, from r<rank>=(seconds ago, step)."""
+    return {
+        int(k[1:]): {"at": now - ago, "step": step, "node": f"n{k[1:]}", "pid": 100 + int(k[1:])}
+        for k, (ago, step) in ranks.items()
+    }
+
+
+def test_a_rank_whose_heartbeat_stopped_is_named_with_its_node_and_step():
+    now, interval = 1000.0, 5.0
+    seen = beats(now, r0=(1, 8), r1=(40, 7), r2=(2, 8))
+    assert heartbeat.silent(seen, 3, now, interval) == [1]
+    said = heartbeat.describe_silent(seen, 3, now, interval)
+    assert (
+        said == "stopped answering: rank 1 (node n1, pid 101): last heartbeat 40 s ago, at step 7"
+    )
+    # A rank that never beat while the others did is silent too.
+    assert heartbeat.silent(beats(now, r0=(1, 3)), 2, now, interval) == [1]
+
+
+def test_when_every_rank_beats_the_ranks_furthest_behind_are_named():
+    now = 1000.0
+    seen = beats(now, r0=(1, 9), r1=(1, 9), r2=(2, 8))
+    assert heartbeat.silent(seen, 3, now, 5.0) == []
+    assert heartbeat.describe_silent(seen, 3, now, 5.0).startswith(
+        "waiting for the ranks furthest behind: rank 2 (node n2"
+    )
+    level = beats(now, r0=(1, 9), r1=(1, 9))
+    assert heartbeat.describe_silent(level, 2, now, 5.0) == ""  # the heartbeats cannot tell
+    assert heartbeat.describe_silent({}, 2, now, 5.0) == ""
+
+
+def test_heartbeats_go_stale_well_before_the_collective_times_out():
+    for timeout in (30, 600, 1800):
+        interval = heartbeat.interval_for(timeout)
+        assert heartbeat.STALE_BEATS * interval <= timeout / 2
+
+
+def test_a_straggler_is_named_after_consecutive_slow_log_steps_and_cleared_when_back():
+    slow = Stragglers(margin=0.25, nodes=["a", "a", "b", "b"])
+    times = [0.10, 0.11, 0.10, 0.20]
+    changes = [slow.observe(times) for _ in range(CONSECUTIVE)]
+    assert changes == [False] * (CONSECUTIVE - 1) + [True]
+    assert slow.named == [{"rank": 3, "node": "b", "stepSeconds": 0.2, "medianSeconds": 0.105}]
+    assert slow.describe().startswith("straggler: rank 3 (node b) takes 0.200 s per step, 1.90x")
+    assert slow.observe(times) is False  # still named: nothing new to say
+    assert slow.observe([0.10, 0.11, 0.10, 0.12]) is True and slow.named == []
+    # Within the margin, or slow only now and then: never named.
+    steady = Stragglers(margin=0.25, nodes=["a"] * 4)
+    for t in ([0.1, 0.1, 0.1, 0.124], [0.1, 0.1, 0.1, 0.3], [0.1, 0.1, 0.1, 0.1]) * 3:
+        steady.observe(list(t))
+    assert steady.named == []
+
+
+def test_the_trainer_exports_restarts_and_stragglers_as_metrics():
+    slow = {"rank": 3, "node": "b", "stepSeconds": 0.2, "medianSeconds": 0.1}
+    snap = {"restartsInPlace": 2, "phase": "training", "stragglers": [slow]}
+    text = metrics.TrainerMetrics(lambda: snap).text().decode()
+    assert "ftjob_restarts_in_place 2.0" in text
+    assert 'ftjob_straggler_step_seconds{node="b",rank="3"} 0.2' in text
+    assert "ftjob_stragglers 1.0" in text
+
+
+def failed(rank: int, code: int) -> RunResult:
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=code, error_file="")
+    return RunResult(state=WorkerState.FAILED, failures={rank: failure})
+
+
+def test_the_agent_reads_the_nodes_failure_record_and_says_what_failed(tmp_path):
+    path = tmp_path / "node-1.termination"
+    assert agent.read_failure(path) is None  # none written: killed from outside
+    assert agent.describe(None, failed(1, -9)) == "rank 1 failed (exit signal SIGKILL)"
+    record = contract.Failure(contract.BAD_DATA, "data.jsonl line 3: not valid JSON\nmore", rank=1)
+    path.write_text(contract.dumps(record.record()))
+    seen = agent.read_failure(path)
+    assert seen["reason"] == contract.BAD_DATA
+    said = agent.describe(seen, failed(1, 1))
+    assert said == "rank 1 failed: BadData: data.jsonl line 3: not valid JSON"
+    path.write_text(contract.dumps(contract.success_record("/x/model")))
+    assert agent.read_failure(path) is None
+
+
+class FakeAgent(agent.Agent):
+    """Agent._decide without starting torch's agent (its state is the budget left)."""
+
+    def __init__(self, termination, remaining):
+        self.node_rank, self.termination, self._remaining_restarts = 0, termination, remaining
+
+
+def test_the_agent_stops_restarting_on_a_permanent_failure_only(tmp_path, capsys):
+    path = tmp_path / "node-0.termination"
+    for reason, left in [(contract.BAD_SPEC, 0), (contract.BAD_MODEL, 0), (contract.INTERNAL, 2),
+                         (contract.COLLECTIVE_TIMEOUT, 2), (contract.CUDA_OOM, 2)]:  # fmt: skip
+        path.write_text(contract.dumps(contract.Failure(reason, "x", rank=0).record()))
+        node = FakeAgent(path, remaining=2)
+        node._decide(failed(0, 1), budget=3)
+        assert node._remaining_restarts == left, reason
+    out = capsys.readouterr().out
+    assert "ftjob agent: node 0: rank 0 failed: BadSpec: x; retrying cannot help" in out
+    assert "rank 0 failed: CudaOOM: x; restarting the workers of every node in place" in out
+    assert "(restart 2 of 3)" in out
+
+
+def _take(folder: str, run: str, go, done, results) -> None:
+    go.wait()
+    path = Path(folder)
+    try:
+        lease.Lease(path, run=run).take(0)
+        results.put((run, "owner", json.loads((path / lease.FILE).read_text())["run"]))
+    except contract.TrainerError as e:
+        results.put((run, e.reason, None))
+    done.wait(30)  # the owner stays alive (a live pid) until every contender has answered
+
+
+def test_of_many_processes_taking_a_folder_at_once_exactly_one_owns_it(tmp_path):
+    """Separate processes, as two `ftjob run` are, released at the same instant."""
+    ctx = multiprocessing.get_context("fork")
+    for attempt in range(5):
+        folder = tmp_path / f"f{attempt}"
+        go, done, results = ctx.Event(), ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_take, args=(str(folder), f"run-{i}", go, done, results))
+                 for i in range(6)]  # fmt: skip
+        for p in procs:
+            p.start()
+        go.set()
+        outcomes = [results.get(timeout=30) for _ in procs]
+        done.set()
+        for p in procs:
+            p.join(30)
+        owners = [o for o in outcomes if o[1] == "owner"]
+        assert len(owners) == 1, outcomes
+        assert owners[0][0] == owners[0][2]  # the file names the one owner
+        assert sorted(o[1] for o in outcomes) == [contract.OWNED_ELSEWHERE] * 5 + ["owner"]
+        assert [p.name for p in folder.iterdir()] == [lease.FILE]  # no temporary file left
