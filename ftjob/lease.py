@@ -108,7 +108,9 @@ class Lease:
         while not self._create():
             current, now = self.read(), time.time()
             if current is None:
-                continue  # removed meanwhile (released, or moved aside by a contender)
+                if self.path.exists():  # unreadable (not one of ours): it holds nothing
+                    self._remove_stale(None)
+                continue  # else removed meanwhile (released, or moved aside by a contender)
             if current.run == self.me.run:
                 # Already this run's: taken by its `ftjob run`, or by this gang before its
                 # workers restarted in place. The holder recorded there lives longer than us.
@@ -163,16 +165,18 @@ class Lease:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def _remove_stale(self, stale: Owner) -> None:
-        """Remove the file of a run that is over; if a contender replaced it meanwhile, put
-        the contender's back (the link fails if yet another run owns it by then)."""
+    def _remove_stale(self, stale: Owner | None) -> None:
+        """Remove the file of a run that is over (None: an unreadable file); if a contender
+        replaced it meanwhile, put the contender's back (the link fails if yet another run
+        owns it by then)."""
         aside = self.path.with_name(f".{FILE}.stale-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return  # another contender moved it first
         moved = _read(aside)
-        if moved is not None and (moved.run, moved.heartbeat) != (stale.run, stale.heartbeat):
+        judged = None if stale is None else (stale.run, stale.heartbeat)
+        if moved is not None and (moved.run, moved.heartbeat) != judged:
             with contextlib.suppress(FileExistsError):
                 os.link(aside, self.path)
         aside.unlink(missing_ok=True)

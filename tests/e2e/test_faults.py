@@ -176,10 +176,15 @@ def test_a_second_run_on_the_same_job_folder_refuses_and_the_first_is_intact(ref
         assert first.poll() is None, first.communicate()[0]
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    owner = json.loads((workdir / "owner").read_text())
+    owner = json.loads((workdir / "owner").read_text())  # `ftjob run` takes it before its nodes
+    ranks = [rank_pid(workdir, rank) for rank in (0, 1)]
+    while None in ranks or not (workdir / "progress.json").exists():  # rank 0 owns it too
+        assert first.poll() is None, first.communicate()[0]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+        ranks = [rank_pid(workdir, rank) for rank in (0, 1)]
     spec_written = (workdir / "spec.json").read_bytes()
     # The first run holds still while the others start (each would take ~10 s here).
-    ranks = [rank_pid(workdir, rank) for rank in (0, 1)]
     for pid in ranks:
         os.kill(pid, signal.SIGSTOP)
     try:

@@ -149,3 +149,12 @@ def test_of_many_processes_taking_a_folder_at_once_exactly_one_owns_it(tmp_path)
         assert owners[0][0] == owners[0][2]  # the file names the one owner
         assert sorted(o[1] for o in outcomes) == [contract.OWNED_ELSEWHERE] * 5 + ["owner"]
         assert [p.name for p in folder.iterdir()] == [lease.FILE]  # no temporary file left
+
+
+def test_an_unreadable_owner_file_holds_nothing(tmp_path):
+    (tmp_path / lease.FILE).write_text("{not json")
+    held = lease.Lease(tmp_path, run="job-1")
+    held.take(0)
+    assert json.loads((tmp_path / lease.FILE).read_text())["run"] == "job-1"
+    held.release()
+    assert list(tmp_path.iterdir()) == []
