@@ -256,7 +256,10 @@ def _run_held(job_file, name, spec, job_dir: Path, source_root: Path, run_id: st
         ordered = [first, *(n for n in nodes if n is not first)]
         for line in _describe(failure.summarize([n.outcome() for n in ordered])):
             print(line, file=out)
-        print(f"ftjob run: once fixed, run it again{restarts}: it resumes from "
+        if restarts:  # the last failure is the one shown; the log has the earlier ones
+            print(f"ftjob run: failed{restarts}; the nodes' logs say why in their "
+                  "'ftjob agent:' lines", file=out)  # fmt: skip
+        print(f"ftjob run: once fixed, run it again: it resumes from "
               f"{_newest_checkpoint(job_dir)}", file=out, flush=True)  # fmt: skip
         return EXIT_FAILED
     export = _export_path(job_dir)

@@ -144,6 +144,7 @@ def test_a_slow_rank_is_named_a_straggler(tmp_path, monkeypatch):
     code, out = run(recovery_job("slow"), workdir)
     assert code == 0, out
     line = next(x for x in out.splitlines() if x.startswith("straggler: "))
+    print(line)
     assert line.startswith("straggler: rank 1 (node ") and "x the median" in line, line
     named = json.loads((workdir / "progress.json").read_text())["stragglers"]
     assert [s["rank"] for s in named] == [1]
@@ -168,6 +169,7 @@ def test_a_stopped_rank_is_named_and_no_process_of_the_run_survives(tmp_path):
     out, _ = proc.communicate(timeout=RUN_TIMEOUT)
     assert proc.returncode == 1, out
     headline = next(x for x in out.splitlines() if x.startswith("ftjob run: node"))
+    print(headline)
     assert "CollectiveTimeout" in headline, headline
     assert "stopped answering: rank 1 (node " in headline and f"pid {stopped})" in headline
     assert not [p for p in everyone if alive(p)]  # the stopped one included

@@ -112,7 +112,10 @@ def test_the_agent_stops_restarting_on_a_permanent_failure_only(tmp_path, capsys
         node = FakeAgent(path, remaining=2)
         node._decide(failed(0, 1), budget=3)
         assert node._remaining_restarts == left, reason
+    spent = FakeAgent(path, remaining=0)
+    spent._decide(failed(0, 1), budget=3)  # torch's loop then fails the node
     out = capsys.readouterr().out
+    assert "rank 0 failed: CudaOOM: x; no in-place restart left (3 used)" in out
     assert "ftjob agent: node 0: rank 0 failed: BadSpec: x; retrying cannot help" in out
     assert "rank 0 failed: CudaOOM: x; restarting the workers of every node in place" in out
     assert "(restart 2 of 3)" in out
