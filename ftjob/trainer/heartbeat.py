@@ -4,10 +4,11 @@ times out.
 A collective that times out says only that *this* rank waited too long (gloo: ``Timed out
 waiting 30000ms for send operation``; NCCL's watchdog alike), not for whom. So every rank
 keeps ``ftjob/heartbeat/<rank>`` in the gang's store (node 0's agent serves it, beside the
-rendezvous) up to date from a thread: its last step, when it began, and when the thread last
-beat. A rank frozen whole (SIGSTOP, a dead node) stops beating; the rank whose collective
-timed out reads every heartbeat and names those older than ``STALE_BEATS`` beats in its
-termination record (:func:`silent`, :func:`describe_silent`).
+rendezvous) up to date from a thread: its last step, when it ended, and when the thread last
+beat (every few seconds, and after a step at most once a second). A rank frozen whole
+(SIGSTOP, a dead node) stops beating; the rank whose collective timed out reads every
+heartbeat and names those older than ``STALE_BEATS`` beats in its termination record
+(:func:`silent`, :func:`describe_silent`).
 
 The thread beats while the training thread waits in a collective, so a rank stuck inside a
 kernel or a hung collective keeps beating and is told apart by its step instead: the ranks
@@ -24,6 +25,7 @@ import time
 from datetime import timedelta
 
 STALE_BEATS = 3  # a heartbeat this many intervals old: the rank stopped answering
+MIN_SPACING = 1.0  # seconds between a rank's beats at most once a second, however fast it steps
 PREFIX = "ftjob/heartbeat/"
 
 
@@ -52,7 +54,8 @@ class Heartbeat:
         self.rank, self.world, self.node, self.interval = rank, world, node, interval
         self.step, self.step_at = 0, time.time()
         self._store = _store(timeout=max(5.0, 2 * interval))
-        self._stop = threading.Event()
+        self._stop, self._wake = threading.Event(), threading.Event()
+        self._last = 0.0
         self._thread = None
         if self._store is not None:
             self._beat()
@@ -60,17 +63,25 @@ class Heartbeat:
             self._thread.start()
 
     def at(self, step: int) -> None:
+        """A step is done: the thread tells the store soon (at most once a second, never
+        from the training thread)."""
         self.step, self.step_at = step, time.time()
+        if self.step_at - self._last >= MIN_SPACING:
+            self._wake.set()
 
     def _beat(self) -> None:
-        value = {"step": self.step, "stepAt": self.step_at, "at": time.time(),
+        self._last = time.time()
+        value = {"step": self.step, "stepAt": self.step_at, "at": self._last,
                  "node": self.node, "pid": os.getpid()}  # fmt: skip
         with contextlib.suppress(Exception):  # a store gone (node 0 lost): nothing to tell
             self._store.set(f"{PREFIX}{self.rank}", json.dumps(value))
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._beat()
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if not self._stop.is_set():
+                self._beat()
 
     def read(self) -> dict[int, dict]:
         """Every rank's last heartbeat that the store holds (rank -> beat)."""
@@ -85,6 +96,7 @@ class Heartbeat:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
 
 
 def silent(beats: dict[int, dict], world: int, now: float, interval: float) -> list[int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -172,6 +173,8 @@ def test_a_stopped_rank_is_named_and_no_process_of_the_run_survives(tmp_path):
     print(headline)
     assert "CollectiveTimeout" in headline, headline
     assert "stopped answering: rank 1 (node " in headline and f"pid {stopped})" in headline
+    # Its last heartbeat came from training (it beats after steps, at most once a second).
+    assert int(re.search(r"last heartbeat \d+ s ago, at step (\d+)", headline)[1]) >= 1
     assert not [p for p in everyone if alive(p)]  # the stopped one included
     assert not run_processes(workdir)
 
