@@ -88,10 +88,12 @@ class Heartbeat:
         if self._store is None:
             return {}
         beats = {}
-        for rank in range(self.world):
-            with contextlib.suppress(Exception):
+        try:
+            for rank in range(self.world):
                 if self._store.check([f"{PREFIX}{rank}"]):
                     beats[rank] = json.loads(self._store.get(f"{PREFIX}{rank}"))
+        except Exception:  # noqa: BLE001 - the store is gone: one timeout, not one per rank
+            return {}
         return beats
 
     def close(self) -> None:
