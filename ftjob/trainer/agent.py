@@ -146,8 +146,10 @@ class Agent(LocalElasticAgent):
         super()._stop_workers(worker_group)
         if self._restarting and self.termination is not None:
             # The failure restarted from is said in the log; the next workers write their
-            # own. (A node that fails for good keeps its record: it says why.)
-            self.termination.unlink(missing_ok=True)
+            # own. (A node that fails for good keeps its record: it says why.) Emptied, not
+            # removed: in a pod the file is kubelet's mount (/dev/termination-log).
+            with contextlib.suppress(FileNotFoundError):
+                self.termination.write_text("")
 
 
 def read_failure(path: Path | None) -> dict | None:
