@@ -268,7 +268,7 @@ def _run_held(job_file, name, spec, job_dir: Path, source_root: Path, run_id: st
 
 
 def _restarts(job_dir: Path) -> str:
-    """ ", after N restarts in place" as rank 0 last reported it; "" when none."""
+    """ " (after N restarts in place)" as rank 0 last reported it; "" when none."""
     try:
         count = int(json.loads((job_dir / "progress.json").read_text()).get("restartsInPlace") or 0)
     except (OSError, ValueError, TypeError, AttributeError):
