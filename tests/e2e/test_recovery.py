@@ -179,6 +179,27 @@ def test_a_stopped_rank_is_named_and_no_process_of_the_run_survives(tmp_path):
     assert not run_processes(workdir)
 
 
+def test_a_stopped_rank_is_restarted_in_place_with_the_gang_which_resumes_exactly(
+    reference, tmp_path
+):
+    """The rung before: with restarts left, the hang costs one collective timeout. The
+    stopped worker's agent continues it (SIGCONT) before ending it, and every node resumes."""
+    workdir = tmp_path / "hang"
+    proc = start(recovery_job("hang", network={"collectiveTimeoutSeconds": 30}), workdir)
+    wait_for_step(proc, workdir, 5)
+    stopped = rank_pid(workdir, 1)
+    os.kill(stopped, signal.SIGSTOP)
+    out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, out
+    notice = next(x for x in out.splitlines() if x.startswith("ftjob agent: node 0: rank 0"))
+    assert "CollectiveTimeout" in notice and "stopped answering: rank 1 (node " in notice
+    assert "(restart 1 of 3)" in notice and "done (after 1 restart in place)" in out
+    assert not alive(stopped)
+    resumed, expected = losses(workdir), losses(reference)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert max(abs(resumed[s] - expected[s]) for s in resumed) == 0.0
+
+
 def test_a_second_ctrl_c_still_says_what_happened_and_leaves_nothing(tmp_path):
     workdir = tmp_path / "twice"
     proc = start(recovery_job("twice", training={"maxSteps": 500}), workdir)
