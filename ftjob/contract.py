@@ -43,7 +43,10 @@ BAD_MODEL = "BadModel"  # the model source cannot be read (missing folder, bad c
 BAD_SPEC = "BadSpec"  # the job document itself is invalid
 CUDA_OOM = "CudaOOM"
 HOST_OOM = "HostOOM"
-NCCL_TIMEOUT = "NCCLTimeout"
+# A collective (NCCL or gloo) that waited longer than network.collectiveTimeoutSeconds; the
+# message names the rank (and node) that stopped answering when the heartbeats tell.
+COLLECTIVE_TIMEOUT = "CollectiveTimeout"
+NCCL_TIMEOUT = "NCCLTimeout"  # written by trainers before CollectiveTimeout; still understood
 NCCL_ERROR = "NCCLError"
 DISK_FULL = "DiskFull"
 CHECKPOINT_UNREADABLE = "CheckpointUnreadable"
@@ -69,6 +72,7 @@ REASONS = (
     BAD_SPEC,
     CUDA_OOM,
     HOST_OOM,
+    COLLECTIVE_TIMEOUT,
     NCCL_TIMEOUT,
     NCCL_ERROR,
     DISK_FULL,
@@ -82,6 +86,10 @@ REASONS = (
 )
 # Retrying the same inputs cannot help: the operator fails the job at once.
 PERMANENT = frozenset({BAD_DATA, BAD_MODEL, BAD_SPEC})
+# Restarting the workers in place on the same nodes cannot help either: the preflight found
+# these nodes, their fabric or their volume unfit. A new gang (elsewhere, the bad nodes kept
+# away) may succeed, so the node agent leaves them to the operator's ladder.
+NOT_IN_PLACE = PERMANENT | {NODE_UNHEALTHY, FABRIC_MISCONFIGURED, VOLUME_UNUSABLE}
 # When several processes of one pod fail, the record that explains the others wins: the rank
 # whose memory ran out, not the ranks whose collectives then timed out waiting for it.
 # Earlier in this tuple is more telling.
@@ -100,6 +108,7 @@ SPECIFICITY = (
     EXPORT_FAILED,
     INTERNAL,
     NCCL_ERROR,
+    COLLECTIVE_TIMEOUT,
     NCCL_TIMEOUT,
 )
 

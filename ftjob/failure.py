@@ -26,6 +26,8 @@ FIXES = {
     contract.HOST_OOM: "this machine ran out of memory: `ftjob plan FILE` estimates it per "
     "process; use fewer processes (resources.nodes) or a smaller model",
     contract.DISK_FULL: "free space where the job folder is, or lower spec.checkpoint.keep",
+    contract.COLLECTIVE_TIMEOUT: "a rank stopped answering (named above when its heartbeat "
+    "told): its node's log says why; a rank that hangs for good needs a restart (run it again)",
     contract.NCCL_TIMEOUT: "a rank stopped answering: the other nodes' logs say why",
 }
 # BadData naming one record (a JSONL line, a record number): that record is the thing to fix.
@@ -36,13 +38,22 @@ NO_GPU = (
     "resources.gpusPerNode: 0"
 )
 # Consequences rather than causes: another node's failure explains them.
-SECONDARY = {contract.NCCL_TIMEOUT, contract.NCCL_ERROR, contract.INTERNAL}
+SECONDARY = {
+    contract.COLLECTIVE_TIMEOUT,
+    contract.NCCL_TIMEOUT,
+    contract.NCCL_ERROR,
+    contract.INTERNAL,
+}
 
 # (pattern in a log line, reason, fix): the messages worth recognising without a record.
 KNOWN = [
     (r"CUDA out of memory|OutOfMemoryError", contract.CUDA_OOM, None),
     (r"No space left on device", contract.DISK_FULL, None),
-    (r"Watchdog caught collective operation timeout", contract.NCCL_TIMEOUT, None),
+    (
+        r"Watchdog caught collective operation timeout|Timed out waiting \d+ms for \w+ operation",
+        contract.COLLECTIVE_TIMEOUT,
+        None,
+    ),
     (
         r"no NVIDIA driver|No CUDA GPUs are available|not compiled with CUDA|"
         r"asks for GPUs \(resources.gpusPerNode\) but none is visible",

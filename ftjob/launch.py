@@ -2,9 +2,10 @@
 
 Every node runs the same command::
 
-    python -m torch.distributed.run -m ftjob.trainer --spec /etc/ftjob/spec.json
+    python -m ftjob.trainer.agent -m ftjob.trainer --spec /etc/ftjob/spec.json
 
-and differs only in its environment: torchrun reads its options from ``PET_*`` variables
+(torchrun's elastic agent with ftjob's restart rules, :mod:`ftjob.trainer.agent`) and differs
+only in its environment: the agent reads torchrun's options from ``PET_*`` variables
 (``PET_NODE_RANK=1`` is ``--node-rank 1``), the trainer reads ``FTJOB_*``. The operator puts
 :func:`node_command`'s result into each pod; ``ftjob run`` runs it as local processes.
 
@@ -25,7 +26,7 @@ VOLUME_MOUNT = "/ftjob"  # where pods mount checkpoint.volume
 HUB_DIR = "hub"  # the Hugging Face cache inside the job's folder
 # NCCL's bootstrap traffic: any interface but loopback and container bridges.
 DEFAULT_SOCKET_IFNAME = "^lo,docker"
-TRAINER = ["python", "-m", "torch.distributed.run", "-m", "ftjob.trainer", "--spec"]
+TRAINER = ["python", "-m", "ftjob.trainer.agent", "-m", "ftjob.trainer", "--spec"]
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,13 @@ def node_command(
         "PET_MASTER_ADDR": master_addr,
         "PET_MASTER_PORT": str(master_port or net.rendezvous_port),
         "PET_RDZV_ID": rdzv_id,
-        # Static rendezvous: the gang is fixed; a failure restarts the whole gang (operator),
-        # not one node, because every rank's shards are needed to go on.
-        "PET_RDZV_BACKEND": "static",
-        "PET_MAX_RESTARTS": "0",
+        # c10d rendezvous, hosted by node 0 at PET_MASTER_ADDR:PET_MASTER_PORT: a worker
+        # failure restarts the workers of every node in place (the rendezvous re-forms, every
+        # rank resumes from the newest checkpoint; all shards are needed to go on), up to
+        # runPolicy.inPlaceRestarts times; then the node fails and the operator decides on a
+        # new gang (backoffLimit).
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_MAX_RESTARTS": str(spec.run_policy.in_place_restarts),
         "FTJOB_JOB_DIR": folder,
         # Model and dataset downloads land in the job's folder on the shared volume: fetched
         # once (by global rank 0), read from there by every restarted gang. A job's env may

@@ -28,11 +28,11 @@ import threading
 import time
 from pathlib import Path
 
-from ftjob import contract, failure, inputs, jobfolder, launch, manifest
+from ftjob import contract, failure, inputs, jobfolder, launch, lease, manifest, processes
+from ftjob.contract import TrainerError
 from ftjob.schema import SpecError, check_rules
 from ftjob.screen import Screen
 from ftjob.spec import KIND, parse_resource
-from ftjob.trainer import owner
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 STOP_GRACE_SECONDS = 10
@@ -137,14 +137,37 @@ def run(job_file: str, workdir: str | None = None, out=None, restart: bool = Fal
             print(f"ftjob run: {job_file}: {problem.path}: {problem.message}", file=out)
             print(f"  fix: {problem.fix}", file=out, flush=True)
         return EXIT_FAILED
-    busy = owner.in_use(job_dir)  # before anything is written there (spec.json)
-    if busy:
-        print(f"ftjob run: {busy}", file=sys.stderr)
-        return EXIT_FAILED
     if restart and job_dir.exists():
+        busy = lease.in_use(job_dir)  # a folder in use is not moved from under its run
+        if busy:
+            print(f"ftjob run: {busy}", file=sys.stderr)
+            return EXIT_FAILED
         aside = job_dir.with_name(f"{job_dir.name}.old-{time.strftime('%Y%m%dT%H%M%S')}")
         os.rename(job_dir, aside)
         print(f"ftjob run: --restart: the earlier run is kept in {aside}", file=out, flush=True)
+    # The rendezvous id, unique per `ftjob run`: the trainer's rank 0 finds the folder held by
+    # its own run and carries the lease on.
+    run_id = f"{name}-{os.getpid()}-{int(time.time())}"
+    held = lease.Lease(job_dir, run=run_id)
+    try:
+        held.take(wait_seconds=0)  # before anything is written there (spec.json); exclusive
+    except TrainerError as e:
+        print(f"ftjob run: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    try:
+        return _run_held(job_file, name, spec, job_dir, source_root, run_id, out)
+    finally:
+        held.release()
+        # Restored only now: a Ctrl-C that comes while the run is stopped and summarised
+        # must not cut the summary short (ftjob.local._stop leaves its handler in place).
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _run_held(job_file, name, spec, job_dir: Path, source_root: Path, run_id: str, out) -> int:
+    """The rest of :func:`run`, with the job folder held by this run."""
     recorded = jobfolder.read(job_dir)
     diff = jobfolder.changes(recorded, spec) if recorded else []
     if diff:
@@ -173,7 +196,7 @@ def run(job_file: str, workdir: str | None = None, out=None, restart: bool = Fal
     spec_file = job_dir / jobfolder.RECORD
 
     r = spec.resources
-    port, attempt = free_port(), int(time.time())
+    port = free_port()
     print(
         f"ftjob run: {name}: {r.nodes} node(s) x {r.nproc_per_node} process(es) on this "
         f"machine, job folder {job_dir}, logs in {logs}",
@@ -181,9 +204,14 @@ def run(job_file: str, workdir: str | None = None, out=None, restart: bool = Fal
         flush=True,
     )
     nodes: list[Node] = []
-    # `kill` or a CI timeout (SIGTERM) stops the gang the same way as Ctrl-C.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    # Orphans of the run (a worker whose agent died) are handed to this process, which ends
+    # them with the rest (ftjob.processes).
+    processes.become_subreaper()
+    # `kill`, a closed terminal or a CI timeout stop the gang the same way as Ctrl-C.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     screen = Screen(out, job_dir / "progress.json", since=time.time())
+    first, interrupted, hurried = None, False, False
     try:
         with screen:
             for rank in range(r.nodes):
@@ -192,7 +220,7 @@ def run(job_file: str, workdir: str | None = None, out=None, restart: bool = Fal
                     name,
                     rank,
                     "127.0.0.1",
-                    f"{name}-{attempt}",
+                    run_id,
                     str(spec_file),
                     master_port=port,
                     job_folder=str(job_dir),
@@ -206,28 +234,48 @@ def run(job_file: str, workdir: str | None = None, out=None, restart: bool = Fal
                 nodes.append(Node(rank, argv, env, logs / f"node-{rank}.log", screen))
             first = _wait(nodes, screen)
     except KeyboardInterrupt:
-        _stop(nodes)
+        interrupted = True
+        print("\nftjob run: interrupted; stopping every process (Ctrl-C again: at once)",
+              file=out, flush=True)  # fmt: skip
+    finally:
+        # Every exit path ends every process of the run (an exception included); a second
+        # Ctrl-C only hurries this along.
+        hurried = _stop(nodes)
+    restarts = _restarts(job_dir)
+    if interrupted:
+        how = " (killed at once on the second Ctrl-C)" if hurried else ""
         print(
-            "ftjob run: interrupted; every process stopped. Run the same command again to "
-            f"resume from {_newest_checkpoint(job_dir)}",
+            f"ftjob run: interrupted; every process stopped{how}{restarts}. Run the same "
+            f"command again to resume from {_newest_checkpoint(job_dir)}",
             file=out,
             flush=True,
         )
         return EXIT_INTERRUPTED
-    finally:
-        _stop(nodes)  # no-op for processes that have ended; never leaves orphans
-        signal.signal(signal.SIGTERM, previous)
     if first is not None:
         # The first node to fail leads, so that a tie between unnamed causes goes to it.
         ordered = [first, *(n for n in nodes if n is not first)]
         for line in _describe(failure.summarize([n.outcome() for n in ordered])):
             print(line, file=out)
+        if restarts:  # the last failure is the one shown; the log has the earlier ones
+            print(f"ftjob run: failed{restarts}; the nodes' logs say why in their "
+                  "'ftjob agent:' lines", file=out)  # fmt: skip
         print(f"ftjob run: once fixed, run it again: it resumes from "
               f"{_newest_checkpoint(job_dir)}", file=out, flush=True)  # fmt: skip
         return EXIT_FAILED
     export = _export_path(job_dir)
-    print(f"ftjob run: done; the exported model is in {export}", file=out, flush=True)
+    print(f"ftjob run: done{restarts}; the exported model is in {export}", file=out, flush=True)
     return EXIT_OK
+
+
+def _restarts(job_dir: Path) -> str:
+    """ " (after N restarts in place)" as rank 0 last reported it; "" when none."""
+    try:
+        count = int(json.loads((job_dir / "progress.json").read_text()).get("restartsInPlace") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        count = 0
+    if not count:
+        return ""
+    return f" (after {count} restart{'s' if count > 1 else ''} in place)"
 
 
 def _describe(summary: failure.Summary) -> list[str]:
@@ -297,18 +345,22 @@ def _wait(nodes: list[Node], screen: Screen) -> Node | None:
         time.sleep(0.2)
 
 
-def _stop(nodes: list[Node]) -> None:
+def _stop(nodes: list[Node]) -> bool:
+    """End every process of the run (ftjob.processes: stopped ones too, SIGKILL after
+    STOP_GRACE_SECONDS); a Ctrl-C or SIGTERM meanwhile kills at once. True if one did.
+    The handler stays until :func:`run` returns: later signals are noted, not raised."""
+    hurry = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: hurry.set())
     for node in nodes:
-        node.stop(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_SECONDS
+        node.quiet.set()
+    processes.end_all(STOP_GRACE_SECONDS, hurry.is_set)
     for node in nodes:
-        try:
-            node.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            node.stop(signal.SIGKILL)
-            node.proc.wait()
+        node.proc.wait()
+    processes.reap()  # orphans this process adopted, once the nodes' codes are read
     for node in nodes:
         node.close()
+    return hurry.is_set()
 
 
 def _newest_checkpoint(job_dir: Path) -> str:

@@ -597,6 +597,22 @@ class RunPolicySpec:
         "suspend: true removes the pods and keeps the checkpoints; false resumes from them.",
         False,
     )
+    in_place_restarts: int = api_field(
+        "inPlaceRestarts: worker restarts in place per gang before the gang fails (then "
+        "backoffLimit decides on a new gang). A worker failure restarts the workers of every "
+        "node from the newest checkpoint without re-creating pods; a permanent failure (BadData, "
+        "BadModel, BadSpec) never restarts.",
+        3,
+        minimum=0,
+        maximum=100,
+    )
+    straggler_margin: float = api_field(
+        "stragglerMargin: a rank whose step time exceeds (1 + stragglerMargin) x the median of "
+        "all ranks on 3 consecutive log steps is named a straggler (log, progress, metric).",
+        0.25,
+        minimum=0,
+        exclusive_minimum=True,
+    )
 
 
 # The bus bandwidth (GB/s, nccl-tests' busbw of an all-reduce) below which a multi-node

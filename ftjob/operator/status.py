@@ -5,7 +5,7 @@ return (pods whole, or as the slim :func:`observed_pod` views the operator keeps
 comes out is camelCase dicts in the shape of ``ftjob/status_types.py``:
 
 * :func:`observed_pod` -- the few fields of a pod that the decisions read;
-* :func:`diagnose` -- why a pod failed (OOMKilled, BadData, CudaOOM, NCCLTimeout, ...),
+* :func:`diagnose` -- why a pod failed (OOMKilled, BadData, CudaOOM, CollectiveTimeout, ...),
   from its phase, container state, exit code and the trainer's termination record
   (ftjob.contract), or the log tail when the trainer left none;
 * :func:`progress` -- rank 0's ``/progress`` snapshot as ``status.progress``;
@@ -34,9 +34,10 @@ MESSAGE_LIMIT = 1500  # of the termination message kept in status (the schema al
 # Only for a pod that left no termination record (killed, or crashed below Python): patterns
 # in the log tail Kubernetes puts in the message instead (FallbackToLogsOnError).
 LOG_CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED")
-LOG_NCCL_TIMEOUT = re.compile(
+# NCCL's watchdog, and gloo's transport ("Timed out waiting 30000ms for send operation").
+LOG_COLLECTIVE_TIMEOUT = re.compile(
     r"Watchdog caught collective operation timeout|NCCL.{0,80}(timed out|timeout)"
-    r"|DistBackendError.{0,200}[Tt]imeout",
+    r"|DistBackendError.{0,200}[Tt]imeout|gloo.{0,200}Timed out waiting \d+ms for \w+ operation",
     re.S,
 )
 # Hardware trouble as CUDA, NCCL and the driver word it, in a record's message or a log tail:
@@ -60,6 +61,9 @@ ADVICE = {
     contract.CUDA_OOM: "a GPU ran out of memory: lower training.microBatchSize or "
     "dataset.maxSeqLength, or set training.activationCheckpointing: all or "
     "parallelism.cpuOffload: true",
+    contract.COLLECTIVE_TIMEOUT: "a collective waited longer than "
+    "network.collectiveTimeoutSeconds: a rank died or hung (the message names it when its "
+    "heartbeat told), or the fabric between nodes is broken",
     contract.NCCL_TIMEOUT: "a collective waited longer than network.collectiveTimeoutSeconds: a "
     "rank died or hung, or the fabric between nodes is broken",
     contract.NCCL_ERROR: "a collective failed: a rank died, or the fabric between nodes is broken",
@@ -101,6 +105,7 @@ SPECIFICITY = (
     "Lost",
     contract.INTERNAL,
     contract.NCCL_ERROR,
+    contract.COLLECTIVE_TIMEOUT,
     contract.NCCL_TIMEOUT,
     "Error",
 )
@@ -259,8 +264,8 @@ def _from_container(term: dict) -> tuple[str, str, str, str | None]:
         return rec["reason"], _record_detail(rec), "", rec.get("fix")
     if LOG_CUDA_OOM.search(text):
         reason = contract.CUDA_OOM
-    elif LOG_NCCL_TIMEOUT.search(text):
-        reason = contract.NCCL_TIMEOUT
+    elif LOG_COLLECTIVE_TIMEOUT.search(text):
+        reason = contract.COLLECTIVE_TIMEOUT
     else:
         reason = "Error"
     return reason, text, NO_RECORD, None

@@ -15,7 +15,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ftjob import manifest
-from ftjob.contract import BAD_SPEC, TrainerError
+from ftjob.contract import BAD_SPEC, PERMANENT, TrainerError
 from ftjob.schema import SpecError
 from ftjob.spec import KIND, parse_resource
 from ftjob.trainer import termination
@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, manifest.ManifestError) as e:
         return _bad_spec(args.spec, e)
     # Imported after the spec check: a bad spec fails before torch and transformers load.
-    from ftjob.trainer import owner, train
+    from ftjob import lease
+    from ftjob.trainer import train
 
     try:
         train.run(spec, name)
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         # Every failure leaves a record for whoever watches (the operator decides from it).
         record = termination.failure(e, step=getattr(e, "ftjob_step", None))
         termination.write(record)
+        if record["reason"] in PERMANENT or not _restarts_left():
+            lease.release_held()  # nothing restarts in place: the next attempt need not wait
         if not isinstance(e, TrainerError):
             raise  # unforeseen: the traceback is worth having (torchrun's @record keeps it)
         # A known problem: its message says it all, no traceback needed.
@@ -56,9 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: rank {record['rank']}: {record['reason']}: {e}{where}{fix}",
               file=sys.stderr, flush=True)  # fmt: skip
         return EXIT_FAILED
-    finally:
-        owner.release_held()  # a failed run gives the job folder up at once
     return 0
+
+
+def _restarts_left() -> bool:
+    """Whether this node's agent may restart the workers in place after a failure (it keeps
+    the job folder for them meanwhile)."""
+    used = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) > used
 
 
 def _bad_spec(path: str, e: Exception) -> int:

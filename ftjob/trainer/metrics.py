@@ -31,6 +31,7 @@ GAUGES = [
     ("ftjob_mfu_ratio", "mfu", "Model FLOPs utilisation (0-1); absent on CPU."),
     ("ftjob_eta_seconds", "etaSeconds", "Estimated seconds until training ends."),
     ("ftjob_last_checkpoint_step", "lastCheckpointStep", "Step of the newest checkpoint."),
+    ("ftjob_restarts_in_place", "restartsInPlace", "Worker restarts in place of this gang."),
 ]
 # From a few milliseconds (a tiny CPU model) to minutes (a 70B step on few GPUs).
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
@@ -45,6 +46,19 @@ class _Snapshot(Collector):
         for name, key, text in GAUGES:
             if snap.get(key) is not None:
                 yield GaugeMetricFamily(name, text, value=snap[key])
+        slow = GaugeMetricFamily(
+            "ftjob_straggler_step_seconds",
+            "Own step time of each rank named a straggler (runPolicy.stragglerMargin).",
+            labels=["rank", "node"],
+        )
+        for s in snap.get("stragglers") or []:
+            slow.add_metric([str(s["rank"]), str(s["node"])], s["stepSeconds"])
+        yield slow
+        yield GaugeMetricFamily(
+            "ftjob_stragglers",
+            "Ranks named stragglers now.",
+            value=len(snap.get("stragglers") or []),
+        )
         phase = GaugeMetricFamily("ftjob_phase", "1 for the job's current phase.", labels=["phase"])
         for p in PHASES:
             phase.add_metric([p], int(snap.get("phase") == p))

@@ -59,9 +59,9 @@ def init(spec: FineTuneJobSpec) -> Dist:
         backend = "cuda:nccl,cpu:gloo"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    # `python -m ftjob.trainer` without torchrun: a world of one, no rendezvous needed.
-    store = dist.HashStore() if "MASTER_ADDR" not in os.environ else None
     timeout = datetime.timedelta(seconds=spec.network.collective_timeout_seconds)
+    # `python -m ftjob.trainer` without torchrun: a world of one, no rendezvous needed.
+    store = dist.HashStore() if "MASTER_ADDR" not in os.environ else _round_store(world, timeout)
     dist.init_process_group(
         backend,
         store=store,
@@ -71,6 +71,21 @@ def init(spec: FineTuneJobSpec) -> Dist:
         device_id=_device_id(device),
     )
     return Dist(rank, local_rank, world, local_world, device)
+
+
+def _round_store(world: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under ftjob's agent: the agent's store, with keys of this round of the gang only.
+
+    The store outlives restarts in place, and torch does not keep one round's keys from the
+    next: a restarted gang could read the addresses its dead predecessors published and wait
+    on them until the collective timeout. The agent counts the gang's rounds alike on every
+    node (FTJOB_RESTARTS_IN_PLACE); under plain torchrun, torch's own rendezvous (None)."""
+    restarts = os.environ.get("FTJOB_RESTARTS_IN_PLACE")
+    if restarts is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size=world, is_master=False, timeout=timeout)  # fmt: skip
+    return dist.PrefixStore(f"ftjob/round-{restarts}", agent)
 
 
 def _device_id(device: torch.device) -> torch.device | None:

@@ -9,8 +9,10 @@ one line per logged step in ``FTJOB_JOB_DIR/progress.jsonl``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import sys
 import threading
 import time
@@ -77,6 +79,10 @@ class Progress:
             "resumedFrom": None,
             "exportPath": None,
             "worldSize": world,
+            # This gang's restarts in place so far (ftjob.trainer.agent), and the ranks
+            # persistently slower than the others (ftjob.trainer.stragglers).
+            "restartsInPlace": restarts_in_place(),
+            "stragglers": [],
             "port": None,
             "startedAt": _now(),
             "updatedAt": _now(),
@@ -246,6 +252,13 @@ class Progress:
         parts.append(f"eta {_eta(s['etaSeconds'])}")
         return "  ".join(parts)
 
+    def stragglers(self, named: list[dict], line: str) -> None:
+        """The ranks now named stragglers ([] when none is any longer), said in the log."""
+        if not self.enabled:
+            return
+        self.update(stragglers=named)
+        self.log(line)
+
     def evaluated(self, step: int, loss: float) -> None:
         if not self.enabled:
             return
@@ -261,6 +274,16 @@ KEPT = (
     "tokensPerSecond", "tokensSeen", "mfu", "lastCheckpointStep", "lastCheckpoint",
     "loadPeakRssMiB", "trainPeakRssMiB", "trainPeakGpuMiB",
 )  # fmt: skip
+
+
+def restarts_in_place() -> int:
+    """How often this gang's workers were restarted in place: the node agent's count
+    (FTJOB_RESTARTS_IN_PLACE, every restart of the gang), else torchrun's own
+    (TORCHELASTIC_RESTART_COUNT, this node's failures only)."""
+    for name in ("FTJOB_RESTARTS_IN_PLACE", "TORCHELASTIC_RESTART_COUNT"):
+        with contextlib.suppress(KeyError, ValueError):
+            return int(os.environ[name])
+    return 0
 
 
 def _read_snapshot(path: Path) -> dict:

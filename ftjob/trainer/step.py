@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -78,40 +79,53 @@ class Tally:
     """What a step leaves for the log: this rank's loss share (device) and host counts.
 
     ``reduce`` sums them over ranks in one collective: the step's mean loss over every
-    labelled token of the gang, and the tokens and model FLOPs of every step since the last
-    log (for tokens/s and MFU)."""
+    labelled token of the gang, the tokens and model FLOPs of every step since the last log
+    (for tokens/s and MFU), and each rank's own mean step time in its own slot (for the
+    straggler check: ``world`` more numbers in the same all-reduce)."""
 
     flops: Callable[[int, int], float]  # (tokens, sum of squared document lengths) -> FLOPs
     loss: torch.Tensor | None = None
     tokens: int = 0
     model_flops: float = 0.0
+    own_seconds: float = 0.0  # this rank's step time, the wait for the others left out
+    steps: int = 0
 
-    def add(self, loss: torch.Tensor, micro: list[data.Batch]) -> None:
+    def add(self, loss: torch.Tensor, micro: list[data.Batch], own_seconds: float = 0.0) -> None:
         self.loss = loss
+        self.own_seconds += own_seconds
+        self.steps += 1
         for b in micro:
             self.tokens += b.tokens
             self.model_flops += self.flops(b.tokens, b.attention_sq)
 
-    def reduce(self, device: torch.device) -> tuple[float, int, float]:
-        """(step loss, tokens, FLOPs) over all ranks; the counts restart (a sync point)."""
+    def reduce(
+        self, device: torch.device, rank: int = 0, world: int = 1
+    ) -> tuple[float, int, float, list[float]]:
+        """(step loss, tokens, FLOPs, each rank's mean own step time) over all ranks; the
+        counts restart (a sync point)."""
         counts = torch.tensor([self.tokens, self.model_flops], dtype=torch.float64, device=device)
-        both = torch.cat([self.loss.reshape(1).to(torch.float64), counts])
+        own = torch.zeros(world, dtype=torch.float64, device=device)
+        own[rank] = self.own_seconds / max(self.steps, 1)
+        both = torch.cat([self.loss.reshape(1).to(torch.float64), counts, own])
         dist.all_reduce(both)
-        loss, tokens, flops = both.tolist()
-        self.tokens, self.model_flops = 0, 0.0
-        return loss, int(tokens), flops
+        loss, tokens, flops, *seconds = both.tolist()
+        self.tokens, self.model_flops, self.own_seconds, self.steps = 0, 0.0, 0.0, 0
+        return loss, int(tokens), flops, seconds
 
 
 def train_step(
     net, optimizer, weights, micro: list[data.Batch], device, world: int, replicated: bool,
     max_norm: float, before_update: Callable[[], None],
-) -> torch.Tensor:  # fmt: skip
+) -> tuple[torch.Tensor, float]:  # fmt: skip
     """Forward and backward over the micro-batches, then the optimizer update; returns this
-    rank's share of the step's mean loss, on the device."""
+    rank's share of the step's mean loss (on the device) and the seconds the host waited for
+    the other ranks at the step's first collective (gloo; NCCL does not hold the host)."""
     # Every labelled token of the step weighs the same, whichever rank or micro-batch has it:
     # divide by the global count (FSDP then averages gradients over ranks, hence x world).
     labelled = torch.tensor(float(sum(b.labelled for b in micro)), device=device)
+    began = time.perf_counter()
     dist.all_reduce(labelled)  # stays on the device: nothing waits for it
+    waited = time.perf_counter() - began
     scale = world / labelled.clamp(min=1.0)
     total = torch.zeros((), device=device)
     for m, batch in enumerate(micro):
@@ -128,4 +142,4 @@ def train_step(
     before_update()  # a background checkpoint may still be copying weights and moments
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total * scale / world
+    return total * scale / world, waited

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ftjob import contract
+from ftjob.trainer import heartbeat
 
 # The CPU allocator's message when a tensor cannot get host memory (torch raises a plain
 # RuntimeError for it, where Python's own allocations raise MemoryError).
@@ -54,10 +55,14 @@ def _name(e: BaseException) -> tuple[str, str | None] | None:
         return contract.CUDA_OOM, None
     if isinstance(e, OSError) and e.errno in _DISK_FULL:
         return contract.DISK_FULL, e.filename
-    if isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "NCCL" in str(e)):
-        text = str(e).lower()
-        timed_out = "timeout" in text or "timed out" in text
-        return (contract.NCCL_TIMEOUT if timed_out else contract.NCCL_ERROR), None
+    text = str(e)
+    if isinstance(e, dist.DistError) or (
+        isinstance(e, RuntimeError) and ("NCCL" in text or "gloo" in text)
+    ):
+        # NCCL's watchdog and gloo's transport ("Timed out waiting 30000ms for send
+        # operation to complete") both: a collective that waited too long.
+        timed_out = "timeout" in text.lower() or "timed out" in text.lower()
+        return (contract.COLLECTIVE_TIMEOUT if timed_out else contract.NCCL_ERROR), None
     if "No space left on device" in str(e):
         return contract.DISK_FULL, None  # torch.save's and dcp's writers report it as text
     return None
@@ -98,6 +103,11 @@ def failure(exc: BaseException, step: int | None = None) -> dict[str, Any]:
     reason, message, where = classify(exc)
     fix = next((e.fix for e in _chain(exc) if isinstance(e, contract.TrainerError)), None)
     node = next((e.node for e in _chain(exc) if isinstance(e, contract.TrainerError)), None)
+    if reason == contract.COLLECTIVE_TIMEOUT:
+        # Whom the gang waited for: the heartbeats in the gang's store tell, where they can.
+        who = heartbeat.explain()
+        if who:
+            message = f"{message}; {who}"
     return named(reason, message, where, step, fix, node)
 
 

@@ -25,20 +25,22 @@ from transformers.utils import logging as hf_logging
 
 from ftjob import contract, jobfolder, plan
 from ftjob.contract import BAD_SPEC, EXPORT_FAILED, TrainerError
+from ftjob.lease import LEASE_SECONDS, Lease, take_folder
 from ftjob.modelshape import model_flops
 from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer import (
     checkpoint,
     data,
     export,
+    heartbeat,
     loss,
     model,
-    owner,
     parallel,
     preflight,
     progress,
     sources,
     step,
+    stragglers,
     termination,
     volume,
 )
@@ -70,6 +72,11 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     # NCCL names the transport it chose only in its own log, set up before it starts.
     nccl_file = preflight.nccl_log(spec, job_dir, int(os.environ.get("RANK", "0")))
     d = parallel.init(spec)
+    # Every rank's last step in the gang's store: a collective that times out names the rank
+    # that stopped answering (ftjob.trainer.heartbeat), the preflight's own included.
+    beat = heartbeat.start(
+        d.rank, d.world_size, contract.node_name(), spec.network.collective_timeout_seconds
+    )
     if preflight.enabled(spec):  # before anything is read or written: a bad node fails fast
         report.update(preflight=preflight.run(spec, d, job_dir, report.log, nccl_file))
     out = jobfolder.export_path(job_dir, spec)
@@ -78,8 +85,8 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     if not d.is_main:
         hf_logging.set_verbosity_error()  # one copy of each warning is enough
     # Before anything is written to the job folder: one run writes there at a time.
-    wait = min(2 * owner.LEASE_SECONDS, spec.network.collective_timeout_seconds - 5)
-    lease = owner.take(job_dir, d.rank, wait)
+    wait = min(2 * LEASE_SECONDS, spec.network.collective_timeout_seconds - 5)
+    lease = take_folder(job_dir, d.rank, wait)
     recorded = jobfolder.claim(job_dir, name, spec, writer=d.is_main)
     # The folder is this run's and its record this spec's: progress.json carries on from
     # what the previous run of this job left there (a refused spec left it untouched).
@@ -128,7 +135,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     report.log("peak RSS per rank after loading (MiB): " + ", ".join(f"{m:.0f}" for m in load_rss))
 
     start = _resume(job_dir, spec, d, run.ckpt, run.net, run.optimizer, run.scheduler, report)
-    evaluated_at = _train(spec, d, run, ds, sampler, range(start, total), report)
+    evaluated_at = _train(spec, d, run, ds, sampler, range(start, total), report, beat)
     run.ckpt.close()
     if ds.eval is not None and evaluated_at != total:
         report.phase("evaluating")
@@ -143,7 +150,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     return _succeeded(out, d, report, lease)
 
 
-def _succeeded(out: Path, d: parallel.Dist, report, lease: owner.Lease | None) -> Path:
+def _succeeded(out: Path, d: parallel.Dist, report, lease: Lease | None) -> Path:
     """The job is done: say so in progress and in the record the operator requires."""
     report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
     if d.is_main:
@@ -225,10 +232,13 @@ def _load(spec, tok, d: parallel.Dist, job_dir: Path, lease, total: int) -> Run:
                speed, flops)  # fmt: skip
 
 
-def _train(spec, d, run: Run, ds, sampler, steps: range, report) -> int | None:
+def _train(spec, d, run: Run, ds, sampler, steps: range, report, beat) -> int | None:
     """The optimizer steps, with evaluations and checkpoints on their schedules; the step
     last evaluated at."""
     t, every = spec.training, spec.checkpoint.every
+    nodes = [None] * d.world_size
+    dist.all_gather_object(nodes, contract.node_name())  # once: stragglers name their node
+    slow = stragglers.Stragglers(spec.run_policy.straggler_margin, nodes)
     report.begin(steps.start)
     tally, evaluated_at = step.Tally(run.flops), None
     batches = step.Prefetch(ds, sampler, d.rank, steps)
@@ -236,16 +246,21 @@ def _train(spec, d, run: Run, ds, sampler, steps: range, report) -> int | None:
         for n in steps:
             began = time.perf_counter()
             micro = batches.next(n)
-            share = step.train_step(run.net, run.optimizer, run.weights, micro, d.device,
-                                    d.world_size, run.replicated, t.max_grad_norm,
-                                    run.ckpt.before_update)  # fmt: skip
+            share, waited = step.train_step(run.net, run.optimizer, run.weights, micro,
+                                            d.device, d.world_size, run.replicated,
+                                            t.max_grad_norm, run.ckpt.before_update)  # fmt: skip
             run.scheduler.step()
-            tally.add(share, micro)
+            wall = time.perf_counter() - began
+            tally.add(share, micro, own_seconds=wall - waited)
             done = n + 1
-            report.step(done, run.scheduler.get_last_lr()[0], sampler.epoch(done),
-                        seconds=time.perf_counter() - began)  # fmt: skip
+            beat.at(done)
+            report.step(done, run.scheduler.get_last_lr()[0], sampler.epoch(done), seconds=wall)
             if done % t.log_every == 0 or done == steps.stop:
-                report.logged(done, *tally.reduce(d.device))  # the step's one host wait
+                # The step's one host wait: loss, counts and every rank's own step time.
+                loss_, tokens, flops, seconds = tally.reduce(d.device, d.rank, d.world_size)
+                report.logged(done, loss_, tokens, flops)
+                if slow.observe(seconds):
+                    report.stragglers(slow.named, slow.describe())
             if ds.eval is not None and t.eval_every and done % t.eval_every == 0:
                 report.phase("evaluating")
                 report.evaluated(done, evaluate(run.net, ds, d, t.micro_batch_size))
@@ -312,7 +327,7 @@ def _seed(spec: FineTuneJobSpec) -> Path | None:
     return found
 
 
-def _export(net, spec, tok, out: Path, rank: int, lease: owner.Lease | None, asked) -> None:
+def _export(net, spec, tok, out: Path, rank: int, lease: Lease | None, asked) -> None:
     """The export, with a failed write named (a full volume: DiskFull) on every rank and its
     temporary folder removed; the checkpoints stay, so a rerun exports again."""
     if lease:

@@ -22,7 +22,12 @@ from test_trainer_run import RUN_TIMEOUT, job, losses, rank_pid, run, start
 
 STEPS = 20
 # Checkpoints at 4, 8, 12 and 16, all kept: room to damage three and resume from the fourth.
-SPEC = {"training": {"maxSteps": STEPS}, "checkpoint": {"every": 4, "keep": 4}}
+# No restarts in place: a full volume fails each restart alike (test_recovery.py has those).
+SPEC = {
+    "training": {"maxSteps": STEPS},
+    "checkpoint": {"every": 4, "keep": 4},
+    "runPolicy": {"inPlaceRestarts": 0},
+}
 
 
 def faults_job(**changes) -> dict:
@@ -171,10 +176,15 @@ def test_a_second_run_on_the_same_job_folder_refuses_and_the_first_is_intact(ref
         assert first.poll() is None, first.communicate()[0]
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    owner = json.loads((workdir / "owner").read_text())
+    owner = json.loads((workdir / "owner").read_text())  # `ftjob run` takes it before its nodes
+    ranks = [rank_pid(workdir, rank) for rank in (0, 1)]
+    while None in ranks or not (workdir / "progress.json").exists():  # rank 0 owns it too
+        assert first.poll() is None, first.communicate()[0]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+        ranks = [rank_pid(workdir, rank) for rank in (0, 1)]
     spec_written = (workdir / "spec.json").read_bytes()
     # The first run holds still while the others start (each would take ~10 s here).
-    ranks = [rank_pid(workdir, rank) for rank in (0, 1)]
     for pid in ranks:
         os.kill(pid, signal.SIGSTOP)
     try:

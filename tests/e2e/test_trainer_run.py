@@ -278,7 +278,8 @@ def rank_pid(workdir: Path, rank: int) -> int | None:
 def killed(runs):
     """The full job again: rank 1 SIGKILLed mid-run, then `ftjob run` once more."""
     workdir = runs / "killed"
-    proc = start(job("full"), workdir)
+    # No restart in place (test_recovery.py has those): the ladder's last rung, then a rerun.
+    proc = start(job("full", runPolicy={"inPlaceRestarts": 0}), workdir)
     deadline = time.monotonic() + RUN_TIMEOUT
     while not any(s >= 6 for s in losses(workdir)):
         assert proc.poll() is None, proc.communicate()[0]

@@ -35,7 +35,7 @@ def test_operator_killed_mid_job_resumes_without_duplicates(fresh):
     time.sleep(2)  # several resyncs: nothing more may happen
     status = job_status(cluster, "crash")
     assert status["restarts"] == 1 and status["attempt"] == 1 and status["phase"] == "Running"
-    assert status["failure"]["reason"] == "NCCLTimeout"
+    assert status["failure"]["reason"] == "CollectiveTimeout"
     assert len(job_pods(cluster, "crash")) == 2
 
 

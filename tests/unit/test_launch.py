@@ -37,7 +37,7 @@ def command(s=None, node=0, **kw):
     )
 
 
-def test_every_node_runs_the_same_command_through_torchrun():
+def test_every_node_runs_the_same_command_through_the_agent():
     a, b = command(node=0), command(node=1)
     assert (
         a.argv
@@ -45,7 +45,7 @@ def test_every_node_runs_the_same_command_through_torchrun():
         == [
             "python",
             "-m",
-            "torch.distributed.run",
+            "ftjob.trainer.agent",
             "-m",
             "ftjob.trainer",
             "--spec",
@@ -63,7 +63,10 @@ def test_torchrun_is_wired_through_its_environment():
     assert env["PET_MASTER_ADDR"] == "job-node-0.job"
     assert env["PET_MASTER_PORT"] == "29500"  # network.rendezvousPort's default
     assert env["PET_RDZV_ID"] == "job-3"
-    assert env["PET_MAX_RESTARTS"] == "0"  # the operator restarts the whole gang
+    # Restarts in place over a c10d rendezvous that node 0 hosts, then the operator's gangs.
+    assert env["PET_RDZV_BACKEND"] == "c10d"
+    assert env["PET_MAX_RESTARTS"] == "3"  # runPolicy.inPlaceRestarts' default
+    assert command(spec(runPolicy={"inPlaceRestarts": 0})).env["PET_MAX_RESTARTS"] == "0"
 
 
 def test_trainer_environment_defaults_to_the_volume():

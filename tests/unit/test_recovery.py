@@ -1,199 +1,166 @@
-"""The operator's side of the recovery ladder, as pure functions: restarts in place counted
-from rank 0's real progress snapshot, failures blamed on nodes, and the next gang's pods kept
-off those nodes (validated against Kubernetes' schema and the API server's rules)."""
+"""The pure parts of recovery: who went silent, who straggles, what the agent decides and
+says, the trainer's metrics for them, and the exclusive take of a job folder by processes."""
 
-from datetime import timedelta
+from __future__ import annotations
+
+import json
+import multiprocessing
 from pathlib import Path
 
-import kubernetes_validate
-import pytest
-from test_status import T0, decide, pod, run_to
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from ftjob import contract, kubevalidation, manifest
-from ftjob.operator import lifecycle, render
-from ftjob.operator import status as st
-from ftjob.spec import parse_resource
-from ftjob.trainer.progress import Progress
-
-ROOT = Path(__file__).resolve().parents[2]
+from ftjob import contract, lease
+from ftjob.trainer import agent, heartbeat, metrics
+from ftjob.trainer.stragglers import CONSECUTIVE, Stragglers
 
 
-def tiny(**scheduling):
-    doc = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
-    if scheduling:
-        doc["spec"]["scheduling"] = scheduling
-    return parse_resource(doc)
-
-
-def rank0(tmp_path) -> Progress:
-    """Rank 0's real progress writer (what /progress serves), not a dict typed here."""
-    report = Progress(tmp_path, True, 60, 2, writes_files=False)
-    report.begin(0)
-    return report
-
-
-def snapshot(report: Progress) -> dict:
-    return dict(report.snapshot)
-
-
-# ------------------------------------------------------------------- restarts in place
-
-
-def test_restarts_in_place_are_counted_across_gangs_with_an_event(tmp_path):
-    report = rank0(tmp_path)
-    running = run_to([pod(0), pod(1)])
-    assert running.status["restartsInPlace"] == 0
-    # torchrun restarted the workers once: the restarted rank 0 reports it (the key is the
-    # trainer's; written here through the writer's generic update path).
-    report.update(restartsInPlace=1)
-    d = decide(running.status, [pod(0), pod(1)], snapshot=snapshot(report))
-    assert d.status["restartsInPlace"] == 1 and d.status["attemptRestartsInPlace"] == 1
-    assert [e[1] for e in d.events].count("RestartedInPlace") == 1
-    assert d.status["restarts"] == 0 and d.create == [] and d.delete == []  # the pods stay
-    # The same snapshot again changes nothing (level-triggered).
-    again = decide(d.status, [pod(0), pod(1)], snapshot=snapshot(report))
-    assert again.status["restartsInPlace"] == 1
-    assert "RestartedInPlace" not in [e[1] for e in again.events]
-    # The in-place budget is spent and a pod fails: a new gang, whose count starts at 0.
-    report.update(restartsInPlace=3)
-    failed = pod(1, phase="Failed", exit_code=1)
-    r = decide(again.status, [pod(0), failed], snapshot=snapshot(report))
-    assert r.phase == "Restarting" and r.status["restarts"] == 1
-    assert r.status["restartsInPlace"] == 3 and r.status["attemptRestartsInPlace"] == 0
-    # The new gang's rank 0 restarts once in place: the job's total goes on from 3.
-    new_gang = Progress(tmp_path, True, 60, 2, writes_files=False)
-    new_gang.update(restartsInPlace=1)
-    n = decide(r.status, [pod(0, attempt=1), pod(1, attempt=1)], snapshot=snapshot(new_gang))
-    assert n.status["restartsInPlace"] == 4 and n.status["attemptRestartsInPlace"] == 1
-
-
-def test_a_permanent_failure_is_never_restarted_whatever_the_budgets(trainer_runs):
-    bad = trainer_runs.get("bad-data")
-    d = run_to([pod(0), pod(1)], backoffLimit=5)
-    r = decide(d.status, [pod(0), pod(1, real=bad)], backoffLimit=5)
-    assert r.phase == "Failed" and r.status["restarts"] == 0 and "badNodes" not in r.status
-
-
-def test_preflight_and_stragglers_from_the_snapshot_reach_the_status(tmp_path):
-    report = rank0(tmp_path)
-    figures = {"busBandwidthGBps": 0.9, "transport": "gloo", "matmulTflops": None,
-               "volumeWriteMBps": 700.0, "nodes": {"a": {}, "b": {}}, "seconds": 0.1}  # fmt: skip
-    slow = {"rank": 1, "node": "b", "stepSeconds": 2.0, "medianSeconds": 1.0}
-    report.update(preflight=figures, stragglers=[slow])
-    d = decide(run_to([pod(0), pod(1)]).status, [pod(0), pod(1)], snapshot=snapshot(report))
-    kept = {"busBandwidthGBps": 0.9, "transport": "gloo", "volumeWriteMBps": 700.0}
-    assert d.status["preflight"] == kept | {"seconds": 0.1, "nodes": 2}
-    assert d.status["stragglers"] == [slow]
-    report.update(stragglers=[])
-    assert decide(d.status, [pod(0), pod(1)], snapshot=snapshot(report)).status["stragglers"] == []
-
-
-# ------------------------------------------------------------------------- bad nodes
-
-
-def evicted(rank, attempt=0):
-    extra = {"reason": "Evicted", "message": "The node was low on resource: memory."}
-    return pod(rank, attempt, phase="Failed", extra=extra)
-
-
-def test_a_node_blamed_for_a_failure_is_avoided_by_the_next_gang():
-    d = run_to([pod(0), pod(1)])
-    r = decide(d.status, [pod(0), evicted(1)])
-    assert r.phase == "Restarting" and r.status["failure"]["nodeFault"] is True
-    (bad,) = r.status["badNodes"]
-    assert bad["node"] == "node-1" and bad["reason"] == "Evicted" and bad["count"] == 1
-    events = {e[1]: e[2] for e in r.events}
-    assert "node-1" in events["BadNode"] and "Evicted" in events["BadNode"]
-    assert "avoiding node(s) node-1" in events["Evicted"]
-    # The next gang's pods, as the handlers render them from that status.
-    _, spec = tiny()
-    p = render.pod("tiny", "ns", spec, 0, 1, "uid", avoid=lifecycle.bad_nodes(r.status))
-    terms = p["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert terms["nodeSelectorTerms"] == [
-        {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["node-1"]}]}
-    ]
-    kubernetes_validate.validate(p, "1.37", strict=True)
-    assert kubevalidation.errors([p]) == []
-
-
-def test_the_same_node_again_counts_up_and_the_list_is_bounded():
-    bad: list = []
-    for i in range(st.BAD_NODES_KEPT + 3):
-        failure = {"reason": "Evicted", "node": f"n{i}", "nodeFault": True}
-        bad, _ = st.note_bad_node(bad, failure, T0 + timedelta(minutes=i))
-    assert len(bad) == st.BAD_NODES_KEPT and bad[0]["node"] == "n3"  # the oldest went
-    again = {"reason": contract.NODE_UNHEALTHY, "node": "n3", "nodeFault": True}
-    bad, entry = st.note_bad_node(bad, again, T0 + timedelta(hours=1))
-    assert entry == {"node": "n3", "reason": "NodeUnhealthy", "count": 2,
-                     "lastSeen": "2026-01-01T13:00:00Z"}  # fmt: skip
-    assert bad[-1]["node"] == "n3" and len(bad) == st.BAD_NODES_KEPT
-
-
-@pytest.mark.parametrize(
-    "scenario", ["host-oom", "disk-full", "checkpoint-unreadable", "volume-unusable"]
-)
-def test_failures_of_the_job_not_the_node_blame_no_node(trainer_runs, scenario):
-    run = trainer_runs.get(scenario)
-    d = run_to([pod(0), pod(1)], backoffLimit=5)
-    r = decide(d.status, [pod(0), pod(1, real=run)], backoffLimit=5)
-    assert r.phase == "Restarting" and "badNodes" not in r.status
-    assert "nodeFault" not in r.status["failure"]
-    # The record names the node the trainer ran on (FTJOB_NODE_NAME, the downward API's).
-    assert contract.parse(run.record)["node"] == r.status["failure"]["node"] == "node-a"
-
-
-def test_a_pod_deleted_by_someone_blames_no_node_but_a_lost_node_does():
-    d = run_to([pod(0), pod(1)])
-    deleted = pod(1)
-    deleted["metadata"]["deletionTimestamp"] = "2026-01-01T12:00:00Z"
-    assert "badNodes" not in decide(d.status, [pod(0), deleted]).status
-    lost = decide(d.status, [pod(0), pod(1, phase="Unknown")])
-    assert lifecycle.bad_nodes(lost.status) == ["node-1"]
-
-
-def test_anti_affinity_joins_every_term_of_the_spec_s_own_affinity():
-    zone = {"key": "zone", "operator": "In", "values": ["a"]}
-    pool = {"key": "pool", "operator": "In", "values": ["gpu"]}
-    given = {
-        "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [{"matchExpressions": [zone]}, {"matchExpressions": [pool]}]
-            }
-        },
-        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []},
+def beats(now: float, **ranks) -> dict[int, dict]:
+    """rank -> heartbeat, from r<rank>=(seconds ago, step)."""
+    return {
+        int(k[1:]): {"at": now - ago, "step": step, "node": f"n{k[1:]}", "pid": 100 + int(k[1:])}
+        for k, (ago, step) in ranks.items()
     }
-    name, spec = tiny(affinity=given)
-    p = render.pod(name, "ns", spec, 0, 2, "uid", avoid=["b", "a", "b"])
-    got = p["spec"]["affinity"]
-    terms = got["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    away = [{"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in ("a", "b")]
-    assert terms["nodeSelectorTerms"] == [
-        {"matchExpressions": [zone], "matchFields": away},
-        {"matchExpressions": [pool], "matchFields": away},
-    ]
-    assert got["podAntiAffinity"] == given["podAntiAffinity"]
-    assert spec.scheduling.affinity == given  # the spec itself is not changed
-    kubernetes_validate.validate(p, "1.37", strict=True)
-    assert kubevalidation.errors([p]) == []
-    # Without bad nodes the spec's affinity is rendered as it is.
-    assert render.pod(name, "ns", spec, 0, 0, "uid")["spec"]["affinity"] == given
 
 
-def test_the_api_server_s_node_selector_rules_are_checked():
-    """What the schema lets through and the API server refuses (so ftjob validate says so
-    for a spec's own affinity too)."""
-    _, spec = tiny()
-    p = render.pod("tiny", "ns", spec, 0, 0, "uid", avoid=["x"])
-    term = p["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    term["nodeSelectorTerms"][0]["matchFields"][0]["values"] = ["x", "y"]
-    term["nodeSelectorTerms"][0]["matchExpressions"] = [{"key": "zone", "operator": "In"}]
-    found = {e.path.rsplit(".", 1)[-1]: e.message for e in kubevalidation.errors([p])}
-    assert "only one value" in found["values"]
-    assert any("must be specified" in e.message for e in kubevalidation.errors([p]))
+def test_a_rank_whose_heartbeat_stopped_is_named_with_its_node_and_step():
+    now, interval = 1000.0, 5.0
+    seen = beats(now, r0=(1, 8), r1=(40, 7), r2=(2, 8))
+    assert heartbeat.silent(seen, 3, now, interval) == [1]
+    said = heartbeat.describe_silent(seen, 3, now, interval)
+    assert (
+        said == "stopped answering: rank 1 (node n1, pid 101): last heartbeat 40 s ago, at step 7"
+    )
+    # A rank that never beat while the others did is silent too.
+    assert heartbeat.silent(beats(now, r0=(1, 3)), 2, now, interval) == [1]
 
 
-def test_the_trainer_names_the_node_it_runs_on_from_the_downward_api():
-    _, spec = tiny()
-    env = render.pod("tiny", "ns", spec, 0, 0, "uid")["spec"]["containers"][0]["env"]
-    (node,) = [e for e in env if e["name"] == contract.NODE_NAME_ENV]
-    assert node["valueFrom"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}
+def test_when_every_rank_beats_the_ranks_furthest_behind_are_named():
+    now = 1000.0
+    seen = beats(now, r0=(1, 9), r1=(1, 9), r2=(2, 8))
+    assert heartbeat.silent(seen, 3, now, 5.0) == []
+    assert heartbeat.describe_silent(seen, 3, now, 5.0).startswith(
+        "waiting for the ranks furthest behind: rank 2 (node n2"
+    )
+    level = beats(now, r0=(1, 9), r1=(1, 9))
+    assert heartbeat.describe_silent(level, 2, now, 5.0) == ""  # the heartbeats cannot tell
+    assert heartbeat.describe_silent({}, 2, now, 5.0) == ""
+
+
+def test_heartbeats_go_stale_well_before_the_collective_times_out():
+    for timeout in (30, 600, 1800):
+        interval = heartbeat.interval_for(timeout)
+        assert heartbeat.STALE_BEATS * interval <= timeout / 2
+
+
+def test_a_straggler_is_named_after_consecutive_slow_log_steps_and_cleared_when_back():
+    slow = Stragglers(margin=0.25, nodes=["a", "a", "b", "b"])
+    times = [0.10, 0.11, 0.10, 0.20]
+    changes = [slow.observe(times) for _ in range(CONSECUTIVE)]
+    assert changes == [False] * (CONSECUTIVE - 1) + [True]
+    assert slow.named == [{"rank": 3, "node": "b", "stepSeconds": 0.2, "medianSeconds": 0.105}]
+    assert slow.describe().startswith("straggler: rank 3 (node b) takes 0.200 s per step, 1.90x")
+    assert slow.observe(times) is False  # still named: nothing new to say
+    assert slow.observe([0.10, 0.11, 0.10, 0.12]) is True and slow.named == []
+    # Within the margin, or slow only now and then: never named.
+    steady = Stragglers(margin=0.25, nodes=["a"] * 4)
+    for t in ([0.1, 0.1, 0.1, 0.124], [0.1, 0.1, 0.1, 0.3], [0.1, 0.1, 0.1, 0.1]) * 3:
+        steady.observe(list(t))
+    assert steady.named == []
+
+
+def test_the_trainer_exports_restarts_and_stragglers_as_metrics():
+    slow = {"rank": 3, "node": "b", "stepSeconds": 0.2, "medianSeconds": 0.1}
+    snap = {"restartsInPlace": 2, "phase": "training", "stragglers": [slow]}
+    text = metrics.TrainerMetrics(lambda: snap).text().decode()
+    assert "ftjob_restarts_in_place 2.0" in text
+    assert 'ftjob_straggler_step_seconds{node="b",rank="3"} 0.2' in text
+    assert "ftjob_stragglers 1.0" in text
+
+
+def failed(rank: int, code: int) -> RunResult:
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=code, error_file="")
+    return RunResult(state=WorkerState.FAILED, failures={rank: failure})
+
+
+def test_the_agent_reads_the_nodes_failure_record_and_says_what_failed(tmp_path):
+    path = tmp_path / "node-1.termination"
+    assert agent.read_failure(path) is None  # none written: killed from outside
+    assert agent.describe(None, failed(1, -9)) == "rank 1 failed (exit signal SIGKILL)"
+    record = contract.Failure(contract.BAD_DATA, "data.jsonl line 3: not valid JSON\nmore", rank=1)
+    path.write_text(contract.dumps(record.record()))
+    seen = agent.read_failure(path)
+    assert seen["reason"] == contract.BAD_DATA
+    said = agent.describe(seen, failed(1, 1))
+    assert said == "rank 1 failed: BadData: data.jsonl line 3: not valid JSON"
+    path.write_text(contract.dumps(contract.success_record("/x/model")))
+    assert agent.read_failure(path) is None
+
+
+class FakeAgent(agent.Agent):
+    """Agent._decide without starting torch's agent (its state is the budget left)."""
+
+    def __init__(self, termination, remaining):
+        self.node_rank, self.termination, self._remaining_restarts = 0, termination, remaining
+
+
+def test_the_agent_stops_restarting_where_retrying_here_cannot_help(tmp_path, capsys):
+    path = tmp_path / "node-0.termination"
+    for reason, left in [(contract.BAD_SPEC, 0), (contract.BAD_MODEL, 0), (contract.INTERNAL, 2),
+                         (contract.NODE_UNHEALTHY, 0), (contract.FABRIC_MISCONFIGURED, 0),
+                         (contract.COLLECTIVE_TIMEOUT, 2), (contract.CUDA_OOM, 2)]:  # fmt: skip
+        path.write_text(contract.dumps(contract.Failure(reason, "x", rank=0).record()))
+        node = FakeAgent(path, remaining=2)
+        node._decide(failed(0, 1), budget=3)
+        assert node._remaining_restarts == left, reason
+    spent = FakeAgent(path, remaining=0)
+    spent._decide(failed(0, 1), budget=3)  # torch's loop then fails the node
+    out = capsys.readouterr().out
+    assert "rank 0 failed: CudaOOM: x; no in-place restart left (3 used)" in out
+    assert (
+        "ftjob agent: node 0: rank 0 failed: BadSpec: x; retrying on these nodes cannot help" in out
+    )
+    assert "rank 0 failed: CudaOOM: x; restarting the workers of every node in place" in out
+    assert "(restart 2 of 3)" in out
+
+
+def _take(folder: str, run: str, go, done, results) -> None:
+    go.wait()
+    path = Path(folder)
+    try:
+        lease.Lease(path, run=run).take(0)
+        results.put((run, "owner", json.loads((path / lease.FILE).read_text())["run"]))
+    except contract.TrainerError as e:
+        results.put((run, e.reason, None))
+    done.wait(30)  # the owner stays alive (a live pid) until every contender has answered
+
+
+def test_of_many_processes_taking_a_folder_at_once_exactly_one_owns_it(tmp_path):
+    """Separate processes, as two `ftjob run` are, released at the same instant."""
+    ctx = multiprocessing.get_context("fork")
+    for attempt in range(5):
+        folder = tmp_path / f"f{attempt}"
+        go, done, results = ctx.Event(), ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_take, args=(str(folder), f"run-{i}", go, done, results))
+                 for i in range(6)]  # fmt: skip
+        for p in procs:
+            p.start()
+        go.set()
+        outcomes = [results.get(timeout=30) for _ in procs]
+        done.set()
+        for p in procs:
+            p.join(30)
+        owners = [o for o in outcomes if o[1] == "owner"]
+        assert len(owners) == 1, outcomes
+        assert owners[0][0] == owners[0][2]  # the file names the one owner
+        assert sorted(o[1] for o in outcomes) == [contract.OWNED_ELSEWHERE] * 5 + ["owner"]
+        assert [p.name for p in folder.iterdir()] == [lease.FILE]  # no temporary file left
+
+
+def test_an_unreadable_owner_file_holds_nothing(tmp_path):
+    (tmp_path / lease.FILE).write_text("{not json")
+    held = lease.Lease(tmp_path, run="job-1")
+    held.take(0)
+    assert json.loads((tmp_path / lease.FILE).read_text())["run"] == "job-1"
+    held.release()
+    assert list(tmp_path.iterdir()) == []

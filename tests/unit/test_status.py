@@ -125,7 +125,9 @@ def test_without_a_record_the_log_tail_decides_and_the_message_says_so(trainer_r
     [
         ("torch.OutOfMemoryError: CUDA out of memory. Tried", contract.CUDA_OOM),
         ("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)",
-         contract.NCCL_TIMEOUT),
+         contract.COLLECTIVE_TIMEOUT),
+        ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed "
+         "out waiting 30000ms for send operation to complete", contract.COLLECTIVE_TIMEOUT),
     ],
 )  # fmt: skip
 def test_log_tail_patterns_only_apply_without_a_record(trainer_runs, tail, reason):

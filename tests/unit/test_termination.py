@@ -34,7 +34,11 @@ def raised(exc: BaseException, cause: BaseException | None = None) -> BaseExcept
         (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
          contract.CUDA_OOM),
         (dist.DistBackendError("[Rank 1] Watchdog caught collective operation timeout"),
-         contract.NCCL_TIMEOUT),
+         contract.COLLECTIVE_TIMEOUT),
+        # gloo's words when a peer stopped answering (a plain RuntimeError from its transport)
+        (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed "
+                      "out waiting 30000ms for send operation to complete"),
+         contract.COLLECTIVE_TIMEOUT),
         (dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp, unhandled system error"),
          contract.NCCL_ERROR),
         (OSError(errno.ENOSPC, "No space left on device", "/ftjob/x/checkpoints"),

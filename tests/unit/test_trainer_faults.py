@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from ftjob import lease as owner
 from ftjob.contract import DISK_FULL, EXPORT_FAILED, OWNED_ELSEWHERE, TrainerError
-from ftjob.trainer import integrity, owner, volume
+from ftjob.trainer import integrity, volume
 
 # ------------------------------------------------------------------------------ integrity
 

@@ -1,11 +1,15 @@
 """One writer per job folder: ``<job folder>/owner`` names the run that writes there.
 
-Rank 0 takes the folder before anything is written and refreshes the file every
-``HEARTBEAT_SECONDS`` while the run lives; every rank gets rank 0's answer, so a run that
-may not write stops on all ranks at once. The folder is free when the file is absent, names
-this run, or names a run that is over:
+``ftjob run`` takes the folder before it writes anything there and holds it until it ends;
+on a cluster rank 0 of the gang takes it (:func:`take`, a collective: every rank gets rank
+0's answer, so a run that may not write stops on all ranks at once). A holder refreshes the
+file every ``HEARTBEAT_SECONDS``. The folder is free when the file is absent, names this run
+(an ``ftjob run`` whose trainer takes it, a gang whose workers restarted in place), or names a
+run that is over:
 
-* it ran on this machine (same host, kernel boot and PID namespace) and its process is gone;
+* it ran on this machine (same host, kernel boot and PID namespace) and its process is gone
+  (the process recorded is the one that lives as long as the run there: ``ftjob run``, or
+  the node's agent, which outlives workers restarted in place);
 * it ran elsewhere and its heartbeat is older than ``LEASE_SECONDS`` (killed, or its node
   lost).
 
@@ -13,30 +17,36 @@ A live owner on this machine is another ``ftjob run``: refused at once. A live o
 elsewhere is, on a cluster, the previous attempt's gang still terminating: a newer attempt
 of the same job waits for it to stop (at most two leases), an older or foreign run is
 refused. Before each commit and before the export, rank 0 checks that the file still names
-this run (:func:`Lease.check`), so a run that lost the folder never commits into it.
+this run (:meth:`Lease.check`), so a run that lost the folder never commits into it.
+
+Taking is exclusive: the file appears by a hard link of a complete temporary file, which
+fails if it exists (atomic on local and network file systems alike), so of two runs started
+at the same instant exactly one owns the folder. A stale file is moved aside before it is
+replaced, and put back if what was moved turns out to be a fresh owner's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
 import socket
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from ftjob import atomic
 from ftjob.contract import INTERNAL, OWNED_ELSEWHERE, TrainerError
-from ftjob.trainer import volume
 
 FILE = "owner"
 HEARTBEAT_SECONDS = 5.0
 LEASE_SECONDS = 30.0
-SETTLE_SECONDS = 0.2  # after taking the folder, before trusting it is ours
+RUN_ENV = "TORCHELASTIC_RUN_ID"  # the rendezvous id: unique per ftjob run and per attempt
 
 
 @dataclass
@@ -49,12 +59,12 @@ class Owner:
     heartbeat: float  # Unix time of the last refresh
 
     @classmethod
-    def me(cls) -> Owner:
+    def me(cls, run: str | None = None) -> Owner:
         return cls(
-            run=os.environ.get("TORCHELASTIC_RUN_ID", f"pid-{os.getpid()}"),
+            run=run or os.environ.get(RUN_ENV, f"pid-{os.getpid()}"),
             machine=_machine(),
             host=socket.gethostname(),
-            pid=os.getpid(),
+            pid=_holder_pid(),
             since=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             heartbeat=time.time(),
         )
@@ -83,28 +93,32 @@ def newer_attempt(mine: str, theirs: str) -> bool:
 
 
 class Lease:
-    """This run's hold on the job folder (rank 0 holds it; other ranks hold nothing)."""
+    """This run's hold on the job folder."""
 
-    def __init__(self, job_dir: Path):
+    def __init__(self, job_dir: Path, run: str | None = None):
         self.path = job_dir / FILE
-        self.me = Owner.me()
+        self.me = Owner.me(run)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def take(self, wait_seconds: float = 2 * LEASE_SECONDS) -> None:
         """Own the folder, or raise TrainerError(OWNED_ELSEWHERE)."""
         deadline = time.monotonic() + wait_seconds
-        while True:
-            current = self.read()
-            now = time.time()
-            if current is None or current.run == self.me.run or not current.alive(now):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while not self._create():
+            current, now = self.read(), time.time()
+            if current is None:
+                if self.path.exists():  # unreadable (not one of ours): it holds nothing
+                    self._remove_stale(None)
+                continue  # else removed meanwhile (released, or moved aside by a contender)
+            if current.run == self.me.run:
+                # Already this run's: taken by its `ftjob run`, or by this gang before its
+                # workers restarted in place. The holder recorded there lives longer than us.
+                self.me = dataclasses.replace(current, heartbeat=now)
                 self._write()
-                # Two runs that found the folder free at once both wrote: the last rename
-                # won; the other sees it now and refuses like any later run.
-                time.sleep(SETTLE_SECONDS)
-                current = self.read()
-                if current is not None and current.run == self.me.run:
-                    break
+                break
+            if not current.alive(now):
+                self._remove_stale(current)
                 continue
             may_wait = current.machine != self.me.machine and newer_attempt(
                 self.me.run, current.run
@@ -118,6 +132,9 @@ class Lease:
     def check(self) -> None:
         """Raise TrainerError(OWNED_ELSEWHERE) if the folder is no longer this run's."""
         current = self.read()
+        if current is None:  # a contender's moment between moving a file aside and back
+            time.sleep(0.5)
+            current = self.read()
         if current is None or current.run != self.me.run:
             who = current.describe(time.time()) if current else "nobody (the file is gone)"
             raise TrainerError(
@@ -129,17 +146,40 @@ class Lease:
 
     def release(self) -> None:
         self._stop.set()
-        with contextlib.suppress(OSError):
-            current = self.read()
-            if current is not None and current.run == self.me.run:
-                self.path.unlink()
+        release(self.path.parent, self.me.run)
 
     def read(self) -> Owner | None:
         """The owner, or None: no file, or one a crash left unreadable (nobody holds it)."""
+        return _read(self.path)
+
+    def _create(self) -> bool:
+        """Make the file ours if there is none: True if it is."""
+        tmp = self.path.with_name(f".{FILE}.new-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.me.heartbeat = time.time()
+        tmp.write_text(json.dumps(asdict(self.me), indent=1) + "\n")
         try:
-            return Owner(**json.loads(self.path.read_text()))
-        except (OSError, ValueError, TypeError):
-            return None
+            os.link(tmp, self.path)  # fails if the file exists: only one run gets here
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _remove_stale(self, stale: Owner | None) -> None:
+        """Remove the file of a run that is over (None: an unreadable file); if a contender
+        replaced it meanwhile, put the contender's back (the link fails if yet another run
+        owns it by then)."""
+        aside = self.path.with_name(f".{FILE}.stale-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return  # another contender moved it first
+        moved = _read(aside)
+        judged = None if stale is None else (stale.run, stale.heartbeat)
+        if moved is not None and (moved.run, moved.heartbeat) != judged:
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, self.path)
+        aside.unlink(missing_ok=True)
 
     def _write(self) -> None:
         self.me.heartbeat = time.time()
@@ -148,7 +188,7 @@ class Lease:
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_SECONDS):
             current = self.read()
-            if current is None or current.run != self.me.run:
+            if current is not None and current.run != self.me.run:
                 return  # taken over: stop refreshing; check() refuses the next write
             with contextlib.suppress(OSError):  # a full disk: the lease just ages
                 self._write()
@@ -159,13 +199,21 @@ class Lease:
 
 
 def in_use(job_dir: Path) -> str | None:
-    """Why ``job_dir`` may not be written now (a live owner), or None. ``ftjob run`` asks
-    before it writes anything there; the trainer's :func:`take` is what guarantees it."""
-    lease = Lease(job_dir)
-    current, now = lease.read(), time.time()
+    """Why ``job_dir`` may not be written now (a live owner), or None: asked before moving a
+    folder aside (``ftjob run --restart``); :meth:`Lease.take` is what guarantees it."""
+    current, now = _read(job_dir / FILE), time.time()
     if current is None or not current.alive(now):
         return None
-    return _in_use(lease.path, current, now)
+    return _in_use(job_dir / FILE, current, now)
+
+
+def release(job_dir: Path, run: str) -> None:
+    """Give the folder up if ``run`` holds it (a newer owner's file is left alone)."""
+    path = job_dir / FILE
+    with contextlib.suppress(OSError):
+        current = _read(path)
+        if current is not None and current.run == run:
+            path.unlink()
 
 
 def _in_use(path: Path, current: Owner, now: float) -> str:
@@ -176,14 +224,23 @@ def _in_use(path: Path, current: Owner, now: float) -> str:
     )
 
 
-_held: Lease | None = None  # this process's lease, released however the run ends
+def _read(path: Path) -> Owner | None:
+    try:
+        return Owner(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
-def take(job_dir: Path, rank: int, wait_seconds: float = 2 * LEASE_SECONDS) -> Lease | None:
+_held: Lease | None = None  # this process's lease (rank 0 of a gang)
+
+
+def take_folder(job_dir: Path, rank: int, wait_seconds: float = 2 * LEASE_SECONDS) -> Lease | None:
     """A collective: rank 0 takes the job folder for this run; every rank raises the same
     TrainerError if it may not. Returns rank 0's lease (None on the other ranks). The other
     ranks wait in a collective meanwhile: keep ``wait_seconds`` below its timeout."""
     import torch.distributed as dist  # here: `ftjob run` reads this module without torch
+
+    from ftjob.trainer import volume
 
     global _held
     lease, refusal = None, None
@@ -207,10 +264,15 @@ def take(job_dir: Path, rank: int, wait_seconds: float = 2 * LEASE_SECONDS) -> L
 
 
 def release_held() -> None:
-    """Give the folder up at the end of the process, failed or not: the next attempt need
-    not wait for the lease to expire."""
+    """Give the folder up from this process (a gang that will not restart in place)."""
     if _held is not None:
         _held.release()
+
+
+def _holder_pid() -> int:
+    """The process whose life is this run's on this machine: under torchrun the node's agent
+    (workers restarted in place come and go under it), else this process."""
+    return os.getppid() if RUN_ENV in os.environ else os.getpid()
 
 
 def _machine() -> str:

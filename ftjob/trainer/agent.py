@@ -1,0 +1,269 @@
+"""Each node's agent: torchrun's elastic agent, with ftjob's rules for restarting in place.
+
+    python -m ftjob.trainer.agent -m ftjob.trainer --spec job.yaml   # torchrun's options
+
+Every node (a pod, or a node process of ``ftjob run``) runs this instead of
+``torch.distributed.run``; it reads the same options and ``PET_*`` environment, and runs
+torch's own agent (:class:`LocalElasticAgent`) with three differences:
+
+* **Rendezvous** is c10d's, re-formed on every restart: node 0 hosts its store (said, not
+  guessed from host names, which a Kubernetes DNS name does not match), and every node keeps
+  its node rank as group rank (c10d orders nodes by host name and pid), so global rank 0 --
+  the one that serves progress and writes the job folder -- is always on node 0.
+* **Restarts in place**: when a worker fails, this node's workers stop, the rendezvous
+  re-forms and every node starts its workers again (the other agents see a node waiting and
+  restart theirs), at most ``--max-restarts`` times (``spec.runPolicy.inPlaceRestarts``);
+  the trainer resumes from the newest checkpoint. Only a spent budget fails the node process.
+* **Never where it cannot help**: when the trainer's termination record names a reason
+  retrying on these nodes cannot help (``ftjob.contract.NOT_IN_PLACE``: bad data, model or
+  spec, and the preflight's unfit node, fabric or volume), the agent stops restarting and
+  fails; closing the rendezvous ends the other nodes' agents too. The operator then fails the
+  job (permanent) or starts a new gang away from the node at fault.
+
+Before restarting, the agent says why in the log and clears the node's termination record
+(a later success must not be read as that failure), and wakes stopped workers (SIGCONT) so
+that torch's SIGTERM ends them at once. The workers see the gang's restarts so far in
+``FTJOB_RESTARTS_IN_PLACE`` (the same count on every node: each restart of the gang is one
+rendezvous round that every node joins); their process group keeps its keys in the store
+under that round (:func:`ftjob.trainer.parallel.init`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import uuid
+from pathlib import Path
+
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    registry,
+)
+from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+from ftjob import contract, lease
+
+RESTARTS_ENV = "FTJOB_RESTARTS_IN_PLACE"
+TERMINATION_ENV = "FTJOB_TERMINATION_LOG"
+
+
+class NodeRanks(RendezvousHandler):
+    """c10d's rendezvous, with each node's rank its own node rank (a permutation of c10d's
+    ranks: every node asks for its own, and two nodes asking for one are refused)."""
+
+    def __init__(self, inner: RendezvousHandler, node_rank: int):
+        self.inner, self.node_rank = inner, node_rank
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        info = self.inner.next_rendezvous()
+        if not 0 <= self.node_rank < info.world_size:
+            raise RendezvousError(
+                f"node rank {self.node_rank} is outside 0..{info.world_size - 1} (--nnodes)"
+            )
+        # The store is this round's: a second node with the same rank is found at once.
+        if info.store.add(f"ftjob/node-rank/{self.node_rank}", 1) > 1:
+            raise RendezvousError(f"two nodes joined with node rank {self.node_rank}")
+        return RendezvousInfo(
+            info.store, self.node_rank, info.world_size, info.bootstrap_store_info
+        )
+
+    def get_backend(self) -> str:
+        return self.inner.get_backend()
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self.inner.use_agent_store
+
+    def is_closed(self) -> bool:
+        return self.inner.is_closed()
+
+    def set_closed(self) -> None:
+        self.inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self.inner.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self.inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self.inner.shutdown()
+
+
+class Agent(LocalElasticAgent):
+    """torch's local agent that will not restart a permanent failure, clears the record of a
+    failure it restarts from, and says in the log what it does."""
+
+    def __init__(self, *args, node_rank: int, termination: Path | None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.node_rank, self.termination = node_rank, termination
+        self.restarts, self._restarting = 0, False
+        os.environ[RESTARTS_ENV] = "0"  # the workers' environment (ftjob.trainer.parallel)
+
+    def _monitor_workers(self, worker_group) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            self._decide(result, worker_group.spec.max_restarts)
+        return result
+
+    def _decide(self, result: RunResult, budget: int) -> None:
+        failed = read_failure(self.termination)
+        what = describe(failed, result)
+        if failed is not None and failed.get("reason") in contract.NOT_IN_PLACE:
+            self._remaining_restarts = 0  # torch's own loop then stops the workers and fails
+            say(f"node {self.node_rank}: {what}; retrying on these nodes cannot help, so no "
+                "restart in place")  # fmt: skip
+        elif self._remaining_restarts > 0:
+            used = budget - self._remaining_restarts + 1
+            say(f"node {self.node_rank}: {what}; restarting the workers of every node in place "
+                f"from the newest checkpoint (restart {used} of {budget})")  # fmt: skip
+        else:
+            say(f"node {self.node_rank}: {what}; no in-place restart left ({budget} used)")
+
+    def _restart_workers(self, worker_group) -> None:
+        if worker_group.state == WorkerState.HEALTHY:  # another node's workers failed
+            say(f"node {self.node_rank}: another node restarts its workers; restarting these")
+        self.restarts += 1
+        os.environ[RESTARTS_ENV] = str(self.restarts)  # the next workers' environment
+        self._restarting = True
+        try:
+            super()._restart_workers(worker_group)  # stop, rendezvous, start
+        finally:
+            self._restarting = False
+
+    def _stop_workers(self, worker_group) -> None:
+        # A stopped process ignores SIGTERM until continued: wake it so it ends now, not at
+        # torch's SIGKILL after the shutdown timeout.
+        if self._pcontext is not None:
+            for pid in self._pcontext.pids().values():
+                _signal_group(pid, signal.SIGCONT)
+        super()._stop_workers(worker_group)
+        if self._restarting and self.termination is not None:
+            # The failure restarted from is said in the log; the next workers write their
+            # own. (A node that fails for good keeps its record: it says why.) Emptied, not
+            # removed: in a pod the file is kubelet's mount (/dev/termination-log).
+            with contextlib.suppress(FileNotFoundError):
+                self.termination.write_text("")
+
+
+def read_failure(path: Path | None) -> dict | None:
+    """The node's termination record if it is a failure (the trainer writes it before its
+    process exits, so the agent that sees the exit finds it)."""
+    if path is None:
+        return None
+    try:
+        rec = contract.parse(path.read_text())
+    except OSError:
+        return None
+    return rec if rec is not None and rec.get("outcome") == "failed" else None
+
+
+def describe(failed: dict | None, result: RunResult) -> str:
+    """One line: which rank failed and why (the record, else the exit code or signal)."""
+    if failed is not None:
+        return (
+            f"rank {failed.get('rank', '?')} failed: {failed.get('reason')}: "
+            + (str(failed.get("message", "")).splitlines() or [""])[0][:300]
+        )
+    for rank, failure in sorted(result.failures.items()):
+        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else failure.exitcode
+        return f"rank {rank} failed (exit {how})"
+    return f"the workers are {result.state.name.lower()}"
+
+
+def say(message: str) -> None:
+    print(f"ftjob agent: {message}", flush=True)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)  # torch starts each worker in a session of its own
+
+
+def launch(config, entrypoint, args: list[str], node_rank: int) -> None:
+    """torch's ``launch_agent`` with :class:`Agent` and :class:`NodeRanks`."""
+    params = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    handler = registry.get_rendezvous_handler(params)
+    if config.rdzv_backend != "static":
+        handler = NodeRanks(handler, node_rank)
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=handler,
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        local_addr=config.local_addr,
+    )
+    termination = os.environ.get(TERMINATION_ENV)
+    agent = Agent(
+        spec=spec,
+        logs_specs=config.logs_specs,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=config.shutdown_timeout,
+        node_rank=node_rank,
+        termination=Path(termination) if termination else None,
+    )
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    close = True
+    try:
+        result = agent.run()
+        if result.is_failed():
+            raise ChildFailedError(name=str(entrypoint), failures=result.failures)
+    except SignalException:
+        close = False  # stopped from outside: torch's launcher leaves the rendezvous open too
+        raise
+    finally:
+        if close:
+            handler.shutdown()  # closes the rendezvous: the other agents stop waiting
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    args = torchrun.parse_args(argv)
+    node_rank = args.node_rank
+    if args.standalone:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = (
+            "c10d",
+            "localhost:0",
+            str(uuid.uuid4()),
+        )
+    elif args.rdzv_backend != "static":
+        if not args.rdzv_endpoint:
+            args.rdzv_endpoint = f"{args.master_addr}:{args.master_port or 29500}"
+        if "is_host" not in args.rdzv_conf:
+            host = f"is_host={int(node_rank == 0)}"
+            args.rdzv_conf = f"{args.rdzv_conf},{host}" if args.rdzv_conf else host
+        args.node_rank = 0  # torchrun warns that c10d ignores it; NodeRanks does not
+    config, cmd, cmd_args = torchrun.config_from_args(args)
+    try:
+        launch(config, cmd, cmd_args, node_rank)
+    finally:
+        job_dir, run = os.environ.get("FTJOB_JOB_DIR"), config.run_id
+        if node_rank == 0 and job_dir:
+            # The gang is over on node 0 (its workers released the folder on success; a
+            # failure keeps it for restarts in place until now).
+            lease.release(Path(job_dir), run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

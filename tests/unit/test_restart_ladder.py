@@ -1,0 +1,199 @@
+"""The operator's side of the recovery ladder, as pure functions: restarts in place counted
+from rank 0's real progress snapshot, failures blamed on nodes, and the next gang's pods kept
+off those nodes (validated against Kubernetes' schema and the API server's rules)."""
+
+from datetime import timedelta
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+from test_status import T0, decide, pod, run_to
+
+from ftjob import contract, kubevalidation, manifest
+from ftjob.operator import lifecycle, render
+from ftjob.operator import status as st
+from ftjob.spec import parse_resource
+from ftjob.trainer.progress import Progress
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny(**scheduling):
+    doc = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
+    if scheduling:
+        doc["spec"]["scheduling"] = scheduling
+    return parse_resource(doc)
+
+
+def rank0(tmp_path) -> Progress:
+    """Rank 0's real progress writer (what /progress serves), not a dict typed here."""
+    report = Progress(tmp_path, True, 60, 2, writes_files=False)
+    report.begin(0)
+    return report
+
+
+def snapshot(report: Progress) -> dict:
+    return dict(report.snapshot)
+
+
+# ------------------------------------------------------------------- restarts in place
+
+
+def test_restarts_in_place_are_counted_across_gangs_with_an_event(tmp_path):
+    report = rank0(tmp_path)
+    running = run_to([pod(0), pod(1)])
+    assert running.status["restartsInPlace"] == 0
+    # torchrun restarted the workers once: the restarted rank 0 reports it (the key is the
+    # trainer's; written here through the writer's generic update path).
+    report.update(restartsInPlace=1)
+    d = decide(running.status, [pod(0), pod(1)], snapshot=snapshot(report))
+    assert d.status["restartsInPlace"] == 1 and d.status["attemptRestartsInPlace"] == 1
+    assert [e[1] for e in d.events].count("RestartedInPlace") == 1
+    assert d.status["restarts"] == 0 and d.create == [] and d.delete == []  # the pods stay
+    # The same snapshot again changes nothing (level-triggered).
+    again = decide(d.status, [pod(0), pod(1)], snapshot=snapshot(report))
+    assert again.status["restartsInPlace"] == 1
+    assert "RestartedInPlace" not in [e[1] for e in again.events]
+    # The in-place budget is spent and a pod fails: a new gang, whose count starts at 0.
+    report.update(restartsInPlace=3)
+    failed = pod(1, phase="Failed", exit_code=1)
+    r = decide(again.status, [pod(0), failed], snapshot=snapshot(report))
+    assert r.phase == "Restarting" and r.status["restarts"] == 1
+    assert r.status["restartsInPlace"] == 3 and r.status["attemptRestartsInPlace"] == 0
+    # The new gang's rank 0 restarts once in place: the job's total goes on from 3.
+    new_gang = Progress(tmp_path, True, 60, 2, writes_files=False)
+    new_gang.update(restartsInPlace=1)
+    n = decide(r.status, [pod(0, attempt=1), pod(1, attempt=1)], snapshot=snapshot(new_gang))
+    assert n.status["restartsInPlace"] == 4 and n.status["attemptRestartsInPlace"] == 1
+
+
+def test_a_permanent_failure_is_never_restarted_whatever_the_budgets(trainer_runs):
+    bad = trainer_runs.get("bad-data")
+    d = run_to([pod(0), pod(1)], backoffLimit=5)
+    r = decide(d.status, [pod(0), pod(1, real=bad)], backoffLimit=5)
+    assert r.phase == "Failed" and r.status["restarts"] == 0 and "badNodes" not in r.status
+
+
+def test_preflight_and_stragglers_from_the_snapshot_reach_the_status(tmp_path):
+    report = rank0(tmp_path)
+    figures = {"busBandwidthGBps": 0.9, "transport": "gloo", "matmulTflops": None,
+               "volumeWriteMBps": 700.0, "nodes": {"a": {}, "b": {}}, "seconds": 0.1}  # fmt: skip
+    slow = {"rank": 1, "node": "b", "stepSeconds": 2.0, "medianSeconds": 1.0}
+    report.update(preflight=figures, stragglers=[slow])
+    d = decide(run_to([pod(0), pod(1)]).status, [pod(0), pod(1)], snapshot=snapshot(report))
+    kept = {"busBandwidthGBps": 0.9, "transport": "gloo", "volumeWriteMBps": 700.0}
+    assert d.status["preflight"] == kept | {"seconds": 0.1, "nodes": 2}
+    assert d.status["stragglers"] == [slow]
+    report.update(stragglers=[])
+    assert decide(d.status, [pod(0), pod(1)], snapshot=snapshot(report)).status["stragglers"] == []
+
+
+# ------------------------------------------------------------------------- bad nodes
+
+
+def evicted(rank, attempt=0):
+    extra = {"reason": "Evicted", "message": "The node was low on resource: memory."}
+    return pod(rank, attempt, phase="Failed", extra=extra)
+
+
+def test_a_node_blamed_for_a_failure_is_avoided_by_the_next_gang():
+    d = run_to([pod(0), pod(1)])
+    r = decide(d.status, [pod(0), evicted(1)])
+    assert r.phase == "Restarting" and r.status["failure"]["nodeFault"] is True
+    (bad,) = r.status["badNodes"]
+    assert bad["node"] == "node-1" and bad["reason"] == "Evicted" and bad["count"] == 1
+    events = {e[1]: e[2] for e in r.events}
+    assert "node-1" in events["BadNode"] and "Evicted" in events["BadNode"]
+    assert "avoiding node(s) node-1" in events["Evicted"]
+    # The next gang's pods, as the handlers render them from that status.
+    _, spec = tiny()
+    p = render.pod("tiny", "ns", spec, 0, 1, "uid", avoid=lifecycle.bad_nodes(r.status))
+    terms = p["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"] == [
+        {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["node-1"]}]}
+    ]
+    kubernetes_validate.validate(p, "1.37", strict=True)
+    assert kubevalidation.errors([p]) == []
+
+
+def test_the_same_node_again_counts_up_and_the_list_is_bounded():
+    bad: list = []
+    for i in range(st.BAD_NODES_KEPT + 3):
+        failure = {"reason": "Evicted", "node": f"n{i}", "nodeFault": True}
+        bad, _ = st.note_bad_node(bad, failure, T0 + timedelta(minutes=i))
+    assert len(bad) == st.BAD_NODES_KEPT and bad[0]["node"] == "n3"  # the oldest went
+    again = {"reason": contract.NODE_UNHEALTHY, "node": "n3", "nodeFault": True}
+    bad, entry = st.note_bad_node(bad, again, T0 + timedelta(hours=1))
+    assert entry == {"node": "n3", "reason": "NodeUnhealthy", "count": 2,
+                     "lastSeen": "2026-01-01T13:00:00Z"}  # fmt: skip
+    assert bad[-1]["node"] == "n3" and len(bad) == st.BAD_NODES_KEPT
+
+
+@pytest.mark.parametrize(
+    "scenario", ["host-oom", "disk-full", "checkpoint-unreadable", "volume-unusable"]
+)
+def test_failures_of_the_job_not_the_node_blame_no_node(trainer_runs, scenario):
+    run = trainer_runs.get(scenario)
+    d = run_to([pod(0), pod(1)], backoffLimit=5)
+    r = decide(d.status, [pod(0), pod(1, real=run)], backoffLimit=5)
+    assert r.phase == "Restarting" and "badNodes" not in r.status
+    assert "nodeFault" not in r.status["failure"]
+    # The record names the node the trainer ran on (FTJOB_NODE_NAME, the downward API's).
+    assert contract.parse(run.record)["node"] == r.status["failure"]["node"] == "node-a"
+
+
+def test_a_pod_deleted_by_someone_blames_no_node_but_a_lost_node_does():
+    d = run_to([pod(0), pod(1)])
+    deleted = pod(1)
+    deleted["metadata"]["deletionTimestamp"] = "2026-01-01T12:00:00Z"
+    assert "badNodes" not in decide(d.status, [pod(0), deleted]).status
+    lost = decide(d.status, [pod(0), pod(1, phase="Unknown")])
+    assert lifecycle.bad_nodes(lost.status) == ["node-1"]
+
+
+def test_anti_affinity_joins_every_term_of_the_spec_s_own_affinity():
+    zone = {"key": "zone", "operator": "In", "values": ["a"]}
+    pool = {"key": "pool", "operator": "In", "values": ["gpu"]}
+    given = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [zone]}, {"matchExpressions": [pool]}]
+            }
+        },
+        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []},
+    }
+    name, spec = tiny(affinity=given)
+    p = render.pod(name, "ns", spec, 0, 2, "uid", avoid=["b", "a", "b"])
+    got = p["spec"]["affinity"]
+    terms = got["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    away = [{"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in ("a", "b")]
+    assert terms["nodeSelectorTerms"] == [
+        {"matchExpressions": [zone], "matchFields": away},
+        {"matchExpressions": [pool], "matchFields": away},
+    ]
+    assert got["podAntiAffinity"] == given["podAntiAffinity"]
+    assert spec.scheduling.affinity == given  # the spec itself is not changed
+    kubernetes_validate.validate(p, "1.37", strict=True)
+    assert kubevalidation.errors([p]) == []
+    # Without bad nodes the spec's affinity is rendered as it is.
+    assert render.pod(name, "ns", spec, 0, 0, "uid")["spec"]["affinity"] == given
+
+
+def test_the_api_server_s_node_selector_rules_are_checked():
+    """What the schema lets through and the API server refuses (so ftjob validate says so
+    for a spec's own affinity too)."""
+    _, spec = tiny()
+    p = render.pod("tiny", "ns", spec, 0, 0, "uid", avoid=["x"])
+    term = p["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    term["nodeSelectorTerms"][0]["matchFields"][0]["values"] = ["x", "y"]
+    term["nodeSelectorTerms"][0]["matchExpressions"] = [{"key": "zone", "operator": "In"}]
+    found = {e.path.rsplit(".", 1)[-1]: e.message for e in kubevalidation.errors([p])}
+    assert "only one value" in found["values"]
+    assert any("must be specified" in e.message for e in kubevalidation.errors([p]))
+
+
+def test_the_trainer_names_the_node_it_runs_on_from_the_downward_api():
+    _, spec = tiny()
+    env = render.pod("tiny", "ns", spec, 0, 0, "uid")["spec"]["containers"][0]["env"]
+    (node,) = [e for e in env if e["name"] == contract.NODE_NAME_ENV]
+    assert node["valueFrom"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}
