@@ -47,7 +47,9 @@ def main(spec_file: str, out: str) -> None:
     from ftjob.trainer import model, parallel
 
     rank = int(os.environ["RANK"])
-    (Path(out) / f"rank{rank}.pid").write_text(str(os.getpid()))
+    pid = Path(out) / f"rank{rank}.pid"
+    pid.with_suffix(".tmp").write_text(str(os.getpid()))
+    pid.with_suffix(".tmp").rename(pid)  # whole when it appears: the sampler reads it then
     spec = parse_spec(json.loads(Path(spec_file).read_text()))
     d = parallel.init(spec)
     tok = model.load_tokenizer(spec)

@@ -120,7 +120,7 @@ def _sample(out: Path, samples: dict[int, list], stop: threading.Event) -> None:
     while not stop.is_set():
         for rank in (0, 1):
             if rank not in pids and (out / f"rank{rank}.pid").exists():
-                pids[rank] = int((out / f"rank{rank}.pid").read_text())
+                pids[rank] = int((out / f"rank{rank}.pid").read_text())  # written whole
             if rank in pids:
                 try:
                     m = common.proc_mib(pids[rank], ("RssAnon", "RssFile"))
@@ -168,7 +168,7 @@ def measure(size: str, method: str, work: Path) -> dict:
     parallel warm, rank 0 warm) so that the machine's other work weighs on both alike."""
     folder = checkpoint(size, work)
     doc = spec(folder, method)
-    case: dict = {"size": size, "method": method}
+    case: dict = {"size": size, "method": method, "spec": doc}
     trees = {"parallel": common.ROOT, "rank0": baseline_tree(work)}
     for cache in ("cold", "warm"):
         for path, tree in trees.items():
@@ -183,6 +183,25 @@ def measure(size: str, method: str, work: Path) -> dict:
 def _growth(run: dict, rank: int) -> float:
     """A rank's anonymous growth, the larger of its cold and warm runs."""
     return max(run[k]["ranks"][rank]["anonGrowth"] for k in ("cold", "warm"))
+
+
+def plan_row(c: dict, label: str) -> dict:
+    """`ftjob plan`'s loading per process against the measured one: the process before loading
+    (the plan's baseline) plus its anonymous growth (the weight files' pages are page cache)."""
+    from bench.planner import estimate
+
+    doc = {"apiVersion": "ftjob.dev/v1alpha1", "kind": "FineTuneJob",
+           "metadata": {"name": "load"}, "spec": c["spec"]}  # fmt: skip
+    planned = estimate(doc).load_cpu_per_node / 2 / MIB
+    measured = max(
+        (r["before"]["RssAnon"] + r["before"]["RssFile"]) / MIB
+        + _growth(c["parallel"], r["rank"]) / MIB
+        for r in c["parallel"]["cold"]["ranks"]
+    )
+    ratio = planned / measured
+    return row(f"plan's loading per process vs the larger rank's (RSS before + anonymous "
+               f"growth) MiB, {label}", planned, measured, "measured", ratio, "0.8-1.2x",
+               0.8 <= ratio <= 1.2)  # fmt: skip
 
 
 def rows_for(c: dict) -> list[dict]:
@@ -209,7 +228,7 @@ def rows_for(c: dict) -> list[dict]:
         rows.append(row(f"load wall s, {k} cache, {label}", ours[k]["wall"], theirs[k]["wall"],
                         RANK0, ours[k]["wall"] / theirs[k]["wall"], "<= 1.0x",
                         ours[k]["wall"] <= theirs[k]["wall"]))  # fmt: skip
-    return rows
+    return [*rows, plan_row(c, label)]
 
 
 def _beyond(c: dict, rank: int) -> float:

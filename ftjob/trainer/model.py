@@ -316,8 +316,8 @@ def _buffers(model: nn.Module, base: nn.Module, ckpt: weights.Checkpoint, home) 
                 continue
             name = _base_name(f"{prefix}.{attr}" if prefix else attr)
             if ckpt.find([name]):
-                (_, part), = ckpt.tensors([name])  # fmt: skip
-                module._buffers[attr] = ckpt.read(part, (), old.dtype, home)
+                for _, part in ckpt.tensors([name]):  # read while its file is open
+                    module._buffers[attr] = ckpt.read(part, (), old.dtype, home)
                 continue
             if any(True for _ in module.parameters(recurse=False)):
                 # _init_weights would draw this module's loaded parameters afresh.
