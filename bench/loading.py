@@ -168,7 +168,11 @@ def measure(size: str, method: str, work: Path) -> dict:
     parallel warm, rank 0 warm) so that the machine's other work weighs on both alike."""
     folder = checkpoint(size, work)
     doc = spec(folder, method)
-    case: dict = {"size": size, "method": method, "spec": doc}
+    # The spec as recorded: sources named without this machine's paths.
+    data = str(common.CHAT_DATA.relative_to(common.ROOT))
+    shown = {**doc, "model": {"source": f"checkpoints/{size}"},
+             "dataset": {**doc["dataset"], "source": data}}  # fmt: skip
+    case: dict = {"size": size, "method": method, "spec": shown}
     trees = {"parallel": common.ROOT, "rank0": baseline_tree(work)}
     for cache in ("cold", "warm"):
         for path, tree in trees.items():
@@ -185,17 +189,26 @@ def _growth(run: dict, rank: int) -> float:
     return max(run[k]["ranks"][rank]["anonGrowth"] for k in ("cold", "warm"))
 
 
+def config(size: str) -> dict:
+    """SIZES[size]'s config.json as ``checkpoint`` writes it (no weights needed)."""
+    from transformers import LlamaConfig
+
+    shape = {**common.SHAPES[SIZES[size]], "tie_word_embeddings": False, "dtype": "bfloat16"}
+    c = LlamaConfig.from_pretrained(common.TINY_MODEL, **shape).to_dict()
+    return {**c, "head_dim": c["hidden_size"] // c["num_attention_heads"]}
+
+
 def plan_row(c: dict, label: str) -> dict:
     """`ftjob plan`'s loading per process against the measured one: the process before loading
     (the plan's baseline) plus its anonymous growth (the weight files' pages are page cache)."""
-    from bench.planner import estimate
+    from ftjob import plan
+    from ftjob.modelshape import ModelShape
+    from ftjob.spec import parse_spec
 
-    doc = {"apiVersion": "ftjob.dev/v1alpha1", "kind": "FineTuneJob",
-           "metadata": {"name": "load"}, "spec": c["spec"]}  # fmt: skip
-    planned = estimate(doc).load_cpu_per_node / 2 / MIB
+    shape = ModelShape.from_config(config(c["size"]))
+    planned = plan.estimate(parse_spec(c["spec"]), shape).load_cpu_per_node / 2 / MIB
     measured = max(
-        (r["before"]["RssAnon"] + r["before"]["RssFile"]) / MIB
-        + _growth(c["parallel"], r["rank"]) / MIB
+        (r["before"]["RssAnon"] + r["before"]["RssFile"] + _growth(c["parallel"], r["rank"])) / MIB
         for r in c["parallel"]["cold"]["ranks"]
     )
     ratio = planned / measured
@@ -256,10 +269,25 @@ def flat_rows(small: dict, big: dict) -> list[dict]:
 def run(work: Path, quick: bool) -> dict:
     sizes = ["0.2B"] if quick else list(SIZES)
     cases = [measure(size, method, work) for size in sizes for method in METHODS]
+    return {"cases": cases, "rows": all_rows(cases), "sampleSeconds": SAMPLE_SECONDS,
+            "baselineCommit": BASELINE}  # fmt: skip
+
+
+def all_rows(cases: list[dict]) -> list[dict]:
     rows = [r for c in cases for r in rows_for(c)]
+    sizes = list(dict.fromkeys(c["size"] for c in cases))
     for method in METHODS if len(sizes) > 1 else ():
         small, big = (next(c for c in cases if c["size"] == s and c["method"] == method)
                       for s in sizes)  # fmt: skip
         rows += flat_rows(small, big)
-    return {"cases": cases, "rows": rows, "sampleSeconds": SAMPLE_SECONDS,
-            "baselineCommit": BASELINE}  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    # python -m bench.loading RESULTS.json: the rows of a run's cases, with this tree's plan.
+    import json as _json
+
+    from bench.report import table_rows
+
+    cases = _json.loads(Path(sys.argv[1]).read_text())["suites"]["loading"]["cases"]
+    print("\n".join(table_rows({"suites": {"loading": {"rows": all_rows(cases)}}})))
