@@ -1,10 +1,10 @@
 """Suite f (issue 6): `plan.estimate` against measured peaks of 2-process CPU runs.
 
 Overall: the estimate's per-process total (weights + gradients + optimizer + activations +
-temporaries + reserved) vs rank 1's trainPeakRssMiB (rank 1 never holds the whole model; rank
-0 also reads the checkpoint). Growth: the estimate's model-dependent part (everything but the
-fixed process baseline) vs rank 1's growth over the tiny model's run with the same settings,
-which cancels the baseline the planner assumes (PROCESS_BASELINE_BYTES).
+temporaries + reserved) vs rank 1's trainPeakRssMiB. Growth: the estimate's model-dependent
+part (everything but the fixed process baseline) vs rank 1's growth over the tiny model's run
+with the same settings, which cancels the baseline the planner assumes
+(PROCESS_BASELINE_BYTES).
 
 Each run is measured twice: with glibc's default allocator settings, and with its mmap
 threshold pinned (PINNED). By default glibc raises the threshold after large tensors are
@@ -18,7 +18,6 @@ import json
 from pathlib import Path
 
 from bench import common
-from bench.loading import small_job
 from bench.report import row
 from ftjob import plan
 from ftjob.modelshape import ModelShape
@@ -26,6 +25,13 @@ from ftjob.spec import parse_resource
 
 MIB = 2**20
 PINNED = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+def small_job(size: str, work: Path, method: str = "full") -> dict:
+    """Two steps of seq 64 x micro-batch 1: the weights dominate."""
+    model = common.model_dir(size, work)
+    return common.job(f"load-{size}-{method}", model, steps=2, seq=64, micro_batch=1,
+                      method=method)  # fmt: skip
 
 
 def estimate(doc: dict) -> plan.Estimate:

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ftjob import jobfolder
+from ftjob import jobfolder, modelfiles
 from ftjob.schema import FieldError
 from ftjob.spec import FineTuneJobSpec
 
@@ -53,6 +53,9 @@ def missing(spec: FineTuneJobSpec, root: Path, job_dir: Path | None) -> list[Fie
                 fix=MODEL_FIX,
             )
         )
+    elif model is not None and (weights := modelfiles.problem(model, spec.model.source)):
+        # The trainer's own check: safetensors only (a pickled checkpoint is converted once).
+        out.append(FieldError("spec.model.source", weights[0], fix=weights[1]))
     data = _local(spec.dataset.source, root)
     if data is not None and not data.exists():
         out.append(

@@ -79,8 +79,8 @@ def plan_result(path: str, name: str, spec: FineTuneJobSpec, result: plan.Plan) 
         },
         "cpuMemory": {
             "peakPerNodeBytes": int(e.cpu_peak_per_node),
-            "loadingNode0Bytes": int(e.load_cpu_node0),
-            "loadingIfEveryRankReadBytes": int(e.load_cpu_every_rank),
+            "loadingPerNodeBytes": int(e.load_cpu_per_node),
+            "pageCachePerNodeBytes": int(e.page_cache_per_node),
             "steadyPerNodeBytes": int(e.cpu_per_node),
             "podMemoryBytes": _int(e.pod_memory),
         },

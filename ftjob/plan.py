@@ -22,7 +22,10 @@ It models what ftjob's trainer does, not an ideal FSDP:
   setting that fits (:func:`checkpoint_stride`);
 * the loss computes logits LOSS_CHUNK_TOKENS tokens at a time, with the gradients of the
   hidden states and of the head taken chunk by chunk in the forward;
-* rank 0 reads the checkpoint (in its own dtype) and broadcasts it; other ranks start empty;
+* every rank reads its own rows of each tensor from the memory-mapped safetensors files (the
+  4-bit weights whole, to quantize them whole), one tensor at a time: a rank's own memory grows
+  by its shards plus the tensor being read (measured: bench --suite loading); the files' pages
+  pass through the page cache, which is reclaimable and not counted;
 * checkpoints hold the trainable parameters' weights and AdamW moments (fp32).
 
 MFU counts model FLOPs only (:func:`ftjob.modelshape.model_flops`), as the trainer's live
@@ -59,6 +62,12 @@ TIGHT = 0.90  # above this share the estimate's error (~15%) could tip it: say s
 PROCESS_BASELINE_BYTES = 0.4 * GIB
 # The same for a CUDA process (CUDA and NCCL libraries mapped in): not measured here.
 GPU_PROCESS_BASELINE_BYTES = 3 * GIB
+# Loading's allowance beyond the shards a rank keeps and the tensor it is reading: the
+# allocator, and under QLoRA torchao's quantization working memory (it quantizes 2^20 values
+# at a time). With it the plan is 1.09-1.19x the measured loading peak of 0.2B and 1B bf16
+# checkpoints, full, LoRA and QLoRA (bench --suite loading, 2026-11-24): an upper bound, and
+# within the planner's +-20%.
+LOAD_SLACK_BYTES = 64 * 2**20
 # Share of the peak the GPUs are assumed to spend on matmuls, recomputed ones included
 # (hardware FLOPs utilisation): the step time divides model + recomputed FLOPs by it. Without
 # recomputation it equals MFU; the plan's MFU is it x model / (model + recomputed) FLOPs.
@@ -85,8 +94,8 @@ class Estimate:
     device_bytes: float | None  # one GPU's memory (None: CPU job or unknown GPU)
     pod_memory: float | None  # resources.memory of a pod (None: not set)
     cpu_per_node: float  # steady state: offloaded states and per-process baselines
-    load_cpu_node0: float  # peak on node 0 while loading, rank-0 loading
-    load_cpu_every_rank: float  # the same if every rank read the weights
+    load_cpu_per_node: float  # while loading: what each rank keeps + the tensor it reads
+    page_cache_per_node: float  # checkpoint bytes a node's ranks read (reclaimable, not counted)
     checkpoint_bytes: float
     flops_per_token: float  # model FLOPs (MFU's), every document maxSeqLength long
     recomputed_flops_per_token: float  # the forward that activation checkpointing repeats
@@ -124,8 +133,8 @@ class Estimate:
 
     @property
     def cpu_peak_per_node(self) -> float:
-        """The most CPU memory a pod needs: loading on node 0, or the steady state."""
-        return max(self.load_cpu_node0, self.cpu_per_node)
+        """The most CPU memory a pod needs: while loading, or the steady state."""
+        return max(self.load_cpu_per_node, self.cpu_per_node)
 
     @property
     def fits_device(self) -> bool | None:
@@ -206,7 +215,7 @@ def _estimate(
     r, t, method = spec.resources, spec.training, spec.method.type
     gpu = GPUS.get(r.gpu_type) if r.gpu_type else None
     on_gpu = r.gpus_per_node > 0
-    nproc, world = r.nproc_per_node, r.world_size
+    world = r.world_size
     act_bytes = 2 if spec.compute_precision() == "bf16" else FP32
     lora = spec.method.lora_settings()
     adapter = shape.lora_params(lora.r, lora.target_modules) if lora else 0
@@ -237,36 +246,14 @@ def _estimate(
 
     tokens = t.micro_batch_size * spec.dataset.max_seq_length
     activations = _activations(spec, shape, tokens, act_bytes, stride) * FRAGMENTATION
-    # FSDP gathers a layer (and prefetches the next) in compute precision and holds its
-    # unsharded fp32 gradient until the reduce-scatter; grad-op keeps every layer gathered
-    # from forward to backward.
-    layer = shape.layer_params
-    gathered = (shape.params if sharding == "grad-op" else 2 * layer) * act_bytes
-    if method == "qlora":
-        # The gathered layers stay 4-bit; each linear weight is dequantized as it is used.
-        layers = shape.params / shape.layer_params if sharding == "grad-op" else 2
-        largest = max(r * c for r, c in shape.linear_shapes().values())
-        gathered = layers * layer * NF4_BITS_PER_PARAM / 8 + largest * act_bytes
-    temporaries = gathered + (layer if method == "full" else 0) * FP32
+    temporaries = _temporaries(method, shape, sharding, act_bytes)
     reserved = GPU_RESERVED_BYTES if on_gpu else PROCESS_BASELINE_BYTES
 
-    offloaded = state_bytes / group if offload else 0.0
-    baseline = GPU_PROCESS_BASELINE_BYTES if on_gpu else PROCESS_BASELINE_BYTES
-    # Background checkpoints copy each process's share of what they save (trained weights and
-    # both moments) into CPU buffers that are kept for the whole run.
-    staging = 3 * trainable * FP32 / group if spec.checkpoint.async_save else 0.0
-    if staging:
-        notes.append(f"asyncSave keeps a {_gib(staging)} CPU copy per process")
-    per_process_cpu = offloaded + baseline + staging
-    if not on_gpu:  # a CPU job keeps everything in CPU memory
-        per_process_cpu = (
-            weights + gradients + optimizer + activations + temporaries + reserved + staging
-        )
-    cpu_per_node = nproc * per_process_cpu
-    # Rank 0 reads the whole checkpoint in its own dtype; the others receive their shards.
-    # Were every rank to build the model itself, each would hold it whole in its training dtype.
-    load_node0 = shape.params * shape.checkpoint_bytes + nproc * baseline
-    load_every = nproc * (shape.params * frozen_bytes + baseline)
+    device_total = weights + gradients + optimizer + activations + temporaries + reserved
+    shards = (state_bytes / group, sharded_weights / group)
+    cpu = _cpu_memory(spec, shape, group, trainable, shards, device_total, frozen_bytes)
+    if cpu.staging:
+        notes.append(f"asyncSave keeps a {_gib(cpu.staging)} CPU copy per process")
     checkpoint_bytes = 3 * trainable * FP32
 
     flops, recomputed = _flops_per_token(spec, shape, adapter, stride)
@@ -290,9 +277,9 @@ def _estimate(
         reserved=reserved,
         device_bytes=device_bytes if on_gpu else None,
         pod_memory=quantity(r.memory) if r.memory else None,
-        cpu_per_node=cpu_per_node,
-        load_cpu_node0=load_node0,
-        load_cpu_every_rank=load_every,
+        cpu_per_node=cpu.steady,
+        load_cpu_per_node=cpu.loading,
+        page_cache_per_node=cpu.page_cache,
         checkpoint_bytes=checkpoint_bytes,
         flops_per_token=flops,
         recomputed_flops_per_token=recomputed,
@@ -305,6 +292,68 @@ def _estimate(
         hardware_utilisation=hfu,
         on_gpu=on_gpu,
     )
+
+
+def _temporaries(method: str, shape: ModelShape, sharding: str, act_bytes: int) -> float:
+    """FSDP gathers a layer (and prefetches the next) in compute precision and holds its
+    unsharded fp32 gradient until the reduce-scatter; grad-op keeps every layer gathered
+    from forward to backward."""
+    layer = shape.layer_params
+    gathered = (shape.params if sharding == "grad-op" else 2 * layer) * act_bytes
+    if method == "qlora":
+        # The gathered layers stay 4-bit; each linear weight is dequantized as it is used.
+        layers = shape.params / shape.layer_params if sharding == "grad-op" else 2
+        largest = max(r * c for r, c in shape.linear_shapes().values())
+        gathered = layers * layer * NF4_BITS_PER_PARAM / 8 + largest * act_bytes
+    return gathered + (layer if method == "full" else 0) * FP32
+
+
+@dataclass
+class _Cpu:
+    steady: float  # per node: offloaded states, baselines, background-save copies
+    loading: float  # per node, while loading
+    page_cache: float  # per node: checkpoint bytes read through the page cache
+    staging: float  # per process: asyncSave's copy
+
+
+def _cpu_memory(
+    spec: FineTuneJobSpec,
+    shape: ModelShape,
+    group: int,
+    trainable: int,
+    shards: tuple[float, float],
+    device_total: float,
+    frozen_bytes: int,
+) -> _Cpu:
+    """A pod's CPU memory. ``shards``: one process's shard of all the states, and of the
+    weights alone; ``device_total``: one process's device memory (a CPU job's whole memory);
+    ``frozen_bytes``: bytes of a weight as training holds it."""
+    r, on_gpu = spec.resources, spec.resources.gpus_per_node > 0
+    states, weights = shards
+    offload = spec.parallelism.cpu_offload
+    baseline = GPU_PROCESS_BASELINE_BYTES if on_gpu else PROCESS_BASELINE_BYTES
+    # Background checkpoints copy each process's share of what they save (trained weights and
+    # both moments) into CPU buffers that are kept for the whole run.
+    staging = 3 * trainable * FP32 / group if spec.checkpoint.async_save else 0.0
+    # A CPU job keeps everything in CPU memory (its baseline is in device_total).
+    steady = (states if offload else 0.0) + baseline if on_gpu else device_total
+    steady += staging
+    # Loading: the weights' shards (in CPU memory when offloaded or on CPU), and the tensor
+    # being read in the training dtype (read into the GPU in a GPU job; counted all the same):
+    # a rank's rows of the largest tensor, or a 4-bit weight read whole, whichever is larger.
+    # Gradients, moments and activations do not exist yet.
+    qlora = spec.method.type == "qlora"
+    rows = max(shape.vocab, shape.intermediate) * shape.hidden / group
+    whole = max(o * i for o, i in shape.linear_shapes().values()) if qlora else 0
+    kept = weights if offload or not on_gpu else 0.0
+    loading = baseline + kept + max(rows, whole) * frozen_bytes + LOAD_SLACK_BYTES
+    # What a node's ranks read: their own rows (all of it where each holds everything), and
+    # QLoRA's 4-bit weights whole on every rank (one copy in a node's cache).
+    whole = shape.linear_params if qlora else 0
+    rows = min(1.0, r.nproc_per_node / group)
+    read = ((shape.params - whole) * rows + whole) * shape.checkpoint_bytes
+    nproc = r.nproc_per_node
+    return _Cpu(nproc * steady, nproc * loading, read, staging)
 
 
 def _activations(
@@ -563,11 +612,12 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
         ),
         (
             "CPU memory",
-            f"{_gib(e.cpu_peak_per_node)} per pod at most: loading "
-            f"{_gib(e.load_cpu_node0)} on node 0 (rank-0 loading; if every rank read the "
-            f"weights: {_gib(e.load_cpu_every_rank)})"
-            + f", steady {_gib(e.cpu_per_node)} per node"
-            + (f", of {_gib(e.pod_memory)} (resources.memory)" if e.pod_memory else ""),
+            f"{_gib(e.cpu_peak_per_node)} per pod at most: loading {_gib(e.load_cpu_per_node)} "
+            "(each process its shards + the tensor it reads), steady "
+            f"{_gib(e.cpu_per_node)}"
+            + (f", of {_gib(e.pod_memory)} (resources.memory)" if e.pod_memory else "")
+            + f"; page cache: {_gib(e.page_cache_per_node)} of weight files read through it, "
+            "charged to the pod but reclaimable, not counted",
         ),
         (
             "checkpoint",
@@ -659,9 +709,11 @@ def verdict_text(result: Plan) -> str:
         share = e.per_device / e.device_bytes
         found.append(f"{_gib(e.per_device)} of {_gib(e.device_bytes)} per GPU ({share:.0%})")
     if e.fits_pod is not None:
-        found.append(f"{_gib(e.cpu_peak_per_node)} of {_gib(e.pod_memory)} CPU memory per pod")
-        if e.fits_pod and e.load_cpu_every_rank > e.pod_memory:
-            found.append("only because rank 0 alone reads the weights")
+        peak = "loading" if e.load_cpu_per_node > e.cpu_per_node else "training"
+        found.append(
+            f"{_gib(e.cpu_peak_per_node)} of {_gib(e.pod_memory)} CPU memory per pod (peak "
+            f"while {peak}: every rank reads only its part of the weights)"
+        )
     if e.fits is None:
         if not result.on_gpus:  # gpuType is for GPU jobs only (a CRD rule)
             return "not checked: set resources.memory to check the CPU memory"

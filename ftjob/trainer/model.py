@@ -1,10 +1,12 @@
-"""Tokenizer and model: built empty everywhere, read once on rank 0, adapters applied.
+"""Tokenizer and model: built empty everywhere, then every rank reads what it keeps.
 
 The order follows torchtune's ``_setup_model``: :func:`build` gives every rank the
 architecture with its adapters on the meta device (no memory, no weights read); the caller
-shards it (:mod:`ftjob.trainer.parallel`); :func:`materialize` then reads the weights on rank
-0 and hands every rank its shard of each tensor, one tensor at a time. A 70B model is read from
-disk once for the whole gang, and no rank ever holds more than its shards plus one tensor.
+shards it (:mod:`ftjob.trainer.parallel`); :func:`materialize` then has every rank copy the
+rows of each tensor it keeps out of the memory-mapped safetensors files
+(:mod:`ftjob.trainer.weights`), all ranks at once and with no collective. A rank holds its
+shards plus at most one tensor being read (a whole weight under QLoRA, which is quantized
+whole), and a 70B model is read from the volume by all the gang's readers in parallel.
 
 Dtypes: full fine-tuning keeps fp32 master weights. LoRA and QLoRA keep the frozen base in the
 compute precision (bf16 on GPUs) and only what trains (the adapters, hence their gradients and
@@ -21,17 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchao.quantization import NF4Tensor, to_nf4
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from ftjob import contract
+from ftjob import contract, modelfiles
 from ftjob.contract import BAD_SPEC, TrainerError
 from ftjob.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK
 from ftjob.spec import FineTuneJobSpec
-from ftjob.trainer import attention
+from ftjob.trainer import attention, weights
 from ftjob.trainer.parallel import Dist
 
 
@@ -61,11 +62,17 @@ def hub_kwargs(spec: FineTuneJobSpec) -> dict:
 
 def load_tokenizer(spec: FineTuneJobSpec) -> PreTrainedTokenizerBase:
     path = resolve(spec.model.source)
-    if not spec.model.source.startswith("hf://") and not (Path(path) / "config.json").is_file():
-        raise SourceError(
-            f"model.source {spec.model.source}: no Hugging Face model folder "
-            f"(config.json) at {path}"
-        )
+    # Checked before the data is prepared, as the weights are read only after it. An hf://
+    # source is a local folder by now (sources.fetch), pickled weights left undownloaded.
+    if not spec.model.source.startswith("hf://"):
+        if not (Path(path) / "config.json").is_file():
+            raise SourceError(
+                f"model.source {spec.model.source}: no Hugging Face model folder "
+                f"(config.json) at {path}"
+            )
+        found = modelfiles.problem(Path(path), spec.model.source)
+        if found:
+            raise SourceError(found[0], where="spec.model.source", fix=found[1])
     tok = AutoTokenizer.from_pretrained(path, **hub_kwargs(spec))
     if tok.pad_token is None:
         # Padding positions never reach the loss (labels -100), so any known token will do;
@@ -91,7 +98,7 @@ class Built:
     spec: FineTuneJobSpec
     # Names of the frozen linear weights that QLoRA stores in NF4 (empty otherwise).
     quantized: dict[str, tuple[int, int]] = field(default_factory=dict)
-    read_weights: bool = False  # this rank read the weight files (set by materialize)
+    read_bytes: int = 0  # what this rank read from the weight files (set by materialize)
 
 
 def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase) -> Built:
@@ -154,9 +161,7 @@ def _adapters(model: nn.Module, spec: FineTuneJobSpec) -> nn.Module:
         target_modules="all-linear" if targets == ["all-linear"] else targets,
         task_type="CAUSAL_LM",
     )
-    # Adapter init draws random numbers: rank 0 reads the model with the seed's adapters, and
-    # every rank receives them by broadcast.
-    torch.manual_seed(spec.training.seed)
+    # On the meta device: materialize draws the adapters' values, the same on every rank.
     return get_peft_model(model, config)
 
 
@@ -169,64 +174,160 @@ def left_whole(built: Built, shards: int) -> set[nn.Parameter]:
     return {params[name] for name in built.quantized}
 
 
-def materialize(built: Built, d: Dist, cpu_offload: bool = False) -> None:
-    """After sharding: read the weights on rank 0 and give every rank its shards (collective).
+@dataclass(eq=False)
+class _Slot:
+    """One parameter of the sharded model, under all its names (tied weights have two)."""
 
-    Each tensor is broadcast whole in its training dtype, one at a time; each rank keeps its
-    own slice. A QLoRA weight is quantized whole on every rank before it is sliced: the NF4
-    scales of its blocks are normalised by a mean over the whole weight, so only whole-weight
-    quantization gives every rank the shard the unsharded model would have.
+    like: nn.Parameter  # the sharded meta parameter: shape, dtype, placements
+    names: list[str]  # the model's (peft's, with adapters)
+    owners: list[tuple[nn.Module, str]]
+
+    @property
+    def base_names(self) -> list[str]:
+        """Its names in the base model, as the checkpoint has them."""
+        return [_base_name(n) for n in self.names]
+
+    def fill(self, value: torch.Tensor) -> None:
+        new = nn.Parameter(value, self.like.requires_grad)
+        for module, attr in self.owners:
+            module._parameters[attr] = new  # one object under every name keeps them tied
+
+
+def materialize(built: Built, d: Dist, cpu_offload: bool = False) -> None:
+    """After sharding: every rank reads the rows of each tensor it keeps from the mapped
+    safetensors files, in the training dtype, with no collective (:mod:`weights`).
+
+    A QLoRA weight is read whole on every rank and quantized whole before each rank keeps its
+    slice: the NF4 scales of its blocks are normalised by a mean over the whole weight, so only
+    whole-weight quantization gives every rank the shard the unsharded model would have.
+    Adapters are drawn by peft's own initialisation with the job's seed, the same on every
+    rank; non-persistent buffers (rotary ``inv_freq``) are computed by transformers' own init.
     """
     model = built.model
-    state: dict[str, torch.Tensor] = {}
-    if d.is_main:
-        state = _read(built.spec, built.model.config)
-        built.read_weights = True
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     # Offloaded shards live in CPU memory; FSDP moves them to the GPU one layer at a time.
     home = torch.device("cpu") if cpu_offload else d.device
-    done: dict[int, nn.Parameter] = {}  # tied weights: one tensor under two names
-    for prefix, module in model.named_modules():
-        for attr, old in list(module._parameters.items()):
-            if old is None:
+    source = resolve(built.spec.model.source)
+    ckpt = weights.Checkpoint(Path(source), built.spec.model.source, base)
+    slots = _slots(model)
+    found = {name: s for s in slots if (name := ckpt.find(s.base_names))}
+    adapters = [s for s in slots if s not in found.values() and s.like.requires_grad]
+    missing = [s.base_names[0] for s in slots if s not in found.values() and s not in adapters]
+    if missing:
+        raise SourceError(
+            f"model.source {built.spec.model.source}: the checkpoint has no tensor for "
+            f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+        )
+    for name, part in ckpt.tensors(found):
+        slot = found[name]
+        if any(n in built.quantized for n in slot.names):
+            whole = ckpt.read(part, (), slot.like.dtype, d.device)
+            slot.fill(_own_shard(to_nf4(whole, NF4_BLOCK, NF4_SCALE_BLOCK), slot.like, home))
+        else:
+            own = ckpt.read(part, _rows(slot.like), slot.like.dtype, home)
+            slot.fill(_placed(own, slot.like))
+    built.read_bytes = ckpt.read_bytes
+    _init_adapters(model, adapters, built.spec.training.seed, home)
+    _buffers(model, base, ckpt, home)
+
+
+def _slots(model: nn.Module) -> list[_Slot]:
+    """Every parameter once, in module order, with all the names it goes by."""
+    slots: dict[int, _Slot] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is None:
                 continue
+            slot = slots.setdefault(id(param), _Slot(param, [], []))
             name = f"{prefix}.{attr}" if prefix else attr
-            if id(old) not in done:
-                full = _broadcast(state.pop(name, None), old, d)
-                if name in built.quantized:
-                    full = to_nf4(full, NF4_BLOCK, NF4_SCALE_BLOCK)
-                done[id(old)] = nn.Parameter(_own_shard(full, old, home), old.requires_grad)
-            setattr(module, attr, done[id(old)])
+            if (module, attr) not in slot.owners:
+                slot.owners.append((module, attr))
+                slot.names.append(name)
+    return list(slots.values())
+
+
+def _base_name(name: str) -> str:
+    """The base model's name of a parameter of the peft-wrapped model."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def _rows(like: torch.Tensor) -> tuple[slice, ...]:
+    """The part of the whole tensor this rank keeps of the sharded parameter ``like``: on each
+    mesh dimension that shards it, its ``torch.chunk`` (how FSDP2 splits a parameter: a
+    shorter last chunk, and nothing for a rank past the last)."""
+    bounds = [slice(0, n) for n in like.shape]
+    if isinstance(like, DTensor):
+        mesh = like.device_mesh
+        for dim, placement in enumerate(like.placements):
+            if placement.is_shard():
+                b = bounds[placement.dim]
+                size = -(-(b.stop - b.start) // mesh.size(dim))
+                start = min(b.start + mesh.get_local_rank(dim) * size, b.stop)
+                bounds[placement.dim] = slice(start, min(start + size, b.stop))
+    return tuple(bounds)
+
+
+def _placed(own: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's rows as the sharded parameter ``like`` (a plain tensor where FSDP left it
+    whole)."""
+    if not isinstance(like, DTensor):
+        return own
+    return DTensor.from_local(
+        own, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+        stride=like.stride(),
+    )  # fmt: skip
+
+
+def _init_adapters(model: nn.Module, adapters: list[_Slot], seed: int, home) -> None:
+    """The adapters' initial values, the same on every rank with no collective: peft's own
+    initialisation of each LoRA layer, in module order, from one generator seeded with the
+    job's seed, on CPU copies of the whole adapter; each rank keeps its shard."""
+    if not adapters:
+        return
+    from peft.tuners.lora import LoraLayer
+
+    pending = {id(s.like): s for s in adapters}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for layer in model.modules():
+            if not isinstance(layer, LoraLayer):
+                continue
+            own = [pending.pop(id(p)) for n, p in layer.named_parameters()
+                   if not n.startswith("base_layer.") and id(p) in pending]  # fmt: skip
+            for slot in own:  # whole CPU tensors for peft to fill in place
+                slot.fill(torch.empty(slot.like.shape, dtype=slot.like.dtype))
+            for name in layer.lora_A.keys() | layer.lora_embedding_A.keys():
+                layer.reset_lora_parameters(name, model.peft_config[name].init_lora_weights)
+            for slot in own:
+                whole = slot.owners[0][0]._parameters[slot.owners[0][1]].detach()
+                slot.fill(_own_shard(whole, slot.like, home))
+    if pending:
+        names = [s.names[0] for s in pending.values()]
+        raise SourceError(f"no checkpoint tensor and no adapter initialisation for {names[:3]}")
+
+
+def _buffers(model: nn.Module, base: nn.Module, ckpt: weights.Checkpoint, home) -> None:
+    """Buffers: read whole where the checkpoint has them; the others (non-persistent, e.g.
+    rotary ``inv_freq``) computed by transformers' own ``_init_weights`` of their module."""
+    computed = []
+    for prefix, module in model.named_modules():
         for attr, old in list(module._buffers.items()):
-            if old is not None:
-                name = f"{prefix}.{attr}" if prefix else attr
-                module._buffers[attr] = _broadcast(state.pop(name, None), old, d).to(home)
-
-
-def _read(spec: FineTuneJobSpec, config) -> dict[str, torch.Tensor]:
-    """Rank 0: every tensor of the model with its adapters, buffers too, by name."""
-    path = resolve(spec.model.source)
-    common = dict(
-        attn_implementation=attention.implementation(spec.model.attention), **hub_kwargs(spec)
-    )
-    # Read in the checkpoint's own dtype (bf16 for most LLMs: half of fp32); cast per tensor.
-    source = AutoModelForCausalLM.from_pretrained(path, dtype="auto", **common)
-    source.config.pad_token_id = config.pad_token_id
-    source = _adapters(source, spec)  # the same seed: the adapters' initial values
-    state = dict(source.named_buffers())
-    state.update(source.state_dict())
-    return state
-
-
-def _broadcast(value: torch.Tensor | None, like: torch.Tensor, d: Dist) -> torch.Tensor:
-    """Rank 0's ``value`` on every rank, whole, in ``like``'s dtype, on the compute device."""
-    if d.is_main:
-        if value is None:
-            raise RuntimeError(f"the model read on rank 0 has no tensor shaped {like.shape}")
-        full = value.to(device=d.device, dtype=like.dtype).contiguous()
-    else:
-        full = torch.empty(like.shape, dtype=like.dtype, device=d.device)
-    dist.broadcast(full, src=0)
-    return full
+            if old is None or not old.is_meta:
+                continue
+            name = _base_name(f"{prefix}.{attr}" if prefix else attr)
+            if ckpt.find([name]):
+                for _, part in ckpt.tensors([name]):  # read while its file is open
+                    module._buffers[attr] = ckpt.read(part, (), old.dtype, home)
+                continue
+            if any(True for _ in module.parameters(recurse=False)):
+                # _init_weights would draw this module's loaded parameters afresh.
+                raise SourceError(f"cannot compute buffer {name}: not in the checkpoint")
+            module._buffers[attr] = torch.empty(old.shape, dtype=old.dtype)
+            computed.append(module)
+    for module in dict.fromkeys(computed):
+        base._init_weights(module)
+        for attr, value in module._buffers.items():
+            module._buffers[attr] = value.to(home) if value is not None else None
 
 
 def _own_shard(full: torch.Tensor, like: torch.Tensor, home: torch.device) -> torch.Tensor:
@@ -251,9 +352,7 @@ def _own_shard(full: torch.Tensor, like: torch.Tensor, home: torch.device) -> to
             setattr(local, attr, part.clone(memory_format=torch.contiguous_format))
     else:
         local = local.clone()  # a slice would keep the whole tensor alive
-    return DTensor.from_local(
-        local, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-    )
+    return _placed(local, like)
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

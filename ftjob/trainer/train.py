@@ -129,10 +129,16 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
         f"{total} steps" + run.speed_note()
     )
     _plan_progress(report, spec, d, total, run)
-    load_rss = [0.0] * d.world_size
-    dist.all_gather_object(load_rss, _peak_rss_mib())
-    report.update(loadPeakRssMiB=load_rss)
-    report.log("peak RSS per rank after loading (MiB): " + ", ".join(f"{m:.0f}" for m in load_rss))
+    # The first collective after loading: every rank has read its part by now.
+    loaded = [(0.0, 0, 0.0)] * d.world_size
+    dist.all_gather_object(loaded, (_peak_rss_mib(), run.read_bytes, run.load_seconds))
+    report.update(loadPeakRssMiB=[rss for rss, _, _ in loaded])
+    report.log(
+        "loading: each rank read its own part of the weights ("
+        + ", ".join(f"{b / 2**30:.2f} GiB in {s:.1f} s" for _, b, s in loaded)
+        + "); peak RSS per rank after loading (MiB): "
+        + ", ".join(f"{rss:.0f}" for rss, _, _ in loaded)
+    )
 
     start = _resume(job_dir, spec, d, run.ckpt, run.net, run.optimizer, run.scheduler, report)
     evaluated_at = _train(spec, d, run, ds, sampler, range(start, total), report, beat)
@@ -188,6 +194,8 @@ class Run:
     replicated: bool  # a mesh with replicas (hybrid, none): their all-reduce can wait
     speed: parallel.Speed
     flops: Callable[[int, int], float]
+    read_bytes: int  # what this rank read from the weight files
+    load_seconds: float  # how long this rank took to read them
 
     def speed_note(self) -> str:
         setting = plan.stride_name(self.speed.checkpoint_every)
@@ -196,8 +204,8 @@ class Run:
 
 
 def _load(spec, tok, d: parallel.Dist, job_dir: Path, lease, total: int) -> Run:
-    """Build on meta, shard, read the weights (rank 0) into every rank's shards; optimizer,
-    schedule and checkpointer beside them."""
+    """Build on meta, shard, every rank reads its shards of the weights; optimizer, schedule
+    and checkpointer beside them."""
     t = spec.training
     built = model.build(spec, tok)
     loss.install(built.model)  # before sharding: the head's forward computes the loss
@@ -208,7 +216,9 @@ def _load(spec, tok, d: parallel.Dist, job_dir: Path, lease, total: int) -> Run:
     model.check_shardable(built, shards)  # before any weight is read
     speed = parallel.speed_settings(spec, built.model.config, _gpu_bytes(d))
     net = parallel.shard(built.model, spec, mesh, sharding, model.left_whole(built, shards), speed)
+    began = time.monotonic()
     model.materialize(built, d, spec.parallelism.cpu_offload)
+    load_seconds = time.monotonic() - began
     net.train()
     torch.manual_seed(t.seed + d.rank)  # dropout: a different stream on each rank
     weights = [p for p in net.parameters() if p.requires_grad]
@@ -229,7 +239,7 @@ def _load(spec, tok, d: parallel.Dist, job_dir: Path, lease, total: int) -> Run:
     replicated = mesh.ndim == 2 and mesh["replicate"].size() > 1
     flops = _flops_counter(spec, net, params, trainable)
     return Run(net, weights, optimizer, scheduler, ckpt, params, trainable, sharding, replicated,
-               speed, flops)  # fmt: skip
+               speed, flops, built.read_bytes, load_seconds)  # fmt: skip
 
 
 def _train(spec, d, run: Run, ds, sampler, steps: range, report, beat) -> int | None:
@@ -366,7 +376,7 @@ def evaluate(net, ds: data.Data, d: parallel.Dist, micro_batch: int) -> float:
 
 
 def _peak_rss_mib() -> float:
-    # Linux reports ru_maxrss in KiB; rank 0 reads the weights, the others should stay small.
+    # Linux reports ru_maxrss in KiB; it counts the mapped weight files' pages a rank touched.
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 

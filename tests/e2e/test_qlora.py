@@ -231,6 +231,12 @@ def probe(base: Path, out: Path) -> None:
         row = {"input_ids": list(range(10, 70)), "labels": list(range(10, 70))}
         batch = data.collate([{**row, "seq_lengths": [60]}], 0)
         reference = model._adapters(nf4_reference(base, model.frozen_dtype(spec)), spec)
+        ref_weights = dict(reference.named_parameters())
+        bit_equal = all(
+            torch.equal(getattr(p.full_tensor(), part), getattr(ref_weights[n], part))
+            for n, p in nf4.items()
+            for part in ("quantized_data", "quantized_scalers", "quantization_factor")
+        )
         with torch.no_grad():
             loss, count = token_loss(net, batch, d.device)
             ref_loss, _ = token_loss(reference, batch, d.device)
@@ -257,7 +263,8 @@ def probe(base: Path, out: Path) -> None:
             "loss": float(loss / count),
             "reference_loss": float(ref_loss / count),
             "dcp_exact": exact,
-            "read_weights": built.read_weights,
+            "nf4_bit_equal": bit_equal,
+            "read_bytes": built.read_bytes,
         }
     # Hybrid over 2 nodes x 1 process: a shard group of one, where the 4-bit weights stay whole
     # (outside FSDP) on each rank and only the replicas' gradients are averaged.
@@ -304,18 +311,29 @@ def ranks(runs) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def test_each_rank_holds_half_of_every_4bit_weight(ranks):
+def test_each_rank_holds_half_of_every_4bit_weight(ranks, runs):
+    from safetensors.torch import load_file
+
     for rank in ranks:
         case = rank["fp32"]
         # every decoder linear weight (2 layers x 7) is NF4, and nothing else is
         assert len(case["quantized"]) == 14
         assert case["nf4_params"] == case["quantized"]
         assert case["nf4_shares"] == [0.5] * 14
-    assert [r["fp32"]["read_weights"] for r in ranks] == [True, False]
+    # Both ranks read the files: the 4-bit weights whole (each is quantized whole), and their
+    # own half of the rest.
+    tensors = load_file(runs / "base" / "model.safetensors")
+    names = [n.removeprefix("base_model.model.").replace(".base_layer", "")
+             for n in ranks[0]["fp32"]["quantized"]]  # the files' names  # fmt: skip
+    whole = sum(t.nbytes for k, t in tensors.items() if k in names)
+    half = sum(t.nbytes for k, t in tensors.items() if k not in names) / 2
+    assert [r["fp32"]["read_bytes"] for r in ranks] == [whole + half] * 2
 
 
 def test_sharded_qlora_equals_the_unsharded_nf4_reference(ranks):
     for rank in ranks:
+        # the gathered shards are the 4-bit weights quantized whole, bit for bit
+        assert all(rank[p]["nf4_bit_equal"] for p in ("fp32", "bf16", "offload"))
         for label in ("fp32", "offload"):  # CPU offload: FSDP's CPUOffloadPolicy over NF4
             case = rank[label]
             assert case["loss"] == pytest.approx(case["reference_loss"], abs=1e-5)

@@ -131,6 +131,21 @@ def test_a_model_folder_without_config_and_a_missing_resume_from_are_named_at_on
     assert not (tmp_path / "seeded" / "logs").exists()
 
 
+def test_a_pickled_checkpoint_is_named_at_once_with_the_conversion(tmp_path):
+    """The trainer reads safetensors only; `ftjob run` says so before torch starts."""
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text((ROOT / "examples" / "tiny-model" /
+                                                   "config.json").read_text())  # fmt: skip
+    (tmp_path / "old" / "pytorch_model.bin").write_bytes(b"pickled")
+    code, out, seconds = ftjob_run(tiny_job(tmp_path, "old", model={"source": "old"}),
+                                   tmp_path / "run")  # fmt: skip
+    assert code == 1 and seconds < 5, (seconds, out)
+    assert "spec.model.source: model.source old: the weights are in PyTorch's pickle format " \
+           "only (pytorch_model.bin)" in out  # fmt: skip
+    assert "  fix: convert it to safetensors once, e.g. python -c" in out
+    assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------ fix lines by cause
 
 

@@ -1,10 +1,11 @@
-"""Sharding and rank-0 loading, checked inside 2 real processes.
+"""Sharding and parallel loading, checked inside 2 (and 4) real processes.
 
     python -m pytest tests/e2e/test_trainer_parallel.py -q
 
 The test runs this same file under torchrun (the ``__main__`` block below): each rank builds
-the tiny model the trainer's way (weights read by rank 0 only, broadcast into FSDP2 shards)
-for several sharding modes and writes what it holds; the test then checks the files.
+the tiny model the trainer's way (every rank reading its own rows of the mapped safetensors
+files into its FSDP2 shards) for several sharding modes and checkpoint layouts, and writes what
+it holds; the test then checks the files against ``from_pretrained`` in the same process.
 """
 
 from __future__ import annotations
@@ -45,11 +46,22 @@ CASES = [
     ("offload", job("full", 1, 2, parallelism={"sharding": "full", "cpuOffload": True}), 0.5),
     # a model with tied input/output embeddings and a tokenizer without a pad token
     ("tied", job("full", 1, 2, source="TIED"), 0.5),
+    # bf16 weights in 3 files with an index, as published models are: cast to fp32 on read
+    ("sharded-bf16", job("full", 1, 2, source="SHARDED"), 0.5),
+    (
+        "sharded-bf16-lora",
+        job("full", 1, 2, "lora", source="SHARDED", training={"maxSteps": 1, "precision": "bf16"}),
+        0.5,
+    ),  # fmt: skip
 ]
 
 
-# 4 processes as 2 nodes x 2: shards within a node, replicas across the two nodes.
-CASES_4 = [("hybrid-2x2", job("hybrid", 2, 2), 0.5)]
+# 4 processes as 2 nodes x 2: shards within a node, replicas across the two nodes; and 4 shards.
+CASES_4 = [
+    ("hybrid-2x2", job("hybrid", 2, 2), 0.5),
+    ("lora-hybrid-2x2", job("hybrid", 2, 2, "lora"), 0.5),
+    ("full-4", job("full", 1, 4), 0.25),
+]
 
 
 def make_tied(folder: Path) -> None:
@@ -65,16 +77,27 @@ def make_tied(folder: Path) -> None:
     tok.save_pretrained(folder)
 
 
+def make_sharded(folder: Path) -> None:
+    """The tiny model in bf16, saved in several files with a model.safetensors.index.json."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(EXAMPLES / "tiny-model", dtype=torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="150KB")
+    AutoTokenizer.from_pretrained(EXAMPLES / "tiny-model").save_pretrained(folder)
+
+
 def local_fraction(param) -> float:
     """Share of a parameter this rank stores (1.0 when replicated)."""
     local = param.to_local() if hasattr(param, "to_local") else param
     return local.numel() / max(param.numel(), 1)
 
 
-def probe(out: Path, tied: Path, cases: list) -> None:
+def probe(out: Path, models: Path, cases: list) -> None:
     """Run under torchrun: build every case, record shard sizes and equality with the files."""
     import torch
     import torch.distributed as dist
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from ftjob.spec import parse_spec
@@ -84,12 +107,15 @@ def probe(out: Path, tied: Path, cases: list) -> None:
     results = {}
     d = None
     for label, raw, _ in cases:
-        if raw["model"]["source"] == "TIED":
-            raw = {**raw, "model": {"source": str(tied)}}
+        if raw["model"]["source"] in ("TIED", "SHARDED"):
+            raw = {**raw, "model": {"source": str(models / raw["model"]["source"].lower())}}
         spec = parse_spec(raw)
         if d is None:
             d = parallel.init(spec)
-        reference = AutoModelForCausalLM.from_pretrained(raw["model"]["source"])
+        # fp32, whatever the files hold: the loss every case's is compared with
+        reference = AutoModelForCausalLM.from_pretrained(
+            raw["model"]["source"], dtype=torch.float32
+        )
         ref_state = reference.state_dict()
         ref_buffers = dict(reference.named_buffers())
         tok = model.load_tokenizer(spec)
@@ -97,15 +123,17 @@ def probe(out: Path, tied: Path, cases: list) -> None:
         sharding = spec.parallelism.sharding
         net = parallel.shard(built.model, spec, parallel.mesh(spec, d, sharding), sharding)
         model.materialize(built, d, spec.parallelism.cpu_offload)
-        read_weights = built.read_weights
         net.eval()
         q = next(p for n, p in net.named_parameters() if "layers.0.self_attn.q_proj" in n)
-        same = True
+        same, compared, adapters = True, 0, {}
         for name, param in net.state_dict().items():
             full = param.full_tensor() if hasattr(param, "full_tensor") else param
             key = name.replace("base_model.model.", "").replace(".base_layer", "")
             if key in ref_state:
                 same &= torch.equal(full, ref_state[key].to(full.dtype))
+                compared += 1
+            elif "lora_" in name:  # what this rank holds, whole: equal on every rank?
+                adapters[name] = [float(full.abs().sum()), float(full.double().pow(2).sum())]
         buffers_equal = all(
             torch.equal(b, ref_buffers[n.replace("base_model.model.", "")])
             for n, b in net.named_buffers()
@@ -116,8 +144,13 @@ def probe(out: Path, tied: Path, cases: list) -> None:
         with torch.no_grad():
             loss, count = token_loss(net, batch, d.device)
             ref_loss, _ = token_loss(reference, batch, d.device)
+        source = Path(raw["model"]["source"])
+        files = sum(t.nbytes for f in source.glob("*.safetensors") for t in load_file(f).values())
         results[label] = {
-            "read_weights": read_weights,
+            "read_share": built.read_bytes / files,
+            "compared": compared,
+            "parameters": len(ref_state),
+            "adapters": adapters,
             "q_proj_share": local_fraction(q),
             "dtypes": {
                 "frozen": sorted({str(p.dtype) for p in net.parameters() if not p.requires_grad}),
@@ -141,25 +174,32 @@ def probe(out: Path, tied: Path, cases: list) -> None:
     dist.destroy_process_group()
 
 
-def run_probe(out: Path, processes: int) -> list[dict]:
+def run_probe(out: Path, models: Path, processes: int) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(out)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(processes), __file__, str(out), str(out / "tied-model")]  # fmt: skip
+           str(processes), __file__, str(out), str(models)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(processes)]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("probe")
-    make_tied(out / "tied-model")
-    return run_probe(out, 2)
+def models(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("models")
+    make_tied(folder / "tied")
+    make_sharded(folder / "sharded")
+    assert len(list((folder / "sharded").glob("model-*.safetensors"))) >= 3
+    return folder
 
 
 @pytest.fixture(scope="module")
-def ranks_4(tmp_path_factory) -> list[dict]:
-    return run_probe(tmp_path_factory.mktemp("probe4"), 4)
+def ranks(tmp_path_factory, models) -> list[dict]:
+    return run_probe(tmp_path_factory.mktemp("probe"), models, 2)
+
+
+@pytest.fixture(scope="module")
+def ranks_4(tmp_path_factory, models) -> list[dict]:
+    return run_probe(tmp_path_factory.mktemp("probe4"), models, 4)
 
 
 @pytest.mark.parametrize(("label", "share"), [(c[0], c[2]) for c in CASES])
@@ -168,14 +208,20 @@ def test_each_rank_holds_its_share_of_the_weights(ranks, label, share):
         assert rank[label]["q_proj_share"] == pytest.approx(share)
 
 
+# What each rank reads of the files: its own rows (1/2), or everything where it keeps
+# everything (a shard group of one).
+READ_SHARE = {"none": 1.0, "hybrid": 1.0}
+BF16_COMPUTE = ("lora-bf16", "sharded-bf16-lora")
+
+
 @pytest.mark.parametrize("label", [c[0] for c in CASES])
-def test_rank0_loading_gives_every_rank_the_files_weights(ranks, label):
-    assert ranks[0][label]["read_weights"] is True
-    assert ranks[1][label]["read_weights"] is False  # rank 1 never read the weight files
+def test_every_rank_reads_its_own_rows_and_holds_the_files_weights(ranks, label):
     for rank in ranks:
+        assert rank[label]["read_share"] == pytest.approx(READ_SHARE.get(label, 0.5), abs=0.01)
+        assert rank[label]["compared"] == rank[label]["parameters"]  # every tensor compared
         assert rank[label]["weights_equal_files"]
         assert rank[label]["buffers_equal"]  # rotary inv_freq is not in the state dict
-        if label != "lora-bf16":  # bf16 arithmetic: compared with its own tolerance below
+        if label not in BF16_COMPUTE:  # bf16 arithmetic: compared with its tolerance below
             assert rank[label]["loss"] == pytest.approx(rank[label]["reference_loss"], abs=1e-6)
 
 
@@ -191,17 +237,31 @@ def test_the_frozen_base_is_held_in_the_compute_dtype(ranks, label, frozen, trai
     for rank in ranks:
         assert rank[label]["dtypes"] == {"frozen": frozen, "trained": trained}
     # bf16 rounding of the weights and activations moves the loss by well under 1%
-    case = ranks[0]["lora-bf16"]
-    assert case["loss"] == pytest.approx(case["reference_loss"], rel=1e-2)
+    for label in BF16_COMPUTE:
+        case = ranks[0][label]
+        assert case["loss"] == pytest.approx(case["reference_loss"], rel=1e-2)
 
 
-def test_hybrid_shards_within_a_node_and_replicates_across_nodes(ranks_4):
+@pytest.mark.parametrize("label", ["lora", "sharded-bf16-lora"])
+def test_adapters_start_the_same_on_every_rank(ranks, label):
+    first = ranks[0][label]["adapters"]
+    assert len(first) == 2 * 2 * 7  # A and B of 7 linear layers in each of 2 decoder layers
+    assert all(rank[label]["adapters"] == first for rank in ranks)
+    # peft's initialisation: B is zero (the adapted model starts as the base), A is not
+    assert all((value[0] == 0) == (".lora_B." in name) for name, value in first.items())
+
+
+@pytest.mark.parametrize("label", [c[0] for c in CASES_4])
+def test_4_ranks_hybrid_and_4_shards_read_their_rows_and_hold_the_files_weights(ranks_4, label):
+    share = dict((c[0], c[2]) for c in CASES_4)[label]
     for rank in ranks_4:
-        case = rank["hybrid-2x2"]
-        assert case["q_proj_share"] == pytest.approx(0.5)
+        case = rank[label]
+        assert case["q_proj_share"] == pytest.approx(share)
+        assert case["read_share"] == pytest.approx(share, abs=0.01)  # its shard, read once
         assert case["weights_equal_files"] and case["buffers_equal"]
         assert case["loss"] == pytest.approx(case["reference_loss"], abs=1e-6)
-    assert [r["hybrid-2x2"]["read_weights"] for r in ranks_4] == [True, False, False, False]
+    adapters = [rank[label]["adapters"] for rank in ranks_4]
+    assert all(a == adapters[0] for a in adapters)
 
 
 def test_tied_embeddings_and_a_missing_pad_token(ranks):

@@ -3,7 +3,8 @@
 The trainer's own code lays the model out: ``model.build`` (meta device, adapters applied),
 ``parallel.mesh`` (1-D for full and grad-op, 2-D (replicate, shard) for hybrid),
 ``parallel.shard`` (``fully_shard`` per decoder layer, then the root) and ``model.materialize``
-(each rank keeps its shard; QLoRA's linear weights quantized to torchao NF4 first). It runs as
+(each rank reads its rows; QLoRA's linear weights read whole and quantized to torchao NF4
+first). It runs as
 rank 0 of a fake process group (``FakeStore``) of world 8 or 16, with the weights, the forward,
 the backward and AdamW's step under ``FakeTensorMode``: shapes and dtypes are real, no byte is
 allocated and no collective moves data. torchao's ``to_nf4`` runs under FakeTensorMode on CPU,
@@ -132,13 +133,24 @@ def test_per_rank_bytes_equal_the_plan(layout, model_dir, fake_world, monkeypatc
     model.check_shardable(built, shards)
     net = parallel.shard(built.model, spec, mesh, sharding, model.left_whole(built, shards))
 
-    # Rank 0 "reads" the checkpoint: a tensor of each parameter's and buffer's shape and dtype.
-    state = [*built.model.named_parameters(), *built.model.named_buffers()]
+    # Every rank "reads" its rows of the checkpoint: an empty tensor of the rows' shape.
+    class Files:
+        read_bytes = 0
 
-    def read(spec, config):
-        return {name: torch.empty(t.shape, dtype=t.dtype) for name, t in state}
+        def __init__(self, folder, source, base):
+            state = base.state_dict().items()
+            self.shapes = {model._base_name(n): t.shape for n, t in state if "lora_" not in n}
 
-    monkeypatch.setattr(model, "_read", read)
+        def find(self, names):
+            return next((n for n in names if n in self.shapes), None)
+
+        def tensors(self, names):
+            return ((n, self.shapes[n]) for n in names)
+
+        def read(self, shape, rows, dtype, device):
+            return torch.empty([r.stop - r.start for r in rows] if rows else shape, dtype=dtype)
+
+    monkeypatch.setattr(model.weights, "Checkpoint", Files)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.materialize(built, d)
         params = list(net.parameters())
