@@ -1,5 +1,5 @@
 """The preflight's pure parts and its volume check (one process; the gang's all-reduce runs
-with 2 real processes in tests/e2e/test_preflight.py)."""
+with 2 real processes in tests/e2e/test_preflight_gang.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ all-reduce's bus bandwidth and the volume, reports them in progress and the job'
 refuses a gang under a forced floor with FabricMisconfigured and the numbers, before any
 weight is read.
 
-    python -m pytest tests/e2e/test_preflight.py -q
+    python -m pytest tests/e2e/test_preflight_gang.py -q
 """
 
 from __future__ import annotations
