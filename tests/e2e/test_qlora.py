@@ -169,7 +169,10 @@ def rank_pid(workdir: Path, rank: int) -> int | None:
 
 
 def test_qlora_resumes_exactly_after_a_rank_is_killed(qlora, runs):
-    workdir, doc = runs / "killed", job("qlora", runs / "base", "qlora")
+    # No restart in place (tests/e2e/test_recovery.py has those): the ladder's last rung, then
+    # a rerun resumes from the checkpoint.
+    doc = job("qlora", runs / "base", "qlora", runPolicy={"inPlaceRestarts": 0})
+    workdir = runs / "killed"
     proc = start(doc, workdir)
     deadline = time.monotonic() + RUN_TIMEOUT
     while max(losses(workdir), default=0) < 5 and time.monotonic() < deadline:
