@@ -623,6 +623,28 @@ def test_dashboard_query_reader_finds_metric_names():
     }
 
 
+def test_dashboard_keeps_the_operators_series_out_of_the_trainer_panels():
+    """A name both the operator and the trainer export (their real registries) is read in
+    the dashboard with ``ftjob_job=~"$job"``, whose "All" cannot match the operator's
+    series (which lack the PodMonitor's ftjob_job label)."""
+    from dashboard_queries import exported_series, metric_names, queries
+
+    from ftjob.operator import metrics as operator_metrics
+    from ftjob.trainer import metrics as trainer_metrics
+
+    snapshot = {"phase": "training", "stragglers": [{"rank": 3, "node": "n", "stepSeconds": 2}]}
+    trainer = trainer_metrics.TrainerMetrics(lambda: snapshot).text().decode()
+    both = exported_series(operator_metrics.text().decode()) & exported_series(trainer)
+    assert both == {"ftjob_stragglers"}
+    dashboard = dashboard_file()
+    job = next(v for v in dashboard["templating"]["list"] if v["name"] == "job")
+    assert re.fullmatch(job["allValue"], "") is None and re.fullmatch(job["allValue"], "a")
+    reading = [q for q in queries(dashboard) if metric_names(q) & both]
+    assert reading
+    for query in reading:
+        assert 'ftjob_job=~"$job"' in query, query
+
+
 def test_notes_tell_the_next_command():
     notes = render({})["ftjob/templates/NOTES.txt"]
     assert f"kubectl -n {NAMESPACE} rollout status deployment/ftjob" in notes
