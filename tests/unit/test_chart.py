@@ -651,6 +651,13 @@ def test_notes_tell_the_next_command():
     assert "kubectl get finetunejobs" in notes
     namespaced = render(COMBOS["namespaced"])["ftjob/templates/NOTES.txt"]
     assert "team-a, team-b" in namespaced
+    assert "Monitoring" not in notes
+    monitored = render(COMBOS["monitors-in-watched-namespaces"])["ftjob/templates/NOTES.txt"]
+    assert f"PodMonitor {NAMESPACE}/ftjob-trainers" in monitored
+    assert "ConfigMap monitoring/ftjob-dashboard" in monitored
+    assert "label example.com/grafana-dashboard=ftjob" in monitored
+    dashboard = dashboard_file()
+    assert f'"{dashboard["title"]}" (uid {dashboard["uid"]})' in monitored
 
 
 # -- RBAC: exactly what the code uses -------------------------------------------------------
