@@ -945,3 +945,12 @@ def merge(into: dict, new: dict) -> None:
             merge(into[key], value)
         else:
             into[key] = value
+
+
+def test_docs_monitoring_values_file_renders_the_monitors_and_the_dashboard():
+    """docs/install.md's "Prometheus Operator and Grafana" values file, as a user pastes it."""
+    text = (ROOT / "docs" / "install.md").read_text()
+    section = text.split("### Prometheus Operator and Grafana", 1)[1].split("\n#", 1)[0]
+    values = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.DOTALL).group(1))
+    kinds = [o["kind"] for o in objects(values)]
+    assert {"ServiceMonitor", "PodMonitor", "ConfigMap"} <= set(kinds)
