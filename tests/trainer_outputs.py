@@ -20,8 +20,9 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -57,6 +58,8 @@ class Outcome:
     record: str  # what it wrote to FTJOB_TERMINATION_LOG ("" if nothing)
     log: str  # stdout and stderr together
     job_dir: Path
+    # What rank 0 served while it ran, by path (/metrics, /progress); scenario "scraped".
+    served: dict[str, str] = field(default_factory=dict)
 
     @property
     def message(self) -> str:
@@ -145,16 +148,21 @@ class Runs:
 
 def wait_for_phase(job_dir: Path, phases: tuple[str, ...], proc) -> dict:
     """Rank 0's progress.json once it reports one of ``phases``."""
+    return wait_for(job_dir, lambda snap: snap.get("phase") in phases, proc, str(phases))
+
+
+def wait_for(job_dir: Path, reached, proc, what: str) -> dict:
+    """Rank 0's progress.json once ``reached(snapshot)``."""
     deadline = time.monotonic() + TIMEOUT
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             snap = json.loads((job_dir / "progress.json").read_text())
         except (OSError, ValueError):
             snap = {}
-        if snap.get("phase") in phases:
+        if reached(snap):
             return snap
         time.sleep(0.05)
-    raise AssertionError(f"the trainer never reached {phases} (exit {proc.poll()})")
+    raise AssertionError(f"the trainer never reached {what} (exit {proc.poll()})")
 
 
 # ---------------------------------------------------------------------------- scenarios
@@ -234,6 +242,30 @@ def volume_unusable(runs: Runs) -> Outcome:
     return runs.run("volume-unusable", doc, job_dir=blocker / "job")
 
 
+def scraped(runs: Runs) -> Outcome:
+    """A run read as Prometheus and the operator read rank 0 while it trains: its /metrics
+    and /progress once a step has been logged and an evaluation made. Every step is made
+    0.4 s slower (tests/e2e/inject) so that the run is still there to be read."""
+    doc = job("scraped", training={"maxSteps": 8, "evalEvery": 2}, dataset={"evalFraction": 0.1},
+              checkpoint={"every": 1000})  # fmt: skip
+    inject = str(ROOT / "tests" / "e2e" / "inject")
+    path = os.pathsep.join(p for p in (inject, os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": path, "FTJOB_TEST_INJECT": "slow:0:0.4", "RANK": "0"}
+    started = runs.start("scraped", doc, env=env)
+    proc, _, job_dir, _ = started
+    served = {}
+    try:
+        snap = wait_for(job_dir, lambda s: s.get("evalLoss") is not None, proc, "an eval loss")
+        for route in ("/metrics", "/progress"):
+            url = f"http://127.0.0.1:{snap['port']}{route}"
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                served[route] = reply.read().decode()
+    finally:
+        outcome = runs.finish(started)
+    outcome.served = served
+    return outcome
+
+
 # Each scenario runs once and may end several ways in a row (one job folder, restarted).
 SCENARIOS = {
     ("bad-data",): bad_data,
@@ -244,5 +276,6 @@ SCENARIOS = {
     ("host-oom",): host_oom,
     ("killed",): killed,
     ("volume-unusable",): volume_unusable,
+    ("scraped",): scraped,
 }
 NAMES = tuple(name for names in SCENARIOS for name in names)

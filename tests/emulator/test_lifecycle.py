@@ -2,9 +2,12 @@
 against the API emulator; the test plays kubelet (pod phases, exit codes), and the termination
 messages it reports are the real trainer's (the ``trainer_runs`` fixture)."""
 
+import json
 from datetime import datetime, timedelta, timezone
 
+import dashboard_queries
 import pytest
+from dashboard_queries import exported_series, unexported
 from support import (
     ROOT,
     events_of,
@@ -18,6 +21,7 @@ from support import (
 
 from ftjob import manifest
 from ftjob.operator.status import NO_RECORD, format_eta
+from ftjob.trainer import metrics as trainer_metrics
 
 pytestmark = pytest.mark.timeout(60)
 # The first test to ask for the real trainer's outputs waits for them to be produced.
@@ -217,6 +221,25 @@ def test_metrics_count_jobs_by_phase_and_restarts(cluster, operator):
     assert 'ftjob_reconcile_seconds_bucket{le="+Inf"}' in text
     assert 'ftjob_api_request_seconds_count{operation="patch_status"}' in text
     assert 'ftjob_api_request_seconds_count{operation="create"}' in text
+
+
+@REAL_RUNS
+def test_the_charts_dashboard_queries_only_what_the_operator_and_trainer_export(
+    operator, trainer_runs
+):
+    """Every metric the chart's Grafana dashboard (charts/ftjob/dashboards/ftjob.json)
+    queries is on a real /metrics page: this operator's, after the reconciles above, or a
+    real trainer's rank 0, scraped while it trained. The one gauge a CPU run cannot show is
+    MFU (no peak FLOP/s: its /progress says mfu null, and the gauge is left out, not 0); it
+    counts as the trainer's through the trainer's own table of gauges."""
+    run = trainer_runs.get("scraped")
+    assert run.exit_code == 0, run.log[-3000:]
+    exported = exported_series(operator.get_metrics()) | exported_series(run.served["/metrics"])
+    progress = json.loads(run.served["/progress"])
+    assert progress["device"] == "cpu" and progress["mfu"] is None
+    assert ("ftjob_mfu_ratio", "mfu") in [(name, key) for name, key, _ in trainer_metrics.GAUGES]
+    assert "ftjob_loss" in exported and "ftjob_reconcile_seconds_bucket" in exported
+    assert unexported(dashboard_queries.load(), exported | {"ftjob_mfu_ratio"}) == {}
 
 
 def test_a_job_that_will_not_fit_fails_before_any_pod(cluster, operator):

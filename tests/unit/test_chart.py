@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import re
 import shlex
 import shutil
@@ -48,6 +49,21 @@ COMBOS = {
             "service": {"annotations": {"prometheus.io/scrape": "true"}},
             "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "kps"}},
         }
+    },
+    "prometheus-operator-and-grafana": {
+        "trainer": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}}},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+        "dashboard": {"enabled": True, "annotations": {"grafana_folder": "ML"}},
+    },
+    "monitors-in-watched-namespaces": {
+        "watchNamespaces": ["team-a", "team-b"],
+        "trainer": {"podMonitor": {"enabled": True, "interval": "1m", "scrapeTimeout": "20s"}},
+        "dashboard": {
+            "enabled": True,
+            "label": "example.com/grafana-dashboard",
+            "labelValue": "ftjob",
+            "namespace": "monitoring",
+        },
     },
     "private-registry-gpu-cluster": {
         "image": {"repository": "registry.example.com/ml/ftjob-operator", "tag": "0.1.0-rc1"},
@@ -137,7 +153,7 @@ def test_every_rendered_object_is_valid_kubernetes(combo, rendered):
             namespaced = custom["spec"]["scope"] == "Namespaced"
             assert ("namespace" in obj["metadata"]) == namespaced, obj["metadata"]
         elif group == "monitoring.coreos.com":
-            jsonschema.validate(obj, SERVICE_MONITOR_SUBSET)
+            jsonschema.validate(obj, MONITOR_SUBSETS[obj["kind"]])
         else:
             for kube in KUBE_VERSIONS:
                 kubernetes_validate.validate(obj, kube, strict=True)
@@ -192,6 +208,92 @@ SERVICE_MONITOR_SUBSET = {
         },
     },
 }
+
+
+# The same for PodMonitor, transcribed from the Prometheus Operator's CRD
+# (example/prometheus-operator-crd/monitoring.coreos.com_podmonitors.yaml, operator 0.93):
+# its duration pattern, namespaceSelector's two forms and a relabeling's fields and actions.
+# Stricter than the CRD in two places, on purpose: podMetricsEndpoints is required (without
+# it nothing is scraped) and sourceLabels must be Prometheus 2.x label names (older CRDs
+# had that pattern; Prometheus 2.x still refuses other names).
+DURATION = (
+    r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
+)
+RELABEL_ACTIONS = ["replace", "keep", "drop", "hashmod", "labelmap", "labeldrop", "labelkeep"]
+RELABEL_ACTIONS += ["lowercase", "uppercase", "keepequal", "dropequal"]
+POD_MONITOR_SUBSET = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PodMonitor"},
+        "metadata": {"type": "object", "required": ["name", "namespace"]},
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "podMetricsEndpoints"],
+            "properties": {
+                "selector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "matchLabels": {
+                            "type": "object",
+                            "additionalProperties": {"type": "string"},
+                        }
+                    },
+                },
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
+                "podMetricsEndpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "interval": {"type": "string", "pattern": DURATION},
+                            "scrapeTimeout": {"type": "string", "pattern": DURATION},
+                            "relabelings": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "properties": {
+                                        "action": {
+                                            "enum": RELABEL_ACTIONS
+                                            + [a.capitalize() for a in RELABEL_ACTIONS]
+                                        },
+                                        "sourceLabels": {
+                                            "type": "array",
+                                            "items": {
+                                                "type": "string",
+                                                "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$",
+                                            },
+                                        },
+                                        "targetLabel": {"type": "string"},
+                                        "regex": {"type": "string"},
+                                        "replacement": {"type": "string"},
+                                        "separator": {"type": "string"},
+                                    },
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+MONITOR_SUBSETS = {"ServiceMonitor": SERVICE_MONITOR_SUBSET, "PodMonitor": POD_MONITOR_SUBSET}
 
 
 def chart_crds() -> list[dict]:
@@ -266,6 +368,10 @@ def test_schema_and_values_agree():
         ({"metrics": {"port": 80}}, "/metrics/port"),  # the pod runs non-root: no port < 1024
         ({"replicas": 2}, "replicas"),  # unknown key: a typo is refused, not ignored
         ({"trainer": {"defaultImage": "my trainer:1"}}, "/trainer/defaultImage"),
+        ({"trainer": {"podMonitor": {"interval": "30"}}}, "/trainer/podMonitor/interval"),
+        ({"trainer": {"podMonitor": {"port": 8000}}}, "port"),  # the pods' port is named
+        ({"dashboard": {"label": "grafana dashboard"}}, "/dashboard/label"),
+        ({"dashboard": {"labelValue": 1}}, "/dashboard/labelValue"),
     ],
 )
 def test_schema_refuses_bad_values(values, message):
@@ -391,12 +497,170 @@ def test_metrics_service_selects_only_the_operator(rendered):
     assert not [o for o in rendered["no-metrics-own-rbac"] if o["kind"] in ("Service",)]
 
 
+# -- the trainer pods' PodMonitor and the Grafana dashboard ---------------------------------
+
+
+def matches(selector: dict, labels: dict) -> bool:
+    return selector["matchLabels"].items() <= labels.items()
+
+
+@pytest.mark.parametrize(
+    "combo", ["prometheus-operator-and-grafana", "monitors-in-watched-namespaces"]
+)
+def test_pod_monitor_scrapes_rank_0_of_every_job_where_the_operator_watches(combo, rendered):
+    """The PodMonitor against the pods the operator's own render builds: rank 0 of a job is
+    selected, on the container port that serves /metrics (spec.network.progressPort, here
+    not the default), rank 1 and the operator's own pod are not; it looks in the namespaces
+    the operator's arguments name."""
+    from ftjob import manifest
+    from ftjob.operator import render
+    from ftjob.validation import parse_job
+
+    objs = rendered[combo]
+    monitor = the(objs, "PodMonitor")["spec"]
+    (doc,) = manifest.load(ROOT / "examples" / "llama3-8b-lora-efa.yaml")  # two nodes
+    doc["spec"]["network"]["progressPort"] = 8123
+    _, job_spec = parse_job(doc)
+    rank0, rank1 = (render.pod("demo", "team-a", job_spec, r, 2, "u" * 36) for r in (0, 1))
+    assert matches(monitor["selector"], rank0["metadata"]["labels"])
+    assert not matches(monitor["selector"], rank1["metadata"]["labels"])
+    operator_pod = the(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert not matches(monitor["selector"], operator_pod)
+    (endpoint,) = monitor["podMetricsEndpoints"]
+    ports = {p["name"]: p["containerPort"] for p in rank0["spec"]["containers"][0]["ports"]}
+    assert ports[endpoint["port"]] == 8123 and endpoint["path"] == "/metrics"
+    # The job's name becomes a label of every series, read from the pod's job-name label
+    # (Prometheus' meta label: the label's name with every other character made "_").
+    (relabel,) = endpoint["relabelings"]
+    meta = "__meta_kubernetes_pod_label_" + re.sub(r"[^A-Za-z0-9_]", "_", render.LABEL_JOB)
+    assert relabel == {"sourceLabels": [meta], "targetLabel": "ftjob_job"}
+    assert rank0["metadata"]["labels"][render.LABEL_JOB] == "demo"
+    args = operator_parser().parse_args(
+        the(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+    if args.all_namespaces:
+        assert monitor["namespaceSelector"] == {"any": True}
+    else:
+        assert monitor["namespaceSelector"] == {"matchNames": args.namespace}
+
+
+def test_monitors_and_dashboard_are_off_by_default(rendered):
+    for combo in ("defaults", "monitoring", "namespaced"):
+        kinds = [o["kind"] for o in rendered[combo]]
+        assert "PodMonitor" not in kinds, combo
+        assert "ConfigMap" not in kinds, combo  # the dashboard is the chart's only ConfigMap
+    assert "ServiceMonitor" not in [o["kind"] for o in rendered["defaults"]]
+
+
+def dashboard_file() -> dict:
+    return json.loads((CHART / "dashboards" / "ftjob.json").read_text())
+
+
+def test_dashboard_configmap_carries_the_sidecar_label_and_the_file(rendered):
+    default = the(rendered["prometheus-operator-and-grafana"], "ConfigMap")
+    assert default["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert default["metadata"]["namespace"] == NAMESPACE
+    assert default["metadata"]["annotations"] == {"grafana_folder": "ML"}
+    assert json.loads(default["data"]["ftjob.json"]) == dashboard_file()
+    custom = the(rendered["monitors-in-watched-namespaces"], "ConfigMap")
+    assert custom["metadata"]["labels"]["example.com/grafana-dashboard"] == "ftjob"
+    assert "grafana_dashboard" not in custom["metadata"]["labels"]
+    assert custom["metadata"]["namespace"] == "monitoring"
+
+
+def panels_of(dashboard: dict) -> list[dict]:
+    out = []
+    for p in dashboard["panels"]:
+        out += [p, *p.get("panels", [])]
+    return out
+
+
+def test_dashboard_has_the_panels_and_every_query_uses_the_chosen_prometheus():
+    dashboard = dashboard_file()
+    panels = panels_of(dashboard)
+    titles = {p["title"] for p in panels}
+    wanted = {"Jobs by phase", "Loss", "Tokens/s", "MFU", "Restarts", "Reconcile latency"}
+    assert wanted | {"Stragglers", "Preflight bus bandwidth"} <= titles
+    assert len({p["id"] for p in panels}) == len(panels)  # Grafana keys panels by id
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["query"] == "prometheus"
+    graphs = [p for p in panels if p["type"] != "row"]
+    for panel in graphs:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}", panel["title"]
+            for var in re.findall(r"\$(\w+)", target["expr"]):
+                assert var in variables or var.startswith("__"), (panel["title"], var)
+    # Panels tile the grid: none overlaps another.
+    cells = set()
+    for panel in panels:
+        g = panel["gridPos"]
+        mine = {
+            (x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])
+        }
+        assert not cells & mine and g["x"] + g["w"] <= 24, panel["title"]
+        cells |= mine
+
+
+def test_dashboard_query_reader_finds_metric_names():
+    """tests/dashboard_queries.py's tokenizer: functions, aggregations, label lists, label
+    matchers, ranges and Grafana variables are not metric names; a misspelt name is
+    reported against the operator's real exposition."""
+    from dashboard_queries import exported_series, metric_names, unexported
+
+    from ftjob.operator import metrics
+
+    expr = (
+        'histogram_quantile(0.99, sum by (le, operation) (rate(a_bucket{x="}", y=~"$v"}'
+        "[$__rate_interval] offset 1h))) / on (job) group_left (node) b * 2 > bool 1e3"
+        " and ignoring (z) max without (w) (c)"
+    )
+    assert metric_names(expr) == {"a_bucket", "b", "c"}
+    assert metric_names('label_values(ftjob_step{namespace=~"$ns"}, ftjob_job)') == {"ftjob_step"}
+    exported = exported_series(metrics.text().decode())
+    assert {"ftjob_reconcile_seconds_bucket", "ftjob_gang_restarts_total"} <= exported
+    assert "ftjob_gang_restarts" not in exported  # Prometheus stores the counter as _total
+    typo = {"panels": [{"targets": [{"expr": "sum(rate(ftjob_reconcile_error_total[5m]))"}]}]}
+    assert unexported(typo, exported) == {
+        "ftjob_reconcile_error_total": ["sum(rate(ftjob_reconcile_error_total[5m]))"]
+    }
+
+
+def test_dashboard_keeps_the_operators_series_out_of_the_trainer_panels():
+    """A name both the operator and the trainer export (their real registries) is read in
+    the dashboard with ``ftjob_job=~"$job"``, whose "All" cannot match the operator's
+    series (which lack the PodMonitor's ftjob_job label)."""
+    from dashboard_queries import exported_series, metric_names, queries
+
+    from ftjob.operator import metrics as operator_metrics
+    from ftjob.trainer import metrics as trainer_metrics
+
+    snapshot = {"phase": "training", "stragglers": [{"rank": 3, "node": "n", "stepSeconds": 2}]}
+    trainer = trainer_metrics.TrainerMetrics(lambda: snapshot).text().decode()
+    both = exported_series(operator_metrics.text().decode()) & exported_series(trainer)
+    assert both == {"ftjob_stragglers"}
+    dashboard = dashboard_file()
+    job = next(v for v in dashboard["templating"]["list"] if v["name"] == "job")
+    assert re.fullmatch(job["allValue"], "") is None and re.fullmatch(job["allValue"], "a")
+    reading = [q for q in queries(dashboard) if metric_names(q) & both]
+    assert reading
+    for query in reading:
+        assert 'ftjob_job=~"$job"' in query, query
+
+
 def test_notes_tell_the_next_command():
     notes = render({})["ftjob/templates/NOTES.txt"]
     assert f"kubectl -n {NAMESPACE} rollout status deployment/ftjob" in notes
     assert "kubectl get finetunejobs" in notes
     namespaced = render(COMBOS["namespaced"])["ftjob/templates/NOTES.txt"]
     assert "team-a, team-b" in namespaced
+    assert "Monitoring" not in notes
+    monitored = render(COMBOS["monitors-in-watched-namespaces"])["ftjob/templates/NOTES.txt"]
+    assert f"PodMonitor {NAMESPACE}/ftjob-trainers" in monitored
+    assert "ConfigMap monitoring/ftjob-dashboard" in monitored
+    assert "label example.com/grafana-dashboard=ftjob" in monitored
+    dashboard = dashboard_file()
+    assert f'"{dashboard["title"]}" (uid {dashboard["uid"]})' in monitored
 
 
 # -- RBAC: exactly what the code uses -------------------------------------------------------
@@ -681,3 +945,12 @@ def merge(into: dict, new: dict) -> None:
             merge(into[key], value)
         else:
             into[key] = value
+
+
+def test_docs_monitoring_values_file_renders_the_monitors_and_the_dashboard():
+    """docs/install.md's "Prometheus Operator and Grafana" values file, as a user pastes it."""
+    text = (ROOT / "docs" / "install.md").read_text()
+    section = text.split("### Prometheus Operator and Grafana", 1)[1].split("\n#", 1)[0]
+    values = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.DOTALL).group(1))
+    kinds = [o["kind"] for o in objects(values)]
+    assert {"ServiceMonitor", "PodMonitor", "ConfigMap"} <= set(kinds)
