@@ -62,6 +62,7 @@ def node_command(
     rdzv_id: str,
     spec_path: str,
     *,
+    node_addr: str | None = None,
     master_port: int | None = None,
     job_folder: str | None = None,
     source_root: str | None = None,
@@ -69,6 +70,8 @@ def node_command(
     """The command and environment of node ``node_rank`` of job ``name``.
 
     ``master_addr`` is node 0's address (a pod's DNS name, or 127.0.0.1 locally);
+    ``node_addr`` this node's own (the address the others reach it at; node 0's is
+    ``master_addr``);
     ``rdzv_id`` must change with every gang attempt. ``master_port`` defaults to
     network.rendezvousPort; ``job_folder`` to :func:`job_dir`; ``source_root`` (where relative
     model and dataset sources are read) to the volume.
@@ -99,6 +102,12 @@ def node_command(
         "FTJOB_SOURCE_ROOT": source_root or VOLUME_MOUNT,
         "PYTHONUNBUFFERED": "1",  # log lines reach the pod log (and ftjob run) at once
     }
+    node_addr = node_addr or (master_addr if node_rank == 0 else None)
+    if node_addr:
+        # Where the others reach this node's agent; node 0's hosts the store the workers of
+        # every node join. Said, not left to socket.getfqdn(), which inside a pod or a
+        # container need not give a name the other nodes can resolve.
+        env["PET_LOCAL_ADDR"] = node_addr
     if r.gpus_per_node:
         env.update(fabric_env(spec))  # includes the user's ncclEnv
     else:

@@ -222,6 +222,7 @@ def _run_held(job_file, name, spec, job_dir: Path, source_root: Path, run_id: st
                     "127.0.0.1",
                     run_id,
                     str(spec_file),
+                    node_addr="127.0.0.1",
                     master_port=port,
                     job_folder=str(job_dir),
                     source_root=str(source_root),

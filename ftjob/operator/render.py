@@ -105,9 +105,13 @@ def spec_config_map_name(job: str) -> str:
     return f"{job}-spec"
 
 
+def node_address(job: str, namespace: str, rank: int) -> str:
+    """DNS name of node ``rank`` through the headless Service (hostname.subdomain.namespace.svc)."""
+    return f"{pod_name(job, rank)}.{job}.{namespace}.svc"
+
+
 def master_address(job: str, namespace: str) -> str:
-    """DNS name of node 0 through the headless Service (hostname.subdomain.namespace.svc)."""
-    return f"{pod_name(job, 0)}.{job}.{namespace}.svc"
+    return node_address(job, namespace, 0)
 
 
 def rendezvous_id(job: str, uid: str, attempt: int) -> str:
@@ -237,6 +241,7 @@ def container(
         master_address(job, namespace),
         rendezvous_id(job, uid, attempt),
         f"{SPEC_DIR}/{SPEC_FILE}",
+        node_addr=node_address(job, namespace, rank),
         job_folder=job_dir(job, spec, uid),
         source_root=SHARED_DIR,
     )

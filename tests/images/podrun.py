@@ -30,6 +30,7 @@ from pathlib import Path
 # crun refuses this machine's cgroups; there is no systemd (scripts/podman-host.sh).
 PODMAN = ["podman", "--runtime", "runc", "--cgroup-manager", "cgroupfs"]
 DEFAULT_TERMINATION_PATH = "/dev/termination-log"
+NODE_NAME = "podman-node"  # what spec.nodeName resolves to for every pod run here
 
 
 def podman(*args: str, check: bool = True, timeout: float = 120, **kw) -> str:
@@ -155,10 +156,14 @@ def run_argv(
         if "secretKeyRef" in source:
             ref = source["secretKeyRef"]
             value = (secrets or {})[ref["name"]][ref["key"]]
-        elif "fieldRef" in source:  # the downward API: the pod's own name or namespace
-            kind, _, field = source["fieldRef"]["fieldPath"].partition(".")
-            assert kind == "metadata" and field in ("name", "namespace"), source
-            value = pod["metadata"].get(field, "default")
+        elif "fieldRef" in source:  # the downward API, as the kubelet fills it in
+            path = source["fieldRef"]["fieldPath"]
+            if path == "spec.nodeName":  # the node the pod was bound to: here, this machine
+                value = pod["spec"].get("nodeName") or NODE_NAME
+            else:
+                kind, _, field = path.partition(".")
+                assert kind == "metadata" and field in ("name", "namespace"), source
+                value = pod["metadata"].get(field, "default")
         else:
             value = env.get("value", "")
         argv += ["--env", f"{env['name']}={value}"]

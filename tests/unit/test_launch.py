@@ -52,7 +52,14 @@ def test_every_node_runs_the_same_command_through_the_agent():
             "/etc/ftjob/spec.json",
         ]
     )
-    assert {k for k in a.env if a.env[k] != b.env[k]} == {"PET_NODE_RANK"}
+    assert {k for k in a.env if a.env[k] != b.env.get(k)} == {"PET_NODE_RANK", "PET_LOCAL_ADDR"}
+
+
+def test_each_agent_is_reached_at_the_address_it_is_given_node_0_at_the_master_address():
+    # The others must resolve it: not left to socket.getfqdn() inside the pod.
+    assert command(node=0).env["PET_LOCAL_ADDR"] == "job-node-0.job"
+    assert command(node=1, node_addr="job-node-1.job").env["PET_LOCAL_ADDR"] == "job-node-1.job"
+    assert "PET_LOCAL_ADDR" not in command(node=1).env  # unknown: torch looks it up
 
 
 def test_torchrun_is_wired_through_its_environment():

@@ -79,6 +79,10 @@ def test_headless_service_gives_every_pod_a_rendezvous_dns_name():
         assert pod["spec"]["hostname"] == pod["metadata"]["name"]
     master = env_of(pods[1])["PET_MASTER_ADDR"]
     assert master == f"{pods[0]['spec']['hostname']}.{name}.ns.svc"
+    # Each node's agent is reached at its own name through the same Service (node 0's hosts
+    # the rendezvous and the workers' store), not at whatever getfqdn() says in the pod.
+    for pod in pods:
+        assert env_of(pod)["PET_LOCAL_ADDR"] == f"{pod['spec']['hostname']}.{name}.ns.svc"
 
 
 def test_torchrun_reads_its_wiring_from_pet_variables():
