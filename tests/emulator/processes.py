@@ -85,6 +85,7 @@ class ProcessKubelet:
         port = self.ports.setdefault(rdzv, free_port())
         env |= {
             "PET_MASTER_ADDR": "127.0.0.1",
+            "PET_LOCAL_ADDR": "127.0.0.1",  # every node's agent, as the Service's names would
             "PET_MASTER_PORT": str(port),
             "TMPDIR": str(folder),
             "HOME": str(folder),
