@@ -85,6 +85,7 @@ class Gang:
         self.job_dir = shared / Path(render.job_dir("tiny", parse_resource(TINY)[1], uid)).name
 
     def start(self) -> Gang:
+        remove(*self.names)  # what a run cut short left under these names (its pods, as it were)
         hosts = hosts_of(self.pods)
         for i, (pod, name) in enumerate(zip(self.pods, self.names, strict=True)):
             # Node 0 makes the network namespace (loopback only), the others join it.
