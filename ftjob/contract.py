@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -57,6 +58,27 @@ NODE_UNHEALTHY = "NodeUnhealthy"  # a GPU of this node is slow, short of memory 
 FABRIC_MISCONFIGURED = "FabricMisconfigured"  # the gang's all-reduce is far below the fabric's
 VOLUME_UNUSABLE = "VolumeUnusable"  # the job's volume cannot be written and read back
 INTERNAL = "Internal"
+
+# What a log says when its process left no record (killed, or crashed below Python): read
+# from a pod's log tail by the operator and from a node's log by `ftjob run`.
+LOG_SIGNS = (
+    (re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED"), CUDA_OOM),
+    # NCCL's watchdog, and gloo's transport ("Timed out waiting 30000ms for send operation").
+    (
+        re.compile(
+            r"Watchdog caught collective operation timeout|NCCL.{0,80}(timed out|timeout)"
+            r"|DistBackendError.{0,200}[Tt]imeout|Timed out waiting \d+ms for \w+ operation",
+            re.S,
+        ),
+        COLLECTIVE_TIMEOUT,
+    ),
+)
+
+
+def reason_in_log(text: str) -> str | None:
+    """The failure reason a log's text shows (:data:`LOG_SIGNS`), or None."""
+    return next((reason for sign, reason in LOG_SIGNS if sign.search(text)), None)
+
 
 NODE_NAME_ENV = "FTJOB_NODE_NAME"  # set by the operator from the downward API (spec.nodeName)
 

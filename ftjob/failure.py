@@ -46,14 +46,10 @@ SECONDARY = {
 }
 
 # (pattern in a log line, reason, fix): the messages worth recognising without a record.
+# The operator reads a pod's log tail for the same signs (contract.LOG_SIGNS).
 KNOWN = [
-    (r"CUDA out of memory|OutOfMemoryError", contract.CUDA_OOM, None),
+    *((sign, reason, None) for sign, reason in contract.LOG_SIGNS),
     (r"No space left on device", contract.DISK_FULL, None),
-    (
-        r"Watchdog caught collective operation timeout|Timed out waiting \d+ms for \w+ operation",
-        contract.COLLECTIVE_TIMEOUT,
-        None,
-    ),
     (
         r"no NVIDIA driver|No CUDA GPUs are available|not compiled with CUDA|"
         r"asks for GPUs \(resources.gpusPerNode\) but none is visible",

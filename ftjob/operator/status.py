@@ -31,15 +31,9 @@ PHASE_CONDITIONS = ("Created", "Running", "Restarting", "Suspended", "Succeeded"
 CONDITION_TYPES = ("Planned", *PHASE_CONDITIONS)
 MESSAGE_LIMIT = 1500  # of the termination message kept in status (the schema allows 4096)
 
-# Only for a pod that left no termination record (killed, or crashed below Python): patterns
-# in the log tail Kubernetes puts in the message instead (FallbackToLogsOnError).
-LOG_CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED")
-# NCCL's watchdog, and gloo's transport ("Timed out waiting 30000ms for send operation").
-LOG_COLLECTIVE_TIMEOUT = re.compile(
-    r"Watchdog caught collective operation timeout|NCCL.{0,80}(timed out|timeout)"
-    r"|DistBackendError.{0,200}[Tt]imeout|gloo.{0,200}Timed out waiting \d+ms for \w+ operation",
-    re.S,
-)
+# A pod that left no termination record (killed, or crashed below Python) is diagnosed from
+# the log tail Kubernetes puts in the message instead (FallbackToLogsOnError), by the signs
+# `ftjob run` reads too (contract.LOG_SIGNS).
 # Hardware trouble as CUDA, NCCL and the driver word it, in a record's message or a log tail:
 # the node's fault whatever reason the trainer could give (Internal, NCCLError, Error).
 LOG_HARDWARE = re.compile(
@@ -262,13 +256,7 @@ def _from_container(term: dict) -> tuple[str, str, str, str | None]:
         return "OOMKilled", _record_detail(rec) if rec else "", "", None
     if rec and rec.get("outcome") == "failed" and rec.get("reason") in ADVICE:
         return rec["reason"], _record_detail(rec), "", rec.get("fix")
-    if LOG_CUDA_OOM.search(text):
-        reason = contract.CUDA_OOM
-    elif LOG_COLLECTIVE_TIMEOUT.search(text):
-        reason = contract.COLLECTIVE_TIMEOUT
-    else:
-        reason = "Error"
-    return reason, text, NO_RECORD, None
+    return contract.reason_in_log(text) or "Error", text, NO_RECORD, None
 
 
 def _record_detail(rec: dict) -> str:

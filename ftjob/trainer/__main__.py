@@ -15,7 +15,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ftjob import manifest
-from ftjob.contract import BAD_SPEC, PERMANENT, TrainerError
+from ftjob.contract import BAD_SPEC, NOT_IN_PLACE, TrainerError
 from ftjob.schema import SpecError
 from ftjob.spec import KIND, parse_resource
 from ftjob.trainer import termination
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         # Every failure leaves a record for whoever watches (the operator decides from it).
         record = termination.failure(e, step=getattr(e, "ftjob_step", None))
         termination.write(record)
-        if record["reason"] in PERMANENT or not _restarts_left():
+        if record["reason"] in NOT_IN_PLACE or not _restarts_left():  # as the agent decides
             lease.release_held()  # nothing restarts in place: the next attempt need not wait
         if not isinstance(e, TrainerError):
             raise  # unforeseen: the traceback is worth having (torchrun's @record keeps it)

@@ -69,16 +69,7 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
 
 
 def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progress) -> Path:
-    # NCCL names the transport it chose only in its own log, set up before it starts.
-    nccl_file = preflight.nccl_log(spec, job_dir, int(os.environ.get("RANK", "0")))
-    d = parallel.init(spec)
-    # Every rank's last step in the gang's store: a collective that times out names the rank
-    # that stopped answering (ftjob.trainer.heartbeat), the preflight's own included.
-    beat = heartbeat.start(
-        d.rank, d.world_size, contract.node_name(), spec.network.collective_timeout_seconds
-    )
-    if preflight.enabled(spec):  # before anything is read or written: a bad node fails fast
-        report.update(preflight=preflight.run(spec, d, job_dir, report.log, nccl_file))
+    d, beat = _join(spec, job_dir, report)
     out = jobfolder.export_path(job_dir, spec)
     say = print if d.is_main else (lambda *a, **k: None)
     hf_logging.disable_progress_bar()  # pod logs are not terminals
@@ -129,16 +120,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
         f"{total} steps" + run.speed_note()
     )
     _plan_progress(report, spec, d, total, run)
-    # The first collective after loading: every rank has read its part by now.
-    loaded = [(0.0, 0, 0.0)] * d.world_size
-    dist.all_gather_object(loaded, (_peak_rss_mib(), run.read_bytes, run.load_seconds))
-    report.update(loadPeakRssMiB=[rss for rss, _, _ in loaded])
-    report.log(
-        "loading: each rank read its own part of the weights ("
-        + ", ".join(f"{b / 2**30:.2f} GiB in {s:.1f} s" for _, b, s in loaded)
-        + "); peak RSS per rank after loading (MiB): "
-        + ", ".join(f"{rss:.0f}" for rss, _, _ in loaded)
-    )
+    _loaded(report, d, run)
 
     start = _resume(job_dir, spec, d, run.ckpt, run.net, run.optimizer, run.scheduler, report)
     evaluated_at = _train(spec, d, run, ds, sampler, range(start, total), report, beat)
@@ -154,6 +136,36 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
         jobfolder.write(job_dir, name, asked, trained_steps=total)
     report.log(f"exported model: {out}")
     return _succeeded(out, d, report, lease)
+
+
+def _join(spec: FineTuneJobSpec, job_dir: Path, report: progress.Progress):
+    """Join the gang, start this rank's heartbeat and, before anything is read or written,
+    check this node, the fabric and the volume (the preflight): a bad node fails fast."""
+    # NCCL names the transport it chose only in its own log, set up before it starts.
+    nccl_file = preflight.nccl_log(spec, job_dir, int(os.environ.get("RANK", "0")))
+    d = parallel.init(spec)
+    # Every rank's last step in the gang's store: a collective that times out names the rank
+    # that stopped answering (ftjob.trainer.heartbeat), the preflight's own included.
+    beat = heartbeat.start(
+        d.rank, d.world_size, contract.node_name(), spec.network.collective_timeout_seconds
+    )
+    if preflight.enabled(spec):
+        report.update(preflight=preflight.run(spec, d, job_dir, report.log, nccl_file))
+    return d, beat
+
+
+def _loaded(report: progress.Progress, d: parallel.Dist, run: Run) -> None:
+    """What each rank read, in how long, and its peak memory: gathered in the first
+    collective after loading (every rank has read its part by then)."""
+    loaded = [(0.0, 0, 0.0)] * d.world_size
+    dist.all_gather_object(loaded, (_peak_rss_mib(), run.read_bytes, run.load_seconds))
+    report.update(loadPeakRssMiB=[rss for rss, _, _ in loaded])
+    report.log(
+        "loading: each rank read its own part of the weights ("
+        + ", ".join(f"{b / 2**30:.2f} GiB in {s:.1f} s" for _, b, s in loaded)
+        + "); peak RSS per rank after loading (MiB): "
+        + ", ".join(f"{rss:.0f}" for rss, _, _ in loaded)
+    )
 
 
 def _succeeded(out: Path, d: parallel.Dist, report, lease: Lease | None) -> Path:

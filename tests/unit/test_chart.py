@@ -159,141 +159,60 @@ def test_every_rendered_object_is_valid_kubernetes(combo, rendered):
                 kubernetes_validate.validate(obj, kube, strict=True)
 
 
-# The chart's only resource whose CRD it does not ship (the Prometheus Operator's). A subset
-# of monitoring.coreos.com/v1 ServiceMonitor's schema, closed over the fields the chart
-# writes, so a misspelt or misplaced field fails here rather than being pruned by the server.
-SERVICE_MONITOR_SUBSET = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "ServiceMonitor"},
-        "metadata": {"type": "object", "required": ["name", "namespace"]},
-        "spec": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["selector", "endpoints"],
-            "properties": {
-                "selector": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {"matchLabels": {"type": "object"}},
-                },
-                "namespaceSelector": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {"matchNames": {"type": "array", "items": {"type": "string"}}},
-                },
-                "endpoints": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {
-                        "type": "object",
-                        "additionalProperties": False,
-                        "properties": {
-                            "port": {"type": "string"},
-                            "path": {"type": "string"},
-                            "interval": {
-                                "type": "string",
-                                "pattern": "^(0|(([0-9]+)(ms|s|m|h))+)$",
-                            },
-                            "scrapeTimeout": {
-                                "type": "string",
-                                "pattern": "^(0|(([0-9]+)(ms|s|m|h))+)$",
-                            },
-                        },
-                    },
-                },
-            },
-        },
-    },
-}
-
-
-# The same for PodMonitor, transcribed from the Prometheus Operator's CRD
-# (example/prometheus-operator-crd/monitoring.coreos.com_podmonitors.yaml, operator 0.93):
-# its duration pattern, namespaceSelector's two forms and a relabeling's fields and actions.
-# Stricter than the CRD in two places, on purpose: podMetricsEndpoints is required (without
-# it nothing is scraped) and sourceLabels must be Prometheus 2.x label names (older CRDs
-# had that pattern; Prometheus 2.x still refuses other names).
+# The chart's only resources whose CRDs it does not ship (the Prometheus Operator's): subsets
+# of monitoring.coreos.com/v1 ServiceMonitor's and PodMonitor's schemas, transcribed from its
+# CRDs (example/prometheus-operator-crd/, operator 0.93: the duration pattern, the
+# namespaceSelector's two forms, a relabeling's fields and actions) and closed over the fields
+# the chart writes, so a misspelt or misplaced field fails here rather than being pruned by the
+# server. Stricter than the CRDs in two places, on purpose: the endpoints are required (without
+# them nothing is scraped) and sourceLabels must be Prometheus 2.x label names (older CRDs had
+# that pattern; Prometheus 2.x still refuses other names).
 DURATION = (
     r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
 )
 RELABEL_ACTIONS = ["replace", "keep", "drop", "hashmod", "labelmap", "labeldrop", "labelkeep"]
 RELABEL_ACTIONS += ["lowercase", "uppercase", "keepequal", "dropequal"]
-POD_MONITOR_SUBSET = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "PodMonitor"},
-        "metadata": {"type": "object", "required": ["name", "namespace"]},
-        "spec": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["selector", "podMetricsEndpoints"],
-            "properties": {
-                "selector": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {
-                        "matchLabels": {
-                            "type": "object",
-                            "additionalProperties": {"type": "string"},
-                        }
-                    },
-                },
-                "namespaceSelector": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {
-                        "any": {"type": "boolean"},
-                        "matchNames": {"type": "array", "items": {"type": "string"}},
-                    },
-                },
-                "podMetricsEndpoints": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {
-                        "type": "object",
-                        "additionalProperties": False,
-                        "properties": {
-                            "port": {"type": "string"},
-                            "path": {"type": "string"},
-                            "interval": {"type": "string", "pattern": DURATION},
-                            "scrapeTimeout": {"type": "string", "pattern": DURATION},
-                            "relabelings": {
-                                "type": "array",
-                                "items": {
-                                    "type": "object",
-                                    "additionalProperties": False,
-                                    "properties": {
-                                        "action": {
-                                            "enum": RELABEL_ACTIONS
-                                            + [a.capitalize() for a in RELABEL_ACTIONS]
-                                        },
-                                        "sourceLabels": {
-                                            "type": "array",
-                                            "items": {
-                                                "type": "string",
-                                                "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$",
-                                            },
-                                        },
-                                        "targetLabel": {"type": "string"},
-                                        "regex": {"type": "string"},
-                                        "replacement": {"type": "string"},
-                                        "separator": {"type": "string"},
-                                    },
-                                },
-                            },
-                        },
-                    },
-                },
-            },
+
+
+def _closed(properties: dict) -> dict:
+    return {"type": "object", "additionalProperties": False, "properties": properties}
+
+
+def monitor_subset(kind: str, endpoints: str) -> dict:
+    """The schema subset of a ServiceMonitor (``endpoints``) or PodMonitor
+    (``podMetricsEndpoints``): the same selector, namespaces and endpoint fields."""
+    string, strings = {"type": "string"}, {"type": "array", "items": {"type": "string"}}
+    duration = {"type": "string", "pattern": DURATION}
+    relabeling = _closed({
+        "action": {"enum": RELABEL_ACTIONS + [a.capitalize() for a in RELABEL_ACTIONS]},
+        "sourceLabels": {"type": "array",
+                         "items": {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"}},
+        "targetLabel": string, "regex": string, "replacement": string, "separator": string,
+    })  # fmt: skip
+    endpoint = _closed({"port": string, "path": string, "interval": duration,
+                        "scrapeTimeout": duration,
+                        "relabelings": {"type": "array", "items": relabeling}})  # fmt: skip
+    spec = _closed({
+        "selector": _closed({"matchLabels": {"type": "object", "additionalProperties": string}}),
+        "namespaceSelector": _closed({"any": {"type": "boolean"}, "matchNames": strings}),
+        endpoints: {"type": "array", "minItems": 1, "items": endpoint},
+    })  # fmt: skip
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": kind},
+            "metadata": {"type": "object", "required": ["name", "namespace"]},
+            "spec": spec | {"required": ["selector", endpoints]},
         },
-    },
+    }
+
+
+MONITOR_SUBSETS = {
+    "ServiceMonitor": monitor_subset("ServiceMonitor", "endpoints"),
+    "PodMonitor": monitor_subset("PodMonitor", "podMetricsEndpoints"),
 }
-MONITOR_SUBSETS = {"ServiceMonitor": SERVICE_MONITOR_SUBSET, "PodMonitor": POD_MONITOR_SUBSET}
 
 
 def chart_crds() -> list[dict]:
