@@ -221,13 +221,26 @@ def time_all_reduce(device: torch.device, budget: float) -> tuple[int, float, fl
             torch.cuda.synchronize(device)
         return time.perf_counter() - began
 
-    first = once()  # connections are set up here, not measured
-    # As many repeats as half the budget allows, at most ALL_REDUCE_REPEATS.
-    repeats = max(1, min(ALL_REDUCE_REPEATS, int(budget / 2 / max(first, 1e-6))))
+    # Connections are set up in the first, which is not measured. Every rank must run as
+    # many collectives as the others, so the count comes from the slowest rank's first (one
+    # all-reduce more), not from each rank's own timing of it.
+    first = _slowest(once(), device)
+    repeats = repeats_for(first, budget)
     took = sorted(once() for _ in range(repeats))[repeats // 2]  # the median
-    slowest = torch.tensor([took, first], dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return nbytes, float(slowest[0]), float(slowest[1])
+    return nbytes, _slowest(took, device), first
+
+
+def repeats_for(first: float, budget: float) -> int:
+    """How many timed all-reduces follow the first (which took ``first`` seconds on the
+    slowest rank): as many as half the budget allows, at most ALL_REDUCE_REPEATS. PURE; the
+    same on every rank only when ``first`` is (agreed across the gang)."""
+    return max(1, min(ALL_REDUCE_REPEATS, int(budget / 2 / max(first, 1e-6))))
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value[0])
 
 
 def run(spec: FineTuneJobSpec, d, job_dir: Path, log=print, nccl_file: Path | None = None):

@@ -1,11 +1,15 @@
-"""The preflight's pure parts and its volume check (one process; the gang's all-reduce runs
-with 2 real processes in tests/e2e/test_preflight_gang.py)."""
+"""The preflight's pure parts, its volume check, and the count of its timed all-reduces in a
+real 2-process gloo group (the whole preflight of a gang: tests/e2e/test_preflight_gang.py)."""
 
 from __future__ import annotations
 
+import json
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 
 from ftjob import contract, manifest
 from ftjob.spec import parse_resource
@@ -81,3 +85,44 @@ def test_the_node_at_fault_is_named_in_every_rank_s_record(monkeypatch):
     assert termination.failure(error)["node"] == "bad-node"
     plain = contract.TrainerError("x", reason=contract.BAD_DATA)
     assert termination.failure(plain)["node"] == "healthy-node"
+
+
+def test_the_repeats_follow_the_slowest_rank_s_first_all_reduce():
+    # The count every rank runs: from the agreed (slowest) first all-reduce, so a rank whose
+    # own first was quick runs no more collectives than a slow one.
+    assert preflight.repeats_for(0.001, 60) == preflight.ALL_REDUCE_REPEATS
+    assert preflight.repeats_for(12.0, 60) == 2
+    assert preflight.repeats_for(40.0, 60) == 1
+
+
+def _time_all_reduce(rank: int, store_path: str, out: str) -> None:
+    """One rank of a 2-rank gloo gang whose rank 1 takes 0.6 s longer in its first
+    all-reduce: left to its own timing, rank 0 would run 5 repeats and rank 1 only one."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=10))  # fmt: skip
+    if rank == 1:
+        real, calls = dist.all_reduce, [0]
+
+        def slow_first(*args, **kwargs):
+            calls[0] += 1
+            result = real(*args, **kwargs)
+            if calls[0] == 1:
+                time.sleep(0.6)
+            return result
+
+        dist.all_reduce = slow_first
+    result = preflight.time_all_reduce(torch.device("cpu"), budget=2.0)
+    Path(f"{out}-{rank}").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_every_rank_runs_as_many_all_reduces_whatever_its_own_timing(tmp_path):
+    """Ranks either side of the repeats' boundary would match one rank's barrier against
+    another's all-reduce and hang; agreed on the slowest first, both finish alike."""
+    torch.multiprocessing.spawn(_time_all_reduce, args=(str(tmp_path / "store"),
+                                str(tmp_path / "out")), nprocs=2, join=True)  # fmt: skip
+    results = [json.loads((tmp_path / f"out-{r}").read_text()) for r in (0, 1)]
+    assert results[0] == results[1] and results[0][2] > 0.6  # the slowest first, on both
