@@ -26,6 +26,7 @@ import errno
 import hashlib
 import os
 import re
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,7 @@ def nccl_log(spec: FineTuneJobSpec, job_dir: Path, rank: int) -> Path | None:
         return None
     if os.environ.get("NCCL_DEBUG_FILE"):
         return None
-    path = job_dir / NCCL_LOG_DIR / f"{contract.node_name()}-rank{rank}.log"
+    path = job_dir / NCCL_LOG_DIR / f"{own_name(contract.node_name(), rank)}.log"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError:
@@ -88,6 +89,13 @@ def nccl_log(spec: FineTuneJobSpec, job_dir: Path, rank: int) -> Path | None:
         "NCCL_DEBUG_FILE": str(path),
     }
     return path
+
+
+def own_name(node: str, rank: int) -> str:
+    """A file name of this process's own. The preflight writes before the run owns the job
+    folder: a second run (or the next attempt, in a fresh container whose pids start over)
+    must not truncate, read back or remove this one's file. Hence a random part."""
+    return f"{node}-rank{rank}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def transport(lines: str) -> str | None:
@@ -114,7 +122,7 @@ def bus_bandwidth(nbytes: int, seconds: float, world: int) -> float:
 def check_volume(job_dir: Path, node: str, rank: int) -> dict[str, Any]:
     """Write, fsync, read back and remove a file in the job folder; MB/s of the write."""
     folder = job_dir / ".preflight"
-    path = folder / f"{node}-rank{rank}"
+    path = folder / own_name(node, rank)
     data = os.urandom(VOLUME_BYTES)
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ real 2-process gloo group (the whole preflight of a gang: tests/e2e/test_preflig
 from __future__ import annotations
 
 import json
+import os
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -85,6 +86,36 @@ def test_the_node_at_fault_is_named_in_every_rank_s_record(monkeypatch):
     assert termination.failure(error)["node"] == "bad-node"
     plain = contract.TrainerError("x", reason=contract.BAD_DATA)
     assert termination.failure(plain)["node"] == "healthy-node"
+
+
+def test_two_runs_checking_one_volume_at_once_use_files_of_their_own(tmp_path, monkeypatch):
+    """The check runs before the run owns the folder: the same node and rank of two runs must
+    not write one file (the winner would read the other's bytes back)."""
+    written = []
+    real_open = open
+
+    def spy(path, *args, **kwargs):
+        written.append(Path(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", spy)
+    preflight.check_volume(tmp_path, "n", 0)
+    preflight.check_volume(tmp_path, "n", 0)
+    assert len(written) == 2 and written[0] != written[1]
+
+
+def test_nccl_s_log_is_a_file_of_this_process_s_own(tmp_path, monkeypatch):
+    doc = manifest.load(Path(__file__).resolve().parents[2] / "examples" / "tiny.yaml")[0]
+    doc["spec"]["resources"]["gpusPerNode"] = 8
+    paths = []
+    for _ in range(2):  # two attempts on one node
+        for name in ("NCCL_DEBUG_FILE", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS"):
+            monkeypatch.delenv(name, raising=False)
+        paths.append(preflight.nccl_log(parse_resource(doc)[1], tmp_path, 3))
+        assert os.environ["NCCL_DEBUG_FILE"] == str(paths[-1])
+    assert all(p.parent == tmp_path / "logs" / "nccl" for p in paths)
+    assert paths[0].name.startswith(f"{contract.node_name()}-rank3-{os.getpid()}-")
+    assert paths[0] != paths[1]
 
 
 def test_the_repeats_follow_the_slowest_rank_s_first_all_reduce():
