@@ -22,8 +22,7 @@ snapshot (``preflight``), which the operator copies into the job's status.
 
 from __future__ import annotations
 
-import errno
-import hashlib
+import contextlib
 import os
 import re
 import secrets
@@ -43,6 +42,7 @@ from ftjob.contract import (
     TrainerError,
 )
 from ftjob.spec import FineTuneJobSpec
+from ftjob.trainer import volume
 
 MATMUL_N = 8192  # an 8192^3 bf16 matmul: ~1.1 TFLOP, about a millisecond on an H100
 MATMUL_REPEATS = 10
@@ -132,15 +132,25 @@ def check_volume(job_dir: Path, node: str, rank: int) -> dict[str, Any]:
             f.flush()
             os.fsync(f.fileno())
         seconds = time.perf_counter() - began
-        same = hashlib.sha256(path.read_bytes()).digest() == hashlib.sha256(data).digest()
+        same = path.read_bytes() == data
         path.unlink()
     except OSError as e:
-        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        # volume's rule (an OSError is always named): ENOSPC/EDQUOT, or less room left than
+        # the write needed, is DiskFull.
+        named = volume.write_failed(
+            e,
+            f"preflight: node {node} cannot write and read back {path} on the job's volume",
+            job_dir,
+            VOLUME_UNUSABLE,
+            needed=VOLUME_BYTES,
+        )
+        with contextlib.suppress(OSError):
+            path.unlink()  # after write_failed looked at the room left
+        full = named.reason == DISK_FULL
         raise TrainerError(
-            f"preflight: node {node} cannot write and read back {path} on the job's volume: "
-            f"{e.strerror or e}",
-            reason=DISK_FULL if full else VOLUME_UNUSABLE,
-            where=str(job_dir),
+            str(named),
+            reason=named.reason,
+            where=named.where,
             node=node,
             fix="free space on the volume, or lower checkpoint.keep"
             if full

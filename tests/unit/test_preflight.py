@@ -3,8 +3,10 @@ real 2-process gloo group (the whole preflight of a gang: tests/e2e/test_preflig
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -86,6 +88,39 @@ def test_the_node_at_fault_is_named_in_every_rank_s_record(monkeypatch):
     assert termination.failure(error)["node"] == "bad-node"
     plain = contract.TrainerError("x", reason=contract.BAD_DATA)
     assert termination.failure(plain)["node"] == "healthy-node"
+
+
+def test_a_full_volume_is_disk_full_naming_the_node_and_leaves_nothing(tmp_path, monkeypatch):
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(preflight.os, "fsync", full)
+    with pytest.raises(contract.TrainerError) as e:
+        preflight.check_volume(tmp_path, "gpu-node-2", 0)
+    assert e.value.reason == contract.DISK_FULL and e.value.node == "gpu-node-2"
+    assert "node gpu-node-2 cannot write and read back" in str(e.value)
+    assert "free space" in e.value.fix
+    assert list((tmp_path / ".preflight").iterdir()) == []  # the partial file is removed
+
+
+def test_a_write_error_with_no_room_left_is_disk_full_as_the_trainer_s_own_writes(
+    tmp_path, monkeypatch
+):
+    """volume.write_failed's rule, not one of the preflight's own: an errno other than ENOSPC
+    with less room left than the write needed is DiskFull; with room left, VolumeUnusable."""
+
+    def eio(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(preflight.os, "fsync", eio)
+    with pytest.raises(contract.TrainerError) as e:
+        preflight.check_volume(tmp_path, "n", 0)
+    assert e.value.reason == contract.VOLUME_UNUSABLE and "Input/output error" in str(e.value)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=4096))
+    with pytest.raises(contract.TrainerError) as e:
+        preflight.check_volume(tmp_path, "n", 0)
+    assert e.value.reason == contract.DISK_FULL and "free space" in e.value.fix
 
 
 def test_two_runs_checking_one_volume_at_once_use_files_of_their_own(tmp_path, monkeypatch):
