@@ -351,7 +351,9 @@ def _judge(spec: FineTuneJobSpec, figures: dict[str, Any], world: int, chosen: l
     wrong = sorted({(n, t) for n, t in chosen if t is not None and t != expected})
     if nodes > 1 and expected and wrong:
         on = ", ".join(f"{t} on {n}" for n, t in wrong)
-        _fabric(spec, f"network.fabric is {fabric} but NCCL chose {on} between the nodes")
+        at = {n for n, _ in wrong}  # one node off the fabric is the one at fault
+        _fabric(spec, f"network.fabric is {fabric} but NCCL chose {on} between the nodes",
+                node=at.pop() if len(at) == 1 else None)  # fmt: skip
     chosen = figures.get("transport")
     floor = spec.preflight.bus_floor(fabric, nodes)
     measured = figures.get("busBandwidthGBps")
@@ -365,12 +367,13 @@ def _judge(spec: FineTuneJobSpec, figures: dict[str, Any], world: int, chosen: l
         )
 
 
-def _fabric(spec: FineTuneJobSpec, what: str) -> None:
+def _fabric(spec: FineTuneJobSpec, what: str, node: str | None = None) -> None:
     raise TrainerError(
         f"preflight: {what}",
         reason=FABRIC_MISCONFIGURED,
         where="spec.network.fabric",
         fix=FABRIC_FIX[spec.network.fabric],
+        node=node,
     )
 
 

@@ -192,3 +192,39 @@ def test_every_rank_runs_as_many_all_reduces_whatever_its_own_timing(tmp_path):
                                 str(tmp_path / "out")), nprocs=2, join=True)  # fmt: skip
     results = [json.loads((tmp_path / f"out-{r}").read_text()) for r in (0, 1)]
     assert results[0] == results[1] and results[0][2] > 0.6  # the slowest first, on both
+
+
+def test_a_node_whose_nccl_fell_back_to_sockets_is_named_fabric_misconfigured():
+    doc = manifest.load(Path(__file__).resolve().parents[2] / "examples" / "tiny.yaml")[0]
+    doc["spec"]["resources"] |= {"nodes": 2, "gpusPerNode": 8}
+    doc["spec"]["network"] = {"fabric": "efa", "efaDevicesPerNode": 32}
+    efa = parse_resource(doc)[1]
+    chosen = [("node-a", "efa"), ("node-b", "socket")]
+    figures = {"transport": "efa+socket", "nodes": {"node-a": {}, "node-b": {}}}
+    with pytest.raises(contract.TrainerError) as e:
+        preflight._judge(efa, figures, 2, chosen)
+    assert e.value.reason == contract.FABRIC_MISCONFIGURED and e.value.node == "node-b"
+    assert "NCCL chose socket on node-b" in str(e.value)
+    assert "aws-ofi-nccl" in e.value.fix
+    preflight._judge(efa, figures, 2, [("node-a", "efa"), ("node-b", "efa")])  # both right
+    with pytest.raises(contract.TrainerError) as e:  # both off the fabric: no one node at fault
+        preflight._judge(efa, figures, 2, [("node-a", "socket"), ("node-b", "socket")])
+    assert e.value.reason == contract.FABRIC_MISCONFIGURED and e.value.node is None
+
+
+def test_the_bus_bandwidth_verdict_is_against_the_fabric_s_floor():
+    doc = manifest.load(Path(__file__).resolve().parents[2] / "examples" / "tiny.yaml")[0]
+    doc["spec"]["resources"] |= {"nodes": 2, "gpusPerNode": 8}
+    doc["spec"]["network"] = {"fabric": "efa", "efaDevicesPerNode": 32}
+    efa = parse_resource(doc)[1]
+    chosen = [("a", "efa"), ("b", "efa")]
+    slow = {"transport": "efa", "busBandwidthGBps": 1.2, "nodes": {"a": {}, "b": {}}}
+    with pytest.raises(contract.TrainerError) as e:
+        preflight._judge(efa, slow, 16, chosen)
+    assert e.value.reason == contract.FABRIC_MISCONFIGURED
+    assert "bus bandwidth of 1.2 GB/s, under the floor of 10 GB/s" in str(e.value)
+    assert "(a, b)" in str(e.value) and "transport efa" in str(e.value)
+    preflight._judge(efa, slow | {"busBandwidthGBps": 10.5}, 16, chosen)
+    # One node: NVLink or shared memory inside it, whatever network NCCL loaded; no floor.
+    doc["spec"]["resources"]["nodes"] = 1
+    preflight._judge(parse_resource(doc)[1], slow, 8, [("a", "socket")])
