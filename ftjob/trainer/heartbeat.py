@@ -87,18 +87,29 @@ class Heartbeat:
         """Every rank's last heartbeat that the store holds (rank -> beat)."""
         if self._store is None:
             return {}
-        beats = {}
         try:
-            for rank in range(self.world):
-                if self._store.check([f"{PREFIX}{rank}"]):
-                    beats[rank] = json.loads(self._store.get(f"{PREFIX}{rank}"))
+            return read(self._store, self.world)
         except Exception:  # noqa: BLE001 - the store is gone: one timeout, not one per rank
             return {}
-        return beats
 
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
+
+
+def read(store, world: int) -> dict[int, dict]:
+    """Every rank's heartbeat in ``store`` (rank -> beat), in two round trips of the store
+    when every rank has beaten, as it has by the time a collective times out: the gang may be
+    thousands of ranks, each reading while it fails. A ``multi_get`` of a key never set waits
+    for the store's timeout, so when one is missing each key is checked first."""
+    keys = [f"{PREFIX}{rank}" for rank in range(world)]
+    ranks = list(range(world))
+    if not store.check(keys):
+        ranks = [rank for rank in ranks if store.check([keys[rank]])]
+    if not ranks:
+        return {}
+    values = store.multi_get([keys[rank] for rank in ranks])
+    return {rank: json.loads(value) for rank, value in zip(ranks, values, strict=True)}
 
 
 def silent(beats: dict[int, dict], world: int, now: float, interval: float) -> list[int]:

@@ -164,3 +164,38 @@ def test_an_unreadable_owner_file_holds_nothing(tmp_path):
     assert json.loads((tmp_path / lease.FILE).read_text())["run"] == "job-1"
     held.release()
     assert list(tmp_path.iterdir()) == []
+
+
+class _Counted:
+    """A real store, counting the calls (each one a round trip to the store's server)."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append(name)
+            return getattr(self.store, name)(*args)
+
+        return call
+
+
+def test_a_rank_reads_every_heartbeat_in_two_round_trips_of_the_store():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))  # fmt: skip
+    now = 1000.0
+    for rank, beat in beats(now, r0=(1, 7), r1=(2, 7), r2=(40, 3), r3=(1, 7)).items():
+        server.set(f"{heartbeat.PREFIX}{rank}", json.dumps(beat))
+    store = _Counted(server)
+    assert heartbeat.read(store, 4) == beats(now, r0=(1, 7), r1=(2, 7), r2=(40, 3), r3=(1, 7))
+    assert store.calls == ["check", "multi_get"]  # not a check and a get per rank
+    # A rank that never beat: the others' still, without waiting out the store's timeout
+    # (a multi_get of a key never set waits for it).
+    server.delete_key(f"{heartbeat.PREFIX}2")
+    store.calls.clear()
+    assert sorted(heartbeat.read(store, 4)) == [0, 1, 3]
+    assert store.calls.count("multi_get") == 1
