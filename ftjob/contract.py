@@ -83,6 +83,9 @@ def reason_in_log(text: str) -> str | None:
 
 
 NODE_NAME_ENV = "FTJOB_NODE_NAME"  # set by the operator from the downward API (spec.nodeName)
+# Set by ftjob's node agent (ftjob.trainer.agent) in its workers' environment: the gang's
+# restarts in place so far. Absent: no ftjob agent runs the trainer (plain torchrun).
+RESTARTS_IN_PLACE_ENV = "FTJOB_RESTARTS_IN_PLACE"
 
 
 def node_name() -> str:

@@ -52,7 +52,6 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from ftjob import contract, lease
 
-RESTARTS_ENV = "FTJOB_RESTARTS_IN_PLACE"
 TERMINATION_ENV = "FTJOB_TERMINATION_LOG"
 
 
@@ -107,7 +106,8 @@ class Agent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self.node_rank, self.termination = node_rank, termination
         self.restarts, self._restarting = 0, False
-        os.environ[RESTARTS_ENV] = "0"  # the workers' environment (ftjob.trainer.parallel)
+        # The workers' environment (ftjob.trainer.parallel, progress, __main__).
+        os.environ[contract.RESTARTS_IN_PLACE_ENV] = "0"
 
     def _monitor_workers(self, worker_group) -> RunResult:
         result = super()._monitor_workers(worker_group)
@@ -133,7 +133,7 @@ class Agent(LocalElasticAgent):
         if worker_group.state == WorkerState.HEALTHY:  # another node's workers failed
             say(f"node {self.node_rank}: another node restarts its workers; restarting these")
         self.restarts += 1
-        os.environ[RESTARTS_ENV] = str(self.restarts)  # the next workers' environment
+        os.environ[contract.RESTARTS_IN_PLACE_ENV] = str(self.restarts)  # the next workers' env
         self._restarting = True
         try:
             super()._restart_workers(worker_group)  # stop, rendezvous, start

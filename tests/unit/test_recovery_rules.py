@@ -199,3 +199,31 @@ def test_a_rank_reads_every_heartbeat_in_two_round_trips_of_the_store():
     store.calls.clear()
     assert sorted(heartbeat.read(store, 4)) == [0, 1, 3]
     assert store.calls.count("multi_get") == 1
+
+
+def test_a_failed_trainer_gives_the_folder_up_itself_only_when_no_ftjob_agent_runs_it(
+    tmp_path, monkeypatch
+):
+    """Under ftjob's agent (it sets FTJOB_RESTARTS_IN_PLACE) the folder stays the gang's: the
+    agent decides on restarts in place and releases it when the gang is over. Under plain
+    torchrun nobody else would."""
+    from ftjob.trainer import __main__ as entry
+    from ftjob.trainer import train
+
+    def fails(spec, name):
+        raise contract.TrainerError("bad line", reason=contract.BAD_DATA)
+
+    monkeypatch.setattr(train, "run", fails)
+    monkeypatch.delenv("FTJOB_TERMINATION_LOG", raising=False)
+    tiny = str(Path(__file__).resolve().parents[2] / "examples" / "tiny.yaml")
+    for agent_runs_it in (True, False):
+        if agent_runs_it:
+            monkeypatch.setenv(contract.RESTARTS_IN_PLACE_ENV, "0")
+        else:
+            monkeypatch.delenv(contract.RESTARTS_IN_PLACE_ENV)
+        held = lease.Lease(tmp_path, run="job-1")
+        held.take(0)
+        monkeypatch.setattr(lease, "_held", held)
+        assert entry.main(["--spec", tiny]) == entry.EXIT_FAILED
+        assert (tmp_path / lease.FILE).exists() == agent_runs_it
+        held.release()
