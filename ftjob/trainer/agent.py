@@ -122,6 +122,11 @@ class Agent(LocalElasticAgent):
             self._remaining_restarts = 0  # torch's own loop then stops the workers and fails
             say(f"node {self.node_rank}: {what}; retrying on these nodes cannot help, so no "
                 "restart in place")  # fmt: skip
+        elif result.state == WorkerState.UNHEALTHY and self._remaining_restarts == 0:
+            # torch's agent gave the budget up itself: a fresh worker would contend with the
+            # stuck one for its GPU or NIC.
+            say(f"node {self.node_rank}: {what}; torch's agent restarts no workers beside it, "
+                "so no restart in place")  # fmt: skip
         elif self._remaining_restarts > 0:
             used = budget - self._remaining_restarts + 1
             say(f"node {self.node_rank}: {what}; restarting the workers of every node in place "
@@ -177,6 +182,11 @@ def describe(failed: dict | None, result: RunResult) -> str:
     for rank, failure in sorted(result.failures.items()):
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else failure.exitcode
         return f"rank {rank} failed (exit {how})"
+    if result.state == WorkerState.UNHEALTHY:  # torch's only cause of it (2.13)
+        return (
+            "a worker is stuck in uninterruptible sleep (D-state) past torch's limit "
+            "(TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT)"
+        )
     return f"the workers are {result.state.name.lower()}"
 
 
@@ -190,7 +200,12 @@ def _signal_group(pid: int, sig: int) -> None:
 
 
 def launch(config, entrypoint, args: list[str], node_rank: int) -> None:
-    """torch's ``launch_agent`` with :class:`Agent` and :class:`NodeRanks`."""
+    """torch's ``launch_agent`` (torch.distributed.launcher.api) with :class:`Agent` and
+    :class:`NodeRanks`. Left out of it, as ftjob does not use them: the launch-config log
+    line, a generated run id (ours always has one), the early health-check server
+    (TORCHELASTIC_HEALTH_CHECK_PORT), torchelastic's metrics and events, and the WorkerSpec's
+    master address and port, event log handler, NUMA binding, stdout/stderr duplicate
+    filters and virtual local rank: torchrun's options for those are accepted and ignored."""
     params = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -201,6 +216,8 @@ def launch(config, entrypoint, args: list[str], node_rank: int) -> None:
         **config.rdzv_configs,
     )
     handler = registry.get_rendezvous_handler(params)
+    # static: torchrun's default backend, when the agent is started by hand without
+    # --standalone (ftjob's own launchers always say c10d); its node ranks are given already.
     if config.rdzv_backend != "static":
         handler = NodeRanks(handler, node_rank)
     spec = WorkerSpec(

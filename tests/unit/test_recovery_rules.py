@@ -122,6 +122,14 @@ def test_the_agent_stops_restarting_where_retrying_here_cannot_help(tmp_path, ca
     )
     assert "rank 0 failed: CudaOOM: x; restarting the workers of every node in place" in out
     assert "(restart 2 of 3)" in out
+    # A worker stuck in the kernel: torch's agent gives its budget up itself (no record).
+    path.write_text("")
+    stuck = FakeAgent(path, remaining=0)
+    stuck._decide(RunResult(state=WorkerState.UNHEALTHY), budget=3)
+    out = capsys.readouterr().out
+    assert "node 0: a worker is stuck in uninterruptible sleep (D-state)" in out
+    assert "torch's agent restarts no workers beside it, so no restart in place" in out
+    assert "used" not in out
 
 
 def _take(folder: str, run: str, go, done, results) -> None:
