@@ -63,11 +63,13 @@ INTERNAL = "Internal"
 # from a pod's log tail by the operator and from a node's log by `ftjob run`.
 LOG_SIGNS = (
     (re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED"), CUDA_OOM),
-    # NCCL's watchdog, and gloo's transport ("Timed out waiting 30000ms for send operation").
+    # NCCL's watchdog, gloo's transport ("Timed out waiting 30000ms for send operation"), and
+    # the store's wait for a key a peer never set (at the process group's start).
     (
         re.compile(
             r"Watchdog caught collective operation timeout|NCCL.{0,80}(timed out|timeout)"
-            r"|DistBackendError.{0,200}[Tt]imeout|Timed out waiting \d+ms for \w+ operation",
+            r"|DistBackendError.{0,200}[Tt]imeout|Timed out waiting \d+ms for \w+ operation"
+            r"|wait timeout after \d+ms, keys",
             re.S,
         ),
         COLLECTIVE_TIMEOUT,
@@ -81,6 +83,9 @@ def reason_in_log(text: str) -> str | None:
 
 
 NODE_NAME_ENV = "FTJOB_NODE_NAME"  # set by the operator from the downward API (spec.nodeName)
+# Set by ftjob's node agent (ftjob.trainer.agent) in its workers' environment: the gang's
+# restarts in place so far. Absent: no ftjob agent runs the trainer (plain torchrun).
+RESTARTS_IN_PLACE_ENV = "FTJOB_RESTARTS_IN_PLACE"
 
 
 def node_name() -> str:

@@ -15,7 +15,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ftjob import manifest
-from ftjob.contract import BAD_SPEC, NOT_IN_PLACE, TrainerError
+from ftjob.contract import BAD_SPEC, RESTARTS_IN_PLACE_ENV, TrainerError
 from ftjob.schema import SpecError
 from ftjob.spec import KIND, parse_resource
 from ftjob.trainer import termination
@@ -49,8 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         # Every failure leaves a record for whoever watches (the operator decides from it).
         record = termination.failure(e, step=getattr(e, "ftjob_step", None))
         termination.write(record)
-        if record["reason"] in NOT_IN_PLACE or not _restarts_left():  # as the agent decides
-            lease.release_held()  # nothing restarts in place: the next attempt need not wait
+        if RESTARTS_IN_PLACE_ENV not in os.environ:
+            # No ftjob agent runs this process: nobody else gives the folder up, and the next
+            # run need not wait for it. (ftjob's agent decides whether its workers restart in
+            # place, keeps the folder for them, and releases it when the gang is over.)
+            lease.release_held()
         if not isinstance(e, TrainerError):
             raise  # unforeseen: the traceback is worth having (torchrun's @record keeps it)
         # A known problem: its message says it all, no traceback needed.
@@ -60,13 +63,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)  # fmt: skip
         return EXIT_FAILED
     return 0
-
-
-def _restarts_left() -> bool:
-    """Whether this node's agent may restart the workers in place after a failure (it keeps
-    the job folder for them meanwhile)."""
-    used = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) > used
 
 
 def _bad_spec(path: str, e: Exception) -> int:

@@ -52,7 +52,6 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from ftjob import contract, lease
 
-RESTARTS_ENV = "FTJOB_RESTARTS_IN_PLACE"
 TERMINATION_ENV = "FTJOB_TERMINATION_LOG"
 
 
@@ -107,7 +106,8 @@ class Agent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self.node_rank, self.termination = node_rank, termination
         self.restarts, self._restarting = 0, False
-        os.environ[RESTARTS_ENV] = "0"  # the workers' environment (ftjob.trainer.parallel)
+        # The workers' environment (ftjob.trainer.parallel, progress, __main__).
+        os.environ[contract.RESTARTS_IN_PLACE_ENV] = "0"
 
     def _monitor_workers(self, worker_group) -> RunResult:
         result = super()._monitor_workers(worker_group)
@@ -122,6 +122,11 @@ class Agent(LocalElasticAgent):
             self._remaining_restarts = 0  # torch's own loop then stops the workers and fails
             say(f"node {self.node_rank}: {what}; retrying on these nodes cannot help, so no "
                 "restart in place")  # fmt: skip
+        elif result.state == WorkerState.UNHEALTHY and self._remaining_restarts == 0:
+            # torch's agent gave the budget up itself: a fresh worker would contend with the
+            # stuck one for its GPU or NIC.
+            say(f"node {self.node_rank}: {what}; torch's agent restarts no workers beside it, "
+                "so no restart in place")  # fmt: skip
         elif self._remaining_restarts > 0:
             used = budget - self._remaining_restarts + 1
             say(f"node {self.node_rank}: {what}; restarting the workers of every node in place "
@@ -133,7 +138,7 @@ class Agent(LocalElasticAgent):
         if worker_group.state == WorkerState.HEALTHY:  # another node's workers failed
             say(f"node {self.node_rank}: another node restarts its workers; restarting these")
         self.restarts += 1
-        os.environ[RESTARTS_ENV] = str(self.restarts)  # the next workers' environment
+        os.environ[contract.RESTARTS_IN_PLACE_ENV] = str(self.restarts)  # the next workers' env
         self._restarting = True
         try:
             super()._restart_workers(worker_group)  # stop, rendezvous, start
@@ -177,6 +182,11 @@ def describe(failed: dict | None, result: RunResult) -> str:
     for rank, failure in sorted(result.failures.items()):
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else failure.exitcode
         return f"rank {rank} failed (exit {how})"
+    if result.state == WorkerState.UNHEALTHY:  # torch's only cause of it (2.13)
+        return (
+            "a worker is stuck in uninterruptible sleep (D-state) past torch's limit "
+            "(TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT)"
+        )
     return f"the workers are {result.state.name.lower()}"
 
 
@@ -190,7 +200,12 @@ def _signal_group(pid: int, sig: int) -> None:
 
 
 def launch(config, entrypoint, args: list[str], node_rank: int) -> None:
-    """torch's ``launch_agent`` with :class:`Agent` and :class:`NodeRanks`."""
+    """torch's ``launch_agent`` (torch.distributed.launcher.api) with :class:`Agent` and
+    :class:`NodeRanks`. Left out of it, as ftjob does not use them: the launch-config log
+    line, a generated run id (ours always has one), the early health-check server
+    (TORCHELASTIC_HEALTH_CHECK_PORT), torchelastic's metrics and events, and the WorkerSpec's
+    master address and port, event log handler, NUMA binding, stdout/stderr duplicate
+    filters and virtual local rank: torchrun's options for those are accepted and ignored."""
     params = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -201,6 +216,8 @@ def launch(config, entrypoint, args: list[str], node_rank: int) -> None:
         **config.rdzv_configs,
     )
     handler = registry.get_rendezvous_handler(params)
+    # static: torchrun's default backend, when the agent is started by hand without
+    # --standalone (ftjob's own launchers always say c10d); its node ranks are given already.
     if config.rdzv_backend != "static":
         handler = NodeRanks(handler, node_rank)
     spec = WorkerSpec(

@@ -48,13 +48,14 @@ def _store(timeout: float):
 
 
 class Heartbeat:
-    """This rank's heartbeat; ``step`` is set by the training loop (a plain attribute)."""
+    """This rank's heartbeat; the training loop says each step done (:meth:`at`). Its thread
+    beats as long as the process lives (a daemon: the process's end is the heartbeat's)."""
 
     def __init__(self, rank: int, world: int, node: str, interval: float):
         self.rank, self.world, self.node, self.interval = rank, world, node, interval
-        self.step, self.step_at = 0, time.time()
+        self.step = 0
         self._store = _store(timeout=max(5.0, 2 * interval))
-        self._stop, self._wake = threading.Event(), threading.Event()
+        self._wake = threading.Event()
         self._last = 0.0
         self._thread = None
         if self._store is not None:
@@ -65,40 +66,45 @@ class Heartbeat:
     def at(self, step: int) -> None:
         """A step is done: the thread tells the store soon (at most once a second, never
         from the training thread)."""
-        self.step, self.step_at = step, time.time()
-        if self.step_at - self._last >= MIN_SPACING:
+        self.step = step
+        if time.time() - self._last >= MIN_SPACING:
             self._wake.set()
 
     def _beat(self) -> None:
         self._last = time.time()
-        value = {"step": self.step, "stepAt": self.step_at, "at": self._last,
-                 "node": self.node, "pid": os.getpid()}  # fmt: skip
+        value = {"step": self.step, "at": self._last, "node": self.node, "pid": os.getpid()}
         with contextlib.suppress(Exception):  # a store gone (node 0 lost): nothing to tell
             self._store.set(f"{PREFIX}{self.rank}", json.dumps(value))
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while True:
             self._wake.wait(self.interval)
             self._wake.clear()
-            if not self._stop.is_set():
-                self._beat()
+            self._beat()
 
     def read(self) -> dict[int, dict]:
         """Every rank's last heartbeat that the store holds (rank -> beat)."""
         if self._store is None:
             return {}
-        beats = {}
         try:
-            for rank in range(self.world):
-                if self._store.check([f"{PREFIX}{rank}"]):
-                    beats[rank] = json.loads(self._store.get(f"{PREFIX}{rank}"))
+            return read(self._store, self.world)
         except Exception:  # noqa: BLE001 - the store is gone: one timeout, not one per rank
             return {}
-        return beats
 
-    def close(self) -> None:
-        self._stop.set()
-        self._wake.set()
+
+def read(store, world: int) -> dict[int, dict]:
+    """Every rank's heartbeat in ``store`` (rank -> beat), in two round trips of the store
+    when every rank has beaten, as it has by the time a collective times out: the gang may be
+    thousands of ranks, each reading while it fails. A ``multi_get`` of a key never set waits
+    for the store's timeout, so when one is missing each key is checked first."""
+    keys = [f"{PREFIX}{rank}" for rank in range(world)]
+    ranks = list(range(world))
+    if not store.check(keys):
+        ranks = [rank for rank in ranks if store.check([keys[rank]])]
+    if not ranks:
+        return {}
+    values = store.multi_get([keys[rank] for rank in ranks])
+    return {rank: json.loads(value) for rank, value in zip(ranks, values, strict=True)}
 
 
 def silent(beats: dict[int, dict], world: int, now: float, interval: float) -> list[int]:

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from ftjob import plan
+from ftjob import contract, plan
 from ftjob.modelshape import ModelShape
 from ftjob.spec import FineTuneJobSpec
 
@@ -80,7 +80,7 @@ def _round_store(world: int, timeout: datetime.timedelta) -> dist.Store | None:
     next: a restarted gang could read the addresses its dead predecessors published and wait
     on them until the collective timeout. The agent counts the gang's rounds alike on every
     node (FTJOB_RESTARTS_IN_PLACE); under plain torchrun, torch's own rendezvous (None)."""
-    restarts = os.environ.get("FTJOB_RESTARTS_IN_PLACE")
+    restarts = os.environ.get(contract.RESTARTS_IN_PLACE_ENV)
     if restarts is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),

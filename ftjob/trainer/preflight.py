@@ -22,10 +22,10 @@ snapshot (``preflight``), which the operator copies into the job's status.
 
 from __future__ import annotations
 
-import errno
-import hashlib
+import contextlib
 import os
 import re
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from ftjob.contract import (
     TrainerError,
 )
 from ftjob.spec import FineTuneJobSpec
+from ftjob.trainer import volume
 
 MATMUL_N = 8192  # an 8192^3 bf16 matmul: ~1.1 TFLOP, about a millisecond on an H100
 MATMUL_REPEATS = 10
@@ -77,7 +78,7 @@ def nccl_log(spec: FineTuneJobSpec, job_dir: Path, rank: int) -> Path | None:
         return None
     if os.environ.get("NCCL_DEBUG_FILE"):
         return None
-    path = job_dir / NCCL_LOG_DIR / f"{contract.node_name()}-rank{rank}.log"
+    path = job_dir / NCCL_LOG_DIR / f"{own_name(contract.node_name(), rank)}.log"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError:
@@ -88,6 +89,13 @@ def nccl_log(spec: FineTuneJobSpec, job_dir: Path, rank: int) -> Path | None:
         "NCCL_DEBUG_FILE": str(path),
     }
     return path
+
+
+def own_name(node: str, rank: int) -> str:
+    """A file name of this process's own. The preflight writes before the run owns the job
+    folder: a second run (or the next attempt, in a fresh container whose pids start over)
+    must not truncate, read back or remove this one's file. Hence a random part."""
+    return f"{node}-rank{rank}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def transport(lines: str) -> str | None:
@@ -114,7 +122,7 @@ def bus_bandwidth(nbytes: int, seconds: float, world: int) -> float:
 def check_volume(job_dir: Path, node: str, rank: int) -> dict[str, Any]:
     """Write, fsync, read back and remove a file in the job folder; MB/s of the write."""
     folder = job_dir / ".preflight"
-    path = folder / f"{node}-rank{rank}"
+    path = folder / own_name(node, rank)
     data = os.urandom(VOLUME_BYTES)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -124,15 +132,25 @@ def check_volume(job_dir: Path, node: str, rank: int) -> dict[str, Any]:
             f.flush()
             os.fsync(f.fileno())
         seconds = time.perf_counter() - began
-        same = hashlib.sha256(path.read_bytes()).digest() == hashlib.sha256(data).digest()
+        same = path.read_bytes() == data
         path.unlink()
     except OSError as e:
-        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        # volume's rule (an OSError is always named): ENOSPC/EDQUOT, or less room left than
+        # the write needed, is DiskFull.
+        named = volume.write_failed(
+            e,
+            f"preflight: node {node} cannot write and read back {path} on the job's volume",
+            job_dir,
+            VOLUME_UNUSABLE,
+            needed=VOLUME_BYTES,
+        )
+        with contextlib.suppress(OSError):
+            path.unlink()  # after write_failed looked at the room left
+        full = named.reason == DISK_FULL
         raise TrainerError(
-            f"preflight: node {node} cannot write and read back {path} on the job's volume: "
-            f"{e.strerror or e}",
-            reason=DISK_FULL if full else VOLUME_UNUSABLE,
-            where=str(job_dir),
+            str(named),
+            reason=named.reason,
+            where=named.where,
             node=node,
             fix="free space on the volume, or lower checkpoint.keep"
             if full
@@ -221,13 +239,26 @@ def time_all_reduce(device: torch.device, budget: float) -> tuple[int, float, fl
             torch.cuda.synchronize(device)
         return time.perf_counter() - began
 
-    first = once()  # connections are set up here, not measured
-    # As many repeats as half the budget allows, at most ALL_REDUCE_REPEATS.
-    repeats = max(1, min(ALL_REDUCE_REPEATS, int(budget / 2 / max(first, 1e-6))))
+    # Connections are set up in the first, which is not measured. Every rank must run as
+    # many collectives as the others, so the count comes from the slowest rank's first (one
+    # all-reduce more), not from each rank's own timing of it.
+    first = _slowest(once(), device)
+    repeats = repeats_for(first, budget)
     took = sorted(once() for _ in range(repeats))[repeats // 2]  # the median
-    slowest = torch.tensor([took, first], dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return nbytes, float(slowest[0]), float(slowest[1])
+    return nbytes, _slowest(took, device), first
+
+
+def repeats_for(first: float, budget: float) -> int:
+    """How many timed all-reduces follow the first (which took ``first`` seconds on the
+    slowest rank): as many as half the budget allows, at most ALL_REDUCE_REPEATS. PURE; the
+    same on every rank only when ``first`` is (agreed across the gang)."""
+    return max(1, min(ALL_REDUCE_REPEATS, int(budget / 2 / max(first, 1e-6))))
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value[0])
 
 
 def run(spec: FineTuneJobSpec, d, job_dir: Path, log=print, nccl_file: Path | None = None):
@@ -320,7 +351,9 @@ def _judge(spec: FineTuneJobSpec, figures: dict[str, Any], world: int, chosen: l
     wrong = sorted({(n, t) for n, t in chosen if t is not None and t != expected})
     if nodes > 1 and expected and wrong:
         on = ", ".join(f"{t} on {n}" for n, t in wrong)
-        _fabric(spec, f"network.fabric is {fabric} but NCCL chose {on} between the nodes")
+        at = {n for n, _ in wrong}  # one node off the fabric is the one at fault
+        _fabric(spec, f"network.fabric is {fabric} but NCCL chose {on} between the nodes",
+                node=at.pop() if len(at) == 1 else None)  # fmt: skip
     chosen = figures.get("transport")
     floor = spec.preflight.bus_floor(fabric, nodes)
     measured = figures.get("busBandwidthGBps")
@@ -334,12 +367,13 @@ def _judge(spec: FineTuneJobSpec, figures: dict[str, Any], world: int, chosen: l
         )
 
 
-def _fabric(spec: FineTuneJobSpec, what: str) -> None:
+def _fabric(spec: FineTuneJobSpec, what: str, node: str | None = None) -> None:
     raise TrainerError(
         f"preflight: {what}",
         reason=FABRIC_MISCONFIGURED,
         where="spec.network.fabric",
         fix=FABRIC_FIX[spec.network.fabric],
+        node=node,
     )
 
 

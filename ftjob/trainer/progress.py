@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from ftjob import atomic
+from ftjob import atomic, contract
 from ftjob.hardware import GPUS, gpu_for_device_name
 from ftjob.trainer import metrics
 
@@ -280,7 +280,7 @@ def restarts_in_place() -> int:
     """How often this gang's workers were restarted in place: the node agent's count
     (FTJOB_RESTARTS_IN_PLACE, every restart of the gang), else torchrun's own
     (TORCHELASTIC_RESTART_COUNT, this node's failures only)."""
-    for name in ("FTJOB_RESTARTS_IN_PLACE", "TORCHELASTIC_RESTART_COUNT"):
+    for name in (contract.RESTARTS_IN_PLACE_ENV, "TORCHELASTIC_RESTART_COUNT"):
         with contextlib.suppress(KeyError, ValueError):
             return int(os.environ[name])
     return 0

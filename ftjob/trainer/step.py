@@ -90,7 +90,7 @@ class Tally:
     own_seconds: float = 0.0  # this rank's step time, the wait for the others left out
     steps: int = 0
 
-    def add(self, loss: torch.Tensor, micro: list[data.Batch], own_seconds: float = 0.0) -> None:
+    def add(self, loss: torch.Tensor, micro: list[data.Batch], own_seconds: float) -> None:
         self.loss = loss
         self.own_seconds += own_seconds
         self.steps += 1
@@ -99,7 +99,7 @@ class Tally:
             self.model_flops += self.flops(b.tokens, b.attention_sq)
 
     def reduce(
-        self, device: torch.device, rank: int = 0, world: int = 1
+        self, device: torch.device, rank: int, world: int
     ) -> tuple[float, int, float, list[float]]:
         """(step loss, tokens, FLOPs, each rank's mean own step time) over all ranks; the
         counts restart (a sync point)."""

@@ -36,8 +36,7 @@ class Stragglers:
             slow = median > 0 and own > (1 + self.margin) * median
             self.streak[rank] = self.streak.get(rank, 0) + 1 if slow else 0
             if self.streak[rank] >= CONSECUTIVE:
-                node = self.nodes[rank] if rank < len(self.nodes) else "?"
-                now.append({"rank": rank, "node": node, "stepSeconds": round(own, 4),
+                now.append({"rank": rank, "node": self.nodes[rank], "stepSeconds": round(own, 4),
                             "medianSeconds": round(median, 4)})  # fmt: skip
         changed = [s["rank"] for s in now] != [s["rank"] for s in self.named]
         self.named = now

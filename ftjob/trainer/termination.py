@@ -55,14 +55,12 @@ def _name(e: BaseException) -> tuple[str, str | None] | None:
         return contract.CUDA_OOM, None
     if isinstance(e, OSError) and e.errno in _DISK_FULL:
         return contract.DISK_FULL, e.filename
-    text = str(e)
-    if isinstance(e, dist.DistError) or (
-        isinstance(e, RuntimeError) and ("NCCL" in text or "gloo" in text)
-    ):
-        # NCCL's watchdog and gloo's transport ("Timed out waiting 30000ms for send
-        # operation to complete") both: a collective that waited too long.
-        timed_out = "timeout" in text.lower() or "timed out" in text.lower()
-        return (contract.COLLECTIVE_TIMEOUT if timed_out else contract.NCCL_ERROR), None
+    # A timeout by the words the operator reads in a log tail (contract.LOG_SIGNS): NCCL's
+    # watchdog, gloo's transport, the store's wait.
+    if contract.reason_in_log(f"{type(e).__name__}: {e}") == contract.COLLECTIVE_TIMEOUT:
+        return contract.COLLECTIVE_TIMEOUT, None
+    if isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "NCCL" in str(e)):
+        return contract.NCCL_ERROR, None
     if "No space left on device" in str(e):
         return contract.DISK_FULL, None  # torch.save's and dcp's writers report it as text
     return None

@@ -120,10 +120,11 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
         f"{total} steps" + run.speed_note()
     )
     _plan_progress(report, spec, d, total, run)
-    _loaded(report, d, run)
+    nodes = _loaded(report, d, run)
 
     start = _resume(job_dir, spec, d, run.ckpt, run.net, run.optimizer, run.scheduler, report)
-    evaluated_at = _train(spec, d, run, ds, sampler, range(start, total), report, beat)
+    steps = range(start, total)
+    evaluated_at = _train(spec, d, run, ds, sampler, steps, report, beat, nodes)
     run.ckpt.close()
     if ds.eval is not None and evaluated_at != total:
         report.phase("evaluating")
@@ -154,18 +155,21 @@ def _join(spec: FineTuneJobSpec, job_dir: Path, report: progress.Progress):
     return d, beat
 
 
-def _loaded(report: progress.Progress, d: parallel.Dist, run: Run) -> None:
+def _loaded(report: progress.Progress, d: parallel.Dist, run: Run) -> list[str]:
     """What each rank read, in how long, and its peak memory: gathered in the first
-    collective after loading (every rank has read its part by then)."""
-    loaded = [(0.0, 0, 0.0)] * d.world_size
-    dist.all_gather_object(loaded, (_peak_rss_mib(), run.read_bytes, run.load_seconds))
-    report.update(loadPeakRssMiB=[rss for rss, _, _ in loaded])
+    collective after loading (every rank has read its part by then), with each rank's node
+    (stragglers name it). Returns the nodes, by rank."""
+    loaded = [("", 0.0, 0, 0.0)] * d.world_size
+    mine = (contract.node_name(), _peak_rss_mib(), run.read_bytes, run.load_seconds)
+    dist.all_gather_object(loaded, mine)
+    report.update(loadPeakRssMiB=[rss for _, rss, _, _ in loaded])
     report.log(
         "loading: each rank read its own part of the weights ("
-        + ", ".join(f"{b / 2**30:.2f} GiB in {s:.1f} s" for _, b, s in loaded)
+        + ", ".join(f"{b / 2**30:.2f} GiB in {s:.1f} s" for _, _, b, s in loaded)
         + "); peak RSS per rank after loading (MiB): "
-        + ", ".join(f"{rss:.0f}" for rss, _, _ in loaded)
+        + ", ".join(f"{rss:.0f}" for _, rss, _, _ in loaded)
     )
+    return [node for node, _, _, _ in loaded]
 
 
 def _succeeded(out: Path, d: parallel.Dist, report, lease: Lease | None) -> Path:
@@ -254,12 +258,10 @@ def _load(spec, tok, d: parallel.Dist, job_dir: Path, lease, total: int) -> Run:
                speed, flops, built.read_bytes, load_seconds)  # fmt: skip
 
 
-def _train(spec, d, run: Run, ds, sampler, steps: range, report, beat) -> int | None:
+def _train(spec, d, run: Run, ds, sampler, steps: range, report, beat, nodes) -> int | None:
     """The optimizer steps, with evaluations and checkpoints on their schedules; the step
-    last evaluated at."""
+    last evaluated at. ``nodes``: each rank's node (:func:`_loaded`), for naming stragglers."""
     t, every = spec.training, spec.checkpoint.every
-    nodes = [None] * d.world_size
-    dist.all_gather_object(nodes, contract.node_name())  # once: stragglers name their node
     slow = stragglers.Stragglers(spec.run_policy.straggler_margin, nodes)
     report.begin(steps.start)
     tally, evaluated_at = step.Tally(run.flops), None

@@ -1,7 +1,7 @@
 """The preflight with 2 real processes on CPU (gloo), through `ftjob run`: it measures the
 all-reduce's bus bandwidth and the volume, reports them in progress and the job's status, and
 refuses a gang under a forced floor with FabricMisconfigured and the numbers, before any
-weight is read.
+weight is read; an unhealthy node on rank 1 is named in both ranks' records.
 
     python -m pytest tests/e2e/test_preflight_gang.py -q
 """
@@ -12,6 +12,7 @@ import json
 import re
 from datetime import datetime, timezone
 
+from test_recovery import injected
 from test_trainer_run import job, run
 
 from ftjob import contract, manifest
@@ -65,3 +66,34 @@ def test_a_bus_bandwidth_under_the_floor_fails_the_gang_before_loading(tmp_path)
     failure = st.diagnose(pod)
     assert failure["reason"] == contract.FABRIC_MISCONFIGURED and "nodeFault" not in failure
     assert measured[1] in failure["message"]
+
+
+def test_an_unhealthy_node_on_rank_1_is_named_in_both_ranks_records(tmp_path, monkeypatch):
+    """Rank 1's node fails its GPU check (injected: no GPU here); rank 0, whose checks pass on
+    another node, fails with it and names the node at fault, not its own."""
+    injected(monkeypatch, "unhealthy:1:sick-node")
+    code, out = run(job("preflight-sick", preflight={"mode": "on"}), tmp_path / "sick")
+    assert code != 0
+    assert "NodeUnhealthy" in out, out
+    records = [
+        contract.parse((tmp_path / "sick" / "logs" / f"node-{n}.termination").read_text())
+        for n in (0, 1)
+    ]
+    assert [r["rank"] for r in records] == [0, 1]
+    for record in records:
+        assert record["reason"] == contract.NODE_UNHEALTHY, record
+        assert record["node"] == "sick-node", record
+        assert "GPU 0 of node sick-node failed a matmul" in record["message"]
+    log = (tmp_path / "sick" / "logs" / "node-0.log").read_text()
+    assert "parameters (" not in log  # nothing was loaded
+    # The operator, reading rank 0's record, keeps the sick node away from the next gang.
+    name, spec = parse_resource(manifest.load(tmp_path / "sick.yaml")[0])
+    pod = render.pod(name, "ns", spec, 0, 0, "uid")
+    term = {"exitCode": 1, "reason": "Error", "message": contract.dumps(records[0])}
+    pod["status"] = {
+        "phase": "Failed",
+        "containerStatuses": [{"name": "trainer", "state": {"terminated": term}}],
+    }
+    failure = st.diagnose(pod)
+    assert failure["reason"] == contract.NODE_UNHEALTHY and failure["nodeFault"]
+    assert failure["node"] == "sick-node"

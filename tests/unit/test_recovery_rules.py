@@ -122,6 +122,14 @@ def test_the_agent_stops_restarting_where_retrying_here_cannot_help(tmp_path, ca
     )
     assert "rank 0 failed: CudaOOM: x; restarting the workers of every node in place" in out
     assert "(restart 2 of 3)" in out
+    # A worker stuck in the kernel: torch's agent gives its budget up itself (no record).
+    path.write_text("")
+    stuck = FakeAgent(path, remaining=0)
+    stuck._decide(RunResult(state=WorkerState.UNHEALTHY), budget=3)
+    out = capsys.readouterr().out
+    assert "node 0: a worker is stuck in uninterruptible sleep (D-state)" in out
+    assert "torch's agent restarts no workers beside it, so no restart in place" in out
+    assert "used" not in out
 
 
 def _take(folder: str, run: str, go, done, results) -> None:
@@ -164,3 +172,66 @@ def test_an_unreadable_owner_file_holds_nothing(tmp_path):
     assert json.loads((tmp_path / lease.FILE).read_text())["run"] == "job-1"
     held.release()
     assert list(tmp_path.iterdir()) == []
+
+
+class _Counted:
+    """A real store, counting the calls (each one a round trip to the store's server)."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append(name)
+            return getattr(self.store, name)(*args)
+
+        return call
+
+
+def test_a_rank_reads_every_heartbeat_in_two_round_trips_of_the_store():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))  # fmt: skip
+    now = 1000.0
+    for rank, beat in beats(now, r0=(1, 7), r1=(2, 7), r2=(40, 3), r3=(1, 7)).items():
+        server.set(f"{heartbeat.PREFIX}{rank}", json.dumps(beat))
+    store = _Counted(server)
+    assert heartbeat.read(store, 4) == beats(now, r0=(1, 7), r1=(2, 7), r2=(40, 3), r3=(1, 7))
+    assert store.calls == ["check", "multi_get"]  # not a check and a get per rank
+    # A rank that never beat: the others' still, without waiting out the store's timeout
+    # (a multi_get of a key never set waits for it).
+    server.delete_key(f"{heartbeat.PREFIX}2")
+    store.calls.clear()
+    assert sorted(heartbeat.read(store, 4)) == [0, 1, 3]
+    assert store.calls.count("multi_get") == 1
+
+
+def test_a_failed_trainer_gives_the_folder_up_itself_only_when_no_ftjob_agent_runs_it(
+    tmp_path, monkeypatch
+):
+    """Under ftjob's agent (it sets FTJOB_RESTARTS_IN_PLACE) the folder stays the gang's: the
+    agent decides on restarts in place and releases it when the gang is over. Under plain
+    torchrun nobody else would."""
+    from ftjob.trainer import __main__ as entry
+    from ftjob.trainer import train
+
+    def fails(spec, name):
+        raise contract.TrainerError("bad line", reason=contract.BAD_DATA)
+
+    monkeypatch.setattr(train, "run", fails)
+    monkeypatch.delenv("FTJOB_TERMINATION_LOG", raising=False)
+    tiny = str(Path(__file__).resolve().parents[2] / "examples" / "tiny.yaml")
+    for agent_runs_it in (True, False):
+        if agent_runs_it:
+            monkeypatch.setenv(contract.RESTARTS_IN_PLACE_ENV, "0")
+        else:
+            monkeypatch.delenv(contract.RESTARTS_IN_PLACE_ENV)
+        held = lease.Lease(tmp_path, run="job-1")
+        held.take(0)
+        monkeypatch.setattr(lease, "_held", held)
+        assert entry.main(["--spec", tiny]) == entry.EXIT_FAILED
+        assert (tmp_path / lease.FILE).exists() == agent_runs_it
+        held.release()

@@ -41,6 +41,14 @@ def raised(exc: BaseException, cause: BaseException | None = None) -> BaseExcept
          contract.COLLECTIVE_TIMEOUT),
         (dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp, unhandled system error"),
          contract.NCCL_ERROR),
+        # The store's wait for a key a peer never set, at the process group's start.
+        (dist.DistStoreError("wait timeout after 30000ms, keys: /default_pg/0//cuda//0"),
+         contract.COLLECTIVE_TIMEOUT),
+        (RuntimeError("NCCL communicator was aborted on rank 1"), contract.NCCL_ERROR),
+        (dist.DistNetworkError("Connection reset by peer"), contract.NCCL_ERROR),
+        # gloo's other errors are not NCCL's: named by nothing, as before.
+        (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed "
+                      "by peer [127.0.0.1]:29500"), contract.INTERNAL),
         (OSError(errno.ENOSPC, "No space left on device", "/ftjob/x/checkpoints"),
          contract.DISK_FULL),
         (KeyError("x"), contract.INTERNAL),

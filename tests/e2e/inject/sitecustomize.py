@@ -2,11 +2,15 @@
 
 A test puts this folder first on PYTHONPATH and sets FTJOB_TEST_INJECT; Python imports this
 module at start-up in every process of the run, and only a worker of the named rank patches
-``ftjob.trainer.step`` as it is imported:
+``ftjob.trainer.step`` (or ``ftjob.trainer.preflight``) as it is imported:
 
 * ``raise:RANK:CALL:MARKER`` -- the CALL-th train_step of the process raises once (MARKER is a
   file created then, so the worker restarted in place does not raise again);
-* ``slow:RANK:SECONDS`` -- every step's data takes SECONDS longer on that rank.
+* ``slow:RANK:SECONDS`` -- every step's data takes SECONDS longer on that rank;
+* ``unhealthy:RANK:NODE`` -- that rank runs on a node named NODE (FTJOB_NODE_NAME, as the
+  operator sets it) whose GPU fails the preflight's matmul. There is no GPU here, so the GPU
+  check's verdict is what is injected: the same TrainerError a failed matmul raises; the
+  gang's gather, verdict and records that follow are the trainer's own.
 """
 
 import importlib.abc
@@ -16,11 +20,12 @@ import sys
 import time
 
 _SPEC = os.environ.get("FTJOB_TEST_INJECT", "").split(":")
+_MODULE = "ftjob.trainer.preflight" if _SPEC[0] == "unhealthy" else "ftjob.trainer.step"
 
 
 class _Patch(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "ftjob.trainer.step":
+        if name != _MODULE:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -28,7 +33,7 @@ class _Patch(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             load(module)
-            _patch(module)
+            (_patch_preflight if name == "ftjob.trainer.preflight" else _patch)(module)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -58,5 +63,22 @@ def _patch(step) -> None:
         step.Prefetch.next = slow_next
 
 
+def _patch_preflight(preflight) -> None:
+    from ftjob import contract
+
+    def check_gpu(spec, device, node):
+        raise contract.TrainerError(
+            f"preflight: GPU 0 of node {node} failed a matmul: injected ECC error "
+            "(tests/e2e/inject)",
+            reason=contract.NODE_UNHEALTHY,
+            node=node,
+            fix="the node is kept away from the next gang",
+        )
+
+    preflight.check_gpu = check_gpu  # unhealthy: the only fault injected here
+
+
 if len(_SPEC) > 2 and os.environ.get("RANK") == _SPEC[1]:
+    if _SPEC[0] == "unhealthy":
+        os.environ["FTJOB_NODE_NAME"] = _SPEC[2]
     sys.meta_path.insert(0, _Patch())
