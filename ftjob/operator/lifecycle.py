@@ -132,10 +132,21 @@ def decide(
     return _create_or_wait(s)
 
 
+def gang_snapshot(held: tuple[int, dict] | None, status: dict | None) -> dict | None:
+    """The snapshot to decide with: the one held (attempt of the pod that served it,
+    snapshot), if that pod is of the gang ``status`` names; None if it is an older gang's (a
+    fetch that ended after the new gang started): that gang's restarts in place are counted
+    already, and the new gang's count starts at 0."""
+    if held is None:
+        return None
+    attempt, snapshot = held
+    return snapshot if attempt == (status or {}).get("attempt", 0) else None
+
+
 def _observe(s: _Step, snapshot: dict | None) -> None:
     """Rank 0's progress snapshot, when the operator has one, goes into the status: progress,
-    the preflight's figures, stragglers and the workers' restarts in place (the handlers drop
-    the snapshot when a new gang starts, so it is always the current gang's)."""
+    the preflight's figures, stragglers and the workers' restarts in place (the current
+    gang's: see :func:`gang_snapshot`)."""
     new = s.new
     if snapshot:
         new["progress"] = st.progress(snapshot)

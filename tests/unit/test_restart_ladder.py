@@ -39,13 +39,18 @@ def snapshot(report: Progress) -> dict:
 # ------------------------------------------------------------------- restarts in place
 
 
-def test_restarts_in_place_are_counted_across_gangs_with_an_event(tmp_path):
-    report = rank0(tmp_path)
+def restarted_rank0(tmp_path, monkeypatch, restarts: int) -> Progress:
+    """Rank 0 of a gang whose workers the node agent restarted ``restarts`` times in place:
+    it reads the count from the agent's environment, as the trainer does."""
+    monkeypatch.setenv("FTJOB_RESTARTS_IN_PLACE", str(restarts))
+    return rank0(tmp_path)
+
+
+def test_restarts_in_place_are_counted_across_gangs_with_an_event(tmp_path, monkeypatch):
     running = run_to([pod(0), pod(1)])
     assert running.status["restartsInPlace"] == 0
-    # torchrun restarted the workers once: the restarted rank 0 reports it (the key is the
-    # trainer's; written here through the writer's generic update path).
-    report.update(restartsInPlace=1)
+    # torchrun restarted the workers once: the restarted rank 0 reports it.
+    report = restarted_rank0(tmp_path, monkeypatch, 1)
     d = decide(running.status, [pod(0), pod(1)], snapshot=snapshot(report))
     assert d.status["restartsInPlace"] == 1 and d.status["attemptRestartsInPlace"] == 1
     assert [e[1] for e in d.events].count("RestartedInPlace") == 1
@@ -55,16 +60,38 @@ def test_restarts_in_place_are_counted_across_gangs_with_an_event(tmp_path):
     assert again.status["restartsInPlace"] == 1
     assert "RestartedInPlace" not in [e[1] for e in again.events]
     # The in-place budget is spent and a pod fails: a new gang, whose count starts at 0.
-    report.update(restartsInPlace=3)
+    report = restarted_rank0(tmp_path, monkeypatch, 3)
     failed = pod(1, phase="Failed", exit_code=1)
     r = decide(again.status, [pod(0), failed], snapshot=snapshot(report))
     assert r.phase == "Restarting" and r.status["restarts"] == 1
     assert r.status["restartsInPlace"] == 3 and r.status["attemptRestartsInPlace"] == 0
     # The new gang's rank 0 restarts once in place: the job's total goes on from 3.
-    new_gang = Progress(tmp_path, True, 60, 2, writes_files=False)
-    new_gang.update(restartsInPlace=1)
+    new_gang = restarted_rank0(tmp_path, monkeypatch, 1)
     n = decide(r.status, [pod(0, attempt=1), pod(1, attempt=1)], snapshot=snapshot(new_gang))
     assert n.status["restartsInPlace"] == 4 and n.status["attemptRestartsInPlace"] == 1
+
+
+def test_a_late_snapshot_of_the_previous_gang_is_not_counted_again(tmp_path, monkeypatch):
+    """The operator fetched the old rank 0's /progress and the answer came after the new gang
+    started: held with the old attempt, it does not reach the decision."""
+    old_rank0 = snapshot(restarted_rank0(tmp_path, monkeypatch, 2))
+    running = run_to([pod(0), pod(1)])
+    held = (0, old_rank0)  # (attempt of the pod that served it, snapshot)
+    d = decide(
+        running.status, [pod(0), pod(1)], snapshot=lifecycle.gang_snapshot(held, running.status)
+    )
+    assert d.status["restartsInPlace"] == 2
+    r = decide(d.status, [pod(0), pod(1, phase="Failed", exit_code=1)])
+    assert r.status["attempt"] == 1 and r.status["attemptRestartsInPlace"] == 0
+    assert lifecycle.gang_snapshot(held, r.status) is None
+    late = decide(r.status, [], snapshot=lifecycle.gang_snapshot(held, r.status))
+    assert late.status["restartsInPlace"] == 2
+    assert "RestartedInPlace" not in [e[1] for e in late.events]
+    # Decided with, it would be counted a second time: what the rule prevents.
+    assert decide(r.status, [], snapshot=old_rank0).status["restartsInPlace"] == 4
+    # The new gang's own snapshot is used.
+    new_rank0 = snapshot(restarted_rank0(tmp_path, monkeypatch, 1))
+    assert lifecycle.gang_snapshot((1, new_rank0), r.status) == new_rank0
 
 
 def test_a_permanent_failure_is_never_restarted_whatever_the_budgets(trainer_runs):
