@@ -13,7 +13,9 @@ from ftjob import contract, kubevalidation, manifest
 from ftjob.operator import lifecycle, render
 from ftjob.operator import status as st
 from ftjob.spec import parse_resource
+from ftjob.trainer import preflight
 from ftjob.trainer.progress import Progress
+from ftjob.trainer.stragglers import CONSECUTIVE, Stragglers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,15 +105,30 @@ def test_a_permanent_failure_is_never_restarted_whatever_the_budgets(trainer_run
 
 def test_preflight_and_stragglers_from_the_snapshot_reach_the_status(tmp_path):
     report = rank0(tmp_path)
-    figures = {"busBandwidthGBps": 0.9, "transport": "gloo", "matmulTflops": None,
-               "volumeWriteMBps": 700.0, "nodes": {"a": {}, "b": {}}, "seconds": 0.1}  # fmt: skip
-    slow = {"rank": 1, "node": "b", "stepSeconds": 2.0, "medianSeconds": 1.0}
-    report.update(preflight=figures, stragglers=[slow])
+    # The preflight's own figures (ftjob.trainer.preflight.run): its summary of what each
+    # rank measured (a real volume check here), then the all-reduce's bus bandwidth.
+    measured = [
+        {"node": "a", "rank": 0, **preflight.check_volume(tmp_path, "a", 0)},
+        {"node": "b", "rank": 1},
+    ]
+    figures = preflight.summary(measured)
+    figures["busBandwidthGBps"] = round(preflight.bus_bandwidth(64 << 20, 0.15, 2), 3)
+    figures |= {"transport": "gloo", "seconds": 0.1}
+    # Rank 1 slower than the margin on CONSECUTIVE log steps (ftjob.trainer.stragglers).
+    slow = Stragglers(margin=0.25, nodes=["a", "b"])
+    for _ in range(CONSECUTIVE):
+        slow.observe([1.0, 2.0])
+    report.update(preflight=figures)
+    report.stragglers(slow.named, slow.describe())
     d = decide(run_to([pod(0), pod(1)]).status, [pod(0), pod(1)], snapshot=snapshot(report))
-    kept = {"busBandwidthGBps": 0.9, "transport": "gloo", "volumeWriteMBps": 700.0}
+    kept = {"busBandwidthGBps": figures["busBandwidthGBps"], "transport": "gloo",
+            "volumeWriteMBps": figures["volumeWriteMBps"], "note": figures["note"]}  # fmt: skip
     assert d.status["preflight"] == kept | {"seconds": 0.1, "nodes": 2}
-    assert d.status["stragglers"] == [slow]
-    report.update(stragglers=[])
+    assert d.status["stragglers"] == [
+        {"rank": 1, "node": "b", "stepSeconds": 2.0, "medianSeconds": 1.5}
+    ]
+    slow.observe([1.0, 1.0])  # back within the margin
+    report.stragglers(slow.named, slow.describe())
     assert decide(d.status, [pod(0), pod(1)], snapshot=snapshot(report)).status["stragglers"] == []
 
 
