@@ -96,13 +96,6 @@ def test_a_late_snapshot_of_the_previous_gang_is_not_counted_again(tmp_path, mon
     assert lifecycle.gang_snapshot((1, new_rank0), r.status) == new_rank0
 
 
-def test_a_permanent_failure_is_never_restarted_whatever_the_budgets(trainer_runs):
-    bad = trainer_runs.get("bad-data")
-    d = run_to([pod(0), pod(1)], backoffLimit=5)
-    r = decide(d.status, [pod(0), pod(1, real=bad)], backoffLimit=5)
-    assert r.phase == "Failed" and r.status["restarts"] == 0 and "badNodes" not in r.status
-
-
 def test_preflight_and_stragglers_from_the_snapshot_reach_the_status(tmp_path):
     report = rank0(tmp_path)
     # The preflight's own figures (ftjob.trainer.preflight.run): its summary of what each
