@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ftjob import atomic
+from ftjob import atomic, processes
 from ftjob.contract import INTERNAL, OWNED_ELSEWHERE, TrainerError
 
 FILE = "owner"
@@ -71,7 +71,7 @@ class Owner:
 
     def alive(self, now: float) -> bool:
         if self.machine == _machine():  # its process tells, however old the heartbeat
-            return _pid_alive(self.pid)
+            return processes.alive(self.pid)
         return now - self.heartbeat <= LEASE_SECONDS
 
     def describe(self, now: float) -> str:
@@ -154,16 +154,8 @@ class Lease:
 
     def _create(self) -> bool:
         """Make the file ours if there is none: True if it is."""
-        tmp = self.path.with_name(f".{FILE}.new-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.me.heartbeat = time.time()
-        tmp.write_text(json.dumps(asdict(self.me), indent=1) + "\n")
-        try:
-            os.link(tmp, self.path)  # fails if the file exists: only one run gets here
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            tmp.unlink(missing_ok=True)
+        return atomic.create_json(self.path, asdict(self.me))  # only one run gets True
 
     def _remove_stale(self, stale: Owner | None) -> None:
         """Remove the file of a run that is over (None: an unreadable file); if a contender
@@ -282,16 +274,3 @@ def _machine() -> str:
     except OSError:
         boot = pidns = "?"
     return f"{socket.gethostname()}/{boot}/{pidns}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie has exited: its writes are over.
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    return True

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import subprocess
+import sys
+from dataclasses import asdict
 from pathlib import Path
 
+import pytest
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from ftjob import contract, lease
+from ftjob import contract, lease, processes
 from ftjob.trainer import agent, heartbeat, metrics
 from ftjob.trainer.stragglers import CONSECUTIVE, Stragglers
 
@@ -164,3 +168,35 @@ def test_an_unreadable_owner_file_holds_nothing(tmp_path):
     assert json.loads((tmp_path / lease.FILE).read_text())["run"] == "job-1"
     held.release()
     assert list(tmp_path.iterdir()) == []
+
+
+def named_process(name: str) -> subprocess.Popen:
+    """A sleeping process whose command name (``/proc/<pid>/stat``'s second field) is
+    ``name``: a program may name itself anything, spaces and parentheses included."""
+    code = (
+        "import ctypes, sys, time\n"
+        "ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0)  # PR_SET_NAME\n"
+        "print('named', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, name], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "named\n"
+    return proc
+
+
+def test_a_live_owner_is_seen_whatever_its_command_name(tmp_path):
+    proc = named_process("x) Z (y")
+    try:
+        assert f"({'x) Z (y'})" in Path(f"/proc/{proc.pid}/stat").read_text()
+        assert processes.alive(proc.pid)
+        held = lease.Owner.me("job-1")
+        held.pid = proc.pid  # an `ftjob run` on this machine
+        (tmp_path / lease.FILE).write_text(json.dumps(asdict(held)))
+        with pytest.raises(contract.TrainerError) as refused:
+            lease.Lease(tmp_path, run="job-2").take(0)
+        assert refused.value.reason == contract.OWNED_ELSEWHERE
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not processes.alive(proc.pid)
+    lease.Lease(tmp_path, run="job-2").take(0)  # its process is gone: the folder is free
