@@ -7,9 +7,11 @@ file every ``HEARTBEAT_SECONDS``. The folder is free when the file is absent, na
 (an ``ftjob run`` whose trainer takes it, a gang whose workers restarted in place), or names a
 run that is over:
 
-* it ran on this machine (same host, kernel boot and PID namespace) and its process is gone
-  (the process recorded is the one that lives as long as the run there: ``ftjob run``, or
-  the node's agent, which outlives workers restarted in place);
+* it ran on this machine (same host, kernel boot and PID namespace) and its processes are
+  gone: the one that took the folder and the one that carries it on (each recorded as the
+  process that lives as long as the run there: ``ftjob run``, or the node's agent, which
+  outlives workers restarted in place). Both, because either may die alone: an ``ftjob
+  run`` killed outright leaves its gang's agents running, and their rank 0 still writes;
 * it ran elsewhere and its heartbeat is older than ``LEASE_SECONDS`` (killed, or its node
   lost).
 
@@ -54,9 +56,12 @@ class Owner:
     run: str  # the rendezvous id: unique per ftjob run and per operator attempt
     machine: str  # where ``pid`` means something (host, boot, PID namespace)
     host: str
-    pid: int
+    pid: int  # the process that took the folder for the run
     since: str
     heartbeat: float  # Unix time of the last refresh
+    # The process that carries the lease on (a trainer's agent, once rank 0 took the folder
+    # its `ftjob run` holds) and refreshes it from then on; 0 in files from before it was kept.
+    carrier: int = 0
 
     @classmethod
     def me(cls, run: str | None = None) -> Owner:
@@ -67,17 +72,28 @@ class Owner:
             pid=_holder_pid(),
             since=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             heartbeat=time.time(),
+            carrier=_holder_pid(),
         )
 
     def alive(self, now: float) -> bool:
-        if self.machine == _machine():  # its process tells, however old the heartbeat
-            return processes.alive(self.pid)
+        if self.machine == _machine():  # its processes tell, however old the heartbeat
+            return any(processes.alive(p) for p in (self.pid, self.carrier) if p > 0)
         return now - self.heartbeat <= LEASE_SECONDS
+
+    def carried_by_another(self, me: Owner) -> bool:
+        """Whether a live process other than ``me``'s carries this run's lease on here."""
+        return (
+            self.run == me.run
+            and self.machine == me.machine
+            and self.carrier not in (0, me.carrier)
+            and processes.alive(self.carrier)
+        )
 
     def describe(self, now: float) -> str:
         return (
             f"run {self.run} (host {self.host}, pid {self.pid}) since {self.since}, "
             f"last seen {max(0.0, now - self.heartbeat):.0f} s ago"
+            + (f", carried on by pid {self.carrier}" if self.carrier not in (0, self.pid) else "")
         )
 
 
@@ -114,7 +130,7 @@ class Lease:
             if current.run == self.me.run:
                 # Already this run's: taken by its `ftjob run`, or by this gang before its
                 # workers restarted in place. The holder recorded there lives longer than us.
-                self.me = dataclasses.replace(current, heartbeat=now)
+                self.me = dataclasses.replace(current, heartbeat=now, carrier=_holder_pid())
                 self._write()
                 break
             if not current.alive(now):
@@ -182,6 +198,10 @@ class Lease:
             current = self.read()
             if current is not None and current.run != self.me.run:
                 return  # taken over: stop refreshing; check() refuses the next write
+            if current is not None and current.carried_by_another(self.me):
+                # This run's trainer carries it on: had `ftjob run` written itself back as
+                # the carrier, its death alone would free a folder its gang still writes.
+                continue
             with contextlib.suppress(OSError):  # a full disk: the lease just ages
                 self._write()
 

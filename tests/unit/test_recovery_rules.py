@@ -3,11 +3,15 @@ says, the trainer's metrics for them, and the exclusive take of a job folder by 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
+import os
+import signal
 import subprocess
 import sys
-from dataclasses import asdict
+import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -189,8 +193,8 @@ def test_a_live_owner_is_seen_whatever_its_command_name(tmp_path):
     try:
         assert f"({'x) Z (y'})" in Path(f"/proc/{proc.pid}/stat").read_text()
         assert processes.alive(proc.pid)
-        held = lease.Owner.me("job-1")
-        held.pid = proc.pid  # an `ftjob run` on this machine
+        # An `ftjob run` on this machine, which carries its lease on itself.
+        held = replace(lease.Owner.me("job-1"), pid=proc.pid, carrier=proc.pid)
         (tmp_path / lease.FILE).write_text(json.dumps(asdict(held)))
         with pytest.raises(contract.TrainerError) as refused:
             lease.Lease(tmp_path, run="job-2").take(0)
@@ -200,3 +204,49 @@ def test_a_live_owner_is_seen_whatever_its_command_name(tmp_path):
         proc.wait()
     assert not processes.alive(proc.pid)
     lease.Lease(tmp_path, run="job-2").take(0)  # its process is gone: the folder is free
+
+
+GANG = """
+import os, subprocess, sys, time
+from pathlib import Path
+from ftjob import lease
+role, folder = sys.argv[1], Path(sys.argv[2])
+if role == "run":  # `ftjob run`: takes the folder, starts node 0's agent, refreshes often
+    lease.HEARTBEAT_SECONDS = 0.05
+    lease.Lease(folder, run="job-1").take(0)
+    subprocess.Popen([sys.executable, __file__, "agent", str(folder)]).wait()
+elif role == "agent":  # its workers get the rendezvous id, as torchrun's do
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "job-1"}
+    subprocess.Popen([sys.executable, __file__, "worker", str(folder)], env=env).wait()
+else:  # rank 0 carries the lease of its own run on
+    lease.Lease(folder).take(0)
+    print(os.getppid(), os.getpid(), flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_gang_whose_ftjob_run_was_killed_still_holds_the_folder(tmp_path):
+    """`ftjob run` killed outright leaves its nodes' agents (sessions of their own) running,
+    and their rank 0 writing: the folder is not free until they are gone too."""
+    script, folder = tmp_path / "gang.py", tmp_path / "job"
+    script.write_text(GANG)
+    run = subprocess.Popen([sys.executable, script, "run", folder], stdout=subprocess.PIPE)
+    agent, worker = map(int, run.stdout.readline().split())
+    try:
+        time.sleep(0.5)  # `ftjob run` refreshes the file several times meanwhile
+        run.kill()
+        run.wait()
+        with pytest.raises(contract.TrainerError) as refused:
+            lease.Lease(folder, run="job-2").take(0)
+        assert refused.value.reason == contract.OWNED_ELSEWHERE
+        assert f"pid {run.pid}) since" in str(refused.value)
+        assert f"carried on by pid {agent}" in str(refused.value)
+    finally:
+        for pid in (worker, agent):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while processes.alive(agent) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lease.Lease(folder, run="job-2").take(0)  # every process of job-1 is gone
+    assert json.loads((folder / lease.FILE).read_text())["run"] == "job-2"
