@@ -162,6 +162,9 @@ class Lease:
 
     def release(self) -> None:
         self._stop.set()
+        if self._thread is not None:
+            # A refresh already under way would write the file back after it is removed.
+            self._thread.join()
         release(self.path.parent, self.me.run)
 
     def read(self) -> Owner | None:

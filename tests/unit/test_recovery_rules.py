@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -250,3 +251,27 @@ def test_a_gang_whose_ftjob_run_was_killed_still_holds_the_folder(tmp_path):
         time.sleep(0.05)
     lease.Lease(folder, run="job-2").take(0)  # every process of job-1 is gone
     assert json.loads((folder / lease.FILE).read_text())["run"] == "job-2"
+
+
+def test_a_released_folder_is_not_written_back_by_a_last_refresh(tmp_path, monkeypatch):
+    monkeypatch.setattr(lease, "HEARTBEAT_SECONDS", 0.01)
+    refreshing, finish = threading.Event(), threading.Event()
+    write = lease.Lease._write
+
+    def slow_write(self):  # a refresh caught between reading the file and writing it
+        if threading.current_thread().name == "ftjob-owner":
+            refreshing.set()
+            finish.wait(10)
+        write(self)
+
+    monkeypatch.setattr(lease.Lease, "_write", slow_write)
+    held = lease.Lease(tmp_path, run="job-1")
+    held.take(0)
+    assert refreshing.wait(10)
+    releasing = threading.Thread(target=held.release)
+    releasing.start()
+    releasing.join(0.2)
+    assert releasing.is_alive()  # it waits for the refresh under way
+    finish.set()
+    releasing.join(10)
+    assert not (tmp_path / lease.FILE).exists()
