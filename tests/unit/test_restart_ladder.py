@@ -128,8 +128,9 @@ def test_preflight_and_stragglers_from_the_snapshot_reach_the_status(tmp_path):
 # ------------------------------------------------------------------------- bad nodes
 
 
-def evicted(rank, attempt=0):
-    extra = {"reason": "Evicted", "message": "The node was low on resource: memory."}
+def evicted(rank, attempt=0, message="The node was low on resource: memory. "):
+    """Evicted by the kubelet; by default for the node's pressure (the kubelet's words)."""
+    extra = {"reason": "Evicted", "message": message}
     return pod(rank, attempt, phase="Failed", extra=extra)
 
 
@@ -151,6 +152,15 @@ def test_a_node_blamed_for_a_failure_is_avoided_by_the_next_gang():
     ]
     kubernetes_validate.validate(p, "1.37", strict=True)
     assert kubevalidation.errors([p]) == []
+
+
+def test_an_eviction_for_the_pod_s_own_limits_blames_no_node():
+    d = run_to([pod(0), pod(1)])
+    own = "Pod ephemeral local storage usage exceeds the total limit of containers 1Gi. "
+    r = decide(d.status, [pod(0), evicted(1, message=own)])
+    assert r.phase == "Restarting" and r.status["failure"]["reason"] == "Evicted"
+    assert "nodeFault" not in r.status["failure"] and "badNodes" not in r.status
+    assert own.strip() in r.status["failure"]["message"]
 
 
 def test_the_same_node_again_counts_up_and_the_list_is_bounded():
