@@ -82,7 +82,7 @@ def test_the_trainer_exports_restarts_and_stragglers_as_metrics():
     slow = {"rank": 3, "node": "b", "stepSeconds": 0.2, "medianSeconds": 0.1}
     snap = {"restartsInPlace": 2, "phase": "training", "stragglers": [slow]}
     text = metrics.TrainerMetrics(lambda: snap).text().decode()
-    assert "ftjob_restarts_in_place 2.0" in text
+    assert "ftjob_gang_restarts_in_place 2.0" in text
     assert 'ftjob_straggler_step_seconds{node="b",rank="3"} 0.2' in text
     assert "ftjob_stragglers 1.0" in text
 
