@@ -20,7 +20,8 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ftjob import contract, lease, processes
-from ftjob.trainer import agent, heartbeat, metrics
+from ftjob.trainer import agent, heartbeat
+from ftjob.trainer.progress import Progress
 from ftjob.trainer.stragglers import CONSECUTIVE, Stragglers
 
 
@@ -78,10 +79,17 @@ def test_a_straggler_is_named_after_consecutive_slow_log_steps_and_cleared_when_
     assert steady.named == []
 
 
-def test_the_trainer_exports_restarts_and_stragglers_as_metrics():
-    slow = {"rank": 3, "node": "b", "stepSeconds": 0.2, "medianSeconds": 0.1}
-    snap = {"restartsInPlace": 2, "phase": "training", "stragglers": [slow]}
-    text = metrics.TrainerMetrics(lambda: snap).text().decode()
+def test_the_trainer_exports_restarts_and_stragglers_as_metrics(tmp_path, monkeypatch):
+    # Rank 0 of a gang the node agent restarted twice in place (the count it is given), whose
+    # rank 3 is slower than the margin on CONSECUTIVE log steps: its own /metrics page.
+    monkeypatch.setenv("FTJOB_RESTARTS_IN_PLACE", "2")
+    report = Progress(tmp_path, True, 60, 4, writes_files=False)
+    slow = Stragglers(margin=0.5, nodes=["a", "a", "b", "b"])
+    for _ in range(CONSECUTIVE):
+        slow.observe([0.1, 0.1, 0.1, 0.2])
+    report.stragglers(slow.named, slow.describe())
+    text = report.metrics.text().decode()
+    report.close()
     assert "ftjob_gang_restarts_in_place 2.0" in text
     assert 'ftjob_straggler_step_seconds{node="b",rank="3"} 0.2' in text
     assert "ftjob_stragglers 1.0" in text
