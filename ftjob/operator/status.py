@@ -228,8 +228,8 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
         reason, detail = "Lost", "the pod was deleted while the gang was running"
     elif term is not None and term.get("exitCode") != 0:
         code = term.get("exitCode")
-        reason, detail, note, fix = _from_container(term)
         rec = contract.parse(term.get("message")) or {}
+        reason, detail, note, fix = _from_container(term, rec)
         if rec.get("reason") == reason and rec.get("node"):
             where["node"] = rec["node"]  # the trainer names the node at fault (preflight)
         node_fault = reason == contract.NODE_UNHEALTHY or (
@@ -253,11 +253,11 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     return {k: v for k, v in failure.items() if v is not None}
 
 
-def _from_container(term: dict) -> tuple[str, str, str, str | None]:
+def _from_container(term: dict, rec: dict) -> tuple[str, str, str, str | None]:
     """(reason, detail, note, fix) of a trainer container that exited non-zero: from its
-    termination record; only without one (killed, segfault) from the log tail, noted so."""
+    termination record ``rec`` ({} if none); only without one (killed, segfault) from the
+    log tail, noted so."""
     text = term.get("message") or ""
-    rec = contract.parse(text)
     if term.get("reason") == "OOMKilled":  # the kernel's verdict, whatever was written before
         return "OOMKilled", _record_detail(rec) if rec else "", "", None
     if rec and rec.get("outcome") == "failed" and rec.get("reason") in ADVICE:
