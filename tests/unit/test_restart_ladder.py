@@ -154,6 +154,14 @@ def test_a_node_blamed_for_a_failure_is_avoided_by_the_next_gang():
     assert kubevalidation.errors([p]) == []
 
 
+def test_a_node_fault_that_ends_the_job_keeps_no_node_away():
+    """No next gang: the failure says it was the node's, but nothing is kept away."""
+    d = run_to([pod(0), pod(1)], backoffLimit=0)
+    f = decide(d.status, [pod(0), evicted(1)], backoffLimit=0)
+    assert f.phase == "Failed" and f.status["failure"]["nodeFault"] is True
+    assert "badNodes" not in f.status and "BadNode" not in [e[1] for e in f.events]
+
+
 def test_an_eviction_for_the_pod_s_own_limits_blames_no_node():
     d = run_to([pod(0), pod(1)])
     own = "Pod ephemeral local storage usage exceeds the total limit of containers 1Gi. "
