@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -21,3 +22,22 @@ def write_json(path: Path, value: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     tmp.write_text(json.dumps(value, indent=1) + "\n")
     os.replace(tmp, path)
+
+
+def create_json(path: Path, value: Any) -> bool:
+    """Write ``value`` to ``path`` only if no file is there: True if this call made it.
+
+    The file appears whole, by a hard link of a complete temporary file, which fails if
+    ``path`` exists: atomic on local and network file systems alike (``O_EXCL`` is not on
+    every network file system), so of two callers at the same instant exactly one gets True.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -7,9 +7,11 @@ file every ``HEARTBEAT_SECONDS``. The folder is free when the file is absent, na
 (an ``ftjob run`` whose trainer takes it, a gang whose workers restarted in place), or names a
 run that is over:
 
-* it ran on this machine (same host, kernel boot and PID namespace) and its process is gone
-  (the process recorded is the one that lives as long as the run there: ``ftjob run``, or
-  the node's agent, which outlives workers restarted in place);
+* it ran on this machine (same host, kernel boot and PID namespace) and its processes are
+  gone: the one that took the folder and the one that carries it on (each recorded as the
+  process that lives as long as the run there: ``ftjob run``, or the node's agent, which
+  outlives workers restarted in place). Both, because either may die alone: an ``ftjob
+  run`` killed outright leaves its gang's agents running, and their rank 0 still writes;
 * it ran elsewhere and its heartbeat is older than ``LEASE_SECONDS`` (killed, or its node
   lost).
 
@@ -40,7 +42,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ftjob import atomic
+from ftjob import atomic, processes
 from ftjob.contract import INTERNAL, OWNED_ELSEWHERE, TrainerError
 
 FILE = "owner"
@@ -54,9 +56,12 @@ class Owner:
     run: str  # the rendezvous id: unique per ftjob run and per operator attempt
     machine: str  # where ``pid`` means something (host, boot, PID namespace)
     host: str
-    pid: int
+    pid: int  # the process that took the folder for the run
     since: str
     heartbeat: float  # Unix time of the last refresh
+    # The process that carries the lease on (a trainer's agent, once rank 0 took the folder
+    # its `ftjob run` holds) and refreshes it from then on; 0 in files from before it was kept.
+    carrier: int = 0
 
     @classmethod
     def me(cls, run: str | None = None) -> Owner:
@@ -67,17 +72,28 @@ class Owner:
             pid=_holder_pid(),
             since=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             heartbeat=time.time(),
+            carrier=_holder_pid(),
         )
 
     def alive(self, now: float) -> bool:
-        if self.machine == _machine():  # its process tells, however old the heartbeat
-            return _pid_alive(self.pid)
+        if self.machine == _machine():  # its processes tell, however old the heartbeat
+            return any(processes.alive(p) for p in (self.pid, self.carrier) if p > 0)
         return now - self.heartbeat <= LEASE_SECONDS
+
+    def carried_by_another(self, me: Owner) -> bool:
+        """Whether a live process other than ``me``'s carries this run's lease on here."""
+        return (
+            self.run == me.run
+            and self.machine == me.machine
+            and self.carrier not in (0, me.carrier)
+            and processes.alive(self.carrier)
+        )
 
     def describe(self, now: float) -> str:
         return (
             f"run {self.run} (host {self.host}, pid {self.pid}) since {self.since}, "
             f"last seen {max(0.0, now - self.heartbeat):.0f} s ago"
+            + (f", carried on by pid {self.carrier}" if self.carrier not in (0, self.pid) else "")
         )
 
 
@@ -114,7 +130,7 @@ class Lease:
             if current.run == self.me.run:
                 # Already this run's: taken by its `ftjob run`, or by this gang before its
                 # workers restarted in place. The holder recorded there lives longer than us.
-                self.me = dataclasses.replace(current, heartbeat=now)
+                self.me = dataclasses.replace(current, heartbeat=now, carrier=_holder_pid())
                 self._write()
                 break
             if not current.alive(now):
@@ -146,6 +162,9 @@ class Lease:
 
     def release(self) -> None:
         self._stop.set()
+        if self._thread is not None:
+            # A refresh already under way would write the file back after it is removed.
+            self._thread.join()
         release(self.path.parent, self.me.run)
 
     def read(self) -> Owner | None:
@@ -154,16 +173,8 @@ class Lease:
 
     def _create(self) -> bool:
         """Make the file ours if there is none: True if it is."""
-        tmp = self.path.with_name(f".{FILE}.new-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.me.heartbeat = time.time()
-        tmp.write_text(json.dumps(asdict(self.me), indent=1) + "\n")
-        try:
-            os.link(tmp, self.path)  # fails if the file exists: only one run gets here
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            tmp.unlink(missing_ok=True)
+        return atomic.create_json(self.path, asdict(self.me))  # only one run gets True
 
     def _remove_stale(self, stale: Owner | None) -> None:
         """Remove the file of a run that is over (None: an unreadable file); if a contender
@@ -190,6 +201,10 @@ class Lease:
             current = self.read()
             if current is not None and current.run != self.me.run:
                 return  # taken over: stop refreshing; check() refuses the next write
+            if current is not None and current.carried_by_another(self.me):
+                # This run's trainer carries it on: had `ftjob run` written itself back as
+                # the carrier, its death alone would free a folder its gang still writes.
+                continue
             with contextlib.suppress(OSError):  # a full disk: the lease just ages
                 self._write()
 
@@ -282,16 +297,3 @@ def _machine() -> str:
     except OSError:
         boot = pidns = "?"
     return f"{socket.gethostname()}/{boot}/{pidns}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie has exited: its writes are over.
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    return True

@@ -67,7 +67,9 @@ class Node:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
-            start_new_session=True,  # its own process group: stop() reaches every rank
+            # A session of its own: a Ctrl-C at the terminal reaches `ftjob run` only, which
+            # then ends every process of the run itself (_stop, ftjob.processes.end_all).
+            start_new_session=True,
             text=True,
             errors="replace",
         )

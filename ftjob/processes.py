@@ -88,16 +88,16 @@ def reap() -> None:
             return
 
 
-def end_all(grace: float, hurry: Callable[[], bool] = lambda: False) -> list[int]:
+def end_all(grace: float, hurry: Callable[[], bool] = lambda: False) -> None:
     """End every descendant: SIGCONT + SIGTERM, then SIGKILL after ``grace`` seconds (or as
-    soon as ``hurry()`` says so). Returns the pids that had to be killed."""
+    soon as ``hurry()`` says so)."""
     first = [p for p in descendants() if alive(p)]
     _send(first, signal.SIGCONT)
     _send(first, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and not hurry():
         if not any(alive(p) for p in descendants()):
-            return []
+            return
         time.sleep(0.1)
     killed = [p for p in descendants() if alive(p)]
     _send(killed, signal.SIGCONT)  # not needed for SIGKILL, but a debugger's stop is undone
@@ -105,4 +105,3 @@ def end_all(grace: float, hurry: Callable[[], bool] = lambda: False) -> list[int
     end = time.monotonic() + 10  # SIGKILL is final; only an uninterruptible sleep delays it
     while time.monotonic() < end and any(alive(p) for p in descendants()):
         time.sleep(0.05)
-    return killed

@@ -133,6 +133,12 @@ def exported_series(exposition: str) -> set[str]:
     return out
 
 
+def families(exposition: str) -> set[str]:
+    """The metric names one /metrics page declares (its ``# TYPE`` lines): a counter's
+    without ``_total``, as Prometheus' metadata and the exposition's type lines name it."""
+    return {family.name for family in text_string_to_metric_families(exposition)}
+
+
 def unexported(dashboard: dict, exported: set[str]) -> dict[str, list[str]]:
     """Metric name -> the dashboard's queries that name it, for names not in ``exported``."""
     missing: dict[str, list[str]] = {}

@@ -217,8 +217,9 @@ async def _reconcile(name, namespace, body, job_pods, state, watch: Watch) -> fl
         spec = None
     else:
         state["port"] = spec.network.progress_port
+        snapshot = lifecycle.gang_snapshot(state["snapshot"], old_status)
         decision = lifecycle.decide(
-            spec, name, meta.get("generation"), old_status, pods, now, state["snapshot"]
+            spec, name, meta.get("generation"), old_status, pods, now, snapshot
         )
         decision.status["jobFolder"] = render.job_dir(name, spec, meta["uid"])
         if decision.create:
@@ -227,8 +228,6 @@ async def _reconcile(name, namespace, body, job_pods, state, watch: Watch) -> fl
             decision.status["image"] = render.trainer_image(spec, SETTINGS.default_image)
 
     new = decision.status
-    if new.get("attempt") != old_status.get("attempt"):
-        state["snapshot"] = None  # the old gang's: its restartsInPlace are not the new gang's
     state["attempt"] = new.get("attempt")
     if new != old_status:
         await asyncio.to_thread(kube().patch_status, namespace, name, uid, new)
@@ -288,7 +287,9 @@ def _own_pods(job_pods, namespace: str, name: str, uid: str) -> list[dict]:
 
 async def _poll_progress(namespace, name, job_pods, state, watch: Watch) -> None:
     """Rank 0's snapshot every ``progress_every`` seconds while it runs; a new one wakes the
-    reconcile (progress is not a Kubernetes event, so no watch would)."""
+    reconcile (progress is not a Kubernetes event, so no watch would). It is held with the
+    attempt of the pod that served it: a fetch that ends after a new gang started holds the
+    old gang's, which :func:`lifecycle.gang_snapshot` then keeps from the decision."""
     while True:
         await asyncio.sleep(SETTINGS.progress_every)
         pods = _own_pods(job_pods, namespace, name, watch.uid)
@@ -310,8 +311,9 @@ async def _poll_progress(namespace, name, job_pods, state, watch: Watch) -> None
         # Not serving yet (still loading) or gone: keep the last snapshot.
         with contextlib.suppress(OSError, ValueError):
             snapshot = await asyncio.to_thread(_get_json, f"http://{ip}:{state['port']}/progress")
-            if snapshot != state["snapshot"]:
-                state["snapshot"] = snapshot
+            held = (status.attempt_of(rank0), snapshot)
+            if held != state["snapshot"]:
+                state["snapshot"] = held
                 watch.wake.set()
 
 

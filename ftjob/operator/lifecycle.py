@@ -132,10 +132,21 @@ def decide(
     return _create_or_wait(s)
 
 
+def gang_snapshot(held: tuple[int, dict] | None, status: dict | None) -> dict | None:
+    """The snapshot to decide with: the one held (attempt of the pod that served it,
+    snapshot), if that pod is of the gang ``status`` names; None if it is an older gang's (a
+    fetch that ended after the new gang started): that gang's restarts in place are counted
+    already, and the new gang's count starts at 0."""
+    if held is None:
+        return None
+    attempt, snapshot = held
+    return snapshot if attempt == (status or {}).get("attempt", 0) else None
+
+
 def _observe(s: _Step, snapshot: dict | None) -> None:
     """Rank 0's progress snapshot, when the operator has one, goes into the status: progress,
-    the preflight's figures, stragglers and the workers' restarts in place (the handlers drop
-    the snapshot when a new gang starts, so it is always the current gang's)."""
+    the preflight's figures, stragglers and the workers' restarts in place (the current
+    gang's: see :func:`gang_snapshot`)."""
     new = s.new
     if snapshot:
         new["progress"] = st.progress(snapshot)
@@ -210,8 +221,7 @@ def _suspension(s: _Step) -> Decision | None:
     if s.old.get("phase") == "Suspended":
         # A resumed job is a new gang (new rendezvous), but not a restart after a failure;
         # like a batch/v1 Job, the active deadline counts from the resume.
-        s.new["attempt"] += 1
-        s.new["attemptRestartsInPlace"] = 0
+        _next_gang(s)
         s.new["startTime"] = st.now_iso(s.now)
         s.decision.events.append(("Normal", "Resumed", f"resuming as attempt {s.attempt}"))
     return None
@@ -349,15 +359,14 @@ def _gang_failed(s: _Step, failure: dict) -> Decision:
     previous = (s.old.get("failure") or {}).get("reason")
     if failure["reason"] in st.PERMANENT:
         return s.fail(failure, "not retried")
-    _keep_away(s, failure)
     if failure["reason"] == "CudaOOM" and previous == "CudaOOM":
         return s.fail(failure, "CUDA out of memory twice in a row: not retried")
     if new["restarts"] >= limit:
         return s.fail(failure, f"backoffLimit ({limit}) reached")
+    _keep_away(s, failure)  # only when there is a next gang to keep away
     new["failure"] = failure
     new["restarts"] += 1
-    new["attempt"] += 1
-    new["attemptRestartsInPlace"] = 0
+    _next_gang(s)
     s.delete_live(s.pods)
     avoid = f"; avoiding node(s) {', '.join(bad_nodes(new))}" if new.get("badNodes") else ""
     message = (
@@ -365,6 +374,12 @@ def _gang_failed(s: _Step, failure: dict) -> Decision:
         f"{limit}) after {failure['reason']}{avoid}: {failure['message']}"
     )
     return s.set("Restarting", failure["reason"], message)
+
+
+def _next_gang(s: _Step) -> None:
+    """The next attempt: a new gang, whose own restarts in place start at 0."""
+    s.new["attempt"] += 1
+    s.new["attemptRestartsInPlace"] = 0
 
 
 def _keep_away(s: _Step, failure: dict) -> None:

@@ -5,6 +5,11 @@ place, bad nodes and failed reconciles (counters), stragglers and the preflight'
 bandwidth by job (gauges), and two latency histograms: one reconcile, and one Kubernetes API
 request by operation. One registry for the process, not prometheus_client's global one, so
 that /metrics shows the operator's series only.
+
+No name is also one of the trainer's (ftjob.trainer.metrics): a dashboard reads both from
+one Prometheus. The by-job gauges' labels are ``ftjob_namespace`` and ``ftjob_job``, not
+``namespace`` and ``job``: Prometheus gives every scraped series those two of its own (the
+operator's namespace, its Service), and would rename the operator's to ``exported_*``.
 """
 
 from __future__ import annotations
@@ -41,17 +46,18 @@ BAD_NODES = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+JOB_LABELS = ["ftjob_namespace", "ftjob_job"]
 STRAGGLERS = Gauge(
-    "ftjob_stragglers",
+    "ftjob_job_stragglers",
     "Ranks rank 0 names as persistently slower than the median, by job.",
-    ["namespace", "job"],
+    JOB_LABELS,
     registry=REGISTRY,
 )
 BUS_BANDWIDTH = Gauge(
     "ftjob_preflight_bus_bandwidth_gbps",
     "Bus bandwidth (GB/s, nccl-tests' busbw) of the preflight's all-reduce of the job's "
     "newest gang.",
-    ["namespace", "job"],
+    JOB_LABELS,
     registry=REGISTRY,
 )
 RECONCILE_ERRORS = Counter(

@@ -76,6 +76,11 @@ ADVICE = {
     "Lost": "the pod or its node disappeared",
     "Error": "the trainer exited with an error",
 }
+# How the kubelet words a node-pressure eviction (the node ran short of memory, disk or
+# pids): the node's fault. It evicts for the pod's own limits too ("Pod ephemeral local
+# storage usage exceeds the total limit of containers ...", "Container ... exceeded its local
+# ephemeral storage limit ..."): the job's, which another node would not change.
+NODE_PRESSURE = "The node was low on resource"
 # Retrying the same inputs cannot help: the job fails at once.
 PERMANENT = contract.PERMANENT | {"BadInput"}
 # When several pods fail together the most specific cause is the diagnosis: the rank that ran
@@ -211,10 +216,11 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     meta, st = pod["metadata"], pod.get("status", {})
     where = {"pod": meta["name"], "node": pod.get("spec", {}).get("nodeName"), "rank": rank_of(pod)}
     reason, detail, code, note, fix = None, "", None, "", None
-    node_fault = False  # the node's fault, not the job's (see BAD_NODE_REASONS)
+    node_fault = False  # the node's fault, not the job's: the next gangs avoid it (badNodes)
     term = terminated(pod)
     if st.get("reason") == "Evicted":
-        reason, detail, node_fault = "Evicted", st.get("message", ""), True
+        reason, detail = "Evicted", st.get("message", "")
+        node_fault = detail.startswith(NODE_PRESSURE)
     elif st.get("phase") == "Unknown" or st.get("reason") == "NodeLost":
         reason, detail = "Lost", st.get("message", "the node stopped reporting")
         node_fault = True
@@ -222,8 +228,8 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
         reason, detail = "Lost", "the pod was deleted while the gang was running"
     elif term is not None and term.get("exitCode") != 0:
         code = term.get("exitCode")
-        reason, detail, note, fix = _from_container(term)
         rec = contract.parse(term.get("message")) or {}
+        reason, detail, note, fix = _from_container(term, rec)
         if rec.get("reason") == reason and rec.get("node"):
             where["node"] = rec["node"]  # the trainer names the node at fault (preflight)
         node_fault = reason == contract.NODE_UNHEALTHY or (
@@ -247,11 +253,11 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     return {k: v for k, v in failure.items() if v is not None}
 
 
-def _from_container(term: dict) -> tuple[str, str, str, str | None]:
+def _from_container(term: dict, rec: dict) -> tuple[str, str, str, str | None]:
     """(reason, detail, note, fix) of a trainer container that exited non-zero: from its
-    termination record; only without one (killed, segfault) from the log tail, noted so."""
+    termination record ``rec`` ({} if none); only without one (killed, segfault) from the
+    log tail, noted so."""
     text = term.get("message") or ""
-    rec = contract.parse(text)
     if term.get("reason") == "OOMKilled":  # the kernel's verdict, whatever was written before
         return "OOMKilled", _record_detail(rec) if rec else "", "", None
     if rec and rec.get("outcome") == "failed" and rec.get("reason") in ADVICE:

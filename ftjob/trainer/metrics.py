@@ -31,7 +31,7 @@ GAUGES = [
     ("ftjob_mfu_ratio", "mfu", "Model FLOPs utilisation (0-1); absent on CPU."),
     ("ftjob_eta_seconds", "etaSeconds", "Estimated seconds until training ends."),
     ("ftjob_last_checkpoint_step", "lastCheckpointStep", "Step of the newest checkpoint."),
-    ("ftjob_restarts_in_place", "restartsInPlace", "Worker restarts in place of this gang."),
+    ("ftjob_gang_restarts_in_place", "restartsInPlace", "Worker restarts in place of this gang."),
 ]
 # From a few milliseconds (a tiny CPU model) to minutes (a 70B step on few GPUs).
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)

@@ -23,6 +23,8 @@ import pytest
 from safetensors.torch import load_file
 from test_trainer_run import RUN_TIMEOUT, job, losses, rank_pid, run, start
 
+from ftjob.processes import alive
+
 INJECT = Path(__file__).resolve().parent / "inject"
 STEPS = 12
 SPEC = {"training": {"maxSteps": STEPS}, "checkpoint": {"every": 4, "keep": 3}}
@@ -55,13 +57,6 @@ def run_processes(workdir: Path) -> set[int]:
         if f"FTJOB_JOB_DIR={workdir}".encode() in environ:
             found.add(int(proc.name))
     return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_for_step(proc, workdir: Path, step: int) -> None:

@@ -76,17 +76,23 @@ def test_a_failure_on_a_node_keeps_the_next_gang_off_it(cluster, operator, kubec
     assert "badNodes" not in job_status(cluster, "badnode")
 
 
-def test_restarts_in_place_are_counted_from_rank_0_s_progress(cluster, operator, kubectl):
+def test_restarts_in_place_are_counted_from_rank_0_s_progress(
+    cluster, operator, kubectl, monkeypatch
+):
     doc = tiny_job("inplace")
-    report = rank0_progress(doc["spec"]["network"]["progressPort"], 60)
+    port = doc["spec"]["network"]["progressPort"]
+    report = rank0_progress(port, 60)
     report.begin(0)
     try:
         cluster.create_job(doc)
         gang_running(cluster, "inplace", 0)
         wait_phase(cluster, "inplace", "Running")
-        # torchrun restarted the workers twice in place; the new rank 0 says so. (The key is
-        # the trainer's, written here through the reporter's generic update.)
-        report.update(restartsInPlace=2)
+        # The node agent restarted the workers twice in place: the new rank 0 reads the count
+        # from the environment the agent gives it, and serves it on the same port.
+        report.close()
+        monkeypatch.setenv("FTJOB_RESTARTS_IN_PLACE", "2")
+        report = rank0_progress(port, 60)
+        report.begin(0)
         cluster.wait(
             lambda: job_status(cluster, "inplace").get("restartsInPlace") == 2,
             10,

@@ -4,13 +4,10 @@ every one importable (checked by a script run inside the image)."""
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 
-import tomllib
+from dependencies import pins, wanted
 from podrun import podman
 
-ROOT = Path(__file__).resolve().parents[2]
 # ftjob's entry point in each image: what the pods and the Deployment run.
 ENTRY = {"trainer": "ftjob.trainer.__main__", "operator": "ftjob.operator.handlers"}
 
@@ -36,26 +33,6 @@ for req in md.requires("ftjob"):
 importlib.import_module(sys.argv[2])
 print(json.dumps(out))
 """
-
-
-def norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", re.split(r"[<>=!~;\[ ]", name, maxsplit=1)[0]).lower()
-
-
-def pins() -> dict[str, str]:
-    out = {}
-    for line in (ROOT / "constraints.txt").read_text().splitlines():
-        name, _, version = line.split("#")[0].strip().partition("==")
-        if version:
-            out[norm(name)] = version
-    return out
-
-
-def wanted(extra: str) -> set[str]:
-    """pyproject.toml's dependencies and the extra's, by normalised name."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    listed = project["dependencies"] + project["optional-dependencies"][extra]
-    return {norm(r) for r in listed}
 
 
 def assert_extra_installed(image: str, extra: str) -> None:

@@ -545,26 +545,54 @@ def test_dashboard_query_reader_finds_metric_names():
     }
 
 
-def test_dashboard_keeps_the_operators_series_out_of_the_trainer_panels():
-    """A name both the operator and the trainer export (their real registries) is read in
-    the dashboard with ``ftjob_job=~"$job"``, whose "All" cannot match the operator's
-    series (which lack the PodMonitor's ftjob_job label)."""
-    from dashboard_queries import exported_series, metric_names, queries
+def test_the_operator_and_the_trainer_share_no_metric_name():
+    """One Prometheus scrapes both (their real registries here): a name both exported would
+    mix the operator's by-job series into the trainer panels, or merge a counter's and a
+    gauge's metadata."""
+    from dashboard_queries import exported_series, families
 
     from ftjob.operator import metrics as operator_metrics
     from ftjob.trainer import metrics as trainer_metrics
 
-    snapshot = {"phase": "training", "stragglers": [{"rank": 3, "node": "n", "stepSeconds": 2}]}
+    # Every gauge the trainer can export is on its page only with a value.
+    snapshot = {key: 1.0 for _, key, _ in trainer_metrics.GAUGES} | {"phase": "training"}
+    snapshot["stragglers"] = [{"rank": 3, "node": "n", "stepSeconds": 2.0}]
     trainer = trainer_metrics.TrainerMetrics(lambda: snapshot).text().decode()
-    both = exported_series(operator_metrics.text().decode()) & exported_series(trainer)
-    assert both == {"ftjob_stragglers"}
-    dashboard = dashboard_file()
-    job = next(v for v in dashboard["templating"]["list"] if v["name"] == "job")
-    assert re.fullmatch(job["allValue"], "") is None and re.fullmatch(job["allValue"], "a")
-    reading = [q for q in queries(dashboard) if metric_names(q) & both]
-    assert reading
-    for query in reading:
-        assert 'ftjob_job=~"$job"' in query, query
+    assert {name for name, _, _ in trainer_metrics.GAUGES} <= families(trainer)
+    operator = operator_metrics.text().decode()
+    assert families(operator) & families(trainer) == set()
+    assert exported_series(operator) & exported_series(trainer) == set()
+
+
+def test_the_operator_s_by_job_gauges_name_the_job_with_labels_of_their_own():
+    """Not ``namespace`` and ``job``: Prometheus sets those on every series it scrapes (the
+    target's), and would keep the operator's only as ``exported_namespace``/``exported_job``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ftjob.operator import metrics
+
+    def samples() -> dict:
+        page = metrics.text().decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(page)
+            for s in family.samples
+        }
+
+    slow = {"rank": 1, "node": "b", "stepSeconds": 2.0, "medianSeconds": 1.0}
+    status = {"stragglers": [slow], "preflight": {"busBandwidthGBps": 12.5, "nodes": 2}}
+    metrics.observed("team-a", "llama", {}, status)
+    try:
+        job = (("ftjob_job", "llama"), ("ftjob_namespace", "team-a"))
+        assert samples()[("ftjob_job_stragglers", job)] == 1
+        assert samples()[("ftjob_preflight_bus_bandwidth_gbps", job)] == 12.5
+        metrics.observed("team-a", "llama", status, status | {"stragglers": []})
+        assert samples()[("ftjob_job_stragglers", job)] == 0
+        target = {"namespace", "job", "pod", "instance", "service", "endpoint", "container"}
+        assert not {name for _, labels in samples() for name, _ in labels} & target
+    finally:
+        metrics.forget("team-a", "llama")
+    assert not [key for key in samples() if ("ftjob_job", "llama") in key[1]]
 
 
 def test_notes_tell_the_next_command():

@@ -21,6 +21,7 @@ import helm_python as helm
 import pytest
 import tomllib
 import yaml
+from dependencies import pins, req_name, wanted
 
 from ftjob.operator import render
 from ftjob.operator.__main__ import add_arguments
@@ -33,14 +34,6 @@ IMAGE_ONLY = {"trainer": {"flash-attn": "FLASH_ATTN"}}
 # Provided by the base image, held at constraints.txt's pin (see test_trainer_base_...).
 FROM_BASE = {"trainer": {"torch"}}
 STAGES_OF_TARGET = {"operator": ["operator-build", "operator"], "trainer": ["trainer"]}
-
-
-def norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def req_name(requirement: str) -> str:
-    return norm(re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0])
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -105,16 +98,6 @@ def installed(target: str) -> set[str]:
     return names
 
 
-def constraints() -> dict[str, str]:
-    pins = {}
-    for line in (ROOT / "constraints.txt").read_text().splitlines():
-        line = line.split("#")[0].strip()
-        if line:
-            name, _, version = line.partition("==")
-            pins[norm(name)] = version
-    return pins
-
-
 def chart_defaults() -> dict:
     return yaml.safe_load((ROOT / "charts" / "ftjob" / "values.yaml").read_text())
 
@@ -138,15 +121,13 @@ def test_targets_exist():
 
 @pytest.mark.parametrize("target", ["operator", "trainer"])
 def test_what_a_target_installs_is_ftjobs_dependencies_and_its_extra(target):
-    deps = {req_name(r) for r in PYPROJECT["project"]["dependencies"]}
-    extra = {req_name(r) for r in PYPROJECT["project"]["optional-dependencies"][target]}
-    expected = (deps | extra) - FROM_BASE.get(target, set()) | set(IMAGE_ONLY.get(target, {}))
+    expected = wanted(target) - FROM_BASE.get(target, set()) | set(IMAGE_ONLY.get(target, {}))
     assert installed(target) == expected
 
 
 @pytest.mark.parametrize("target", ["operator", "trainer"])
 def test_every_install_is_pinned_by_constraints_and_ftjob_adds_no_deps(target):
-    pins = constraints()
+    pinned = pins()
     copies = [rest for stage in STAGES_OF_TARGET[target] for w, rest in stages()[stage]]
     assert "constraints.txt /src/constraints.txt" in copies
     for args in pip_installs(target):
@@ -160,7 +141,7 @@ def test_every_install_is_pinned_by_constraints_and_ftjob_adds_no_deps(target):
             continue
         assert args[args.index("-c") + 1] == "/src/constraints.txt", args
         unpinned = [a for a in args if not a.startswith("-") and "/" not in a]
-        assert unpinned and all(req_name(a) in pins for a in unpinned), args
+        assert unpinned and all(req_name(a) in pinned for a in unpinned), args
 
 
 @pytest.mark.parametrize("target", ["operator", "trainer"])
@@ -176,7 +157,7 @@ def test_trainer_base_carries_the_pinned_torch():
     image = stages()["trainer"][0][1]
     repo, _, tag = image.partition(":")
     assert repo == "pytorch/pytorch" and "cuda" in tag and tag.endswith("-runtime")
-    assert tag.startswith(constraints()["torch"] + "-"), (tag, constraints()["torch"])
+    assert tag.startswith(pins()["torch"] + "-"), (tag, pins()["torch"])
 
 
 def test_bases_are_pinned_by_tag_and_python_fits():

@@ -3,15 +3,25 @@ says, the trainer's metrics for them, and the exclusive take of a job folder by 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
+import pytest
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from ftjob import contract, lease
-from ftjob.trainer import agent, heartbeat, metrics
+from ftjob import contract, lease, processes
+from ftjob.trainer import agent, heartbeat
+from ftjob.trainer.progress import Progress
 from ftjob.trainer.stragglers import CONSECUTIVE, Stragglers
 
 
@@ -69,11 +79,18 @@ def test_a_straggler_is_named_after_consecutive_slow_log_steps_and_cleared_when_
     assert steady.named == []
 
 
-def test_the_trainer_exports_restarts_and_stragglers_as_metrics():
-    slow = {"rank": 3, "node": "b", "stepSeconds": 0.2, "medianSeconds": 0.1}
-    snap = {"restartsInPlace": 2, "phase": "training", "stragglers": [slow]}
-    text = metrics.TrainerMetrics(lambda: snap).text().decode()
-    assert "ftjob_restarts_in_place 2.0" in text
+def test_the_trainer_exports_restarts_and_stragglers_as_metrics(tmp_path, monkeypatch):
+    # Rank 0 of a gang the node agent restarted twice in place (the count it is given), whose
+    # rank 3 is slower than the margin on CONSECUTIVE log steps: its own /metrics page.
+    monkeypatch.setenv("FTJOB_RESTARTS_IN_PLACE", "2")
+    report = Progress(tmp_path, True, 60, 4, writes_files=False)
+    slow = Stragglers(margin=0.5, nodes=["a", "a", "b", "b"])
+    for _ in range(CONSECUTIVE):
+        slow.observe([0.1, 0.1, 0.1, 0.2])
+    report.stragglers(slow.named, slow.describe())
+    text = report.metrics.text().decode()
+    report.close()
+    assert "ftjob_gang_restarts_in_place 2.0" in text
     assert 'ftjob_straggler_step_seconds{node="b",rank="3"} 0.2' in text
     assert "ftjob_stragglers 1.0" in text
 
@@ -235,3 +252,105 @@ def test_a_failed_trainer_gives_the_folder_up_itself_only_when_no_ftjob_agent_ru
         assert entry.main(["--spec", tiny]) == entry.EXIT_FAILED
         assert (tmp_path / lease.FILE).exists() == agent_runs_it
         held.release()
+
+
+def named_process(name: str) -> subprocess.Popen:
+    """A sleeping process whose command name (``/proc/<pid>/stat``'s second field) is
+    ``name``: a program may name itself anything, spaces and parentheses included."""
+    code = (
+        "import ctypes, sys, time\n"
+        "ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0)  # PR_SET_NAME\n"
+        "print('named', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, name], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "named\n"
+    return proc
+
+
+def test_a_live_owner_is_seen_whatever_its_command_name(tmp_path):
+    proc = named_process("x) Z (y")
+    try:
+        assert f"({'x) Z (y'})" in Path(f"/proc/{proc.pid}/stat").read_text()
+        assert processes.alive(proc.pid)
+        # An `ftjob run` on this machine, which carries its lease on itself.
+        held = replace(lease.Owner.me("job-1"), pid=proc.pid, carrier=proc.pid)
+        (tmp_path / lease.FILE).write_text(json.dumps(asdict(held)))
+        with pytest.raises(contract.TrainerError) as refused:
+            lease.Lease(tmp_path, run="job-2").take(0)
+        assert refused.value.reason == contract.OWNED_ELSEWHERE
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not processes.alive(proc.pid)
+    lease.Lease(tmp_path, run="job-2").take(0)  # its process is gone: the folder is free
+
+
+GANG = """
+import os, subprocess, sys, time
+from pathlib import Path
+from ftjob import lease
+role, folder = sys.argv[1], Path(sys.argv[2])
+if role == "run":  # `ftjob run`: takes the folder, starts node 0's agent, refreshes often
+    lease.HEARTBEAT_SECONDS = 0.05
+    lease.Lease(folder, run="job-1").take(0)
+    subprocess.Popen([sys.executable, __file__, "agent", str(folder)]).wait()
+elif role == "agent":  # its workers get the rendezvous id, as torchrun's do
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "job-1"}
+    subprocess.Popen([sys.executable, __file__, "worker", str(folder)], env=env).wait()
+else:  # rank 0 carries the lease of its own run on
+    lease.Lease(folder).take(0)
+    print(os.getppid(), os.getpid(), flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_gang_whose_ftjob_run_was_killed_still_holds_the_folder(tmp_path):
+    """`ftjob run` killed outright leaves its nodes' agents (sessions of their own) running,
+    and their rank 0 writing: the folder is not free until they are gone too."""
+    script, folder = tmp_path / "gang.py", tmp_path / "job"
+    script.write_text(GANG)
+    run = subprocess.Popen([sys.executable, script, "run", folder], stdout=subprocess.PIPE)
+    agent, worker = map(int, run.stdout.readline().split())
+    try:
+        time.sleep(0.5)  # `ftjob run` refreshes the file several times meanwhile
+        run.kill()
+        run.wait()
+        with pytest.raises(contract.TrainerError) as refused:
+            lease.Lease(folder, run="job-2").take(0)
+        assert refused.value.reason == contract.OWNED_ELSEWHERE
+        assert f"pid {run.pid}) since" in str(refused.value)
+        assert f"carried on by pid {agent}" in str(refused.value)
+    finally:
+        for pid in (worker, agent):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while processes.alive(agent) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lease.Lease(folder, run="job-2").take(0)  # every process of job-1 is gone
+    assert json.loads((folder / lease.FILE).read_text())["run"] == "job-2"
+
+
+def test_a_released_folder_is_not_written_back_by_a_last_refresh(tmp_path, monkeypatch):
+    monkeypatch.setattr(lease, "HEARTBEAT_SECONDS", 0.01)
+    refreshing, finish = threading.Event(), threading.Event()
+    write = lease.Lease._write
+
+    def slow_write(self):  # a refresh caught between reading the file and writing it
+        if threading.current_thread().name == "ftjob-owner":
+            refreshing.set()
+            finish.wait(10)
+        write(self)
+
+    monkeypatch.setattr(lease.Lease, "_write", slow_write)
+    held = lease.Lease(tmp_path, run="job-1")
+    held.take(0)
+    assert refreshing.wait(10)
+    releasing = threading.Thread(target=held.release)
+    releasing.start()
+    releasing.join(0.2)
+    assert releasing.is_alive()  # it waits for the refresh under way
+    finish.set()
+    releasing.join(10)
+    assert not (tmp_path / lease.FILE).exists()

@@ -13,7 +13,9 @@ from ftjob import contract, kubevalidation, manifest
 from ftjob.operator import lifecycle, render
 from ftjob.operator import status as st
 from ftjob.spec import parse_resource
+from ftjob.trainer import preflight
 from ftjob.trainer.progress import Progress
+from ftjob.trainer.stragglers import CONSECUTIVE, Stragglers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,13 +41,18 @@ def snapshot(report: Progress) -> dict:
 # ------------------------------------------------------------------- restarts in place
 
 
-def test_restarts_in_place_are_counted_across_gangs_with_an_event(tmp_path):
-    report = rank0(tmp_path)
+def restarted_rank0(tmp_path, monkeypatch, restarts: int) -> Progress:
+    """Rank 0 of a gang whose workers the node agent restarted ``restarts`` times in place:
+    it reads the count from the agent's environment, as the trainer does."""
+    monkeypatch.setenv("FTJOB_RESTARTS_IN_PLACE", str(restarts))
+    return rank0(tmp_path)
+
+
+def test_restarts_in_place_are_counted_across_gangs_with_an_event(tmp_path, monkeypatch):
     running = run_to([pod(0), pod(1)])
     assert running.status["restartsInPlace"] == 0
-    # torchrun restarted the workers once: the restarted rank 0 reports it (the key is the
-    # trainer's; written here through the writer's generic update path).
-    report.update(restartsInPlace=1)
+    # torchrun restarted the workers once: the restarted rank 0 reports it.
+    report = restarted_rank0(tmp_path, monkeypatch, 1)
     d = decide(running.status, [pod(0), pod(1)], snapshot=snapshot(report))
     assert d.status["restartsInPlace"] == 1 and d.status["attemptRestartsInPlace"] == 1
     assert [e[1] for e in d.events].count("RestartedInPlace") == 1
@@ -55,44 +62,75 @@ def test_restarts_in_place_are_counted_across_gangs_with_an_event(tmp_path):
     assert again.status["restartsInPlace"] == 1
     assert "RestartedInPlace" not in [e[1] for e in again.events]
     # The in-place budget is spent and a pod fails: a new gang, whose count starts at 0.
-    report.update(restartsInPlace=3)
+    report = restarted_rank0(tmp_path, monkeypatch, 3)
     failed = pod(1, phase="Failed", exit_code=1)
     r = decide(again.status, [pod(0), failed], snapshot=snapshot(report))
     assert r.phase == "Restarting" and r.status["restarts"] == 1
     assert r.status["restartsInPlace"] == 3 and r.status["attemptRestartsInPlace"] == 0
     # The new gang's rank 0 restarts once in place: the job's total goes on from 3.
-    new_gang = Progress(tmp_path, True, 60, 2, writes_files=False)
-    new_gang.update(restartsInPlace=1)
+    new_gang = restarted_rank0(tmp_path, monkeypatch, 1)
     n = decide(r.status, [pod(0, attempt=1), pod(1, attempt=1)], snapshot=snapshot(new_gang))
     assert n.status["restartsInPlace"] == 4 and n.status["attemptRestartsInPlace"] == 1
 
 
-def test_a_permanent_failure_is_never_restarted_whatever_the_budgets(trainer_runs):
-    bad = trainer_runs.get("bad-data")
-    d = run_to([pod(0), pod(1)], backoffLimit=5)
-    r = decide(d.status, [pod(0), pod(1, real=bad)], backoffLimit=5)
-    assert r.phase == "Failed" and r.status["restarts"] == 0 and "badNodes" not in r.status
+def test_a_late_snapshot_of_the_previous_gang_is_not_counted_again(tmp_path, monkeypatch):
+    """The operator fetched the old rank 0's /progress and the answer came after the new gang
+    started: held with the old attempt, it does not reach the decision."""
+    old_rank0 = snapshot(restarted_rank0(tmp_path, monkeypatch, 2))
+    running = run_to([pod(0), pod(1)])
+    held = (0, old_rank0)  # (attempt of the pod that served it, snapshot)
+    d = decide(
+        running.status, [pod(0), pod(1)], snapshot=lifecycle.gang_snapshot(held, running.status)
+    )
+    assert d.status["restartsInPlace"] == 2
+    r = decide(d.status, [pod(0), pod(1, phase="Failed", exit_code=1)])
+    assert r.status["attempt"] == 1 and r.status["attemptRestartsInPlace"] == 0
+    assert lifecycle.gang_snapshot(held, r.status) is None
+    late = decide(r.status, [], snapshot=lifecycle.gang_snapshot(held, r.status))
+    assert late.status["restartsInPlace"] == 2
+    assert "RestartedInPlace" not in [e[1] for e in late.events]
+    # Decided with, it would be counted a second time: what the rule prevents.
+    assert decide(r.status, [], snapshot=old_rank0).status["restartsInPlace"] == 4
+    # The new gang's own snapshot is used.
+    new_rank0 = snapshot(restarted_rank0(tmp_path, monkeypatch, 1))
+    assert lifecycle.gang_snapshot((1, new_rank0), r.status) == new_rank0
 
 
 def test_preflight_and_stragglers_from_the_snapshot_reach_the_status(tmp_path):
     report = rank0(tmp_path)
-    figures = {"busBandwidthGBps": 0.9, "transport": "gloo", "matmulTflops": None,
-               "volumeWriteMBps": 700.0, "nodes": {"a": {}, "b": {}}, "seconds": 0.1}  # fmt: skip
-    slow = {"rank": 1, "node": "b", "stepSeconds": 2.0, "medianSeconds": 1.0}
-    report.update(preflight=figures, stragglers=[slow])
+    # The preflight's own figures (ftjob.trainer.preflight.run): its summary of what each
+    # rank measured (a real volume check here), then the all-reduce's bus bandwidth.
+    measured = [
+        {"node": "a", "rank": 0, **preflight.check_volume(tmp_path, "a", 0)},
+        {"node": "b", "rank": 1},
+    ]
+    figures = preflight.summary(measured)
+    figures["busBandwidthGBps"] = round(preflight.bus_bandwidth(64 << 20, 0.15, 2), 3)
+    figures |= {"transport": "gloo", "seconds": 0.1}
+    # Rank 1 slower than the margin on CONSECUTIVE log steps (ftjob.trainer.stragglers).
+    slow = Stragglers(margin=0.25, nodes=["a", "b"])
+    for _ in range(CONSECUTIVE):
+        slow.observe([1.0, 2.0])
+    report.update(preflight=figures)
+    report.stragglers(slow.named, slow.describe())
     d = decide(run_to([pod(0), pod(1)]).status, [pod(0), pod(1)], snapshot=snapshot(report))
-    kept = {"busBandwidthGBps": 0.9, "transport": "gloo", "volumeWriteMBps": 700.0}
+    kept = {"busBandwidthGBps": figures["busBandwidthGBps"], "transport": "gloo",
+            "volumeWriteMBps": figures["volumeWriteMBps"], "note": figures["note"]}  # fmt: skip
     assert d.status["preflight"] == kept | {"seconds": 0.1, "nodes": 2}
-    assert d.status["stragglers"] == [slow]
-    report.update(stragglers=[])
+    assert d.status["stragglers"] == [
+        {"rank": 1, "node": "b", "stepSeconds": 2.0, "medianSeconds": 1.5}
+    ]
+    slow.observe([1.0, 1.0])  # back within the margin
+    report.stragglers(slow.named, slow.describe())
     assert decide(d.status, [pod(0), pod(1)], snapshot=snapshot(report)).status["stragglers"] == []
 
 
 # ------------------------------------------------------------------------- bad nodes
 
 
-def evicted(rank, attempt=0):
-    extra = {"reason": "Evicted", "message": "The node was low on resource: memory."}
+def evicted(rank, attempt=0, message="The node was low on resource: memory. "):
+    """Evicted by the kubelet; by default for the node's pressure (the kubelet's words)."""
+    extra = {"reason": "Evicted", "message": message}
     return pod(rank, attempt, phase="Failed", extra=extra)
 
 
@@ -114,6 +152,23 @@ def test_a_node_blamed_for_a_failure_is_avoided_by_the_next_gang():
     ]
     kubernetes_validate.validate(p, "1.37", strict=True)
     assert kubevalidation.errors([p]) == []
+
+
+def test_a_node_fault_that_ends_the_job_keeps_no_node_away():
+    """No next gang: the failure says it was the node's, but nothing is kept away."""
+    d = run_to([pod(0), pod(1)], backoffLimit=0)
+    f = decide(d.status, [pod(0), evicted(1)], backoffLimit=0)
+    assert f.phase == "Failed" and f.status["failure"]["nodeFault"] is True
+    assert "badNodes" not in f.status and "BadNode" not in [e[1] for e in f.events]
+
+
+def test_an_eviction_for_the_pod_s_own_limits_blames_no_node():
+    d = run_to([pod(0), pod(1)])
+    own = "Pod ephemeral local storage usage exceeds the total limit of containers 1Gi. "
+    r = decide(d.status, [pod(0), evicted(1, message=own)])
+    assert r.phase == "Restarting" and r.status["failure"]["reason"] == "Evicted"
+    assert "nodeFault" not in r.status["failure"] and "badNodes" not in r.status
+    assert own.strip() in r.status["failure"]["message"]
 
 
 def test_the_same_node_again_counts_up_and_the_list_is_bounded():

@@ -279,6 +279,7 @@ def test_bad_input_fails_at_once_without_spending_retries(trainer_runs):
     f = decide(d.status, [bad, pod(1)], backoffLimit=5)
     assert f.phase == "Failed" and f.status["restarts"] == 0
     assert f.status["failure"]["reason"] == contract.BAD_DATA
+    assert "badNodes" not in f.status  # the job's fault, not the node's
     assert "not retried" in st.condition(f.status["conditions"], "Failed")["message"]
 
 
