@@ -97,7 +97,8 @@ class Failure:
     exit_code: int | None = api_field("exitCode of the trainer container.", None)
     node_fault: bool | None = api_field(
         "nodeFault: the failure is the node's (a GPU failed the preflight, a hardware error, "
-        "the pod evicted or its node lost), not the job's: the node went on badNodes.",
+        "the pod evicted for node pressure or its node lost), not the job's; when a next gang "
+        "follows, the node goes on badNodes.",
         None,
     )
 
