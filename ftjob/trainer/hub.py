@@ -1,9 +1,8 @@
 """Push the export to the Hugging Face Hub (``output.push: hf://org/name``), with a model card.
 
 After a successful export, rank 0 creates the repository (private unless ``output.private:
-false``; an existing one keeps its visibility) and uploads the export folder as it is -- the
-full model, or the adapter and, with ``mergeAdapter``, its ``merged/`` folder -- plus a
-``README.md`` model card, in one commit, with huggingface_hub's own API (``HfApi.create_repo``,
+false``; an existing one keeps its visibility) and uploads the export (:func:`layout`) and a
+``README.md`` model card in one commit, with huggingface_hub's own API (``HfApi.create_repo``,
 ``HfApi.create_commit``). The token is ``HF_TOKEN`` (``spec.secrets.huggingFaceToken``).
 
 A failed upload fails the job as ``HubPushFailed`` (retryable): the export and the job
@@ -29,6 +28,7 @@ from ftjob import __version__, jobfolder
 from ftjob.contract import HUB_PUSH_FAILED, TrainerError
 from ftjob.schema import to_dict
 from ftjob.spec import FineTuneJobSpec
+from ftjob.trainer.export import base_name
 
 # The other ranks wait for rank 0's upload in a collective of their own: an upload of a large
 # model takes far longer than network.collectiveTimeoutSeconds allows any training collective.
@@ -98,21 +98,33 @@ def _push_once(spec: FineTuneJobSpec, job_dir: Path, out: Path, report) -> None:
 
 
 def upload(spec: FineTuneJobSpec, out: Path, card: str, message: str):
-    """Create the repository (if missing) and commit the export folder and the card in one
-    commit; the CommitInfo (commit_url, oid). The export's own README.md (peft writes one for
-    an adapter) gives way to the card."""
+    """Create the repository (if missing) and commit the export (:func:`layout`) and the card
+    in one commit; the CommitInfo (commit_url, oid)."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
     api, repo = HfApi(), repo_id(spec.output.push)
     api.create_repo(repo, repo_type="model", private=spec.output.private, exist_ok=True)
-    files = sorted(p for p in out.rglob("*") if p.is_file())
     ops = [
-        CommitOperationAdd(path_in_repo=p.relative_to(out).as_posix(), path_or_fileobj=str(p))
-        for p in files
-        if p.relative_to(out).as_posix() != CARD
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path))
+        for name, path in layout(spec, out).items()
     ]
     ops.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode()))
     return api.create_commit(repo, ops, commit_message=message, repo_type="model")
+
+
+def layout(spec: FineTuneJobSpec, out: Path) -> dict[str, Path]:
+    """Path in the repository -> file of the export. The export as it is (a full model, or an
+    adapter), except that an adapter job with ``mergeAdapter`` puts the merged model at the
+    root and the adapter in ``adapter/``: ``AutoModelForCausalLM.from_pretrained(repo)`` then
+    loads the merged model (transformers reads a root adapter_config.json as "load the base,
+    then this adapter", even when asked for a subfolder). The export's own README.md (peft
+    writes one) gives way to the card."""
+    files = {p.relative_to(out).as_posix(): p for p in sorted(out.rglob("*")) if p.is_file()}
+    if spec.method.type != "full" and spec.output.merge_adapter:
+        merged = {k.removeprefix("merged/"): p for k, p in files.items() if k.startswith("merged/")}
+        adapter = {f"adapter/{k}": p for k, p in files.items() if not k.startswith("merged/")}
+        files = merged | adapter
+    return {k: p for k, p in files.items() if k not in (CARD, f"adapter/{CARD}")}
 
 
 def _message(spec: FineTuneJobSpec, recorded: dict[str, Any]) -> str:
@@ -152,10 +164,11 @@ def model_card(spec: FineTuneJobSpec, recorded: dict[str, Any], snapshot: dict[s
 
     model_src, data_src = spec.model.source, spec.dataset.source
     adapter = spec.method.type != "full"
+    merged = adapter and spec.output.merge_adapter
     data = ModelCardData(
         base_model=model_src.removeprefix("hf://") if model_src.startswith("hf://") else None,
         datasets=[data_src.removeprefix("hf://")] if data_src.startswith("hf://") else None,
-        library_name="peft" if adapter else "transformers",
+        library_name="peft" if adapter and not merged else "transformers",
         pipeline_tag="text-generation",
         tags=["ftjob", spec.method.type, *(["lora"] if adapter else [])],
     )
@@ -199,7 +212,9 @@ def _method(spec: FineTuneJobSpec) -> str:
         f"{m.type.upper() if m.type == 'qlora' else 'LoRA'} adapter (r {lora.r}, alpha "
         f"{lora.alpha}, dropout {lora.dropout}, target modules {_cell(lora.target_modules)})"
     )
-    return what + (", merged model in `merged/`" if spec.output.merge_adapter else "")
+    if spec.output.merge_adapter:
+        return f"{what}, merged into the base model (at the root; the adapter in `adapter/`)"
+    return what
 
 
 def _hyper(spec: FineTuneJobSpec) -> dict[str, Any]:
@@ -228,14 +243,17 @@ def _usage(spec: FineTuneJobSpec, repo: str) -> list[str]:
             f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
             f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
         ]
-    lines = [
-        "from peft import AutoPeftModelForCausalLM",
-        f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")',
-    ]
-    if spec.output.merge_adapter:
-        lines += [
-            "# or the base model with the adapter merged in:",
-            "from transformers import AutoModelForCausalLM",
-            f'merged = AutoModelForCausalLM.from_pretrained("{repo}", subfolder="merged")',
+    if not spec.output.merge_adapter:
+        return [
+            "from peft import AutoPeftModelForCausalLM",
+            f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")',
         ]
-    return lines
+    base = base_name(spec.model.source)
+    return [
+        "from transformers import AutoModelForCausalLM",
+        f'model = AutoModelForCausalLM.from_pretrained("{repo}")  # the merged model',
+        "# or the adapter on the base model:",
+        "from peft import PeftModel",
+        f'base = AutoModelForCausalLM.from_pretrained("{base}")',
+        f'model = PeftModel.from_pretrained(base, "{repo}", subfolder="adapter")',
+    ]
