@@ -30,8 +30,8 @@ from ftjob.schema import to_dict
 from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer.export import base_name
 
-# The other ranks wait for rank 0's upload in a collective of their own: an upload of a large
-# model takes far longer than network.collectiveTimeoutSeconds allows any training collective.
+# How long the other ranks wait for rank 0's upload: an upload of a large model takes far
+# longer than network.collectiveTimeoutSeconds allows any training collective.
 UPLOAD_WAIT = datetime.timedelta(hours=24)
 # While uploading, rank 0 reports every so often, so that the operator's stall clock
 # (runPolicy.stallTimeoutSeconds) sees a live rank, not a hung one.
@@ -52,15 +52,17 @@ def push(spec: FineTuneJobSpec, job_dir: Path, out: Path, d, report) -> None:
     0 uploads, every rank raises the same HubPushFailed if it failed)."""
     if not spec.output.push:
         return
+    # The other ranks wait for the upload in a gloo group of their own (CPU objects), with a
+    # timeout as long as an upload may take. Made before the upload: making it is a collective
+    # too, which would otherwise wait out the gang's collective timeout.
+    group = dist.new_group(backend="gloo", timeout=UPLOAD_WAIT) if d.world_size > 1 else None
     failed = None
     if d.is_main:
         try:
             _push_once(spec, job_dir, out, report)
         except Exception as e:  # noqa: BLE001 - every failure is named, agreed and raised below
             failed = f"uploading {out} to {spec.output.push} failed: {type(e).__name__}: {e}"
-    if d.world_size > 1:
-        # A gloo group of its own: CPU objects, and a timeout as long as an upload may take.
-        group = dist.new_group(backend="gloo", timeout=UPLOAD_WAIT)
+    if group is not None:
         agreed = [failed]
         dist.broadcast_object_list(agreed, src=0, group=group)
         failed = agreed[0]

@@ -15,6 +15,9 @@ speaks Git LFS's basic transfer, not Xet) and ``HfApi.create_repo`` / ``create_c
   (base64 inline) and ``lfsFile`` (an uploaded object) lines; the files land in
   :meth:`folder`.
 
+Set :attr:`commit_delay` to answer the commits that succeed that many seconds late, as the
+commit of a large upload may be.
+
 Every request must carry ``Authorization: Bearer <token>`` (401 otherwise), but the object
 uploads: their URLs are signed, as the Hub's pre-signed storage URLs are. Set
 :attr:`fail_commits` to answer that many commits with 500, as a Hub outage would.
@@ -27,6 +30,7 @@ import collections
 import hashlib
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -42,6 +46,7 @@ class HubServer:
         self.objects: dict[str, bytes] = {}  # LFS objects by sha256
         self.requests: collections.Counter[str] = collections.Counter()
         self.fail_commits = 0
+        self.commit_delay = 0.0
         self.lock = threading.Lock()
         server = self
 
@@ -108,8 +113,13 @@ class HubServer:
                                       {"X-Error-Code": "RepoNotFound"})  # fmt: skip
                     if kind == "preupload":
                         return self._preupload(h, json.loads(body))
-                    return self._commit(h, repo, body)
-        return _reply(h, 404, {"error": f"not served here: {h.command} {path}"})
+                    break
+            else:
+                return _reply(h, 404, {"error": f"not served here: {h.command} {path}"})
+        if not self.fail_commits:  # a commit that will succeed takes its time
+            time.sleep(self.commit_delay)  # outside the lock: other requests go on meanwhile
+        with self.lock:
+            return self._commit(h, repo, body)
 
     def _create(self, h, payload: dict) -> None:
         repo = f"{payload['organization']}/{payload['name']}"

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -185,9 +186,35 @@ def test_a_failed_push_fails_the_job_as_hub_push_failed_and_keeps_the_export(fai
     assert "HubPushFailed" in first["out"] and "run it again" in first["out"], first["out"]
     assert "model.safetensors" in first["export"] and not first["pushed"]
     assert first["steps"] > 0  # it trained before the push failed
-    from ftjob.operator import status
 
-    assert "HubPushFailed" not in status.PERMANENT  # the operator restarts the gang
+
+def test_the_operator_restarts_the_gang_on_the_real_record(failed):
+    """The record the failed push left, as a trainer container's termination message: the
+    operator names HubPushFailed with its fix and replaces the gang (it is not permanent)."""
+    from ftjob import manifest
+    from ftjob.operator import lifecycle, render
+    from ftjob.spec import parse_resource
+
+    _, first, _, _ = failed
+    name, spec = parse_resource(manifest.load(EXAMPLES / "tiny.yaml")[0])
+
+    def pod(rank: int, state: dict) -> dict:
+        p = render.pod(name, "ns", spec, rank, 0, "uid")
+        phase = "Running" if "running" in state else "Failed"
+        p["status"] = {"phase": phase, "containerStatuses": [{"name": "trainer", "state": state}]}
+        p["spec"]["nodeName"] = f"node-{rank}"
+        return p
+
+    now = datetime.now(timezone.utc)
+    running = [pod(0, {"running": {}}), pod(1, {"running": {}})]
+    created = lifecycle.decide(spec, name, 1, None, [], now, None)
+    seen = lifecycle.decide(spec, name, 1, created.status, running, now, None)
+    message = json.dumps(first["record"])
+    ended = pod(0, {"terminated": {"exitCode": 1, "reason": "Error", "message": message}})
+    decision = lifecycle.decide(spec, name, 1, seen.status, [ended, running[1]], now, None)
+    assert decision.phase == "Restarting", decision.status
+    assert decision.status["failure"]["reason"] == "HubPushFailed"
+    assert first["record"]["fix"] in decision.status["failure"]["message"]
 
 
 def test_the_rerun_pushes_without_training_again(failed, server):
@@ -236,3 +263,25 @@ def test_lora_push_uploads_adapter_and_merged_model_that_load(runs, server, tmp_
     assert torch.allclose(a, m, atol=1e-4)
     plain = AutoModelForCausalLM.from_pretrained(EXAMPLES / "tiny-model")
     assert not torch.allclose(plain(ids).logits, m, atol=1e-4)  # it did train the adapter
+
+
+# ----------------------------------------------- a restart in place, then a long upload
+
+
+def test_a_failed_push_is_retried_in_place_and_the_others_wait_out_a_long_upload(runs, server):
+    """The first rung of recovery: the node's agent restarts the workers in place, which find
+    the job trained and only push. That commit is answered after 35 s, beyond
+    network.collectiveTimeoutSeconds (30, its minimum): rank 1 waits for rank 0's upload in a
+    group of its own, so it is no collective timeout (which would take another restart)."""
+    d = doc("in-place", "ftjob-test/in-place", training={"maxSteps": 2},
+            network={"collectiveTimeoutSeconds": 30})  # fmt: skip
+    server.fail_commits, server.commit_delay = 1, 35.0
+    try:
+        code, out = ftjob_run(d, runs / "in-place", server)
+    finally:
+        server.fail_commits, server.commit_delay = 0, 0.0
+    assert code == 0, out
+    assert "(after 1 restart in place)" in out, out
+    assert server.requests["commit"] >= 2 and len(server.commits("ftjob-test/in-place")) == 1
+    # One history row per step (logEvery 1): the restarted workers trained none again.
+    assert [r["step"] for r in history(runs / "in-place")] == [1, 2]

@@ -134,3 +134,28 @@ def test_a_full_fine_tunes_card_without_an_evaluation_says_so():
     text = hub.model_card(job, {"trainedSteps": 10}, {"loss": 1.0})
     assert "**Method:** full fine-tune" in text and "**Final eval loss:** n/a" in text
     assert 'AutoModelForCausalLM.from_pretrained("my-org/tuned")' in text
+
+
+def test_a_push_with_no_token_at_all_fails_as_hub_push_failed_naming_hf_token(
+    tmp_path, monkeypatch
+):
+    """The spec asks for the Secret; a pod (or `ftjob run`) that still has no token fails
+    before any request, named, with nothing recorded as pushed (one process, no gang)."""
+    import huggingface_hub.constants
+    import torch
+
+    from ftjob.trainer import parallel, progress
+
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    job = spec({"push": "hf://my-org/tuned"})
+    jobfolder.write(tmp_path, "j", job, trained_steps=10)
+    (tmp_path / "model").mkdir()
+    report = progress.Progress(tmp_path, True, None, 1, writes_files=False)
+    one = parallel.Dist(0, 0, 1, 1, torch.device("cpu"))
+    with pytest.raises(contract.TrainerError) as e:
+        hub.push(job, tmp_path, tmp_path / "model", one, report)
+    assert e.value.reason == contract.HUB_PUSH_FAILED and e.value.where == "spec.output.push"
+    assert "HF_TOKEN is not set" in str(e.value) and "HF_TOKEN" in e.value.fix
+    assert jobfolder.pushed(tmp_path) is None and report.snapshot.get("pushedTo") is None
