@@ -7,8 +7,9 @@ The Hub is a local server that speaks its upload API as huggingface_hub calls it
 NDJSON commit); what it stores is downloaded back with huggingface_hub's own
 snapshot_download from the local mirror (tests/e2e/hubmirror.py) and loaded. A full
 fine-tune is pushed; another job's push fails at the commit (HubPushFailed, the export kept)
-and is run again with the server healthy (pushes, trains nothing); a LoRA job pushes its
-adapter and merged model.
+and is run again with the server healthy (pushes, trains nothing); a third fails once and is
+retried by the restart in place, its commit answered after the collective timeout; a LoRA job
+pushes its merged model and adapter.
 """
 
 from __future__ import annotations
