@@ -32,6 +32,7 @@ PHASES = (
     "checkpointing",
     "evaluating",
     "exporting",
+    "pushing",  # uploading the export to the Hub (output.push)
     "succeeded",
     "failed",
 )
@@ -52,6 +53,8 @@ NCCL_ERROR = "NCCLError"
 DISK_FULL = "DiskFull"
 CHECKPOINT_UNREADABLE = "CheckpointUnreadable"
 EXPORT_FAILED = "ExportFailed"
+# The upload to the Hub (output.push) failed; the export stays, and a rerun only pushes.
+HUB_PUSH_FAILED = "HubPushFailed"
 OWNED_ELSEWHERE = "JobFolderBusy"  # another run owns the job folder
 # The preflight's verdicts (ftjob.trainer.preflight), before any weight is read:
 NODE_UNHEALTHY = "NodeUnhealthy"  # a GPU of this node is slow, short of memory or broken
@@ -105,6 +108,7 @@ REASONS = (
     DISK_FULL,
     CHECKPOINT_UNREADABLE,
     EXPORT_FAILED,
+    HUB_PUSH_FAILED,
     OWNED_ELSEWHERE,
     NODE_UNHEALTHY,
     FABRIC_MISCONFIGURED,
@@ -133,6 +137,7 @@ SPECIFICITY = (
     OWNED_ELSEWHERE,
     FABRIC_MISCONFIGURED,
     EXPORT_FAILED,
+    HUB_PUSH_FAILED,
     INTERNAL,
     NCCL_ERROR,
     COLLECTIVE_TIMEOUT,

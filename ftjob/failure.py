@@ -26,6 +26,8 @@ FIXES = {
     contract.HOST_OOM: "this machine ran out of memory: `ftjob plan FILE` estimates it per "
     "process; use fewer processes (resources.nodes) or a smaller model",
     contract.DISK_FULL: "free space where the job folder is, or lower spec.checkpoint.keep",
+    contract.HUB_PUSH_FAILED: "check HF_TOKEN (write access to spec.output.push) and the "
+    "network, then run it again: the export is kept and only the push is retried",
     contract.COLLECTIVE_TIMEOUT: "a rank stopped answering (named above when its heartbeat "
     "told): its node's log says why; a rank that hangs for good needs a restart (run it again)",
     contract.NCCL_TIMEOUT: "a rank stopped answering: the other nodes' logs say why",

@@ -91,6 +91,8 @@ def already_trained(
     out = jobfolder.export_path(job_dir, spec)
     if not jobfolder.finished(spec, recorded or {}, out) or not out.is_dir():
         return None
+    if jobfolder.push_pending(spec, job_dir, recorded or {}):
+        return None  # trained, not yet pushed where output.push says: the trainer pushes
     try:
         snap = json.loads((job_dir / "progress.json").read_text())
     except (OSError, ValueError):

@@ -205,3 +205,43 @@ def swap_in_export(new: Path, out: Path) -> None:
         out.rename(old)
     new.rename(out)
     shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------ the push
+# output.push uploads the export to the Hub after training. What was pushed is recorded beside
+# the spec, so a rerun of a finished job pushes only what is not there yet (the push failed,
+# output.push was added or changed, or a continued job replaced the export) and trains nothing.
+PUSHED = "pushed.json"
+
+
+def pushed(folder: Path) -> dict[str, Any] | None:
+    """The record of the latest push from this folder, or None."""
+    try:
+        value = json.loads((folder / PUSHED).read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def push_key(spec: FineTuneJobSpec, recorded: dict[str, Any]) -> dict[str, Any]:
+    """What a push uploads: the repository, and which export (its path and the steps it holds)."""
+    return {
+        "repo": spec.output.push,
+        "export": spec.output.path or "model",
+        "trainedSteps": recorded.get("trainedSteps"),
+    }
+
+
+def push_pending(spec: FineTuneJobSpec, folder: Path, recorded: dict[str, Any]) -> bool:
+    """Whether output.push names an upload of the folder's export not yet done."""
+    if not spec.output.push:
+        return False
+    done = pushed(folder) or {}
+    return {k: done.get(k) for k in ("repo", "export", "trainedSteps")} != push_key(spec, recorded)
+
+
+def record_push(folder: Path, spec: FineTuneJobSpec, recorded: dict[str, Any], **found) -> dict:
+    """Record a push that completed (``found``: its commit URL, revision, ...), atomically."""
+    doc = {**push_key(spec, recorded), **found}
+    atomic.write_json(folder / PUSHED, doc)
+    return doc

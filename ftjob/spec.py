@@ -47,6 +47,9 @@ LABEL_VALUE_HINT = (
 # hf://org/name (or a legacy hf://name), an absolute path, or a path relative to the job.
 SOURCE_PATTERN = r"^(hf://[A-Za-z0-9][\w.-]*(/[\w.-]+)?|[^:\s]+)$"
 SOURCE_HINT = "be hf://org/name or a path (absolute on a volume, or relative)"
+# output.push: a Hub model repository, always with its namespace (a user or an organization).
+PUSH_PATTERN = r"^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
+PUSH_HINT = "be hf://org/name, the Hub model repository to upload to, e.g. hf://my-org/my-model"
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 # Segments start with a letter, digit or '_', so '..' (and absolute paths) cannot escape the
 # job's folder. RE2, which the API server uses, has no lookahead to say it more directly.
@@ -539,6 +542,22 @@ class OutputSpec:
         "mergeAdapter also writes the base model with the adapter merged in (lora/qlora).",
         False,
     )
+    push: str | None = api_field(
+        "push uploads the export, with a model card, to this Hugging Face Hub model repository "
+        "(hf://org/name; created if missing) once training has finished; needs "
+        "secrets.huggingFaceToken (a token that may write there). A failed upload "
+        "(HubPushFailed) is retried without training again.",
+        None,
+        pattern=PUSH_PATTERN,
+        pattern_hint=PUSH_HINT,
+        max_length=200,
+        example="hf://my-org/llama3-8b-guanaco",
+    )
+    private: bool = api_field(
+        "private: the repository push creates is private (default); false makes it public. "
+        "A repository that exists keeps its visibility.",
+        True,
+    )
 
     __rules__: ClassVar[tuple[Rule, ...]] = (
         Rule(
@@ -556,7 +575,8 @@ class SecretsSpec:
     """secrets: credentials, passed to pods only as secretKeyRefs."""
 
     hugging_face_token: SecretKeyRef | None = api_field(
-        "huggingFaceToken for gated or private hf:// models and datasets (becomes HF_TOKEN).",
+        "huggingFaceToken for gated or private hf:// models and datasets, and for output.push "
+        "(becomes HF_TOKEN).",
         None,
     )
 
@@ -933,6 +953,13 @@ class FineTuneJobSpec:
             "more than one node needs a shared checkpoint.volume (a ReadWriteMany claim) so "
             "that every node writes its shards to one place",
             ".checkpoint.volume",
+        ),
+        Rule(
+            "!has(self.output.push) || has(self.secrets.huggingFaceToken)",
+            lambda s: s.output.push is None or s.secrets.hugging_face_token is not None,
+            "output.push needs secrets.huggingFaceToken: a Secret key holding a Hub token that "
+            "may write to the repository (ftjob run reads HF_TOKEN from its environment)",
+            ".output.push",
         ),
         Rule(
             f"!self.env.exists(e, {_RESERVED_CEL})",

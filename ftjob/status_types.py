@@ -50,7 +50,7 @@ class Progress:
 
     phase: str | None = api_field(
         "phase of the trainer: starting, downloading, preparing-data, loading, training, "
-        "checkpointing, evaluating, exporting, succeeded or failed.",
+        "checkpointing, evaluating, exporting, pushing, succeeded or failed.",
         None,
     )
     step: int = api_field("step: optimizer steps done.", 0)
@@ -66,6 +66,9 @@ class Progress:
         "replacesExport: this run continues a finished job (maxSteps raised) and will replace "
         "the export at this path when it completes; the export stays readable until then.",
         None,
+    )
+    pushed_to: str | None = api_field(
+        "pushedTo: the Hub commit the export was uploaded in (output.push).", None
     )
     update_time: str | None = api_field(
         "updateTime: when the trainer last reported.", None, fmt="date-time"

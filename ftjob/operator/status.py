@@ -65,6 +65,8 @@ ADVICE = {
     contract.CHECKPOINT_UNREADABLE: "the newest checkpoint cannot be loaded into this model: "
     "move it aside on the volume to resume from an older one",
     contract.EXPORT_FAILED: "the trained model could not be written to output.path",
+    contract.HUB_PUSH_FAILED: "the upload to output.push failed (the Hub, the network or the "
+    "token's rights): the export is kept and the next gang only pushes",
     contract.OWNED_ELSEWHERE: "another run owns the job folder on the volume",
     contract.NODE_UNHEALTHY: "a GPU of this node failed the preflight (slow, short of memory "
     "or broken): the next gang avoids the node",
@@ -100,6 +102,7 @@ SPECIFICITY = (
     contract.OWNED_ELSEWHERE,
     contract.FABRIC_MISCONFIGURED,
     contract.EXPORT_FAILED,
+    contract.HUB_PUSH_FAILED,
     "Evicted",
     "Lost",
     contract.INTERNAL,
@@ -304,6 +307,7 @@ def progress(snapshot: dict) -> dict[str, Any]:
         "mfu": round(mfu * 100, 2) if mfu is not None else None,  # the trainer reports 0-1
         "eta": format_eta(snapshot.get("etaSeconds")),
         "replacesExport": snapshot.get("replacesExport"),
+        "pushedTo": snapshot.get("pushedTo"),
         "updateTime": snapshot.get("updatedAt"),
     }
     return {k: v for k, v in out.items() if v is not None}

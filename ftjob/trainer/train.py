@@ -33,6 +33,7 @@ from ftjob.trainer import (
     data,
     export,
     heartbeat,
+    hub,
     loss,
     model,
     parallel,
@@ -87,7 +88,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     if jobfolder.finished(spec, recorded, out):
         # A gang restarted after the export was written (a pod evicted at the very end).
         say(f"{name}: already trained; the exported model is in {out}", flush=True)
-        return _succeeded(out, d, report, lease)
+        return _succeeded(out, d, report, lease, spec, job_dir)
     if jobfolder.export_present(out):
         _continuing(report, name, out, recorded.get("trainedSteps"), spec.training.max_steps)
     asked = spec  # what the job folder records; the run reads downloads from the volume
@@ -136,7 +137,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     if d.is_main:
         jobfolder.write(job_dir, name, asked, trained_steps=total)
     report.log(f"exported model: {out}")
-    return _succeeded(out, d, report, lease)
+    return _succeeded(out, d, report, lease, asked, job_dir)
 
 
 def _join(spec: FineTuneJobSpec, job_dir: Path, report: progress.Progress):
@@ -172,8 +173,10 @@ def _loaded(report: progress.Progress, d: parallel.Dist, run: Run) -> list[str]:
     return [node for node, _, _, _ in loaded]
 
 
-def _succeeded(out: Path, d: parallel.Dist, report, lease: Lease | None) -> Path:
-    """The job is done: say so in progress and in the record the operator requires."""
+def _succeeded(out: Path, d: parallel.Dist, report, lease: Lease | None, spec, job_dir) -> Path:
+    """The job is done (once output.push is pushed): say so in progress and in the record the
+    operator requires."""
+    hub.push(spec, job_dir, out, d, report)  # a failure: HubPushFailed, the export kept
     report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
     if d.is_main:
         termination.write(contract.success_record(str(out)))

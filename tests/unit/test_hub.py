@@ -1,0 +1,161 @@
+"""output.push: the spec's checks, the job folder's push record, the model card.
+
+    python -m pytest tests/unit/test_hub.py -q
+
+The upload itself runs against a local Hub in tests/e2e/test_hub_push.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ftjob import contract, failure, inputs, jobfolder
+from ftjob.operator import status
+from ftjob.schema import SpecError
+from ftjob.spec import parse_spec
+from ftjob.trainer import hub
+
+TOKEN = {"huggingFaceToken": {"name": "hf", "key": "token"}}
+RAW = {
+    "model": {"source": "hf://org/base", "revision": "v1"},
+    "dataset": {"source": "hf://org/data", "maxSeqLength": 128},
+    "method": {"type": "lora", "lora": {"r": 8, "alpha": 16}},
+    "training": {"maxSteps": 10, "learningRate": 3e-4},
+    "resources": {"gpusPerNode": 0},
+}
+
+
+def spec(output=None, secrets=TOKEN, **sections):
+    raw = {**RAW, **sections, "output": output or {}, "secrets": secrets}
+    return parse_spec(raw)
+
+
+def errors(**kw) -> list[str]:
+    with pytest.raises(SpecError) as e:
+        spec(**kw)
+    return [str(x) for x in e.value.errors]
+
+
+def test_push_defaults_to_off_and_private():
+    assert spec().output.push is None
+    assert spec({"push": "hf://my-org/my-model"}).output.private is True
+
+
+def test_a_push_without_a_token_is_refused_naming_both_fields():
+    (error,) = errors(output={"push": "hf://my-org/my-model"}, secrets={})
+    assert error.startswith("spec.output.push:") and "secrets.huggingFaceToken" in error
+
+
+@pytest.mark.parametrize(
+    "target", ["my-model", "org/name", "hf://name", "hf://org/a/b", "s3://o/n"]
+)
+def test_a_push_target_must_be_a_hub_repository_with_its_namespace(target):
+    (error,) = errors(output={"push": target})
+    assert error.startswith("spec.output.push:") and "hf://org/name" in error, error
+
+
+def test_adding_a_push_to_a_trained_job_does_not_change_its_training():
+    before = jobfolder.record("j", spec())
+    after = spec({"push": "hf://my-org/my-model", "private": False})
+    assert jobfolder.changes(before, after) == []
+
+
+def test_a_push_is_pending_until_recorded_for_this_repository_and_export(tmp_path):
+    job = spec({"push": "hf://my-org/a"})
+    recorded = {"trainedSteps": 10}
+    assert not jobfolder.push_pending(spec(), tmp_path, recorded)  # no push asked
+    assert jobfolder.push_pending(job, tmp_path, recorded)
+    jobfolder.record_push(tmp_path, job, recorded, commitUrl="u", revision="r")
+    assert not jobfolder.push_pending(job, tmp_path, recorded)
+    assert jobfolder.pushed(tmp_path)["commitUrl"] == "u"
+    # Another repository, or a continued job's new export, is pushed again.
+    assert jobfolder.push_pending(spec({"push": "hf://my-org/b"}), tmp_path, recorded)
+    assert jobfolder.push_pending(job, tmp_path, {"trainedSteps": 20})
+
+
+def test_ftjob_run_leaves_a_trained_job_whose_push_is_pending_to_the_trainer(tmp_path: Path):
+    job = spec({"push": "hf://my-org/a"})
+    (tmp_path / "model").mkdir()
+    (tmp_path / "progress.json").write_text(json.dumps({"phase": "succeeded"}))
+    recorded = jobfolder.write(tmp_path, "j", job, trained_steps=10)
+    assert inputs.already_trained(job, tmp_path, recorded) is None
+    jobfolder.record_push(tmp_path, job, recorded, commitUrl="u")
+    assert inputs.already_trained(job, tmp_path, recorded) == tmp_path / "model"
+
+
+def test_hub_push_failed_is_named_everywhere_and_retryable():
+    reason = contract.HUB_PUSH_FAILED
+    assert reason in contract.REASONS and reason not in contract.NOT_IN_PLACE
+    assert reason not in status.PERMANENT and "output.push" in status.ADVICE[reason]
+    assert "run it again" in failure.FIXES[reason]
+    assert contract.PHASES.index("pushing") == contract.PHASES.index("exporting") + 1
+
+
+def test_the_card_carries_hub_metadata_and_what_the_run_was():
+    from huggingface_hub import ModelCard
+
+    job = spec({"push": "hf://my-org/tuned", "mergeAdapter": True})
+    text = hub.model_card(job, {"trainedSteps": 10}, {"loss": 1.23456, "evalLoss": 2.5})
+    card = ModelCard(text)
+    assert card.data.base_model == "org/base" and card.data.datasets == ["org/data"]
+    # The merged model is the repository's root: transformers loads it.
+    assert card.data.library_name == "transformers" and {"ftjob", "lora"} <= set(card.data.tags)
+    assert "**Base model:** `hf://org/base` (revision `v1`)" in card.text
+    assert "**Data:** `hf://org/data`" in card.text
+    assert "**Method:** LoRA adapter (r 8, alpha 16.0" in card.text and "adapter/" in card.text
+    assert (
+        "**Final train loss:** 1.2346" in card.text and "**Final eval loss:** 2.5000" in card.text
+    )
+    assert "| training.learningRate | 0.0003 |" in card.text
+    assert 'AutoModelForCausalLM.from_pretrained("my-org/tuned")  # the merged' in card.text
+    assert 'PeftModel.from_pretrained(base, "my-org/tuned", subfolder="adapter")' in card.text
+    assert 'AutoModelForCausalLM.from_pretrained("org/base")' in card.text
+
+
+def test_an_adapter_alone_is_the_repository_and_a_merge_moves_it_to_adapter(tmp_path):
+    for name in ("adapter_config.json", "README.md", "merged/config.json", "merged/x.safetensors"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(name)
+    merged = hub.layout(spec({"push": "hf://o/n", "mergeAdapter": True}), tmp_path)
+    assert {k: v.relative_to(tmp_path).as_posix() for k, v in merged.items()} == {
+        "config.json": "merged/config.json",
+        "x.safetensors": "merged/x.safetensors",
+        "adapter/adapter_config.json": "adapter_config.json",
+    }
+    alone = hub.layout(spec({"push": "hf://o/n"}), tmp_path)
+    assert set(alone) == {"adapter_config.json", "merged/config.json", "merged/x.safetensors"}
+
+
+def test_a_full_fine_tunes_card_without_an_evaluation_says_so():
+    job = spec({"push": "hf://my-org/tuned"}, method={"type": "full"})
+    text = hub.model_card(job, {"trainedSteps": 10}, {"loss": 1.0})
+    assert "**Method:** full fine-tune" in text and "**Final eval loss:** n/a" in text
+    assert 'AutoModelForCausalLM.from_pretrained("my-org/tuned")' in text
+
+
+def test_a_push_with_no_token_at_all_fails_as_hub_push_failed_naming_hf_token(
+    tmp_path, monkeypatch
+):
+    """The spec asks for the Secret; a pod (or `ftjob run`) that still has no token fails
+    before any request, named, with nothing recorded as pushed (one process, no gang)."""
+    import huggingface_hub.constants
+    import torch
+
+    from ftjob.trainer import parallel, progress
+
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    job = spec({"push": "hf://my-org/tuned"})
+    jobfolder.write(tmp_path, "j", job, trained_steps=10)
+    (tmp_path / "model").mkdir()
+    report = progress.Progress(tmp_path, True, None, 1, writes_files=False)
+    one = parallel.Dist(0, 0, 1, 1, torch.device("cpu"))
+    with pytest.raises(contract.TrainerError) as e:
+        hub.push(job, tmp_path, tmp_path / "model", one, report)
+    assert e.value.reason == contract.HUB_PUSH_FAILED and e.value.where == "spec.output.push"
+    assert "HF_TOKEN is not set" in str(e.value) and "HF_TOKEN" in e.value.fix
+    assert jobfolder.pushed(tmp_path) is None and report.snapshot.get("pushedTo") is None
