@@ -67,6 +67,12 @@ class Progress:
         "the export at this path when it completes; the export stays readable until then.",
         None,
     )
+    tracking_warnings: list[str] = api_field(
+        "trackingWarnings: experiment trackers this run went on without, and why "
+        "(spec.tracking); training is not affected.",
+        factory=list,
+        max_items=8,
+    )
     update_time: str | None = api_field(
         "updateTime: when the trainer last reported.", None, fmt="date-time"
     )

@@ -298,6 +298,7 @@ def progress(snapshot: dict) -> dict[str, Any]:
         "mfu": round(mfu * 100, 2) if mfu is not None else None,  # the trainer reports 0-1
         "eta": format_eta(snapshot.get("etaSeconds")),
         "replacesExport": snapshot.get("replacesExport"),
+        "trackingWarnings": snapshot.get("trackingWarnings") or None,
         "updateTime": snapshot.get("updatedAt"),
     }
     return {k: v for k, v in out.items() if v is not None}
