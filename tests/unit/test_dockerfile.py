@@ -33,6 +33,8 @@ IMAGE_ONLY = {"trainer": {"flash-attn": "FLASH_ATTN"}}
 # Provided by the base image, held at constraints.txt's pin (see test_trainer_base_...).
 FROM_BASE = {"trainer": {"torch"}}
 STAGES_OF_TARGET = {"operator": ["operator-build", "operator"], "trainer": ["trainer"]}
+# The extras each target installs: the trainer's image also has the experiment trackers'.
+EXTRAS_OF_TARGET = {"operator": ["operator"], "trainer": ["trainer", "tracking"]}
 
 
 def norm(name: str) -> str:
@@ -139,7 +141,8 @@ def test_targets_exist():
 @pytest.mark.parametrize("target", ["operator", "trainer"])
 def test_what_a_target_installs_is_ftjobs_dependencies_and_its_extra(target):
     deps = {req_name(r) for r in PYPROJECT["project"]["dependencies"]}
-    extra = {req_name(r) for r in PYPROJECT["project"]["optional-dependencies"][target]}
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    extra = {req_name(r) for name in EXTRAS_OF_TARGET[target] for r in extras[name]}
     expected = (deps | extra) - FROM_BASE.get(target, set()) | set(IMAGE_ONLY.get(target, {}))
     assert installed(target) == expected
 
