@@ -1,6 +1,8 @@
 """spec.tracking: its rules, the pods it renders (credentials only as secretKeyRefs), what it
 leaves alone (the job folder's fingerprint), and progress's trackingWarnings in status."""
 
+from pathlib import Path
+
 import kubernetes_validate
 import pytest
 
@@ -25,6 +27,7 @@ MLFLOW = {
 }
 WANDB = {"project": "llama", "entity": "team", "apiKey": {"name": "wandb", "key": "key"}}
 UID = "0f3c9a52-7d4e-4b1a-9c55-3f2b8e1d6a70"
+CHART = Path(__file__).resolve().parents[2] / "charts" / "ftjob"
 
 
 def spec(tracking=None, **extra):
@@ -116,3 +119,57 @@ def test_the_spec_is_logged_flat_as_the_runs_parameters():
 def test_an_error_names_no_credentials_from_an_address():
     said = trackers.redact("cannot reach https://bob:s3cret@mlflow.example.com/api")
     assert "s3cret" not in said and "https://***@mlflow.example.com/api" in said
+
+
+# -- the chart's cluster-wide default (trainer.tracking) ---------------------------------
+
+
+def operator_env(values: dict) -> dict[str, str]:
+    """The operator container's environment as the real chart renders it with ``values``."""
+    import helm_python as helm
+    import yaml
+
+    with helm.Chart.load(str(CHART)) as chart:
+        out = chart.render(values, name="ftjob", namespace="ftjob-system", is_install=True)
+    (deployment,) = [
+        doc
+        for path, text in out.items()
+        if path.endswith(".yaml")
+        for doc in yaml.safe_load_all(text)
+        if doc and doc["kind"] == "Deployment"
+    ]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
+def test_the_charts_default_trackers_reach_jobs_that_name_none():
+    """trainer.tracking -> the operator's FTJOB_DEFAULT_TRACKING -> its settings -> the pods
+    and the spec of a job without spec.tracking; a job that names a tracker keeps its own."""
+    from ftjob.operator import handlers
+
+    default = {"mlflow": {**MLFLOW, "experiment": "cluster"}}
+    settings = handlers.Settings.from_env(operator_env({"trainer": {"tracking": default}}))
+    job = render.with_tracking(spec(), settings.default_tracking)
+    assert job.tracking.mlflow.experiment == "cluster"
+    pod = render.pod("j", "ns", job, 0, 0, UID)
+    kubernetes_validate.validate(pod, "1.37", strict=True)
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert env["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "mlflow"
+    assert '"experiment": "cluster"' in render.config_map("j", "ns", job, UID)["data"]["spec.json"]
+    own = spec({"tensorboard": {"enabled": False}})  # an opt-out names a tracker
+    assert render.with_tracking(own, settings.default_tracking) is own
+    # Unset (the chart's default), nothing is added.
+    assert handlers.Settings.from_env(operator_env({})).default_tracking is None
+
+
+def test_the_chart_refuses_a_default_tracker_a_job_could_not_have():
+    import helm_python as helm
+
+    bad = {"trainer": {"tracking": {"mlflow": {"trackingUri": "mlflow:5000"}}}}
+    with pytest.raises(helm.HelmValuesError, match="/trainer/tracking/mlflow/trackingUri"):
+        operator_env(bad)
+    with pytest.raises(helm.HelmValuesError, match="additional properties 'mlfow'"):
+        operator_env({"trainer": {"tracking": {"mlfow": {}}}})
+    # What JSON Schema cannot say (the CEL rules), the operator refuses when it starts.
+    with pytest.raises(SpecError, match="trainer.tracking.wandb.apiKey: online mode needs"):
+        render.default_tracking('{"wandb": {"project": "p"}}')
