@@ -1,6 +1,8 @@
 """spec.tracking: its rules, the pods it renders (credentials only as secretKeyRefs), what it
 leaves alone (the job folder's fingerprint), and progress's trackingWarnings in status."""
 
+import re
+import shlex
 from pathlib import Path
 
 import kubernetes_validate
@@ -173,3 +175,40 @@ def test_the_chart_refuses_a_default_tracker_a_job_could_not_have():
     # What JSON Schema cannot say (the CEL rules), the operator refuses when it starts.
     with pytest.raises(SpecError, match="trainer.tracking.wandb.apiKey: online mode needs"):
         render.default_tracking('{"wandb": {"project": "p"}}')
+
+
+# -- docs/progress.md's copy-paste examples -------------------------------------------------
+
+
+def tracker_section() -> str:
+    text = (CHART.parents[1] / "docs" / "progress.md").read_text()
+    return text.split("## Experiment trackers", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_docs_examples_are_jobs_the_spec_takes():
+    import yaml
+
+    blocks = re.findall(r"```yaml\n(.*?)```", tracker_section(), flags=re.DOTALL)
+    found = set()
+    for block in blocks:
+        tracking = yaml.safe_load(block)["spec"]["tracking"]
+        found |= set(spec(tracking).tracking.__dict__) & set(tracking)
+    assert found == {"mlflow", "wandb", "tensorboard"}
+
+
+def test_the_docs_helm_command_renders_the_default_the_operator_reads():
+    import helm_python as helm
+
+    from ftjob.operator import handlers
+
+    (command,) = re.findall(r"^(helm upgrade (?:.*\\\n)*.*)$", tracker_section(), re.MULTILINE)
+    args = shlex.split(command.replace("\\\n", " "))
+    assert "charts/ftjob" in args, command
+    mlflow = {}
+    for i, arg in enumerate(args):
+        if args[i - 1] == "--set":
+            mlflow |= helm.parse_set_string(arg)["trainer"]["tracking"]["mlflow"]
+    env = operator_env({"trainer": {"tracking": {"mlflow": mlflow}}})
+    default = handlers.Settings.from_env(env).default_tracking
+    assert default.mlflow.tracking_uri == "http://mlflow.mlflow:5000"
+    assert default.mlflow.experiment == "fine-tunes"
