@@ -66,8 +66,9 @@ def attach(report, spec: FineTuneJobSpec, name: str, job_dir: Path) -> None:
         _Tensorboard(job_dir) if t.tensorboard and t.tensorboard.enabled else None,
     ]
     params = parameters(spec)
+    closing: dict[str, float] = {}  # one deadline for all trackers at the end of the run
     for tracker in filter(None, found):
-        report.listeners.append(_Sender(tracker, ids, params, warnings, report.log))
+        report.listeners.append(_Sender(tracker, ids, params, warnings, report.log, closing))
 
 
 def parameters(spec: FineTuneJobSpec) -> dict[str, str]:
@@ -167,10 +168,11 @@ class _Warnings:
 class _Sender:
     """One tracker's thread: events in through a queue, calls out with bounded retries."""
 
-    def __init__(self, tracker, ids: _Ids, params: dict, warnings: _Warnings, log):
+    def __init__(self, tracker, ids, params: dict, warnings: _Warnings, log, closing: dict):
         self.tracker, self.ids, self.params = tracker, ids, params
-        self.warnings, self.log = warnings, log
+        self.warnings, self.log, self.closing = warnings, log, closing
         self.off = self.ended = self.started = False
+        self._said = threading.Lock()
         self.dropped = 0
         self._queue: queue.Queue = queue.Queue(QUEUE)
         self._thread = threading.Thread(target=self._run, daemon=True, name=tracker.name)
@@ -182,13 +184,18 @@ class _Sender:
         except queue.Full:
             self.dropped += 1
 
-    def close(self, wait: float = CLOSE_WAIT) -> None:
-        """Send what is queued (at most ``wait`` seconds), then stop."""
-        self._queue.put((None, None, None))
-        self._thread.join(wait)
-        if self._thread.is_alive() and not self.off:
-            self._give_up(f"still sending after {wait:.0f} s at the end of the run")
-        elif self.dropped and not self.off:
+    def close(self) -> None:
+        """Send what is queued, then stop: all trackers together wait at most CLOSE_WAIT
+        seconds (the thread is a daemon: one that hangs does not hold the exit)."""
+        deadline = self.closing.setdefault("at", time.monotonic() + CLOSE_WAIT)
+        try:
+            self._queue.put_nowait((None, None, None))
+        except queue.Full:  # the deadline ends the wait
+            self.dropped += 1
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            self._give_up(f"still sending {CLOSE_WAIT:.0f} s after the end of the run")
+        elif self.dropped:
             self._give_up(f"fell behind: {self.dropped} events were not sent")
 
     def _run(self) -> None:
@@ -223,7 +230,10 @@ class _Sender:
 
     def _give_up(self, why: str) -> None:
         """Said once: from now on this run goes on without the tracker."""
-        self.off = True
+        with self._said:
+            if self.off:
+                return
+            self.off = True
         message = f"tracking: {self.tracker.name} is off for this run: {why}; training goes on"
         self.log(message)
         self.warnings.add(message)

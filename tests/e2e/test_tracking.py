@@ -56,7 +56,11 @@ def mlflow_server(tmp_path_factory):
         time.sleep(0.5)
     yield url
     os.killpg(server.pid, signal.SIGTERM)
-    server.wait(30)
+    try:
+        server.wait(5)
+    except subprocess.TimeoutExpired:  # its workers' graceful shutdown takes ~20 s
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(10)
     log.close()
 
 
