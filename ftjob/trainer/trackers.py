@@ -101,12 +101,12 @@ def reported(job_dir: Path, after: dict[str, int], upto: int) -> list[tuple[str,
     (``after``: event -> step) up to ``upto``, the newest report of each step: a run killed
     while its tracker was behind leaves no hole in the history the next run continues."""
     newest: dict[tuple[str, int], dict] = {}
-    with contextlib.suppress(OSError):
-        for line in (job_dir / "progress.jsonl").read_text().splitlines():
+    with contextlib.suppress(OSError), open(job_dir / "progress.jsonl") as lines:
+        for line in lines:  # one at a time: a long run's history is long
             try:
                 row = json.loads(line)
                 step = measured(row["event"], row)[0] if row.get("event") in after else -1
-            except (ValueError, KeyError, TypeError):  # a line the kill cut short
+            except (ValueError, KeyError, TypeError, AttributeError):  # a line cut short
                 continue
             if after.get(row.get("event"), upto) < step <= upto:
                 newest[(row["event"], step)] = row
