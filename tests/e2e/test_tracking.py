@@ -230,3 +230,17 @@ def test_a_tracker_that_is_down_never_fails_training_and_is_said_once(tmp_path):
     assert warning.startswith(said) and "training goes on" in warning
     assert final(tmp_path / "down")["phase"] == "succeeded"
     assert (tmp_path / "down" / "model" / "config.json").is_file()
+
+
+def test_a_failed_job_ends_its_run_failed(tmp_path, mlflow_server):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": oops}\n')
+    doc = tracked("failing", {"mlflow": {"trackingUri": mlflow_server, "experiment": "fails"}})
+    doc["spec"]["dataset"]["source"] = str(bad)
+    proc = start(doc, tmp_path / "failing")
+    out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    assert proc.returncode == 1 and "line 2: not valid JSON" in out, out
+    client = mlflow.MlflowClient(mlflow_server)
+    (run,) = client.search_runs([client.get_experiment_by_name("fails").experiment_id])
+    assert run.info.status == "FAILED" and "ftjob.export" not in run.data.tags
+    assert run.data.params["dataset.source"] == str(bad)
