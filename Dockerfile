@@ -83,19 +83,21 @@ RUN if [ "${EFA}" = "true" ]; then \
 ENV PATH=/opt/amazon/efa/bin:$PATH
 
 COPY constraints.txt /src/constraints.txt
-# ftjob's dependencies + the "trainer" extra, less torch (the base's, held by the pin).
+# ftjob's dependencies + the "trainer" and "tracking" extras, less torch (the base's, held by
+# the pin): a job's spec.tracking finds its tracker's client in the image.
 # flash-attn compiles against the base's torch and CUDA (without a prebuilt wheel it needs
 # nvcc: build it with TRAINER_IMAGE=...-devel); off by default, sdpa needs nothing.
 RUN pip install --no-cache-dir -c /src/constraints.txt \
       pyyaml jsonschema common-expression-language \
       transformers peft datasets safetensors tokenizers huggingface-hub torchao trl prometheus-client rich \
+      mlflow-skinny wandb tensorboard \
     && if [ "${FLASH_ATTN}" = "true" ]; then \
       pip install --no-cache-dir --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"; \
     fi
 COPY pyproject.toml README.md /src/
 COPY ftjob /src/ftjob
 RUN pip install --no-cache-dir --no-deps /src \
-    && python -c "import torch, ftjob.trainer; print('torch', torch.__version__)" \
+    && python -c "import torch, ftjob.trainer, mlflow, wandb, torch.utils.tensorboard; print('torch', torch.__version__)" \
     && mkdir -p /home/ftjob && chown 1000:1000 /home/ftjob
 # The operator's pods run as uid 1000 (fsGroup 1000 on the shared volume) with a read-only
 # root filesystem and HOME=/tmp; USER and HOME here serve `docker run`.

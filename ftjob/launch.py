@@ -120,7 +120,23 @@ def node_command(
     secrets = {}
     if spec.secrets.hugging_face_token is not None:
         secrets["HF_TOKEN"] = spec.secrets.hugging_face_token
+    secrets.update(tracking_secrets(spec))
     return NodeCommand([*TRAINER, spec_path], env, secrets)
+
+
+def tracking_secrets(spec: FineTuneJobSpec) -> dict[str, SecretKeyRef]:
+    """The experiment trackers' credentials, under the names their client libraries read."""
+    mlflow, wandb = spec.tracking.mlflow, spec.tracking.wandb
+    named = {}
+    if mlflow is not None:
+        named |= {
+            "MLFLOW_TRACKING_USERNAME": mlflow.username,
+            "MLFLOW_TRACKING_PASSWORD": mlflow.password,
+            "MLFLOW_TRACKING_TOKEN": mlflow.token,
+        }
+    if wandb is not None:
+        named["WANDB_API_KEY"] = wandb.api_key
+    return {var: ref for var, ref in named.items() if ref is not None}
 
 
 def fabric_env(spec: FineTuneJobSpec) -> dict[str, str]:

@@ -57,7 +57,10 @@ RELATIVE_PATH = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$"
 RELATIVE_PATH_HINT = "be a relative path of plain names (no '..', no leading '/')"
 # What the job's folder already holds (checkpoints, prepared data, the hub cache, logs,
 # torchrun's temp files, progress and spec files): an export there would overwrite it.
-RESERVED_OUTPUT = r"^(checkpoints|data|hub|logs|tmp|progress[.]jsonl?|spec[.]json)(/|$)"
+RESERVED_OUTPUT = (
+    r"^(checkpoints|data|hub|logs|tmp|progress[.]jsonl?|spec[.]json"
+    r"|tensorboard|wandb|tracking[.]json|pushed[.]json)(/|$)"
+)
 # A share of all steps: 0% to 100%.
 WARMUP = r"^([0-9]+|([0-9]{1,2}([.][0-9]+)?|100([.]0+)?)%)$"
 # Variables ftjob sets itself for torchrun and the trainer; a user value would break wiring.
@@ -563,8 +566,9 @@ class OutputSpec:
         Rule(
             f"!has(self.path) || !self.path.matches('{RESERVED_OUTPUT}')",
             lambda o: o.path is None or not re.match(RESERVED_OUTPUT, o.path),
-            "path may not be or lie inside checkpoints, data, hub, logs or tmp, nor be "
-            "progress.json(l) or spec.json: the job's folder keeps those; use e.g. model",
+            "path may not be or lie inside checkpoints, data, hub, logs, tmp, tensorboard or "
+            "wandb, nor be progress.json(l), spec.json, tracking.json or pushed.json: the job's "
+            "folder keeps those; use e.g. model",
             ".path",
         ),
     )
@@ -578,6 +582,115 @@ class SecretsSpec:
         "huggingFaceToken for gated or private hf:// models and datasets, and for output.push "
         "(becomes HF_TOKEN).",
         None,
+    )
+
+
+# An MLflow tracking server over HTTP(S), or Databricks' (databricks, databricks://profile).
+MLFLOW_URI = r"^(https?://[^\s/]+(/[^\s]*)?|databricks(://[^\s]*)?)$"
+# What W&B accepts as a project or entity name.
+WANDB_NAME = r"^[^/\\#?%:\s]+$"
+
+
+@dataclass(kw_only=True)
+class MlflowSpec:
+    """mlflow: an MLflow tracking server records the job as one run, kept across restarts."""
+
+    tracking_uri: str = api_field(
+        "trackingUri of the MLflow tracking server, e.g. http://mlflow.mlflow:5000 (http, "
+        "https, or databricks).",
+        pattern=MLFLOW_URI,
+        pattern_hint="be an http(s):// address of an MLflow tracking server, or databricks",
+        max_length=512,
+        example="http://mlflow.mlflow:5000",
+    )
+    experiment: str = api_field(
+        "experiment the run is recorded in; created if missing.",
+        "ftjob",
+        min_length=1,
+        max_length=256,
+    )
+    username: SecretKeyRef | None = api_field(
+        "username for HTTP basic auth (becomes MLFLOW_TRACKING_USERNAME); needs password.",
+        None,
+    )
+    password: SecretKeyRef | None = api_field(
+        "password for HTTP basic auth (becomes MLFLOW_TRACKING_PASSWORD); needs username.",
+        None,
+    )
+    token: SecretKeyRef | None = api_field(
+        "token: a bearer token instead of username and password (becomes MLFLOW_TRACKING_TOKEN).",
+        None,
+    )
+
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "has(self.username) == has(self.password)",
+            lambda m: (m.username is None) == (m.password is None),
+            "username and password go together: set both (basic auth), or neither",
+            ".password",
+        ),
+        Rule(
+            "!has(self.token) || !has(self.username)",
+            lambda m: m.token is None or m.username is None,
+            "set token or username and password, not both",
+            ".token",
+        ),
+    )
+
+
+@dataclass(kw_only=True)
+class WandbSpec:
+    """wandb: Weights & Biases records the job as one run, kept across restarts."""
+
+    project: str = api_field(
+        "project the run is recorded in.",
+        pattern=WANDB_NAME,
+        pattern_hint="be a W&B project name (no '/', '\\', '#', '?', '%', ':' or spaces)",
+        max_length=128,
+    )
+    entity: str | None = api_field(
+        "entity (team or user) owning the project (default: the API key's default entity).",
+        None,
+        pattern=WANDB_NAME,
+        pattern_hint="be a W&B entity name (no '/', '\\', '#', '?', '%', ':' or spaces)",
+        max_length=128,
+    )
+    api_key: SecretKeyRef | None = api_field(
+        "apiKey: the W&B API key (becomes WANDB_API_KEY); required in online mode.", None
+    )
+    mode: Literal["online", "offline"] = api_field(
+        "mode: online sends the run to W&B as it trains; offline writes it to the job's "
+        "folder (wandb/) for a later `wandb sync`.",
+        "online",
+    )
+
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "self.mode == 'offline' || has(self.apiKey)",
+            lambda w: w.mode == "offline" or w.api_key is not None,
+            "online mode needs apiKey, a Secret key holding the W&B API key; add it, or set "
+            "mode: offline",
+            ".apiKey",
+        ),
+    )
+
+
+@dataclass(kw_only=True)
+class TensorboardSpec:
+    """tensorboard: TensorBoard event files in the job's folder (tensorboard/)."""
+
+    enabled: bool = api_field("enabled writes the event files.", True)
+
+
+@dataclass(kw_only=True)
+class TrackingSpec:
+    """tracking: experiment trackers rank 0 reports the run to (the spec as parameters, step
+    and eval metrics, the export's location). A tracker that is down never fails training."""
+
+    mlflow: MlflowSpec | None = api_field("mlflow: an MLflow tracking server.", None)
+    wandb: WandbSpec | None = api_field("wandb: Weights & Biases.", None)
+    tensorboard: TensorboardSpec | None = api_field(
+        "tensorboard: event files in the job's folder.", None
     )
 
 
@@ -842,6 +955,10 @@ class FineTuneJobSpec:
     )
     output: OutputSpec = api_field("output: the exported model.", factory=OutputSpec)
     secrets: SecretsSpec = api_field("secrets the pods may read.", factory=SecretsSpec)
+    tracking: TrackingSpec = api_field(
+        "tracking: experiment trackers (MLflow, Weights & Biases, TensorBoard).",
+        factory=TrackingSpec,
+    )
     run_policy: RunPolicySpec = api_field(
         "runPolicy: retries, timeouts, suspension.", factory=RunPolicySpec
     )

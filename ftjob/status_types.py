@@ -70,6 +70,12 @@ class Progress:
     pushed_to: str | None = api_field(
         "pushedTo: the Hub commit the export was uploaded in (output.push).", None
     )
+    tracking_warnings: list[str] = api_field(
+        "trackingWarnings: experiment trackers this run went on without, and why "
+        "(spec.tracking); training is not affected.",
+        factory=list,
+        max_items=8,
+    )
     update_time: str | None = api_field(
         "updateTime: when the trainer last reported.", None, fmt="date-time"
     )

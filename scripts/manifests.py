@@ -3,7 +3,8 @@
     python scripts/manifests.py            # rewrite them (from spec.py, the chart, examples/)
     python scripts/manifests.py --check    # exit 1 if any is stale (tests check the same)
 
-manifests/crd.yaml and charts/ftjob/crds/finetunejobs.ftjob.dev.yaml are `ftjob crd`'s output.
+manifests/crd.yaml and charts/ftjob/crds/finetunejobs.ftjob.dev.yaml are `ftjob crd`'s output;
+charts/ftjob/values.schema.json's trainer.tracking is spec.tracking's schema (spec.py).
 
 install.yaml is what `helm install ftjob charts/ftjob -n ftjob-system --create-namespace`
 creates, as one file for `kubectl apply`: the chart's CRDs, the namespace (Helm's
@@ -15,6 +16,7 @@ offline by the real Helm engine (helm-python-sdk); no cluster or helm binary is 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -26,6 +28,7 @@ CHART = ROOT / "charts" / "ftjob"
 CHART_CRD = CHART / "crds" / "finetunejobs.ftjob.dev.yaml"
 CRD_COPIES = [ROOT / "manifests" / "crd.yaml", CHART_CRD]
 INSTALL = ROOT / "manifests" / "install.yaml"
+VALUES_SCHEMA = CHART / "values.schema.json"
 SAMPLES = ROOT / "manifests" / "samples"
 EXAMPLES = ROOT / "examples"
 RELEASE = "ftjob"
@@ -94,6 +97,34 @@ def install_yaml() -> str:
     return HEADER + "---\n" + "---\n".join(doc for _, doc in docs)
 
 
+def values_schema() -> str:
+    """values.schema.json with trainer.tracking's schema from spec.py's TrackingSpec (the
+    rest of the file is written by hand): the chart refuses what a job's spec.tracking would.
+    The CEL rules are not JSON Schema; the operator checks them when it starts."""
+    from ftjob.schema import openapi
+    from ftjob.spec import TrackingSpec
+
+    def chart_form(node):
+        if isinstance(node, list):
+            return [chart_form(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: chart_form(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
+        if out.get("type") == "object" and "properties" in out:
+            out["additionalProperties"] = False  # a typo is refused, as elsewhere in values
+        return out
+
+    tracking = chart_form(openapi(TrackingSpec))
+    tracking["description"] = (
+        "Experiment trackers of every job that names none in spec.tracking (the operator's "
+        "FTJOB_DEFAULT_TRACKING), e.g. a cluster-wide MLflow server; same fields as "
+        "spec.tracking. Empty: none."
+    )
+    schema = json.loads(VALUES_SCHEMA.read_text())
+    schema["properties"]["trainer"]["properties"]["tracking"] = tracking
+    return json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
+
+
 def samples() -> dict[str, str]:
     """manifests/samples/<name>: a copy of each examples/*.yaml job."""
     return {p.name: p.read_text() for p in sorted(EXAMPLES.glob("*.yaml"))}
@@ -106,6 +137,8 @@ def stale() -> list[str]:
     for copy in CRD_COPIES:
         if not copy.is_file() or copy.read_text() != crd.render_yaml():
             out.append(str(copy.relative_to(ROOT)))
+    if VALUES_SCHEMA.read_text() != values_schema():
+        out.append(str(VALUES_SCHEMA.relative_to(ROOT)))
     if not INSTALL.is_file() or INSTALL.read_text() != install_yaml():
         out.append(str(INSTALL.relative_to(ROOT)))
     want = samples()
@@ -120,6 +153,7 @@ def write() -> None:
 
     for copy in CRD_COPIES:  # first: install.yaml includes the chart's CRDs
         copy.write_text(crd.render_yaml())
+    VALUES_SCHEMA.write_text(values_schema())  # before install.yaml: helm reads it
     INSTALL.write_text(install_yaml())
     SAMPLES.mkdir(parents=True, exist_ok=True)
     want = samples()

@@ -27,8 +27,14 @@ def pins() -> dict[str, str]:
     return out
 
 
-def wanted(extra: str) -> set[str]:
-    """pyproject.toml's dependencies and the extra's, by normalised name."""
+# The extras each image target installs: the trainer's also has the experiment trackers'.
+EXTRAS_OF_TARGET = {"operator": ("operator",), "trainer": ("trainer", "tracking")}
+
+
+def wanted(*extras: str) -> set[str]:
+    """pyproject.toml's dependencies and the extras', by normalised name."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    listed = project["dependencies"] + project["optional-dependencies"][extra]
+    listed = project["dependencies"] + [
+        r for extra in extras for r in project["optional-dependencies"][extra]
+    ]
     return {req_name(r) for r in listed}

@@ -67,6 +67,13 @@ def run(args: argparse.Namespace) -> int:
             f"ftjob operator: --default-image / ${render.DEFAULT_IMAGE_ENV} {image!r} is not an "
             "image reference (no spaces), e.g. registry.example.com/ftjob/trainer:0.1.0"
         )
+    try:  # spec.tracking of jobs that name none (the chart's trainer.tracking)
+        render.default_tracking(os.environ.get(render.DEFAULT_TRACKING_ENV))
+    except ValueError as e:  # JSON that does not parse, or a wrong field (SpecError)
+        raise SystemExit(
+            f"ftjob operator: ${render.DEFAULT_TRACKING_ENV} is not a spec.tracking section: "
+            f"{e} (the chart's trainer.tracking; docs/progress.md, Experiment trackers)"
+        ) from None
     import kopf
 
     from ftjob.operator import handlers  # noqa: F401 - registers the handlers

@@ -33,7 +33,7 @@ from ftjob import validation
 from ftjob.operator import lifecycle, metrics, render, status
 from ftjob.operator.kube import Gone, Kube, error_text
 from ftjob.schema import SpecError
-from ftjob.spec import GROUP, PLURAL, VERSION
+from ftjob.spec import GROUP, PLURAL, VERSION, TrackingSpec
 
 POD_SELECTOR = {"app.kubernetes.io/managed-by": render.MANAGER}
 
@@ -54,6 +54,9 @@ class Settings:
     # FTJOB_DEFAULT_IMAGE (ftjob operator --default-image): the trainer image of jobs that
     # name none in spec.image.
     default_image: str | None = None
+    # FTJOB_DEFAULT_TRACKING (the chart's trainer.tracking): spec.tracking of jobs that name
+    # no tracker.
+    default_tracking: TrackingSpec | None = None
 
     @classmethod
     def from_env(cls, env=os.environ) -> Settings:
@@ -63,6 +66,7 @@ class Settings:
             concurrency=int(env.get("FTJOB_RECONCILE_CONCURRENCY", cls.concurrency)),
             metrics_port=int(env.get("FTJOB_METRICS_PORT") or 0),
             default_image=env.get(render.DEFAULT_IMAGE_ENV) or None,
+            default_tracking=render.default_tracking(env.get(render.DEFAULT_TRACKING_ENV)),
         )
 
 
@@ -210,6 +214,7 @@ async def _reconcile(name, namespace, body, job_pods, state, watch: Watch) -> fl
     now = datetime.now(timezone.utc)
     try:
         _, spec = validation.parse_job(doc)  # the job and every child it would create
+        spec = render.with_tracking(spec, SETTINGS.default_tracking)
     except SpecError as e:
         decision = lifecycle.invalid(
             [str(x) for x in e.errors], meta.get("generation"), old_status, now

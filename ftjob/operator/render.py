@@ -14,12 +14,13 @@ that re-running a reconcile never makes a second copy:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from typing import Any
 
 from ftjob import contract, launch
-from ftjob.schema import to_dict
-from ftjob.spec import API_VERSION, DEFAULT_IMAGE, KIND, FineTuneJobSpec
+from ftjob.schema import parse, to_dict
+from ftjob.spec import API_VERSION, DEFAULT_IMAGE, KIND, FineTuneJobSpec, TrackingSpec
 
 MANAGER = "ftjob-operator"
 GROUP_PREFIX = "ftjob.dev"
@@ -57,6 +58,28 @@ def trainer_image(spec: FineTuneJobSpec, default_image: str | None = None) -> st
     if spec.image is not None:
         return spec.image
     return default_image or DEFAULT_IMAGE
+
+
+# The operator's cluster-wide experiment trackers (the chart's trainer.tracking), as the JSON
+# of a spec.tracking section: given to every job that declares none.
+DEFAULT_TRACKING_ENV = "FTJOB_DEFAULT_TRACKING"
+
+
+def default_tracking(text: str | None) -> TrackingSpec | None:
+    """The operator's default spec.tracking from ``$FTJOB_DEFAULT_TRACKING`` (JSON); a wrong
+    one is refused when the operator starts (SpecError naming trainer.tracking's field)."""
+    if not text or not json.loads(text):
+        return None
+    return parse(TrackingSpec, json.loads(text), "trainer.tracking")
+
+
+def with_tracking(spec: FineTuneJobSpec, default: TrackingSpec | None) -> FineTuneJobSpec:
+    """The job as its pods run it: the operator's default trackers when the job names none
+    (a job opts out with e.g. ``tracking: {tensorboard: {enabled: false}}``)."""
+    t = spec.tracking
+    if default is None or (t.mlflow or t.wandb or t.tensorboard):
+        return spec
+    return dataclasses.replace(spec, tracking=default)
 
 
 def image_warning(spec: FineTuneJobSpec) -> str | None:

@@ -308,6 +308,7 @@ def progress(snapshot: dict) -> dict[str, Any]:
         "eta": format_eta(snapshot.get("etaSeconds")),
         "replacesExport": snapshot.get("replacesExport"),
         "pushedTo": snapshot.get("pushedTo"),
+        "trackingWarnings": snapshot.get("trackingWarnings") or None,
         "updateTime": snapshot.get("updatedAt"),
     }
     return {k: v for k, v in out.items() if v is not None}

@@ -94,6 +94,9 @@ class Progress:
         self._server: ThreadingHTTPServer | None = None
         self._files = _FileWriter(job_dir) if enabled else None
         self.metrics = metrics.TrainerMetrics(self._copy)
+        # Told each event with the snapshot (ftjob.trainer.trackers); each must return at
+        # once: what it sends, it sends from a thread of its own.
+        self.listeners: list = []
 
     def _copy(self) -> dict:
         with self._lock:
@@ -139,12 +142,20 @@ class Progress:
         if not self.enabled:
             return
         with self._lock:
-            if fields.get("phase", self.snapshot["phase"]) != self.snapshot["phase"]:
+            changed = fields.get("phase", self.snapshot["phase"]) != self.snapshot["phase"]
+            if changed:
                 fields["phaseStartedAt"] = _now()
             self.snapshot.update(fields, updatedAt=_now())
             snap = dict(self.snapshot)
         if self.writes_files:
             self._files.write(snap, history)
+        self._tell(history or ("phase" if changed else None), snap)
+
+    def _tell(self, event: str | None, snap: dict) -> None:
+        """Listeners hear "owned", "begin", "step", "eval" and "phase" (a new phase)."""
+        if event:
+            for listener in self.listeners:
+                listener.event(event, snap)
 
     def own_folder(self) -> None:
         """Write the snapshot to the job folder from now on: once this run holds the folder
@@ -166,6 +177,8 @@ class Progress:
                 self.snapshot.update(kept)
         self.writes_files = True
         self.update()
+        if self.enabled:
+            self._tell("owned", self._copy())
 
     def log(self, message: str) -> None:
         if self.enabled:
@@ -179,6 +192,8 @@ class Progress:
             self._files.flush()
 
     def close(self) -> None:
+        for listener in self.listeners:  # each waits a bounded time for what it still sends
+            listener.close()
         if self._files is not None:
             self._files.close()  # what was last reported is on the volume before the exit
         if self._server is not None:
@@ -204,6 +219,8 @@ class Progress:
         self._window = (time.perf_counter(), step)
         # tokensSeen counts this attempt's tokens (a seeded figure is the previous run's).
         self.update(phase="training", step=step, tokensSeen=0)
+        if self.enabled:
+            self._tell("begin", self._copy())
 
     def step(self, step: int, lr: float, epoch: float, seconds: float | None = None) -> None:
         """Record one optimizer step (``seconds`` it took): /progress serves it, the file

@@ -43,6 +43,7 @@ from ftjob.trainer import (
     step,
     stragglers,
     termination,
+    trackers,
     volume,
 )
 
@@ -58,6 +59,7 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     """
     job_dir = Path(os.environ.get("FTJOB_JOB_DIR") or Path("runs") / name)
     report = _progress(spec, job_dir)
+    trackers.attach(report, spec, name, job_dir)  # spec.tracking: rank 0's listeners
     try:
         return _run(spec, name, job_dir, report)
     except BaseException as e:

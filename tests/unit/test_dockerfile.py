@@ -21,7 +21,7 @@ import helm_python as helm
 import pytest
 import tomllib
 import yaml
-from dependencies import pins, req_name, wanted
+from dependencies import EXTRAS_OF_TARGET, pins, req_name, wanted
 
 from ftjob.operator import render
 from ftjob.operator.__main__ import add_arguments
@@ -121,7 +121,9 @@ def test_targets_exist():
 
 @pytest.mark.parametrize("target", ["operator", "trainer"])
 def test_what_a_target_installs_is_ftjobs_dependencies_and_its_extra(target):
-    expected = wanted(target) - FROM_BASE.get(target, set()) | set(IMAGE_ONLY.get(target, {}))
+    expected = wanted(*EXTRAS_OF_TARGET[target]) - FROM_BASE.get(target, set()) | set(
+        IMAGE_ONLY.get(target, {})
+    )
     assert installed(target) == expected
 
 
