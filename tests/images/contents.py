@@ -1,5 +1,5 @@
-"""What an image holds: ftjob's dependencies and its target's extras', each at constraints.txt's pin,
-every one importable (checked by a script run inside the image)."""
+"""What an image holds: ftjob's dependencies and its target's extras', each at
+constraints.txt's pin, every one importable (checked by a script run inside the image)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from podrun import podman
 ENTRY = {"trainer": "ftjob.trainer.__main__", "operator": "ftjob.operator.handlers"}
 
 # Run inside the image: the distributions ftjob's installed metadata requires, with the
-# extras argv[1] (comma-separated; and without any extra), their versions and top-level modules, each imported.
+# extras argv[1] (comma-separated) and without any extra, their versions and top-level
+# modules, each imported.
 CHECK_IMPORTS = r"""
 import importlib, importlib.metadata as md, json, re, sys
 extras = sys.argv[1].split(",")
