@@ -28,18 +28,15 @@ from torch.distributed.tensor import DTensor
 from torchao.quantization import NF4Tensor, to_nf4
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from ftjob import contract, modelfiles
+from ftjob import modelfiles
 from ftjob.contract import BAD_SPEC, TrainerError
 from ftjob.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK
 from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer import attention, weights
 from ftjob.trainer.parallel import Dist
 
-
-class SourceError(contract.TrainerError, ValueError):
-    """The model cannot be read; the message names the source."""
-
-    reason = contract.BAD_MODEL
+# The model cannot be read: one error for the folder, the weights and the tensors.
+SourceError = weights.SourceError
 
 
 def resolve(source: str) -> str:
@@ -65,12 +62,7 @@ def load_tokenizer(spec: FineTuneJobSpec) -> PreTrainedTokenizerBase:
     # Checked before the data is prepared, as the weights are read only after it. An hf://
     # source is a local folder by now (sources.fetch), pickled weights left undownloaded.
     if not spec.model.source.startswith("hf://"):
-        if not (Path(path) / "config.json").is_file():
-            raise SourceError(
-                f"model.source {spec.model.source}: no Hugging Face model folder "
-                f"(config.json) at {path}"
-            )
-        found = modelfiles.problem(Path(path), spec.model.source)
+        found = modelfiles.folder_problem(Path(path), spec.model.source)
         if found:
             raise SourceError(found[0], where="spec.model.source", fix=found[1])
     tok = AutoTokenizer.from_pretrained(path, **hub_kwargs(spec))
