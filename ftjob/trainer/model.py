@@ -177,7 +177,7 @@ class _Slot:
     @property
     def base_names(self) -> list[str]:
         """Its names in the base model, as the checkpoint has them."""
-        return [_base_name(n) for n in self.names]
+        return [weights.base_name(n) for n in self.names]
 
     def fill(self, value: torch.Tensor) -> None:
         new = nn.Parameter(value, self.like.requires_grad)
@@ -203,12 +203,21 @@ def materialize(built: Built, d: Dist, cpu_offload: bool = False) -> None:
     ckpt = weights.Checkpoint(Path(source), built.spec.model.source, base)
     slots = _slots(model)
     found = {name: s for s in slots if (name := ckpt.find(s.base_names))}
-    adapters = [s for s in slots if s not in found.values() and s.like.requires_grad]
-    missing = [s.base_names[0] for s in slots if s not in found.values() and s not in adapters]
+    read = {id(s) for s in found.values()}
+    drawn = _adapter_ids(model)
+    adapters = [s for s in slots if id(s) not in read and id(s.like) in drawn]
+    missing = [s.base_names[0] for s in slots if id(s) not in read and id(s.like) not in drawn]
+    buffers = _buffer_plan(model, ckpt)
+    missing += [name for name, _, _, in_file in buffers if in_file is None]
     if missing:
+        # Before any read: every rank would read its share only to fail on what is not there.
         raise SourceError(
             f"model.source {built.spec.model.source}: the checkpoint has no tensor for "
-            f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+            f"{len(missing)} of the model's ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''})",
+            where="spec.model.source",
+            fix="download or copy the checkpoint again, or point spec.model.source at the "
+            "checkpoint saved with this config.json",
         )
     for name, part in ckpt.tensors(found):
         slot = found[name]
@@ -218,9 +227,9 @@ def materialize(built: Built, d: Dist, cpu_offload: bool = False) -> None:
         else:
             own = ckpt.read(part, _rows(slot.like), slot.like.dtype, home)
             slot.fill(_placed(own, slot.like))
-    built.read_bytes = ckpt.read_bytes
     _init_adapters(model, adapters, built.spec.training.seed, home)
-    _buffers(model, base, ckpt, home)
+    _buffers(buffers, base, ckpt, home)
+    built.read_bytes = ckpt.read_bytes  # the weights' and the buffers' bytes
 
 
 def _slots(model: nn.Module) -> list[_Slot]:
@@ -236,11 +245,6 @@ def _slots(model: nn.Module) -> list[_Slot]:
                 slot.owners.append((module, attr))
                 slot.names.append(name)
     return list(slots.values())
-
-
-def _base_name(name: str) -> str:
-    """The base model's name of a parameter of the peft-wrapped model."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 def _rows(like: torch.Tensor) -> tuple[slice, ...]:
@@ -293,29 +297,57 @@ def _init_adapters(model: nn.Module, adapters: list[_Slot], seed: int, home) -> 
             for slot in own:
                 whole = slot.owners[0][0]._parameters[slot.owners[0][1]].detach()
                 slot.fill(_own_shard(whole, slot.like, home))
-    if pending:
+    if pending:  # an adapter kind whose values peft's reset_lora_parameters does not draw
         names = [s.names[0] for s in pending.values()]
-        raise SourceError(f"no checkpoint tensor and no adapter initialisation for {names[:3]}")
+        raise SourceError(f"peft drew no initial value for the adapters {names[:3]}")
 
 
-def _buffers(model: nn.Module, base: nn.Module, ckpt: weights.Checkpoint, home) -> None:
+def _adapter_ids(model: nn.Module) -> set[int]:
+    """The ids of peft's adapter parameters (a LoRA layer's own, not its ``base_layer``'s):
+    what :func:`_init_adapters` draws. Under a full fine-tune everything trains, so
+    ``requires_grad`` does not tell an adapter from a weight the checkpoint lacks."""
+    if not hasattr(model, "peft_config"):
+        return set()
+    from peft.tuners.lora import LoraLayer
+
+    return {
+        id(p)
+        for layer in model.modules()
+        if isinstance(layer, LoraLayer)
+        for n, p in layer.named_parameters()
+        if not n.startswith("base_layer.")
+    }
+
+
+def _buffer_plan(model: nn.Module, ckpt: weights.Checkpoint) -> list[tuple]:
+    """(name, module, attribute, checkpoint name or "" to compute it) for every buffer still
+    on the meta device; checkpoint name None where it can be neither read nor computed."""
+    plan = []
+    for prefix, module in model.named_modules():
+        for attr, old in module._buffers.items():
+            if old is None or not old.is_meta:
+                continue
+            name = weights.base_name(f"{prefix}.{attr}" if prefix else attr)
+            in_file = ckpt.find([name]) or ""
+            # _init_weights would draw this module's loaded parameters afresh.
+            if not in_file and any(True for _ in module.parameters(recurse=False)):
+                in_file = None
+            plan.append((name, module, attr, in_file))
+    return plan
+
+
+def _buffers(plan: list[tuple], base: nn.Module, ckpt: weights.Checkpoint, home) -> None:
     """Buffers: read whole where the checkpoint has them; the others (non-persistent, e.g.
     rotary ``inv_freq``) computed by transformers' own ``_init_weights`` of their module."""
     computed = []
-    for prefix, module in model.named_modules():
-        for attr, old in list(module._buffers.items()):
-            if old is None or not old.is_meta:
-                continue
-            name = _base_name(f"{prefix}.{attr}" if prefix else attr)
-            if ckpt.find([name]):
-                for _, part in ckpt.tensors([name]):  # read while its file is open
-                    module._buffers[attr] = ckpt.read(part, (), old.dtype, home)
-                continue
-            if any(True for _ in module.parameters(recurse=False)):
-                # _init_weights would draw this module's loaded parameters afresh.
-                raise SourceError(f"cannot compute buffer {name}: not in the checkpoint")
-            module._buffers[attr] = torch.empty(old.shape, dtype=old.dtype)
-            computed.append(module)
+    for _, module, attr, in_file in plan:
+        old = module._buffers[attr]
+        if in_file:
+            for _, part in ckpt.tensors([in_file]):  # read while its file is open
+                module._buffers[attr] = ckpt.read(part, (), old.dtype, home)
+            continue
+        module._buffers[attr] = torch.empty(old.shape, dtype=old.dtype)
+        computed.append(module)
     for module in dict.fromkeys(computed):
         base._init_weights(module)
         for attr, value in module._buffers.items():

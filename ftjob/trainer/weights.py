@@ -95,7 +95,10 @@ def _renamer(model: nn.Module):
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    names = dict.fromkeys(model.state_dict())
+    # The base model's names: peft renames each adapted weight to ...base_layer.weight, and
+    # transformers' prefix rule (add or strip base_model_prefix) looks a key up among these,
+    # and takes a name whose value is None for absent (so the values are the tensors).
+    names = {base_name(n): t for n, t in model.state_dict().items()}
     prefix = getattr(model, "base_model_prefix", None)
 
     def rename(key: str) -> str:
@@ -112,3 +115,8 @@ def _renamer(model: nn.Module):
         return name
 
     return rename
+
+
+def base_name(name: str) -> str:
+    """The base model's (the checkpoint's) name of a parameter of the peft-wrapped model."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")

@@ -139,7 +139,9 @@ def test_per_rank_bytes_equal_the_plan(layout, model_dir, fake_world, monkeypatc
 
         def __init__(self, folder, source, base):
             state = base.state_dict().items()
-            self.shapes = {model._base_name(n): t.shape for n, t in state if "lora_" not in n}
+            self.shapes = {
+                model.weights.base_name(n): t.shape for n, t in state if "lora_" not in n
+            }
 
         def find(self, names):
             return next((n for n in names if n in self.shapes), None)
