@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torchao.quantization import NF4Tensor, to_nf4
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -248,19 +249,15 @@ def _slots(model: nn.Module) -> list[_Slot]:
 
 
 def _rows(like: torch.Tensor) -> tuple[slice, ...]:
-    """The part of the whole tensor this rank keeps of the sharded parameter ``like``: on each
-    mesh dimension that shards it, its ``torch.chunk`` (how FSDP2 splits a parameter: a
-    shorter last chunk, and nothing for a rank past the last)."""
-    bounds = [slice(0, n) for n in like.shape]
-    if isinstance(like, DTensor):
-        mesh = like.device_mesh
-        for dim, placement in enumerate(like.placements):
-            if placement.is_shard():
-                b = bounds[placement.dim]
-                size = -(-(b.stop - b.start) // mesh.size(dim))
-                start = min(b.start + mesh.get_local_rank(dim) * size, b.stop)
-                bounds[placement.dim] = slice(start, min(start + size, b.stop))
-    return tuple(bounds)
+    """The part of the whole tensor this rank keeps of the sharded parameter ``like``, as
+    torch's DTensor computes it (DCP's reads use the same function): FSDP2's ``torch.chunk``
+    split, a shorter last chunk, and nothing for a rank past the last."""
+    if not isinstance(like, DTensor):
+        return tuple(slice(0, n) for n in like.shape)
+    shape, offset = compute_local_shape_and_global_offset(
+        like.shape, like.device_mesh, like.placements
+    )
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
 def _placed(own: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,17 @@ The sharded reads themselves (2 and 4 real processes) are in tests/e2e/test_trai
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ftjob.spec import parse_spec
 from ftjob.trainer import model, parallel, weights
@@ -96,3 +101,29 @@ def test_a_checkpoint_saved_without_the_base_model_prefix_is_read_under_lora(tmp
     built = loaded(spec(source, "lora", ["q_proj"]))
     state = {weights.base_name(n): p for n, p in built.model.named_parameters()}
     assert all(torch.equal(state[k], files[k].to(state[k].dtype)) for k in files)
+
+
+@pytest.mark.parametrize(
+    ("rows", "mesh_shape"), [(10, (3,)), (7, (4,)), (2, (3,)), (12, (4,)), (5, (2, 3))]
+)
+def test_each_rank_reads_its_torch_chunk_of_rows_even_when_they_do_not_divide(rows, mesh_shape):
+    """The rows a rank reads are the ones FSDP2 keeps on it: ``torch.chunk``'s split over the
+    shard dimension (the last of a hybrid mesh's two), a shorter last chunk, and none for a
+    rank past the last (2 rows over 3 ranks)."""
+    world = math.prod(mesh_shape)
+    whole = torch.arange(rows * 3).reshape(rows, 3)
+    chunks = list(torch.chunk(whole, mesh_shape[-1]))
+    chunks += [whole[:0]] * (mesh_shape[-1] - len(chunks))
+    placements = [Replicate()] * (len(mesh_shape) - 1) + [Shard(0)]
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
+            expected = chunks[mesh.get_local_rank(len(mesh_shape) - 1)]
+            with torch.device("meta"):
+                like = DTensor.from_local(torch.empty(expected.shape), mesh, placements,
+                                          run_check=False, shape=whole.shape,
+                                          stride=whole.stride())  # fmt: skip
+            assert torch.equal(whole[model._rows(like)], expected), rank
+        finally:
+            dist.destroy_process_group()
