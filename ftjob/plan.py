@@ -23,9 +23,9 @@ It models what ftjob's trainer does, not an ideal FSDP:
 * the loss computes logits LOSS_CHUNK_TOKENS tokens at a time, with the gradients of the
   hidden states and of the head taken chunk by chunk in the forward;
 * every rank reads its own rows of each tensor from the memory-mapped safetensors files (the
-  4-bit weights whole, to quantize them whole), one tensor at a time: a rank's own memory grows
-  by its shards plus the tensor being read (measured: bench --suite loading); the files' pages
-  pass through the page cache, which is reclaimable and not counted;
+  4-bit weights whole, as their NF4 scales span all of it), one tensor at a time: a rank's own
+  memory grows by its shards plus the tensor being read (measured: bench --suite loading); the
+  files' pages pass through the page cache, which is reclaimable and not counted;
 * checkpoints hold the trainable parameters' weights and AdamW moments (fp32).
 
 MFU counts model FLOPs only (:func:`ftjob.modelshape.model_flops`), as the trainer's live

@@ -5,8 +5,8 @@ architecture with its adapters on the meta device (no memory, no weights read); 
 shards it (:mod:`ftjob.trainer.parallel`); :func:`materialize` then has every rank copy the
 rows of each tensor it keeps out of the memory-mapped safetensors files
 (:mod:`ftjob.trainer.weights`), all ranks at once and with no collective. A rank holds its
-shards plus at most one tensor being read (a whole weight under QLoRA, which is quantized
-whole), and a 70B model is read from the volume by all the gang's readers in parallel.
+shards plus at most one tensor being read (a whole weight under QLoRA, whose scales come
+from all of it), and a 70B model is read from the volume by all the gang's readers in parallel.
 
 Dtypes: full fine-tuning keeps fp32 master weights. LoRA and QLoRA keep the frozen base in the
 compute precision (bf16 on GPUs) and only what trains (the adapters, hence their gradients and
@@ -190,9 +190,9 @@ def materialize(built: Built, d: Dist, cpu_offload: bool = False) -> None:
     """After sharding: every rank reads the rows of each tensor it keeps from the mapped
     safetensors files, in the training dtype, with no collective (:mod:`weights`).
 
-    A QLoRA weight is read whole on every rank and quantized whole before each rank keeps its
-    slice: the NF4 scales of its blocks are normalised by a mean over the whole weight, so only
-    whole-weight quantization gives every rank the shard the unsharded model would have.
+    A QLoRA weight is read whole on every rank: the NF4 scales of its blocks are normalised by
+    a mean over the whole weight. Each rank then quantizes only its own rows against those
+    scales (:func:`_nf4_shard`), and holds the shard the unsharded model would have, bit for bit.
     Adapters are drawn by peft's own initialisation with the job's seed, the same on every
     rank; non-persistent buffers (rotary ``inv_freq``) are computed by transformers' own init.
     """
@@ -224,7 +224,7 @@ def materialize(built: Built, d: Dist, cpu_offload: bool = False) -> None:
         slot = found[name]
         if any(n in built.quantized for n in slot.names):
             whole = ckpt.read(part, (), slot.like.dtype, d.device)
-            slot.fill(_own_shard(to_nf4(whole, NF4_BLOCK, NF4_SCALE_BLOCK), slot.like, home))
+            slot.fill(_nf4_shard(whole, slot.like, home))
         else:
             own = ckpt.read(part, _rows(slot.like), slot.like.dtype, home)
             slot.fill(_placed(own, slot.like))
@@ -351,18 +351,40 @@ def _buffers(plan: list[tuple], base: nn.Module, ckpt: weights.Checkpoint, home)
             module._buffers[attr] = value.to(home) if value is not None else None
 
 
+def _nf4_shard(whole: torch.Tensor, like: torch.Tensor, home: torch.device) -> torch.Tensor:
+    """This rank's shard of a QLoRA weight in NF4, bit for bit the slice of torchao's
+    ``to_nf4`` of the whole weight, for 1/world of its cost.
+
+    The block scales are quantized again around their mean over the whole weight, so they are
+    taken from all of it (one absmax per block of 64: cheap); the 4-bit codes, a nearest-of-16
+    search per value and nearly all of the work, depend on their own block only and are
+    computed for this rank's rows alone (whole scale blocks: :func:`check_shardable`)."""
+    if not isinstance(like, DTensor):
+        return to_nf4(whole, NF4_BLOCK, NF4_SCALE_BLOCK)  # left whole by FSDP
+    rows = _rows(like)[0]
+    # A copy of its rows: an NF4 tensor records its storage offset, a shard's is 0.
+    own = to_nf4(whole[rows].clone(), NF4_BLOCK, NF4_SCALE_BLOCK)
+    scalers, factors, mean = NF4Tensor.double_quantize_scalers(
+        whole.flatten(), NF4_BLOCK, NF4_SCALE_BLOCK
+    )
+    first = rows.start * whole.shape[1] // NF4_BLOCK  # its first block in the whole weight
+    own.quantized_scalers = scalers[first : first + own.n_blocks]
+    own.quantization_factor = factors[
+        first // NF4_SCALE_BLOCK : (first + own.n_blocks) // NF4_SCALE_BLOCK
+    ]
+    own.scaler_mean = mean
+    return _kept(own, like, home)
+
+
 def _own_shard(full: torch.Tensor, like: torch.Tensor, home: torch.device) -> torch.Tensor:
     """This rank's piece of ``full`` laid out as the sharded (meta) parameter ``like``."""
     if not isinstance(like, DTensor):
         return full  # left whole by FSDP: it stays on the compute device
-    mesh, local = like.device_mesh, full
-    for dim, placement in enumerate(like.placements):
-        if placement.is_shard():
-            # torch.chunk is how FSDP2 splits a parameter (shorter last chunk, then padding).
-            chunks = torch.chunk(local, mesh.size(dim), dim=placement.dim)
-            index = mesh.get_local_rank(dim)
-            # A rank past the last chunk holds nothing (never NF4: check_shardable).
-            local = chunks[index] if index < len(chunks) else local[:0]
+    return _kept(full[_rows(like)], like, home)
+
+
+def _kept(local: torch.Tensor, like: torch.Tensor, home: torch.device) -> torch.Tensor:
+    """This rank's piece, on ``home`` in memory of its own, as the sharded parameter ``like``."""
     local = local.to(home)
     if isinstance(local, NF4Tensor):
         # NF4's clone() quantizes again (and a slice's own scale mean differs from the whole
