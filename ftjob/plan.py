@@ -328,31 +328,35 @@ def _cpu_memory(
     """A pod's CPU memory. ``shards``: one process's shard of all the states, and of the
     weights alone; ``device_total``: one process's device memory (a CPU job's whole memory);
     ``frozen_bytes``: bytes of a weight as training holds it."""
-    r, on_gpu = spec.resources, spec.resources.gpus_per_node > 0
+    nproc, on_gpu = spec.resources.nproc_per_node, spec.resources.gpus_per_node > 0
     states, weights = shards
     offload = spec.parallelism.cpu_offload
+    qlora = spec.method.type == "qlora"
     baseline = GPU_PROCESS_BASELINE_BYTES if on_gpu else PROCESS_BASELINE_BYTES
     # Background checkpoints copy each process's share of what they save (trained weights and
     # both moments) into CPU buffers that are kept for the whole run.
     staging = 3 * trainable * FP32 / group if spec.checkpoint.async_save else 0.0
-    # A CPU job keeps everything in CPU memory (its baseline is in device_total).
-    steady = (states if offload else 0.0) + baseline if on_gpu else device_total
-    steady += staging
+
+    # Training: a GPU job's states live on the device unless offloaded to CPU memory; a CPU
+    # job keeps everything in CPU memory (its baseline is in device_total).
+    offloaded = states if offload else 0.0
+    steady = (baseline + offloaded if on_gpu else device_total) + staging
+
     # Loading: the weights' shards (in CPU memory when offloaded or on CPU), and the tensor
     # being read in the training dtype (read into the GPU in a GPU job; counted all the same):
     # a rank's rows of the largest tensor, or a 4-bit weight read whole, whichever is larger.
     # Gradients, moments and activations do not exist yet.
-    qlora = spec.method.type == "qlora"
-    rows = max(shape.vocab, shape.intermediate) * shape.hidden / group
-    whole = max(o * i for o, i in shape.linear_shapes().values()) if qlora else 0
+    largest_rows = max(shape.vocab, shape.intermediate) * shape.hidden / group
+    largest_4bit = max(o * i for o, i in shape.linear_shapes().values()) if qlora else 0
     kept = weights if offload or not on_gpu else 0.0
-    loading = baseline + kept + max(rows, whole) * frozen_bytes + LOAD_SLACK_BYTES
-    # What a node's ranks read: their own rows (all of it where each holds everything), and
-    # QLoRA's 4-bit weights whole on every rank (one copy in a node's cache).
-    whole = shape.linear_params if qlora else 0
-    rows = min(1.0, r.nproc_per_node / group)
-    read = ((shape.params - whole) * rows + whole) * shape.checkpoint_bytes
-    nproc = r.nproc_per_node
+    reading = max(largest_rows, largest_4bit) * frozen_bytes
+    loading = baseline + kept + reading + LOAD_SLACK_BYTES
+
+    # What a node's ranks read from the files: their own rows (all of it where each holds
+    # everything), and QLoRA's 4-bit weights whole on every rank (one copy in a node's cache).
+    read_whole = shape.linear_params if qlora else 0
+    own_share = min(1.0, nproc / group)
+    read = ((shape.params - read_whole) * own_share + read_whole) * shape.checkpoint_bytes
     return _Cpu(nproc * steady, nproc * loading, read, staging)
 
 
