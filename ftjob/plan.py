@@ -63,11 +63,18 @@ PROCESS_BASELINE_BYTES = 0.4 * GIB
 # The same for a CUDA process (CUDA and NCCL libraries mapped in): not measured here.
 GPU_PROCESS_BASELINE_BYTES = 3 * GIB
 # Loading's allowance beyond the shards a rank keeps and the tensor it is reading: the
-# allocator, and under QLoRA torchao's quantization working memory (it quantizes 2^20 values
-# at a time). With it the plan is 1.09-1.19x the measured loading peak of 0.2B and 1B bf16
-# checkpoints, full, LoRA and QLoRA (bench --suite loading, 2026-11-24): an upper bound, and
-# within the planner's +-20%.
+# allocator and Python's objects. Measured (bench --suite loading, 2026-11-24, 0.2B and 1B
+# bf16 checkpoints, 2 CPU processes): full and LoRA grow -5 to 25 MiB beyond their shards,
+# the tensor being read included.
 LOAD_SLACK_BYTES = 64 * 2**20
+# QLoRA in CPU memory (a CPU job; a GPU job quantizes on the GPU) also holds torchao's
+# quantization working memory: to_nf4 finds the nearest of 16 levels for 2^20 values at a
+# time, a (2^20 x 16) tensor in the weight's dtype (32 MiB in bf16) and its absolute value.
+# Measured (that run and a --quick rerun): 0.2B QLoRA grows 84-88 MiB beyond its shards, the
+# 5.5 MiB weight read whole included: more than that weight and the slack (69.5 MiB); with
+# one such tensor, 101.5 MiB. The plan is then 1.10-1.21x the loading peak of every case of
+# that run (1.21x: 1B QLoRA, which grew 50-51 MiB): an upper bound.
+NF4_SEARCH_VALUES = 2**20 * 16
 # Share of the peak the GPUs are assumed to spend on matmuls, recomputed ones included
 # (hardware FLOPs utilisation): the step time divides model + recomputed FLOPs by it. Without
 # recomputation it equals MFU; the plan's MFU is it x model / (model + recomputed) FLOPs.
@@ -350,7 +357,8 @@ def _cpu_memory(
     largest_4bit = max(o * i for o, i in shape.linear_shapes().values()) if qlora else 0
     kept = weights if offload or not on_gpu else 0.0
     reading = max(largest_rows, largest_4bit) * frozen_bytes
-    loading = baseline + kept + reading + LOAD_SLACK_BYTES
+    quantizing = NF4_SEARCH_VALUES * frozen_bytes if qlora and not on_gpu else 0
+    loading = baseline + kept + reading + quantizing + LOAD_SLACK_BYTES
 
     # What a node's ranks read from the files: their own rows (all of it where each holds
     # everything), and QLoRA's 4-bit weights whole on every rank (one copy in a node's cache).
