@@ -1,12 +1,13 @@
 """PURE but for listing a folder: which safetensors files hold a model's weights.
 
 The trainer maps these files on every rank and reads each tensor's rows in place
-(:mod:`ftjob.trainer.weights`); ``ftjob run`` and ``ftjob validate`` call :func:`problem` to
-refuse, before torch starts, a model folder the trainer could not read. Sources as users have
-them: a sharded checkpoint with its ``model.safetensors.index.json``, or one
-``model.safetensors``. A checkpoint only in PyTorch's pickle format (``pytorch_model*.bin``)
-is refused with the command that converts it once: reading a pickle means unpickling it whole
-in memory on every rank, what the parallel loading exists to avoid.
+(:mod:`ftjob.trainer.weights`); ``ftjob run``, ``ftjob validate`` and the trainer's first
+check call :func:`folder_problem` to refuse, before torch starts, a model folder the trainer
+could not read. Sources as users have them: a sharded checkpoint with its
+``model.safetensors.index.json``, or one ``model.safetensors``. A checkpoint only in PyTorch's
+pickle format (``pytorch_model*.bin``) is refused with the command that converts it once:
+reading a pickle means unpickling it whole in memory on every rank, what the parallel loading
+exists to avoid.
 """
 
 from __future__ import annotations
