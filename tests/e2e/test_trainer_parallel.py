@@ -100,6 +100,7 @@ def probe(out: Path, models: Path, cases: list) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from ftjob import modelfiles
     from ftjob.spec import parse_spec
     from ftjob.trainer import data, export, model, parallel
     from ftjob.trainer.loss import token_loss
@@ -152,8 +153,10 @@ def probe(out: Path, models: Path, cases: list) -> None:
         with torch.no_grad():
             loss, count = token_loss(net, batch, d.device)
             ref_loss, _ = token_loss(reference, batch, d.device)
-        source = Path(raw["model"]["source"])
-        files = sum(t.nbytes for f in source.glob("*.safetensors") for t in load_file(f).values())
+        # The tensors' bytes (no headers) in the files the model's index names, as safetensors
+        # reads them.
+        weights = modelfiles.weight_files(Path(raw["model"]["source"]))
+        files = sum(t.nbytes for f in weights for t in load_file(f).values())
         results[label] = {
             "read_share": built.read_bytes / files,
             "compared": compared,
