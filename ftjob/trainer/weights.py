@@ -95,9 +95,9 @@ def _renamer(model: nn.Module):
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    # The base model's names: peft renames each adapted weight to ...base_layer.weight, and
-    # transformers' prefix rule (add or strip base_model_prefix) looks a key up among these,
-    # and takes a name whose value is None for absent (so the values are the tensors).
+    # The base model's names (peft renames each adapted weight to ...base_layer.weight), with
+    # their tensors: transformers' prefix rule (add or strip base_model_prefix) looks each key
+    # up here with .get() and takes a None value for a name the model does not have.
     names = {base_name(n): t for n, t in model.state_dict().items()}
     prefix = getattr(model, "base_model_prefix", None)
 
