@@ -62,6 +62,17 @@ def machine() -> dict:
     return info
 
 
+def llama_config(size: str, **overrides):
+    """The tiny model's LlamaConfig with SHAPES[size]'s widths and depth (and ``overrides``)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig.from_pretrained(TINY_MODEL)
+    for key, value in {**SHAPES[size], **overrides}.items():
+        setattr(config, key, value)
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    return config
+
+
 def model_dir(size: str, work: Path) -> Path:
     """A model folder of ``size``: the tiny model itself, or a bigger one built once in ``work``
     with the tiny model's tokenizer (random weights; never committed)."""
@@ -71,12 +82,9 @@ def model_dir(size: str, work: Path) -> Path:
     if (out / "config.json").exists():
         return out
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaForCausalLM
 
-    config = LlamaConfig.from_pretrained(TINY_MODEL)
-    for key, value in SHAPES[size].items():
-        setattr(config, key, value)
-    config.head_dim = config.hidden_size // config.num_attention_heads
+    config = llama_config(size)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)

@@ -41,6 +41,7 @@ from pathlib import Path
 from bench import common
 from bench.planner import PINNED
 from bench.report import row
+from ftjob import modelfiles
 
 BASELINE = "35c7540"  # the trainer before issue 24: rank 0 reads, then broadcasts each tensor
 SIZES = {"0.2B": "190m", "1B": "1b"}
@@ -58,13 +59,9 @@ def checkpoint(size: str, work: Path) -> Path:
     if (out / "model.safetensors.index.json").exists():
         return out
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = LlamaConfig.from_pretrained(common.TINY_MODEL)
-    for key, value in common.SHAPES[SIZES[size]].items():
-        setattr(config, key, value)
-    config.head_dim = config.hidden_size // config.num_attention_heads
-    config.tie_word_embeddings = False
+    config = common.llama_config(SIZES[size], tie_word_embeddings=False)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -99,7 +96,7 @@ def spec(model: Path, method: str) -> dict:
 
 def evict(folder: Path) -> int:
     """Drop ``folder``'s weight files from the page cache; the bytes still cached after."""
-    files = sorted(folder.glob("*.safetensors"))
+    files = modelfiles.weight_files(folder)
     os.sync()
     for path in files:
         fd = os.open(path, os.O_RDONLY)
@@ -180,7 +177,7 @@ def measure(size: str, method: str, work: Path) -> dict:
             run = load_run(tree, doc, work / "load" / f"{size}-{method}-{path}-{cache}")
             case.setdefault(path, {})[cache] = {**run, "cachedBefore": cached}
     case["params"] = case["parallel"]["cold"]["ranks"][0]["params"]
-    case["fileBytes"] = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    case["fileBytes"] = sum(f.stat().st_size for f in modelfiles.weight_files(folder))
     return case
 
 
@@ -191,11 +188,7 @@ def _growth(run: dict, rank: int) -> float:
 
 def config(size: str) -> dict:
     """SIZES[size]'s config.json as ``checkpoint`` writes it (no weights needed)."""
-    from transformers import LlamaConfig
-
-    shape = {**common.SHAPES[SIZES[size]], "tie_word_embeddings": False, "dtype": "bfloat16"}
-    c = LlamaConfig.from_pretrained(common.TINY_MODEL, **shape).to_dict()
-    return {**c, "head_dim": c["hidden_size"] // c["num_attention_heads"]}
+    return common.llama_config(SIZES[size], tie_word_embeddings=False, dtype="bfloat16").to_dict()
 
 
 def plan_row(c: dict, label: str) -> dict:

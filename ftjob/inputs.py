@@ -18,10 +18,7 @@ from ftjob.schema import FieldError
 from ftjob.spec import FineTuneJobSpec
 
 # What to change when a local source is missing (the trainer's own checks say the same).
-MODEL_FIX = (
-    "set spec.model.source to a Hugging Face model folder (with config.json; a relative path "
-    "is read beside the job file, or from the volume on a cluster), or hf://org/name"
-)
+MODEL_FIX = modelfiles.MODEL_FIX
 DATA_FIX = (
     "set spec.dataset.source to an existing file or folder (a relative path is read beside "
     "the job file, or from the volume on a cluster), or hf://org/name"
@@ -44,18 +41,9 @@ def missing(spec: FineTuneJobSpec, root: Path, job_dir: Path | None) -> list[Fie
     """
     out = []
     model = _local(spec.model.source, root)
-    if model is not None and not (model / "config.json").is_file():
-        what = "no such folder" if not model.exists() else "no config.json in that folder"
-        out.append(
-            FieldError(
-                "spec.model.source",
-                f"{spec.model.source}: {what} (looked at {model})",
-                fix=MODEL_FIX,
-            )
-        )
-    elif model is not None and (weights := modelfiles.problem(model, spec.model.source)):
-        # The trainer's own check: safetensors only (a pickled checkpoint is converted once).
-        out.append(FieldError("spec.model.source", weights[0], fix=weights[1]))
+    # The trainer's own check: a folder with config.json and safetensors weights.
+    if model is not None and (found := modelfiles.folder_problem(model, spec.model.source)):
+        out.append(FieldError("spec.model.source", found[0], fix=found[1]))
     data = _local(spec.dataset.source, root)
     if data is not None and not data.exists():
         out.append(

@@ -23,9 +23,9 @@ It models what ftjob's trainer does, not an ideal FSDP:
 * the loss computes logits LOSS_CHUNK_TOKENS tokens at a time, with the gradients of the
   hidden states and of the head taken chunk by chunk in the forward;
 * every rank reads its own rows of each tensor from the memory-mapped safetensors files (the
-  4-bit weights whole, to quantize them whole), one tensor at a time: a rank's own memory grows
-  by its shards plus the tensor being read (measured: bench --suite loading); the files' pages
-  pass through the page cache, which is reclaimable and not counted;
+  4-bit weights whole, as their NF4 scales span all of it), one tensor at a time: a rank's own
+  memory grows by its shards plus the tensor being read (measured: bench --suite loading); the
+  files' pages pass through the page cache, which is reclaimable and not counted;
 * checkpoints hold the trainable parameters' weights and AdamW moments (fp32).
 
 MFU counts model FLOPs only (:func:`ftjob.modelshape.model_flops`), as the trainer's live
@@ -63,11 +63,18 @@ PROCESS_BASELINE_BYTES = 0.4 * GIB
 # The same for a CUDA process (CUDA and NCCL libraries mapped in): not measured here.
 GPU_PROCESS_BASELINE_BYTES = 3 * GIB
 # Loading's allowance beyond the shards a rank keeps and the tensor it is reading: the
-# allocator, and under QLoRA torchao's quantization working memory (it quantizes 2^20 values
-# at a time). With it the plan is 1.09-1.19x the measured loading peak of 0.2B and 1B bf16
-# checkpoints, full, LoRA and QLoRA (bench --suite loading, 2026-11-24): an upper bound, and
-# within the planner's +-20%.
+# allocator and Python's objects. Measured (bench --suite loading, 2026-11-24, 0.2B and 1B
+# bf16 checkpoints, 2 CPU processes): full and LoRA grow -5 to 25 MiB beyond their shards,
+# the tensor being read included.
 LOAD_SLACK_BYTES = 64 * 2**20
+# QLoRA in CPU memory (a CPU job; a GPU job quantizes on the GPU) also holds torchao's
+# quantization working memory: to_nf4 finds the nearest of 16 levels for 2^20 values at a
+# time, a (2^20 x 16) tensor in the weight's dtype (32 MiB in bf16) and its absolute value.
+# Measured (that run and a --quick rerun): 0.2B QLoRA grows 84-88 MiB beyond its shards, the
+# 5.5 MiB weight read whole included: more than that weight and the slack (69.5 MiB); with
+# one such tensor, 101.5 MiB. The plan is then 1.10-1.21x the loading peak of every case of
+# that run (1.21x: 1B QLoRA, which grew 50-51 MiB): an upper bound.
+NF4_SEARCH_VALUES = 2**20 * 16
 # Share of the peak the GPUs are assumed to spend on matmuls, recomputed ones included
 # (hardware FLOPs utilisation): the step time divides model + recomputed FLOPs by it. Without
 # recomputation it equals MFU; the plan's MFU is it x model / (model + recomputed) FLOPs.
@@ -328,31 +335,36 @@ def _cpu_memory(
     """A pod's CPU memory. ``shards``: one process's shard of all the states, and of the
     weights alone; ``device_total``: one process's device memory (a CPU job's whole memory);
     ``frozen_bytes``: bytes of a weight as training holds it."""
-    r, on_gpu = spec.resources, spec.resources.gpus_per_node > 0
+    nproc, on_gpu = spec.resources.nproc_per_node, spec.resources.gpus_per_node > 0
     states, weights = shards
     offload = spec.parallelism.cpu_offload
+    qlora = spec.method.type == "qlora"
     baseline = GPU_PROCESS_BASELINE_BYTES if on_gpu else PROCESS_BASELINE_BYTES
     # Background checkpoints copy each process's share of what they save (trained weights and
     # both moments) into CPU buffers that are kept for the whole run.
     staging = 3 * trainable * FP32 / group if spec.checkpoint.async_save else 0.0
-    # A CPU job keeps everything in CPU memory (its baseline is in device_total).
-    steady = (states if offload else 0.0) + baseline if on_gpu else device_total
-    steady += staging
+
+    # Training: a GPU job's states live on the device unless offloaded to CPU memory; a CPU
+    # job keeps everything in CPU memory (its baseline is in device_total).
+    offloaded = states if offload else 0.0
+    steady = (baseline + offloaded if on_gpu else device_total) + staging
+
     # Loading: the weights' shards (in CPU memory when offloaded or on CPU), and the tensor
     # being read in the training dtype (read into the GPU in a GPU job; counted all the same):
     # a rank's rows of the largest tensor, or a 4-bit weight read whole, whichever is larger.
     # Gradients, moments and activations do not exist yet.
-    qlora = spec.method.type == "qlora"
-    rows = max(shape.vocab, shape.intermediate) * shape.hidden / group
-    whole = max(o * i for o, i in shape.linear_shapes().values()) if qlora else 0
+    largest_rows = max(shape.vocab, shape.intermediate) * shape.hidden / group
+    largest_4bit = max(o * i for o, i in shape.linear_shapes().values()) if qlora else 0
     kept = weights if offload or not on_gpu else 0.0
-    loading = baseline + kept + max(rows, whole) * frozen_bytes + LOAD_SLACK_BYTES
-    # What a node's ranks read: their own rows (all of it where each holds everything), and
-    # QLoRA's 4-bit weights whole on every rank (one copy in a node's cache).
-    whole = shape.linear_params if qlora else 0
-    rows = min(1.0, r.nproc_per_node / group)
-    read = ((shape.params - whole) * rows + whole) * shape.checkpoint_bytes
-    nproc = r.nproc_per_node
+    reading = max(largest_rows, largest_4bit) * frozen_bytes
+    quantizing = NF4_SEARCH_VALUES * frozen_bytes if qlora and not on_gpu else 0
+    loading = baseline + kept + reading + quantizing + LOAD_SLACK_BYTES
+
+    # What a node's ranks read from the files: their own rows (all of it where each holds
+    # everything), and QLoRA's 4-bit weights whole on every rank (one copy in a node's cache).
+    read_whole = shape.linear_params if qlora else 0
+    own_share = min(1.0, nproc / group)
+    read = ((shape.params - read_whole) * own_share + read_whole) * shape.checkpoint_bytes
     return _Cpu(nproc * steady, nproc * loading, read, staging)
 
 

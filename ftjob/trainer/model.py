@@ -5,8 +5,8 @@ architecture with its adapters on the meta device (no memory, no weights read); 
 shards it (:mod:`ftjob.trainer.parallel`); :func:`materialize` then has every rank copy the
 rows of each tensor it keeps out of the memory-mapped safetensors files
 (:mod:`ftjob.trainer.weights`), all ranks at once and with no collective. A rank holds its
-shards plus at most one tensor being read (a whole weight under QLoRA, which is quantized
-whole), and a 70B model is read from the volume by all the gang's readers in parallel.
+shards plus at most one tensor being read (a whole weight under QLoRA, whose scales come
+from all of it), and a 70B model is read from the volume by all the gang's readers in parallel.
 
 Dtypes: full fine-tuning keeps fp32 master weights. LoRA and QLoRA keep the frozen base in the
 compute precision (bf16 on GPUs) and only what trains (the adapters, hence their gradients and
@@ -25,21 +25,19 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torchao.quantization import NF4Tensor, to_nf4
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from ftjob import contract, modelfiles
+from ftjob import modelfiles
 from ftjob.contract import BAD_SPEC, TrainerError
 from ftjob.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK
 from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer import attention, weights
 from ftjob.trainer.parallel import Dist
 
-
-class SourceError(contract.TrainerError, ValueError):
-    """The model cannot be read; the message names the source."""
-
-    reason = contract.BAD_MODEL
+# The model cannot be read: one error for the folder, the weights and the tensors.
+SourceError = weights.SourceError
 
 
 def resolve(source: str) -> str:
@@ -65,12 +63,7 @@ def load_tokenizer(spec: FineTuneJobSpec) -> PreTrainedTokenizerBase:
     # Checked before the data is prepared, as the weights are read only after it. An hf://
     # source is a local folder by now (sources.fetch), pickled weights left undownloaded.
     if not spec.model.source.startswith("hf://"):
-        if not (Path(path) / "config.json").is_file():
-            raise SourceError(
-                f"model.source {spec.model.source}: no Hugging Face model folder "
-                f"(config.json) at {path}"
-            )
-        found = modelfiles.problem(Path(path), spec.model.source)
+        found = modelfiles.folder_problem(Path(path), spec.model.source)
         if found:
             raise SourceError(found[0], where="spec.model.source", fix=found[1])
     tok = AutoTokenizer.from_pretrained(path, **hub_kwargs(spec))
@@ -185,7 +178,7 @@ class _Slot:
     @property
     def base_names(self) -> list[str]:
         """Its names in the base model, as the checkpoint has them."""
-        return [_base_name(n) for n in self.names]
+        return [weights.base_name(n) for n in self.names]
 
     def fill(self, value: torch.Tensor) -> None:
         new = nn.Parameter(value, self.like.requires_grad)
@@ -197,9 +190,9 @@ def materialize(built: Built, d: Dist, cpu_offload: bool = False) -> None:
     """After sharding: every rank reads the rows of each tensor it keeps from the mapped
     safetensors files, in the training dtype, with no collective (:mod:`weights`).
 
-    A QLoRA weight is read whole on every rank and quantized whole before each rank keeps its
-    slice: the NF4 scales of its blocks are normalised by a mean over the whole weight, so only
-    whole-weight quantization gives every rank the shard the unsharded model would have.
+    A QLoRA weight is read whole on every rank: the NF4 scales of its blocks are normalised by
+    a mean over the whole weight. Each rank then quantizes only its own rows against those
+    scales (:func:`_nf4_shard`), and holds the shard the unsharded model would have, bit for bit.
     Adapters are drawn by peft's own initialisation with the job's seed, the same on every
     rank; non-persistent buffers (rotary ``inv_freq``) are computed by transformers' own init.
     """
@@ -211,24 +204,33 @@ def materialize(built: Built, d: Dist, cpu_offload: bool = False) -> None:
     ckpt = weights.Checkpoint(Path(source), built.spec.model.source, base)
     slots = _slots(model)
     found = {name: s for s in slots if (name := ckpt.find(s.base_names))}
-    adapters = [s for s in slots if s not in found.values() and s.like.requires_grad]
-    missing = [s.base_names[0] for s in slots if s not in found.values() and s not in adapters]
+    read = {id(s) for s in found.values()}
+    drawn = _adapter_ids(model)
+    adapters = [s for s in slots if id(s) not in read and id(s.like) in drawn]
+    missing = [s.base_names[0] for s in slots if id(s) not in read and id(s.like) not in drawn]
+    buffers = _buffer_plan(model, ckpt)
+    missing += [name for name, _, _, in_file in buffers if in_file is None]
     if missing:
+        # Before any read: every rank would read its share only to fail on what is not there.
         raise SourceError(
             f"model.source {built.spec.model.source}: the checkpoint has no tensor for "
-            f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+            f"{len(missing)} of the model's ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''})",
+            where="spec.model.source",
+            fix="download or copy the checkpoint again, or point spec.model.source at the "
+            "checkpoint saved with this config.json",
         )
     for name, part in ckpt.tensors(found):
         slot = found[name]
         if any(n in built.quantized for n in slot.names):
             whole = ckpt.read(part, (), slot.like.dtype, d.device)
-            slot.fill(_own_shard(to_nf4(whole, NF4_BLOCK, NF4_SCALE_BLOCK), slot.like, home))
+            slot.fill(_nf4_shard(whole, slot.like, home))
         else:
             own = ckpt.read(part, _rows(slot.like), slot.like.dtype, home)
             slot.fill(_placed(own, slot.like))
-    built.read_bytes = ckpt.read_bytes
     _init_adapters(model, adapters, built.spec.training.seed, home)
-    _buffers(model, base, ckpt, home)
+    _buffers(buffers, base, ckpt, home)
+    built.read_bytes = ckpt.read_bytes  # the weights' and the buffers' bytes
 
 
 def _slots(model: nn.Module) -> list[_Slot]:
@@ -246,25 +248,16 @@ def _slots(model: nn.Module) -> list[_Slot]:
     return list(slots.values())
 
 
-def _base_name(name: str) -> str:
-    """The base model's name of a parameter of the peft-wrapped model."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-
-
 def _rows(like: torch.Tensor) -> tuple[slice, ...]:
-    """The part of the whole tensor this rank keeps of the sharded parameter ``like``: on each
-    mesh dimension that shards it, its ``torch.chunk`` (how FSDP2 splits a parameter: a
-    shorter last chunk, and nothing for a rank past the last)."""
-    bounds = [slice(0, n) for n in like.shape]
-    if isinstance(like, DTensor):
-        mesh = like.device_mesh
-        for dim, placement in enumerate(like.placements):
-            if placement.is_shard():
-                b = bounds[placement.dim]
-                size = -(-(b.stop - b.start) // mesh.size(dim))
-                start = min(b.start + mesh.get_local_rank(dim) * size, b.stop)
-                bounds[placement.dim] = slice(start, min(start + size, b.stop))
-    return tuple(bounds)
+    """The part of the whole tensor this rank keeps of the sharded parameter ``like``, as
+    torch's DTensor computes it (DCP's reads use the same function): FSDP2's ``torch.chunk``
+    split, a shorter last chunk, and nothing for a rank past the last."""
+    if not isinstance(like, DTensor):
+        return tuple(slice(0, n) for n in like.shape)
+    shape, offset = compute_local_shape_and_global_offset(
+        like.shape, like.device_mesh, like.placements
+    )
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
 def _placed(own: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -301,47 +294,97 @@ def _init_adapters(model: nn.Module, adapters: list[_Slot], seed: int, home) -> 
             for slot in own:
                 whole = slot.owners[0][0]._parameters[slot.owners[0][1]].detach()
                 slot.fill(_own_shard(whole, slot.like, home))
-    if pending:
+    if pending:  # an adapter kind whose values peft's reset_lora_parameters does not draw
         names = [s.names[0] for s in pending.values()]
-        raise SourceError(f"no checkpoint tensor and no adapter initialisation for {names[:3]}")
+        raise SourceError(f"peft drew no initial value for the adapters {names[:3]}")
 
 
-def _buffers(model: nn.Module, base: nn.Module, ckpt: weights.Checkpoint, home) -> None:
+def _adapter_ids(model: nn.Module) -> set[int]:
+    """The ids of peft's adapter parameters (a LoRA layer's own, not its ``base_layer``'s):
+    what :func:`_init_adapters` draws. Under a full fine-tune everything trains, so
+    ``requires_grad`` does not tell an adapter from a weight the checkpoint lacks."""
+    if not hasattr(model, "peft_config"):
+        return set()
+    from peft.tuners.lora import LoraLayer
+
+    return {
+        id(p)
+        for layer in model.modules()
+        if isinstance(layer, LoraLayer)
+        for n, p in layer.named_parameters()
+        if not n.startswith("base_layer.")
+    }
+
+
+def _buffer_plan(model: nn.Module, ckpt: weights.Checkpoint) -> list[tuple]:
+    """(name, module, attribute, checkpoint name or "" to compute it) for every buffer still
+    on the meta device; checkpoint name None where it can be neither read nor computed."""
+    plan = []
+    for prefix, module in model.named_modules():
+        for attr, old in module._buffers.items():
+            if old is None or not old.is_meta:
+                continue
+            name = weights.base_name(f"{prefix}.{attr}" if prefix else attr)
+            in_file = ckpt.find([name]) or ""
+            # _init_weights would draw this module's loaded parameters afresh.
+            if not in_file and any(True for _ in module.parameters(recurse=False)):
+                in_file = None
+            plan.append((name, module, attr, in_file))
+    return plan
+
+
+def _buffers(plan: list[tuple], base: nn.Module, ckpt: weights.Checkpoint, home) -> None:
     """Buffers: read whole where the checkpoint has them; the others (non-persistent, e.g.
     rotary ``inv_freq``) computed by transformers' own ``_init_weights`` of their module."""
     computed = []
-    for prefix, module in model.named_modules():
-        for attr, old in list(module._buffers.items()):
-            if old is None or not old.is_meta:
-                continue
-            name = _base_name(f"{prefix}.{attr}" if prefix else attr)
-            if ckpt.find([name]):
-                for _, part in ckpt.tensors([name]):  # read while its file is open
-                    module._buffers[attr] = ckpt.read(part, (), old.dtype, home)
-                continue
-            if any(True for _ in module.parameters(recurse=False)):
-                # _init_weights would draw this module's loaded parameters afresh.
-                raise SourceError(f"cannot compute buffer {name}: not in the checkpoint")
-            module._buffers[attr] = torch.empty(old.shape, dtype=old.dtype)
-            computed.append(module)
+    for _, module, attr, in_file in plan:
+        old = module._buffers[attr]
+        if in_file:
+            for _, part in ckpt.tensors([in_file]):  # read while its file is open
+                module._buffers[attr] = ckpt.read(part, (), old.dtype, home)
+            continue
+        module._buffers[attr] = torch.empty(old.shape, dtype=old.dtype)
+        computed.append(module)
     for module in dict.fromkeys(computed):
         base._init_weights(module)
         for attr, value in module._buffers.items():
             module._buffers[attr] = value.to(home) if value is not None else None
 
 
+def _nf4_shard(whole: torch.Tensor, like: torch.Tensor, home: torch.device) -> torch.Tensor:
+    """This rank's shard of a QLoRA weight in NF4, bit for bit the slice of torchao's
+    ``to_nf4`` of the whole weight, for 1/world of its cost.
+
+    The block scales are quantized again around their mean over the whole weight, so they are
+    taken from all of it (one absmax per block of 64: cheap); the 4-bit codes, a nearest-of-16
+    search per value and nearly all of the work, depend on their own block only and are
+    computed for this rank's rows alone (whole scale blocks: :func:`check_shardable`)."""
+    if not isinstance(like, DTensor):
+        return to_nf4(whole, NF4_BLOCK, NF4_SCALE_BLOCK)  # left whole by FSDP
+    rows = _rows(like)[0]
+    # A copy of its rows: an NF4 tensor records its storage offset, a shard's is 0.
+    own = to_nf4(whole[rows].clone(), NF4_BLOCK, NF4_SCALE_BLOCK)
+    scalers, factors, mean = NF4Tensor.double_quantize_scalers(
+        whole.flatten(), NF4_BLOCK, NF4_SCALE_BLOCK
+    )
+    first = rows.start * whole.shape[1] // NF4_BLOCK  # its first block in the whole weight
+    own.quantized_scalers = scalers[first : first + own.n_blocks]
+    own.quantization_factor = factors[
+        first // NF4_SCALE_BLOCK : (first + own.n_blocks) // NF4_SCALE_BLOCK
+    ]
+    own.scaler_mean = mean
+    return _kept(own, like, home)
+
+
 def _own_shard(full: torch.Tensor, like: torch.Tensor, home: torch.device) -> torch.Tensor:
     """This rank's piece of ``full`` laid out as the sharded (meta) parameter ``like``."""
     if not isinstance(like, DTensor):
         return full  # left whole by FSDP: it stays on the compute device
-    mesh, local = like.device_mesh, full
-    for dim, placement in enumerate(like.placements):
-        if placement.is_shard():
-            # torch.chunk is how FSDP2 splits a parameter (shorter last chunk, then padding).
-            chunks = torch.chunk(local, mesh.size(dim), dim=placement.dim)
-            index = mesh.get_local_rank(dim)
-            # A rank past the last chunk holds nothing (never NF4: check_shardable).
-            local = chunks[index] if index < len(chunks) else local[:0]
+    return _kept(full[_rows(like)], like, home)
+
+
+def _kept(local: torch.Tensor, like: torch.Tensor, home: torch.device) -> torch.Tensor:
+    """This rank's piece, on ``home`` in memory of its own, as the sharded parameter ``like``."""
     local = local.to(home)
     if isinstance(local, NF4Tensor):
         # NF4's clone() quantizes again (and a slice's own scale mean differs from the whole

@@ -27,28 +27,35 @@ from torch import nn
 from ftjob import contract, modelfiles
 
 
-class WeightsError(contract.TrainerError, ValueError):
-    """The checkpoint cannot be read as the model's weights; the message names the source."""
+class SourceError(contract.TrainerError, ValueError):
+    """The model cannot be read (no folder, no weights, or not this model's tensors); the
+    message names the source."""
 
     reason = contract.BAD_MODEL
 
 
 class Checkpoint:
     """The tensors of ``folder``'s checkpoint under the names of ``model`` (a transformers
-    model, adapters not included), and the bytes this process has read from it."""
+    model; a peft-wrapped one's adapters are not in it), and the bytes this process has read.
+
+    Which file holds each key comes from the index's ``weight_map`` (read once); only a
+    single-file checkpoint's header is opened to list its keys. At 405B that spares each of
+    a gang's ranks opening every one of ~190 headers before it reads a row."""
 
     def __init__(self, folder: Path, source: str, model: nn.Module):
-        found = modelfiles.problem(folder, source)
+        layout, found = modelfiles.checked(folder, source)
         if found:
-            raise WeightsError(found[0], where="spec.model.source", fix=found[1])
-        self.files = modelfiles.weight_files(folder)
+            raise SourceError(found[0], where="spec.model.source", fix=found[1])
+        self.files = layout.files
         self.source = source
         self.where: dict[str, tuple[Path, str]] = {}  # model name -> (file, checkpoint key)
+        keys = layout.where
+        if keys is None:
+            with safe_open(layout.files[0], framework="pt") as f:  # reads the header only
+                keys = dict.fromkeys(f.keys(), layout.files[0])
         rename = _renamer(model)
-        for path in self.files:
-            with safe_open(path, framework="pt") as f:  # reads the header only
-                for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                    self.where[rename(key)] = (path, key)
+        for key, path in keys.items():
+            self.where[rename(key)] = (path, key)
         self.read_bytes = 0
 
     def find(self, names: Iterable[str]) -> str | None:
@@ -88,13 +95,16 @@ def _renamer(model: nn.Module):
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    names = dict.fromkeys(model.state_dict())
+    # The base model's names (peft renames each adapted weight to ...base_layer.weight), with
+    # their tensors: transformers' prefix rule (add or strip base_model_prefix) looks each key
+    # up here with .get() and takes a None value for a name the model does not have.
+    names = {base_name(n): t for n, t in model.state_dict().items()}
     prefix = getattr(model, "base_model_prefix", None)
 
     def rename(key: str) -> str:
         name, converted = rename_source_key(key, renamings, converters, prefix, names)
         if converted is not None:
-            raise WeightsError(
+            raise SourceError(
                 f"{type(model).__name__}: checkpoint tensor {key} is converted by transformers "
                 "while loading (several checkpoint tensors make one of the model's); ftjob "
                 "reads each tensor of the checkpoint as one of the model's",
@@ -105,3 +115,8 @@ def _renamer(model: nn.Module):
         return name
 
     return rename
+
+
+def base_name(name: str) -> str:
+    """The base model's (the checkpoint's) name of a parameter of the peft-wrapped model."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")

@@ -323,8 +323,8 @@ def test_each_rank_holds_half_of_every_4bit_weight(ranks, runs):
         assert len(case["quantized"]) == 14
         assert case["nf4_params"] == case["quantized"]
         assert case["nf4_shares"] == [0.5] * 14
-    # Both ranks read the files: the 4-bit weights whole (each is quantized whole), and their
-    # own half of the rest.
+    # Both ranks read the files: the 4-bit weights whole (each one's NF4 scales span all of
+    # it), and their own half of the rest.
     tensors = load_file(runs / "base" / "model.safetensors")
     names = [n.removeprefix("base_model.model.").replace(".base_layer", "")
              for n in ranks[0]["fp32"]["quantized"]]  # the files' names  # fmt: skip

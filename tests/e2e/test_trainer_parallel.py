@@ -100,6 +100,7 @@ def probe(out: Path, models: Path, cases: list) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from ftjob import modelfiles
     from ftjob.spec import parse_spec
     from ftjob.trainer import data, export, model, parallel
     from ftjob.trainer.loss import token_loss
@@ -124,6 +125,14 @@ def probe(out: Path, models: Path, cases: list) -> None:
         net = parallel.shard(built.model, spec, parallel.mesh(spec, d, sharding), sharding)
         model.materialize(built, d, spec.parallelism.cpu_offload)
         net.eval()
+        # The adapters an unsharded build draws with the same seed: what every rank's shards
+        # must add up to (gathered, they are the same on every rank whatever each drew).
+        drawn = {}
+        if spec.method.type != "full":
+            alone = model.build(spec, tok)
+            model.materialize(alone, d)
+            drawn = {n: p for n, p in alone.model.state_dict().items() if "lora_" in n}
+            del alone
         q = next(p for n, p in net.named_parameters() if "layers.0.self_attn.q_proj" in n)
         same, compared, adapters = True, 0, {}
         for name, param in net.state_dict().items():
@@ -132,8 +141,8 @@ def probe(out: Path, models: Path, cases: list) -> None:
             if key in ref_state:
                 same &= torch.equal(full, ref_state[key].to(full.dtype))
                 compared += 1
-            elif "lora_" in name:  # what this rank holds, whole: equal on every rank?
-                adapters[name] = [float(full.abs().sum()), float(full.double().pow(2).sum())]
+            elif "lora_" in name:  # gathered from every rank's shard
+                adapters[name] = [float(full.abs().sum()), bool(torch.equal(full, drawn[name]))]
         buffers_equal = all(
             torch.equal(b, ref_buffers[n.replace("base_model.model.", "")])
             for n, b in net.named_buffers()
@@ -144,8 +153,10 @@ def probe(out: Path, models: Path, cases: list) -> None:
         with torch.no_grad():
             loss, count = token_loss(net, batch, d.device)
             ref_loss, _ = token_loss(reference, batch, d.device)
-        source = Path(raw["model"]["source"])
-        files = sum(t.nbytes for f in source.glob("*.safetensors") for t in load_file(f).values())
+        # The tensors' bytes (no headers) in the files the model's index names, as safetensors
+        # reads them.
+        weights = modelfiles.weight_files(Path(raw["model"]["source"]))
+        files = sum(t.nbytes for f in weights for t in load_file(f).values())
         results[label] = {
             "read_share": built.read_bytes / files,
             "compared": compared,
@@ -243,12 +254,14 @@ def test_the_frozen_base_is_held_in_the_compute_dtype(ranks, label, frozen, trai
 
 
 @pytest.mark.parametrize("label", ["lora", "sharded-bf16-lora"])
-def test_adapters_start_the_same_on_every_rank(ranks, label):
-    first = ranks[0][label]["adapters"]
-    assert len(first) == 2 * 2 * 7  # A and B of 7 linear layers in each of 2 decoder layers
-    assert all(rank[label]["adapters"] == first for rank in ranks)
-    # peft's initialisation: B is zero (the adapted model starts as the base), A is not
-    assert all((value[0] == 0) == (".lora_B." in name) for name, value in first.items())
+def test_adapters_start_as_an_unsharded_build_with_the_same_seed_draws_them(ranks, label):
+    """Each rank draws its shards on its own: gathered, they are the unsharded model's."""
+    for rank in ranks:
+        adapters = rank[label]["adapters"]
+        assert len(adapters) == 2 * 2 * 7  # A and B of 7 linear layers in 2 decoder layers
+        assert all(equal for _, equal in adapters.values())
+        # peft's initialisation: B is zero (the adapted model starts as the base), A is not
+        assert all((total == 0) == (".lora_B." in name) for name, (total, _) in adapters.items())
 
 
 @pytest.mark.parametrize("label", [c[0] for c in CASES_4])
@@ -260,8 +273,7 @@ def test_4_ranks_hybrid_and_4_shards_read_their_rows_and_hold_the_files_weights(
         assert case["read_share"] == pytest.approx(share, abs=0.01)  # its shard, read once
         assert case["weights_equal_files"] and case["buffers_equal"]
         assert case["loss"] == pytest.approx(case["reference_loss"], abs=1e-6)
-    adapters = [rank[label]["adapters"] for rank in ranks_4]
-    assert all(a == adapters[0] for a in adapters)
+        assert all(equal for _, equal in case["adapters"].values())  # as drawn unsharded
 
 
 def test_tied_embeddings_and_a_missing_pad_token(ranks):

@@ -82,3 +82,25 @@ def test_the_trainer_refuses_a_pickled_checkpoint_before_the_data(pickled):
     assert "pickle format only" in str(refused.value)
     assert refused.value.fix.startswith("convert it to safetensors once")
     assert refused.value.where == "spec.model.source"
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [('{"metadata": {}, "weight_ma', "JSONDecodeError"), ('{"metadata": {}}', "KeyError")],
+)
+def test_a_malformed_index_is_refused_naming_the_file_and_the_fix(tmp_path, text, error):
+    """A truncated download: the trainer refuses it with the file and the fix, no traceback."""
+    from ftjob.trainer import model
+
+    for f in TINY.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / modelfiles.INDEX).write_text(text)
+    spec = parse_spec({"model": {"source": str(tmp_path)},
+                       "dataset": {"source": "d.jsonl"}, "training": {"maxSteps": 1}})  # fmt: skip
+    with pytest.raises(model.SourceError) as refused:
+        model.load_tokenizer(spec)
+    assert str(refused.value).startswith(
+        f"model.source {tmp_path}: {modelfiles.INDEX} cannot be read ({error}"
+    )
+    assert refused.value.fix.startswith("download or copy the checkpoint again")
+    assert refused.value.where == "spec.model.source"

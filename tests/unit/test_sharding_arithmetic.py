@@ -31,7 +31,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.tensor import Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchao.quantization import NF4Tensor
@@ -139,7 +139,9 @@ def test_per_rank_bytes_equal_the_plan(layout, model_dir, fake_world, monkeypatc
 
         def __init__(self, folder, source, base):
             state = base.state_dict().items()
-            self.shapes = {model._base_name(n): t.shape for n, t in state if "lora_" not in n}
+            self.shapes = {
+                model.weights.base_name(n): t.shape for n, t in state if "lora_" not in n
+            }
 
         def find(self, names):
             return next((n for n in names if n in self.shapes), None)
@@ -151,6 +153,15 @@ def test_per_rank_bytes_equal_the_plan(layout, model_dir, fake_world, monkeypatc
             return torch.empty([r.stop - r.start for r in rows] if rows else shape, dtype=dtype)
 
     monkeypatch.setattr(model.weights, "Checkpoint", Files)
+    # torch's shard offsets are computed with a tensor, which FakeTensorMode would make fake:
+    # the rows (host ints) are computed outside it, by the trainer's own function.
+    rows = model._rows
+
+    def real_rows(like):
+        with unset_fake_temporarily():
+            return rows(like)
+
+    monkeypatch.setattr(model, "_rows", real_rows)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.materialize(built, d)
         params = list(net.parameters())
