@@ -21,6 +21,19 @@ from urllib.parse import unquote, urlparse
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
+def serve(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, str]:
+    """Serve ``handler`` on a free loopback port from a thread; the server and its URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def stop(server: ThreadingHTTPServer) -> None:
+    server.shutdown()
+    server.server_close()
+
+
 class HubMirror:
     def __init__(self, repos: dict[str, Path], datasets: tuple[str, ...] = ()):
         self.repos, self.datasets, self.commit = repos, datasets, COMMIT
@@ -37,14 +50,10 @@ class HubMirror:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = serve(Handler)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        stop(self.server)
 
     def downloads(self, filename: str) -> int:
         """How many times the file's bytes were sent (GET), over all repositories."""

@@ -31,9 +31,11 @@ import hashlib
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import unquote, urlparse
+
+from hubmirror import serve, stop
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".model", ".gguf")
 LFS_MIN_BYTES = 10 * 2**20
@@ -62,14 +64,10 @@ class HubServer:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = serve(Handler)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        stop(self.server)
 
     def folder(self, repo: str) -> Path:
         """The repository's files as its latest commit left them."""

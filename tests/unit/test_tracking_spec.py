@@ -7,6 +7,7 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
+from test_jobfolder import RAW
 
 from ftjob import jobfolder, launch
 from ftjob.operator import render, status
@@ -14,13 +15,6 @@ from ftjob.schema import SpecError
 from ftjob.spec import parse_spec
 from ftjob.trainer import trackers
 
-RAW = {
-    "model": {"source": "tiny-model"},
-    "dataset": {"source": "data/train.jsonl", "maxSeqLength": 128},
-    "training": {"maxSteps": 10, "learningRate": 3e-3},
-    "resources": {"nodes": 2, "gpusPerNode": 0},
-    "checkpoint": {"volume": {"claimName": "shared"}},
-}
 MLFLOW = {
     "trackingUri": "https://mlflow.example.com",
     "experiment": "llama",
