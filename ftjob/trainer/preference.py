@@ -80,10 +80,10 @@ class Pairs:
         ).float()
 
 
-def means(sums: torch.Tensor) -> dict[str, float]:
+def means(sums: torch.Tensor | list[float]) -> dict[str, float]:
     """The step's metrics from summed :meth:`Pairs.sums`: mean loss, rewards, accuracy and
     margin over all its pairs."""
-    values = dict(zip(SUMS, sums.tolist(), strict=True))
+    values = dict(zip(SUMS, torch.as_tensor(sums).tolist(), strict=True))
     n = max(values.pop("pairs"), 1.0)
     named = {"correct": "rewardAccuracy", "margin": "rewardMargin"}
     return {named.get(k, k): v / n for k, v in values.items()}
