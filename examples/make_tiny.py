@@ -154,7 +154,9 @@ def make_pairs(instruct: list[dict], count: int = 500) -> list[dict]:
         wrong = rng.choice(instruct)["completion"]
         while wrong == record["completion"]:
             wrong = rng.choice(instruct)["completion"]
-        pairs.append({"prompt": record["prompt"], "chosen": record["completion"], "rejected": wrong})
+        pairs.append(
+            {"prompt": record["prompt"], "chosen": record["completion"], "rejected": wrong}
+        )
     return pairs
 
 
