@@ -6,11 +6,12 @@ for every objective (trainer/step.py, trainer/train.py).
 * :class:`Dpo` (training.objective dpo): a micro-batch is whole preference pairs, chosen and
   rejected rows in one forward (trainer/pairs.py); the loss is trainer/preference.py's, the
   mean over the step's pairs. The reference is the same network with its adapters disabled
-  (peft's ``disable_adapter``): no second model in memory.
+  (:func:`adapters_off`): no second model in memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,37 @@ class NextToken:
         return token_loss(net, batch, device)[0], None
 
 
+@contextlib.contextmanager
+def adapters_off(net):
+    """The network without its adapters, for the reference forward.
+
+    Not peft's ``disable_adapter``: it also sets requires_grad off and on again, on whatever
+    parameter objects the modules hold at that moment. Under FSDP2 the root group's (the
+    adapted output head's) are the unsharded ones after the reference forward, so the sharded
+    adapters of the head were left marked frozen: they still trained, but checkpoints, which
+    leave frozen parameters out, lacked them and resuming failed on a missing key (seen with
+    the tiny model; tests/e2e/test_dpo_run.py resumes). Only the flag peft's layers read in
+    their forward is set here.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in net.modules() if isinstance(m, BaseTunerLayer)]
+    if not layers:
+        raise TrainerError(
+            "DPO's reference is the network without its adapters, and this one has none",
+            reason=BAD_SPEC,
+            fix="set spec.method.type: lora",
+            where="spec.method.type",
+        )
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False
+
+
 @dataclass(frozen=True)
 class Dpo:
     """Direct preference optimization against the adapter-free network."""
@@ -58,7 +90,7 @@ class Dpo:
         on = batch.to(device)
         inputs = model_inputs(net, on)
         # The reference first, under no_grad: nothing of it waits for the policy's backward.
-        with torch.no_grad(), net.disable_adapter():
+        with torch.no_grad(), adapters_off(net):
             reference = preference.response_logps(net(**inputs).logits, on.labels)
         policy = preference.response_logps(net(**inputs).logits, on.labels)
         return preference.dpo(

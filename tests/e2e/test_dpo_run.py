@@ -6,46 +6,66 @@ tiny model and its synthetic preference pairs, whose preference is learnable.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
+import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from test_trainer_run import RUN_TIMEOUT, history, losses, rank_pid, run, start
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-RUN_TIMEOUT = 240
 
 
-def history(workdir: Path, event: str) -> list[dict]:
-    lines = (workdir / "progress.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["event"] == event]
+def tiny_dpo() -> dict:
+    doc = yaml.safe_load((EXAMPLES / "tiny-dpo.yaml").read_text())
+    doc["spec"]["training"]["logEvery"] = 1  # step 1's loss is the untrained policy's
+    doc["spec"]["checkpoint"]["every"] = 8
+    return doc
 
 
 @pytest.fixture(scope="module")
-def dpo(tmp_path_factory) -> tuple[Path, str, dict]:
-    doc = yaml.safe_load((EXAMPLES / "tiny-dpo.yaml").read_text())
-    doc["spec"]["training"]["logEvery"] = 1  # step 1's loss is the untrained policy's
-    runs = tmp_path_factory.mktemp("dpo")
-    job_file, workdir = runs / "tiny-dpo.yaml", runs / "tiny-dpo"
-    job_file.write_text(yaml.safe_dump(doc, sort_keys=False))
-    # Relative sources, as in the example: beside the job file.
+def runs(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("dpo")
+    # Relative sources, as in the example: beside the job file (start() writes it beside
+    # the job's folder).
     for name in ("tiny-model", "data"):
-        (runs / name).symlink_to(EXAMPLES / name)
-    cmd = [sys.executable, "-m", "ftjob", "run", str(job_file), "--workdir", str(workdir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FTJOB_PROGRESS_PORT": "0"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return workdir, proc.stdout, doc
+        (folder / name).symlink_to(EXAMPLES / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def dpo(runs) -> tuple[Path, str, dict]:
+    doc = tiny_dpo()
+    code, out = run(doc, runs / "tiny-dpo")
+    assert code == 0, out
+    return runs / "tiny-dpo", out, doc
+
+
+@pytest.fixture(scope="module")
+def killed(runs) -> tuple[Path, int, int, str]:
+    """The same job with rank 1 SIGKILLed mid-run, then `ftjob run` once more."""
+    doc, workdir = tiny_dpo(), runs / "killed"
+    doc["spec"]["runPolicy"] = {"inPlaceRestarts": 0}  # the rerun below resumes, not torchrun
+    proc = start(doc, workdir)
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not any(s >= 10 for s in losses(workdir)):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.kill(rank_pid(workdir, 1), signal.SIGKILL)
+    proc.communicate(timeout=RUN_TIMEOUT)
+    killed_at = max(losses(workdir))
+    code, out = run(tiny_dpo(), workdir)
+    return workdir, killed_at, code, out
 
 
 def test_reward_accuracy_rises_well_above_chance_and_the_eval_margin_grows(dpo):
     workdir, out, _ = dpo
-    steps = history(workdir, "step")
+    steps = history(workdir)
     assert [s["step"] for s in steps] == list(range(1, 41))
     # Step 1: the adapters are zero, so the policy is its reference: every reward is 0.
     first = steps[0]
@@ -95,3 +115,21 @@ def test_the_exported_adapter_loads_with_peft_and_ranks_the_eval_pairs_as_traine
     assert got["rewardAccuracy"] == pytest.approx(reported["evalRewardAccuracy"], abs=1e-6)
     assert got["rewardMargin"] == pytest.approx(reported["evalRewardMargin"], abs=1e-5)
     assert got["loss"] == pytest.approx(reported["evalLoss"], abs=1e-5)
+    # Every adapter trained, the output head's too (lora_B starts at zero).
+    from safetensors.torch import load_file
+
+    saved = load_file(workdir / "model" / "adapter_model.safetensors")
+    heads = [k for k in saved if "lora_B" in k]
+    assert len(heads) == 15 and any("lm_head" in k for k in heads)
+    assert all(saved[k].abs().max() > 0 for k in heads), [k for k in heads if not saved[k].any()]
+
+
+def test_a_killed_dpo_run_resumes_to_the_same_losses(killed, dpo):
+    workdir, killed_at, code, out = killed
+    assert code == 0, out
+    assert killed_at < 40 and "resuming from checkpoint" in out
+    resumed, reference = losses(workdir), losses(dpo[0])
+    assert sorted(resumed) == list(range(1, 41))
+    assert max(abs(resumed[s] - reference[s]) for s in resumed) == 0.0
+    final = {k: history(workdir, "eval")[-1][k] for k in ("evalRewardAccuracy", "evalLoss")}
+    assert final == {k: history(dpo[0], "eval")[-1][k] for k in final}
