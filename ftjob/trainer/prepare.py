@@ -312,9 +312,15 @@ def _pairs(table, tok, ds, name, template, out: Path, log, on_progress) -> dict:
         "records": len(table),
         "pairs": len(kept),
         "tokens": int(sum(v.sum() for v in lengths.values())),
+        # As the record was, before fitting: what maxSeqLength would have to be.
         "longestPairTokens": int(
-            (lengths["prompt"] + np.maximum(lengths["chosen"], lengths["rejected"])).max()
-        ),
+            (
+                lengths["prompt"]
+                + cut_prompt
+                + cut_response
+                + np.maximum(lengths["chosen"], lengths["rejected"])
+            ).max()
+        ),  # fmt: skip
         "cutPromptPairs": int((cut_prompt > 0).sum()),
         "cutPromptTokens": int(cut_prompt.sum()),
         "cutResponsePairs": int((cut_response > 0).sum()),

@@ -126,6 +126,7 @@ def test_truncation_cuts_the_prompt_start_keeps_the_responses_and_is_counted(tok
     assert info["cutPromptPairs"] == 1
     assert info["cutPromptTokens"] == full[0] - len(cut["prompt_ids"])
     assert info["cutResponsePairs"] == 0 and info["pairs"] == 2
+    assert info["longestPairTokens"] == full[1] + 1  # as the record was: + eos
     lines = prepare.pair_lines(info, 16)
     assert len(lines) == 1 and "1 of 2 pairs had their prompt's start cut" in lines[0]
 
