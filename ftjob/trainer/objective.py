@@ -5,7 +5,8 @@ for every objective (trainer/step.py, trainer/train.py).
 * :class:`NextToken` (training.objective sft): summed next-token loss over the labelled tokens.
 * :class:`Dpo` (training.objective dpo): a micro-batch is whole preference pairs, chosen and
   rejected rows in one forward (trainer/pairs.py); the loss is trainer/preference.py's, the
-  mean over the step's pairs. The reference is the same network with its adapters disabled
+  mean over the step's pairs. The reference (LoRA and QLoRA) is the same network with its
+  adapters disabled
   (:func:`adapters_off`): no second model in memory.
 """
 
@@ -59,7 +60,7 @@ def adapters_off(net):
         raise TrainerError(
             "DPO's reference is the network without its adapters, and this one has none",
             reason=BAD_SPEC,
-            fix="set spec.method.type: lora",
+            fix="set spec.method.type: lora (or qlora)",
             where="spec.method.type",
         )
     for layer in layers:
@@ -111,17 +112,18 @@ Objective = NextToken | Dpo
 
 
 def of(spec: FineTuneJobSpec) -> Objective:
-    """The job's objective; a DPO job on a method it cannot train yet is refused here."""
+    """The job's objective; a DPO job on a method it cannot train yet (full: no stored
+    reference log-probabilities yet) is refused here."""
     settings = spec.training.dpo_settings()
     if settings is None:
         return NextToken()
-    if spec.method.type != "lora":
+    if spec.method.type == "full":
         raise TrainerError(
-            f"training.objective dpo needs method.type lora for now (got {spec.method.type}): "
-            "its reference model is the network with the adapters disabled; a full "
-            "fine-tune's stored reference log-probabilities, and qlora, are not built yet",
+            "training.objective dpo needs adapters for now (method.type lora or qlora): its "
+            "reference model is the network with the adapters disabled; a full fine-tune's "
+            "reference log-probabilities, computed once and stored, are not built yet",
             reason=BAD_SPEC,
-            fix="set spec.method.type: lora",
+            fix="set spec.method.type: lora (or qlora)",
             where="spec.method.type",
         )
     return Dpo(beta=settings.beta, loss_type=settings.loss_type)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from test_qlora import make_base
 from test_trainer_run import RUN_TIMEOUT, history, losses, rank_pid, run, start
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -133,3 +134,36 @@ def test_a_killed_dpo_run_resumes_to_the_same_losses(killed, dpo):
     assert max(abs(resumed[s] - reference[s]) for s in resumed) == 0.0
     final = {k: history(workdir, "eval")[-1][k] for k in ("evalRewardAccuracy", "evalLoss")}
     assert final == {k: history(dpo[0], "eval")[-1][k] for k in final}
+
+
+@pytest.fixture(scope="module")
+def qlora(runs) -> Path:
+    """DPO with QLoRA: the tiny pairs on a base whose weights split into whole NF4 blocks over
+    two ranks (test_qlora.make_base; the committed tiny model's are too small)."""
+    make_base(runs / "base")
+    doc = tiny_dpo()
+    doc["metadata"]["name"] = "qlora-dpo"
+    spec = doc["spec"]
+    spec["model"]["source"] = "base"
+    spec["method"]["type"] = "qlora"
+    spec["training"].update(maxSteps=20, evalEvery=10)
+    spec["checkpoint"]["every"] = 10
+    code, out = run(doc, runs / "qlora-dpo")
+    assert code == 0, out
+    return runs / "qlora-dpo"
+
+
+def test_qlora_dpo_learns_the_preference_and_checkpoints_every_adapter(qlora):
+    import torch.distributed.checkpoint as dcp
+
+    steps = history(qlora)
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # 4-bit base = reference
+    assert sum(s["rewardAccuracy"] for s in steps[-5:]) / 5 > 0.7
+    evals = history(qlora, "eval")
+    assert [e["evalStep"] for e in evals] == [10, 20]
+    assert evals[-1]["evalRewardAccuracy"] >= 0.7
+    assert 0 < evals[0]["evalRewardMargin"] < evals[-1]["evalRewardMargin"]
+    # Resuming needs every adapter in the checkpoint: 7 modules x 2 layers + the head, A and B.
+    saved = dcp.FileSystemReader(qlora / "checkpoints" / "step-00000010").read_metadata()
+    adapters = [k for k in saved.state_dict_metadata if k.startswith("model.") and "lora" in k]
+    assert len(adapters) == 30 and sum("lm_head" in k for k in adapters) == 2

@@ -151,8 +151,7 @@ def test_the_loss_gradient_raises_chosen_and_lowers_rejected():
     assert sums["rewardAccuracy"] == 0.5 and sums["chosenReward"] == pytest.approx(0.025)
 
 
-@pytest.mark.parametrize("method", ["full", "qlora"])
-def test_a_dpo_job_without_an_adapter_reference_is_refused_naming_the_field(method):
+def test_a_full_fine_tune_dpo_job_is_refused_naming_the_field():
     from ftjob.contract import BAD_SPEC, TrainerError
     from ftjob.trainer import objective
 
@@ -160,16 +159,17 @@ def test_a_dpo_job_without_an_adapter_reference_is_refused_naming_the_field(meth
         {
             "model": {"source": str(TINY)},
             "dataset": {"source": "pairs.jsonl", "format": "preference"},
-            "method": {"type": method},
+            "method": {"type": "full"},
             "training": {"objective": "dpo", "maxSteps": 1},
         }
     )
     with pytest.raises(TrainerError) as refused:
         objective.of(spec)
     assert refused.value.reason == BAD_SPEC and refused.value.where == "spec.method.type"
-    assert refused.value.fix == "set spec.method.type: lora"
-    lora = parse_spec({**spec_dict(spec), "method": {"type": "lora"}})
-    assert objective.of(lora) == objective.Dpo(beta=0.1, loss_type="sigmoid")
+    assert refused.value.fix == "set spec.method.type: lora (or qlora)"
+    for method in ("lora", "qlora"):
+        adapted = parse_spec({**spec_dict(spec), "method": {"type": method}})
+        assert objective.of(adapted) == objective.Dpo(beta=0.1, loss_type="sigmoid")
 
 
 def spec_dict(spec) -> dict:
