@@ -227,8 +227,9 @@ class DatasetSpec:
         "evalSplit: a split of the source used for evaluation.", None, min_length=1, max_length=64
     )
     max_eval_sequences: int = api_field(
-        "maxEvalSequences: at most this many eval sequences are evaluated each time (the same "
-        "ones every time), so a large eval set stays affordable.",
+        "maxEvalSequences: at most this many eval sequences (preference pairs, for format "
+        "preference) are evaluated each time (the same ones every time), so a large eval set "
+        "stays affordable.",
         1000,
         minimum=1,
         maximum=10_000_000,
@@ -352,7 +353,8 @@ class TrainingSpec:
     )
     weight_decay: float = api_field("weightDecay of AdamW.", 0.0, minimum=0, maximum=1)
     micro_batch_size: int = api_field(
-        "microBatchSize: sequences per GPU (or process) per forward pass.",
+        "microBatchSize: sequences per GPU (or process) per forward pass; for objective dpo, "
+        "preference pairs (two sequences each, both in the same forward).",
         1,
         minimum=1,
         maximum=1024,
