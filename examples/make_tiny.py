@@ -3,7 +3,7 @@
     python examples/make_tiny.py [--out DIR]
 
 writes DIR/tiny-model/ (config, fp32 safetensors weights, byte-level BPE tokenizer with a chat
-template) and DIR/data/tiny-{text,chat,instruct}.jsonl. DIR defaults to this script's folder.
+template) and DIR/data/tiny-{text,chat,instruct,pairs}.jsonl. DIR defaults to this script's folder.
 The output is byte-for-byte deterministic, so the committed files can be checked against a
 fresh run (tests/unit/test_tiny_assets.py does).
 """
@@ -143,6 +143,23 @@ def make_datasets(rng: random.Random) -> dict[str, list[dict]]:
     return {"tiny-text": text, "tiny-chat": chat, "tiny-instruct": instruct}
 
 
+def make_pairs(instruct: list[dict], count: int = 500) -> list[dict]:
+    """Preference pairs from the instruction records: the right answer is chosen, another
+    question's answer rejected. Learnable: the rejected answer is most often of another kind
+    (a city for a sum, a colour for a day). A stream of its own, so the other files, and the
+    tokenizer trained on them, are the same with or without it."""
+    rng = random.Random(SEED + 1)
+    pairs = []
+    for record in instruct[:count]:
+        wrong = rng.choice(instruct)["completion"]
+        while wrong == record["completion"]:
+            wrong = rng.choice(instruct)["completion"]
+        pairs.append(
+            {"prompt": record["prompt"], "chosen": record["completion"], "rejected": wrong}
+        )
+    return pairs
+
+
 def corpus(datasets: dict[str, list[dict]]):
     for record in datasets["tiny-text"]:
         yield record["text"]
@@ -228,6 +245,7 @@ def build(out: Path) -> None:
     (out / "data").mkdir(parents=True, exist_ok=True)
     for name, records in datasets.items():
         write_jsonl(out / "data" / f"{name}.jsonl", records)
+    write_jsonl(out / "data" / "tiny-pairs.jsonl", make_pairs(datasets["tiny-instruct"]))
 
     tokenizer = train_tokenizer(datasets)
     model = build_model(tokenizer)

@@ -45,6 +45,13 @@ PRINTER_COLUMNS = [
         "priority": 1,
     },
     {"name": "MFU", "type": "number", "jsonPath": ".status.progress.mfu", "priority": 1},
+    # DPO jobs: empty for next-token jobs, which have no rewards.
+    {
+        "name": "Reward-Acc",
+        "type": "number",
+        "jsonPath": ".status.progress.rewardAccuracy",
+        "priority": 1,
+    },
     {"name": "Image", "type": "string", "jsonPath": ".status.image", "priority": 1},
 ]
 

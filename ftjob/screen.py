@@ -109,6 +109,8 @@ def bar_fields(snap: dict) -> dict:
         parts.append(startup_detail(snap))
     if snap.get("loss") is not None:
         parts.append(f"loss {snap['loss']:.4f}")
+    if snap.get("rewardAccuracy") is not None:  # DPO
+        parts.append(f"reward acc {snap['rewardAccuracy']:.2f}")
     if snap.get("tokensPerSecond") is not None:
         parts.append(f"tok/s {snap['tokensPerSecond']:,.0f}")
     if snap.get("etaSeconds") is not None:

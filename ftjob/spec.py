@@ -157,10 +157,13 @@ class DatasetSpec:
         min_length=1,
         max_length=128,
     )
-    format: Literal["text", "chat", "instruction"] = api_field(
+    format: Literal["text", "chat", "instruction", "preference"] = api_field(
         "format of each record: text (one text field), chat (a list of role/content "
-        "messages rendered by the tokenizer's chat template) or instruction (prompt and "
-        "completion fields).",
+        "messages rendered by the tokenizer's chat template), instruction (prompt and "
+        "completion fields) or preference (a prompt with a chosen and a rejected response, "
+        "for training.objective dpo). Preference fields hold plain text or lists of "
+        "role/content messages (rendered by the chat template); without a prompt field, the "
+        "prompt is what chosen and rejected share at their start.",
         "text",
     )
     text_field: str = api_field(
@@ -170,11 +173,26 @@ class DatasetSpec:
         "messagesField holds the messages (format chat).", "messages", min_length=1, max_length=64
     )
     prompt_field: str = api_field(
-        "promptField holds the prompt (format instruction).", "prompt", min_length=1, max_length=64
+        "promptField holds the prompt (format instruction and preference).",
+        "prompt",
+        min_length=1,
+        max_length=64,
     )
     completion_field: str = api_field(
         "completionField holds the completion (format instruction).",
         "completion",
+        min_length=1,
+        max_length=64,
+    )
+    chosen_field: str = api_field(
+        "chosenField holds the preferred response (format preference).",
+        "chosen",
+        min_length=1,
+        max_length=64,
+    )
+    rejected_field: str = api_field(
+        "rejectedField holds the dispreferred response (format preference).",
+        "rejected",
         min_length=1,
         max_length=64,
     )
@@ -191,7 +209,7 @@ class DatasetSpec:
     )
     packing: bool = api_field(
         "packing puts several records in one sequence (less padding; faster); each record "
-        "still attends only to itself.",
+        "still attends only to itself. Preference pairs are never packed.",
         True,
     )
     packing_strategy: Literal["bfd", "wrapped"] = api_field(
@@ -212,8 +230,9 @@ class DatasetSpec:
         "evalSplit: a split of the source used for evaluation.", None, min_length=1, max_length=64
     )
     max_eval_sequences: int = api_field(
-        "maxEvalSequences: at most this many eval sequences are evaluated each time (the same "
-        "ones every time), so a large eval set stays affordable.",
+        "maxEvalSequences: at most this many eval sequences (preference pairs, for format "
+        "preference) are evaluated each time (the same ones every time), so a large eval set "
+        "stays affordable.",
         1000,
         minimum=1,
         maximum=10_000_000,
@@ -281,9 +300,34 @@ class MethodSpec:
 
 
 @dataclass(kw_only=True)
+class DpoSpec:
+    """dpo: direct preference optimization settings (training.objective dpo)."""
+
+    beta: float = api_field(
+        "beta: how far the policy may move from the reference model; higher keeps it closer "
+        "(for ipo: the regularization strength).",
+        0.1,
+        minimum=0,
+        exclusive_minimum=True,
+        maximum=100,
+    )
+    loss_type: Literal["sigmoid", "ipo"] = api_field(
+        "lossType: sigmoid (the DPO paper's loss) or ipo (squared loss on the per-token "
+        "log-ratio margin, as TRL computes it).",
+        "sigmoid",
+    )
+
+
+@dataclass(kw_only=True)
 class TrainingSpec:
     """training: the optimisation loop."""
 
+    objective: Literal["sft", "dpo"] = api_field(
+        "objective: sft (next-token loss on the data) or dpo (direct preference optimization "
+        "on chosen/rejected pairs, dataset.format preference).",
+        "sft",
+    )
+    dpo: DpoSpec | None = api_field("dpo settings (objective dpo; defaults apply).", None)
     max_steps: int | None = api_field(
         "maxSteps: optimizer steps to run. Set this or epochs.", None, minimum=1, maximum=10**8
     )
@@ -312,7 +356,8 @@ class TrainingSpec:
     )
     weight_decay: float = api_field("weightDecay of AdamW.", 0.0, minimum=0, maximum=1)
     micro_batch_size: int = api_field(
-        "microBatchSize: sequences per GPU (or process) per forward pass.",
+        "microBatchSize: sequences per GPU (or process) per forward pass; for objective dpo, "
+        "preference pairs (two sequences each, both in the same forward).",
         1,
         minimum=1,
         maximum=1024,
@@ -355,6 +400,12 @@ class TrainingSpec:
         100,
         minimum=0,
     )
+
+    def dpo_settings(self) -> DpoSpec | None:
+        """The DPO settings in force, or None for next-token training."""
+        if self.objective != "dpo":
+            return None
+        return self.dpo or DpoSpec()
 
     def peak_learning_rate(self, method: str) -> float:
         if self.learning_rate is not None:
@@ -1002,6 +1053,26 @@ class FineTuneJobSpec:
             "mergeAdapter needs an adapter (method.type lora or qlora); remove it for a full "
             "fine-tune",
             ".output.mergeAdapter",
+        ),
+        Rule(
+            "self.training.objective != 'dpo' || self.dataset.format == 'preference'",
+            lambda s: s.training.objective != "dpo" or s.dataset.format == "preference",
+            "objective dpo trains on preference pairs: set dataset.format: preference (with "
+            "prompt, chosen and rejected fields), or objective sft",
+            ".dataset.format",
+        ),
+        Rule(
+            "self.dataset.format != 'preference' || self.training.objective == 'dpo'",
+            lambda s: s.dataset.format != "preference" or s.training.objective == "dpo",
+            "preference data trains with training.objective: dpo; set it, or use a format for "
+            "next-token training (text, chat or instruction)",
+            ".training.objective",
+        ),
+        Rule(
+            "self.training.objective == 'dpo' || !has(self.training.dpo)",
+            lambda s: s.training.objective == "dpo" or s.training.dpo is None,
+            "dpo settings need training.objective: dpo; set it, or remove training.dpo",
+            ".training.dpo",
         ),
         Rule(
             "has(self.training.maxSteps) != has(self.training.epochs)",

@@ -58,6 +58,20 @@ class Progress:
     display: str | None = api_field("display: step/total for the printer column.", None)
     loss: float | None = api_field("loss: training loss of the latest logged step.", None)
     eval_loss: float | None = api_field("evalLoss of the latest evaluation.", None)
+    reward_accuracy: float | None = api_field(
+        "rewardAccuracy (DPO jobs): share of the latest logged step's pairs whose chosen "
+        "response got the higher reward (0-1).",
+        None,
+    )
+    reward_margin: float | None = api_field(
+        "rewardMargin (DPO jobs): mean chosen minus rejected reward of the latest logged step.",
+        None,
+    )
+    eval_reward_accuracy: float | None = api_field(
+        "evalRewardAccuracy (DPO jobs): reward accuracy on the eval pairs at the latest "
+        "evaluation.",
+        None,
+    )
     learning_rate: float | None = api_field("learningRate in force.", None)
     tokens_per_second: float | None = api_field("tokensPerSecond across the gang.", None)
     mfu: float | None = api_field("mfu: model FLOPs utilisation, in percent.", None)

@@ -302,6 +302,9 @@ def progress(snapshot: dict) -> dict[str, Any]:
         "display": f"{step}/{total}" if total else str(step),
         "loss": snapshot.get("loss"),
         "evalLoss": snapshot.get("evalLoss"),
+        "rewardAccuracy": snapshot.get("rewardAccuracy"),  # DPO jobs only
+        "rewardMargin": snapshot.get("rewardMargin"),
+        "evalRewardAccuracy": snapshot.get("evalRewardAccuracy"),
         "learningRate": snapshot.get("learningRate"),
         "tokensPerSecond": snapshot.get("tokensPerSecond"),
         "mfu": round(mfu * 100, 2) if mfu is not None else None,  # the trainer reports 0-1

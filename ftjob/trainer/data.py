@@ -112,12 +112,13 @@ def load(
     if (folder / "eval").exists():
         evaluation = Sequences.open(folder / "eval")
         cap = spec.dataset.max_eval_sequences
+        unit = "preference pairs" if spec.dataset.format == "preference" else "sequences"
         if len(evaluation) > cap:
-            log(f"data: evaluating {cap:,} of {len(evaluation):,} eval sequences "
+            log(f"data: evaluating {cap:,} of {len(evaluation):,} eval {unit} "
                 "(dataset.maxEvalSequences)")  # fmt: skip
             evaluation = evaluation.head(cap)
         else:
-            log(f"data: evaluating all {len(evaluation):,} eval sequences")
+            log(f"data: evaluating all {len(evaluation):,} eval {unit}")
     return Data(train, evaluation, tok.pad_token_id)
 
 

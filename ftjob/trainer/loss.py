@@ -114,6 +114,14 @@ def _targets(head: nn.Module, targets: torch.Tensor):
         head.targets = None
 
 
+def model_inputs(net: nn.Module, on) -> dict:
+    """The forward's arguments for a ``data.Batch`` already on the device."""
+    # No attention mask: the documents' boundaries travel as cu_seqlens (ftjob.trainer.attention).
+    inputs = dict(input_ids=on.input_ids, position_ids=on.position_ids, use_cache=False)
+    inputs.update(attention.model_kwargs(on, net.config._attn_implementation))
+    return inputs
+
+
 def token_loss(net: nn.Module, batch, device: torch.device) -> tuple[torch.Tensor, int]:
     """Sum of next-token losses over the batch's labelled tokens, and their count (a host
     number from collate: reading it never waits for the device)."""
@@ -121,9 +129,7 @@ def token_loss(net: nn.Module, batch, device: torch.device) -> tuple[torch.Tenso
     # Each position predicts the next token; a row's last position predicts nothing.
     targets = torch.full_like(on.labels, IGNORE)
     targets[:, :-1] = on.labels[:, 1:]
-    # No attention mask: the documents' boundaries travel as cu_seqlens (ftjob.trainer.attention).
-    inputs = dict(input_ids=on.input_ids, position_ids=on.position_ids, use_cache=False)
-    inputs.update(attention.model_kwargs(on, net.config._attn_implementation))
+    inputs = model_inputs(net, on)
     head = net.get_output_embeddings()
     if isinstance(head, _LossHead):
         with _targets(head, targets):

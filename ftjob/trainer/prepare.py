@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerBase
 
 from ftjob.spec import FineTuneJobSpec
-from ftjob.trainer import records, tokenize
+from ftjob.trainer import pairs, records, tokenize
 from ftjob.trainer.records import DataError
 
 LAYOUT = 3  # bump when the prepared layout or the tokenization rules change
@@ -63,6 +63,8 @@ def key(spec: FineTuneJobSpec, tok: PreTrainedTokenizerBase) -> str:
             )
         },  # fmt: skip
         "seed": spec.training.seed,
+        # Only preference data reads these; other formats keep the keys they had.
+        **({"pairs": [ds.chosen_field, ds.rejected_field]} if ds.format == "preference" else {}),
         "files": _source_identity(ds.source),
         "tokenizer": _tokenizer_identity(tok),
     }
@@ -176,9 +178,12 @@ def _build(spec, tok, tmp: Path, log, on_progress) -> dict:
         held[order[: max(1, math.ceil(len(train) * ds.eval_fraction))]] = True
         evaluation = train.select(np.flatnonzero(held))
         train = train.select(np.flatnonzero(~held))
-    info = {"train": _sequences(train, tok, ds, name, template, tmp / "train", log, on_progress)}
+    write = _sequences
+    if ds.format == "preference":
+        template, write = pairs.template(tok), _pairs
+    info = {"train": write(train, tok, ds, name, template, tmp / "train", log, on_progress)}
     if evaluation is not None:
-        info["eval"] = _sequences(
+        info["eval"] = write(
             evaluation, tok, ds, eval_name, template, tmp / "eval", log, on_progress
         )
     return info
@@ -271,6 +276,93 @@ def _sequences(table, tok, ds, name, template, out: Path, log, on_progress) -> d
     return info
 
 
+def _pairs(table, tok, ds, name, template, out: Path, log, on_progress) -> dict:
+    """Tokenize preference pairs, fit each into maxSeqLength tokens per sequence (the prompt
+    is cut first), and write them to ``out``: one pair per row, never packed."""
+    n, procs = ds.max_seq_length, _processes(len(table))
+    meter = Meter("tokenizing", len(table), log, on_progress)
+    fn_kwargs = {"tok": tok, "ds": ds, "name": name, "template": template, "limit": n}
+    parts = []
+    for start in range(0, len(table), SHARD):
+        part = table.select(range(start, min(start + SHARD, len(table)))).with_format("arrow")
+        parts.append(
+            part.map(
+                pairs.batch,
+                batched=True,
+                num_proc=procs,
+                fn_kwargs=fn_kwargs,
+                remove_columns=part.column_names,
+                new_fingerprint=f"pairs-{out.name}-{start}",  # hashing a tokenizer is slow
+            )
+        )
+        meter.update(start + len(part), force=True)
+    tokens = _concat(parts)
+    counts = tokens.data.table
+    cut_prompt = counts.column("cut_prompt").to_numpy()
+    cut_response = counts.column("cut_response").to_numpy()
+    out.mkdir()
+    last = {"batch_size": 10_000, "num_proc": procs, "cache_file_name": str(out / "part.arrow")}
+    kept = tokens.with_format("arrow").map(
+        _pair_columns, batched=True, new_fingerprint=f"pairs-{out.name}", **last
+    )
+    lengths = {side: pc.list_value_length(kept.data.table.column(f"{side}_ids")).to_numpy()
+               for side in ("prompt", "chosen", "rejected")}  # fmt: skip
+    info = {
+        "name": name,
+        "records": len(table),
+        "pairs": len(kept),
+        "tokens": int(sum(v.sum() for v in lengths.values())),
+        # As the record was, before fitting: what maxSeqLength would have to be.
+        "longestPairTokens": int(
+            (
+                lengths["prompt"]
+                + cut_prompt
+                + cut_response
+                + np.maximum(lengths["chosen"], lengths["rejected"])
+            ).max()
+        ),  # fmt: skip
+        "cutPromptPairs": int((cut_prompt > 0).sum()),
+        "cutPromptTokens": int(cut_prompt.sum()),
+        "cutResponsePairs": int((cut_response > 0).sum()),
+        "cutResponseTokens": int(cut_response.sum()),
+        "bytes": _size(out),
+    }
+    log(f"data: {name}: {len(table):,} records -> {len(kept):,} preference pairs of <= {n} "
+        "tokens per sequence")  # fmt: skip
+    for line in pair_lines(info, n):
+        log(line)
+    return info
+
+
+def _pair_columns(table: pa.Table) -> pa.Table:
+    return table.select(list(pairs.COLUMNS))  # the cut counts stay in info.json
+
+
+def _concat(parts):
+    import datasets
+
+    return datasets.concatenate_datasets(parts).with_format(None)
+
+
+def pair_lines(info: dict, n: int) -> list[str]:
+    """The log's lines about what fitting pairs into maxSeqLength cut (none when nothing)."""
+    name, lines = info.get("name", "data"), []
+    if info.get("cutPromptPairs"):
+        lines.append(
+            f"data: {name}: {info['cutPromptPairs']:,} of {info['records']:,} pairs had their "
+            f"prompt's start cut to fit dataset.maxSeqLength={n}: {info['cutPromptTokens']:,} "
+            "prompt tokens left out"
+        )
+    if info.get("cutResponsePairs"):
+        lines.append(
+            f"data: {name}: warning: {info['cutResponsePairs']:,} of {info['records']:,} pairs "
+            f"have a response longer than dataset.maxSeqLength={n} allows: "
+            f"{info['cutResponseTokens']:,} response tokens cut; raise maxSeqLength (the "
+            f"longest pair has {info['longestPairTokens']:,} tokens) to keep them"
+        )
+    return lines
+
+
 def _losses(records: int, lengths: np.ndarray, kept: int, n: int, strategy) -> dict:
     """What the sequences leave out of the records, counted (the prepared data's record).
 
@@ -324,7 +416,8 @@ def _say_losses(folder: Path, n: int, log) -> None:
     except (OSError, ValueError):
         return
     for split in ("train", "eval"):
-        for line in loss_lines(info.get(split) or {}, n):
+        said = info.get(split) or {}
+        for line in (pair_lines if "pairs" in said else loss_lines)(said, n):
             log(line)
 
 

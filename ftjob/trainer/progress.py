@@ -235,15 +235,17 @@ class Progress:
             sys.stdout.write("\r" + self.line(bar=True))
             sys.stdout.flush()
 
-    def logged(self, step: int, loss: float, tokens: int, flops: float) -> None:
+    def logged(self, step: int, loss: float, tokens: int, flops: float, **metrics) -> None:
         """A log step: the step's loss over all ranks, and the tokens and model FLOPs of all
-        ranks since the last log, from which tokens/s, MFU (docs/progress.md) and the ETA."""
+        ranks since the last log, from which tokens/s, MFU (docs/progress.md) and the ETA;
+        ``metrics``: the objective's own (DPO: rewardAccuracy, rewardMargin, ...)."""
         if not self.enabled:
             return
         t0, step0 = self._window
         now = time.perf_counter()
         elapsed = max(now - t0, 1e-9)
         fields = {"step": step, "loss": loss, "tokensSeen": self.snapshot["tokensSeen"] + tokens}
+        fields.update(metrics)
         fields["tokensPerSecond"] = round(tokens / elapsed, 1)
         fields["etaSeconds"] = round(elapsed / max(step - step0, 1) * (self.total - step), 1)
         if self.peak:
@@ -259,6 +261,8 @@ class Progress:
         if bar:
             done = int(20 * s["step"] / max(self.total, 1))
             parts.insert(0, "[" + "#" * done + "." * (20 - done) + "]")
+        if s.get("rewardAccuracy") is not None:
+            parts.append(f"acc {s['rewardAccuracy']:.2f}  margin {s['rewardMargin']:.4f}")
         if s["evalLoss"] is not None:
             parts.append(f"eval {s['evalLoss']:.4f}")
         parts.append(f"lr {s['learningRate']:.2e}")
@@ -276,11 +280,20 @@ class Progress:
         self.update(stragglers=named)
         self.log(line)
 
-    def evaluated(self, step: int, loss: float) -> None:
+    def evaluated(self, step: int, loss: float, **metrics) -> None:
+        """An evaluation's mean loss; ``metrics``: the objective's own (DPO: rewardAccuracy,
+        rewardMargin, chosenReward, rejectedReward), kept as evalRewardAccuracy, ..."""
         if not self.enabled:
             return
-        self.update(history="eval", phase="training", evalLoss=loss, evalStep=step)
-        self.log(f"eval  step {step}/{self.total}  eval loss {loss:.4f}  (ppl {_ppl(loss)})")
+        named = {"eval" + k[0].upper() + k[1:]: v for k, v in metrics.items()}
+        self.update(history="eval", phase="training", evalLoss=loss, evalStep=step, **named)
+        if metrics:
+            self.log(
+                f"eval  step {step}/{self.total}  eval loss {loss:.4f}  reward accuracy "
+                f"{metrics['rewardAccuracy']:.2f}  margin {metrics['rewardMargin']:.4f}"
+            )
+        else:
+            self.log(f"eval  step {step}/{self.total}  eval loss {loss:.4f}  (ppl {_ppl(loss)})")
 
 
 # What a run found out and a rerun keeps until it knows better (docs/progress.md): not its
@@ -290,6 +303,8 @@ KEPT = (
     "step", "totalSteps", "epoch", "loss", "evalLoss", "evalStep", "learningRate",
     "tokensPerSecond", "tokensSeen", "mfu", "lastCheckpointStep", "lastCheckpoint",
     "loadPeakRssMiB", "trainPeakRssMiB", "trainPeakGpuMiB",
+    "chosenReward", "rejectedReward", "rewardAccuracy", "rewardMargin", "evalChosenReward",
+    "evalRejectedReward", "evalRewardAccuracy", "evalRewardMargin",
 )  # fmt: skip
 
 

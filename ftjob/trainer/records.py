@@ -34,7 +34,11 @@ USUAL_NAMES = {
     "textField": ("text", "content", "body", "document", "sentence"),
     "promptField": ("prompt", "instruction", "question", "input", "query", "source"),
     "completionField": ("completion", "response", "output", "answer", "target", "chosen"),
+    "chosenField": ("chosen", "preferred", "accepted", "winner", "better", "response_a"),
+    "rejectedField": ("rejected", "dispreferred", "loser", "worse", "response_b"),
 }
+# A preference record's three parts, each either text or a list of messages.
+PARTS = ("prompt", "chosen", "rejected")
 
 
 def origin(ds: DatasetSpec, split: str) -> str:
@@ -166,11 +170,16 @@ def _object(line: bytes, where: str) -> dict:
 def schema(ds: DatasetSpec) -> pa.Schema:
     """The Arrow schema of a normalized record: the line and the format's fields only."""
     fields = [("line", pa.int64())]
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
     if ds.format == "text":
         fields.append(("text", pa.string()))
     elif ds.format == "chat":
-        message = pa.struct([("role", pa.string()), ("content", pa.string())])
         fields.append(("messages", pa.list_(message)))
+    elif ds.format == "preference":
+        # Plain-text parts fill the first three columns, conversational ones the other three;
+        # the unused three are null.
+        fields += [(part, pa.string()) for part in PARTS]
+        fields += [(f"{part}_messages", pa.list_(message)) for part in PARTS]
     else:
         fields += [("prompt", pa.string()), ("completion", pa.string())]
     return pa.schema(fields)
@@ -211,11 +220,112 @@ def normalize(row: dict, ds: DatasetSpec, where: str) -> dict:
         for m in messages:
             if not (isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m):
                 raise DataError(f"{where}: each message needs a role and a string content")
-        return {"messages": [{"role": str(m["role"]), "content": m["content"]} for m in messages]}
+        return {"messages": _messages(messages)}
+    if ds.format == "preference":
+        return preference(row, ds, where)
     return {
         "prompt": _field(row, ds.prompt_field, str, where, "promptField"),
         "completion": _field(row, ds.completion_field, str, where, "completionField"),
     }
+
+
+def _messages(messages: list) -> list[dict]:
+    return [{"role": str(m["role"]), "content": m["content"]} for m in messages]
+
+
+def preference(row: dict, ds: DatasetSpec, where: str) -> dict:
+    """A preference record's prompt, chosen and rejected response, checked.
+
+    Each part is text or a list of messages, all three alike. Without the prompt field, the
+    prompt is what chosen and rejected share at their start (TRL's ``extract_prompt``: whole
+    messages, or characters up to the first difference). A pair must have two different,
+    non-empty responses: otherwise there is nothing to prefer.
+    """
+    chosen = _side(row, ds.chosen_field, where, "chosenField")
+    rejected = _side(row, ds.rejected_field, where, "rejectedField")
+    names = f"{ds.chosen_field!r} and {ds.rejected_field!r}"
+    if type(chosen) is not type(rejected):
+        raise DataError(
+            f"{where}: {names} must both be text or both lists of messages",
+            fix="make the chosen and rejected fields of spec.dataset.source the same kind",
+        )
+    if chosen == rejected:
+        raise DataError(
+            f"{where}: {names} are equal: a pair needs two different responses",
+            fix="remove the record, or fix its rejected response, in spec.dataset.source",
+        )
+    if ds.prompt_field in row:
+        prompt = _side(row, ds.prompt_field, where, "promptField")
+        if type(prompt) is not type(chosen):
+            raise DataError(
+                f"{where}: field {ds.prompt_field!r} must be the same kind as {names} (text, "
+                "or a list of messages)",
+                fix="make the prompt, chosen and rejected fields of spec.dataset.source alike",
+            )
+    else:
+        prompt, chosen, rejected = _implicit_prompt(row, ds, chosen, rejected, where)
+    for name, side in ((ds.chosen_field, chosen), (ds.rejected_field, rejected)):
+        if _empty(side):
+            raise DataError(
+                f"{where}: field {name!r} has an empty response: a pair needs two responses",
+                fix="remove the record, or give it both responses, in spec.dataset.source",
+            )
+    parts = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    if isinstance(chosen, str):
+        return {**parts, **{f"{p}_messages": None for p in PARTS}}
+    return {**{p: None for p in PARTS}, **{f"{p}_messages": _messages(v) for p, v in parts.items()}}
+
+
+def _side(row: dict, name: str, where: str, knob: str):
+    if name not in row:
+        raise DataError(
+            f"{where}: has no field {name!r} (dataset.{knob}); it has {sorted(row)}",
+            fix=_field_fix(row, str, knob)
+            if any(isinstance(v, str) for v in row.values())
+            else _field_fix(row, list, knob),
+        )
+    value = row[name]
+    if isinstance(value, list):
+        for m in value:
+            if not (isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m):
+                raise DataError(
+                    f"{where}: field {name!r}: each message needs a role and a string content"
+                )
+        return value
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {name!r} must be a string or a list of messages")
+    return value
+
+
+def _empty(side) -> bool:
+    if isinstance(side, str):
+        return not side.strip()
+    return not side or all(not m["content"].strip() for m in side)
+
+
+def _implicit_prompt(row, ds, chosen, rejected, where):
+    """(prompt, chosen, rejected) of a record whose prompt is the shared start of both."""
+    from trl.data_utils import extract_prompt
+
+    shorter, longer = sorted((chosen, rejected), key=len)
+    if longer[: len(shorter)] == shorter:
+        # One response is the other plus more: after the shared prompt one side is empty.
+        name = ds.chosen_field if shorter is chosen else ds.rejected_field
+        raise DataError(
+            f"{where}: field {name!r} has an empty response: it is where the other "
+            "response starts, so it adds nothing after the shared prompt",
+            fix="remove the record, or give it both responses, in spec.dataset.source",
+        )
+    if chosen[0] != rejected[0]:
+        raise DataError(
+            f"{where}: has no field {ds.prompt_field!r} (dataset.promptField), and "
+            f"{ds.chosen_field!r} and {ds.rejected_field!r} share no start to take the "
+            f"prompt from; it has {sorted(row)}",
+            fix="set spec.dataset.promptField to the field holding the prompt, or begin "
+            "chosen and rejected with the same prompt",
+        )
+    out = extract_prompt({"chosen": chosen, "rejected": rejected})
+    return out["prompt"], out["chosen"], out["rejected"]
 
 
 def _field(row: dict, name: str, kind: type, where: str, knob: str):

@@ -25,26 +25,30 @@ import torch
 import torch.distributed as dist
 
 from ftjob.trainer import data
-from ftjob.trainer.loss import token_loss
+from ftjob.trainer.objective import Objective
 
 
 class Prefetch:
     """Each step's micro-batches for this rank, collated (and pinned for a GPU) by a thread
     that runs one step ahead: collation overlaps the previous step's compute."""
 
-    def __init__(self, ds: data.Data, sampler: data.Sampler, rank: int, steps: range):
+    def __init__(
+        self, ds: data.Data, sampler: data.Sampler, rank: int, steps: range,
+        collate: Callable[[list[dict], int], data.Batch] = data.collate,
+    ):  # fmt: skip
         self._ahead: queue.Queue = queue.Queue(maxsize=1)  # plus the one being built: 2 steps
         self._stop = threading.Event()
         self._thread = threading.Thread(
-            target=self._fill, args=(ds, sampler, rank, steps), daemon=True, name="prefetch"
-        )
+            target=self._fill, args=(ds, sampler, rank, steps, collate), daemon=True,
+            name="prefetch",
+        )  # fmt: skip
         self._thread.start()
 
-    def _fill(self, ds, sampler, rank, steps) -> None:
+    def _fill(self, ds, sampler, rank, steps, collate) -> None:
         try:
             for step in steps:
                 micro = [
-                    data.collate(ds.rows(sampler.indices(step, m, rank)), ds.pad_id).pin()
+                    collate(ds.rows(sampler.indices(step, m, rank)), ds.pad_id).pin()
                     for m in range(sampler.accumulation)
                 ]
                 if not self._put((step, micro)):
@@ -89,9 +93,13 @@ class Tally:
     model_flops: float = 0.0
     own_seconds: float = 0.0  # this rank's step time, the wait for the others left out
     steps: int = 0
+    sums: torch.Tensor | None = None  # the objective's metric sums of the last step
 
-    def add(self, loss: torch.Tensor, micro: list[data.Batch], own_seconds: float) -> None:
-        self.loss = loss
+    def add(
+        self, loss: torch.Tensor, micro: list[data.Batch], own_seconds: float,
+        sums: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        self.loss, self.sums = loss, sums
         self.own_seconds += own_seconds
         self.steps += 1
         for b in micro:
@@ -100,46 +108,57 @@ class Tally:
 
     def reduce(
         self, device: torch.device, rank: int, world: int
-    ) -> tuple[float, int, float, list[float]]:
-        """(step loss, tokens, FLOPs, each rank's mean own step time) over all ranks; the
-        counts restart (a sync point)."""
+    ) -> tuple[float, int, float, list[float], list[float]]:
+        """(step loss, tokens, FLOPs, each rank's mean own step time, the last step's metric
+        sums) over all ranks; the counts restart (a sync point)."""
         counts = torch.tensor([self.tokens, self.model_flops], dtype=torch.float64, device=device)
         own = torch.zeros(world, dtype=torch.float64, device=device)
         own[rank] = self.own_seconds / max(self.steps, 1)
-        both = torch.cat([self.loss.reshape(1).to(torch.float64), counts, own])
+        sums = torch.zeros(0, dtype=torch.float64, device=device)
+        if self.sums is not None:
+            sums = self.sums.to(torch.float64)
+        both = torch.cat([self.loss.reshape(1).to(torch.float64), counts, own, sums])
         dist.all_reduce(both)
-        loss, tokens, flops, *seconds = both.tolist()
+        loss, tokens, flops, *rest = both.tolist()
         self.tokens, self.model_flops, self.own_seconds, self.steps = 0, 0.0, 0.0, 0
-        return loss, int(tokens), flops, seconds
+        return loss, int(tokens), flops, rest[:world], rest[world:]
 
 
 def train_step(
     net, optimizer, weights, micro: list[data.Batch], device, world: int, replicated: bool,
-    max_norm: float, before_update: Callable[[], None],
-) -> tuple[torch.Tensor, float]:  # fmt: skip
+    max_norm: float, before_update: Callable[[], None], objective: Objective,
+) -> tuple[torch.Tensor, float, torch.Tensor | None]:  # fmt: skip
     """Forward and backward over the micro-batches, then the optimizer update; returns this
-    rank's share of the step's mean loss (on the device) and the seconds the host waited for
-    the other ranks at the step's first collective (gloo; NCCL does not hold the host)."""
-    # Every labelled token of the step weighs the same, whichever rank or micro-batch has it:
-    # divide by the global count (FSDP then averages gradients over ranks, hence x world).
-    labelled = torch.tensor(float(sum(b.labelled for b in micro)), device=device)
+    rank's share of the step's mean loss (on the device), the seconds the host waited for
+    the other ranks at the step's first collective (gloo; NCCL does not hold the host), and
+    the objective's metric sums over this rank's micro-batches (None for next-token loss).
+
+    ``objective`` (trainer/objective.py) gives each micro-batch's summed loss and what the
+    step's loss is a mean over (labelled tokens, or pairs)."""
+    # Every labelled token (or pair) of the step weighs the same, whichever rank or
+    # micro-batch has it: divide by the global count (FSDP then averages gradients over
+    # ranks, hence x world).
+    labelled = torch.tensor(float(sum(objective.count(b) for b in micro)), device=device)
     began = time.perf_counter()
     dist.all_reduce(labelled)  # stays on the device: nothing waits for it
     waited = time.perf_counter() - began
     scale = world / labelled.clamp(min=1.0)
     total = torch.zeros((), device=device)
+    sums = None
     for m, batch in enumerate(micro):
         if replicated:
             # Shards accumulate locally; the all-reduce across replicas (across nodes under
             # hybrid) runs once, after the last micro-batch. The reduce-scatter within the
             # shard group still runs every micro-batch: that is what keeps gradients sharded.
             net.set_requires_all_reduce(m == len(micro) - 1)
-        loss, _ = token_loss(net, batch, device)
+        loss, part = objective.loss(net, batch, device)
         (loss * scale).backward()
         total += loss.detach()
+        if part is not None:
+            sums = part if sums is None else sums + part
     if max_norm > 0:
         torch.nn.utils.clip_grad_norm_(weights, max_norm)
     before_update()  # a background checkpoint may still be copying weights and moments
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total * scale / world, waited
+    return total * scale / world, waited, sums

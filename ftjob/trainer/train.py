@@ -10,6 +10,7 @@ phase by phase (ftjob.contract.PHASES), from the first second.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import resource
 import shutil
@@ -36,7 +37,9 @@ from ftjob.trainer import (
     hub,
     loss,
     model,
+    objective,
     parallel,
+    preference,
     preflight,
     progress,
     sources,
@@ -102,6 +105,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
         downloading=lambda: report.phase("downloading"),
     )
     t = spec.training
+    goal = objective.of(spec)  # a DPO job on a method without a reference fails here, early
     torch.manual_seed(t.seed)
 
     # Data first: a bad record fails the job in seconds, before any weights are read.
@@ -115,11 +119,12 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     total = t.max_steps or sampler.steps_for(t.epochs)
 
     report.phase("loading")
+    unit = "preference pairs" if isinstance(goal, objective.Dpo) else "sequences"
     run = _load(spec, tok, d, job_dir, lease, total)
     report.log(
         f"{name}: {spec.method.type} fine-tune of {asked.model.source}, {run.params:,} "
         f"parameters ({run.trainable:,} trained), {run.sharding} sharding over "
-        f"{d.world_size} ranks, {len(ds.train)} train / {len(ds.eval or [])} eval sequences, "
+        f"{d.world_size} ranks, {len(ds.train)} train / {len(ds.eval or [])} eval {unit}, "
         f"{total} steps" + run.speed_note()
     )
     _plan_progress(report, spec, d, total, run)
@@ -127,11 +132,11 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
 
     start = _resume(job_dir, spec, d, run.ckpt, run.net, run.optimizer, run.scheduler, report)
     steps = range(start, total)
-    evaluated_at = _train(spec, d, run, ds, sampler, steps, report, beat, nodes)
+    evaluated_at = _train(spec, d, run, ds, sampler, steps, report, beat, nodes, goal)
     run.ckpt.close()
     if ds.eval is not None and evaluated_at != total:
         report.phase("evaluating")
-        report.evaluated(total, evaluate(run.net, ds, d, t.micro_batch_size))
+        _evaluated(report, total, run.net, ds, d, t.micro_batch_size, goal)
     _measure_peaks(d, report)
 
     report.phase("exporting")
@@ -263,36 +268,37 @@ def _load(spec, tok, d: parallel.Dist, job_dir: Path, lease, total: int) -> Run:
                speed, flops, built.read_bytes, load_seconds)  # fmt: skip
 
 
-def _train(spec, d, run: Run, ds, sampler, steps: range, report, beat, nodes) -> int | None:
+def _train(spec, d, run: Run, ds, sampler, steps: range, report, beat, nodes, goal) -> int | None:
     """The optimizer steps, with evaluations and checkpoints on their schedules; the step
     last evaluated at. ``nodes``: each rank's node (:func:`_loaded`), for naming stragglers."""
     t, every = spec.training, spec.checkpoint.every
     slow = stragglers.Stragglers(spec.run_policy.straggler_margin, nodes)
     report.begin(steps.start)
     tally, evaluated_at = step.Tally(run.flops), None
-    batches = step.Prefetch(ds, sampler, d.rank, steps)
+    batches = step.Prefetch(ds, sampler, d.rank, steps, goal.collate)
     try:
         for n in steps:
             began = time.perf_counter()
             micro = batches.next(n)
-            share, waited = step.train_step(run.net, run.optimizer, run.weights, micro,
-                                            d.device, d.world_size, run.replicated,
-                                            t.max_grad_norm, run.ckpt.before_update)  # fmt: skip
+            share, waited, sums = step.train_step(run.net, run.optimizer, run.weights, micro,
+                                                  d.device, d.world_size, run.replicated,
+                                                  t.max_grad_norm, run.ckpt.before_update,
+                                                  goal)  # fmt: skip
             run.scheduler.step()
             wall = time.perf_counter() - began
-            tally.add(share, micro, own_seconds=wall - waited)
+            tally.add(share, micro, own_seconds=wall - waited, sums=sums)
             done = n + 1
             beat.at(done)
             report.step(done, run.scheduler.get_last_lr()[0], sampler.epoch(done), seconds=wall)
             if done % t.log_every == 0 or done == steps.stop:
                 # The step's one host wait: loss, counts and every rank's own step time.
-                loss_, tokens, flops, seconds = tally.reduce(d.device, d.rank, d.world_size)
-                report.logged(done, loss_, tokens, flops)
+                loss_, tokens, flops, seconds, sums = tally.reduce(d.device, d.rank, d.world_size)
+                report.logged(done, loss_, tokens, flops, **_metrics(sums))
                 if slow.observe(seconds):
                     report.stragglers(slow.named, slow.describe())
             if ds.eval is not None and t.eval_every and done % t.eval_every == 0:
                 report.phase("evaluating")
-                report.evaluated(done, evaluate(run.net, ds, d, t.micro_batch_size))
+                _evaluated(report, done, run.net, ds, d, t.micro_batch_size, goal)
                 evaluated_at = done
             if done % every == 0 and done < steps.stop:
                 _checkpoint(spec, run, done, report)
@@ -376,6 +382,43 @@ def _export(net, spec, tok, out: Path, rank: int, lease: Lease | None, asked) ->
     if agreed[0] is not None:
         message, reason, where = agreed[0]
         raise TrainerError(message, reason=reason, where=where)
+
+
+def _metrics(sums: list[float]) -> dict[str, float]:
+    """The objective's step metrics for progress (DPO: rewards, accuracy, margin); the loss
+    is reported on its own."""
+    if not sums:
+        return {}
+    return {k: v for k, v in preference.means(sums).items() if k != "loss"}
+
+
+def _evaluated(report, step_: int, net, ds: data.Data, d, micro_batch: int, goal) -> None:
+    if isinstance(goal, objective.Dpo):
+        means = evaluate_pairs(net, ds, d, micro_batch, goal)
+        report.evaluated(step_, means.pop("loss"), **means)
+    else:
+        report.evaluated(step_, evaluate(net, ds, d, micro_batch))
+
+
+@torch.no_grad()
+def evaluate_pairs(net, ds: data.Data, d: parallel.Dist, micro_batch: int, goal) -> dict:
+    """DPO's loss, rewards, reward accuracy and margin over the whole eval set (all ranks).
+
+    Every rank runs the same number of forwards (FSDP needs all of them); a rank short of
+    pairs repeats its first one and counts none of it."""
+    net.eval()
+    n = len(ds.eval)
+    mine = list(range(d.rank, n, d.world_size))
+    total = torch.zeros(len(preference.SUMS), dtype=torch.float64, device=d.device)
+    for b in range(math.ceil(n / d.world_size / micro_batch)):
+        indices = mine[b * micro_batch : (b + 1) * micro_batch]
+        rows = ds.rows(indices or mine[:1] or [0], "eval")
+        result = goal.pairs(net, goal.collate(rows, ds.pad_id), d.device)
+        if indices:
+            total += result.sums().to(torch.float64)
+    dist.all_reduce(total)
+    net.train()
+    return preference.means(total.tolist())
 
 
 @torch.no_grad()

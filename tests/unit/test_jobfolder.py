@@ -147,3 +147,14 @@ def test_no_export_is_no_export(tmp_path):
     assert not jobfolder.export_present(tmp_path / "model")
     jobfolder.recover_export(tmp_path / "model")
     assert not (tmp_path / "model").exists()
+
+
+def test_the_objective_and_dpo_settings_change_training():
+    dpo = {"dataset": {"format": "preference"}, "training": {"objective": "dpo"}}
+    base = spec(**dpo)
+    assert 'spec.training.objective: "sft" -> "dpo"' in jobfolder.changes(
+        jobfolder.record("j", spec()), base
+    )
+    beta = spec(dataset=dpo["dataset"], training={"objective": "dpo", "dpo": {"beta": 0.3}})
+    assert any("spec.training.dpo" in line for line in jobfolder.changes(
+        jobfolder.record("j", base), beta))  # fmt: skip

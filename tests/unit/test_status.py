@@ -184,6 +184,9 @@ def test_progress_snapshot_becomes_status_progress():
     }
     assert st.last_checkpoint(snap)["step"] == 20
     assert st.format_eta(75) == "1m15s" and st.format_eta(9) == "9s"
+    dpo = {"rewardAccuracy": 0.75, "rewardMargin": 0.3, "evalRewardAccuracy": 0.7}
+    assert st.progress({**snap, **dpo, "chosenReward": 0.1}).items() >= dpo.items()
+    assert "chosenReward" not in st.progress({**snap, **dpo, "chosenReward": 0.1})
 
 
 def test_conditions_keep_their_transition_time_while_unchanged():

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MODEL_DIR = EXAMPLES / "tiny-model"
-DATA_FILES = ["tiny-text.jsonl", "tiny-chat.jsonl", "tiny-instruct.jsonl"]
+DATA_FILES = ["tiny-text.jsonl", "tiny-chat.jsonl", "tiny-instruct.jsonl", "tiny-pairs.jsonl"]
 
 
 def read_jsonl(name: str) -> list[dict]:
@@ -68,8 +68,9 @@ def test_model_loads_and_starts_near_uniform_loss(tokenizer):
 
 
 def test_records_have_their_fields_and_fit_a_short_context(tokenizer):
-    text, chat, instruct = (read_jsonl(name) for name in DATA_FILES)
+    text, chat, instruct, pairs = (read_jsonl(name) for name in DATA_FILES)
     assert len(text) == len(chat) == len(instruct) == 2000
+    assert len(pairs) == 500 and all(p["chosen"] != p["rejected"] for p in pairs)
     lengths = [len(tokenizer(r["text"]).input_ids) for r in text]
     lengths += [len(tokenizer(r["prompt"] + r["completion"]).input_ids) for r in instruct]
     for record in chat:

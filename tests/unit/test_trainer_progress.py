@@ -83,6 +83,26 @@ def test_progress_is_served_as_json_and_prometheus_and_written_to_file(report, t
     assert events == ["step", "eval"]  # step 2 was not a logged step
 
 
+def test_dpo_metrics_reach_json_prometheus_the_log_line_and_the_bar(report, capsys):
+    from ftjob import screen
+
+    report.begin(0)
+    report.step(1, lr=1e-3, epoch=0.1)
+    dpo = {"chosenReward": 0.2, "rejectedReward": -0.1, "rewardAccuracy": 0.75,
+           "rewardMargin": 0.3}  # fmt: skip
+    report.logged(1, loss=0.6, tokens=100, flops=1e3, **dpo)
+    report.evaluated(1, 0.65, **{**dpo, "rewardAccuracy": 0.5})
+    served = json.loads(get(report, "/progress"))
+    assert {k: served[k] for k in dpo} == dpo
+    assert (served["evalRewardAccuracy"], served["evalRewardMargin"]) == (0.5, 0.3)
+    scraped = get(report, "/metrics")
+    assert "ftjob_reward_accuracy 0.75" in scraped and "ftjob_eval_reward_accuracy 0.5" in scraped
+    said = capsys.readouterr().out
+    assert "acc 0.75  margin 0.3000" in said
+    assert "eval loss 0.6500  reward accuracy 0.50  margin 0.3000" in said
+    assert "reward acc 0.75" in screen.bar_fields(served)["info"]
+
+
 def test_files_are_written_by_their_own_thread_and_nothing_is_lost(tmp_path, monkeypatch):
     """A slow volume holds up the writer thread, never the step; what was reported reaches
     the files by close(), every history line included."""

@@ -1,0 +1,129 @@
+"""What a job trains for: how rows become micro-batches, what a step's loss averages over, the
+loss itself and the metrics beside it. The loop, checkpoints, resume and progress are the same
+for every objective (trainer/step.py, trainer/train.py).
+
+* :class:`NextToken` (training.objective sft): summed next-token loss over the labelled tokens.
+* :class:`Dpo` (training.objective dpo): a micro-batch is whole preference pairs, chosen and
+  rejected rows in one forward (trainer/pairs.py); the loss is trainer/preference.py's, the
+  mean over the step's pairs. The reference (LoRA and QLoRA) is the same network with its
+  adapters disabled
+  (:func:`adapters_off`): no second model in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from ftjob.contract import BAD_SPEC, TrainerError
+from ftjob.spec import FineTuneJobSpec
+from ftjob.trainer import data, pairs, preference
+from ftjob.trainer.loss import model_inputs, token_loss
+
+
+@dataclass(frozen=True)
+class NextToken:
+    """Next-token loss (SFT)."""
+
+    metrics: tuple[str, ...] = ()
+
+    def collate(self, rows: list[dict], pad_id: int) -> data.Batch:
+        return data.collate(rows, pad_id)
+
+    def count(self, batch: data.Batch) -> int:
+        """What the step's loss is a mean over: labelled tokens (a host number)."""
+        return batch.labelled
+
+    def loss(self, net, batch: data.Batch, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The micro-batch's summed loss, and no metric sums."""
+        return token_loss(net, batch, device)[0], None
+
+
+@contextlib.contextmanager
+def adapters_off(net):
+    """The network without its adapters, for the reference forward.
+
+    Not peft's ``disable_adapter``: it also sets requires_grad off and on again, on whatever
+    parameter objects the modules hold at that moment. Under FSDP2 the root group's (the
+    adapted output head's) are the unsharded ones after the reference forward, so the sharded
+    adapters of the head were left marked frozen: they still trained, but checkpoints, which
+    leave frozen parameters out, lacked them and resuming failed on a missing key (seen with
+    the tiny model; tests/e2e/test_dpo_run.py resumes). Only the flag peft's layers read in
+    their forward is set here.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in net.modules() if isinstance(m, BaseTunerLayer)]
+    if not layers:
+        raise TrainerError(
+            "DPO's reference is the network without its adapters, and this one has none",
+            reason=BAD_SPEC,
+            fix="set spec.method.type: lora (or qlora)",
+            where="spec.method.type",
+        )
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False
+
+
+@dataclass(frozen=True)
+class Dpo:
+    """Direct preference optimization against the adapter-free network."""
+
+    beta: float
+    loss_type: str
+    metrics: tuple[str, ...] = preference.SUMS
+
+    def collate(self, rows: list[dict], pad_id: int) -> data.Batch:
+        return data.collate(pairs.sides(rows).rows(), pad_id)
+
+    def count(self, batch: data.Batch) -> int:
+        """What the step's loss is a mean over: pairs (half the rows)."""
+        return batch.input_ids.shape[0] // 2
+
+    def pairs(self, net, batch: data.Batch, device) -> preference.Pairs:
+        on = batch.to(device)
+        inputs = model_inputs(net, on)
+        # The reference first, under no_grad: nothing of it waits for the policy's backward.
+        with torch.no_grad(), adapters_off(net):
+            reference = preference.response_logps(net(**inputs).logits, on.labels)
+        policy = preference.response_logps(net(**inputs).logits, on.labels)
+        return preference.dpo(
+            policy,
+            reference,
+            beta=self.beta,
+            loss_type=self.loss_type,
+            tokens=preference.response_tokens(on.labels),
+        )
+
+    def loss(self, net, batch: data.Batch, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch's summed pair losses, and its metric sums (preference.SUMS)."""
+        result = self.pairs(net, batch, device)
+        return result.losses.sum(), result.sums()
+
+
+Objective = NextToken | Dpo
+
+
+def of(spec: FineTuneJobSpec) -> Objective:
+    """The job's objective; a DPO job on a method it cannot train yet (full: no stored
+    reference log-probabilities yet) is refused here."""
+    settings = spec.training.dpo_settings()
+    if settings is None:
+        return NextToken()
+    if spec.method.type == "full":
+        raise TrainerError(
+            "training.objective dpo needs adapters for now (method.type lora or qlora): its "
+            "reference model is the network with the adapters disabled; a full fine-tune's "
+            "reference log-probabilities, computed once and stored, are not built yet",
+            reason=BAD_SPEC,
+            fix="set spec.method.type: lora (or qlora)",
+            where="spec.method.type",
+        )
+    return Dpo(beta=settings.beta, loss_type=settings.loss_type)

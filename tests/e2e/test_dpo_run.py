@@ -1,0 +1,169 @@
+"""DPO end to end: `ftjob run` of examples/tiny-dpo.yaml (LoRA, 2 processes on CPU) on the
+tiny model and its synthetic preference pairs, whose preference is learnable.
+
+    python -m pytest tests/e2e/test_dpo_run.py -q
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from test_qlora import make_base
+from test_trainer_run import RUN_TIMEOUT, history, losses, rank_pid, run, start
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def tiny_dpo() -> dict:
+    doc = yaml.safe_load((EXAMPLES / "tiny-dpo.yaml").read_text())
+    doc["spec"]["training"]["logEvery"] = 1  # step 1's loss is the untrained policy's
+    doc["spec"]["checkpoint"]["every"] = 8
+    return doc
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("dpo")
+    # Relative sources, as in the example: beside the job file (start() writes it beside
+    # the job's folder).
+    for name in ("tiny-model", "data"):
+        (folder / name).symlink_to(EXAMPLES / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def dpo(runs) -> tuple[Path, str, dict]:
+    doc = tiny_dpo()
+    code, out = run(doc, runs / "tiny-dpo")
+    assert code == 0, out
+    return runs / "tiny-dpo", out, doc
+
+
+@pytest.fixture(scope="module")
+def killed(runs) -> tuple[Path, int, int, str]:
+    """The same job with rank 1 SIGKILLed mid-run, then `ftjob run` once more."""
+    doc, workdir = tiny_dpo(), runs / "killed"
+    doc["spec"]["runPolicy"] = {"inPlaceRestarts": 0}  # the rerun below resumes, not torchrun
+    proc = start(doc, workdir)
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not any(s >= 10 for s in losses(workdir)):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.kill(rank_pid(workdir, 1), signal.SIGKILL)
+    proc.communicate(timeout=RUN_TIMEOUT)
+    killed_at = max(losses(workdir))
+    code, out = run(tiny_dpo(), workdir)
+    return workdir, killed_at, code, out
+
+
+def test_reward_accuracy_rises_well_above_chance_and_the_eval_margin_grows(dpo):
+    workdir, out, _ = dpo
+    steps = history(workdir)
+    assert [s["step"] for s in steps] == list(range(1, 41))
+    # Step 1: the adapters are zero, so the policy is its reference: every reward is 0.
+    first = steps[0]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert (first["rewardAccuracy"], first["rewardMargin"]) == (0.0, 0.0)
+    # Later the policy moves away from the reference (the adapter-free network) and learns.
+    last = steps[-10:]
+    assert sum(s["rewardAccuracy"] for s in last) / 10 > 0.7
+    assert sum(s["loss"] for s in last) / 10 < math.log(2) - 0.05
+    evals = history(workdir, "eval")
+    assert [e["evalStep"] for e in evals] == [20, 40]
+    assert evals[-1]["evalRewardAccuracy"] >= 0.7
+    assert 0 < evals[0]["evalRewardMargin"] < evals[-1]["evalRewardMargin"]
+    assert evals[-1]["evalLoss"] < evals[0]["evalLoss"] < math.log(2)
+    # What `ftjob run` prints: the log lines with the reward accuracy and margin.
+    assert "450 train / 50 eval preference pairs" in out
+    assert "eval  step 40/40  eval loss" in out and "reward accuracy" in out
+
+
+def test_the_exported_adapter_loads_with_peft_and_ranks_the_eval_pairs_as_trained(dpo):
+    """The export, reloaded with peft in one process, gives the eval set's reward accuracy and
+    margin the trainer reported (its reference: the same network with the adapter off)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ftjob.trainer import data, pairs, preference
+
+    workdir, _, doc = dpo
+    reported = history(workdir, "eval")[-1]
+    base = AutoModelForCausalLM.from_pretrained(EXAMPLES / "tiny-model", dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, workdir / "model").eval()
+    tok = AutoTokenizer.from_pretrained(workdir / "model")
+    (folder,) = (workdir / "data").glob("*/eval")
+    held_out = data.Sequences.open(folder)
+    batch = data.collate(pairs.sides(held_out.rows(range(len(held_out)))).rows(), tok.pad_token_id)
+
+    def logps():
+        out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+        return preference.response_logps(out.logits, batch.labels)
+
+    with torch.no_grad():
+        policy = logps()
+        with model.disable_adapter():
+            reference = logps()
+    beta = doc["spec"]["training"]["dpo"]["beta"]
+    got = preference.means(preference.dpo(policy, reference, beta=beta).sums())
+    assert got["rewardAccuracy"] == pytest.approx(reported["evalRewardAccuracy"], abs=1e-6)
+    assert got["rewardMargin"] == pytest.approx(reported["evalRewardMargin"], abs=1e-5)
+    assert got["loss"] == pytest.approx(reported["evalLoss"], abs=1e-5)
+    # Every adapter trained, the output head's too (lora_B starts at zero).
+    from safetensors.torch import load_file
+
+    saved = load_file(workdir / "model" / "adapter_model.safetensors")
+    heads = [k for k in saved if "lora_B" in k]
+    assert len(heads) == 15 and any("lm_head" in k for k in heads)
+    assert all(saved[k].abs().max() > 0 for k in heads), [k for k in heads if not saved[k].any()]
+
+
+def test_a_killed_dpo_run_resumes_to_the_same_losses(killed, dpo):
+    workdir, killed_at, code, out = killed
+    assert code == 0, out
+    assert killed_at < 40 and "resuming from checkpoint" in out
+    resumed, reference = losses(workdir), losses(dpo[0])
+    assert sorted(resumed) == list(range(1, 41))
+    assert max(abs(resumed[s] - reference[s]) for s in resumed) == 0.0
+    final = {k: history(workdir, "eval")[-1][k] for k in ("evalRewardAccuracy", "evalLoss")}
+    assert final == {k: history(dpo[0], "eval")[-1][k] for k in final}
+
+
+@pytest.fixture(scope="module")
+def qlora(runs) -> Path:
+    """DPO with QLoRA: the tiny pairs on a base whose weights split into whole NF4 blocks over
+    two ranks (test_qlora.make_base; the committed tiny model's are too small)."""
+    make_base(runs / "base")
+    doc = tiny_dpo()
+    doc["metadata"]["name"] = "qlora-dpo"
+    spec = doc["spec"]
+    spec["model"]["source"] = "base"
+    spec["method"]["type"] = "qlora"
+    spec["training"].update(maxSteps=20, evalEvery=10)
+    spec["checkpoint"]["every"] = 10
+    code, out = run(doc, runs / "qlora-dpo")
+    assert code == 0, out
+    return runs / "qlora-dpo"
+
+
+def test_qlora_dpo_learns_the_preference_and_checkpoints_every_adapter(qlora):
+    import torch.distributed.checkpoint as dcp
+
+    steps = history(qlora)
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # 4-bit base = reference
+    assert sum(s["rewardAccuracy"] for s in steps[-5:]) / 5 > 0.7
+    evals = history(qlora, "eval")
+    assert [e["evalStep"] for e in evals] == [10, 20]
+    assert evals[-1]["evalRewardAccuracy"] >= 0.7
+    assert 0 < evals[0]["evalRewardMargin"] < evals[-1]["evalRewardMargin"]
+    # Resuming needs every adapter in the checkpoint: 7 modules x 2 layers + the head, A and B.
+    saved = dcp.FileSystemReader(qlora / "checkpoints" / "step-00000010").read_metadata()
+    adapters = [k for k in saved.state_dict_metadata if k.startswith("model.") and "lora" in k]
+    assert len(adapters) == 30 and sum("lm_head" in k for k in adapters) == 2
