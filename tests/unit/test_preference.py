@@ -151,8 +151,9 @@ def test_the_loss_gradient_raises_chosen_and_lowers_rejected():
     assert sums["rewardAccuracy"] == 0.5 and sums["chosenReward"] == pytest.approx(0.025)
 
 
-def test_a_full_fine_tune_dpo_job_is_refused_naming_the_field():
-    from ftjob.contract import BAD_SPEC, TrainerError
+def test_a_full_fine_tune_dpo_job_trains_against_stored_reference_log_probs():
+    """Full: the reference is the initial model's stored log-probabilities (trainer/reference.py);
+    LoRA and QLoRA: the network with its adapters off."""
     from ftjob.trainer import objective
 
     spec = parse_spec(
@@ -163,10 +164,7 @@ def test_a_full_fine_tune_dpo_job_is_refused_naming_the_field():
             "training": {"objective": "dpo", "maxSteps": 1},
         }
     )
-    with pytest.raises(TrainerError) as refused:
-        objective.of(spec)
-    assert refused.value.reason == BAD_SPEC and refused.value.where == "spec.method.type"
-    assert refused.value.fix == "set spec.method.type: lora (or qlora)"
+    assert objective.of(spec) == objective.Dpo(beta=0.1, loss_type="sigmoid", stored=True)
     for method in ("lora", "qlora"):
         adapted = parse_spec({**spec_dict(spec), "method": {"type": method}})
         assert objective.of(adapted) == objective.Dpo(beta=0.1, loss_type="sigmoid")
