@@ -1166,8 +1166,15 @@ class FineTuneJobSpec:
         return t.micro_batch_size * t.gradient_accumulation * self.resources.world_size
 
     @property
+    def sequences_per_example(self) -> int:
+        """Sequences one example of microBatchSize is: 2 for a DPO pair (chosen and rejected
+        run in the same forward), else 1."""
+        return 2 if self.training.objective == "dpo" else 1
+
+    @property
     def tokens_per_step(self) -> int:
-        return self.global_batch_size * self.dataset.max_seq_length
+        """Tokens of one optimizer step, every sequence maxSeqLength long."""
+        return self.global_batch_size * self.sequences_per_example * self.dataset.max_seq_length
 
     def compile_enabled(self, on_gpu: bool) -> bool:
         """Whether the trainer compiles the decoder layers: training.compile when set; unset,
