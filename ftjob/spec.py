@@ -316,6 +316,15 @@ class DpoSpec:
         "log-ratio margin, as TRL computes it).",
         "sigmoid",
     )
+    label_smoothing: float | None = api_field(
+        "labelSmoothing: the share of pairs assumed mislabelled, for the sigmoid loss only "
+        "(conservative DPO): each pair's loss is (1 - e) x its loss plus e x the loss of the "
+        "pair reversed. Unset is 0.",
+        None,
+        minimum=0,
+        maximum=0.5,
+        exclusive_maximum=True,
+    )
 
 
 @dataclass(kw_only=True)
@@ -1067,6 +1076,17 @@ class FineTuneJobSpec:
             "preference data trains with training.objective: dpo; set it, or use a format for "
             "next-token training (text, chat or instruction)",
             ".training.objective",
+        ),
+        Rule(
+            "!has(self.training.dpo) || !has(self.training.dpo.labelSmoothing) || "
+            "!has(self.training.dpo.lossType) || self.training.dpo.lossType == 'sigmoid'",
+            lambda s: (
+                s.training.dpo is None
+                or s.training.dpo.label_smoothing is None
+                or s.training.dpo.loss_type == "sigmoid"
+            ),
+            "labelSmoothing applies to lossType sigmoid only; remove it, or set lossType: sigmoid",
+            ".training.dpo.labelSmoothing",
         ),
         Rule(
             "self.training.objective == 'dpo' || !has(self.training.dpo)",

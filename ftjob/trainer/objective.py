@@ -81,6 +81,7 @@ class Dpo:
     beta: float
     loss_type: str
     stored: bool = False
+    label_smoothing: float = 0.0
     metrics: tuple[str, ...] = preference.SUMS
 
     def collate(self, rows: list[dict], pad_id: int) -> data.Batch:
@@ -118,6 +119,7 @@ class Dpo:
             beta=self.beta,
             loss_type=self.loss_type,
             tokens=preference.response_tokens(on.labels),
+            label_smoothing=self.label_smoothing,
         )
 
     def loss(self, net, batch: data.Batch, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,4 +137,9 @@ def of(spec: FineTuneJobSpec) -> Objective:
     settings = spec.training.dpo_settings()
     if settings is None:
         return NextToken()
-    return Dpo(beta=settings.beta, loss_type=settings.loss_type, stored=spec.method.type == "full")
+    return Dpo(
+        beta=settings.beta,
+        loss_type=settings.loss_type,
+        stored=spec.method.type == "full",
+        label_smoothing=settings.label_smoothing or 0.0,
+    )
