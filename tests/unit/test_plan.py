@@ -583,6 +583,10 @@ def test_dpo_reference_costs_an_adapter_off_forward_with_lora_and_a_stored_pass_
     assert (b.weights, b.optimizer) == (a.weights, a.optimizer)
     text = "\n".join(plan.describe(lora, plan.plan(lora, shape)))
     assert "adapters off: one more forward per micro-batch" in text
+    from ftjob import output
+
+    item = output.plan_result("f.yaml", "n", lora, plan.plan(lora, shape))
+    assert item["referenceFlopsPerToken"] == forward and item["tokensPerStep"] == 2 * 16 * 2048
     # Full: the one-time pass before training, and 8 bytes a pair on the volume.
     full = example("llama3-8b-full-40gb.yaml", **DPO)
     e = plan.estimate(full, shape)
