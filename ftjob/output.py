@@ -93,6 +93,7 @@ def plan_result(path: str, name: str, spec: FineTuneJobSpec, result: plan.Plan) 
         "tokensPerStep": spec.tokens_per_step,
         "flopsPerToken": e.flops_per_token,
         "recomputedFlopsPerToken": e.recomputed_flops_per_token,
+        "referenceFlopsPerToken": e.reference_flops_per_token,  # DPO with adapters
         "stepSeconds": e.step_seconds,
         "mfu": e.mfu,
         "networkBytesPerNodePerStep": int(e.network_bytes_per_node),

@@ -27,6 +27,11 @@ It models what ftjob's trainer does, not an ideal FSDP:
   memory grows by its shards plus the tensor being read (measured: bench --suite loading); the
   files' pages pass through the page cache, which is reclaimable and not counted;
 * checkpoints hold the trainable parameters' weights and AdamW moments (fp32).
+* DPO (training.objective dpo): a pair is two sequences in one forward, and its loss takes the
+  head's full-vocabulary logits in fp32 (not in chunks); LoRA and QLoRA run a reference
+  forward with the adapters off each micro-batch (time, no weights, no kept activations); a
+  full fine-tune runs one forward over every pair before training and stores 8 bytes a pair
+  (two fp32 log-probabilities) on the volume.
 
 MFU counts model FLOPs only (:func:`ftjob.modelshape.model_flops`), as the trainer's live
 figure does; the step time also counts the recomputed forward.
@@ -115,6 +120,8 @@ class Estimate:
     # The assumed share of peak behind step_seconds (ASSUMED_HFU; None without a GPU type).
     hardware_utilisation: float | None = None
     on_gpu: bool = True  # a GPU job fits only if its GPUs and its pods' CPU memory both do
+    # DPO with adapters: the reference forward with them off (not model FLOPs: MFU leaves it out).
+    reference_flops_per_token: float = 0.0
 
     @property
     def per_device(self) -> float:
@@ -135,7 +142,11 @@ class Estimate:
         return (
             self.hardware_utilisation
             * self.flops_per_token
-            / (self.flops_per_token + self.recomputed_flops_per_token)
+            / (
+                self.flops_per_token
+                + self.recomputed_flops_per_token
+                + self.reference_flops_per_token
+            )
         )
 
     @property
@@ -251,7 +262,7 @@ def _estimate(
     gradients = trainable * FP32 / group * states_on_device
     optimizer = 2 * trainable * FP32 / group * states_on_device
 
-    tokens = t.micro_batch_size * spec.dataset.max_seq_length
+    tokens = t.micro_batch_size * spec.sequences_per_example * spec.dataset.max_seq_length
     activations = _activations(spec, shape, tokens, act_bytes, stride) * FRAGMENTATION
     temporaries = _temporaries(method, shape, sharding, act_bytes)
     reserved = GPU_RESERVED_BYTES if on_gpu else PROCESS_BASELINE_BYTES
@@ -264,10 +275,13 @@ def _estimate(
     checkpoint_bytes = 3 * trainable * FP32
 
     flops, recomputed = _flops_per_token(spec, shape, adapter, stride)
+    reference = _reference_flops_per_token(spec, shape) if method != "full" else 0.0
+    if spec.training.objective == "dpo":
+        notes.append(_dpo_note(spec))
     step_seconds = hfu = None
     if gpu:
         hfu = ASSUMED_HFU[method] * (OFFLOAD_SLOWDOWN if offload else 1.0)
-        work = spec.tokens_per_step * (flops + recomputed)
+        work = spec.tokens_per_step * (flops + recomputed + reference)
         step_seconds = work / (world * gpu.peak_bf16_flops * hfu)
     net = _network_bytes_per_node(spec, shape, sharding, trainable, act_bytes)
     bandwidth = node_bandwidth(
@@ -290,6 +304,7 @@ def _estimate(
         checkpoint_bytes=checkpoint_bytes,
         flops_per_token=flops,
         recomputed_flops_per_token=recomputed,
+        reference_flops_per_token=reference,
         checkpoint_stride=stride,
         step_seconds=step_seconds,
         network_bytes_per_node=net,
@@ -394,7 +409,9 @@ def _activations(
     # The loss takes LOSS_CHUNK_TOKENS tokens at a time: that chunk's logits in compute
     # precision and fp32 (the upcast and its gradient) come and go; what stays is the
     # gradient of the hidden states, and under a full fine-tune the head's fp32 gradient.
-    chunk = min(tokens, LOSS_CHUNK_TOKENS)
+    # DPO's loss takes the whole micro-batch's logits: in compute precision, their fp32 copy
+    # that log-softmax keeps for backward, and its fp32 gradient.
+    chunk = tokens if spec.training.objective == "dpo" else min(tokens, LOSS_CHUNK_TOKENS)
     loss = chunk * s.vocab * (nbytes + 2 * FP32) + tokens * h * nbytes
     if spec.method.type == "full":
         loss += s.vocab * h * FP32
@@ -413,6 +430,33 @@ def _flops_per_token(
     # One layer's forward: its weights (and adapters) 2 FLOPs each, attention 4·hidden·seq.
     layer_forward = 2 * (s.layer_params + adapter / s.layers) + 4 * s.hidden * seq
     return flops, recomputed * layer_forward
+
+
+def _reference_flops_per_token(spec: FineTuneJobSpec, s: ModelShape) -> float:
+    """DPO with adapters: the adapter-free forward that gives the reference, per token (its
+    weights 2 FLOPs each, attention 4·hidden·seq per layer); 0 for other objectives."""
+    if spec.training.objective != "dpo":
+        return 0.0
+    return 2 * s.matmul_params + 4 * s.hidden * spec.dataset.max_seq_length * s.layers
+
+
+def reference_pass(spec: FineTuneJobSpec, s: ModelShape) -> tuple[float, float | None]:
+    """A full fine-tune's one-time DPO reference pass: the bytes stored on the volume per pair
+    (two fp32 log-probabilities), and the seconds per 1,000 pairs (None without a GPU type)."""
+    gpu = GPUS.get(spec.resources.gpu_type) if spec.resources.gpu_type else None
+    seconds = None
+    if gpu:
+        tokens = 1000 * spec.sequences_per_example * spec.dataset.max_seq_length
+        forward = 2 * s.matmul_params + 4 * s.hidden * spec.dataset.max_seq_length * s.layers
+        seconds = tokens * forward / (spec.resources.world_size * gpu.peak_bf16_flops
+                                      * ASSUMED_HFU["full"])  # fmt: skip
+    return 2 * FP32, seconds
+
+
+def _dpo_note(spec: FineTuneJobSpec) -> str:
+    if spec.method.type == "full":
+        return "DPO: 2 sequences a pair, reference log-probs computed once and stored"
+    return "DPO: 2 sequences a pair, reference forward with adapters off"
 
 
 def _network_bytes_per_node(spec, s: ModelShape, sharding: str, trainable: int, nbytes: int):
@@ -638,6 +682,8 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
         ),
         ("data", datasize.describe(spec, source_root or _source_root())),
     ]
+    if spec.training.objective == "dpo":
+        rows.append(("reference", _reference_text(spec, s, e)))
     tokens = spec.tokens_per_step
     if e.step_seconds is not None:
         total, steps = "", spec.training.max_steps
@@ -684,6 +730,23 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
         )
     width = max(len(label) for label, _ in rows) + 2
     return [f"{label:<{width}}{text}" for label, text in rows]
+
+
+def _reference_text(spec: FineTuneJobSpec, s: ModelShape, e: Estimate) -> str:
+    """The DPO reference row: what the reference costs for this method."""
+    if spec.method.type != "full":
+        return (
+            "the same network with its adapters off: one more forward per micro-batch "
+            f"(+{e.reference_flops_per_token / e.flops_per_token:.0%} of the step's model "
+            "FLOPs, counted in the step time), no extra weights, no kept activations"
+        )
+    stored, seconds = reference_pass(spec, s)
+    when = f", ~{_duration(seconds)} per 1,000 pairs" if seconds is not None else ""
+    return (
+        "the initial model's log-probabilities, one forward over every pair before training"
+        f"{when}; stored on the volume beside the prepared data, {stored:.0f} bytes a pair "
+        f"({_gib(stored * 1e6)} per million pairs), reused by restarts"
+    )
 
 
 def _tight(e: Estimate) -> bool:

@@ -94,6 +94,7 @@ def api_field(
     minimum: float | None = None,
     maximum: float | None = None,
     exclusive_minimum: bool = False,
+    exclusive_maximum: bool = False,
     pattern: str | None = None,
     pattern_hint: str | None = None,
     min_length: int | None = None,
@@ -121,6 +122,7 @@ def api_field(
         "minimum": minimum,
         "maximum": maximum,
         "exclusive_minimum": exclusive_minimum,
+        "exclusive_maximum": exclusive_maximum,
         "pattern": pattern,
         "pattern_hint": pattern_hint,
         "min_length": min_length,
@@ -185,6 +187,8 @@ def _fix(meta: dict, value: Any) -> str | None:
 def _range_text(meta: dict, what: str) -> str:
     lo, hi = meta["minimum"], meta["maximum"]
     if lo is not None and hi is not None:
+        if meta.get("exclusive_maximum"):
+            return f"{what} of at least {lo:g} and below {hi:g}"
         return f"{what} between {lo:g} and {hi:g}"
     if lo is not None:
         return f"{what} {'greater than' if meta['exclusive_minimum'] else 'of at least'} {lo:g}"
@@ -252,7 +256,7 @@ def _within(meta: dict, value: float) -> bool:
     lo, hi = meta.get("minimum"), meta.get("maximum")
     if lo is not None and (value <= lo if meta.get("exclusive_minimum") else value < lo):
         return False
-    return hi is None or value <= hi
+    return hi is None or (value < hi if meta.get("exclusive_maximum") else value <= hi)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +283,8 @@ class _Number(_Kind):
                 schema["exclusiveMinimum"] = True
         if meta.get("maximum") is not None:
             schema["maximum"] = meta["maximum"]
+            if meta.get("exclusive_maximum"):
+                schema["exclusiveMaximum"] = True
         return schema
 
 

@@ -316,6 +316,15 @@ class DpoSpec:
         "log-ratio margin, as TRL computes it).",
         "sigmoid",
     )
+    label_smoothing: float | None = api_field(
+        "labelSmoothing: the share of pairs assumed mislabelled, for the sigmoid loss only "
+        "(conservative DPO): each pair's loss is (1 - e) x its loss plus e x the loss of the "
+        "pair reversed. Unset is 0.",
+        None,
+        minimum=0,
+        maximum=0.5,
+        exclusive_maximum=True,
+    )
 
 
 @dataclass(kw_only=True)
@@ -1069,6 +1078,17 @@ class FineTuneJobSpec:
             ".training.objective",
         ),
         Rule(
+            "!has(self.training.dpo) || !has(self.training.dpo.labelSmoothing) || "
+            "!has(self.training.dpo.lossType) || self.training.dpo.lossType == 'sigmoid'",
+            lambda s: (
+                s.training.dpo is None
+                or s.training.dpo.label_smoothing is None
+                or s.training.dpo.loss_type == "sigmoid"
+            ),
+            "labelSmoothing applies to lossType sigmoid only; remove it, or set lossType: sigmoid",
+            ".training.dpo.labelSmoothing",
+        ),
+        Rule(
             "self.training.objective == 'dpo' || !has(self.training.dpo)",
             lambda s: s.training.objective == "dpo" or s.training.dpo is None,
             "dpo settings need training.objective: dpo; set it, or remove training.dpo",
@@ -1166,8 +1186,15 @@ class FineTuneJobSpec:
         return t.micro_batch_size * t.gradient_accumulation * self.resources.world_size
 
     @property
+    def sequences_per_example(self) -> int:
+        """Sequences one example of microBatchSize is: 2 for a DPO pair (chosen and rejected
+        run in the same forward), else 1."""
+        return 2 if self.training.objective == "dpo" else 1
+
+    @property
     def tokens_per_step(self) -> int:
-        return self.global_batch_size * self.dataset.max_seq_length
+        """Tokens of one optimizer step, every sequence maxSeqLength long."""
+        return self.global_batch_size * self.sequences_per_example * self.dataset.max_seq_length
 
     def compile_enabled(self, on_gpu: bool) -> bool:
         """Whether the trainer compiles the decoder layers: training.compile when set; unset,

@@ -89,9 +89,18 @@ class Data:
     train: Sequences
     eval: Sequences | None
     pad_id: int
+    folder: Path | None = None  # the prepared data's folder on the volume
+    # A full fine-tune's DPO reference: each split's [pairs, 2] (chosen, rejected) response
+    # log-probabilities under the initial model, memory-mapped (trainer/reference.py).
+    reference: dict[str, np.ndarray] | None = None
 
     def rows(self, indices: list[int], split: str = "train") -> list[dict]:
-        return (self.train if split == "train" else self.eval).rows(indices)
+        rows = (self.train if split == "train" else self.eval).rows(indices)
+        if self.reference is not None:
+            stored = self.reference[split]
+            for row, i in zip(rows, indices, strict=True):
+                row["reference"] = [float(v) for v in stored[i]]
+        return rows
 
 
 def load(
@@ -119,7 +128,7 @@ def load(
             evaluation = evaluation.head(cap)
         else:
             log(f"data: evaluating all {len(evaluation):,} eval {unit}")
-    return Data(train, evaluation, tok.pad_token_id)
+    return Data(train, evaluation, tok.pad_token_id, folder)
 
 
 # ------------------------------------------------------------------------------ batches
@@ -144,19 +153,24 @@ class Batch:
     tokens: int  # real tokens (no padding)
     labelled: int  # next-token targets: (labels[:, 1:] != IGNORE).sum()
     attention_sq: int  # sum of the real documents' length^2 (attention FLOPs)
+    # DPO with stored reference log-probabilities (full fine-tune): [rows] fp32, row by row.
+    reference: torch.Tensor | None = None
 
-    _TENSORS = ("input_ids", "labels", "position_ids", "cu_seqlens")
+    _TENSORS = ("input_ids", "labels", "position_ids", "cu_seqlens", "reference")
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {k: getattr(self, k) for k in self._TENSORS if getattr(self, k) is not None}
 
     def pin(self) -> Batch:
         """This batch in page-locked memory, so that ``to(cuda, non_blocking=True)`` copies
         without the host waiting; itself where there is no CUDA (pinning needs a driver)."""
         if not torch.cuda.is_available():
             return self
-        return replace(self, **{k: getattr(self, k).pin_memory() for k in self._TENSORS})
+        return replace(self, **{k: v.pin_memory() for k, v in self._tensors().items()})
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> Batch:
         """This batch's tensors on ``device``; the host ints stay where they are."""
-        moved = {k: getattr(self, k).to(device, non_blocking=non_blocking) for k in self._TENSORS}
+        moved = {k: v.to(device, non_blocking=non_blocking) for k, v in self._tensors().items()}
         return replace(self, **moved)
 
 

@@ -6,14 +6,15 @@ for every objective (trainer/step.py, trainer/train.py).
 * :class:`Dpo` (training.objective dpo): a micro-batch is whole preference pairs, chosen and
   rejected rows in one forward (trainer/pairs.py); the loss is trainer/preference.py's, the
   mean over the step's pairs. The reference (LoRA and QLoRA) is the same network with its
-  adapters disabled
-  (:func:`adapters_off`): no second model in memory.
+  adapters disabled (:func:`adapters_off`); a full fine-tune's is the initial model's
+  log-probabilities, computed once before training and stored with the data
+  (trainer/reference.py), which each batch carries. No second model in memory either way.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -74,14 +75,27 @@ def adapters_off(net):
 
 @dataclass(frozen=True)
 class Dpo:
-    """Direct preference optimization against the adapter-free network."""
+    """Direct preference optimization against the adapter-free network, or (``stored``, a
+    full fine-tune) against the initial model's stored log-probabilities."""
 
     beta: float
     loss_type: str
+    stored: bool = False
+    label_smoothing: float = 0.0
     metrics: tuple[str, ...] = preference.SUMS
 
     def collate(self, rows: list[dict], pad_id: int) -> data.Batch:
-        return data.collate(pairs.sides(rows).rows(), pad_id)
+        batch = data.collate(pairs.sides(rows).rows(), pad_id)
+        if "reference" not in rows[0]:
+            return batch
+        # Chosen rows then rejected rows, as the sequences are (pairs.Sides).
+        chosen, rejected = zip(*(r["reference"] for r in rows), strict=True)
+        return replace(batch, reference=torch.tensor(chosen + rejected, dtype=torch.float32))
+
+    def policy_logps(self, net, batch: data.Batch, device) -> torch.Tensor:
+        """[2B] response log-probabilities of the batch's rows under ``net`` as it is."""
+        on = batch.to(device)
+        return preference.response_logps(net(**model_inputs(net, on)).logits, on.labels)
 
     def count(self, batch: data.Batch) -> int:
         """What the step's loss is a mean over: pairs (half the rows)."""
@@ -90,9 +104,14 @@ class Dpo:
     def pairs(self, net, batch: data.Batch, device) -> preference.Pairs:
         on = batch.to(device)
         inputs = model_inputs(net, on)
-        # The reference first, under no_grad: nothing of it waits for the policy's backward.
-        with torch.no_grad(), adapters_off(net):
-            reference = preference.response_logps(net(**inputs).logits, on.labels)
+        if self.stored:
+            if on.reference is None:
+                raise RuntimeError("a full fine-tune's DPO batch came without its reference")
+            reference = on.reference
+        else:
+            # The reference first, under no_grad: nothing of it waits for the policy's backward.
+            with torch.no_grad(), adapters_off(net):
+                reference = preference.response_logps(net(**inputs).logits, on.labels)
         policy = preference.response_logps(net(**inputs).logits, on.labels)
         return preference.dpo(
             policy,
@@ -100,6 +119,7 @@ class Dpo:
             beta=self.beta,
             loss_type=self.loss_type,
             tokens=preference.response_tokens(on.labels),
+            label_smoothing=self.label_smoothing,
         )
 
     def loss(self, net, batch: data.Batch, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,18 +132,14 @@ Objective = NextToken | Dpo
 
 
 def of(spec: FineTuneJobSpec) -> Objective:
-    """The job's objective; a DPO job on a method it cannot train yet (full: no stored
-    reference log-probabilities yet) is refused here."""
+    """The job's objective. A full fine-tune's DPO reference is stored log-probabilities
+    (trainer/reference.py attaches them to the data before training)."""
     settings = spec.training.dpo_settings()
     if settings is None:
         return NextToken()
-    if spec.method.type == "full":
-        raise TrainerError(
-            "training.objective dpo needs adapters for now (method.type lora or qlora): its "
-            "reference model is the network with the adapters disabled; a full fine-tune's "
-            "reference log-probabilities, computed once and stored, are not built yet",
-            reason=BAD_SPEC,
-            fix="set spec.method.type: lora (or qlora)",
-            where="spec.method.type",
-        )
-    return Dpo(beta=settings.beta, loss_type=settings.loss_type)
+    return Dpo(
+        beta=settings.beta,
+        loss_type=settings.loss_type,
+        stored=spec.method.type == "full",
+        label_smoothing=settings.label_smoothing or 0.0,
+    )

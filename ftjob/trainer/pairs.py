@@ -68,6 +68,15 @@ def batch(
                 fix="remove the record, or give it both responses, in spec.dataset.source",
             )
         fitted, cut_prompt, cut_response = fit(prompt, chosen, rejected, limit)
+        if fitted[1] == fitted[2]:
+            # Responses that differ only past the cut: nothing is left to prefer.
+            raise DataError(
+                f"{where}: chosen and rejected are the same tokens once cut to "
+                f"dataset.maxSeqLength {limit}: they differ only after token {len(fitted[1])} "
+                "of the response",
+                fix="raise spec.dataset.maxSeqLength, or remove the record from "
+                "spec.dataset.source",
+            )
         for column, ids in zip(COLUMNS[1:], fitted, strict=True):
             out[column].append(ids)
         out["line"].append(line)

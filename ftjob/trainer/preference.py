@@ -6,7 +6,9 @@ of its response tokens' log-probabilities; a pair's implicit rewards are beta ti
 policy's log-ratio to the reference, and the loss pushes the chosen reward above the
 rejected one:
 
-* sigmoid (the DPO paper): -log sigmoid(beta * ((c - c_ref) - (r - r_ref)));
+* sigmoid (the DPO paper): -log sigmoid(beta * ((c - c_ref) - (r - r_ref))); with label
+  smoothing e (conservative DPO, for labels wrong with probability e), the mix
+  -(1 - e) log sigmoid(beta * d) - e log sigmoid(-beta * d) of it and the reversed pair's;
 * ipo: ((c - c_ref) / |c| - (r - r_ref) / |r| - 1 / (2 beta))^2, the log-ratios averaged
   over each response's tokens, as TRL computes it (the IPO authors' normalized form).
 
@@ -96,16 +98,23 @@ def dpo(
     beta: float,
     loss_type: str = "sigmoid",
     tokens: torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
 ) -> Pairs:
     """DPO over a micro-batch: ``policy`` and ``reference`` are [2B] response log-probs
-    (chosen rows then rejected rows); ``tokens`` [2B] response lengths (ipo only)."""
+    (chosen rows then rejected rows); ``tokens`` [2B] response lengths (ipo only);
+    ``label_smoothing`` (sigmoid only) the share of pairs taken as mislabelled."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss type {loss_type!r}: ftjob computes {LOSS_TYPES}")
+    if label_smoothing and loss_type != "sigmoid":
+        raise ValueError("label smoothing applies to the sigmoid loss only")
     chosen, rejected = policy.chunk(2)
     ref_chosen, ref_rejected = reference.detach().chunk(2)
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     if loss_type == "sigmoid":
-        losses = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
+        d = beta * (chosen_ratio - rejected_ratio)
+        losses = -F.logsigmoid(d)
+        if label_smoothing:
+            losses = (1 - label_smoothing) * losses - label_smoothing * F.logsigmoid(-d)
     else:
         if tokens is None:
             raise ValueError("the ipo loss needs each response's token count")

@@ -42,6 +42,7 @@ from ftjob.trainer import (
     preference,
     preflight,
     progress,
+    reference,
     sources,
     step,
     stragglers,
@@ -105,7 +106,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
         downloading=lambda: report.phase("downloading"),
     )
     t = spec.training
-    goal = objective.of(spec)  # a DPO job on a method without a reference fails here, early
+    goal = objective.of(spec)
     torch.manual_seed(t.seed)
 
     # Data first: a bad record fails the job in seconds, before any weights are read.
@@ -129,6 +130,9 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     )
     _plan_progress(report, spec, d, total, run)
     nodes = _loaded(report, d, run)
+    if isinstance(goal, objective.Dpo) and goal.stored:
+        # Before any checkpoint is loaded: the reference is the model as it was loaded.
+        reference.attach(spec, run.net, ds, d, goal, log=report.log)
 
     start = _resume(job_dir, spec, d, run.ckpt, run.net, run.optimizer, run.scheduler, report)
     steps = range(start, total)

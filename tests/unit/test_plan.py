@@ -524,3 +524,81 @@ def test_admission_never_says_fits_on_unchecked_host_memory():
                     "plan.enforce": True})  # fmt: skip
     refused = plan.admission(small)
     assert refused["reason"] == "WillNotFit" and refused["allowed"] is False
+
+
+DPO = {"training.objective": "dpo", "dataset.format": "preference"}
+
+
+def test_dpo_counts_two_sequences_a_pair():
+    """microBatchSize counts pairs under DPO, and a pair is two sequences in one forward: the
+    step's tokens, activations and FLOPs are those of twice the sequences."""
+    sft = example("llama3-8b-lora-efa.yaml", **{"training.activationCheckpointing": "all"})
+    dpo = example("llama3-8b-lora-efa.yaml", **DPO, **{"training.activationCheckpointing": "all"})
+    assert dpo.tokens_per_step == 2 * sft.tokens_per_step
+    shape = known_model(sft.model.source)
+    a, b = plan.estimate(sft, shape), plan.estimate(dpo, shape)
+    assert b.flops_per_token == a.flops_per_token  # per token the same model FLOPs
+    assert b.activations > 2 * a.activations - 1  # twice the sequences (and whole logits)
+    # What `ftjob plan` prints for the tiny DPO example: 2 processes x 4 pairs x 2 x 64 tokens.
+    out = "\n".join(plan.describe(example("tiny-dpo.yaml"), plan.plan(
+        example("tiny-dpo.yaml"), shape_for("tiny", json.loads(
+            (ROOT / "examples/tiny-model/config.json").read_text())))))  # fmt: skip
+    assert "1,024 tokens/step" in out and "DPO: 2 sequences a pair" in out
+
+
+def test_dpo_takes_the_whole_micro_batchs_logits_in_fp32():
+    """Unlike next-token loss (LOSS_CHUNK_TOKENS at a time), DPO's loss holds the whole
+    micro-batch's logits: in compute precision, the fp32 copy and its fp32 gradient."""
+    import dataclasses
+
+    shape = known_model("hf://meta-llama/Meta-Llama-3-8B")
+    bigger = dataclasses.replace(shape, vocab=2 * shape.vocab)
+
+    def vocab_cost(micro_batch):
+        spec = example("llama3-8b-lora-efa.yaml", **DPO, **{"training.microBatchSize":
+                       micro_batch, "training.activationCheckpointing": "all"})  # fmt: skip
+        tokens = micro_batch * 2 * 2048
+        big, small = (plan._activations(spec, s, tokens, 2, 1) for s in (bigger, shape))
+        return big - small
+
+    assert vocab_cost(1) == 2 * 2048 * shape.vocab * (2 + 8)
+    assert vocab_cost(4) == 4 * vocab_cost(1)
+
+
+def test_dpo_reference_costs_an_adapter_off_forward_with_lora_and_a_stored_pass_when_full():
+    shape = known_model("hf://meta-llama/Meta-Llama-3-8B")
+    sft = example("llama3-8b-lora-efa.yaml")
+    lora = example("llama3-8b-lora-efa.yaml", **DPO)
+    a, b = plan.estimate(sft, shape), plan.estimate(lora, shape)
+    # The reference forward: 2 FLOPs a weight and 4·hidden·seq of attention per layer.
+    forward = 2 * shape.matmul_params + 4 * shape.hidden * 2048 * shape.layers
+    assert a.reference_flops_per_token == 0 and b.reference_flops_per_token == forward
+    # Time for twice the tokens, each with its reference forward; not model FLOPs (MFU).
+    work = (b.flops_per_token + b.recomputed_flops_per_token + forward) / (
+        a.flops_per_token + a.recomputed_flops_per_token
+    )
+    assert b.step_seconds == pytest.approx(2 * a.step_seconds * work)
+    assert b.mfu < a.mfu
+    # No extra weights.
+    assert (b.weights, b.optimizer) == (a.weights, a.optimizer)
+    text = "\n".join(plan.describe(lora, plan.plan(lora, shape)))
+    assert "adapters off: one more forward per micro-batch" in text
+    from ftjob import output
+
+    item = output.plan_result("f.yaml", "n", lora, plan.plan(lora, shape))
+    assert item["referenceFlopsPerToken"] == forward and item["tokensPerStep"] == 2 * 16 * 2048
+    # Full: the one-time pass before training, and 8 bytes a pair on the volume.
+    full = example("llama3-8b-full-40gb.yaml", **DPO)
+    e = plan.estimate(full, shape)
+    assert e.reference_flops_per_token == 0
+    stored, seconds = plan.reference_pass(full, shape)
+    assert stored == 8
+    from ftjob.hardware import GPUS
+
+    peak = GPUS[full.resources.gpu_type].peak_bf16_flops
+    assert seconds == pytest.approx(
+        1000 * 2 * 2048 * forward / (full.resources.world_size * peak * plan.ASSUMED_HFU["full"])
+    )
+    text = "\n".join(plan.describe(full, plan.plan(full, shape)))
+    assert "one forward over every pair before training" in text
+    assert "8 bytes a pair (7.6 MiB per million pairs)" in text

@@ -151,8 +151,9 @@ def test_the_loss_gradient_raises_chosen_and_lowers_rejected():
     assert sums["rewardAccuracy"] == 0.5 and sums["chosenReward"] == pytest.approx(0.025)
 
 
-def test_a_full_fine_tune_dpo_job_is_refused_naming_the_field():
-    from ftjob.contract import BAD_SPEC, TrainerError
+def test_a_full_fine_tune_dpo_job_trains_against_stored_reference_log_probs():
+    """Full: the reference is the initial model's stored log-probabilities (trainer/reference.py);
+    LoRA and QLoRA: the network with its adapters off."""
     from ftjob.trainer import objective
 
     spec = parse_spec(
@@ -163,10 +164,7 @@ def test_a_full_fine_tune_dpo_job_is_refused_naming_the_field():
             "training": {"objective": "dpo", "maxSteps": 1},
         }
     )
-    with pytest.raises(TrainerError) as refused:
-        objective.of(spec)
-    assert refused.value.reason == BAD_SPEC and refused.value.where == "spec.method.type"
-    assert refused.value.fix == "set spec.method.type: lora (or qlora)"
+    assert objective.of(spec) == objective.Dpo(beta=0.1, loss_type="sigmoid", stored=True)
     for method in ("lora", "qlora"):
         adapted = parse_spec({**spec_dict(spec), "method": {"type": method}})
         assert objective.of(adapted) == objective.Dpo(beta=0.1, loss_type="sigmoid")
@@ -176,3 +174,51 @@ def spec_dict(spec) -> dict:
     from ftjob.schema import to_dict
 
     return to_dict(spec)
+
+
+@pytest.mark.parametrize("smoothing", [0.1, 0.3])
+def test_label_smoothing_equals_trls_conservative_loss_pair_by_pair(
+    tok, prepared, tmp_path, smoothing
+):
+    """Conservative DPO: -(1 - e) log sigmoid(beta d) - e log sigmoid(-beta d). TRL 1.16's
+    "sigmoid" ignores label_smoothing and its "robust" divides by 1 - 2e; its "aot" is
+    exactly this loss on pairs sorted by d, so with one pair per batch (nothing to sort) it is
+    the reference, pair by pair."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    policy, reference = models()
+    beta = 0.5
+    batch = data.collate(pairs.sides(prepared).rows(), tok.pad_token_id)
+
+    def logps(net):
+        out = net(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+        return preference.response_logps(out.logits, batch.labels)
+
+    with torch.no_grad():
+        ours = preference.dpo(logps(policy), logps(reference), beta=beta,
+                              label_smoothing=smoothing)  # fmt: skip
+        plain = preference.dpo(logps(policy), logps(reference), beta=beta)
+    args = DPOConfig(output_dir=str(tmp_path), beta=beta, loss_type=["aot"],
+                     label_smoothing=smoothing, report_to="none", use_cpu=True, bf16=False,
+                     gradient_checkpointing=False)  # fmt: skip
+    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, processing_class=tok,
+                         train_dataset=Dataset.from_list(ROWS[:1]))  # fmt: skip
+    collate = DataCollatorForPreference(pad_token_id=tok.pad_token_id)
+    keys = ("prompt_ids", "chosen_ids", "rejected_ids")
+    theirs = []
+    for p in prepared:
+        with torch.no_grad():
+            loss = trainer._compute_loss(trainer.model, collate([{k: p[k] for k in keys}]), False)
+        theirs.append(loss.item())
+    assert ours.losses.tolist() == pytest.approx(theirs, abs=1e-5)
+    # Smoothing changes the loss, not the rewards; it is the unsmoothed loss at e = 0.
+    assert (ours.losses - plain.losses).abs().max() > 1e-3
+    assert torch.equal(ours.chosen_rewards, plain.chosen_rewards)
+
+
+def test_label_smoothing_is_for_the_sigmoid_loss_only():
+    with pytest.raises(ValueError, match="sigmoid loss only"):
+        preference.dpo(torch.zeros(2), torch.zeros(2), beta=0.1, loss_type="ipo",
+                       tokens=torch.ones(2), label_smoothing=0.1)  # fmt: skip

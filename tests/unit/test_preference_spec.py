@@ -44,3 +44,12 @@ def test_a_dpo_job_with_its_settings_and_field_names_passes_validator_and_crd():
     spec = parse_spec(doc["spec"])
     assert spec.training.dpo_settings().loss_type == "ipo"
     assert spec.dataset.chosen_field == "good" and spec.dataset.rejected_field == "bad"
+
+
+def test_label_smoothing_below_a_half_with_the_sigmoid_loss_passes_validator_and_crd():
+    doc = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "dpo"}}
+    doc["spec"] = {**DPO, "training": {**DPO["training"], "dpo": {"labelSmoothing": 0.25}}}
+    verdict = validation.check(doc)
+    assert verdict.ok, (verdict.errors, verdict.server_errors)
+    assert parse_spec(doc["spec"]).training.dpo_settings().label_smoothing == 0.25
+    assert parse_spec(DPO).training.dpo_settings().label_smoothing is None  # unset: 0

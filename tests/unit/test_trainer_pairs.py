@@ -168,6 +168,18 @@ def test_a_bad_pair_fails_naming_file_and_line(tok, tmp_path, bad, says):
     assert e.fix
 
 
+def test_a_pair_whose_responses_become_equal_when_cut_fails_naming_file_and_line(tok, tmp_path):
+    """Two responses that differ only past maxSeqLength are the same once fitted."""
+    same_start = " ".join(f"w{i}" for i in range(40))
+    bad = {"prompt": "Q: x? A:", "chosen": f" {same_start} yes", "rejected": f" {same_start} no"}
+    (tmp_path / "fits").mkdir()
+    prepared(tok, tmp_path / "fits", [GOOD, bad], maxSeqLength=256)  # whole, they differ
+    e = error(tok, tmp_path, [GOOD, GOOD, bad], maxSeqLength=16)
+    assert f"{tmp_path / 'pairs.jsonl'} line 3: " in str(e)
+    assert "same tokens once cut to dataset.maxSeqLength 16" in str(e)
+    assert "spec.dataset.maxSeqLength" in e.fix
+
+
 def test_a_missing_response_field_suggests_the_likely_one(tok, tmp_path):
     e = error(tok, tmp_path, [{"prompt": "Q", "preferred": " a", "rejected": " b"}])
     assert e.fix == "set dataset.chosenField: preferred"

@@ -1,0 +1,148 @@
+"""DPO with a full fine-tune: the reference is the initial model's response log-probabilities,
+computed once before training by the sharded network and stored with the prepared data
+(trainer/reference.py). `ftjob run` of examples/tiny-dpo.yaml with method full, on CPU.
+
+    python -m pytest tests/e2e/test_dpo_full.py -q
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_dpo_run import EXAMPLES, tiny_dpo
+from test_trainer_run import RUN_TIMEOUT, history, losses, rank_pid, run, start
+
+
+def full_dpo() -> dict:
+    doc = tiny_dpo()
+    doc["metadata"]["name"] = "full-dpo"
+    doc["spec"]["method"] = {"type": "full"}
+    doc["spec"]["training"]["learningRate"] = 1e-3
+    return doc
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("dpo-full")
+    for name in ("tiny-model", "data"):
+        (folder / name).symlink_to(EXAMPLES / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def full(runs) -> tuple[Path, str]:
+    code, out = run(full_dpo(), runs / "full")
+    assert code == 0, out
+    return runs / "full", out
+
+
+@pytest.fixture(scope="module")
+def killed(runs) -> tuple[Path, int, str, str, float]:
+    """The same job with rank 1 SIGKILLed mid-run, then `ftjob run` once more."""
+    doc, workdir = full_dpo(), runs / "killed"
+    doc["spec"]["runPolicy"] = {"inPlaceRestarts": 0}  # the rerun below resumes, not torchrun
+    proc = start(doc, workdir)
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not any(s >= 10 for s in losses(workdir)):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.kill(rank_pid(workdir, 1), signal.SIGKILL)
+    first, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    killed_at = max(losses(workdir))
+    (stored,) = workdir.glob("data/*/reference-*/train.npy")
+    written = stored.stat().st_mtime_ns
+    code, out = run(full_dpo(), workdir)
+    assert code == 0, out
+    assert stored.stat().st_mtime_ns == written  # the same file, not written again
+    return workdir, killed_at, first, out, written
+
+
+def test_full_dpo_learns_the_preference_and_the_eval_margin_grows(full):
+    workdir, out = full
+    assert "reference log-probs: computed for 500 pairs in" in out  # 450 train + 50 eval
+    steps = history(workdir)
+    assert [s["step"] for s in steps] == list(range(1, 41))
+    # Step 1's policy is the model that computed the reference: rewards ~0, loss ~log 2
+    # (the stored values came from other batches, so only up to rounding).
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert abs(steps[0]["rewardMargin"]) < 1e-4
+    last = steps[-10:]
+    assert sum(s["rewardAccuracy"] for s in last) / 10 > 0.7
+    assert sum(s["loss"] for s in last) / 10 < math.log(2) - 0.05
+    evals = history(workdir, "eval")
+    assert [e["evalStep"] for e in evals] == [20, 40]
+    assert evals[-1]["evalRewardAccuracy"] >= 0.7
+    assert 0 < evals[0]["evalRewardMargin"] < evals[-1]["evalRewardMargin"]
+
+
+def _pairs_batch(folder: Path, pad_id: int):
+    from ftjob.trainer import data, pairs
+
+    held = data.Sequences.open(folder)
+    return data.collate(pairs.sides(held.rows(range(len(held)))).rows(), pad_id)
+
+
+def _logps(model, batch) -> torch.Tensor:
+    from ftjob.trainer import preference
+
+    with torch.no_grad():
+        out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+    return preference.response_logps(out.logits, batch.labels)
+
+
+def test_stored_reference_equals_the_initial_models_log_probs(full):
+    """What the trainer stored (sharded, in its own batches) is what the base model, loaded
+    whole with transformers, gives those pairs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    workdir, _ = full
+    (stored,) = workdir.glob("data/*/reference-*")
+    base = AutoModelForCausalLM.from_pretrained(EXAMPLES / "tiny-model", dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(EXAMPLES / "tiny-model")
+    for split in ("train", "eval"):
+        got = np.load(stored / f"{split}.npy")
+        batch = _pairs_batch(stored.parent / split, tok.pad_token_id or tok.eos_token_id)
+        chosen, rejected = _logps(base.eval(), batch).chunk(2)
+        fresh = torch.stack([chosen, rejected], dim=1).numpy()
+        assert got.shape == fresh.shape and not np.isnan(got).any()
+        np.testing.assert_allclose(got, fresh, rtol=1e-5, atol=1e-4)
+
+
+def test_the_full_export_loads_and_ranks_the_eval_pairs_as_trained(full):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ftjob.trainer import preference
+
+    workdir, _ = full
+    reported = history(workdir, "eval")[-1]
+    model = AutoModelForCausalLM.from_pretrained(workdir / "model", dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(workdir / "model")
+    (stored,) = workdir.glob("data/*/reference-*")
+    reference = torch.from_numpy(np.load(stored / "eval.npy"))
+    batch = _pairs_batch(stored.parent / "eval", tok.pad_token_id)
+    ref = torch.cat([reference[:, 0], reference[:, 1]])
+    beta = full_dpo()["spec"]["training"]["dpo"]["beta"]
+    got = preference.means(preference.dpo(_logps(model, batch), ref, beta=beta).sums())
+    assert got["rewardAccuracy"] == pytest.approx(reported["evalRewardAccuracy"], abs=1e-6)
+    assert got["rewardMargin"] == pytest.approx(reported["evalRewardMargin"], abs=1e-4)
+    assert got["loss"] == pytest.approx(reported["evalLoss"], abs=1e-4)
+
+
+def test_a_killed_full_dpo_run_resumes_to_the_same_losses_reusing_the_reference(killed, full):
+    workdir, killed_at, first, out, _ = killed
+    assert "reference log-probs: computed for 500 pairs" in first
+    assert killed_at < 40 and "resuming from checkpoint" in out
+    assert "reference log-probs: reused from" in out and "reference log-probs: computed" not in out
+    resumed, uninterrupted = losses(workdir), losses(full[0])
+    assert sorted(resumed) == list(range(1, 41))
+    assert max(abs(resumed[s] - uninterrupted[s]) for s in resumed) == 0.0
+    final = {k: history(workdir, "eval")[-1][k] for k in ("evalRewardAccuracy", "evalLoss")}
+    assert final == {k: history(full[0], "eval")[-1][k] for k in final}
