@@ -49,8 +49,19 @@ STEP_METRICS = {
     "tokensPerSecond": "train/tokens_per_second",
     "mfu": "train/mfu",
     "epoch": "train/epoch",
+    # DPO's (training.objective dpo), named as TRL's DPO trainer reports them.
+    "rewardAccuracy": "train/rewards/accuracies",
+    "rewardMargin": "train/rewards/margins",
+    "chosenReward": "train/rewards/chosen",
+    "rejectedReward": "train/rewards/rejected",
 }
-EVAL_METRIC = "eval/loss"
+# An evaluation's: its loss, and DPO's the same as in training (progress keeps them as evalX).
+EVAL_METRICS = {"evalLoss": "eval/loss"} | {
+    "eval" + k[0].upper() + k[1:]: v.replace("train/", "eval/")
+    for k, v in STEP_METRICS.items()
+    if v.startswith("train/rewards/")
+}
+EVAL_METRIC = EVAL_METRICS["evalLoss"]  # the series a resumed MLflow run reads its place from
 
 
 def attach(report, spec: FineTuneJobSpec, name: str, job_dir: Path) -> None:
@@ -91,9 +102,10 @@ def parameters(spec: FineTuneJobSpec) -> dict[str, str]:
 def measured(event: str, snap: dict) -> tuple[int, dict[str, float]]:
     """The step and the metrics a "step" or "eval" event reports."""
     if event == "eval":
-        loss = snap.get("evalLoss")
-        return snap.get("evalStep") or 0, {EVAL_METRIC: loss} if loss is not None else {}
-    return snap["step"], {STEP_METRICS[k]: snap[k] for k in STEP_METRICS if snap.get(k) is not None}
+        step, names = snap.get("evalStep") or 0, EVAL_METRICS
+    else:
+        step, names = snap["step"], STEP_METRICS
+    return step, {names[k]: snap[k] for k in names if snap.get(k) is not None}
 
 
 def reported(job_dir: Path, after: dict[str, int], upto: int) -> list[tuple[str, dict]]:
