@@ -172,7 +172,7 @@ def model_card(spec: FineTuneJobSpec, recorded: dict[str, Any], snapshot: dict[s
         datasets=[data_src.removeprefix("hf://")] if data_src.startswith("hf://") else None,
         library_name="peft" if adapter and not merged else "transformers",
         pipeline_tag="text-generation",
-        tags=["ftjob", spec.method.type, *(["lora"] if adapter else [])],
+        tags=["ftjob", spec.method.type, *(["lora"] if adapter else []), *_objective_tags(spec)],
     )
     repo = repo_id(spec.output.push or "")
     steps = recorded.get("trainedSteps")
@@ -188,6 +188,7 @@ def model_card(spec: FineTuneJobSpec, recorded: dict[str, Any], snapshot: dict[s
         f"- **Steps:** {steps}",
         f"- **Final train loss:** {_num(snapshot.get('loss'))}",
         f"- **Final eval loss:** {_num(snapshot.get('evalLoss'))}",
+        *_preference_lines(spec, snapshot),
         "",
         "## Hyper-parameters",
         "",
@@ -205,7 +206,38 @@ def model_card(spec: FineTuneJobSpec, recorded: dict[str, Any], snapshot: dict[s
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)).content
 
 
+def _objective_tags(spec: FineTuneJobSpec) -> list[str]:
+    return ["dpo"] if spec.training.dpo_settings() else []
+
+
+def _preference_lines(spec: FineTuneJobSpec, snapshot: dict[str, Any]) -> list[str]:
+    """DPO's own outcome: how often the trained model prefers the chosen response of a
+    held-out pair (of a training pair without an evaluation), and by how much."""
+    if not spec.training.dpo_settings():
+        return []
+    if snapshot.get("evalRewardAccuracy") is not None:
+        split, acc, margin = (
+            "eval",
+            snapshot["evalRewardAccuracy"],
+            snapshot.get("evalRewardMargin"),
+        )
+    else:
+        split, acc, margin = "train", snapshot.get("rewardAccuracy"), snapshot.get("rewardMargin")
+    return [
+        f"- **Final {split} reward accuracy:** {_num(acc)}",
+        f"- **Final {split} reward margin:** {_num(margin)}",
+    ]
+
+
 def _method(spec: FineTuneJobSpec) -> str:
+    dpo = spec.training.dpo_settings()
+    what = _weights(spec)
+    if dpo:
+        return f"{what}, trained by DPO on preference pairs (beta {dpo.beta}, {dpo.loss_type} loss)"
+    return what
+
+
+def _weights(spec: FineTuneJobSpec) -> str:
     m = spec.method
     if m.type == "full":
         return "full fine-tune"

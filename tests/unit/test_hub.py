@@ -159,3 +159,31 @@ def test_a_push_with_no_token_at_all_fails_as_hub_push_failed_naming_hf_token(
     assert e.value.reason == contract.HUB_PUSH_FAILED and e.value.where == "spec.output.push"
     assert "HF_TOKEN is not set" in str(e.value) and "HF_TOKEN" in e.value.fix
     assert jobfolder.pushed(tmp_path) is None and report.snapshot.get("pushedTo") is None
+
+
+def test_a_dpo_jobs_card_says_dpo_and_its_held_out_reward_accuracy(tmp_path):
+    from huggingface_hub import ModelCard
+
+    from ftjob.trainer import progress
+
+    job = spec(
+        {"push": "hf://my-org/tuned"},
+        dataset={"source": "hf://org/pairs", "format": "preference", "maxSeqLength": 128},
+        training={"maxSteps": 10, "objective": "dpo", "dpo": {"beta": 0.2}},
+    )
+    report = progress.Progress(tmp_path, True, total=10, world=1)  # what rank 0 reports
+    report.begin(0)
+    report.step(10, 1e-4, 1.0)
+    report.logged(10, 0.55, 100, 0.0, rewardAccuracy=0.9, rewardMargin=0.4,
+                  chosenReward=0.3, rejectedReward=-0.1)  # fmt: skip
+    report.evaluated(10, 0.6, rewardAccuracy=0.75, rewardMargin=0.25,
+                     chosenReward=0.2, rejectedReward=-0.05)  # fmt: skip
+    card = ModelCard(hub.model_card(job, {"trainedSteps": 10}, report.snapshot))
+    assert "dpo" in card.data.tags
+    assert "trained by DPO on preference pairs (beta 0.2, sigmoid loss)" in card.text
+    assert "**Final eval reward accuracy:** 0.7500" in card.text
+    assert "**Final eval reward margin:** 0.2500" in card.text
+    report.close()
+    # Next-token training says nothing of rewards.
+    sft = ModelCard(hub.model_card(spec({"push": "hf://my-org/tuned"}), {}, {"loss": 1.0}))
+    assert "dpo" not in sft.data.tags and "reward" not in sft.text
