@@ -1,5 +1,6 @@
 """DPO end to end: `ftjob run` of examples/tiny-dpo.yaml (LoRA, 2 processes on CPU) on the
-tiny model and its synthetic preference pairs, whose preference is learnable.
+tiny model and its synthetic preference pairs, whose preference is learnable; then the same
+pairs with QLoRA on a base that splits into NF4 blocks. Each is SIGKILLed once and resumed.
 
     python -m pytest tests/e2e/test_dpo_run.py -q
 """
@@ -15,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_qlora import make_base
+from test_qlora import make_base, nf4_reference
 from test_trainer_run import RUN_TIMEOUT, history, losses, rank_pid, run, start
+
+from ftjob.trainer.integrity import COMMITTED
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -86,17 +89,15 @@ def test_reward_accuracy_rises_well_above_chance_and_the_eval_margin_grows(dpo):
     assert "eval  step 40/40  eval loss" in out and "reward accuracy" in out
 
 
-def test_the_exported_adapter_loads_with_peft_and_ranks_the_eval_pairs_as_trained(dpo):
-    """The export, reloaded with peft in one process, gives the eval set's reward accuracy and
-    margin the trainer reported (its reference: the same network with the adapter off)."""
+def assert_ranks_as_reported(base, workdir: Path, beta: float) -> None:
+    """The export on ``base``, reloaded with peft in one process, gives the eval set's reward
+    accuracy, margin and loss the trainer reported (its reference: the adapter off)."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from ftjob.trainer import data, pairs, preference
 
-    workdir, _, doc = dpo
     reported = history(workdir, "eval")[-1]
-    base = AutoModelForCausalLM.from_pretrained(EXAMPLES / "tiny-model", dtype=torch.float32)
     model = PeftModel.from_pretrained(base, workdir / "model").eval()
     tok = AutoTokenizer.from_pretrained(workdir / "model")
     (folder,) = (workdir / "data").glob("*/eval")
@@ -111,11 +112,18 @@ def test_the_exported_adapter_loads_with_peft_and_ranks_the_eval_pairs_as_traine
         policy = logps()
         with model.disable_adapter():
             reference = logps()
-    beta = doc["spec"]["training"]["dpo"]["beta"]
     got = preference.means(preference.dpo(policy, reference, beta=beta).sums())
     assert got["rewardAccuracy"] == pytest.approx(reported["evalRewardAccuracy"], abs=1e-6)
     assert got["rewardMargin"] == pytest.approx(reported["evalRewardMargin"], abs=1e-5)
     assert got["loss"] == pytest.approx(reported["evalLoss"], abs=1e-5)
+
+
+def test_the_exported_adapter_loads_with_peft_and_ranks_the_eval_pairs_as_trained(dpo):
+    from transformers import AutoModelForCausalLM
+
+    workdir, _, doc = dpo
+    base = AutoModelForCausalLM.from_pretrained(EXAMPLES / "tiny-model", dtype=torch.float32)
+    assert_ranks_as_reported(base, workdir, doc["spec"]["training"]["dpo"]["beta"])
     # Every adapter trained, the output head's too (lora_B starts at zero).
     from safetensors.torch import load_file
 
@@ -136,11 +144,9 @@ def test_a_killed_dpo_run_resumes_to_the_same_losses(killed, dpo):
     assert final == {k: history(dpo[0], "eval")[-1][k] for k in final}
 
 
-@pytest.fixture(scope="module")
-def qlora(runs) -> Path:
+def qlora_dpo() -> dict:
     """DPO with QLoRA: the tiny pairs on a base whose weights split into whole NF4 blocks over
     two ranks (test_qlora.make_base; the committed tiny model's are too small)."""
-    make_base(runs / "base")
     doc = tiny_dpo()
     doc["metadata"]["name"] = "qlora-dpo"
     spec = doc["spec"]
@@ -148,9 +154,35 @@ def qlora(runs) -> Path:
     spec["method"]["type"] = "qlora"
     spec["training"].update(maxSteps=20, evalEvery=10)
     spec["checkpoint"]["every"] = 10
-    code, out = run(doc, runs / "qlora-dpo")
+    return doc
+
+
+@pytest.fixture(scope="module")
+def qlora(runs) -> Path:
+    make_base(runs / "base")
+    code, out = run(qlora_dpo(), runs / "qlora-dpo")
     assert code == 0, out
     return runs / "qlora-dpo"
+
+
+@pytest.fixture(scope="module")
+def qlora_killed(runs, qlora) -> tuple[Path, int, int, str]:
+    """The QLoRA job with rank 1 SIGKILLed once its step-10 checkpoint is committed and a later
+    step has been logged, then `ftjob run` once more."""
+    doc, workdir = qlora_dpo(), runs / "qlora-killed"
+    doc["spec"]["runPolicy"] = {"inPlaceRestarts": 0}  # the rerun below resumes, not torchrun
+    proc = start(doc, workdir)
+    committed = workdir / "checkpoints" / "step-00000010" / COMMITTED
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not (committed.is_file() and max(losses(workdir), default=0) > 10):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.kill(rank_pid(workdir, 1), signal.SIGKILL)
+    proc.communicate(timeout=RUN_TIMEOUT)
+    killed_at = max(losses(workdir))
+    code, out = run(qlora_dpo(), workdir)
+    return workdir, killed_at, code, out
 
 
 def test_qlora_dpo_learns_the_preference_and_checkpoints_every_adapter(qlora):
@@ -167,3 +199,21 @@ def test_qlora_dpo_learns_the_preference_and_checkpoints_every_adapter(qlora):
     saved = dcp.FileSystemReader(qlora / "checkpoints" / "step-00000010").read_metadata()
     adapters = [k for k in saved.state_dict_metadata if k.startswith("model.") and "lora" in k]
     assert len(adapters) == 30 and sum("lm_head" in k for k in adapters) == 2
+
+
+def test_a_killed_qlora_dpo_run_resumes_to_the_same_losses(qlora_killed, qlora):
+    workdir, killed_at, code, out = qlora_killed
+    assert code == 0, out
+    assert 10 < killed_at < 20 and "(step 10)" in out, (killed_at, out)
+    resumed, uninterrupted = losses(workdir), losses(qlora)
+    assert sorted(resumed) == list(range(1, 21))
+    assert max(abs(resumed[s] - uninterrupted[s]) for s in resumed) == 0.0
+    final = {k: history(workdir, "eval")[-1][k] for k in ("evalRewardAccuracy", "evalLoss")}
+    assert final == {k: history(qlora, "eval")[-1][k] for k in final}
+
+
+def test_the_qlora_adapter_loads_with_peft_on_the_4bit_base_and_ranks_as_trained(qlora, runs):
+    """On the base quantized to NF4 as the trainer did (fp32 on CPU), the adapter and its
+    adapter-off reference give the reported eval metrics."""
+    base = nf4_reference(runs / "base", torch.float32)
+    assert_ranks_as_reported(base, qlora, qlora_dpo()["spec"]["training"]["dpo"]["beta"])
