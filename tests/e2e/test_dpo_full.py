@@ -8,16 +8,13 @@ computed once before training by the sharded network and stored with the prepare
 from __future__ import annotations
 
 import math
-import os
-import signal
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from test_dpo_run import EXAMPLES, tiny_dpo
-from test_trainer_run import RUN_TIMEOUT, history, losses, rank_pid, run, start
+from test_dpo_run import EXAMPLES, beside_the_examples, killed_mid_run, past_step_10, tiny_dpo
+from test_trainer_run import history, losses, run
 
 
 def full_dpo() -> dict:
@@ -30,10 +27,7 @@ def full_dpo() -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("dpo-full")
-    for name in ("tiny-model", "data"):
-        (folder / name).symlink_to(EXAMPLES / name)
-    return folder
+    return beside_the_examples(tmp_path_factory.mktemp("dpo-full"))
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +40,8 @@ def full(runs) -> tuple[Path, str]:
 @pytest.fixture(scope="module")
 def killed(runs) -> tuple[Path, int, str, str, float]:
     """The same job with rank 1 SIGKILLed mid-run, then `ftjob run` once more."""
-    doc, workdir = full_dpo(), runs / "killed"
-    doc["spec"]["runPolicy"] = {"inPlaceRestarts": 0}  # the rerun below resumes, not torchrun
-    proc = start(doc, workdir)
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while not any(s >= 10 for s in losses(workdir)):
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    os.kill(rank_pid(workdir, 1), signal.SIGKILL)
-    first, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    killed_at = max(losses(workdir))
+    workdir = runs / "killed"
+    killed_at, first = killed_mid_run(full_dpo(), workdir, past_step_10)
     (stored,) = workdir.glob("data/*/reference-*/train.npy")
     written = stored.stat().st_mtime_ns
     code, out = run(full_dpo(), workdir)

@@ -31,14 +31,36 @@ def tiny_dpo() -> dict:
     return doc
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("dpo")
-    # Relative sources, as in the example: beside the job file (start() writes it beside
-    # the job's folder).
+def killed_mid_run(doc: dict, workdir: Path, ready) -> tuple[int, str]:
+    """Run ``doc`` in ``workdir`` and SIGKILL rank 1 once ``ready(workdir)`` holds: the last
+    step logged and the killed run's output. No restart in place: a rerun resumes."""
+    doc["spec"]["runPolicy"] = {"inPlaceRestarts": 0}
+    proc = start(doc, workdir)
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not ready(workdir):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.kill(rank_pid(workdir, 1), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    return max(losses(workdir)), out
+
+
+def past_step_10(workdir: Path) -> bool:
+    return any(s >= 10 for s in losses(workdir))
+
+
+def beside_the_examples(folder: Path) -> Path:
+    """A folder for job folders whose job files name the example's relative sources (start()
+    writes the job file beside the job's folder)."""
     for name in ("tiny-model", "data"):
         (folder / name).symlink_to(EXAMPLES / name)
     return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return beside_the_examples(tmp_path_factory.mktemp("dpo"))
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +74,8 @@ def dpo(runs) -> tuple[Path, str, dict]:
 @pytest.fixture(scope="module")
 def killed(runs) -> tuple[Path, int, int, str]:
     """The same job with rank 1 SIGKILLed mid-run, then `ftjob run` once more."""
-    doc, workdir = tiny_dpo(), runs / "killed"
-    doc["spec"]["runPolicy"] = {"inPlaceRestarts": 0}  # the rerun below resumes, not torchrun
-    proc = start(doc, workdir)
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while not any(s >= 10 for s in losses(workdir)):
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    os.kill(rank_pid(workdir, 1), signal.SIGKILL)
-    proc.communicate(timeout=RUN_TIMEOUT)
-    killed_at = max(losses(workdir))
+    workdir = runs / "killed"
+    killed_at, _ = killed_mid_run(tiny_dpo(), workdir, past_step_10)
     code, out = run(tiny_dpo(), workdir)
     return workdir, killed_at, code, out
 
@@ -169,18 +182,13 @@ def qlora(runs) -> Path:
 def qlora_killed(runs, qlora) -> tuple[Path, int, int, str]:
     """The QLoRA job with rank 1 SIGKILLed once its step-10 checkpoint is committed and a later
     step has been logged, then `ftjob run` once more."""
-    doc, workdir = qlora_dpo(), runs / "qlora-killed"
-    doc["spec"]["runPolicy"] = {"inPlaceRestarts": 0}  # the rerun below resumes, not torchrun
-    proc = start(doc, workdir)
+    workdir = runs / "qlora-killed"
     committed = workdir / "checkpoints" / "step-00000010" / COMMITTED
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while not (committed.is_file() and max(losses(workdir), default=0) > 10):
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    os.kill(rank_pid(workdir, 1), signal.SIGKILL)
-    proc.communicate(timeout=RUN_TIMEOUT)
-    killed_at = max(losses(workdir))
+
+    def ready(workdir: Path) -> bool:
+        return committed.is_file() and max(losses(workdir), default=0) > 10
+
+    killed_at, _ = killed_mid_run(qlora_dpo(), workdir, ready)
     code, out = run(qlora_dpo(), workdir)
     return workdir, killed_at, code, out
 
