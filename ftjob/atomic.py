@@ -6,8 +6,10 @@ other processes -- other ranks, another node, ``ftjob run``, a person -- while t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import threading
 import uuid
 from pathlib import Path
@@ -41,3 +43,24 @@ def create_json(path: Path, value: Any) -> bool:
         return False
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def new_folder(folder: Path, marker: str = "info.json"):
+    """A temporary folder beside ``folder`` to fill, renamed into place whole when the block
+    ends without an error: a crash leaves no half-written folder, only a temporary one the
+    next attempt removes. Folders made this way are named by a key of their contents, so when
+    another process committed the same folder first (its ``marker`` is there) its copy is as
+    good as ours and ours is dropped."""
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        try:
+            tmp.rename(folder)
+        except OSError:
+            if not (folder / marker).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerBase
 
+from ftjob import atomic
 from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer import pairs, records, tokenize
 from ftjob.trainer.records import DataError
@@ -124,22 +125,11 @@ def prepare(
     if not is_main:
         return wait(folder)
     started = time.monotonic()
-    tmp = root / f".{folder.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic.new_folder(folder) as tmp:
         info = _build(spec, tok, tmp, log, on_progress or (lambda _: None))
         info["seconds"] = round(time.monotonic() - started, 1)
         (tmp / "info.json").write_text(json.dumps(info, indent=1))
         shutil.rmtree(tmp / "cache", ignore_errors=True)
-        try:
-            tmp.rename(folder)
-        except OSError:
-            if not (folder / "info.json").exists():
-                raise
-            # Another job with the same key committed first; its copy is as good as ours.
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log(f"data: prepared in {info['seconds']:.1f} s into {folder}")
     return folder
 
@@ -220,20 +210,7 @@ def _sequences(table, tok, ds, name, template, out: Path, log, on_progress) -> d
     meter = Meter("tokenizing", len(table), log, on_progress)
     fn_kwargs = {"tok": tok, "ds": ds, "name": name, "template": template,
                  "limit": None if strategy == "wrapped" else n}  # fmt: skip
-    parts = []
-    for start in range(0, len(table), SHARD):
-        part = table.select(range(start, min(start + SHARD, len(table)))).with_format("arrow")
-        parts.append(
-            part.map(
-                tokenize.batch,
-                batched=True,
-                num_proc=procs,
-                fn_kwargs=fn_kwargs,
-                remove_columns=part.column_names,
-                new_fingerprint=f"tokens-{out.name}-{start}",  # hashing a tokenizer is slow
-            )
-        )
-        meter.update(start + len(part), force=True)
+    parts = _map_in_shards(table, tokenize.batch, fn_kwargs, f"tokens-{out.name}", meter)
     tokens = datasets.concatenate_datasets(parts).with_format(None)
     if len(tokens) == 0:
         raise DataError(f"{name}: no record has a token to learn from (all labels masked)")
@@ -282,21 +259,7 @@ def _pairs(table, tok, ds, name, template, out: Path, log, on_progress) -> dict:
     n, procs = ds.max_seq_length, _processes(len(table))
     meter = Meter("tokenizing", len(table), log, on_progress)
     fn_kwargs = {"tok": tok, "ds": ds, "name": name, "template": template, "limit": n}
-    parts = []
-    for start in range(0, len(table), SHARD):
-        part = table.select(range(start, min(start + SHARD, len(table)))).with_format("arrow")
-        parts.append(
-            part.map(
-                pairs.batch,
-                batched=True,
-                num_proc=procs,
-                fn_kwargs=fn_kwargs,
-                remove_columns=part.column_names,
-                new_fingerprint=f"pairs-{out.name}-{start}",  # hashing a tokenizer is slow
-            )
-        )
-        meter.update(start + len(part), force=True)
-    tokens = _concat(parts)
+    tokens = _concat(_map_in_shards(table, pairs.batch, fn_kwargs, f"pairs-{out.name}", meter))
     counts = tokens.data.table
     cut_prompt = counts.column("cut_prompt").to_numpy()
     cut_response = counts.column("cut_response").to_numpy()
@@ -445,6 +408,26 @@ def _one_length(ids: pa.ChunkedArray) -> pa.Array:
     lengths = pc.list_value_length(ids).combine_chunks().cast(pa.int32())
     offsets = pa.array(np.arange(len(lengths) + 1, dtype=np.int32))
     return pa.ListArray.from_arrays(offsets, lengths)
+
+
+def _map_in_shards(table, fn, fn_kwargs: dict, tag: str, meter: Meter) -> list:
+    """``fn`` over the records (``datasets.map``, batched, over Arrow, in worker processes
+    when there are many), SHARD records at a time so that the meter moves between them."""
+    procs, parts = _processes(len(table)), []
+    for start in range(0, len(table), SHARD):
+        part = table.select(range(start, min(start + SHARD, len(table)))).with_format("arrow")
+        parts.append(
+            part.map(
+                fn,
+                batched=True,
+                num_proc=procs,
+                fn_kwargs=fn_kwargs,
+                remove_columns=part.column_names,
+                new_fingerprint=f"{tag}-{start}",  # hashing a tokenizer is slow
+            )
+        )
+        meter.update(start + len(part), force=True)
+    return parts
 
 
 def _processes(count: int) -> int | None:

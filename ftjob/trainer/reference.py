@@ -18,8 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ftjob import atomic
 from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer import data, model, parallel
 
@@ -122,20 +121,9 @@ def _compute(net, ds: data.Data, split: str, d: parallel.Dist, micro_batch: int,
 
 def _write(folder: Path, values: dict[str, np.ndarray], began: float) -> None:
     """The arrays and an info.json, renamed into place at once (a crash leaves no half)."""
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic.new_folder(folder) as tmp:
         for name, table in values.items():
             np.save(tmp / f"{name}.npy", table)
         info = {"pairs": {k: len(v) for k, v in values.items()},
                 "seconds": round(time.monotonic() - began, 1)}  # fmt: skip
         (tmp / "info.json").write_text(json.dumps(info, indent=1))
-        try:
-            tmp.rename(folder)
-        except OSError:
-            if not (folder / "info.json").exists():
-                raise
-            # Another job with the same key committed first; its values are the same.
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
