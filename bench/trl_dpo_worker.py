@@ -82,7 +82,8 @@ def ftjob_adapter_init(model, seed: int) -> None:
                     layer.reset_lora_parameters(name, model.peft_config[name].init_lora_weights)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The worker's arguments (bench.dpo.trl_args builds them from the suite's Setup)."""
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True)
@@ -97,7 +98,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--in-order", action="store_true", help="no shuffle: the file's order")
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the rates")
-    a = p.parse_args()
+    return p
+
+
+def main() -> None:
+    a = parser().parse_args()
     from peft import LoraConfig, get_peft_model
 
     tok = AutoTokenizer.from_pretrained(a.model)
