@@ -30,6 +30,7 @@ CPU_SUITES = [
     "memory",
     "data",
     "accumulation",
+    "dpo",
 ]
 ALL_SUITES = [*CPU_SUITES, "gpu"]
 

@@ -141,3 +141,78 @@ def test_request_keys_name_the_resource_the_verb_and_the_subresource():
     assert request_key("GET", "/apis/ftjob.dev/v1alpha1/finetunejobs", True) == "WATCH finetunejobs"
     assert request_key("GET", "/apis", False) == "GET discovery"
     assert request_key("GET", "/version", False) == "GET other"
+
+
+def test_the_dpo_suites_two_sides_get_the_same_settings(tmp_path):
+    """The ftjob job is a valid DPO LoRA FineTuneJob, and the TRL worker's own parser reads
+    the same model, data, lengths, batch, steps, optimizer, beta and LoRA from its arguments."""
+    from bench import dpo
+    from bench.trl_dpo_worker import parser
+
+    s = dpo.FULL
+    _, spec = parse_resource(dpo.job("d", tmp_path, tmp_path / "pairs.jsonl", s))
+    assert spec.training.objective == "dpo" and spec.dataset.format == "preference"
+    assert spec.resources.world_size == s.processes == 2 and spec.checkpoint.every > s.steps
+    lora = spec.method.lora_settings()
+    settings = spec.training.dpo_settings()
+    a = parser().parse_args(dpo.trl_args(tmp_path, tmp_path / "ordered.jsonl", s))
+    assert (a.steps, a.seq, a.micro_batch) == (
+        spec.training.max_steps,
+        spec.dataset.max_seq_length,
+        spec.training.micro_batch_size,
+    )
+    assert (a.lr, a.beta, a.seed) == (
+        spec.training.learning_rate,
+        settings.beta,
+        spec.training.seed,
+    )
+    assert settings.loss_type == "sigmoid" and spec.training.weight_decay == 0.0
+    assert (a.lora_r, a.lora_alpha) == (lora.r, lora.alpha) and lora.dropout == 0.0
+    assert a.targets.split(",") == lora.target_modules
+    assert a.in_order and a.skip == s.skip
+
+
+@pytest.mark.parametrize("micro_batch", [1, 3])
+def test_trl_in_order_gets_the_micro_batches_ftjob_samples(micro_batch):
+    """The file order the suite writes for TRL, sharded as accelerate shards an unshuffled
+    set, gives each rank at each step the pairs ftjob's sampler gives it."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    from bench import dpo
+    from ftjob.trainer.data import Sampler
+
+    s = dpo.Setup("tiny", micro_batch=micro_batch, steps=5)
+    order = dpo.ftjob_order(s, n=64)
+    assert len(order) == s.steps * s.processes * micro_batch
+    sampler = Sampler(64, s.seed, s.processes, micro_batch, 1)
+    for rank in range(s.processes):
+        batches = BatchSampler(SequentialSampler(order), micro_batch, drop_last=False)
+        theirs = [[order[i] for i in b] for b in BatchSamplerShard(batches, s.processes, rank)]
+        assert theirs == [sampler.indices(step, 0, rank) for step in range(s.steps)]
+
+
+def test_the_dpo_suites_pairs_fit_the_sequence_length_untruncated(tmp_path):
+    import json
+
+    from transformers import AutoTokenizer
+
+    from bench import dpo
+
+    tok = AutoTokenizer.from_pretrained(common.TINY_MODEL)
+    path = dpo.synthetic(tmp_path / "p.jsonl", tok, seq=128, count=20)
+    pairs = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(pairs) == 20 and all(p["chosen"] != p["rejected"] for p in pairs)
+    for p in pairs:
+        longer = max(len(tok(p["prompt"] + p[k])["input_ids"]) for k in ("chosen", "rejected"))
+        assert 64 < longer + 1 <= 128  # + EOS: filled, and nothing for either side to cut
+
+
+def test_dpo_steady_rates_leave_out_the_warm_up_steps():
+    from bench import dpo
+
+    # tokensSeen grows 100 a step; steps 3 and 4 take 1 s and 0.5 s.
+    log = [{"event": "step", "step": k, "tokensSeen": 100 * k, "tokensPerSecond": t}
+           for k, t in [(1, 10.0), (2, 50.0), (3, 100.0), (4, 200.0)]]  # fmt: skip
+    assert dpo.steady(log + [{"event": "eval"}], skip=2, pairs_per_step=2) == (4 / 1.5, 200 / 1.5)
+    assert dpo.steady(log, skip=4, pairs_per_step=2) == (None, None)
