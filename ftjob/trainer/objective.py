@@ -14,9 +14,11 @@ for every objective (trainer/step.py, trainer/train.py).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from ftjob.contract import BAD_SPEC, TrainerError
 from ftjob.spec import FineTuneJobSpec
@@ -29,6 +31,7 @@ class NextToken:
     """Next-token loss (SFT)."""
 
     metrics: tuple[str, ...] = ()
+    unit: str = "sequences"  # what a data set holds, in the log
 
     def collate(self, rows: list[dict], pad_id: int) -> data.Batch:
         return data.collate(rows, pad_id)
@@ -40,6 +43,27 @@ class NextToken:
     def loss(self, net, batch: data.Batch, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The micro-batch's summed loss, and no metric sums."""
         return token_loss(net, batch, device)[0], None
+
+    def step_metrics(self, sums: list[float]) -> dict[str, float]:
+        return {}
+
+    @torch.no_grad()
+    def evaluate(self, net, ds: data.Data, d, micro_batch: int) -> tuple[float, dict]:
+        """Mean next-token loss over the whole eval set (all ranks), and no other metric."""
+        net.eval()
+        total = torch.zeros((), dtype=torch.float64, device=d.device)
+        labelled = 0
+        for batch in data.eval_batches(ds, d.rank, d.world_size, micro_batch):
+            part, count = token_loss(net, batch, d.device)
+            total += part
+            labelled += count  # a host count: the loop never waits for the device
+        device = d.device
+        sums = torch.stack(
+            [total, torch.tensor(float(labelled), dtype=torch.float64, device=device)]
+        )
+        dist.all_reduce(sums)
+        net.train()
+        return float(sums[0] / sums[1]), {}
 
 
 @contextlib.contextmanager
@@ -83,6 +107,7 @@ class Dpo:
     stored: bool = False
     label_smoothing: float = 0.0
     metrics: tuple[str, ...] = preference.SUMS
+    unit: str = "preference pairs"
 
     def collate(self, rows: list[dict], pad_id: int) -> data.Batch:
         batch = data.collate(pairs.sides(rows).rows(), pad_id)
@@ -126,6 +151,31 @@ class Dpo:
         """The micro-batch's summed pair losses, and its metric sums (preference.SUMS)."""
         result = self.pairs(net, batch, device)
         return result.losses.sum(), result.sums()
+
+    def step_metrics(self, sums: list[float]) -> dict[str, float]:
+        """A logged step's rewards, accuracy and margin from its reduced sums (the loss is
+        reported on its own)."""
+        return {k: v for k, v in preference.means(sums).items() if k != "loss"}
+
+    @torch.no_grad()
+    def evaluate(self, net, ds: data.Data, d, micro_batch: int) -> tuple[float, dict]:
+        """DPO's loss, and its rewards, reward accuracy and margin, over the whole eval set
+        (all ranks). Every rank runs the same number of forwards (FSDP needs all of them); a
+        rank short of pairs repeats its first one and counts none of it."""
+        net.eval()
+        n = len(ds.eval)
+        mine = list(range(d.rank, n, d.world_size))
+        total = torch.zeros(len(preference.SUMS), dtype=torch.float64, device=d.device)
+        for b in range(math.ceil(n / d.world_size / micro_batch)):
+            indices = mine[b * micro_batch : (b + 1) * micro_batch]
+            rows = ds.rows(indices or mine[:1] or [0], "eval")
+            result = self.pairs(net, self.collate(rows, ds.pad_id), d.device)
+            if indices:
+                total += result.sums().to(torch.float64)
+        dist.all_reduce(total)
+        net.train()
+        means = preference.means(total.tolist())
+        return means.pop("loss"), means
 
 
 Objective = NextToken | Dpo

@@ -10,7 +10,6 @@ phase by phase (ftjob.contract.PHASES), from the first second.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import resource
 import shutil
@@ -39,7 +38,6 @@ from ftjob.trainer import (
     model,
     objective,
     parallel,
-    preference,
     preflight,
     progress,
     reference,
@@ -120,12 +118,11 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     total = t.max_steps or sampler.steps_for(t.epochs)
 
     report.phase("loading")
-    unit = "preference pairs" if isinstance(goal, objective.Dpo) else "sequences"
     run = _load(spec, tok, d, job_dir, lease, total)
     report.log(
         f"{name}: {spec.method.type} fine-tune of {asked.model.source}, {run.params:,} "
         f"parameters ({run.trainable:,} trained), {run.sharding} sharding over "
-        f"{d.world_size} ranks, {len(ds.train)} train / {len(ds.eval or [])} eval {unit}, "
+        f"{d.world_size} ranks, {len(ds.train)} train / {len(ds.eval or [])} eval {goal.unit}, "
         f"{total} steps" + run.speed_note()
     )
     _plan_progress(report, spec, d, total, run)
@@ -297,7 +294,7 @@ def _train(spec, d, run: Run, ds, sampler, steps: range, report, beat, nodes, go
             if done % t.log_every == 0 or done == steps.stop:
                 # The step's one host wait: loss, counts and every rank's own step time.
                 loss_, tokens, flops, seconds, sums = tally.reduce(d.device, d.rank, d.world_size)
-                report.logged(done, loss_, tokens, flops, **_metrics(sums))
+                report.logged(done, loss_, tokens, flops, **goal.step_metrics(sums))
                 if slow.observe(seconds):
                     report.stragglers(slow.named, slow.describe())
             if ds.eval is not None and t.eval_every and done % t.eval_every == 0:
@@ -388,57 +385,9 @@ def _export(net, spec, tok, out: Path, rank: int, lease: Lease | None, asked) ->
         raise TrainerError(message, reason=reason, where=where)
 
 
-def _metrics(sums: list[float]) -> dict[str, float]:
-    """The objective's step metrics for progress (DPO: rewards, accuracy, margin); the loss
-    is reported on its own."""
-    if not sums:
-        return {}
-    return {k: v for k, v in preference.means(sums).items() if k != "loss"}
-
-
 def _evaluated(report, step_: int, net, ds: data.Data, d, micro_batch: int, goal) -> None:
-    if isinstance(goal, objective.Dpo):
-        means = evaluate_pairs(net, ds, d, micro_batch, goal)
-        report.evaluated(step_, means.pop("loss"), **means)
-    else:
-        report.evaluated(step_, evaluate(net, ds, d, micro_batch))
-
-
-@torch.no_grad()
-def evaluate_pairs(net, ds: data.Data, d: parallel.Dist, micro_batch: int, goal) -> dict:
-    """DPO's loss, rewards, reward accuracy and margin over the whole eval set (all ranks).
-
-    Every rank runs the same number of forwards (FSDP needs all of them); a rank short of
-    pairs repeats its first one and counts none of it."""
-    net.eval()
-    n = len(ds.eval)
-    mine = list(range(d.rank, n, d.world_size))
-    total = torch.zeros(len(preference.SUMS), dtype=torch.float64, device=d.device)
-    for b in range(math.ceil(n / d.world_size / micro_batch)):
-        indices = mine[b * micro_batch : (b + 1) * micro_batch]
-        rows = ds.rows(indices or mine[:1] or [0], "eval")
-        result = goal.pairs(net, goal.collate(rows, ds.pad_id), d.device)
-        if indices:
-            total += result.sums().to(torch.float64)
-    dist.all_reduce(total)
-    net.train()
-    return preference.means(total.tolist())
-
-
-@torch.no_grad()
-def evaluate(net, ds: data.Data, d: parallel.Dist, micro_batch: int) -> float:
-    """Mean next-token loss over the whole eval set (all ranks)."""
-    net.eval()
-    total = torch.zeros((), dtype=torch.float64, device=d.device)
-    labelled = 0
-    for batch in data.eval_batches(ds, d.rank, d.world_size, micro_batch):
-        part, count = loss.token_loss(net, batch, d.device)
-        total += part
-        labelled += count  # a host count: the loop never waits for the device
-    sums = torch.stack([total, torch.tensor(float(labelled), dtype=torch.float64, device=d.device)])
-    dist.all_reduce(sums)
-    net.train()
-    return float(sums[0] / sums[1])
+    loss_, metrics = goal.evaluate(net, ds, d, micro_batch)
+    report.evaluated(step_, loss_, **metrics)
 
 
 def _peak_rss_mib() -> float:
