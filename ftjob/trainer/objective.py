@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ftjob.contract import BAD_SPEC, TrainerError
 from ftjob.spec import FineTuneJobSpec
-from ftjob.trainer import data, pairs, preference
+from ftjob.trainer import data, pairs, preference, reference
 from ftjob.trainer.loss import model_inputs, token_loss
 
 
@@ -43,6 +43,9 @@ class NextToken:
     def loss(self, net, batch: data.Batch, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The micro-batch's summed loss, and no metric sums."""
         return token_loss(net, batch, device)[0], None
+
+    def before_training(self, spec, net, ds: data.Data, d, log) -> None:
+        """Nothing to compute from the loaded model before the first step."""
 
     def step_metrics(self, sums: list[float]) -> dict[str, float]:
         return {}
@@ -151,6 +154,12 @@ class Dpo:
         """The micro-batch's summed pair losses, and its metric sums (preference.SUMS)."""
         result = self.pairs(net, batch, device)
         return result.losses.sum(), result.sums()
+
+    def before_training(self, spec, net, ds: data.Data, d, log) -> None:
+        """A full fine-tune's reference: the loaded model's log-probabilities of every pair,
+        stored on the volume (or reused from it) before any checkpoint is resumed."""
+        if self.stored:
+            reference.attach(spec, net, ds, d, self, log=log)
 
     def step_metrics(self, sums: list[float]) -> dict[str, float]:
         """A logged step's rewards, accuracy and margin from its reduced sums (the loss is

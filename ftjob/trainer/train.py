@@ -40,7 +40,6 @@ from ftjob.trainer import (
     parallel,
     preflight,
     progress,
-    reference,
     sources,
     step,
     stragglers,
@@ -127,9 +126,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     )
     _plan_progress(report, spec, d, total, run)
     nodes = _loaded(report, d, run)
-    if isinstance(goal, objective.Dpo) and goal.stored:
-        # Before any checkpoint is loaded: the reference is the model as it was loaded.
-        reference.attach(spec, run.net, ds, d, goal, log=report.log)
+    goal.before_training(spec, run.net, ds, d, report.log)  # before any checkpoint is loaded
 
     start = _resume(job_dir, spec, d, run.ckpt, run.net, run.optimizer, run.scheduler, report)
     steps = range(start, total)
