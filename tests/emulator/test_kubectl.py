@@ -29,9 +29,12 @@ def test_apply_get_wait_and_delete(cluster, operator, kubectl):
     assert table[0].split()[:6] == ["NAME", "PHASE", "NODES", "PROGRESS", "LOSS", "ETA"]
     assert table[1].split()[:3] == ["tiny", "Running", "2"] and "RESTARTS" not in table[0]
     wide = kubectl("get", "finetunejobs", "-o", "wide").stdout.splitlines()
-    assert wide[0].split()[-5:] == ["RESTARTS", "IN-PLACE", "TOKENS/S", "MFU", "IMAGE"]
-    # No default image for this operator: status.image shows the placeholder the pods got.
-    assert wide[1].split()[-5:-3] == ["0", "0"] and wide[1].split()[-1] == DEFAULT_IMAGE
+    columns = ["RESTARTS", "IN-PLACE", "TOKENS/S", "MFU", "REWARD-ACC", "IMAGE"]
+    assert wide[0].split()[-6:] == columns
+    # No default image for this operator: status.image shows the placeholder the pods got;
+    # a next-token job has no reward accuracy.
+    row = wide[1].split()
+    assert row[-6:-4] == ["0", "0"] and row[-2] == "<none>" and row[-1] == DEFAULT_IMAGE
     short = kubectl("get", "ftj", "-o", "name").stdout
     assert short.strip() == "finetunejob.ftjob.dev/tiny"
     pods = kubectl("get", "pods", "-l", "ftjob.dev/job-name=tiny", "-o", "name").stdout.split()
