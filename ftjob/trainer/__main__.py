@@ -46,9 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, SystemExit):
         raise  # stopped from outside: whoever stopped it knows why
     except BaseException as e:  # noqa: BLE001 - dcp's CheckpointException is a BaseException
-        # Every failure leaves a record for whoever watches (the operator decides from it).
-        record = termination.failure(e, step=getattr(e, "ftjob_step", None))
-        termination.write(record)
+        # Every failure leaves a record for whoever watches (the operator decides from it);
+        # train.run wrote one already for a failure in training.
+        record = getattr(e, "ftjob_record", None)
+        if record is None:
+            record = termination.failure(e, step=getattr(e, "ftjob_step", None))
+            termination.write(record)
         if RESTARTS_IN_PLACE_ENV not in os.environ:
             # No ftjob agent runs this process: nobody else gives the folder up, and the next
             # run need not wait for it. (ftjob's agent decides whether its workers restart in

@@ -65,6 +65,12 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
         return _run(spec, name, job_dir, report)
     except BaseException as e:
         e.ftjob_step = report.last_step  # type: ignore[attr-defined]
+        if not isinstance(e, KeyboardInterrupt | SystemExit):
+            # The record first: the cleanup below takes a moment (the progress server stops,
+            # trackers send what they hold), and a peer that failed faster has its agent end
+            # this process meanwhile (torchrun's SIGTERM), which would leave no record.
+            e.ftjob_record = termination.failure(e, step=report.last_step)  # type: ignore[attr-defined]
+            termination.write(e.ftjob_record)
         with contextlib.suppress(OSError):  # a full disk must not hide what failed
             report.update(phase="failed")
         raise
