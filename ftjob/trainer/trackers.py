@@ -40,7 +40,12 @@ RECORD = "tracking.json"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"
 TRIES = 3  # attempts per call, 1 s and then 2 s apart
-CLOSE_WAIT = 60.0  # seconds the end of the run waits for what the trackers still send
+# Seconds the end of the run waits, all trackers together, for what they still send. A
+# tracker that answers needs far less for its last few calls (a local event file: ms; a
+# server: a second or so), however busy the machine; 60 s also lets one MLflow call that hit
+# its 30 s HTTP timeout be tried again. A tracker still sending then hangs or is far behind:
+# what it has not sent is said, and the exit (a pod's 60 s grace after SIGTERM) is not held.
+CLOSE_WAIT = 60.0
 QUEUE = 10_000  # events waiting per tracker; more are dropped (and said) rather than held
 # The progress snapshot's fields each tracker records, under the names trackers use.
 STEP_METRICS = {
@@ -178,49 +183,81 @@ class _Warnings:
 
 
 class _Sender:
-    """One tracker's thread: events in through a queue, calls out with bounded retries."""
+    """One tracker's thread: events in through a queue, calls out with bounded retries.
+
+    Each event is counted when it is queued and when the tracker's call for it has returned
+    (each tracker's call returns once what it was given is written or handed on): at the end,
+    what was logged and not sent, for whatever reason, is said rather than lost quietly."""
 
     def __init__(self, tracker, ids, params: dict, warnings: _Warnings, log, closing: dict):
         self.tracker, self.ids, self.params = tracker, ids, params
         self.warnings, self.log, self.closing = warnings, log, closing
-        self.off = self.ended = self.started = False
-        self._said = threading.Lock()
-        self.dropped = 0
+        self.off = self.ended = self.started = self.closed = False
+        self._said, self._count = threading.Lock(), threading.Lock()
+        self.queued = self.done = 0  # events put on the queue; those the thread is done with
+        self.dropped = 0  # not queued: the queue was full (the tracker fell behind)
+        self.late = 0  # came after the tracker's run ended, or after close() began
         self._queue: queue.Queue = queue.Queue(QUEUE)
         self._thread = threading.Thread(target=self._run, daemon=True, name=tracker.name)
         self._thread.start()
 
     def event(self, kind: str, snap: dict) -> None:
-        try:
-            self._queue.put_nowait((kind, snap, time.time()))
-        except queue.Full:
-            self.dropped += 1
+        with self._count:  # another thread (stragglers, a phase) may log while close() runs
+            if self.closed:
+                self.late += 1
+                return
+            try:
+                self._queue.put_nowait((kind, snap, time.time()))
+                self.queued += 1
+            except queue.Full:
+                self.dropped += 1
 
     def close(self) -> None:
         """Send what is queued, then stop: all trackers together wait at most CLOSE_WAIT
-        seconds (the thread is a daemon: one that hangs does not hold the exit)."""
+        seconds; what one has not sent by then is said (the thread is a daemon: one that
+        hangs does not hold the exit)."""
         deadline = self.closing.setdefault("at", time.monotonic() + CLOSE_WAIT)
-        try:
-            self._queue.put_nowait((None, None, None))
-        except queue.Full:  # the deadline ends the wait
-            self.dropped += 1
+        with self._count:
+            self.closed = True
+        with contextlib.suppress(queue.Full):  # full and not drained: the deadline ends it
+            self._queue.put((None, None, None), timeout=max(0.0, deadline - time.monotonic()))
         self._thread.join(max(0.0, deadline - time.monotonic()))
+        with self._count:
+            unsent, dropped, late = self.queued - self.done, self.dropped, self.late
+        why = []
         if self._thread.is_alive():
-            self._give_up(f"still sending {CLOSE_WAIT:.0f} s after the end of the run")
-        elif self.dropped:
-            self._give_up(f"fell behind: {self.dropped} events were not sent")
+            why.append(f"still sending {CLOSE_WAIT:g} s after the end of the run")
+        if unsent + dropped:
+            behind = "fell behind: " if dropped else ""
+            why.append(f"{behind}{_events(unsent + dropped)} not sent")
+        if late:
+            why.append(f"{_events(late)} after its run's end not sent")
+        if why:
+            self._give_up(", ".join(why))
 
     def _run(self) -> None:
         while True:
             kind, snap, at = self._queue.get()
             if kind is None:
                 return
-            if self.off or self.ended:
-                continue
             try:
-                self._handle(kind, snap, at)
-            except Exception as e:  # noqa: BLE001 - any failure of a tracker leaves training be
-                self._give_up(redact(f"{type(e).__name__}: {e}")[:400])
+                self._one(kind, snap, at)
+            finally:
+                with self._count:
+                    self.done += 1
+
+    def _one(self, kind: str, snap: dict, at: float) -> None:
+        if self.off:  # said when it went off: nothing after that is sent
+            return
+        if self.ended:
+            if kind in ("begin", "step", "eval"):
+                with self._count:
+                    self.late += 1
+            return
+        try:
+            self._handle(kind, snap, at)
+        except Exception as e:  # noqa: BLE001 - any failure of a tracker leaves training be
+            self._give_up(redact(f"{type(e).__name__}: {e}")[:400])
 
     def _handle(self, kind: str, snap: dict, at: float) -> None:
         t = self.tracker
@@ -249,6 +286,10 @@ class _Sender:
         message = f"tracking: {self.tracker.name} is off for this run: {why}; training goes on"
         self.log(message)
         self.warnings.add(message)
+
+
+def _events(n: int) -> str:
+    return f"{n} event" if n == 1 else f"{n} events"
 
 
 def _retry(call):
@@ -412,12 +453,19 @@ class _Tensorboard:
         table = "\n".join(f"| {k} | {v} |" for k, v in self.params.items())
         self.writer.add_text("spec", "| field | value |\n|---|---|\n" + table, 1)
         for event, row in reported(self.job_dir, {"step": 0, "eval": 0}, step):
-            self.metrics(*measured(event, row), when(row))
+            self._add(*measured(event, row), when(row))
+        self.writer.flush()
 
     def metrics(self, step: int, values: dict[str, float], at: float) -> None:
         if self.writer is not None:
-            for key, value in values.items():
-                self.writer.add_scalar(key, value, step, walltime=at)
+            self._add(step, values, at)
+            # The writer's own thread writes later (flush_secs): the sender counts a step as
+            # sent when this returns, so it returns once the step is in the event file.
+            self.writer.flush()
+
+    def _add(self, step: int, values: dict[str, float], at: float) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step, walltime=at)
 
     def finish(self, ok: bool, export: str | None) -> None:
         if self.writer is not None:
