@@ -8,15 +8,17 @@
 # (ARG PYTHON_IMAGE, ARG TRAINER_IMAGE) when podman has it locally (`podman pull` it first
 # where a registry can be reached); otherwise a stand-in, made here once and kept:
 #   python:  a Debian bookworm root filesystem (debootstrap --variant=minbase) with Debian's
-#            Python 3.11, pip and venv, a `python` link, and this machine's pip settings;
+#            Python 3.11, pip and venv, a `python` link, and where this machine's pip gets packages from;
 #   trainer: that + torch at constraints.txt's pin, as pip resolves it here (where pip is set
 #            up with a CPU wheel, the CPU build, else the registry's CUDA build).
 # The last lines say which bases stood in. Needs podman and debootstrap (scripts/podman-host.sh)
 # and root (debootstrap; rootful podman storage).
 #
-# pip inside every build step uses this machine's pip settings (`pip config list`: indexes,
-# find-links, CA file); the local folders they name are mounted read-only into the steps,
-# so the images install the same packages the tests here use.
+# pip inside every build step uses where this machine's pip gets packages from (`pip config
+# list`: indexes, find-links, trusted hosts, proxy, CA file) and nothing else of its settings
+# (a constraint file is this machine's own): scripts/pip_forward.py says which. The local
+# folders they name are mounted read-only into the steps, the CA file is copied into the
+# stand-in, so the images install the same packages the tests here use.
 set -euo pipefail
 export PATH="$PATH:/usr/sbin:/sbin"
 cd "$(dirname "$0")/.."
@@ -36,35 +38,14 @@ trap 'rm -rf "$work"' EXIT
 t0=$(date +%s)
 say() { echo "images: [$(($(date +%s) - t0)) s] $*"; }
 
-# This machine's pip settings as a pip.conf, and the local folders it names (one per line).
-"$PYTHON" - "$work/pip.conf" >"$work/mounts" <<'EOF'
-import configparser, os, subprocess, sys
-listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"],
-                        capture_output=True, text=True).stdout.splitlines()
-settings = {}
-# Files first, then environment variables, which win (pip's own order).
-for scope in ("global.", ":env:."):
-    for line in listed:
-        key, _, value = line.partition("=")
-        if key.startswith(scope):
-            settings[key[len(scope):]] = value.strip().strip("'\"")
-conf = configparser.ConfigParser()
-conf["global"] = settings
-with open(sys.argv[1], "w") as f:
-    conf.write(f)
-for key in ("find-links", "index-url", "extra-index-url"):
-    for item in settings.get(key, "").split():
-        path = item.removeprefix("file://").rstrip("/")
-        if key != "find-links":  # an index's pages link to files beside it: mount its parent
-            path = os.path.dirname(path)
-        if path.startswith("/") and os.path.isdir(path):
-            print(path)
-EOF
+# Where this machine's pip gets packages from, as a pip.conf, with the local folders it names
+# (mounted into each build step) and the certificates (copied into the stand-in base):
+# scripts/pip_forward.py, which says what it leaves out.
+"$PYTHON" scripts/pip_forward.py "$work"
 mounts=()
 while read -r dir; do
   [ -n "$dir" ] && mounts+=(-v "$dir:$dir:ro")
 done <"$work/mounts"
-cert=$(sed -n 's/^cert *= *//p' "$work/pip.conf")
 
 have() { podman image exists "$1"; }
 
@@ -78,10 +59,11 @@ make_python_standin() {
   # The image's pip installs into the system Python, as in python:*-slim (no PEP 668 guard).
   rm -f "$root"/usr/lib/python3*/EXTERNALLY-MANAGED
   cp "$work/pip.conf" "$root/etc/pip.conf"
-  if [ -n "$cert" ] && [ -f "$cert" ]; then
-    mkdir -p "$root$(dirname "$cert")"
-    cp "$cert" "$root$cert"
-  fi
+  while read -r file; do
+    [ -n "$file" ] || continue
+    mkdir -p "$root$(dirname "$file")"
+    cp "$file" "$root$file"
+  done <"$work/files"
   rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
   tar -C "$root" -c . | podman import \
     --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
