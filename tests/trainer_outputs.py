@@ -25,11 +25,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import hangs
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-TIMEOUT = 240
+TIMEOUT = hangs.RUN  # one tiny run (tests/hangs.py)
 
 BASE = {
     "apiVersion": "ftjob.dev/v1alpha1",
@@ -258,7 +259,7 @@ def scraped(runs: Runs) -> Outcome:
         snap = wait_for(job_dir, lambda s: s.get("evalLoss") is not None, proc, "an eval loss")
         for route in ("/metrics", "/progress"):
             url = f"http://127.0.0.1:{snap['port']}{route}"
-            with urllib.request.urlopen(url, timeout=10) as reply:
+            with urllib.request.urlopen(url, timeout=hangs.FLOOR) as reply:
                 served[route] = reply.read().decode()
     finally:
         outcome = runs.finish(started)

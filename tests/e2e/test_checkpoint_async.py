@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hangs
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -85,7 +87,7 @@ def test_async_checkpoint_equals_the_state_when_it_was_started(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", __file__, str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=hangs.RUN)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())

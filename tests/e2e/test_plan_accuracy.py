@@ -23,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hangs
 import pytest
 import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -99,7 +100,7 @@ def test_plan_predicts_per_process_memory_within_20_percent(
     work = tmp_path / "run"
     cmd = [sys.executable, "-m", "ftjob", "run", str(path), "--workdir", str(work)]
     env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=hangs.RUN, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     measured = json.loads((work / "progress.json").read_text())["trainPeakRssMiB"][1] * 2**20
 

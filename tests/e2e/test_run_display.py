@@ -19,6 +19,7 @@ import termios
 import time
 from pathlib import Path
 
+import hangs
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +80,7 @@ class Terminal:
     def wait(self, timeout: float = 60) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            self.read(timeout=0.5)
+            self.read(timeout=0.5)  # not a hang guard: one read of a poll
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
                 os.close(self.fd)
@@ -104,7 +105,7 @@ def trainer_pids(workdir: Path) -> list[int]:
 def test_a_terminal_gets_a_live_bar_and_a_line_per_checkpoint(tmp_path):
     job = tiny_job(tmp_path, "shown", maxSteps=60)
     term = Terminal("run", str(job), "--workdir", str(tmp_path / "shown"))
-    code = term.wait(timeout=240)
+    code = term.wait(timeout=hangs.RUN)
     screen = term.text()
     assert code == 0, screen[-3000:]
     # The bar: phase, steps done of the total, loss, tokens/s and ETA, redrawn as it goes.
@@ -132,7 +133,7 @@ def test_a_pipe_gets_plain_lines_and_a_rerun_says_it_resumes(tmp_path):
     workdir = tmp_path / "plain"
     cmd = [sys.executable, "-m", "ftjob", "run", str(job), "--workdir", str(workdir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FTJOB_PROGRESS_PORT": "0"}
-    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=hangs.RUN)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "\x1b[" not in first.stdout and "\r" not in first.stdout  # no bar in a pipe
     assert "step 40/40" in first.stdout
@@ -141,7 +142,7 @@ def test_a_pipe_gets_plain_lines_and_a_rerun_says_it_resumes(tmp_path):
     )
     # As if the export had been lost: the rerun resumes from the checkpoint and says so.
     subprocess.run(["rm", "-r", str(workdir / "model")], check=True)
-    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=hangs.RUN)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"resuming from checkpoint {workdir / 'checkpoints' / 'step-00000020'} (step 20)" in (
         again.stdout
@@ -153,7 +154,7 @@ def test_ctrl_c_stops_quietly_and_says_how_to_resume(tmp_path):
     job = tiny_job(tmp_path, "stopped", maxSteps=3000, logEvery=50)
     workdir = tmp_path / "stopped"
     term = Terminal("run", str(job), "--workdir", str(workdir))
-    term.read(until="checkpoint saved: step 40 in", timeout=180)
+    term.read(until="checkpoint saved: step 40 in", timeout=hangs.RUN)
     assert "checkpoint saved: step 40 in" in term.text(), term.text()[-3000:]
     assert trainer_pids(workdir)
     term.type(b"\x03")  # ^C at the terminal: SIGINT to the foreground process group
@@ -203,7 +204,7 @@ def test_a_failure_is_summarised_first_with_node_rank_cause_fix_and_log(tmp_path
         capture_output=True,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=180,
+        timeout=hangs.RUN,
     )
     assert result.returncode == 1
     lines = result.stdout.splitlines()

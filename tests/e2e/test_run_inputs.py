@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import hangs
 import yaml
 
 from ftjob import contract, failure
@@ -37,7 +38,7 @@ def tiny_job(tmp_path: Path, name: str, **sections) -> Path:
     return path
 
 
-def ftjob_run(job: Path, workdir: Path, timeout: float = 240) -> tuple[int, str, float]:
+def ftjob_run(job: Path, workdir: Path, timeout: float = hangs.RUN) -> tuple[int, str, float]:
     started = time.monotonic()
     cmd = [sys.executable, "-m", "ftjob", "run", str(job), "--workdir", str(workdir)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
@@ -182,7 +183,7 @@ def test_a_pods_trainer_names_a_missing_data_file_with_the_source_fix(tmp_path):
     env = {**ENV, "FTJOB_JOB_DIR": str(tmp_path / "job"), "FTJOB_TERMINATION_LOG": str(record),
            "FTJOB_SOURCE_ROOT": str(tmp_path)}  # fmt: skip
     cmd = [sys.executable, "-m", "ftjob.trainer", "--spec", str(spec_file)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=hangs.RUN)
     assert proc.returncode == 1
     fix = "set spec.dataset.source to an existing file or folder"
     assert json.loads(record.read_text())["fix"].startswith(fix)

@@ -11,6 +11,7 @@ import os
 import urllib.request
 from datetime import timedelta
 
+import hangs
 import pytest
 from trainer_outputs import Runs, job, wait_for_phase
 
@@ -57,7 +58,7 @@ def test_a_slow_load_is_not_restarted_as_a_stall(tmp_path):
         snap = wait_for_phase(job_dir, ("loading",), proc)
         # Rank 0 serves its progress while it loads, as the operator polls it.
         url = f"http://127.0.0.1:{snap['port']}/progress"
-        served = json.loads(urllib.request.urlopen(url, timeout=10).read())
+        served = json.loads(urllib.request.urlopen(url, timeout=hangs.FLOOR).read())
         assert served["phase"] == "loading" and served["step"] == 0
     finally:
         outcome = runs.finish(started)

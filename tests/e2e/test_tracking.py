@@ -20,6 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import hangs
 import mlflow
 import psutil
 import pytest
@@ -49,6 +50,7 @@ def mlflow_server(tmp_path_factory):
     deadline = time.monotonic() + 120
     while True:
         with contextlib.suppress(OSError):
+            # not a hang guard: one try of a poll under the deadline
             if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
                 break
         assert server.poll() is None, (folder / "server.log").read_text()
@@ -57,10 +59,10 @@ def mlflow_server(tmp_path_factory):
     yield url
     os.killpg(server.pid, signal.SIGTERM)
     try:
-        server.wait(5)
+        server.wait(5)  # not a hang guard: the grace before SIGKILL
     except subprocess.TimeoutExpired:  # its workers' graceful shutdown takes ~20 s
         os.killpg(server.pid, signal.SIGKILL)
-        server.wait(10)
+        server.wait(hangs.FLOOR)
     log.close()
 
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hangs
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -189,7 +190,7 @@ def run_probe(out: Path, models: Path, processes: int) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(out)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(processes), __file__, str(out), str(models)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=hangs.RUN)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(processes)]
 

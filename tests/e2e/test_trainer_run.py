@@ -20,12 +20,13 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import hangs
 import pytest
 import torch
 import yaml
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-RUN_TIMEOUT = 240
+RUN_TIMEOUT = hangs.RUN  # one tiny run (tests/hangs.py)
 
 BASE = {
     "apiVersion": "ftjob.dev/v1alpha1",

@@ -12,6 +12,7 @@ from pathlib import Path
 import kmock
 import yaml
 from apiserver import CRD_RESOURCE, ApiServer, now_iso
+from hangs import FLOOR
 
 from ftjob import crd
 
@@ -94,7 +95,7 @@ class Cluster:
 
     def __enter__(self) -> Cluster:
         self.thread.start()
-        assert self._ready.wait(10), "the API emulator did not start"
+        assert self._ready.wait(FLOOR), "the API emulator did not start"
         self.kubeconfig = self.workdir / "kubeconfig"
         cluster = {"server": self.url, "insecure-skip-tls-verify": False}
         config = {
@@ -113,7 +114,7 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.loop.call_soon_threadsafe(self._stop.set)
-        self.thread.join(10)
+        self.thread.join(FLOOR)
 
     def call(self, fn):
         """Run ``fn`` on the emulator's loop (its state is not thread-safe) and return its value."""
@@ -142,7 +143,7 @@ class Cluster:
         status = terminated_status(exit_code, reason, message)
         self.call(lambda: self.api.write_status("pods", namespace, pod, status))
 
-    def wait(self, predicate, timeout: float = 20, what: str = "condition"):
+    def wait(self, predicate, timeout: float = FLOOR, what: str = "condition"):
         """Poll ``predicate()`` until it returns something truthy; that value is returned."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from cluster import Cluster
+from hangs import FLOOR
 
 from ftjob import manifest
 from ftjob.trainer.progress import Progress
@@ -61,11 +62,12 @@ class Operator:
         argv += ["--metrics-port", str(self.metrics), *self.extra]
         with open(self.log, "a") as out:
             self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
-        self.cluster.wait(self.healthy, 30, "the operator's liveness endpoint")
+        self.cluster.wait(self.healthy, FLOOR, "the operator's liveness endpoint")
         return self
 
     def healthy(self) -> bool:
         try:
+            # not a hang guard: one try of a poll (cluster.wait)
             with urllib.request.urlopen(f"http://127.0.0.1:{self.health}/healthz", timeout=1) as r:
                 return r.status == 200
         except OSError:
@@ -80,29 +82,29 @@ class Operator:
         return text in self.log.read_text()
 
     def get_metrics(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=2) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=FLOOR) as r:
             return r.read().decode()
 
     def kill(self) -> None:
         """SIGKILL: no cleanup, as when a node dies under the operator."""
         self.proc.kill()
-        self.proc.wait(10)
+        self.proc.wait(FLOOR)
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(15)
+                self.proc.wait(15)  # not a hang guard: the grace before SIGKILL
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait(5)
+                self.proc.wait(FLOOR)
 
 
 def job_status(cluster: Cluster, name: str) -> dict:
     return (cluster.get("finetunejobs", name) or {}).get("status") or {}
 
 
-def wait_phase(cluster: Cluster, name: str, phase: str, timeout: float = 20) -> dict:
+def wait_phase(cluster: Cluster, name: str, phase: str, timeout: float = FLOOR) -> dict:
     return cluster.wait(
         lambda: (s := job_status(cluster, name)).get("phase") == phase and s,
         timeout,
@@ -127,7 +129,7 @@ def gang_running(cluster: Cluster, name: str, attempt: int, nodes: int = 2) -> l
         )
         return ok and pods
 
-    return cluster.wait(check, 20, f"{nodes} running pods of {name} attempt {attempt}")
+    return cluster.wait(check, FLOOR, f"{nodes} running pods of {name} attempt {attempt}")
 
 
 def events_of(cluster: Cluster, name: str) -> list[str]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from cluster import Cluster
+from hangs import FLOOR
 from processes import ProcessKubelet
 from support import Operator, job_pods, tiny_job, wait_phase
 
@@ -84,7 +85,7 @@ def test_a_job_created_again_under_its_old_name_starts_from_step_0(local):
     wait_phase(cluster, "again", "Succeeded", timeout=180)
     key = ("ftjob.dev", "v1alpha1", "finetunejobs", "default", "again")
     cluster.call(lambda: cluster.api.begin_delete(key))
-    cluster.wait(lambda: cluster.get("finetunejobs", "again") is None, 15, "the job to go")
+    cluster.wait(lambda: cluster.get("finetunejobs", "again") is None, FLOOR, "the job to go")
     new = folder(shared, cluster.create_job(job("again", 30)))
     status = wait_phase(cluster, "again", "Succeeded", timeout=180)
     assert new != old and status["jobFolder"] == f"/ftjob/{new.name}"

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hangs import FLOOR
 from support import gang_running, job_pods
 
 from ftjob import manifest
@@ -41,7 +42,7 @@ def test_apply_get_wait_and_delete(cluster, operator, kubectl):
     assert sorted(pods) == ["pod/tiny-node-0", "pod/tiny-node-1"]
 
     kubectl("delete", "finetunejob", "tiny", "--wait=false")
-    cluster.wait(lambda: not job_pods(cluster, "tiny"), 15, "the pods to go with the job")
+    cluster.wait(lambda: not job_pods(cluster, "tiny"), FLOOR, "the pods to go with the job")
     assert "No resources found" in kubectl("get", "ftj").stderr
 
 
@@ -108,8 +109,8 @@ def test_uninstall_order_and_the_documented_way_out_when_the_operator_is_gone(
         patch = next(line for line in docs.splitlines() if line.startswith("kubectl patch"))
         args = patch.split(maxsplit=1)[1].replace("NAMESPACE", "default").replace("NAME", "orphan")
         kubectl(*shlex.split(args))
-        cluster.wait(lambda: cluster.get("finetunejobs", "orphan") is None, 15, "the job to go")
-        cluster.wait(lambda: not job_pods(cluster, "orphan"), 15, "its pods to go")
+        cluster.wait(lambda: cluster.get("finetunejobs", "orphan") is None, FLOOR, "the job to go")
+        cluster.wait(lambda: not job_pods(cluster, "orphan"), FLOOR, "its pods to go")
     finally:
         operator.start()
 

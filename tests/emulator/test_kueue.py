@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from apiserver import CRD_RESOURCE
+from hangs import FLOOR
 from support import job_pods, tiny_job
 
 from ftjob import manifest
@@ -173,7 +174,7 @@ def test_the_docs_kueue_objects_apply_and_a_queued_job_gets_the_group_labels(
 
     job = tiny_job("queued", scheduling={"queue": local["metadata"]["name"]})
     cluster.create_job(job, namespace=namespace)
-    cluster.wait(lambda: len(job_pods(cluster, "queued", namespace)) == 2, 20, "2 queued pods")
+    cluster.wait(lambda: len(job_pods(cluster, "queued", namespace)) == 2, FLOOR, "2 queued pods")
     for pod in job_pods(cluster, "queued", namespace):
         labels, annotations = pod["metadata"]["labels"], pod["metadata"]["annotations"]
         assert labels["kueue.x-k8s.io/queue-name"] == "research"

@@ -8,6 +8,7 @@ from datetime import datetime, timedelta, timezone
 import dashboard_queries
 import pytest
 from dashboard_queries import exported_series, unexported
+from hangs import FLOOR
 from support import (
     ROOT,
     events_of,
@@ -44,7 +45,7 @@ def test_a_new_job_gets_its_children_and_runs(cluster, operator):
     assert conditions["Running"]["status"] == "True"
     assert conditions["Created"]["reason"] == "PodsCreated"
     assert status["observedGeneration"] == 1 and status["attempt"] == 0 and status["startTime"]
-    cluster.wait(lambda: "AllPodsRunning" in events_of(cluster, "run"), 10, "a Running event")
+    cluster.wait(lambda: "AllPodsRunning" in events_of(cluster, "run"), FLOOR, "a Running event")
     # kopf's bookkeeping stays out of .status, and its finalizer carries our name.
     assert "kopf" not in job_status(cluster, "run")
     assert cluster.get("finetunejobs", "run")["metadata"]["finalizers"] == ["ftjob.dev/finalizer"]
@@ -61,7 +62,7 @@ def test_every_node_exiting_zero_succeeds(cluster, operator, trainer_runs, scena
     cluster.terminate(f"{name}-node-0", 0, message=run.message)
     status = wait_phase(cluster, name, "Succeeded")
     assert status["completionTime"] and status["modelPath"] == str(run.job_dir / "model")
-    cluster.wait(lambda: "Completed" in events_of(cluster, name), 10, "a Completed event")
+    cluster.wait(lambda: "Completed" in events_of(cluster, name), FLOOR, "a Completed event")
 
 
 def test_exit_zero_without_an_exported_model_is_not_success(cluster, operator):
@@ -99,7 +100,7 @@ def test_backoff_limit_fails_the_job_and_stops_the_gang(cluster, operator, train
     failed = {c["type"]: c for c in status["conditions"]}["Failed"]
     assert "backoffLimit (0) reached" in failed["message"]
     # The surviving rank is stopped; the failed pod stays for `kubectl logs`.
-    cluster.wait(lambda: len(job_pods(cluster, "limit")) == 1, 10, "the survivor to go")
+    cluster.wait(lambda: len(job_pods(cluster, "limit")) == 1, FLOOR, "the survivor to go")
 
 
 @REAL_RUNS
@@ -147,7 +148,7 @@ def test_suspend_removes_the_pods_and_resume_brings_a_new_gang(cluster, operator
     gang_running(cluster, "pause", 0)
     cluster.patch_job_spec("pause", {"runPolicy": {"suspend": True}})
     wait_phase(cluster, "pause", "Suspended")
-    cluster.wait(lambda: not job_pods(cluster, "pause"), 10, "the pods to go")
+    cluster.wait(lambda: not job_pods(cluster, "pause"), FLOOR, "the pods to go")
     assert cluster.get("configmaps", "pause-spec")  # the job keeps its spec and volume
     cluster.patch_job_spec("pause", {"runPolicy": {"suspend": False}})
     gang_running(cluster, "pause", 1)
@@ -159,9 +160,9 @@ def test_suspend_removes_the_pods_and_resume_brings_a_new_gang(cluster, operator
 def test_active_deadline_fails_the_job(cluster, operator):
     cluster.create_job(tiny_job("late", runPolicy={"activeDeadlineSeconds": 2}))
     gang_running(cluster, "late", 0)
-    status = wait_phase(cluster, "late", "Failed", timeout=15)
+    status = wait_phase(cluster, "late", "Failed", timeout=FLOOR)
     assert status["failure"]["reason"] == "DeadlineExceeded"
-    cluster.wait(lambda: not job_pods(cluster, "late"), 10, "the pods to go")
+    cluster.wait(lambda: not job_pods(cluster, "late"), FLOOR, "the pods to go")
 
 
 def test_ttl_after_finished_deletes_the_job_and_its_children(cluster, operator):
@@ -169,8 +170,8 @@ def test_ttl_after_finished_deletes_the_job_and_its_children(cluster, operator):
     gang_running(cluster, "ttl", 0)
     cluster.terminate("ttl-node-0", 0, message='{"exportPath": "/ftjob/ttl/model"}')
     cluster.terminate("ttl-node-1", 0)
-    cluster.wait(lambda: cluster.get("finetunejobs", "ttl") is None, 15, "the job to go")
-    cluster.wait(lambda: not job_pods(cluster, "ttl"), 10, "the pods to go")
+    cluster.wait(lambda: cluster.get("finetunejobs", "ttl") is None, FLOOR, "the job to go")
+    cluster.wait(lambda: not job_pods(cluster, "ttl"), FLOOR, "the pods to go")
     assert cluster.get("configmaps", "ttl-spec") is None and cluster.get("services", "ttl") is None
 
 
@@ -182,8 +183,8 @@ def test_deleting_a_job_removes_its_children(cluster, operator):
             ("ftjob.dev", "v1alpha1", "finetunejobs", "default", "gone")
         )
     )
-    cluster.wait(lambda: cluster.get("finetunejobs", "gone") is None, 15, "the job to go")
-    cluster.wait(lambda: not job_pods(cluster, "gone"), 10, "the pods to go")
+    cluster.wait(lambda: cluster.get("finetunejobs", "gone") is None, FLOOR, "the job to go")
+    cluster.wait(lambda: not job_pods(cluster, "gone"), FLOOR, "the pods to go")
     assert cluster.get("services", "gone") is None
 
 
@@ -199,7 +200,7 @@ def test_progress_from_rank_0_reaches_status(cluster, operator):
         cluster.create_job(doc)
         gang_running(cluster, "prog", 0)
         status = cluster.wait(
-            lambda: (s := job_status(cluster, "prog")).get("progress") and s, 15, "progress"
+            lambda: (s := job_status(cluster, "prog")).get("progress") and s, FLOOR, "progress"
         )
         assert status["progress"]["display"] == "30/60" and status["progress"]["loss"] == 2.25
         assert status["progress"]["eta"] == format_eta(served["etaSeconds"])

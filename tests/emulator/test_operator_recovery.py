@@ -6,6 +6,7 @@ import json
 
 import kubernetes_validate
 import pytest
+from hangs import FLOOR
 from support import (
     events_of,
     gang_running,
@@ -58,7 +59,7 @@ def test_a_failure_on_a_node_keeps_the_next_gang_off_it(cluster, operator, kubec
     (entry,) = status["badNodes"]
     assert entry["node"] == bad and entry["reason"] == "Evicted" and entry["count"] == 1
     assert status["restarts"] == 1 and status["failure"]["nodeFault"] is True
-    cluster.wait(lambda: event_messages(cluster, "badnode", "BadNode"), 10, "a BadNode event")
+    cluster.wait(lambda: event_messages(cluster, "badnode", "BadNode"), FLOOR, "a BadNode event")
     (message,) = event_messages(cluster, "badnode", "BadNode")
     assert f"node {bad} is kept away" in message and "Evicted" in message
 
@@ -69,7 +70,9 @@ def test_a_failure_on_a_node_keeps_the_next_gang_off_it(cluster, operator, kubec
     # Cleared (docs/operator.md): the gang after next may use the node again.
     kubectl("patch", "finetunejob", "badnode", "--subresource=status", "--type=merge",
             "-p", '{"status": {"badNodes": null}}')  # fmt: skip
-    cluster.wait(lambda: "badNodes" not in job_status(cluster, "badnode"), 10, "the list cleared")
+    cluster.wait(
+        lambda: "badNodes" not in job_status(cluster, "badnode"), FLOOR, "the list cleared"
+    )
     cluster.terminate("badnode-node-0", 1)  # a failure that is not the node's
     third = gang_running(cluster, "badnode", 2)
     assert all(node_exclusions(p) == [] for p in third)
@@ -95,10 +98,12 @@ def test_restarts_in_place_are_counted_from_rank_0_s_progress(
         report.begin(0)
         cluster.wait(
             lambda: job_status(cluster, "inplace").get("restartsInPlace") == 2,
-            10,
+            FLOOR,
             "restartsInPlace in status",
         )
-        cluster.wait(lambda: "RestartedInPlace" in events_of(cluster, "inplace"), 10, "the Event")
+        cluster.wait(
+            lambda: "RestartedInPlace" in events_of(cluster, "inplace"), FLOOR, "the Event"
+        )
         (message,) = event_messages(cluster, "inplace", "RestartedInPlace")
         assert "2 in this gang" in message
         status = job_status(cluster, "inplace")

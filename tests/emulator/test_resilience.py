@@ -6,6 +6,7 @@ import time
 import pytest
 from apiserver import CRD_RESOURCE
 from cluster import Cluster
+from hangs import FLOOR
 from support import Operator, gang_running, job_pods, job_status, tiny_job, wait_phase
 
 pytestmark = pytest.mark.timeout(90)
@@ -133,7 +134,7 @@ def test_two_replicas_peer_and_only_the_leader_acts(fresh, tmp_path):
         assert leader.metric("ftjob_reconcile_seconds_count") > 0
         assert backup.metric("ftjob_reconcile_seconds_count") == 0
         leader.stop()  # a clean exit takes it out of the peering at once
-        cluster.wait(lambda: backup.logged("Resuming operations"), 20, "the backup to resume")
+        cluster.wait(lambda: backup.logged("Resuming operations"), FLOOR, "the backup to resume")
         cluster.terminate("peer-node-0", 137, "OOMKilled")
         gang_running(cluster, "peer", 1)
         assert backup.metric("ftjob_gang_restarts_total") == 1
@@ -148,7 +149,7 @@ def test_an_operator_for_some_namespaces_leaves_the_others_alone(fresh):
     try:
         cluster.create_job(tiny_job("mine"), namespace="team-a")
         cluster.create_job(tiny_job("other"), namespace="default")
-        cluster.wait(lambda: len(job_pods(cluster, "mine", "team-a")) == 2, 20, "team-a's pods")
+        cluster.wait(lambda: len(job_pods(cluster, "mine", "team-a")) == 2, FLOOR, "team-a's pods")
         time.sleep(1.5)  # more than a resync
         assert not job_pods(cluster, "other") and job_status(cluster, "other") == {}
     finally:

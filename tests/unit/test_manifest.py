@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import hangs
 import pytest
 
 from ftjob import manifest, validation
@@ -37,7 +38,7 @@ spec:
 # A guard against a hang, not a benchmark: the unbounded reader took minutes on these files;
 # bounded, they take 0.5-1.4 s on an idle 2-core machine (the goal is 2 s), and a
 # machine busy with other test processes must not fail them.
-HANG_GUARD = 30
+HANG_GUARD = hangs.FLOOR
 
 
 def job(training="    maxSteps: 100", affinity="      {}"):

@@ -11,6 +11,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import hangs
 import pytest
 import torch
 
@@ -168,7 +169,7 @@ def _time_all_reduce(rank: int, store_path: str, out: str) -> None:
 
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
-                            timeout=timedelta(seconds=10))  # fmt: skip
+                            timeout=timedelta(seconds=hangs.FLOOR))  # fmt: skip
     if rank == 1:
         real, calls = dist.all_reduce, [0]
 

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import hangs
 import pytest
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -157,7 +158,7 @@ def _take(folder: str, run: str, go, done, results) -> None:
         results.put((run, "owner", json.loads((path / lease.FILE).read_text())["run"]))
     except contract.TrainerError as e:
         results.put((run, e.reason, None))
-    done.wait(30)  # the owner stays alive (a live pid) until every contender has answered
+    done.wait(hangs.FLOOR)  # the owner stays alive (a live pid) until every contender has answered
 
 
 def test_of_many_processes_taking_a_folder_at_once_exactly_one_owns_it(tmp_path):
@@ -171,10 +172,10 @@ def test_of_many_processes_taking_a_folder_at_once_exactly_one_owns_it(tmp_path)
         for p in procs:
             p.start()
         go.set()
-        outcomes = [results.get(timeout=30) for _ in procs]
+        outcomes = [results.get(timeout=hangs.FLOOR) for _ in procs]
         done.set()
         for p in procs:
-            p.join(30)
+            p.join(hangs.FLOOR)
         owners = [o for o in outcomes if o[1] == "owner"]
         assert len(owners) == 1, outcomes
         assert owners[0][0] == owners[0][2]  # the file names the one owner
@@ -211,7 +212,7 @@ def test_a_rank_reads_every_heartbeat_in_two_round_trips_of_the_store():
     import torch.distributed as dist
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=30))  # fmt: skip
+                           timeout=timedelta(seconds=hangs.FLOOR))  # fmt: skip
     now = 1000.0
     for rank, beat in beats(now, r0=(1, 7), r1=(2, 7), r2=(40, 3), r3=(1, 7)).items():
         server.set(f"{heartbeat.PREFIX}{rank}", json.dumps(beat))
@@ -325,7 +326,7 @@ def test_a_gang_whose_ftjob_run_was_killed_still_holds_the_folder(tmp_path):
         for pid in (worker, agent):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + hangs.FLOOR
     while processes.alive(agent) and time.monotonic() < deadline:
         time.sleep(0.05)
     lease.Lease(folder, run="job-2").take(0)  # every process of job-1 is gone
@@ -340,17 +341,17 @@ def test_a_released_folder_is_not_written_back_by_a_last_refresh(tmp_path, monke
     def slow_write(self):  # a refresh caught between reading the file and writing it
         if threading.current_thread().name == "ftjob-owner":
             refreshing.set()
-            finish.wait(10)
+            finish.wait(hangs.FLOOR)
         write(self)
 
     monkeypatch.setattr(lease.Lease, "_write", slow_write)
     held = lease.Lease(tmp_path, run="job-1")
     held.take(0)
-    assert refreshing.wait(10)
+    assert refreshing.wait(hangs.FLOOR)
     releasing = threading.Thread(target=held.release)
     releasing.start()
-    releasing.join(0.2)
+    releasing.join(0.2)  # not a hang guard: it must still be blocked after 0.2 s
     assert releasing.is_alive()  # it waits for the refresh under way
     finish.set()
-    releasing.join(10)
+    releasing.join(hangs.FLOOR)
     assert not (tmp_path / lease.FILE).exists()

@@ -11,6 +11,7 @@ import errno
 import json
 import multiprocessing
 
+import hangs
 import pytest
 import torch
 import torch.distributed as dist
@@ -91,7 +92,7 @@ def test_ranks_sharing_one_file_leave_one_whole_record_the_most_telling(tmp_path
     for p in procs:
         p.start()
     for p in procs:
-        p.join(30)
+        p.join(hangs.FLOOR)
         assert p.exitcode == 0
     record = json.loads((tmp_path / "termination-log").read_text())
     assert record["reason"] == contract.HOST_OOM and record["rank"] == 5

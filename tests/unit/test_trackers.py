@@ -5,6 +5,7 @@ one that refuses, are tested against the real clients in tests/e2e/test_tracking
 import threading
 import time
 
+import hangs
 import pytest
 
 from ftjob.trainer import progress, trackers
@@ -39,13 +40,13 @@ def test_a_hanging_tracker_holds_no_step_and_the_end_waits_only_its_bound(tmp_pa
     for step in range(1, 1001):  # the sender is stuck in start(): events only queue
         report.step(step, 1e-3, step / 1000)
         report.logged(step, 2.0, 100, 0.0)
-    assert time.perf_counter() - began < 30  # bounded by the machine, not by the tracker
+    assert time.perf_counter() - began < hangs.FLOOR  # bounded by the machine, not the tracker
     assert hanging.calls == 1
     began = time.perf_counter()
     report.close()
     # The 0.5 s bound and the file writes after it, not the hang (which lasts until released
-    # below): 20 s leaves a busy machine room and still tells the two apart.
-    assert time.perf_counter() - began < 20
+    # below): a busy machine's slowest still tells the two apart.
+    assert time.perf_counter() - began < hangs.FLOOR
     (said,) = report.snapshot["trackingWarnings"]
     assert said.startswith("tracking: mlflow is off for this run: still sending")
     hanging.release.set()  # the thread goes on, sends nothing more, says nothing more
@@ -91,7 +92,7 @@ def caught_up(tmp_path) -> None:
     began = time.monotonic()
     folder = tmp_path / trackers.TENSORBOARD_DIR
     while not folder.exists() or 3 not in [s for s, _ in _series(tmp_path)(LAST_SCALAR)]:
-        assert time.monotonic() - began < 120, "the tracker wrote nothing in 120 s"
+        assert time.monotonic() - began < hangs.FLOOR, "the tracker wrote nothing"
         time.sleep(0.05)
 
 

@@ -146,7 +146,8 @@ def test_a_live_owner_on_this_machine_is_refused_at_once(tmp_path, run_id):
     started = time.monotonic()
     with pytest.raises(TrainerError):
         owner.Lease(tmp_path).take(wait_seconds=30)
-    assert time.monotonic() - started < 5
+    # not a hang guard: refused at once, not after its 30 s wait (~0.1 s; 20 s on a busy machine)
+    assert time.monotonic() - started < 20
 
 
 def test_an_owner_whose_process_is_gone_or_whose_lease_expired_is_replaced(tmp_path, run_id):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import urllib.request
 
+import hangs
 import pytest
 
 from ftjob.modelshape import flops_per_token
@@ -50,7 +51,7 @@ def report(tmp_path):
 
 def get(report, path: str) -> str:
     url = f"http://127.0.0.1:{report.snapshot['port']}{path}"
-    with urllib.request.urlopen(url, timeout=5) as r:
+    with urllib.request.urlopen(url, timeout=hangs.FLOOR) as r:
         return r.read().decode()
 
 
@@ -111,7 +112,7 @@ def test_files_are_written_by_their_own_thread_and_nothing_is_lost(tmp_path, mon
     from ftjob import atomic
 
     gate, real = threading.Event(), atomic.write_json
-    monkeypatch.setattr(atomic, "write_json", lambda *a: (gate.wait(10), real(*a)))
+    monkeypatch.setattr(atomic, "write_json", lambda *a: (gate.wait(hangs.FLOOR), real(*a)))
     p = progress.Progress(tmp_path, True, total=3, world=1)
     p.begin(0)
     for n in (1, 2, 3):
