@@ -40,11 +40,12 @@ RECORD = "tracking.json"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"
 TRIES = 3  # attempts per call, 1 s and then 2 s apart
-# Seconds the end of the run waits, all trackers together, for what they still send. A
-# tracker that answers needs far less for its last few calls (a local event file: ms; a
-# server: a second or so), however busy the machine; 60 s also lets one MLflow call that hit
-# its 30 s HTTP timeout be tried again. A tracker still sending then hangs or is far behind:
-# what it has not sent is said, and the exit (a pod's 60 s grace after SIGTERM) is not held.
+# Seconds the end of the run waits, all trackers together, for what they still send: a
+# tracker that answers needs a small part of it for its last calls, even on a busy machine,
+# and one MLflow call that hit its 30 s HTTP timeout can still be tried again. A tracker still
+# sending then hangs or is far behind: what it has not sent is said, and the exit waits no
+# longer. (A pod that Kubernetes stops has 60 s of grace in all; its failure record is
+# written before this wait.)
 CLOSE_WAIT = 60.0
 QUEUE = 10_000  # events waiting per tracker; more are dropped (and said) rather than held
 # The progress snapshot's fields each tracker records, under the names trackers use.
