@@ -19,6 +19,7 @@ CPU processes), so that the suite's plumbing is exercised on every CI run, not o
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,7 @@ class Setup:
     steps: int
     processes: int  # one per GPU, or CPU processes
     gpu: bool
-    repeat_data: int  # copies of the tiny chat data: enough packed sequences for the steps
+    repeat_data: int  # copies of the tiny chat data; 0: as many as the steps need (copies())
     skip: int  # warm-up steps (allocation, autotuning) left out of tokens/s on both sides
 
 
@@ -44,11 +45,14 @@ def gpu_setup() -> Setup:
     import torch
 
     return Setup("1b", seq=2048, micro_batch=4, steps=12, processes=torch.cuda.device_count(),
-                 gpu=True, repeat_data=40, skip=3)  # fmt: skip
+                 gpu=True, repeat_data=0, skip=3)  # fmt: skip
 
 
 SMOKE = Setup("tiny", seq=64, micro_batch=2, steps=4, processes=2, gpu=False, repeat_data=1,
               skip=2)  # fmt: skip
+# The GPU call's rehearsal on CPU (bench/gpu_kit/run.sh rehearse): one process, as on the one GPU.
+REHEARSAL = Setup("tiny", seq=64, micro_batch=2, steps=4, processes=1, gpu=False, repeat_data=1,
+                  skip=1)  # fmt: skip
 # Every decoder layer recomputed, as TRL's gradient_checkpointing does.
 CHECKPOINTING = True
 
@@ -59,12 +63,46 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
-def data(work: Path, copies: int) -> Path:
-    """The tiny chat data repeated ``copies`` times."""
-    out = work / "data" / f"chat-x{copies}.jsonl"
+def copies(s: Setup) -> int:
+    """Copies of the tiny chat data that fill ``s``'s steps, a half to spare (packing leaves
+    gaps; the chat template adds tokens the raw text lacks): more only cost preparation time."""
+    if s.repeat_data:
+        return s.repeat_data
+    from transformers import AutoTokenizer
+
+    per_copy = len(AutoTokenizer.from_pretrained(common.TINY_MODEL)(common.CHAT_DATA.read_text())
+                   ["input_ids"])  # fmt: skip
+    return max(1, math.ceil(1.5 * s.steps * s.micro_batch * s.seq * s.processes / per_copy))
+
+
+def data(work: Path, s: Setup) -> Path:
+    """The tiny chat data repeated as often as ``s`` needs."""
+    n = copies(s)
+    out = work / "data" / f"chat-x{n}.jsonl"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(common.CHAT_DATA.read_text() * copies)
+        out.write_text(common.CHAT_DATA.read_text() * n)
+    return out
+
+
+def model_folder(s: Setup, work: Path) -> Path:
+    """``s``'s model: built once in ``work``, in bf16 on the GPU (initialising 1.1B parameters
+    there takes seconds, and bf16 halves what every run reads), else common.model_dir's."""
+    if not s.gpu:
+        return common.model_dir(s.shape, work)
+    out = work / "models" / f"{s.shape}-bf16"
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[0]), torch.device("cuda"):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(common.llama_config(s.shape)).to(torch.bfloat16)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(common.TINY_MODEL).save_pretrained(tmp)
+    tmp.rename(out)
     return out
 
 
@@ -125,7 +163,7 @@ def trl_args(method: str, model: Path, chat: Path, s: Setup) -> list[str]:
 
 
 def compare(work: Path, s: Setup, methods: list[str]) -> dict:
-    model, chat = common.model_dir(s.shape, work), data(work, s.repeat_data)
+    model, chat = model_folder(s, work), data(work, s)
     cases, rows = [], []
     for method in methods:
         doc = job(method, model, chat, s)
@@ -178,7 +216,7 @@ def memory(work: Path, s: Setup) -> dict:
     from ftjob.modelshape import ModelShape
     from ftjob.spec import parse_spec
 
-    model, chat = common.model_dir(s.shape, work), data(work, s.repeat_data)
+    model, chat = model_folder(s, work), data(work, s)
     shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
     cases, rows = [], []
     # The last is the 70B recipe's layout: 4-bit base sharded, states in CPU memory (the
