@@ -118,8 +118,10 @@ def ftjob_step(step: str, s: gpu.Setup, work: Path, out: Path, method: str = "fu
 
 def trl_step(step: str, s: gpu.Setup, work: Path, out: Path, method: str = "full") -> None:
     model, chat = gpu.model_folder(s, work), gpu.data(work, s)
+    # As a module: run as a script, bench/ would be sys.path[0] and bench/operator.py would
+    # shadow the standard library's operator (where nothing imported it before).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={s.processes}", str(common.ROOT / "bench" / "trl_worker.py"),
+           f"--nproc-per-node={s.processes}", "--module", "bench.trl_worker",
            *gpu.trl_args(method, model, chat, s)]  # fmt: skip
     started = time.monotonic()
     trl = common.last_json(streamed(cmd, {"TMPDIR": str(work / "tmp")}), "TRL")
