@@ -51,8 +51,12 @@ def gpu_setup() -> Setup:
 SMOKE = Setup("tiny", seq=64, micro_batch=2, steps=4, processes=2, gpu=False, repeat_data=1,
               skip=2)  # fmt: skip
 # The GPU call's rehearsal on CPU (bench/gpu_kit/run.sh rehearse): one process, as on the one GPU.
-REHEARSAL = Setup("tiny", seq=64, micro_batch=2, steps=4, processes=1, gpu=False, repeat_data=1,
-                  skip=1)  # fmt: skip
+REHEARSAL = Setup("rehearsal", seq=64, micro_batch=2, steps=4, processes=1, gpu=False,
+                  repeat_data=1, skip=1)  # fmt: skip
+# The rehearsal's model: the tiny model's vocabulary, wide enough that every linear weight
+# splits into whole NF4 blocks (QLoRA), small enough for seconds per CPU step (~0.8M parameters).
+REHEARSAL_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
 # Every decoder layer recomputed, as TRL's gradient_checkpointing does.
 CHECKPOINTING = True
 
@@ -87,19 +91,27 @@ def data(work: Path, s: Setup) -> Path:
 
 
 def model_folder(s: Setup, work: Path) -> Path:
-    """``s``'s model: built once in ``work``, in bf16 on the GPU (initialising 1.1B parameters
-    there takes seconds, and bf16 halves what every run reads), else common.model_dir's."""
-    if not s.gpu:
+    """``s``'s model, built once in ``work`` in bf16 (half what every run reads), on the GPU
+    where there is one (initialising 1.1B parameters there takes seconds)."""
+    if s.shape in ("tiny", "medium", "large", "190m"):
         return common.model_dir(s.shape, work)
     out = work / "models" / f"{s.shape}-bf16"
     if (out / "config.json").exists():
         return out
     import torch
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    with torch.random.fork_rng(devices=[0]), torch.device("cuda"):
+    if s.shape == "rehearsal":
+        config = LlamaConfig.from_pretrained(common.TINY_MODEL)
+        for key, value in REHEARSAL_SHAPE.items():
+            setattr(config, key, value)
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    else:
+        config = common.llama_config(s.shape)
+    device = torch.device("cuda" if s.gpu else "cpu")
+    with torch.random.fork_rng(devices=[0] if s.gpu else []), device:
         torch.manual_seed(0)
-        model = LlamaForCausalLM(common.llama_config(s.shape)).to(torch.bfloat16)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(common.TINY_MODEL).save_pretrained(tmp)

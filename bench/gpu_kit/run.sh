@@ -38,6 +38,9 @@ work=${KIT_WORKDIR:-$( [[ -d /dev/shm && -w /dev/shm ]] && echo /dev/shm/ftjob-k
 if [[ $mode == rehearse ]]; then
   sizes=tiny
   export CUDA_VISIBLE_DEVICES=""  # as if the GPU were absent: the CPU paths, the same steps
+  # torch.compile traces and differentiates the layers as there, without inductor's C++ build
+  # (minutes on 2 CPU cores; the GPU runs Triton instead): torch's own backend override.
+  export TORCH_COMPILE_OVERRIDE_BACKENDS=">=0:aot_eager"
 fi
 mkdir -p "$out" "$work"
 summary=$out/summary.txt

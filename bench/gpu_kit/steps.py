@@ -43,8 +43,9 @@ def record(out: Path, step: str, **fields) -> None:
     print(f"RESULT {line}", flush=True)
 
 
-def streamed(cmd: list[str], env: dict | None = None) -> str:
-    """Run ``cmd`` in the repo, printing its output as it comes; all of it, or raise."""
+def streamed(cmd: list[str], env: dict | None = None, on_line=None) -> str:
+    """Run ``cmd`` in the repo, printing its output as it comes (and handing each line to
+    ``on_line``); all of it, or raise."""
     proc = subprocess.Popen(cmd, cwd=common.ROOT, env={**os.environ, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
@@ -52,6 +53,8 @@ def streamed(cmd: list[str], env: dict | None = None) -> str:
     for line in proc.stdout:
         print(line, end="", flush=True)
         lines.append(line)
+        if on_line:
+            on_line(line)
     if proc.wait() != 0:
         raise RuntimeError(f"{cmd[2:4]} failed (exit {proc.returncode}); output above")
     return "".join(lines)
@@ -124,15 +127,21 @@ def trl_step(step: str, s: gpu.Setup, work: Path, out: Path, method: str = "full
            f"--nproc-per-node={s.processes}", "--module", "bench.trl_worker",
            *gpu.trl_args(method, model, chat, s)]  # fmt: skip
     started = time.monotonic()
-    trl = common.last_json(streamed(cmd, {"TMPDIR": str(work / "tmp")}), "TRL")
-    rate = trl["tokensPerSecond"]
     # The attention length of ftjob's run of the same job, where it ran (both pack alike).
     ours = work / "runs" / gpu.job(method, model, chat, s)["metadata"]["name"]
     length = gpu.attention_length(ours) if (ours / "job" / "data").is_dir() else None
-    record(out, step, method=method, tokensPerSecond=round(rate, 1),
-           mfu=gpu.mfu(rate, model, method, s, length) if length else None,
-           wrapper=trl["wrapper"], attention=trl["attention"], packing=trl["packing"],
-           losses=trl["losses"], wallSeconds=round(time.monotonic() - started, 1))  # fmt: skip
+
+    def recorded(line: str) -> None:  # at once: TRL's processes may take long to exit
+        if not line.startswith("TRL "):
+            return
+        trl = json.loads(line[4:])
+        rate = trl["tokensPerSecond"]
+        record(out, step, method=method, tokensPerSecond=round(rate, 1),
+               mfu=gpu.mfu(rate, model, method, s, length) if length else None,
+               wrapper=trl["wrapper"], attention=trl["attention"], packing=trl["packing"],
+               losses=trl["losses"], wallSeconds=round(time.monotonic() - started, 1))  # fmt: skip
+
+    streamed(cmd, {"TMPDIR": str(work / "tmp")}, recorded)
 
 
 def memory_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
