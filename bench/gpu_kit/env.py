@@ -161,7 +161,7 @@ def kernels() -> dict[str, str]:
 
 
 def result(out: Path) -> None:
-    """The environment as one line of out/results.jsonl, before the slower probes."""
+    """The environment as a line of out/results.jsonl, then the kernel probes' line."""
     import torch
 
     fields = {
@@ -177,10 +177,12 @@ def result(out: Path) -> None:
             fields[name] = md.version(name)
         except md.PackageNotFoundError:
             fields[name] = None
-    print("attention kernels (bf16, forward and backward):")
-    fields["kernels"] = kernels()
     with (out / "results.jsonl").open("a") as f:
-        f.write(json.dumps(fields) + "\n")
+        f.write(json.dumps(fields) + "\n")  # now: a probe below may hang or crash
+    print("attention kernels (bf16, forward and backward):")
+    found = kernels()
+    with (out / "results.jsonl").open("a") as f:
+        f.write(json.dumps({"step": "kernels", **found}) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
