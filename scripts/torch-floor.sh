@@ -43,5 +43,9 @@ grep -v '^torch==' constraints.txt >"$constraints"
 # shellcheck disable=SC2086
 "$venv/bin/pip" install -q -c "$constraints" "torch==$torch" $packages >&2
 touch "$venv/.complete"
+# Venvs of older pins (5 GB each) go: this script made every torch-* folder in its cache.
+for old in "$cache"/torch-*; do
+  [[ $old == "$venv" ]] || rm -rf "$old"
+done
 echo "torch-floor: built in $((SECONDS - start)) s" >&2
 echo "$venv"
