@@ -19,6 +19,7 @@ CPU processes), so that the suite's plumbing is exercised on every CI run, not o
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,7 @@ class Setup:
     steps: int
     processes: int  # one per GPU, or CPU processes
     gpu: bool
-    repeat_data: int  # copies of the tiny chat data: enough packed sequences for the steps
+    repeat_data: int  # copies of the tiny chat data; 0: as many as the steps need (copies())
     skip: int  # warm-up steps (allocation, autotuning) left out of tokens/s on both sides
 
 
@@ -44,11 +45,18 @@ def gpu_setup() -> Setup:
     import torch
 
     return Setup("1b", seq=2048, micro_batch=4, steps=12, processes=torch.cuda.device_count(),
-                 gpu=True, repeat_data=40, skip=3)  # fmt: skip
+                 gpu=True, repeat_data=0, skip=3)  # fmt: skip
 
 
 SMOKE = Setup("tiny", seq=64, micro_batch=2, steps=4, processes=2, gpu=False, repeat_data=1,
               skip=2)  # fmt: skip
+# The GPU call's rehearsal on CPU (bench/gpu_kit/run.sh rehearse): one process, as on the one GPU.
+REHEARSAL = Setup("rehearsal", seq=64, micro_batch=2, steps=4, processes=1, gpu=False,
+                  repeat_data=1, skip=1)  # fmt: skip
+# The rehearsal's model: the tiny model's vocabulary, wide enough that every linear weight
+# splits into whole NF4 blocks (QLoRA), small enough for seconds per CPU step (~0.8M parameters).
+REHEARSAL_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
 # Every decoder layer recomputed, as TRL's gradient_checkpointing does.
 CHECKPOINTING = True
 
@@ -59,12 +67,55 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
-def data(work: Path, copies: int) -> Path:
-    """The tiny chat data repeated ``copies`` times."""
-    out = work / "data" / f"chat-x{copies}.jsonl"
+def copies(s: Setup) -> int:
+    """Copies of the tiny chat data that fill ``s``'s steps, a quarter to spare (packing leaves
+    gaps): more only cost preparation time. Counted in the tiny tokenizer's chat template."""
+    if s.repeat_data:
+        return s.repeat_data
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(common.TINY_MODEL)
+    chats = [json.loads(x)["messages"] for x in common.CHAT_DATA.read_text().splitlines() if x]
+    per_copy = sum(len(ids) for ids in tok.apply_chat_template(chats, tokenize=True)["input_ids"])
+    return max(1, math.ceil(1.25 * s.steps * s.micro_batch * s.seq * s.processes / per_copy))
+
+
+def data(work: Path, s: Setup) -> Path:
+    """The tiny chat data repeated as often as ``s`` needs."""
+    n = copies(s)
+    out = work / "data" / f"chat-x{n}.jsonl"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(common.CHAT_DATA.read_text() * copies)
+        out.write_text(common.CHAT_DATA.read_text() * n)
+    return out
+
+
+def model_folder(s: Setup, work: Path) -> Path:
+    """``s``'s model, built once in ``work`` in bf16 (half what every run reads), on the GPU
+    where there is one (initialising 1.1B parameters there takes seconds)."""
+    if s.shape in ("tiny", "medium", "large", "190m"):
+        return common.model_dir(s.shape, work)
+    out = work / "models" / f"{s.shape}-bf16"
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    if s.shape == "rehearsal":
+        config = LlamaConfig.from_pretrained(common.TINY_MODEL)
+        for key, value in REHEARSAL_SHAPE.items():
+            setattr(config, key, value)
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    else:
+        config = common.llama_config(s.shape)
+    device = torch.device("cuda" if s.gpu else "cpu")
+    with torch.random.fork_rng(devices=[0] if s.gpu else []), device:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(common.TINY_MODEL).save_pretrained(tmp)
+    tmp.rename(out)
     return out
 
 
@@ -125,7 +176,7 @@ def trl_args(method: str, model: Path, chat: Path, s: Setup) -> list[str]:
 
 
 def compare(work: Path, s: Setup, methods: list[str]) -> dict:
-    model, chat = common.model_dir(s.shape, work), data(work, s.repeat_data)
+    model, chat = model_folder(s, work), data(work, s)
     cases, rows = [], []
     for method in methods:
         doc = job(method, model, chat, s)
@@ -178,7 +229,7 @@ def memory(work: Path, s: Setup) -> dict:
     from ftjob.modelshape import ModelShape
     from ftjob.spec import parse_spec
 
-    model, chat = common.model_dir(s.shape, work), data(work, s.repeat_data)
+    model, chat = model_folder(s, work), data(work, s)
     shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
     cases, rows = [], []
     # The last is the 70B recipe's layout: 4-bit base sharded, states in CPU memory (the

@@ -2,14 +2,16 @@
 package was imported from (the image or the carried wheels), whether ftjob's trainer and the
 bench import, and probes of what docs/gpu.md lists as open on torch 2.11.
 
-    python -m bench.gpu_kit.env
+    python -m bench.gpu_kit.env [--out DIR]   # DIR/results.jsonl gets the "env" result
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.metadata as md
 import inspect
+import json
 import platform
 import sys
 import traceback
@@ -108,7 +110,91 @@ def varlen_gqa() -> None:
     )
 
 
-def main() -> int:
+def kernels() -> dict[str, str]:
+    """Which attention kernels run here, forward and backward, in bf16: each SDPA backend
+    alone, torch's varlen flash kernel, and flex_attention compiled (CUDA only)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"cuda": "not available: the kernel probes need a GPU"}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    found = {}
+
+    def attempt(name, fn):
+        try:
+            q, k, v = (torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3))  # fmt: skip
+            fn(q, k, v).float().sum().backward()
+            torch.cuda.synchronize()
+            found[name] = "ok"
+        except Exception as e:  # noqa: BLE001 - each failure is the finding
+            found[name] = f"FAILED {type(e).__name__}: {str(e)[:200]}"
+        print(f"  {name}: {found[name]}")
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for backend in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
+
+        def one(q, k, v, backend=backend):
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                return sdpa(q, k, v, is_causal=True)
+
+        attempt(f"sdpa {backend.lower()}", one)
+
+    def varlen_fn(q, k, v):
+        from torch.nn.attention import varlen
+
+        cu = torch.tensor([0, 100, 256], dtype=torch.int32, device="cuda")
+        flat = [t[0].transpose(0, 1).reshape(256, 8, 64) for t in (q, k, v)]
+        return varlen.varlen_attn(*flat, cu, cu, 156, 156, window_size=(-1, 0))
+
+    attempt("varlen_attn", varlen_fn)
+
+    def flex_fn(q, k, v):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, 256, 256, device="cuda")
+        return torch.compile(flex_attention)(q, k, v, block_mask=mask)
+
+    attempt("flex_attention (compiled)", flex_fn)
+    return found
+
+
+def result(out: Path) -> None:
+    """The environment as a line of out/results.jsonl, then the kernel probes' line."""
+    import torch
+
+    fields = {
+        "step": "env",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    if torch.cuda.is_available():
+        fields["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    for name in ("transformers", "trl", "peft", "accelerate", "torchao", "triton"):
+        try:
+            fields[name] = md.version(name)
+        except md.PackageNotFoundError:
+            fields[name] = None
+    with (out / "results.jsonl").open("a") as f:
+        f.write(json.dumps(fields) + "\n")  # now: a probe below may hang or crash
+    print("attention kernels (bf16, forward and backward):")
+    found = kernels()
+    with (out / "results.jsonl").open("a") as f:
+        f.write(json.dumps({"step": "kernels", **found}) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path)
+    a = p.parse_args(argv)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        try:
+            result(a.out)
+        except Exception:  # noqa: BLE001 - the versions below still print
+            traceback.print_exc()
     torch_and_device()
     print("packages (version, where from):")
     versions()

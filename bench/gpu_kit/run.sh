@@ -1,49 +1,69 @@
 #!/usr/bin/env bash
-# The first-contact run on a lent GPU machine (no package registry there), from the repo root:
+# The call on a lent GPU machine (no package registry there), from the repo root:
 #
-#   bash bench/gpu_kit/run.sh [quick|full|all] [--dry-run]
+#   bash bench/gpu_kit/run.sh [main|rest|rehearse] [--dry-run]
 #
-#   quick  environment, the trainer's CUDA tests (tests/gpu), python -m bench --suite gpu --quick
-#   full   environment, the full GPU suite (python -m bench --suite gpu)
-#   all    (default) both, in that order, as far as the time budget goes: slow parts last
+#   main      (default) the one call, most valuable first: env, ftjob-full, ftjob-compile, trl,
+#             gpu-tests, memory. Run it with the device's timeout_s=420; KIT_BUDGET_S (default
+#             360) bounds it inside that, so what it measured comes back.
+#   rest      a second call, only when 6 minutes of device time are left: env, lora (ftjob
+#             against TRL), offload (QLoRA + cpuOffload), and main's last two again.
+#   rehearse  main on CPU with tiny sizes: the same install, steps, caps and files. The
+#             image's role is played by PYTHON (tests/e2e/test_bench_gpu_suite.py uses the
+#             torch 2.11 venv of scripts/torch-floor.sh), the wheels come from KIT_WHEELS.
 #
-# It installs the wheels in .whl/ (python -m bench.gpu_kit.gather, here; carried with the call)
-# offline into /tmp/site, then runs each step with its own time limit; a step that fails or
-# times out does not stop the next. Every step's output goes to the terminal and to a file in
-# $OUT (./gpu-out when OUT is unset), with a line per step in summary.txt. KIT_BUDGET_S (default
-# 560) bounds the whole run: a device call may take at most 600 s. See bench/README.md.
+# It installs the wheels in KIT_WHEELS (default .whl/, from python -m bench.gpu_kit.gather,
+# carried with the call) offline into a fresh folder, then runs each step with its own limit;
+# a step that fails or times out does not stop the next, and after each its leftover processes
+# are ended by pid (bench/gpu_kit/reap.py). $OUT gets at most 8 files: summary.txt (a line per
+# step), results.jsonl (each figure the moment it exists: bench/gpu_kit/steps.py) and a log
+# per step, written as the output comes. See bench/README.md and docs/gpu.md.
 set -u -o pipefail
 
-mode=all dry=
+mode=main dry=
 for arg in "$@"; do
   case $arg in
-    quick | full | all) mode=$arg ;;
+    main | rest | rehearse) mode=$arg ;;
     --dry-run) dry=1 ;;
-    *) echo "usage: bash bench/gpu_kit/run.sh [quick|full|all] [--dry-run]" >&2; exit 2 ;;
+    *) echo "usage: bash bench/gpu_kit/run.sh [main|rest|rehearse] [--dry-run]" >&2; exit 2 ;;
   esac
 done
 out=${OUT:-$PWD/gpu-out}
 py=${PYTHON:-python3}
-budget=${KIT_BUDGET_S:-560}
-work=${KIT_WORKDIR:-/tmp/ftjob-bench}  # the 1B model is built once for both bench steps
-mkdir -p "$out"
+budget=${KIT_BUDGET_S:-360}
+wheels=${KIT_WHEELS:-.whl}
+sizes=gpu
+# tmpfs where there is one: the 1B model and its exports are written and read at memory speed.
+work=${KIT_WORKDIR:-$( [[ -d /dev/shm && -w /dev/shm ]] && echo /dev/shm/ftjob-kit || echo /tmp/ftjob-kit)}
+if [[ $mode == rehearse ]]; then
+  sizes=tiny
+  export CUDA_VISIBLE_DEVICES=""  # as if the GPU were absent: the CPU paths, the same steps
+  # torch.compile traces and differentiates the layers as there, without inductor's C++ build
+  # (minutes on 2 CPU cores; the GPU runs Triton instead): torch's own backend override.
+  export TORCH_COMPILE_OVERRIDE_BACKENDS=">=0:aot_eager"
+fi
+mkdir -p "$out" "$work"
 summary=$out/summary.txt
 : >"$summary"
 start=$SECONDS
 spent=0  # a dry run counts each step as taking its whole limit
 
+# Nothing waits on a network: there is none on the device.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 \
+  DO_NOT_TRACK=1 WANDB_MODE=disabled DISABLE_MLFLOW_INTEGRATION=TRUE PIP_NO_INDEX=1 \
+  TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 FTJOB_PROGRESS_PORT=0
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
 # step NAME CAP_SECONDS COMMAND...: at most CAP seconds and never past the budget; output
-# tee'd to $out/NAME.log; the outcome appended to summary.txt.
+# tee'd to $out/NAME.log as it comes; the outcome appended to summary.txt; leftovers reaped.
 step() {
   local name=$1 cap=$2
   shift 2
   local left=$((budget - (SECONDS - start) - spent - 10))
   local limit=$((cap < left ? cap : left))
-  if ((limit < 30)); then
-    local again=quick
-    [[ $name == bench-full ]] && again=full
-    echo "$name: not run, $((left + 10))s of the ${budget}s budget left; run it in a call of" \
-      "its own: bash bench/gpu_kit/run.sh $again" | tee -a "$summary"
+  if ((limit < 20)); then
+    echo "$name: not run, $((left + 10))s of the ${budget}s budget left; it runs again in:" \
+      "bash bench/gpu_kit/run.sh rest" | tee -a "$summary"
     return
   fi
   echo "== $name (at most ${limit}s): $*"
@@ -52,10 +72,11 @@ step() {
     spent=$((spent + limit))
     return
   fi
-  local t0=$SECONDS rc
-  # timeout signals the step's whole process group (trainer ranks, torchrun) when it expires.
-  timeout -k 15 "$limit" "$@" 2>&1 | tee "$out/$name.log"
+  local t0=$SECONDS rc tag="$name-$$-$RANDOM"
+  # timeout signals the step's process group; reap.py ends what escaped it (own sessions).
+  KIT_STEP=$tag timeout -k 10 "$limit" "$@" 2>&1 | tee "$out/$name.log"
   rc=${PIPESTATUS[0]}
+  "$py" -m bench.gpu_kit.reap "$tag" | tee -a "$out/$name.log"
   local verdict="ok"
   if ((rc == 124 || rc == 137)); then
     verdict="TIMED OUT after ${limit}s"
@@ -65,35 +86,49 @@ step() {
   echo "$name: $verdict in $((SECONDS - t0))s" | tee -a "$summary"
 }
 
-# Offline install of the carried wheels; the checkout itself is on the path (ftjob, bench).
-site=${KIT_SITE:-/tmp/site}
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Offline install of the carried wheels into a fresh folder on the path, the checkout before
+# it (ftjob, bench). --no-deps: the image (or PYTHON's venv) has the rest.
+site=${KIT_SITE:-$work/site}
 if [[ -n $dry ]]; then
-  echo "install: dry run, .whl/*.whl into $site" | tee -a "$summary"
-elif ! compgen -G ".whl/*.whl" >/dev/null; then
-  echo "install: no .whl/ here (python -m bench.gpu_kit.gather, then carry .whl):" \
+  echo "install: dry run, $wheels/*.whl into $site" | tee -a "$summary"
+elif ! compgen -G "$wheels/*.whl" >/dev/null; then
+  echo "install: no wheels in $wheels (python -m bench.gpu_kit.gather, then carry .whl):" \
     "the image's packages only" | tee -a "$summary"
-elif timeout -k 10 120 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target "$site" .whl/*.whl >"$out/install.log" 2>&1; then
-  export PYTHONPATH=$site:$PYTHONPATH
-  echo "install: $(ls .whl/*.whl | wc -l) wheels into $site" | tee -a "$summary"
 else
-  # A partial install would mix versions: run on the image's packages and say so.
-  tail -5 "$out/install.log" | tee -a "$summary"
-  echo "install: FAILED (above): the image's packages only" | tee -a "$summary"
+  rm -rf "$site"
+  t0=$SECONDS
+  if timeout -k 10 120 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target "$site" "$wheels"/*.whl >"$work/install.log" 2>&1; then
+    export PYTHONPATH=$PWD:$site${PYTHONPATH#"$PWD"}
+    echo "install: $(ls "$wheels"/*.whl | wc -l) wheels into $site in $((SECONDS - t0))s" \
+      | tee -a "$summary"
+  else
+    # A partial install would mix versions: run on the image's packages and say so.
+    tail -5 "$work/install.log" | tee -a "$summary"
+    echo "install: FAILED (above): the image's packages only" | tee -a "$summary"
+  fi
 fi
-rm -f "$out/install.log"
 
-# nvidia-smi, versions and where each package comes from, probes (bench/gpu_kit/env.py).
-step env 90 bash -c 'nvidia-smi || echo "nvidia-smi: not found"; "$0" -m bench.gpu_kit.env;
-  echo "pip check (the image with the carried wheels):"; "$0" -m pip check' "$py"
-if [[ $mode != full ]]; then
-  step gpu-tests 210 "$py" -m pytest tests/gpu -x -q -rA -p no:cacheprovider
-  step bench-quick 420 "$py" -m bench --suite gpu --quick --workdir "$work" \
-    --json "$out/bench-quick.json" --no-results-md
-fi
-if [[ $mode != quick ]]; then
-  step bench-full 540 "$py" -m bench --suite gpu --workdir "$work" \
-    --json "$out/bench-full.json" --no-results-md
+measure() {  # measure STEP CAP: bench/gpu_kit/steps.py STEP
+  step "$1" "$2" "$py" -m bench.gpu_kit.steps "$1" --out "$out" --work "$work" --sizes "$sizes"
+}
+gpu_tests() {  # no -x: every test runs, each at most 60 s, its outcome printed as it ends
+  step gpu-tests 90 "$py" -m pytest tests/gpu -v -rA -p no:cacheprovider --timeout 60
+}
+# nvidia-smi, versions and where each package comes from, the attention kernels that run.
+step env 60 bash -c 'nvidia-smi || echo "nvidia-smi: not found"; "$0" -m bench.gpu_kit.env \
+  --out "$1"; echo "pip check (the image with the carried wheels):"; "$0" -m pip check' \
+  "$py" "$out"
+if [[ $mode == rest ]]; then
+  measure lora 120
+  measure offload 75
+  gpu_tests
+  measure memory 90
+else
+  measure ftjob-full 90
+  measure ftjob-compile 80
+  measure trl 70
+  gpu_tests
+  measure memory 90
 fi
 echo "run.sh $mode: $((SECONDS - start))s; output in $out" | tee -a "$summary"

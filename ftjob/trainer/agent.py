@@ -31,6 +31,7 @@ under that round (:func:`ftjob.trainer.parallel.init`).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import signal
 import sys
@@ -199,6 +200,22 @@ def _signal_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)  # torch starts each worker in a session of its own
 
 
+# torch's agent options that not every supported torch has, each passed only where both the
+# launch config and the agent take it: shutdown_timeout came after 2.11 (the GPU image's torch).
+OPTIONAL_AGENT_OPTIONS = ("shutdown_timeout",)
+
+
+def optional_agent_options(config, agent_class: type = LocalElasticAgent) -> dict:
+    """Those of :data:`OPTIONAL_AGENT_OPTIONS` this torch has (feature detection, not a version
+    check): on torch 2.11 neither LaunchConfig nor LocalElasticAgent knows shutdown_timeout."""
+    accepted = inspect.signature(agent_class.__init__).parameters
+    return {
+        name: getattr(config, name)
+        for name in OPTIONAL_AGENT_OPTIONS
+        if name in accepted and hasattr(config, name)
+    }
+
+
 def launch(config, entrypoint, args: list[str], node_rank: int) -> None:
     """torch's ``launch_agent`` (torch.distributed.launcher.api) with :class:`Agent` and
     :class:`NodeRanks`. Left out of it, as ftjob does not use them: the launch-config log
@@ -236,9 +253,9 @@ def launch(config, entrypoint, args: list[str], node_rank: int) -> None:
         logs_specs=config.logs_specs,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=config.shutdown_timeout,
         node_rank=node_rank,
         termination=Path(termination) if termination else None,
+        **optional_agent_options(config),
     )
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     close = True

@@ -190,9 +190,21 @@ def per_document(
 
 def _kernel(query: torch.Tensor) -> Varlen | None:
     """torch's varlen flash kernel where it runs (CUDA, half precision), else None."""
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
-        return _VARLEN
-    return None
+    return _VARLEN if _varlen_runs(query.device, query.dtype) else None
+
+
+def _varlen_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+
+def kernel_name(attn_implementation: str, device: torch.device, dtype: torch.dtype) -> str:
+    """What computes attention for a model built with ``attn_implementation`` on ``device`` in
+    ``dtype`` (the trainer logs it: a GPU run says which kernel its figures come from)."""
+    if attn_implementation != NAME:
+        return f"transformers' {attn_implementation}"
+    if _VARLEN is not None and _varlen_runs(device, dtype):
+        return f"{NAME}: torch varlen_attn (flash)"
+    return f"{NAME}: scaled_dot_product_attention per document"
 
 
 def adapt_varlen(fn: Callable) -> Varlen:

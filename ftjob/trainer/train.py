@@ -29,6 +29,7 @@ from ftjob.lease import LEASE_SECONDS, Lease, take_folder
 from ftjob.modelshape import model_flops
 from ftjob.spec import FineTuneJobSpec
 from ftjob.trainer import (
+    attention,
     checkpoint,
     data,
     export,
@@ -130,6 +131,9 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
         f"{d.world_size} ranks, {len(ds.train)} train / {len(ds.eval or [])} eval {goal.unit}, "
         f"{total} steps" + run.speed_note()
     )
+    compute = torch.bfloat16 if spec.compute_precision() == "bf16" else torch.float32
+    implementation = run.net.config._attn_implementation
+    report.log(f"attention: {attention.kernel_name(implementation, d.device, compute)}")
     _plan_progress(report, spec, d, total, run)
     nodes = _loaded(report, d, run)
     goal.before_training(spec, run.net, ds, d, report.log)  # before any checkpoint is loaded

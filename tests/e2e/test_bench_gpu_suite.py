@@ -10,9 +10,15 @@ not speed: no timing is asserted.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -38,3 +44,55 @@ def test_gpu_suite_compares_ftjob_and_trl_for_full_and_lora(tmp_path):
     assert len(rows) == 4
     assert rows[0]["measurement"].startswith("tokens/s, ") and rows[0]["ratio"] > 0
     assert rows[1]["goal"] == f">= {gpu.MFU_GOAL}" and rows[1]["met"] is False
+
+
+def floor_python() -> Path:
+    """The torch 2.11 venv's python (the GPU image's torch): tests/e2e/test_torch_floor.py."""
+    venv = os.environ.get("FTJOB_TORCH_FLOOR")
+    if not venv:
+        why = (
+            "FTJOB_TORCH_FLOOR is not set: export FTJOB_TORCH_FLOOR=$(bash scripts/torch-floor.sh)"
+        )
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must rehearse the GPU call: {why}")
+        pytest.skip(why)
+    return Path(venv) / "bin" / "python"
+
+
+def test_the_gpu_call_rehearsed_on_cpu_installs_offline_and_measures_every_step(tmp_path):
+    """bash bench/gpu_kit/run.sh rehearse: the main call's install (the kit's wheels, offline,
+    onto the torch 2.11 venv standing in for the image), steps, caps and files, with the tiny
+    model on one CPU process, within the 7 minutes a rehearsal may take."""
+    python = floor_python()
+    version = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    wheels = python.parents[2] / f"kit-wheels-{version}"  # beside the venv, reused
+    subprocess.run([sys.executable, "-m", "bench.gpu_kit.gather", "--python", version, "--dest",
+                    str(wheels)], cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "KIT_WORKDIR": str(tmp_path / "work"),
+           "KIT_WHEELS": str(wheels), "PYTHON": str(python)}  # fmt: skip
+    env.pop("PYTHONPATH", None)  # the kit puts the checkout and its wheels there itself
+    done = subprocess.run(["bash", "bench/gpu_kit/run.sh", "rehearse"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=420)  # fmt: skip
+    summary = (out / "summary.txt").read_text()
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert re.search(r"^install: \d+ wheels into ", summary, re.MULTILINE), summary
+    for name in ("env", "ftjob-full", "ftjob-compile", "trl", "gpu-tests", "memory"):
+        assert re.search(rf"^{name}: ok in \d+s$", summary, re.MULTILINE), summary
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8 and all(p.parent == out for p in files)
+    results = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    by = {r["step"]: r for r in results}
+    assert by["env"]["torch"].startswith("2.11.") and "cuda" in by["kernels"]  # no GPU here
+    for name in ("ftjob-full", "ftjob-compile", "trl"):
+        assert by[name]["tokensPerSecond"] > 0
+        assert len(by[name]["losses"]) == gpu.REHEARSAL.steps
+    assert (
+        by["ftjob-full"]["attention"]
+        == f"{attention.NAME}: scaled_dot_product_attention per document"
+    )
+    assert by["ftjob-full"]["plannedMiB"] > 0
+    assert [r["method"] for r in results if r["step"] == "memory"] == ["lora", "qlora"]
+    # The trainer's transformers and peft came from the carried wheels, not the venv's own.
+    assert re.search(r"^ +transformers +\S+ +\S+/site$", (out / "env.log").read_text(), re.M)

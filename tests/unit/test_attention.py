@@ -407,3 +407,18 @@ def test_the_installed_torchs_varlen_signature_binds_the_adapted_call():
     attention.adapt_varlen(varlen)(q, kv, kv, cu, 6, 0.25)
     (arguments,) = bound
     assert arguments.get("window_size") == (-1, 0) or arguments.get("is_causal") is True
+
+
+def test_the_trainer_names_the_kernel_its_attention_runs():
+    """A GPU run's figures say which attention they come from: torch's varlen flash kernel on
+    CUDA in half precision, per-document SDPA elsewhere, transformers' own otherwise."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    name = attention.kernel_name
+    assert (
+        name(attention.NAME, cuda, torch.bfloat16) == f"{attention.NAME}: torch varlen_attn (flash)"
+    )
+    assert name(attention.NAME, cuda, torch.float32).endswith(
+        "scaled_dot_product_attention per document"
+    )
+    assert name(attention.NAME, cpu, torch.bfloat16).endswith("per document")
+    assert name("flash_attention_2", cuda, torch.bfloat16) == "transformers' flash_attention_2"

@@ -7,8 +7,10 @@ tests, and run.sh's plan (a dry run) puts the steps in order within the device's
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,35 +57,70 @@ def test_the_wheels_and_the_runs_output_stay_out_of_git():
 
 
 def plan(tmp_path: Path, *args: str) -> list[str]:
-    env = {**os.environ, "OUT": str(tmp_path), "KIT_BUDGET_S": "560"}
+    env = {**os.environ, "OUT": str(tmp_path), "KIT_BUDGET_S": "360"}
     done = subprocess.run(["bash", "bench/gpu_kit/run.sh", *args, "--dry-run"], cwd=ROOT,
                           env=env, capture_output=True, text=True, check=True)  # fmt: skip
-    assert done.stdout.splitlines()[-1].startswith(f"run.sh {args[0] if args else 'all'}: ")
+    assert done.stdout.splitlines()[-1].startswith(f"run.sh {args[0] if args else 'main'}: ")
     return (tmp_path / "summary.txt").read_text().splitlines()
 
 
-def test_quick_runs_environment_cuda_tests_then_the_quick_suite(tmp_path):
-    lines = plan(tmp_path, "quick")
-    steps = [line.split(":")[0] for line in lines[1:-1]]
-    assert steps == ["env", "gpu-tests", "bench-quick"]
-    assert all("dry run" in line for line in lines[1:-1])
+MAIN = ["env", "ftjob-full", "ftjob-compile", "trl", "gpu-tests", "memory"]
 
 
-def test_all_defers_what_does_not_fit_one_call_to_a_second(tmp_path):
-    """Counting every step at its whole limit, the full suite does not fit after the others:
-    it is named, with the command for a call of its own, instead of being cut off."""
+def test_the_main_call_measures_the_most_valuable_first_within_its_budget(tmp_path):
+    """Counting every step at its whole limit, the 360 s budget (the call's 420 s limit less a
+    margin) reaches the environment, ftjob, ftjob compiled, TRL and the CUDA tests; what does
+    not fit is named with the call that runs it."""
     lines = plan(tmp_path)
-    assert [line.split(":")[0] for line in lines[1:-1]] == [
-        "env", "gpu-tests", "bench-quick", "bench-full"]  # fmt: skip
-    assert lines[-2].startswith("bench-full: not run")
-    assert lines[-2].endswith("bash bench/gpu_kit/run.sh full")
-    full = plan(tmp_path, "full")
-    assert [line.split(":")[0] for line in full[1:-1]] == ["env", "bench-full"]
-    assert "dry run, limit" in full[-2]
+    assert [line.split(":")[0] for line in lines[1:-1]] == MAIN
+    limits = [int(line.split("limit ")[1].split("s,")[0]) for line in lines[1:-1] if "dry" in line]
+    assert len(limits) >= 5 and sum(limits) <= 360
+    assert lines[-2] == lines[-2].split(":")[0] + ": " + lines[-2].split(": ", 1)[1]
+    assert lines[-2].startswith("memory: not run") and lines[-2].endswith("run.sh rest")
+
+
+def test_the_rehearsal_is_the_main_call(tmp_path):
+    main = [line.split(",")[0] for line in plan(tmp_path)[1:-1]]
+    assert [line.split(",")[0] for line in plan(tmp_path, "rehearse")[1:-1]] == main
+
+
+def test_the_second_call_runs_the_rest(tmp_path):
+    steps = [line.split(":")[0] for line in plan(tmp_path, "rest")[1:-1]]
+    assert steps == ["env", "lora", "offload", "gpu-tests", "memory"]
 
 
 def test_no_more_files_than_a_device_call_returns(tmp_path):
-    """$OUT comes back with at most 8 files: the summary, a log per step, the suites' JSON."""
-    lines = plan(tmp_path)
-    logs = {line.split(":")[0] for line in lines[1:-1]}
-    assert len({"summary.txt", *logs, "bench-quick.json", "bench-full.json"}) <= 8
+    """$OUT comes back with at most 8 files: the summary, the results, a log per step."""
+    for mode in ("main", "rest"):
+        logs = {line.split(":")[0] for line in plan(tmp_path, mode)[1:-1]}
+        assert len({"summary.txt", "results.jsonl", *logs}) <= 8
+
+
+def test_the_gpu_tests_run_on_without_x_each_with_a_limit():
+    script = (ROOT / "bench" / "gpu_kit" / "run.sh").read_text()
+    (line,) = [x for x in script.splitlines() if "pytest tests/gpu" in x]
+    assert " -x" not in line and "--timeout 60" in line and " -v" in line
+
+
+def test_a_steps_leftover_processes_are_ended_by_their_tag_and_no_other():
+    """A process in a session of its own (as torch starts trainer ranks) outlives its parent
+    and its group's signal; reap ends it by the tag in its environment, and leaves alone a
+    process without the tag."""
+    from bench.gpu_kit import reap
+
+    tag = f"test-{os.getpid()}"
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    tagged = subprocess.Popen(sleep, env={**os.environ, reap.VARIABLE: tag},
+                              start_new_session=True)  # fmt: skip
+    other = subprocess.Popen(sleep, env={**os.environ, reap.VARIABLE: tag + "-other"})
+    try:
+        deadline = time.monotonic() + 10
+        while tagged.pid not in reap.tagged(tag) and time.monotonic() < deadline:
+            time.sleep(0.1)  # until python has started (its environ readable)
+        assert reap.reap(tag, grace=5) == [tagged.pid]
+        assert tagged.wait(timeout=10) == -signal.SIGTERM
+        assert other.poll() is None
+    finally:
+        for proc in (tagged, other):
+            proc.kill()
+            proc.wait()

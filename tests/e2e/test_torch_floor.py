@@ -1,0 +1,123 @@
+"""The GPU image's torch (2.11) on CPU: the tiny example, the DPO example, a LoRA and a QLoRA
+job run to their exports in a venv with torch 2.11 and the project's other pins, and train to
+the same losses as the same jobs on CI's torch (this process's).
+
+    export FTJOB_TORCH_FLOOR=$(bash scripts/torch-floor.sh)
+    python -m pytest tests/e2e/test_torch_floor.py -q
+
+scripts/torch-floor.sh builds that venv once per machine (a cache folder outside the checkout)
+and prints its path; .ci/run sets FTJOB_TORCH_FLOOR. Without it the tests are skipped, except
+under CI (CI=true), where a missing venv fails them: the GPU path must not go untested there.
+Every torch and transformers call the trainer and its agent make runs here on torch 2.11.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from test_qlora import job as qlora_job
+from test_qlora import make_base
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+FLOOR_ENV = "FTJOB_TORCH_FLOOR"  # the venv's folder, as scripts/torch-floor.sh prints it
+FLOOR = "2.11."  # the GPU image's torch (docs/gpu.md)
+RUN_TIMEOUT = 300
+# Both torches run the same float32 CPU kernels here; the losses agree to the printed digits.
+TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def floor() -> Path:
+    venv = os.environ.get(FLOOR_ENV)
+    if not venv:
+        why = f"{FLOOR_ENV} is not set: {FLOOR_ENV}=$(bash scripts/torch-floor.sh) makes the venv"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must test the GPU image's torch: {why}")
+        pytest.skip(why)
+    python = Path(venv) / "bin" / "python"
+    if not python.is_file():
+        pytest.fail(f"{FLOOR_ENV}={venv}: no bin/python there (bash scripts/torch-floor.sh)")
+    version = subprocess.run([python, "-c", "import torch; print(torch.__version__)"],
+                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    assert version.startswith(FLOOR), f"{FLOOR_ENV} has torch {version}, not {FLOOR}x"
+    return python
+
+
+def ftjob_run(python: Path | str, job_file: Path, workdir: Path) -> dict[int, float]:
+    """``ftjob run`` with ``python`` (the checkout's ftjob on its path); the losses by step."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "FTJOB_PROGRESS_PORT": "0"}  # fmt: skip
+    cmd = [str(python), "-m", "ftjob", "run", str(job_file), "--workdir", str(workdir)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "the exported model is in" in done.stdout
+    steps = (json.loads(x) for x in (workdir / "progress.jsonl").read_text().splitlines() if x)
+    return {e["step"]: e["loss"] for e in steps if e.get("event") == "step"}
+
+
+def both(floor: Path, job_file: Path, tmp: Path) -> tuple[dict, dict]:
+    """The job's losses on torch 2.11 and on this process's torch."""
+    return ftjob_run(floor, job_file, tmp / "floor"), ftjob_run(
+        sys.executable, job_file, tmp / "ci"
+    )
+
+
+def assert_same_losses(old: dict[int, float], new: dict[int, float]) -> None:
+    assert old and old.keys() == new.keys()
+    for step in old:
+        assert abs(old[step] - new[step]) <= TOLERANCE * abs(new[step]), (step, old, new)
+
+
+def loads(python: Path, export: Path, adapter_base: Path | None = None) -> str:
+    """Load the export with transformers (peft for an adapter) on torch 2.11; its summary."""
+    script = (
+        "import sys, transformers as t\n"
+        "m = t.AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+        "if len(sys.argv) > 2:\n"
+        "    import peft\n"
+        "    m = peft.PeftModel.from_pretrained(m, sys.argv[2])\n"
+        "print(type(m).__name__, sum(p.numel() for p in m.parameters()))\n"
+    )
+    args = [str(adapter_base), str(export)] if adapter_base else [str(export)]
+    return subprocess.run([python, "-c", script, *args], capture_output=True, text=True,
+                          check=True, timeout=120).stdout.strip()  # fmt: skip
+
+
+def test_the_tiny_example_trains_as_on_ci_torch_and_its_export_loads(floor, tmp_path):
+    old, new = both(floor, EXAMPLES / "tiny.yaml", tmp_path)
+    assert_same_losses(old, new)
+    assert len(old) == 12 and old[60] < old[5]  # logEvery 5 of 60 steps, learning
+    assert loads(floor, tmp_path / "floor" / "model").startswith("LlamaForCausalLM ")
+
+
+def test_the_dpo_example_trains_as_on_ci_torch_and_its_adapter_loads(floor, tmp_path):
+    old, new = both(floor, EXAMPLES / "tiny-dpo.yaml", tmp_path)
+    assert_same_losses(old, new)
+    summary = loads(floor, tmp_path / "floor" / "model", EXAMPLES / "tiny-model")
+    assert summary.startswith("PeftModelForCausalLM ")
+
+
+def write(doc: dict, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_lora_and_qlora_train_as_on_ci_torch_and_their_exports_load(floor, tmp_path, method):
+    """test_qlora's jobs: a bf16 base whose weights split into whole NF4 blocks over 2 ranks,
+    FSDP2-sharded (NF4 by torchao for QLoRA), the adapter merged into a second export."""
+    base = tmp_path / "base"
+    make_base(base)
+    job = write(qlora_job(f"floor-{method}", base, method), tmp_path / "job.yaml")
+    old, new = both(floor, job, tmp_path)
+    assert_same_losses(old, new)
+    export = tmp_path / "floor" / "model"
+    assert loads(floor, export, base).startswith("PeftModelForCausalLM ")
+    assert loads(floor, export / "merged").startswith("LlamaForCausalLM ")

@@ -1,0 +1,46 @@
+"""agent.py's options that only some supported torch versions have (torch 2.11, the GPU
+image's, has no shutdown_timeout): passed where both torch's launch config and its agent take
+them. tests/e2e/test_torch_floor.py runs whole jobs on torch 2.11 itself.
+
+python -m pytest tests/unit/test_agent_options.py -q
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from torch.distributed import run as torchrun
+
+from ftjob.trainer import agent
+
+
+def launch_config(*argv: str):
+    config, _, _ = torchrun.config_from_args(
+        torchrun.parse_args(["--standalone", *argv, "-m", "ftjob.trainer"])
+    )
+    return config
+
+
+class AgentWithout:
+    """torch 2.11's LocalElasticAgent: no shutdown_timeout parameter."""
+
+    def __init__(self, spec, logs_specs, start_method="spawn", exit_barrier_timeout=300,
+                 log_line_prefix_template=None):  # fmt: skip
+        pass
+
+
+def test_this_torchs_launch_config_and_agent_get_its_shutdown_timeout():
+    """torch 2.13 (CI's) has the option on both sides: it is passed on, with its value."""
+    config = launch_config()
+    assert agent.optional_agent_options(config) == {"shutdown_timeout": config.shutdown_timeout}
+
+
+def test_a_launch_config_without_the_option_passes_nothing():
+    """torch 2.11's LaunchConfig has no shutdown_timeout: reading it raised AttributeError and
+    every ftjob run failed at start."""
+    assert agent.optional_agent_options(SimpleNamespace(max_restarts=0)) == {}
+
+
+def test_an_agent_without_the_parameter_is_not_given_it():
+    config = SimpleNamespace(shutdown_timeout=30)
+    assert agent.optional_agent_options(config, AgentWithout) == {}
