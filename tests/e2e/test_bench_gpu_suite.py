@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+import envs
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -46,24 +46,11 @@ def test_gpu_suite_compares_ftjob_and_trl_for_full_and_lora(tmp_path):
     assert rows[1]["goal"] == f">= {gpu.MFU_GOAL}" and rows[1]["met"] is False
 
 
-def floor_python() -> Path:
-    """The torch 2.11 venv's python (the GPU image's torch): tests/e2e/test_torch_floor.py."""
-    venv = os.environ.get("FTJOB_TORCH_FLOOR")
-    if not venv:
-        why = (
-            "FTJOB_TORCH_FLOOR is not set: export FTJOB_TORCH_FLOOR=$(bash scripts/torch-floor.sh)"
-        )
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must rehearse the GPU call: {why}")
-        pytest.skip(why)
-    return Path(venv) / "bin" / "python"
-
-
 def test_the_gpu_call_rehearsed_on_cpu_installs_offline_and_measures_every_step(tmp_path):
     """bash bench/gpu_kit/run.sh rehearse: the main call's install (the kit's wheels, offline,
     onto the torch 2.11 venv standing in for the image), steps, caps and files, with the tiny
     model on one CPU process, within the 7 minutes a rehearsal may take."""
-    python = floor_python()
+    python = envs.torch_floor_python()
     version = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     wheels = python.parents[2] / f"kit-wheels-{version}"  # beside the venv, reused

@@ -2,12 +2,11 @@
 job run to their exports in a venv with torch 2.11 and the project's other pins, and train to
 the same losses as the same jobs on CI's torch (this process's).
 
-    export FTJOB_TORCH_FLOOR=$(bash scripts/torch-floor.sh)
     python -m pytest tests/e2e/test_torch_floor.py -q
 
-scripts/torch-floor.sh builds that venv once per machine (a cache folder outside the checkout)
-and prints its path; .ci/run sets FTJOB_TORCH_FLOOR. Without it the tests are skipped, except
-under CI (CI=true), where a missing venv fails them: the GPU path must not go untested there.
+scripts/torch-floor.sh builds that venv once per machine (a cache folder outside the checkout;
+tests/envs.py runs it); a build that fails fails these tests under CI (CI=true) and skips them
+elsewhere: the GPU path must not go untested there.
 Every torch and transformers call the trainer and its agent make runs here on torch 2.11.
 """
 
@@ -19,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import envs
 import pytest
 import yaml
 from test_qlora import job as qlora_job
@@ -26,8 +26,6 @@ from test_qlora import make_base
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-FLOOR_ENV = "FTJOB_TORCH_FLOOR"  # the venv's folder, as scripts/torch-floor.sh prints it
-FLOOR = "2.11."  # the GPU image's torch (docs/gpu.md)
 RUN_TIMEOUT = 300
 # Both torches run the same float32 CPU kernels here; the losses agree to the printed digits.
 TOLERANCE = 1e-3
@@ -35,19 +33,7 @@ TOLERANCE = 1e-3
 
 @pytest.fixture(scope="module")
 def floor() -> Path:
-    venv = os.environ.get(FLOOR_ENV)
-    if not venv:
-        why = f"{FLOOR_ENV} is not set: {FLOOR_ENV}=$(bash scripts/torch-floor.sh) makes the venv"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must test the GPU image's torch: {why}")
-        pytest.skip(why)
-    python = Path(venv) / "bin" / "python"
-    if not python.is_file():
-        pytest.fail(f"{FLOOR_ENV}={venv}: no bin/python there (bash scripts/torch-floor.sh)")
-    version = subprocess.run([python, "-c", "import torch; print(torch.__version__)"],
-                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    assert version.startswith(FLOOR), f"{FLOOR_ENV} has torch {version}, not {FLOOR}x"
-    return python
+    return envs.torch_floor_python()
 
 
 def ftjob_run(python: Path | str, job_file: Path, workdir: Path) -> dict[int, float]:
