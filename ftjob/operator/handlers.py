@@ -29,11 +29,11 @@ from datetime import datetime, timezone
 import kopf
 from aiohttp import web
 
-from ftjob import validation
+from ftjob.api.schema import SpecError
+from ftjob.api.spec import GROUP, PLURAL, VERSION, TrackingSpec
+from ftjob.cli import validate as validation
 from ftjob.operator import lifecycle, metrics, render, status
 from ftjob.operator.kube import Gone, Kube, error_text
-from ftjob.schema import SpecError
-from ftjob.spec import GROUP, PLURAL, VERSION, TrackingSpec
 
 POD_SELECTOR = {"app.kubernetes.io/managed-by": render.MANAGER}
 

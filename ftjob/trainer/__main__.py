@@ -14,11 +14,11 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ftjob import manifest
-from ftjob.contract import BAD_SPEC, RESTARTS_IN_PLACE_ENV, TrainerError
-from ftjob.schema import SpecError
-from ftjob.spec import KIND, parse_resource
-from ftjob.trainer import termination
+from ftjob.api import manifest
+from ftjob.api.contract import BAD_SPEC, RESTARTS_IN_PLACE_ENV, TrainerError
+from ftjob.api.schema import SpecError
+from ftjob.api.spec import KIND, parse_resource
+from ftjob.trainer.gang import termination
 
 EXIT_FAILED = 1
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, manifest.ManifestError) as e:
         return _bad_spec(args.spec, e)
     # Imported after the spec check: a bad spec fails before torch and transformers load.
-    from ftjob import lease
+    from ftjob.job import lease
     from ftjob.trainer import train
 
     try:

@@ -4,7 +4,7 @@
 
 (``ftjob run examples/tiny.yaml`` sets the environment up for you: FTJOB_JOB_DIR,
 FTJOB_SOURCE_ROOT.) Every rank runs this file top to bottom; rank 0 also reports progress,
-phase by phase (ftjob.contract.PHASES), from the first second.
+phase by phase (ftjob.api.contract.PHASES), from the first second.
 """
 
 from __future__ import annotations
@@ -23,30 +23,23 @@ import torch.distributed as dist
 from transformers import get_scheduler
 from transformers.utils import logging as hf_logging
 
-from ftjob import contract, jobfolder, plan
-from ftjob.contract import BAD_SPEC, EXPORT_FAILED, TrainerError
-from ftjob.lease import LEASE_SECONDS, Lease, take_folder
-from ftjob.modelshape import model_flops
-from ftjob.spec import FineTuneJobSpec
-from ftjob.trainer import (
-    checkpoint,
-    data,
-    export,
-    heartbeat,
-    hub,
-    loss,
-    model,
-    objective,
-    parallel,
-    preflight,
-    progress,
-    sources,
-    step,
-    stragglers,
-    termination,
-    trackers,
-    volume,
-)
+from ftjob.api import contract
+from ftjob.api.contract import BAD_SPEC, EXPORT_FAILED, TrainerError
+from ftjob.api.spec import FineTuneJobSpec
+from ftjob.job import folder as jobfolder
+from ftjob.job.lease import LEASE_SECONDS, Lease, take_folder
+from ftjob.plan import estimate as plan
+from ftjob.plan.modelshape import model_flops
+from ftjob.trainer import step
+from ftjob.trainer.data import batches as data
+from ftjob.trainer.data import sources
+from ftjob.trainer.gang import heartbeat, preflight, stragglers, termination
+from ftjob.trainer.model import load as model
+from ftjob.trainer.model import parallel
+from ftjob.trainer.objectives import loss, objective
+from ftjob.trainer.report import progress, trackers
+from ftjob.trainer.state import checkpoint, export, volume
+from ftjob.trainer.state import push as hub
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
@@ -158,7 +151,7 @@ def _join(spec: FineTuneJobSpec, job_dir: Path, report: progress.Progress):
     nccl_file = preflight.nccl_log(spec, job_dir, int(os.environ.get("RANK", "0")))
     d = parallel.init(spec)
     # Every rank's last step in the gang's store: a collective that times out names the rank
-    # that stopped answering (ftjob.trainer.heartbeat), the preflight's own included.
+    # that stopped answering (ftjob.trainer.gang.heartbeat), the preflight's own included.
     beat = heartbeat.start(
         d.rank, d.world_size, contract.node_name(), spec.network.collective_timeout_seconds
     )

@@ -13,7 +13,7 @@ import kmock
 import yaml
 from apiserver import CRD_RESOURCE, ApiServer, now_iso
 
-from ftjob import crd
+from ftjob.api import crd
 
 
 class Kubelet:

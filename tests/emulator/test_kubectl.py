@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from support import gang_running, job_pods
 
-from ftjob import manifest
-from ftjob.spec import DEFAULT_IMAGE
+from ftjob.api import manifest
+from ftjob.api.spec import DEFAULT_IMAGE
 
 ROOT = Path(__file__).resolve().parents[2]
 

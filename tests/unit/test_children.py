@@ -13,9 +13,10 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from ftjob import kubevalidation, manifest, validation
+from ftjob.api import kubevalidation, manifest
+from ftjob.api.spec import SecretKeyRef, SecretsSpec, Toleration, parse_resource
+from ftjob.cli import validate as validation
 from ftjob.operator import render
-from ftjob.spec import SecretKeyRef, SecretsSpec, Toleration, parse_resource
 
 ROOT = Path(__file__).resolve().parents[2]
 VALID_FILES = sorted((ROOT / "examples").glob("*.yaml")) + sorted(

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ftjob import manifest, validation
+from ftjob.api import manifest
+from ftjob.cli import validate as validation
 
 CORPUS = sorted((Path(__file__).resolve().parents[1] / "corpus").glob("*.yaml"))
 

@@ -12,11 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from ftjob import contract, failure, inputs, jobfolder
+from ftjob.api import contract
+from ftjob.api.schema import SpecError
+from ftjob.api.spec import parse_spec
+from ftjob.cli import failure
+from ftjob.job import folder as jobfolder
+from ftjob.job import inputs
 from ftjob.operator import status
-from ftjob.schema import SpecError
-from ftjob.spec import parse_spec
-from ftjob.trainer import hub
+from ftjob.trainer.state import push as hub
 
 TOKEN = {"huggingFaceToken": {"name": "hf", "key": "token"}}
 RAW = {
@@ -144,7 +147,8 @@ def test_a_push_with_no_token_at_all_fails_as_hub_push_failed_naming_hf_token(
     import huggingface_hub.constants
     import torch
 
-    from ftjob.trainer import parallel, progress
+    from ftjob.trainer.model import parallel
+    from ftjob.trainer.report import progress
 
     for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
         monkeypatch.delenv(name, raising=False)
@@ -164,7 +168,7 @@ def test_a_push_with_no_token_at_all_fails_as_hub_push_failed_naming_hf_token(
 def test_a_dpo_jobs_card_says_dpo_and_its_held_out_reward_accuracy(tmp_path):
     from huggingface_hub import ModelCard
 
-    from ftjob.trainer import progress
+    from ftjob.trainer.report import progress
 
     job = spec(
         {"push": "hf://my-org/tuned"},

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from ftjob import jobfolder
-from ftjob.contract import BAD_SPEC, TrainerError
-from ftjob.spec import parse_spec
+from ftjob.api.contract import BAD_SPEC, TrainerError
+from ftjob.api.spec import parse_spec
+from ftjob.job import folder as jobfolder
 
 RAW = {
     "model": {"source": "tiny-model"},

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ftjob import manifest, validation
+from ftjob.api import manifest
+from ftjob.cli import validate as validation
 
 KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
 

@@ -2,8 +2,8 @@
 ftjob's validator and the CRD (schema + CEL); the refusals are corpus cases
 (tests/corpus/rule-*dpo*, rule-preference-*, enum-dpo-*, range-dpo-*)."""
 
-from ftjob import validation
-from ftjob.spec import API_VERSION, KIND, parse_spec
+from ftjob.api.spec import API_VERSION, KIND, parse_spec
+from ftjob.cli import validate as validation
 
 DPO = {
     "model": {"source": "hf://org/m"},

@@ -19,10 +19,12 @@ import pytest
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from ftjob import contract, lease, processes
-from ftjob.trainer import agent, heartbeat
-from ftjob.trainer.progress import Progress
-from ftjob.trainer.stragglers import CONSECUTIVE, Stragglers
+from ftjob.api import contract
+from ftjob.job import lease, processes
+from ftjob.trainer import agent
+from ftjob.trainer.gang import heartbeat
+from ftjob.trainer.gang.stragglers import CONSECUTIVE, Stragglers
+from ftjob.trainer.report.progress import Progress
 
 
 def beats(now: float, **ranks) -> dict[int, dict]:
@@ -289,7 +291,7 @@ def test_a_live_owner_is_seen_whatever_its_command_name(tmp_path):
 GANG = """
 import os, subprocess, sys, time
 from pathlib import Path
-from ftjob import lease
+from ftjob.job import lease
 role, folder = sys.argv[1], Path(sys.argv[2])
 if role == "run":  # `ftjob run`: takes the folder, starts node 0's agent, refreshes often
     lease.HEARTBEAT_SECONDS = 0.05

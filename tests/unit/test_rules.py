@@ -2,9 +2,9 @@
 
 import itertools
 
-from ftjob import validation
-from ftjob.schema import SpecError
-from ftjob.spec import parse_resource
+from ftjob.api.schema import SpecError
+from ftjob.api.spec import parse_resource
+from ftjob.cli import validate as validation
 
 AXES = {
     "method": [

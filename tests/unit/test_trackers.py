@@ -5,7 +5,7 @@ one that refuses, are tested against the real clients in tests/e2e/test_tracking
 import threading
 import time
 
-from ftjob.trainer import progress, trackers
+from ftjob.trainer.report import progress, trackers
 
 
 class Hanging:
