@@ -1,8 +1,9 @@
 """One writer per job folder: ``<job folder>/owner`` names the run that writes there.
 
 ``ftjob run`` takes the folder before it writes anything there and holds it until it ends;
-on a cluster rank 0 of the gang takes it (:func:`take`, a collective: every rank gets rank
-0's answer, so a run that may not write stops on all ranks at once). A holder refreshes the
+on a cluster rank 0 of the gang takes it (the trainer's :func:`ftjob.trainer.gang.owner.
+take_folder`, a collective: every rank gets rank 0's answer, so a run that may not write
+stops on all ranks at once). A holder refreshes the
 file every ``HEARTBEAT_SECONDS``. The folder is free when the file is absent, names this run
 (an ``ftjob run`` whose trainer takes it, a gang whose workers restarted in place), or names a
 run that is over:
@@ -42,7 +43,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ftjob.api.contract import INTERNAL, OWNED_ELSEWHERE, TrainerError
+from ftjob.api.contract import OWNED_ELSEWHERE, TrainerError
 from ftjob.job import atomic, processes
 
 FILE = "owner"
@@ -244,44 +245,6 @@ def _read(path: Path) -> Owner | None:
         return Owner(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
-
-
-_held: Lease | None = None  # this process's lease (rank 0 of a gang)
-
-
-def take_folder(job_dir: Path, rank: int, wait_seconds: float = 2 * LEASE_SECONDS) -> Lease | None:
-    """A collective: rank 0 takes the job folder for this run; every rank raises the same
-    TrainerError if it may not. Returns rank 0's lease (None on the other ranks). The other
-    ranks wait in a collective meanwhile: keep ``wait_seconds`` below its timeout."""
-    import torch.distributed as dist  # here: `ftjob run` reads this module without torch
-
-    from ftjob.trainer.state import volume
-
-    global _held
-    lease, refusal = None, None
-    if rank == 0:
-        job_dir.mkdir(parents=True, exist_ok=True)
-        lease = Lease(job_dir)
-        try:
-            lease.take(wait_seconds)
-            _held = lease
-        except OSError as e:  # the owner file cannot be written (a full or read-only volume)
-            named = volume.write_failed(e, f"taking the job folder ({FILE})", job_dir, INTERNAL)
-            refusal = (str(named), named.reason, named.where)
-        except TrainerError as e:
-            refusal = (str(e), e.reason, e.where)
-    answer = [refusal]
-    dist.broadcast_object_list(answer, src=0)
-    if answer[0] is not None:
-        message, reason, where = answer[0]
-        raise TrainerError(message, reason=reason, where=where)
-    return lease
-
-
-def release_held() -> None:
-    """Give the folder up from this process (a gang that will not restart in place)."""
-    if _held is not None:
-        _held.release()
 
 
 def _holder_pid() -> int:

@@ -31,8 +31,7 @@ from aiohttp import web
 
 from ftjob.api.schema import SpecError
 from ftjob.api.spec import GROUP, PLURAL, VERSION, TrackingSpec
-from ftjob.cli import validate as validation
-from ftjob.operator import lifecycle, metrics, render, status
+from ftjob.operator import admit, lifecycle, metrics, render, status
 from ftjob.operator.kube import Gone, Kube, error_text
 
 POD_SELECTOR = {"app.kubernetes.io/managed-by": render.MANAGER}
@@ -213,7 +212,7 @@ async def _reconcile(name, namespace, body, job_pods, state, watch: Watch) -> fl
     pods = _own_pods(job_pods, namespace, name, uid)
     now = datetime.now(timezone.utc)
     try:
-        _, spec = validation.parse_job(doc)  # the job and every child it would create
+        _, spec = admit.parse_job(doc)  # the job and every child it would create
         spec = render.with_tracking(spec, SETTINGS.default_tracking)
     except SpecError as e:
         decision = lifecycle.invalid(

@@ -27,13 +27,14 @@ from ftjob.api import contract
 from ftjob.api.contract import BAD_SPEC, EXPORT_FAILED, TrainerError
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import folder as jobfolder
-from ftjob.job.lease import LEASE_SECONDS, Lease, take_folder
+from ftjob.job.lease import LEASE_SECONDS, Lease
 from ftjob.plan import estimate as plan
 from ftjob.plan.modelshape import model_flops
 from ftjob.trainer import step
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.data import sources
 from ftjob.trainer.gang import heartbeat, preflight, stragglers, termination
+from ftjob.trainer.gang.owner import take_folder
 from ftjob.trainer.model import load as model
 from ftjob.trainer.model import parallel
 from ftjob.trainer.objectives import loss, objective

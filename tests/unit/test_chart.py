@@ -383,8 +383,8 @@ def test_trainer_default_image_reaches_the_operator_and_its_pods(rendered):
     read and its render puts into the pods of a job without spec.image; unset, the variable
     is empty (there for `kubectl set env`) and the pods get the placeholder."""
     from ftjob.api import manifest
-    from ftjob.cli.validate import parse_job
     from ftjob.operator import handlers, render
+    from ftjob.operator.admit import parse_job
 
     (job,) = manifest.load(ROOT / "examples" / "llama3-8b-lora-efa.yaml")
     _, job_spec = parse_job(job)
@@ -433,8 +433,8 @@ def test_pod_monitor_scrapes_rank_0_of_every_job_where_the_operator_watches(comb
     not the default), rank 1 and the operator's own pod are not; it looks in the namespaces
     the operator's arguments name."""
     from ftjob.api import manifest
-    from ftjob.cli.validate import parse_job
     from ftjob.operator import render
+    from ftjob.operator.admit import parse_job
 
     objs = rendered[combo]
     monitor = the(objs, "PodMonitor")["spec"]

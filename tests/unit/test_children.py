@@ -16,7 +16,7 @@ import pytest
 from ftjob.api import kubevalidation, manifest
 from ftjob.api.spec import SecretKeyRef, SecretsSpec, Toleration, parse_resource
 from ftjob.cli import validate as validation
-from ftjob.operator import render
+from ftjob.operator import admit, render
 
 ROOT = Path(__file__).resolve().parents[2]
 VALID_FILES = sorted((ROOT / "examples").glob("*.yaml")) + sorted(
@@ -297,14 +297,14 @@ def test_metadata(metadata):
     ids=lambda v: v if isinstance(v, str) else "",
 )
 def test_a_child_refusal_is_traced_to_the_job_field(setter, field):
-    errors = validation.children_errors("job", "default", spec_with(setter))
+    errors = admit.children_errors("job", "default", spec_with(setter))
     assert errors and {e.path for e in errors} == {field}, errors
     assert all(" (in " in e.message for e in errors)  # and says which child and where
 
 
 def test_a_job_name_that_makes_a_bad_service_name_is_traced_to_metadata_name():
     _, spec = parse_resource(job())
-    errors = validation.children_errors("1st-run", "default", spec)
+    errors = admit.children_errors("1st-run", "default", spec)
     assert {e.path for e in errors} == {"metadata.name"}
     assert any("Service 1st-run" in e.message for e in errors)
 

@@ -116,7 +116,7 @@ class Checkpointer:
     """Saves every ``checkpoint.every`` steps, keeps ``keep``, optionally in the background.
 
     ``fence`` is called on rank 0 just before a checkpoint is committed; it raises a
-    TrainerError when this run may no longer write the job folder (:mod:`ftjob.trainer.owner`).
+    TrainerError when this run may no longer write the job folder (:mod:`ftjob.job.lease`).
     """
 
     def __init__(self, root: Path, rank: int, keep: int, async_save: bool, fence=None):
