@@ -127,29 +127,12 @@ def run(job_file: str, workdir: str | None = None, out=None, restart: bool = Fal
         for err in e.errors:
             print(f"  {err}", file=sys.stderr)
         return EXIT_FAILED
-    refusal = _missing_gpus(spec)
-    if refusal:
-        print(f"ftjob run: {job_file}: {refusal}", file=out, flush=True)
-        return EXIT_FAILED
-
     job_dir = Path(workdir or Path.cwd() / "runs" / name).resolve()
     source_root = Path(job_file).resolve().parent
-    # Named here in a moment, not by the trainer after torch's 10-20 s start-up (the trainer
-    # keeps its own checks: pods on a cluster read the volume, not this machine).
-    missing = inputs.missing(spec, source_root, None if restart else job_dir)
-    if missing:
-        for problem in missing:
-            print(f"ftjob run: {job_file}: {problem.path}: {problem.message}", file=out)
-            print(f"  fix: {problem.fix}", file=out, flush=True)
+    if not _can_start(job_file, spec, source_root, None if restart else job_dir, out):
         return EXIT_FAILED
-    if restart and job_dir.exists():
-        busy = lease.in_use(job_dir)  # a folder in use is not moved from under its run
-        if busy:
-            print(f"ftjob run: {busy}", file=sys.stderr)
-            return EXIT_FAILED
-        aside = job_dir.with_name(f"{job_dir.name}.old-{time.strftime('%Y%m%dT%H%M%S')}")
-        os.rename(job_dir, aside)
-        print(f"ftjob run: --restart: the earlier run is kept in {aside}", file=out, flush=True)
+    if restart and job_dir.exists() and not _set_aside(job_dir, out):
+        return EXIT_FAILED
     # The rendezvous id, unique per `ftjob run`: the trainer's rank 0 finds the folder held by
     # its own run and carries the lease on.
     run_id = f"{name}-{os.getpid()}-{int(time.time())}"
@@ -171,8 +154,78 @@ def run(job_file: str, workdir: str | None = None, out=None, restart: bool = Fal
             signal.signal(sig, handler)
 
 
+def _can_start(job_file: str, spec, source_root: Path, job_dir: Path | None, out) -> bool:
+    """This machine has what the job needs: its GPUs, its model and its data (``job_dir``:
+    the folder whose downloads count, None for --restart)."""
+    refusal = _missing_gpus(spec)
+    if refusal:
+        print(f"ftjob run: {job_file}: {refusal}", file=out, flush=True)
+        return False
+    # Named here in a moment, not by the trainer after torch's 10-20 s start-up (the trainer
+    # keeps its own checks: pods on a cluster read the volume, not this machine).
+    missing = inputs.missing(spec, source_root, job_dir)
+    for problem in missing:
+        print(f"ftjob run: {job_file}: {problem.path}: {problem.message}", file=out)
+        print(f"  fix: {problem.fix}", file=out, flush=True)
+    return not missing
+
+
+def _set_aside(job_dir: Path, out) -> bool:
+    """--restart: move the earlier run's folder aside (never one in use); False if in use."""
+    busy = lease.in_use(job_dir)  # a folder in use is not moved from under its run
+    if busy:
+        print(f"ftjob run: {busy}", file=sys.stderr)
+        return False
+    aside = job_dir.with_name(f"{job_dir.name}.old-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.rename(job_dir, aside)
+    print(f"ftjob run: --restart: the earlier run is kept in {aside}", file=out, flush=True)
+    return True
+
+
 def _run_held(job_file, name, spec, job_dir: Path, source_root: Path, run_id: str, out) -> int:
     """The rest of :func:`run`, with the job folder held by this run."""
+    answered = _answered(name, spec, job_dir, out)
+    if answered is not None:
+        return answered
+    logs, spec_file = _prepare_folder(job_dir, name, spec)
+    r = spec.resources
+    print(
+        f"ftjob run: {name}: {r.nodes} node(s) x {r.nproc_per_node} process(es) on this "
+        f"machine, job folder {job_dir}, logs in {logs}",
+        file=out,
+        flush=True,
+    )
+    # Orphans of the run (a worker whose agent died) are handed to this process, which ends
+    # them with the rest (ftjob.job.processes).
+    processes.become_subreaper()
+    # `kill`, a closed terminal or a CI timeout stop the gang the same way as Ctrl-C.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+    screen = Screen(out, job_dir / "progress.json", since=time.time())
+    port = free_port()
+    nodes: list[Node] = []
+    first, interrupted, hurried = None, False, False
+    try:
+        with screen:
+            for rank in range(r.nodes):
+                nodes.append(
+                    _node(spec, name, rank, run_id, spec_file, port, job_dir, source_root, screen)
+                )
+            first = _wait(nodes, screen)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\nftjob run: interrupted; stopping every process (Ctrl-C again: at once)",
+              file=out, flush=True)  # fmt: skip
+    finally:
+        # Every exit path ends every process of the run (an exception included); a second
+        # Ctrl-C only hurries this along.
+        hurried = _stop(nodes)
+    return _ended(job_dir, nodes, first, interrupted, hurried, out)
+
+
+def _answered(name: str, spec, job_dir: Path, out) -> int | None:
+    """The exit code when the folder's record answers without a run: it was trained with
+    another spec (refused), or this one is trained already; None: run."""
     recorded = jobfolder.read(job_dir)
     diff = jobfolder.changes(recorded, spec) if recorded else []
     if diff:
@@ -193,60 +246,44 @@ def _run_held(job_file, name, spec, job_dir: Path, source_root: Path, run_id: st
             flush=True,
         )
         return EXIT_OK
+    return None
+
+
+def _prepare_folder(job_dir: Path, name: str, spec) -> tuple[Path, Path]:
+    """The folders the nodes write to, and the folder's record, also the spec file the nodes
+    read (safe changes update it): (the logs folder, the spec file)."""
     logs = job_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     (job_dir / "tmp").mkdir(exist_ok=True)
-    # The folder's record, also the spec file the nodes read (safe changes update it).
     jobfolder.write(job_dir, name, spec)
-    spec_file = job_dir / jobfolder.RECORD
+    return logs, job_dir / jobfolder.RECORD
 
-    r = spec.resources
-    port = free_port()
-    print(
-        f"ftjob run: {name}: {r.nodes} node(s) x {r.nproc_per_node} process(es) on this "
-        f"machine, job folder {job_dir}, logs in {logs}",
-        file=out,
-        flush=True,
+
+def _node(spec, name, rank, run_id, spec_file, port, job_dir, source_root, screen) -> Node:
+    """Start node ``rank``: the pod's command (ftjob.job.launch) as a local process."""
+    cmd = launch.node_command(
+        spec,
+        name,
+        rank,
+        "127.0.0.1",
+        run_id,
+        str(spec_file),
+        node_addr="127.0.0.1",
+        master_port=port,
+        job_folder=str(job_dir),
+        source_root=str(source_root),
     )
-    nodes: list[Node] = []
-    # Orphans of the run (a worker whose agent died) are handed to this process, which ends
-    # them with the rest (ftjob.job.processes).
-    processes.become_subreaper()
-    # `kill`, a closed terminal or a CI timeout stop the gang the same way as Ctrl-C.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _interrupt)
-    screen = Screen(out, job_dir / "progress.json", since=time.time())
-    first, interrupted, hurried = None, False, False
-    try:
-        with screen:
-            for rank in range(r.nodes):
-                cmd = launch.node_command(
-                    spec,
-                    name,
-                    rank,
-                    "127.0.0.1",
-                    run_id,
-                    str(spec_file),
-                    node_addr="127.0.0.1",
-                    master_port=port,
-                    job_folder=str(job_dir),
-                    source_root=str(source_root),
-                )
-                termination = logs / f"node-{rank}.termination"
-                termination.unlink(missing_ok=True)  # a previous run's record says nothing now
-                env = {**os.environ, **cmd.env, **_local_env(spec, rank, job_dir)}
-                env["FTJOB_TERMINATION_LOG"] = str(termination)
-                argv = [sys.executable, *cmd.argv[1:]]  # this Python, with ftjob installed
-                nodes.append(Node(rank, argv, env, logs / f"node-{rank}.log", screen))
-            first = _wait(nodes, screen)
-    except KeyboardInterrupt:
-        interrupted = True
-        print("\nftjob run: interrupted; stopping every process (Ctrl-C again: at once)",
-              file=out, flush=True)  # fmt: skip
-    finally:
-        # Every exit path ends every process of the run (an exception included); a second
-        # Ctrl-C only hurries this along.
-        hurried = _stop(nodes)
+    logs = job_dir / "logs"
+    termination = logs / f"node-{rank}.termination"
+    termination.unlink(missing_ok=True)  # a previous run's record says nothing now
+    env = {**os.environ, **cmd.env, **_local_env(spec, rank, job_dir)}
+    env["FTJOB_TERMINATION_LOG"] = str(termination)
+    argv = [sys.executable, *cmd.argv[1:]]  # this Python, with ftjob installed
+    return Node(rank, argv, env, logs / f"node-{rank}.log", screen)
+
+
+def _ended(job_dir: Path, nodes: list[Node], first, interrupted: bool, hurried: bool, out) -> int:
+    """Say how the run ended (interrupted, failed, done) and return its exit code."""
     restarts = _restarts(job_dir)
     if interrupted:
         how = " (killed at once on the second Ctrl-C)" if hurried else ""

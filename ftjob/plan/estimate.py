@@ -226,9 +226,7 @@ def _estimate(
     spec: FineTuneJobSpec, shape: ModelShape, stride: int, device_bytes: int | None
 ) -> Estimate:
     r, t, method = spec.resources, spec.training, spec.method.type
-    gpu = GPUS.get(r.gpu_type) if r.gpu_type else None
     on_gpu = r.gpus_per_node > 0
-    world = r.world_size
     act_bytes = 2 if spec.compute_precision() == "bf16" else FP32
     lora = spec.method.lora_settings()
     adapter = shape.lora_params(lora.r, lora.target_modules) if lora else 0
@@ -269,19 +267,8 @@ def _estimate(
         notes.append(f"asyncSave keeps a {_gib(cpu.staging)} CPU copy per process")
     checkpoint_bytes = 3 * trainable * FP32
 
-    flops, recomputed = _flops_per_token(spec, shape, adapter, stride)
-    reference = _reference_flops_per_token(spec, shape) if method != "full" else 0.0
     if spec.training.objective == "dpo":
         notes.append(_dpo_note(spec))
-    step_seconds = hfu = None
-    if gpu:
-        hfu = ASSUMED_HFU[method] * (OFFLOAD_SLOWDOWN if offload else 1.0)
-        work = spec.tokens_per_step * (flops + recomputed + reference)
-        step_seconds = work / (world * gpu.peak_bf16_flops * hfu)
-    net = _network_bytes_per_node(spec, shape, sharding, trainable, act_bytes)
-    bandwidth = node_bandwidth(
-        spec.network.fabric, r.gpus_per_node, spec.network.efa_devices_per_node
-    )
     return Estimate(
         params=shape.params,
         trainable=trainable,
@@ -297,17 +284,46 @@ def _estimate(
         load_cpu_per_node=cpu.loading,
         page_cache_per_node=cpu.page_cache,
         checkpoint_bytes=checkpoint_bytes,
+        checkpoint_stride=stride,
+        notes=notes,
+        problem=problem,
+        on_gpu=on_gpu,
+        **_speed(spec, shape, adapter, stride, sharding, trainable, act_bytes),
+    )
+
+
+def _speed(
+    spec: FineTuneJobSpec,
+    shape: ModelShape,
+    adapter: int,
+    stride: int,
+    sharding: str,
+    trainable: int,
+    act_bytes: int,
+) -> dict[str, float | None]:
+    """The estimate's speed: FLOPs per token, the step's time on the named GPUs at the
+    assumed utilisation, and the bytes each node sends per step over its fabric."""
+    r, method = spec.resources, spec.method.type
+    gpu = GPUS.get(r.gpu_type) if r.gpu_type else None
+    flops, recomputed = _flops_per_token(spec, shape, adapter, stride)
+    reference = _reference_flops_per_token(spec, shape) if method != "full" else 0.0
+    step_seconds = hfu = None
+    if gpu:
+        hfu = ASSUMED_HFU[method] * (OFFLOAD_SLOWDOWN if spec.parallelism.cpu_offload else 1.0)
+        work = spec.tokens_per_step * (flops + recomputed + reference)
+        step_seconds = work / (r.world_size * gpu.peak_bf16_flops * hfu)
+    net = _network_bytes_per_node(spec, shape, sharding, trainable, act_bytes)
+    bandwidth = node_bandwidth(
+        spec.network.fabric, r.gpus_per_node, spec.network.efa_devices_per_node
+    )
+    return dict(
         flops_per_token=flops,
         recomputed_flops_per_token=recomputed,
         reference_flops_per_token=reference,
-        checkpoint_stride=stride,
         step_seconds=step_seconds,
         network_bytes_per_node=net,
         network_seconds=net / bandwidth if r.nodes > 1 else 0.0,
-        notes=notes,
-        problem=problem,
         hardware_utilisation=hfu,
-        on_gpu=on_gpu,
     )
 
 

@@ -79,15 +79,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     hf_logging.disable_progress_bar()  # pod logs are not terminals
     if not d.is_main:
         hf_logging.set_verbosity_error()  # one copy of each warning is enough
-    # Before anything is written to the job folder: one run writes there at a time.
-    wait = min(2 * LEASE_SECONDS, spec.network.collective_timeout_seconds - 5)
-    lease = take_folder(job_dir, d.rank, wait)
-    recorded = jobfolder.claim(job_dir, name, spec, writer=d.is_main)
-    # The folder is this run's and its record this spec's: progress.json carries on from
-    # what the previous run of this job left there (a refused spec left it untouched).
-    report.own_folder()
-    if d.is_main:
-        jobfolder.recover_export(out)  # an export swap a crash cut short
+    lease, recorded = _take(spec, name, job_dir, out, d, report)
     if jobfolder.finished(spec, recorded, out):
         # A gang restarted after the export was written (a pod evicted at the very end).
         say(f"{name}: already trained; the exported model is in {out}", flush=True)
@@ -107,14 +99,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     torch.manual_seed(t.seed)
 
     # Data first: a bad record fails the job in seconds, before any weights are read.
-    report.phase("preparing-data")
-    tok = model.load_tokenizer(spec)
-    # Rank 0 prepares (or reuses) the data on the volume; the others wait, then memory-map it.
-    ds = data.load(spec, tok, job_dir, is_main=d.is_main, log=lambda m: say(m, flush=True),
-                   on_progress=lambda p: report.update(preparing=p))  # fmt: skip
-    sampler = data.Sampler(len(ds.train), t.seed, d.world_size, t.micro_batch_size,
-                           t.gradient_accumulation)  # fmt: skip
-    total = t.max_steps or sampler.steps_for(t.epochs)
+    tok, ds, sampler, total = _data(spec, job_dir, d, report, say)
 
     report.phase("loading")
     run = _load(spec, tok, d, job_dir, lease, total)
@@ -143,6 +128,33 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
         jobfolder.write(job_dir, name, asked, trained_steps=total)
     report.log(f"exported model: {out}")
     return _succeeded(out, d, report, lease, asked, job_dir)
+
+
+def _take(spec: FineTuneJobSpec, name: str, job_dir: Path, out: Path, d, report):
+    """Before anything is written to the job folder: one run writes there at a time. Returns
+    rank 0's lease (None elsewhere) and the folder's record of the spec it was trained with."""
+    wait = min(2 * LEASE_SECONDS, spec.network.collective_timeout_seconds - 5)
+    lease = take_folder(job_dir, d.rank, wait)
+    recorded = jobfolder.claim(job_dir, name, spec, writer=d.is_main)
+    # The folder is this run's and its record this spec's: progress.json carries on from
+    # what the previous run of this job left there (a refused spec left it untouched).
+    report.own_folder()
+    if d.is_main:
+        jobfolder.recover_export(out)  # an export swap a crash cut short
+    return lease, recorded
+
+
+def _data(spec: FineTuneJobSpec, job_dir: Path, d, report: progress.Progress, say):
+    """The tokenizer, the prepared data, its sampler and the number of steps to train."""
+    t = spec.training
+    report.phase("preparing-data")
+    tok = model.load_tokenizer(spec)
+    # Rank 0 prepares (or reuses) the data on the volume; the others wait, then memory-map it.
+    ds = data.load(spec, tok, job_dir, is_main=d.is_main, log=lambda m: say(m, flush=True),
+                   on_progress=lambda p: report.update(preparing=p))  # fmt: skip
+    sampler = data.Sampler(len(ds.train), t.seed, d.world_size, t.micro_batch_size,
+                           t.gradient_accumulation)  # fmt: skip
+    return tok, ds, sampler, t.max_steps or sampler.steps_for(t.epochs)
 
 
 def _join(spec: FineTuneJobSpec, job_dir: Path, report: progress.Progress):
