@@ -236,6 +236,7 @@ def test_a_failed_trainer_gives_the_folder_up_itself_only_when_no_ftjob_agent_ru
     torchrun nobody else would."""
     from ftjob.trainer import __main__ as entry
     from ftjob.trainer import train
+    from ftjob.trainer.gang import owner
 
     def fails(spec, name):
         raise contract.TrainerError("bad line", reason=contract.BAD_DATA)
@@ -250,7 +251,7 @@ def test_a_failed_trainer_gives_the_folder_up_itself_only_when_no_ftjob_agent_ru
             monkeypatch.delenv(contract.RESTARTS_IN_PLACE_ENV)
         held = lease.Lease(tmp_path, run="job-1")
         held.take(0)
-        monkeypatch.setattr(lease, "_held", held)
+        monkeypatch.setattr(owner, "_held", held)
         assert entry.main(["--spec", tiny]) == entry.EXIT_FAILED
         assert (tmp_path / lease.FILE).exists() == agent_runs_it
         held.release()
