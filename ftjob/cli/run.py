@@ -36,6 +36,7 @@ from ftjob.cli import failure
 from ftjob.cli.screen import Screen
 from ftjob.job import folder as jobfolder
 from ftjob.job import inputs, launch, lease, processes
+from ftjob.job.folder import JobFolder
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 STOP_GRACE_SECONDS = 10
@@ -201,7 +202,7 @@ def _run_held(job_file, name, spec, job_dir: Path, source_root: Path, run_id: st
     # `kill`, a closed terminal or a CI timeout stop the gang the same way as Ctrl-C.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
-    screen = Screen(out, job_dir / "progress.json", since=time.time())
+    screen = Screen(out, JobFolder(job_dir).progress, since=time.time())
     port = free_port()
     nodes: list[Node] = []
     first, interrupted, hurried = None, False, False
@@ -252,11 +253,11 @@ def _answered(name: str, spec, job_dir: Path, out) -> int | None:
 def _prepare_folder(job_dir: Path, name: str, spec) -> tuple[Path, Path]:
     """The folders the nodes write to, and the folder's record, also the spec file the nodes
     read (safe changes update it): (the logs folder, the spec file)."""
-    logs = job_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    (job_dir / "tmp").mkdir(exist_ok=True)
+    folder = JobFolder(job_dir)
+    folder.logs.mkdir(parents=True, exist_ok=True)
+    folder.tmp.mkdir(exist_ok=True)
     jobfolder.write(job_dir, name, spec)
-    return logs, job_dir / jobfolder.RECORD
+    return folder.logs, folder.record
 
 
 def _node(spec, name, rank, run_id, spec_file, port, job_dir, source_root, screen) -> Node:
@@ -273,13 +274,13 @@ def _node(spec, name, rank, run_id, spec_file, port, job_dir, source_root, scree
         job_folder=str(job_dir),
         source_root=str(source_root),
     )
-    logs = job_dir / "logs"
-    termination = logs / f"node-{rank}.termination"
+    folder = JobFolder(job_dir)
+    termination = folder.node_termination(rank)
     termination.unlink(missing_ok=True)  # a previous run's record says nothing now
     env = {**os.environ, **cmd.env, **_local_env(spec, rank, job_dir)}
     env["FTJOB_TERMINATION_LOG"] = str(termination)
     argv = [sys.executable, *cmd.argv[1:]]  # this Python, with ftjob installed
-    return Node(rank, argv, env, logs / f"node-{rank}.log", screen)
+    return Node(rank, argv, env, folder.node_log(rank), screen)
 
 
 def _ended(job_dir: Path, nodes: list[Node], first, interrupted: bool, hurried: bool, out) -> int:
@@ -313,7 +314,7 @@ def _ended(job_dir: Path, nodes: list[Node], first, interrupted: bool, hurried: 
 def _restarts(job_dir: Path) -> str:
     """ " (after N restarts in place)" as rank 0 last reported it; "" when none."""
     try:
-        count = int(json.loads((job_dir / "progress.json").read_text()).get("restartsInPlace") or 0)
+        count = int(json.loads(JobFolder(job_dir).progress.read_text()).get("restartsInPlace") or 0)
     except (OSError, ValueError, TypeError, AttributeError):
         count = 0
     if not count:
@@ -358,9 +359,9 @@ def _interrupt(signum, frame):
 
 def _local_env(spec, rank: int, job_dir: Path) -> dict[str, str]:
     env = {
-        "TMPDIR": str(job_dir / "tmp"),  # torchrun leaves torchelastic_* folders there
+        "TMPDIR": str(JobFolder(job_dir).tmp),  # torchrun leaves torchelastic_* folders there
         # Each node's termination record (ftjob.api.contract), as a container's message file.
-        "FTJOB_TERMINATION_LOG": str(job_dir / "logs" / f"node-{rank}.termination"),
+        "FTJOB_TERMINATION_LOG": str(JobFolder(job_dir).node_termination(rank)),
     }
     r = spec.resources
     if r.gpus_per_node:
@@ -408,9 +409,9 @@ def _stop(nodes: list[Node]) -> bool:
 
 def _newest_checkpoint(job_dir: Path) -> str:
     """Where a rerun resumes, as rank 0 last reported it (the trainer decides on the rerun)."""
-    root = job_dir / "checkpoints"
+    root = JobFolder(job_dir).checkpoints
     try:
-        snap = json.loads((job_dir / "progress.json").read_text())
+        snap = json.loads(JobFolder(job_dir).progress.read_text())
     except (OSError, ValueError):
         snap = {}
     last = snap.get("lastCheckpoint")
@@ -421,6 +422,6 @@ def _newest_checkpoint(job_dir: Path) -> str:
 
 def _export_path(job_dir: Path) -> str:
     try:
-        return json.loads((job_dir / "progress.json").read_text())["exportPath"]
+        return json.loads(JobFolder(job_dir).progress.read_text())["exportPath"]
     except (OSError, ValueError, KeyError):
         return str(job_dir)

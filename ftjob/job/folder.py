@@ -1,4 +1,18 @@
-"""The job folder's record of the spec it trains: ``<job folder>/spec.json``.
+"""A job's folder: :class:`JobFolder` names every path in it, and the folder's record of the
+spec it trains (``<job folder>/spec.json``).
+
+    owner                 who writes here now (ftjob.job.lease)
+    spec.json             the spec this folder was trained with (+ its hash)
+    hub/                  the Hugging Face cache: model and dataset downloads, fetched once
+    sources.json          which downloads the run reads (ftjob.trainer.data.sources)
+    data/<key>/           tokenized, packed, memory-mapped sequences
+    checkpoints/step-N/   committed checkpoints (ftjob.trainer.state.checkpoint)
+    logs/                 node-<rank>.log and .termination (ftjob run), nccl/
+    tmp/                  TMPDIR of the node's processes (ftjob run)
+    progress.json         rank 0's last progress snapshot
+    tracking.json, tensorboard/   the trackers' run ids and TensorBoard's event files
+    model/                the export (or ``output.path``), written last, atomically
+    pushed.json           what was pushed to the Hub
 
 A job folder's checkpoints and export belong to one training run. Continuing them with a
 spec that trains differently (another learning rate, data set, seed, batch or world size)
@@ -18,7 +32,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +43,112 @@ from ftjob.api.spec import API_VERSION, KIND, FineTuneJobSpec
 from ftjob.job import atomic
 
 RECORD = "spec.json"
+OWNER = "owner"
+HUB = "hub"
+SOURCES = "sources.json"
+TRACKING = "tracking.json"
+TENSORBOARD = "tensorboard"
+CHECKPOINTS = "checkpoints"
+STEP = re.compile(r"^step-(\d{8})$")  # a checkpoint's folder, by its step
+PROGRESS = "progress.json"
+
+
+@dataclass(frozen=True)
+class JobFolder:
+    """Every path in one job's folder: nothing else builds them."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def record(self) -> Path:
+        return self.root / RECORD
+
+    @property
+    def owner(self) -> Path:
+        return self.root / OWNER
+
+    @property
+    def hub(self) -> Path:
+        return self.root / HUB
+
+    @property
+    def sources(self) -> Path:
+        return self.root / SOURCES
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS
+
+    def step(self, step: int) -> Path:
+        return step_folder(self.checkpoints, step)
+
+    def has_checkpoints(self) -> bool:
+        return any(self.checkpoints.glob("step-*"))
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def node_log(self, rank: int) -> Path:
+        return self.logs / f"node-{rank}.log"
+
+    def node_termination(self, rank: int) -> Path:
+        return self.logs / f"node-{rank}.termination"
+
+    @property
+    def nccl_logs(self) -> Path:
+        return self.logs / "nccl"
+
+    @property
+    def preflight(self) -> Path:
+        return self.root / ".preflight"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
+
+    @property
+    def progress(self) -> Path:
+        return self.root / PROGRESS
+
+    @property
+    def tracking(self) -> Path:
+        return self.root / TRACKING
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / TENSORBOARD
+
+    @property
+    def pushed(self) -> Path:
+        return self.root / PUSHED
+
+    def export(self, spec: FineTuneJobSpec) -> Path:
+        """Where the job's export goes: ``output.path`` inside the job folder, else ``model``."""
+        return self.root / (spec.output.path or "model")
+
+
+def step_folder(checkpoints: Path, step: int) -> Path:
+    """A checkpoint's folder in a checkpoints folder (this job's, or one a job starts from)."""
+    return checkpoints / f"step-{step:08d}"
+
+
+def writing(final: Path) -> Path:
+    """Where a checkpoint (or an export) is written before it is renamed to ``final``: a name
+    that no reader takes for a complete one."""
+    return final.with_name(f".tmp-{final.name}")
+
+
+BEING_WRITTEN = writing(Path("step-*")).name  # the checkpoints a crash left half-written
+
+
 # The spec sections whose fields change what training computes ...
 TRAINING_SECTIONS = ("model", "dataset", "method", "training")
 # ... except these, which change how long it runs or what it reports, not the steps taken.
@@ -107,7 +229,7 @@ def _show(value: Any) -> str:
 
 def read(folder: Path) -> dict[str, Any] | None:
     try:
-        value = json.loads((folder / RECORD).read_text())
+        value = json.loads(JobFolder(folder).record.read_text())
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
@@ -121,7 +243,7 @@ def write(folder: Path, name: str, spec: FineTuneJobSpec, trained_steps: int | N
     doc = record(name, spec)
     if trained_steps is not None:
         doc["trainedSteps"] = trained_steps
-    atomic.write_json(folder / RECORD, doc)
+    atomic.write_json(JobFolder(folder).record, doc)
     return doc
 
 
@@ -176,7 +298,7 @@ def recover_export(out: Path) -> None:
 
 def export_path(job_dir: Path, spec: FineTuneJobSpec) -> Path:
     """Where the job's export goes: ``output.path`` inside the job folder, else ``model``."""
-    return job_dir / (spec.output.path or "model")
+    return JobFolder(job_dir).export(spec)
 
 
 def finished(spec: FineTuneJobSpec, recorded: dict, out: Path) -> bool:
@@ -217,7 +339,7 @@ PUSHED = "pushed.json"
 def pushed(folder: Path) -> dict[str, Any] | None:
     """The record of the latest push from this folder, or None."""
     try:
-        value = json.loads((folder / PUSHED).read_text())
+        value = json.loads(JobFolder(folder).pushed.read_text())
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
@@ -243,5 +365,5 @@ def push_pending(spec: FineTuneJobSpec, folder: Path, recorded: dict[str, Any]) 
 def record_push(folder: Path, spec: FineTuneJobSpec, recorded: dict[str, Any], **found) -> dict:
     """Record a push that completed (``found``: its commit URL, revision, ...), atomically."""
     doc = {**push_key(spec, recorded), **found}
-    atomic.write_json(folder / PUSHED, doc)
+    atomic.write_json(JobFolder(folder).pushed, doc)
     return doc

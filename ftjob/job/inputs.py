@@ -17,6 +17,7 @@ from ftjob.api.schema import FieldError
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import folder as jobfolder
 from ftjob.job import modelfiles
+from ftjob.job.folder import JobFolder
 
 # What to change when a local source is missing (the trainer's own checks say the same).
 MODEL_FIX = modelfiles.MODEL_FIX
@@ -55,7 +56,7 @@ def missing(spec: FineTuneJobSpec, root: Path, job_dir: Path | None) -> list[Fie
             )
         )
     seed = spec.checkpoint.resume_from
-    fresh = job_dir is None or not any((job_dir / "checkpoints").glob("step-*"))
+    fresh = job_dir is None or not JobFolder(job_dir).has_checkpoints()
     if seed and fresh and not (path := _local(seed, root)).is_dir():
         out.append(
             FieldError(
@@ -83,7 +84,7 @@ def already_trained(
     if jobfolder.push_pending(spec, job_dir, recorded or {}):
         return None  # trained, not yet pushed where output.push says: the trainer pushes
     try:
-        snap = json.loads((job_dir / "progress.json").read_text())
+        snap = json.loads(JobFolder(job_dir).progress.read_text())
     except (OSError, ValueError):
         return None
     return out if isinstance(snap, dict) and snap.get("phase") == "succeeded" else None

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 from ftjob.api.schema import quantity
 from ftjob.api.spec import FineTuneJobSpec, SecretKeyRef
+from ftjob.job.folder import HUB
 
 VOLUME_MOUNT = "/ftjob"  # where pods mount checkpoint.volume
-HUB_DIR = "hub"  # the Hugging Face cache inside the job's folder
+HUB_DIR = HUB  # the Hugging Face cache inside the job's folder
 # NCCL's bootstrap traffic: any interface but loopback and container bridges.
 DEFAULT_SOCKET_IFNAME = "^lo,docker"
 TRAINER = ["python", "-m", "ftjob.trainer.agent", "-m", "ftjob.trainer", "--spec"]

@@ -45,8 +45,9 @@ from pathlib import Path
 
 from ftjob.api.contract import OWNED_ELSEWHERE, TrainerError
 from ftjob.job import atomic, processes
+from ftjob.job.folder import OWNER, JobFolder
 
-FILE = "owner"
+FILE = OWNER
 HEARTBEAT_SECONDS = 5.0
 LEASE_SECONDS = 30.0
 RUN_ENV = "TORCHELASTIC_RUN_ID"  # the rendezvous id: unique per ftjob run and per attempt
@@ -113,7 +114,7 @@ class Lease:
     """This run's hold on the job folder."""
 
     def __init__(self, job_dir: Path, run: str | None = None):
-        self.path = job_dir / FILE
+        self.path = JobFolder(job_dir).owner
         self.me = Owner.me(run)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -217,15 +218,15 @@ class Lease:
 def in_use(job_dir: Path) -> str | None:
     """Why ``job_dir`` may not be written now (a live owner), or None: asked before moving a
     folder aside (``ftjob run --restart``); :meth:`Lease.take` is what guarantees it."""
-    current, now = _read(job_dir / FILE), time.time()
+    current, now = _read(JobFolder(job_dir).owner), time.time()
     if current is None or not current.alive(now):
         return None
-    return _in_use(job_dir / FILE, current, now)
+    return _in_use(JobFolder(job_dir).owner, current, now)
 
 
 def release(job_dir: Path, run: str) -> None:
     """Give the folder up if ``run`` holds it (a newer owner's file is left alone)."""
-    path = job_dir / FILE
+    path = JobFolder(job_dir).owner
     with contextlib.suppress(OSError):
         current = _read(path)
         if current is not None and current.run == run:

@@ -27,6 +27,7 @@ from ftjob.api import contract
 from ftjob.api.contract import BAD_SPEC, EXPORT_FAILED, TrainerError
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import folder as jobfolder
+from ftjob.job.folder import JobFolder
 from ftjob.job.lease import LEASE_SECONDS, Lease
 from ftjob.plan import estimate as plan
 from ftjob.plan.modelshape import model_flops
@@ -266,7 +267,7 @@ def _load(spec, tok, d: parallel.Dist, job_dir: Path, lease, total: int) -> Run:
     )
     scheduler = get_scheduler(SCHEDULERS[t.scheduler], optimizer, t.warmup_steps(total), total)
     ckpt = checkpoint.Checkpointer(
-        job_dir / "checkpoints",
+        JobFolder(job_dir).checkpoints,
         d.rank,
         spec.checkpoint.keep,
         spec.checkpoint.async_save,
@@ -329,7 +330,7 @@ def _checkpoint(spec, run: Run, done: int, report) -> None:
 def _resume(job_dir, spec, d, ckpt, net, optimizer, scheduler, report) -> int:
     """Load the newest intact checkpoint (damaged ones are moved aside and named), or the
     one ``checkpoint.resumeFrom`` names; the step to start at."""
-    found, damaged = checkpoint.choose(job_dir / "checkpoints", d.rank, d.world_size)
+    found, damaged = checkpoint.choose(JobFolder(job_dir).checkpoints, d.rank, d.world_size)
     for note in damaged:
         report.log(f"{note}; using {found or 'none: starting at step 0'} instead")
     found = found or _seed(spec)
@@ -361,7 +362,7 @@ def _seed(spec: FineTuneJobSpec) -> Path | None:
     given = Path(model.resolve(spec.checkpoint.resume_from))
     if (given / checkpoint.COMMITTED).is_file():
         return given
-    found = checkpoint.latest(given / "checkpoints") or checkpoint.latest(given)
+    found = checkpoint.latest(JobFolder(given).checkpoints) or checkpoint.latest(given)
     if found is None:
         raise TrainerError(
             f"spec.checkpoint.resumeFrom: no committed checkpoint in {given} (nor in its "

@@ -23,6 +23,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ftjob.api.spec import FineTuneJobSpec
+from ftjob.job.folder import JobFolder
 from ftjob.trainer.data import prepare
 from ftjob.trainer.data.records import DataError
 from ftjob.trainer.data.tokenize import IGNORE
@@ -114,7 +115,7 @@ def load(
 ) -> Data:
     """The job's prepared train (and eval) sequences, memory-mapped; prepared if missing."""
     folder = prepare.prepare(
-        spec, tok, Path(job_dir) / "data", is_main=is_main, log=log, on_progress=on_progress
+        spec, tok, JobFolder(job_dir).data, is_main=is_main, log=log, on_progress=on_progress
     )
     train = Sequences.open(folder / "train")
     evaluation = None

@@ -31,8 +31,9 @@ from pathlib import Path
 from ftjob.api.contract import BAD_DATA, BAD_MODEL, TrainerError
 from ftjob.api.spec import DatasetSpec, FineTuneJobSpec
 from ftjob.job import atomic
+from ftjob.job.folder import SOURCES, JobFolder
 
-RECORD = "sources.json"
+RECORD = SOURCES
 HF = "hf://"
 # What loading a model reads; not the repositories' other formats (e.g. Llama's original/
 # folder of consolidated .pth weights, as large again as the safetensors).
@@ -51,7 +52,7 @@ def fetch(
     folder, the dataset's revision by the commit it names.
     ``downloading()`` is called when this job has not fetched the model yet (a download, or a
     wait for the rank that downloads): the progress phase of that name."""
-    record = job_dir / RECORD
+    record = JobFolder(job_dir).sources
     m, ds = spec.model, spec.dataset
     if m.source.startswith(HF):
         key = f"{m.source}@{m.revision or 'main'}"

@@ -42,6 +42,7 @@ from ftjob.api.contract import (
     TrainerError,
 )
 from ftjob.api.spec import FineTuneJobSpec
+from ftjob.job.folder import JobFolder
 from ftjob.trainer.state import volume
 
 MATMUL_N = 8192  # an 8192^3 bf16 matmul: ~1.1 TFLOP, about a millisecond on an H100
@@ -50,7 +51,6 @@ MATMUL_FLOOR_SHARE = 0.4  # of the GPU's dense bf16 peak, when minMatmulTflops i
 VOLUME_BYTES = 8 << 20
 ALL_REDUCE_BYTES = {"cuda": 256 << 20, "cpu": 8 << 20}  # large enough to reach busbw on GPUs
 ALL_REDUCE_REPEATS = 5
-NCCL_LOG_DIR = "logs/nccl"
 # NCCL's INIT line naming the network plugin ("Using network IB", "... Socket", "... AWS
 # Libfabric") and aws-ofi-nccl's provider line ("Selected Provider is efa").
 _NETWORK = re.compile(r"NCCL INFO Using network (\S.*?)\s*$", re.M)
@@ -78,7 +78,7 @@ def nccl_log(spec: FineTuneJobSpec, job_dir: Path, rank: int) -> Path | None:
         return None
     if os.environ.get("NCCL_DEBUG_FILE"):
         return None
-    path = job_dir / NCCL_LOG_DIR / f"{own_name(contract.node_name(), rank)}.log"
+    path = JobFolder(job_dir).nccl_logs / f"{own_name(contract.node_name(), rank)}.log"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError:
@@ -121,7 +121,7 @@ def bus_bandwidth(nbytes: int, seconds: float, world: int) -> float:
 
 def check_volume(job_dir: Path, node: str, rank: int) -> dict[str, Any]:
     """Write, fsync, read back and remove a file in the job folder; MB/s of the write."""
-    folder = job_dir / ".preflight"
+    folder = JobFolder(job_dir).preflight
     path = folder / own_name(node, rank)
     data = os.urandom(VOLUME_BYTES)
     try:

@@ -23,6 +23,7 @@ from pathlib import Path
 from ftjob.api import contract
 from ftjob.api.hardware import GPUS, gpu_for_device_name
 from ftjob.job import atomic
+from ftjob.job.folder import JobFolder
 from ftjob.trainer.report import metrics
 
 
@@ -168,7 +169,7 @@ class Progress:
         the snapshot, and this run overwrites them as it reports its own: a rerun that finds
         the job already trained ends with the finished run's step and losses, not step 0."""
         if self.enabled:
-            previous = _read_snapshot(self.job_dir / "progress.json")
+            previous = _read_snapshot(JobFolder(self.job_dir).progress)
             kept = {k: previous[k] for k in KEPT if k in previous}
             if not _inside(kept.get("lastCheckpoint"), self.job_dir):
                 # A folder copied or moved here: its numbers are this run's, that path is not.
@@ -364,7 +365,7 @@ class _FileWriter:
                 snapshot, lines = self._snapshot, self._history
                 self._snapshot, self._history, self._busy = None, [], True
             try:
-                atomic.write_json(self.job_dir / "progress.json", snapshot)
+                atomic.write_json(JobFolder(self.job_dir).progress, snapshot)
                 if lines:
                     with open(self.job_dir / "progress.jsonl", "a") as f:
                         f.write("".join(line + "\n" for line in lines))

@@ -36,9 +36,10 @@ from ftjob import __version__
 from ftjob.api.schema import to_dict
 from ftjob.api.spec import FineTuneJobSpec, MlflowSpec, WandbSpec
 from ftjob.job import atomic
+from ftjob.job.folder import TENSORBOARD, TRACKING, JobFolder
 
-RECORD = "tracking.json"
-TENSORBOARD_DIR = "tensorboard"
+RECORD = TRACKING
+TENSORBOARD_DIR = TENSORBOARD
 WANDB_DIR = "wandb"
 TRIES = 3  # attempts per call, 1 s and then 2 s apart
 CLOSE_WAIT = 60.0  # seconds the end of the run waits for what the trackers still send
@@ -70,7 +71,7 @@ def attach(report, spec: FineTuneJobSpec, name: str, job_dir: Path) -> None:
     if not report.enabled:
         return
     t = spec.tracking
-    ids = _Ids(job_dir / RECORD)
+    ids = _Ids(JobFolder(job_dir).tracking)
     warnings = _Warnings(report)
     found = [
         _Mlflow(t.mlflow, name, job_dir) if t.mlflow else None,
@@ -395,7 +396,7 @@ class _Tensorboard:
     name = "tensorboard"
 
     def __init__(self, job_dir: Path):
-        self.job_dir, self.folder = job_dir, job_dir / TENSORBOARD_DIR
+        self.job_dir, self.folder = job_dir, JobFolder(job_dir).tensorboard
         self.params: dict[str, str] = {}
         self.writer = None
 

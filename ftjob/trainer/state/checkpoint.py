@@ -23,7 +23,6 @@ and committed on another thread, which the next save (or the end of training) wa
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -40,14 +39,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ftjob.api.contract import CHECKPOINT_UNREADABLE, INTERNAL, TrainerError
+from ftjob.job.folder import BEING_WRITTEN, STEP, step_folder, writing
 from ftjob.trainer.state import integrity, volume
 from ftjob.trainer.state.integrity import COMMITTED
 
-STEP_DIR = re.compile(r"^step-(\d{8})$")
+STEP_DIR = STEP  # the job folder names its checkpoints (ftjob.job.folder)
 
 
 def folder(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
+    return step_folder(root, step)
 
 
 def committed(root: Path) -> list[Path]:
@@ -146,7 +146,7 @@ class Checkpointer:
     def save(self, model, optimizer, scheduler, step: int) -> None:
         self.wait()
         final = folder(self.root, step)
-        tmp = self.root / f".tmp-{final.name}"
+        tmp = writing(final)
         error = None
         if self.rank == 0:
             try:
@@ -272,7 +272,7 @@ class Checkpointer:
 
     def _prune(self) -> None:
         # Any temporary folder left now is a crashed save's (one save is in flight at a time).
-        for leftover in self.root.glob(".tmp-step-*"):
+        for leftover in self.root.glob(BEING_WRITTEN):
             shutil.rmtree(leftover, ignore_errors=True)
         for old in committed(self.root)[self.keep :]:
             shutil.rmtree(old, ignore_errors=True)
