@@ -40,8 +40,7 @@ from ftjob.trainer.model import load as model
 from ftjob.trainer.model import parallel
 from ftjob.trainer.objectives import loss, objective
 from ftjob.trainer.report import progress, trackers
-from ftjob.trainer.state import checkpoint, export, volume
-from ftjob.trainer.state import push as hub
+from ftjob.trainer.state import checkpoint, export, push, volume
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
@@ -194,7 +193,7 @@ def _loaded(report: progress.Progress, d: parallel.Dist, run: Run) -> list[str]:
 def _succeeded(out: Path, d: parallel.Dist, report, lease: Lease | None, spec, job_dir) -> Path:
     """The job is done (once output.push is pushed): say so in progress and in the record the
     operator requires."""
-    hub.push(spec, job_dir, out, d, report)  # a failure: HubPushFailed, the export kept
+    push.push(spec, job_dir, out, d, report)  # a failure: HubPushFailed, the export kept
     report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
     if d.is_main:
         termination.write(contract.success_record(str(out)))
