@@ -20,8 +20,7 @@ from ftjob import __version__
 from ftjob.api import crd, manifest
 from ftjob.api.schema import to_dict
 from ftjob.api.spec import API_VERSION, KIND
-from ftjob.cli import output
-from ftjob.cli import validate as validation
+from ftjob.cli import output, validate
 from ftjob.plan import estimate as plan
 from ftjob.plan import modelshape
 
@@ -44,11 +43,11 @@ def _jobs(path: str) -> list[dict]:
     return jobs
 
 
-def _valid_jobs(path: str, local: bool = False) -> list[validation.Verdict]:
+def _valid_jobs(path: str, local: bool = False) -> list[validate.Verdict]:
     """The verdicts of the jobs in ``path``; :class:`InvalidJob` if any is refused.
 
     ``local``: the model and data must be beside the job file (plan reads them)."""
-    verdicts = [validation.check(doc, job_file=path, local=local) for doc in _jobs(path)]
+    verdicts = [validate.check(doc, job_file=path, local=local) for doc in _jobs(path)]
     for verdict in verdicts:
         if not verdict.ok:
             raise InvalidJob([f"{path}: {x}" for x in verdict.errors or verdict.server_errors])
@@ -62,7 +61,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     results = []
     for path in args.files:
         for doc in _jobs(path):
-            verdict = validation.check(doc, old, job_file=path)
+            verdict = validate.check(doc, old, job_file=path)
             results.append(output.validation_result(path, verdict))
             if not args.output:
                 _print_verdict(path, verdict)
@@ -71,10 +70,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0 if all(r["valid"] for r in results) else EXIT_INVALID
 
 
-def _print_verdict(path: str, verdict: validation.Verdict) -> None:
+def _print_verdict(path: str, verdict: validate.Verdict) -> None:
     label = f"{path}: {KIND} {verdict.name or '(unnamed)'}"
     if verdict.ok:
-        print(f"{label}: valid -- {validation.summary(verdict.spec)}")
+        print(f"{label}: valid -- {validate.summary(verdict.spec)}")
         for note in verdict.notes:
             print(f"  {note}")
         _print_image_warning(verdict.spec)

@@ -11,7 +11,7 @@ import json
 
 from ftjob.api import manifest
 from ftjob.api.spec import FineTuneJobSpec
-from ftjob.cli import validate as validation
+from ftjob.cli import validate
 from ftjob.plan import estimate as plan
 
 API_VERSION = "ftjob.dev/v1alpha1"
@@ -33,12 +33,12 @@ def errors(lines: list[str]) -> list[dict]:
     return out
 
 
-def validation_result(path: str, verdict: validation.Verdict) -> dict:
+def validation_result(path: str, verdict: validate.Verdict) -> dict:
     return {
         "file": path,
         "name": verdict.name,
         "valid": verdict.ok,
-        "summary": validation.summary(verdict.spec) if verdict.ok else None,
+        "summary": validate.summary(verdict.spec) if verdict.ok else None,
         "errors": errors(verdict.errors),
         "serverErrors": errors(verdict.server_errors),
     }

@@ -15,7 +15,7 @@ import pytest
 
 from ftjob.api import kubevalidation, manifest
 from ftjob.api.spec import SecretKeyRef, SecretsSpec, Toleration, parse_resource
-from ftjob.cli import validate as validation
+from ftjob.cli import validate
 from ftjob.operator import admit, render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,7 +91,7 @@ def valid_jobs():
 
 @pytest.mark.parametrize("doc", list(valid_jobs()))
 def test_every_valid_job_is_accepted_and_its_children_pass_kubernetes(doc):
-    verdict = validation.check(doc)
+    verdict = validate.check(doc)
     assert verdict.ok, verdict.errors + verdict.server_errors
     name = doc["metadata"]["name"]
     namespace = doc["metadata"].get("namespace", "default")
@@ -119,7 +119,7 @@ def agree(doc, spec):
     """ftjob's verdict and the CRD's on ``doc`` both equal the verdict on its children."""
     meta = doc["metadata"]
     expected = children_ok(meta["name"], meta.get("namespace", "default"), spec)
-    verdict = validation.check(doc)
+    verdict = validate.check(doc)
     assert verdict.ok == expected, (verdict.errors, verdict.server_errors)
     assert (not verdict.server_errors) == expected, verdict.server_errors
 
@@ -248,7 +248,7 @@ def test_metadata(metadata):
     expected = children_ok(
         metadata["name"], metadata.get("namespace", "default"), spec_with(lambda s: s)
     ) and not list(kubevalidation.metadata_errors(metadata))
-    verdict = validation.check(doc)
+    verdict = validate.check(doc)
     assert verdict.ok == expected, verdict.errors
     assert (not verdict.server_errors) == expected, verdict.server_errors
 
@@ -311,6 +311,6 @@ def test_a_job_name_that_makes_a_bad_service_name_is_traced_to_metadata_name():
 
 def test_a_job_document_too_large_for_its_config_map_is_refused_naming_the_spec():
     doc = job(scheduling={"affinity": {"nodeAffinity": {"note": "x" * 2**20}}})
-    verdict = validation.check(doc)
+    verdict = validate.check(doc)
     assert [e.split(":")[0] for e in verdict.errors] == ["spec"], verdict.errors
     assert "ConfigMap job-spec" in verdict.errors[0]
