@@ -1,4 +1,4 @@
-"""Render the FineTuneJob CustomResourceDefinition from ``spec.py`` and ``status_types.py``.
+"""Render the FineTuneJob CustomResourceDefinition from ``spec.py`` and ``status.py``.
 
 ``ftjob crd`` prints it; manifests/crd.yaml and the Helm chart's copy are this output, and a
 test keeps them equal.

@@ -1,4 +1,4 @@
-"""jobfolder.py: which spec changes a job folder refuses, and the record it keeps.
+"""ftjob/job/folder.py: which spec changes a job folder refuses, and the record it keeps.
 
 python -m pytest tests/unit/test_jobfolder.py -q
 """
