@@ -113,7 +113,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     nodes = _loaded(report, d, run)
     goal.before_training(spec, run.net, ds, d, report.log)  # before any checkpoint is loaded
 
-    start = _resume(job_dir, spec, d, run.ckpt, run.net, run.optimizer, run.scheduler, report)
+    start = _resume(job_dir, spec, d, run, report)
     steps = range(start, total)
     evaluated_at = _train(spec, d, run, ds, sampler, steps, report, beat, nodes, goal)
     run.ckpt.close()
@@ -326,17 +326,18 @@ def _checkpoint(spec, run: Run, done: int, report) -> None:
     report.log(f"checkpoint saved: step {done} in {path}{background}")
 
 
-def _resume(job_dir, spec, d, ckpt, net, optimizer, scheduler, report) -> int:
+def _resume(job_dir, spec, d, run: Run, report) -> int:
     """Load the newest intact checkpoint (damaged ones are moved aside and named), or the
     one ``checkpoint.resumeFrom`` names; the step to start at."""
-    found, damaged = checkpoint.choose(JobFolder(job_dir).checkpoints, d.rank, d.world_size)
+    checkpoints = JobFolder(job_dir).checkpoints
+    found, damaged = checkpoint.choose(checkpoints, d.rank, d.world_size)
     for note in damaged:
         report.log(f"{note}; using {found or 'none: starting at step 0'} instead")
     found = found or _seed(spec)
     if found is None:
-        report.log(f"no checkpoint in {job_dir / 'checkpoints'}: starting at step 0")
+        report.log(f"no checkpoint in {checkpoints}: starting at step 0")
         return 0
-    start = ckpt.load(found, net, optimizer, scheduler)
+    start = run.ckpt.load(found, run.net, run.optimizer, run.scheduler)
     report.update(resumedFrom=str(found), lastCheckpoint=str(found), lastCheckpointStep=start)
     report.log(f"resuming from checkpoint {found} (step {start})")
     return start
