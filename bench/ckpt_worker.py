@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ftjob.trainer import checkpoint, integrity
+from ftjob.trainer.state import checkpoint, integrity
 
 
 def timed(fn) -> float:

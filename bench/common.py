@@ -97,7 +97,7 @@ def model_dir(size: str, work: Path) -> Path:
 
 
 def param_count(model: Path) -> int:
-    from ftjob.modelshape import ModelShape
+    from ftjob.plan.modelshape import ModelShape
 
     config = json.loads((model / "config.json").read_text())
     return ModelShape.from_config(config).params

@@ -78,7 +78,7 @@ def workers_peak_mib() -> float:
 
 
 def spec_for(source: Path):
-    from ftjob.spec import parse_spec
+    from ftjob.api.spec import parse_spec
 
     return parse_spec(
         {
@@ -112,7 +112,7 @@ def main(mode: str, source: Path, root: Path) -> dict:
                           num_proc=procs, remove_columns=["text"])  # fmt: skip
         out["sequences"] = len(table)
     else:
-        from ftjob.trainer import data
+        from ftjob.trainer.data import batches as data
 
         spec = spec_for(source)
         quiet = lambda _: None  # noqa: E731

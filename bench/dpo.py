@@ -79,10 +79,11 @@ def synthetic(path: Path, tokenizer, seq: int, count: int, seed: int = 0) -> Pat
 
 
 def ftjob_order(s: Setup, n: int) -> list[int]:
-    """The pairs ftjob's sampler gives step by step, rank by rank (ftjob.trainer.data.Sampler):
+    """The pairs ftjob's sampler gives step by step, rank by rank
+    (ftjob.trainer.data.batches.Sampler):
     the order that makes accelerate's sharding of an unshuffled set give each rank the same
     micro-batches."""
-    from ftjob.trainer.data import Sampler
+    from ftjob.trainer.data.batches import Sampler
 
     sampler = Sampler(n, s.seed, s.processes, s.micro_batch, 1)
     return [i for step in range(s.steps) for rank in range(s.processes)

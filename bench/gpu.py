@@ -123,7 +123,7 @@ def attention_length(run_dir: Path) -> float:
     """sum(length^2) / sum(length) over the documents ftjob prepared for a run: a packed
     document attends only to itself, so attention costs per token as if every sequence
     were this long (12 x layers x hidden x it)."""
-    from ftjob.trainer.data import Sequences
+    from ftjob.trainer.data.batches import Sequences
 
     (info,) = (run_dir / "job" / "data").glob("*/info.json")
     lengths = [n for row in Sequences.open(info.parent / "train").column("seq_lengths")
@@ -137,8 +137,8 @@ def mfu(tokens_per_second: float, model: Path, method: str, s: Setup,
     ``attention``: the attention length per token (:func:`attention_length`)."""
     import torch
 
-    from ftjob.modelshape import ModelShape, flops_per_token
-    from ftjob.trainer import progress
+    from ftjob.plan.modelshape import ModelShape, flops_per_token
+    from ftjob.trainer.report import progress
 
     if not s.gpu:
         return None
@@ -225,9 +225,9 @@ def memory(work: Path, s: Setup) -> dict:
     """LoRA (bf16 frozen base) and QLoRA (NF4 base sharded under NCCL) on the GPUs: peak GPU
     memory per rank against `ftjob plan`'s estimate (less its fixed CUDA/NCCL reserve, which
     the allocator does not count), and the QLoRA loss curve next to LoRA's."""
-    from ftjob import plan
-    from ftjob.modelshape import ModelShape
-    from ftjob.spec import parse_spec
+    from ftjob.api.spec import parse_spec
+    from ftjob.plan import estimate as plan
+    from ftjob.plan.modelshape import ModelShape
 
     model, chat = model_folder(s, work), data(work, s)
     shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))

@@ -43,8 +43,9 @@ def main(spec_file: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from ftjob.spec import parse_spec
-    from ftjob.trainer import model, parallel
+    from ftjob.api.spec import parse_spec
+    from ftjob.trainer.model import load as model
+    from ftjob.trainer.model import parallel
 
     rank = int(os.environ["RANK"])
     pid = Path(out) / f"rank{rank}.pid"

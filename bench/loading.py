@@ -41,7 +41,7 @@ from pathlib import Path
 from bench import common
 from bench.planner import PINNED
 from bench.report import row
-from ftjob import modelfiles
+from ftjob.job import modelfiles
 
 BASELINE = "35c7540"  # the trainer before issue 24: rank 0 reads, then broadcasts each tensor
 SIZES = {"0.2B": "190m", "1B": "1b"}
@@ -194,9 +194,9 @@ def config(size: str) -> dict:
 def plan_row(c: dict, label: str) -> dict:
     """`ftjob plan`'s loading per process against the measured one: the process before loading
     (the plan's baseline) plus its anonymous growth (the weight files' pages are page cache)."""
-    from ftjob import plan
-    from ftjob.modelshape import ModelShape
-    from ftjob.spec import parse_spec
+    from ftjob.api.spec import parse_spec
+    from ftjob.plan import estimate as plan
+    from ftjob.plan.modelshape import ModelShape
 
     shape = ModelShape.from_config(config(c["size"]))
     planned = plan.estimate(parse_spec(c["spec"]), shape).load_cpu_per_node / 2 / MIB

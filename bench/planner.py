@@ -19,9 +19,9 @@ from pathlib import Path
 
 from bench import common
 from bench.report import row
-from ftjob import plan
-from ftjob.modelshape import ModelShape
-from ftjob.spec import parse_resource
+from ftjob.api.spec import parse_resource
+from ftjob.plan import estimate as plan
+from ftjob.plan.modelshape import ModelShape
 
 MIB = 2**20
 PINNED = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}

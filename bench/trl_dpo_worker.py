@@ -69,7 +69,7 @@ class Clock(TrainerCallback):
 
 
 def ftjob_adapter_init(model, seed: int) -> None:
-    """Redraw the LoRA layers' initial values as ftjob does (ftjob.trainer.model's
+    """Redraw the LoRA layers' initial values as ftjob does (ftjob.trainer.model.load's
     _init_adapters): torch seeded with the job's seed, then peft's reset of each LoRA layer in
     module order."""
     from peft.tuners.lora import LoraLayer

@@ -77,7 +77,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(a.model)
     attn = a.attention
     if attn == "ftjob":
-        from ftjob.trainer import attention
+        from ftjob.trainer.model import attention
 
         attn = attention.implementation("sdpa")
     # Under FSDP2 with bf16, accelerate upcasts what trains to fp32 masters and computes in

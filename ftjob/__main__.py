@@ -1,5 +1,5 @@
 import sys
 
-from ftjob.cli import main
+from ftjob.cli.commands import main
 
 sys.exit(main())

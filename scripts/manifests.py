@@ -101,8 +101,8 @@ def values_schema() -> str:
     """values.schema.json with trainer.tracking's schema from spec.py's TrackingSpec (the
     rest of the file is written by hand): the chart refuses what a job's spec.tracking would.
     The CEL rules are not JSON Schema; the operator checks them when it starts."""
-    from ftjob.schema import openapi
-    from ftjob.spec import TrackingSpec
+    from ftjob.api.schema import openapi
+    from ftjob.api.spec import TrackingSpec
 
     def chart_form(node):
         if isinstance(node, list):
@@ -131,7 +131,7 @@ def samples() -> dict[str, str]:
 
 
 def stale() -> list[str]:
-    from ftjob import crd
+    from ftjob.api import crd
 
     out = []
     for copy in CRD_COPIES:
@@ -149,7 +149,7 @@ def stale() -> list[str]:
 
 
 def write() -> None:
-    from ftjob import crd
+    from ftjob.api import crd
 
     for copy in CRD_COPIES:  # first: install.yaml includes the chart's CRDs
         copy.write_text(crd.render_yaml())

@@ -21,7 +21,7 @@ from pathlib import Path
 IMAGE = ["torch", "triton", "accelerate", "safetensors", "tokenizers", "huggingface-hub",
          "pyarrow", "numpy", "pandas", "xxhash", "pyyaml", "regex", "typer", "psutil",
          "pytest", "pytest-timeout"]  # fmt: skip
-IMPORTS = ["ftjob.trainer.train", "ftjob.cli", "bench.gpu", "trl", "datasets", "peft",
+IMPORTS = ["ftjob.trainer.train", "ftjob.cli.commands", "bench.gpu", "trl", "datasets", "peft",
            "torchao.quantization", "cel", "jsonschema"]  # fmt: skip
 
 
@@ -57,10 +57,10 @@ def torch_and_device() -> None:
     b = torch.backends.cuda
     print(f"sdpa backends: flash {b.flash_sdp_enabled()}, mem_efficient "
           f"{b.mem_efficient_sdp_enabled()}, cudnn {b.cudnn_sdp_enabled()}")  # fmt: skip
-    from ftjob.hardware import gpu_for_device_name
+    from ftjob.api.hardware import gpu_for_device_name
 
     gpu = gpu_for_device_name(torch.cuda.get_device_name(0))
-    print(f"ftjob.hardware entry for this device: {gpu.name if gpu else None}")
+    print(f"ftjob.api.hardware entry for this device: {gpu.name if gpu else None}")
 
 
 def imports() -> None:

@@ -14,7 +14,7 @@ import os
 import random
 import re
 
-from ftjob.kubevalidation import IMAGE
+from ftjob.api.kubevalidation import IMAGE
 from ftjob.operator import render
 
 

@@ -29,11 +29,10 @@ from datetime import datetime, timezone
 import kopf
 from aiohttp import web
 
-from ftjob import validation
-from ftjob.operator import lifecycle, metrics, render, status
+from ftjob.api.schema import SpecError
+from ftjob.api.spec import GROUP, PLURAL, VERSION, FineTuneJobSpec, TrackingSpec
+from ftjob.operator import admit, lifecycle, metrics, render, status
 from ftjob.operator.kube import Gone, Kube, error_text
-from ftjob.schema import SpecError
-from ftjob.spec import GROUP, PLURAL, VERSION, TrackingSpec
 
 POD_SELECTOR = {"app.kubernetes.io/managed-by": render.MANAGER}
 
@@ -78,6 +77,32 @@ class Watch:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     generation: int | None = None  # the spec generation last reconciled
     gone: bool = False
+
+
+@dataclass
+class JobState:
+    """What one job's daemon remembers from one reconcile to the next."""
+
+    # (the job's resourceVersion before our last status write, the status written)
+    written: tuple[str | None, dict] | None = None
+    snapshot: tuple[int | None, dict] | None = None  # rank 0's progress, with its gang's attempt
+    port: int | None = None  # where rank 0 serves progress, once the spec parsed
+    attempt: int | None = None  # the current gang's
+
+
+@dataclass
+class Seen:
+    """One reconcile's observation of the job: its document, the status to decide from, its
+    own pods, and the time."""
+
+    doc: dict
+    old_status: dict
+    pods: list[dict]
+    now: datetime
+
+    @property
+    def meta(self) -> dict:
+        return self.doc["metadata"]
 
 
 WATCHES: dict[str, Watch] = {}  # by job UID
@@ -155,7 +180,7 @@ def job_changed(type, body, **_) -> None:  # noqa: A002 - kopf's argument name
 async def job_daemon(name, namespace, body, stopped, job_pods: kopf.Index, logger, **_) -> None:
     uid = body["metadata"]["uid"]
     watch = WATCHES[uid] = LATEST[(namespace, name)] = Watch(uid)
-    state = {"written": None, "snapshot": None, "port": None, "attempt": None}
+    state = JobState()
     poller = asyncio.create_task(_poll_progress(namespace, name, job_pods, state, watch))
     try:
         while not stopped and not watch.gone:
@@ -193,8 +218,19 @@ async def _sleep(wake: asyncio.Event, seconds: float) -> None:
         timer.cancel()
 
 
-async def _reconcile(name, namespace, body, job_pods, state, watch: Watch) -> float | None:
+async def _reconcile(
+    name, namespace, body, job_pods, state: JobState, watch: Watch
+) -> float | None:
     started = time.monotonic()
+    seen = _observe(name, namespace, body, job_pods, state, watch)
+    spec, decision = _decide(name, seen, state)
+    requeue = await _apply(name, namespace, body, seen, spec, decision, state)
+    metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+    return requeue
+
+
+def _observe(name, namespace, body, job_pods, state: JobState, watch: Watch) -> Seen:
+    """The job as it is now, and the status to decide from."""
     doc = json.loads(json.dumps(body, default=dict))
     meta = doc["metadata"]
     uid = watch.uid
@@ -202,41 +238,51 @@ async def _reconcile(name, namespace, body, job_pods, state, watch: Watch) -> fl
         raise Gone(f"{namespace}/{name} is now object {meta.get('uid')}, not {uid}")
     watch.generation = meta.get("generation")
     old_status = doc.get("status") or {}
-    written = state["written"]
+    written = state.written
     if written and written[0] == meta.get("resourceVersion"):
         # The job has not changed since before our last write: the watch has not brought that
         # write back yet, so what we wrote is the truth (deciding again from the older status
         # could count one failure twice).
         old_status = written[1]
     elif written:
-        state["written"] = None  # the watch brought a newer job: that copy is never read again
+        state.written = None  # the watch brought a newer job: that copy is never read again
     pods = _own_pods(job_pods, namespace, name, uid)
-    now = datetime.now(timezone.utc)
+    return Seen(doc, old_status, pods, datetime.now(timezone.utc))
+
+
+def _decide(name, seen: Seen, state: JobState) -> tuple[FineTuneJobSpec | None, lifecycle.Decision]:
+    """What should be (lifecycle.decide, pure), for a valid job; Failed for an invalid one."""
+    meta, old_status = seen.meta, seen.old_status
     try:
-        _, spec = validation.parse_job(doc)  # the job and every child it would create
+        _, spec = admit.parse_job(seen.doc)  # the job and every child it would create
         spec = render.with_tracking(spec, SETTINGS.default_tracking)
     except SpecError as e:
         decision = lifecycle.invalid(
-            [str(x) for x in e.errors], meta.get("generation"), old_status, now
+            [str(x) for x in e.errors], meta.get("generation"), old_status, seen.now
         )
-        spec = None
-    else:
-        state["port"] = spec.network.progress_port
-        snapshot = lifecycle.gang_snapshot(state["snapshot"], old_status)
-        decision = lifecycle.decide(
-            spec, name, meta.get("generation"), old_status, pods, now, snapshot
-        )
-        decision.status["jobFolder"] = render.job_dir(name, spec, meta["uid"])
-        if decision.create:
-            # Recorded with the pods it is about to create (status is written first): the
-            # image they run, wherever it came from (spec.image or the operator's default).
-            decision.status["image"] = render.trainer_image(spec, SETTINGS.default_image)
+        return None, decision
+    state.port = spec.network.progress_port
+    snapshot = lifecycle.gang_snapshot(state.snapshot, old_status)
+    decision = lifecycle.decide(
+        spec, name, meta.get("generation"), old_status, seen.pods, seen.now, snapshot
+    )
+    decision.status["jobFolder"] = render.job_dir(name, spec, meta["uid"])
+    if decision.create:
+        # Recorded with the pods it is about to create (status is written first): the
+        # image they run, wherever it came from (spec.image or the operator's default).
+        decision.status["image"] = render.trainer_image(spec, SETTINGS.default_image)
+    return spec, decision
 
+
+async def _apply(name, namespace, body, seen: Seen, spec, decision, state: JobState):
+    """Make it so: the status first, then events and metrics, the pods to create and those
+    to delete. Returns when to look again (None: at the next resync)."""
+    meta, old_status, uid = seen.meta, seen.old_status, seen.meta["uid"]
     new = decision.status
-    state["attempt"] = new.get("attempt")
+    state.attempt = new.get("attempt")
     if new != old_status:
         await asyncio.to_thread(kube().patch_status, namespace, name, uid, new)
-        state["written"] = (meta.get("resourceVersion"), new)
+        state.written = (meta.get("resourceVersion"), new)
     for kind, reason, message in decision.events:
         kopf.event(body, type=kind, reason=reason, message=message)
     metrics.observed(namespace, name, old_status, new)
@@ -264,7 +310,6 @@ async def _reconcile(name, namespace, body, job_pods, state, watch: Watch) -> fl
     if decision.delete_job:
         logging.getLogger(__name__).info(f"{namespace}/{name}: ttlSecondsAfterFinished passed")
         await asyncio.to_thread(kube().delete_job, namespace, name, uid)
-    metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
     return requeue
 
 
@@ -290,7 +335,7 @@ def _own_pods(job_pods, namespace: str, name: str, uid: str) -> list[dict]:
     return [p for p in pods if any(r.get("uid") == uid for r in p["metadata"]["ownerReferences"])]
 
 
-async def _poll_progress(namespace, name, job_pods, state, watch: Watch) -> None:
+async def _poll_progress(namespace, name, job_pods, state: JobState, watch: Watch) -> None:
     """Rank 0's snapshot every ``progress_every`` seconds while it runs; a new one wakes the
     reconcile (progress is not a Kubernetes event, so no watch would). It is held with the
     attempt of the pod that served it: a fetch that ends after a new gang started holds the
@@ -305,20 +350,20 @@ async def _poll_progress(namespace, name, job_pods, state, watch: Watch) -> None
                 p
                 for p in pods
                 if status.rank_of(p) == 0
-                and status.attempt_of(p) == state.get("attempt")
+                and status.attempt_of(p) == state.attempt
                 and not p["metadata"].get("deletionTimestamp")
             ),
             None,
         )
         ip = (rank0 or {}).get("status", {}).get("podIP")
-        if not ip or rank0["status"].get("phase") != "Running" or not state["port"]:
+        if not ip or rank0["status"].get("phase") != "Running" or not state.port:
             continue
         # Not serving yet (still loading) or gone: keep the last snapshot.
         with contextlib.suppress(OSError, ValueError):
-            snapshot = await asyncio.to_thread(_get_json, f"http://{ip}:{state['port']}/progress")
+            snapshot = await asyncio.to_thread(_get_json, f"http://{ip}:{state.port}/progress")
             held = (status.attempt_of(rank0), snapshot)
-            if held != state["snapshot"]:
-                state["snapshot"] = held
+            if held != state.snapshot:
+                state.snapshot = held
                 watch.wake.set()
 
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from kubernetes import client, config
 
+from ftjob.api.spec import GROUP, PLURAL, VERSION
 from ftjob.operator import metrics
-from ftjob.spec import GROUP, PLURAL, VERSION
 
 FIELD_MANAGER = "ftjob-operator"
 _KINDS = {"Pod": "pod", "Service": "service", "ConfigMap": "config_map"}

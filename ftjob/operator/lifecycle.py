@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ftjob import contract, plan
+from ftjob.api import contract
+from ftjob.api.spec import FineTuneJobSpec
 from ftjob.operator import status as st
-from ftjob.spec import FineTuneJobSpec
+from ftjob.plan import estimate as plan
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -195,7 +196,7 @@ def _finished(s: _Step) -> Decision:
 
 
 def _will_fit(s: _Step) -> Decision | None:
-    """ftjob.plan's verdict, before the first pod (resources are immutable)."""
+    """ftjob.plan.estimate's verdict, before the first pod (resources are immutable)."""
     verdict = plan.admission(s.spec)
     fits = verdict["reason"] != "WillNotFit"
     s.new["conditions"] = st.set_condition(

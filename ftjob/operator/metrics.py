@@ -6,7 +6,7 @@ bandwidth by job (gauges), and two latency histograms: one reconcile, and one Ku
 request by operation. One registry for the process, not prometheus_client's global one, so
 that /metrics shows the operator's series only.
 
-No name is also one of the trainer's (ftjob.trainer.metrics): a dashboard reads both from
+No name is also one of the trainer's (ftjob.trainer.report.metrics): a dashboard reads both from
 one Prometheus. The by-job gauges' labels are ``ftjob_namespace`` and ``ftjob_job``, not
 ``namespace`` and ``job``: Prometheus gives every scraped series those two of its own (the
 operator's namespace, its Service), and would rename the operator's to ``exported_*``.
@@ -26,7 +26,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from ftjob.status_types import PHASES
+from ftjob.api.status import PHASES
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 REGISTRY = CollectorRegistry()

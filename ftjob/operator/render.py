@@ -18,9 +18,10 @@ import dataclasses
 import json
 from typing import Any
 
-from ftjob import contract, launch
-from ftjob.schema import parse, to_dict
-from ftjob.spec import API_VERSION, DEFAULT_IMAGE, KIND, FineTuneJobSpec, TrackingSpec
+from ftjob.api import contract
+from ftjob.api.schema import parse, to_dict
+from ftjob.api.spec import API_VERSION, DEFAULT_IMAGE, KIND, FineTuneJobSpec, TrackingSpec
+from ftjob.job import launch
 
 MANAGER = "ftjob-operator"
 GROUP_PREFIX = "ftjob.dev"
@@ -256,7 +257,7 @@ def container(
     uid: str,
     default_image: str | None = None,
 ):
-    """The trainer container of node ``rank``: torchrun as :mod:`ftjob.launch` builds it."""
+    """The trainer container of node ``rank``: torchrun as :mod:`ftjob.job.launch` builds it."""
     node = launch.node_command(
         spec,
         job,

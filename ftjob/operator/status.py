@@ -2,12 +2,12 @@
 
 Pods and the progress snapshot go in as the plain dicts the API server and the trainer
 return (pods whole, or as the slim :func:`observed_pod` views the operator keeps); what
-comes out is camelCase dicts in the shape of ``ftjob/status_types.py``:
+comes out is camelCase dicts in the shape of ``ftjob/api/status.py``:
 
 * :func:`observed_pod` -- the few fields of a pod that the decisions read;
 * :func:`diagnose` -- why a pod failed (OOMKilled, BadData, CudaOOM, CollectiveTimeout, ...),
   from its phase, container state, exit code and the trainer's termination record
-  (ftjob.contract), or the log tail when the trainer left none;
+  (ftjob.api.contract), or the log tail when the trainer left none;
 * :func:`progress` -- rank 0's ``/progress`` snapshot as ``status.progress``;
 * :func:`set_condition` / :func:`conditions` -- conditions after the API conventions,
   keeping ``lastTransitionTime`` while a condition's status does not change.
@@ -23,10 +23,10 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from ftjob import contract
+from ftjob.api import contract
 from ftjob.operator.render import CONTAINER, LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK
 
-# One condition per phase-like state, always present, plus Planned (ftjob.plan's verdict).
+# One condition per phase-like state, always present, plus Planned (ftjob.plan.estimate's verdict).
 PHASE_CONDITIONS = ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 CONDITION_TYPES = ("Planned", *PHASE_CONDITIONS)
 MESSAGE_LIMIT = 1500  # of the termination message kept in status (the schema allows 4096)
@@ -202,7 +202,7 @@ def _tail(text: str) -> str:
 
 
 def record(pod: dict | None) -> dict[str, Any] | None:
-    """The trainer's termination record (ftjob.contract) in the pod's message, if any."""
+    """The trainer's termination record (ftjob.api.contract) in the pod's message, if any."""
     term = terminated(pod) if pod else None
     return contract.parse((term or {}).get("message"))
 

@@ -14,11 +14,11 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ftjob import manifest
-from ftjob.contract import BAD_SPEC, RESTARTS_IN_PLACE_ENV, TrainerError
-from ftjob.schema import SpecError
-from ftjob.spec import KIND, parse_resource
-from ftjob.trainer import termination
+from ftjob.api import manifest
+from ftjob.api.contract import BAD_SPEC, RESTARTS_IN_PLACE_ENV, TrainerError
+from ftjob.api.schema import SpecError
+from ftjob.api.spec import KIND, parse_resource
+from ftjob.trainer.gang import termination
 
 EXIT_FAILED = 1
 
@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, manifest.ManifestError) as e:
         return _bad_spec(args.spec, e)
     # Imported after the spec check: a bad spec fails before torch and transformers load.
-    from ftjob import lease
     from ftjob.trainer import train
+    from ftjob.trainer.gang import owner
 
     try:
         train.run(spec, name)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             # No ftjob agent runs this process: nobody else gives the folder up, and the next
             # run need not wait for it. (ftjob's agent decides whether its workers restart in
             # place, keeps the folder for them, and releases it when the gang is over.)
-            lease.release_held()
+            owner.release_held()
         if not isinstance(e, TrainerError):
             raise  # unforeseen: the traceback is worth having (torchrun's @record keeps it)
         # A known problem: its message says it all, no traceback needed.

@@ -15,7 +15,7 @@ torch's own agent (:class:`LocalElasticAgent`) with three differences:
   restart theirs), at most ``--max-restarts`` times (``spec.runPolicy.inPlaceRestarts``);
   the trainer resumes from the newest checkpoint. Only a spent budget fails the node process.
 * **Never where it cannot help**: when the trainer's termination record names a reason
-  retrying on these nodes cannot help (``ftjob.contract.NOT_IN_PLACE``: bad data, model or
+  retrying on these nodes cannot help (``ftjob.api.contract.NOT_IN_PLACE``: bad data, model or
   spec, and the preflight's unfit node, fabric or volume), the agent stops restarting and
   fails; closing the rendezvous ends the other nodes' agents too. The operator then fails the
   job (permanent) or starts a new gang away from the node at fault.
@@ -25,7 +25,7 @@ Before restarting, the agent says why in the log and clears the node's terminati
 that torch's SIGTERM ends them at once. The workers see the gang's restarts so far in
 ``FTJOB_RESTARTS_IN_PLACE`` (the same count on every node: each restart of the gang is one
 rendezvous round that every node joins); their process group keeps its keys in the store
-under that round (:func:`ftjob.trainer.parallel.init`).
+under that round (:func:`ftjob.trainer.model.parallel.init`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-from ftjob import contract, lease
+from ftjob.api import contract
+from ftjob.job import lease
 
 TERMINATION_ENV = "FTJOB_TERMINATION_LOG"
 
@@ -107,7 +108,7 @@ class Agent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self.node_rank, self.termination = node_rank, termination
         self.restarts, self._restarting = 0, False
-        # The workers' environment (ftjob.trainer.parallel, progress, __main__).
+        # The workers' environment (ftjob.trainer.model.parallel, progress, __main__).
         os.environ[contract.RESTARTS_IN_PLACE_ENV] = "0"
 
     def _monitor_workers(self, worker_group) -> RunResult:

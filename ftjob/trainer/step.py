@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ftjob.trainer import data
-from ftjob.trainer.objective import Objective
+from ftjob.trainer.data import batches as data
+from ftjob.trainer.objectives.objective import Objective
 
 
 class Prefetch:
@@ -133,7 +133,8 @@ def train_step(
     the other ranks at the step's first collective (gloo; NCCL does not hold the host), and
     the objective's metric sums over this rank's micro-batches (None for next-token loss).
 
-    ``objective`` (trainer/objective.py) gives each micro-batch's summed loss and what the
+    ``objective`` (trainer/objectives/objective.py) gives each micro-batch's summed loss and what
+    the
     step's loss is a mean over (labelled tokens, or pairs)."""
     # Every labelled token (or pair) of the step weighs the same, whichever rank or
     # micro-batch has it: divide by the global count (FSDP then averages gradients over

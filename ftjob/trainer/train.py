@@ -4,7 +4,7 @@
 
 (``ftjob run examples/tiny.yaml`` sets the environment up for you: FTJOB_JOB_DIR,
 FTJOB_SOURCE_ROOT.) Every rank runs this file top to bottom; rank 0 also reports progress,
-phase by phase (ftjob.contract.PHASES), from the first second.
+phase by phase (ftjob.api.contract.PHASES), from the first second.
 """
 
 from __future__ import annotations
@@ -23,31 +23,24 @@ import torch.distributed as dist
 from transformers import get_scheduler
 from transformers.utils import logging as hf_logging
 
-from ftjob import contract, jobfolder, plan
-from ftjob.contract import BAD_SPEC, EXPORT_FAILED, TrainerError
-from ftjob.lease import LEASE_SECONDS, Lease, take_folder
-from ftjob.modelshape import model_flops
-from ftjob.spec import FineTuneJobSpec
-from ftjob.trainer import (
-    attention,
-    checkpoint,
-    data,
-    export,
-    heartbeat,
-    hub,
-    loss,
-    model,
-    objective,
-    parallel,
-    preflight,
-    progress,
-    sources,
-    step,
-    stragglers,
-    termination,
-    trackers,
-    volume,
-)
+from ftjob.api import contract
+from ftjob.api.contract import BAD_SPEC, EXPORT_FAILED, TrainerError
+from ftjob.api.spec import FineTuneJobSpec
+from ftjob.job import folder as jobfolder
+from ftjob.job.folder import JobFolder
+from ftjob.job.lease import LEASE_SECONDS, Lease
+from ftjob.plan import estimate as plan
+from ftjob.plan.modelshape import model_flops
+from ftjob.trainer import step
+from ftjob.trainer.data import batches as data
+from ftjob.trainer.data import sources
+from ftjob.trainer.gang import heartbeat, preflight, stragglers, termination
+from ftjob.trainer.gang.owner import take_folder
+from ftjob.trainer.model import attention, parallel
+from ftjob.trainer.model import load as model
+from ftjob.trainer.objectives import loss, objective
+from ftjob.trainer.report import progress, trackers
+from ftjob.trainer.state import checkpoint, export, push, volume
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
@@ -86,15 +79,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     hf_logging.disable_progress_bar()  # pod logs are not terminals
     if not d.is_main:
         hf_logging.set_verbosity_error()  # one copy of each warning is enough
-    # Before anything is written to the job folder: one run writes there at a time.
-    wait = min(2 * LEASE_SECONDS, spec.network.collective_timeout_seconds - 5)
-    lease = take_folder(job_dir, d.rank, wait)
-    recorded = jobfolder.claim(job_dir, name, spec, writer=d.is_main)
-    # The folder is this run's and its record this spec's: progress.json carries on from
-    # what the previous run of this job left there (a refused spec left it untouched).
-    report.own_folder()
-    if d.is_main:
-        jobfolder.recover_export(out)  # an export swap a crash cut short
+    lease, recorded = _take(spec, name, job_dir, out, d, report)
     if jobfolder.finished(spec, recorded, out):
         # A gang restarted after the export was written (a pod evicted at the very end).
         say(f"{name}: already trained; the exported model is in {out}", flush=True)
@@ -114,14 +99,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     torch.manual_seed(t.seed)
 
     # Data first: a bad record fails the job in seconds, before any weights are read.
-    report.phase("preparing-data")
-    tok = model.load_tokenizer(spec)
-    # Rank 0 prepares (or reuses) the data on the volume; the others wait, then memory-map it.
-    ds = data.load(spec, tok, job_dir, is_main=d.is_main, log=lambda m: say(m, flush=True),
-                   on_progress=lambda p: report.update(preparing=p))  # fmt: skip
-    sampler = data.Sampler(len(ds.train), t.seed, d.world_size, t.micro_batch_size,
-                           t.gradient_accumulation)  # fmt: skip
-    total = t.max_steps or sampler.steps_for(t.epochs)
+    tok, ds, sampler, total = _data(spec, job_dir, d, report, say)
 
     report.phase("loading")
     run = _load(spec, tok, d, job_dir, lease, total)
@@ -138,7 +116,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     nodes = _loaded(report, d, run)
     goal.before_training(spec, run.net, ds, d, report.log)  # before any checkpoint is loaded
 
-    start = _resume(job_dir, spec, d, run.ckpt, run.net, run.optimizer, run.scheduler, report)
+    start = _resume(job_dir, spec, d, run, report)
     steps = range(start, total)
     evaluated_at = _train(spec, d, run, ds, sampler, steps, report, beat, nodes, goal)
     run.ckpt.close()
@@ -155,6 +133,33 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     return _succeeded(out, d, report, lease, asked, job_dir)
 
 
+def _take(spec: FineTuneJobSpec, name: str, job_dir: Path, out: Path, d, report):
+    """Before anything is written to the job folder: one run writes there at a time. Returns
+    rank 0's lease (None elsewhere) and the folder's record of the spec it was trained with."""
+    wait = min(2 * LEASE_SECONDS, spec.network.collective_timeout_seconds - 5)
+    lease = take_folder(job_dir, d.rank, wait)
+    recorded = jobfolder.claim(job_dir, name, spec, writer=d.is_main)
+    # The folder is this run's and its record this spec's: progress.json carries on from
+    # what the previous run of this job left there (a refused spec left it untouched).
+    report.own_folder()
+    if d.is_main:
+        jobfolder.recover_export(out)  # an export swap a crash cut short
+    return lease, recorded
+
+
+def _data(spec: FineTuneJobSpec, job_dir: Path, d, report: progress.Progress, say):
+    """The tokenizer, the prepared data, its sampler and the number of steps to train."""
+    t = spec.training
+    report.phase("preparing-data")
+    tok = model.load_tokenizer(spec)
+    # Rank 0 prepares (or reuses) the data on the volume; the others wait, then memory-map it.
+    ds = data.load(spec, tok, job_dir, is_main=d.is_main, log=lambda m: say(m, flush=True),
+                   on_progress=lambda p: report.update(preparing=p))  # fmt: skip
+    sampler = data.Sampler(len(ds.train), t.seed, d.world_size, t.micro_batch_size,
+                           t.gradient_accumulation)  # fmt: skip
+    return tok, ds, sampler, t.max_steps or sampler.steps_for(t.epochs)
+
+
 def _join(spec: FineTuneJobSpec, job_dir: Path, report: progress.Progress):
     """Join the gang, start this rank's heartbeat and, before anything is read or written,
     check this node, the fabric and the volume (the preflight): a bad node fails fast."""
@@ -162,7 +167,7 @@ def _join(spec: FineTuneJobSpec, job_dir: Path, report: progress.Progress):
     nccl_file = preflight.nccl_log(spec, job_dir, int(os.environ.get("RANK", "0")))
     d = parallel.init(spec)
     # Every rank's last step in the gang's store: a collective that times out names the rank
-    # that stopped answering (ftjob.trainer.heartbeat), the preflight's own included.
+    # that stopped answering (ftjob.trainer.gang.heartbeat), the preflight's own included.
     beat = heartbeat.start(
         d.rank, d.world_size, contract.node_name(), spec.network.collective_timeout_seconds
     )
@@ -191,7 +196,7 @@ def _loaded(report: progress.Progress, d: parallel.Dist, run: Run) -> list[str]:
 def _succeeded(out: Path, d: parallel.Dist, report, lease: Lease | None, spec, job_dir) -> Path:
     """The job is done (once output.push is pushed): say so in progress and in the record the
     operator requires."""
-    hub.push(spec, job_dir, out, d, report)  # a failure: HubPushFailed, the export kept
+    push.push(spec, job_dir, out, d, report)  # a failure: HubPushFailed, the export kept
     report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
     if d.is_main:
         termination.write(contract.success_record(str(out)))
@@ -264,7 +269,7 @@ def _load(spec, tok, d: parallel.Dist, job_dir: Path, lease, total: int) -> Run:
     )
     scheduler = get_scheduler(SCHEDULERS[t.scheduler], optimizer, t.warmup_steps(total), total)
     ckpt = checkpoint.Checkpointer(
-        job_dir / "checkpoints",
+        JobFolder(job_dir).checkpoints,
         d.rank,
         spec.checkpoint.keep,
         spec.checkpoint.async_save,
@@ -324,17 +329,18 @@ def _checkpoint(spec, run: Run, done: int, report) -> None:
     report.log(f"checkpoint saved: step {done} in {path}{background}")
 
 
-def _resume(job_dir, spec, d, ckpt, net, optimizer, scheduler, report) -> int:
+def _resume(job_dir, spec, d, run: Run, report) -> int:
     """Load the newest intact checkpoint (damaged ones are moved aside and named), or the
     one ``checkpoint.resumeFrom`` names; the step to start at."""
-    found, damaged = checkpoint.choose(job_dir / "checkpoints", d.rank, d.world_size)
+    checkpoints = JobFolder(job_dir).checkpoints
+    found, damaged = checkpoint.choose(checkpoints, d.rank, d.world_size)
     for note in damaged:
         report.log(f"{note}; using {found or 'none: starting at step 0'} instead")
     found = found or _seed(spec)
     if found is None:
-        report.log(f"no checkpoint in {job_dir / 'checkpoints'}: starting at step 0")
+        report.log(f"no checkpoint in {checkpoints}: starting at step 0")
         return 0
-    start = ckpt.load(found, net, optimizer, scheduler)
+    start = run.ckpt.load(found, run.net, run.optimizer, run.scheduler)
     report.update(resumedFrom=str(found), lastCheckpoint=str(found), lastCheckpointStep=start)
     report.log(f"resuming from checkpoint {found} (step {start})")
     return start
@@ -359,7 +365,7 @@ def _seed(spec: FineTuneJobSpec) -> Path | None:
     given = Path(model.resolve(spec.checkpoint.resume_from))
     if (given / checkpoint.COMMITTED).is_file():
         return given
-    found = checkpoint.latest(given / "checkpoints") or checkpoint.latest(given)
+    found = checkpoint.latest(JobFolder(given).checkpoints) or checkpoint.latest(given)
     if found is None:
         raise TrainerError(
             f"spec.checkpoint.resumeFrom: no committed checkpoint in {given} (nor in its "

@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # bench/ is a folder of the repo, not an installed package
 
 from bench import gpu  # noqa: E402
-from ftjob.trainer import attention  # noqa: E402
+from ftjob.trainer.model import attention  # noqa: E402
 
 
 def test_gpu_suite_compares_ftjob_and_trl_for_full_and_lora(tmp_path):

@@ -44,7 +44,7 @@ def probe(out: Path) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    from ftjob.trainer import checkpoint
+    from ftjob.trainer.state import checkpoint
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -1,6 +1,6 @@
 """DPO with a full fine-tune: the reference is the initial model's response log-probabilities,
 computed once before training by the sharded network and stored with the prepared data
-(trainer/reference.py). `ftjob run` of examples/tiny-dpo.yaml with method full, on CPU.
+(trainer/objectives/reference.py). `ftjob run` of examples/tiny-dpo.yaml with method full, on CPU.
 
     python -m pytest tests/e2e/test_dpo_full.py -q
 """
@@ -69,14 +69,15 @@ def test_full_dpo_learns_the_preference_and_the_eval_margin_grows(full):
 
 
 def _pairs_batch(folder: Path, pad_id: int):
-    from ftjob.trainer import data, pairs
+    from ftjob.trainer.data import batches as data
+    from ftjob.trainer.data import pairs
 
     held = data.Sequences.open(folder)
     return data.collate(pairs.sides(held.rows(range(len(held)))).rows(), pad_id)
 
 
 def _logps(model, batch) -> torch.Tensor:
-    from ftjob.trainer import preference
+    from ftjob.trainer.objectives import preference
 
     with torch.no_grad():
         out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
@@ -104,7 +105,7 @@ def test_stored_reference_equals_the_initial_models_log_probs(full):
 def test_the_full_export_loads_and_ranks_the_eval_pairs_as_trained(full):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ftjob.trainer import preference
+    from ftjob.trainer.objectives import preference
 
     workdir, _ = full
     reported = history(workdir, "eval")[-1]

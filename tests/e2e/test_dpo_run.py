@@ -19,7 +19,7 @@ import yaml
 from test_qlora import make_base, nf4_reference
 from test_trainer_run import RUN_TIMEOUT, history, losses, rank_pid, run, start
 
-from ftjob.trainer.integrity import COMMITTED
+from ftjob.trainer.state.integrity import COMMITTED
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -108,7 +108,9 @@ def assert_ranks_as_reported(base, workdir: Path, beta: float) -> None:
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from ftjob.trainer import data, pairs, preference
+    from ftjob.trainer.data import batches as data
+    from ftjob.trainer.data import pairs
+    from ftjob.trainer.objectives import preference
 
     reported = history(workdir, "eval")[-1]
     model = PeftModel.from_pretrained(base, workdir / "model").eval()

@@ -192,9 +192,9 @@ def test_a_failed_push_fails_the_job_as_hub_push_failed_and_keeps_the_export(fai
 def test_the_operator_restarts_the_gang_on_the_real_record(failed):
     """The record the failed push left, as a trainer container's termination message: the
     operator names HubPushFailed with its fix and replaces the gang (it is not permanent)."""
-    from ftjob import manifest
+    from ftjob.api import manifest
+    from ftjob.api.spec import parse_resource
     from ftjob.operator import lifecycle, render
-    from ftjob.spec import parse_resource
 
     _, first, _, _ = failed
     name, spec = parse_resource(manifest.load(EXAMPLES / "tiny.yaml")[0])

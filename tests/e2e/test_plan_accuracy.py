@@ -28,9 +28,9 @@ import pytest
 import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ftjob import plan
-from ftjob.modelshape import ModelShape
-from ftjob.spec import parse_resource
+from ftjob.api.spec import parse_resource
+from ftjob.plan import estimate as plan
+from ftjob.plan.modelshape import ModelShape
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SHAPES = {

@@ -15,10 +15,10 @@ from datetime import datetime, timezone
 from test_recovery import injected
 from test_trainer_run import job, run
 
-from ftjob import contract, manifest
+from ftjob.api import contract, manifest
+from ftjob.api.spec import parse_resource
 from ftjob.operator import lifecycle, render
 from ftjob.operator import status as st
-from ftjob.spec import parse_resource
 
 
 def test_preflight_measures_and_its_figures_reach_the_status(tmp_path):

@@ -208,9 +208,11 @@ def probe(base: Path, out: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torchao.quantization import NF4Tensor
 
-    from ftjob.spec import parse_spec
-    from ftjob.trainer import data, model, parallel
-    from ftjob.trainer.loss import token_loss
+    from ftjob.api.spec import parse_spec
+    from ftjob.trainer.data import batches as data
+    from ftjob.trainer.model import load as model
+    from ftjob.trainer.model import parallel
+    from ftjob.trainer.objectives.loss import token_loss
 
     results, d = {}, None
     cases = {"fp32": {}, "bf16": {}, "offload": {"parallelism": {"cpuOffload": True}}}

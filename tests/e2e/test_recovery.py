@@ -23,7 +23,7 @@ import pytest
 from safetensors.torch import load_file
 from test_trainer_run import RUN_TIMEOUT, job, losses, rank_pid, run, start
 
-from ftjob.processes import alive
+from ftjob.job.processes import alive
 
 INJECT = Path(__file__).resolve().parent / "inject"
 STEPS = 12
@@ -211,9 +211,9 @@ def test_a_second_ctrl_c_still_says_what_happened_and_leaves_nothing(tmp_path):
 
 
 def test_processes_ends_a_stopped_process_and_an_orphan(tmp_path):
-    """ftjob.processes on its own: a stopped child and an orphaned grandchild both end."""
+    """ftjob.job.processes on its own: a stopped child and an orphaned grandchild both end."""
     script = (
-        "import ftjob.processes as p, os, signal, subprocess, sys, time\n"
+        "import ftjob.job.processes as p, os, signal, subprocess, sys, time\n"
         "p.become_subreaper()\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
         "os.kill(child.pid, signal.SIGSTOP)\n"

@@ -18,7 +18,8 @@ from pathlib import Path
 import hangs
 import yaml
 
-from ftjob import contract, failure
+from ftjob.api import contract
+from ftjob.cli import failure
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny.yaml"

@@ -15,9 +15,9 @@ import hangs
 import pytest
 from trainer_outputs import Runs, job, wait_for_phase
 
+from ftjob.api.spec import parse_resource
 from ftjob.operator import lifecycle, render
 from ftjob.operator import status as st
-from ftjob.spec import parse_resource
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 # volume), imported by the trainer process at start-up (sitecustomize on PYTHONPATH).
 SLOW_LOAD = """
 import os, time
-from ftjob.trainer import model
+from ftjob.trainer.model import load as model
 _build = model.build
 def build(*args, **kwargs):
     time.sleep(float(os.environ["SLOW_LOAD_SECONDS"]))

@@ -101,10 +101,13 @@ def probe(out: Path, models: Path, cases: list) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from ftjob import modelfiles
-    from ftjob.spec import parse_spec
-    from ftjob.trainer import data, export, model, parallel
-    from ftjob.trainer.loss import token_loss
+    from ftjob.api.spec import parse_spec
+    from ftjob.job import modelfiles
+    from ftjob.trainer.data import batches as data
+    from ftjob.trainer.model import load as model
+    from ftjob.trainer.model import parallel
+    from ftjob.trainer.objectives.loss import token_loss
+    from ftjob.trainer.state import export
 
     results = {}
     d = None

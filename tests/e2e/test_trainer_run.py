@@ -101,10 +101,10 @@ def losses(workdir: Path) -> dict[int, float]:
 
 def eval_loss_of(model, workdir: Path) -> float:
     """Eval loss of a reloaded model, on the eval set the trainer used (one process)."""
-    from ftjob.spec import parse_resource
-    from ftjob.trainer import data
-    from ftjob.trainer.loss import token_loss
-    from ftjob.trainer.model import load_tokenizer
+    from ftjob.api.spec import parse_resource
+    from ftjob.trainer.data import batches as data
+    from ftjob.trainer.model.load import load_tokenizer
+    from ftjob.trainer.objectives.loss import token_loss
 
     _, spec = parse_resource(json.loads((workdir / "spec.json").read_text()))
     # Relative sources resolve beside the job file, which start() writes beside the workdir.
@@ -235,7 +235,7 @@ def test_progress_json_is_the_documented_contract(full):
     assert snap["activationCheckpointing"] == 1  # "all": every layer recomputed
     # Tokens are counted on every rank and summed (not rank 0's times the world size): the
     # real tokens of every sequence the sampler gave either rank, padding left out.
-    from ftjob.trainer import data
+    from ftjob.trainer.data import batches as data
 
     (train,) = (workdir / "data").glob("*/train")
     seqs = data.Sequences.open(train)
@@ -243,7 +243,7 @@ def test_progress_json_is_the_documented_contract(full):
     picked = [i for s in range(30) for r in (0, 1) for i in sampler.indices(s, 0, r)]
     assert snap["tokensSeen"] == sum(len(row["input_ids"]) for row in seqs.rows(picked))
     assert isinstance(snap["port"], int) and snap["port"] > 0
-    # Each node's termination record (ftjob.contract), as a pod's message file.
+    # Each node's termination record (ftjob.api.contract), as a pod's message file.
     record = json.loads((workdir / "logs" / "node-0.termination").read_text())
     assert record == {"outcome": "succeeded", "exportPath": str(workdir / "model")}
 

@@ -12,7 +12,7 @@ what a real API server does that kmock's own emulator leaves out:
 * merge patches, JSON patches (a failed ``test`` answers 422), PUT with optimistic
   concurrency (409 on a stale resourceVersion), 409 on duplicate names;
 * ``labelSelector`` on list and watch, watches that resume from a resourceVersion;
-* CRDs served once created, admitted with their schema + CEL rules (``ftjob.admission``);
+* CRDs served once created, admitted with their schema + CEL rules (``ftjob.api.admission``);
 * finalizers, and garbage collection of everything an object owns (ownerReferences.uid);
 * ``Table`` output with the CRD's printer columns (what ``kubectl get`` asks for);
 * fault injection (:meth:`fail`) and dropping every watch (:meth:`drop_watches`).
@@ -43,7 +43,7 @@ from apimachinery import (
     table,
 )
 
-from ftjob import admission, kubevalidation
+from ftjob.api import admission, kubevalidation
 
 CORE = {  # plural: (kind, namespaced, subresources)
     "pods": ("Pod", True, {"status"}),

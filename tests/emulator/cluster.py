@@ -14,7 +14,7 @@ import yaml
 from apiserver import CRD_RESOURCE, ApiServer, now_iso
 from hangs import FLOOR
 
-from ftjob import crd
+from ftjob.api import crd
 
 
 class Kubelet:

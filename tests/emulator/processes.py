@@ -1,7 +1,7 @@
 """A test kubelet that runs each pod's container as a real local process.
 
 It runs exactly the command and environment the operator rendered, through the process
-runner of ``ftjob run`` (:class:`ftjob.local.Node`), with what a node would provide mapped
+runner of ``ftjob run`` (:class:`ftjob.cli.nodes.Node`), with what a node would provide mapped
 to this machine: the shared volume (``/ftjob``) is a local folder, the spec ConfigMap is a
 file, every "node" is 127.0.0.1 (so the rendezvous port is picked per gang). Output becomes
 the termination message of a failed pod, as ``terminationMessagePolicy:
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cluster import running_status, terminated_status
 
-from ftjob.local import Node, free_port
+from ftjob.cli.nodes import Node, free_port
 from ftjob.operator import render
 
 GRACE_SECONDS = 5

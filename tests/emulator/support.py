@@ -14,8 +14,8 @@ from pathlib import Path
 from cluster import Cluster
 from hangs import FLOOR
 
-from ftjob import manifest
-from ftjob.trainer.progress import Progress
+from ftjob.api import manifest
+from ftjob.trainer.report.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
@@ -141,7 +141,8 @@ def events_of(cluster: Cluster, name: str) -> list[str]:
 
 
 def rank0_progress(port: int, total: int) -> Progress:
-    """Rank 0's real progress reporter (ftjob.trainer.progress) serving /progress on ``port``,
+    """Rank 0's real progress reporter (ftjob.trainer.report.progress) serving /progress on
+    ``port``,
     as the trainer does; a test drives it with the calls train.py makes. close() it after."""
     report = Progress(Path(tempfile.mkdtemp()), True, total, 1, writes_files=False)
     report.serve(port)

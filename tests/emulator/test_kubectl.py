@@ -9,8 +9,8 @@ import pytest
 from hangs import FLOOR
 from support import gang_running, job_pods
 
-from ftjob import manifest
-from ftjob.spec import DEFAULT_IMAGE
+from ftjob.api import manifest
+from ftjob.api.spec import DEFAULT_IMAGE
 
 ROOT = Path(__file__).resolve().parents[2]
 

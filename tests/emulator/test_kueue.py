@@ -17,7 +17,7 @@ from apiserver import CRD_RESOURCE
 from hangs import FLOOR
 from support import job_pods, tiny_job
 
-from ftjob import manifest
+from ftjob.api import manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(90)

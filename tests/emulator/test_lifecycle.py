@@ -20,9 +20,9 @@ from support import (
     wait_phase,
 )
 
-from ftjob import manifest
+from ftjob.api import manifest
 from ftjob.operator.status import NO_RECORD, format_eta
-from ftjob.trainer import metrics as trainer_metrics
+from ftjob.trainer.report import metrics as trainer_metrics
 
 pytestmark = pytest.mark.timeout(60)
 # The first test to ask for the real trainer's outputs waits for them to be produced.

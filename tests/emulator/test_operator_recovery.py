@@ -17,7 +17,7 @@ from support import (
     wait_phase,
 )
 
-from ftjob import kubevalidation
+from ftjob.api import kubevalidation
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -68,7 +68,7 @@ def test_full_run_reports_gpu_peak_memory_and_mfu(full):
     assert isinstance(peak, list) and len(peak) == 1, snap
     # A 0.3M-parameter model: its states, activations and logits take a few MiB at most.
     assert 0 < peak[0] < 512, peak
-    # The CUDA device name maps to an entry of ftjob.hardware (else MFU is not reported); the
+    # The CUDA device name maps to an entry of ftjob.api.hardware (else MFU is not reported); the
     # value itself is tiny for a 0.3M model and rounds to 4 places, so only its presence counts.
     assert snap["mfu"] is not None, snap.get("device")
 

@@ -26,7 +26,7 @@ STEPS = 10
 
 
 def spec():
-    from ftjob.spec import parse_spec
+    from ftjob.api.spec import parse_spec
 
     return parse_spec({
         "model": {"source": str(ROOT / "examples" / "tiny-model")},
@@ -55,7 +55,8 @@ def main() -> int:
         (out / f"rank{rank}.json").write_text(json.dumps({"refused": str(e).strip()[:500]}))
         return 3
 
-    from ftjob.trainer import model, parallel
+    from ftjob.trainer.model import load as model
+    from ftjob.trainer.model import parallel
 
     s = spec()
     d = parallel.Dist(rank, rank, world, world, device)

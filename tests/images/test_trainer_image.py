@@ -22,9 +22,9 @@ import pytest
 from contents import assert_extra_installed
 from podrun import fs_group, hosts_of, layer_writes, logs, podman, remove, run_argv, state
 
-from ftjob import contract, manifest
+from ftjob.api import contract, manifest
+from ftjob.api.spec import parse_resource
 from ftjob.operator import render
-from ftjob.spec import parse_resource
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(1800)  # the first test also waits for the build

@@ -1,4 +1,4 @@
-"""trainer/attention.py: packed documents never see each other, on every implementation the
+"""trainer/model/attention.py: packed documents never see each other, on every implementation the
 spec offers, at micro-batch 1 and 4, with no S x S mask on the default path.
 
     python -m pytest tests/unit/test_attention.py -q
@@ -22,9 +22,12 @@ import torch.nn.functional as F
 import transformers.modeling_flash_attention_utils as flash_utils
 from transformers import AutoModelForCausalLM
 
-from ftjob.spec import parse_spec
-from ftjob.trainer import attention, data, export, model, parallel
-from ftjob.trainer.data import IGNORE
+from ftjob.api.spec import parse_spec
+from ftjob.trainer.data import batches as data
+from ftjob.trainer.data.batches import IGNORE
+from ftjob.trainer.model import attention, parallel
+from ftjob.trainer.model import load as model
+from ftjob.trainer.state import export
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-model"
 PAD = 0

@@ -14,7 +14,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # bench/ is a folder of the repo, not an installed package
 
 from bench import common, report  # noqa: E402
-from ftjob.spec import parse_resource  # noqa: E402
+from ftjob.api.spec import parse_resource  # noqa: E402
 
 
 def results(**suites) -> dict:
@@ -180,7 +180,7 @@ def test_trl_in_order_gets_the_micro_batches_ftjob_samples(micro_batch):
     from torch.utils.data import BatchSampler, SequentialSampler
 
     from bench import dpo
-    from ftjob.trainer.data import Sampler
+    from ftjob.trainer.data.batches import Sampler
 
     s = dpo.Setup("tiny", micro_batch=micro_batch, steps=5)
     order = dpo.ftjob_order(s, n=64)

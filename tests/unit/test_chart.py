@@ -24,7 +24,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from ftjob import __version__, crd, spec
+from ftjob import __version__
+from ftjob.api import crd, spec
 from ftjob.operator.__main__ import add_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -381,9 +382,9 @@ def test_trainer_default_image_reaches_the_operator_and_its_pods(rendered):
     """trainer.defaultImage becomes the operator's FTJOB_DEFAULT_IMAGE, which its settings
     read and its render puts into the pods of a job without spec.image; unset, the variable
     is empty (there for `kubectl set env`) and the pods get the placeholder."""
-    from ftjob import manifest
+    from ftjob.api import manifest
     from ftjob.operator import handlers, render
-    from ftjob.validation import parse_job
+    from ftjob.operator.admit import parse_job
 
     (job,) = manifest.load(ROOT / "examples" / "llama3-8b-lora-efa.yaml")
     _, job_spec = parse_job(job)
@@ -431,9 +432,9 @@ def test_pod_monitor_scrapes_rank_0_of_every_job_where_the_operator_watches(comb
     selected, on the container port that serves /metrics (spec.network.progressPort, here
     not the default), rank 1 and the operator's own pod are not; it looks in the namespaces
     the operator's arguments name."""
-    from ftjob import manifest
+    from ftjob.api import manifest
     from ftjob.operator import render
-    from ftjob.validation import parse_job
+    from ftjob.operator.admit import parse_job
 
     objs = rendered[combo]
     monitor = the(objs, "PodMonitor")["spec"]
@@ -552,7 +553,7 @@ def test_the_operator_and_the_trainer_share_no_metric_name():
     from dashboard_queries import exported_series, families
 
     from ftjob.operator import metrics as operator_metrics
-    from ftjob.trainer import metrics as trainer_metrics
+    from ftjob.trainer.report import metrics as trainer_metrics
 
     # Every gauge the trainer can export is on its page only with a value.
     snapshot = {key: 1.0 for _, key, _ in trainer_metrics.GAUGES} | {"phase": "training"}
@@ -627,7 +628,7 @@ HANDLERS_THAT_WATCH = HANDLERS_THAT_PATCH | {"index", "event"}
 
 
 def _constant(node: ast.expr) -> str:
-    """A string literal, or a name imported from ftjob.spec (GROUP, PLURAL, ...)."""
+    """A string literal, or a name imported from ftjob.api.spec (GROUP, PLURAL, ...)."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     if isinstance(node, ast.Name) and hasattr(spec, node.id):

@@ -13,9 +13,10 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from ftjob import kubevalidation, manifest, validation
-from ftjob.operator import render
-from ftjob.spec import SecretKeyRef, SecretsSpec, Toleration, parse_resource
+from ftjob.api import kubevalidation, manifest
+from ftjob.api.spec import SecretKeyRef, SecretsSpec, Toleration, parse_resource
+from ftjob.cli import validate
+from ftjob.operator import admit, render
 
 ROOT = Path(__file__).resolve().parents[2]
 VALID_FILES = sorted((ROOT / "examples").glob("*.yaml")) + sorted(
@@ -90,7 +91,7 @@ def valid_jobs():
 
 @pytest.mark.parametrize("doc", list(valid_jobs()))
 def test_every_valid_job_is_accepted_and_its_children_pass_kubernetes(doc):
-    verdict = validation.check(doc)
+    verdict = validate.check(doc)
     assert verdict.ok, verdict.errors + verdict.server_errors
     name = doc["metadata"]["name"]
     namespace = doc["metadata"].get("namespace", "default")
@@ -118,7 +119,7 @@ def agree(doc, spec):
     """ftjob's verdict and the CRD's on ``doc`` both equal the verdict on its children."""
     meta = doc["metadata"]
     expected = children_ok(meta["name"], meta.get("namespace", "default"), spec)
-    verdict = validation.check(doc)
+    verdict = validate.check(doc)
     assert verdict.ok == expected, (verdict.errors, verdict.server_errors)
     assert (not verdict.server_errors) == expected, verdict.server_errors
 
@@ -247,7 +248,7 @@ def test_metadata(metadata):
     expected = children_ok(
         metadata["name"], metadata.get("namespace", "default"), spec_with(lambda s: s)
     ) and not list(kubevalidation.metadata_errors(metadata))
-    verdict = validation.check(doc)
+    verdict = validate.check(doc)
     assert verdict.ok == expected, verdict.errors
     assert (not verdict.server_errors) == expected, verdict.server_errors
 
@@ -296,20 +297,20 @@ def test_metadata(metadata):
     ids=lambda v: v if isinstance(v, str) else "",
 )
 def test_a_child_refusal_is_traced_to_the_job_field(setter, field):
-    errors = validation.children_errors("job", "default", spec_with(setter))
+    errors = admit.children_errors("job", "default", spec_with(setter))
     assert errors and {e.path for e in errors} == {field}, errors
     assert all(" (in " in e.message for e in errors)  # and says which child and where
 
 
 def test_a_job_name_that_makes_a_bad_service_name_is_traced_to_metadata_name():
     _, spec = parse_resource(job())
-    errors = validation.children_errors("1st-run", "default", spec)
+    errors = admit.children_errors("1st-run", "default", spec)
     assert {e.path for e in errors} == {"metadata.name"}
     assert any("Service 1st-run" in e.message for e in errors)
 
 
 def test_a_job_document_too_large_for_its_config_map_is_refused_naming_the_spec():
     doc = job(scheduling={"affinity": {"nodeAffinity": {"note": "x" * 2**20}}})
-    verdict = validation.check(doc)
+    verdict = validate.check(doc)
     assert [e.split(":")[0] for e in verdict.errors] == ["spec"], verdict.errors
     assert "ConfigMap job-spec" in verdict.errors[0]

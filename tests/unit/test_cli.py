@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ftjob import inputs, manifest
+from ftjob.api import manifest
+from ftjob.job import inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -193,9 +194,9 @@ def test_qlora_on_the_tiny_model_is_refused_alike_by_validate_plan_and_the_train
     planned = ftjob("plan", path)
     assert planned.returncode == 1 and planned.stderr == f"{path}: {TINY_QLORA}\n"
 
-    from ftjob.contract import BAD_SPEC, TrainerError
-    from ftjob.spec import parse_resource
-    from ftjob.trainer import model
+    from ftjob.api.contract import BAD_SPEC, TrainerError
+    from ftjob.api.spec import parse_resource
+    from ftjob.trainer.model import load as model
 
     monkeypatch.chdir(tmp_path)
     spec = parse_resource(doc)[1]
@@ -296,7 +297,7 @@ def test_plan_names_a_missing_model_and_missing_data_once_with_the_fix(tmp_path)
     path.write_text(yaml.safe_dump(doc))
     planned = ftjob("plan", path)
     assert planned.returncode == 1 and planned.stdout == ""
-    # The same words `ftjob run` prints before starting (ftjob/inputs.py: one check, one text).
+    # The same words `ftjob run` prints before starting (ftjob/job/inputs.py: one check, one text).
     assert planned.stderr.splitlines() == [
         f"{path}: spec.model.source: no-model: no such folder (looked at "
         f"{tmp_path / 'no-model'}); fix: {inputs.MODEL_FIX}",

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ftjob import manifest, validation
+from ftjob.api import manifest
+from ftjob.cli import validate
 
 CORPUS = sorted((Path(__file__).resolve().parents[1] / "corpus").glob("*.yaml"))
 
@@ -29,7 +30,7 @@ def test_bad_job_is_refused_by_both_naming_the_field(path):
     expect = re.search(r"^# expect: (\S+)$", path.read_text(), re.M).group(1)
     docs = manifest.load(path)
     old = docs[0] if len(docs) == 2 else None
-    verdict = validation.check(docs[-1], old)
+    verdict = validate.check(docs[-1], old)
     assert names(verdict.errors, expect), verdict.errors
     assert names(verdict.server_errors, expect), verdict.server_errors
     # One defect, one message: the validator does not bury the cause in follow-on errors.
@@ -43,13 +44,13 @@ UPDATES = [p for p in CORPUS if p.name.startswith("immutable-")]
 def test_the_job_each_update_starts_from_is_valid(path):
     """Guards the update cases: only the change may be refused, not the job as it was."""
     old, _ = manifest.load(path)
-    assert validation.check(old).ok
+    assert validate.check(old).ok
 
 
 def test_the_corpus_base_job_is_valid():
     """Each corpus file is this job with one defect; the job itself must pass."""
     base = manifest.load(UPDATES[0])[0]
-    assert validation.check(base).ok
+    assert validate.check(base).ok
     for path in CORPUS:
         doc = manifest.load(path)[-1]
         assert doc["apiVersion"] == base["apiVersion"] and doc["kind"] == base["kind"], path

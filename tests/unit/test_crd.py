@@ -8,9 +8,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from ftjob import contract, crd
-from ftjob.schema import openapi
-from ftjob.spec import FineTuneJobSpec
+from ftjob.api import contract, crd
+from ftjob.api.schema import openapi
+from ftjob.api.spec import FineTuneJobSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED_COPIES = [ROOT / "manifests" / "crd.yaml"]

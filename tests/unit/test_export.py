@@ -1,5 +1,5 @@
 """What a run leaves for the next one and for other people: the export's files and the
-progress a rerun starts from (trainer/export.py, trainer/progress.py).
+progress a rerun starts from (trainer/state/export.py, trainer/report/progress.py).
 
 python -m pytest tests/unit/test_export.py -q
 """
@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import os
 
-from ftjob.spec import parse_spec
-from ftjob.trainer import export, progress
+from ftjob.api.spec import parse_spec
+from ftjob.trainer.report import progress
+from ftjob.trainer.state import export
 
 
 def adapter(tmp_path, source: str, revision: str | None = None):

@@ -1,11 +1,12 @@
-"""ftjob/failure.py: which node's failure explains a run, from records first, logs second.
+"""ftjob/cli/failure.py: which node's failure explains a run, from records first, logs second.
 
-The records are made by ftjob.contract (what the trainer writes); the log lines are the
+The records are made by ftjob.api.contract (what the trainer writes); the log lines are the
 shapes the trainer, Python and torchrun print (tests/e2e/test_run_display.py runs the
 real processes).
 """
 
-from ftjob import contract, failure
+from ftjob.api import contract
+from ftjob.cli import failure
 
 TORCHRUN_KILLED = [
     "[rank1]:[W1123 05:45:19.242000] something before",

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ftjob.hardware import GIB, GPUS, gpu_for_device_name
+from ftjob.api.hardware import GIB, GPUS, gpu_for_device_name
 
 
 @pytest.mark.parametrize(

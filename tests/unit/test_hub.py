@@ -12,11 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from ftjob import contract, failure, inputs, jobfolder
+from ftjob.api import contract
+from ftjob.api.schema import SpecError
+from ftjob.api.spec import parse_spec
+from ftjob.cli import failure
+from ftjob.job import folder as jobfolder
+from ftjob.job import inputs
 from ftjob.operator import status
-from ftjob.schema import SpecError
-from ftjob.spec import parse_spec
-from ftjob.trainer import hub
+from ftjob.trainer.state import push
 
 TOKEN = {"huggingFaceToken": {"name": "hf", "key": "token"}}
 RAW = {
@@ -98,7 +101,7 @@ def test_the_card_carries_hub_metadata_and_what_the_run_was():
     from huggingface_hub import ModelCard
 
     job = spec({"push": "hf://my-org/tuned", "mergeAdapter": True})
-    text = hub.model_card(job, {"trainedSteps": 10}, {"loss": 1.23456, "evalLoss": 2.5})
+    text = push.model_card(job, {"trainedSteps": 10}, {"loss": 1.23456, "evalLoss": 2.5})
     card = ModelCard(text)
     assert card.data.base_model == "org/base" and card.data.datasets == ["org/data"]
     # The merged model is the repository's root: transformers loads it.
@@ -119,19 +122,19 @@ def test_an_adapter_alone_is_the_repository_and_a_merge_moves_it_to_adapter(tmp_
     for name in ("adapter_config.json", "README.md", "merged/config.json", "merged/x.safetensors"):
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(name)
-    merged = hub.layout(spec({"push": "hf://o/n", "mergeAdapter": True}), tmp_path)
+    merged = push.layout(spec({"push": "hf://o/n", "mergeAdapter": True}), tmp_path)
     assert {k: v.relative_to(tmp_path).as_posix() for k, v in merged.items()} == {
         "config.json": "merged/config.json",
         "x.safetensors": "merged/x.safetensors",
         "adapter/adapter_config.json": "adapter_config.json",
     }
-    alone = hub.layout(spec({"push": "hf://o/n"}), tmp_path)
+    alone = push.layout(spec({"push": "hf://o/n"}), tmp_path)
     assert set(alone) == {"adapter_config.json", "merged/config.json", "merged/x.safetensors"}
 
 
 def test_a_full_fine_tunes_card_without_an_evaluation_says_so():
     job = spec({"push": "hf://my-org/tuned"}, method={"type": "full"})
-    text = hub.model_card(job, {"trainedSteps": 10}, {"loss": 1.0})
+    text = push.model_card(job, {"trainedSteps": 10}, {"loss": 1.0})
     assert "**Method:** full fine-tune" in text and "**Final eval loss:** n/a" in text
     assert 'AutoModelForCausalLM.from_pretrained("my-org/tuned")' in text
 
@@ -144,7 +147,8 @@ def test_a_push_with_no_token_at_all_fails_as_hub_push_failed_naming_hf_token(
     import huggingface_hub.constants
     import torch
 
-    from ftjob.trainer import parallel, progress
+    from ftjob.trainer.model import parallel
+    from ftjob.trainer.report import progress
 
     for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
         monkeypatch.delenv(name, raising=False)
@@ -155,7 +159,7 @@ def test_a_push_with_no_token_at_all_fails_as_hub_push_failed_naming_hf_token(
     report = progress.Progress(tmp_path, True, None, 1, writes_files=False)
     one = parallel.Dist(0, 0, 1, 1, torch.device("cpu"))
     with pytest.raises(contract.TrainerError) as e:
-        hub.push(job, tmp_path, tmp_path / "model", one, report)
+        push.push(job, tmp_path, tmp_path / "model", one, report)
     assert e.value.reason == contract.HUB_PUSH_FAILED and e.value.where == "spec.output.push"
     assert "HF_TOKEN is not set" in str(e.value) and "HF_TOKEN" in e.value.fix
     assert jobfolder.pushed(tmp_path) is None and report.snapshot.get("pushedTo") is None
@@ -164,7 +168,7 @@ def test_a_push_with_no_token_at_all_fails_as_hub_push_failed_naming_hf_token(
 def test_a_dpo_jobs_card_says_dpo_and_its_held_out_reward_accuracy(tmp_path):
     from huggingface_hub import ModelCard
 
-    from ftjob.trainer import progress
+    from ftjob.trainer.report import progress
 
     job = spec(
         {"push": "hf://my-org/tuned"},
@@ -178,12 +182,12 @@ def test_a_dpo_jobs_card_says_dpo_and_its_held_out_reward_accuracy(tmp_path):
                   chosenReward=0.3, rejectedReward=-0.1)  # fmt: skip
     report.evaluated(10, 0.6, rewardAccuracy=0.75, rewardMargin=0.25,
                      chosenReward=0.2, rejectedReward=-0.05)  # fmt: skip
-    card = ModelCard(hub.model_card(job, {"trainedSteps": 10}, report.snapshot))
+    card = ModelCard(push.model_card(job, {"trainedSteps": 10}, report.snapshot))
     assert "dpo" in card.data.tags
     assert "trained by DPO on preference pairs (beta 0.2, sigmoid loss)" in card.text
     assert "**Final eval reward accuracy:** 0.7500" in card.text
     assert "**Final eval reward margin:** 0.2500" in card.text
     report.close()
     # Next-token training says nothing of rewards.
-    sft = ModelCard(hub.model_card(spec({"push": "hf://my-org/tuned"}), {}, {"loss": 1.0}))
+    sft = ModelCard(push.model_card(spec({"push": "hf://my-org/tuned"}), {}, {"loss": 1.0}))
     assert "dpo" not in sft.data.tags and "reward" not in sft.text

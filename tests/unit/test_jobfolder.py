@@ -1,17 +1,19 @@
-"""jobfolder.py: which spec changes a job folder refuses, and the record it keeps.
+"""ftjob/job/folder.py: which spec changes a job folder refuses, and the record it keeps.
 
 python -m pytest tests/unit/test_jobfolder.py -q
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 
 import pytest
 
-from ftjob import jobfolder
-from ftjob.contract import BAD_SPEC, TrainerError
-from ftjob.spec import parse_spec
+from ftjob.api.contract import BAD_SPEC, TrainerError
+from ftjob.api.spec import parse_spec
+from ftjob.job import folder as jobfolder
+from ftjob.job.folder import BEING_WRITTEN, STEP, JobFolder, writing
 
 RAW = {
     "model": {"source": "tiny-model"},
@@ -158,3 +160,23 @@ def test_the_objective_and_dpo_settings_change_training():
     beta = spec(dataset=dpo["dataset"], training={"objective": "dpo", "dpo": {"beta": 0.3}})
     assert any("spec.training.dpo" in line for line in jobfolder.changes(
         jobfolder.record("j", base), beta))  # fmt: skip
+
+
+def test_the_job_folder_names_every_path_in_it(tmp_path):
+    folder = JobFolder(tmp_path)
+    assert folder.step(200) == tmp_path / "checkpoints" / "step-00000200"
+    assert STEP.match(folder.step(7).name).group(1) == "00000007"
+    assert writing(folder.step(3)) == tmp_path / "checkpoints" / ".tmp-step-00000003"
+    assert fnmatch.fnmatch(writing(folder.step(3)).name, BEING_WRITTEN)
+    assert not folder.has_checkpoints()
+    folder.step(5).mkdir(parents=True)
+    assert folder.has_checkpoints()
+    assert folder.node_log(1) == tmp_path / "logs" / "node-1.log"
+    assert folder.node_termination(1) == tmp_path / "logs" / "node-1.termination"
+    assert (folder.record, folder.owner, folder.progress) == (
+        tmp_path / "spec.json",
+        tmp_path / "owner",
+        tmp_path / "progress.json",
+    )
+    assert folder.export(spec()) == tmp_path / "model"
+    assert folder.export(spec(output={"path": "out/final"})) == tmp_path / "out" / "final"

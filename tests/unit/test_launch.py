@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from ftjob import launch
-from ftjob.spec import parse_spec
+from ftjob.api.spec import parse_spec
+from ftjob.job import launch
 
 
 def _raw() -> dict:
@@ -139,6 +139,6 @@ def test_node_rank_outside_the_gang_is_refused():
 
 
 def test_launch_imports_no_torch():
-    code = "import sys, ftjob.launch, ftjob.local; print('torch' in sys.modules)"
+    code = "import sys, ftjob.job.launch, ftjob.cli.run; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -1,4 +1,5 @@
-"""trainer/loss.py: the chunked loss through the head equals the plain one, and never holds
+"""trainer/objectives/loss.py: the chunked loss through the head equals the plain one, and never
+holds
 a micro-batch's fp32 logits.
 
     python -m pytest tests/unit/test_loss.py -q
@@ -14,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from ftjob.trainer import data, loss
-from ftjob.trainer.tokenize import IGNORE
+from ftjob.trainer.data import batches as data
+from ftjob.trainer.data.tokenize import IGNORE
+from ftjob.trainer.objectives import loss
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-model"
 

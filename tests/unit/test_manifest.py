@@ -14,7 +14,8 @@ from pathlib import Path
 import hangs
 import pytest
 
-from ftjob import manifest, validation
+from ftjob.api import manifest
+from ftjob.cli import validate
 
 KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
 
@@ -74,7 +75,7 @@ def test_an_alias_bomb_is_refused_at_once_as_kubectl_refuses_it(tmp_path):
 def test_a_few_aliases_are_still_fine():
     doc = manifest.loads(alias_bomb(levels=3))[0]
     assert len(doc["spec"]["scheduling"]["affinity"]["a2"]) == 9
-    assert validation.check(doc).ok
+    assert validate.check(doc).ok
 
 
 def test_a_document_that_contains_itself_is_refused():
@@ -104,7 +105,7 @@ def test_the_largest_useful_job_is_read_and_validated_in_time():
     text = text.replace("\nenv_:", "\n  env:")
     started = time.monotonic()
     (doc,) = manifest.loads(text)
-    verdict = validation.check(doc)
+    verdict = validate.check(doc)
     assert time.monotonic() - started < HANG_GUARD
     assert verdict.ok, verdict.errors + verdict.server_errors
     assert len(doc["spec"]["env"]) == 64 and len(text) > 300 * 1024
@@ -126,7 +127,7 @@ def test_scientific_notation_is_read_as_kubectl_sends_it():
     assert training == {"maxSteps": 1000, "learningRate": 2e-5}
     assert type(training["maxSteps"]) is int
     assert type(manifest.loads("a: 1e21")[0]["a"]) is float
-    verdict = validation.check(doc)
+    verdict = validate.check(doc)
     assert verdict.ok, verdict.errors + verdict.server_errors
     assert verdict.spec.training.max_steps == 1000
 
@@ -135,6 +136,6 @@ def test_not_a_number_is_refused_by_kubectl_and_by_validate_naming_the_field(tmp
     path = tmp_path / "nan.yaml"
     path.write_text(job("    maxSteps: 100\n    learningRate: .nan"))
     assert "unsupported value: NaN" in kubectl_offline(path).stderr
-    verdict = validation.check(manifest.load(path)[0])
+    verdict = validate.check(manifest.load(path)[0])
     assert [e.split(":")[0] for e in verdict.errors] == ["spec.training.learningRate"]
     assert verdict.server_errors[0].startswith("spec.training.learningRate: ")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ftjob import modelfiles
-from ftjob.spec import parse_spec
+from ftjob.api.spec import parse_spec
+from ftjob.job import modelfiles
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny-model"
@@ -73,7 +73,7 @@ def test_a_pickled_checkpoint_is_refused_with_the_command_that_converts_it(pickl
 def test_the_trainer_refuses_a_pickled_checkpoint_before_the_data(pickled):
     """Pods read the volume, not this machine: the trainer makes the same check itself, when
     it loads the tokenizer (before the data is prepared)."""
-    from ftjob.trainer import model
+    from ftjob.trainer.model import load as model
 
     spec = parse_spec({"model": {"source": str(pickled)},
                        "dataset": {"source": "d.jsonl"}, "training": {"maxSteps": 1}})  # fmt: skip
@@ -90,7 +90,7 @@ def test_the_trainer_refuses_a_pickled_checkpoint_before_the_data(pickled):
 )
 def test_a_malformed_index_is_refused_naming_the_file_and_the_fix(tmp_path, text, error):
     """A truncated download: the trainer refuses it with the file and the fix, no traceback."""
-    from ftjob.trainer import model
+    from ftjob.trainer.model import load as model
 
     for f in TINY.iterdir():
         shutil.copy(f, tmp_path / f.name)

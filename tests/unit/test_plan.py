@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ftjob import manifest, plan
-from ftjob.hardware import GIB
-from ftjob.modelshape import ModelShape, known_model, shape_for
-from ftjob.schema import check_rules, quantity
-from ftjob.spec import parse_resource
+from ftjob.api import manifest
+from ftjob.api.hardware import GIB
+from ftjob.api.schema import check_rules, quantity
+from ftjob.api.spec import parse_resource
+from ftjob.plan import estimate as plan
+from ftjob.plan.modelshape import ModelShape, known_model, shape_for
 
 ROOT = Path(__file__).resolve().parents[2]
 ONE_80GB = {"resources.nodes": 1, "resources.gpusPerNode": 1, "resources.gpuType": "A100-80GB"}
@@ -188,7 +189,7 @@ def test_llama3_8b_full_on_one_80gb_gpu_without_offload_does_not_fit():
 
 
 def test_nf4_sharding_is_refused_where_a_weight_cannot_split():
-    from ftjob.verdict import qlora_problem
+    from ftjob.plan.limits import qlora_problem
 
     qlora = example("llama31-70b-qlora.yaml")
     shapes = known_model("hf://meta-llama/Llama-3.1-70B").linear_shapes()
@@ -347,8 +348,8 @@ def test_a_cpu_plan_never_advises_gpu_type():
 
 
 def test_plan_counts_the_prepared_data_on_the_volume(tmp_path):
-    from ftjob import datasize
-    from ftjob.spec import parse_spec
+    from ftjob.api.spec import parse_spec
+    from ftjob.plan import datasize
 
     source = tmp_path / "d.jsonl"
     source.write_bytes(b"x" * 4_000_000)
@@ -472,7 +473,7 @@ def test_the_loss_never_holds_fp32_logits_for_the_whole_micro_batch():
     any micro-batch (beyond one chunk); the old estimate grew by tokens x vocab x 10 bytes."""
     import dataclasses
 
-    from ftjob.modelshape import LOSS_CHUNK_TOKENS
+    from ftjob.plan.modelshape import LOSS_CHUNK_TOKENS
 
     shape = known_model("hf://meta-llama/Meta-Llama-3-8B")
     bigger = dataclasses.replace(shape, vocab=2 * shape.vocab)
@@ -488,7 +489,7 @@ def test_the_loss_never_holds_fp32_logits_for_the_whole_micro_batch():
 
 
 def test_model_flops_is_the_one_definition_behind_the_plan():
-    from ftjob.modelshape import flops_per_token, model_flops
+    from ftjob.plan.modelshape import flops_per_token, model_flops
 
     n, a, layers, hidden, seq = 1000, 10, 2, 8, 16
     # Packed documents of 4, 4 and 8 tokens attend within themselves: 16 + 16 + 64 pairs.
@@ -504,7 +505,7 @@ def test_model_flops_is_the_one_definition_behind_the_plan():
 
 
 def test_plan_json_says_what_auto_chose_and_the_mfu():
-    from ftjob import output
+    from ftjob.cli import output
 
     spec = example("llama3-8b-lora-efa.yaml")
     result = plan.plan(spec, known_model(spec.model.source))
@@ -583,7 +584,7 @@ def test_dpo_reference_costs_an_adapter_off_forward_with_lora_and_a_stored_pass_
     assert (b.weights, b.optimizer) == (a.weights, a.optimizer)
     text = "\n".join(plan.describe(lora, plan.plan(lora, shape)))
     assert "adapters off: one more forward per micro-batch" in text
-    from ftjob import output
+    from ftjob.cli import output
 
     item = output.plan_result("f.yaml", "n", lora, plan.plan(lora, shape))
     assert item["referenceFlopsPerToken"] == forward and item["tokensPerStep"] == 2 * 16 * 2048
@@ -593,7 +594,7 @@ def test_dpo_reference_costs_an_adapter_off_forward_with_lora_and_a_stored_pass_
     assert e.reference_flops_per_token == 0
     stored, seconds = plan.reference_pass(full, shape)
     assert stored == 8
-    from ftjob.hardware import GPUS
+    from ftjob.api.hardware import GPUS
 
     peak = GPUS[full.resources.gpu_type].peak_bf16_flops
     assert seconds == pytest.approx(

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ftjob import manifest
+from ftjob.api import manifest
+from ftjob.api.spec import parse_resource
 from ftjob.operator import render
-from ftjob.spec import parse_resource
 
 ROOT = Path(__file__).resolve().parents[2]
 UID = "0f3c9a52-7d4e-4b1a-9c55-3f2b8e1d6a70"

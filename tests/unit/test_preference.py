@@ -1,4 +1,5 @@
-"""trainer/preference.py against TRL's DPO trainer, run here as the reference implementation:
+"""trainer/objectives/preference.py against TRL's DPO trainer, run here as the reference
+implementation:
 the same tiny model, the same pairs (prepared by ftjob's own pipeline), the same settings ->
 the same loss, rewards, reward accuracy and margin (1e-5).
 
@@ -14,8 +15,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ftjob.spec import parse_spec
-from ftjob.trainer import data, pairs, preference
+from ftjob.api.spec import parse_spec
+from ftjob.trainer.data import batches as data
+from ftjob.trainer.data import pairs
+from ftjob.trainer.objectives import preference
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TINY = EXAMPLES / "tiny-model"
@@ -152,9 +155,10 @@ def test_the_loss_gradient_raises_chosen_and_lowers_rejected():
 
 
 def test_a_full_fine_tune_dpo_job_trains_against_stored_reference_log_probs():
-    """Full: the reference is the initial model's stored log-probabilities (trainer/reference.py);
+    """Full: the reference is the initial model's stored log-probabilities
+    (trainer/objectives/reference.py);
     LoRA and QLoRA: the network with its adapters off."""
-    from ftjob.trainer import objective
+    from ftjob.trainer.objectives import objective
 
     spec = parse_spec(
         {
@@ -171,7 +175,7 @@ def test_a_full_fine_tune_dpo_job_trains_against_stored_reference_log_probs():
 
 
 def spec_dict(spec) -> dict:
-    from ftjob.schema import to_dict
+    from ftjob.api.schema import to_dict
 
     return to_dict(spec)
 

@@ -2,8 +2,8 @@
 ftjob's validator and the CRD (schema + CEL); the refusals are corpus cases
 (tests/corpus/rule-*dpo*, rule-preference-*, enum-dpo-*, range-dpo-*)."""
 
-from ftjob import validation
-from ftjob.spec import API_VERSION, KIND, parse_spec
+from ftjob.api.spec import API_VERSION, KIND, parse_spec
+from ftjob.cli import validate
 
 DPO = {
     "model": {"source": "hf://org/m"},
@@ -39,7 +39,7 @@ def test_a_dpo_job_with_its_settings_and_field_names_passes_validator_and_crd():
             "training": {**DPO["training"], "dpo": {"beta": 0.5, "lossType": "ipo"}},
         },
     }
-    verdict = validation.check(doc)
+    verdict = validate.check(doc)
     assert verdict.ok, (verdict.errors, verdict.server_errors)
     spec = parse_spec(doc["spec"])
     assert spec.training.dpo_settings().loss_type == "ipo"
@@ -49,7 +49,7 @@ def test_a_dpo_job_with_its_settings_and_field_names_passes_validator_and_crd():
 def test_label_smoothing_below_a_half_with_the_sigmoid_loss_passes_validator_and_crd():
     doc = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "dpo"}}
     doc["spec"] = {**DPO, "training": {**DPO["training"], "dpo": {"labelSmoothing": 0.25}}}
-    verdict = validation.check(doc)
+    verdict = validate.check(doc)
     assert verdict.ok, (verdict.errors, verdict.server_errors)
     assert parse_spec(doc["spec"]).training.dpo_settings().label_smoothing == 0.25
     assert parse_spec(DPO).training.dpo_settings().label_smoothing is None  # unset: 0

@@ -15,9 +15,9 @@ import hangs
 import pytest
 import torch
 
-from ftjob import contract, manifest
-from ftjob.spec import parse_resource
-from ftjob.trainer import preflight, termination
+from ftjob.api import contract, manifest
+from ftjob.api.spec import parse_resource
+from ftjob.trainer.gang import preflight, termination
 
 
 def spec(**preflight_spec):

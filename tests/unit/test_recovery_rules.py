@@ -20,10 +20,12 @@ import pytest
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from ftjob import contract, lease, processes
-from ftjob.trainer import agent, heartbeat
-from ftjob.trainer.progress import Progress
-from ftjob.trainer.stragglers import CONSECUTIVE, Stragglers
+from ftjob.api import contract
+from ftjob.job import lease, processes
+from ftjob.trainer import agent
+from ftjob.trainer.gang import heartbeat
+from ftjob.trainer.gang.stragglers import CONSECUTIVE, Stragglers
+from ftjob.trainer.report.progress import Progress
 
 
 def beats(now: float, **ranks) -> dict[int, dict]:
@@ -235,6 +237,7 @@ def test_a_failed_trainer_gives_the_folder_up_itself_only_when_no_ftjob_agent_ru
     torchrun nobody else would."""
     from ftjob.trainer import __main__ as entry
     from ftjob.trainer import train
+    from ftjob.trainer.gang import owner
 
     def fails(spec, name):
         raise contract.TrainerError("bad line", reason=contract.BAD_DATA)
@@ -249,7 +252,7 @@ def test_a_failed_trainer_gives_the_folder_up_itself_only_when_no_ftjob_agent_ru
             monkeypatch.delenv(contract.RESTARTS_IN_PLACE_ENV)
         held = lease.Lease(tmp_path, run="job-1")
         held.take(0)
-        monkeypatch.setattr(lease, "_held", held)
+        monkeypatch.setattr(owner, "_held", held)
         assert entry.main(["--spec", tiny]) == entry.EXIT_FAILED
         assert (tmp_path / lease.FILE).exists() == agent_runs_it
         held.release()
@@ -290,7 +293,7 @@ def test_a_live_owner_is_seen_whatever_its_command_name(tmp_path):
 GANG = """
 import os, subprocess, sys, time
 from pathlib import Path
-from ftjob import lease
+from ftjob.job import lease
 role, folder = sys.argv[1], Path(sys.argv[2])
 if role == "run":  # `ftjob run`: takes the folder, starts node 0's agent, refreshes often
     lease.HEARTBEAT_SECONDS = 0.05

@@ -1,12 +1,13 @@
-"""The key of a full fine-tune's stored DPO reference log-probabilities (trainer/reference.py):
+"""The key of a full fine-tune's stored DPO reference log-probabilities
+(trainer/objectives/reference.py):
 the same model, precision and pairs reuse them; a change to any of them does not."""
 
 import os
 import shutil
 from pathlib import Path
 
-from ftjob.spec import parse_spec
-from ftjob.trainer import reference
+from ftjob.api.spec import parse_spec
+from ftjob.trainer.objectives import reference
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-model"
 

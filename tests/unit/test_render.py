@@ -7,9 +7,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from ftjob import cli, manifest
+from ftjob.api import manifest
+from ftjob.api.spec import parse_resource
+from ftjob.cli import commands as cli
 from ftjob.operator import render
-from ftjob.spec import parse_resource
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

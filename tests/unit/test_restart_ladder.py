@@ -9,13 +9,13 @@ import kubernetes_validate
 import pytest
 from test_status import T0, decide, pod, run_to
 
-from ftjob import contract, kubevalidation, manifest
+from ftjob.api import contract, kubevalidation, manifest
+from ftjob.api.spec import parse_resource
 from ftjob.operator import lifecycle, render
 from ftjob.operator import status as st
-from ftjob.spec import parse_resource
-from ftjob.trainer import preflight
-from ftjob.trainer.progress import Progress
-from ftjob.trainer.stragglers import CONSECUTIVE, Stragglers
+from ftjob.trainer.gang import preflight
+from ftjob.trainer.gang.stragglers import CONSECUTIVE, Stragglers
+from ftjob.trainer.report.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,7 +98,7 @@ def test_a_late_snapshot_of_the_previous_gang_is_not_counted_again(tmp_path, mon
 
 def test_preflight_and_stragglers_from_the_snapshot_reach_the_status(tmp_path):
     report = rank0(tmp_path)
-    # The preflight's own figures (ftjob.trainer.preflight.run): its summary of what each
+    # The preflight's own figures (ftjob.trainer.gang.preflight.run): its summary of what each
     # rank measured (a real volume check here), then the all-reduce's bus bandwidth.
     measured = [
         {"node": "a", "rank": 0, **preflight.check_volume(tmp_path, "a", 0)},
@@ -107,7 +107,7 @@ def test_preflight_and_stragglers_from_the_snapshot_reach_the_status(tmp_path):
     figures = preflight.summary(measured)
     figures["busBandwidthGBps"] = round(preflight.bus_bandwidth(64 << 20, 0.15, 2), 3)
     figures |= {"transport": "gloo", "seconds": 0.1}
-    # Rank 1 slower than the margin on CONSECUTIVE log steps (ftjob.trainer.stragglers).
+    # Rank 1 slower than the margin on CONSECUTIVE log steps (ftjob.trainer.gang.stragglers).
     slow = Stragglers(margin=0.25, nodes=["a", "b"])
     for _ in range(CONSECUTIVE):
         slow.observe([1.0, 2.0])

@@ -2,9 +2,9 @@
 
 import itertools
 
-from ftjob import validation
-from ftjob.schema import SpecError
-from ftjob.spec import parse_resource
+from ftjob.api.schema import SpecError
+from ftjob.api.spec import parse_resource
+from ftjob.cli import validate
 
 AXES = {
     "method": [
@@ -49,7 +49,7 @@ def test_python_and_cel_agree_on_every_combination():
             python = []
         except SpecError as e:
             python = [str(x) for x in e.errors]
-        server = validation.check(doc).server_errors
+        server = validate.check(doc).server_errors
         assert rule_paths(python) == rule_paths(server), (spec, python, server)
         combos += 1
     assert combos == 7 * 4 * 4 * 3 * 3 * 2 * 2
@@ -64,7 +64,7 @@ def paths_of(spec_changes):
         python = []
     except SpecError as e:
         python = [str(x) for x in e.errors]
-    return rule_paths(python), rule_paths(validation.check(doc).server_errors)
+    return rule_paths(python), rule_paths(validate.check(doc).server_errors)
 
 
 OUTPUT_PATHS = {

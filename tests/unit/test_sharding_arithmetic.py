@@ -37,10 +37,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchao.quantization import NF4Tensor
 from transformers import LlamaConfig
 
-from ftjob import plan
-from ftjob.modelshape import known_model
-from ftjob.spec import parse_spec
-from ftjob.trainer import model, parallel
+from ftjob.api.spec import parse_spec
+from ftjob.plan import estimate as plan
+from ftjob.plan.modelshape import known_model
+from ftjob.trainer.model import load as model
+from ftjob.trainer.model import parallel
 
 SHAPE = dataclasses.replace(known_model("hf://meta-llama/Meta-Llama-3-8B"), layers=2)
 # The parts of an NF4 weight that scale with its size (what the plan counts), and the two it

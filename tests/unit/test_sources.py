@@ -1,4 +1,4 @@
-"""trainer/sources.py: an hf:// dataset is pinned to one commit for the job's life.
+"""trainer/data/sources.py: an hf:// dataset is pinned to one commit for the job's life.
 
 python -m pytest tests/unit/test_sources.py -q
 """
@@ -13,9 +13,9 @@ import huggingface_hub.constants
 import pytest
 from transformers import AutoTokenizer
 
-from ftjob.contract import BAD_DATA, TrainerError
-from ftjob.spec import parse_spec
-from ftjob.trainer import prepare, sources
+from ftjob.api.contract import BAD_DATA, TrainerError
+from ftjob.api.spec import parse_spec
+from ftjob.trainer.data import prepare, sources
 from tests.e2e.hubmirror import COMMIT, HubMirror
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -2,9 +2,9 @@
 
 import pytest
 
-from ftjob import manifest
-from ftjob.schema import SpecError, to_dict
-from ftjob.spec import parse_spec
+from ftjob.api import manifest
+from ftjob.api.schema import SpecError, to_dict
+from ftjob.api.spec import parse_spec
 
 MINIMAL = {"model": {"source": "hf://org/m"}, "dataset": {"source": "d.jsonl"}}
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from ftjob import contract, manifest
+from ftjob.api import contract, manifest
+from ftjob.api.spec import parse_resource
+from ftjob.api.status import FAILURE_REASONS, PHASES
 from ftjob.operator import lifecycle, render
 from ftjob.operator import status as st
-from ftjob.spec import parse_resource
-from ftjob.status_types import FAILURE_REASONS, PHASES
 
 ROOT = Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ftjob import contract
-from ftjob.trainer import termination
+from ftjob.api import contract
+from ftjob.trainer.gang import termination
 
 
 def raised(exc: BaseException, cause: BaseException | None = None) -> BaseException:

@@ -8,7 +8,7 @@ import time
 import hangs
 import pytest
 
-from ftjob.trainer import progress, trackers
+from ftjob.trainer.report import progress, trackers
 
 
 class Hanging:

@@ -9,11 +9,12 @@ import kubernetes_validate
 import pytest
 from test_jobfolder import RAW
 
-from ftjob import jobfolder, launch
+from ftjob.api.schema import SpecError
+from ftjob.api.spec import parse_spec
+from ftjob.job import folder as jobfolder
+from ftjob.job import launch
 from ftjob.operator import render, status
-from ftjob.schema import SpecError
-from ftjob.spec import parse_spec
-from ftjob.trainer import trackers
+from ftjob.trainer.report import trackers
 
 MLFLOW = {
     "trackingUri": "https://mlflow.example.com",

@@ -1,4 +1,4 @@
-"""trainer/data.py + prepare.py: reading, masking, packing, batch order, data errors.
+"""trainer/data/batches.py + prepare.py: reading, masking, packing, batch order, data errors.
 
 python -m pytest tests/unit/test_trainer_data.py -q
 """
@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from ftjob.spec import parse_spec
-from ftjob.trainer import data
-from ftjob.trainer.data import IGNORE, DataError
+from ftjob.api.spec import parse_spec
+from ftjob.trainer.data import batches as data
+from ftjob.trainer.data.batches import IGNORE, DataError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ftjob import lease as owner
-from ftjob.contract import DISK_FULL, EXPORT_FAILED, OWNED_ELSEWHERE, TrainerError
-from ftjob.trainer import integrity, volume
+from ftjob.api.contract import DISK_FULL, EXPORT_FAILED, OWNED_ELSEWHERE, TrainerError
+from ftjob.job import lease as owner
+from ftjob.trainer.state import integrity, volume
 
 # ------------------------------------------------------------------------------ integrity
 

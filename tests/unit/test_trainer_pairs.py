@@ -1,4 +1,5 @@
-"""Preference data prepared once (trainer/prepare.py + trainer/pairs.py): tokenized pairs in
+"""Preference data prepared once (trainer/data/prepare.py + trainer/data/pairs.py): tokenized pairs
+in
 the three layouts (text, conversations, implicit prompt), truncation that keeps the responses,
 bad pairs refused naming file and line, and micro-batches that hold whole pairs.
 
@@ -13,9 +14,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from ftjob.spec import parse_spec
-from ftjob.trainer import data, pairs, prepare
-from ftjob.trainer.data import IGNORE, DataError
+from ftjob.api.spec import parse_spec
+from ftjob.trainer.data import batches as data
+from ftjob.trainer.data import pairs, prepare
+from ftjob.trainer.data.batches import IGNORE, DataError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 USER = {"role": "user", "content": "What colour is the sky?"}

@@ -1,4 +1,4 @@
-"""trainer/prepare.py: packing that keeps documents apart, real chat templates, the prepared
+"""trainer/data/prepare.py: packing that keeps documents apart, real chat templates, the prepared
 data's key and reuse, ranks waiting for rank 0, the eval cap.
 
 python -m pytest tests/unit/test_trainer_prepare.py -q
@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ftjob.spec import parse_spec
-from ftjob.trainer import data, prepare, tokenize
-from ftjob.trainer.data import IGNORE, DataError
+from ftjob.api.spec import parse_spec
+from ftjob.trainer.data import batches as data
+from ftjob.trainer.data import prepare, tokenize
+from ftjob.trainer.data.batches import IGNORE, DataError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CHAT = [

@@ -1,4 +1,4 @@
-"""trainer/progress.py and the checkpoint selection rule: pure or local-only pieces.
+"""trainer/report/progress.py and the checkpoint selection rule: pure or local-only pieces.
 
 python -m pytest tests/unit/test_trainer_progress.py -q
 """
@@ -11,8 +11,9 @@ import urllib.request
 import hangs
 import pytest
 
-from ftjob.modelshape import flops_per_token
-from ftjob.trainer import checkpoint, metrics, progress
+from ftjob.plan.modelshape import flops_per_token
+from ftjob.trainer.report import metrics, progress
+from ftjob.trainer.state import checkpoint
 
 
 def test_flops_count_frozen_base_weights_without_weight_gradients():
@@ -85,7 +86,7 @@ def test_progress_is_served_as_json_and_prometheus_and_written_to_file(report, t
 
 
 def test_dpo_metrics_reach_json_prometheus_the_log_line_and_the_bar(report, capsys):
-    from ftjob import screen
+    from ftjob.cli import screen
 
     report.begin(0)
     report.step(1, lr=1e-3, epoch=0.1)
@@ -109,7 +110,7 @@ def test_files_are_written_by_their_own_thread_and_nothing_is_lost(tmp_path, mon
     the files by close(), every history line included."""
     import threading
 
-    from ftjob import atomic
+    from ftjob.job import atomic
 
     gate, real = threading.Event(), atomic.write_json
     monkeypatch.setattr(atomic, "write_json", lambda *a: (gate.wait(hangs.FLOOR), real(*a)))

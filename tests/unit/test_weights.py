@@ -20,8 +20,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from ftjob.spec import parse_spec
-from ftjob.trainer import model, parallel, weights
+from ftjob.api.spec import parse_spec
+from ftjob.trainer.model import load as model
+from ftjob.trainer.model import parallel, weights
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny-model"

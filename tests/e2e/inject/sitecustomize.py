@@ -2,7 +2,7 @@
 
 A test puts this folder first on PYTHONPATH and sets FTJOB_TEST_INJECT; Python imports this
 module at start-up in every process of the run, and only a worker of the named rank patches
-``ftjob.trainer.step`` (or ``ftjob.trainer.preflight``) as it is imported:
+``ftjob.trainer.step`` (or ``ftjob.trainer.gang.preflight``) as it is imported:
 
 * ``raise:RANK:CALL:MARKER`` -- the CALL-th train_step of the process raises once (MARKER is a
   file created then, so the worker restarted in place does not raise again);
@@ -20,7 +20,7 @@ import sys
 import time
 
 _SPEC = os.environ.get("FTJOB_TEST_INJECT", "").split(":")
-_MODULE = "ftjob.trainer.preflight" if _SPEC[0] == "unhealthy" else "ftjob.trainer.step"
+_MODULE = "ftjob.trainer.gang.preflight" if _SPEC[0] == "unhealthy" else "ftjob.trainer.step"
 
 
 class _Patch(importlib.abc.MetaPathFinder):
@@ -33,7 +33,7 @@ class _Patch(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             load(module)
-            (_patch_preflight if name == "ftjob.trainer.preflight" else _patch)(module)
+            (_patch_preflight if name == "ftjob.trainer.gang.preflight" else _patch)(module)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -64,7 +64,7 @@ def _patch(step) -> None:
 
 
 def _patch_preflight(preflight) -> None:
-    from ftjob import contract
+    from ftjob.api import contract
 
     def check_gpu(spec, device, node):
         raise contract.TrainerError(

@@ -1,0 +1,222 @@
+"""What the Kubernetes API server does with a custom resource, offline.
+
+Given a CRD version's ``openAPIV3Schema`` this applies its defaults, checks the structural
+schema (types, enums, bounds, patterns, unknown fields as ``kubectl --validate=strict``
+reports them) and evaluates the ``x-kubernetes-validations`` CEL rules, including transition
+rules against an old object. Messages follow the API server's wording. It knows nothing of
+ftjob: ``ftjob validate`` uses it with our CRD, and the test API emulator uses it for any CRD.
+
+Only core CEL is available (no Kubernetes extensions such as ``quantity()``), which is all
+our rules use.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from functools import lru_cache
+from typing import Any
+
+import cel
+import jsonschema
+
+from ftjob.api import kubevalidation
+
+_KEYWORDS_DROPPED = ("description", "default", "format", "example")
+
+
+def apply_defaults(schema: dict, obj: Any) -> Any:
+    """Fill in missing fields from ``default``s, top-down, as the API server does."""
+    if isinstance(obj, dict) and "properties" in schema:
+        for key, sub in schema["properties"].items():
+            if key not in obj and "default" in sub:
+                obj[key] = copy.deepcopy(sub["default"])
+            if key in obj:
+                obj[key] = apply_defaults(sub, obj[key])
+    elif isinstance(obj, dict) and isinstance(schema.get("additionalProperties"), dict):
+        for key in obj:
+            obj[key] = apply_defaults(schema["additionalProperties"], obj[key])
+    elif isinstance(obj, list) and "items" in schema:
+        return [apply_defaults(schema["items"], item) for item in obj]
+    return obj
+
+
+def _json_schema(schema: dict, root: bool = False) -> dict:
+    """The structural schema as JSON Schema draft 4, strict about unknown fields."""
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key.startswith("x-kubernetes-") or key in _KEYWORDS_DROPPED:
+            continue
+        if key == "properties":
+            out[key] = {k: _json_schema(v) for k, v in value.items()}
+            if root and "metadata" in value:
+                # The root metadata schema may only constrain name; labels etc. stay open.
+                out[key]["metadata"]["additionalProperties"] = True
+        elif key in ("items", "additionalProperties") and isinstance(value, dict):
+            out[key] = _json_schema(value)
+        else:
+            out[key] = value
+    if schema.get("x-kubernetes-int-or-string"):
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    preserve = schema.get("x-kubernetes-preserve-unknown-fields")
+    if "properties" in schema and not preserve and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+def _path(parts: Any) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _quote(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, (dict, list)) else f'"{type_name(value)}"'
+
+
+def type_name(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return "null"
+
+
+def _schema_message(err: jsonschema.ValidationError) -> tuple[str, str]:
+    """(field path, message) in the API server's words for one schema error."""
+    path = _path(err.absolute_path)
+    kind, rule, value = err.validator, err.validator_value, err.instance
+    if kind == "additionalProperties":
+        extra = sorted(set(value) - set(err.schema.get("properties", {})))
+        where = f"{path}.{extra[0]}" if path else extra[0]
+        return where, f'unknown field "{where}"'
+    if kind == "required":
+        missing = err.message.split("'")[1]
+        where = f"{path}.{missing}" if path else missing
+        return where, "Required value"
+    if kind == "enum":
+        options = ", ".join(json.dumps(o) for o in rule)
+        return path, f"Unsupported value: {_quote(value)}: supported values: {options}"
+    if kind in ("type", "anyOf"):
+        want = rule if kind == "type" else "integer or string"
+        return path, (
+            f'Invalid value: "{type_name(value)}": {path} in body must be of type {want}: '
+            f'"{type_name(value)}"'
+        )
+    if kind == "minimum":
+        exclusive = err.schema.get("exclusiveMinimum")
+        cmp = "greater than" if exclusive else "greater than or equal to"
+        return path, f"Invalid value: {_quote(value)}: {path} in body should be {cmp} {rule}"
+    if kind == "maximum":
+        return path, (
+            f"Invalid value: {_quote(value)}: {path} in body should be less than or equal to {rule}"
+        )
+    if kind == "pattern":
+        return path, f"Invalid value: {_quote(value)}: {path} in body should match '{rule}'"
+    if kind == "minLength":
+        return (
+            path,
+            f"Invalid value: {_quote(value)}: {path} in body should be at least {rule} chars long",
+        )
+    if kind == "minItems":
+        return (
+            path,
+            f"Invalid value: {len(value)}: {path} in body should have at least {rule} items",
+        )
+    if kind == "maxLength":
+        return path, f"Too long: may not be more than {rule} bytes"
+    if kind == "maxItems":
+        return path, f"Too many: {len(value)}: must have at most {rule} items"
+    if kind == "maxProperties":
+        return path, f"Too many: {len(value)}: must have at most {rule} items"
+    return path, err.message
+
+
+@lru_cache(maxsize=1024)
+def _program(expr: str) -> Any:
+    return cel.compile(expr)
+
+
+def _cel_errors(schema: dict, obj: Any, old: Any, path: str) -> list[tuple[str, str]]:
+    errors = []
+    # One context per object: its values are converted to CEL once, not once per rule.
+    env, env_with_old = cel.Context(variables={"self": obj}), None
+    for rule in schema.get("x-kubernetes-validations", []):
+        expr = rule["rule"]
+        uses_old = "oldSelf" in expr
+        if uses_old and old is None:
+            continue  # transition rules only run on updates where the old value exists
+        if uses_old and env_with_old is None:
+            env_with_old = cel.Context(variables={"self": obj, "oldSelf": old})
+        where = (path + rule.get("fieldPath", "")).lstrip(".") or "(object)"
+        try:
+            ok = _program(expr).execute(env_with_old if uses_old else env)
+        except Exception as e:  # noqa: BLE001 - any evaluation error rejects, as in the API server
+            errors.append((where, f"Invalid value: {_quote(obj)}: rule evaluation failed: {e}"))
+            continue
+        if ok is not True:
+            errors.append((where, f"Invalid value: {_quote(obj)}: {rule.get('message', expr)}"))
+    if isinstance(obj, dict) and "properties" in schema:
+        for key, sub in schema["properties"].items():
+            if key in obj:
+                old_value = old.get(key) if isinstance(old, dict) else None
+                errors += _cel_errors(sub, obj[key], old_value, f"{path}.{key}" if path else key)
+    elif isinstance(obj, dict) and isinstance(schema.get("additionalProperties"), dict):
+        for key, value in obj.items():
+            old_value = old.get(key) if isinstance(old, dict) else None
+            errors += _cel_errors(schema["additionalProperties"], value, old_value, f"{path}.{key}")
+    elif isinstance(obj, list) and "items" in schema:
+        # Items of a list are compared with the old list by position only for atomic lists.
+        for i, item in enumerate(obj):
+            errors += _cel_errors(schema["items"], item, None, f"{path}[{i}]")
+    return errors
+
+
+def _non_finite(obj: Any, path: str):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        yield path, ("NaN" if math.isnan(obj) else "+Inf" if obj > 0 else "-Inf")
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _non_finite(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            yield from _non_finite(value, f"{path}[{i}]")
+
+
+def admit(schema: dict, obj: dict, old: dict | None = None) -> tuple[dict, list[str]]:
+    """Default and validate ``obj`` (an update of ``old`` if given).
+
+    Returns the defaulted object and the API server's error lines, ``field: message``;
+    an empty list means the object would be accepted.
+    """
+    unsendable = list(_non_finite(obj, ""))
+    if unsendable:
+        # JSON has no NaN or Infinity: kubectl stops at encoding ("json: unsupported value").
+        return obj, [
+            f"{p}: Invalid value: {v}: json: unsupported value: {v}" for p, v in unsendable
+        ]
+    obj = apply_defaults(schema, copy.deepcopy(obj))
+    if old is not None:
+        old = apply_defaults(schema, copy.deepcopy(old))
+    validator = jsonschema.Draft4Validator(_json_schema(schema, root=True))
+    found = [_schema_message(e) for e in validator.iter_errors(obj)]
+    # ObjectMeta is the API server's own: a custom resource's name is a DNS subdomain.
+    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    found += [
+        (path, f"Invalid value: {message}")
+        for path, message in kubevalidation.metadata_errors({"name": "x"} | meta)
+    ]
+    if not found:
+        # The API server evaluates CEL only on objects that pass the structural schema.
+        found = _cel_errors(schema, obj, old, "")
+    return obj, [f"{path}: {message}" for path, message in sorted(set(found))]

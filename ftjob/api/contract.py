@@ -1,0 +1,230 @@
+"""PURE: the trainer-operator contract. Trainer, operator and ``ftjob run`` import this.
+
+Two documents cross the boundary between a training process and whoever watches it:
+
+* the **termination record**, a small JSON object written to ``FTJOB_TERMINATION_LOG`` (the
+  container's terminationMessagePath on a cluster, a file in the job folder under
+  ``ftjob run``) when the trainer ends: ``{"outcome": "succeeded", "exportPath": ...}`` or
+  ``{"outcome": "failed", "reason": ..., "message": ..., ...}``;
+* the **progress document** (``/progress``, ``progress.json``), whose ``phase`` is one of
+  :data:`PHASES` from the first second of the run.
+
+The operator decides from the record (retry or not); it reads the log tail only when no
+record exists (the process was killed, or crashed below Python).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# Phases in the order a run passes through them; "failed" can follow any of them.
+PHASES = (
+    "starting",
+    "downloading",
+    "preparing-data",
+    "loading",
+    "training",
+    "checkpointing",
+    "evaluating",
+    "exporting",
+    "pushing",  # uploading the export to the Hub (output.push)
+    "succeeded",
+    "failed",
+)
+# Phases before the first training step: the stall timeout does not apply to them.
+STARTUP_PHASES = ("starting", "downloading", "preparing-data", "loading")
+
+# Failure reasons a trainer can name (one CamelCase word, as Kubernetes condition reasons).
+BAD_DATA = "BadData"
+BAD_MODEL = "BadModel"  # the model source cannot be read (missing folder, bad config, hub 404)
+BAD_SPEC = "BadSpec"  # the job document itself is invalid
+CUDA_OOM = "CudaOOM"
+HOST_OOM = "HostOOM"
+# A collective (NCCL or gloo) that waited longer than network.collectiveTimeoutSeconds; the
+# message names the rank (and node) that stopped answering when the heartbeats tell.
+COLLECTIVE_TIMEOUT = "CollectiveTimeout"
+NCCL_TIMEOUT = "NCCLTimeout"  # written by trainers before CollectiveTimeout; still understood
+NCCL_ERROR = "NCCLError"
+DISK_FULL = "DiskFull"
+CHECKPOINT_UNREADABLE = "CheckpointUnreadable"
+EXPORT_FAILED = "ExportFailed"
+# The upload to the Hub (output.push) failed; the export stays, and a rerun only pushes.
+HUB_PUSH_FAILED = "HubPushFailed"
+OWNED_ELSEWHERE = "JobFolderBusy"  # another run owns the job folder
+# The preflight's verdicts (ftjob.trainer.gang.preflight), before any weight is read:
+NODE_UNHEALTHY = "NodeUnhealthy"  # a GPU of this node is slow, short of memory or broken
+FABRIC_MISCONFIGURED = "FabricMisconfigured"  # the gang's all-reduce is far below the fabric's
+VOLUME_UNUSABLE = "VolumeUnusable"  # the job's volume cannot be written and read back
+INTERNAL = "Internal"
+
+# What a log says when its process left no record (killed, or crashed below Python): read
+# from a pod's log tail by the operator and from a node's log by `ftjob run`.
+LOG_SIGNS = (
+    (re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED"), CUDA_OOM),
+    # NCCL's watchdog, gloo's transport ("Timed out waiting 30000ms for send operation"), and
+    # the store's wait for a key a peer never set (at the process group's start).
+    (
+        re.compile(
+            r"Watchdog caught collective operation timeout|NCCL.{0,80}(timed out|timeout)"
+            r"|DistBackendError.{0,200}[Tt]imeout|Timed out waiting \d+ms for \w+ operation"
+            r"|wait timeout after \d+ms, keys",
+            re.S,
+        ),
+        COLLECTIVE_TIMEOUT,
+    ),
+)
+
+
+def reason_in_log(text: str) -> str | None:
+    """The failure reason a log's text shows (:data:`LOG_SIGNS`), or None."""
+    return next((reason for sign, reason in LOG_SIGNS if sign.search(text)), None)
+
+
+NODE_NAME_ENV = "FTJOB_NODE_NAME"  # set by the operator from the downward API (spec.nodeName)
+# Set by ftjob's node agent (ftjob.trainer.agent) in its workers' environment: the gang's
+# restarts in place so far. Absent: no ftjob agent runs the trainer (plain torchrun).
+RESTARTS_IN_PLACE_ENV = "FTJOB_RESTARTS_IN_PLACE"
+
+
+def node_name() -> str:
+    """The Kubernetes node this process runs on (the host name outside a cluster)."""
+    return os.environ.get(NODE_NAME_ENV) or socket.gethostname()
+
+
+REASONS = (
+    BAD_DATA,
+    BAD_MODEL,
+    BAD_SPEC,
+    CUDA_OOM,
+    HOST_OOM,
+    COLLECTIVE_TIMEOUT,
+    NCCL_TIMEOUT,
+    NCCL_ERROR,
+    DISK_FULL,
+    CHECKPOINT_UNREADABLE,
+    EXPORT_FAILED,
+    HUB_PUSH_FAILED,
+    OWNED_ELSEWHERE,
+    NODE_UNHEALTHY,
+    FABRIC_MISCONFIGURED,
+    VOLUME_UNUSABLE,
+    INTERNAL,
+)
+# Retrying the same inputs cannot help: the operator fails the job at once.
+PERMANENT = frozenset({BAD_DATA, BAD_MODEL, BAD_SPEC})
+# Restarting the workers in place on the same nodes cannot help either: the preflight found
+# these nodes, their fabric or their volume unfit. A new gang (elsewhere, the bad nodes kept
+# away) may succeed, so the node agent leaves them to the operator's ladder.
+NOT_IN_PLACE = PERMANENT | {NODE_UNHEALTHY, FABRIC_MISCONFIGURED, VOLUME_UNUSABLE}
+# When several processes of one pod fail, the record that explains the others wins: the rank
+# whose memory ran out, not the ranks whose collectives then timed out waiting for it.
+# Earlier in this tuple is more telling.
+SPECIFICITY = (
+    BAD_SPEC,
+    BAD_DATA,
+    BAD_MODEL,
+    CHECKPOINT_UNREADABLE,
+    DISK_FULL,
+    VOLUME_UNUSABLE,
+    NODE_UNHEALTHY,
+    CUDA_OOM,
+    HOST_OOM,
+    OWNED_ELSEWHERE,
+    FABRIC_MISCONFIGURED,
+    EXPORT_FAILED,
+    HUB_PUSH_FAILED,
+    INTERNAL,
+    NCCL_ERROR,
+    COLLECTIVE_TIMEOUT,
+    NCCL_TIMEOUT,
+)
+
+
+@dataclass
+class Failure:
+    """Why a training process stopped, as far as it knows."""
+
+    reason: str
+    message: str
+    rank: int | None = None
+    node: str | None = None
+    step: int | None = None
+    where: str | None = None  # file:line, or the spec field, when known
+    fix: str | None = None  # what to change, when the cause says more than the reason's fix
+
+    def record(self) -> dict[str, Any]:
+        data = {k: v for k, v in asdict(self).items() if v is not None}
+        return {"outcome": "failed", **data}
+
+
+class TrainerError(Exception):
+    """A failure the trainer can name. Raise it (or a subclass) anywhere in the trainer; the
+    entry point turns it into a termination record without a traceback."""
+
+    reason = INTERNAL
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str | None = None,
+        where: str | None = None,
+        fix: str | None = None,
+        node: str | None = None,
+    ):
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+        self.where = where
+        # The fix for this cause (a field to set, a file to create); None: the reason's own.
+        self.fix = fix
+        # The node at fault when it is not this process's own (a preflight check that failed on
+        # another node fails every rank, and every record names that node); None: this one.
+        self.node = node
+
+
+def success_record(export_path: str) -> dict[str, Any]:
+    return {"outcome": "succeeded", "exportPath": export_path}
+
+
+def rank_of(reason: str | None) -> int:
+    """How telling a reason is: 0 the most (SPECIFICITY), unknown reasons last."""
+    return SPECIFICITY.index(reason) if reason in SPECIFICITY else len(SPECIFICITY)
+
+
+def keep(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """Which of two records one termination file should hold (several ranks share a pod's).
+
+    A failure beats a success (the pod did fail); of two failures the more telling reason
+    wins, and between equally telling ones the first written stays (it came first, the
+    others followed from it).
+    """
+    if old is None or old.get("outcome") != "failed":
+        return new
+    if new.get("outcome") != "failed":
+        return old
+    return new if rank_of(new.get("reason")) < rank_of(old.get("reason")) else old
+
+
+def dumps(record: dict[str, Any]) -> str:
+    return json.dumps(record, sort_keys=True)
+
+
+def parse(text: str | None) -> dict[str, Any] | None:
+    """The record in a termination message, or None (a log tail, or nothing)."""
+    try:
+        value = json.loads(text or "")
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    if value.get("outcome") in ("succeeded", "failed"):
+        return value
+    if isinstance(value.get("exportPath"), str):  # the record before it had an outcome
+        return {"outcome": "succeeded", **value}
+    return None

@@ -1,0 +1,1295 @@
+"""The FineTuneJob spec: the one source of truth for the API.
+
+The CRD schema (``ftjob crd``), ``ftjob validate``, the operator and the trainer all read
+these classes. Each field's docstring becomes its ``kubectl explain`` text. Parse a spec with
+:func:`parse_spec`; it raises :class:`~ftjob.api.schema.SpecError` naming every bad field.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from ftjob import __version__
+from ftjob.api import kubevalidation as kv
+from ftjob.api.hardware import GPUS, RETIRED_GPU_TYPES
+from ftjob.api.schema import (
+    QUANTITY_PATTERN,
+    FieldError,
+    FreeForm,
+    IntOrString,
+    Rule,
+    SpecError,
+    api_field,
+    check_update,
+    parse,
+)
+
+GROUP, VERSION, KIND, PLURAL = "ftjob.dev", "v1alpha1", "FineTuneJob", "finetunejobs"
+API_VERSION = f"{GROUP}/{VERSION}"
+# The release's trainer image name: a placeholder (nothing is published under it), used only
+# when neither spec.image nor the operator's --default-image names one.
+DEFAULT_IMAGE = f"ghcr.io/ftjob/trainer:{__version__}"
+
+DNS_LABEL = kv.DNS_LABEL
+DNS_LABEL_HINT = "be a DNS label (lowercase letters, digits and '-')"
+DNS_SUBDOMAIN_HINT = "be a DNS subdomain (lowercase letters, digits, '-' and '.')"
+LABEL_KEY_HINT = (
+    "be a label key: an optional DNS prefix and '/', then at most 63 letters, digits, '-', "
+    "'_' or '.', starting and ending with a letter or digit"
+)
+LABEL_VALUE_HINT = (
+    "be a label value: at most 63 letters, digits, '-', '_' or '.', starting and ending with "
+    "a letter or digit"
+)
+# hf://org/name (or a legacy hf://name), an absolute path, or a path relative to the job.
+SOURCE_PATTERN = r"^(hf://[A-Za-z0-9][\w.-]*(/[\w.-]+)?|[^:\s]+)$"
+SOURCE_HINT = "be hf://org/name or a path (absolute on a volume, or relative)"
+# output.push: a Hub model repository, always with its namespace (a user or an organization).
+PUSH_PATTERN = r"^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
+PUSH_HINT = "be hf://org/name, the Hub model repository to upload to, e.g. hf://my-org/my-model"
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# Segments start with a letter, digit or '_', so '..' (and absolute paths) cannot escape the
+# job's folder. RE2, which the API server uses, has no lookahead to say it more directly.
+RELATIVE_PATH = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$"
+RELATIVE_PATH_HINT = "be a relative path of plain names (no '..', no leading '/')"
+# What the job's folder already holds (checkpoints, prepared data, the hub cache, logs,
+# torchrun's temp files, progress and spec files): an export there would overwrite it.
+RESERVED_OUTPUT = (
+    r"^(checkpoints|data|hub|logs|tmp|progress[.]jsonl?|spec[.]json"
+    r"|tensorboard|wandb|tracking[.]json|pushed[.]json)(/|$)"
+)
+# A share of all steps: 0% to 100%.
+WARMUP = r"^([0-9]+|([0-9]{1,2}([.][0-9]+)?|100([.]0+)?)%)$"
+# Variables ftjob sets itself for torchrun and the trainer; a user value would break wiring.
+RESERVED_ENV_PREFIXES = ("PET_", "FTJOB_", "TORCHELASTIC_")
+GPU_TYPES = tuple(GPUS)
+# activationCheckpointing: auto, all, none or every-N (N >= 2; N = 1 is all).
+CHECKPOINTING_PATTERN = r"^(auto|all|none|every-([2-9]|[1-9][0-9]{1,2}))$"
+# Whether compile: unset turns torch.compile on for GPU jobs. Off until a GPU run has shown
+# that compiled layers train to the same losses, faster.
+COMPILE_VERIFIED_ON_GPU = False
+RESERVED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "HF_TOKEN")
+
+
+@dataclass(kw_only=True)
+class VolumeRef:
+    """A PersistentVolumeClaim shared by every pod of the job (ReadWriteMany)."""
+
+    claim_name: str = api_field(
+        "claimName of a ReadWriteMany PersistentVolumeClaim in the job's namespace.",
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        pattern_hint="be a PersistentVolumeClaim name (lowercase letters, digits, '-', '.')",
+        max_length=253,
+    )
+
+
+@dataclass(kw_only=True)
+class SecretKeyRef:
+    """A key of a Secret in the job's namespace; its value only ever travels as a secretKeyRef."""
+
+    name: str = api_field(
+        "name of the Secret.",
+        pattern=kv.DNS_SUBDOMAIN,
+        pattern_hint=DNS_SUBDOMAIN_HINT,
+        max_length=253,
+    )
+    key: str = api_field(
+        "key inside the Secret.",
+        "token",
+        pattern=kv.CONFIG_MAP_KEY,
+        pattern_hint="be a Secret key: letters, digits, '-', '_' and '.' (not '.' or '..')",
+        max_length=253,
+    )
+
+
+@dataclass(kw_only=True)
+class ModelSpec:
+    """model: the base model to fine-tune."""
+
+    source: str = api_field(
+        "source of the weights: hf://org/name from the Hugging Face Hub, or a folder path. A "
+        "relative path is read from the shared volume (cluster) or beside the job file "
+        "(ftjob run).",
+        pattern=SOURCE_PATTERN,
+        pattern_hint=SOURCE_HINT,
+        max_length=512,
+        example="hf://meta-llama/Meta-Llama-3-8B",
+    )
+    revision: str | None = api_field(
+        "revision (branch, tag or commit) of an hf:// source.", None, min_length=1, max_length=128
+    )
+    attention: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = api_field(
+        "attention implementation; each keeps packed documents apart at every microBatchSize. "
+        "sdpa: ftjob's packed attention, torch's varlen flash kernel on GPUs (bf16) and one "
+        "scaled_dot_product_attention per document elsewhere, no sequence x sequence mask; "
+        "flash_attention_2/3: the flash-attn packages' varlen kernels (GPUs, installed "
+        "separately); eager: transformers' dense-mask reference, slow, for checking.",
+        "sdpa",
+    )
+    trust_remote_code: bool = api_field(
+        "trustRemoteCode runs Python code shipped with the model. Off unless you trust it.",
+        False,
+    )
+
+
+@dataclass(kw_only=True)
+class DatasetSpec:
+    """dataset: what to train on and how records become tokens."""
+
+    source: str = api_field(
+        "source of the data: hf://org/name, or a .jsonl/.json/.parquet/.csv file or a "
+        "datasets folder saved with save_to_disk. Relative paths as for model.source.",
+        pattern=SOURCE_PATTERN,
+        pattern_hint=SOURCE_HINT,
+        max_length=512,
+    )
+    split: str = api_field("split of the source to train on.", "train", min_length=1, max_length=64)
+    subset: str | None = api_field(
+        "subset (configuration name) of an hf:// dataset.", None, min_length=1, max_length=128
+    )
+    revision: str | None = api_field(
+        "revision (branch, tag or commit) of an hf:// dataset; the job pins the commit it "
+        "names when it first starts.",
+        None,
+        min_length=1,
+        max_length=128,
+    )
+    format: Literal["text", "chat", "instruction", "preference"] = api_field(
+        "format of each record: text (one text field), chat (a list of role/content "
+        "messages rendered by the tokenizer's chat template), instruction (prompt and "
+        "completion fields) or preference (a prompt with a chosen and a rejected response, "
+        "for training.objective dpo). Preference fields hold plain text or lists of "
+        "role/content messages (rendered by the chat template); without a prompt field, the "
+        "prompt is what chosen and rejected share at their start.",
+        "text",
+    )
+    text_field: str = api_field(
+        "textField holds the text (format text).", "text", min_length=1, max_length=64
+    )
+    messages_field: str = api_field(
+        "messagesField holds the messages (format chat).", "messages", min_length=1, max_length=64
+    )
+    prompt_field: str = api_field(
+        "promptField holds the prompt (format instruction and preference).",
+        "prompt",
+        min_length=1,
+        max_length=64,
+    )
+    completion_field: str = api_field(
+        "completionField holds the completion (format instruction).",
+        "completion",
+        min_length=1,
+        max_length=64,
+    )
+    chosen_field: str = api_field(
+        "chosenField holds the preferred response (format preference).",
+        "chosen",
+        min_length=1,
+        max_length=64,
+    )
+    rejected_field: str = api_field(
+        "rejectedField holds the dispreferred response (format preference).",
+        "rejected",
+        min_length=1,
+        max_length=64,
+    )
+    completion_only_loss: bool = api_field(
+        "completionOnlyLoss: for chat and instruction data, learn only from assistant turns / "
+        "completions (the prompt still conditions them).",
+        True,
+    )
+    max_seq_length: int = api_field(
+        "maxSeqLength: tokens per training sequence; longer records are truncated.",
+        2048,
+        minimum=16,
+        maximum=131072,
+    )
+    packing: bool = api_field(
+        "packing puts several records in one sequence (less padding; faster); each record "
+        "still attends only to itself. Preference pairs are never packed.",
+        True,
+    )
+    packing_strategy: Literal["bfd", "wrapped"] = api_field(
+        "packingStrategy: bfd (best-fit decreasing: whole records share a sequence, each "
+        "with its own positions and attention, longer ones truncated) or wrapped (one "
+        "token stream cut every maxSeqLength tokens; tokens attend across records).",
+        "bfd",
+    )
+    eval_fraction: float | None = api_field(
+        "evalFraction of the records held out for evaluation (0 < f < 0.5). Set this or "
+        "evalSplit, not both.",
+        None,
+        minimum=0,
+        exclusive_minimum=True,
+        maximum=0.5,
+    )
+    eval_split: str | None = api_field(
+        "evalSplit: a split of the source used for evaluation.", None, min_length=1, max_length=64
+    )
+    max_eval_sequences: int = api_field(
+        "maxEvalSequences: at most this many eval sequences (preference pairs, for format "
+        "preference) are evaluated each time (the same ones every time), so a large eval set "
+        "stays affordable.",
+        1000,
+        minimum=1,
+        maximum=10_000_000,
+    )
+
+
+@dataclass(kw_only=True)
+class LoraSpec:
+    """lora: low-rank adapter settings (peft)."""
+
+    r: int = api_field("r: rank of the adapter matrices.", 16, minimum=1, maximum=1024)
+    alpha: float = api_field(
+        "alpha scales the adapter update by alpha/r.", 32.0, minimum=0, exclusive_minimum=True
+    )
+    dropout: float = api_field("dropout on the adapter input.", 0.05, minimum=0, maximum=0.9)
+    target_modules: list[str] = api_field(
+        "targetModules: module names to adapt, or [all-linear] for every linear layer but "
+        "the output head.",
+        factory=lambda: ["all-linear"],
+        min_items=1,
+        max_items=64,
+        pattern=r"^[^\s]+$",
+        pattern_hint="be a module name (e.g. q_proj) without spaces",
+        max_length=128,
+    )
+
+
+@dataclass(kw_only=True)
+class QuantizationSpec:
+    """quantization: how QLoRA stores the frozen base weights (torchao NF4, sharded by FSDP2)."""
+
+    type: Literal["nf4", "fp4"] = api_field("type of 4-bit storage.", "nf4")
+    double_quant: bool = api_field(
+        "doubleQuant also quantizes the quantization constants (saves ~0.4 bit/param).", True
+    )
+
+
+@dataclass(kw_only=True)
+class MethodSpec:
+    """method: full fine-tune, LoRA or QLoRA."""
+
+    type: Literal["full", "lora", "qlora"] = api_field(
+        "type: full trains every weight; lora trains adapters on a frozen base; qlora trains "
+        "adapters on a 4-bit base.",
+        "lora",
+    )
+    lora: LoraSpec | None = api_field("lora settings (lora and qlora; defaults apply).", None)
+    quantization: QuantizationSpec | None = api_field(
+        "quantization of the base model (qlora only); default {type: nf4, doubleQuant: true}.",
+        None,
+    )
+
+    def lora_settings(self) -> LoraSpec | None:
+        """The adapter settings in force, or None for a full fine-tune."""
+        if self.type == "full":
+            return None
+        return self.lora or LoraSpec()
+
+    def quantization_settings(self) -> QuantizationSpec | None:
+        """The 4-bit storage in force: qlora without a quantization block gets the defaults
+        (every field has one), other methods none."""
+        if self.type != "qlora":
+            return None
+        return self.quantization or QuantizationSpec()
+
+
+@dataclass(kw_only=True)
+class DpoSpec:
+    """dpo: direct preference optimization settings (training.objective dpo)."""
+
+    beta: float = api_field(
+        "beta: how far the policy may move from the reference model; higher keeps it closer "
+        "(for ipo: the regularization strength).",
+        0.1,
+        minimum=0,
+        exclusive_minimum=True,
+        maximum=100,
+    )
+    loss_type: Literal["sigmoid", "ipo"] = api_field(
+        "lossType: sigmoid (the DPO paper's loss) or ipo (squared loss on the per-token "
+        "log-ratio margin, as TRL computes it).",
+        "sigmoid",
+    )
+    label_smoothing: float | None = api_field(
+        "labelSmoothing: the share of pairs assumed mislabelled, for the sigmoid loss only "
+        "(conservative DPO): each pair's loss is (1 - e) x its loss plus e x the loss of the "
+        "pair reversed. Unset is 0.",
+        None,
+        minimum=0,
+        maximum=0.5,
+        exclusive_maximum=True,
+    )
+
+
+@dataclass(kw_only=True)
+class TrainingSpec:
+    """training: the optimisation loop."""
+
+    objective: Literal["sft", "dpo"] = api_field(
+        "objective: sft (next-token loss on the data) or dpo (direct preference optimization "
+        "on chosen/rejected pairs, dataset.format preference).",
+        "sft",
+    )
+    dpo: DpoSpec | None = api_field("dpo settings (objective dpo; defaults apply).", None)
+    max_steps: int | None = api_field(
+        "maxSteps: optimizer steps to run. Set this or epochs.", None, minimum=1, maximum=10**8
+    )
+    epochs: float | None = api_field(
+        "epochs: passes over the training data. Set this or maxSteps.",
+        None,
+        minimum=0,
+        exclusive_minimum=True,
+        maximum=1000,
+    )
+    learning_rate: float | None = api_field(
+        "learningRate: peak learning rate. Default 2e-4 for lora/qlora, 2e-5 for full.",
+        None,
+        minimum=0,
+        exclusive_minimum=True,
+        maximum=1,
+    )
+    scheduler: Literal["cosine", "linear", "constant"] = api_field(
+        "scheduler: learning rate decay after warmup.", "cosine"
+    )
+    warmup: IntOrString = api_field(
+        'warmup: steps (an integer) or a share of all steps ("3%").',
+        "3%",
+        pattern=WARMUP,
+        pattern_hint='be a number of steps (100) or a percentage from 0% to 100% ("3%")',
+    )
+    weight_decay: float = api_field("weightDecay of AdamW.", 0.0, minimum=0, maximum=1)
+    micro_batch_size: int = api_field(
+        "microBatchSize: sequences per GPU (or process) per forward pass; for objective dpo, "
+        "preference pairs (two sequences each, both in the same forward).",
+        1,
+        minimum=1,
+        maximum=1024,
+    )
+    gradient_accumulation: int = api_field(
+        "gradientAccumulation: micro-batches per optimizer step.", 1, minimum=1, maximum=4096
+    )
+    max_grad_norm: float = api_field(
+        "maxGradNorm clips the gradient norm; 0 turns clipping off.", 1.0, minimum=0
+    )
+    precision: Literal["auto", "bf16", "fp32"] = api_field(
+        "precision of compute: auto is bf16 on GPUs and fp32 on CPUs. Weights and optimizer "
+        "states stay fp32.",
+        "auto",
+    )
+    activation_checkpointing: str = api_field(
+        "activationCheckpointing: which decoder layers keep only their input in the forward "
+        "pass and recompute the rest in the backward (less memory, more compute). all: every "
+        "layer (~1/3 more compute); every-N: every Nth layer (N >= 2: less recompute, more "
+        "memory); none: no recompute (fastest, most memory); auto: the fastest of none, "
+        "every-4, every-3, every-2 and all whose memory estimate (ftjob plan) fits the GPU, "
+        "all on CPU or an unknown GPU.",
+        "auto",
+        pattern=CHECKPOINTING_PATTERN,
+        pattern_hint="be auto, all, none or every-N with N >= 2 (e.g. every-2)",
+        max_length=16,
+        fixes={b: "use all (was true) or none (was false)" for b in (True, False)},
+    )
+    compile: bool | None = api_field(
+        "compile each decoder layer with torch.compile before sharding (faster steps after "
+        "a slower first one). Unset, ftjob decides: off on CPU, and off on GPUs until "
+        "compile has been verified on one.",
+        None,
+    )
+    seed: int = api_field("seed for initialisation and data order.", 42, minimum=0)
+    log_every: int = api_field("logEvery: steps between progress lines.", 10, minimum=1)
+    eval_every: int = api_field(
+        "evalEvery: steps between evaluations (when an eval set exists); 0 evaluates only at "
+        "the end.",
+        100,
+        minimum=0,
+    )
+
+    def dpo_settings(self) -> DpoSpec | None:
+        """The DPO settings in force, or None for next-token training."""
+        if self.objective != "dpo":
+            return None
+        return self.dpo or DpoSpec()
+
+    def peak_learning_rate(self, method: str) -> float:
+        if self.learning_rate is not None:
+            return self.learning_rate
+        return 2e-5 if method == "full" else 2e-4
+
+    def warmup_steps(self, total_steps: int) -> int:
+        if self.warmup.endswith("%"):
+            return math.ceil(total_steps * float(self.warmup[:-1]) / 100)
+        return int(self.warmup)
+
+
+@dataclass(kw_only=True)
+class ResourcesSpec:
+    """resources: the shape of the gang."""
+
+    nodes: int = api_field("nodes: pods in the gang, one per node.", 1, minimum=1, maximum=1024)
+    gpus_per_node: int = api_field(
+        "gpusPerNode: GPUs each pod takes, one training process each; 0 trains on CPU.",
+        1,
+        minimum=0,
+        maximum=64,
+    )
+    processes_per_node: int | None = api_field(
+        "processesPerNode: training processes per pod for CPU jobs (default 1). GPU jobs run "
+        "one per GPU.",
+        None,
+        minimum=1,
+        maximum=256,
+    )
+    gpu: str = api_field(
+        "gpu: the extended resource name of a GPU.",
+        "nvidia.com/gpu",
+        pattern=r"^[a-z0-9.-]+/[a-z0-9.-]+$",
+        pattern_hint="be a resource name like nvidia.com/gpu",
+        max_length=253,
+    )
+    gpu_type: Literal[GPU_TYPES] | None = api_field(  # type: ignore[valid-type]
+        "gpuType: the exact GPU product, for the memory plan and MFU (e.g. H100-SXM-80GB; "
+        "the H100's SXM, PCIe and NVL boards differ in peak FLOP/s). Unset skips the fit "
+        "check, and MFU uses the CUDA device name.",
+        None,
+        fixes=RETIRED_GPU_TYPES,
+    )
+    cpu: IntOrString | None = api_field(
+        "cpu request and limit of each pod (a quantity, e.g. 90).",
+        None,
+        pattern=QUANTITY_PATTERN,
+        pattern_hint='be a Kubernetes quantity (e.g. 8, "500m")',
+        max_length=32,
+    )
+    memory: IntOrString | None = api_field(
+        "memory request and limit of each pod (a quantity, e.g. 1000Gi).",
+        None,
+        pattern=QUANTITY_PATTERN,
+        pattern_hint='be a Kubernetes quantity (e.g. "64Gi")',
+        max_length=32,
+    )
+
+    @property
+    def nproc_per_node(self) -> int:
+        return self.gpus_per_node or self.processes_per_node or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+
+@dataclass(kw_only=True)
+class ParallelismSpec:
+    """parallelism: how FSDP shards the model states."""
+
+    sharding: Literal["auto", "full", "hybrid", "grad-op", "none"] = api_field(
+        "sharding: full shards parameters, gradients and optimizer states across all "
+        "processes; hybrid shards within a node and replicates across nodes (less traffic "
+        "between nodes); grad-op keeps parameters whole between forward and backward; none "
+        "replicates (DDP-like); auto picks hybrid when one node holds the model states, "
+        "otherwise full.",
+        "auto",
+    )
+    cpu_offload: bool = api_field(
+        "cpuOffload keeps parameters, gradients and optimizer states in CPU memory.", False
+    )
+
+
+@dataclass(kw_only=True)
+class NetworkSpec:
+    """network: the fabric between nodes and the NCCL settings for it."""
+
+    fabric: Literal["efa", "infiniband", "tcp"] = api_field(
+        "fabric: efa (AWS Elastic Fabric Adapter), infiniband (RDMA), or tcp.", "tcp"
+    )
+    efa_devices_per_node: int | None = api_field(
+        "efaDevicesPerNode: vpc.amazonaws.com/efa devices per pod (p4d: 4, p5: 32); "
+        "required with fabric efa.",
+        None,
+        minimum=1,
+        maximum=64,
+    )
+    socket_interface: str | None = api_field(
+        "socketInterface for NCCL's bootstrap traffic (NCCL_SOCKET_IFNAME), e.g. eth0.",
+        None,
+        min_length=1,
+        max_length=64,
+    )
+    nccl_env: dict[str, str] = api_field(
+        "ncclEnv: extra NCCL_*, FI_* or TORCH_NCCL_* variables, set on every pod.",
+        factory=dict,
+        key_pattern=r"^(NCCL|FI|TORCH_NCCL)_[A-Z0-9_]+$",
+        key_hint="start with NCCL_, FI_ or TORCH_NCCL_",
+        max_properties=64,
+        max_length=1024,
+    )
+    collective_timeout_seconds: int = api_field(
+        "collectiveTimeoutSeconds: a collective that waits this long fails the gang (shorter "
+        "than runPolicy.stallTimeoutSeconds).",
+        600,
+        minimum=30,
+    )
+    rendezvous_port: int = api_field(
+        "rendezvousPort of node 0 for torchrun.", 29500, minimum=1024, maximum=65535
+    )
+    progress_port: int = api_field(
+        "progressPort on which rank 0 serves progress (JSON) and Prometheus metrics.",
+        8000,
+        minimum=1024,
+        maximum=65535,
+    )
+
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "self.progressPort != self.rendezvousPort",
+            lambda n: n.progress_port != n.rendezvous_port,
+            "progressPort must differ from rendezvousPort (both listen on node 0)",
+            ".progressPort",
+        ),
+    )
+
+
+@dataclass(kw_only=True)
+class CheckpointSpec:
+    """checkpoint: sharded checkpoints on a shared volume; restarts resume from the newest."""
+
+    volume: VolumeRef | None = api_field(
+        "volume shared by all pods for checkpoints and the exported model (required when "
+        "nodes > 1). Mounted at /ftjob.",
+        None,
+    )
+    path: str | None = api_field(
+        "path of the job's folder on the volume (default: <name>-<first 8 characters of the "
+        "job's uid>, so a job deleted and created again starts in a new, empty folder; "
+        "ftjob run: runs/<name>). A path given here is reused by every job that names it.",
+        None,
+        pattern=RELATIVE_PATH,
+        pattern_hint=RELATIVE_PATH_HINT,
+        max_length=256,
+    )
+    resume_from: str | None = api_field(
+        "resumeFrom: a folder on the volume (another job's folder, or one of its "
+        "checkpoints/step-N folders) whose newest committed checkpoint this job starts from "
+        "while its own folder has none. Read only: the job writes only to its own folder.",
+        None,
+        pattern=RELATIVE_PATH,
+        pattern_hint=RELATIVE_PATH_HINT,
+        max_length=256,
+    )
+    every: int = api_field("every: steps between checkpoints.", 100, minimum=1)
+    keep: int = api_field("keep: newest complete checkpoints kept.", 3, minimum=1, maximum=100)
+    async_save: bool = api_field(
+        "asyncSave writes checkpoints in the background while training continues; each "
+        "process then keeps a CPU copy of its share of the checkpoint.",
+        False,
+    )
+
+
+@dataclass(kw_only=True)
+class OutputSpec:
+    """output: the exported model, written once training has finished."""
+
+    path: str | None = api_field(
+        "path of the exported model inside the job's folder (default: model).",
+        None,
+        pattern=RELATIVE_PATH,
+        pattern_hint=RELATIVE_PATH_HINT,
+        max_length=256,
+    )
+    merge_adapter: bool = api_field(
+        "mergeAdapter also writes the base model with the adapter merged in (lora/qlora).",
+        False,
+    )
+    push: str | None = api_field(
+        "push uploads the export, with a model card, to this Hugging Face Hub model repository "
+        "(hf://org/name; created if missing) once training has finished; needs "
+        "secrets.huggingFaceToken (a token that may write there). A failed upload "
+        "(HubPushFailed) is retried without training again.",
+        None,
+        pattern=PUSH_PATTERN,
+        pattern_hint=PUSH_HINT,
+        max_length=200,
+        example="hf://my-org/llama3-8b-guanaco",
+    )
+    private: bool = api_field(
+        "private: the repository push creates is private (default); false makes it public. "
+        "A repository that exists keeps its visibility.",
+        True,
+    )
+
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            f"!has(self.path) || !self.path.matches('{RESERVED_OUTPUT}')",
+            lambda o: o.path is None or not re.match(RESERVED_OUTPUT, o.path),
+            "path may not be or lie inside checkpoints, data, hub, logs, tmp, tensorboard or "
+            "wandb, nor be progress.json(l), spec.json, tracking.json or pushed.json: the job's "
+            "folder keeps those; use e.g. model",
+            ".path",
+        ),
+    )
+
+
+@dataclass(kw_only=True)
+class SecretsSpec:
+    """secrets: credentials, passed to pods only as secretKeyRefs."""
+
+    hugging_face_token: SecretKeyRef | None = api_field(
+        "huggingFaceToken for gated or private hf:// models and datasets, and for output.push "
+        "(becomes HF_TOKEN).",
+        None,
+    )
+
+
+# An MLflow tracking server over HTTP(S), or Databricks' (databricks, databricks://profile).
+MLFLOW_URI = r"^(https?://[^\s/]+(/[^\s]*)?|databricks(://[^\s]*)?)$"
+# What W&B accepts as a project or entity name.
+WANDB_NAME = r"^[^/\\#?%:\s]+$"
+
+
+@dataclass(kw_only=True)
+class MlflowSpec:
+    """mlflow: an MLflow tracking server records the job as one run, kept across restarts."""
+
+    tracking_uri: str = api_field(
+        "trackingUri of the MLflow tracking server, e.g. http://mlflow.mlflow:5000 (http, "
+        "https, or databricks).",
+        pattern=MLFLOW_URI,
+        pattern_hint="be an http(s):// address of an MLflow tracking server, or databricks",
+        max_length=512,
+        example="http://mlflow.mlflow:5000",
+    )
+    experiment: str = api_field(
+        "experiment the run is recorded in; created if missing.",
+        "ftjob",
+        min_length=1,
+        max_length=256,
+    )
+    username: SecretKeyRef | None = api_field(
+        "username for HTTP basic auth (becomes MLFLOW_TRACKING_USERNAME); needs password.",
+        None,
+    )
+    password: SecretKeyRef | None = api_field(
+        "password for HTTP basic auth (becomes MLFLOW_TRACKING_PASSWORD); needs username.",
+        None,
+    )
+    token: SecretKeyRef | None = api_field(
+        "token: a bearer token instead of username and password (becomes MLFLOW_TRACKING_TOKEN).",
+        None,
+    )
+
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "has(self.username) == has(self.password)",
+            lambda m: (m.username is None) == (m.password is None),
+            "username and password go together: set both (basic auth), or neither",
+            ".password",
+        ),
+        Rule(
+            "!has(self.token) || !has(self.username)",
+            lambda m: m.token is None or m.username is None,
+            "set token or username and password, not both",
+            ".token",
+        ),
+    )
+
+
+@dataclass(kw_only=True)
+class WandbSpec:
+    """wandb: Weights & Biases records the job as one run, kept across restarts."""
+
+    project: str = api_field(
+        "project the run is recorded in.",
+        pattern=WANDB_NAME,
+        pattern_hint="be a W&B project name (no '/', '\\', '#', '?', '%', ':' or spaces)",
+        max_length=128,
+    )
+    entity: str | None = api_field(
+        "entity (team or user) owning the project (default: the API key's default entity).",
+        None,
+        pattern=WANDB_NAME,
+        pattern_hint="be a W&B entity name (no '/', '\\', '#', '?', '%', ':' or spaces)",
+        max_length=128,
+    )
+    api_key: SecretKeyRef | None = api_field(
+        "apiKey: the W&B API key (becomes WANDB_API_KEY); required in online mode.", None
+    )
+    mode: Literal["online", "offline"] = api_field(
+        "mode: online sends the run to W&B as it trains; offline writes it to the job's "
+        "folder (wandb/) for a later `wandb sync`.",
+        "online",
+    )
+
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "self.mode == 'offline' || has(self.apiKey)",
+            lambda w: w.mode == "offline" or w.api_key is not None,
+            "online mode needs apiKey, a Secret key holding the W&B API key; add it, or set "
+            "mode: offline",
+            ".apiKey",
+        ),
+    )
+
+
+@dataclass(kw_only=True)
+class TensorboardSpec:
+    """tensorboard: TensorBoard event files in the job's folder (tensorboard/)."""
+
+    enabled: bool = api_field("enabled writes the event files.", True)
+
+
+@dataclass(kw_only=True)
+class TrackingSpec:
+    """tracking: experiment trackers rank 0 reports the run to (the spec as parameters, step
+    and eval metrics, the export's location). A tracker that is down never fails training."""
+
+    mlflow: MlflowSpec | None = api_field("mlflow: an MLflow tracking server.", None)
+    wandb: WandbSpec | None = api_field("wandb: Weights & Biases.", None)
+    tensorboard: TensorboardSpec | None = api_field(
+        "tensorboard: event files in the job's folder.", None
+    )
+
+
+@dataclass(kw_only=True)
+class RunPolicySpec:
+    """runPolicy: retries, timeouts and suspension."""
+
+    backoff_limit: int = api_field(
+        "backoffLimit: gang restarts allowed after failures before the job fails.",
+        3,
+        minimum=0,
+        maximum=100,
+    )
+    stall_timeout_seconds: int = api_field(
+        "stallTimeoutSeconds: no training progress for this long restarts the gang (training "
+        "steps only; see startupTimeoutSeconds for what comes before the first).",
+        1800,
+        minimum=60,
+    )
+    startup_timeout_seconds: int = api_field(
+        "startupTimeoutSeconds: the gang is restarted if its first training step has not "
+        "started this long after every pod runs (downloading, preparing data, loading weights; "
+        "rank 0 reports the phase it is in).",
+        3600,
+        minimum=60,
+    )
+    active_deadline_seconds: int | None = api_field(
+        "activeDeadlineSeconds: the job fails once it has been active this long.", None, minimum=1
+    )
+    ttl_seconds_after_finished: int | None = api_field(
+        "ttlSecondsAfterFinished: delete the finished job after this long (the volume keeps "
+        "its files).",
+        None,
+        minimum=0,
+    )
+    suspend: bool = api_field(
+        "suspend: true removes the pods and keeps the checkpoints; false resumes from them.",
+        False,
+    )
+    in_place_restarts: int = api_field(
+        "inPlaceRestarts: worker restarts in place per gang before the gang fails (then "
+        "backoffLimit decides on a new gang). A worker failure restarts the workers of every "
+        "node from the newest checkpoint without re-creating pods; a permanent failure (BadData, "
+        "BadModel, BadSpec) never restarts.",
+        3,
+        minimum=0,
+        maximum=100,
+    )
+    straggler_margin: float = api_field(
+        "stragglerMargin: a rank whose step time exceeds (1 + stragglerMargin) x the median of "
+        "all ranks on 3 consecutive log steps is named a straggler (log, progress, metric).",
+        0.25,
+        minimum=0,
+        exclusive_minimum=True,
+    )
+
+
+# The bus bandwidth (GB/s, nccl-tests' busbw of an all-reduce) below which a multi-node
+# gang's fabric is taken for misconfigured when preflight.minBusBandwidthGBps is unset. Far
+# below what the fabric should give (EFA on p4d/p5 and 200-400 Gb/s InfiniBand: tens of GB/s,
+# read from vendor figures, not measured here), and above what NCCL's fallback to sockets
+# reaches on such hosts (a few GB/s): the check is for a wrong transport, not a slow one.
+FABRIC_MIN_BUS_GBPS = {"efa": 10.0, "infiniband": 10.0, "tcp": None}
+
+
+@dataclass(kw_only=True)
+class PreflightSpec:
+    """preflight: checks every pod runs before any weight is read (seconds): per GPU a timed
+    matmul and a memory check, an all-reduce across the gang (its bus bandwidth and the
+    transport NCCL chose), a write/read of the job's volume. A failed check fails the gang
+    with NodeUnhealthy, FabricMisconfigured or VolumeUnusable; the node is kept away from the
+    next gang where the fault is the node's."""
+
+    mode: Literal["auto", "on", "off"] = api_field(
+        "mode: auto runs the preflight when the job requests GPUs, on always (CPU jobs check "
+        "the volume and the all-reduce), off never.",
+        "auto",
+    )
+    min_bus_bandwidth_g_bps: float | None = api_field(
+        "minBusBandwidthGBps: the all-reduce's bus bandwidth (GB/s, as nccl-tests reports "
+        "busbw) below which the gang fails with FabricMisconfigured. Unset: 10 for fabric efa "
+        "and infiniband with more than one node, no floor otherwise.",
+        None,
+        minimum=0,
+        exclusive_minimum=True,
+    )
+    min_matmul_tflops: float | None = api_field(
+        "minMatmulTflops: a GPU whose bf16 matmul runs slower than this (TFLOP/s) fails its "
+        "node with NodeUnhealthy. Unset: 40% of the dense bf16 peak of resources.gpuType (or "
+        "of the GPU's CUDA name), no floor for an unknown GPU.",
+        None,
+        minimum=0,
+        exclusive_minimum=True,
+    )
+    min_free_memory_fraction: float = api_field(
+        "minFreeMemoryFraction: a GPU with less of its memory free than this before loading "
+        "(another process holds it, or the device reports less than it has) fails its node.",
+        0.9,
+        minimum=0,
+        maximum=1,
+    )
+    timeout_seconds: int = api_field(
+        "timeoutSeconds: the all-reduce must finish within this long, or the gang fails with "
+        "FabricMisconfigured.",
+        120,
+        minimum=5,
+        maximum=3600,
+    )
+
+    def enabled(self, gpus_per_node: int) -> bool:
+        return self.mode == "on" or (self.mode == "auto" and gpus_per_node > 0)
+
+    def bus_floor(self, fabric: str, nodes: int) -> float | None:
+        """The bus bandwidth floor in force (GB/s), or None."""
+        if self.min_bus_bandwidth_g_bps is not None:
+            return self.min_bus_bandwidth_g_bps
+        return FABRIC_MIN_BUS_GBPS[fabric] if nodes > 1 else None
+
+
+@dataclass(kw_only=True)
+class Toleration:
+    """A Kubernetes toleration."""
+
+    key: str | None = api_field(
+        "key of the taint; unset matches every key (operator Exists).",
+        None,
+        pattern=kv.QUALIFIED_NAME,
+        pattern_hint=LABEL_KEY_HINT,
+        max_length=kv.QUALIFIED_NAME_MAX,
+    )
+    operator: Literal["Exists", "Equal"] = api_field("operator: Exists or Equal.", "Equal")
+    value: str | None = api_field(
+        "value of the taint (operator Equal).",
+        None,
+        pattern=kv.LABEL_VALUE,
+        pattern_hint=LABEL_VALUE_HINT,
+        max_length=63,
+    )
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = api_field(
+        "effect to tolerate; all effects when empty.", None
+    )
+    toleration_seconds: int | None = api_field(
+        "tolerationSeconds for NoExecute taints.", None, minimum=0
+    )
+
+    # core/validation ValidateTolerations, so that the pods cannot be refused for them.
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "has(self.key) || self.operator == 'Exists'",
+            lambda t: t.key is not None or t.operator == "Exists",
+            "a toleration without a key must have operator Exists (it then tolerates every "
+            "taint); add a key or set operator: Exists",
+            ".operator",
+        ),
+        Rule(
+            "self.operator != 'Exists' || !has(self.value)",
+            lambda t: t.operator != "Exists" or t.value is None,
+            "operator Exists takes no value; remove value or use operator Equal",
+            ".value",
+        ),
+        Rule(
+            "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+            lambda t: t.toleration_seconds is None or t.effect == "NoExecute",
+            "tolerationSeconds needs effect NoExecute; remove it or set effect: NoExecute",
+            ".tolerationSeconds",
+        ),
+    )
+
+
+@dataclass(kw_only=True)
+class SchedulingSpec:
+    """scheduling: where and when the pods may run."""
+
+    queue: str | None = api_field(
+        "queue: a Kueue LocalQueue; the gang is admitted as one pod group.",
+        None,
+        pattern=DNS_LABEL,
+        pattern_hint=DNS_LABEL_HINT,
+        max_length=63,
+    )
+    priority_class_name: str | None = api_field(
+        "priorityClassName of the pods.",
+        None,
+        pattern=kv.DNS_SUBDOMAIN,
+        pattern_hint=DNS_SUBDOMAIN_HINT,
+        max_length=253,
+    )
+    scheduler_name: str | None = api_field(
+        "schedulerName of the pods.",
+        None,
+        pattern=kv.DNS_SUBDOMAIN,
+        pattern_hint=DNS_SUBDOMAIN_HINT,
+        max_length=253,
+    )
+    node_selector: dict[str, str] = api_field(
+        "nodeSelector of the pods: node label keys and the values they must have.",
+        factory=dict,
+        max_properties=64,
+        key_pattern=kv.QUALIFIED_NAME,
+        key_hint=LABEL_KEY_HINT,
+        key_max_length=kv.QUALIFIED_NAME_MAX,
+        pattern=kv.LABEL_VALUE,
+        pattern_hint=LABEL_VALUE_HINT,
+        max_length=63,
+    )
+    tolerations: list[Toleration] = api_field(
+        "tolerations of the pods.", factory=list, max_items=64
+    )
+    affinity: FreeForm | None = api_field("affinity of the pods (a Kubernetes Affinity).", None)
+
+
+@dataclass(kw_only=True)
+class PlanSpec:
+    """plan: the memory check made before any pod starts (ftjob plan shows it)."""
+
+    enforce: bool = api_field(
+        "enforce: a job whose plan says it will not fit never starts pods (condition Planned, "
+        "reason WillNotFit, with what to change). false only records the plan.",
+        True,
+    )
+
+
+@dataclass(kw_only=True)
+class EnvVar:
+    """An environment variable set on every training process."""
+
+    name: str = api_field(
+        "name of the variable.", pattern=ENV_NAME, pattern_hint="be an identifier", max_length=128
+    )
+    value: str = api_field("value of the variable.", "", max_length=4096)
+
+
+def _reserved(name: str) -> bool:
+    return name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES)
+
+
+_RESERVED_CEL = " || ".join(
+    [f"e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES]
+    + [f"e.name == '{n}'" for n in RESERVED_ENV]
+)
+
+
+@dataclass(kw_only=True)
+class FineTuneJobSpec:
+    """FineTuneJob fine-tunes a language model with FSDP on a gang of torchrun pods."""
+
+    model: ModelSpec = api_field("model to fine-tune.", immutable=True)
+    dataset: DatasetSpec = api_field("dataset to train on.", immutable=True)
+    method: MethodSpec = api_field("method of fine-tuning.", factory=MethodSpec, immutable=True)
+    training: TrainingSpec = api_field(
+        "training loop settings.", factory=TrainingSpec, immutable=True
+    )
+    resources: ResourcesSpec = api_field(
+        "resources of each pod and the number of nodes.", factory=ResourcesSpec, immutable=True
+    )
+    parallelism: ParallelismSpec = api_field(
+        "parallelism: FSDP sharding.", factory=ParallelismSpec, immutable=True
+    )
+    network: NetworkSpec = api_field("network fabric and NCCL settings.", factory=NetworkSpec)
+    checkpoint: CheckpointSpec = api_field(
+        "checkpoint location and cadence.", factory=CheckpointSpec, immutable=True
+    )
+    output: OutputSpec = api_field("output: the exported model.", factory=OutputSpec)
+    secrets: SecretsSpec = api_field("secrets the pods may read.", factory=SecretsSpec)
+    tracking: TrackingSpec = api_field(
+        "tracking: experiment trackers (MLflow, Weights & Biases, TensorBoard).",
+        factory=TrackingSpec,
+    )
+    run_policy: RunPolicySpec = api_field(
+        "runPolicy: retries, timeouts, suspension.", factory=RunPolicySpec
+    )
+    scheduling: SchedulingSpec = api_field(
+        "scheduling constraints of the pods.", factory=SchedulingSpec
+    )
+    plan: PlanSpec = api_field("plan: the fit check before launch.", factory=PlanSpec)
+    preflight: PreflightSpec = api_field(
+        "preflight: node, fabric and volume checks before loading.", factory=PreflightSpec
+    )
+    # No schema default: an unset image stays unset in the stored job, so the operator's
+    # cluster-wide default (ftjob operator --default-image) can fill it in.
+    image: str | None = api_field(
+        "image of the trainer (default: the operator's --default-image, the chart's "
+        "trainer.defaultImage); changes apply to the next gang attempt.",
+        None,
+        pattern=kv.IMAGE,
+        pattern_hint="be an image reference without spaces, e.g. ghcr.io/org/trainer:1.0",
+        max_length=512,
+    )
+    env: list[EnvVar] = api_field(
+        "env: extra environment variables of the training processes.", factory=list, max_items=64
+    )
+
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "self.method.type != 'full' || !has(self.method.lora)",
+            lambda s: s.method.type != "full" or s.method.lora is None,
+            "lora settings need method.type lora or qlora; remove method.lora for a full fine-tune",
+            ".method.lora",
+        ),
+        Rule(
+            "self.method.type == 'qlora' || !has(self.method.quantization)",
+            lambda s: s.method.type == "qlora" or s.method.quantization is None,
+            "quantization is only for method.type qlora; remove it or set type qlora",
+            ".method.quantization",
+        ),
+        Rule(
+            "!self.output.mergeAdapter || self.method.type != 'full'",
+            lambda s: not s.output.merge_adapter or s.method.type != "full",
+            "mergeAdapter needs an adapter (method.type lora or qlora); remove it for a full "
+            "fine-tune",
+            ".output.mergeAdapter",
+        ),
+        Rule(
+            "self.training.objective != 'dpo' || self.dataset.format == 'preference'",
+            lambda s: s.training.objective != "dpo" or s.dataset.format == "preference",
+            "objective dpo trains on preference pairs: set dataset.format: preference (with "
+            "prompt, chosen and rejected fields), or objective sft",
+            ".dataset.format",
+        ),
+        Rule(
+            "self.dataset.format != 'preference' || self.training.objective == 'dpo'",
+            lambda s: s.dataset.format != "preference" or s.training.objective == "dpo",
+            "preference data trains with training.objective: dpo; set it, or use a format for "
+            "next-token training (text, chat or instruction)",
+            ".training.objective",
+        ),
+        Rule(
+            "!has(self.training.dpo) || !has(self.training.dpo.labelSmoothing) || "
+            "!has(self.training.dpo.lossType) || self.training.dpo.lossType == 'sigmoid'",
+            lambda s: (
+                s.training.dpo is None
+                or s.training.dpo.label_smoothing is None
+                or s.training.dpo.loss_type == "sigmoid"
+            ),
+            "labelSmoothing applies to lossType sigmoid only; remove it, or set lossType: sigmoid",
+            ".training.dpo.labelSmoothing",
+        ),
+        Rule(
+            "self.training.objective == 'dpo' || !has(self.training.dpo)",
+            lambda s: s.training.objective == "dpo" or s.training.dpo is None,
+            "dpo settings need training.objective: dpo; set it, or remove training.dpo",
+            ".training.dpo",
+        ),
+        Rule(
+            "has(self.training.maxSteps) != has(self.training.epochs)",
+            lambda s: (s.training.max_steps is None) != (s.training.epochs is None),
+            "set exactly one of training.maxSteps and training.epochs",
+            ".training",
+        ),
+        Rule(
+            "!(has(self.dataset.evalFraction) && has(self.dataset.evalSplit))",
+            lambda s: s.dataset.eval_fraction is None or s.dataset.eval_split is None,
+            "set evalFraction or evalSplit, not both",
+            ".dataset.evalSplit",
+        ),
+        Rule(
+            "self.parallelism.sharding != 'hybrid' || self.resources.nodes >= 2",
+            lambda s: s.parallelism.sharding != "hybrid" or s.resources.nodes >= 2,
+            "hybrid sharding needs resources.nodes >= 2; use full on one node",
+            ".parallelism.sharding",
+        ),
+        Rule(
+            "!self.parallelism.cpuOffload || self.parallelism.sharding != 'none'",
+            lambda s: not s.parallelism.cpu_offload or s.parallelism.sharding != "none",
+            "cpuOffload needs sharding (auto, full, hybrid or grad-op), not none",
+            ".parallelism.cpuOffload",
+        ),
+        Rule(
+            "self.network.fabric == 'tcp' || self.resources.gpusPerNode > 0",
+            lambda s: s.network.fabric == "tcp" or s.resources.gpus_per_node > 0,
+            "fabric efa and infiniband need GPUs (resources.gpusPerNode > 0); use tcp on CPU",
+            ".network.fabric",
+        ),
+        Rule(
+            "(self.network.fabric == 'efa') == has(self.network.efaDevicesPerNode)",
+            lambda s: (s.network.fabric == "efa") == (s.network.efa_devices_per_node is not None),
+            "fabric efa needs network.efaDevicesPerNode (p4d: 4, p5: 32), and only efa takes it",
+            ".network.efaDevicesPerNode",
+        ),
+        Rule(
+            "self.resources.gpusPerNode == 0 || !has(self.resources.processesPerNode)",
+            lambda s: s.resources.gpus_per_node == 0 or s.resources.processes_per_node is None,
+            "processesPerNode is for CPU jobs; GPU jobs run one process per GPU",
+            ".resources.processesPerNode",
+        ),
+        Rule(
+            "self.resources.gpusPerNode > 0 || !self.model.attention.startsWith('flash')",
+            lambda s: s.resources.gpus_per_node > 0 or not s.model.attention.startswith("flash"),
+            "flash attention needs GPUs; use sdpa on CPU",
+            ".model.attention",
+        ),
+        Rule(
+            "self.resources.gpusPerNode > 0 || !has(self.resources.gpuType)",
+            lambda s: s.resources.gpus_per_node > 0 or s.resources.gpu_type is None,
+            "gpuType names the GPU of a GPU job; remove it when gpusPerNode is 0",
+            ".resources.gpuType",
+        ),
+        Rule(
+            "self.network.collectiveTimeoutSeconds < self.runPolicy.stallTimeoutSeconds",
+            lambda s: s.network.collective_timeout_seconds < s.run_policy.stall_timeout_seconds,
+            "collectiveTimeoutSeconds must be shorter than runPolicy.stallTimeoutSeconds, so a "
+            "hung collective fails before the job is declared stalled",
+            ".network.collectiveTimeoutSeconds",
+        ),
+        Rule(
+            "self.resources.nodes == 1 || has(self.checkpoint.volume)",
+            lambda s: s.resources.nodes == 1 or s.checkpoint.volume is not None,
+            "more than one node needs a shared checkpoint.volume (a ReadWriteMany claim) so "
+            "that every node writes its shards to one place",
+            ".checkpoint.volume",
+        ),
+        Rule(
+            "!has(self.output.push) || has(self.secrets.huggingFaceToken)",
+            lambda s: s.output.push is None or s.secrets.hugging_face_token is not None,
+            "output.push needs secrets.huggingFaceToken: a Secret key holding a Hub token that "
+            "may write to the repository (ftjob run reads HF_TOKEN from its environment)",
+            ".output.push",
+        ),
+        Rule(
+            f"!self.env.exists(e, {_RESERVED_CEL})",
+            lambda s: not any(_reserved(e.name) for e in s.env),
+            "env may not set variables ftjob manages (PET_*, FTJOB_*, TORCHELASTIC_*, "
+            "MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, HF_TOKEN)",
+            ".env",
+        ),
+    )
+
+    # ------------------------------------------------------------------ derived values
+
+    @property
+    def global_batch_size(self) -> int:
+        t = self.training
+        return t.micro_batch_size * t.gradient_accumulation * self.resources.world_size
+
+    @property
+    def sequences_per_example(self) -> int:
+        """Sequences one example of microBatchSize is: 2 for a DPO pair (chosen and rejected
+        run in the same forward), else 1."""
+        return 2 if self.training.objective == "dpo" else 1
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step, every sequence maxSeqLength long."""
+        return self.global_batch_size * self.sequences_per_example * self.dataset.max_seq_length
+
+    def compile_enabled(self, on_gpu: bool) -> bool:
+        """Whether the trainer compiles the decoder layers: training.compile when set; unset,
+        off on CPU, and on GPUs only once compile has been verified there."""
+        if self.training.compile is not None:
+            return self.training.compile
+        return on_gpu and COMPILE_VERIFIED_ON_GPU
+
+    def compute_precision(self) -> str:
+        if self.training.precision != "auto":
+            return self.training.precision
+        return "bf16" if self.resources.gpus_per_node > 0 else "fp32"
+
+    def effective_sharding(self, state_bytes: int | None = None, gpu_bytes: int | None = None):
+        """The sharding in force; ``auto`` becomes hybrid if one node holds the states.
+
+        ``state_bytes`` is the size of parameters + gradients + optimizer states and
+        ``gpu_bytes`` one GPU's memory; without them auto is full, which always fits
+        where hybrid fits.
+        """
+        chosen = self.parallelism.sharding
+        if chosen != "auto":
+            return chosen
+        r = self.resources
+        if r.nodes == 1 or state_bytes is None or gpu_bytes is None:
+            return "full"
+        # Leave 40% of each GPU for activations, buffers and fragmentation.
+        fits_one_node = state_bytes / r.nproc_per_node <= 0.6 * gpu_bytes
+        return "hybrid" if fits_one_node else "full"
+
+
+def parse_spec(data: Any, path: str = "spec") -> FineTuneJobSpec:
+    return parse(FineTuneJobSpec, data, path)
+
+
+def validate_update(old: FineTuneJobSpec, new: FineTuneJobSpec) -> None:
+    errors = check_update(old, new)
+    if errors:
+        raise SpecError(errors)
+
+
+# The headless Service takes the job's name, so it is a DNS-1035 label (it starts with a
+# letter); pod names add "-node-<rank>" (up to 10 characters): 52 leaves room for both.
+NAME_PATTERN = kv.DNS_1035_LABEL
+NAME_MAX = 52
+NAME_HINT = (
+    f"must be at most {NAME_MAX} lowercase letters, digits and '-', starting with a letter and "
+    "ending with a letter or digit (it names the job's Service and pods)"
+)
+
+
+def _metadata_errors(meta: Any) -> list[FieldError]:
+    """What the API server checks of the job's own metadata: name, namespace, labels."""
+    if not isinstance(meta, dict):
+        return [FieldError("metadata", f"must be an object with a name, got {meta!r}")]
+    errors = []
+    name = meta.get("name", "")
+    if not isinstance(name, str) or not re.match(NAME_PATTERN, name) or len(name) > NAME_MAX:
+        errors.append(FieldError("metadata.name", f"{NAME_HINT}; got {name!r}"))
+    namespace = meta.get("namespace")
+    if namespace is not None and not (isinstance(namespace, str) and kv.is_dns_label(namespace)):
+        errors.append(FieldError("metadata.namespace", f"must {DNS_LABEL_HINT}; got {namespace!r}"))
+    labels = meta.get("labels") or {}
+    if not isinstance(labels, dict):
+        errors.append(FieldError("metadata.labels", "must be a map of label keys to values"))
+        labels = {}
+    for key, value in labels.items():
+        if not kv.is_qualified_name(str(key)):
+            errors.append(FieldError(f"metadata.labels.{key}", f"key must {LABEL_KEY_HINT}"))
+        if not isinstance(value, str) or not kv.is_label_value(value):
+            errors.append(
+                FieldError(f"metadata.labels.{key}", f"must {LABEL_VALUE_HINT}, got {value!r}")
+            )
+    return errors
+
+
+def parse_resource(doc: Any) -> tuple[str, FineTuneJobSpec]:
+    """Check a whole FineTuneJob document (kind, metadata, spec); return its name and spec."""
+    errors = []
+    if not isinstance(doc, dict):
+        raise SpecError([FieldError("(document)", "must be a FineTuneJob object")])
+    if doc.get("apiVersion") != API_VERSION:
+        errors.append(
+            FieldError("apiVersion", f"must be {API_VERSION}, got {doc.get('apiVersion')!r}")
+        )
+    if doc.get("kind") != KIND:
+        errors.append(FieldError("kind", f"must be {KIND}, got {doc.get('kind')!r}"))
+    errors.extend(_metadata_errors(doc.get("metadata") or {}))
+    if "spec" not in doc:
+        errors.append(FieldError("spec", "is required"))
+    try:
+        spec = parse_spec(doc.get("spec"))
+    except SpecError as e:
+        errors.extend(e.errors)
+        spec = None
+    if errors:
+        raise SpecError(errors)
+    return doc["metadata"]["name"], spec

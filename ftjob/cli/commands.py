@@ -1,0 +1,280 @@
+"""The ftjob command line.
+
+ftjob run examples/tiny.yaml        # fine-tune on this machine (2 CPU processes here)
+ftjob validate examples/*.yaml      # the verdict kubectl apply would get, offline
+ftjob validate -o json examples/*.yaml     # ... as one JSON document, for CI (docs/cli.md)
+ftjob plan examples/*.yaml          # will it fit? memory, time, traffic
+ftjob render examples/tiny.yaml     # what would be created for the job
+ftjob render --children examples/tiny.yaml  # ... with the operator's Service, ConfigMap, Pods
+ftjob crd > manifests/crd.yaml      # the CustomResourceDefinition
+ftjob operator --all-namespaces     # the operator, against the kubeconfig's cluster
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ftjob import __version__
+from ftjob.api import crd, manifest
+from ftjob.api.schema import to_dict
+from ftjob.api.spec import API_VERSION, KIND
+from ftjob.cli import output, validate
+from ftjob.plan import estimate as plan
+from ftjob.plan import modelshape
+
+EXIT_INVALID, EXIT_USAGE = 1, 2
+
+
+class InvalidJob(Exception):
+    """A FineTuneJob that ftjob or the API server refuses; ``lines`` say why."""
+
+    def __init__(self, lines: list[str]):
+        self.lines = lines
+        super().__init__("\n".join(lines))
+
+
+def _jobs(path: str) -> list[dict]:
+    docs = manifest.load(path)
+    jobs = [d for d in docs if d.get("kind") == KIND]
+    if not jobs:
+        raise manifest.ManifestError(f"{path}: holds no {KIND} (kind: {KIND})")
+    return jobs
+
+
+def _valid_jobs(path: str, local: bool = False) -> list[validate.Verdict]:
+    """The verdicts of the jobs in ``path``; :class:`InvalidJob` if any is refused.
+
+    ``local``: the model and data must be beside the job file (plan reads them)."""
+    verdicts = [validate.check(doc, job_file=path, local=local) for doc in _jobs(path)]
+    for verdict in verdicts:
+        if not verdict.ok:
+            raise InvalidJob([f"{path}: {x}" for x in verdict.errors or verdict.server_errors])
+    return verdicts
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    old = None
+    if args.old:
+        old = manifest.load_one(args.old, KIND)
+    results = []
+    for path in args.files:
+        for doc in _jobs(path):
+            verdict = validate.check(doc, old, job_file=path)
+            results.append(output.validation_result(path, verdict))
+            if not args.output:
+                _print_verdict(path, verdict)
+    if args.output:
+        print(output.dumps(output.validation_list(results), args.output), end="")
+    return 0 if all(r["valid"] for r in results) else EXIT_INVALID
+
+
+def _print_verdict(path: str, verdict: validate.Verdict) -> None:
+    label = f"{path}: {KIND} {verdict.name or '(unnamed)'}"
+    if verdict.ok:
+        print(f"{label}: valid -- {validate.summary(verdict.spec)}")
+        for note in verdict.notes:
+            print(f"  {note}")
+        _print_image_warning(verdict.spec)
+        return
+    print(f"{label}: INVALID")
+    for line in verdict.errors:
+        print(f"  {line}")
+    if verdict.server_errors:
+        print("  kubectl apply would be refused with:")
+        for line in verdict.server_errors:
+            print(f"    {line}")
+
+
+def _print_image_warning(spec) -> None:
+    """Which image a job without spec.image gets: valid, but the placeholder cannot be pulled
+    unless the cluster's operator names a default image."""
+    from ftjob.operator import render  # pure: no kopf or kubernetes needed
+
+    if note := render.image_warning(spec):
+        print(f"  warning: {note}")
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    out = []
+    for verdict in _valid_jobs(args.file):
+        meta = {"name": verdict.name, "namespace": args.namespace}
+        out.append(
+            {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "metadata": meta,
+                "spec": to_dict(verdict.spec),
+            }
+        )
+        if args.children:
+            from ftjob.operator import render  # pure: no kopf or kubernetes needed
+
+            out += render.children(verdict.name, args.namespace, verdict.spec, args.attempt)
+    if args.output:
+        print(output.dumps(output.object_list(out), args.output), end="")
+        return 0
+    print(f"# The trainer's spec with every default filled in: {args.file}")
+    print(manifest.dumps(out), end="")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    worst, results = 0, []
+    # Every file is checked first: a refused job stops the command before any plan prints.
+    # The model and data are read here (local=True): a missing one refuses, naming its field.
+    jobs = [(path, verdict) for path in args.files for verdict in _valid_jobs(path, local=True)]
+    for path, verdict in jobs:
+        spec = verdict.spec
+        try:
+            shape = verdict.shape or modelshape.shape_for(spec.model.source, None)
+        except ValueError as e:
+            raise InvalidJob([f"{path}: {e}"]) from None
+        result = plan.plan(spec, shape)
+        if result.fits is False:
+            worst = EXIT_INVALID
+        if args.output:
+            results.append(output.plan_result(path, verdict.name, spec, result))
+            continue
+        print(f"{path}: {KIND} {verdict.name}")
+        for line in plan.describe(spec, result, Path(path).resolve().parent):
+            print(f"  {line}")
+    if args.output:
+        print(output.dumps(output.plan_list(results), args.output), end="")
+    return worst
+
+
+def cmd_crd(args: argparse.Namespace) -> int:
+    print(crd.render_yaml(), end="")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ftjob.cli import run as local  # starts processes; kept out of the other commands' imports
+
+    return local.run(args.file, args.workdir, restart=args.restart)
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    from ftjob.operator.__main__ import run  # kopf and kubernetes load only here
+
+    return run(args)
+
+
+def _output_option(p: argparse.ArgumentParser, what: str = "one document") -> None:
+    p.add_argument(
+        "-o",
+        "--output",
+        choices=output.FORMATS,
+        help=f"print {what} as json or yaml for scripts (docs/cli.md) instead of text",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ftjob", description="Fine-tune language models on Kubernetes with FineTuneJobs."
+    )
+    parser.add_argument("--version", action="version", version=f"ftjob {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "validate",
+        help="check job files as the API server would (schema + CEL), offline",
+        description="Check FineTuneJob files with ftjob's rules and the CRD's schema and CEL "
+        "rules, as kubectl apply would. Exit 0 if all are valid, 1 if any is not.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument(
+        "--old", metavar="FILE", help="check FILEs as updates of this job (immutable fields)"
+    )
+    _output_option(p)
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser(
+        "render",
+        help="print what would be created for a job",
+        description="Print the job as the trainer and operator see it, every default filled.",
+    )
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--namespace", "-n", default="default", help="namespace of the job")
+    p.add_argument(
+        "--children",
+        action="store_true",
+        help="also print the ConfigMap, headless Service and Pods the operator creates",
+    )
+    p.add_argument(
+        "--attempt", type=int, default=0, help="gang attempt the Pods belong to (--children)"
+    )
+    _output_option(p, "a v1 List of the objects (kubectl apply -f takes it)")
+    p.set_defaults(func=cmd_render)
+
+    p = sub.add_parser(
+        "plan",
+        help="estimate memory, time and traffic; say whether the job fits",
+        description="Estimate per-GPU memory, CPU memory while loading, checkpoint size, "
+        "step time and network traffic for a job, and what to change if it will not fit. "
+        "Exit 0 if all fit (or cannot be checked), 1 if any will not fit.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE")
+    _output_option(p)
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser(
+        "crd",
+        help="print the FineTuneJob CustomResourceDefinition",
+        description=(
+            "Print the CRD generated from ftjob/api/spec.py (what manifests/crd.yaml holds)."
+        ),
+    )
+    p.set_defaults(func=cmd_crd)
+
+    p = sub.add_parser(
+        "run",
+        help="train a job on this machine (each node a local process group)",
+        description="Run the job's nodes as local processes with the commands the pods would "
+        "run (CPU or local GPUs), the volume mapped to a local folder. Exit 0 when the model "
+        "is exported, 1 if a rank fails, 130 on Ctrl-C. Running again resumes.",
+    )
+    p.add_argument("file", metavar="FILE")
+    p.add_argument(
+        "--workdir",
+        metavar="DIR",
+        help="the job's folder: checkpoints, progress and the exported model "
+        "(default: runs/<job name> in the current directory)",
+    )
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="start over: move the job folder's earlier run aside (to <folder>.old-<time>, "
+        "nothing is deleted) and train from step 0",
+    )
+    p.set_defaults(func=cmd_run)
+
+    from ftjob.operator.__main__ import add_arguments  # argparse only; kopf loads on run
+
+    p = sub.add_parser(
+        "operator",
+        help="run the FineTuneJob operator against the cluster of a kubeconfig",
+        description="Reconcile FineTuneJobs into gangs of torchrun pods (kopf).",
+    )
+    add_arguments(p)
+    p.set_defaults(func=cmd_operator)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except manifest.ManifestError as e:
+        print(f"ftjob: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except InvalidJob as e:
+        for line in e.lines:
+            print(line, file=sys.stderr)
+        return EXIT_INVALID
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""PURE: what ``-o json`` and ``-o yaml`` print, for scripts and CI checks (docs/cli.md).
+
+Each command prints one document with camelCase keys; bytes are integers, times seconds,
+and a value that cannot be known is ``null``. New keys may be added; existing keys keep
+their meaning (``apiVersion`` changes if that ever has to break).
+"""
+
+from __future__ import annotations
+
+import json
+
+from ftjob.api import manifest
+from ftjob.api.spec import FineTuneJobSpec
+from ftjob.cli import validate
+from ftjob.plan import estimate as plan
+
+API_VERSION = "ftjob.dev/v1alpha1"
+FORMATS = ("json", "yaml")
+
+
+def dumps(doc: dict, fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(doc, indent=2) + "\n"
+    return manifest.dumps([doc])
+
+
+def errors(lines: list[str]) -> list[dict]:
+    """``field: message`` lines as objects; a line without a field keeps it empty."""
+    out = []
+    for line in lines:
+        field, sep, message = line.partition(": ")
+        out.append({"field": field, "message": message} if sep else {"field": "", "message": line})
+    return out
+
+
+def validation_result(path: str, verdict: validate.Verdict) -> dict:
+    return {
+        "file": path,
+        "name": verdict.name,
+        "valid": verdict.ok,
+        "summary": validate.summary(verdict.spec) if verdict.ok else None,
+        "errors": errors(verdict.errors),
+        "serverErrors": errors(verdict.server_errors),
+    }
+
+
+def validation_list(results: list[dict]) -> dict:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "ValidationList",
+        "valid": all(r["valid"] for r in results),
+        "items": results,
+    }
+
+
+def plan_result(path: str, name: str, spec: FineTuneJobSpec, result: plan.Plan) -> dict:
+    e, s = result.estimate, result.shape
+    return {
+        "file": path,
+        "name": name,
+        "fits": result.fits,
+        "verdict": plan.verdict_text(result),
+        "model": {
+            "name": s.name,
+            "parameters": s.params,
+            "layers": s.layers,
+            "hidden": s.hidden,
+            "trainableParameters": e.trainable,
+            "method": spec.method.type,
+        },
+        # Per GPU, or per process on CPU.
+        "perDevice": {
+            "weightsBytes": int(e.weights),
+            "gradientsBytes": int(e.gradients),
+            "optimizerBytes": int(e.optimizer),
+            "activationsBytes": int(e.activations),
+            "temporariesBytes": int(e.temporaries),
+            "reservedBytes": int(e.reserved),
+            "totalBytes": int(e.per_device),
+            "deviceBytes": _int(e.device_bytes),
+        },
+        "cpuMemory": {
+            "peakPerNodeBytes": int(e.cpu_peak_per_node),
+            "loadingPerNodeBytes": int(e.load_cpu_per_node),
+            "pageCachePerNodeBytes": int(e.page_cache_per_node),
+            "steadyPerNodeBytes": int(e.cpu_per_node),
+            "podMemoryBytes": _int(e.pod_memory),
+        },
+        "checkpointBytes": int(e.checkpoint_bytes),
+        # What activationCheckpointing asks for, and what it means here (auto resolved).
+        "activationCheckpointing": {
+            "setting": spec.training.activation_checkpointing,
+            "chosen": plan.stride_name(e.checkpoint_stride),
+        },
+        "tokensPerStep": spec.tokens_per_step,
+        "flopsPerToken": e.flops_per_token,
+        "recomputedFlopsPerToken": e.recomputed_flops_per_token,
+        "referenceFlopsPerToken": e.reference_flops_per_token,  # DPO with adapters
+        "stepSeconds": e.step_seconds,
+        "mfu": e.mfu,
+        "networkBytesPerNodePerStep": int(e.network_bytes_per_node),
+        "networkSecondsPerStep": e.network_seconds,
+        "options": [
+            {
+                "change": o.change,
+                "perDeviceBytes": int(o.estimate.per_device),
+                "stepSeconds": o.estimate.step_seconds,
+            }
+            for o in result.options
+        ],
+    }
+
+
+def plan_list(results: list[dict]) -> dict:
+    return {"apiVersion": API_VERSION, "kind": "PlanList", "items": results}
+
+
+def object_list(objects: list[dict]) -> dict:
+    """Rendered objects as kubectl prints several: a v1 List (``kubectl apply -f`` takes it)."""
+    return {"apiVersion": "v1", "kind": "List", "items": objects}
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)

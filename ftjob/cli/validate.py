@@ -1,0 +1,142 @@
+"""The verdict on a FineTuneJob document: ftjob's own checks and the API server's, offline.
+
+Both must agree: ``spec.py`` raises readable errors for people, the generated CRD (schema +
+CEL, through :mod:`ftjob.api.admission`) is what a cluster enforces at ``kubectl apply``.
+
+A job is accepted only if every child the operator would create for it is valid too: the
+operator's own check (:func:`ftjob.operator.admit.parse_job`) renders the children, holds them to
+the API server's rules and traces each refusal back to the FineTuneJob field at fault.
+
+Where the model's shape is known (its config.json beside the job file, or an hf:// model in
+:data:`ftjob.plan.modelshape.KNOWN_MODELS`), the job is also held to what the trainer would refuse
+on that model (:mod:`ftjob.plan.limits`, through the plan's estimate): validate, plan and the
+trainer give one verdict; the operator's admission applies it where the model is in that table
+(it reads no volume).
+
+Local inputs (:func:`ftjob.job.inputs.missing`, the check ``ftjob run`` makes before it starts
+anything): ``ftjob plan`` reads the model and data beside the job file, so a missing one
+refuses the job (``local=True``). ``ftjob validate`` checks a job for a cluster,
+where a relative or absolute path names the checkpoint volume, not this machine: a path not
+found here is a note saying the model's shape (or the data) was not checked, not an error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from ftjob.api import admission, crd
+from ftjob.api.schema import SpecError
+from ftjob.api.spec import FineTuneJobSpec, parse_resource, validate_update
+from ftjob.job import inputs
+from ftjob.operator.admit import parse_job
+from ftjob.plan import estimate as plan
+from ftjob.plan.modelshape import ModelShape, shape_for
+
+
+@cache
+def crd_schema() -> dict:
+    return crd.schema()
+
+
+@dataclass
+class Verdict:
+    name: str | None
+    spec: FineTuneJobSpec | None = None
+    errors: list[str] = field(default_factory=list)  # ftjob's messages
+    server_errors: list[str] = field(default_factory=list)  # the API server's messages
+    notes: list[str] = field(default_factory=list)  # what could not be checked here, and why
+    shape: ModelShape | None = None  # the model's, where it could be read
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and not self.server_errors
+
+
+def check(
+    doc: dict[str, Any],
+    old: dict[str, Any] | None = None,
+    job_file: str | None = None,
+    local: bool = False,
+) -> Verdict:
+    """Check ``doc`` (as an update of ``old`` when given) both ways, and on its model.
+
+    ``job_file``: where relative model and data sources are looked up. ``local``: they must
+    be there (plan, run); otherwise a missing one is only a note (validate).
+    """
+    name = (doc.get("metadata") or {}).get("name")
+    verdict = Verdict(name=name if isinstance(name, str) else None)
+    try:
+        _, verdict.spec = parse_job(doc)
+        if old is not None:
+            _, old_spec = parse_resource(old)
+            validate_update(old_spec, verdict.spec)
+        # Relative sources are read beside the job file; without one, only absolute ones.
+        root = Path(job_file).parent if job_file else None
+        missing = inputs.missing(verdict.spec, root, None) if root else []
+        if local and missing:
+            raise SpecError(missing)
+        verdict.notes = [
+            f"not checked: {m.path}: {m.message} on this machine (a cluster reads the path "
+            "from the checkpoint volume)"
+            for m in missing
+        ]
+        verdict.shape = _model_shape(verdict.spec, root)
+        if verdict.shape is not None:
+            problem = plan.estimate(verdict.spec, verdict.shape).problem
+            if problem:
+                raise SpecError([problem])
+    except SpecError as e:
+        verdict.errors = [str(err) for err in e.errors]
+        verdict.spec = None
+    except ValueError as e:  # a config.json without the fields a decoder has
+        verdict.errors = [f"spec.model.source: {e}"]
+        verdict.spec = None
+    _, verdict.server_errors = admission.admit(crd_schema(), doc, old)
+    return verdict
+
+
+def _model_shape(spec: FineTuneJobSpec, root: Path | None) -> ModelShape | None:
+    """The model's shape where it can be read: the config.json of a local folder, or the
+    table's entry for an hf:// model (None: not known here; the trainer checks it)."""
+    source = spec.model.source
+    config = None
+    if not source.startswith("hf://"):
+        folder = Path(source) if Path(source).is_absolute() or root is None else root / source
+        if not (folder / "config.json").is_file():
+            return None
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{folder / 'config.json'} cannot be read as JSON: {e}") from None
+    try:
+        return shape_for(source, config)
+    except ValueError:
+        if config is not None:
+            raise  # a config.json without the fields a decoder has
+        return None  # an hf:// model not in the table
+
+
+def summary(spec: FineTuneJobSpec) -> str:
+    """One line a person can check the job's shape against."""
+    r, m = spec.resources, spec.method
+    if r.gpus_per_node:
+        unit = _count(r.gpus_per_node, "GPU", "GPUs")
+    else:
+        unit = _count(r.nproc_per_node, "CPU process", "CPU processes")
+    t = spec.training
+    length = (
+        _count(t.max_steps, "step", "steps") if t.max_steps else _count(t.epochs, "epoch", "epochs")
+    )
+    return (
+        f"{m.type}, {_count(r.nodes, 'node', 'nodes')} x {unit} "
+        f"(world size {r.world_size}), global batch {spec.global_batch_size} x "
+        f"{spec.dataset.max_seq_length} tokens, {length}, {spec.compute_precision()}"
+    )
+
+
+def _count(n: float, one: str, many: str) -> str:
+    return f"{n:g} {one if n == 1 else many}"

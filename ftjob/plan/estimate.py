@@ -1,0 +1,839 @@
+"""Will it fit? A pure memory and throughput estimate for a FineTuneJob.
+
+From the model's shape (its config.json, or a table of well-known models for hf:// sources
+that cannot be read offline) and the spec, :func:`estimate` gives per-GPU memory (weights,
+gradients, optimizer states, activations, temporaries), CPU memory while loading, checkpoint
+size, step time and network traffic. :func:`plan` adds the verdict and, when the job does not
+fit, the cheapest changes that would make it fit.
+
+It models what ftjob's trainer does, not an ideal FSDP:
+* full fine-tuning keeps fp32 weights (the optimizer's master copy), computed in bf16 on GPUs;
+  LoRA and QLoRA keep the frozen base in the compute precision (bf16 on GPUs) and only the
+  adapters in fp32; gradients are reduced in fp32; AdamW keeps two fp32 moments;
+* QLoRA stores the decoder layers' linear weights in NF4 (~4.1 bits each), sharded by FSDP
+  like everything else, and gathers one layer (plus the next) of 4-bit weights at a time;
+* gradients are reduce-scattered after every micro-batch and accumulate sharded (fp32), so
+  gradient accumulation adds nothing beyond the gradient shard always counted (measured:
+  one shard more than at accumulation 1, where it never meets the activations); hybrid
+  (and none) all-reduce across replicas once per step, full and grad-op gather and
+  reduce-scatter every micro-batch;
+* activation checkpointing every N layers: a checkpointed layer keeps only its input, the
+  others everything, and one layer at a time is recomputed; ``auto`` takes the fastest
+  setting that fits (:func:`checkpoint_stride`);
+* the loss computes logits LOSS_CHUNK_TOKENS tokens at a time, with the gradients of the
+  hidden states and of the head taken chunk by chunk in the forward;
+* every rank reads its own rows of each tensor from the memory-mapped safetensors files (the
+  4-bit weights whole, as their NF4 scales span all of it), one tensor at a time: a rank's own
+  memory grows by its shards plus the tensor being read (measured: bench --suite loading); the
+  files' pages pass through the page cache, which is reclaimable and not counted;
+* checkpoints hold the trainable parameters' weights and AdamW moments (fp32).
+* DPO (training.objective dpo): a pair is two sequences in one forward, and its loss takes the
+  head's full-vocabulary logits in fp32 (not in chunks); LoRA and QLoRA run a reference
+  forward with the adapters off each micro-batch (time, no weights, no kept activations); a
+  full fine-tune runs one forward over every pair before training and stores 8 bytes a pair
+  (two fp32 log-probabilities) on the volume.
+
+MFU counts model FLOPs only (:func:`ftjob.plan.modelshape.model_flops`), as the trainer's live
+figure does; the step time also counts the recomputed forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ftjob.api.hardware import GIB, GPUS, node_bandwidth
+from ftjob.api.schema import FieldError, check_rules, quantity
+from ftjob.api.spec import FineTuneJobSpec
+from ftjob.plan import datasize
+from ftjob.plan.limits import qlora_problem, shard_group
+from ftjob.plan.modelshape import LOSS_CHUNK_TOKENS, ModelShape, flops_per_token, shape_for
+
+FP32 = 4
+# Measured on the GPUs we have run: CUDA context, NCCL buffers and the caching allocator.
+GPU_RESERVED_BYTES = 1.5 * GIB
+FRAGMENTATION = 1.10  # the caching allocator rarely packs activations tighter than this
+FIT_LIMIT = 1.0  # the margins are in FRAGMENTATION and GPU_RESERVED_BYTES
+TIGHT = 0.90  # above this share the estimate's error (~15%) could tip it: say so
+# CPU memory of one training process before any model: Python, torch, transformers. Measured:
+# 409-411 MiB per rank in `ftjob run examples/tiny.yaml` (a 0.2M-parameter model).
+PROCESS_BASELINE_BYTES = 0.4 * GIB
+# The same for a CUDA process (CUDA and NCCL libraries mapped in): not measured here.
+GPU_PROCESS_BASELINE_BYTES = 3 * GIB
+# Loading's allowance beyond the shards a rank keeps and the tensor it is reading: the
+# allocator and Python's objects. Measured (bench --suite loading, 2026-11-24, 0.2B and 1B
+# bf16 checkpoints, 2 CPU processes): full and LoRA grow -5 to 25 MiB beyond their shards,
+# the tensor being read included.
+LOAD_SLACK_BYTES = 64 * 2**20
+# QLoRA in CPU memory (a CPU job; a GPU job quantizes on the GPU) also holds torchao's
+# quantization working memory: to_nf4 finds the nearest of 16 levels for 2^20 values at a
+# time, a (2^20 x 16) tensor in the weight's dtype (32 MiB in bf16) and its absolute value.
+# Measured (that run and a --quick rerun): 0.2B QLoRA grows 84-88 MiB beyond its shards, the
+# 5.5 MiB weight read whole included: more than that weight and the slack (69.5 MiB); with
+# one such tensor, 101.5 MiB. The plan is then 1.10-1.21x the loading peak of every case of
+# that run (1.21x: 1B QLoRA, which grew 50-51 MiB): an upper bound.
+NF4_SEARCH_VALUES = 2**20 * 16
+# Share of the peak the GPUs are assumed to spend on matmuls, recomputed ones included
+# (hardware FLOPs utilisation): the step time divides model + recomputed FLOPs by it. Without
+# recomputation it equals MFU; the plan's MFU is it x model / (model + recomputed) FLOPs.
+ASSUMED_HFU = {"full": 0.40, "lora": 0.35, "qlora": 0.25}
+# activationCheckpointing: auto tries these strides, fastest first (0: none, 1: every layer).
+AUTO_STRIDES = (0, 4, 3, 2, 1)
+OFFLOAD_SLOWDOWN = 0.5  # CPU offload roughly halves throughput (PCIe copies each step)
+# torchao NF4: 4 bits a value, an int8 scale per 64 values, a scale of scales per 256 scales.
+NF4_BITS_PER_PARAM = 4 + 8 / 64 + 16 / (64 * 256)
+
+
+@dataclass
+class Estimate:
+    """Bytes and seconds for one configuration; per GPU (or per process on CPU)."""
+
+    params: int
+    trainable: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    temporaries: float
+    reserved: float
+    device_bytes: float | None  # one GPU's memory (None: CPU job or unknown GPU)
+    pod_memory: float | None  # resources.memory of a pod (None: not set)
+    cpu_per_node: float  # steady state: offloaded states and per-process baselines
+    load_cpu_per_node: float  # while loading: what each rank keeps + the tensor it reads
+    page_cache_per_node: float  # checkpoint bytes a node's ranks read (reclaimable, not counted)
+    checkpoint_bytes: float
+    flops_per_token: float  # model FLOPs (MFU's), every document maxSeqLength long
+    recomputed_flops_per_token: float  # the forward that activation checkpointing repeats
+    checkpoint_stride: int  # 0 none, 1 every layer, N every Nth (auto resolved)
+    step_seconds: float | None
+    network_bytes_per_node: float
+    network_seconds: float | None
+    notes: list[str] = field(default_factory=list)
+    problem: FieldError | None = None  # why the job cannot run at all, whatever the memory
+    # The assumed share of peak behind step_seconds (ASSUMED_HFU; None without a GPU type).
+    hardware_utilisation: float | None = None
+    on_gpu: bool = True  # a GPU job fits only if its GPUs and its pods' CPU memory both do
+    # DPO with adapters: the reference forward with them off (not model FLOPs: MFU leaves it out).
+    reference_flops_per_token: float = 0.0
+
+    @property
+    def per_device(self) -> float:
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.temporaries
+            + self.reserved
+        )
+
+    @property
+    def mfu(self) -> float | None:
+        """The MFU the step time implies: model FLOPs only, as the trainer reports it."""
+        if self.hardware_utilisation is None:
+            return None
+        return (
+            self.hardware_utilisation
+            * self.flops_per_token
+            / (
+                self.flops_per_token
+                + self.recomputed_flops_per_token
+                + self.reference_flops_per_token
+            )
+        )
+
+    @property
+    def cpu_peak_per_node(self) -> float:
+        """The most CPU memory a pod needs: while loading, or the steady state."""
+        return max(self.load_cpu_per_node, self.cpu_per_node)
+
+    @property
+    def fits_device(self) -> bool | None:
+        if self.device_bytes is None:
+            return None
+        return self.per_device <= FIT_LIMIT * self.device_bytes
+
+    @property
+    def fits_pod(self) -> bool | None:
+        if self.pod_memory is None:
+            return None
+        return self.cpu_peak_per_node <= self.pod_memory
+
+    @property
+    def fits(self) -> bool | None:
+        """False if any check fails; True only if every check was made (a GPU job's GPU
+        memory and, for every job, the pod's CPU memory against resources.memory); else None:
+        a job is never said to fit on memory nobody checked."""
+        if self.problem:
+            return False
+        checks = [self.fits_pod] + ([self.fits_device] if self.on_gpu else [])
+        if False in checks:
+            return False
+        return None if None in checks else True
+
+
+def stride_name(stride: int) -> str:
+    """A checkpoint stride as activationCheckpointing spells it."""
+    return {0: "none", 1: "all"}.get(stride, f"every-{stride}")
+
+
+def _stride_of(setting: str) -> int | None:
+    """The stride an explicit activationCheckpointing names; None for auto."""
+    if setting == "auto":
+        return None
+    named = {"none": 0, "all": 1}
+    return named[setting] if setting in named else int(setting.removeprefix("every-"))
+
+
+def checkpointed(layer: int, stride: int) -> bool:
+    """Whether decoder layer ``layer`` (0-based) is recomputed at ``stride``: every
+    ``stride``-th layer, counting from 1 (stride 2: layers 1, 3, 5, ...; 0: none)."""
+    return stride > 0 and (layer + 1) % stride == 0
+
+
+def checkpoint_stride(spec: FineTuneJobSpec, shape: ModelShape, device_bytes: int | None) -> int:
+    """training.activationCheckpointing as a layer stride: 0 none, 1 every layer, N every
+    Nth (:func:`checkpointed` says which).
+
+    ``auto`` is the fastest of AUTO_STRIDES whose estimate stays within TIGHT of
+    ``device_bytes`` (one GPU's memory), leaving room for the estimate's error: a job that
+    runs out of memory mid-run costs more than a recomputed layer. Where nothing fits, and on
+    CPU or an unknown GPU (``device_bytes`` None), every layer.
+    """
+    explicit = _stride_of(spec.training.activation_checkpointing)
+    if explicit is not None:
+        return explicit
+    if device_bytes is None or spec.resources.gpus_per_node == 0:
+        return 1
+    for stride in AUTO_STRIDES[:-1]:
+        if _estimate(spec, shape, stride, device_bytes).per_device <= TIGHT * device_bytes:
+            return stride
+    return AUTO_STRIDES[-1]
+
+
+def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
+    """The estimate for the GPU resources.gpuType names (none: no device fit, auto
+    activation checkpointing every layer)."""
+    gpu = GPUS.get(spec.resources.gpu_type) if spec.resources.gpu_type else None
+    device_bytes = gpu.memory_bytes if gpu else None
+    stride = checkpoint_stride(spec, shape, device_bytes)
+    return _estimate(spec, shape, stride, device_bytes)
+
+
+def _estimate(
+    spec: FineTuneJobSpec, shape: ModelShape, stride: int, device_bytes: int | None
+) -> Estimate:
+    r, t, method = spec.resources, spec.training, spec.method.type
+    on_gpu = r.gpus_per_node > 0
+    act_bytes = 2 if spec.compute_precision() == "bf16" else FP32
+    lora = spec.method.lora_settings()
+    adapter = shape.lora_params(lora.r, lora.target_modules) if lora else 0
+    trainable = shape.params if method == "full" else adapter
+    # Bytes of what FSDP shards: the base (4-bit linear weights under QLoRA, the rest in the
+    # frozen dtype), then the trained weights with their gradients and two AdamW moments.
+    frozen_bytes = FP32 if method == "full" or act_bytes == FP32 else 2
+    quantized = shape.linear_params if method == "qlora" else 0
+    base_bytes = (shape.params - quantized) * frozen_bytes + quantized * NF4_BITS_PER_PARAM / 8
+    if method == "full":
+        base_bytes = 0.0  # every weight trains: counted below
+    sharded_weights = base_bytes + trainable * FP32
+    state_bytes = sharded_weights + 3 * trainable * FP32
+    sharding = spec.effective_sharding(state_bytes, device_bytes)
+    group = shard_group(spec, sharding)
+    offload = spec.parallelism.cpu_offload
+    notes = [f"sharding {sharding} over {group} process{'es' if group > 1 else ''}"]
+    # The rule validate and the trainer apply; every decoder layer has the same weights.
+    problem = qlora_problem(spec, shape.linear_shapes(), group)
+    if method == "qlora":
+        notes.append("4-bit base sharded" if group > 1 else "4-bit base")
+    elif method == "lora" and frozen_bytes == 2:
+        notes.append("bf16 frozen base")
+    states_on_device = 0.0 if offload else 1.0
+    weights = sharded_weights / group * states_on_device
+    gradients = trainable * FP32 / group * states_on_device
+    optimizer = 2 * trainable * FP32 / group * states_on_device
+
+    tokens = t.micro_batch_size * spec.sequences_per_example * spec.dataset.max_seq_length
+    activations = _activations(spec, shape, tokens, act_bytes, stride) * FRAGMENTATION
+    temporaries = _temporaries(method, shape, sharding, act_bytes)
+    reserved = GPU_RESERVED_BYTES if on_gpu else PROCESS_BASELINE_BYTES
+
+    device_total = weights + gradients + optimizer + activations + temporaries + reserved
+    shards = (state_bytes / group, sharded_weights / group)
+    cpu = _cpu_memory(spec, shape, group, trainable, shards, device_total, frozen_bytes)
+    if cpu.staging:
+        notes.append(f"asyncSave keeps a {_gib(cpu.staging)} CPU copy per process")
+    checkpoint_bytes = 3 * trainable * FP32
+
+    if spec.training.objective == "dpo":
+        notes.append(_dpo_note(spec))
+    return Estimate(
+        params=shape.params,
+        trainable=trainable,
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer,
+        activations=activations,
+        temporaries=temporaries,
+        reserved=reserved,
+        device_bytes=device_bytes if on_gpu else None,
+        pod_memory=quantity(r.memory) if r.memory else None,
+        cpu_per_node=cpu.steady,
+        load_cpu_per_node=cpu.loading,
+        page_cache_per_node=cpu.page_cache,
+        checkpoint_bytes=checkpoint_bytes,
+        checkpoint_stride=stride,
+        notes=notes,
+        problem=problem,
+        on_gpu=on_gpu,
+        **_speed(spec, shape, adapter, stride, sharding, trainable, act_bytes),
+    )
+
+
+def _speed(
+    spec: FineTuneJobSpec,
+    shape: ModelShape,
+    adapter: int,
+    stride: int,
+    sharding: str,
+    trainable: int,
+    act_bytes: int,
+) -> dict[str, float | None]:
+    """The estimate's speed: FLOPs per token, the step's time on the named GPUs at the
+    assumed utilisation, and the bytes each node sends per step over its fabric."""
+    r, method = spec.resources, spec.method.type
+    gpu = GPUS.get(r.gpu_type) if r.gpu_type else None
+    flops, recomputed = _flops_per_token(spec, shape, adapter, stride)
+    reference = _reference_flops_per_token(spec, shape) if method != "full" else 0.0
+    step_seconds = hfu = None
+    if gpu:
+        hfu = ASSUMED_HFU[method] * (OFFLOAD_SLOWDOWN if spec.parallelism.cpu_offload else 1.0)
+        work = spec.tokens_per_step * (flops + recomputed + reference)
+        step_seconds = work / (r.world_size * gpu.peak_bf16_flops * hfu)
+    net = _network_bytes_per_node(spec, shape, sharding, trainable, act_bytes)
+    bandwidth = node_bandwidth(
+        spec.network.fabric, r.gpus_per_node, spec.network.efa_devices_per_node
+    )
+    return dict(
+        flops_per_token=flops,
+        recomputed_flops_per_token=recomputed,
+        reference_flops_per_token=reference,
+        step_seconds=step_seconds,
+        network_bytes_per_node=net,
+        network_seconds=net / bandwidth if r.nodes > 1 else 0.0,
+        hardware_utilisation=hfu,
+    )
+
+
+def _temporaries(method: str, shape: ModelShape, sharding: str, act_bytes: int) -> float:
+    """FSDP gathers a layer (and prefetches the next) in compute precision and holds its
+    unsharded fp32 gradient until the reduce-scatter; grad-op keeps every layer gathered
+    from forward to backward."""
+    layer = shape.layer_params
+    gathered = (shape.params if sharding == "grad-op" else 2 * layer) * act_bytes
+    if method == "qlora":
+        # The gathered layers stay 4-bit; each linear weight is dequantized as it is used.
+        layers = shape.params / shape.layer_params if sharding == "grad-op" else 2
+        largest = max(r * c for r, c in shape.linear_shapes().values())
+        gathered = layers * layer * NF4_BITS_PER_PARAM / 8 + largest * act_bytes
+    return gathered + (layer if method == "full" else 0) * FP32
+
+
+@dataclass
+class _Cpu:
+    steady: float  # per node: offloaded states, baselines, background-save copies
+    loading: float  # per node, while loading
+    page_cache: float  # per node: checkpoint bytes read through the page cache
+    staging: float  # per process: asyncSave's copy
+
+
+def _cpu_memory(
+    spec: FineTuneJobSpec,
+    shape: ModelShape,
+    group: int,
+    trainable: int,
+    shards: tuple[float, float],
+    device_total: float,
+    frozen_bytes: int,
+) -> _Cpu:
+    """A pod's CPU memory. ``shards``: one process's shard of all the states, and of the
+    weights alone; ``device_total``: one process's device memory (a CPU job's whole memory);
+    ``frozen_bytes``: bytes of a weight as training holds it."""
+    nproc, on_gpu = spec.resources.nproc_per_node, spec.resources.gpus_per_node > 0
+    states, weights = shards
+    offload = spec.parallelism.cpu_offload
+    qlora = spec.method.type == "qlora"
+    baseline = GPU_PROCESS_BASELINE_BYTES if on_gpu else PROCESS_BASELINE_BYTES
+    # Background checkpoints copy each process's share of what they save (trained weights and
+    # both moments) into CPU buffers that are kept for the whole run.
+    staging = 3 * trainable * FP32 / group if spec.checkpoint.async_save else 0.0
+
+    # Training: a GPU job's states live on the device unless offloaded to CPU memory; a CPU
+    # job keeps everything in CPU memory (its baseline is in device_total).
+    offloaded = states if offload else 0.0
+    steady = (baseline + offloaded if on_gpu else device_total) + staging
+
+    # Loading: the weights' shards (in CPU memory when offloaded or on CPU), and the tensor
+    # being read in the training dtype (read into the GPU in a GPU job; counted all the same):
+    # a rank's rows of the largest tensor, or a 4-bit weight read whole, whichever is larger.
+    # Gradients, moments and activations do not exist yet.
+    largest_rows = max(shape.vocab, shape.intermediate) * shape.hidden / group
+    largest_4bit = max(o * i for o, i in shape.linear_shapes().values()) if qlora else 0
+    kept = weights if offload or not on_gpu else 0.0
+    reading = max(largest_rows, largest_4bit) * frozen_bytes
+    quantizing = NF4_SEARCH_VALUES * frozen_bytes if qlora and not on_gpu else 0
+    loading = baseline + kept + reading + quantizing + LOAD_SLACK_BYTES
+
+    # What a node's ranks read from the files: their own rows (all of it where each holds
+    # everything), and QLoRA's 4-bit weights whole on every rank (one copy in a node's cache).
+    read_whole = shape.linear_params if qlora else 0
+    own_share = min(1.0, nproc / group)
+    read = ((shape.params - read_whole) * own_share + read_whole) * shape.checkpoint_bytes
+    return _Cpu(nproc * steady, nproc * loading, read, staging)
+
+
+def _activations(
+    spec: FineTuneJobSpec, s: ModelShape, tokens: int, nbytes: int, stride: int
+) -> float:
+    """Bytes saved for the backward pass of one micro-batch (Llama-style decoder), and the
+    loss's working memory."""
+    h, i = s.hidden, s.intermediate
+    # Per token and layer, what autograd keeps (HF Llama, sdpa): each RMSNorm's normalised
+    # value and output (2h) plus its fp32 input (4h bytes); q, k, v (repeated to all heads)
+    # and the attention output (4h); o_proj's input (h); the MLP's gate, activation, up and
+    # product (4i).
+    per_layer = nbytes * (9 * h + 4 * i) + 2 * 4 * h
+    lora = spec.method.lora_settings()
+    if lora and lora.dropout > 0:
+        # peft drops out each adapted layer's input separately and keeps the result and the
+        # mask (1 byte) for backward: measured +230 MiB per rank on a 25M model at p=0.05.
+        per_layer += (nbytes + 1) * s.adapted_input_width(lora.target_modules)
+    if spec.model.attention == "eager":
+        per_layer += 2 * s.heads * spec.dataset.max_seq_length * nbytes  # scores + softmax
+    # A checkpointed layer keeps only its input; the others keep everything; the backward
+    # recomputes one checkpointed layer at a time, which then holds everything too.
+    recomputed = sum(checkpointed(n, stride) for n in range(s.layers))
+    kept = (s.layers - recomputed) * per_layer + recomputed * h * nbytes
+    stored = tokens * (kept + (per_layer if recomputed else 0))
+    # The loss takes LOSS_CHUNK_TOKENS tokens at a time: that chunk's logits in compute
+    # precision and fp32 (the upcast and its gradient) come and go; what stays is the
+    # gradient of the hidden states, and under a full fine-tune the head's fp32 gradient.
+    # DPO's loss takes the whole micro-batch's logits: in compute precision, their fp32 copy
+    # that log-softmax keeps for backward, and its fp32 gradient.
+    chunk = tokens if spec.training.objective == "dpo" else min(tokens, LOSS_CHUNK_TOKENS)
+    loss = chunk * s.vocab * (nbytes + 2 * FP32) + tokens * h * nbytes
+    if spec.method.type == "full":
+        loss += s.vocab * h * FP32
+    return stored + loss
+
+
+def _flops_per_token(
+    spec: FineTuneJobSpec, s: ModelShape, adapter: int, stride: int
+) -> tuple[float, float]:
+    """MFU's model FLOPs per token, and the forward that activation checkpointing repeats."""
+    frozen = spec.method.type != "full"
+    n = s.matmul_params  # the base model's; adapters are counted apart
+    seq = spec.dataset.max_seq_length
+    flops = flops_per_token(n, adapter if frozen else 0, s.layers, s.hidden, seq, frozen)
+    recomputed = sum(checkpointed(k, stride) for k in range(s.layers))
+    # One layer's forward: its weights (and adapters) 2 FLOPs each, attention 4·hidden·seq.
+    layer_forward = 2 * (s.layer_params + adapter / s.layers) + 4 * s.hidden * seq
+    return flops, recomputed * layer_forward
+
+
+def _reference_flops_per_token(spec: FineTuneJobSpec, s: ModelShape) -> float:
+    """DPO with adapters: the adapter-free forward that gives the reference, per token (its
+    weights 2 FLOPs each, attention 4·hidden·seq per layer); 0 for other objectives."""
+    if spec.training.objective != "dpo":
+        return 0.0
+    return 2 * s.matmul_params + 4 * s.hidden * spec.dataset.max_seq_length * s.layers
+
+
+def reference_pass(spec: FineTuneJobSpec, s: ModelShape) -> tuple[float, float | None]:
+    """A full fine-tune's one-time DPO reference pass: the bytes stored on the volume per pair
+    (two fp32 log-probabilities), and the seconds per 1,000 pairs (None without a GPU type)."""
+    gpu = GPUS.get(spec.resources.gpu_type) if spec.resources.gpu_type else None
+    seconds = None
+    if gpu:
+        tokens = 1000 * spec.sequences_per_example * spec.dataset.max_seq_length
+        forward = 2 * s.matmul_params + 4 * s.hidden * spec.dataset.max_seq_length * s.layers
+        seconds = tokens * forward / (spec.resources.world_size * gpu.peak_bf16_flops
+                                      * ASSUMED_HFU["full"])  # fmt: skip
+    return 2 * FP32, seconds
+
+
+def _dpo_note(spec: FineTuneJobSpec) -> str:
+    if spec.method.type == "full":
+        return "DPO: 2 sequences a pair, reference log-probs computed once and stored"
+    return "DPO: 2 sequences a pair, reference forward with adapters off"
+
+
+def _network_bytes_per_node(spec, s: ModelShape, sharding: str, trainable: int, nbytes: int):
+    """Bytes each node sends to other nodes per optimizer step (ring collectives)."""
+    r = spec.resources
+    if r.nodes == 1:
+        return 0.0
+    across = (r.nodes - 1) / r.nodes
+    micro = spec.training.gradient_accumulation
+    if sharding in ("full", "grad-op"):
+        # Every micro-batch gathers the weights and reduce-scatters its gradients (fp32).
+        gathers = 1 if sharding == "grad-op" else 2  # forward, and again for backward
+        per_micro = gathers * s.params * nbytes + trainable * FP32
+        return per_micro * micro * across
+    # hybrid and none: gradients accumulate within the node and are all-reduced across
+    # nodes once per step, after the last micro-batch (a ring sends 2x the data).
+    return 2 * trainable * FP32 * across
+
+
+# ----------------------------------------------------------------------------- the verdict
+
+
+@dataclass
+class Option:
+    change: str
+    spec: FineTuneJobSpec
+    estimate: Estimate
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    estimate: Estimate
+    options: list[Option]
+    on_gpus: bool = True  # what the advice may name: gpuType only for a GPU job
+
+    @property
+    def fits(self) -> bool | None:
+        return self.estimate.fits
+
+
+def _with(spec: FineTuneJobSpec, **changes) -> FineTuneJobSpec:
+    """A copy of spec with dotted-path changes, e.g. training__micro_batch_size=1."""
+    groups: dict[str, dict] = {}
+    for key, value in changes.items():
+        part, name = key.split("__")
+        groups.setdefault(part, {})[name] = value
+    replaced = {k: dataclasses.replace(getattr(spec, k), **v) for k, v in groups.items()}
+    return dataclasses.replace(spec, **replaced)
+
+
+def _candidates(spec: FineTuneJobSpec, shape: ModelShape):
+    """Single changes that lower memory, cheapest first (what each costs the user)."""
+    t, r, p, m = spec.training, spec.resources, spec.parallelism, spec.method
+    if t.activation_checkpointing not in ("auto", "all"):
+        # What auto would pick here: the fewest recomputed layers that fit (else all). auto
+        # itself already recomputes as much as it takes, so it gets no such advice.
+        gpu = GPUS.get(r.gpu_type) if r.gpu_type else None
+        auto = _with(spec, training__activation_checkpointing="auto")
+        stride = checkpoint_stride(auto, shape, gpu.memory_bytes if gpu else None)
+        if stride != _stride_of(t.activation_checkpointing):
+            e = _estimate(auto, shape, stride, gpu.memory_bytes if gpu else None)
+            more = e.recomputed_flops_per_token / e.flops_per_token
+            yield (
+                f"activationCheckpointing: {stride_name(stride)} (~{more:.0%} more compute)",
+                {"training__activation_checkpointing": stride_name(stride)},
+            )
+    if t.micro_batch_size > 1:
+        mb = max(1, t.micro_batch_size // 2)
+        ga = t.gradient_accumulation * t.micro_batch_size // mb
+        yield (
+            f"microBatchSize: {mb}, gradientAccumulation: {ga} (same global batch)",
+            {
+                "training__micro_batch_size": mb,
+                "training__gradient_accumulation": ga,
+            },
+        )
+    if p.sharding not in ("full", "auto") or (p.sharding == "auto" and r.nodes > 1):
+        yield "sharding: full (more traffic between nodes)", {"parallelism__sharding": "full"}
+    volume = "" if spec.checkpoint.volume else "; needs a shared checkpoint.volume"
+    for factor in (2, 4):
+        if r.gpus_per_node:
+            n = r.nodes * factor
+            yield f"nodes: {n} (more GPUs{volume})", {"resources__nodes": n}
+    if m.type == "full":
+        yield "method: lora (train adapters only)", {"method__type": "lora"}
+    if m.type in ("full", "lora"):
+        yield (
+            "method: qlora with nf4 (4-bit base)",
+            {"method__type": "qlora", "method__lora": m.lora},
+        )
+    if not p.cpu_offload and p.sharding != "none":
+        yield "cpuOffload: true (roughly halves throughput)", {"parallelism__cpu_offload": True}
+    if r.gpu_type:
+        bigger = [g for g in GPUS.values() if g.memory_bytes > GPUS[r.gpu_type].memory_bytes]
+        for gpu in sorted(bigger, key=lambda g: g.memory_bytes)[:2]:
+            yield f"gpuType: {gpu.name} (GPUs with more memory)", {"resources__gpu_type": gpu.name}
+
+
+def option_fits(base: Estimate, option: Estimate) -> bool:
+    """Whether a suggested change fits by the job's own standard: no check fails, the GPUs
+    were checked, and the pods' CPU memory was checked against resources.memory, or, where
+    that is not set, the change asks no more CPU memory than the job already needs (so
+    cpuOffload, which moves the states to CPU memory, is never offered unchecked)."""
+    if option.problem or option.fits_device is False or option.fits_pod is False:
+        return False
+    if option.on_gpu and not option.fits_device:
+        return False
+    if option.fits_pod is None:
+        return option.cpu_peak_per_node <= base.cpu_peak_per_node
+    return True
+
+
+def plan(spec: FineTuneJobSpec, shape: ModelShape, max_options: int = 3) -> Plan:
+    """The estimate and, if it does not fit, up to ``max_options`` changes that would."""
+    base = estimate(spec, shape)
+    options: list[Option] = []
+    if base.fits is False:
+        cumulative: dict = {}
+        labels: list[str] = []
+        stacked_fits = False
+        for label, change in _candidates(spec, shape):
+            single = _with(spec, **change)
+            if check_rules(single, "spec"):
+                continue  # advice must be a job the API server accepts
+            est = estimate(single, shape)
+            if option_fits(base, est):
+                options.append(Option(label, single, est))
+            elif (
+                "nodes" not in label and not stacked_fits and not cumulative.keys() & change.keys()
+            ):
+                # Changes stack: activation checkpointing and a smaller micro-batch together.
+                # A change of a field already changed (a second gpuType, qlora after lora)
+                # replaces rather than adds, so it is not stacked: the label would lie. Once
+                # a stack fits, more changes on top of it are not advice.
+                cumulative.update(change)
+                labels.append(label.split(" (")[0])
+                stacked = _with(spec, **cumulative)
+                est = estimate(stacked, shape)
+                if option_fits(base, est) and len(labels) > 1 and not check_rules(stacked, "spec"):
+                    options.append(Option(" + ".join(labels), stacked, est))
+                    stacked_fits = True
+            if len(options) >= max_options:
+                break
+    return Plan(
+        shape=shape, estimate=base, options=options, on_gpus=spec.resources.gpus_per_node > 0
+    )
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def _source_root() -> Path | None:
+    root = os.environ.get("FTJOB_SOURCE_ROOT")  # relative sources, as the trainer resolves them
+    return Path(root) if root else None
+
+
+def _gib(n: float) -> str:
+    if n >= 1024 * GIB:
+        return f"{n / 1024 / GIB:.1f} TiB"
+    if n >= GIB:
+        return f"{n / GIB:.1f} GiB"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes = seconds / 60
+    if minutes < 120:
+        return f"{minutes:.0f} min"
+    return f"{minutes / 60:.1f} h"
+
+
+def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = None) -> list[str]:
+    """The plan as lines a person reads top to bottom; relative data sources are looked up
+    under ``source_root`` (the job file's folder)."""
+    e, s, r = result.estimate, result.shape, spec.resources
+    device = r.gpu_type or ("CPU process" if not r.gpus_per_node else "GPU (gpuType unset)")
+    rows = [
+        (
+            "model",
+            f"{s.name}: {_count(s.params)} parameters, {s.layers} layers, hidden "
+            f"{s.hidden}; trainable {_count(e.trainable)} ({spec.method.type})",
+        ),
+        (
+            "shape",
+            f"{r.nodes} node(s) x {r.nproc_per_node} x {device}, "
+            + ", ".join(e.notes)
+            + f", {spec.compute_precision()}, "
+            + checkpointing_text(spec, e),
+        ),
+        (
+            "per GPU" if r.gpus_per_node else "per process",
+            f"weights {_gib(e.weights)} + gradients {_gib(e.gradients)} + optimizer "
+            f"{_gib(e.optimizer)} + activations {_gib(e.activations)} + temporaries "
+            f"{_gib(e.temporaries)} + reserved {_gib(e.reserved)} = {_gib(e.per_device)}"
+            + (f" of {_gib(e.device_bytes)}" if e.device_bytes else "")
+            # 0 bytes of weights, gradients and optimizer are not a mistake: say where they are.
+            + (
+                "; weights, gradients and optimizer states live in CPU memory (cpuOffload)"
+                if spec.parallelism.cpu_offload and r.gpus_per_node
+                else ""
+            ),
+        ),
+        (
+            "CPU memory",
+            f"{_gib(e.cpu_peak_per_node)} per pod at most: loading {_gib(e.load_cpu_per_node)} "
+            "(each process its shards + the tensor it reads), steady "
+            f"{_gib(e.cpu_per_node)}"
+            + (f", of {_gib(e.pod_memory)} (resources.memory)" if e.pod_memory else "")
+            + f"; page cache: {_gib(e.page_cache_per_node)} of weight files read through it, "
+            "charged to the pod but reclaimable, not counted",
+        ),
+        (
+            "checkpoint",
+            f"{_gib(e.checkpoint_bytes)} each on the volume "
+            f"(x keep {spec.checkpoint.keep} = {_gib(e.checkpoint_bytes * spec.checkpoint.keep)})",
+        ),
+        ("data", datasize.describe(spec, source_root or _source_root())),
+    ]
+    if spec.training.objective == "dpo":
+        rows.append(("reference", _reference_text(spec, s, e)))
+    tokens = spec.tokens_per_step
+    if e.step_seconds is not None:
+        total, steps = "", spec.training.max_steps
+        if steps:
+            total = f", {steps} steps ~ {_duration(e.step_seconds * steps)}"
+        rows.append(
+            (
+                "throughput",
+                f"{tokens:,} tokens/step, ~{_duration(e.step_seconds)}/step at {e.mfu:.0%} MFU"
+                + (
+                    f" ({e.hardware_utilisation:.0%} of peak with recomputation)"
+                    if e.recomputed_flops_per_token
+                    else ""
+                )
+                + total,
+            )
+        )
+    elif r.gpus_per_node:
+        rows.append(("throughput", f"{tokens:,} tokens/step (set resources.gpuType for time)"))
+    else:
+        rows.append(("throughput", f"{tokens:,} tokens/step (no time estimate on CPU)"))
+    if r.nodes > 1:
+        bw = node_bandwidth(spec.network.fabric, r.gpus_per_node, spec.network.efa_devices_per_node)
+        rows.append(
+            (
+                "network",
+                f"{_gib(e.network_bytes_per_node)} per node per step over "
+                f"{spec.network.fabric} ({bw / 1e9:.0f} GB/s): {_duration(e.network_seconds)} if "
+                "not overlapped with compute",
+            )
+        )
+    rows.append(("verdict", verdict_text(result)))
+    unit = "GPU" if r.gpus_per_node else "process"
+    for option in result.options:
+        step = option.estimate.step_seconds
+        rows.append(
+            (
+                "  fits with",
+                f"{option.change}: {_gib(option.estimate.per_device)} per {unit}"
+                + (" (tight)" if _tight(option.estimate) else "")
+                + (f", ~{_duration(step)}/step" if step else "")
+                + _more_cpu(e, option.estimate),
+            )
+        )
+    width = max(len(label) for label, _ in rows) + 2
+    return [f"{label:<{width}}{text}" for label, text in rows]
+
+
+def _reference_text(spec: FineTuneJobSpec, s: ModelShape, e: Estimate) -> str:
+    """The DPO reference row: what the reference costs for this method."""
+    if spec.method.type != "full":
+        return (
+            "the same network with its adapters off: one more forward per micro-batch "
+            f"(+{e.reference_flops_per_token / e.flops_per_token:.0%} of the step's model "
+            "FLOPs, counted in the step time), no extra weights, no kept activations"
+        )
+    stored, seconds = reference_pass(spec, s)
+    when = f", ~{_duration(seconds)} per 1,000 pairs" if seconds is not None else ""
+    return (
+        "the initial model's log-probabilities, one forward over every pair before training"
+        f"{when}; stored on the volume beside the prepared data, {stored:.0f} bytes a pair "
+        f"({_gib(stored * 1e6)} per million pairs), reused by restarts"
+    )
+
+
+def _tight(e: Estimate) -> bool:
+    """Above TIGHT of a GPU's memory: the estimate's error could tip it."""
+    return bool(e.device_bytes) and e.per_device > TIGHT * e.device_bytes
+
+
+def _more_cpu(base: Estimate, option: Estimate) -> str:
+    """The CPU memory a change needs, where it needs more than the job (cpuOffload)."""
+    if option.cpu_peak_per_node <= base.cpu_peak_per_node:
+        return ""
+    return f", {_gib(option.cpu_peak_per_node)} CPU memory per pod"
+
+
+def checkpointing_text(spec: FineTuneJobSpec, e: Estimate) -> str:
+    """What activation checkpointing does here, and what auto chose."""
+    chosen = stride_name(e.checkpoint_stride)
+    if spec.training.activation_checkpointing != "auto":
+        return f"activation checkpointing {chosen}"
+    if not e.device_bytes:
+        why = "no GPU memory to fit against"
+    elif e.checkpoint_stride == 1:
+        why = "nothing faster fits"
+    else:
+        why = "the fastest that fits"
+    return f"activation checkpointing auto: {chosen} ({why})"
+
+
+def verdict_text(result: Plan) -> str:
+    e = result.estimate
+    if e.problem:
+        return f"CANNOT RUN: {e.problem}"
+    found = []
+    if e.fits_device is not None:
+        share = e.per_device / e.device_bytes
+        found.append(f"{_gib(e.per_device)} of {_gib(e.device_bytes)} per GPU ({share:.0%})")
+    if e.fits_pod is not None:
+        peak = "loading" if e.load_cpu_per_node > e.cpu_per_node else "training"
+        found.append(
+            f"{_gib(e.cpu_peak_per_node)} of {_gib(e.pod_memory)} CPU memory per pod (peak "
+            f"while {peak}: every rank reads only its part of the weights)"
+        )
+    if e.fits is None:
+        if not result.on_gpus:  # gpuType is for GPU jobs only (a CRD rule)
+            return "not checked: set resources.memory to check the CPU memory"
+        if e.fits_device is None:
+            return "not checked: set resources.gpuType (and resources.memory) to check the fit"
+        # The GPUs fit, but the pods' CPU memory (offloaded states, loading) was not checked.
+        return (
+            f"GPU memory fits: {found[0]}; CPU MEMORY NOT CHECKED: a pod needs up to "
+            f"{_gib(e.cpu_peak_per_node)}; set resources.memory to check it"
+        )
+    if e.fits:
+        return ("FITS (tight)" if _tight(e) else "FITS") + ": " + ", ".join(found)
+    options = "; ".join(o.change.split(" (")[0] for o in result.options) or "no single change"
+    return "WILL NOT FIT: " + ", ".join(found) + f"; fits with: {options}"
+
+
+def admission(spec: FineTuneJobSpec, config: dict | None = None) -> dict:
+    """The ``Planned`` condition the operator records before it creates any pod.
+
+    ``config`` is the model's config.json when the operator can read it; hf:// sources of
+    well-known models are planned from the table. ``allowed`` is False only when the job will
+    not fit and ``spec.plan.enforce`` is on.
+    """
+    try:
+        shape = shape_for(spec.model.source, config)
+    except ValueError as e:
+        return {"reason": "Unknown", "message": f"not planned: {e}", "allowed": True}
+    result = plan(spec, shape)
+    if result.estimate.problem:  # the trainer would refuse it: no enforce can let it through
+        return {"reason": "CannotRun", "message": verdict_text(result), "allowed": False}
+    if result.fits is None:
+        return {"reason": "Unknown", "message": verdict_text(result), "allowed": True}
+    if result.fits:
+        return {"reason": "Fits", "message": verdict_text(result), "allowed": True}
+    enforce = spec.plan.enforce
+    tail = "" if enforce else " (spec.plan.enforce is false: starting anyway)"
+    return {"reason": "WillNotFit", "message": verdict_text(result) + tail, "allowed": not enforce}

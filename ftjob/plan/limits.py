@@ -1,0 +1,78 @@
+"""What makes a job impossible on its model, whatever the memory: one rule for every command.
+
+``ftjob validate`` and ``ftjob plan`` (through :func:`ftjob.cli.validate.check`), the operator's
+admission (:func:`ftjob.plan.estimate.admission`) and the trainer (``trainer/model/load.py``
+``check_shardable``, with the weights it actually built) all ask :func:`qlora_problem`, so a
+job one of them refuses is refused by all with the same field and words. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from ftjob.api.schema import FieldError
+from ftjob.api.spec import FineTuneJobSpec
+from ftjob.plan.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK, nf4_splits
+
+# The shard group FSDP splits every parameter over, by sharding (as trainer/model/parallel.py
+# builds its mesh): all processes, the processes of one node, or none.
+_GROUP = {"full": "world", "grad-op": "world", "hybrid": "node", "none": "one"}
+
+
+def shard_group(spec: FineTuneJobSpec, sharding: str) -> int:
+    """How many processes share each parameter under ``sharding`` (auto already resolved)."""
+    r = spec.resources
+    return {"world": r.world_size, "node": r.nproc_per_node, "one": 1}[_GROUP[sharding]]
+
+
+def qlora_problem(
+    spec: FineTuneJobSpec, weights: dict[str, tuple[int, int]], shards: int
+) -> FieldError | None:
+    """Why this QLoRA job cannot store ``weights`` (name: (rows, cols), the linear weights to
+    quantize) in 4 bits split over ``shards`` processes; None if it can or is not QLoRA.
+
+    torchao's NF4 stores values in blocks of NF4_BLOCK and their scales, quantized again, in
+    blocks of NF4_SCALE_BLOCK; FSDP2 splits the NF4 storage along the first dimension without
+    padding, so every shard must hold whole scale blocks.
+    """
+    q = spec.method.quantization_settings()
+    if q is None:
+        return None
+    if q.type != "nf4":
+        return FieldError(
+            "spec.method.quantization.type",
+            f"qlora: {q.type} is not supported: ftjob stores the 4-bit base as nf4 only",
+            fix="set type nf4 (or remove the quantization block)",
+        )
+    if not q.double_quant:
+        return FieldError(
+            "spec.method.quantization.doubleQuant",
+            "qlora: false is not supported: ftjob's NF4 always quantizes the scales (0.13 bit "
+            "a weight)",
+            fix="remove doubleQuant or set it true",
+        )
+    for full_name, (rows, cols) in weights.items():
+        if nf4_splits(rows, cols, shards):
+            continue
+        name = module_name(full_name)
+        if not nf4_splits(rows, cols, 1):
+            return FieldError(
+                "spec.method.type",
+                f"qlora: {name} ({rows}x{cols}) has {rows * cols} values, not a multiple of "
+                f"{NF4_BLOCK * NF4_SCALE_BLOCK}: this model cannot be stored in NF4",
+                fix="use method.type lora",
+            )
+        good = [n for n in range(1, 17) if all(nf4_splits(r, c, n) for r, c in weights.values())]
+        counts = ", ".join(str(n) for n in good[:-1]) + (" or " if len(good) > 1 else "")
+        return FieldError(
+            "spec.resources",
+            f"qlora: {name} ({rows}x{cols}) cannot be split into {shards} equal 4-bit shards",
+            fix=f"the shard group (resources.processesPerNode / gpusPerNode, or nodes with "
+            f"hybrid sharding) must be {counts}{good[-1]} processes",
+        )
+    return None
+
+
+def module_name(weight: str) -> str:
+    """``model.layers.0.self_attn.q_proj.base_layer.weight`` (the trainer's name, under peft)
+    -> ``q_proj`` (the planner's): every decoder layer has the same, so the messages agree."""
+    parts = [p for p in weight.split(".") if p not in ("weight", "base_layer")]
+    return parts[-1] if parts else weight

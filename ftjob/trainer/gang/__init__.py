@@ -1,0 +1,2 @@
+"""The ranks together: preflight, heartbeats, stragglers, and the termination record the node's
+agent reads."""

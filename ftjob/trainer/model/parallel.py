@@ -1,0 +1,188 @@
+"""Process group, device mesh and FSDP2 sharding: the only place that knows about parallelism.
+
+The model code knows nothing of this (torchtitan's rule): :func:`shard` takes a plain Hugging
+Face model, turns on activation checkpointing, then applies ``fully_shard`` to every decoder
+layer and finally to the root. The same calls run on CPU (gloo) and GPUs (NCCL).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from ftjob.api import contract
+from ftjob.api.spec import FineTuneJobSpec
+from ftjob.plan import estimate as plan
+from ftjob.plan.modelshape import ModelShape
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Where this process stands in the gang (from torchrun's environment)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init(spec: FineTuneJobSpec) -> Dist:
+    """Join the process group: NCCL on GPUs, gloo on CPU; a lone process runs as world 1."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if spec.resources.gpus_per_node > 0:
+        if not torch.cuda.is_available():
+            raise RuntimeError("the spec asks for GPUs (resources.gpusPerNode) but none is visible")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # NCCL for GPU tensors, gloo beside it for CPU ones: with cpuOffload the sharded
+        # parameters and gradients live in CPU memory, and the collectives on them (gradient
+        # norm clipping, the export's gather of the adapters) need a CPU backend.
+        backend = "cuda:nccl,cpu:gloo"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    timeout = datetime.timedelta(seconds=spec.network.collective_timeout_seconds)
+    # `python -m ftjob.trainer` without torchrun: a world of one, no rendezvous needed.
+    store = dist.HashStore() if "MASTER_ADDR" not in os.environ else _round_store(world, timeout)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        device_id=_device_id(device),
+    )
+    return Dist(rank, local_rank, world, local_world, device)
+
+
+def _round_store(world: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under ftjob's agent: the agent's store, with keys of this round of the gang only.
+
+    The store outlives restarts in place, and torch does not keep one round's keys from the
+    next: a restarted gang could read the addresses its dead predecessors published and wait
+    on them until the collective timeout. The agent counts the gang's rounds alike on every
+    node (FTJOB_RESTARTS_IN_PLACE); under plain torchrun, torch's own rendezvous (None)."""
+    restarts = os.environ.get(contract.RESTARTS_IN_PLACE_ENV)
+    if restarts is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size=world, is_master=False, timeout=timeout)  # fmt: skip
+    return dist.PrefixStore(f"ftjob/round-{restarts}", agent)
+
+
+def _device_id(device: torch.device) -> torch.device | None:
+    # Binding NCCL to the device up front avoids a lazy, hang-prone first collective.
+    return device if device.type == "cuda" else None
+
+
+def mesh(spec: FineTuneJobSpec, d: Dist, sharding: str) -> DeviceMesh:
+    """1-D mesh for full / grad-op; 2-D (replicate, shard) for hybrid and none.
+
+    ``none`` is the 2-D mesh with a shard group of one: every rank holds everything and
+    gradients are all-reduced, DDP's behaviour through the same FSDP2 code.
+    """
+    if sharding == "hybrid":
+        shape = (spec.resources.nodes, d.world_size // spec.resources.nodes)
+    elif sharding == "none":
+        shape = (d.world_size, 1)
+    else:
+        return init_device_mesh(d.device.type, (d.world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(d.device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def shard_group_size(device_mesh: DeviceMesh) -> int:
+    """How many ranks split each parameter (the mesh's shard dimension)."""
+    return device_mesh["shard"].size()
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks, found by the class names transformers marks as not splittable."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise RuntimeError(f"found no decoder layers ({sorted(names)}) in {type(base).__name__}")
+    return layers
+
+
+@dataclass(frozen=True)
+class Speed:
+    """The speed settings, resolved for this device (plan.checkpoint_stride, spec)."""
+
+    checkpoint_every: int  # recompute every Nth decoder layer in backward; 0: none
+    compile: bool  # torch.compile each decoder layer
+
+
+def speed_settings(spec: FineTuneJobSpec, config, device_bytes: int | None) -> Speed:
+    """Resolve activationCheckpointing (``auto``: the planner's fastest setting that fits this
+    device) and compile for this device; ``config`` is the model's transformers config."""
+    shape = ModelShape.from_config(config.to_dict())
+    on_gpu = spec.resources.gpus_per_node > 0
+    return Speed(plan.checkpoint_stride(spec, shape, device_bytes), spec.compile_enabled(on_gpu))
+
+
+def shard(
+    model: nn.Module,
+    spec: FineTuneJobSpec,
+    device_mesh: DeviceMesh,
+    sharding: str,
+    whole: set[nn.Parameter] | None = None,
+    speed: Speed | None = None,
+) -> nn.Module:
+    """Activation checkpointing, compile, then ``fully_shard`` per decoder layer, then the root
+    (torchtitan's order).
+
+    ``whole``: parameters FSDP leaves alone (each rank holds them whole); ``speed``: as
+    :func:`speed_settings` resolves it for a CPU (no device memory to fit) when not given."""
+    speed = speed or speed_settings(spec, model.config, None)
+    layers = decoder_layers(model)
+    if speed.checkpoint_every:
+        # Non-reentrant checkpointing recomputes inside FSDP's hooks and needs no input grads.
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
+        for i, layer in enumerate(layers):  # the layers ftjob plan counted as recomputed
+            layer.gradient_checkpointing = plan.checkpointed(i, speed.checkpoint_every)
+    if speed.compile:
+        for layer in layers:
+            # The layer's forward only: FSDP's hooks (in __call__) stay eager around it, and
+            # the layer keeps its name, so checkpoints and the export see the same keys.
+            layer.forward = torch.compile(layer.forward)
+    if spec.compute_precision() == "bf16":
+        # Gradients are reduced in fp32 so that averaging across ranks loses nothing.
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()
+    offload = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        if spec.parallelism.cpu_offload
+        else OffloadPolicy()
+    )
+    # grad-op keeps each layer's gathered parameters from forward until backward (ZeRO-2).
+    reshard = sharding != "grad-op"
+    kwargs = dict(mesh=device_mesh, mp_policy=mp, offload_policy=offload, ignored_params=whole)
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard, **kwargs)
+    # The root (embeddings, final norm, head) is gathered last and used first in backward:
+    # keeping it gathered after forward saves one all-gather per step.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model

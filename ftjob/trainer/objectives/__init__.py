@@ -1,0 +1,1 @@
+"""What a job trains for: each objective, its loss and its metrics."""

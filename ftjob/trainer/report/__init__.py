@@ -1,0 +1,1 @@
+"""What the trainer tells while it runs: progress, Prometheus metrics, trackers."""

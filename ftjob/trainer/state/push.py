@@ -1,0 +1,294 @@
+"""Push the export to the Hugging Face Hub (``output.push: hf://org/name``), with a model card.
+
+After a successful export, rank 0 creates the repository (private unless ``output.private:
+false``; an existing one keeps its visibility) and uploads the export (:func:`layout`) and a
+``README.md`` model card in one commit, with huggingface_hub's own API (``HfApi.create_repo``,
+``HfApi.create_commit``). The token is ``HF_TOKEN`` (``spec.secrets.huggingFaceToken``).
+
+A failed upload fails the job as ``HubPushFailed`` (retryable): the export and the job
+folder's record stay, so the next attempt -- a new gang, an in-place restart or ``ftjob run``
+again -- finds the job trained (:func:`ftjob.job.folder.finished`) and only pushes. The push
+that completed is recorded in ``<job folder>/pushed.json`` (:func:`ftjob.job.folder.
+record_push`) and in progress (``pushedTo``); a job trained and pushed does nothing more.
+
+    HF_TOKEN=hf_... ftjob run job.yaml      # with output.push: hf://my-org/my-model
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ftjob import __version__
+from ftjob.api.contract import HUB_PUSH_FAILED, TrainerError
+from ftjob.api.schema import to_dict
+from ftjob.api.spec import FineTuneJobSpec
+from ftjob.job import folder as jobfolder
+from ftjob.trainer.state.export import base_name
+
+# How long the other ranks wait for rank 0's upload: an upload of a large model takes far
+# longer than network.collectiveTimeoutSeconds allows any training collective.
+UPLOAD_WAIT = datetime.timedelta(hours=24)
+# While uploading, rank 0 reports every so often, so that the operator's stall clock
+# (runPolicy.stallTimeoutSeconds) sees a live rank, not a hung one.
+ALIVE_EVERY_SECONDS = 30.0
+CARD = "README.md"
+FIX = (
+    "check that HF_TOKEN (spec.secrets.huggingFaceToken) may write to spec.output.push and "
+    "that the Hub can be reached, then run the job again: it pushes without training again"
+)
+
+
+def repo_id(push: str) -> str:
+    return push.removeprefix("hf://")
+
+
+def push(spec: FineTuneJobSpec, job_dir: Path, out: Path, d, report) -> None:
+    """Upload the export if ``output.push`` asks for an upload not yet done (collective: rank
+    0 uploads, every rank raises the same HubPushFailed if it failed)."""
+    if not spec.output.push:
+        return
+    # The other ranks wait for the upload in a gloo group of their own (CPU objects), with a
+    # timeout as long as an upload may take. Made before the upload: making it is a collective
+    # too, which would otherwise wait out the gang's collective timeout.
+    group = dist.new_group(backend="gloo", timeout=UPLOAD_WAIT) if d.world_size > 1 else None
+    failed = None
+    if d.is_main:
+        try:
+            _push_once(spec, job_dir, out, report)
+        except Exception as e:  # noqa: BLE001 - every failure is named, agreed and raised below
+            failed = f"uploading {out} to {spec.output.push} failed: {type(e).__name__}: {e}"
+    if group is not None:
+        agreed = [failed]
+        dist.broadcast_object_list(agreed, src=0, group=group)
+        failed = agreed[0]
+        dist.destroy_process_group(group)
+    if failed is not None:
+        raise TrainerError(failed, reason=HUB_PUSH_FAILED, where="spec.output.push", fix=FIX)
+
+
+def _push_once(spec: FineTuneJobSpec, job_dir: Path, out: Path, report) -> None:
+    recorded = jobfolder.read(job_dir) or {}
+    if not jobfolder.push_pending(spec, job_dir, recorded):
+        done = jobfolder.pushed(job_dir) or {}
+        report.update(pushedTo=done.get("commitUrl"))
+        report.log(f"already pushed to {spec.output.push}: {done.get('commitUrl')}")
+        return
+    import huggingface_hub  # only a job that pushes pays for the import
+
+    huggingface_hub.utils.disable_progress_bars()  # pod logs are not terminals: ours say it
+
+    if huggingface_hub.get_token() is None:
+        raise RuntimeError("no Hub token: HF_TOKEN is not set (spec.secrets.huggingFaceToken)")
+    report.phase("pushing")
+    report.log(f"pushing {out} to {spec.output.push} ...")
+    began = time.monotonic()
+    card = model_card(spec, recorded, report.snapshot)
+    with _alive(report, began):
+        commit = upload(spec, out, card, _message(spec, recorded))
+    found = {"commitUrl": commit.commit_url, "revision": commit.oid}
+    jobfolder.record_push(job_dir, spec, recorded, **found)
+    report.update(pushedTo=commit.commit_url)
+    report.log(
+        f"pushed the export to {spec.output.push} in {time.monotonic() - began:.0f} s: "
+        f"{commit.commit_url}"
+    )
+
+
+def upload(spec: FineTuneJobSpec, out: Path, card: str, message: str):
+    """Create the repository (if missing) and commit the export (:func:`layout`) and the card
+    in one commit; the CommitInfo (commit_url, oid)."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    api, repo = HfApi(), repo_id(spec.output.push)
+    api.create_repo(repo, repo_type="model", private=spec.output.private, exist_ok=True)
+    ops = [
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path))
+        for name, path in layout(spec, out).items()
+    ]
+    ops.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode()))
+    return api.create_commit(repo, ops, commit_message=message, repo_type="model")
+
+
+def layout(spec: FineTuneJobSpec, out: Path) -> dict[str, Path]:
+    """Path in the repository -> file of the export. The export as it is (a full model, or an
+    adapter), except that an adapter job with ``mergeAdapter`` puts the merged model at the
+    root and the adapter in ``adapter/``: ``AutoModelForCausalLM.from_pretrained(repo)`` then
+    loads the merged model (transformers reads a root adapter_config.json as "load the base,
+    then this adapter", even when asked for a subfolder). The export's own README.md (peft
+    writes one) gives way to the card."""
+    files = {p.relative_to(out).as_posix(): p for p in sorted(out.rglob("*")) if p.is_file()}
+    if spec.method.type != "full" and spec.output.merge_adapter:
+        merged = {k.removeprefix("merged/"): p for k, p in files.items() if k.startswith("merged/")}
+        adapter = {f"adapter/{k}": p for k, p in files.items() if not k.startswith("merged/")}
+        files = merged | adapter
+    return {k: p for k, p in files.items() if k not in (CARD, f"adapter/{CARD}")}
+
+
+def _message(spec: FineTuneJobSpec, recorded: dict[str, Any]) -> str:
+    name = (recorded.get("metadata") or {}).get("name", "job")
+    steps = recorded.get("trainedSteps")
+    return f"ftjob {__version__}: {name}, {spec.method.type} fine-tune, {steps} steps"
+
+
+class _alive:
+    """Report ``pushSeconds`` every ALIVE_EVERY_SECONDS while the upload runs."""
+
+    def __init__(self, report, began: float):
+        self.report, self.began, self.stop = report, began, threading.Event()
+        self.thread = threading.Thread(target=self._run, name="ftjob-push-alive", daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(ALIVE_EVERY_SECONDS):
+            self.report.update(pushSeconds=round(time.monotonic() - self.began))
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+# ------------------------------------------------------------------------------ the card
+
+
+def model_card(spec: FineTuneJobSpec, recorded: dict[str, Any], snapshot: dict[str, Any]) -> str:
+    """The README.md the push uploads: huggingface_hub's card metadata (base model, data set
+    when both are on the Hub, library, tags) and what the run was: base model, data source,
+    method, hyper-parameters, final losses, ftjob version."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    model_src, data_src = spec.model.source, spec.dataset.source
+    adapter = spec.method.type != "full"
+    merged = adapter and spec.output.merge_adapter
+    data = ModelCardData(
+        base_model=model_src.removeprefix("hf://") if model_src.startswith("hf://") else None,
+        datasets=[data_src.removeprefix("hf://")] if data_src.startswith("hf://") else None,
+        library_name="peft" if adapter and not merged else "transformers",
+        pipeline_tag="text-generation",
+        tags=["ftjob", spec.method.type, *(["lora"] if adapter else []), *_objective_tags(spec)],
+    )
+    repo = repo_id(spec.output.push or "")
+    steps = recorded.get("trainedSteps")
+    lines = [
+        f"# {repo.split('/')[-1]}",
+        "",
+        f"Fine-tuned with [ftjob](https://github.com/ftjob/ftjob) {__version__}.",
+        "",
+        f"- **Base model:** `{model_src}`"
+        + (f" (revision `{spec.model.revision}`)" if spec.model.revision else ""),
+        f"- **Data:** `{data_src}` (format {spec.dataset.format})",
+        f"- **Method:** {_method(spec)}",
+        f"- **Steps:** {steps}",
+        f"- **Final train loss:** {_num(snapshot.get('loss'))}",
+        f"- **Final eval loss:** {_num(snapshot.get('evalLoss'))}",
+        *_preference_lines(spec, snapshot),
+        "",
+        "## Hyper-parameters",
+        "",
+        "| setting | value |",
+        "|---|---|",
+        *(f"| {k} | {_cell(v)} |" for k, v in _hyper(spec).items()),
+        "",
+        "## Use",
+        "",
+        "```python",
+        *_usage(spec, repo),
+        "```",
+        "",
+    ]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)).content
+
+
+def _objective_tags(spec: FineTuneJobSpec) -> list[str]:
+    return ["dpo"] if spec.training.dpo_settings() else []
+
+
+def _preference_lines(spec: FineTuneJobSpec, snapshot: dict[str, Any]) -> list[str]:
+    """DPO's own outcome: how often the trained model prefers the chosen response of a
+    held-out pair (of a training pair without an evaluation), and by how much."""
+    if not spec.training.dpo_settings():
+        return []
+    if snapshot.get("evalRewardAccuracy") is not None:
+        split, acc, margin = (
+            "eval",
+            snapshot["evalRewardAccuracy"],
+            snapshot.get("evalRewardMargin"),
+        )
+    else:
+        split, acc, margin = "train", snapshot.get("rewardAccuracy"), snapshot.get("rewardMargin")
+    return [
+        f"- **Final {split} reward accuracy:** {_num(acc)}",
+        f"- **Final {split} reward margin:** {_num(margin)}",
+    ]
+
+
+def _method(spec: FineTuneJobSpec) -> str:
+    dpo = spec.training.dpo_settings()
+    what = _weights(spec)
+    if dpo:
+        return f"{what}, trained by DPO on preference pairs (beta {dpo.beta}, {dpo.loss_type} loss)"
+    return what
+
+
+def _weights(spec: FineTuneJobSpec) -> str:
+    m = spec.method
+    if m.type == "full":
+        return "full fine-tune"
+    lora = m.lora_settings()
+    what = (
+        f"{m.type.upper() if m.type == 'qlora' else 'LoRA'} adapter (r {lora.r}, alpha "
+        f"{lora.alpha}, dropout {lora.dropout}, target modules {_cell(lora.target_modules)})"
+    )
+    if spec.output.merge_adapter:
+        return f"{what}, merged into the base model (at the root; the adapter in `adapter/`)"
+    return what
+
+
+def _hyper(spec: FineTuneJobSpec) -> dict[str, Any]:
+    fields = to_dict(spec)
+    out = {f"training.{k}": v for k, v in (fields.get("training") or {}).items()}
+    data = fields.get("dataset") or {}
+    out |= {f"dataset.{k}": data[k] for k in ("maxSeqLength", "packing") if k in data}
+    out["global batch (sequences per step)"] = spec.global_batch_size
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value)
+    return str(value).replace("|", "\\|")
+
+
+def _num(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, int | float) else "n/a"
+
+
+def _usage(spec: FineTuneJobSpec, repo: str) -> list[str]:
+    if spec.method.type == "full":
+        return [
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+        ]
+    if not spec.output.merge_adapter:
+        return [
+            "from peft import AutoPeftModelForCausalLM",
+            f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")',
+        ]
+    base = base_name(spec.model.source)
+    return [
+        "from transformers import AutoModelForCausalLM",
+        f'model = AutoModelForCausalLM.from_pretrained("{repo}")  # the merged model',
+        "# or the adapter on the base model:",
+        "from peft import PeftModel",
+        f'base = AutoModelForCausalLM.from_pretrained("{base}")',
+        f'model = PeftModel.from_pretrained(base, "{repo}", subfolder="adapter")',
+    ]
