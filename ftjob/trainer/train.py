@@ -72,6 +72,13 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
         report.close()
 
 
+def _attention_line(spec: FineTuneJobSpec, run: Run, d: parallel.Dist) -> str:
+    """Which attention kernel this run's layers go through (the GPU kit records it)."""
+    compute = torch.bfloat16 if spec.compute_precision() == "bf16" else torch.float32
+    implementation = run.net.config._attn_implementation
+    return f"attention: {attention.kernel_name(implementation, d.device, compute)}"
+
+
 def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progress) -> Path:
     d, beat = _join(spec, job_dir, report)
     out = jobfolder.export_path(job_dir, spec)
@@ -109,9 +116,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
         f"{d.world_size} ranks, {len(ds.train)} train / {len(ds.eval or [])} eval {goal.unit}, "
         f"{total} steps" + run.speed_note()
     )
-    compute = torch.bfloat16 if spec.compute_precision() == "bf16" else torch.float32
-    implementation = run.net.config._attn_implementation
-    report.log(f"attention: {attention.kernel_name(implementation, d.device, compute)}")
+    report.log(_attention_line(spec, run, d))
     _plan_progress(report, spec, d, total, run)
     nodes = _loaded(report, d, run)
     goal.before_training(spec, run.net, ds, d, report.log)  # before any checkpoint is loaded

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import hangs
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,11 +115,11 @@ def test_a_steps_leftover_processes_are_ended_by_their_tag_and_no_other():
                               start_new_session=True)  # fmt: skip
     other = subprocess.Popen(sleep, env={**os.environ, reap.VARIABLE: tag + "-other"})
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + hangs.FLOOR
         while tagged.pid not in reap.tagged(tag) and time.monotonic() < deadline:
             time.sleep(0.1)  # until python has started (its environ readable)
         assert reap.reap(tag, grace=5) == [tagged.pid]
-        assert tagged.wait(timeout=10) == -signal.SIGTERM
+        assert tagged.wait(timeout=hangs.FLOOR) == -signal.SIGTERM
         assert other.poll() is None
     finally:
         for proc in (tagged, other):
