@@ -36,7 +36,10 @@ die() { echo "k8s.sh: $*" >&2; exit 1; }
 
 # ------------------------------------------------------------------------------------ build
 
-built() { for b in "${BINARIES[@]}"; do [[ -x "$BIN/$b" ]] || return 1; done; }
+built() {
+  for b in "${BINARIES[@]}"; do [[ -x "$BIN/$b" ]] || return 1; done
+  [[ -s "$CACHE/kwok-stages.yaml" ]]
+}
 
 kube_module() {
   echo "module ftjob.dev/controlplane"
@@ -83,6 +86,20 @@ build_kwok() {
     "sigs.k8s.io/kwok/cmd/kwok@v$KWOK_VERSION"
 }
 
+# The kwok binary has no stages of its own (kwokctl embeds them): take the published module's
+# "fast" ones from the module cache -- nodes become Ready and keep a heartbeat, pods become
+# Running once scheduled and go away when deleted; Succeeded/Failed are the tests' patches.
+kwok_stages() {
+  local dir s
+  dir=$(go mod download -json "sigs.k8s.io/kwok@v$KWOK_VERSION" |
+    python3 -c 'import json, sys; print(json.load(sys.stdin)["Dir"])')
+  for s in node/fast/node-initialize node/heartbeat/node-heartbeat pod/fast/pod-ready \
+    pod/fast/pod-delete; do
+    echo "---" && cat "$dir/kustomize/stage/$s.yaml"
+  done >"$CACHE/kwok-stages.yaml.new"
+  mv "$CACHE/kwok-stages.yaml.new" "$CACHE/kwok-stages.yaml"
+}
+
 cmd_build() {
   if built; then echo "k8s.sh: cached in $BIN"; return; fi
   command -v go >/dev/null || die "go is not installed (Go >= $GO_DIRECTIVE builds the plane)"
@@ -90,6 +107,7 @@ cmd_build() {
   [[ -x "$BIN/kube-scheduler" ]] || build_kube
   [[ -x "$BIN/etcd" ]] || build_etcd
   [[ -x "$BIN/kwok" ]] || build_kwok
+  kwok_stages
   built || die "the build left no binaries in $BIN"
   echo "k8s.sh: built into $BIN"
 }
@@ -241,7 +259,7 @@ EOF
 start_kwok() {
   local port
   port=$(free_port)
-  start kwok "$BIN/kwok" --kubeconfig "$DIR/admin.kubeconfig" \
+  start kwok "$BIN/kwok" --kubeconfig "$DIR/admin.kubeconfig" --config "$CACHE/kwok-stages.yaml" \
     --manage-all-nodes=false --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
     --node-ip 127.0.0.1 --cidr 10.244.0.0/16 --server-address "127.0.0.1:$port"
   wait_healthy kwok "http://127.0.0.1:$port/healthz"
@@ -268,7 +286,8 @@ cmd_up() {
   [[ -e "$DIR/pids" ]] && die "$DIR/pids exists: a plane runs there ('k8s.sh down $DIR')"
   mkdir -p "$DIR/logs" && DIR=$(cd "$DIR" && pwd)
   : >"$DIR/pids"
-  trap 'cmd_down "$DIR" >/dev/null 2>&1' ERR
+  # Whatever fails before the end stops what was started.
+  trap '[[ $? == 0 ]] || cmd_down "$DIR" >/dev/null 2>&1' EXIT
   API_PORT=$(free_port)
   make_pki
   kubeconfig admin admin
@@ -282,7 +301,6 @@ cmd_up() {
   kubectl_ wait --for=condition=Ready node --all --timeout=60s >/dev/null
   # The default ServiceAccount (the ServiceAccount controller) is what pods of tests need.
   for _ in $(seq 300); do kubectl_ get sa default >/dev/null 2>&1 && break; sleep 0.2; done
-  trap - ERR
   echo "k8s.sh: up in $DIR (KUBECONFIG=$DIR/admin.kubeconfig, $nodes GPU nodes)"
 }
 
