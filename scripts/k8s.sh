@@ -34,6 +34,9 @@ STAGING=(api apiextensions-apiserver apimachinery apiserver cli-runtime client-g
 
 die() { echo "k8s.sh: $*" >&2; exit 1; }
 
+# Kueue (`build --kueue`, `up DIR --kueue`): kueue_build, kueue_up, kueue_net_down.
+source "$(dirname "${BASH_SOURCE[0]}")/kueue.sh"
+
 # ------------------------------------------------------------------------------------ build
 
 built() {
@@ -268,7 +271,7 @@ start_kwok() {
 kubectl_() { "${KUBECTL:-kubectl}" --kubeconfig "$DIR/admin.kubeconfig" "$@"; }
 
 cmd_up() {
-  local nodes=4
+  local nodes=4 kueue=0
   DIR=${1:-}
   [[ -n "$DIR" ]] || die "usage: k8s.sh up DIR [--gpu-nodes N]"
   shift
@@ -276,7 +279,7 @@ cmd_up() {
     case $1 in
       --gpu-nodes) nodes=${2:-}; shift 2 ;;
       --gpu-nodes=*) nodes=${1#*=}; shift ;;
-      --kueue) die "--kueue is not supported yet (Kueue on this plane is a separate issue)" ;;
+      --kueue) kueue=1; shift ;;
       *) die "unknown option $1 (usage: k8s.sh up DIR [--gpu-nodes N])" ;;
     esac
   done
@@ -301,6 +304,7 @@ cmd_up() {
   kubectl_ wait --for=condition=Ready node --all --timeout=60s >/dev/null
   # The default ServiceAccount (the ServiceAccount controller) is what pods of tests need.
   for _ in $(seq 300); do kubectl_ get sa default >/dev/null 2>&1 && break; sleep 0.2; done
+  ((kueue == 0)) || kueue_up
   echo "k8s.sh: up in $DIR (KUBECONFIG=$DIR/admin.kubeconfig, $nodes GPU nodes)"
 }
 
@@ -319,11 +323,12 @@ cmd_down() {
     kill -KILL "$pid" 2>/dev/null || true
     echo "k8s.sh: stopped $name ($pid)"
   done
+  kueue_net_down "$dir"
   rm -f "$dir/pids"
 }
 
 case ${1:-} in
-  build) cmd_build ;;
+  build) cmd_build; [[ "${2:-}" != --kueue ]] || kueue_build ;;
   bin) echo "$BIN" ;;
   up) shift; cmd_up "$@" ;;
   down) shift; cmd_down "$@" ;;
