@@ -94,6 +94,12 @@ ftjob/operator/kube.py or one need of kopf for the handlers in ftjob/operator/ha
 - apiGroups: [ftjob.dev]
   resources: [finetunejobs/status]
   verbs: [patch]
+# The children's owner references set blockOwnerDeletion (render.py); an API server with
+# OwnerReferencesPermissionEnforcement admits that only from who may update the owner's
+# finalizers (only the subresource: nothing here updates the job itself).
+- apiGroups: [ftjob.dev]
+  resources: [finetunejobs/finalizers]
+  verbs: [update]
 # kopf: the pod index and pod event handler watch the trainer pods.
 # kube.create: one pod per node; kube.delete: a failed gang is replaced whole.
 # kube.owners (get): whose is a pod of the same name that already exists.
