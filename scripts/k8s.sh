@@ -263,6 +263,7 @@ start_kwok() {
   local port
   port=$(free_port)
   start kwok "$BIN/kwok" --kubeconfig "$DIR/admin.kubeconfig" --config "$CACHE/kwok-stages.yaml" \
+    --config "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/kwok-terminate.yaml" \
     --manage-all-nodes=false --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
     --node-ip 127.0.0.1 --cidr 10.244.0.0/16 --server-address "127.0.0.1:$port"
   wait_healthy kwok "http://127.0.0.1:$port/healthz"
