@@ -25,8 +25,8 @@ import pytest
 import yaml
 
 from ftjob import __version__, crd, spec
-from ftjob.operator.render import owner_reference
 from ftjob.operator.__main__ import add_arguments
+from ftjob.operator.render import owner_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ftjob"
