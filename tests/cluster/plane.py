@@ -97,3 +97,22 @@ class Plane:
                 return value
             time.sleep(0.2)
         raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def token_kubeconfig(plane: Plane, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig holding only ``account``'s token (TokenRequest, as a pod would get it)."""
+    token = plane.kubectl(
+        "create", "token", account, "-n", namespace, "--duration=2h"
+    ).stdout.strip()
+    admin = json.loads(plane.kubectl("config", "view", "--raw", "-o", "json").stdout)
+    cluster = admin["clusters"][0]["cluster"]
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "plane", "cluster": cluster}],
+        "users": [{"name": account, "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "plane", "user": account}}],
+        "current-context": "sa",
+    }
+    path.write_text(json.dumps(config))
+    return path

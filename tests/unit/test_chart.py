@@ -26,11 +26,11 @@ import yaml
 
 from ftjob import __version__, crd, spec
 from ftjob.operator.__main__ import add_arguments
+from ftjob.operator.render import owner_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ftjob"
 KUBE_PY = ROOT / "ftjob" / "operator" / "kube.py"
-RENDER_PY = ROOT / "ftjob" / "operator" / "render.py"
 HANDLERS_PY = ROOT / "ftjob" / "operator" / "handlers.py"
 KUBE_VERSIONS = ["1.30.0", "1.37.0"]
 NAMESPACE = "ftjob-system"
@@ -729,8 +729,9 @@ def kopf_permissions() -> set[tuple[str, str, str]]:
 def expected_rules(values: dict) -> set[tuple]:
     """(scope, apiGroup, resource, verb, resourceName) the chart must grant, no more."""
     needs = {(g, r, v, None) for g, r, v in kube_py_permissions() | kopf_permissions()}
-    if '"blockOwnerDeletion": True' in RENDER_PY.read_text():
-        # OwnerReferencesPermissionEnforcement: blockOwnerDeletion needs update on finalizers
+    if owner_reference("job", "uid").get("blockOwnerDeletion"):
+        # OwnerReferencesPermissionEnforcement: a child blocking its owner's deletion needs
+        # update on the owner's finalizers (the real API server refuses it otherwise).
         needs.add(("ftjob.dev", "finetunejobs/finalizers", "update", None))
     watch = values.get("watchNamespaces", [])
     peering = values.get("peering", {})

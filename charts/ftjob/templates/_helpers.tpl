@@ -94,9 +94,9 @@ ftjob/operator/kube.py or one need of kopf for the handlers in ftjob/operator/ha
 - apiGroups: [ftjob.dev]
   resources: [finetunejobs/status]
   verbs: [patch]
-# The children's owner references set blockOwnerDeletion (render.py); an API server with
-# OwnerReferencesPermissionEnforcement admits that only from who may update the owner's
-# finalizers (only the subresource: nothing here updates the job itself).
+# The children's owner reference sets blockOwnerDeletion (render.owner_reference): with
+# OwnerReferencesPermissionEnforcement on (OpenShift, hardened clusters) the API server
+# refuses to create them unless the creator may update the owner's finalizers.
 - apiGroups: [ftjob.dev]
   resources: [finetunejobs/finalizers]
   verbs: [update]

@@ -1,0 +1,213 @@
+"""``ftjob operator`` with only the chart's ServiceAccount token, against the real control
+plane: children created and admitted (OwnerReferencesPermissionEnforcement is on), pods placed
+by the real scheduler on kwok's GPU nodes, status and `kubectl get ftj` from the server's
+table, the gang lifecycle driven by pod status patches (as a kubelet writes them), deletion
+by the real garbage collector and the finalizer, and a restart of the operator mid-job."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from types import SimpleNamespace
+
+import pytest
+from plane import ROOT, Plane, token_kubeconfig
+
+sys.path.append(str(ROOT / "tests" / "emulator"))
+from support import Operator  # noqa: E402  (the emulator tests' launcher, reused)
+
+from ftjob import manifest  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+NAMESPACE = "training"
+TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
+
+
+def gpu_job(name: str, nodes: int = 2, **spec) -> dict:
+    doc = copy.deepcopy(TINY)
+    doc["metadata"] = {"name": name, "namespace": NAMESPACE}
+    doc["spec"]["resources"] = {"nodes": nodes, "gpusPerNode": 8}
+    doc["spec"]["network"] = {"collectiveTimeoutSeconds": 30}
+    doc["spec"].update(spec)
+    return doc
+
+
+def shared_volume(namespace: str) -> str:
+    """The ReadWriteMany claim examples/tiny.yaml names, bound to a PersistentVolume up
+    front: the real scheduler does not place a pod whose claim is missing or unbound."""
+    pv = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": f"ftjob-shared-{namespace}"},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "manual",
+            "hostPath": {"path": "/srv/ftjob-shared"},
+            "claimRef": {"namespace": namespace, "name": "ftjob-shared"},
+        },
+    }
+    pvc = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "ftjob-shared", "namespace": namespace},
+        "spec": {
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "manual",
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": [pv, pvc]})
+
+
+@pytest.fixture(scope="module")
+def operator(installed: Plane, tmp_path_factory):
+    installed.kubectl("create", "namespace", NAMESPACE)
+    installed.wait(lambda: installed.get("sa", "default", NAMESPACE), 30, "the default SA")
+    installed.apply(shared_volume(NAMESPACE))
+    installed.wait(
+        lambda: (
+            (installed.get("pvc", "ftjob-shared", NAMESPACE) or {}).get("status", {}).get("phase")
+            == "Bound"
+        ),
+        30,
+        "the shared claim to be bound",
+    )
+    work = tmp_path_factory.mktemp("operator")
+    kubeconfig = token_kubeconfig(installed, "ftjob-system", "ftjob", work / "sa.kubeconfig")
+    target = SimpleNamespace(kubeconfig=kubeconfig, wait=Plane.wait)
+    op = Operator(target, work / "operator.log").start()
+    op.plane = installed
+    yield op
+    op.stop()
+
+
+def pods_of(plane: Plane, name: str) -> list[dict]:
+    return plane.get("pods", namespace=NAMESPACE, ok=False) and [
+        p
+        for p in plane.get("pods", namespace=NAMESPACE)
+        if p["metadata"]["labels"].get("ftjob.dev/job-name") == name
+    ]
+
+
+def status_of(plane: Plane, name: str) -> dict:
+    return (plane.get("ftj", name, NAMESPACE) or {}).get("status") or {}
+
+
+def gang_running(plane: Plane, name: str, attempt: int, nodes: int = 2) -> list[dict]:
+    def check():
+        pods = pods_of(plane, name) or []
+        ok = len(pods) == nodes and all(
+            p["metadata"]["labels"]["ftjob.dev/attempt"] == str(attempt)
+            and p["status"].get("phase") == "Running"
+            and not p["metadata"].get("deletionTimestamp")
+            for p in pods
+        )
+        return ok and pods
+
+    return plane.wait(check, 60, f"{nodes} running pods of {name} attempt {attempt}")
+
+
+def terminate(plane: Plane, pod: str, exit_code: int, reason: str, message: str = "") -> None:
+    """What a kubelet writes when the trainer container ends: the pod's status subresource."""
+    term = {"exitCode": exit_code, "reason": reason, "message": message}
+    container = {
+        "name": "trainer",
+        "ready": False,
+        "restartCount": 0,
+        "image": "ghcr.io/ftjob/trainer:test",
+        "imageID": "sha256:0",
+        "state": {"terminated": {**term, "startedAt": None, "finishedAt": None}},
+    }
+    patch = {
+        "status": {
+            "phase": "Failed" if exit_code else "Succeeded",
+            "containerStatuses": [container],
+        }
+    }
+    plane.kubectl(
+        "patch",
+        "pod",
+        pod,
+        "-n",
+        NAMESPACE,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps(patch),
+    )
+
+
+def test_a_gpu_job_is_reconciled_with_only_the_charts_token(operator):
+    plane = operator.plane
+    plane.apply(gpu_job("gpu"))
+    pods = gang_running(plane, "gpu", 0)
+    job = plane.get("ftj", "gpu", NAMESPACE)
+    uid = job["metadata"]["uid"]
+    children = [*pods, plane.get("svc", "gpu", NAMESPACE), plane.get("cm", "gpu-spec", NAMESPACE)]
+    for obj in children:
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
+    # The real scheduler placed each pod on a kwok GPU node with room for its 8 GPUs.
+    nodes = {p["spec"]["nodeName"] for p in pods}
+    assert len(nodes) == 2 and all(n.startswith("gpu-node-") for n in nodes)
+    for p in pods:
+        limits = p["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == "8"
+    assert job["metadata"]["finalizers"] == ["ftjob.dev/finalizer"]
+    plane.wait(lambda: status_of(plane, "gpu").get("phase") == "Running", 30, "phase Running")
+    table = plane.kubectl("get", "ftj", "gpu", "-n", NAMESPACE).stdout
+    assert "Running" in table.splitlines()[1], table
+    wide = plane.kubectl("get", "ftj", "gpu", "-n", NAMESPACE, "-o", "wide").stdout
+    assert len(wide.splitlines()[0].split()) > len(table.splitlines()[0].split()), wide
+
+
+def test_a_failed_pod_replaces_the_gang_and_the_budget_fails_the_job(operator):
+    plane = operator.plane
+    plane.apply(gpu_job("oom", runPolicy={"backoffLimit": 1}))
+    gang_running(plane, "oom", 0)
+    terminate(plane, "oom-node-1", 137, "OOMKilled")
+    gang_running(plane, "oom", 1)
+    status = status_of(plane, "oom")
+    assert status["restarts"] == 1 and status["attempt"] == 1
+    assert status["failure"]["reason"] == "OOMKilled" and status["failure"]["rank"] == 1
+    terminate(plane, "oom-node-0", 137, "OOMKilled")
+    status = plane.wait(
+        lambda: (s := status_of(plane, "oom")).get("phase") == "Failed" and s, 60, "Failed"
+    )
+    failed = {c["type"]: c for c in status["conditions"]}["Failed"]
+    assert "backoffLimit (1) reached" in failed["message"]
+    events = plane.kubectl("get", "events", "-n", NAMESPACE, "-o", "json").stdout
+    reasons = {
+        e["reason"] for e in json.loads(events)["items"] if e["involvedObject"].get("name") == "oom"
+    }
+    assert "OOMKilled" in reasons
+
+
+def test_deleting_a_job_leaves_no_child(operator):
+    plane = operator.plane
+    plane.apply(gpu_job("gone"))
+    gang_running(plane, "gone", 0)
+    plane.kubectl("delete", "ftj", "gone", "-n", NAMESPACE, "--timeout=60s")
+
+    def no_child():
+        left = [
+            o
+            for kind in ("pods", "svc", "cm")
+            for o in plane.get(kind, namespace=NAMESPACE) or []
+            if o["metadata"].get("labels", {}).get("ftjob.dev/job-name") == "gone"
+        ]
+        return not left
+
+    plane.wait(no_child, 60, "the garbage collector to remove every child")
+
+
+def test_the_operator_killed_mid_job_converges_after_restart(operator):
+    plane = operator.plane
+    plane.apply(gpu_job("survive", runPolicy={"backoffLimit": 2}))
+    gang_running(plane, "survive", 0)
+    operator.kill()
+    terminate(plane, "survive-node-0", 137, "OOMKilled")
+    operator.start()
+    gang_running(plane, "survive", 1)
+    assert status_of(plane, "survive")["restarts"] == 1
