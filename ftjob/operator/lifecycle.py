@@ -308,10 +308,24 @@ def _create_or_wait(s: _Step) -> Decision:
         )
     if all(st.running(p) or st.succeeded(p) for p in current.values()):
         return _running(s)
+    gated = sum(st.queued(p) for p in current.values())
+    if gated:
+        return s.set("Pending", "Queued", _queued_message(s, gated), True)
     waiting = sorted({w for p in current.values() if (w := st.waiting_reason(p))})
     message = f"waiting for {sum(not st.running(p) for p in current.values())} pod(s) to run"
     return s.set(
         "Pending", "PodsPending", message + (f" ({', '.join(waiting)})" if waiting else ""), True
+    )
+
+
+def _queued_message(s: _Step, gated: int) -> str:
+    """Where the gang waits: Kueue admits it whole when the ClusterQueue behind the job's
+    LocalQueue has quota for every pod; its Workload's QuotaReserved condition says what is
+    short."""
+    return (
+        f"queued in Kueue's LocalQueue {s.spec.scheduling.queue}: {gated} of "
+        f"{s.spec.resources.nodes} pod(s) gated until the gang is admitted whole "
+        f"(kubectl get workloads shows what is short)"
     )
 
 

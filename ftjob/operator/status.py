@@ -133,9 +133,9 @@ def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
     pod index), and a whole pod -- containers with their env, volumes, managedFields -- is
     10-20 KiB of Python objects or more, of which the decisions read a few fields. This keeps
     exactly what this module, :mod:`lifecycle` and the handlers read: name, the ftjob
-    labels, owner uids, deletionTimestamp, node name, phase/reason/message, pod IP and the
-    trainer container's state (its termination message included). A new reader of another
-    field must add it here; tests/unit/test_status.py checks that decisions made from these
+    labels, owner uids, deletionTimestamp, node name, Kueue's admission gate,
+    phase/reason/message, pod IP and the trainer container's state (its termination message
+    included). A new reader of another field must add it here; tests/unit/test_status.py checks that decisions made from these
     views equal those made from whole pods.
     """
     meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
@@ -154,9 +154,12 @@ def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
         # A copy: the view outlives the watch event it came from, whose dicts kopf owns.
         state = copy.deepcopy(trainer.get("state") or {})
         view_status["containerStatuses"] = [{"name": CONTAINER, "state": state}]
-    view = {"metadata": view_meta, "status": view_status}
-    if spec.get("nodeName"):
-        view["spec"] = {"nodeName": spec["nodeName"]}
+    view: dict[str, Any] = {"metadata": view_meta, "status": view_status}
+    view_spec = {"nodeName": spec["nodeName"]} if spec.get("nodeName") else {}
+    if queued(pod):  # only Kueue's gate: the one a decision reads
+        view_spec["schedulingGates"] = [{"name": KUEUE_ADMISSION_GATE}]
+    if view_spec:
+        view["spec"] = view_spec
     return view
 
 
@@ -183,6 +186,17 @@ def terminated(pod: dict) -> dict | None:
 def waiting_reason(pod: dict) -> str | None:
     """Why the trainer container has not started (ImagePullBackOff, ...), if it is waiting."""
     return _trainer_state(pod).get("state", {}).get("waiting", {}).get("reason")
+
+
+# Kueue's webhook gates every pod it manages until the pod's group is admitted whole.
+KUEUE_ADMISSION_GATE = "kueue.x-k8s.io/admission"
+
+
+def queued(pod: dict) -> bool:
+    """Kueue holds the pod back from the scheduler (its admission gate): the gang waits in its
+    LocalQueue for quota."""
+    gates = pod.get("spec", {}).get("schedulingGates") or []
+    return any(g.get("name") == KUEUE_ADMISSION_GATE for g in gates)
 
 
 def succeeded(pod: dict) -> bool:

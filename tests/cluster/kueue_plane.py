@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from plane import K8S_SH, KUBECTL, ROOT, Plane
+from plane import K8S_SH, KUBECTL, ROOT, Plane, token_kubeconfig
 
 from ftjob import manifest
 
@@ -55,16 +55,6 @@ class KueuePlane(Plane):
         assert done.returncode == 0, done.stdout + done.stderr
         return self
 
-    def token_kubeconfig(self, namespace: str, account: str) -> Path:
-        """A kubeconfig that authenticates as the ServiceAccount (a TokenRequest)."""
-        token = self.kubectl("create", "token", account, "-n", namespace, "--duration=24h")
-        config = yaml.safe_load(self.kubeconfig.read_text())
-        config["users"] = [{"name": account, "user": {"token": token.stdout.strip()}}]
-        config["contexts"][0]["context"]["user"] = account
-        path = self.dir / f"{account}.kubeconfig"
-        path.write_text(yaml.safe_dump(config))
-        return path
-
 
 class Operator:
     """``ftjob operator`` as a process, authenticated as the chart's ServiceAccount."""
@@ -75,7 +65,8 @@ class Operator:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Operator:
-        kubeconfig = self.plane.token_kubeconfig("ftjob-system", "ftjob")
+        path = self.plane.dir / "ftjob.kubeconfig"
+        kubeconfig = token_kubeconfig(self.plane, "ftjob-system", "ftjob", path)
         env = dict(os.environ, KUBECONFIG=str(kubeconfig), FTJOB_RESYNC_SECONDS="1")
         argv = [sys.executable, "-m", "ftjob", "operator", "--all-namespaces", "--standalone"]
         argv += ["--liveness", f"http://127.0.0.1:{self.health}/healthz"]

@@ -125,7 +125,11 @@ def test_quota_for_one_gang_keeps_the_second_gated_until_the_first_goes(team, tm
         assert ADMISSION_GATE in gates(pod) and not pod["spec"].get("nodeName")
     local = team.get("localqueue.kueue.x-k8s.io", "research", TEAM)
     assert local["status"]["pendingWorkloads"] == 1
-    assert team.get("ftj", "second", TEAM)["status"]["phase"] == "Pending"
+    # The job says why it waits, and where.
+    status = team.get("ftj", "second", TEAM)["status"]
+    running = condition({"status": status}, "Running")
+    assert status["phase"] == "Pending" and running["reason"] == "Queued", status
+    assert "LocalQueue research" in running["message"], running
 
     delete_job(team, "first")
     team.wait(lambda: placed(team, "second"), 60, "the second gang admitted and placed")

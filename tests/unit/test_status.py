@@ -217,6 +217,28 @@ def test_new_job_creates_the_gang_then_runs():
     assert all(p in PHASES for p in (d.phase, d2.phase, d3.phase))
 
 
+def test_a_gang_kueue_holds_is_queued_naming_its_queue():
+    """Kueue's admission gate on the pods: Pending, reason Queued, the LocalQueue named."""
+    doc = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
+    doc["spec"]["scheduling"] = {"queue": "research"}
+    name, spec = parse_resource(doc)
+    gate = {"schedulingGates": [{"name": "kueue.x-k8s.io/admission"}]}
+    pods = [pod(r, phase="Pending") for r in (0, 1)]
+    for p in pods:
+        p["spec"] |= gate
+        del p["spec"]["nodeName"]
+    created = lifecycle.decide(spec, name, 1, None, [], T0, None)
+    d = lifecycle.decide(spec, name, 1, created.status, pods, T0, None)
+    running = st.condition(d.status["conditions"], "Running")
+    assert d.phase == "Pending" and running["reason"] == "Queued"
+    assert "LocalQueue research" in running["message"] and "2 of 2 pod(s)" in running["message"]
+    # Admitted: the gates go, the pods wait for the kubelet as any pod does.
+    for p in pods:
+        del p["spec"]["schedulingGates"]
+    after = lifecycle.decide(spec, name, 1, d.status, pods, T0, None)
+    assert st.condition(after.status["conditions"], "Running")["reason"] == "PodsPending"
+
+
 def test_reconciling_twice_changes_nothing():
     d = run_to([pod(0), pod(1)])
     again = decide(d.status, [pod(0), pod(1)])
@@ -460,7 +482,12 @@ def realistic_pods(runs):
     """Pods in every state the decisions tell apart, as the API server serves them."""
     image_pull = served(pod(1, phase="Pending"))
     image_pull["status"]["containerStatuses"][0]["state"]["waiting"]["reason"] = "ImagePullBackOff"
+    queued = served(pod(1, phase="Pending"))  # Kueue's webhook gated it; no node yet
+    queued["spec"]["schedulingGates"] = [{"name": "kueue.x-k8s.io/topology"},
+                                         {"name": "kueue.x-k8s.io/admission"}]  # fmt: skip
+    del queued["spec"]["nodeName"]
     return {
+        "queued": queued,
         "pending": served(pod(0, phase="Pending")),
         "running": served(pod(0), sidecar=True),
         "running-1": served(pod(1)),
@@ -480,7 +507,7 @@ def realistic_pods(runs):
 
 
 def test_a_pod_view_reads_the_same_as_the_whole_pod(trainer_runs):
-    readers = [st.diagnose, st.succeeded, st.running, st.terminated, st.waiting_reason]
+    readers = [st.diagnose, st.succeeded, st.running, st.terminated, st.waiting_reason, st.queued]
     readers += [st.export_path, st.rank_of, st.attempt_of]
     for name, whole in realistic_pods(trainer_runs).items():
         view = st.observed_pod(whole)
