@@ -135,8 +135,8 @@ def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
     exactly what this module, :mod:`lifecycle` and the handlers read: name, the ftjob
     labels, owner uids, deletionTimestamp, node name, Kueue's admission gate,
     phase/reason/message, pod IP and the trainer container's state (its termination message
-    included). A new reader of another field must add it here; tests/unit/test_status.py checks that decisions made from these
-    views equal those made from whole pods.
+    included). A new reader of another field must add it here; tests/unit/test_status.py
+    checks that decisions made from these views equal those made from whole pods.
     """
     meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
     status = pod.get("status") or {}
