@@ -371,6 +371,8 @@ def _gang_failed(s: _Step, failure: dict) -> Decision:
     """Restart the gang as attempt+1, or fail the job if that cannot help any more."""
     new, limit = s.new, s.spec.run_policy.backoff_limit
     previous = (s.old.get("failure") or {}).get("reason")
+    if failure["reason"] == "Preempted":
+        return _preempted(s, failure)
     if failure["reason"] in st.PERMANENT:
         return s.fail(failure, "not retried")
     if failure["reason"] == "CudaOOM" and previous == "CudaOOM":
@@ -388,6 +390,21 @@ def _gang_failed(s: _Step, failure: dict) -> Decision:
         f"{limit}) after {failure['reason']}{avoid}: {failure['message']}"
     )
     return s.set("Restarting", failure["reason"], message)
+
+
+def _preempted(s: _Step, failure: dict) -> Decision:
+    """Kueue stopped the gang (its pods deleted, each marked TerminationTarget): not the job's
+    fault, so no restart budget is spent; the next gang queues for admission again and
+    resumes from the newest checkpoint."""
+    s.new["failure"] = failure
+    _next_gang(s)
+    s.delete_live(s.pods)
+    message = (
+        f"preempted by Kueue: attempt {s.new['attempt']} queues for admission again, no "
+        f"restart budget spent ({s.new['restarts']} of {s.spec.run_policy.backoff_limit} "
+        f"used): {failure['message']}"
+    )
+    return s.set("Restarting", "Preempted", message)
 
 
 def _next_gang(s: _Step) -> None:

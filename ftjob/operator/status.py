@@ -75,6 +75,8 @@ ADVICE = {
     contract.VOLUME_UNUSABLE: "the preflight could not write and read back the job's volume",
     contract.INTERNAL: "the trainer failed (a bug, or something it cannot name)",
     "Evicted": "the node evicted the pod",
+    "Preempted": "Kueue stopped the gang to give its quota to another workload (a higher "
+    "priority, or its own eviction policy): no restart budget is spent",
     "Lost": "the pod or its node disappeared",
     "Error": "the trainer exited with an error",
 }
@@ -103,6 +105,7 @@ SPECIFICITY = (
     contract.FABRIC_MISCONFIGURED,
     contract.EXPORT_FAILED,
     contract.HUB_PUSH_FAILED,
+    "Preempted",
     "Evicted",
     "Lost",
     contract.INTERNAL,
@@ -149,6 +152,9 @@ def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
     if meta.get("deletionTimestamp"):
         view_meta["deletionTimestamp"] = meta["deletionTimestamp"]
     view_status = {k: status[k] for k in ("phase", "reason", "message", "podIP") if k in status}
+    stopped = [c for c in status.get("conditions") or [] if c.get("type") == KUEUE_STOPPED]
+    if stopped:  # a copy, as below
+        view_status["conditions"] = copy.deepcopy(stopped)
     trainer = _trainer_state(pod)
     if trainer:
         # A copy: the view outlives the watch event it came from, whose dicts kopf owns.
@@ -190,6 +196,17 @@ def waiting_reason(pod: dict) -> str | None:
 
 # Kueue's webhook gates every pod it manages until the pod's group is admitted whole.
 KUEUE_ADMISSION_GATE = "kueue.x-k8s.io/admission"
+# The pod condition Kueue sets on each pod of a group it stops (preemption, eviction) before
+# deleting them all.
+KUEUE_STOPPED = "TerminationTarget"
+
+
+def stopped_by_kueue(pod: dict) -> str | None:
+    """Kueue's word for why it stopped the pod (its TerminationTarget condition), if it did."""
+    for c in pod.get("status", {}).get("conditions") or []:
+        if c.get("type") == KUEUE_STOPPED and c.get("status") == "True":
+            return f"{c.get('reason', '')}: {c.get('message', '')}".strip(": ")
+    return None
 
 
 def queued(pod: dict) -> bool:
@@ -235,7 +252,9 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     reason, detail, code, note, fix = None, "", None, "", None
     node_fault = False  # the node's fault, not the job's: the next gangs avoid it (badNodes)
     term = terminated(pod)
-    if st.get("reason") == "Evicted":
+    if stopped := stopped_by_kueue(pod):
+        reason, detail = "Preempted", stopped
+    elif st.get("reason") == "Evicted":
         reason, detail = "Evicted", st.get("message", "")
         node_fault = detail.startswith(NODE_PRESSURE)
     elif st.get("phase") == "Unknown" or st.get("reason") == "NodeLost":

@@ -172,3 +172,51 @@ def test_a_replaced_gang_is_a_new_group_kueue_admits(team):
     status = team.get("ftj", "phoenix", TEAM)["status"]
     assert status["attempt"] == 1 and status["restarts"] == 1, status
     delete_job(team, "phoenix")
+
+
+PRIORITIES = """
+apiVersion: scheduling.k8s.io/v1
+kind: PriorityClass
+metadata: {name: ftjob-test-low}
+value: 100
+---
+apiVersion: scheduling.k8s.io/v1
+kind: PriorityClass
+metadata: {name: ftjob-test-high}
+value: 1000
+"""
+
+
+def test_kueue_preempts_a_lower_priority_gang_and_no_restart_budget_is_spent(team):
+    team.kubectl("apply", "-f", "-", input=PRIORITIES)
+    submit(team, "low", scheduling={"queue": "research", "priorityClassName": "ftjob-test-low"},
+           runPolicy={"backoffLimit": 1})  # fmt: skip
+    team.wait(lambda: placed(team, "low"), 60, "the low-priority gang placed")
+    submit(team, "high", scheduling={"queue": "research", "priorityClassName": "ftjob-test-high"})
+    team.wait(lambda: placed(team, "high"), 90, "the high-priority gang admitted and placed")
+    assert admitted(team, "high-a0")
+
+    def requeued():
+        status = team.get("ftj", "low", TEAM)["status"]
+        return status.get("attempt") == 1 and status
+
+    status = team.wait(requeued, 30, "the low job's next gang")
+    assert status["restarts"] == 0, status  # budget untouched: a preemption is not a failure
+    assert status["failure"]["reason"] == "Preempted", status
+    assert "Preempted to accommodate" in status["failure"]["message"], status
+    # The next gang waits in the queue, gated, and the job says so.
+    team.wait(lambda: workload(team, "low-a1"), 30, "low-a1's Workload")
+    team.wait(
+        lambda: (
+            condition({"status": team.get("ftj", "low", TEAM)["status"]}, "Running").get("reason")
+            == "Queued"
+        ),
+        30,
+        "the low job Queued",
+    )
+    assert all(ADMISSION_GATE in gates(p) for p in job_pods(team, "low"))
+    # The high job goes: the low one is admitted again, still with its whole budget.
+    delete_job(team, "high")
+    team.wait(lambda: placed(team, "low", attempt=1), 60, "the low job's gang placed again")
+    assert team.get("ftj", "low", TEAM)["status"]["restarts"] == 0
+    delete_job(team, "low")

@@ -239,6 +239,37 @@ def test_a_gang_kueue_holds_is_queued_naming_its_queue():
     assert st.condition(after.status["conditions"], "Running")["reason"] == "PodsPending"
 
 
+# What Kueue 0.17 writes on each pod of a group it preempts, before deleting them all.
+KUEUE_STOP = {
+    "type": "TerminationTarget",
+    "status": "True",
+    "reason": "WorkloadEvicted",
+    "message": "Preempted to accommodate a workload (UID: 1) due to prioritization in the "
+    "ClusterQueue",
+}
+
+
+def test_a_gang_kueue_preempts_is_queued_again_without_spending_restart_budget():
+    d = run_to([pod(0), pod(1)], backoffLimit=1)
+    assert d.phase == "Running"
+    gone = [pod(r, phase="Failed", exit_code=143) for r in (0, 1)]
+    for p in gone:
+        p["metadata"]["deletionTimestamp"] = "2026-01-01T12:00:30Z"
+        p["status"]["conditions"] = [KUEUE_STOP]
+    r = decide(d.status, gone, backoffLimit=1)
+    assert r.phase == "Restarting" and r.status["restarts"] == 0 and r.status["attempt"] == 1
+    assert r.status["failure"]["reason"] == "Preempted"
+    assert "Preempted to accommodate" in r.status["failure"]["message"]
+    assert (
+        "no restart budget spent" in st.condition(r.status["conditions"], "Restarting")["message"]
+    )
+    # Twice, with a budget of one: still not Failed.
+    for p in gone:
+        p["metadata"]["labels"]["ftjob.dev/attempt"] = "1"
+    again = decide(r.status, gone, backoffLimit=1)
+    assert again.phase == "Restarting" and again.status["restarts"] == 0
+
+
 def test_reconciling_twice_changes_nothing():
     d = run_to([pod(0), pod(1)])
     again = decide(d.status, [pod(0), pod(1)])
@@ -486,8 +517,11 @@ def realistic_pods(runs):
     queued["spec"]["schedulingGates"] = [{"name": "kueue.x-k8s.io/topology"},
                                          {"name": "kueue.x-k8s.io/admission"}]  # fmt: skip
     del queued["spec"]["nodeName"]
+    preempted = served(pod(0, phase="Failed", exit_code=143), deleting=True)
+    preempted["status"]["conditions"].append(KUEUE_STOP)
     return {
         "queued": queued,
+        "preempted": preempted,
         "pending": served(pod(0, phase="Pending")),
         "running": served(pod(0), sidecar=True),
         "running-1": served(pod(1)),
