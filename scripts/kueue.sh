@@ -17,7 +17,7 @@ KUEUE_NS=kueue-system
 KUEUE_SA=kueue-controller-manager
 KUEUE_SECRET=kueue-webhook-server-cert
 KUEUE_SERVICE=kueue-webhook-service
-KUEUE_NET_LOCK=/run/lock/ftjob-kueue-net.lock
+KUEUE_NET_LOCK="${TMPDIR:-/tmp}/ftjob-kueue-net.lock"
 
 kueue_built() { [[ -x "$KUEUE_CACHE/bin/kueue" && -s "$KUEUE_CACHE/kueue-manifests.yaml" ]]; }
 
