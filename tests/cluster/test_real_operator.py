@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import sys
 from types import SimpleNamespace
 
@@ -81,6 +82,20 @@ def operator(installed: Plane, tmp_path_factory):
     op.plane = installed
     yield op
     op.stop()
+
+
+@pytest.fixture(autouse=True)
+def one_job_at_a_time(operator):
+    """Each test's jobs are deleted after it: the plane has 4 GPU nodes of 8 GPUs."""
+    yield
+    plane = operator.plane
+    plane.kubectl("delete", "ftj", "--all", "-A", "--wait=false")
+
+    def no_pods():
+        found = plane.kubectl("get", "pods", "-A", "-l", "ftjob.dev/job-name", "-o", "name")
+        return not found.stdout.strip()
+
+    plane.wait(no_pods, 60, "every job's pods to go")
 
 
 def pods_of(plane: Plane, name: str) -> list[dict]:
@@ -211,3 +226,72 @@ def test_the_operator_killed_mid_job_converges_after_restart(operator):
     operator.start()
     gang_running(plane, "survive", 1)
     assert status_of(plane, "survive")["restarts"] == 1
+
+
+def can_i(plane: Plane, user: str) -> set[tuple[str, str]]:
+    """(resource, verb) pairs `kubectl auth can-i --list` shows for ``user`` (the server's
+    RBAC authorizer's own answer; non-resource URLs aside)."""
+    out = plane.kubectl("auth", "can-i", "--list", f"--as={user}", "-n", NAMESPACE).stdout
+    pairs = set()
+    for line in out.splitlines()[1:]:
+        m = re.match(r"^(\S+)\s+\[(.*?)\]\s+\[(.*?)\]\s+\[(.*?)\]$", line)
+        if m:
+            pairs |= {(m.group(1), verb) for verb in m.group(4).split()}
+    return pairs
+
+
+def chart_rules() -> set[tuple[str, str]]:
+    """The chart's ClusterRole, in can-i's spelling (``plural.group/subresource``)."""
+    docs = manifest.load(ROOT / "manifests" / "install.yaml")
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    pairs = set()
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                plural, _, sub = resource.partition("/")
+                name = f"{plural}.{group}" if group else plural
+                pairs |= {(name + (f"/{sub}" if sub else ""), v) for v in rule["verbs"]}
+    return pairs
+
+
+def test_the_service_account_may_do_what_the_chart_grants_and_no_more(operator):
+    """What the real authorizer lets the operator's ServiceAccount do, beyond what every
+    ServiceAccount may, is the chart's ClusterRole (tests/unit/test_chart.py proves that
+    equals the calls in the operator's code, no more)."""
+    plane = operator.plane
+    everyone = can_i(plane, f"system:serviceaccount:{NAMESPACE}:default")
+    ours = can_i(plane, "system:serviceaccount:ftjob-system:ftjob")
+    assert ours - everyone == chart_rules()
+
+
+def test_pod_security_admits_tcp_under_restricted_and_refuses_efa_under_baseline(operator):
+    """docs/install.md's table: tcp runs under "restricted"; efa's IPC_LOCK is outside
+    "baseline", and the refusal is in the job's status, not only in the operator's log."""
+    plane = operator.plane
+    for ns, level in (("strict", "restricted"), ("base", "baseline")):
+        plane.kubectl("create", "namespace", ns)
+        plane.kubectl("label", "namespace", ns, f"pod-security.kubernetes.io/enforce={level}")
+        plane.wait(lambda ns=ns: plane.get("sa", "default", ns), 30, "the default SA")
+        plane.apply(shared_volume(ns))
+    tcp = gpu_job("tcp")
+    tcp["metadata"]["namespace"] = "strict"
+    plane.apply(tcp)
+    efa = gpu_job("efa")
+    efa["metadata"]["namespace"] = "base"
+    efa["spec"]["network"] |= {"fabric": "efa", "efaDevicesPerNode": 4}
+    plane.apply(efa)
+
+    def running_in_strict():
+        pods = plane.get("pods", namespace="strict") or []
+        return len(pods) == 2 and all(p["status"].get("phase") == "Running" for p in pods)
+
+    plane.wait(running_in_strict, 60, "the tcp job's pods admitted and running")
+
+    def refused():
+        conditions = (plane.get("ftj", "efa", "base") or {}).get("status", {}).get("conditions")
+        created = next((c for c in conditions or [] if c["type"] == "Created"), {})
+        return created.get("reason") == "PodsRefused" and created["message"]
+
+    message = plane.wait(refused, 60, "the efa job's status to carry the refusal")
+    assert 'violates PodSecurity "baseline' in message and "IPC_LOCK" in message
+    assert not plane.get("pods", namespace="base")
