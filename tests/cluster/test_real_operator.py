@@ -295,3 +295,40 @@ def test_pod_security_admits_tcp_under_restricted_and_refuses_efa_under_baseline
     message = plane.wait(refused, 60, "the efa job's status to carry the refusal")
     assert 'violates PodSecurity "baseline' in message and "IPC_LOCK" in message
     assert not plane.get("pods", namespace="base")
+
+
+def test_the_scheduler_keeps_the_next_gang_off_a_bad_node(operator):
+    """A hardware failure (an Xid in the trainer's log) puts its node on status.badNodes;
+    the real scheduler then never places the next gang's pods there: a 4-node job on the 4
+    GPU nodes gets 3 pods placed on the others and 1 left Pending by its node affinity."""
+    plane = operator.plane
+    plane.apply(gpu_job("xid", nodes=4, runPolicy={"backoffLimit": 2}))
+    first = gang_running(plane, "xid", 0, nodes=4)
+    bad = next(p["spec"]["nodeName"] for p in first if p["metadata"]["name"] == "xid-node-0")
+    terminate(plane, "xid-node-0", 1, "Error", "NVRM: Xid 79, GPU has fallen off the bus")
+
+    def next_gang():
+        pods = pods_of(plane, "xid") or []
+        pods = [p for p in pods if p["metadata"]["labels"]["ftjob.dev/attempt"] == "1"]
+        placed = [p for p in pods if p["spec"].get("nodeName")]
+        return len(pods) == 4 and len(placed) == 3 and pods
+
+    pods = plane.wait(next_gang, 90, "attempt 1: 3 pods placed, 1 unschedulable")
+    assert bad not in {p["spec"].get("nodeName") for p in pods}
+    assert bad in [b["node"] for b in status_of(plane, "xid")["badNodes"]]
+    pending = next(p for p in pods if not p["spec"].get("nodeName"))
+    unschedulable = plane.wait(
+        lambda: next(
+            (
+                c
+                for c in plane.get("pod", pending["metadata"]["name"], NAMESPACE)["status"].get(
+                    "conditions", []
+                )
+                if c["type"] == "PodScheduled" and c["status"] == "False"
+            ),
+            None,
+        ),
+        30,
+        "the scheduler's verdict on the fourth pod",
+    )
+    assert "affinity" in unschedulable["message"], unschedulable
