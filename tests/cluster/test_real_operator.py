@@ -99,11 +99,8 @@ def one_job_at_a_time(operator):
 
 
 def pods_of(plane: Plane, name: str) -> list[dict]:
-    return plane.get("pods", namespace=NAMESPACE, ok=False) and [
-        p
-        for p in plane.get("pods", namespace=NAMESPACE)
-        if p["metadata"]["labels"].get("ftjob.dev/job-name") == name
-    ]
+    pods = plane.get("pods", namespace=NAMESPACE, ok=False) or []
+    return [p for p in pods if p["metadata"]["labels"].get("ftjob.dev/job-name") == name]
 
 
 def status_of(plane: Plane, name: str) -> dict:
@@ -332,3 +329,20 @@ def test_the_scheduler_keeps_the_next_gang_off_a_bad_node(operator):
         "the scheduler's verdict on the fourth pod",
     )
     assert "affinity" in unschedulable["message"], unschedulable
+
+
+@pytest.mark.timeout(600)  # the first test to ask waits for the real trainer's outputs
+def test_every_node_exiting_zero_with_the_trainers_record_succeeds(operator, trainer_runs):
+    """Success through the real lifecycle: the termination record is the real trainer's
+    (tests/trainer_outputs.py), written into the pod's status as a kubelet would."""
+    plane = operator.plane
+    run = trainer_runs.get("succeeded")
+    plane.apply(gpu_job("done"))
+    gang_running(plane, "done", 0)
+    terminate(plane, "done-node-1", 0, "Completed")
+    terminate(plane, "done-node-0", 0, "Completed", run.message)
+    status = plane.wait(
+        lambda: (s := status_of(plane, "done")).get("phase") == "Succeeded" and s, 60, "success"
+    )
+    assert status["completionTime"] and status["modelPath"] == str(run.job_dir / "model")
+    assert "Succeeded" in plane.kubectl("get", "ftj", "done", "-n", NAMESPACE).stdout
