@@ -31,7 +31,7 @@ from aiohttp import web
 
 from ftjob import validation
 from ftjob.operator import lifecycle, metrics, render, status
-from ftjob.operator.kube import Gone, Kube, error_text
+from ftjob.operator.kube import Gone, Kube, Refused, error_text
 from ftjob.schema import SpecError
 from ftjob.spec import GROUP, PLURAL, VERSION, TrackingSpec
 
@@ -256,9 +256,13 @@ async def _reconcile(name, namespace, body, job_pods, state, watch: Watch) -> fl
             render.pod(name, namespace, spec, r, attempt, uid, image, avoid)
             for r in decision.create
         ]
-        for child in children:
-            if not await _create(child, uid):
-                requeue = 0.5  # a dead job's child was in the way: create again once gone
+        try:
+            for child in children:
+                if not await _create(child, uid):
+                    requeue = 0.5  # a dead job's child was in the way: create again once gone
+        except Refused as e:
+            await _record_refusal(body, namespace, name, uid, state, meta, str(e), now)
+            requeue = REFUSED_RETRY_SECONDS
     for pod_name in decision.delete:
         await asyncio.to_thread(kube().delete, "Pod", namespace, pod_name)
     if decision.delete_job:
@@ -266,6 +270,30 @@ async def _reconcile(name, namespace, body, job_pods, state, watch: Watch) -> fl
         await asyncio.to_thread(kube().delete_job, namespace, name, uid)
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
     return requeue
+
+
+# A refused child is tried again this often: the namespace's label or quota may change.
+REFUSED_RETRY_SECONDS = 10.0
+
+
+async def _record_refusal(body, namespace, name, uid, state, meta, message, now) -> None:
+    """The API server's refusal (PodSecurity, quota, RBAC) into the job's Created condition
+    (status.conditions keeps it until the pods exist) and a Warning Event."""
+    old = state["written"][1] if state["written"] else (body.get("status") or {})
+    new = dict(old)
+    new["conditions"] = status.set_condition(
+        old.get("conditions") or [],
+        "Created",
+        False,
+        status.REFUSED,
+        message,
+        now,
+        meta.get("generation"),
+    )
+    if new != old:
+        await asyncio.to_thread(kube().patch_status, namespace, name, uid, new)
+        state["written"] = (meta.get("resourceVersion"), new)
+    kopf.event(body, type="Warning", reason=status.REFUSED, message=message)
 
 
 async def _create(child: dict, uid: str) -> bool:

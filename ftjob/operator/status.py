@@ -437,6 +437,10 @@ def condition(conditions: list[dict], type_: str) -> dict | None:
     return next((c for c in conditions if c["type"] == type_), None)
 
 
+# The Created condition's reason while the API server refuses the job's children.
+REFUSED = "PodsRefused"
+
+
 def conditions(
     old: list[dict],
     phase: str,
@@ -459,7 +463,11 @@ def conditions(
     out = old
     for type_ in PHASE_CONDITIONS:
         is_true = truths[type_]
-        if type_ == "Created":
+        prior = condition(old, "Created") if type_ == "Created" else None
+        if prior and not created and prior.get("reason") == REFUSED:
+            # The API server's refusal stays in view until the pods exist.
+            why, text = REFUSED, prior.get("message", "")
+        elif type_ == "Created":
             why = "PodsCreated" if created else "PodsNotCreated"
             text = "every pod of the gang exists" if created else "the gang has no pods now"
         elif is_true or type_ == "Running":

@@ -202,6 +202,18 @@ def test_conditions_keep_their_transition_time_while_unchanged():
     assert all(c["reason"] and c["reason"].isalnum() for c in done)
 
 
+def test_a_refusal_of_the_pods_stays_in_the_created_condition_until_they_exist():
+    """The operator records the API server's refusal (e.g. PodSecurity) in Created; the next
+    reconciles keep it rather than 'the gang has no pods now', and drop it once created."""
+    pending = st.conditions([], "Pending", "Creating", "m", T0, 1, False)
+    why = 'pods "j-node-0" is forbidden: violates PodSecurity "baseline:latest"'
+    refused = st.set_condition(pending, "Created", False, st.REFUSED, why, T0, 1)
+    again = st.conditions(refused, "Pending", "Creating", "m", T0, 1, False)
+    assert st.condition(again, "Created")["message"] == why
+    created = st.conditions(again, "Running", "AllPodsRunning", "m", T0, 1, True)
+    assert st.condition(created, "Created")["reason"] == "PodsCreated"
+
+
 # ----------------------------------------------------------------------------- lifecycle
 
 
