@@ -45,6 +45,8 @@ kueue_build() {
   # Kueue's go.mod has no replaces: `go install` of the published module is enough.
   [[ -x "$KUEUE_CACHE/bin/kueue" ]] || GOBIN="$KUEUE_CACHE/bin" GOFLAGS=-trimpath \
     go install -ldflags "-s -w" "sigs.k8s.io/kueue/cmd/kueue@v$KUEUE_VERSION"
+  command -v "${KUBECTL:-kubectl}" >/dev/null ||
+    die "kubectl is not on PATH (set KUBECTL): its kustomize renders Kueue's manifests"
   kueue_manifests
   kueue_built || die "the Kueue build left nothing in $KUEUE_CACHE"
   echo "kueue.sh: built into $KUEUE_CACHE"

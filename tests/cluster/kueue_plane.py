@@ -37,7 +37,9 @@ def build() -> None:
         why = "go is not installed"
     else:
         argv = ["bash", str(K8S_SH), "build", "--kueue"]
-        done = subprocess.run(argv, capture_output=True, text=True)
+        # kubectl's kustomize renders Kueue's manifests from its module
+        env = dict(os.environ, **({"KUBECTL": KUBECTL} if KUBECTL else {}))
+        done = subprocess.run(argv, capture_output=True, text=True, env=env)
         if done.returncode:
             why = "scripts/k8s.sh build --kueue failed:\n" + (done.stdout + done.stderr)[-3000:]
     if why and os.environ.get("CI") == "true":
