@@ -43,7 +43,7 @@ def test_up_starts_n_gpu_nodes_and_down_leaves_no_process(tmp_path):
 
 
 def test_unknown_options_are_refused_by_name(tmp_path):
-    for option, word in (("--kueue", "--kueue"), ("--nodes", "--nodes")):
+    for option, word in (("--nodes", "--nodes"), ("--gpus", "--gpus")):  # --kueue: test_kueue.py
         result = k8s_sh("up", str(tmp_path), option)
         assert result.returncode != 0 and word in result.stderr
     assert not (tmp_path / "pids").exists()
