@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Make a Debian machine ready to build and run ftjob's images with podman (the image tests,
-# tests/images/, need it; the README's test command runs this first). Idempotent.
+# tests/images/, need it; the README's test command runs this first), and give it ip for the
+# Kueue cluster tests. Idempotent.
 #
 #   bash scripts/podman-host.sh
 #
@@ -18,6 +19,9 @@ need=()
 for pkg in podman runc debootstrap; do  # each package is named for its command
   command -v "$pkg" >/dev/null || need+=("$pkg")
 done
+# ip (iproute2): the Kueue cluster tests serve Kueue's webhook on a veth pair into a network
+# namespace (scripts/kueue.sh), as root.
+command -v ip >/dev/null || need+=(iproute2)
 if [ ${#need[@]} -gt 0 ]; then
   sudo=()
   [ "$(id -u)" -eq 0 ] || sudo=(sudo)

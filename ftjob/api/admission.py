@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from functools import lru_cache
 from typing import Any
 
@@ -107,6 +108,9 @@ def _schema_message(err: jsonschema.ValidationError) -> tuple[str, str]:
     if kind == "enum":
         options = ", ".join(json.dumps(o) for o in rule)
         return path, f"Unsupported value: {_quote(value)}: supported values: {options}"
+    if kind == "type" and rule == "integer" and isinstance(value, float):
+        # A fraction where the schema says integer (format int64) is refused in Go's words.
+        return path, f'Invalid value: "float64": {path} in body must be of type int64: "float64"'
     if kind in ("type", "anyOf"):
         want = rule if kind == "type" else "integer or string"
         return path, (
@@ -118,9 +122,9 @@ def _schema_message(err: jsonschema.ValidationError) -> tuple[str, str]:
         cmp = "greater than" if exclusive else "greater than or equal to"
         return path, f"Invalid value: {_quote(value)}: {path} in body should be {cmp} {rule}"
     if kind == "maximum":
-        return path, (
-            f"Invalid value: {_quote(value)}: {path} in body should be less than or equal to {rule}"
-        )
+        exclusive = err.schema.get("exclusiveMaximum")
+        cmp = "less than" if exclusive else "less than or equal to"
+        return path, f"Invalid value: {_quote(value)}: {path} in body should be {cmp} {rule}"
     if kind == "pattern":
         return path, f"Invalid value: {_quote(value)}: {path} in body should match '{rule}'"
     if kind == "minLength":
@@ -162,10 +166,11 @@ def _cel_errors(schema: dict, obj: Any, old: Any, path: str) -> list[tuple[str, 
         try:
             ok = _program(expr).execute(env_with_old if uses_old else env)
         except Exception as e:  # noqa: BLE001 - any evaluation error rejects, as in the API server
-            errors.append((where, f"Invalid value: {_quote(obj)}: rule evaluation failed: {e}"))
+            errors.append((where, f"Invalid value: rule evaluation failed: {e}"))
             continue
         if ok is not True:
-            errors.append((where, f"Invalid value: {_quote(obj)}: {rule.get('message', expr)}"))
+            # The API server names no value in a rule's refusal ("Invalid value: <message>").
+            errors.append((where, f"Invalid value: {rule.get('message', expr)}"))
     if isinstance(obj, dict) and "properties" in schema:
         for key, sub in schema["properties"].items():
             if key in obj:
@@ -205,18 +210,91 @@ def admit(schema: dict, obj: dict, old: dict | None = None) -> tuple[dict, list[
         return obj, [
             f"{p}: Invalid value: {v}: json: unsupported value: {v}" for p, v in unsendable
         ]
+    unknown = sorted(set(_unknown_fields(schema, obj, "")))
+    if unknown:
+        # kubectl asks for strict field validation: the decoder refuses unknown fields (those
+        # the structural schema would prune) before any schema check or rule runs.
+        return obj, [f'{p}: unknown field "{p}"' for p in unknown]
     obj = apply_defaults(schema, copy.deepcopy(obj))
     if old is not None:
         old = apply_defaults(schema, copy.deepcopy(old))
     validator = jsonschema.Draft4Validator(_json_schema(schema, root=True))
-    found = [_schema_message(e) for e in validator.iter_errors(obj)]
+    errors = list(validator.iter_errors(obj))
+    found = [_schema_message(e) for e in errors]
+    found += [
+        (
+            "<nil>",
+            f'Invalid value: "": Checked value must be of type integer with format int64 in {p}',
+        )
+        for p, m in found
+        if 'must be of type int64: "float64"' in m
+    ]
     # ObjectMeta is the API server's own: a custom resource's name is a DNS subdomain.
     meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
-    found += [
-        (path, f"Invalid value: {message}")
-        for path, message in kubevalidation.metadata_errors({"name": "x"} | meta)
-    ]
-    if not found:
-        # The API server evaluates CEL only on objects that pass the structural schema.
-        found = _cel_errors(schema, obj, old, "")
+    found += list(_meta_errors(meta))
+    if any(e.validator in BLOCKING for e in errors):
+        # A wrong type, a missing field, an unsupported or too long/many value keeps the API
+        # server from running the CEL rules (apiextensions' hasBlockingErr), and it says so;
+        # a bound or a pattern does not, and the rules run beside it.
+        found.append(("<nil>", f"Invalid value: null: {NOT_CHECKED}"))
+    else:
+        found += _cel_errors(schema, obj, old, "")
     return obj, [f"{path}: {message}" for path, message in sorted(set(found))]
+
+
+BLOCKING = {"type", "anyOf", "required", "enum", "maxLength", "maxItems", "maxProperties"}
+NOT_CHECKED = (
+    "some validation rules were not checked because the object was invalid; correct the "
+    "existing errors to complete validation"
+)
+LABEL_VALUE = (
+    "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or "
+    "'.', and must start and end with an alphanumeric character (e.g. 'MyValue',  or "
+    "'my_value',  or '12345', regex used for validation is "
+    "'(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?')"
+)
+
+
+def _meta_errors(meta: dict):
+    """ObjectMeta's errors; a label value's in the API server's own words."""
+    labels = meta.get("labels") if isinstance(meta.get("labels"), dict) else {}
+    for path, message in kubevalidation.metadata_errors({"name": "x"} | meta):
+        key = path.removeprefix("metadata.labels[").removesuffix("]")
+        if not (path.startswith("metadata.labels[") and "label value" in message):
+            yield path, f"Invalid value: {message}"
+            continue
+        value = labels.get(key)
+        if isinstance(value, str) and len(value) > 63:
+            yield (
+                "metadata.labels",
+                f"Invalid value: {json.dumps(value)}: must be no more than 63 characters",
+            )
+        if not isinstance(value, str) or not re.fullmatch(
+            r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?", value
+        ):
+            yield "metadata.labels", f"Invalid value: {json.dumps(value)}: {LABEL_VALUE}"
+
+
+def _unknown_fields(schema: dict, obj: Any, path: str):
+    """The fields structural pruning drops: keys no ``properties`` names (an object where the
+    schema wants a list or a scalar loses all its keys), as the strict decoder reports them."""
+    if schema.get("x-kubernetes-preserve-unknown-fields") or schema.get(
+        "x-kubernetes-embedded-resource"
+    ):
+        return
+    if isinstance(obj, dict):
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for key, value in obj.items():
+            where = f"{path}.{key}" if path else str(key)
+            if path == "" and key in ("apiVersion", "kind", "metadata"):
+                continue  # the API server's own: never pruned by the CRD's schema
+            if key in props:
+                yield from _unknown_fields(props[key], value, where)
+            elif isinstance(extra, dict):
+                yield from _unknown_fields(extra, value, where)
+            else:
+                yield where
+    elif isinstance(obj, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(obj):
+            yield from _unknown_fields(schema["items"], item, f"{path}[{i}]")

@@ -598,8 +598,12 @@ def openapi(cls: type, doc: str | None = None) -> dict:
             schema["default"] = f.default
         elif f.default_factory is not MISSING:
             produced = to_dict(f.default_factory())
-            # An object defaults to {} so the API server fills in its fields' defaults too.
-            schema["default"] = {} if dataclasses.is_dataclass(tp) else produced
+            # An object defaults to {} so the API server fills in its fields' defaults too --
+            # unless its class has CEL rules: the API server checks a default against them as
+            # written, before defaulting inside it, and refuses the CRD when a rule names a
+            # field the default lacks ("no such key"), so such a default is spelled out.
+            spelled = not dataclasses.is_dataclass(tp) or getattr(tp, "__rules__", ())
+            schema["default"] = produced if spelled else {}
         elif f.default is MISSING:
             required.append(camel(f.name))
         props[camel(f.name)] = schema

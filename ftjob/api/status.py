@@ -19,6 +19,7 @@ FAILURE_REASONS = (
     "OOMKilled",
     "BadInput",
     "Evicted",
+    "Preempted",
     "Lost",
     "Stalled",
     "StartupTimeout",

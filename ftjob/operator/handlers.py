@@ -32,7 +32,7 @@ from aiohttp import web
 from ftjob.api.schema import SpecError
 from ftjob.api.spec import GROUP, PLURAL, VERSION, FineTuneJobSpec, TrackingSpec
 from ftjob.operator import admit, lifecycle, metrics, render, status
-from ftjob.operator.kube import Gone, Kube, error_text
+from ftjob.operator.kube import Gone, Kube, Refused, error_text
 
 POD_SELECTOR = {"app.kubernetes.io/managed-by": render.MANAGER}
 
@@ -290,27 +290,64 @@ async def _apply(name, namespace, body, seen: Seen, spec, decision, state: JobSt
 
     requeue = decision.requeue_after
     if decision.create and spec is not None:
-        if await asyncio.to_thread(kube().job_uid, namespace, name) != uid:
-            raise Gone(f"{namespace}/{name} is no longer object {uid}: nothing is created")
-        attempt = new["attempt"]
-        children = [
-            render.config_map(name, namespace, spec, uid),
-            render.service(name, namespace, spec, uid),
-        ]
-        image, avoid = SETTINGS.default_image, lifecycle.bad_nodes(new)
-        children += [
-            render.pod(name, namespace, spec, r, attempt, uid, image, avoid)
-            for r in decision.create
-        ]
-        for child in children:
-            if not await _create(child, uid):
-                requeue = 0.5  # a dead job's child was in the way: create again once gone
+        requeue = await _create_gang(name, namespace, body, seen, spec, decision, state) or requeue
     for pod_name in decision.delete:
         await asyncio.to_thread(kube().delete, "Pod", namespace, pod_name)
     if decision.delete_job:
         logging.getLogger(__name__).info(f"{namespace}/{name}: ttlSecondsAfterFinished passed")
         await asyncio.to_thread(kube().delete_job, namespace, name, uid)
     return requeue
+
+
+async def _create_gang(name, namespace, body, seen: Seen, spec, decision, state: JobState):
+    """The attempt's ConfigMap, Service and pods. Returns when to look again: soon when a dead
+    job's child was in the way, later when the API server refused a child (recorded)."""
+    uid, new = seen.meta["uid"], decision.status
+    if await asyncio.to_thread(kube().job_uid, namespace, name) != uid:
+        raise Gone(f"{namespace}/{name} is no longer object {uid}: nothing is created")
+    attempt = new["attempt"]
+    children = [
+        render.config_map(name, namespace, spec, uid),
+        render.service(name, namespace, spec, uid),
+    ]
+    image, avoid = SETTINGS.default_image, lifecycle.bad_nodes(new)
+    children += [
+        render.pod(name, namespace, spec, r, attempt, uid, image, avoid) for r in decision.create
+    ]
+    requeue = None
+    try:
+        for child in children:
+            if not await _create(child, uid):
+                requeue = 0.5  # a dead job's child was in the way: create again once gone
+    except Refused as e:
+        await _record_refusal(body, namespace, name, seen, state, str(e))
+        requeue = REFUSED_RETRY_SECONDS
+    return requeue
+
+
+# A refused child is tried again this often: the namespace's label or quota may change.
+REFUSED_RETRY_SECONDS = 10.0
+
+
+async def _record_refusal(body, namespace, name, seen: Seen, state: JobState, message) -> None:
+    """The API server's refusal (PodSecurity, quota, RBAC) into the job's Created condition
+    (status.conditions keeps it until the pods exist) and a Warning Event."""
+    meta, uid = seen.meta, seen.meta["uid"]
+    old = state.written[1] if state.written else (body.get("status") or {})
+    new = dict(old)
+    new["conditions"] = status.set_condition(
+        old.get("conditions") or [],
+        "Created",
+        False,
+        status.REFUSED,
+        message,
+        seen.now,
+        meta.get("generation"),
+    )
+    if new != old:
+        await asyncio.to_thread(kube().patch_status, namespace, name, uid, new)
+        state.written = (meta.get("resourceVersion"), new)
+    kopf.event(body, type="Warning", reason=status.REFUSED, message=message)
 
 
 async def _create(child: dict, uid: str) -> bool:

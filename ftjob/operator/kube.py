@@ -26,6 +26,12 @@ class Gone(Exception):
     object of the same name (its UID differs: the JSON patch's ``test`` answers 422)."""
 
 
+class Refused(Exception):
+    """The API server refused to create a child for good reasons of its own: admission
+    (PodSecurity, a quota, a webhook: 403 or 422) or RBAC (403). Retrying the same object
+    gets the same answer until the namespace or the cluster changes."""
+
+
 class Kube:
     def __init__(self, api: client.ApiClient | None = None):
         if api is None:
@@ -52,6 +58,8 @@ class Kube:
         except client.ApiException as e:
             if e.status == 409:
                 return False
+            if e.status in (403, 422):
+                raise Refused(error_text(e)) from e
             raise
         return True
 

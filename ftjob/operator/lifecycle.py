@@ -309,10 +309,24 @@ def _create_or_wait(s: _Step) -> Decision:
         )
     if all(st.running(p) or st.succeeded(p) for p in current.values()):
         return _running(s)
+    gated = sum(st.queued(p) for p in current.values())
+    if gated:
+        return s.set("Pending", "Queued", _queued_message(s, gated), True)
     waiting = sorted({w for p in current.values() if (w := st.waiting_reason(p))})
     message = f"waiting for {sum(not st.running(p) for p in current.values())} pod(s) to run"
     return s.set(
         "Pending", "PodsPending", message + (f" ({', '.join(waiting)})" if waiting else ""), True
+    )
+
+
+def _queued_message(s: _Step, gated: int) -> str:
+    """Where the gang waits: Kueue admits it whole when the ClusterQueue behind the job's
+    LocalQueue has quota for every pod; its Workload's QuotaReserved condition says what is
+    short."""
+    return (
+        f"queued in Kueue's LocalQueue {s.spec.scheduling.queue}: {gated} of "
+        f"{s.spec.resources.nodes} pod(s) gated until the gang is admitted whole "
+        f"(kubectl get workloads shows what is short)"
     )
 
 
@@ -358,6 +372,8 @@ def _gang_failed(s: _Step, failure: dict) -> Decision:
     """Restart the gang as attempt+1, or fail the job if that cannot help any more."""
     new, limit = s.new, s.spec.run_policy.backoff_limit
     previous = (s.old.get("failure") or {}).get("reason")
+    if failure["reason"] == "Preempted":
+        return _preempted(s, failure)
     if failure["reason"] in st.PERMANENT:
         return s.fail(failure, "not retried")
     if failure["reason"] == "CudaOOM" and previous == "CudaOOM":
@@ -375,6 +391,21 @@ def _gang_failed(s: _Step, failure: dict) -> Decision:
         f"{limit}) after {failure['reason']}{avoid}: {failure['message']}"
     )
     return s.set("Restarting", failure["reason"], message)
+
+
+def _preempted(s: _Step, failure: dict) -> Decision:
+    """Kueue stopped the gang (its pods deleted, each marked TerminationTarget): not the job's
+    fault, so no restart budget is spent; the next gang queues for admission again and
+    resumes from the newest checkpoint."""
+    s.new["failure"] = failure
+    _next_gang(s)
+    s.delete_live(s.pods)
+    message = (
+        f"preempted by Kueue: attempt {s.new['attempt']} queues for admission again, no "
+        f"restart budget spent ({s.new['restarts']} of {s.spec.run_policy.backoff_limit} "
+        f"used): {failure['message']}"
+    )
+    return s.set("Restarting", "Preempted", message)
 
 
 def _next_gang(s: _Step) -> None:

@@ -42,6 +42,10 @@ TERMINATION_GRACE_SECONDS = 60  # time for an in-flight async checkpoint to be a
 KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
 KUEUE_GROUP = "kueue.x-k8s.io/pod-group-name"
 KUEUE_TOTAL = "kueue.x-k8s.io/pod-group-total-count"
+# A group is never retried: a failed gang is replaced by a new group (attempt+1). Without this
+# Kueue keeps its finalizer on a group's failed pods, waiting for replacements that never come,
+# and the old gang's pods, Workload and quota stay (seen with Kueue 0.17).
+KUEUE_RETRIABLE = "kueue.x-k8s.io/retriable-in-group"
 
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 # NCCL's bootstrap over every interface but loopback and container bridges, unless told.
@@ -321,6 +325,7 @@ def pod(
         lbls[KUEUE_QUEUE] = sched.queue
         lbls[KUEUE_GROUP] = f"{job}-a{attempt}"
         annotations[KUEUE_TOTAL] = str(spec.resources.nodes)
+        annotations[KUEUE_RETRIABLE] = "false"
     meta = _meta(pod_name(job, rank), namespace, lbls, uid)
     if annotations:
         meta["annotations"] = annotations

@@ -75,6 +75,8 @@ ADVICE = {
     contract.VOLUME_UNUSABLE: "the preflight could not write and read back the job's volume",
     contract.INTERNAL: "the trainer failed (a bug, or something it cannot name)",
     "Evicted": "the node evicted the pod",
+    "Preempted": "Kueue stopped the gang to give its quota to another workload (a higher "
+    "priority, or its own eviction policy): no restart budget is spent",
     "Lost": "the pod or its node disappeared",
     "Error": "the trainer exited with an error",
 }
@@ -103,6 +105,7 @@ SPECIFICITY = (
     contract.FABRIC_MISCONFIGURED,
     contract.EXPORT_FAILED,
     contract.HUB_PUSH_FAILED,
+    "Preempted",
     "Evicted",
     "Lost",
     contract.INTERNAL,
@@ -133,10 +136,10 @@ def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
     pod index), and a whole pod -- containers with their env, volumes, managedFields -- is
     10-20 KiB of Python objects or more, of which the decisions read a few fields. This keeps
     exactly what this module, :mod:`lifecycle` and the handlers read: name, the ftjob
-    labels, owner uids, deletionTimestamp, node name, phase/reason/message, pod IP and the
-    trainer container's state (its termination message included). A new reader of another
-    field must add it here; tests/unit/test_status.py checks that decisions made from these
-    views equal those made from whole pods.
+    labels, owner uids, deletionTimestamp, node name, Kueue's admission gate,
+    phase/reason/message, pod IP and the trainer container's state (its termination message
+    included). A new reader of another field must add it here; tests/unit/test_status.py
+    checks that decisions made from these views equal those made from whole pods.
     """
     meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
     status = pod.get("status") or {}
@@ -149,14 +152,20 @@ def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
     if meta.get("deletionTimestamp"):
         view_meta["deletionTimestamp"] = meta["deletionTimestamp"]
     view_status = {k: status[k] for k in ("phase", "reason", "message", "podIP") if k in status}
+    stopped = [c for c in status.get("conditions") or [] if c.get("type") == KUEUE_STOPPED]
+    if stopped:  # a copy, as below
+        view_status["conditions"] = copy.deepcopy(stopped)
     trainer = _trainer_state(pod)
     if trainer:
         # A copy: the view outlives the watch event it came from, whose dicts kopf owns.
         state = copy.deepcopy(trainer.get("state") or {})
         view_status["containerStatuses"] = [{"name": CONTAINER, "state": state}]
-    view = {"metadata": view_meta, "status": view_status}
-    if spec.get("nodeName"):
-        view["spec"] = {"nodeName": spec["nodeName"]}
+    view: dict[str, Any] = {"metadata": view_meta, "status": view_status}
+    view_spec = {"nodeName": spec["nodeName"]} if spec.get("nodeName") else {}
+    if queued(pod):  # only Kueue's gate: the one a decision reads
+        view_spec["schedulingGates"] = [{"name": KUEUE_ADMISSION_GATE}]
+    if view_spec:
+        view["spec"] = view_spec
     return view
 
 
@@ -183,6 +192,28 @@ def terminated(pod: dict) -> dict | None:
 def waiting_reason(pod: dict) -> str | None:
     """Why the trainer container has not started (ImagePullBackOff, ...), if it is waiting."""
     return _trainer_state(pod).get("state", {}).get("waiting", {}).get("reason")
+
+
+# Kueue's webhook gates every pod it manages until the pod's group is admitted whole.
+KUEUE_ADMISSION_GATE = "kueue.x-k8s.io/admission"
+# The pod condition Kueue sets on each pod of a group it stops (preemption, eviction) before
+# deleting them all.
+KUEUE_STOPPED = "TerminationTarget"
+
+
+def stopped_by_kueue(pod: dict) -> str | None:
+    """Kueue's word for why it stopped the pod (its TerminationTarget condition), if it did."""
+    for c in pod.get("status", {}).get("conditions") or []:
+        if c.get("type") == KUEUE_STOPPED and c.get("status") == "True":
+            return f"{c.get('reason', '')}: {c.get('message', '')}".strip(": ")
+    return None
+
+
+def queued(pod: dict) -> bool:
+    """Kueue holds the pod back from the scheduler (its admission gate): the gang waits in its
+    LocalQueue for quota."""
+    gates = pod.get("spec", {}).get("schedulingGates") or []
+    return any(g.get("name") == KUEUE_ADMISSION_GATE for g in gates)
 
 
 def succeeded(pod: dict) -> bool:
@@ -221,7 +252,9 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     reason, detail, code, note, fix = None, "", None, "", None
     node_fault = False  # the node's fault, not the job's: the next gangs avoid it (badNodes)
     term = terminated(pod)
-    if st.get("reason") == "Evicted":
+    if stopped := stopped_by_kueue(pod):
+        reason, detail = "Preempted", stopped
+    elif st.get("reason") == "Evicted":
         reason, detail = "Evicted", st.get("message", "")
         node_fault = detail.startswith(NODE_PRESSURE)
     elif st.get("phase") == "Unknown" or st.get("reason") == "NodeLost":
@@ -404,6 +437,10 @@ def condition(conditions: list[dict], type_: str) -> dict | None:
     return next((c for c in conditions if c["type"] == type_), None)
 
 
+# The Created condition's reason while the API server refuses the job's children.
+REFUSED = "PodsRefused"
+
+
 def conditions(
     old: list[dict],
     phase: str,
@@ -426,7 +463,11 @@ def conditions(
     out = old
     for type_ in PHASE_CONDITIONS:
         is_true = truths[type_]
-        if type_ == "Created":
+        prior = condition(old, "Created") if type_ == "Created" else None
+        if prior and not created and prior.get("reason") == REFUSED:
+            # The API server's refusal stays in view until the pods exist.
+            why, text = REFUSED, prior.get("message", "")
+        elif type_ == "Created":
             why = "PodsCreated" if created else "PodsNotCreated"
             text = "every pod of the gang exists" if created else "the gang has no pods now"
         elif is_true or type_ == "Running":

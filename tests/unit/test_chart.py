@@ -27,6 +27,7 @@ import yaml
 from ftjob import __version__
 from ftjob.api import crd, spec
 from ftjob.operator.__main__ import add_arguments
+from ftjob.operator.render import owner_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ftjob"
@@ -729,6 +730,10 @@ def kopf_permissions() -> set[tuple[str, str, str]]:
 def expected_rules(values: dict) -> set[tuple]:
     """(scope, apiGroup, resource, verb, resourceName) the chart must grant, no more."""
     needs = {(g, r, v, None) for g, r, v in kube_py_permissions() | kopf_permissions()}
+    if owner_reference("job", "uid").get("blockOwnerDeletion"):
+        # OwnerReferencesPermissionEnforcement: a child blocking its owner's deletion needs
+        # update on the owner's finalizers (the real API server refuses it otherwise).
+        needs.add(("ftjob.dev", "finetunejobs/finalizers", "update", None))
     watch = values.get("watchNamespaces", [])
     peering = values.get("peering", {})
     if peering.get("enabled"):

@@ -182,6 +182,8 @@ def test_kueue_admits_each_attempt_as_one_pod_group():
     for pod in a0:
         assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "research"
         assert pod["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "2"
+        # the group ends with its gang: Kueue lets its pods go instead of awaiting replacements
+        assert pod["metadata"]["annotations"]["kueue.x-k8s.io/retriable-in-group"] == "false"
     groups = {p["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] for p in a0 + a1}
     assert len(groups) == 2  # a new gang is a new group
     name, spec = load("llama3-8b-lora-efa.yaml")

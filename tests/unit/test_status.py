@@ -202,6 +202,18 @@ def test_conditions_keep_their_transition_time_while_unchanged():
     assert all(c["reason"] and c["reason"].isalnum() for c in done)
 
 
+def test_a_refusal_of_the_pods_stays_in_the_created_condition_until_they_exist():
+    """The operator records the API server's refusal (e.g. PodSecurity) in Created; the next
+    reconciles keep it rather than 'the gang has no pods now', and drop it once created."""
+    pending = st.conditions([], "Pending", "Creating", "m", T0, 1, False)
+    why = 'pods "j-node-0" is forbidden: violates PodSecurity "baseline:latest"'
+    refused = st.set_condition(pending, "Created", False, st.REFUSED, why, T0, 1)
+    again = st.conditions(refused, "Pending", "Creating", "m", T0, 1, False)
+    assert st.condition(again, "Created")["message"] == why
+    created = st.conditions(again, "Running", "AllPodsRunning", "m", T0, 1, True)
+    assert st.condition(created, "Created")["reason"] == "PodsCreated"
+
+
 # ----------------------------------------------------------------------------- lifecycle
 
 
@@ -215,6 +227,59 @@ def test_new_job_creates_the_gang_then_runs():
     assert d3.phase == "Running" and not d3.create and not d3.delete
     assert ("Normal", "AllPodsRunning", "all 2 pods run") in d3.events
     assert all(p in PHASES for p in (d.phase, d2.phase, d3.phase))
+
+
+def test_a_gang_kueue_holds_is_queued_naming_its_queue():
+    """Kueue's admission gate on the pods: Pending, reason Queued, the LocalQueue named."""
+    doc = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
+    doc["spec"]["scheduling"] = {"queue": "research"}
+    name, spec = parse_resource(doc)
+    gate = {"schedulingGates": [{"name": "kueue.x-k8s.io/admission"}]}
+    pods = [pod(r, phase="Pending") for r in (0, 1)]
+    for p in pods:
+        p["spec"] |= gate
+        del p["spec"]["nodeName"]
+    created = lifecycle.decide(spec, name, 1, None, [], T0, None)
+    d = lifecycle.decide(spec, name, 1, created.status, pods, T0, None)
+    running = st.condition(d.status["conditions"], "Running")
+    assert d.phase == "Pending" and running["reason"] == "Queued"
+    assert "LocalQueue research" in running["message"] and "2 of 2 pod(s)" in running["message"]
+    # Admitted: the gates go, the pods wait for the kubelet as any pod does.
+    for p in pods:
+        del p["spec"]["schedulingGates"]
+    after = lifecycle.decide(spec, name, 1, d.status, pods, T0, None)
+    assert st.condition(after.status["conditions"], "Running")["reason"] == "PodsPending"
+
+
+# What Kueue 0.17 writes on each pod of a group it preempts, before deleting them all.
+KUEUE_STOP = {
+    "type": "TerminationTarget",
+    "status": "True",
+    "reason": "WorkloadEvicted",
+    "message": "Preempted to accommodate a workload (UID: 1) due to prioritization in the "
+    "ClusterQueue",
+}
+
+
+def test_a_gang_kueue_preempts_is_queued_again_without_spending_restart_budget():
+    d = run_to([pod(0), pod(1)], backoffLimit=1)
+    assert d.phase == "Running"
+    gone = [pod(r, phase="Failed", exit_code=143) for r in (0, 1)]
+    for p in gone:
+        p["metadata"]["deletionTimestamp"] = "2026-01-01T12:00:30Z"
+        p["status"]["conditions"] = [KUEUE_STOP]
+    r = decide(d.status, gone, backoffLimit=1)
+    assert r.phase == "Restarting" and r.status["restarts"] == 0 and r.status["attempt"] == 1
+    assert r.status["failure"]["reason"] == "Preempted"
+    assert "Preempted to accommodate" in r.status["failure"]["message"]
+    assert (
+        "no restart budget spent" in st.condition(r.status["conditions"], "Restarting")["message"]
+    )
+    # Twice, with a budget of one: still not Failed.
+    for p in gone:
+        p["metadata"]["labels"]["ftjob.dev/attempt"] = "1"
+    again = decide(r.status, gone, backoffLimit=1)
+    assert again.phase == "Restarting" and again.status["restarts"] == 0
 
 
 def test_reconciling_twice_changes_nothing():
@@ -460,7 +525,15 @@ def realistic_pods(runs):
     """Pods in every state the decisions tell apart, as the API server serves them."""
     image_pull = served(pod(1, phase="Pending"))
     image_pull["status"]["containerStatuses"][0]["state"]["waiting"]["reason"] = "ImagePullBackOff"
+    queued = served(pod(1, phase="Pending"))  # Kueue's webhook gated it; no node yet
+    queued["spec"]["schedulingGates"] = [{"name": "kueue.x-k8s.io/topology"},
+                                         {"name": "kueue.x-k8s.io/admission"}]  # fmt: skip
+    del queued["spec"]["nodeName"]
+    preempted = served(pod(0, phase="Failed", exit_code=143), deleting=True)
+    preempted["status"]["conditions"].append(KUEUE_STOP)
     return {
+        "queued": queued,
+        "preempted": preempted,
         "pending": served(pod(0, phase="Pending")),
         "running": served(pod(0), sidecar=True),
         "running-1": served(pod(1)),
@@ -480,7 +553,7 @@ def realistic_pods(runs):
 
 
 def test_a_pod_view_reads_the_same_as_the_whole_pod(trainer_runs):
-    readers = [st.diagnose, st.succeeded, st.running, st.terminated, st.waiting_reason]
+    readers = [st.diagnose, st.succeeded, st.running, st.terminated, st.waiting_reason, st.queued]
     readers += [st.export_path, st.rank_of, st.attempt_of]
     for name, whole in realistic_pods(trainer_runs).items():
         view = st.observed_pod(whole)

@@ -94,6 +94,12 @@ ftjob/operator/kube.py or one need of kopf for the handlers in ftjob/operator/ha
 - apiGroups: [ftjob.dev]
   resources: [finetunejobs/status]
   verbs: [patch]
+# The children's owner reference sets blockOwnerDeletion (render.owner_reference): with
+# OwnerReferencesPermissionEnforcement on (OpenShift, hardened clusters) the API server
+# refuses to create them unless the creator may update the owner's finalizers.
+- apiGroups: [ftjob.dev]
+  resources: [finetunejobs/finalizers]
+  verbs: [update]
 # kopf: the pod index and pod event handler watch the trainer pods.
 # kube.create: one pod per node; kube.delete: a failed gang is replaced whole.
 # kube.owners (get): whose is a pod of the same name that already exists.

@@ -1,0 +1,29 @@
+"""The session's real control plane (scripts/k8s.sh): built once (cached outside the
+repository), brought up in a temporary folder, torn down at the end."""
+
+from __future__ import annotations
+
+import pytest
+from plane import ROOT, Plane, build
+
+INSTALL = ROOT / "manifests" / "install.yaml"
+CRD = "finetunejobs.ftjob.dev"
+
+
+@pytest.fixture(scope="session")
+def plane(tmp_path_factory):
+    build()
+    p = Plane(tmp_path_factory.mktemp("k8s")).up()
+    try:
+        yield p
+    finally:
+        p.down()
+
+
+@pytest.fixture(scope="session")
+def installed(plane):
+    """manifests/install.yaml (the chart as the real Helm engine renders it, kept equal by
+    scripts/manifests.py --check) applied server-side; the CRD Established."""
+    plane.kubectl("apply", "--server-side", "-f", str(INSTALL))
+    plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD}")
+    return plane

@@ -1,0 +1,222 @@
+"""Kueue v0.17 on the real control plane, driven as a platform team drives it: docs/install.md's
+"Queues with Kueue" applied verbatim, the operator running as the chart's ServiceAccount, and
+FineTuneJobs naming the LocalQueue. Kueue admits a gang whole or not at all."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import yaml
+from kueue_plane import (
+    ADMISSION_GATE,
+    GPU_PRODUCT,
+    TEAM,
+    KueuePlane,
+    Operator,
+    PodWatch,
+    admitted,
+    build,
+    condition,
+    delete_job,
+    docs_kueue_configuration,
+    gates,
+    gpu_job,
+    install,
+    job_pods,
+    leftovers,
+    placed,
+    setup_team,
+    workload,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def team(tmp_path_factory):
+    """The plane with Kueue, ftjob installed and its operator running, team-a's queues."""
+    build()
+    plane = KueuePlane(tmp_path_factory.mktemp("k8s-kueue")).up()
+    operator = None
+    try:
+        install(plane)
+        setup_team(plane)
+        operator = Operator(plane, plane.dir / "operator.log").start()
+        yield plane
+    finally:
+        if operator:
+            operator.stop()
+        plane.down()
+
+
+def submit(plane: KueuePlane, name: str, **spec_changes) -> None:
+    plane.apply(gpu_job(name, **spec_changes))
+
+
+def test_the_plane_runs_kueue_with_the_configuration_the_docs_give(team):
+    docs = docs_kueue_configuration()
+    running = yaml.safe_load((team.dir / "kueue" / "config.yaml").read_text())
+    assert docs["apiVersion"] == running["apiVersion"] == "config.kueue.x-k8s.io/v1beta2"
+    assert "pod" in docs["integrations"]["frameworks"]
+    for key in ("integrations", "managedJobsNamespaceSelector"):
+        assert running[key] == docs[key], key
+    # Kueue's cert management made the webhook's certificate and injected its CA.
+    hooks = team.get("mutatingwebhookconfiguration", "kueue-mutating-webhook-configuration")
+    assert all(h["clientConfig"].get("caBundle") for h in hooks["webhooks"])
+    queue = team.get("clusterqueue.kueue.x-k8s.io", "gpu-training")
+    assert condition(queue, "Active")["status"] == "True", queue
+
+
+def test_a_gang_is_gated_until_kueue_admits_it_whole_then_placed_on_gpu_nodes(team, tmp_path):
+    watch = PodWatch(team, "whole", tmp_path / "watch.json")
+    submit(team, "whole")
+    pods = team.wait(lambda: placed(team, "whole"), 60, "the gang admitted and placed")
+    wl = team.wait(lambda: admitted(team, "whole-a0"), 30, "workload whole-a0 admitted")
+    versions = watch.stop()
+
+    # One Workload for the gang, owned by both pods, asking for both pods' GPUs.
+    assert wl["spec"]["queueName"] == "research"
+    assert sum(ps["count"] for ps in wl["spec"]["podSets"]) == 2
+    owners = sorted(o["name"] for o in wl["metadata"]["ownerReferences"])
+    assert owners == ["whole-node-0", "whole-node-1"]
+    assert wl["status"]["admission"]["clusterQueue"] == "gpu-training"
+    # Every pod was created gated, and no version of any pod had a node while gated.
+    first = {}
+    for pod in versions:
+        first.setdefault(pod["metadata"]["name"], pod)
+        assert not (gates(pod) and pod["spec"].get("nodeName")), pod["metadata"]["name"]
+    assert sorted(first) == ["whole-node-0", "whole-node-1"]
+    for pod in first.values():
+        assert ADMISSION_GATE in gates(pod) and not pod["spec"].get("nodeName")
+    # Placed on kwok's GPU nodes of the flavor: Kueue added the flavor's node label.
+    for pod in pods:
+        assert pod["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == GPU_PRODUCT
+        node = team.get("node", pod["spec"]["nodeName"], "")
+        assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"
+        assert node["metadata"]["annotations"]["kwok.x-k8s.io/node"] == "fake"
+    team.wait(
+        lambda: team.get("ftj", "whole", TEAM)["status"].get("phase") == "Running",
+        30,
+        "the job Running",
+    )
+    delete_job(team, "whole")
+
+
+def test_quota_for_one_gang_keeps_the_second_gated_until_the_first_goes(team, tmp_path):
+    submit(team, "first")
+    team.wait(lambda: placed(team, "first"), 60, "the first gang placed")
+    watch = PodWatch(team, "second", tmp_path / "watch.json")
+    submit(team, "second")
+    team.wait(lambda: len(job_pods(team, "second")) == 2, 30, "the second gang's 2 pods")
+
+    def short():
+        reserved = condition(workload(team, "second-a0"), "QuotaReserved")
+        return (
+            reserved.get("status") == "False"
+            and "insufficient unused quota" in reserved.get("message", "")
+            and reserved
+        )
+
+    reserved = team.wait(short, 30, "second-a0 waiting for quota")
+    assert "nvidia.com/gpu" in reserved["message"], reserved
+    time.sleep(5)  # some reconciles later, still all gated, none placed
+    for pod in job_pods(team, "second"):
+        assert ADMISSION_GATE in gates(pod) and not pod["spec"].get("nodeName")
+    local = team.get("localqueue.kueue.x-k8s.io", "research", TEAM)
+    assert local["status"]["pendingWorkloads"] == 1
+    # The job says why it waits, and where.
+    status = team.get("ftj", "second", TEAM)["status"]
+    running = condition({"status": status}, "Running")
+    assert status["phase"] == "Pending" and running["reason"] == "Queued", status
+    assert "LocalQueue research" in running["message"], running
+
+    delete_job(team, "first")
+    team.wait(lambda: placed(team, "second"), 60, "the second gang admitted and placed")
+    assert admitted(team, "second-a0")
+    for pod in watch.stop():  # never a node while gated, never half the gang placed alone
+        assert not (gates(pod) and pod["spec"].get("nodeName")), pod["metadata"]["name"]
+    delete_job(team, "second")
+
+
+def test_deleting_a_queued_job_leaves_nothing(team):
+    submit(team, "holder")
+    team.wait(lambda: placed(team, "holder"), 60, "the holder gang placed")
+    submit(team, "queued")
+    team.wait(lambda: workload(team, "queued-a0"), 30, "queued-a0's Workload")
+    pods = job_pods(team, "queued")
+    assert len(pods) == 2
+    assert all("kueue.x-k8s.io/managed" in p["metadata"]["finalizers"] for p in pods)
+    delete_job(team, "queued")  # waits until no pod, Workload, ConfigMap or Service is left
+    assert not leftovers(team, "queued")
+    assert placed(team, "holder")  # the admitted gang is untouched
+    delete_job(team, "holder")
+
+
+def test_a_replaced_gang_is_a_new_group_kueue_admits(team):
+    submit(team, "phoenix")
+    pods = team.wait(lambda: placed(team, "phoenix"), 60, "attempt 0 placed")
+    team.wait(
+        lambda: team.get("ftj", "phoenix", TEAM)["status"].get("phase") == "Running",
+        30,
+        "the job Running",
+    )
+    # A node's pod goes (as when its node is lost): the operator replaces the gang.
+    team.kubectl("delete", "pod", pods[1]["metadata"]["name"], "-n", TEAM, "--wait=false")
+    new = team.wait(lambda: placed(team, "phoenix", attempt=1), 90, "attempt 1 placed")
+    wl = admitted(team, "phoenix-a1")
+    assert wl, workload(team, "phoenix-a1")
+    assert all(
+        p["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] == "phoenix-a1" for p in new
+    )
+    status = team.get("ftj", "phoenix", TEAM)["status"]
+    assert status["attempt"] == 1 and status["restarts"] == 1, status
+    delete_job(team, "phoenix")
+
+
+PRIORITIES = """
+apiVersion: scheduling.k8s.io/v1
+kind: PriorityClass
+metadata: {name: ftjob-test-low}
+value: 100
+---
+apiVersion: scheduling.k8s.io/v1
+kind: PriorityClass
+metadata: {name: ftjob-test-high}
+value: 1000
+"""
+
+
+def test_kueue_preempts_a_lower_priority_gang_and_no_restart_budget_is_spent(team):
+    team.kubectl("apply", "-f", "-", input=PRIORITIES)
+    submit(team, "low", scheduling={"queue": "research", "priorityClassName": "ftjob-test-low"},
+           runPolicy={"backoffLimit": 1})  # fmt: skip
+    team.wait(lambda: placed(team, "low"), 60, "the low-priority gang placed")
+    submit(team, "high", scheduling={"queue": "research", "priorityClassName": "ftjob-test-high"})
+    team.wait(lambda: placed(team, "high"), 90, "the high-priority gang admitted and placed")
+    assert admitted(team, "high-a0")
+
+    def requeued():
+        status = team.get("ftj", "low", TEAM)["status"]
+        return status.get("attempt") == 1 and status
+
+    status = team.wait(requeued, 30, "the low job's next gang")
+    assert status["restarts"] == 0, status  # budget untouched: a preemption is not a failure
+    assert status["failure"]["reason"] == "Preempted", status
+    assert "Preempted to accommodate" in status["failure"]["message"], status
+    # The next gang waits in the queue, gated, and the job says so.
+    team.wait(lambda: workload(team, "low-a1"), 30, "low-a1's Workload")
+    team.wait(
+        lambda: (
+            condition({"status": team.get("ftj", "low", TEAM)["status"]}, "Running").get("reason")
+            == "Queued"
+        ),
+        30,
+        "the low job Queued",
+    )
+    assert all(ADMISSION_GATE in gates(p) for p in job_pods(team, "low"))
+    # The high job goes: the low one is admitted again, still with its whole budget.
+    delete_job(team, "high")
+    team.wait(lambda: placed(team, "low", attempt=1), 60, "the low job's gang placed again")
+    assert team.get("ftj", "low", TEAM)["status"]["restarts"] == 0
+    delete_job(team, "low")

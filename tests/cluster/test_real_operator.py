@@ -1,0 +1,348 @@
+"""``ftjob operator`` with only the chart's ServiceAccount token, against the real control
+plane: children created and admitted (OwnerReferencesPermissionEnforcement is on), pods placed
+by the real scheduler on kwok's GPU nodes, status and `kubectl get ftj` from the server's
+table, the gang lifecycle driven by pod status patches (as a kubelet writes them), deletion
+by the real garbage collector and the finalizer, and a restart of the operator mid-job."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import sys
+from types import SimpleNamespace
+
+import pytest
+from plane import ROOT, Plane, token_kubeconfig
+
+sys.path.append(str(ROOT / "tests" / "emulator"))
+from support import Operator  # noqa: E402  (the emulator tests' launcher, reused)
+
+from ftjob.api import manifest  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+NAMESPACE = "training"
+TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
+
+
+def gpu_job(name: str, nodes: int = 2, **spec) -> dict:
+    doc = copy.deepcopy(TINY)
+    doc["metadata"] = {"name": name, "namespace": NAMESPACE}
+    doc["spec"]["resources"] = {"nodes": nodes, "gpusPerNode": 8}
+    doc["spec"]["network"] = {"collectiveTimeoutSeconds": 30}
+    doc["spec"].update(spec)
+    return doc
+
+
+def shared_volume(namespace: str) -> str:
+    """The ReadWriteMany claim examples/tiny.yaml names, bound to a PersistentVolume up
+    front: the real scheduler does not place a pod whose claim is missing or unbound."""
+    pv = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": f"ftjob-shared-{namespace}"},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "manual",
+            "hostPath": {"path": "/srv/ftjob-shared"},
+            "claimRef": {"namespace": namespace, "name": "ftjob-shared"},
+        },
+    }
+    pvc = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "ftjob-shared", "namespace": namespace},
+        "spec": {
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "manual",
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": [pv, pvc]})
+
+
+@pytest.fixture(scope="module")
+def operator(installed: Plane, tmp_path_factory):
+    installed.kubectl("create", "namespace", NAMESPACE)
+    installed.wait(lambda: installed.get("sa", "default", NAMESPACE), 30, "the default SA")
+    installed.apply(shared_volume(NAMESPACE))
+    installed.wait(
+        lambda: (
+            (installed.get("pvc", "ftjob-shared", NAMESPACE) or {}).get("status", {}).get("phase")
+            == "Bound"
+        ),
+        30,
+        "the shared claim to be bound",
+    )
+    work = tmp_path_factory.mktemp("operator")
+    kubeconfig = token_kubeconfig(installed, "ftjob-system", "ftjob", work / "sa.kubeconfig")
+    target = SimpleNamespace(kubeconfig=kubeconfig, wait=Plane.wait)
+    op = Operator(target, work / "operator.log").start()
+    op.plane = installed
+    yield op
+    op.stop()
+
+
+@pytest.fixture(autouse=True)
+def one_job_at_a_time(operator):
+    """Each test's jobs are deleted after it: the plane has 4 GPU nodes of 8 GPUs."""
+    yield
+    plane = operator.plane
+    plane.kubectl("delete", "ftj", "--all", "-A", "--wait=false")
+
+    def no_pods():
+        found = plane.kubectl("get", "pods", "-A", "-l", "ftjob.dev/job-name", "-o", "name")
+        return not found.stdout.strip()
+
+    plane.wait(no_pods, 60, "every job's pods to go")
+
+
+def pods_of(plane: Plane, name: str) -> list[dict]:
+    pods = plane.get("pods", namespace=NAMESPACE, ok=False) or []
+    return [p for p in pods if p["metadata"]["labels"].get("ftjob.dev/job-name") == name]
+
+
+def status_of(plane: Plane, name: str) -> dict:
+    return (plane.get("ftj", name, NAMESPACE) or {}).get("status") or {}
+
+
+def gang_running(plane: Plane, name: str, attempt: int, nodes: int = 2) -> list[dict]:
+    def check():
+        pods = pods_of(plane, name) or []
+        ok = len(pods) == nodes and all(
+            p["metadata"]["labels"]["ftjob.dev/attempt"] == str(attempt)
+            and p["status"].get("phase") == "Running"
+            and not p["metadata"].get("deletionTimestamp")
+            for p in pods
+        )
+        return ok and pods
+
+    return plane.wait(check, 60, f"{nodes} running pods of {name} attempt {attempt}")
+
+
+def terminate(plane: Plane, pod: str, exit_code: int, reason: str, message: str = "") -> None:
+    """What a kubelet writes when the trainer container ends: the pod's status subresource."""
+    term = {"exitCode": exit_code, "reason": reason, "message": message}
+    container = {
+        "name": "trainer",
+        "ready": False,
+        "restartCount": 0,
+        "image": "ghcr.io/ftjob/trainer:test",
+        "imageID": "sha256:0",
+        "state": {"terminated": {**term, "startedAt": None, "finishedAt": None}},
+    }
+    patch = {
+        "status": {
+            "phase": "Failed" if exit_code else "Succeeded",
+            "containerStatuses": [container],
+        }
+    }
+    plane.kubectl(
+        "patch",
+        "pod",
+        pod,
+        "-n",
+        NAMESPACE,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps(patch),
+    )
+
+
+def test_a_gpu_job_is_reconciled_with_only_the_charts_token(operator):
+    plane = operator.plane
+    plane.apply(gpu_job("gpu"))
+    pods = gang_running(plane, "gpu", 0)
+    job = plane.get("ftj", "gpu", NAMESPACE)
+    uid = job["metadata"]["uid"]
+    children = [*pods, plane.get("svc", "gpu", NAMESPACE), plane.get("cm", "gpu-spec", NAMESPACE)]
+    for obj in children:
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
+    # The real scheduler placed each pod on a kwok GPU node with room for its 8 GPUs.
+    nodes = {p["spec"]["nodeName"] for p in pods}
+    assert len(nodes) == 2 and all(n.startswith("gpu-node-") for n in nodes)
+    for p in pods:
+        limits = p["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == "8"
+    assert job["metadata"]["finalizers"] == ["ftjob.dev/finalizer"]
+    plane.wait(lambda: status_of(plane, "gpu").get("phase") == "Running", 30, "phase Running")
+    table = plane.kubectl("get", "ftj", "gpu", "-n", NAMESPACE).stdout
+    assert "Running" in table.splitlines()[1], table
+    wide = plane.kubectl("get", "ftj", "gpu", "-n", NAMESPACE, "-o", "wide").stdout
+    assert len(wide.splitlines()[0].split()) > len(table.splitlines()[0].split()), wide
+
+
+def test_a_failed_pod_replaces_the_gang_and_the_budget_fails_the_job(operator):
+    plane = operator.plane
+    plane.apply(gpu_job("oom", runPolicy={"backoffLimit": 1}))
+    gang_running(plane, "oom", 0)
+    terminate(plane, "oom-node-1", 137, "OOMKilled")
+    gang_running(plane, "oom", 1)
+    status = status_of(plane, "oom")
+    assert status["restarts"] == 1 and status["attempt"] == 1
+    assert status["failure"]["reason"] == "OOMKilled" and status["failure"]["rank"] == 1
+    terminate(plane, "oom-node-0", 137, "OOMKilled")
+    status = plane.wait(
+        lambda: (s := status_of(plane, "oom")).get("phase") == "Failed" and s, 60, "Failed"
+    )
+    failed = {c["type"]: c for c in status["conditions"]}["Failed"]
+    assert "backoffLimit (1) reached" in failed["message"]
+    events = plane.kubectl("get", "events", "-n", NAMESPACE, "-o", "json").stdout
+    reasons = {
+        e["reason"] for e in json.loads(events)["items"] if e["involvedObject"].get("name") == "oom"
+    }
+    assert "OOMKilled" in reasons
+
+
+def test_deleting_a_job_leaves_no_child(operator):
+    plane = operator.plane
+    plane.apply(gpu_job("gone"))
+    gang_running(plane, "gone", 0)
+    plane.kubectl("delete", "ftj", "gone", "-n", NAMESPACE, "--timeout=60s")
+
+    def no_child():
+        left = [
+            o
+            for kind in ("pods", "svc", "cm")
+            for o in plane.get(kind, namespace=NAMESPACE) or []
+            if o["metadata"].get("labels", {}).get("ftjob.dev/job-name") == "gone"
+        ]
+        return not left
+
+    plane.wait(no_child, 60, "the garbage collector to remove every child")
+
+
+def test_the_operator_killed_mid_job_converges_after_restart(operator):
+    plane = operator.plane
+    plane.apply(gpu_job("survive", runPolicy={"backoffLimit": 2}))
+    gang_running(plane, "survive", 0)
+    operator.kill()
+    terminate(plane, "survive-node-0", 137, "OOMKilled")
+    operator.start()
+    gang_running(plane, "survive", 1)
+    assert status_of(plane, "survive")["restarts"] == 1
+
+
+def can_i(plane: Plane, user: str) -> set[tuple[str, str]]:
+    """(resource, verb) pairs `kubectl auth can-i --list` shows for ``user`` (the server's
+    RBAC authorizer's own answer; non-resource URLs aside)."""
+    out = plane.kubectl("auth", "can-i", "--list", f"--as={user}", "-n", NAMESPACE).stdout
+    pairs = set()
+    for line in out.splitlines()[1:]:
+        m = re.match(r"^(\S+)\s+\[(.*?)\]\s+\[(.*?)\]\s+\[(.*?)\]$", line)
+        if m:
+            pairs |= {(m.group(1), verb) for verb in m.group(4).split()}
+    return pairs
+
+
+def chart_rules() -> set[tuple[str, str]]:
+    """The chart's ClusterRole, in can-i's spelling (``plural.group/subresource``)."""
+    docs = manifest.load(ROOT / "manifests" / "install.yaml")
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    pairs = set()
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                plural, _, sub = resource.partition("/")
+                name = f"{plural}.{group}" if group else plural
+                pairs |= {(name + (f"/{sub}" if sub else ""), v) for v in rule["verbs"]}
+    return pairs
+
+
+def test_the_service_account_may_do_what_the_chart_grants_and_no_more(operator):
+    """What the real authorizer lets the operator's ServiceAccount do, beyond what every
+    ServiceAccount may, is the chart's ClusterRole (tests/unit/test_chart.py proves that
+    equals the calls in the operator's code, no more)."""
+    plane = operator.plane
+    everyone = can_i(plane, f"system:serviceaccount:{NAMESPACE}:default")
+    ours = can_i(plane, "system:serviceaccount:ftjob-system:ftjob")
+    assert ours - everyone == chart_rules()
+
+
+def test_pod_security_admits_tcp_under_restricted_and_refuses_efa_under_baseline(operator):
+    """docs/install.md's table: tcp runs under "restricted"; efa's IPC_LOCK is outside
+    "baseline", and the refusal is in the job's status, not only in the operator's log."""
+    plane = operator.plane
+    for ns, level in (("strict", "restricted"), ("base", "baseline")):
+        plane.kubectl("create", "namespace", ns)
+        plane.kubectl("label", "namespace", ns, f"pod-security.kubernetes.io/enforce={level}")
+        plane.wait(lambda ns=ns: plane.get("sa", "default", ns), 30, "the default SA")
+        plane.apply(shared_volume(ns))
+    tcp = gpu_job("tcp")
+    tcp["metadata"]["namespace"] = "strict"
+    plane.apply(tcp)
+    efa = gpu_job("efa")
+    efa["metadata"]["namespace"] = "base"
+    efa["spec"]["network"] |= {"fabric": "efa", "efaDevicesPerNode": 4}
+    plane.apply(efa)
+
+    def running_in_strict():
+        pods = plane.get("pods", namespace="strict") or []
+        return len(pods) == 2 and all(p["status"].get("phase") == "Running" for p in pods)
+
+    plane.wait(running_in_strict, 60, "the tcp job's pods admitted and running")
+
+    def refused():
+        conditions = (plane.get("ftj", "efa", "base") or {}).get("status", {}).get("conditions")
+        created = next((c for c in conditions or [] if c["type"] == "Created"), {})
+        return created.get("reason") == "PodsRefused" and created["message"]
+
+    message = plane.wait(refused, 60, "the efa job's status to carry the refusal")
+    assert 'violates PodSecurity "baseline' in message and "IPC_LOCK" in message
+    assert not plane.get("pods", namespace="base")
+
+
+def test_the_scheduler_keeps_the_next_gang_off_a_bad_node(operator):
+    """A hardware failure (an Xid in the trainer's log) puts its node on status.badNodes;
+    the real scheduler then never places the next gang's pods there: a 4-node job on the 4
+    GPU nodes gets 3 pods placed on the others and 1 left Pending by its node affinity."""
+    plane = operator.plane
+    plane.apply(gpu_job("xid", nodes=4, runPolicy={"backoffLimit": 2}))
+    first = gang_running(plane, "xid", 0, nodes=4)
+    bad = next(p["spec"]["nodeName"] for p in first if p["metadata"]["name"] == "xid-node-0")
+    terminate(plane, "xid-node-0", 1, "Error", "NVRM: Xid 79, GPU has fallen off the bus")
+
+    def next_gang():
+        pods = pods_of(plane, "xid") or []
+        pods = [p for p in pods if p["metadata"]["labels"]["ftjob.dev/attempt"] == "1"]
+        placed = [p for p in pods if p["spec"].get("nodeName")]
+        return len(pods) == 4 and len(placed) == 3 and pods
+
+    pods = plane.wait(next_gang, 90, "attempt 1: 3 pods placed, 1 unschedulable")
+    assert bad not in {p["spec"].get("nodeName") for p in pods}
+    assert bad in [b["node"] for b in status_of(plane, "xid")["badNodes"]]
+    pending = next(p for p in pods if not p["spec"].get("nodeName"))
+    unschedulable = plane.wait(
+        lambda: next(
+            (
+                c
+                for c in plane.get("pod", pending["metadata"]["name"], NAMESPACE)["status"].get(
+                    "conditions", []
+                )
+                if c["type"] == "PodScheduled" and c["status"] == "False"
+            ),
+            None,
+        ),
+        30,
+        "the scheduler's verdict on the fourth pod",
+    )
+    assert "affinity" in unschedulable["message"], unschedulable
+
+
+@pytest.mark.timeout(600)  # the first test to ask waits for the real trainer's outputs
+def test_every_node_exiting_zero_with_the_trainers_record_succeeds(operator, trainer_runs):
+    """Success through the real lifecycle: the termination record is the real trainer's
+    (tests/trainer_outputs.py), written into the pod's status as a kubelet would."""
+    plane = operator.plane
+    run = trainer_runs.get("succeeded")
+    plane.apply(gpu_job("done"))
+    gang_running(plane, "done", 0)
+    terminate(plane, "done-node-1", 0, "Completed")
+    terminate(plane, "done-node-0", 0, "Completed", run.message)
+    status = plane.wait(
+        lambda: (s := status_of(plane, "done")).get("phase") == "Succeeded" and s, 60, "success"
+    )
+    assert status["completionTime"] and status["modelPath"] == str(run.job_dir / "model")
+    assert "Succeeded" in plane.kubectl("get", "ftj", "done", "-n", NAMESPACE).stdout
