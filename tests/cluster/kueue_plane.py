@@ -16,6 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import hangs
 import pytest
 import yaml
 from plane import K8S_SH, KUBECTL, ROOT, Plane, token_kubeconfig
@@ -81,7 +82,7 @@ class Operator:
     def healthy(self) -> bool:
         try:
             url = f"http://127.0.0.1:{self.health}/healthz"
-            with urllib.request.urlopen(url, timeout=1) as r:
+            with urllib.request.urlopen(url, timeout=1) as r:  # not a hang guard: one try of a poll
                 return r.status == 200
         except OSError:
             assert self.proc.poll() is None, self.log.read_text()[-3000:]
@@ -91,10 +92,10 @@ class Operator:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(15)
+                self.proc.wait(hangs.FLOOR)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait(5)
+                self.proc.wait(hangs.FLOOR)
 
 
 def _free_port() -> int:
@@ -206,7 +207,7 @@ class PodWatch:
 
     def stop(self) -> list[dict]:
         self.proc.terminate()
-        self.proc.wait(10)
+        self.proc.wait(hangs.FLOOR)
         return self.versions()
 
 

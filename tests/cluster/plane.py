@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import hangs
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +89,7 @@ class Plane:
 
     # The emulator tests' Operator helper calls cluster.wait.
     @staticmethod
-    def wait(predicate, timeout: float = 30, what: str = "condition"):
+    def wait(predicate, timeout: float = hangs.FLOOR, what: str = "condition"):
         """Poll ``predicate()`` until it returns something truthy; that value is returned."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import hangs
 import pytest
 import yaml
 from kueue_plane import (
@@ -72,7 +73,7 @@ def test_a_gang_is_gated_until_kueue_admits_it_whole_then_placed_on_gpu_nodes(te
     watch = PodWatch(team, "whole", tmp_path / "watch.json")
     submit(team, "whole")
     pods = team.wait(lambda: placed(team, "whole"), 60, "the gang admitted and placed")
-    wl = team.wait(lambda: admitted(team, "whole-a0"), 30, "workload whole-a0 admitted")
+    wl = team.wait(lambda: admitted(team, "whole-a0"), hangs.FLOOR, "workload whole-a0 admitted")
     versions = watch.stop()
 
     # One Workload for the gang, owned by both pods, asking for both pods' GPUs.
@@ -97,7 +98,7 @@ def test_a_gang_is_gated_until_kueue_admits_it_whole_then_placed_on_gpu_nodes(te
         assert node["metadata"]["annotations"]["kwok.x-k8s.io/node"] == "fake"
     team.wait(
         lambda: team.get("ftj", "whole", TEAM)["status"].get("phase") == "Running",
-        30,
+        hangs.FLOOR,
         "the job Running",
     )
     delete_job(team, "whole")
@@ -108,7 +109,7 @@ def test_quota_for_one_gang_keeps_the_second_gated_until_the_first_goes(team, tm
     team.wait(lambda: placed(team, "first"), 60, "the first gang placed")
     watch = PodWatch(team, "second", tmp_path / "watch.json")
     submit(team, "second")
-    team.wait(lambda: len(job_pods(team, "second")) == 2, 30, "the second gang's 2 pods")
+    team.wait(lambda: len(job_pods(team, "second")) == 2, hangs.FLOOR, "the second gang's 2 pods")
 
     def short():
         reserved = condition(workload(team, "second-a0"), "QuotaReserved")
@@ -118,7 +119,7 @@ def test_quota_for_one_gang_keeps_the_second_gated_until_the_first_goes(team, tm
             and reserved
         )
 
-    reserved = team.wait(short, 30, "second-a0 waiting for quota")
+    reserved = team.wait(short, hangs.FLOOR, "second-a0 waiting for quota")
     assert "nvidia.com/gpu" in reserved["message"], reserved
     time.sleep(5)  # some reconciles later, still all gated, none placed
     for pod in job_pods(team, "second"):
@@ -143,7 +144,7 @@ def test_deleting_a_queued_job_leaves_nothing(team):
     submit(team, "holder")
     team.wait(lambda: placed(team, "holder"), 60, "the holder gang placed")
     submit(team, "queued")
-    team.wait(lambda: workload(team, "queued-a0"), 30, "queued-a0's Workload")
+    team.wait(lambda: workload(team, "queued-a0"), hangs.FLOOR, "queued-a0's Workload")
     pods = job_pods(team, "queued")
     assert len(pods) == 2
     assert all("kueue.x-k8s.io/managed" in p["metadata"]["finalizers"] for p in pods)
@@ -158,7 +159,7 @@ def test_a_replaced_gang_is_a_new_group_kueue_admits(team):
     pods = team.wait(lambda: placed(team, "phoenix"), 60, "attempt 0 placed")
     team.wait(
         lambda: team.get("ftj", "phoenix", TEAM)["status"].get("phase") == "Running",
-        30,
+        hangs.FLOOR,
         "the job Running",
     )
     # A node's pod goes (as when its node is lost): the operator replaces the gang.
@@ -200,18 +201,18 @@ def test_kueue_preempts_a_lower_priority_gang_and_no_restart_budget_is_spent(tea
         status = team.get("ftj", "low", TEAM)["status"]
         return status.get("attempt") == 1 and status
 
-    status = team.wait(requeued, 30, "the low job's next gang")
+    status = team.wait(requeued, hangs.FLOOR, "the low job's next gang")
     assert status["restarts"] == 0, status  # budget untouched: a preemption is not a failure
     assert status["failure"]["reason"] == "Preempted", status
     assert "Preempted to accommodate" in status["failure"]["message"], status
     # The next gang waits in the queue, gated, and the job says so.
-    team.wait(lambda: workload(team, "low-a1"), 30, "low-a1's Workload")
+    team.wait(lambda: workload(team, "low-a1"), hangs.FLOOR, "low-a1's Workload")
     team.wait(
         lambda: (
             condition({"status": team.get("ftj", "low", TEAM)["status"]}, "Running").get("reason")
             == "Queued"
         ),
-        30,
+        hangs.FLOOR,
         "the low job Queued",
     )
     assert all(ADMISSION_GATE in gates(p) for p in job_pods(team, "low"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 
+import hangs
 import pytest
 from plane import ROOT
 
@@ -34,7 +35,7 @@ def job(name: str) -> dict:
 def names(installed):
     installed.kubectl("create", "namespace", NAMESPACE)
     # Pods need the namespace's default ServiceAccount (the real ServiceAccount controller).
-    installed.wait(lambda: installed.get("sa", "default", NAMESPACE), 30, "the default SA")
+    installed.wait(lambda: installed.get("sa", "default", NAMESPACE), hangs.FLOOR, "the default SA")
     return installed
 
 

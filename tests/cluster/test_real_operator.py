@@ -12,6 +12,7 @@ import re
 import sys
 from types import SimpleNamespace
 
+import hangs
 import pytest
 from plane import ROOT, Plane, token_kubeconfig
 
@@ -65,14 +66,14 @@ def shared_volume(namespace: str) -> str:
 @pytest.fixture(scope="module")
 def operator(installed: Plane, tmp_path_factory):
     installed.kubectl("create", "namespace", NAMESPACE)
-    installed.wait(lambda: installed.get("sa", "default", NAMESPACE), 30, "the default SA")
+    installed.wait(lambda: installed.get("sa", "default", NAMESPACE), hangs.FLOOR, "the default SA")
     installed.apply(shared_volume(NAMESPACE))
     installed.wait(
         lambda: (
             (installed.get("pvc", "ftjob-shared", NAMESPACE) or {}).get("status", {}).get("phase")
             == "Bound"
         ),
-        30,
+        hangs.FLOOR,
         "the shared claim to be bound",
     )
     work = tmp_path_factory.mktemp("operator")
@@ -167,7 +168,9 @@ def test_a_gpu_job_is_reconciled_with_only_the_charts_token(operator):
         limits = p["spec"]["containers"][0]["resources"]["limits"]
         assert limits["nvidia.com/gpu"] == "8"
     assert job["metadata"]["finalizers"] == ["ftjob.dev/finalizer"]
-    plane.wait(lambda: status_of(plane, "gpu").get("phase") == "Running", 30, "phase Running")
+    plane.wait(
+        lambda: status_of(plane, "gpu").get("phase") == "Running", hangs.FLOOR, "phase Running"
+    )
     table = plane.kubectl("get", "ftj", "gpu", "-n", NAMESPACE).stdout
     assert "Running" in table.splitlines()[1], table
     wide = plane.kubectl("get", "ftj", "gpu", "-n", NAMESPACE, "-o", "wide").stdout
@@ -268,7 +271,7 @@ def test_pod_security_admits_tcp_under_restricted_and_refuses_efa_under_baseline
     for ns, level in (("strict", "restricted"), ("base", "baseline")):
         plane.kubectl("create", "namespace", ns)
         plane.kubectl("label", "namespace", ns, f"pod-security.kubernetes.io/enforce={level}")
-        plane.wait(lambda ns=ns: plane.get("sa", "default", ns), 30, "the default SA")
+        plane.wait(lambda ns=ns: plane.get("sa", "default", ns), hangs.FLOOR, "the default SA")
         plane.apply(shared_volume(ns))
     tcp = gpu_job("tcp")
     tcp["metadata"]["namespace"] = "strict"
@@ -325,7 +328,7 @@ def test_the_scheduler_keeps_the_next_gang_off_a_bad_node(operator):
             ),
             None,
         ),
-        30,
+        hangs.FLOOR,
         "the scheduler's verdict on the fourth pod",
     )
     assert "affinity" in unschedulable["message"], unschedulable

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ftjob import manifest, validation
+from ftjob.api import manifest
+from ftjob.cli import validate as validation
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpus"
 NOT_CHECKED = (
