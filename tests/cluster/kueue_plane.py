@@ -8,7 +8,6 @@ import copy
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -17,9 +16,9 @@ import urllib.request
 from pathlib import Path
 
 import hangs
-import pytest
+import plane
 import yaml
-from plane import K8S_SH, KUBECTL, ROOT, Plane, token_kubeconfig
+from plane import KUBECTL, ROOT, Plane, token_kubeconfig
 
 from ftjob.api import manifest
 
@@ -31,32 +30,14 @@ TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
 
 
 def build() -> None:
-    """The plane's binaries and Kueue, built or found in the cache. CI fails where they cannot
-    be built (a skip would hide the missing component); a developer without Go gets a skip."""
-    why = None
-    if not shutil.which("go"):
-        why = "go is not installed"
-    else:
-        argv = ["bash", str(K8S_SH), "build", "--kueue"]
-        # kubectl's kustomize renders Kueue's manifests from its module
-        env = dict(os.environ, **({"KUBECTL": KUBECTL} if KUBECTL else {}))
-        done = subprocess.run(argv, capture_output=True, text=True, env=env)
-        if done.returncode:
-            why = "scripts/k8s.sh build --kueue failed:\n" + (done.stdout + done.stderr)[-3000:]
-    if why and os.environ.get("CI") == "true":
-        pytest.fail(f"the control plane with Kueue cannot be built: {why}")
-    if why:
-        pytest.skip(f"the control plane with Kueue cannot be built: {why}")
+    plane.build("--kueue")
 
 
 class KueuePlane(Plane):
-    def up(self) -> KueuePlane:
-        assert KUBECTL, "kubectl is not installed: pip install -e '.[test]'"
-        env = dict(os.environ, KUBECTL=KUBECTL)
-        argv = ["bash", str(K8S_SH), "up", str(self.dir), "--kueue"]
-        done = subprocess.run(argv, capture_output=True, text=True, env=env)
-        assert done.returncode == 0, done.stdout + done.stderr
-        return self
+    """``scripts/k8s.sh up DIR --kueue``'s plane."""
+
+    def __init__(self, workdir: Path):
+        super().__init__(workdir, "--kueue")
 
 
 class Operator:

@@ -19,16 +19,20 @@ K8S_SH = ROOT / "scripts" / "k8s.sh"
 KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
 
 
-def build() -> None:
-    """Build (or find cached) the plane's binaries. Where they cannot be built, CI fails (a
-    skip there would hide the missing component); a developer without Go gets a skip."""
+def build(*options: str) -> None:
+    """Build (or find cached) the plane's binaries (``--kueue``: and Kueue's). Where they cannot
+    be built, CI fails (a skip there would hide the missing component); a developer without Go
+    gets a skip."""
     why = None
     if not shutil.which("go"):
         why = "go is not installed"
     else:
-        done = subprocess.run(["bash", str(K8S_SH), "build"], capture_output=True, text=True)
+        # kubectl's kustomize renders Kueue's manifests from its module
+        env = dict(os.environ, **({"KUBECTL": KUBECTL} if KUBECTL else {}))
+        argv = ["bash", str(K8S_SH), "build", *options]
+        done = subprocess.run(argv, capture_output=True, text=True, env=env)
         if done.returncode:
-            why = "scripts/k8s.sh build failed:\n" + (done.stdout + done.stderr)[-3000:]
+            why = f"{' '.join(argv[1:])} failed:\n" + (done.stdout + done.stderr)[-3000:]
     if why and os.environ.get("CI") == "true":
         pytest.fail(f"the control plane cannot be built: {why}")
     if why:
@@ -38,17 +42,17 @@ def build() -> None:
 class Plane:
     """``scripts/k8s.sh up DIR``'s plane: admin kubectl, objects as dicts, waiting."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, *options: str):
         self.dir = workdir
+        self.options = options  # of `up`: --kueue, --gpu-nodes N
         self.kubeconfig = workdir / "admin.kubeconfig"
         self.cache = workdir / "kubecache"
 
     def up(self) -> Plane:
         assert KUBECTL, "kubectl is not installed: pip install -e '.[test]'"
         env = dict(os.environ, KUBECTL=KUBECTL)
-        done = subprocess.run(
-            ["bash", str(K8S_SH), "up", str(self.dir)], capture_output=True, text=True, env=env
-        )
+        argv = ["bash", str(K8S_SH), "up", str(self.dir), *self.options]
+        done = subprocess.run(argv, capture_output=True, text=True, env=env)
         assert done.returncode == 0, done.stdout + done.stderr
         return self
 
