@@ -20,10 +20,6 @@ from pathlib import Path
 import hangs
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-# torchrun runs this file as its workers' script: they import hangs from tests/ like pytest does.
-TESTS_PATH = os.pathsep.join(
-    [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
-)
 
 
 def snapshot(model, optimizer) -> dict:
@@ -88,7 +84,7 @@ def probe(out: Path) -> None:
 
 
 def test_async_checkpoint_equals_the_state_when_it_was_started(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": TESTS_PATH}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", __file__, str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=hangs.RUN)

@@ -20,10 +20,6 @@ import hangs
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-# torchrun runs this file as its workers' script: they import hangs from tests/ like pytest does.
-TESTS_PATH = os.pathsep.join(
-    [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
-)
 
 
 def job(sharding: str, nodes: int, per_node: int, method: str = "full", **extra) -> dict:
@@ -194,7 +190,7 @@ def probe(out: Path, models: Path, cases: list) -> None:
 
 
 def run_probe(out: Path, models: Path, processes: int) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(out), "PYTHONPATH": TESTS_PATH}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(out)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(processes), __file__, str(out), str(models)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=hangs.RUN)
