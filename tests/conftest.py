@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from trainer_outputs import Runs
+
+# Test files that torchrun runs as its workers' script import the suite's shared modules
+# (hangs, trainer_outputs) from tests/ as pytest does: every process the tests start finds them.
+TESTS = str(Path(__file__).resolve().parent)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="session")
