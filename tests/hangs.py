@@ -9,6 +9,8 @@ tests/ to FLOOR, unless its line says why it is not a hang guard. pyproject's py
 is the outer guard of a whole test.
 """
 
+import time
+
 SLOWER = 5  # a busy 2-core machine's slowest against an idle one's, with room
 FLOOR = 60  # seconds: no wait for a process, a server, a phase or a run is given less
 
@@ -22,3 +24,15 @@ def after(alone: float) -> float:
 # alone is above the slowest such run, a compiled model's, which failed the old 240 s limit
 # only on a loaded machine: 750 s.
 RUN = after(150)
+
+
+def poll(predicate, timeout: float = FLOOR, what: str = "condition", every: float = 0.05):
+    """Call ``predicate()`` until it returns something truthy, and return that; past
+    ``timeout`` seconds, fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

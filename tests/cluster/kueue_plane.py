@@ -18,7 +18,7 @@ from pathlib import Path
 import hangs
 import plane
 import yaml
-from plane import KUBECTL, ROOT, Plane, token_kubeconfig
+from plane import KUBECTL, ROOT, Plane, shared_volume, token_kubeconfig
 
 from ftjob.api import manifest
 
@@ -112,31 +112,7 @@ def setup_team(plane: KueuePlane) -> None:
     checkpoints (a PersistentVolume bound to the claim the jobs name) and the docs' queues."""
     plane.kubectl("create", "namespace", TEAM)
     plane.kubectl("label", "node", "--all", f"nvidia.com/gpu.product={GPU_PRODUCT}")
-    claim = TINY["spec"]["checkpoint"]["volume"]["claimName"]
-    volume = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolume",
-        "metadata": {"name": f"{TEAM}-shared"},
-        "spec": {
-            "capacity": {"storage": "10Gi"},
-            "accessModes": ["ReadWriteMany"],
-            "hostPath": {"path": "/ftjob"},
-            "claimRef": {"namespace": TEAM, "name": claim},
-        },
-    }
-    pvc = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {"name": claim, "namespace": TEAM},
-        "spec": {
-            "accessModes": ["ReadWriteMany"],
-            "resources": {"requests": {"storage": "10Gi"}},
-            "volumeName": f"{TEAM}-shared",
-            "storageClassName": "",
-        },
-    }
-    plane.apply(volume)
-    plane.apply(pvc)
+    plane.apply(shared_volume(TEAM))  # the claim examples/tiny.yaml names
     plane.kubectl("apply", "-f", "-", input=docs_kueue_yaml())
 
 

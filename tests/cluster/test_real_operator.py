@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import hangs
 import pytest
-from plane import ROOT, Plane, token_kubeconfig
+from plane import ROOT, Plane, shared_volume, token_kubeconfig
 
 sys.path.append(str(ROOT / "tests" / "emulator"))
 from support import Operator  # noqa: E402  (the emulator tests' launcher, reused)
@@ -33,34 +33,6 @@ def gpu_job(name: str, nodes: int = 2, **spec) -> dict:
     doc["spec"]["network"] = {"collectiveTimeoutSeconds": 30}
     doc["spec"].update(spec)
     return doc
-
-
-def shared_volume(namespace: str) -> str:
-    """The ReadWriteMany claim examples/tiny.yaml names, bound to a PersistentVolume up
-    front: the real scheduler does not place a pod whose claim is missing or unbound."""
-    pv = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolume",
-        "metadata": {"name": f"ftjob-shared-{namespace}"},
-        "spec": {
-            "capacity": {"storage": "1Gi"},
-            "accessModes": ["ReadWriteMany"],
-            "storageClassName": "manual",
-            "hostPath": {"path": "/srv/ftjob-shared"},
-            "claimRef": {"namespace": namespace, "name": "ftjob-shared"},
-        },
-    }
-    pvc = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {"name": "ftjob-shared", "namespace": namespace},
-        "spec": {
-            "accessModes": ["ReadWriteMany"],
-            "storageClassName": "manual",
-            "resources": {"requests": {"storage": "1Gi"}},
-        },
-    }
-    return json.dumps({"apiVersion": "v1", "kind": "List", "items": [pv, pvc]})
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
-import time
 from pathlib import Path
 
+import hangs
 import kmock
 import yaml
 from apiserver import CRD_RESOURCE, ApiServer, now_iso
@@ -145,10 +145,4 @@ class Cluster:
 
     def wait(self, predicate, timeout: float = FLOOR, what: str = "condition"):
         """Poll ``predicate()`` until it returns something truthy; that value is returned."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(0.05)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        return hangs.poll(predicate, timeout, what)
