@@ -22,6 +22,27 @@ import socket
 from dataclasses import asdict, dataclass
 from typing import Any
 
+# ------------------------------------------------------------------------ the job's folder
+# What a job's folder holds besides its export, by name: ftjob/job/folder.py's JobFolder
+# builds every path from these, and spec.output.path may not name one or lie inside one (the
+# export would overwrite it). A new entry is added here and nowhere else.
+CHECKPOINTS = "checkpoints"
+DATA = "data"
+HUB = "hub"  # model and dataset downloads, fetched once
+LOGS = "logs"
+TMP = "tmp"
+TENSORBOARD = "tensorboard"
+WANDB = "wandb"  # W&B's own files when they go to the job's folder
+RECORD = "spec.json"  # the spec the folder trains
+OWNER = "owner"  # the lease: who writes here now
+SOURCES = "sources.json"  # what hf:// sources resolved to
+PROGRESS = "progress.json"
+HISTORY = "progress.jsonl"  # one line per logged step
+TRACKING = "tracking.json"  # the trackers' run ids
+PUSHED = "pushed.json"  # what output.push uploaded
+FOLDER_DIRS = (CHECKPOINTS, DATA, HUB, LOGS, TMP, TENSORBOARD, WANDB)
+FOLDER_FILES = (RECORD, OWNER, SOURCES, PROGRESS, HISTORY, TRACKING, PUSHED)
+
 # Phases in the order a run passes through them; "failed" can follow any of them.
 PHASES = (
     "starting",

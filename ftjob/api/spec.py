@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from ftjob import __version__
+from ftjob.api import contract
 from ftjob.api import kubevalidation as kv
 from ftjob.api.hardware import GPUS, RETIRED_GPU_TYPES
 from ftjob.api.schema import (
@@ -55,11 +56,12 @@ ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 # job's folder. RE2, which the API server uses, has no lookahead to say it more directly.
 RELATIVE_PATH = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$"
 RELATIVE_PATH_HINT = "be a relative path of plain names (no '..', no leading '/')"
-# What the job's folder already holds (checkpoints, prepared data, the hub cache, logs,
-# torchrun's temp files, progress and spec files): an export there would overwrite it.
+# What the job's folder already holds (ftjob/api/contract.py): an export there would
+# overwrite it. ([.] rather than an escape: the pattern also goes into a CEL string.)
 RESERVED_OUTPUT = (
-    r"^(checkpoints|data|hub|logs|tmp|progress[.]jsonl?|spec[.]json"
-    r"|tensorboard|wandb|tracking[.]json|pushed[.]json)(/|$)"
+    "^("
+    + "|".join(n.replace(".", "[.]") for n in contract.FOLDER_DIRS + contract.FOLDER_FILES)
+    + ")(/|$)"
 )
 # A share of all steps: 0% to 100%.
 WARMUP = r"^([0-9]+|([0-9]{1,2}([.][0-9]+)?|100([.]0+)?)%)$"
@@ -626,9 +628,8 @@ class OutputSpec:
         Rule(
             f"!has(self.path) || !self.path.matches('{RESERVED_OUTPUT}')",
             lambda o: o.path is None or not re.match(RESERVED_OUTPUT, o.path),
-            "path may not be or lie inside checkpoints, data, hub, logs, tmp, tensorboard or "
-            "wandb, nor be progress.json(l), spec.json, tracking.json or pushed.json: the job's "
-            "folder keeps those; use e.g. model",
+            f"path may not be or lie inside {', '.join(contract.FOLDER_DIRS)}, nor be "
+            f"{', '.join(contract.FOLDER_FILES)}: the job's folder keeps those; use e.g. model",
             ".path",
         ),
     )

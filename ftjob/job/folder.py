@@ -38,19 +38,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# The entries' names are the contract's (spec.output.path may not take one).
+from ftjob.api.contract import (
+    CHECKPOINTS,
+    DATA,
+    HISTORY,
+    HUB,
+    LOGS,
+    OWNER,
+    PROGRESS,
+    PUSHED,
+    RECORD,
+    SOURCES,
+    TENSORBOARD,
+    TMP,
+    TRACKING,
+)
 from ftjob.api.schema import to_dict
 from ftjob.api.spec import API_VERSION, KIND, FineTuneJobSpec
 from ftjob.job import atomic
 
-RECORD = "spec.json"
-OWNER = "owner"
-HUB = "hub"
-SOURCES = "sources.json"
-TRACKING = "tracking.json"
-TENSORBOARD = "tensorboard"
-CHECKPOINTS = "checkpoints"
 STEP = re.compile(r"^step-(\d{8})$")  # a checkpoint's folder, by its step
-PROGRESS = "progress.json"
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,7 @@ class JobFolder:
 
     @property
     def data(self) -> Path:
-        return self.root / "data"
+        return self.root / DATA
 
     @property
     def checkpoints(self) -> Path:
@@ -94,7 +102,7 @@ class JobFolder:
 
     @property
     def logs(self) -> Path:
-        return self.root / "logs"
+        return self.root / LOGS
 
     def node_log(self, rank: int) -> Path:
         return self.logs / f"node-{rank}.log"
@@ -112,7 +120,7 @@ class JobFolder:
 
     @property
     def tmp(self) -> Path:
-        return self.root / "tmp"
+        return self.root / TMP
 
     @property
     def progress(self) -> Path:
@@ -129,6 +137,10 @@ class JobFolder:
     @property
     def pushed(self) -> Path:
         return self.root / PUSHED
+
+    @property
+    def history(self) -> Path:
+        return self.root / HISTORY
 
     def export(self, spec: FineTuneJobSpec) -> Path:
         """Where the job's export goes: ``output.path`` inside the job folder, else ``model``."""
@@ -333,7 +345,6 @@ def swap_in_export(new: Path, out: Path) -> None:
 # output.push uploads the export to the Hub after training. What was pushed is recorded beside
 # the spec, so a rerun of a finished job pushes only what is not there yet (the push failed,
 # output.push was added or changed, or a continued job replaced the export) and trains nothing.
-PUSHED = "pushed.json"
 
 
 def pushed(folder: Path) -> dict[str, Any] | None:

@@ -365,9 +365,10 @@ class _FileWriter:
                 snapshot, lines = self._snapshot, self._history
                 self._snapshot, self._history, self._busy = None, [], True
             try:
-                atomic.write_json(JobFolder(self.job_dir).progress, snapshot)
+                folder = JobFolder(self.job_dir)
+                atomic.write_json(folder.progress, snapshot)
                 if lines:
-                    with open(self.job_dir / "progress.jsonl", "a") as f:
+                    with open(folder.history, "a") as f:
                         f.write("".join(line + "\n" for line in lines))
             except OSError as e:  # a full volume: the checkpoint or export names it properly
                 print(f"progress: cannot write to {self.job_dir}: {e}", file=sys.stderr)

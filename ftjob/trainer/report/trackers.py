@@ -40,7 +40,6 @@ from ftjob.job.folder import TENSORBOARD, TRACKING, JobFolder
 
 RECORD = TRACKING
 TENSORBOARD_DIR = TENSORBOARD
-WANDB_DIR = "wandb"
 TRIES = 3  # attempts per call, 1 s and then 2 s apart
 # Seconds the end of the run waits, all trackers together, for what they still send: a
 # tracker that answers needs a small part of it for its last calls, even on a busy machine,
@@ -121,7 +120,7 @@ def reported(job_dir: Path, after: dict[str, int], upto: int) -> list[tuple[str,
     (``after``: event -> step) up to ``upto``, the newest report of each step: a run killed
     while its tracker was behind leaves no hole in the history the next run continues."""
     newest: dict[tuple[str, int], dict] = {}
-    with contextlib.suppress(OSError), open(job_dir / "progress.jsonl") as lines:
+    with contextlib.suppress(OSError), open(JobFolder(job_dir).history) as lines:
         for line in lines:  # one at a time: a long run's history is long
             try:
                 row = json.loads(line)
