@@ -24,7 +24,6 @@ from ftjob.api.spec import FineTuneJobSpec, SecretKeyRef
 from ftjob.job.folder import HUB
 
 VOLUME_MOUNT = "/ftjob"  # where pods mount checkpoint.volume
-HUB_DIR = HUB  # the Hugging Face cache inside the job's folder
 # NCCL's bootstrap traffic: any interface but loopback and container bridges.
 DEFAULT_SOCKET_IFNAME = "^lo,docker"
 TRAINER = ["python", "-m", "ftjob.trainer.agent", "-m", "ftjob.trainer", "--spec"]
@@ -99,7 +98,7 @@ def node_command(
         # Model and dataset downloads land in the job's folder on the shared volume: fetched
         # once (by global rank 0), read from there by every restarted gang. A job's env may
         # point HF_HOME at a folder that several jobs on the volume share.
-        "HF_HOME": f"{folder}/{HUB_DIR}",
+        "HF_HOME": f"{folder}/{HUB}",  # the Hugging Face cache inside the job's folder
         "FTJOB_SOURCE_ROOT": source_root or VOLUME_MOUNT,
         "PYTHONUNBUFFERED": "1",  # log lines reach the pod log (and ftjob run) at once
     }

@@ -47,7 +47,6 @@ from ftjob.api.contract import OWNED_ELSEWHERE, TrainerError
 from ftjob.job import atomic, processes
 from ftjob.job.folder import OWNER, JobFolder
 
-FILE = OWNER
 HEARTBEAT_SECONDS = 5.0
 LEASE_SECONDS = 30.0
 RUN_ENV = "TORCHELASTIC_RUN_ID"  # the rendezvous id: unique per ftjob run and per attempt
@@ -182,7 +181,7 @@ class Lease:
         """Remove the file of a run that is over (None: an unreadable file); if a contender
         replaced it meanwhile, put the contender's back (the link fails if yet another run
         owns it by then)."""
-        aside = self.path.with_name(f".{FILE}.stale-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        aside = self.path.with_name(f".{OWNER}.stale-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:

@@ -22,6 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ftjob.api import contract
 from ftjob.job import lease, processes
+from ftjob.job.folder import JobFolder
 from ftjob.trainer import agent
 from ftjob.trainer.gang import heartbeat
 from ftjob.trainer.gang.stragglers import CONSECUTIVE, Stragglers
@@ -157,7 +158,7 @@ def _take(folder: str, run: str, go, done, results) -> None:
     path = Path(folder)
     try:
         lease.Lease(path, run=run).take(0)
-        results.put((run, "owner", json.loads((path / lease.FILE).read_text())["run"]))
+        results.put((run, "owner", json.loads(JobFolder(path).owner.read_text())["run"]))
     except contract.TrainerError as e:
         results.put((run, e.reason, None))
     done.wait(hangs.FLOOR)  # the owner stays alive (a live pid) until every contender has answered
@@ -182,14 +183,16 @@ def test_of_many_processes_taking_a_folder_at_once_exactly_one_owns_it(tmp_path)
         assert len(owners) == 1, outcomes
         assert owners[0][0] == owners[0][2]  # the file names the one owner
         assert sorted(o[1] for o in outcomes) == [contract.OWNED_ELSEWHERE] * 5 + ["owner"]
-        assert [p.name for p in folder.iterdir()] == [lease.FILE]  # no temporary file left
+        assert [p.name for p in folder.iterdir()] == [
+            JobFolder(folder).owner.name
+        ]  # no temporary file left
 
 
 def test_an_unreadable_owner_file_holds_nothing(tmp_path):
-    (tmp_path / lease.FILE).write_text("{not json")
+    JobFolder(tmp_path).owner.write_text("{not json")
     held = lease.Lease(tmp_path, run="job-1")
     held.take(0)
-    assert json.loads((tmp_path / lease.FILE).read_text())["run"] == "job-1"
+    assert json.loads(JobFolder(tmp_path).owner.read_text())["run"] == "job-1"
     held.release()
     assert list(tmp_path.iterdir()) == []
 
@@ -254,7 +257,7 @@ def test_a_failed_trainer_gives_the_folder_up_itself_only_when_no_ftjob_agent_ru
         held.take(0)
         monkeypatch.setattr(owner, "_held", held)
         assert entry.main(["--spec", tiny]) == entry.EXIT_FAILED
-        assert (tmp_path / lease.FILE).exists() == agent_runs_it
+        assert JobFolder(tmp_path).owner.exists() == agent_runs_it
         held.release()
 
 
@@ -279,7 +282,7 @@ def test_a_live_owner_is_seen_whatever_its_command_name(tmp_path):
         assert processes.alive(proc.pid)
         # An `ftjob run` on this machine, which carries its lease on itself.
         held = replace(lease.Owner.me("job-1"), pid=proc.pid, carrier=proc.pid)
-        (tmp_path / lease.FILE).write_text(json.dumps(asdict(held)))
+        JobFolder(tmp_path).owner.write_text(json.dumps(asdict(held)))
         with pytest.raises(contract.TrainerError) as refused:
             lease.Lease(tmp_path, run="job-2").take(0)
         assert refused.value.reason == contract.OWNED_ELSEWHERE
@@ -333,7 +336,7 @@ def test_a_gang_whose_ftjob_run_was_killed_still_holds_the_folder(tmp_path):
     while processes.alive(agent) and time.monotonic() < deadline:
         time.sleep(0.05)
     lease.Lease(folder, run="job-2").take(0)  # every process of job-1 is gone
-    assert json.loads((folder / lease.FILE).read_text())["run"] == "job-2"
+    assert json.loads(JobFolder(folder).owner.read_text())["run"] == "job-2"
 
 
 def test_a_released_folder_is_not_written_back_by_a_last_refresh(tmp_path, monkeypatch):
@@ -357,4 +360,4 @@ def test_a_released_folder_is_not_written_back_by_a_last_refresh(tmp_path, monke
     assert releasing.is_alive()  # it waits for the refresh under way
     finish.set()
     releasing.join(hangs.FLOOR)
-    assert not (tmp_path / lease.FILE).exists()
+    assert not JobFolder(tmp_path).owner.exists()

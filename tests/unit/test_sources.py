@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from ftjob.api.contract import BAD_DATA, TrainerError
 from ftjob.api.spec import parse_spec
+from ftjob.job.folder import JobFolder
 from ftjob.trainer.data import prepare, sources
 from tests.e2e.hubmirror import COMMIT, HubMirror
 
@@ -51,7 +52,7 @@ def test_rank_zero_pins_the_commit_once_and_restarts_keep_it(mirror, tmp_path):
     waiter.join(timeout=60)
     assert rank0.dataset.revision == got["rank1"].dataset.revision == COMMIT
     assert mirror.requests["dataset info"] == 1  # the waiting rank never asked the Hub
-    recorded = json.loads((tmp_path / sources.RECORD).read_text())
+    recorded = json.loads(JobFolder(tmp_path).sources.read_text())
     assert recorded == {f"dataset hf://{REPO}@main": COMMIT}
     # The Hub moves on; a restart of this job keeps its commit and asks nothing.
     mirror.commit = "f" * 40
@@ -78,4 +79,4 @@ def test_an_unknown_dataset_names_the_field_and_the_fix(mirror, tmp_path):
     assert e.value.reason == BAD_DATA
     assert "dataset.source hf://org/missing: cannot find it" in str(e.value)
     assert "dataset.revision" in str(e.value)
-    assert not (tmp_path / sources.RECORD).exists()
+    assert not JobFolder(tmp_path).sources.exists()

@@ -8,6 +8,7 @@ import time
 import hangs
 import pytest
 
+from ftjob.job.folder import JobFolder
 from ftjob.trainer.report import progress, trackers
 
 
@@ -90,7 +91,7 @@ LAST_SCALAR = list(trackers.STEP_METRICS.values())[-1]  # a step's last, in writ
 def caught_up(tmp_path) -> None:
     """Wait until the event file holds step 3's last scalar (and so all steps before)."""
     began = time.monotonic()
-    folder = tmp_path / trackers.TENSORBOARD_DIR
+    folder = JobFolder(tmp_path).tensorboard
     while not folder.exists() or 3 not in [s for s, _ in _series(tmp_path)(LAST_SCALAR)]:
         assert time.monotonic() - began < hangs.FLOOR, "the tracker wrote nothing"
         time.sleep(0.05)
@@ -99,7 +100,7 @@ def caught_up(tmp_path) -> None:
 def _series(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(tmp_path / trackers.TENSORBOARD_DIR))
+    events = EventAccumulator(str(JobFolder(tmp_path).tensorboard))
     events.Reload()
     return lambda tag: [
         (e.step, round(e.value, 6))

@@ -13,6 +13,7 @@ import pytest
 
 from ftjob.api.contract import DISK_FULL, EXPORT_FAILED, OWNED_ELSEWHERE, TrainerError
 from ftjob.job import lease as owner
+from ftjob.job.folder import JobFolder
 from ftjob.trainer.state import integrity, volume
 
 # ------------------------------------------------------------------------------ integrity
@@ -108,7 +109,7 @@ def test_a_lost_errno_with_no_room_left_is_still_disk_full(tmp_path):
 def held_by(tmp_path: Path, run: str, machine: str = "elsewhere", age: float = 0.0, pid=1):
     record = {"run": run, "machine": machine, "host": "node-a", "pid": pid,
               "since": "2026-01-01T00:00:00+00:00", "heartbeat": time.time() - age}  # fmt: skip
-    (tmp_path / owner.FILE).write_text(json.dumps(record))
+    JobFolder(tmp_path).owner.write_text(json.dumps(record))
 
 
 @pytest.fixture
@@ -124,9 +125,9 @@ def test_a_free_folder_is_taken_checked_and_released(tmp_path, run_id):
     lease = owner.Lease(tmp_path)
     lease.take()
     lease.check()
-    assert json.loads((tmp_path / owner.FILE).read_text())["run"] == "job-abcdef12-0"
+    assert json.loads(JobFolder(tmp_path).owner.read_text())["run"] == "job-abcdef12-0"
     lease.release()
-    assert not (tmp_path / owner.FILE).exists()
+    assert not JobFolder(tmp_path).owner.exists()
 
 
 def test_a_live_owner_elsewhere_is_refused_with_who_and_how_to_take_over(tmp_path, run_id):
@@ -137,7 +138,7 @@ def test_a_live_owner_elsewhere_is_refused_with_who_and_how_to_take_over(tmp_pat
     assert refused.value.reason == OWNED_ELSEWHERE
     message = str(refused.value)
     assert "in use by run other-job-1 (host node-a, pid 1)" in message
-    assert f"delete {tmp_path / owner.FILE}" in message
+    assert f"delete {JobFolder(tmp_path).owner}" in message
 
 
 def test_a_live_owner_on_this_machine_is_refused_at_once(tmp_path, run_id):
@@ -156,7 +157,7 @@ def test_an_owner_whose_process_is_gone_or_whose_lease_expired_is_replaced(tmp_p
     owner.Lease(tmp_path).take(wait_seconds=0)
     held_by(tmp_path, "job-abcdef12-1", age=owner.LEASE_SECONDS + 1)
     owner.Lease(tmp_path).take(wait_seconds=0)
-    assert json.loads((tmp_path / owner.FILE).read_text())["run"] == "job-abcdef12-2"
+    assert json.loads(JobFolder(tmp_path).owner.read_text())["run"] == "job-abcdef12-2"
 
 
 def test_a_newer_attempt_waits_for_the_old_gang_to_stop(tmp_path, run_id, monkeypatch):
@@ -185,7 +186,7 @@ def test_a_run_that_lost_the_folder_stops_before_writing(tmp_path, run_id):
         lost.value
     )
     old.release()  # releasing leaves the new owner's file alone
-    assert json.loads((tmp_path / owner.FILE).read_text())["run"] == "job-abcdef12-2"
+    assert json.loads(JobFolder(tmp_path).owner.read_text())["run"] == "job-abcdef12-2"
 
 
 def test_two_runs_taking_a_free_folder_at_once_leave_one_owner(tmp_path, monkeypatch):
@@ -212,4 +213,4 @@ def test_two_runs_taking_a_free_folder_at_once_leave_one_owner(tmp_path, monkeyp
         t.join()
     assert sorted(outcomes.values()) == [OWNED_ELSEWHERE, "owner"]
     winner = next(run for run, outcome in outcomes.items() if outcome == "owner")
-    assert json.loads((tmp_path / owner.FILE).read_text())["run"] == winner
+    assert json.loads(JobFolder(tmp_path).owner.read_text())["run"] == winner

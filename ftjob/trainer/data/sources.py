@@ -31,9 +31,8 @@ from pathlib import Path
 from ftjob.api.contract import BAD_DATA, BAD_MODEL, TrainerError
 from ftjob.api.spec import DatasetSpec, FineTuneJobSpec
 from ftjob.job import atomic
-from ftjob.job.folder import SOURCES, JobFolder
+from ftjob.job.folder import JobFolder
 
-RECORD = SOURCES
 HF = "hf://"
 # What loading a model reads; not the repositories' other formats (e.g. Llama's original/
 # folder of consolidated .pth weights, as large again as the safetensors).

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ftjob.api.contract import INTERNAL, TrainerError
-from ftjob.job.lease import FILE, LEASE_SECONDS, Lease
+from ftjob.job.folder import OWNER
+from ftjob.job.lease import LEASE_SECONDS, Lease
 from ftjob.trainer.state import volume
 
 _held: Lease | None = None  # this process's lease (rank 0 of a gang)
@@ -32,7 +33,7 @@ def take_folder(job_dir: Path, rank: int, wait_seconds: float = 2 * LEASE_SECOND
             lease.take(wait_seconds)
             _held = lease
         except OSError as e:  # the owner file cannot be written (a full or read-only volume)
-            named = volume.write_failed(e, f"taking the job folder ({FILE})", job_dir, INTERNAL)
+            named = volume.write_failed(e, f"taking the job folder ({OWNER})", job_dir, INTERNAL)
             refusal = (str(named), named.reason, named.where)
         except TrainerError as e:
             refusal = (str(e), e.reason, e.where)

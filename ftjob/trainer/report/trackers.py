@@ -36,10 +36,8 @@ from ftjob import __version__
 from ftjob.api.schema import to_dict
 from ftjob.api.spec import FineTuneJobSpec, MlflowSpec, WandbSpec
 from ftjob.job import atomic
-from ftjob.job.folder import TENSORBOARD, TRACKING, JobFolder
+from ftjob.job.folder import JobFolder
 
-RECORD = TRACKING
-TENSORBOARD_DIR = TENSORBOARD
 TRIES = 3  # attempts per call, 1 s and then 2 s apart
 # Seconds the end of the run waits, all trackers together, for what they still send: a
 # tracker that answers needs a small part of it for its last calls, even on a busy machine,
