@@ -17,7 +17,7 @@ def run(work: Path, quick: bool) -> dict:
     out = work / "ckpt"
     shutil.rmtree(out, ignore_errors=True)
     args = ["--model", str(model), "--out", str(out), "--repeats", "1" if quick else "2"]
-    wall, stdout = common.torchrun(str(common.ROOT / "bench" / "ckpt_worker.py"), args, 2, work)
+    wall, stdout = common.torchrun("bench.ckpt_worker", args, 2, work)
     shutil.rmtree(out, ignore_errors=True)
     r = common.last_json(stdout, "CKPT")
     label = f"{size} ({common.param_count(model) / 1e6:.0f}M, {r['bytes'] / 2**20:.0f} MiB/ckpt)"

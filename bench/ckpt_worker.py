@@ -1,6 +1,6 @@
 """Checkpoint timings on every rank of a 2-process FSDP2 gang (run by bench.checkpoints):
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/ckpt_worker.py \
+    python -m torch.distributed.run --standalone --nproc-per-node 2 --module bench.ckpt_worker \
         --model DIR --out DIR
 
 * sharded: ftjob's Checkpointer (DCP, every rank writes its shards) with a synchronous save;

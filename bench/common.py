@@ -170,15 +170,22 @@ def ftjob_run(doc: dict, work: Path, env: dict | None = None, timeout: float = 6
     return run
 
 
-def torchrun(script: str, args: list[str], nproc: int, work: Path, timeout: float = 600,
+def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
+    """torchrun (standalone) of a bench worker as a module (``bench.trl_worker``), from the
+    repo's root: run as a script, bench/ would come first on its path and bench/operator.py
+    would shadow the standard library's operator (it broke TRL's import under torch 2.11)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", "--module", module, *args]  # fmt: skip
+
+
+def torchrun(module: str, args: list[str], nproc: int, work: Path, timeout: float = 600,
              env: dict | None = None) -> tuple[float, str]:  # fmt: skip
-    """Run ``python -m torch.distributed.run --standalone`` on a bench script; (wall, stdout)."""
+    """Run a bench worker under torchrun (:func:`torchrun_command`); (wall, stdout)."""
     tmp = work / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", script, *args]  # fmt: skip
-    return _timed(cmd, script, {"OMP_NUM_THREADS": threads, "TMPDIR": str(tmp), **(env or {})},
+    cmd = torchrun_command(module, args, nproc)
+    return _timed(cmd, module, {"OMP_NUM_THREADS": threads, "TMPDIR": str(tmp), **(env or {})},
                   timeout)  # fmt: skip
 
 

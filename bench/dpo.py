@@ -26,7 +26,7 @@ from bench import common
 from bench.report import row
 
 PAIRS = common.EXAMPLES / "data" / "tiny-pairs.jsonl"
-WORKER = str(common.ROOT / "bench" / "trl_dpo_worker.py")
+WORKER = "bench.trl_dpo_worker"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BASELINE = "TRL DPOTrainer"
 

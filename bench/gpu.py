@@ -181,7 +181,7 @@ def compare(work: Path, s: Setup, methods: list[str]) -> dict:
     for method in methods:
         doc = job(method, model, chat, s)
         ours = common.ftjob_run(doc, work, timeout=1800)
-        wall, out = common.torchrun(str(common.ROOT / "bench" / "trl_worker.py"),
+        wall, out = common.torchrun("bench.trl_worker",
                                     trl_args(method, model, chat, s), s.processes, work,
                                     timeout=1800)  # fmt: skip
         trl = common.last_json(out, "TRL")

@@ -29,7 +29,7 @@ def compare(size: str, work: Path, method: str = "full", steps: int | None = Non
         doc = common.job(name, model, steps=steps, seq=seq, micro_batch=micro_batch,
                          method=method)  # fmt: skip
         ours.append(common.ftjob_run(doc, work))
-        wall, out = common.torchrun(str(common.ROOT / "bench" / "trl_worker.py"), args, 2, work)
+        wall, out = common.torchrun("bench.trl_worker", args, 2, work)
         theirs.append({**common.last_json(out, "TRL"), "wall": wall})
     mine = max(r.steady_tokens_per_second() for r in ours)
     best = max(t["tokensPerSecond"] for t in theirs)

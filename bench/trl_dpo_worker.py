@@ -1,6 +1,6 @@
 """The DPO baseline a user would pick: TRL's DPOTrainer under torchrun (accelerate inside).
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/trl_dpo_worker.py \
+    python -m torch.distributed.run --standalone --nproc-per-node 2 --module bench.trl_dpo_worker \
         --model examples/tiny-model --data examples/data/tiny-pairs.jsonl --steps 4
 
 Set up as bench.dpo's ftjob job is: the same model, pairs, max length per sequence,

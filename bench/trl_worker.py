@@ -1,6 +1,6 @@
 """The baseline a user would pick: TRL's SFTTrainer under torchrun (accelerate inside).
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/trl_worker.py \
+    python -m torch.distributed.run --standalone --nproc-per-node 2 --module bench.trl_worker \
         --model examples/tiny-model --data examples/data/tiny-chat.jsonl --steps 6
 
 Same model, data, sequence length, micro-batch, steps and optimizer as the ftjob job that

@@ -121,11 +121,8 @@ def ftjob_step(step: str, s: gpu.Setup, work: Path, out: Path, method: str = "fu
 
 def trl_step(step: str, s: gpu.Setup, work: Path, out: Path, method: str = "full") -> None:
     model, chat = gpu.model_folder(s, work), gpu.data(work, s)
-    # As a module: run as a script, bench/ would be sys.path[0] and bench/operator.py would
-    # shadow the standard library's operator (where nothing imported it before).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={s.processes}", "--module", "bench.trl_worker",
-           *gpu.trl_args(method, model, chat, s)]  # fmt: skip
+    cmd = common.torchrun_command("bench.trl_worker", gpu.trl_args(method, model, chat, s),
+                                  s.processes)  # fmt: skip
     started = time.monotonic()
     # The attention length of ftjob's run of the same job, where it ran (both pack alike).
     ours = work / "runs" / gpu.job(method, model, chat, s)["metadata"]["name"]
