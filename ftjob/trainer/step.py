@@ -25,7 +25,29 @@ import torch
 import torch.distributed as dist
 
 from ftjob.trainer.data import batches as data
+from ftjob.trainer.model import parallel
 from ftjob.trainer.objectives.objective import Objective
+from ftjob.trainer.state import checkpoint
+
+
+@dataclass
+class Run:
+    """The sharded model and what trains it (ftjob.trainer.train's ``_load``): what a step
+    reads and changes, and what the log says about the model."""
+
+    net: torch.nn.Module
+    weights: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    ckpt: checkpoint.Checkpointer
+    params: int
+    trainable: int
+    sharding: str
+    replicated: bool  # a mesh with replicas (hybrid, none): their all-reduce can wait
+    speed: parallel.Speed
+    flops: Callable[[int, int], float]
+    read_bytes: int  # what this rank read from the weight files
+    load_seconds: float  # how long this rank took to read them
 
 
 class Prefetch:
@@ -125,17 +147,16 @@ class Tally:
 
 
 def train_step(
-    net, optimizer, weights, micro: list[data.Batch], device, world: int, replicated: bool,
-    max_norm: float, before_update: Callable[[], None], objective: Objective,
-) -> tuple[torch.Tensor, float, torch.Tensor | None]:  # fmt: skip
+    run: Run, micro: list[data.Batch], d: parallel.Dist, max_norm: float, objective: Objective
+) -> tuple[torch.Tensor, float, torch.Tensor | None]:
     """Forward and backward over the micro-batches, then the optimizer update; returns this
     rank's share of the step's mean loss (on the device), the seconds the host waited for
     the other ranks at the step's first collective (gloo; NCCL does not hold the host), and
     the objective's metric sums over this rank's micro-batches (None for next-token loss).
 
     ``objective`` (trainer/objectives/objective.py) gives each micro-batch's summed loss and what
-    the
-    step's loss is a mean over (labelled tokens, or pairs)."""
+    the step's loss is a mean over (labelled tokens, or pairs)."""
+    net, device, world = run.net, d.device, d.world_size
     # Every labelled token (or pair) of the step weighs the same, whichever rank or
     # micro-batch has it: divide by the global count (FSDP then averages gradients over
     # ranks, hence x world).
@@ -147,7 +168,7 @@ def train_step(
     total = torch.zeros((), device=device)
     sums = None
     for m, batch in enumerate(micro):
-        if replicated:
+        if run.replicated:
             # Shards accumulate locally; the all-reduce across replicas (across nodes under
             # hybrid) runs once, after the last micro-batch. The reduce-scatter within the
             # shard group still runs every micro-batch: that is what keeps gradients sharded.
@@ -158,8 +179,8 @@ def train_step(
         if part is not None:
             sums = part if sums is None else sums + part
     if max_norm > 0:
-        torch.nn.utils.clip_grad_norm_(weights, max_norm)
-    before_update()  # a background checkpoint may still be copying weights and moments
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+        torch.nn.utils.clip_grad_norm_(run.weights, max_norm)
+    run.ckpt.before_update()  # a background checkpoint may still be copying weights and moments
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
     return total * scale / world, waited, sums

@@ -14,8 +14,7 @@ import os
 import resource
 import shutil
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -72,70 +71,104 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
         report.close()
 
 
-def _attention_line(spec: FineTuneJobSpec, run: Run, d: parallel.Dist) -> str:
-    """Which attention kernel this run's layers go through (the GPU kit records it)."""
-    compute = torch.bfloat16 if spec.compute_precision() == "bf16" else torch.float32
-    implementation = run.net.config._attn_implementation
-    return f"attention: {attention.kernel_name(implementation, d.device, compute)}"
+@dataclass
+class Job:
+    """The job as this rank runs it once the gang formed and the folder is this run's: what
+    every phase reads. Two specs, named for what each is: ``asked`` is the one the folder
+    records and the export's card names; ``spec`` reads downloads from the volume instead
+    (ftjob.trainer.data.sources)."""
+
+    asked: FineTuneJobSpec
+    spec: FineTuneJobSpec
+    name: str
+    d: parallel.Dist
+    report: progress.Progress
+    folder: Path  # the job folder (FTJOB_JOB_DIR)
+    lease: Lease | None  # rank 0's hold on the folder; None on the other ranks
+    beat: heartbeat.Heartbeat
+    goal: objective.Objective = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.goal = objective.of(self.spec)
+
+    @property
+    def out(self) -> Path:
+        return jobfolder.export_path(self.folder, self.asked)
+
+    def say(self, message: str) -> None:
+        if self.d.is_main:
+            print(message, flush=True)
 
 
 def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progress) -> Path:
     d, beat = _join(spec, job_dir, report)
     out = jobfolder.export_path(job_dir, spec)
-    say = print if d.is_main else (lambda *a, **k: None)
     hf_logging.disable_progress_bar()  # pod logs are not terminals
     if not d.is_main:
         hf_logging.set_verbosity_error()  # one copy of each warning is enough
     lease, recorded = _take(spec, name, job_dir, out, d, report)
     if jobfolder.finished(spec, recorded, out):
         # A gang restarted after the export was written (a pod evicted at the very end).
-        say(f"{name}: already trained; the exported model is in {out}", flush=True)
-        return _succeeded(out, d, report, lease, spec, job_dir)
+        job = Job(spec, spec, name, d, report, job_dir, lease, beat)
+        job.say(f"{name}: already trained; the exported model is in {out}")
+        return _succeeded(job)
     if jobfolder.export_present(out):
         _continuing(report, name, out, recorded.get("trainedSteps"), spec.training.max_steps)
-    asked = spec  # what the job folder records; the run reads downloads from the volume
-    spec = sources.fetch(
+    resolved = sources.fetch(
         spec,
         job_dir,
         d.is_main,
-        say=lambda m: say(m, flush=True),
+        say=lambda m: print(m, flush=True) if d.is_main else None,
         downloading=lambda: report.phase("downloading"),
     )
-    t = spec.training
-    goal = objective.of(spec)
-    torch.manual_seed(t.seed)
+    return _train_and_export(Job(spec, resolved, name, d, report, job_dir, lease, beat))
 
+
+def _train_and_export(job: Job) -> Path:
+    """Data, model, resume, the steps, the last evaluation, the export."""
+    torch.manual_seed(job.spec.training.seed)
     # Data first: a bad record fails the job in seconds, before any weights are read.
-    tok, ds, sampler, total = _data(spec, job_dir, d, report, say)
-
-    report.phase("loading")
-    run = _load(spec, tok, d, job_dir, lease, total)
-    report.log(
-        f"{name}: {spec.method.type} fine-tune of {asked.model.source}, {run.params:,} "
-        f"parameters ({run.trainable:,} trained), {run.sharding} sharding over "
-        f"{d.world_size} ranks, {len(ds.train)} train / {len(ds.eval or [])} eval {goal.unit}, "
-        f"{total} steps" + run.speed_note()
-    )
-    report.log(_attention_line(spec, run, d))
-    _plan_progress(report, spec, d, total, run)
-    nodes = _loaded(report, d, run)
-    goal.before_training(spec, run.net, ds, d, report.log)  # before any checkpoint is loaded
-
-    start = _resume(job_dir, spec, d, run, report)
-    steps = range(start, total)
-    evaluated_at = _train(spec, d, run, ds, sampler, steps, report, beat, nodes, goal)
+    tok, ds, sampler, total = _data(job)
+    job.report.phase("loading")
+    run = _load(job, tok, total)
+    _describe(job, run, ds, total)
+    nodes = _loaded(job.report, job.d, run)
+    job.goal.before_training(job.spec, run.net, ds, job.d, job.report.log)  # before resuming
+    start = _resume(job, run)
+    evaluated_at = _train(job, run, ds, sampler, range(start, total), nodes)
     run.ckpt.close()
     if ds.eval is not None and evaluated_at != total:
-        report.phase("evaluating")
-        _evaluated(report, total, run.net, ds, d, t.micro_batch_size, goal)
-    _measure_peaks(d, report)
+        job.report.phase("evaluating")
+        _evaluated(job, run, ds, total)
+    _measure_peaks(job.d, job.report)
+    job.report.phase("exporting")
+    _export(job, run.net, tok)
+    if job.d.is_main:
+        jobfolder.write(job.folder, job.name, job.asked, trained_steps=total)
+    job.report.log(f"exported model: {job.out}")
+    return _succeeded(job)
 
-    report.phase("exporting")
-    _export(run.net, spec, tok, out, d.rank, lease, asked)
-    if d.is_main:
-        jobfolder.write(job_dir, name, asked, trained_steps=total)
-    report.log(f"exported model: {out}")
-    return _succeeded(out, d, report, lease, asked, job_dir)
+
+def _describe(job: Job, run: step.Run, ds: data.Data, total: int) -> None:
+    """The run in words (model, sharding, data, steps, attention kernel) and the plan's
+    numbers that progress compares the run against."""
+    spec, d = job.spec, job.d
+    job.report.log(
+        f"{job.name}: {spec.method.type} fine-tune of {job.asked.model.source}, "
+        f"{run.params:,} parameters ({run.trainable:,} trained), {run.sharding} sharding over "
+        f"{d.world_size} ranks, {len(ds.train)} train / {len(ds.eval or [])} eval "
+        f"{job.goal.unit}, {total} steps" + _speed_note(run.speed)
+    )
+    compute = torch.bfloat16 if spec.compute_precision() == "bf16" else torch.float32
+    implementation = run.net.config._attn_implementation  # the GPU kit records the kernel
+    job.report.log(f"attention: {attention.kernel_name(implementation, d.device, compute)}")
+    _plan_progress(job.report, spec, d, total, run)
+
+
+def _speed_note(speed: parallel.Speed) -> str:
+    setting = plan.stride_name(speed.checkpoint_every)
+    compiled = ", layers compiled" if speed.compile else ""
+    return f"; activation checkpointing {setting}{compiled}"
 
 
 def _take(spec: FineTuneJobSpec, name: str, job_dir: Path, out: Path, d, report):
@@ -152,14 +185,14 @@ def _take(spec: FineTuneJobSpec, name: str, job_dir: Path, out: Path, d, report)
     return lease, recorded
 
 
-def _data(spec: FineTuneJobSpec, job_dir: Path, d, report: progress.Progress, say):
+def _data(job: Job):
     """The tokenizer, the prepared data, its sampler and the number of steps to train."""
-    t = spec.training
-    report.phase("preparing-data")
+    spec, d, t = job.spec, job.d, job.spec.training
+    job.report.phase("preparing-data")
     tok = model.load_tokenizer(spec)
     # Rank 0 prepares (or reuses) the data on the volume; the others wait, then memory-map it.
-    ds = data.load(spec, tok, job_dir, is_main=d.is_main, log=lambda m: say(m, flush=True),
-                   on_progress=lambda p: report.update(preparing=p))  # fmt: skip
+    ds = data.load(spec, tok, job.folder, is_main=d.is_main, log=job.say,
+                   on_progress=lambda p: job.report.update(preparing=p))  # fmt: skip
     sampler = data.Sampler(len(ds.train), t.seed, d.world_size, t.micro_batch_size,
                            t.gradient_accumulation)  # fmt: skip
     return tok, ds, sampler, t.max_steps or sampler.steps_for(t.epochs)
@@ -181,7 +214,7 @@ def _join(spec: FineTuneJobSpec, job_dir: Path, report: progress.Progress):
     return d, beat
 
 
-def _loaded(report: progress.Progress, d: parallel.Dist, run: Run) -> list[str]:
+def _loaded(report: progress.Progress, d: parallel.Dist, run: step.Run) -> list[str]:
     """What each rank read, in how long, and its peak memory: gathered in the first
     collective after loading (every rank has read its part by then), with each rank's node
     (stragglers name it). Returns the nodes, by rank."""
@@ -198,15 +231,16 @@ def _loaded(report: progress.Progress, d: parallel.Dist, run: Run) -> list[str]:
     return [node for node, _, _, _ in loaded]
 
 
-def _succeeded(out: Path, d: parallel.Dist, report, lease: Lease | None, spec, job_dir) -> Path:
+def _succeeded(job: Job) -> Path:
     """The job is done (once output.push is pushed): say so in progress and in the record the
     operator requires."""
-    push.push(spec, job_dir, out, d, report)  # a failure: HubPushFailed, the export kept
-    report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
-    if d.is_main:
+    out = job.out
+    push.push(job.asked, job.folder, out, job.d, job.report)  # a failure: HubPushFailed
+    job.report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
+    if job.d.is_main:
         termination.write(contract.success_record(str(out)))
-    if lease:
-        lease.release()
+    if job.lease:
+        job.lease.release()
     dist.destroy_process_group()
     return out
 
@@ -223,34 +257,10 @@ def _continuing(report, name: str, out: Path, exported: int | None, total: int) 
     )
 
 
-@dataclass
-class Run:
-    """The sharded model and what trains it (:func:`_load`)."""
-
-    net: torch.nn.Module
-    weights: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    ckpt: checkpoint.Checkpointer
-    params: int
-    trainable: int
-    sharding: str
-    replicated: bool  # a mesh with replicas (hybrid, none): their all-reduce can wait
-    speed: parallel.Speed
-    flops: Callable[[int, int], float]
-    read_bytes: int  # what this rank read from the weight files
-    load_seconds: float  # how long this rank took to read them
-
-    def speed_note(self) -> str:
-        setting = plan.stride_name(self.speed.checkpoint_every)
-        compiled = ", layers compiled" if self.speed.compile else ""
-        return f"; activation checkpointing {setting}{compiled}"
-
-
-def _load(spec, tok, d: parallel.Dist, job_dir: Path, lease, total: int) -> Run:
+def _load(job: Job, tok, total: int) -> step.Run:
     """Build on meta, shard, every rank reads its shards of the weights; optimizer, schedule
     and checkpointer beside them."""
-    t = spec.training
+    spec, d, t = job.spec, job.d, job.spec.training
     built = model.build(spec, tok)
     loss.install(built.model)  # before sharding: the head's forward computes the loss
     params, trainable = model.count_parameters(built.model)
@@ -274,21 +284,22 @@ def _load(spec, tok, d: parallel.Dist, job_dir: Path, lease, total: int) -> Run:
     )
     scheduler = get_scheduler(SCHEDULERS[t.scheduler], optimizer, t.warmup_steps(total), total)
     ckpt = checkpoint.Checkpointer(
-        JobFolder(job_dir).checkpoints,
+        JobFolder(job.folder).checkpoints,
         d.rank,
         spec.checkpoint.keep,
         spec.checkpoint.async_save,
-        fence=lease.check if lease else None,
+        fence=job.lease.check if job.lease else None,
     )
     replicated = mesh.ndim == 2 and mesh["replicate"].size() > 1
     flops = _flops_counter(spec, net, params, trainable)
-    return Run(net, weights, optimizer, scheduler, ckpt, params, trainable, sharding, replicated,
-               speed, flops, built.read_bytes, load_seconds)  # fmt: skip
+    return step.Run(net, weights, optimizer, scheduler, ckpt, params, trainable, sharding,
+                    replicated, speed, flops, built.read_bytes, load_seconds)  # fmt: skip
 
 
-def _train(spec, d, run: Run, ds, sampler, steps: range, report, beat, nodes, goal) -> int | None:
+def _train(job: Job, run: step.Run, ds, sampler, steps: range, nodes: list[str]) -> int | None:
     """The optimizer steps, with evaluations and checkpoints on their schedules; the step
     last evaluated at. ``nodes``: each rank's node (:func:`_loaded`), for naming stragglers."""
+    spec, d, report, goal = job.spec, job.d, job.report, job.goal
     t, every = spec.training, spec.checkpoint.every
     slow = stragglers.Stragglers(spec.run_policy.straggler_margin, nodes)
     report.begin(steps.start)
@@ -298,15 +309,12 @@ def _train(spec, d, run: Run, ds, sampler, steps: range, report, beat, nodes, go
         for n in steps:
             began = time.perf_counter()
             micro = batches.next(n)
-            share, waited, sums = step.train_step(run.net, run.optimizer, run.weights, micro,
-                                                  d.device, d.world_size, run.replicated,
-                                                  t.max_grad_norm, run.ckpt.before_update,
-                                                  goal)  # fmt: skip
+            share, waited, sums = step.train_step(run, micro, d, t.max_grad_norm, goal)
             run.scheduler.step()
             wall = time.perf_counter() - began
             tally.add(share, micro, own_seconds=wall - waited, sums=sums)
             done = n + 1
-            beat.at(done)
+            job.beat.at(done)
             report.step(done, run.scheduler.get_last_lr()[0], sampler.epoch(done), seconds=wall)
             if done % t.log_every == 0 or done == steps.stop:
                 # The step's one host wait: loss, counts and every rank's own step time.
@@ -316,32 +324,33 @@ def _train(spec, d, run: Run, ds, sampler, steps: range, report, beat, nodes, go
                     report.stragglers(slow.named, slow.describe())
             if ds.eval is not None and t.eval_every and done % t.eval_every == 0:
                 report.phase("evaluating")
-                _evaluated(report, done, run.net, ds, d, t.micro_batch_size, goal)
+                _evaluated(job, run, ds, done)
                 evaluated_at = done
             if done % every == 0 and done < steps.stop:
-                _checkpoint(spec, run, done, report)
+                _checkpoint(job, run, done)
     finally:
         batches.close()
     return evaluated_at
 
 
-def _checkpoint(spec, run: Run, done: int, report) -> None:
+def _checkpoint(job: Job, run: step.Run, done: int) -> None:
+    report = job.report
     report.phase("checkpointing")
     run.ckpt.save(run.net, run.optimizer, run.scheduler, done)
     path = checkpoint.folder(run.ckpt.root, done)
     report.update(phase="training", lastCheckpoint=str(path), lastCheckpointStep=done)
-    background = " (written in the background)" if spec.checkpoint.async_save else ""
+    background = " (written in the background)" if job.spec.checkpoint.async_save else ""
     report.log(f"checkpoint saved: step {done} in {path}{background}")
 
 
-def _resume(job_dir, spec, d, run: Run, report) -> int:
+def _resume(job: Job, run: step.Run) -> int:
     """Load the newest intact checkpoint (damaged ones are moved aside and named), or the
     one ``checkpoint.resumeFrom`` names; the step to start at."""
-    checkpoints = JobFolder(job_dir).checkpoints
-    found, damaged = checkpoint.choose(checkpoints, d.rank, d.world_size)
+    report, checkpoints = job.report, JobFolder(job.folder).checkpoints
+    found, damaged = checkpoint.choose(checkpoints, job.d.rank, job.d.world_size)
     for note in damaged:
         report.log(f"{note}; using {found or 'none: starting at step 0'} instead")
-    found = found or _seed(spec)
+    found = found or _seed(job.spec)
     if found is None:
         report.log(f"no checkpoint in {checkpoints}: starting at step 0")
         return 0
@@ -381,14 +390,15 @@ def _seed(spec: FineTuneJobSpec) -> Path | None:
     return found
 
 
-def _export(net, spec, tok, out: Path, rank: int, lease: Lease | None, asked) -> None:
+def _export(job: Job, net, tok) -> None:
     """The export, with a failed write named (a full volume: DiskFull) on every rank and its
     temporary folder removed; the checkpoints stay, so a rerun exports again."""
-    if lease:
-        lease.check()
+    out = job.out
+    if job.lease:
+        job.lease.check()
     failed = None
     try:
-        export.export(net, spec, tok, out, rank, asked)
+        export.export(net, job.spec, tok, out, job.d.rank, job.asked)
     except Exception as e:  # noqa: BLE001 - every failure is named, agreed and raised below
         named = volume.write_failed(e, "export", out.parent, EXPORT_FAILED) or TrainerError(
             f"writing the model to {out} failed: {e}", reason=EXPORT_FAILED, where=str(out)
@@ -403,9 +413,9 @@ def _export(net, spec, tok, out: Path, rank: int, lease: Lease | None, asked) ->
         raise TrainerError(message, reason=reason, where=where)
 
 
-def _evaluated(report, step_: int, net, ds: data.Data, d, micro_batch: int, goal) -> None:
-    loss_, metrics = goal.evaluate(net, ds, d, micro_batch)
-    report.evaluated(step_, loss_, **metrics)
+def _evaluated(job: Job, run: step.Run, ds: data.Data, done: int) -> None:
+    loss_, metrics = job.goal.evaluate(run.net, ds, job.d, job.spec.training.micro_batch_size)
+    job.report.evaluated(done, loss_, **metrics)
 
 
 def _peak_rss_mib() -> float:
@@ -430,7 +440,7 @@ def _progress(spec: FineTuneJobSpec, job_dir: Path) -> progress.Progress:
     return report
 
 
-def _plan_progress(report, spec, d, total, run: Run) -> None:
+def _plan_progress(report, spec, d, total, run: step.Run) -> None:
     name = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else None
     report.planned(
         total,
