@@ -9,7 +9,8 @@ its schema in api/status.py) and the CRD's printer columns (api/crd.py). This mo
 
 An objective's evaluation reports the same metrics over the eval set, kept in progress under
 ``eval`` + the key (rewardAccuracy -> evalRewardAccuracy). A new objective is its declaration
-here, one line in :data:`OBJECTIVES`, and its trainer module (trainer/objectives/objective.py).
+here with one line in :data:`OBJECTIVES`, and its trainer module with one line in
+trainer/objectives/objective.py's table.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 The loop, checkpoints, resume and progress are the same for every objective
 (trainer/step.py, trainer/train.py); an objective says how rows become micro-batches, what a
 step's loss averages over, the loss itself and the metrics beside it, which api/objectives.py
-declares. A new objective is its module here and one entry in :data:`OBJECTIVES`.
+declares. A new objective is its declaration there, its module here and one entry in
+:data:`OBJECTIVES`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,14 @@ from ftjob.trainer.objectives.next_token import NextToken
 
 
 class Objective(Protocol):
+    """What the loop asks of an objective (:class:`NextToken`, :class:`Dpo`)."""
+
     declared: ClassVar[objectives.Objective]  # its name and the metrics it reports
     unit: str  # what a data set holds, in the log
+
+    @classmethod
+    def of(cls, spec: FineTuneJobSpec) -> Objective:
+        """The objective with the spec's settings."""
 
     def collate(self, rows: list[dict], pad_id: int) -> data.Batch: ...
 
