@@ -11,9 +11,8 @@ from typing import Any
 import yaml
 
 from ftjob import __version__
-from ftjob.api import spec
+from ftjob.api import objectives, spec, status
 from ftjob.api.schema import openapi
-from ftjob.api.status import FineTuneJobStatus
 
 # Pod and Service names are built from the job name, so it must be a short DNS-1035 label. A
 # CRD may constrain metadata.name (and nothing else of metadata) in its schema.
@@ -46,21 +45,26 @@ PRINTER_COLUMNS = [
         "priority": 1,
     },
     {"name": "MFU", "type": "number", "jsonPath": ".status.progress.mfu", "priority": 1},
-    # DPO jobs: empty for next-token jobs, which have no rewards.
-    {
-        "name": "Reward-Acc",
-        "type": "number",
-        "jsonPath": ".status.progress.rewardAccuracy",
-        "priority": 1,
-    },
+    # Then the objectives' own (printer_columns()), then the image.
     {"name": "Image", "type": "string", "jsonPath": ".status.image", "priority": 1},
 ]
+
+
+def printer_columns() -> list[dict[str, Any]]:
+    """:data:`PRINTER_COLUMNS` with the objectives' metrics that ask for a column before the
+    last (api/objectives.py; a job of another objective leaves them empty)."""
+    own = [
+        {"name": m.column, "type": "number", "jsonPath": f".status.progress.{m.key}", "priority": 1}
+        for m in objectives.metrics()
+        if m.column
+    ]
+    return PRINTER_COLUMNS[:-1] + own + PRINTER_COLUMNS[-1:]
 
 
 def schema() -> dict[str, Any]:
     """The openAPIV3Schema of the v1alpha1 version."""
     spec_schema = openapi(spec.FineTuneJobSpec)
-    status_schema = openapi(FineTuneJobStatus)
+    status_schema = status.schema()
     return {
         "type": "object",
         "description": spec_schema.pop("description"),
@@ -103,7 +107,7 @@ def crd() -> dict[str, Any]:
                     "served": True,
                     "storage": True,
                     "subresources": {"status": {}},
-                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                    "additionalPrinterColumns": printer_columns(),
                     "schema": {"openAPIV3Schema": schema()},
                 }
             ],

@@ -1,16 +1,17 @@
 """The FineTuneJob status: what the operator observed, as typed classes.
 
 Only the schema is generated from these (the API server drops status fields the CRD does not
-declare); the operator's pure ``operator/status.py`` fills them in.
+declare), with the objectives' metrics added to progress (:func:`schema`); the operator's pure
+``operator/status.py`` fills them in.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, make_dataclass
+from typing import Any, Literal
 
-from ftjob.api import contract
-from ftjob.api.schema import api_field
+from ftjob.api import contract, objectives
+from ftjob.api.schema import api_field, openapi
 
 PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 # The trainer's own reasons (its termination record), then what the operator sees itself.
@@ -59,20 +60,7 @@ class Progress:
     display: str | None = api_field("display: step/total for the printer column.", None)
     loss: float | None = api_field("loss: training loss of the latest logged step.", None)
     eval_loss: float | None = api_field("evalLoss of the latest evaluation.", None)
-    reward_accuracy: float | None = api_field(
-        "rewardAccuracy (DPO jobs): share of the latest logged step's pairs whose chosen "
-        "response got the higher reward (0-1).",
-        None,
-    )
-    reward_margin: float | None = api_field(
-        "rewardMargin (DPO jobs): mean chosen minus rejected reward of the latest logged step.",
-        None,
-    )
-    eval_reward_accuracy: float | None = api_field(
-        "evalRewardAccuracy (DPO jobs): reward accuracy on the eval pairs at the latest "
-        "evaluation.",
-        None,
-    )
+    # Here the schema has the objectives' own metrics (schema()).
     learning_rate: float | None = api_field("learningRate in force.", None)
     tokens_per_second: float | None = api_field("tokensPerSecond across the gang.", None)
     mfu: float | None = api_field("mfu: model FLOPs utilisation, in percent.", None)
@@ -229,3 +217,17 @@ class FineTuneJobStatus:
         "spec.checkpoint.path names one.",
         None,
     )
+
+
+def schema() -> dict[str, Any]:
+    """status's OpenAPI schema: :class:`FineTuneJobStatus`, with the objectives' metrics that
+    status reports (api/objectives.py) in progress after evalLoss, typed like its fields."""
+    out = openapi(FineTuneJobStatus)
+    progress = out["properties"]["progress"]
+    declared = objectives.status().items()
+    own = [(key, float | None, api_field(doc, None)) for key, doc in declared]
+    own_schema = openapi(make_dataclass("ObjectiveMetrics", own))["properties"]
+    fields = list(progress["properties"].items())
+    at = [key for key, _ in fields].index("evalLoss") + 1
+    progress["properties"] = dict(fields[:at]) | own_schema | dict(fields[at:])
+    return out

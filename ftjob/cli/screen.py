@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from ftjob.api import objectives
+
 # Before rank 0's first progress.json: Python, torch and the trainer are being imported.
 IMPORTING = "importing torch and the trainer"
 # What each start-up phase is doing, for the bar while no step has been taken.
@@ -109,8 +111,7 @@ def bar_fields(snap: dict) -> dict:
         parts.append(startup_detail(snap))
     if snap.get("loss") is not None:
         parts.append(f"loss {snap['loss']:.4f}")
-    if snap.get("rewardAccuracy") is not None:  # DPO
-        parts.append(f"reward acc {snap['rewardAccuracy']:.2f}")
+    parts += objectives.labelled(snap, "screen")
     if snap.get("tokensPerSecond") is not None:
         parts.append(f"tok/s {snap['tokensPerSecond']:,.0f}")
     if snap.get("etaSeconds") is not None:

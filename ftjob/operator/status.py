@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from ftjob.api import contract
+from ftjob.api import contract, objectives
 from ftjob.operator.render import CONTAINER, LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK
 
 # One condition per phase-like state, always present, plus Planned (ftjob.plan.estimate's verdict).
@@ -335,9 +335,7 @@ def progress(snapshot: dict) -> dict[str, Any]:
         "display": f"{step}/{total}" if total else str(step),
         "loss": snapshot.get("loss"),
         "evalLoss": snapshot.get("evalLoss"),
-        "rewardAccuracy": snapshot.get("rewardAccuracy"),  # DPO jobs only
-        "rewardMargin": snapshot.get("rewardMargin"),
-        "evalRewardAccuracy": snapshot.get("evalRewardAccuracy"),
+        **{k: snapshot.get(k) for k in objectives.status()},  # the job's objective's only
         "learningRate": snapshot.get("learningRate"),
         "tokensPerSecond": snapshot.get("tokensPerSecond"),
         "mfu": round(mfu * 100, 2) if mfu is not None else None,  # the trainer reports 0-1

@@ -1,207 +1,56 @@
-"""What a job trains for: how rows become micro-batches, what a step's loss averages over, the
-loss itself and the metrics beside it. The loop, checkpoints, resume and progress are the same
-for every objective (trainer/step.py, trainer/train.py).
+"""What a job trains for: the interface every objective has, and which one a spec names.
 
-* :class:`NextToken` (training.objective sft): summed next-token loss over the labelled tokens.
-* :class:`Dpo` (training.objective dpo): a micro-batch is whole preference pairs, chosen and
-  rejected rows in one forward (trainer/data/pairs.py); the loss is
-  trainer/objectives/preference.py's, the
-  mean over the step's pairs. The reference (LoRA and QLoRA) is the same network with its
-  adapters disabled (:func:`adapters_off`); a full fine-tune's is the initial model's
-  log-probabilities, computed once before training and stored with the data
-  (trainer/objectives/reference.py), which each batch carries. No second model in memory either way.
+The loop, checkpoints, resume and progress are the same for every objective
+(trainer/step.py, trainer/train.py); an objective says how rows become micro-batches, what a
+step's loss averages over, the loss itself and the metrics beside it, which api/objectives.py
+declares. A new objective is its declaration there, its module here and one entry in
+:data:`OBJECTIVES`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-from dataclasses import dataclass, replace
+from typing import ClassVar, Protocol
 
 import torch
-import torch.distributed as dist
 
-from ftjob.api.contract import BAD_SPEC, TrainerError
+from ftjob.api import objectives
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.trainer.data import batches as data
-from ftjob.trainer.data import pairs
-from ftjob.trainer.objectives import preference, reference
-from ftjob.trainer.objectives.loss import model_inputs, token_loss
+from ftjob.trainer.objectives.dpo import Dpo
+from ftjob.trainer.objectives.next_token import NextToken
 
 
-@dataclass(frozen=True)
-class NextToken:
-    """Next-token loss (SFT)."""
+class Objective(Protocol):
+    """What the loop asks of an objective (:class:`NextToken`, :class:`Dpo`)."""
 
-    metrics: tuple[str, ...] = ()
-    unit: str = "sequences"  # what a data set holds, in the log
+    declared: ClassVar[objectives.Objective]  # its name and the metrics it reports
+    unit: str  # what a data set holds, in the log
 
-    def collate(self, rows: list[dict], pad_id: int) -> data.Batch:
-        return data.collate(rows, pad_id)
+    @classmethod
+    def of(cls, spec: FineTuneJobSpec) -> Objective:
+        """The objective with the spec's settings."""
+
+    def collate(self, rows: list[dict], pad_id: int) -> data.Batch: ...
 
     def count(self, batch: data.Batch) -> int:
-        """What the step's loss is a mean over: labelled tokens (a host number)."""
-        return batch.labelled
+        """What the step's loss is a mean over (a host number)."""
 
     def loss(self, net, batch: data.Batch, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The micro-batch's summed loss, and no metric sums."""
-        return token_loss(net, batch, device)[0], None
+        """The micro-batch's summed loss, and its metric sums (None without metrics)."""
 
-    def before_training(self, spec, net, ds: data.Data, d, log) -> None:
-        """Nothing to compute from the loaded model before the first step."""
+    def before_training(self, spec, net, ds: data.Data, d, log) -> None: ...
 
     def step_metrics(self, sums: list[float]) -> dict[str, float]:
-        return {}
+        """A logged step's metrics, by their declared keys, from its reduced sums."""
 
-    @torch.no_grad()
     def evaluate(self, net, ds: data.Data, d, micro_batch: int) -> tuple[float, dict]:
-        """Mean next-token loss over the whole eval set (all ranks), and no other metric."""
-        net.eval()
-        total = torch.zeros((), dtype=torch.float64, device=d.device)
-        labelled = 0
-        for batch in data.eval_batches(ds, d.rank, d.world_size, micro_batch):
-            part, count = token_loss(net, batch, d.device)
-            total += part
-            labelled += count  # a host count: the loop never waits for the device
-        device = d.device
-        sums = torch.stack(
-            [total, torch.tensor(float(labelled), dtype=torch.float64, device=device)]
-        )
-        dist.all_reduce(sums)
-        net.train()
-        return float(sums[0] / sums[1]), {}
+        """The eval set's mean loss and metrics (by their declared keys), over all ranks."""
 
 
-@contextlib.contextmanager
-def adapters_off(net):
-    """The network without its adapters, for the reference forward.
-
-    Not peft's ``disable_adapter``: it also sets requires_grad off and on again, on whatever
-    parameter objects the modules hold at that moment. Under FSDP2 the root group's (the
-    adapted output head's) are the unsharded ones after the reference forward, so the sharded
-    adapters of the head were left marked frozen: they still trained, but checkpoints, which
-    leave frozen parameters out, lacked them and resuming failed on a missing key (seen with
-    the tiny model; tests/e2e/test_dpo_run.py resumes). Only the flag peft's layers read in
-    their forward is set here.
-    """
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in net.modules() if isinstance(m, BaseTunerLayer)]
-    if not layers:
-        raise TrainerError(
-            "DPO's reference is the network without its adapters, and this one has none",
-            reason=BAD_SPEC,
-            fix="set spec.method.type: lora (or qlora)",
-            where="spec.method.type",
-        )
-    for layer in layers:
-        layer._disable_adapters = True
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer._disable_adapters = False
-
-
-@dataclass(frozen=True)
-class Dpo:
-    """Direct preference optimization against the adapter-free network, or (``stored``, a
-    full fine-tune) against the initial model's stored log-probabilities."""
-
-    beta: float
-    loss_type: str
-    stored: bool = False
-    label_smoothing: float = 0.0
-    metrics: tuple[str, ...] = preference.SUMS
-    unit: str = "preference pairs"
-
-    def collate(self, rows: list[dict], pad_id: int) -> data.Batch:
-        batch = data.collate(pairs.sides(rows).rows(), pad_id)
-        if "reference" not in rows[0]:
-            return batch
-        # Chosen rows then rejected rows, as the sequences are (pairs.Sides).
-        chosen, rejected = zip(*(r["reference"] for r in rows), strict=True)
-        return replace(batch, reference=torch.tensor(chosen + rejected, dtype=torch.float32))
-
-    def policy_logps(self, net, batch: data.Batch, device) -> torch.Tensor:
-        """[2B] response log-probabilities of the batch's rows under ``net`` as it is."""
-        on = batch.to(device)
-        return preference.response_logps(net(**model_inputs(net, on)).logits, on.labels)
-
-    def count(self, batch: data.Batch) -> int:
-        """What the step's loss is a mean over: pairs (half the rows)."""
-        return batch.input_ids.shape[0] // 2
-
-    def pairs(self, net, batch: data.Batch, device) -> preference.Pairs:
-        on = batch.to(device)
-        inputs = model_inputs(net, on)
-        if self.stored:
-            if on.reference is None:
-                raise RuntimeError("a full fine-tune's DPO batch came without its reference")
-            reference = on.reference
-        else:
-            # The reference first, under no_grad: nothing of it waits for the policy's backward.
-            with torch.no_grad(), adapters_off(net):
-                reference = preference.response_logps(net(**inputs).logits, on.labels)
-        policy = preference.response_logps(net(**inputs).logits, on.labels)
-        return preference.dpo(
-            policy,
-            reference,
-            beta=self.beta,
-            loss_type=self.loss_type,
-            tokens=preference.response_tokens(on.labels),
-            label_smoothing=self.label_smoothing,
-        )
-
-    def loss(self, net, batch: data.Batch, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The micro-batch's summed pair losses, and its metric sums (preference.SUMS)."""
-        result = self.pairs(net, batch, device)
-        return result.losses.sum(), result.sums()
-
-    def before_training(self, spec, net, ds: data.Data, d, log) -> None:
-        """A full fine-tune's reference: the loaded model's log-probabilities of every pair,
-        stored on the volume (or reused from it) before any checkpoint is resumed."""
-        if self.stored:
-            reference.attach(spec, net, ds, d, self, log=log)
-
-    def step_metrics(self, sums: list[float]) -> dict[str, float]:
-        """A logged step's rewards, accuracy and margin from its reduced sums (the loss is
-        reported on its own)."""
-        return {k: v for k, v in preference.means(sums).items() if k != "loss"}
-
-    @torch.no_grad()
-    def evaluate(self, net, ds: data.Data, d, micro_batch: int) -> tuple[float, dict]:
-        """DPO's loss, and its rewards, reward accuracy and margin, over the whole eval set
-        (all ranks). Every rank runs the same number of forwards (FSDP needs all of them); a
-        rank short of pairs repeats its first one and counts none of it."""
-        net.eval()
-        n = len(ds.eval)
-        mine = list(range(d.rank, n, d.world_size))
-        total = torch.zeros(len(preference.SUMS), dtype=torch.float64, device=d.device)
-        for b in range(math.ceil(n / d.world_size / micro_batch)):
-            indices = mine[b * micro_batch : (b + 1) * micro_batch]
-            rows = ds.rows(indices or mine[:1] or [0], "eval")
-            result = self.pairs(net, self.collate(rows, ds.pad_id), d.device)
-            if indices:
-                total += result.sums().to(torch.float64)
-        dist.all_reduce(total)
-        net.train()
-        means = preference.means(total.tolist())
-        return means.pop("loss"), means
-
-
-Objective = NextToken | Dpo
+# training.objective -> the trainer's objective, built from the spec.
+OBJECTIVES = {o.declared.name: o.of for o in (NextToken, Dpo)}
 
 
 def of(spec: FineTuneJobSpec) -> Objective:
-    """The job's objective. A full fine-tune's DPO reference is stored log-probabilities
-    (trainer/objectives/reference.py attaches them to the data before training)."""
-    settings = spec.training.dpo_settings()
-    if settings is None:
-        return NextToken()
-    return Dpo(
-        beta=settings.beta,
-        loss_type=settings.loss_type,
-        stored=spec.method.type == "full",
-        label_smoothing=settings.label_smoothing or 0.0,
-    )
+    """The job's objective."""
+    return OBJECTIVES[spec.training.objective](spec)

@@ -24,11 +24,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ftjob.api.objectives import DPO
 from ftjob.trainer.data.tokenize import IGNORE
 
 LOSS_TYPES = ("sigmoid", "ipo")
-# The sums a step adds over micro-batches and ranks, in this order (see Pairs.sums).
-SUMS = ("loss", "chosenReward", "rejectedReward", "correct", "margin", "pairs")
+# The sums a step adds over micro-batches and ranks, in this order (see Pairs.sums): the
+# loss, then each metric api/objectives.py declares for DPO (chosen and rejected rewards,
+# correct pairs, margins), then the pairs; divided by the pairs, they are the metrics.
+SUMS = ("loss", *(m.key for m in DPO.metrics), "pairs")
 
 
 def response_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -69,7 +72,7 @@ class Pairs:
 
     def sums(self) -> torch.Tensor:
         """[SUMS] over this micro-batch's pairs, detached: added over micro-batches and ranks,
-        then divided by the pair count, they give the step's means."""
+        then divided by the pair count, they give the step's means (in SUMS's order)."""
         return torch.stack(
             [
                 self.losses.detach().sum(),
@@ -87,8 +90,7 @@ def means(sums: torch.Tensor | list[float]) -> dict[str, float]:
     margin over all its pairs."""
     values = dict(zip(SUMS, torch.as_tensor(sums).tolist(), strict=True))
     n = max(values.pop("pairs"), 1.0)
-    named = {"correct": "rewardAccuracy", "margin": "rewardMargin"}
-    return {named.get(k, k): v / n for k, v in values.items()}
+    return {k: v / n for k, v in values.items()}
 
 
 def dpo(

@@ -1,6 +1,6 @@
 """A full fine-tune's DPO reference: the initial model's response log-probabilities, once.
 
-With adapters the reference is the same network with them off (trainer/objectives/objective.py). A
+With adapters the reference is the same network with them off (trainer/objectives/dpo.py). A
 full
 fine-tune changes every weight, so the reference is what the model computed *before* training:
 every rank runs its share of the pairs through the sharded network it has just loaded (no

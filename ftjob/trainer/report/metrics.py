@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ftjob.api import objectives
 from ftjob.api.contract import PHASES
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -32,12 +33,7 @@ GAUGES = [
     ("ftjob_eta_seconds", "etaSeconds", "Estimated seconds until training ends."),
     ("ftjob_last_checkpoint_step", "lastCheckpointStep", "Step of the newest checkpoint."),
     ("ftjob_gang_restarts_in_place", "restartsInPlace", "Worker restarts in place of this gang."),
-    # DPO jobs only (training.objective dpo); absent otherwise.
-    ("ftjob_reward_accuracy", "rewardAccuracy", "DPO: share of the last step's pairs right."),
-    ("ftjob_reward_margin", "rewardMargin", "DPO: mean chosen minus rejected reward, last step."),
-    ("ftjob_eval_reward_accuracy", "evalRewardAccuracy", "DPO: reward accuracy on the eval set."),
-    ("ftjob_eval_reward_margin", "evalRewardMargin", "DPO: reward margin on the eval set."),
-]
+]  # then the objectives' own (api/objectives.py), absent from other objectives' jobs
 # From a few milliseconds (a tiny CPU model) to minutes (a 70B step on few GPUs).
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 
@@ -48,7 +44,8 @@ class _Snapshot(Collector):
 
     def collect(self):
         snap = self.snapshot()
-        for name, key, text in GAUGES:
+        own = [(g.name, key, g.help) for g, key in objectives.gauges()]
+        for name, key, text in GAUGES + own:
             if snap.get(key) is not None:
                 yield GaugeMetricFamily(name, text, value=snap[key])
         slow = GaugeMetricFamily(

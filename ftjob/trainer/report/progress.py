@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from ftjob.api import contract
+from ftjob.api import contract, objectives
 from ftjob.api.hardware import GPUS, gpu_for_device_name
 from ftjob.job import atomic
 from ftjob.job.folder import JobFolder
@@ -165,12 +165,12 @@ class Progress:
         ``/progress`` serves it, so a run refused as a second writer, or for a changed spec,
         leaves another run's progress files as they were.
 
-        The numbers the previous run of this job left in progress.json (:data:`KEPT`) seed
+        The numbers the previous run of this job left in progress.json (:func:`kept_keys`) seed
         the snapshot, and this run overwrites them as it reports its own: a rerun that finds
         the job already trained ends with the finished run's step and losses, not step 0."""
         if self.enabled:
             previous = _read_snapshot(JobFolder(self.job_dir).progress)
-            kept = {k: previous[k] for k in KEPT if k in previous}
+            kept = {k: previous[k] for k in kept_keys() if k in previous}
             if not _inside(kept.get("lastCheckpoint"), self.job_dir):
                 # A folder copied or moved here: its numbers are this run's, that path is not.
                 kept.pop("lastCheckpoint", None)
@@ -240,7 +240,7 @@ class Progress:
     def logged(self, step: int, loss: float, tokens: int, flops: float, **metrics) -> None:
         """A log step: the step's loss over all ranks, and the tokens and model FLOPs of all
         ranks since the last log, from which tokens/s, MFU (docs/progress.md) and the ETA;
-        ``metrics``: the objective's own (DPO: rewardAccuracy, rewardMargin, ...)."""
+        ``metrics``: the objective's own (api/objectives.py: DPO's rewardAccuracy, ...)."""
         if not self.enabled:
             return
         t0, step0 = self._window
@@ -263,8 +263,7 @@ class Progress:
         if bar:
             done = int(20 * s["step"] / max(self.total, 1))
             parts.insert(0, "[" + "#" * done + "." * (20 - done) + "]")
-        if s.get("rewardAccuracy") is not None:
-            parts.append(f"acc {s['rewardAccuracy']:.2f}  margin {s['rewardMargin']:.4f}")
+        parts += objectives.labelled(s, "log")
         if s["evalLoss"] is not None:
             parts.append(f"eval {s['evalLoss']:.4f}")
         parts.append(f"lr {s['learningRate']:.2e}")
@@ -283,31 +282,30 @@ class Progress:
         self.log(line)
 
     def evaluated(self, step: int, loss: float, **metrics) -> None:
-        """An evaluation's mean loss; ``metrics``: the objective's own (DPO: rewardAccuracy,
-        rewardMargin, chosenReward, rejectedReward), kept as evalRewardAccuracy, ..."""
+        """An evaluation's mean loss; ``metrics``: the objective's own under their training
+        keys (api/objectives.py), kept as the eval keys (rewardAccuracy -> evalRewardAccuracy)."""
         if not self.enabled:
             return
         named = {"eval" + k[0].upper() + k[1:]: v for k, v in metrics.items()}
         self.update(history="eval", phase="training", evalLoss=loss, evalStep=step, **named)
-        if metrics:
-            self.log(
-                f"eval  step {step}/{self.total}  eval loss {loss:.4f}  reward accuracy "
-                f"{metrics['rewardAccuracy']:.2f}  margin {metrics['rewardMargin']:.4f}"
-            )
-        else:
-            self.log(f"eval  step {step}/{self.total}  eval loss {loss:.4f}  (ppl {_ppl(loss)})")
+        # An objective's own numbers say more than next-token perplexity.
+        own = objectives.labelled(metrics, "eval_log") or [f"(ppl {_ppl(loss)})"]
+        self.log("  ".join([f"eval  step {step}/{self.total}  eval loss {loss:.4f}", *own]))
 
 
 # What a run found out and a rerun keeps until it knows better (docs/progress.md): not its
 # phase, times, port or per-attempt fields (resumedFrom, replacesExport), and not exportPath,
-# which a run sets only once it has succeeded.
+# which a run sets only once it has succeeded. The objectives' metrics are kept too (kept_keys()).
 KEPT = (
     "step", "totalSteps", "epoch", "loss", "evalLoss", "evalStep", "learningRate",
     "tokensPerSecond", "tokensSeen", "mfu", "lastCheckpointStep", "lastCheckpoint",
     "loadPeakRssMiB", "trainPeakRssMiB", "trainPeakGpuMiB",
-    "chosenReward", "rejectedReward", "rewardAccuracy", "rewardMargin", "evalChosenReward",
-    "evalRejectedReward", "evalRewardAccuracy", "evalRewardMargin",
 )  # fmt: skip
+
+
+def kept_keys() -> tuple[str, ...]:
+    """:data:`KEPT` and every objective's metrics, in training and in evaluations."""
+    return (*KEPT, *objectives.keys())
 
 
 def restarts_in_place() -> int:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ftjob import __version__
+from ftjob.api import objectives
 from ftjob.api.schema import to_dict
 from ftjob.api.spec import FineTuneJobSpec, MlflowSpec, WandbSpec
 from ftjob.job import atomic
@@ -47,26 +48,23 @@ TRIES = 3  # attempts per call, 1 s and then 2 s apart
 # written before this wait.)
 CLOSE_WAIT = 60.0
 QUEUE = 10_000  # events waiting per tracker; more are dropped (and said) rather than held
-# The progress snapshot's fields each tracker records, under the names trackers use.
+# The progress snapshot's fields each tracker records, under the names trackers use; then
+# the objectives' own (api/objectives.py, see names()).
 STEP_METRICS = {
     "loss": "train/loss",
     "learningRate": "train/learning_rate",
     "tokensPerSecond": "train/tokens_per_second",
     "mfu": "train/mfu",
     "epoch": "train/epoch",
-    # DPO's (training.objective dpo), named as TRL's DPO trainer reports them.
-    "rewardAccuracy": "train/rewards/accuracies",
-    "rewardMargin": "train/rewards/margins",
-    "chosenReward": "train/rewards/chosen",
-    "rejectedReward": "train/rewards/rejected",
 }
-# An evaluation's: its loss, and DPO's the same as in training (progress keeps them as evalX).
-EVAL_METRICS = {"evalLoss": "eval/loss"} | {
-    "eval" + k[0].upper() + k[1:]: v.replace("train/", "eval/")
-    for k, v in STEP_METRICS.items()
-    if v.startswith("train/rewards/")
-}
+EVAL_METRICS = {"evalLoss": "eval/loss"}  # an evaluation's
 EVAL_METRIC = EVAL_METRICS["evalLoss"]  # the series a resumed MLflow run reads its place from
+
+
+def names(event: str) -> dict[str, str]:
+    """The snapshot's fields a "step" or "eval" event reports, and their trackers' names."""
+    step, evaluation = objectives.trackers()
+    return EVAL_METRICS | evaluation if event == "eval" else STEP_METRICS | step
 
 
 def attach(report, spec: FineTuneJobSpec, name: str, job_dir: Path) -> None:
@@ -106,11 +104,9 @@ def parameters(spec: FineTuneJobSpec) -> dict[str, str]:
 
 def measured(event: str, snap: dict) -> tuple[int, dict[str, float]]:
     """The step and the metrics a "step" or "eval" event reports."""
-    if event == "eval":
-        step, names = snap.get("evalStep") or 0, EVAL_METRICS
-    else:
-        step, names = snap["step"], STEP_METRICS
-    return step, {names[k]: snap[k] for k in names if snap.get(k) is not None}
+    step = (snap.get("evalStep") or 0) if event == "eval" else snap["step"]
+    fields = names(event)
+    return step, {fields[k]: snap[k] for k in fields if snap.get(k) is not None}
 
 
 def reported(job_dir: Path, after: dict[str, int], upto: int) -> list[tuple[str, dict]]:

@@ -25,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ftjob import __version__
+from ftjob.api import objectives
 from ftjob.api.contract import HUB_PUSH_FAILED, TrainerError
 from ftjob.api.schema import to_dict
 from ftjob.api.spec import FineTuneJobSpec
@@ -189,7 +190,7 @@ def model_card(spec: FineTuneJobSpec, recorded: dict[str, Any], snapshot: dict[s
         f"- **Steps:** {steps}",
         f"- **Final train loss:** {_num(snapshot.get('loss'))}",
         f"- **Final eval loss:** {_num(snapshot.get('evalLoss'))}",
-        *_preference_lines(spec, snapshot),
+        *_objective_lines(spec, snapshot),
         "",
         "## Hyper-parameters",
         "",
@@ -211,22 +212,16 @@ def _objective_tags(spec: FineTuneJobSpec) -> list[str]:
     return ["dpo"] if spec.training.dpo_settings() else []
 
 
-def _preference_lines(spec: FineTuneJobSpec, snapshot: dict[str, Any]) -> list[str]:
-    """DPO's own outcome: how often the trained model prefers the chosen response of a
-    held-out pair (of a training pair without an evaluation), and by how much."""
-    if not spec.training.dpo_settings():
-        return []
-    if snapshot.get("evalRewardAccuracy") is not None:
-        split, acc, margin = (
-            "eval",
-            snapshot["evalRewardAccuracy"],
-            snapshot.get("evalRewardMargin"),
-        )
-    else:
-        split, acc, margin = "train", snapshot.get("rewardAccuracy"), snapshot.get("rewardMargin")
+def _objective_lines(spec: FineTuneJobSpec, snapshot: dict[str, Any]) -> list[str]:
+    """The objective's own outcome (api/objectives.py; DPO: how often the trained model
+    prefers the chosen response, and by how much): on the held-out data, or without an
+    evaluation on the last logged step's."""
+    card = [m for m in objectives.OBJECTIVES[spec.training.objective].metrics if m.card]
+    held_out = any(snapshot.get(m.eval_key) is not None for m in card)
+    split = "eval" if held_out else "train"
     return [
-        f"- **Final {split} reward accuracy:** {_num(acc)}",
-        f"- **Final {split} reward margin:** {_num(margin)}",
+        f"- **Final {split} {m.card}:** {_num(snapshot.get(m.eval_key if held_out else m.key))}"
+        for m in card
     ]
 
 

@@ -1,0 +1,161 @@
+"""What each training objective reports, declared once: its metrics and where each one shows.
+
+The trainer computes them (trainer/objectives/), and everything else only reads these
+declarations: the log lines and progress.json (trainer/report/progress.py), Prometheus
+(report/metrics.py), the experiment trackers (report/trackers.py), the model card
+(state/push.py), ``ftjob run``'s bar (cli/screen.py), status.progress (operator/status.py, and
+its schema in api/status.py) and the CRD's printer columns (api/crd.py). This module is pure
+(no torch) because the API layer needs it.
+
+An objective's evaluation reports the same metrics over the eval set, kept in progress under
+``eval`` + the key (rewardAccuracy -> evalRewardAccuracy). A new objective is its declaration
+here with one line in :data:`OBJECTIVES`, and its trainer module with one line in
+trainer/objectives/objective.py's table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Gauge:
+    """A Prometheus gauge read from the progress snapshot."""
+
+    name: str
+    help: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Metric:
+    """One number an objective reports each logged step and each evaluation; None where it
+    does not show."""
+
+    key: str  # in progress.json during training
+    fmt: str  # how log lines and the screen print it
+    tracker: str  # the trackers' name during training (TRL's where TRL has one)
+    log: str | None = None  # its label in the log line of a step
+    eval_log: str | None = None  # in the log line of an evaluation
+    screen: str | None = None  # on ``ftjob run``'s bar
+    card: str | None = None  # in the model card: "Final eval <card>"
+    gauge: Gauge | None = None
+    eval_gauge: Gauge | None = None
+    status: str | None = None  # the description of status.progress.<key>, which it is in
+    eval_status: str | None = None  # and of status.progress.<eval key>
+    column: str | None = None  # a printer column of status.progress.<key> (kubectl get -o wide)
+
+    def __post_init__(self):
+        if self.column and not self.status:
+            raise ValueError(f"{self.key}: a printer column shows a status field")
+
+    @property
+    def eval_key(self) -> str:
+        return "eval" + self.key[0].upper() + self.key[1:]
+
+    @property
+    def eval_tracker(self) -> str:
+        return "eval/" + self.tracker.removeprefix("train/")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A value of training.objective, and what it reports beside the loss."""
+
+    name: str
+    metrics: tuple[Metric, ...] = ()
+
+
+SFT = Objective("sft")
+
+# Named as TRL's DPO trainer reports them to trackers; in the order of trainer/objectives/
+# preference.py's sums.
+DPO = Objective(
+    "dpo",
+    (
+        Metric(key="chosenReward", fmt=".4f", tracker="train/rewards/chosen"),
+        Metric(key="rejectedReward", fmt=".4f", tracker="train/rewards/rejected"),
+        Metric(
+            key="rewardAccuracy",
+            fmt=".2f",
+            tracker="train/rewards/accuracies",
+            log="acc",
+            eval_log="reward accuracy",
+            screen="reward acc",
+            card="reward accuracy",
+            gauge=Gauge("ftjob_reward_accuracy", "DPO: share of the last step's pairs right."),
+            eval_gauge=Gauge("ftjob_eval_reward_accuracy", "DPO: reward accuracy on the eval set."),
+            status="rewardAccuracy (DPO jobs): share of the latest logged step's pairs whose "
+            "chosen response got the higher reward (0-1).",
+            eval_status="evalRewardAccuracy (DPO jobs): reward accuracy on the eval pairs at "
+            "the latest evaluation.",
+            column="Reward-Acc",
+        ),
+        Metric(
+            key="rewardMargin",
+            fmt=".4f",
+            tracker="train/rewards/margins",
+            log="margin",
+            eval_log="margin",
+            card="reward margin",
+            gauge=Gauge(
+                "ftjob_reward_margin", "DPO: mean chosen minus rejected reward, last step."
+            ),
+            eval_gauge=Gauge("ftjob_eval_reward_margin", "DPO: reward margin on the eval set."),
+            status="rewardMargin (DPO jobs): mean chosen minus rejected reward of the latest "
+            "logged step.",
+        ),
+    ),
+)
+
+# training.objective -> its declaration: the one table every reader goes through.
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (SFT, DPO)}
+
+
+def metrics() -> list[Metric]:
+    """Every objective's metrics, each once (a job reports only its own objective's; the
+    others are absent from its snapshot, and readers leave absent values out)."""
+    out: dict[str, Metric] = {}
+    for objective in OBJECTIVES.values():
+        for m in objective.metrics:
+            if out.setdefault(m.key, m) != m:
+                raise ValueError(f"{m.key}: two objectives declare it differently")
+    return list(out.values())
+
+
+def keys() -> list[str]:
+    """Every metric's progress keys: those of training, then those of evaluations."""
+    every = metrics()
+    return [m.key for m in every] + [m.eval_key for m in every]
+
+
+def gauges() -> list[tuple[Gauge, str]]:
+    """Each Prometheus gauge and the progress key it reads: training's, then evaluations'."""
+    every = metrics()
+    return [(m.gauge, m.key) for m in every if m.gauge] + [
+        (m.eval_gauge, m.eval_key) for m in every if m.eval_gauge
+    ]
+
+
+def trackers() -> tuple[dict[str, str], dict[str, str]]:
+    """The trackers' names of the progress keys: a step's, an evaluation's."""
+    every = metrics()
+    return {m.key: m.tracker for m in every}, {m.eval_key: m.eval_tracker for m in every}
+
+
+def status() -> dict[str, str]:
+    """The progress keys status.progress reports, and their descriptions."""
+    every = metrics()
+    return {m.key: m.status for m in every if m.status} | {
+        m.eval_key: m.eval_status for m in every if m.eval_status
+    }
+
+
+def labelled(values: dict, where: str) -> list[str]:
+    """A line's pieces: each metric with a label for ``where`` (a :class:`Metric` field:
+    "log", "eval_log" or "screen") that ``values`` holds under its training key."""
+    out = []
+    for m in metrics():
+        label = getattr(m, where)
+        if label and values.get(m.key) is not None:
+            out.append(f"{label} {values[m.key]:{m.fmt}}")
+    return out

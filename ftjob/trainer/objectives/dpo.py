@@ -1,0 +1,158 @@
+"""Direct preference optimization (training.objective dpo).
+
+A micro-batch is whole preference pairs, chosen and rejected rows in one forward
+(trainer/data/pairs.py); the loss is trainer/objectives/preference.py's, the mean over the
+step's pairs, and its metrics are the ones api/objectives.py declares for DPO. The reference
+(LoRA and QLoRA) is the same network with its adapters disabled (:func:`adapters_off`); a full
+fine-tune's is the initial model's log-probabilities, computed once before training and stored
+with the data (trainer/objectives/reference.py), which each batch carries. No second model in
+memory either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ftjob.api import objectives
+from ftjob.api.contract import BAD_SPEC, TrainerError
+from ftjob.api.spec import FineTuneJobSpec
+from ftjob.trainer.data import batches as data
+from ftjob.trainer.data import pairs
+from ftjob.trainer.objectives import preference, reference
+from ftjob.trainer.objectives.loss import model_inputs
+
+
+@contextlib.contextmanager
+def adapters_off(net):
+    """The network without its adapters, for the reference forward.
+
+    Not peft's ``disable_adapter``: it also sets requires_grad off and on again, on whatever
+    parameter objects the modules hold at that moment. Under FSDP2 the root group's (the
+    adapted output head's) are the unsharded ones after the reference forward, so the sharded
+    adapters of the head were left marked frozen: they still trained, but checkpoints, which
+    leave frozen parameters out, lacked them and resuming failed on a missing key (seen with
+    the tiny model; tests/e2e/test_dpo_run.py resumes). Only the flag peft's layers read in
+    their forward is set here.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in net.modules() if isinstance(m, BaseTunerLayer)]
+    if not layers:
+        raise TrainerError(
+            "DPO's reference is the network without its adapters, and this one has none",
+            reason=BAD_SPEC,
+            fix="set spec.method.type: lora (or qlora)",
+            where="spec.method.type",
+        )
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False
+
+
+@dataclass(frozen=True)
+class Dpo:
+    """Direct preference optimization against the adapter-free network, or (``stored``, a
+    full fine-tune) against the initial model's stored log-probabilities."""
+
+    beta: float
+    loss_type: str
+    stored: bool = False
+    label_smoothing: float = 0.0
+    unit: str = "preference pairs"
+    declared: ClassVar[objectives.Objective] = objectives.DPO
+
+    @classmethod
+    def of(cls, spec: FineTuneJobSpec) -> Dpo:
+        """A full fine-tune's reference is stored log-probabilities (trainer/objectives/
+        reference.py attaches them to the data before training)."""
+        settings = spec.training.dpo_settings()
+        return cls(
+            beta=settings.beta,
+            loss_type=settings.loss_type,
+            stored=spec.method.type == "full",
+            label_smoothing=settings.label_smoothing or 0.0,
+        )
+
+    def collate(self, rows: list[dict], pad_id: int) -> data.Batch:
+        batch = data.collate(pairs.sides(rows).rows(), pad_id)
+        if "reference" not in rows[0]:
+            return batch
+        # Chosen rows then rejected rows, as the sequences are (pairs.Sides).
+        chosen, rejected = zip(*(r["reference"] for r in rows), strict=True)
+        return replace(batch, reference=torch.tensor(chosen + rejected, dtype=torch.float32))
+
+    def policy_logps(self, net, batch: data.Batch, device) -> torch.Tensor:
+        """[2B] response log-probabilities of the batch's rows under ``net`` as it is."""
+        on = batch.to(device)
+        return preference.response_logps(net(**model_inputs(net, on)).logits, on.labels)
+
+    def count(self, batch: data.Batch) -> int:
+        """What the step's loss is a mean over: pairs (half the rows)."""
+        return batch.input_ids.shape[0] // 2
+
+    def pairs(self, net, batch: data.Batch, device) -> preference.Pairs:
+        on = batch.to(device)
+        inputs = model_inputs(net, on)
+        if self.stored:
+            if on.reference is None:
+                raise RuntimeError("a full fine-tune's DPO batch came without its reference")
+            reference = on.reference
+        else:
+            # The reference first, under no_grad: nothing of it waits for the policy's backward.
+            with torch.no_grad(), adapters_off(net):
+                reference = preference.response_logps(net(**inputs).logits, on.labels)
+        policy = preference.response_logps(net(**inputs).logits, on.labels)
+        return preference.dpo(
+            policy,
+            reference,
+            beta=self.beta,
+            loss_type=self.loss_type,
+            tokens=preference.response_tokens(on.labels),
+            label_smoothing=self.label_smoothing,
+        )
+
+    def loss(self, net, batch: data.Batch, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch's summed pair losses, and its metric sums (preference.SUMS)."""
+        result = self.pairs(net, batch, device)
+        return result.losses.sum(), result.sums()
+
+    def before_training(self, spec, net, ds: data.Data, d, log) -> None:
+        """A full fine-tune's reference: the loaded model's log-probabilities of every pair,
+        stored on the volume (or reused from it) before any checkpoint is resumed."""
+        if self.stored:
+            reference.attach(spec, net, ds, d, self, log=log)
+
+    def step_metrics(self, sums: list[float]) -> dict[str, float]:
+        """A logged step's rewards, accuracy and margin from its reduced sums (the loss is
+        reported on its own)."""
+        return {k: v for k, v in preference.means(sums).items() if k != "loss"}
+
+    @torch.no_grad()
+    def evaluate(self, net, ds: data.Data, d, micro_batch: int) -> tuple[float, dict]:
+        """DPO's loss, and its rewards, reward accuracy and margin, over the whole eval set
+        (all ranks). Every rank runs the same number of forwards (FSDP needs all of them); a
+        rank short of pairs repeats its first one and counts none of it."""
+        net.eval()
+        n = len(ds.eval)
+        mine = list(range(d.rank, n, d.world_size))
+        total = torch.zeros(len(preference.SUMS), dtype=torch.float64, device=d.device)
+        for b in range(math.ceil(n / d.world_size / micro_batch)):
+            indices = mine[b * micro_batch : (b + 1) * micro_batch]
+            rows = ds.rows(indices or mine[:1] or [0], "eval")
+            result = self.pairs(net, self.collate(rows, ds.pad_id), d.device)
+            if indices:
+                total += result.sums().to(torch.float64)
+        dist.all_reduce(total)
+        net.train()
+        means = preference.means(total.tolist())
+        return means.pop("loss"), means

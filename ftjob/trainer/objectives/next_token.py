@@ -1,0 +1,62 @@
+"""Next-token training (training.objective sft): the summed next-token loss over the labelled
+tokens, and no metric beside it (api/objectives.py declares none)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ftjob.api import objectives
+from ftjob.api.spec import FineTuneJobSpec
+from ftjob.trainer.data import batches as data
+from ftjob.trainer.objectives.loss import token_loss
+
+
+@dataclass(frozen=True)
+class NextToken:
+    """Next-token loss (SFT)."""
+
+    declared: ClassVar[objectives.Objective] = objectives.SFT
+    unit: str = "sequences"  # what a data set holds, in the log
+
+    @classmethod
+    def of(cls, spec: FineTuneJobSpec) -> NextToken:
+        return cls()
+
+    def collate(self, rows: list[dict], pad_id: int) -> data.Batch:
+        return data.collate(rows, pad_id)
+
+    def count(self, batch: data.Batch) -> int:
+        """What the step's loss is a mean over: labelled tokens (a host number)."""
+        return batch.labelled
+
+    def loss(self, net, batch: data.Batch, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The micro-batch's summed loss, and no metric sums."""
+        return token_loss(net, batch, device)[0], None
+
+    def before_training(self, spec, net, ds: data.Data, d, log) -> None:
+        """Nothing to compute from the loaded model before the first step."""
+
+    def step_metrics(self, sums: list[float]) -> dict[str, float]:
+        return {}
+
+    @torch.no_grad()
+    def evaluate(self, net, ds: data.Data, d, micro_batch: int) -> tuple[float, dict]:
+        """Mean next-token loss over the whole eval set (all ranks), and no other metric."""
+        net.eval()
+        total = torch.zeros((), dtype=torch.float64, device=d.device)
+        labelled = 0
+        for batch in data.eval_batches(ds, d.rank, d.world_size, micro_batch):
+            part, count = token_loss(net, batch, d.device)
+            total += part
+            labelled += count  # a host count: the loop never waits for the device
+        device = d.device
+        sums = torch.stack(
+            [total, torch.tensor(float(labelled), dtype=torch.float64, device=device)]
+        )
+        dist.all_reduce(sums)
+        net.train()
+        return float(sums[0] / sums[1]), {}
