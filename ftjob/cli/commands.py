@@ -21,8 +21,9 @@ from ftjob.api import crd, manifest
 from ftjob.api.schema import to_dict
 from ftjob.api.spec import API_VERSION, KIND
 from ftjob.cli import output, validate
-from ftjob.plan import estimate as plan
 from ftjob.plan import modelshape
+from ftjob.plan.describe import describe
+from ftjob.plan.options import plan
 
 EXIT_INVALID, EXIT_USAGE = 1, 2
 
@@ -131,14 +132,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
             shape = verdict.shape or modelshape.shape_for(spec.model.source, None)
         except ValueError as e:
             raise InvalidJob([f"{path}: {e}"]) from None
-        result = plan.plan(spec, shape)
+        result = plan(spec, shape)
         if result.fits is False:
             worst = EXIT_INVALID
         if args.output:
             results.append(output.plan_result(path, verdict.name, spec, result))
             continue
         print(f"{path}: {KIND} {verdict.name}")
-        for line in plan.describe(spec, result, Path(path).resolve().parent):
+        for line in describe(spec, result, Path(path).resolve().parent):
             print(f"  {line}")
     if args.output:
         print(output.dumps(output.plan_list(results), args.output), end="")

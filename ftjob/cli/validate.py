@@ -33,7 +33,7 @@ from ftjob.api.schema import SpecError
 from ftjob.api.spec import FineTuneJobSpec, parse_resource, validate_update
 from ftjob.job import inputs
 from ftjob.operator.admit import parse_job
-from ftjob.plan import estimate as plan
+from ftjob.plan.estimate import estimate
 from ftjob.plan.modelshape import ModelShape, shape_for
 
 
@@ -86,7 +86,7 @@ def check(
         ]
         verdict.shape = _model_shape(verdict.spec, root)
         if verdict.shape is not None:
-            problem = plan.estimate(verdict.spec, verdict.shape).problem
+            problem = estimate(verdict.spec, verdict.shape).problem
             if problem:
                 raise SpecError([problem])
     except SpecError as e:

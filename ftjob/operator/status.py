@@ -26,7 +26,7 @@ from typing import Any
 from ftjob.api import contract
 from ftjob.operator.render import CONTAINER, LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK
 
-# One condition per phase-like state, always present, plus Planned (ftjob.plan.estimate's verdict).
+# One condition per phase-like state, always present, plus Planned (ftjob.plan.describe's verdict).
 PHASE_CONDITIONS = ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 CONDITION_TYPES = ("Planned", *PHASE_CONDITIONS)
 MESSAGE_LIMIT = 1500  # of the termination message kept in status (the schema allows 4096)

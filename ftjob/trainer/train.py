@@ -29,7 +29,7 @@ from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import folder as jobfolder
 from ftjob.job.folder import JobFolder
 from ftjob.job.lease import LEASE_SECONDS, Lease
-from ftjob.plan import estimate as plan
+from ftjob.plan.estimate import stride_name
 from ftjob.plan.modelshape import model_flops
 from ftjob.trainer import step
 from ftjob.trainer.data import batches as data
@@ -242,7 +242,7 @@ class Run:
     load_seconds: float  # how long this rank took to read them
 
     def speed_note(self) -> str:
-        setting = plan.stride_name(self.speed.checkpoint_every)
+        setting = stride_name(self.speed.checkpoint_every)
         compiled = ", layers compiled" if self.speed.compile else ""
         return f"; activation checkpointing {setting}{compiled}"
 
