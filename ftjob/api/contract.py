@@ -77,7 +77,7 @@ EXPORT_FAILED = "ExportFailed"
 # The upload to the Hub (output.push) failed; the export stays, and a rerun only pushes.
 HUB_PUSH_FAILED = "HubPushFailed"
 OWNED_ELSEWHERE = "JobFolderBusy"  # another run owns the job folder
-# The preflight's verdicts (ftjob.trainer.gang.preflight), before any weight is read:
+# The preflight's findings (ftjob.trainer.gang.preflight), before any weight is read:
 NODE_UNHEALTHY = "NodeUnhealthy"  # a GPU of this node is slow, short of memory or broken
 FABRIC_MISCONFIGURED = "FabricMisconfigured"  # the gang's all-reduce is far below the fabric's
 VOLUME_UNUSABLE = "VolumeUnusable"  # the job's volume cannot be written and read back

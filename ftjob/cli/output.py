@@ -35,14 +35,14 @@ def errors(lines: list[str]) -> list[dict]:
     return out
 
 
-def validation_result(path: str, verdict: validate.Verdict) -> dict:
+def validation_result(path: str, checked: validate.CheckedJob) -> dict:
     return {
         "file": path,
-        "name": verdict.name,
-        "valid": verdict.ok,
-        "summary": validate.summary(verdict.spec) if verdict.ok else None,
-        "errors": errors(verdict.errors),
-        "serverErrors": errors(verdict.server_errors),
+        "name": checked.name,
+        "valid": checked.ok,
+        "summary": validate.summary(checked.spec) if checked.ok else None,
+        "errors": errors(checked.errors),
+        "serverErrors": errors(checked.server_errors),
     }
 
 

@@ -294,7 +294,7 @@ def _from_container(term: dict, rec: dict) -> tuple[str, str, str, str | None]:
     termination record ``rec`` ({} if none); only without one (killed, segfault) from the
     log tail, noted so."""
     text = term.get("message") or ""
-    if term.get("reason") == "OOMKilled":  # the kernel's verdict, whatever was written before
+    if term.get("reason") == "OOMKilled":  # the kernel's word, whatever was written before
         return "OOMKilled", _record_detail(rec) if rec else "", "", None
     if rec and rec.get("outcome") == "failed" and rec.get("reason") in ADVICE:
         return rec["reason"], _record_detail(rec), "", rec.get("fix")
