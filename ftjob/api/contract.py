@@ -28,7 +28,9 @@ from typing import Any
 # export would overwrite it). A new entry is added here and nowhere else.
 CHECKPOINTS = "checkpoints"
 DATA = "data"
-HUB = "hub"  # model and dataset downloads, fetched once
+# Model and dataset downloads (the Hugging Face cache, HF_HOME), fetched once. The folder keeps
+# the name "hub": job folders already on users' volumes hold their downloads there.
+DOWNLOADS = "hub"
 LOGS = "logs"
 TMP = "tmp"
 TENSORBOARD = "tensorboard"
@@ -40,7 +42,7 @@ PROGRESS = "progress.json"
 HISTORY = "progress.jsonl"  # one line per logged step
 TRACKING = "tracking.json"  # the trackers' run ids
 PUSHED = "pushed.json"  # what output.push uploaded
-FOLDER_DIRS = (CHECKPOINTS, DATA, HUB, LOGS, TMP, TENSORBOARD, WANDB)
+FOLDER_DIRS = (CHECKPOINTS, DATA, DOWNLOADS, LOGS, TMP, TENSORBOARD, WANDB)
 FOLDER_FILES = (RECORD, OWNER, SOURCES, PROGRESS, HISTORY, TRACKING, PUSHED)
 
 # Phases in the order a run passes through them; "failed" can follow any of them.
@@ -62,7 +64,7 @@ STARTUP_PHASES = ("starting", "downloading", "preparing-data", "loading")
 
 # Failure reasons a trainer can name (one CamelCase word, as Kubernetes condition reasons).
 BAD_DATA = "BadData"
-BAD_MODEL = "BadModel"  # the model source cannot be read (missing folder, bad config, hub 404)
+BAD_MODEL = "BadModel"  # the model source cannot be read (missing folder, bad config, Hub 404)
 BAD_SPEC = "BadSpec"  # the job document itself is invalid
 CUDA_OOM = "CudaOOM"
 HOST_OOM = "HostOOM"
