@@ -1,4 +1,4 @@
-"""PURE: what the operator observed -> the pieces of a FineTuneJob's status.
+"""PURE: what the operator observed -> the values it writes into a FineTuneJob's status.
 
 Pods and the progress snapshot go in as the plain dicts the API server and the trainer
 return (pods whole, or as the slim :func:`observed_pod` views the operator keeps); what
