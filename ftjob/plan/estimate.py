@@ -223,6 +223,8 @@ def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
 def estimate_at(
     spec: FineTuneJobSpec, shape: ModelShape, stride: int, device_bytes: int | None
 ) -> Estimate:
+    """The estimate at a given checkpoint stride on a GPU of ``device_bytes`` (None: CPU or an
+    unknown GPU); :func:`estimate` resolves both from the spec."""
     r, t, method = spec.resources, spec.training, spec.method.type
     on_gpu = r.gpus_per_node > 0
     act_bytes = 2 if spec.compute_precision() == "bf16" else FP32

@@ -25,6 +25,8 @@ from ftjob.plan.modelshape import ModelShape
 
 @dataclass
 class Option:
+    """One change that fits: its label, the changed spec and that spec's estimate."""
+
     change: str
     spec: FineTuneJobSpec
     estimate: Estimate
@@ -32,6 +34,8 @@ class Option:
 
 @dataclass
 class Plan:
+    """A job's estimate and, when it does not fit, the options that would."""
+
     shape: ModelShape
     estimate: Estimate
     options: list[Option]
