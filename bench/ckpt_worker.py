@@ -153,7 +153,7 @@ def main() -> None:
         # What integrity adds: each rank's checksums at commit (part of "sharded" above; its
         # files are still in the page cache) and the verification before a resume.
         mine = integrity.share([p.name for p in found.iterdir()], rank, dist.get_world_size())
-        r["checksums"].append(timed(partial(integrity.describe, found, mine)))
+        r["checksums"].append(timed(partial(integrity.checksums, found, mine)))
         r["verify"].append(timed(partial(checkpoint.choose, out / "sync", rank, 2)))
         r["resume"].append(timed(partial(sync.load, found, model, optimizer, scheduler)))
         dist.barrier()

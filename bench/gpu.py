@@ -226,7 +226,7 @@ def memory(work: Path, s: Setup) -> dict:
     memory per rank against `ftjob plan`'s estimate (less its fixed CUDA/NCCL reserve, which
     the allocator does not count), and the QLoRA loss curve next to LoRA's."""
     from ftjob.api.spec import parse_spec
-    from ftjob.plan import estimate as plan
+    from ftjob.plan.estimate import estimate
     from ftjob.plan.modelshape import ModelShape
 
     model, chat = model_folder(s, work), data(work, s)
@@ -242,7 +242,7 @@ def memory(work: Path, s: Setup) -> dict:
             method += " + cpuOffload"
         ours = common.ftjob_run(doc, work, timeout=1800)
         measured = max(ours.progress.get("trainPeakGpuMiB") or [0])
-        e = plan.estimate(parse_spec(doc["spec"]), shape)
+        e = estimate(parse_spec(doc["spec"]), shape)
         planned = (e.per_device - e.reserved) / 2**20
         cases.append({"method": method, "peakGpuMiB": ours.progress.get("trainPeakGpuMiB"),
                       "plannedMiB": planned, "losses": ours.losses()})  # fmt: skip

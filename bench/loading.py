@@ -195,11 +195,11 @@ def plan_row(c: dict, label: str) -> dict:
     """`ftjob plan`'s loading per process against the measured one: the process before loading
     (the plan's baseline) plus its anonymous growth (the weight files' pages are page cache)."""
     from ftjob.api.spec import parse_spec
-    from ftjob.plan import estimate as plan
+    from ftjob.plan.estimate import estimate
     from ftjob.plan.modelshape import ModelShape
 
     shape = ModelShape.from_config(config(c["size"]))
-    planned = plan.estimate(parse_spec(c["spec"]), shape).load_cpu_per_node / 2 / MIB
+    planned = estimate(parse_spec(c["spec"]), shape).load_cpu_per_node / 2 / MIB
     measured = max(
         (r["before"]["RssAnon"] + r["before"]["RssFile"] + _growth(c["parallel"], r["rank"])) / MIB
         for r in c["parallel"]["cold"]["ranks"]

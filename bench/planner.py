@@ -20,7 +20,7 @@ from pathlib import Path
 from bench import common
 from bench.report import row
 from ftjob.api.spec import parse_resource
-from ftjob.plan import estimate as plan
+from ftjob.plan.estimate import Estimate, estimate
 from ftjob.plan.modelshape import ModelShape
 
 MIB = 2**20
@@ -34,13 +34,13 @@ def small_job(size: str, work: Path, method: str = "full") -> dict:
                       method=method)  # fmt: skip
 
 
-def estimate(doc: dict) -> plan.Estimate:
+def estimate_of(doc: dict) -> Estimate:
     _, spec = parse_resource(doc)
     config = json.loads((Path(doc["spec"]["model"]["source"]) / "config.json").read_text())
-    return plan.estimate(spec, ModelShape.from_config(config))
+    return estimate(spec, ModelShape.from_config(config))
 
 
-def variable(e: plan.Estimate) -> float:
+def variable(e: Estimate) -> float:
     return e.per_device - e.reserved
 
 
@@ -50,7 +50,7 @@ def rank1_peak(doc: dict, work: Path, env: dict | None) -> float:
 
 def measure(size: str, method: str, work: Path) -> dict:
     doc, base_doc = small_job(size, work, method), small_job("tiny", work, method)
-    e, base_e = estimate(doc), estimate(base_doc)
+    e, base_e = estimate_of(doc), estimate_of(base_doc)
     total = e.per_device / MIB
     growth = (variable(e) - variable(base_e)) / MIB
     case = {"model": size, "method": method, "params": e.params, "estimateTotalMiB": total,

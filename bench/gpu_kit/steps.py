@@ -88,11 +88,11 @@ def planned_mib(doc: dict, model: Path) -> float:
     """`ftjob plan`'s per-device estimate less its fixed CUDA/NCCL reserve (which
     torch.cuda.max_memory_allocated does not count)."""
     from ftjob.api.spec import parse_spec
-    from ftjob.plan import estimate as plan
+    from ftjob.plan.estimate import estimate
     from ftjob.plan.modelshape import ModelShape
 
     shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
-    e = plan.estimate(parse_spec(doc["spec"]), shape)
+    e = estimate(parse_spec(doc["spec"]), shape)
     return (e.per_device - e.reserved) / 2**20
 
 

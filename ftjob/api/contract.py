@@ -28,7 +28,9 @@ from typing import Any
 # export would overwrite it). A new entry is added here and nowhere else.
 CHECKPOINTS = "checkpoints"
 DATA = "data"
-HUB = "hub"  # model and dataset downloads, fetched once
+# Model and dataset downloads (the Hugging Face cache, HF_HOME), fetched once. The folder keeps
+# the name "hub": job folders already on users' volumes hold their downloads there.
+DOWNLOADS = "hub"
 LOGS = "logs"
 TMP = "tmp"
 TENSORBOARD = "tensorboard"
@@ -40,7 +42,7 @@ PROGRESS = "progress.json"
 HISTORY = "progress.jsonl"  # one line per logged step
 TRACKING = "tracking.json"  # the trackers' run ids
 PUSHED = "pushed.json"  # what output.push uploaded
-FOLDER_DIRS = (CHECKPOINTS, DATA, HUB, LOGS, TMP, TENSORBOARD, WANDB)
+FOLDER_DIRS = (CHECKPOINTS, DATA, DOWNLOADS, LOGS, TMP, TENSORBOARD, WANDB)
 FOLDER_FILES = (RECORD, OWNER, SOURCES, PROGRESS, HISTORY, TRACKING, PUSHED)
 
 # Phases in the order a run passes through them; "failed" can follow any of them.
@@ -62,7 +64,7 @@ STARTUP_PHASES = ("starting", "downloading", "preparing-data", "loading")
 
 # Failure reasons a trainer can name (one CamelCase word, as Kubernetes condition reasons).
 BAD_DATA = "BadData"
-BAD_MODEL = "BadModel"  # the model source cannot be read (missing folder, bad config, hub 404)
+BAD_MODEL = "BadModel"  # the model source cannot be read (missing folder, bad config, Hub 404)
 BAD_SPEC = "BadSpec"  # the job document itself is invalid
 CUDA_OOM = "CudaOOM"
 HOST_OOM = "HostOOM"
@@ -77,7 +79,7 @@ EXPORT_FAILED = "ExportFailed"
 # The upload to the Hub (output.push) failed; the export stays, and a rerun only pushes.
 HUB_PUSH_FAILED = "HubPushFailed"
 OWNED_ELSEWHERE = "JobFolderBusy"  # another run owns the job folder
-# The preflight's verdicts (ftjob.trainer.gang.preflight), before any weight is read:
+# The preflight's findings (ftjob.trainer.gang.preflight), before any weight is read:
 NODE_UNHEALTHY = "NodeUnhealthy"  # a GPU of this node is slow, short of memory or broken
 FABRIC_MISCONFIGURED = "FabricMisconfigured"  # the gang's all-reduce is far below the fabric's
 VOLUME_UNUSABLE = "VolumeUnusable"  # the job's volume cannot be written and read back

@@ -453,7 +453,7 @@ def parse(cls: type, data: Any, path: str = "spec") -> Any:
     """Parse ``data`` into ``cls``; raise :class:`SpecError` listing every problem.
 
     Field errors and cross-field rules are reported together: a rule is left out only when
-    a field it reads is itself wrong, or sits beside a misspelt key (the rule's verdict would
+    a field it reads is itself wrong, or sits beside a misspelt key (the rule's message would
     be noise: ``maxStep: 10`` should not also say that neither maxSteps nor epochs is set).
     """
     errors: list[FieldError] = []

@@ -1,7 +1,7 @@
 """The ftjob command line.
 
 ftjob run examples/tiny.yaml        # fine-tune on this machine (2 CPU processes here)
-ftjob validate examples/*.yaml      # the verdict kubectl apply would get, offline
+ftjob validate examples/*.yaml      # the answer kubectl apply would get, offline
 ftjob validate -o json examples/*.yaml     # ... as one JSON document, for CI (docs/cli.md)
 ftjob plan examples/*.yaml          # will it fit? memory, time, traffic
 ftjob render examples/tiny.yaml     # what would be created for the job
@@ -21,8 +21,9 @@ from ftjob.api import crd, manifest
 from ftjob.api.schema import to_dict
 from ftjob.api.spec import API_VERSION, KIND
 from ftjob.cli import output, validate
-from ftjob.plan import estimate as plan
 from ftjob.plan import modelshape
+from ftjob.plan.describe import describe
+from ftjob.plan.options import plan
 
 EXIT_INVALID, EXIT_USAGE = 1, 2
 
@@ -43,15 +44,15 @@ def _jobs(path: str) -> list[dict]:
     return jobs
 
 
-def _valid_jobs(path: str, local: bool = False) -> list[validate.Verdict]:
-    """The verdicts of the jobs in ``path``; :class:`InvalidJob` if any is refused.
+def _valid_jobs(path: str, local: bool = False) -> list[validate.CheckedJob]:
+    """The jobs in ``path``, checked; :class:`InvalidJob` if any is refused.
 
     ``local``: the model and data must be beside the job file (plan reads them)."""
-    verdicts = [validate.check(doc, job_file=path, local=local) for doc in _jobs(path)]
-    for verdict in verdicts:
-        if not verdict.ok:
-            raise InvalidJob([f"{path}: {x}" for x in verdict.errors or verdict.server_errors])
-    return verdicts
+    jobs = [validate.check(doc, job_file=path, local=local) for doc in _jobs(path)]
+    for job in jobs:
+        if not job.ok:
+            raise InvalidJob([f"{path}: {x}" for x in job.errors or job.server_errors])
+    return jobs
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -61,29 +62,29 @@ def cmd_validate(args: argparse.Namespace) -> int:
     results = []
     for path in args.files:
         for doc in _jobs(path):
-            verdict = validate.check(doc, old, job_file=path)
-            results.append(output.validation_result(path, verdict))
+            checked = validate.check(doc, old, job_file=path)
+            results.append(output.validation_result(path, checked))
             if not args.output:
-                _print_verdict(path, verdict)
+                _print_checked(path, checked)
     if args.output:
         print(output.dumps(output.validation_list(results), args.output), end="")
     return 0 if all(r["valid"] for r in results) else EXIT_INVALID
 
 
-def _print_verdict(path: str, verdict: validate.Verdict) -> None:
-    label = f"{path}: {KIND} {verdict.name or '(unnamed)'}"
-    if verdict.ok:
-        print(f"{label}: valid -- {validate.summary(verdict.spec)}")
-        for note in verdict.notes:
+def _print_checked(path: str, checked: validate.CheckedJob) -> None:
+    label = f"{path}: {KIND} {checked.name or '(unnamed)'}"
+    if checked.ok:
+        print(f"{label}: valid -- {validate.summary(checked.spec)}")
+        for note in checked.notes:
             print(f"  {note}")
-        _print_image_warning(verdict.spec)
+        _print_image_warning(checked.spec)
         return
     print(f"{label}: INVALID")
-    for line in verdict.errors:
+    for line in checked.errors:
         print(f"  {line}")
-    if verdict.server_errors:
+    if checked.server_errors:
         print("  kubectl apply would be refused with:")
-        for line in verdict.server_errors:
+        for line in checked.server_errors:
             print(f"    {line}")
 
 
@@ -98,20 +99,20 @@ def _print_image_warning(spec) -> None:
 
 def cmd_render(args: argparse.Namespace) -> int:
     out = []
-    for verdict in _valid_jobs(args.file):
-        meta = {"name": verdict.name, "namespace": args.namespace}
+    for job in _valid_jobs(args.file):
+        meta = {"name": job.name, "namespace": args.namespace}
         out.append(
             {
                 "apiVersion": API_VERSION,
                 "kind": KIND,
                 "metadata": meta,
-                "spec": to_dict(verdict.spec),
+                "spec": to_dict(job.spec),
             }
         )
         if args.children:
             from ftjob.operator import render  # pure: no kopf or kubernetes needed
 
-            out += render.children(verdict.name, args.namespace, verdict.spec, args.attempt)
+            out += render.children(job.name, args.namespace, job.spec, args.attempt)
     if args.output:
         print(output.dumps(output.object_list(out), args.output), end="")
         return 0
@@ -124,21 +125,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     worst, results = 0, []
     # Every file is checked first: a refused job stops the command before any plan prints.
     # The model and data are read here (local=True): a missing one refuses, naming its field.
-    jobs = [(path, verdict) for path in args.files for verdict in _valid_jobs(path, local=True)]
-    for path, verdict in jobs:
-        spec = verdict.spec
+    jobs = [(path, job) for path in args.files for job in _valid_jobs(path, local=True)]
+    for path, job in jobs:
+        spec = job.spec
         try:
-            shape = verdict.shape or modelshape.shape_for(spec.model.source, None)
+            shape = job.shape or modelshape.shape_for(spec.model.source, None)
         except ValueError as e:
             raise InvalidJob([f"{path}: {e}"]) from None
-        result = plan.plan(spec, shape)
+        result = plan(spec, shape)
         if result.fits is False:
             worst = EXIT_INVALID
         if args.output:
-            results.append(output.plan_result(path, verdict.name, spec, result))
+            results.append(output.plan_result(path, job.name, spec, result))
             continue
-        print(f"{path}: {KIND} {verdict.name}")
-        for line in plan.describe(spec, result, Path(path).resolve().parent):
+        print(f"{path}: {KIND} {job.name}")
+        for line in describe(spec, result, Path(path).resolve().parent):
             print(f"  {line}")
     if args.output:
         print(output.dumps(output.plan_list(results), args.output), end="")

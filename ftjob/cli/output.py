@@ -12,7 +12,9 @@ import json
 from ftjob.api import manifest
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.cli import validate
-from ftjob.plan import estimate as plan
+from ftjob.plan.describe import verdict_text
+from ftjob.plan.estimate import stride_name
+from ftjob.plan.options import Plan
 
 API_VERSION = "ftjob.dev/v1alpha1"
 FORMATS = ("json", "yaml")
@@ -33,14 +35,14 @@ def errors(lines: list[str]) -> list[dict]:
     return out
 
 
-def validation_result(path: str, verdict: validate.Verdict) -> dict:
+def validation_result(path: str, checked: validate.CheckedJob) -> dict:
     return {
         "file": path,
-        "name": verdict.name,
-        "valid": verdict.ok,
-        "summary": validate.summary(verdict.spec) if verdict.ok else None,
-        "errors": errors(verdict.errors),
-        "serverErrors": errors(verdict.server_errors),
+        "name": checked.name,
+        "valid": checked.ok,
+        "summary": validate.summary(checked.spec) if checked.ok else None,
+        "errors": errors(checked.errors),
+        "serverErrors": errors(checked.server_errors),
     }
 
 
@@ -53,13 +55,13 @@ def validation_list(results: list[dict]) -> dict:
     }
 
 
-def plan_result(path: str, name: str, spec: FineTuneJobSpec, result: plan.Plan) -> dict:
+def plan_result(path: str, name: str, spec: FineTuneJobSpec, result: Plan) -> dict:
     e, s = result.estimate, result.shape
     return {
         "file": path,
         "name": name,
         "fits": result.fits,
-        "verdict": plan.verdict_text(result),
+        "verdict": verdict_text(result),
         "model": {
             "name": s.name,
             "parameters": s.params,
@@ -90,7 +92,7 @@ def plan_result(path: str, name: str, spec: FineTuneJobSpec, result: plan.Plan) 
         # What activationCheckpointing asks for, and what it means here (auto resolved).
         "activationCheckpointing": {
             "setting": spec.training.activation_checkpointing,
-            "chosen": plan.stride_name(e.checkpoint_stride),
+            "chosen": stride_name(e.checkpoint_stride),
         },
         "tokensPerStep": spec.tokens_per_step,
         "flopsPerToken": e.flops_per_token,

@@ -1,4 +1,4 @@
-"""The verdict on a FineTuneJob document: ftjob's own checks and the API server's, offline.
+"""A FineTuneJob document checked: ftjob's own checks and the API server's, offline.
 
 Both must agree: ``spec.py`` raises readable errors for people, the generated CRD (schema +
 CEL, through :mod:`ftjob.api.admission`) is what a cluster enforces at ``kubectl apply``.
@@ -10,8 +10,8 @@ the API server's rules and traces each refusal back to the FineTuneJob field at 
 Where the model's shape is known (its config.json beside the job file, or an hf:// model in
 :data:`ftjob.plan.modelshape.KNOWN_MODELS`), the job is also held to what the trainer would refuse
 on that model (:mod:`ftjob.plan.limits`, through the plan's estimate): validate, plan and the
-trainer give one verdict; the operator's admission applies it where the model is in that table
-(it reads no volume).
+trainer give one answer; the operator's Planned condition applies it where the model is in that
+table (it reads no volume).
 
 Local inputs (:func:`ftjob.job.inputs.missing`, the check ``ftjob run`` makes before it starts
 anything): ``ftjob plan`` reads the model and data beside the job file, so a missing one
@@ -33,7 +33,7 @@ from ftjob.api.schema import SpecError
 from ftjob.api.spec import FineTuneJobSpec, parse_resource, validate_update
 from ftjob.job import inputs
 from ftjob.operator.admit import parse_job
-from ftjob.plan import estimate as plan
+from ftjob.plan.estimate import estimate
 from ftjob.plan.modelshape import ModelShape, shape_for
 
 
@@ -43,7 +43,9 @@ def crd_schema() -> dict:
 
 
 @dataclass
-class Verdict:
+class CheckedJob:
+    """A job document as :func:`check` found it: its spec if valid, else why not."""
+
     name: str | None
     spec: FineTuneJobSpec | None = None
     errors: list[str] = field(default_factory=list)  # ftjob's messages
@@ -61,42 +63,42 @@ def check(
     old: dict[str, Any] | None = None,
     job_file: str | None = None,
     local: bool = False,
-) -> Verdict:
+) -> CheckedJob:
     """Check ``doc`` (as an update of ``old`` when given) both ways, and on its model.
 
     ``job_file``: where relative model and data sources are looked up. ``local``: they must
     be there (plan, run); otherwise a missing one is only a note (validate).
     """
     name = (doc.get("metadata") or {}).get("name")
-    verdict = Verdict(name=name if isinstance(name, str) else None)
+    checked = CheckedJob(name=name if isinstance(name, str) else None)
     try:
-        _, verdict.spec = parse_job(doc)
+        _, checked.spec = parse_job(doc)
         if old is not None:
             _, old_spec = parse_resource(old)
-            validate_update(old_spec, verdict.spec)
+            validate_update(old_spec, checked.spec)
         # Relative sources are read beside the job file; without one, only absolute ones.
         root = Path(job_file).parent if job_file else None
-        missing = inputs.missing(verdict.spec, root, None) if root else []
+        missing = inputs.missing(checked.spec, root, None) if root else []
         if local and missing:
             raise SpecError(missing)
-        verdict.notes = [
+        checked.notes = [
             f"not checked: {m.path}: {m.message} on this machine (a cluster reads the path "
             "from the checkpoint volume)"
             for m in missing
         ]
-        verdict.shape = _model_shape(verdict.spec, root)
-        if verdict.shape is not None:
-            problem = plan.estimate(verdict.spec, verdict.shape).problem
+        checked.shape = _model_shape(checked.spec, root)
+        if checked.shape is not None:
+            problem = estimate(checked.spec, checked.shape).problem
             if problem:
                 raise SpecError([problem])
     except SpecError as e:
-        verdict.errors = [str(err) for err in e.errors]
-        verdict.spec = None
+        checked.errors = [str(err) for err in e.errors]
+        checked.spec = None
     except ValueError as e:  # a config.json without the fields a decoder has
-        verdict.errors = [f"spec.model.source: {e}"]
-        verdict.spec = None
-    _, verdict.server_errors = admission.admit(crd_schema(), doc, old)
-    return verdict
+        checked.errors = [f"spec.model.source: {e}"]
+        checked.spec = None
+    _, checked.server_errors = admission.admit(crd_schema(), doc, old)
+    return checked
 
 
 def _model_shape(spec: FineTuneJobSpec, root: Path | None) -> ModelShape | None:

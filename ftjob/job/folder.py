@@ -42,8 +42,8 @@ from typing import Any
 from ftjob.api.contract import (
     CHECKPOINTS,
     DATA,
+    DOWNLOADS,
     HISTORY,
-    HUB,
     LOGS,
     OWNER,
     PROGRESS,
@@ -79,8 +79,9 @@ class JobFolder:
         return self.root / OWNER
 
     @property
-    def hub(self) -> Path:
-        return self.root / HUB
+    def downloads(self) -> Path:
+        """The Hugging Face cache (HF_HOME): model and dataset downloads."""
+        return self.root / DOWNLOADS
 
     @property
     def sources(self) -> Path:

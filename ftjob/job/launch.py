@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ftjob.api.contract import DOWNLOADS
 from ftjob.api.schema import quantity
 from ftjob.api.spec import FineTuneJobSpec, SecretKeyRef
-from ftjob.job.folder import HUB
 
 VOLUME_MOUNT = "/ftjob"  # where pods mount checkpoint.volume
 # NCCL's bootstrap traffic: any interface but loopback and container bridges.
@@ -98,7 +98,7 @@ def node_command(
         # Model and dataset downloads land in the job's folder on the shared volume: fetched
         # once (by global rank 0), read from there by every restarted gang. A job's env may
         # point HF_HOME at a folder that several jobs on the volume share.
-        "HF_HOME": f"{folder}/{HUB}",  # the Hugging Face cache inside the job's folder
+        "HF_HOME": f"{folder}/{DOWNLOADS}",  # the Hugging Face cache inside the job's folder
         "FTJOB_SOURCE_ROOT": source_root or VOLUME_MOUNT,
         "PYTHONUNBUFFERED": "1",  # log lines reach the pod log (and ftjob run) at once
     }

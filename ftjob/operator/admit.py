@@ -1,5 +1,6 @@
-"""Admission on the operator's side: a job is taken only if it and every child the operator
-would create for it are valid.
+"""The operator's own admission check: a job is taken only if it and every child the operator
+would create for it are valid. (The API server's admission of the FineTuneJob itself, offline,
+is :mod:`ftjob.api.admission`; whether the job fits is the plan's ``Planned`` condition.)
 
 The children are rendered (:mod:`ftjob.operator.render`) and held to the API server's rules
 (:mod:`ftjob.api.kubevalidation`); each refusal is traced back to the FineTuneJob field that

@@ -24,7 +24,7 @@ from typing import Any
 from ftjob.api import contract
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.operator import status as st
-from ftjob.plan import estimate as plan
+from ftjob.plan.describe import planned_condition
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -196,20 +196,20 @@ def _finished(s: _Step) -> Decision:
 
 
 def _will_fit(s: _Step) -> Decision | None:
-    """ftjob.plan.estimate's verdict, before the first pod (resources are immutable)."""
-    verdict = plan.admission(s.spec)
-    fits = verdict["reason"] != "WillNotFit"
+    """The plan's Planned condition, before the first pod (resources are immutable)."""
+    planned = planned_condition(s.spec)
+    fits = planned["reason"] != "WillNotFit"
     s.new["conditions"] = st.set_condition(
         s.new.get("conditions", []),
         "Planned",
         fits,
-        verdict["reason"],
-        verdict["message"],
+        planned["reason"],
+        planned["message"],
         s.now,
         s.generation,
     )
-    if not verdict["allowed"] and not s.new.get("startTime"):
-        failure = {"reason": "WillNotFit", "message": verdict["message"]}
+    if not planned["allowed"] and not s.new.get("startTime"):
+        failure = {"reason": "WillNotFit", "message": planned["message"]}
         return s.fail(failure, "spec.plan.enforce is on: no pod was started")
     return None
 

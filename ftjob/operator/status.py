@@ -1,4 +1,4 @@
-"""PURE: what the operator observed -> the pieces of a FineTuneJob's status.
+"""PURE: what the operator observed -> the values it writes into a FineTuneJob's status.
 
 Pods and the progress snapshot go in as the plain dicts the API server and the trainer
 return (pods whole, or as the slim :func:`observed_pod` views the operator keeps); what
@@ -26,7 +26,7 @@ from typing import Any
 from ftjob.api import contract, objectives
 from ftjob.operator.render import CONTAINER, LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK
 
-# One condition per phase-like state, always present, plus Planned (ftjob.plan.estimate's verdict).
+# One condition per phase-like state, always present, plus Planned (ftjob.plan.describe's verdict).
 PHASE_CONDITIONS = ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 CONDITION_TYPES = ("Planned", *PHASE_CONDITIONS)
 MESSAGE_LIMIT = 1500  # of the termination message kept in status (the schema allows 4096)
@@ -294,7 +294,7 @@ def _from_container(term: dict, rec: dict) -> tuple[str, str, str, str | None]:
     termination record ``rec`` ({} if none); only without one (killed, segfault) from the
     log tail, noted so."""
     text = term.get("message") or ""
-    if term.get("reason") == "OOMKilled":  # the kernel's verdict, whatever was written before
+    if term.get("reason") == "OOMKilled":  # the kernel's word, whatever was written before
         return "OOMKilled", _record_detail(rec) if rec else "", "", None
     if rec and rec.get("outcome") == "failed" and rec.get("reason") in ADVICE:
         return rec["reason"], _record_detail(rec), "", rec.get("fix")

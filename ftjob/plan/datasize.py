@@ -25,7 +25,7 @@ PREPARE_BYTES_PER_PROCESS = 850 * 2**20
 
 @dataclass
 class DataEstimate:
-    source_bytes: int | None  # None: a hub source or a file not found here
+    source_bytes: int | None  # None: an hf:// source or a file not found here
     tokens: float | None
     prepared_bytes: float | None  # kept on the volume under <job>/data/<key>/
     preparing_bytes: float | None  # the volume's peak while preparing (temporary copies)

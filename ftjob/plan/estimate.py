@@ -3,8 +3,8 @@
 From the model's shape (its config.json, or a table of well-known models for hf:// sources
 that cannot be read offline) and the spec, :func:`estimate` gives per-GPU memory (weights,
 gradients, optimizer states, activations, temporaries), CPU memory while loading, checkpoint
-size, step time and network traffic. :func:`plan` adds the verdict and, when the job does not
-fit, the cheapest changes that would make it fit.
+size, step time and network traffic. :mod:`ftjob.plan.options` adds what would fit instead,
+:mod:`ftjob.plan.describe` the words.
 
 It models what ftjob's trainer does, not an ideal FSDP:
 * full fine-tuning keeps fp32 weights (the optimizer's master copy), computed in bf16 on GPUs;
@@ -39,17 +39,13 @@ figure does; the step time also counts the recomputed forward.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ftjob.api.hardware import GIB, GPUS, node_bandwidth
-from ftjob.api.schema import FieldError, check_rules, quantity
+from ftjob.api.schema import FieldError, quantity
 from ftjob.api.spec import FineTuneJobSpec
-from ftjob.plan import datasize
 from ftjob.plan.limits import qlora_problem, shard_group
-from ftjob.plan.modelshape import LOSS_CHUNK_TOKENS, ModelShape, flops_per_token, shape_for
+from ftjob.plan.modelshape import LOSS_CHUNK_TOKENS, ModelShape, flops_per_token
 
 FP32 = 4
 # Measured on the GPUs we have run: CUDA context, NCCL buffers and the caching allocator.
@@ -181,7 +177,7 @@ def stride_name(stride: int) -> str:
     return {0: "none", 1: "all"}.get(stride, f"every-{stride}")
 
 
-def _stride_of(setting: str) -> int | None:
+def stride_of(setting: str) -> int | None:
     """The stride an explicit activationCheckpointing names; None for auto."""
     if setting == "auto":
         return None
@@ -204,13 +200,13 @@ def checkpoint_stride(spec: FineTuneJobSpec, shape: ModelShape, device_bytes: in
     runs out of memory mid-run costs more than a recomputed layer. Where nothing fits, and on
     CPU or an unknown GPU (``device_bytes`` None), every layer.
     """
-    explicit = _stride_of(spec.training.activation_checkpointing)
+    explicit = stride_of(spec.training.activation_checkpointing)
     if explicit is not None:
         return explicit
     if device_bytes is None or spec.resources.gpus_per_node == 0:
         return 1
     for stride in AUTO_STRIDES[:-1]:
-        if _estimate(spec, shape, stride, device_bytes).per_device <= TIGHT * device_bytes:
+        if estimate_at(spec, shape, stride, device_bytes).per_device <= TIGHT * device_bytes:
             return stride
     return AUTO_STRIDES[-1]
 
@@ -221,12 +217,14 @@ def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
     gpu = GPUS.get(spec.resources.gpu_type) if spec.resources.gpu_type else None
     device_bytes = gpu.memory_bytes if gpu else None
     stride = checkpoint_stride(spec, shape, device_bytes)
-    return _estimate(spec, shape, stride, device_bytes)
+    return estimate_at(spec, shape, stride, device_bytes)
 
 
-def _estimate(
+def estimate_at(
     spec: FineTuneJobSpec, shape: ModelShape, stride: int, device_bytes: int | None
 ) -> Estimate:
+    """The estimate at a given checkpoint stride on a GPU of ``device_bytes`` (None: CPU or an
+    unknown GPU); :func:`estimate` resolves both from the spec."""
     r, t, method = spec.resources, spec.training, spec.method.type
     on_gpu = r.gpus_per_node > 0
     act_bytes = 2 if spec.compute_precision() == "bf16" else FP32
@@ -266,7 +264,7 @@ def _estimate(
     shards = (state_bytes / group, sharded_weights / group)
     cpu = _cpu_memory(spec, shape, group, trainable, shards, device_total, frozen_bytes)
     if cpu.staging:
-        notes.append(f"asyncSave keeps a {_gib(cpu.staging)} CPU copy per process")
+        notes.append(f"asyncSave keeps a {gib(cpu.staging)} CPU copy per process")
     checkpoint_bytes = 3 * trainable * FP32
 
     if spec.training.objective == "dpo":
@@ -489,353 +487,10 @@ def _network_bytes_per_node(spec, s: ModelShape, sharding: str, trainable: int, 
     return 2 * trainable * FP32 * across
 
 
-# ----------------------------------------------------------------------------- the verdict
-
-
-@dataclass
-class Option:
-    change: str
-    spec: FineTuneJobSpec
-    estimate: Estimate
-
-
-@dataclass
-class Plan:
-    shape: ModelShape
-    estimate: Estimate
-    options: list[Option]
-    on_gpus: bool = True  # what the advice may name: gpuType only for a GPU job
-
-    @property
-    def fits(self) -> bool | None:
-        return self.estimate.fits
-
-
-def _with(spec: FineTuneJobSpec, **changes) -> FineTuneJobSpec:
-    """A copy of spec with dotted-path changes, e.g. training__micro_batch_size=1."""
-    groups: dict[str, dict] = {}
-    for key, value in changes.items():
-        part, name = key.split("__")
-        groups.setdefault(part, {})[name] = value
-    replaced = {k: dataclasses.replace(getattr(spec, k), **v) for k, v in groups.items()}
-    return dataclasses.replace(spec, **replaced)
-
-
-def _candidates(spec: FineTuneJobSpec, shape: ModelShape):
-    """Single changes that lower memory, cheapest first (what each costs the user)."""
-    t, r, p, m = spec.training, spec.resources, spec.parallelism, spec.method
-    if t.activation_checkpointing not in ("auto", "all"):
-        # What auto would pick here: the fewest recomputed layers that fit (else all). auto
-        # itself already recomputes as much as it takes, so it gets no such advice.
-        gpu = GPUS.get(r.gpu_type) if r.gpu_type else None
-        auto = _with(spec, training__activation_checkpointing="auto")
-        stride = checkpoint_stride(auto, shape, gpu.memory_bytes if gpu else None)
-        if stride != _stride_of(t.activation_checkpointing):
-            e = _estimate(auto, shape, stride, gpu.memory_bytes if gpu else None)
-            more = e.recomputed_flops_per_token / e.flops_per_token
-            yield (
-                f"activationCheckpointing: {stride_name(stride)} (~{more:.0%} more compute)",
-                {"training__activation_checkpointing": stride_name(stride)},
-            )
-    if t.micro_batch_size > 1:
-        mb = max(1, t.micro_batch_size // 2)
-        ga = t.gradient_accumulation * t.micro_batch_size // mb
-        yield (
-            f"microBatchSize: {mb}, gradientAccumulation: {ga} (same global batch)",
-            {
-                "training__micro_batch_size": mb,
-                "training__gradient_accumulation": ga,
-            },
-        )
-    if p.sharding not in ("full", "auto") or (p.sharding == "auto" and r.nodes > 1):
-        yield "sharding: full (more traffic between nodes)", {"parallelism__sharding": "full"}
-    volume = "" if spec.checkpoint.volume else "; needs a shared checkpoint.volume"
-    for factor in (2, 4):
-        if r.gpus_per_node:
-            n = r.nodes * factor
-            yield f"nodes: {n} (more GPUs{volume})", {"resources__nodes": n}
-    if m.type == "full":
-        yield "method: lora (train adapters only)", {"method__type": "lora"}
-    if m.type in ("full", "lora"):
-        yield (
-            "method: qlora with nf4 (4-bit base)",
-            {"method__type": "qlora", "method__lora": m.lora},
-        )
-    if not p.cpu_offload and p.sharding != "none":
-        yield "cpuOffload: true (roughly halves throughput)", {"parallelism__cpu_offload": True}
-    if r.gpu_type:
-        bigger = [g for g in GPUS.values() if g.memory_bytes > GPUS[r.gpu_type].memory_bytes]
-        for gpu in sorted(bigger, key=lambda g: g.memory_bytes)[:2]:
-            yield f"gpuType: {gpu.name} (GPUs with more memory)", {"resources__gpu_type": gpu.name}
-
-
-def option_fits(base: Estimate, option: Estimate) -> bool:
-    """Whether a suggested change fits by the job's own standard: no check fails, the GPUs
-    were checked, and the pods' CPU memory was checked against resources.memory, or, where
-    that is not set, the change asks no more CPU memory than the job already needs (so
-    cpuOffload, which moves the states to CPU memory, is never offered unchecked)."""
-    if option.problem or option.fits_device is False or option.fits_pod is False:
-        return False
-    if option.on_gpu and not option.fits_device:
-        return False
-    if option.fits_pod is None:
-        return option.cpu_peak_per_node <= base.cpu_peak_per_node
-    return True
-
-
-def plan(spec: FineTuneJobSpec, shape: ModelShape, max_options: int = 3) -> Plan:
-    """The estimate and, if it does not fit, up to ``max_options`` changes that would."""
-    base = estimate(spec, shape)
-    options: list[Option] = []
-    if base.fits is False:
-        cumulative: dict = {}
-        labels: list[str] = []
-        stacked_fits = False
-        for label, change in _candidates(spec, shape):
-            single = _with(spec, **change)
-            if check_rules(single, "spec"):
-                continue  # advice must be a job the API server accepts
-            est = estimate(single, shape)
-            if option_fits(base, est):
-                options.append(Option(label, single, est))
-            elif (
-                "nodes" not in label and not stacked_fits and not cumulative.keys() & change.keys()
-            ):
-                # Changes stack: activation checkpointing and a smaller micro-batch together.
-                # A change of a field already changed (a second gpuType, qlora after lora)
-                # replaces rather than adds, so it is not stacked: the label would lie. Once
-                # a stack fits, more changes on top of it are not advice.
-                cumulative.update(change)
-                labels.append(label.split(" (")[0])
-                stacked = _with(spec, **cumulative)
-                est = estimate(stacked, shape)
-                if option_fits(base, est) and len(labels) > 1 and not check_rules(stacked, "spec"):
-                    options.append(Option(" + ".join(labels), stacked, est))
-                    stacked_fits = True
-            if len(options) >= max_options:
-                break
-    return Plan(
-        shape=shape, estimate=base, options=options, on_gpus=spec.resources.gpus_per_node > 0
-    )
-
-
-# ----------------------------------------------------------------------------- text
-
-
-def _source_root() -> Path | None:
-    root = os.environ.get("FTJOB_SOURCE_ROOT")  # relative sources, as the trainer resolves them
-    return Path(root) if root else None
-
-
-def _gib(n: float) -> str:
+def gib(n: float) -> str:
+    """Bytes as the plan prints them (MiB, GiB or TiB); the notes above use it too."""
     if n >= 1024 * GIB:
         return f"{n / 1024 / GIB:.1f} TiB"
     if n >= GIB:
         return f"{n / GIB:.1f} GiB"
     return f"{n / 2**20:.1f} MiB"
-
-
-def _count(n: float) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes = seconds / 60
-    if minutes < 120:
-        return f"{minutes:.0f} min"
-    return f"{minutes / 60:.1f} h"
-
-
-def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = None) -> list[str]:
-    """The plan as lines a person reads top to bottom; relative data sources are looked up
-    under ``source_root`` (the job file's folder)."""
-    e, s, r = result.estimate, result.shape, spec.resources
-    device = r.gpu_type or ("CPU process" if not r.gpus_per_node else "GPU (gpuType unset)")
-    rows = [
-        (
-            "model",
-            f"{s.name}: {_count(s.params)} parameters, {s.layers} layers, hidden "
-            f"{s.hidden}; trainable {_count(e.trainable)} ({spec.method.type})",
-        ),
-        (
-            "shape",
-            f"{r.nodes} node(s) x {r.nproc_per_node} x {device}, "
-            + ", ".join(e.notes)
-            + f", {spec.compute_precision()}, "
-            + checkpointing_text(spec, e),
-        ),
-        (
-            "per GPU" if r.gpus_per_node else "per process",
-            f"weights {_gib(e.weights)} + gradients {_gib(e.gradients)} + optimizer "
-            f"{_gib(e.optimizer)} + activations {_gib(e.activations)} + temporaries "
-            f"{_gib(e.temporaries)} + reserved {_gib(e.reserved)} = {_gib(e.per_device)}"
-            + (f" of {_gib(e.device_bytes)}" if e.device_bytes else "")
-            # 0 bytes of weights, gradients and optimizer are not a mistake: say where they are.
-            + (
-                "; weights, gradients and optimizer states live in CPU memory (cpuOffload)"
-                if spec.parallelism.cpu_offload and r.gpus_per_node
-                else ""
-            ),
-        ),
-        (
-            "CPU memory",
-            f"{_gib(e.cpu_peak_per_node)} per pod at most: loading {_gib(e.load_cpu_per_node)} "
-            "(each process its shards + the tensor it reads), steady "
-            f"{_gib(e.cpu_per_node)}"
-            + (f", of {_gib(e.pod_memory)} (resources.memory)" if e.pod_memory else "")
-            + f"; page cache: {_gib(e.page_cache_per_node)} of weight files read through it, "
-            "charged to the pod but reclaimable, not counted",
-        ),
-        (
-            "checkpoint",
-            f"{_gib(e.checkpoint_bytes)} each on the volume "
-            f"(x keep {spec.checkpoint.keep} = {_gib(e.checkpoint_bytes * spec.checkpoint.keep)})",
-        ),
-        ("data", datasize.describe(spec, source_root or _source_root())),
-    ]
-    if spec.training.objective == "dpo":
-        rows.append(("reference", _reference_text(spec, s, e)))
-    tokens = spec.tokens_per_step
-    if e.step_seconds is not None:
-        total, steps = "", spec.training.max_steps
-        if steps:
-            total = f", {steps} steps ~ {_duration(e.step_seconds * steps)}"
-        rows.append(
-            (
-                "throughput",
-                f"{tokens:,} tokens/step, ~{_duration(e.step_seconds)}/step at {e.mfu:.0%} MFU"
-                + (
-                    f" ({e.hardware_utilisation:.0%} of peak with recomputation)"
-                    if e.recomputed_flops_per_token
-                    else ""
-                )
-                + total,
-            )
-        )
-    elif r.gpus_per_node:
-        rows.append(("throughput", f"{tokens:,} tokens/step (set resources.gpuType for time)"))
-    else:
-        rows.append(("throughput", f"{tokens:,} tokens/step (no time estimate on CPU)"))
-    if r.nodes > 1:
-        bw = node_bandwidth(spec.network.fabric, r.gpus_per_node, spec.network.efa_devices_per_node)
-        rows.append(
-            (
-                "network",
-                f"{_gib(e.network_bytes_per_node)} per node per step over "
-                f"{spec.network.fabric} ({bw / 1e9:.0f} GB/s): {_duration(e.network_seconds)} if "
-                "not overlapped with compute",
-            )
-        )
-    rows.append(("verdict", verdict_text(result)))
-    unit = "GPU" if r.gpus_per_node else "process"
-    for option in result.options:
-        step = option.estimate.step_seconds
-        rows.append(
-            (
-                "  fits with",
-                f"{option.change}: {_gib(option.estimate.per_device)} per {unit}"
-                + (" (tight)" if _tight(option.estimate) else "")
-                + (f", ~{_duration(step)}/step" if step else "")
-                + _more_cpu(e, option.estimate),
-            )
-        )
-    width = max(len(label) for label, _ in rows) + 2
-    return [f"{label:<{width}}{text}" for label, text in rows]
-
-
-def _reference_text(spec: FineTuneJobSpec, s: ModelShape, e: Estimate) -> str:
-    """The DPO reference row: what the reference costs for this method."""
-    if spec.method.type != "full":
-        return (
-            "the same network with its adapters off: one more forward per micro-batch "
-            f"(+{e.reference_flops_per_token / e.flops_per_token:.0%} of the step's model "
-            "FLOPs, counted in the step time), no extra weights, no kept activations"
-        )
-    stored, seconds = reference_pass(spec, s)
-    when = f", ~{_duration(seconds)} per 1,000 pairs" if seconds is not None else ""
-    return (
-        "the initial model's log-probabilities, one forward over every pair before training"
-        f"{when}; stored on the volume beside the prepared data, {stored:.0f} bytes a pair "
-        f"({_gib(stored * 1e6)} per million pairs), reused by restarts"
-    )
-
-
-def _tight(e: Estimate) -> bool:
-    """Above TIGHT of a GPU's memory: the estimate's error could tip it."""
-    return bool(e.device_bytes) and e.per_device > TIGHT * e.device_bytes
-
-
-def _more_cpu(base: Estimate, option: Estimate) -> str:
-    """The CPU memory a change needs, where it needs more than the job (cpuOffload)."""
-    if option.cpu_peak_per_node <= base.cpu_peak_per_node:
-        return ""
-    return f", {_gib(option.cpu_peak_per_node)} CPU memory per pod"
-
-
-def checkpointing_text(spec: FineTuneJobSpec, e: Estimate) -> str:
-    """What activation checkpointing does here, and what auto chose."""
-    chosen = stride_name(e.checkpoint_stride)
-    if spec.training.activation_checkpointing != "auto":
-        return f"activation checkpointing {chosen}"
-    if not e.device_bytes:
-        why = "no GPU memory to fit against"
-    elif e.checkpoint_stride == 1:
-        why = "nothing faster fits"
-    else:
-        why = "the fastest that fits"
-    return f"activation checkpointing auto: {chosen} ({why})"
-
-
-def verdict_text(result: Plan) -> str:
-    e = result.estimate
-    if e.problem:
-        return f"CANNOT RUN: {e.problem}"
-    found = []
-    if e.fits_device is not None:
-        share = e.per_device / e.device_bytes
-        found.append(f"{_gib(e.per_device)} of {_gib(e.device_bytes)} per GPU ({share:.0%})")
-    if e.fits_pod is not None:
-        peak = "loading" if e.load_cpu_per_node > e.cpu_per_node else "training"
-        found.append(
-            f"{_gib(e.cpu_peak_per_node)} of {_gib(e.pod_memory)} CPU memory per pod (peak "
-            f"while {peak}: every rank reads only its part of the weights)"
-        )
-    if e.fits is None:
-        if not result.on_gpus:  # gpuType is for GPU jobs only (a CRD rule)
-            return "not checked: set resources.memory to check the CPU memory"
-        if e.fits_device is None:
-            return "not checked: set resources.gpuType (and resources.memory) to check the fit"
-        # The GPUs fit, but the pods' CPU memory (offloaded states, loading) was not checked.
-        return (
-            f"GPU memory fits: {found[0]}; CPU MEMORY NOT CHECKED: a pod needs up to "
-            f"{_gib(e.cpu_peak_per_node)}; set resources.memory to check it"
-        )
-    if e.fits:
-        return ("FITS (tight)" if _tight(e) else "FITS") + ": " + ", ".join(found)
-    options = "; ".join(o.change.split(" (")[0] for o in result.options) or "no single change"
-    return "WILL NOT FIT: " + ", ".join(found) + f"; fits with: {options}"
-
-
-def admission(spec: FineTuneJobSpec, config: dict | None = None) -> dict:
-    """The ``Planned`` condition the operator records before it creates any pod.
-
-    ``config`` is the model's config.json when the operator can read it; hf:// sources of
-    well-known models are planned from the table. ``allowed`` is False only when the job will
-    not fit and ``spec.plan.enforce`` is on.
-    """
-    try:
-        shape = shape_for(spec.model.source, config)
-    except ValueError as e:
-        return {"reason": "Unknown", "message": f"not planned: {e}", "allowed": True}
-    result = plan(spec, shape)
-    if result.estimate.problem:  # the trainer would refuse it: no enforce can let it through
-        return {"reason": "CannotRun", "message": verdict_text(result), "allowed": False}
-    if result.fits is None:
-        return {"reason": "Unknown", "message": verdict_text(result), "allowed": True}
-    if result.fits:
-        return {"reason": "Fits", "message": verdict_text(result), "allowed": True}
-    enforce = spec.plan.enforce
-    tail = "" if enforce else " (spec.plan.enforce is false: starting anyway)"
-    return {"reason": "WillNotFit", "message": verdict_text(result) + tail, "allowed": not enforce}

@@ -1,9 +1,10 @@
 """What makes a job impossible on its model, whatever the memory: one rule for every command.
 
-``ftjob validate`` and ``ftjob plan`` (through :func:`ftjob.cli.validate.check`), the operator's
-admission (:func:`ftjob.plan.estimate.admission`) and the trainer (``trainer/model/load.py``
-``check_shardable``, with the weights it actually built) all ask :func:`qlora_problem`, so a
-job one of them refuses is refused by all with the same field and words. Pure: no torch.
+``ftjob validate`` and ``ftjob plan`` (through :func:`ftjob.cli.validate.check`), the
+operator's Planned condition (:func:`ftjob.plan.describe.planned_condition`) and the trainer
+(``trainer/model/load.py`` ``check_shardable``, with the weights it actually built) all ask
+:func:`qlora_problem`, so a job one of them refuses is refused by all with the same field and
+words. Pure: no torch.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import folder as jobfolder
 from ftjob.job.folder import JobFolder
 from ftjob.job.lease import LEASE_SECONDS, Lease
-from ftjob.plan import estimate as plan
+from ftjob.plan.estimate import stride_name
 from ftjob.plan.modelshape import model_flops
 from ftjob.trainer import step
 from ftjob.trainer.data import batches as data
@@ -166,7 +166,7 @@ def _describe(job: Job, run: step.Run, ds: data.Data, total: int) -> None:
 
 
 def _speed_note(speed: parallel.Speed) -> str:
-    setting = plan.stride_name(speed.checkpoint_every)
+    setting = stride_name(speed.checkpoint_every)
     compiled = ", layers compiled" if speed.compile else ""
     return f"; activation checkpointing {setting}{compiled}"
 

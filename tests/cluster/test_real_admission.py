@@ -91,9 +91,9 @@ def dry_run(plane, text: str, old: str | None) -> list[str]:
     return refusal(result.stderr) if result.returncode else []
 
 
-def ftjob_refusal(verdict) -> list[str]:
+def ftjob_refusal(checked) -> list[str]:
     """What validate prints under "kubectl apply would be refused with", in refusal()'s form."""
-    lines = sorted(verdict.server_errors)
+    lines = sorted(checked.server_errors)
     if lines and all("json: unsupported value" in x for x in lines):
         return [re.search(r"json: unsupported value: \S+", lines[0]).group(0)]
     return lines
@@ -110,18 +110,18 @@ def test_validate_and_the_real_apiserver_agree(parity, case):
     _, texts = case
     old = texts[0] if len(texts) == 2 else None
     docs = [manifest.loads(t)[0] for t in texts]
-    verdict = validate.check(docs[-1], docs[0] if old else None)
+    checked = validate.check(docs[-1], docs[0] if old else None)
     if docs[-1]["metadata"].get("namespace") not in (None, NAMESPACE):
         # kubectl sends it to its own namespace; validate checks the name is a DNS label.
         namespace = docs[-1]["metadata"]["namespace"]
         found = parity.kubectl("get", "namespace", namespace, ok=False)
-        assert found.returncode and verdict.server_errors == [
+        assert found.returncode and checked.server_errors == [
             f"metadata.namespace: Invalid value: {namespace!r} is not a DNS label"
         ]
         return
-    assert ftjob_refusal(verdict) == dry_run(parity, texts[-1], old)
+    assert ftjob_refusal(checked) == dry_run(parity, texts[-1], old)
     # validate may refuse more, only for reasons it names as its own; never less.
-    assert verdict.ok or verdict.errors
+    assert checked.ok or checked.errors
 
 
 def test_the_cli_prints_the_servers_refusal_under_its_heading(parity, tmp_path):

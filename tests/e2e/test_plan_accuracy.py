@@ -29,7 +29,7 @@ import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ftjob.api.spec import parse_resource
-from ftjob.plan import estimate as plan
+from ftjob.plan.estimate import estimate
 from ftjob.plan.modelshape import ModelShape
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -106,9 +106,9 @@ def test_plan_predicts_per_process_memory_within_20_percent(
 
     spec = parse_resource(doc)[1]
     config = json.loads((model / "config.json").read_text())
-    estimate = plan.estimate(spec, ModelShape.from_config(config)).per_device
-    ratio = estimate / measured
+    planned = estimate(spec, ModelShape.from_config(config)).per_device
+    ratio = planned / measured
     print(
-        f"{size} {method}: estimate {estimate / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB"
+        f"{size} {method}: estimate {planned / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB"
     )
     assert 0.8 <= ratio <= 1.2, f"estimate/measured = {ratio:.2f}"

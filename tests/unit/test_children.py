@@ -91,11 +91,11 @@ def valid_jobs():
 
 @pytest.mark.parametrize("doc", list(valid_jobs()))
 def test_every_valid_job_is_accepted_and_its_children_pass_kubernetes(doc):
-    verdict = validate.check(doc)
-    assert verdict.ok, verdict.errors + verdict.server_errors
+    checked = validate.check(doc)
+    assert checked.ok, checked.errors + checked.server_errors
     name = doc["metadata"]["name"]
     namespace = doc["metadata"].get("namespace", "default")
-    spec = verdict.spec
+    spec = checked.spec
     objs = render.children(name, namespace, spec, spec.run_policy.backoff_limit + 1, "u" * 36)
     assert kubevalidation.errors(objs) == []
     for obj in objs[:3] + objs[-1:]:  # the pods differ only in their rank
@@ -119,9 +119,9 @@ def agree(doc, spec):
     """ftjob's verdict and the CRD's on ``doc`` both equal the verdict on its children."""
     meta = doc["metadata"]
     expected = children_ok(meta["name"], meta.get("namespace", "default"), spec)
-    verdict = validate.check(doc)
-    assert verdict.ok == expected, (verdict.errors, verdict.server_errors)
-    assert (not verdict.server_errors) == expected, verdict.server_errors
+    checked = validate.check(doc)
+    assert checked.ok == expected, (checked.errors, checked.server_errors)
+    assert (not checked.server_errors) == expected, checked.server_errors
 
 
 IMAGES = ["", " ghcr.io/x:1", "ghcr.io/x 1", "ghcr.io/x:1", "x@sha256:" + "a" * 64, "x\t"]
@@ -248,9 +248,9 @@ def test_metadata(metadata):
     expected = children_ok(
         metadata["name"], metadata.get("namespace", "default"), spec_with(lambda s: s)
     ) and not list(kubevalidation.metadata_errors(metadata))
-    verdict = validate.check(doc)
-    assert verdict.ok == expected, verdict.errors
-    assert (not verdict.server_errors) == expected, verdict.server_errors
+    checked = validate.check(doc)
+    assert checked.ok == expected, checked.errors
+    assert (not checked.server_errors) == expected, checked.server_errors
 
 
 # ------------------------------------------------------------ a child's error names the field
@@ -311,6 +311,6 @@ def test_a_job_name_that_makes_a_bad_service_name_is_traced_to_metadata_name():
 
 def test_a_job_document_too_large_for_its_config_map_is_refused_naming_the_spec():
     doc = job(scheduling={"affinity": {"nodeAffinity": {"note": "x" * 2**20}}})
-    verdict = validate.check(doc)
-    assert [e.split(":")[0] for e in verdict.errors] == ["spec"], verdict.errors
-    assert "ConfigMap job-spec" in verdict.errors[0]
+    checked = validate.check(doc)
+    assert [e.split(":")[0] for e in checked.errors] == ["spec"], checked.errors
+    assert "ConfigMap job-spec" in checked.errors[0]

@@ -30,11 +30,11 @@ def test_bad_job_is_refused_by_both_naming_the_field(path):
     expect = re.search(r"^# expect: (\S+)$", path.read_text(), re.M).group(1)
     docs = manifest.load(path)
     old = docs[0] if len(docs) == 2 else None
-    verdict = validate.check(docs[-1], old)
-    assert names(verdict.errors, expect), verdict.errors
-    assert names(verdict.server_errors, expect), verdict.server_errors
+    checked = validate.check(docs[-1], old)
+    assert names(checked.errors, expect), checked.errors
+    assert names(checked.server_errors, expect), checked.server_errors
     # One defect, one message: the validator does not bury the cause in follow-on errors.
-    assert len(verdict.errors) == 1, verdict.errors
+    assert len(checked.errors) == 1, checked.errors
 
 
 UPDATES = [p for p in CORPUS if p.name.startswith("immutable-")]

@@ -105,9 +105,9 @@ def test_the_largest_useful_job_is_read_and_validated_in_time():
     text = text.replace("\nenv_:", "\n  env:")
     started = time.monotonic()
     (doc,) = manifest.loads(text)
-    verdict = validate.check(doc)
+    checked = validate.check(doc)
     assert time.monotonic() - started < HANG_GUARD
-    assert verdict.ok, verdict.errors + verdict.server_errors
+    assert checked.ok, checked.errors + checked.server_errors
     assert len(doc["spec"]["env"]) == 64 and len(text) > 300 * 1024
 
 
@@ -127,15 +127,15 @@ def test_scientific_notation_is_read_as_kubectl_sends_it():
     assert training == {"maxSteps": 1000, "learningRate": 2e-5}
     assert type(training["maxSteps"]) is int
     assert type(manifest.loads("a: 1e21")[0]["a"]) is float
-    verdict = validate.check(doc)
-    assert verdict.ok, verdict.errors + verdict.server_errors
-    assert verdict.spec.training.max_steps == 1000
+    checked = validate.check(doc)
+    assert checked.ok, checked.errors + checked.server_errors
+    assert checked.spec.training.max_steps == 1000
 
 
 def test_not_a_number_is_refused_by_kubectl_and_by_validate_naming_the_field(tmp_path):
     path = tmp_path / "nan.yaml"
     path.write_text(job("    maxSteps: 100\n    learningRate: .nan"))
     assert "unsupported value: NaN" in kubectl_offline(path).stderr
-    verdict = validate.check(manifest.load(path)[0])
-    assert [e.split(":")[0] for e in verdict.errors] == ["spec.training.learningRate"]
-    assert verdict.server_errors[0].startswith("spec.training.learningRate: ")
+    checked = validate.check(manifest.load(path)[0])
+    assert [e.split(":")[0] for e in checked.errors] == ["spec.training.learningRate"]
+    assert checked.server_errors[0].startswith("spec.training.learningRate: ")

@@ -12,7 +12,7 @@ from ftjob.api import manifest
 from ftjob.api.hardware import GIB
 from ftjob.api.schema import check_rules, quantity
 from ftjob.api.spec import parse_resource
-from ftjob.plan import estimate as plan
+from ftjob.plan import describe, estimate, options
 from ftjob.plan.modelshape import ModelShape, known_model, shape_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,13 +71,13 @@ def test_lora_counts_adapters_of_every_linear_layer():
 
 def test_seed_70b_full_fits_on_16_a100_80gb():
     spec = example("llama2-70b-full.yaml")
-    e = plan.plan(spec, known_model(spec.model.source)).estimate
+    e = options.plan(spec, known_model(spec.model.source)).estimate
     assert e.fits_device and e.fits_pod
     # Loading holds no more than the training it precedes: the pod's peak is training's.
     assert e.load_cpu_per_node < e.cpu_per_node == e.cpu_peak_per_node
     # Hybrid sharding (over one node's 8 GPUs) would not fit: the seed's reason for full.
     hybrid = example("llama2-70b-full.yaml", **{"parallelism.sharding": "hybrid"})
-    assert plan.estimate(hybrid, known_model(spec.model.source)).fits is False
+    assert estimate.estimate(hybrid, known_model(spec.model.source)).fits is False
 
 
 def test_loading_is_each_process_shards_and_the_tensor_it_reads_and_page_cache_is_not_counted():
@@ -87,25 +87,25 @@ def test_loading_is_each_process_shards_and_the_tensor_it_reads_and_page_cache_i
     weight whole (bench --suite loading: the plan is 1.10-1.21x the measured peak)."""
     spec = example("llama31-70b-qlora.yaml")
     s = known_model(spec.model.source)
-    e = plan.estimate(spec, s)
+    e = estimate.estimate(spec, s)
     reading = s.vocab * s.hidden * 2 / 2  # half of the bf16 embedding of a 128k vocabulary
     assert reading > 8192 * 28672 * 2  # more than the largest 4-bit weight read whole
-    shard = (s.params - s.linear_params) * 2 + s.linear_params * plan.NF4_BITS_PER_PARAM / 8
+    shard = (s.params - s.linear_params) * 2 + s.linear_params * estimate.NF4_BITS_PER_PARAM / 8
     shard = (shard + e.trainable * 4) / 2
-    per_process = plan.GPU_PROCESS_BASELINE_BYTES + shard + reading + plan.LOAD_SLACK_BYTES
+    per_process = estimate.GPU_PROCESS_BASELINE_BYTES + shard + reading + estimate.LOAD_SLACK_BYTES
     assert e.load_cpu_per_node == pytest.approx(2 * per_process)
     # QLoRA reads the 4-bit weights whole on each rank and the rest once per node: the whole
     # bf16 checkpoint passes through the node's page cache, more than resources.memory, and
     # the job still fits: clean page cache is reclaimed, not counted.
     assert e.page_cache_per_node == pytest.approx(s.params * 2)
     assert e.page_cache_per_node > e.pod_memory and e.fits
-    on_gpu = plan.estimate(example("llama3-8b-full-40gb.yaml"), known_model(
+    on_gpu = estimate.estimate(example("llama3-8b-full-40gb.yaml"), known_model(
         "hf://meta-llama/Meta-Llama-3-8B"))  # fmt: skip
     # shards on the GPUs: loading keeps nothing in CPU memory but the tensor being read
     s8 = known_model("hf://meta-llama/Meta-Llama-3-8B")
     rows = s8.vocab * s8.hidden * 4 / 8  # fp32 masters: a rank's 1/8 of the embedding
     assert on_gpu.load_cpu_per_node == pytest.approx(
-        8 * (plan.GPU_PROCESS_BASELINE_BYTES + rows + plan.LOAD_SLACK_BYTES)
+        8 * (estimate.GPU_PROCESS_BASELINE_BYTES + rows + estimate.LOAD_SLACK_BYTES)
     )
     assert on_gpu.page_cache_per_node == pytest.approx(s8.params * 2)  # 8 of 8 shards
 
@@ -118,9 +118,9 @@ def test_qlora_on_cpu_adds_torchaos_quantization_memory_to_loading(monkeypatch):
     doc["spec"]["resources"] = {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2}
     on_cpu = parse_resource(doc)[1]
     s = known_model(on_cpu.model.source)
-    before = [plan.estimate(spec, s).load_cpu_per_node for spec in (on_cpu, on_gpu)]
-    monkeypatch.setattr(plan, "NF4_SEARCH_VALUES", 0)
-    after = [plan.estimate(spec, s).load_cpu_per_node for spec in (on_cpu, on_gpu)]
+    before = [estimate.estimate(spec, s).load_cpu_per_node for spec in (on_cpu, on_gpu)]
+    monkeypatch.setattr(estimate, "NF4_SEARCH_VALUES", 0)
+    after = [estimate.estimate(spec, s).load_cpu_per_node for spec in (on_cpu, on_gpu)]
     weight_bytes = 2 if on_cpu.compute_precision() == "bf16" else 4
     search = 2**20 * 16 * weight_bytes
     assert before[0] - after[0] == pytest.approx(on_cpu.resources.nproc_per_node * search)
@@ -130,40 +130,42 @@ def test_qlora_on_cpu_adds_torchaos_quantization_memory_to_loading(monkeypatch):
 def test_seed_70b_qlora_fits_a_96gi_pod_and_says_why_in_one_line():
     spec = example("llama31-70b-qlora.yaml")
     assert spec.resources.memory == "96Gi"
-    verdict = plan.admission(spec)
-    assert verdict["reason"] == "Fits" and verdict["allowed"]
+    condition = describe.planned_condition(spec)
+    assert condition["reason"] == "Fits" and condition["allowed"]
     assert "of 96.0 GiB CPU memory per pod (peak while training: every rank reads only its " \
-           "part of the weights)" in verdict["message"]  # fmt: skip
-    small = plan.admission(example("llama31-70b-qlora.yaml", **{"resources.memory": "48Gi"}))
+           "part of the weights)" in condition["message"]  # fmt: skip
+    small = describe.planned_condition(
+        example("llama31-70b-qlora.yaml", **{"resources.memory": "48Gi"})
+    )
     assert small["reason"] == "WillNotFit" and not small["allowed"]
 
 
 def test_seed_8b_full_on_40gb_needs_full_sharding_and_activation_checkpointing():
     shape = known_model("hf://meta-llama/Meta-Llama-3-8B")
-    assert plan.plan(example("llama3-8b-full-40gb.yaml"), shape).fits
+    assert options.plan(example("llama3-8b-full-40gb.yaml"), shape).fits
     no_ac = example("llama3-8b-full-40gb.yaml", **{"training.activationCheckpointing": "none"})
-    result = plan.plan(no_ac, shape)
+    result = options.plan(no_ac, shape)
     assert result.fits is False
     # every-2 would fit at 95%: too close for the estimate's error, so the advice is all.
     assert result.options[0].change.startswith("activationCheckpointing: all (~31% more")
     assert all(o.estimate.fits for o in result.options)
     replicated = example("llama3-8b-full-40gb.yaml", **{"parallelism.sharding": "none"})
-    assert plan.plan(replicated, shape).fits is False
+    assert options.plan(replicated, shape).fits is False
 
 
 def test_qlora_70b_on_two_24gb_gpus_fits_with_the_4bit_base_sharded_and_offloaded():
     spec = example("llama31-70b-qlora.yaml")
     shape = known_model(spec.model.source)
-    result = plan.plan(spec, shape)
+    result = options.plan(spec, shape)
     assert result.fits is True
     assert "4-bit base sharded" in result.estimate.notes
     # Without offload each GPU holds half of the ~36 GB of 4-bit weights, bf16 embeddings and
     # the adapters' fp32 states: more than a 24 GB card.
-    on_gpu = plan.estimate(
+    on_gpu = estimate.estimate(
         example("llama31-70b-qlora.yaml", **{"parallelism.cpuOffload": False}), shape
     )
     assert on_gpu.weights > 18 * GIB and on_gpu.fits is False
-    nf4 = shape.linear_params * plan.NF4_BITS_PER_PARAM / 8
+    nf4 = shape.linear_params * estimate.NF4_BITS_PER_PARAM / 8
     assert on_gpu.weights == pytest.approx(
         (nf4 + (shape.params - shape.linear_params) * 2 + result.estimate.trainable * 4) / 2
     )
@@ -176,14 +178,14 @@ def test_llama3_8b_lora_fits_one_24gb_gpu_with_a_bf16_base():
                    "training.microBatchSize": 1, "training.activationCheckpointing": "all",
                    "method": lora})  # fmt: skip
     shape = known_model(spec.model.source)
-    e = plan.estimate(spec, shape)
+    e = estimate.estimate(spec, shape)
     assert e.weights == pytest.approx(shape.params * 2 + e.trainable * 4)  # bf16 frozen base
     assert e.fits is True
 
 
 def test_llama3_8b_full_on_one_80gb_gpu_without_offload_does_not_fit():
     spec = example("llama3-8b-full-40gb.yaml", **ONE_80GB)
-    e = plan.estimate(spec, known_model(spec.model.source))
+    e = estimate.estimate(spec, known_model(spec.model.source))
     assert e.weights == pytest.approx(e.params * 4)  # full fine-tuning keeps fp32 masters
     assert e.fits is False
 
@@ -201,10 +203,12 @@ def test_nf4_sharding_is_refused_where_a_weight_cannot_split():
     # ftjob plan and admission refuse it before any pod starts, whatever plan.enforce says
     three = example("llama31-70b-qlora.yaml", **{"resources.gpusPerNode": 3,
                     "plan.enforce": False})  # fmt: skip
-    verdict = plan.admission(three)
-    assert verdict["reason"] == "CannotRun" and verdict["allowed"] is False
-    assert "must be 1, 2, 4, 8 or 16 processes" in verdict["message"]
-    fp4 = plan.admission(example("llama31-70b-qlora.yaml", **{"method.quantization.type": "fp4"}))
+    condition = describe.planned_condition(three)
+    assert condition["reason"] == "CannotRun" and condition["allowed"] is False
+    assert "must be 1, 2, 4, 8 or 16 processes" in condition["message"]
+    fp4 = describe.planned_condition(
+        example("llama31-70b-qlora.yaml", **{"method.quantization.type": "fp4"})
+    )
     assert fp4["allowed"] is False and "spec.method.quantization.type: qlora: fp4" in fp4["message"]
     assert "fix: set type nf4" in fp4["message"]
     tiny = qlora_problem(qlora, {"q_proj": (64, 64)}, 2)
@@ -214,22 +218,22 @@ def test_nf4_sharding_is_refused_where_a_weight_cannot_split():
 
 def test_auto_sharding_is_hybrid_for_8b_lora_on_two_nodes():
     spec = example("llama3-8b-lora-efa.yaml")
-    e = plan.estimate(spec, known_model(spec.model.source))
+    e = estimate.estimate(spec, known_model(spec.model.source))
     assert e.notes[0] == "sharding hybrid over 8 processes"
     # Hybrid keeps all-gathers inside a node: far less traffic between nodes than full.
     full = example("llama3-8b-lora-efa.yaml", **{"parallelism.sharding": "full"})
-    full_e = plan.estimate(full, known_model(spec.model.source))
+    full_e = estimate.estimate(full, known_model(spec.model.source))
     assert full_e.network_bytes_per_node > 50 * e.network_bytes_per_node
 
 
 def test_memory_falls_with_each_lever():
     shape = known_model("hf://meta-llama/Meta-Llama-3-8B")
     base = example("llama3-8b-full-40gb.yaml", **{"training.activationCheckpointing": "none"})
-    full = plan.estimate(base, shape)
+    full = estimate.estimate(base, shape)
 
     def with_(**lever):
         edits = {"training.activationCheckpointing": "none"} | lever
-        return plan.estimate(example("llama3-8b-full-40gb.yaml", **edits), shape)
+        return estimate.estimate(example("llama3-8b-full-40gb.yaml", **edits), shape)
 
     for lever in [
         {"training.activationCheckpointing": "every-4"},
@@ -250,7 +254,7 @@ def test_memory_falls_with_each_lever():
     no_dropout = with_(**{"method.type": "lora", "method.lora": {"dropout": 0.0}})
     assert lora.activations > full.activations
     # Otherwise the same, but for the full fine-tune's fp32 gradient of the output head.
-    head_gradient = shape.vocab * shape.hidden * 4 * plan.FRAGMENTATION
+    head_gradient = shape.vocab * shape.hidden * 4 * estimate.FRAGMENTATION
     assert no_dropout.activations == pytest.approx(full.activations - head_gradient)
 
 
@@ -290,16 +294,16 @@ def test_plan_command_prints_breakdown_and_exits_by_verdict(tmp_path):
 
 
 def test_admission_refuses_only_when_enforced():
-    refused = plan.admission(example("llama3-8b-full-40gb.yaml", **ONE_80GB))
+    refused = describe.planned_condition(example("llama3-8b-full-40gb.yaml", **ONE_80GB))
     assert refused["reason"] == "WillNotFit" and refused["allowed"] is False
     assert "fits with" in refused["message"]
-    relaxed = plan.admission(
+    relaxed = describe.planned_condition(
         example("llama3-8b-full-40gb.yaml", **ONE_80GB, **{"plan.enforce": False})
     )
     assert relaxed["reason"] == "WillNotFit" and relaxed["allowed"] is True
-    fits = plan.admission(example("llama2-70b-full.yaml"))
+    fits = describe.planned_condition(example("llama2-70b-full.yaml"))
     assert fits["reason"] == "Fits" and fits["allowed"] is True
-    unknown = plan.admission(example("tiny.yaml"))  # a path the operator cannot read
+    unknown = describe.planned_condition(example("tiny.yaml"))  # a path the operator cannot read
     assert unknown["reason"] == "Unknown" and unknown["allowed"] is True
 
 
@@ -307,7 +311,7 @@ def test_async_save_adds_a_staging_copy_of_each_process_share_to_cpu_memory():
     sync = example("llama2-70b-full.yaml", **{"checkpoint.asyncSave": False})
     background = example("llama2-70b-full.yaml", **{"checkpoint.asyncSave": True})
     shape = known_model(sync.model.source)
-    a, b = plan.estimate(sync, shape), plan.estimate(background, shape)
+    a, b = estimate.estimate(sync, shape), estimate.estimate(background, shape)
     # full fine-tune sharded over all 16 GPUs: 3 fp32 tensors (weights, 2 moments) per param
     share = 3 * shape.params * 4 / sync.resources.world_size
     per_node = sync.resources.nproc_per_node
@@ -321,7 +325,7 @@ def test_advice_is_always_a_job_the_rules_accept():
     change is not advised; whatever is advised passes every rule."""
     one_node = example("llama2-70b-full.yaml", **{"resources.nodes": 1})
     shape = known_model(one_node.model.source)
-    offered = plan.plan(one_node, shape, max_options=20)
+    offered = options.plan(one_node, shape, max_options=20)
     assert offered.fits is False
     assert any(o.change.startswith("nodes: 2") for o in offered.options)
 
@@ -329,7 +333,7 @@ def test_advice_is_always_a_job_the_rules_accept():
     doc["spec"]["resources"]["nodes"] = 1
     del doc["spec"]["checkpoint"]["volume"]
     no_volume = parse_resource(doc)[1]
-    result = plan.plan(no_volume, shape, max_options=20)
+    result = options.plan(no_volume, shape, max_options=20)
     assert result.fits is False
     assert not any(o.change.startswith("nodes:") for o in result.options)
     assert all(check_rules(o.spec, "spec") == [] for o in result.options)
@@ -340,8 +344,8 @@ def test_a_cpu_plan_never_advises_gpu_type():
     config = json.loads((ROOT / "examples" / "tiny-model" / "config.json").read_text())
     for memory in (None, "64Mi"):  # unchecked, then too small
         spec = example("tiny.yaml", **({"resources.memory": memory} if memory else {}))
-        result = plan.plan(spec, shape_for(spec.model.source, config), max_options=20)
-        text = "\n".join(plan.describe(spec, result))
+        result = options.plan(spec, shape_for(spec.model.source, config), max_options=20)
+        text = "\n".join(describe.describe(spec, result))
         assert "gpuType" not in text, text
     assert result.fits is False and "64.0 MiB (resources.memory)" in text
     assert all(check_rules(o.spec, "spec") == [] for o in result.options)
@@ -370,7 +374,7 @@ def test_per_gpu_memory_does_not_grow_with_gradient_accumulation():
     for name in ("llama3-8b-full-40gb.yaml", "llama3-8b-lora-efa.yaml", "llama2-70b-full.yaml"):
         one, many = (example(name, **{"training.gradientAccumulation": n}) for n in (1, 16))
         shape = known_model(one.model.source)
-        a, b = plan.estimate(one, shape), plan.estimate(many, shape)
+        a, b = estimate.estimate(one, shape), estimate.estimate(many, shape)
         assert b.per_device == a.per_device and b.gradients == a.gradients, name
         assert b.step_seconds == pytest.approx(16 * a.step_seconds), name
 
@@ -380,7 +384,7 @@ def test_hybrid_all_reduces_across_nodes_once_per_step_full_every_micro_batch():
 
     def network(sharding, accumulation):
         edits = {"parallelism.sharding": sharding, "training.gradientAccumulation": accumulation}
-        return plan.estimate(example("llama3-8b-lora-efa.yaml", **edits), shape)
+        return estimate.estimate(example("llama3-8b-lora-efa.yaml", **edits), shape)
 
     hybrid = network("hybrid", 1)
     assert network("hybrid", 8).network_bytes_per_node == hybrid.network_bytes_per_node
@@ -391,19 +395,19 @@ def test_hybrid_all_reduces_across_nodes_once_per_step_full_every_micro_batch():
 
 
 def test_checkpoint_stride_names_the_recomputed_layers():
-    assert [n for n in range(8) if plan.checkpointed(n, 2)] == [1, 3, 5, 7]
-    assert [n for n in range(8) if plan.checkpointed(n, 3)] == [2, 5]
-    assert all(plan.checkpointed(n, 1) for n in range(8))
-    assert not any(plan.checkpointed(n, 0) for n in range(8))
+    assert [n for n in range(8) if estimate.checkpointed(n, 2)] == [1, 3, 5, 7]
+    assert [n for n in range(8) if estimate.checkpointed(n, 3)] == [2, 5]
+    assert all(estimate.checkpointed(n, 1) for n in range(8))
+    assert not any(estimate.checkpointed(n, 0) for n in range(8))
     spec = example("llama3-8b-full-40gb.yaml")
     shape = known_model(spec.model.source)
     for setting, stride in (("none", 0), ("all", 1), ("every-3", 3)):
         edited = example(
             "llama3-8b-full-40gb.yaml", **{"training.activationCheckpointing": setting}
         )
-        assert plan.checkpoint_stride(edited, shape, 40 * GIB) == stride
-        assert plan.checkpoint_stride(edited, shape, None) == stride
-        assert plan.stride_name(stride) == setting
+        assert estimate.checkpoint_stride(edited, shape, 40 * GIB) == stride
+        assert estimate.checkpoint_stride(edited, shape, None) == stride
+        assert estimate.stride_name(stride) == setting
 
 
 @pytest.mark.parametrize(
@@ -420,15 +424,15 @@ def test_auto_checkpointing_picks_the_fastest_setting_that_fits(micro_batch, gpu
              "resources.gpuType": gpu}  # fmt: skip
     spec = example("llama3-8b-full-40gb.yaml", **edits)
     shape = known_model(spec.model.source)
-    e = plan.estimate(spec, shape)
-    assert plan.stride_name(e.checkpoint_stride) == chosen
-    assert e.per_device <= plan.TIGHT * e.device_bytes
-    faster = [s for s in plan.AUTO_STRIDES[: plan.AUTO_STRIDES.index(e.checkpoint_stride)]]
+    e = estimate.estimate(spec, shape)
+    assert estimate.stride_name(e.checkpoint_stride) == chosen
+    assert e.per_device <= estimate.TIGHT * e.device_bytes
+    faster = [s for s in estimate.AUTO_STRIDES[: estimate.AUTO_STRIDES.index(e.checkpoint_stride)]]
     for stride in faster:  # each faster setting would not fit with the margin
-        slower = plan._estimate(spec, shape, stride, e.device_bytes)
-        assert slower.per_device > plan.TIGHT * e.device_bytes
+        slower = estimate.estimate_at(spec, shape, stride, e.device_bytes)
+        assert slower.per_device > estimate.TIGHT * e.device_bytes
         assert slower.step_seconds < e.step_seconds
-    text = "\n".join(plan.describe(spec, plan.plan(spec, shape)))
+    text = "\n".join(describe.describe(spec, options.plan(spec, shape)))
     assert f"activation checkpointing auto: {chosen} (" in text
 
 
@@ -437,17 +441,17 @@ def test_auto_checkpointing_recomputes_every_layer_where_no_gpu_memory_is_known(
     unknown = example("llama3-8b-lora-efa.yaml", **{"resources.gpuType": None})
     for spec in (cpu, unknown):
         shape = known_model("hf://meta-llama/Meta-Llama-3-8B")
-        assert plan.checkpoint_stride(spec, shape, None) == 1
-        assert plan.estimate(spec, shape).checkpoint_stride == 1
+        assert estimate.checkpoint_stride(spec, shape, None) == 1
+        assert estimate.estimate(spec, shape).checkpoint_stride == 1
     # The trainer passes the memory it sees: the same answer as the table's for that much.
     spec = example("llama3-8b-lora-efa.yaml")
-    assert plan.checkpoint_stride(spec, known_model(spec.model.source), 80 * GIB) == 0
+    assert estimate.checkpoint_stride(spec, known_model(spec.model.source), 80 * GIB) == 0
 
 
 def test_recomputation_costs_time_but_not_mfu():
     shape = known_model("hf://meta-llama/Meta-Llama-3-8B")
     runs = {
-        setting: plan.estimate(
+        setting: estimate.estimate(
             example("llama3-8b-full-40gb.yaml", **{"training.activationCheckpointing": setting}),
             shape,
         )
@@ -461,9 +465,9 @@ def test_recomputation_costs_time_but_not_mfu():
     forward = shape.layers * (2 * shape.layer_params + 4 * shape.hidden * 2048)
     assert every.recomputed_flops_per_token == forward
     assert none.step_seconds < half.step_seconds < every.step_seconds
-    assert none.mfu == plan.ASSUMED_HFU["full"]
+    assert none.mfu == estimate.ASSUMED_HFU["full"]
     assert every.mfu == pytest.approx(
-        plan.ASSUMED_HFU["full"] * none.step_seconds / every.step_seconds
+        estimate.ASSUMED_HFU["full"] * none.step_seconds / every.step_seconds
     )
     assert none.activations > half.activations > every.activations
 
@@ -482,7 +486,7 @@ def test_the_loss_never_holds_fp32_logits_for_the_whole_micro_batch():
         spec = example("llama3-8b-lora-efa.yaml", **{"training.microBatchSize": micro_batch,
                        "training.activationCheckpointing": "all"})  # fmt: skip
         tokens = micro_batch * 2048
-        big, small = (plan._activations(spec, s, tokens, 2, 1) for s in (bigger, shape))
+        big, small = (estimate._activations(spec, s, tokens, 2, 1) for s in (bigger, shape))
         return big - small
 
     assert vocab_cost(1) == vocab_cost(8) == LOSS_CHUNK_TOKENS * shape.vocab * (2 + 8)
@@ -500,7 +504,7 @@ def test_model_flops_is_the_one_definition_behind_the_plan():
     assert whole == 2 * seq * flops_per_token(n, 0, layers, hidden, seq, False)
     spec = example("llama3-8b-full-40gb.yaml")
     s = known_model(spec.model.source)
-    e = plan.estimate(spec, s)
+    e = estimate.estimate(spec, s)
     assert e.flops_per_token == model_flops(s.matmul_params, 0, s.layers, s.hidden, False, 1, 2048)
 
 
@@ -508,10 +512,10 @@ def test_plan_json_says_what_auto_chose_and_the_mfu():
     from ftjob.cli import output
 
     spec = example("llama3-8b-lora-efa.yaml")
-    result = plan.plan(spec, known_model(spec.model.source))
+    result = options.plan(spec, known_model(spec.model.source))
     item = output.plan_result("f.yaml", "n", spec, result)
     assert item["activationCheckpointing"] == {"setting": "auto", "chosen": "none"}
-    assert item["mfu"] == plan.ASSUMED_HFU["lora"] and item["recomputedFlopsPerToken"] == 0
+    assert item["mfu"] == estimate.ASSUMED_HFU["lora"] and item["recomputedFlopsPerToken"] == 0
 
 
 def test_admission_never_says_fits_on_unchecked_host_memory():
@@ -519,11 +523,11 @@ def test_admission_never_says_fits_on_unchecked_host_memory():
     A100-80GB needs ~1 TiB of CPU memory a pod; unchecked it is Unknown, too little refuses."""
     edits = {**ONE_80GB, "parallelism.cpuOffload": True, "checkpoint.asyncSave": False}
     unchecked = example("llama2-70b-full.yaml", **edits, **{"resources.memory": None})
-    verdict = plan.admission(unchecked)
-    assert verdict["reason"] == "Unknown" and "CPU MEMORY NOT CHECKED" in verdict["message"]
+    condition = describe.planned_condition(unchecked)
+    assert condition["reason"] == "Unknown" and "CPU MEMORY NOT CHECKED" in condition["message"]
     small = example("llama2-70b-full.yaml", **edits, **{"resources.memory": "200Gi",
                     "plan.enforce": True})  # fmt: skip
-    refused = plan.admission(small)
+    refused = describe.planned_condition(small)
     assert refused["reason"] == "WillNotFit" and refused["allowed"] is False
 
 
@@ -537,11 +541,11 @@ def test_dpo_counts_two_sequences_a_pair():
     dpo = example("llama3-8b-lora-efa.yaml", **DPO, **{"training.activationCheckpointing": "all"})
     assert dpo.tokens_per_step == 2 * sft.tokens_per_step
     shape = known_model(sft.model.source)
-    a, b = plan.estimate(sft, shape), plan.estimate(dpo, shape)
+    a, b = estimate.estimate(sft, shape), estimate.estimate(dpo, shape)
     assert b.flops_per_token == a.flops_per_token  # per token the same model FLOPs
     assert b.activations > 2 * a.activations - 1  # twice the sequences (and whole logits)
     # What `ftjob plan` prints for the tiny DPO example: 2 processes x 4 pairs x 2 x 64 tokens.
-    out = "\n".join(plan.describe(example("tiny-dpo.yaml"), plan.plan(
+    out = "\n".join(describe.describe(example("tiny-dpo.yaml"), options.plan(
         example("tiny-dpo.yaml"), shape_for("tiny", json.loads(
             (ROOT / "examples/tiny-model/config.json").read_text())))))  # fmt: skip
     assert "1,024 tokens/step" in out and "DPO: 2 sequences a pair" in out
@@ -559,7 +563,7 @@ def test_dpo_takes_the_whole_micro_batchs_logits_in_fp32():
         spec = example("llama3-8b-lora-efa.yaml", **DPO, **{"training.microBatchSize":
                        micro_batch, "training.activationCheckpointing": "all"})  # fmt: skip
         tokens = micro_batch * 2 * 2048
-        big, small = (plan._activations(spec, s, tokens, 2, 1) for s in (bigger, shape))
+        big, small = (estimate._activations(spec, s, tokens, 2, 1) for s in (bigger, shape))
         return big - small
 
     assert vocab_cost(1) == 2 * 2048 * shape.vocab * (2 + 8)
@@ -570,7 +574,7 @@ def test_dpo_reference_costs_an_adapter_off_forward_with_lora_and_a_stored_pass_
     shape = known_model("hf://meta-llama/Meta-Llama-3-8B")
     sft = example("llama3-8b-lora-efa.yaml")
     lora = example("llama3-8b-lora-efa.yaml", **DPO)
-    a, b = plan.estimate(sft, shape), plan.estimate(lora, shape)
+    a, b = estimate.estimate(sft, shape), estimate.estimate(lora, shape)
     # The reference forward: 2 FLOPs a weight and 4·hidden·seq of attention per layer.
     forward = 2 * shape.matmul_params + 4 * shape.hidden * 2048 * shape.layers
     assert a.reference_flops_per_token == 0 and b.reference_flops_per_token == forward
@@ -582,24 +586,28 @@ def test_dpo_reference_costs_an_adapter_off_forward_with_lora_and_a_stored_pass_
     assert b.mfu < a.mfu
     # No extra weights.
     assert (b.weights, b.optimizer) == (a.weights, a.optimizer)
-    text = "\n".join(plan.describe(lora, plan.plan(lora, shape)))
+    text = "\n".join(describe.describe(lora, options.plan(lora, shape)))
     assert "adapters off: one more forward per micro-batch" in text
     from ftjob.cli import output
 
-    item = output.plan_result("f.yaml", "n", lora, plan.plan(lora, shape))
+    item = output.plan_result("f.yaml", "n", lora, options.plan(lora, shape))
     assert item["referenceFlopsPerToken"] == forward and item["tokensPerStep"] == 2 * 16 * 2048
     # Full: the one-time pass before training, and 8 bytes a pair on the volume.
     full = example("llama3-8b-full-40gb.yaml", **DPO)
-    e = plan.estimate(full, shape)
+    e = estimate.estimate(full, shape)
     assert e.reference_flops_per_token == 0
-    stored, seconds = plan.reference_pass(full, shape)
+    stored, seconds = estimate.reference_pass(full, shape)
     assert stored == 8
     from ftjob.api.hardware import GPUS
 
     peak = GPUS[full.resources.gpu_type].peak_bf16_flops
     assert seconds == pytest.approx(
-        1000 * 2 * 2048 * forward / (full.resources.world_size * peak * plan.ASSUMED_HFU["full"])
+        1000
+        * 2
+        * 2048
+        * forward
+        / (full.resources.world_size * peak * estimate.ASSUMED_HFU["full"])
     )
-    text = "\n".join(plan.describe(full, plan.plan(full, shape)))
+    text = "\n".join(describe.describe(full, options.plan(full, shape)))
     assert "one forward over every pair before training" in text
     assert "8 bytes a pair (7.6 MiB per million pairs)" in text

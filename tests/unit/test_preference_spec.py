@@ -39,8 +39,8 @@ def test_a_dpo_job_with_its_settings_and_field_names_passes_validator_and_crd():
             "training": {**DPO["training"], "dpo": {"beta": 0.5, "lossType": "ipo"}},
         },
     }
-    verdict = validate.check(doc)
-    assert verdict.ok, (verdict.errors, verdict.server_errors)
+    checked = validate.check(doc)
+    assert checked.ok, (checked.errors, checked.server_errors)
     spec = parse_spec(doc["spec"])
     assert spec.training.dpo_settings().loss_type == "ipo"
     assert spec.dataset.chosen_field == "good" and spec.dataset.rejected_field == "bad"
@@ -49,7 +49,7 @@ def test_a_dpo_job_with_its_settings_and_field_names_passes_validator_and_crd():
 def test_label_smoothing_below_a_half_with_the_sigmoid_loss_passes_validator_and_crd():
     doc = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "dpo"}}
     doc["spec"] = {**DPO, "training": {**DPO["training"], "dpo": {"labelSmoothing": 0.25}}}
-    verdict = validate.check(doc)
-    assert verdict.ok, (verdict.errors, verdict.server_errors)
+    checked = validate.check(doc)
+    assert checked.ok, (checked.errors, checked.server_errors)
     assert parse_spec(doc["spec"]).training.dpo_settings().label_smoothing == 0.25
     assert parse_spec(DPO).training.dpo_settings().label_smoothing is None  # unset: 0

@@ -10,7 +10,7 @@ the backward and AdamW's step under ``FakeTensorMode``: shapes and dtypes are re
 allocated and no collective moves data. torchao's ``to_nf4`` runs under FakeTensorMode on CPU,
 so the NF4 layout is checked the same way.
 
-Measured on rank 0 and compared with ``plan.estimate``'s per-GPU figures:
+Measured on rank 0 and compared with ``ftjob.plan.estimate``'s per-GPU figures:
 * weights: the local shard of every parameter (an NF4 weight: its 4-bit data, int8 scales and
   scale factors, what the plan's 4.13 bits per value stand for);
 * gradients: each trainable parameter's sharded ``.grad`` after a fake forward and backward;
@@ -38,7 +38,7 @@ from torchao.quantization import NF4Tensor
 from transformers import LlamaConfig
 
 from ftjob.api.spec import parse_spec
-from ftjob.plan import estimate as plan
+from ftjob.plan.estimate import estimate
 from ftjob.plan.modelshape import known_model
 from ftjob.trainer.model import load as model
 from ftjob.trainer.model import parallel
@@ -177,7 +177,7 @@ def test_per_rank_bytes_equal_the_plan(layout, model_dir, fake_world, monkeypatc
         states = [optimizer.state[p] for p in trained]
         moments = sum(nbytes(local(s[k])) for s in states for k in ("exp_avg", "exp_avg_sq"))
 
-    planned = plan.estimate(spec, SHAPE)
+    planned = estimate(spec, SHAPE)
     assert planned.notes[0].startswith(f"sharding {sharding} over {shards} ")
     assert (weights, gradients, moments) == (planned.weights, planned.gradients, planned.optimizer)
     # What the plan leaves out is tiny: a step counter per trained tensor.

@@ -28,7 +28,7 @@ def committed_folder(root: Path) -> Path:
     names = [p.name for p in folder.iterdir()]
     files = {}
     for rank in (0, 1):
-        files |= integrity.describe(folder, integrity.share(names, rank, 2))
+        files |= integrity.checksums(folder, integrity.share(names, rank, 2))
     (folder / integrity.COMMITTED).write_text(integrity.manifest(4, files))
     return folder
 

@@ -13,7 +13,7 @@ joining the process group (seconds):
   and, on GPUs, the transport NCCL chose, read from NCCL's own INIT/NET log lines
   (:func:`nccl_log`, set up before the process group exists).
 
-The figures of every rank are gathered, so every rank reaches the same verdict: a failed
+The figures of every rank are gathered, so every rank reaches the same conclusion: a failed
 check raises :class:`ftjob.api.contract.TrainerError` on all ranks with the reason
 (NodeUnhealthy, FabricMisconfigured, VolumeUnusable, or DiskFull for a full volume), the
 node at fault, the numbers and a fix. The figures go to the log and rank 0's progress

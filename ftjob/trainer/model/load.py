@@ -50,7 +50,9 @@ def resolve(source: str) -> str:
     return str(path)
 
 
-def hub_kwargs(spec: FineTuneJobSpec) -> dict:
+def source_options(spec: FineTuneJobSpec) -> dict:
+    """What every ``from_pretrained`` of spec.model.source takes: trust_remote_code, and for an
+    hf:// source the pinned revision and the token."""
     m = spec.model
     kwargs = {"trust_remote_code": m.trust_remote_code}
     if m.source.startswith("hf://"):
@@ -66,7 +68,7 @@ def load_tokenizer(spec: FineTuneJobSpec) -> PreTrainedTokenizerBase:
         found = modelfiles.folder_problem(Path(path), spec.model.source)
         if found:
             raise SourceError(found[0], where="spec.model.source", fix=found[1])
-    tok = AutoTokenizer.from_pretrained(path, **hub_kwargs(spec))
+    tok = AutoTokenizer.from_pretrained(path, **source_options(spec))
     if tok.pad_token is None:
         # Padding positions never reach the loss (labels -100), so any known token will do;
         # eos is what Llama-family recipes use.
@@ -96,8 +98,8 @@ class Built:
 
 def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase) -> Built:
     """The model with adapters applied, on the meta device: no weight is read yet."""
-    path, hub = resolve(spec.model.source), hub_kwargs(spec)
-    config = AutoConfig.from_pretrained(path, **hub)
+    path, options = resolve(spec.model.source), source_options(spec)
+    config = AutoConfig.from_pretrained(path, **options)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config,

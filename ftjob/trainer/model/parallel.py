@@ -24,7 +24,7 @@ from torch.distributed.fsdp import (
 
 from ftjob.api import contract
 from ftjob.api.spec import FineTuneJobSpec
-from ftjob.plan import estimate as plan
+from ftjob.plan.estimate import checkpoint_stride, checkpointed
 from ftjob.plan.modelshape import ModelShape
 
 
@@ -126,7 +126,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 @dataclass(frozen=True)
 class Speed:
-    """The speed settings, resolved for this device (plan.checkpoint_stride, spec)."""
+    """The speed settings, resolved for this device (checkpoint_stride, spec)."""
 
     checkpoint_every: int  # recompute every Nth decoder layer in backward; 0: none
     compile: bool  # torch.compile each decoder layer
@@ -137,7 +137,7 @@ def speed_settings(spec: FineTuneJobSpec, config, device_bytes: int | None) -> S
     device) and compile for this device; ``config`` is the model's transformers config."""
     shape = ModelShape.from_config(config.to_dict())
     on_gpu = spec.resources.gpus_per_node > 0
-    return Speed(plan.checkpoint_stride(spec, shape, device_bytes), spec.compile_enabled(on_gpu))
+    return Speed(checkpoint_stride(spec, shape, device_bytes), spec.compile_enabled(on_gpu))
 
 
 def shard(
@@ -161,7 +161,7 @@ def shard(
             activation_checkpointing_kwargs={"use_reentrant": False}
         )
         for i, layer in enumerate(layers):  # the layers ftjob plan counted as recomputed
-            layer.gradient_checkpointing = plan.checkpointed(i, speed.checkpoint_every)
+            layer.gradient_checkpointing = checkpointed(i, speed.checkpoint_every)
     if speed.compile:
         for layer in layers:
             # The layer's forward only: FSDP's hooks (in __call__) stay eager around it, and

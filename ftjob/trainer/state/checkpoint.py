@@ -225,7 +225,7 @@ class Checkpointer:
         """Sizes and CRC-32 of this rank's share of a written checkpoint (DCP's save ends
         with a collective: every rank's files are there; this rank's are in its page cache)."""
         names = [p.name for p in tmp.iterdir()]
-        return integrity.describe(tmp, integrity.share(names, self.rank, self.world))
+        return integrity.checksums(tmp, integrity.share(names, self.rank, self.world))
 
     def _commit(self, tmp: Path, final: Path, sums: dict[str, dict]) -> None:
         error = None

@@ -33,7 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBa
 
 from ftjob.api.spec import FineTuneJobSpec, ModelSpec
 from ftjob.job import folder as jobfolder
-from ftjob.trainer.model.load import hub_kwargs, resolve
+from ftjob.trainer.model.load import resolve, source_options
 
 
 def export(
@@ -80,7 +80,7 @@ def _trained(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _save_full(state: dict[str, torch.Tensor], spec: FineTuneJobSpec, tmp: Path) -> None:
-    config = AutoConfig.from_pretrained(resolve(spec.model.source), **hub_kwargs(spec))
+    config = AutoConfig.from_pretrained(resolve(spec.model.source), **source_options(spec))
     with torch.device("meta"):
         fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = fresh.load_state_dict(state, strict=False, assign=True)
@@ -112,8 +112,8 @@ def _save_merged(spec: FineTuneJobSpec, adapter: Path, tmp: Path) -> None:
     from peft import PeftModel
 
     path = resolve(spec.model.source)
-    config = AutoConfig.from_pretrained(path, **hub_kwargs(spec))
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **hub_kwargs(spec))
+    config = AutoConfig.from_pretrained(path, **source_options(spec))
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **source_options(spec))
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     _to_saved_dtype(merged, config)
     merged.save_pretrained(tmp)

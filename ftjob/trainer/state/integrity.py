@@ -44,7 +44,7 @@ def crc32(path: Path) -> str:
     return f"{value:08x}"
 
 
-def describe(folder: Path, names: list[str]) -> dict[str, dict]:
+def checksums(folder: Path, names: list[str]) -> dict[str, dict]:
     """Size and checksum of each file in ``names``."""
     return {n: {"size": (folder / n).stat().st_size, "crc32": crc32(folder / n)} for n in names}
 

@@ -1,0 +1,230 @@
+"""The plan in words: the lines ``ftjob plan`` prints, the one-line verdict (fits, will not
+fit, not checked, cannot run), and the ``Planned`` condition the operator records from it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ftjob.api.hardware import node_bandwidth
+from ftjob.api.spec import FineTuneJobSpec
+from ftjob.plan import datasize
+from ftjob.plan.estimate import TIGHT, Estimate, gib, reference_pass, stride_name
+from ftjob.plan.modelshape import ModelShape, shape_for
+from ftjob.plan.options import Plan, plan
+
+
+def _source_root() -> Path | None:
+    root = os.environ.get("FTJOB_SOURCE_ROOT")  # relative sources, as the trainer resolves them
+    return Path(root) if root else None
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes = seconds / 60
+    if minutes < 120:
+        return f"{minutes:.0f} min"
+    return f"{minutes / 60:.1f} h"
+
+
+def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = None) -> list[str]:
+    """The plan as lines a person reads top to bottom; relative data sources are looked up
+    under ``source_root`` (the job file's folder)."""
+    e, s, r = result.estimate, result.shape, spec.resources
+    device = r.gpu_type or ("CPU process" if not r.gpus_per_node else "GPU (gpuType unset)")
+    rows = [
+        (
+            "model",
+            f"{s.name}: {_count(s.params)} parameters, {s.layers} layers, hidden "
+            f"{s.hidden}; trainable {_count(e.trainable)} ({spec.method.type})",
+        ),
+        (
+            "shape",
+            f"{r.nodes} node(s) x {r.nproc_per_node} x {device}, "
+            + ", ".join(e.notes)
+            + f", {spec.compute_precision()}, "
+            + checkpointing_text(spec, e),
+        ),
+        (
+            "per GPU" if r.gpus_per_node else "per process",
+            f"weights {gib(e.weights)} + gradients {gib(e.gradients)} + optimizer "
+            f"{gib(e.optimizer)} + activations {gib(e.activations)} + temporaries "
+            f"{gib(e.temporaries)} + reserved {gib(e.reserved)} = {gib(e.per_device)}"
+            + (f" of {gib(e.device_bytes)}" if e.device_bytes else "")
+            # 0 bytes of weights, gradients and optimizer are not a mistake: say where they are.
+            + (
+                "; weights, gradients and optimizer states live in CPU memory (cpuOffload)"
+                if spec.parallelism.cpu_offload and r.gpus_per_node
+                else ""
+            ),
+        ),
+        (
+            "CPU memory",
+            f"{gib(e.cpu_peak_per_node)} per pod at most: loading {gib(e.load_cpu_per_node)} "
+            "(each process its shards + the tensor it reads), steady "
+            f"{gib(e.cpu_per_node)}"
+            + (f", of {gib(e.pod_memory)} (resources.memory)" if e.pod_memory else "")
+            + f"; page cache: {gib(e.page_cache_per_node)} of weight files read through it, "
+            "charged to the pod but reclaimable, not counted",
+        ),
+        (
+            "checkpoint",
+            f"{gib(e.checkpoint_bytes)} each on the volume "
+            f"(x keep {spec.checkpoint.keep} = {gib(e.checkpoint_bytes * spec.checkpoint.keep)})",
+        ),
+        ("data", datasize.describe(spec, source_root or _source_root())),
+    ]
+    if spec.training.objective == "dpo":
+        rows.append(("reference", _reference_text(spec, s, e)))
+    tokens = spec.tokens_per_step
+    if e.step_seconds is not None:
+        total, steps = "", spec.training.max_steps
+        if steps:
+            total = f", {steps} steps ~ {_duration(e.step_seconds * steps)}"
+        rows.append(
+            (
+                "throughput",
+                f"{tokens:,} tokens/step, ~{_duration(e.step_seconds)}/step at {e.mfu:.0%} MFU"
+                + (
+                    f" ({e.hardware_utilisation:.0%} of peak with recomputation)"
+                    if e.recomputed_flops_per_token
+                    else ""
+                )
+                + total,
+            )
+        )
+    elif r.gpus_per_node:
+        rows.append(("throughput", f"{tokens:,} tokens/step (set resources.gpuType for time)"))
+    else:
+        rows.append(("throughput", f"{tokens:,} tokens/step (no time estimate on CPU)"))
+    if r.nodes > 1:
+        bw = node_bandwidth(spec.network.fabric, r.gpus_per_node, spec.network.efa_devices_per_node)
+        rows.append(
+            (
+                "network",
+                f"{gib(e.network_bytes_per_node)} per node per step over "
+                f"{spec.network.fabric} ({bw / 1e9:.0f} GB/s): {_duration(e.network_seconds)} if "
+                "not overlapped with compute",
+            )
+        )
+    rows.append(("verdict", verdict_text(result)))
+    unit = "GPU" if r.gpus_per_node else "process"
+    for option in result.options:
+        step = option.estimate.step_seconds
+        rows.append(
+            (
+                "  fits with",
+                f"{option.change}: {gib(option.estimate.per_device)} per {unit}"
+                + (" (tight)" if _tight(option.estimate) else "")
+                + (f", ~{_duration(step)}/step" if step else "")
+                + _more_cpu(e, option.estimate),
+            )
+        )
+    width = max(len(label) for label, _ in rows) + 2
+    return [f"{label:<{width}}{text}" for label, text in rows]
+
+
+def _reference_text(spec: FineTuneJobSpec, s: ModelShape, e: Estimate) -> str:
+    """The DPO reference row: what the reference costs for this method."""
+    if spec.method.type != "full":
+        return (
+            "the same network with its adapters off: one more forward per micro-batch "
+            f"(+{e.reference_flops_per_token / e.flops_per_token:.0%} of the step's model "
+            "FLOPs, counted in the step time), no extra weights, no kept activations"
+        )
+    stored, seconds = reference_pass(spec, s)
+    when = f", ~{_duration(seconds)} per 1,000 pairs" if seconds is not None else ""
+    return (
+        "the initial model's log-probabilities, one forward over every pair before training"
+        f"{when}; stored on the volume beside the prepared data, {stored:.0f} bytes a pair "
+        f"({gib(stored * 1e6)} per million pairs), reused by restarts"
+    )
+
+
+def _tight(e: Estimate) -> bool:
+    """Above TIGHT of a GPU's memory: the estimate's error could tip it."""
+    return bool(e.device_bytes) and e.per_device > TIGHT * e.device_bytes
+
+
+def _more_cpu(base: Estimate, option: Estimate) -> str:
+    """The CPU memory a change needs, where it needs more than the job (cpuOffload)."""
+    if option.cpu_peak_per_node <= base.cpu_peak_per_node:
+        return ""
+    return f", {gib(option.cpu_peak_per_node)} CPU memory per pod"
+
+
+def checkpointing_text(spec: FineTuneJobSpec, e: Estimate) -> str:
+    """What activation checkpointing does here, and what auto chose."""
+    chosen = stride_name(e.checkpoint_stride)
+    if spec.training.activation_checkpointing != "auto":
+        return f"activation checkpointing {chosen}"
+    if not e.device_bytes:
+        why = "no GPU memory to fit against"
+    elif e.checkpoint_stride == 1:
+        why = "nothing faster fits"
+    else:
+        why = "the fastest that fits"
+    return f"activation checkpointing auto: {chosen} ({why})"
+
+
+def verdict_text(result: Plan) -> str:
+    """The plan's verdict in one line: FITS, WILL NOT FIT (and what would), not checked (and
+    what to set), or CANNOT RUN (what the trainer would refuse)."""
+    e = result.estimate
+    if e.problem:
+        return f"CANNOT RUN: {e.problem}"
+    found = []
+    if e.fits_device is not None:
+        share = e.per_device / e.device_bytes
+        found.append(f"{gib(e.per_device)} of {gib(e.device_bytes)} per GPU ({share:.0%})")
+    if e.fits_pod is not None:
+        peak = "loading" if e.load_cpu_per_node > e.cpu_per_node else "training"
+        found.append(
+            f"{gib(e.cpu_peak_per_node)} of {gib(e.pod_memory)} CPU memory per pod (peak "
+            f"while {peak}: every rank reads only its part of the weights)"
+        )
+    if e.fits is None:
+        if not result.on_gpus:  # gpuType is for GPU jobs only (a CRD rule)
+            return "not checked: set resources.memory to check the CPU memory"
+        if e.fits_device is None:
+            return "not checked: set resources.gpuType (and resources.memory) to check the fit"
+        # The GPUs fit, but the pods' CPU memory (offloaded states, loading) was not checked.
+        return (
+            f"GPU memory fits: {found[0]}; CPU MEMORY NOT CHECKED: a pod needs up to "
+            f"{gib(e.cpu_peak_per_node)}; set resources.memory to check it"
+        )
+    if e.fits:
+        return ("FITS (tight)" if _tight(e) else "FITS") + ": " + ", ".join(found)
+    options = "; ".join(o.change.split(" (")[0] for o in result.options) or "no single change"
+    return "WILL NOT FIT: " + ", ".join(found) + f"; fits with: {options}"
+
+
+def planned_condition(spec: FineTuneJobSpec, config: dict | None = None) -> dict:
+    """The ``Planned`` condition the operator records before it creates any pod: its reason,
+    message (the verdict) and whether the job may start. Not admission: the API server admits
+    a job (:mod:`ftjob.api.admission`) before the operator ever plans it.
+
+    ``config`` is the model's config.json when the operator can read it; hf:// sources of
+    well-known models are planned from the table. ``allowed`` is False only when the job will
+    not fit and ``spec.plan.enforce`` is on.
+    """
+    try:
+        shape = shape_for(spec.model.source, config)
+    except ValueError as e:
+        return {"reason": "Unknown", "message": f"not planned: {e}", "allowed": True}
+    result = plan(spec, shape)
+    if result.estimate.problem:  # the trainer would refuse it: no enforce can let it through
+        return {"reason": "CannotRun", "message": verdict_text(result), "allowed": False}
+    if result.fits is None:
+        return {"reason": "Unknown", "message": verdict_text(result), "allowed": True}
+    if result.fits:
+        return {"reason": "Fits", "message": verdict_text(result), "allowed": True}
+    enforce = spec.plan.enforce
+    tail = "" if enforce else " (spec.plan.enforce is false: starting anyway)"
+    return {"reason": "WillNotFit", "message": verdict_text(result) + tail, "allowed": not enforce}
