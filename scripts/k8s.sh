@@ -6,6 +6,8 @@
 #                                             kube-scheduler and kwok into a cache keyed by version
 #   scripts/k8s.sh up DIR [--gpu-nodes N]     start them on 127.0.0.1, all state in DIR; writes
 #                                             DIR/admin.kubeconfig; returns when all are healthy
+#                [--apiserver-arg ARG]...     (opt-in) one more kube-apiserver flag each, e.g.
+#                                             --watch-cache=false or an audit log's flags
 #   scripts/k8s.sh down DIR                   stop every process `up` started (by pid)
 #   scripts/k8s.sh bin                        print the folder holding the binaries
 #
@@ -215,7 +217,7 @@ start_apiserver() {
     --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
     --authorization-mode Node,RBAC --enable-admission-plugins OwnerReferencesPermissionEnforcement \
     --service-cluster-ip-range 10.0.0.0/24 --endpoint-reconciler-type none \
-    --enable-aggregator-routing=true --allow-privileged=true
+    --enable-aggregator-routing=true --allow-privileged=true "${APISERVER_ARGS[@]}"
   wait_healthy kube-apiserver "https://127.0.0.1:$API_PORT/readyz" --cacert "$pki/ca.crt" \
     --cert "$pki/admin.crt" --key "$pki/admin.key"
 }
@@ -273,6 +275,7 @@ kubectl_() { "${KUBECTL:-kubectl}" --kubeconfig "$DIR/admin.kubeconfig" "$@"; }
 
 cmd_up() {
   local nodes=4 kueue=0
+  APISERVER_ARGS=()
   DIR=${1:-}
   [[ -n "$DIR" ]] || die "usage: k8s.sh up DIR [--gpu-nodes N]"
   shift
@@ -281,6 +284,8 @@ cmd_up() {
       --gpu-nodes) nodes=${2:-}; shift 2 ;;
       --gpu-nodes=*) nodes=${1#*=}; shift ;;
       --kueue) kueue=1; shift ;;
+      --apiserver-arg) APISERVER_ARGS+=("${2:?--apiserver-arg takes a flag}"); shift 2 ;;
+      --apiserver-arg=*) APISERVER_ARGS+=("${1#*=}"); shift ;;
       *) die "unknown option $1 (usage: k8s.sh up DIR [--gpu-nodes N])" ;;
     esac
   done
