@@ -230,18 +230,9 @@ class PodmanNode:
         self.report(run, "Running", running={"startedAt": now()})
 
     def create_sandbox(self, run: Running) -> None:
-        done = podman(
-            "pod",
-            "create",
-            "--name",
-            run.sandbox,
-            "--label",
-            f"{LABEL}={self.name}",
-            "--network",
-            "podman",
-            "--share",
-            "net",
-        )
+        # Only the network namespace is shared: the container sets its own hostname.
+        argv = ["pod", "create", "--name", run.sandbox, "--label", f"{LABEL}={self.name}"]
+        done = podman(*argv, "--network", "podman", "--share", "net")
         assert done.returncode == 0, done.stderr
         assert podman("pod", "start", run.sandbox).returncode == 0
         infra = podman("pod", "inspect", "--format", "{{.InfraContainerID}}", run.sandbox)
