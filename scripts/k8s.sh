@@ -306,8 +306,11 @@ cmd_up() {
   start_apiserver
   start_controllers
   start_kwok
-  gpu_nodes "$nodes" | kubectl_ apply -f - >/dev/null
-  kubectl_ wait --for=condition=Ready node --all --timeout=60s >/dev/null
+  # --gpu-nodes 0: no kwok nodes (scripts/try-operator.sh brings podman nodes instead).
+  if ((nodes > 0)); then
+    gpu_nodes "$nodes" | kubectl_ apply -f - >/dev/null
+    kubectl_ wait --for=condition=Ready node --all --timeout=60s >/dev/null
+  fi
   # The default ServiceAccount (the ServiceAccount controller) is what pods of tests need.
   for _ in $(seq 300); do kubectl_ get sa default >/dev/null 2>&1 && break; sleep 0.2; done
   ((kueue == 0)) || kueue_up

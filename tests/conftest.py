@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from built_images import images  # noqa: F401  (the session's image build, a fixture)
 from trainer_outputs import Runs
 
 # Test files that torchrun runs as its workers' script import the suite's shared modules

@@ -114,9 +114,10 @@ def token_kubeconfig(plane: Plane, namespace: str, account: str, path: Path) -> 
     return path
 
 
-def shared_volume(namespace: str) -> str:
+def shared_volume(namespace: str, path: str = "/srv/ftjob-shared") -> str:
     """The ReadWriteMany claim examples/tiny.yaml names, bound to a PersistentVolume up
-    front: the real scheduler does not place a pod whose claim is missing or unbound."""
+    front: the real scheduler does not place a pod whose claim is missing or unbound.
+    ``path``: the host folder behind it (what a podman node mounts; kwok's pods never do)."""
     pv = {
         "apiVersion": "v1",
         "kind": "PersistentVolume",
@@ -125,7 +126,7 @@ def shared_volume(namespace: str) -> str:
             "capacity": {"storage": "1Gi"},
             "accessModes": ["ReadWriteMany"],
             "storageClassName": "manual",
-            "hostPath": {"path": "/srv/ftjob-shared"},
+            "hostPath": {"path": path},
             "claimRef": {"namespace": namespace, "name": "ftjob-shared"},
         },
     }

@@ -1,0 +1,287 @@
+"""The whole path a user takes, through the real control plane, on nodes that run containers:
+`kubectl apply` of examples/tiny.yaml (with the built trainer image) -> the operator, as the
+chart's ServiceAccount -> the real scheduler places the pods on two podman nodes
+(tests/cluster/podman_node.py) -> the trainer gang trains in the containers -> `kubectl get
+ftj` shows the loss, then Succeeded -> the export on the volume's host folder loads, and every
+logged loss equals `ftjob run examples/tiny.yaml`'s. Then a container SIGKILLed mid-run, and a
+pod evicted: each time the operator replaces the gang and the run resumes from its checkpoint
+with the same losses.
+
+    python -m pytest tests/cluster/test_podman_node.py -q   # needs podman and the plane
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import hangs
+import pytest
+from plane import ROOT, Plane, shared_volume, token_kubeconfig
+from podman_node import LABEL, NODE_LABEL
+
+sys.path.append(str(ROOT / "tests" / "emulator"))
+from podrun import PODMAN, fs_group  # noqa: E402  (podman_node put tests/images on the path)
+from support import Operator  # noqa: E402  (the emulator tests' launcher, reused)
+
+from ftjob.api import manifest  # noqa: E402
+from ftjob.operator import render  # noqa: E402
+
+pytestmark = pytest.mark.timeout(1800)  # the first test also waits for the image build
+NAMESPACE = "podman"
+NODES = ("podman-0", "podman-1")
+TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
+
+
+def node_containers() -> list[str]:
+    out = subprocess.run(
+        [*PODMAN, "ps", "-a", "--filter", f"label={LABEL}", "--format", "{{.Names}}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return out.stdout.split()
+
+
+@pytest.fixture(scope="module")
+def nodes(installed: Plane, images, tmp_path_factory):
+    """Two podman nodes, each its own process (as two kubelets would be)."""
+    work = tmp_path_factory.mktemp("podman-nodes")
+    procs = []
+    for name in NODES:
+        argv = [
+            sys.executable,
+            str(ROOT / "tests/cluster/podman_node.py"),
+            "--kubeconfig",
+            str(installed.kubeconfig),
+            "--name",
+            name,
+            "--workdir",
+            str(work / name),
+        ]
+        with open(work / f"{name}.log", "w") as log:
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+    ready = "jsonpath={.status.conditions[?(@.type=='Ready')].status}"
+    for name in NODES:
+        installed.wait(lambda n=name: installed.get("node", n, ok=False), hangs.FLOOR, name)
+        installed.kubectl("wait", f"node/{name}", f"--for={ready}=True", "--timeout=60s")
+    yield SimpleNamespace(names=NODES, logs=[work / f"{n}.log" for n in NODES])
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        proc.wait(hangs.FLOOR)
+    # Every container a node started went with it. (Whatever a crashed node left is removed
+    # anyway, by the label, before the test says so.)
+    left = node_containers()
+    for name in left:
+        subprocess.run([*PODMAN, "rm", "-f", "-t", "0", name], capture_output=True, timeout=120)
+    assert left == [], [p.read_text()[-2000:] for p in (work / f"{n}.log" for n in NODES)]
+
+
+@pytest.fixture(scope="module")
+def volume(installed: Plane, tmp_path_factory) -> Path:
+    """The claim's host folder (a hostPath PersistentVolume): the example's model and data,
+    writable by the pods' user (a kubelet applies no fsGroup to a hostPath volume)."""
+    shared = tmp_path_factory.mktemp("podman-volume")
+    shutil.copytree(ROOT / "examples" / "tiny-model", shared / "tiny-model")
+    shutil.copytree(ROOT / "examples" / "data", shared / "data")
+    fs_group(shared, render.RUN_AS)
+    installed.kubectl("create", "namespace", NAMESPACE)
+    installed.wait(lambda: installed.get("sa", "default", NAMESPACE), hangs.FLOOR, "default SA")
+    installed.apply(shared_volume(NAMESPACE, str(shared)))
+    return shared
+
+
+@pytest.fixture(scope="module")
+def operator(installed: Plane, nodes, volume, tmp_path_factory):
+    work = tmp_path_factory.mktemp("podman-operator")
+    kubeconfig = token_kubeconfig(installed, "ftjob-system", "ftjob", work / "sa.kubeconfig")
+    op = Operator(SimpleNamespace(kubeconfig=kubeconfig, wait=Plane.wait), work / "op.log")
+    op.start()
+    op.plane = installed
+    yield op
+    installed.kubectl("delete", "ftj", "--all", "-n", NAMESPACE, "--timeout=120s", ok=False)
+    # Every pod gone while the nodes still run to stop their containers; the later cluster
+    # tests expect no job's pod anywhere.
+    installed.wait(lambda: not installed.get("pods", namespace=NAMESPACE), hangs.FLOOR, "no pod")
+    op.stop()
+
+
+def tiny(name: str = "tiny") -> dict:
+    """examples/tiny.yaml with the built image, kept to the podman nodes (the session's
+    plane also has kwok's GPU nodes, which run nothing), one core a pod: the pods' torch
+    then runs one thread a process, as `ftjob run` does with OMP_NUM_THREADS=1 -- the
+    losses are equal to the last bit only at equal thread counts."""
+    doc = copy.deepcopy(TINY)
+    doc["metadata"] = {"name": name, "namespace": NAMESPACE}
+    doc["spec"]["image"] = "localhost/ftjob-trainer:test"
+    doc["spec"]["scheduling"] = {"nodeSelector": {NODE_LABEL: "true"}}
+    doc["spec"]["resources"]["cpu"] = 1
+    return doc
+
+
+@pytest.fixture(scope="module")
+def reference(volume: Path, tmp_path_factory) -> SimpleNamespace:
+    """`ftjob run` of the same job file (on the volume's host folder, where its relative
+    model and data sources are): the losses to equal, and the time to compare with."""
+    job_file = volume / "tiny.yaml"
+    job_file.write_text(json.dumps(tiny()))
+    work = tmp_path_factory.mktemp("ftjob-run") / "tiny"
+    argv = [sys.executable, "-m", "ftjob", "run", str(job_file), "--workdir", str(work)]
+    env = dict(os.environ, TERM="dumb", OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=hangs.RUN, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return SimpleNamespace(seconds=time.monotonic() - start, losses=losses(work), file=job_file)
+
+
+def losses(job_dir: Path) -> list[tuple[int, float]]:
+    """Every step's logged loss, in order (a resumed run logs the steps after its
+    checkpoint again)."""
+    rows = [json.loads(x) for x in (job_dir / "progress.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if r["event"] == "step"]
+
+
+def status_of(plane: Plane, name: str) -> dict:
+    return (plane.get("ftj", name, NAMESPACE) or {}).get("status") or {}
+
+
+def host_dir(volume: Path, plane: Plane, name: str) -> Path:
+    """The job's folder on the volume's host side."""
+    uid = plane.get("ftj", name, NAMESPACE)["metadata"]["uid"]
+    return volume / f"{name}-{uid[:8]}"
+
+
+def finished(plane: Plane, name: str) -> dict:
+    def done():
+        s = status_of(plane, name)
+        return s.get("phase") in ("Succeeded", "Failed") and s
+
+    status = plane.wait(done, hangs.RUN, f"{name} to finish")
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)[-3000:]
+    return status
+
+
+def placed(plane: Plane, name: str) -> list[dict]:
+    def check():
+        pods = [p for p in plane.get("pods", namespace=NAMESPACE) or []
+                if p["metadata"]["labels"].get(render.LABEL_JOB) == name]  # fmt: skip
+        return len(pods) == 2 and all(p["spec"].get("nodeName") for p in pods) and pods
+
+    return plane.wait(check, hangs.FLOOR, f"{name}'s gang placed")
+
+
+def test_apply_trains_on_podman_nodes_to_an_export_that_loads(operator, volume, reference):
+    from transformers import AutoModelForCausalLM
+
+    plane = operator.plane
+    start = time.monotonic()
+    # As a user would: kubectl apply -f the job file.
+    plane.kubectl("apply", "-n", NAMESPACE, "-f", str(reference.file))
+    assert {p["spec"]["nodeName"] for p in placed(plane, "tiny")} <= set(NODES)
+
+    def training():
+        s = status_of(plane, "tiny")
+        return s.get("phase") == "Running" and (s.get("progress") or {}).get("loss") and s
+
+    plane.wait(training, hangs.RUN, "a loss in the status while it runs")
+    table = plane.kubectl("get", "ftj", "tiny", "-n", NAMESPACE).stdout
+    assert "Running" in table, table
+    print("\n" + table)
+    status = finished(plane, "tiny")
+    seconds = time.monotonic() - start
+    assert "Succeeded" in plane.kubectl("get", "ftj", "tiny", "-n", NAMESPACE).stdout
+    export = volume / status["modelPath"].removeprefix(render.SHARED_DIR + "/")
+    model = AutoModelForCausalLM.from_pretrained(export)
+    assert model.num_parameters() > 0
+    assert losses(host_dir(volume, plane, "tiny")) == reference.losses
+    print(f"apply -> Succeeded {seconds:.1f} s; ftjob run {reference.seconds:.1f} s")
+
+
+def trainer_container(job: str, rank: int) -> str:
+    """The podman container running node ``rank`` of ``job`` (as podman_node names it)."""
+    argv = [*PODMAN, "ps", "--filter", f"label={LABEL}", "--format", "{{.Names}}",
+            "--filter", f"name=-{NAMESPACE}-{job}-node-{rank}-"]  # fmt: skip
+    names = subprocess.run(argv, capture_output=True, text=True, timeout=120).stdout.split()
+    assert len(names) == 1, names
+    return names[0]
+
+
+def progress(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "progress.json").read_text())
+    except (OSError, ValueError):  # not written yet, or being replaced
+        return {}
+
+
+def checkpointed(plane: Plane, folder: Path, step: int, resumed: bool = False) -> dict:
+    """progress.json once a checkpoint at ``step`` or later is committed (``resumed``: by a
+    gang that resumed), before the last step."""
+
+    def check():
+        p = progress(folder)
+        return (
+            (p.get("lastCheckpointStep") or 0) >= step
+            and (p.get("resumedFrom") or not resumed)
+            and p
+        )
+
+    p = plane.wait(check, hangs.RUN, f"a checkpoint at step {step}")
+    assert p["step"] < p["totalSteps"], f"it ended before the fault: {p}"
+    return p
+
+
+def evict(plane: Plane, pod: str) -> None:
+    """What `kubectl drain` does to a pod: the Eviction API (the pod gets the condition
+    DisruptionTarget, then is deleted gracefully: SIGTERM, the grace period)."""
+    body = {"apiVersion": "policy/v1", "kind": "Eviction",
+            "metadata": {"name": pod, "namespace": NAMESPACE}}  # fmt: skip
+    path = f"/api/v1/namespaces/{NAMESPACE}/pods/{pod}/eviction"
+    plane.kubectl("create", "--raw", path, "-f", "-", input=json.dumps(body))
+
+
+def resumed_step(folder: Path) -> int:
+    resumed = progress(folder)["resumedFrom"]  # .../checkpoints/step-00000040
+    return int(resumed.rsplit("-", 1)[-1])
+
+
+def test_a_killed_container_then_an_evicted_pod_each_get_a_gang_that_resumes_exactly(
+    operator, volume, reference
+):
+    """One job, two faults. A container SIGKILLed after the first checkpoint: its pod fails
+    (137) and, a dead pod being past restarting in place, the operator replaces the gang.
+    Then a pod of that new gang evicted (the Eviction API: SIGTERM, the grace period): the
+    gang is replaced again. Each new gang resumes from a checkpoint, and every logged loss
+    equals the uninterrupted run's. (One job for both: a tiny run less in CI.)"""
+    plane = operator.plane
+    plane.apply(tiny("faults"))
+    placed(plane, "faults")
+    folder = host_dir(volume, plane, "faults")
+    checkpointed(plane, folder, 20)
+    kill = [*PODMAN, "kill", "-s", "KILL", trainer_container("faults", 1)]
+    subprocess.run(kill, check=True, capture_output=True, timeout=120)
+    plane.wait(lambda: status_of(plane, "faults").get("attempt") == 1, hangs.FLOOR, "attempt 1")
+    failure = status_of(plane, "faults")["failure"]
+    assert failure["exitCode"] == 137 and failure["rank"] == 1, failure
+    signalled = checkpointed(plane, folder, 40, resumed=True)
+    assert 20 <= resumed_step(folder) < 40, progress(folder)
+    evict(plane, "faults-node-0")
+    status = finished(plane, "faults")
+    # 2 restarts: the operator calls an eviction Lost and spends budget on it, though the API
+    # server marks the pod (DisruptionTarget, EvictionByEvictionAPI); the preemption issue
+    # is to make it free, and to checkpoint at the signal.
+    assert status["attempt"] == 2 and status["failure"]["pod"] == "faults-node-0", status
+    print(
+        f"\nevicted at step {signalled['step']}, resumed from {resumed_step(folder)}; "
+        f"restarts {status['restarts']}, the eviction called {status['failure']['reason']}"
+    )
+    assert resumed_step(folder) >= 40, progress(folder)
+    assert losses(folder) == reference.losses
