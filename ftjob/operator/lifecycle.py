@@ -394,16 +394,17 @@ def _gang_failed(s: _Step, failure: dict) -> Decision:
 
 
 def _preempted(s: _Step, failure: dict) -> Decision:
-    """Kueue stopped the gang (its pods deleted, each marked TerminationTarget): not the job's
-    fault, so no restart budget is spent; the next gang queues for admission again and
-    resumes from the newest checkpoint."""
+    """The cluster stopped a pod of the gang (Kueue's TerminationTarget, or Kubernetes'
+    DisruptionTarget: an eviction, a preemption, a taint, a deleted node): not the job's fault,
+    so no restart budget is spent; the next gang (queued for admission again where the job
+    has a Kueue queue) resumes from the newest checkpoint."""
     s.new["failure"] = failure
     _next_gang(s)
     s.delete_live(s.pods)
+    queues = " queues for admission again," if s.spec.scheduling.queue else " starts,"
     message = (
-        f"preempted by Kueue: attempt {s.new['attempt']} queues for admission again, no "
-        f"restart budget spent ({s.new['restarts']} of {s.spec.run_policy.backoff_limit} "
-        f"used): {failure['message']}"
+        f"preempted: attempt {s.new['attempt']}{queues} no restart budget spent "
+        f"({s.new['restarts']} of {s.spec.run_policy.backoff_limit} used): {failure['message']}"
     )
     return s.set("Restarting", "Preempted", message)
 

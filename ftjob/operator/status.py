@@ -75,8 +75,9 @@ ADVICE = {
     contract.VOLUME_UNUSABLE: "the preflight could not write and read back the job's volume",
     contract.INTERNAL: "the trainer failed (a bug, or something it cannot name)",
     "Evicted": "the node evicted the pod",
-    "Preempted": "Kueue stopped the gang to give its quota to another workload (a higher "
-    "priority, or its own eviction policy): no restart budget is spent",
+    "Preempted": "the cluster stopped the pod for reasons of its own (Kueue preempting for "
+    "another workload, an eviction such as a node drain, the scheduler's preemption, a taint, "
+    "its node deleted): no restart budget is spent",
     "Lost": "the pod or its node disappeared",
     "Error": "the trainer exited with an error",
 }
@@ -152,7 +153,7 @@ def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
     if meta.get("deletionTimestamp"):
         view_meta["deletionTimestamp"] = meta["deletionTimestamp"]
     view_status = {k: status[k] for k in ("phase", "reason", "message", "podIP") if k in status}
-    stopped = [c for c in status.get("conditions") or [] if c.get("type") == KUEUE_STOPPED]
+    stopped = [c for c in status.get("conditions") or [] if c.get("type") in STOPPED_BY_CLUSTER]
     if stopped:  # a copy, as below
         view_status["conditions"] = copy.deepcopy(stopped)
     trainer = _trainer_state(pod)
@@ -196,15 +197,22 @@ def waiting_reason(pod: dict) -> str | None:
 
 # Kueue's webhook gates every pod it manages until the pod's group is admitted whole.
 KUEUE_ADMISSION_GATE = "kueue.x-k8s.io/admission"
-# The pod condition Kueue sets on each pod of a group it stops (preemption, eviction) before
-# deleting them all.
-KUEUE_STOPPED = "TerminationTarget"
+# The pod conditions the cluster sets on a pod it stops for reasons of its own, before deleting
+# it: Kueue's on each pod of a group it stops (preemption, its eviction policy), Kubernetes' on
+# a pod evicted through the API (`kubectl drain`, a node upgrade), preempted by the scheduler,
+# removed by a NoExecute taint, or collected after its node was deleted (a spot reclaim).
+STOPPED_BY_CLUSTER = ("TerminationTarget", "DisruptionTarget")
 
 
-def stopped_by_kueue(pod: dict) -> str | None:
-    """Kueue's word for why it stopped the pod (its TerminationTarget condition), if it did."""
-    for c in pod.get("status", {}).get("conditions") or []:
-        if c.get("type") == KUEUE_STOPPED and c.get("status") == "True":
+def stopped_by_cluster(pod: dict) -> str | None:
+    """The cluster's word for why it stopped the pod, if it did (not the job's doing). A pod
+    the kubelet evicted for the node's pressure (status.reason Evicted) is not: the job may
+    have caused the pressure, and it is said as Evicted."""
+    st = pod.get("status", {})
+    if st.get("reason") == "Evicted":
+        return None
+    for c in st.get("conditions") or []:
+        if c.get("type") in STOPPED_BY_CLUSTER and c.get("status") == "True":
             return f"{c.get('reason', '')}: {c.get('message', '')}".strip(": ")
     return None
 
@@ -252,7 +260,7 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     reason, detail, code, note, fix = None, "", None, "", None
     node_fault = False  # the node's fault, not the job's: the next gangs avoid it (badNodes)
     term = terminated(pod)
-    if stopped := stopped_by_kueue(pod):
+    if stopped := stopped_by_cluster(pod):
         reason, detail = "Preempted", stopped
     elif st.get("reason") == "Evicted":
         reason, detail = "Evicted", st.get("message", "")

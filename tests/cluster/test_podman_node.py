@@ -275,10 +275,10 @@ def test_a_killed_container_then_an_evicted_pod_each_get_a_gang_that_resumes_exa
     assert 20 <= resumed_step(folder) < 40, progress(folder)
     evict(plane, "faults-node-0")
     status = finished(plane, "faults")
-    # 2 restarts: the operator calls an eviction Lost and spends budget on it, though the API
-    # server marks the pod (DisruptionTarget, EvictionByEvictionAPI); the preemption issue
-    # is to make it free, and to checkpoint at the signal.
+    # The API server marks the evicted pod (DisruptionTarget, EvictionByEvictionAPI): the
+    # operator calls it Preempted and spends no budget on it; only the SIGKILL above counted.
     assert status["attempt"] == 2 and status["failure"]["pod"] == "faults-node-0", status
+    assert status["failure"]["reason"] == "Preempted" and status["restarts"] == 1, status
     print(
         f"\nevicted at step {signalled['step']}, resumed from {resumed_step(folder)}; "
         f"restarts {status['restarts']}, the eviction called {status['failure']['reason']}"

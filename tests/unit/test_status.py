@@ -282,6 +282,41 @@ def test_a_gang_kueue_preempts_is_queued_again_without_spending_restart_budget()
     assert again.phase == "Restarting" and again.status["restarts"] == 0
 
 
+# What kube-apiserver 1.37 writes on a pod evicted through the Eviction API (`kubectl drain`)
+# before its graceful deletion; the scheduler's preemption, a NoExecute taint and a deleted
+# node's pods get the same condition with their own reason.
+DISRUPTION = {
+    "type": "DisruptionTarget",
+    "status": "True",
+    "reason": "EvictionByEvictionAPI",
+    "message": "Eviction API: evicting",
+}
+
+
+@pytest.mark.parametrize("reason", ["EvictionByEvictionAPI", "PreemptionByScheduler",
+                                    "DeletionByTaintManager", "DeletionByPodGC"])  # fmt: skip
+def test_a_pod_the_cluster_disrupts_replaces_the_gang_without_spending_restart_budget(reason):
+    d = run_to([pod(0), pod(1)], backoffLimit=1)
+    drained = pod(1)
+    drained["metadata"]["deletionTimestamp"] = "2026-01-01T12:00:30Z"
+    drained["status"]["conditions"] = [DISRUPTION | {"reason": reason}]
+    r = decide(d.status, [pod(0), drained], backoffLimit=1)
+    assert r.phase == "Restarting" and r.status["restarts"] == 0 and r.status["attempt"] == 1
+    assert r.status["failure"]["reason"] == "Preempted" and reason in r.status["failure"]["message"]
+    restarting = st.condition(r.status["conditions"], "Restarting")["message"]
+    assert "no restart budget spent" in restarting and "queues" not in restarting  # no queue
+
+
+def test_a_pod_the_kubelet_evicts_for_the_nodes_pressure_still_spends_budget():
+    """The kubelet marks its own evictions DisruptionTarget too (TerminationByKubelet), with
+    status.reason Evicted: the job may have caused the pressure, so it stays Evicted."""
+    d = run_to([pod(0), pod(1)], backoffLimit=1)
+    evicted = pod(1, phase="Failed", extra={"reason": "Evicted", "message": "low on memory"})
+    evicted["status"]["conditions"] = [DISRUPTION | {"reason": "TerminationByKubelet"}]
+    r = decide(d.status, [pod(0), evicted], backoffLimit=1)
+    assert r.status["failure"]["reason"] == "Evicted" and r.status["restarts"] == 1
+
+
 def test_reconciling_twice_changes_nothing():
     d = run_to([pod(0), pod(1)])
     again = decide(d.status, [pod(0), pod(1)])
