@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 
 import envs
+import hangs
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -46,10 +48,15 @@ def test_gpu_suite_compares_ftjob_and_trl_for_full_and_lora(tmp_path):
     assert rows[1]["goal"] == f">= {gpu.MFU_GOAL}" and rows[1]["met"] is False
 
 
+# The kit's own limits (420 s in all) times the suite's margin for a shared machine, with the
+# test's own setup (the venv, the wheels) beside it.
+@pytest.mark.timeout(hangs.after(420) + hangs.RUN)
 def test_the_gpu_call_rehearsed_on_cpu_installs_offline_and_measures_every_step(tmp_path):
     """bash bench/gpu_kit/run.sh rehearse: the main call's install (the kit's wheels, offline,
-    onto the torch 2.11 venv standing in for the image), steps, caps and files, with the tiny
-    model on one CPU process, within the 7 minutes a rehearsal may take."""
+    onto the torch 2.11 venv standing in for the image), steps and files, with the tiny model
+    on one CPU process. Each step's cap and the budget are the device call's times
+    hangs.SLOWER (KIT_CAP_SCALE): a loaded 2-core machine timed out honest steps at the
+    device's own caps (env 60 s, ftjob-full 90 s)."""
     python = envs.torch_floor_python()
     version = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
@@ -58,10 +65,11 @@ def test_the_gpu_call_rehearsed_on_cpu_installs_offline_and_measures_every_step(
                     str(wheels)], cwd=ROOT, check=True, capture_output=True)  # fmt: skip
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "KIT_WORKDIR": str(tmp_path / "work"),
-           "KIT_WHEELS": str(wheels), "PYTHON": str(python)}  # fmt: skip
+           "KIT_WHEELS": str(wheels), "PYTHON": str(python),
+           "KIT_CAP_SCALE": str(hangs.SLOWER)}  # fmt: skip
     env.pop("PYTHONPATH", None)  # the kit puts the checkout and its wheels there itself
     done = subprocess.run(["bash", "bench/gpu_kit/run.sh", "rehearse"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=420)  # fmt: skip
+                          capture_output=True, text=True, timeout=hangs.after(420))  # fmt: skip
     summary = (out / "summary.txt").read_text()
     assert done.returncode == 0, done.stdout[-3000:]
     assert re.search(r"^install: \d+ wheels into ", summary, re.MULTILINE), summary

@@ -57,8 +57,8 @@ def test_the_wheels_and_the_runs_output_stay_out_of_git():
     assert "/.whl/" in ignored and "/gpu-out/" in ignored
 
 
-def plan(tmp_path: Path, *args: str) -> list[str]:
-    env = {**os.environ, "OUT": str(tmp_path), "KIT_BUDGET_S": "360"}
+def plan(tmp_path: Path, *args: str, scale: int = 1) -> list[str]:
+    env = {**os.environ, "OUT": str(tmp_path), "KIT_BUDGET_S": "360", "KIT_CAP_SCALE": str(scale)}
     done = subprocess.run(["bash", "bench/gpu_kit/run.sh", *args, "--dry-run"], cwd=ROOT,
                           env=env, capture_output=True, text=True, check=True)  # fmt: skip
     assert done.stdout.splitlines()[-1].startswith(f"run.sh {args[0] if args else 'main'}: ")
@@ -83,6 +83,21 @@ def test_the_main_call_measures_the_most_valuable_first_within_its_budget(tmp_pa
 def test_the_rehearsal_is_the_main_call(tmp_path):
     main = [line.split(",")[0] for line in plan(tmp_path)[1:-1]]
     assert [line.split(",")[0] for line in plan(tmp_path, "rehearse")[1:-1]] == main
+
+
+def test_a_rehearsal_on_a_shared_machine_scales_every_limit_and_keeps_the_plan(tmp_path):
+    """KIT_CAP_SCALE (the test suite's margin for a loaded machine) multiplies each step's cap
+    and the budget: the same steps in the same order, each limit that many times longer."""
+
+    def limits(lines):
+        return [
+            (x.split(":")[0], int(x.split("limit ")[1].split("s,")[0])) for x in lines if "dry run, limit" in x
+        ]
+
+    device = plan(tmp_path, "rehearse")
+    scaled = plan(tmp_path, "rehearse", scale=5)
+    assert [(n, 5 * s) for n, s in limits(device)] == limits(scaled) and len(limits(device)) >= 5
+    assert [x.split(":")[0] for x in device] == [x.split(":")[0] for x in scaled]
 
 
 def test_the_second_call_runs_the_rest(tmp_path):
