@@ -91,7 +91,9 @@ def test_a_rehearsal_on_a_shared_machine_scales_every_limit_and_keeps_the_plan(t
 
     def limits(lines):
         return [
-            (x.split(":")[0], int(x.split("limit ")[1].split("s,")[0])) for x in lines if "dry run, limit" in x
+            (x.split(":")[0], int(x.split("limit ")[1].split("s,")[0]))
+            for x in lines
+            if "dry run, limit" in x
         ]
 
     device = plan(tmp_path, "rehearse")
