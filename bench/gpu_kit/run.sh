@@ -117,7 +117,7 @@ measure() {  # measure STEP CAP: bench/gpu_kit/steps.py STEP
   step "$1" "$2" "$py" -m bench.gpu_kit.steps "$1" --out "$out" --work "$work" --sizes "$sizes"
 }
 gpu_tests() {  # no -x: every test runs, each at most 60 s, its outcome printed as it ends
-  step gpu-tests 90 "$py" -m pytest tests/gpu -v -rA -p no:cacheprovider --timeout 60
+  step gpu-tests 120 "$py" -m pytest tests/gpu -v -rA -p no:cacheprovider --timeout 60
 }
 # nvidia-smi, versions and where each package comes from, the attention kernels that run.
 step env 60 bash -c 'nvidia-smi || echo "nvidia-smi: not found"; "$0" -m bench.gpu_kit.env \

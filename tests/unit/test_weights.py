@@ -128,3 +128,22 @@ def test_each_rank_reads_its_torch_chunk_of_rows_even_when_they_do_not_divide(ro
             assert torch.equal(whole[model._rows(like)], expected), rank
         finally:
             dist.destroy_process_group()
+
+
+def test_a_shard_stays_where_it_was_read_when_the_mesh_is_on_another_device():
+    """cpuOffload reads each shard into CPU memory under a GPU mesh; the shard must stay there
+    (FSDP refuses offloaded parameters on the GPU). A mesh named for CUDA on this CPU machine
+    shows it: any move towards the mesh's device fails here. ``DTensor.from_local`` made that
+    move, and the first run on a GPU failed so."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)
+        with torch.device("meta"):
+            like = DTensor.from_local(torch.empty(4, 3), mesh, [Shard(0)], run_check=False)
+        own = torch.arange(12.0).reshape(4, 3)
+        placed = model._placed(own, like)
+        assert placed.to_local().device.type == "cpu"
+        assert (placed.shape, placed.placements) == (like.shape, like.placements)
+        assert torch.equal(placed.to_local(), own)
+    finally:
+        dist.destroy_process_group()

@@ -231,7 +231,7 @@ def materialize(built: Built, d: Dist, cpu_offload: bool = False) -> None:
             own = ckpt.read(part, _rows(slot.like), slot.like.dtype, home)
             slot.fill(_placed(own, slot.like))
     _init_adapters(model, adapters, built.spec.training.seed, home)
-    _buffers(buffers, base, ckpt, home)
+    _buffers(buffers, base, ckpt, d.device)  # FSDP offloads parameters, never buffers
     built.read_bytes = ckpt.read_bytes  # the weights' and the buffers' bytes
 
 
@@ -264,13 +264,14 @@ def _rows(like: torch.Tensor) -> tuple[slice, ...]:
 
 def _placed(own: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's rows as the sharded parameter ``like`` (a plain tensor where FSDP left it
-    whole)."""
+    whole), on the device they were read to.
+
+    Built from ``like``'s own spec, as FSDP2 builds its sharded parameters: ``DTensor.from_local``
+    moves a tensor to the mesh's device, and with cpuOffload that put every offloaded shard on
+    the GPU, which FSDP then refused (first seen on an H200: bench/RESULTS.md)."""
     if not isinstance(like, DTensor):
         return own
-    return DTensor.from_local(
-        own, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-        stride=like.stride(),
-    )  # fmt: skip
+    return DTensor(own, like._spec, requires_grad=False)
 
 
 def _init_adapters(model: nn.Module, adapters: list[_Slot], seed: int, home) -> None:
