@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import prebuilds
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SKIP = "FTJOB_SKIP_IMAGE_TESTS"
-TAG = "test"
-# A fresh machine makes the stand-in bases first (several minutes); later runs reuse them.
-BUILD_TIMEOUT = 1800
+SKIP = prebuilds.SKIP_IMAGES
+TAG = prebuilds.IMAGES.env["FTJOB_IMAGE_TAG"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +32,7 @@ class Images:
 
 
 @pytest.fixture(scope="session")
-def images(tmp_path_factory) -> Images:
+def images() -> Images:
     if os.environ.get(SKIP) == "1":
         pytest.skip(f"{SKIP}=1: the image tests are left out on purpose")
     if not shutil.which("podman"):
@@ -45,20 +41,11 @@ def images(tmp_path_factory) -> Images:
             f"`bash scripts/podman-host.sh` (the README's test command does), or set {SKIP}=1 "
             "to leave the image tests out on purpose"
         )
-    log = tmp_path_factory.mktemp("images") / "build.log"
-    env = dict(os.environ, PYTHON=sys.executable, FTJOB_IMAGE_TAG=TAG)
-    start = time.monotonic()
-    with open(log, "w") as out:
-        code = subprocess.run(
-            ["bash", str(ROOT / "scripts" / "images.sh")],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            timeout=BUILD_TIMEOUT,
-        ).returncode
-    text = log.read_text()
+    # Started at collection beside the control plane's build (tests/prebuilds.py).
+    code, text, err = prebuilds.IMAGES.result()
+    text += err
     assert code == 0, f"scripts/images.sh failed:\n{text[-4000:]}"
     # The build's summary (which bases stood in, sizes) belongs in the test report.
-    print(f"scripts/images.sh took {time.monotonic() - start:.0f} s")
+    print(f"scripts/images.sh: done {prebuilds.IMAGES.seconds():.0f} s after it started")
     print("\n".join(x for x in text.splitlines() if x.startswith("images:")))
     return Images(f"localhost/ftjob-operator:{TAG}", f"localhost/ftjob-trainer:{TAG}", text)

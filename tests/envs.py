@@ -15,21 +15,18 @@ import subprocess
 from pathlib import Path
 from typing import NoReturn
 
+import prebuilds
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 FLOOR = "2.11."  # the GPU image's torch (docs/gpu.md)
-# A cold build downloads ~3 GB and installs it: a hang, not slowness, past an hour.
-BUILD_TIMEOUT = 3600
 
 
 @functools.cache
 def _torch_floor() -> tuple[Path | None, str]:
-    done = subprocess.run(["bash", "scripts/torch-floor.sh"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=BUILD_TIMEOUT)  # fmt: skip
-    if done.returncode != 0:
-        return None, "scripts/torch-floor.sh failed:\n" + done.stderr[-3000:]
-    return Path(done.stdout.strip().splitlines()[-1]), ""
+    code, out, err = prebuilds.TORCH_FLOOR.result()  # started at collection where needed
+    if code != 0:
+        return None, f"scripts/torch-floor.sh failed (exit {code}):\n" + err[-3000:]
+    return Path(out.strip().splitlines()[-1]), ""
 
 
 def unavailable(why: str) -> NoReturn:

@@ -18,7 +18,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import envs
 import hangs
 import pytest
 
@@ -51,13 +50,15 @@ def test_gpu_suite_compares_ftjob_and_trl_for_full_and_lora(tmp_path):
 # The kit's own limits (420 s in all) times the suite's margin for a shared machine, with the
 # test's own setup (the venv, the wheels) beside it.
 @pytest.mark.timeout(hangs.after(420) + hangs.RUN)
-def test_the_gpu_call_rehearsed_on_cpu_installs_offline_and_measures_every_step(tmp_path):
+def test_the_gpu_call_rehearsed_on_cpu_installs_offline_and_measures_every_step(
+    tmp_path, torch_floor
+):
     """bash bench/gpu_kit/run.sh rehearse: the main call's install (the kit's wheels, offline,
     onto the torch 2.11 venv standing in for the image), steps and files, with the tiny model
     on one CPU process. Each step's cap and the budget are the device call's times
     hangs.SLOWER (KIT_CAP_SCALE): a loaded 2-core machine timed out honest steps at the
     device's own caps (env 60 s, ftjob-full 90 s)."""
-    python = envs.torch_floor_python()
+    python = torch_floor
     version = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     wheels = python.parents[2] / f"kit-wheels-{version}"  # beside the venv, reused

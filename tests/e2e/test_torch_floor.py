@@ -18,7 +18,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import envs
 import pytest
 import yaml
 from test_qlora import job as qlora_job
@@ -32,8 +31,8 @@ TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
-def floor() -> Path:
-    return envs.torch_floor_python()
+def floor(torch_floor) -> Path:  # tests/conftest.py: built once, started at collection
+    return torch_floor
 
 
 def ftjob_run(python: Path | str, job_file: Path, workdir: Path) -> dict[int, float]:

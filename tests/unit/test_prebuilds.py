@@ -1,0 +1,61 @@
+"""tests/prebuilds.py: the session's download-bound builds start at collection, beside the
+control plane's build, and a test that needs one gets its result; nothing else starts them.
+
+    python -m pytest tests/unit/test_prebuilds.py -q
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hangs
+import prebuilds
+
+
+def build(tmp_path, name: str, code: int = 0, seconds: float = 0.0) -> prebuilds.Prebuild:
+    """A build that notes it started, waits ``seconds``, prints, then exits with ``code``."""
+    script = (f"import pathlib, sys, time; pathlib.Path({str(tmp_path / name)!r}).touch(); "
+              f"time.sleep({seconds}); print('built {name}'); print('log', file=sys.stderr); "
+              f"sys.exit({code})")  # fmt: skip
+    return prebuilds.Prebuild(
+        name, [sys.executable, "-c", script], fixture=name, timeout=hangs.FLOOR
+    )
+
+
+def test_only_the_builds_a_collected_test_needs_start_at_collection(tmp_path):
+    wanted, unwanted, left = (build(tmp_path, n) for n in ("wanted", "unwanted", "left"))
+    started = prebuilds.start_needed([{"tmp_path", "wanted"}, {"left", "tmp_path"}], {"left"},
+                                     builds=(wanted, unwanted, left))  # fmt: skip
+    assert started == ["wanted"]
+    assert wanted.result() == (0, "built wanted\n", "log\n")
+    assert (tmp_path / "wanted").exists()
+    assert not (tmp_path / "unwanted").exists() and not (tmp_path / "left").exists()
+
+
+def test_a_build_runs_while_the_session_goes_on_and_its_failure_reaches_the_test(tmp_path):
+    failing = build(tmp_path, "failing", code=3, seconds=0.5)
+    prebuilds.start_needed([{"failing"}], set(), builds=(failing,))
+    # Running before any test asked for it: the marker it writes first appears meanwhile.
+    hangs.poll((tmp_path / "failing").exists, what="the build's start marker")
+    code, out, err = failing.result()
+    assert (code, out, err) == (3, "built failing\n", "log\n")
+
+
+def test_a_build_not_started_at_collection_runs_when_a_test_asks(tmp_path):
+    late = build(tmp_path, "late")
+    assert late.result()[0] == 0 and (tmp_path / "late").exists()
+
+
+def test_a_session_that_ends_first_stops_a_build_still_running(tmp_path):
+    slow = build(tmp_path, "slow", seconds=60)
+    slow.start()
+    slow.stop()
+    assert slow._proc.poll() is not None
+
+
+def test_a_build_past_its_limit_is_stopped_and_reported(tmp_path):
+    hung = build(tmp_path, "hung", seconds=60)
+    hung.timeout = 1
+    code, out, _ = hung.result()
+    assert code == -1 and out == ""
+    assert hung._proc.poll() is not None
