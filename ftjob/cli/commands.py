@@ -23,7 +23,7 @@ from ftjob.api.spec import API_VERSION, KIND
 from ftjob.cli import output, validate
 from ftjob.plan import modelshape
 from ftjob.plan.describe import describe
-from ftjob.plan.options import plan
+from ftjob.plan.options import Plan, plan
 
 EXIT_INVALID, EXIT_USAGE = 1, 2
 
@@ -122,28 +122,55 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    worst, results = 0, []
-    # Every file is checked first: a refused job stops the command before any plan prints.
-    # The model and data are read here (local=True): a missing one refuses, naming its field.
-    jobs = [(path, job) for path in args.files for job in _valid_jobs(path, local=True)]
-    for path, job in jobs:
-        spec = job.spec
+    # Each job is planned on its own: a refused job or an unreadable file is reported (stderr,
+    # and under "invalid" with -o) and the exit code says so, but never hides another's plan.
+    worst, results, invalid = 0, [], []
+    for path in args.files:
         try:
-            shape = job.shape or modelshape.shape_for(spec.model.source, None)
-        except ValueError as e:
-            raise InvalidJob([f"{path}: {e}"]) from None
-        result = plan(spec, shape)
-        if result.fits is False:
-            worst = EXIT_INVALID
-        if args.output:
-            results.append(output.plan_result(path, job.name, spec, result))
+            docs = _jobs(path)
+        except manifest.ManifestError as e:
+            print(f"ftjob: {e}", file=sys.stderr)
+            worst = max(worst, EXIT_USAGE)
             continue
-        print(f"{path}: {KIND} {job.name}")
-        for line in describe(spec, result, Path(path).resolve().parent):
-            print(f"  {line}")
+        for doc in docs:
+            try:
+                job, result = _plan_job(path, doc)
+            except InvalidJob as e:
+                for line in e.lines:
+                    print(line, file=sys.stderr)
+                invalid.append(output.invalid_plan(path, doc, e.lines))
+                worst = max(worst, EXIT_INVALID)
+                continue
+            if result.fits is False:
+                worst = max(worst, EXIT_INVALID)
+            if args.output:
+                results.append(output.plan_result(path, job.name, job.spec, result, job.notes))
+            else:
+                _print_plan(path, job, result)
     if args.output:
-        print(output.dumps(output.plan_list(results), args.output), end="")
+        print(output.dumps(output.plan_list(results, invalid), args.output), end="")
     return worst
+
+
+def _plan_job(path: str, doc: dict) -> tuple[validate.CheckedJob, Plan]:
+    """The job checked and planned; :class:`InvalidJob` if it is refused or has no shape.
+    Its model must be read here (the estimate needs its shape); its data need not be."""
+    job = validate.check(doc, job_file=path, local=True)
+    if not job.ok:
+        raise InvalidJob([f"{path}: {x}" for x in job.errors or job.server_errors])
+    try:
+        shape = job.shape or modelshape.shape_for(job.spec.model.source, None)
+    except ValueError as e:
+        raise InvalidJob([f"{path}: {e}"]) from None
+    return job, plan(job.spec, shape)
+
+
+def _print_plan(path: str, job: validate.CheckedJob, result: Plan) -> None:
+    print(f"{path}: {KIND} {job.name}")
+    for line in describe(job.spec, result, Path(path).resolve().parent):
+        print(f"  {line}")
+    for note in job.notes:
+        print(f"  {note}")
 
 
 def cmd_crd(args: argparse.Namespace) -> int:

@@ -14,10 +14,11 @@ trainer give one answer; the operator's Planned condition applies it where the m
 table (it reads no volume).
 
 Local inputs (:func:`ftjob.job.inputs.missing`, the check ``ftjob run`` makes before it starts
-anything): ``ftjob plan`` reads the model and data beside the job file, so a missing one
-refuses the job (``local=True``). ``ftjob validate`` checks a job for a cluster,
-where a relative or absolute path names the checkpoint volume, not this machine: a path not
-found here is a note saying the model's shape (or the data) was not checked, not an error.
+anything): both commands check a job for a cluster, where a relative or absolute path names
+the checkpoint volume, not this machine: a path not found here is a note saying the model's
+shape (or the data) was not checked, not an error. Only ``ftjob plan``'s model is needed
+here (``local=True``): its estimate is made from the model's config.json, so a missing model
+folder refuses the job; the data only sizes one row of the plan.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def check(
 ) -> CheckedJob:
     """Check ``doc`` (as an update of ``old`` when given) both ways, and on its model.
 
-    ``job_file``: where relative model and data sources are looked up. ``local``: they must
-    be there (plan, run); otherwise a missing one is only a note (validate).
+    ``job_file``: where relative model and data sources are looked up. ``local``: the model
+    must be there (plan reads its shape); any other missing input is only a note.
     """
     name = (doc.get("metadata") or {}).get("name")
     checked = CheckedJob(name=name if isinstance(name, str) else None)
@@ -79,8 +80,9 @@ def check(
         # Relative sources are read beside the job file; without one, only absolute ones.
         root = Path(job_file).parent if job_file else None
         missing = inputs.missing(checked.spec, root, None) if root else []
-        if local and missing:
-            raise SpecError(missing)
+        needed = [m for m in missing if local and m.path == "spec.model.source"]
+        if needed:
+            raise SpecError(needed)
         checked.notes = [
             f"not checked: {m.path}: {m.message} on this machine (a cluster reads the path "
             "from the checkpoint volume)"

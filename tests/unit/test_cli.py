@@ -287,9 +287,10 @@ def test_stacked_suggestions_change_each_field_once_and_fit(tmp_path):
         assert option["perDeviceBytes"] <= 80 * 2**30, option
 
 
-def test_plan_names_a_missing_model_and_missing_data_once_with_the_fix(tmp_path):
-    """plan reads the model and data beside the job file: missing, each is named once, with its
-    field; validate (a job for a cluster, where the path is on the volume) notes them."""
+def test_plan_names_a_missing_model_once_with_the_fix_and_notes_missing_data(tmp_path):
+    """plan estimates from the model's config.json, so a missing model folder refuses the job,
+    named once with its field; missing data (on a cluster's volume) is only a note in both
+    plan and validate (a job for a cluster, where a path names the volume)."""
     path, _ = tiny_job(tmp_path)
     doc = yaml.safe_load(path.read_text())
     doc["spec"]["model"]["source"] = "no-model"
@@ -301,8 +302,6 @@ def test_plan_names_a_missing_model_and_missing_data_once_with_the_fix(tmp_path)
     assert planned.stderr.splitlines() == [
         f"{path}: spec.model.source: no-model: no such folder (looked at "
         f"{tmp_path / 'no-model'}); fix: {inputs.MODEL_FIX}",
-        f"{path}: spec.dataset.source: data/none.jsonl: no such file or folder (looked at "
-        f"{tmp_path / 'data/none.jsonl'}); fix: {inputs.DATA_FIX}",
     ]
     validate = ftjob("validate", path)
     assert validate.returncode == 0, validate.stdout
@@ -312,10 +311,41 @@ def test_plan_names_a_missing_model_and_missing_data_once_with_the_fix(tmp_path)
         f"not checked: spec.model.source: no-model: no such folder (looked at "
         f"{tmp_path / 'no-model'}) on this machine (a cluster reads the path from the "
         "checkpoint volume)",
-        f"not checked: spec.dataset.source: data/none.jsonl: no such file or folder (looked "
-        f"at {tmp_path / 'data/none.jsonl'}) on this machine (a cluster reads the path from "
-        "the checkpoint volume)",
+        DATA_NOTE.format(tmp_path / "data/none.jsonl"),
     ]
+
+
+DATA_NOTE = (
+    "not checked: spec.dataset.source: data/none.jsonl: no such file or folder (looked at {}) "
+    "on this machine (a cluster reads the path from the checkpoint volume)"
+)
+
+
+def test_plan_plans_a_cluster_job_whose_data_is_on_the_volume_beside_a_refused_one(tmp_path):
+    """`dataset.source: data/...` names the checkpoint volume on a cluster: plan prints the
+    plan, its data row "data not checked here" and the note validate prints; a refused job in
+    another file is reported on stderr and in -o json's "invalid", hiding no other plan."""
+    path, _ = tiny_job(tmp_path, name="volume.yaml")
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["dataset"]["source"] = "data/none.jsonl"
+    path.write_text(yaml.safe_dump(doc))
+    bad, _ = tiny_job(tmp_path, name="bad.yaml", method={"type": "full", "lora": {"r": 8}})
+    planned = ftjob("plan", bad, path)
+    assert planned.returncode == 1
+    assert planned.stderr.startswith(f"{bad}: spec.method.lora: ")
+    assert planned.stdout.startswith(f"{path}: FineTuneJob tiny\n")
+    (row,) = [line for line in planned.stdout.splitlines() if line.lstrip().startswith("data ")]
+    assert "data not checked here (data/none.jsonl is not on this machine" in row
+    assert f"  {DATA_NOTE.format(tmp_path / 'data/none.jsonl')}" in planned.stdout.splitlines()
+    alone = ftjob("plan", path)
+    assert alone.returncode == 0 and alone.stderr == "", alone.stderr
+    as_json = json.loads(ftjob("plan", "-o", "json", bad, path).stdout)
+    (item,) = as_json["items"]
+    assert item["file"] == str(path) and item["notes"] == [
+        DATA_NOTE.format(tmp_path / "data/none.jsonl")
+    ]
+    (refused,) = as_json["invalid"]
+    assert refused["file"] == str(bad) and refused["errors"][0]["field"] == "spec.method.lora"
 
 
 def test_plan_says_where_offloaded_states_live():
