@@ -59,15 +59,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
     old = None
     if args.old:
         old = manifest.load_one(args.old, KIND)
-    results = []
+    results, warned = [], {}
     for path in args.files:
         for doc in _jobs(path):
             checked = validate.check(doc, old, job_file=path)
             results.append(output.validation_result(path, checked))
+            for warning in checked.warnings:
+                warned.setdefault(warning, []).append(checked.name or path)
             if not args.output:
                 _print_checked(path, checked)
     if args.output:
         print(output.dumps(output.validation_list(results), args.output), end="")
+    else:
+        _print_warnings(warned)
     return 0 if all(r["valid"] for r in results) else EXIT_INVALID
 
 
@@ -77,7 +81,6 @@ def _print_checked(path: str, checked: validate.CheckedJob) -> None:
         print(f"{label}: valid -- {validate.summary(checked.spec)}")
         for note in checked.notes:
             print(f"  {note}")
-        _print_image_warning(checked.spec)
         return
     print(f"{label}: INVALID")
     for line in checked.errors:
@@ -88,13 +91,11 @@ def _print_checked(path: str, checked: validate.CheckedJob) -> None:
             print(f"    {line}")
 
 
-def _print_image_warning(spec) -> None:
-    """Which image a job without spec.image gets: valid, but the placeholder cannot be pulled
-    unless the cluster's operator names a default image."""
-    from ftjob.operator import render  # pure: no kopf or kubernetes needed
-
-    if note := render.image_warning(spec):
-        print(f"  warning: {note}")
+def _print_warnings(warned: dict[str, list[str]]) -> None:
+    """Each warning once, after every job, naming the jobs it is about: one line for a
+    directory of jobs, not one per file."""
+    for warning, names in warned.items():
+        print(f"warning ({', '.join(names)}): {warning}")
 
 
 def cmd_render(args: argparse.Namespace) -> int:

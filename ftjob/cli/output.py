@@ -43,6 +43,9 @@ def validation_result(path: str, checked: validate.CheckedJob) -> dict:
         "summary": validate.summary(checked.spec) if checked.ok else None,
         "errors": errors(checked.errors),
         "serverErrors": errors(checked.server_errors),
+        # What the text prints under a valid job: what was not checked here, and warnings.
+        "notes": list(checked.notes),
+        "warnings": list(checked.warnings),
     }
 
 

@@ -33,6 +33,7 @@ from ftjob.api import admission, crd
 from ftjob.api.schema import SpecError
 from ftjob.api.spec import FineTuneJobSpec, parse_resource, validate_update
 from ftjob.job import inputs
+from ftjob.operator import render  # pure: no kopf or kubernetes needed
 from ftjob.operator.admit import parse_job
 from ftjob.plan.estimate import estimate
 from ftjob.plan.modelshape import ModelShape, shape_for
@@ -52,6 +53,7 @@ class CheckedJob:
     errors: list[str] = field(default_factory=list)  # ftjob's messages
     server_errors: list[str] = field(default_factory=list)  # the API server's messages
     notes: list[str] = field(default_factory=list)  # what could not be checked here, and why
+    warnings: list[str] = field(default_factory=list)  # valid, but likely not what was meant
     shape: ModelShape | None = None  # the model's, where it could be read
 
     @property
@@ -88,6 +90,7 @@ def check(
             "from the checkpoint volume)"
             for m in missing
         ]
+        checked.warnings = warnings(checked.spec)
         checked.shape = _model_shape(checked.spec, root)
         if checked.shape is not None:
             problem = estimate(checked.spec, checked.shape).problem
@@ -101,6 +104,15 @@ def check(
         checked.spec = None
     _, checked.server_errors = admission.admit(crd_schema(), doc, old)
     return checked
+
+
+def warnings(spec: FineTuneJobSpec) -> list[str]:
+    """What is valid but likely wrong for a cluster. A CPU-only job is left alone: it is the
+    kind ``ftjob run`` runs on this machine, where no image is pulled."""
+    if not spec.resources.gpus_per_node:
+        return []
+    note = render.image_warning(spec)
+    return [note] if note else []
 
 
 def _model_shape(spec: FineTuneJobSpec, root: Path | None) -> ModelShape | None:

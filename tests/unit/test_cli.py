@@ -101,6 +101,29 @@ def test_validate_json_lists_every_document_with_its_field_errors():
     assert bad["serverErrors"][0]["field"] == "spec.method.lora"
 
 
+def test_validate_json_says_what_the_text_says(tmp_path):
+    """-o json carries the not-checked notes and the warnings the text prints; the text prints
+    the image warning once, after every job, naming the GPU jobs only (a CPU job is what
+    `ftjob run` runs here, where no image is pulled)."""
+    path, _ = tiny_job(tmp_path)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["dataset"]["source"] = "data/none.jsonl"
+    path.write_text(yaml.safe_dump(doc))
+    gpu_jobs = [
+        ROOT / "examples" / n for n in ("llama3-8b-full-1gpu.yaml", "llama31-70b-qlora.yaml")
+    ]
+    text = ftjob("validate", path, *gpu_jobs)
+    assert text.returncode == 0, text.stdout
+    note = DATA_NOTE.format(tmp_path / "data/none.jsonl")
+    (warning,) = [line for line in text.stdout.splitlines() if "spec.image is unset" in line]
+    assert text.stdout.endswith(warning + "\n")
+    assert warning.startswith("warning (llama3-8b-full-1gpu, llama31-70b-qlora): spec.image")
+    items = json.loads(ftjob("validate", "-o", "json", path, *gpu_jobs).stdout)["items"]
+    assert [(i["notes"], len(i["warnings"])) for i in items] == [([note], 0), ([], 1), ([], 1)]
+    assert f"  {note}" in text.stdout.splitlines()
+    assert warning.endswith(items[1]["warnings"][0])
+
+
 def test_validate_yaml_is_the_same_document():
     as_json = json.loads(ftjob("validate", "-o", "json", ROOT / "examples" / "tiny.yaml").stdout)
     result = ftjob("validate", "-o", "yaml", ROOT / "examples" / "tiny.yaml")

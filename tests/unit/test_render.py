@@ -241,8 +241,8 @@ def test_validate_warns_which_image_a_job_without_one_gets(capsys, tmp_path):
     assert cli.main(["validate", str(sample)]) == 0
     out = capsys.readouterr().out
     assert ": valid -- " in out
-    (warning,) = [line for line in out.splitlines() if line.startswith("  warning: ")]
-    assert "spec.image is unset" in warning
+    (warning,) = [line for line in out.splitlines() if line.startswith("warning (")]
+    assert warning.startswith("warning (llama3-8b-guanaco): spec.image is unset")
     assert "--default-image" in warning and "trainer.defaultImage" in warning
     assert f"placeholder {render.DEFAULT_IMAGE}, which is not published" in warning
     named = tmp_path / "named.yaml"
