@@ -371,6 +371,26 @@ def test_plan_plans_a_cluster_job_whose_data_is_on_the_volume_beside_a_refused_o
     assert refused["file"] == str(bad) and refused["errors"][0]["field"] == "spec.method.lora"
 
 
+def test_h100_80gb_is_planned_with_its_memory_and_an_assumed_peak(tmp_path):
+    """`gpuType: H100-80GB` is a valid job: 80 GB is certain, only the board's peak is not; the
+    plan says which peak it assumed, and never suggests the name (a guessed step time)."""
+    path = llama70b_full_one_gpu(tmp_path, gpuType="H100-80GB", memory="1200Gi")
+    validated = ftjob("validate", path)
+    assert validated.returncode == 0 and ": valid -- " in validated.stdout, validated.stdout
+    planned = ftjob("plan", "-o", "json", path)
+    (item,) = json.loads(planned.stdout)["items"]
+    assert item["perDevice"]["deviceBytes"] == 80 * 2**30 and item["stepSeconds"] > 0
+    text = ftjob("plan", path).stdout
+    (row,) = [line for line in text.splitlines() if line.lstrip().startswith("throughput")]
+    assert row.endswith(
+        "; peak assumed 756 TFLOP/s (H100-80GB names no board: the slowest's; the trainer's MFU "
+        "uses the device's own name)"
+    )
+    a100 = ftjob("plan", "-o", "json", llama70b_full_one_gpu(tmp_path, memory="1200Gi"))
+    changes = [o["change"] for o in json.loads(a100.stdout)["items"][0]["options"]]
+    assert not any("H100-80GB" in change for change in changes)
+
+
 def test_plan_says_where_offloaded_states_live():
     """A plan showing 0 bytes of weights per GPU says they are in CPU memory, not missing."""
     planned = ftjob("plan", ROOT / "examples" / "llama31-70b-qlora.yaml")
