@@ -20,7 +20,7 @@ from ftjob import __version__
 from ftjob.api import crd, manifest
 from ftjob.api.schema import to_dict
 from ftjob.api.spec import API_VERSION, KIND
-from ftjob.cli import output, validate
+from ftjob.cli import extras, output, validate
 from ftjob.plan import modelshape
 from ftjob.plan.describe import describe
 from ftjob.plan.options import Plan, plan
@@ -294,8 +294,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # A command whose extra is not installed says which and how, before it imports anything.
+    if problem := extras.command_problem(args.command):
+        print(f"ftjob: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return args.func(args)
+    except ModuleNotFoundError as e:
+        # Any other import of an extra's module (a tracker's client, a partial install).
+        extra = extras.extra_of(e.name or "")
+        if extra is None:
+            raise
+        print(f"ftjob: {extras.hint(extra, [e.name], f'ftjob {args.command}')}", file=sys.stderr)
+        return EXIT_USAGE
     except manifest.ManifestError as e:
         print(f"ftjob: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -84,6 +84,47 @@ def test_every_command_has_help(command):
     assert result.returncode == 0 and "usage: ftjob" in result.stdout
 
 
+def without(modules, *args, cwd=ROOT):
+    """ftjob in a Python where ``modules`` cannot be imported (an extra not installed)."""
+    code = (
+        "import sys\n"
+        f"for m in {list(modules)!r}: sys.modules[m] = None\n"
+        "from ftjob.cli.commands import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, cwd=cwd
+    )
+
+
+@pytest.mark.parametrize(
+    "blocked, args, line",
+    [
+        (["kopf"], ["operator", "-A"], "ftjob: ftjob operator needs ftjob's operator extra (kopf "
+         "not installed); install it with: pip install 'ftjob[operator]'"),
+        (["torch", "peft"], ["run", "examples/tiny.yaml"], "ftjob: ftjob run needs ftjob's "
+         "trainer extra (torch, peft not installed); install it with: "
+         "pip install 'ftjob[trainer]'"),
+    ],
+)  # fmt: skip
+def test_a_command_without_its_extra_says_how_to_install_it(blocked, args, line):
+    result = without(blocked, *args)
+    assert (result.returncode, result.stderr, result.stdout) == (2, line + "\n", "")
+    assert without(blocked, "validate", "examples/tiny.yaml").returncode == 0  # needs no extra
+
+
+def test_run_names_a_trackers_missing_client_before_it_starts(tmp_path):
+    tracking = {"mlflow": {"trackingUri": "http://127.0.0.1:1", "experiment": "e"}}
+    path, _ = tiny_job(tmp_path, tracking=tracking)
+    result = without(["mlflow"], "run", path, "--workdir", tmp_path / "run")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert (
+        f"ftjob run: {path}: spec.tracking.mlflow needs ftjob's tracking extra (mlflow not "
+        "installed); install it with: pip install 'ftjob[tracking]'"
+    ) in result.stdout.splitlines()
+    assert not (tmp_path / "run" / "logs").exists()  # no process was started
+
+
 # ------------------------------------------------------------------ -o json|yaml (docs/cli.md)
 
 
