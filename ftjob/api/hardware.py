@@ -2,8 +2,10 @@
 
 Peak numbers are the vendors' dense bf16 tensor-core figures (no sparsity; for the RTX 4090,
 bf16 with fp32 accumulate); MFU and the planner's step-time estimates divide by them. Each
-entry is one exact product: the H100's SXM, PCIe and NVL boards differ by 30% in peak, so
-"an H100" is not a table entry. Bandwidth is per node and one direction.
+entry is one product, except ``H100-80GB``: its memory is certain (80 GB on the SXM and PCIe
+boards alike), only its peak is not (the boards differ by 30%), so the trainer takes the peak
+from the CUDA device's own name, and the plan assumes the slower board's and says so.
+Bandwidth is per node and one direction.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ class Gpu:
     name: str
     memory_bytes: int
     peak_bf16_flops: float
+    # True: the name covers boards of different peaks; peak_bf16_flops is the slowest one's,
+    # assumed by the plan; the trainer's MFU uses the device's own name (gpu_for_device_name).
+    peak_assumed: bool = False
 
 
 GPUS = {
@@ -36,16 +41,14 @@ GPUS = {
         Gpu("H100-PCIe-80GB", 80 * GIB, 756e12),
         Gpu("H100-NVL-94GB", 94 * GIB, 835e12),
         Gpu("H100-SXM-80GB", 80 * GIB, 989e12),
+        Gpu("H100-80GB", 80 * GIB, 756e12, peak_assumed=True),  # SXM or PCIe: see above
         Gpu("H200-141GB", 141 * GIB, 989e12),
         Gpu("B200-180GB", 180 * GIB, 2250e12),
     ]
 }
 
 # Names the table once had, and why they are gone (resources.gpuType's error says so).
-RETIRED_GPU_TYPES = {
-    "H100-80GB": "is ambiguous (the SXM, PCIe and NVL boards differ in peak FLOP/s); use "
-    "H100-SXM-80GB, H100-PCIe-80GB or H100-NVL-94GB",
-}
+RETIRED_GPU_TYPES: dict[str, str] = {}
 
 # torch.cuda.get_device_name() -> table entry, first match wins. Word boundaries keep GH200
 # and GB200 (other products) from matching H200 and B200; a variant the table has no entry

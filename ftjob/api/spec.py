@@ -456,9 +456,10 @@ class ResourcesSpec:
         max_length=253,
     )
     gpu_type: Literal[GPU_TYPES] | None = api_field(  # type: ignore[valid-type]
-        "gpuType: the exact GPU product, for the memory plan and MFU (e.g. H100-SXM-80GB; "
-        "the H100's SXM, PCIe and NVL boards differ in peak FLOP/s). Unset skips the fit "
-        "check, and MFU uses the CUDA device name.",
+        "gpuType: the GPU product, for the memory plan and MFU (e.g. H100-SXM-80GB). "
+        "H100-80GB (SXM or PCIe board) plans with its 80 GB and the slower board's peak, "
+        "stated as assumed; MFU then uses the CUDA device name. Unset skips the fit check, "
+        "and MFU uses the CUDA device name.",
         None,
         fixes=RETIRED_GPU_TYPES,
     )

@@ -20,10 +20,10 @@ from ftjob import __version__
 from ftjob.api import crd, manifest
 from ftjob.api.schema import to_dict
 from ftjob.api.spec import API_VERSION, KIND
-from ftjob.cli import output, validate
+from ftjob.cli import extras, output, validate
 from ftjob.plan import modelshape
 from ftjob.plan.describe import describe
-from ftjob.plan.options import plan
+from ftjob.plan.options import Plan, plan
 
 EXIT_INVALID, EXIT_USAGE = 1, 2
 
@@ -59,15 +59,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
     old = None
     if args.old:
         old = manifest.load_one(args.old, KIND)
-    results = []
+    results, warned = [], {}
     for path in args.files:
         for doc in _jobs(path):
             checked = validate.check(doc, old, job_file=path)
             results.append(output.validation_result(path, checked))
+            for warning in checked.warnings:
+                warned.setdefault(warning, []).append(checked.name or path)
             if not args.output:
                 _print_checked(path, checked)
     if args.output:
         print(output.dumps(output.validation_list(results), args.output), end="")
+    else:
+        _print_warnings(warned)
     return 0 if all(r["valid"] for r in results) else EXIT_INVALID
 
 
@@ -77,7 +81,6 @@ def _print_checked(path: str, checked: validate.CheckedJob) -> None:
         print(f"{label}: valid -- {validate.summary(checked.spec)}")
         for note in checked.notes:
             print(f"  {note}")
-        _print_image_warning(checked.spec)
         return
     print(f"{label}: INVALID")
     for line in checked.errors:
@@ -88,13 +91,11 @@ def _print_checked(path: str, checked: validate.CheckedJob) -> None:
             print(f"    {line}")
 
 
-def _print_image_warning(spec) -> None:
-    """Which image a job without spec.image gets: valid, but the placeholder cannot be pulled
-    unless the cluster's operator names a default image."""
-    from ftjob.operator import render  # pure: no kopf or kubernetes needed
-
-    if note := render.image_warning(spec):
-        print(f"  warning: {note}")
+def _print_warnings(warned: dict[str, list[str]]) -> None:
+    """Each warning once, after every job, naming the jobs it is about: one line for a
+    directory of jobs, not one per file."""
+    for warning, names in warned.items():
+        print(f"warning ({', '.join(names)}): {warning}")
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -122,28 +123,55 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    worst, results = 0, []
-    # Every file is checked first: a refused job stops the command before any plan prints.
-    # The model and data are read here (local=True): a missing one refuses, naming its field.
-    jobs = [(path, job) for path in args.files for job in _valid_jobs(path, local=True)]
-    for path, job in jobs:
-        spec = job.spec
+    # Each job is planned on its own: a refused job or an unreadable file is reported (stderr,
+    # and under "invalid" with -o) and the exit code says so, but never hides another's plan.
+    worst, results, invalid = 0, [], []
+    for path in args.files:
         try:
-            shape = job.shape or modelshape.shape_for(spec.model.source, None)
-        except ValueError as e:
-            raise InvalidJob([f"{path}: {e}"]) from None
-        result = plan(spec, shape)
-        if result.fits is False:
-            worst = EXIT_INVALID
-        if args.output:
-            results.append(output.plan_result(path, job.name, spec, result))
+            docs = _jobs(path)
+        except manifest.ManifestError as e:
+            print(f"ftjob: {e}", file=sys.stderr)
+            worst = max(worst, EXIT_USAGE)
             continue
-        print(f"{path}: {KIND} {job.name}")
-        for line in describe(spec, result, Path(path).resolve().parent):
-            print(f"  {line}")
+        for doc in docs:
+            try:
+                job, result = _plan_job(path, doc)
+            except InvalidJob as e:
+                for line in e.lines:
+                    print(line, file=sys.stderr)
+                invalid.append(output.invalid_plan(path, doc, e.lines))
+                worst = max(worst, EXIT_INVALID)
+                continue
+            if result.fits is False:
+                worst = max(worst, EXIT_INVALID)
+            if args.output:
+                results.append(output.plan_result(path, job.name, job.spec, result, job.notes))
+            else:
+                _print_plan(path, job, result)
     if args.output:
-        print(output.dumps(output.plan_list(results), args.output), end="")
+        print(output.dumps(output.plan_list(results, invalid), args.output), end="")
     return worst
+
+
+def _plan_job(path: str, doc: dict) -> tuple[validate.CheckedJob, Plan]:
+    """The job checked and planned; :class:`InvalidJob` if it is refused or has no shape.
+    Its model must be read here (the estimate needs its shape); its data need not be."""
+    job = validate.check(doc, job_file=path, local=True)
+    if not job.ok:
+        raise InvalidJob([f"{path}: {x}" for x in job.errors or job.server_errors])
+    try:
+        shape = job.shape or modelshape.shape_for(job.spec.model.source, None)
+    except ValueError as e:
+        raise InvalidJob([f"{path}: {e}"]) from None
+    return job, plan(job.spec, shape)
+
+
+def _print_plan(path: str, job: validate.CheckedJob, result: Plan) -> None:
+    print(f"{path}: {KIND} {job.name}")
+    for line in describe(job.spec, result, Path(path).resolve().parent):
+        print(f"  {line}")
+    for note in job.notes:
+        print(f"  {note}")
 
 
 def cmd_crd(args: argparse.Namespace) -> int:
@@ -266,8 +294,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # A command whose extra is not installed says which and how, before it imports anything.
+    if problem := extras.command_problem(args.command):
+        print(f"ftjob: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return args.func(args)
+    except ModuleNotFoundError as e:
+        # Any other import of an extra's module (a tracker's client, a partial install).
+        extra = extras.extra_of(e.name or "")
+        if extra is None:
+            raise
+        print(f"ftjob: {extras.hint(extra, [e.name], f'ftjob {args.command}')}", file=sys.stderr)
+        return EXIT_USAGE
     except manifest.ManifestError as e:
         print(f"ftjob: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -43,6 +43,9 @@ def validation_result(path: str, checked: validate.CheckedJob) -> dict:
         "summary": validate.summary(checked.spec) if checked.ok else None,
         "errors": errors(checked.errors),
         "serverErrors": errors(checked.server_errors),
+        # What the text prints under a valid job: what was not checked here, and warnings.
+        "notes": list(checked.notes),
+        "warnings": list(checked.warnings),
     }
 
 
@@ -55,13 +58,16 @@ def validation_list(results: list[dict]) -> dict:
     }
 
 
-def plan_result(path: str, name: str, spec: FineTuneJobSpec, result: Plan) -> dict:
+def plan_result(
+    path: str, name: str | None, spec: FineTuneJobSpec, result: Plan, notes: list[str] = ()
+) -> dict:
     e, s = result.estimate, result.shape
     return {
         "file": path,
         "name": name,
         "fits": result.fits,
         "verdict": verdict_text(result),
+        "notes": list(notes),  # what was not checked here, as the text prints it
         "model": {
             "name": s.name,
             "parameters": s.params,
@@ -113,8 +119,20 @@ def plan_result(path: str, name: str, spec: FineTuneJobSpec, result: Plan) -> di
     }
 
 
-def plan_list(results: list[dict]) -> dict:
-    return {"apiVersion": API_VERSION, "kind": "PlanList", "items": results}
+def plan_list(results: list[dict], invalid: list[dict]) -> dict:
+    """The plans, and the jobs that could not be planned (each with its errors)."""
+    return {"apiVersion": API_VERSION, "kind": "PlanList", "items": results, "invalid": invalid}
+
+
+def invalid_plan(path: str, doc: dict, lines: list[str]) -> dict:
+    """A job ``ftjob plan`` refused: its file, name and ``field: message`` errors."""
+    name = (doc.get("metadata") or {}).get("name")
+    prefix = f"{path}: "
+    return {
+        "file": path,
+        "name": name if isinstance(name, str) else None,
+        "errors": errors([line.removeprefix(prefix) for line in lines]),
+    }
 
 
 def object_list(objects: list[dict]) -> dict:

@@ -27,7 +27,7 @@ from ftjob.api import manifest
 from ftjob.api.contract import TrainerError
 from ftjob.api.schema import SpecError, check_rules
 from ftjob.api.spec import KIND, parse_resource
-from ftjob.cli import failure
+from ftjob.cli import extras, failure
 from ftjob.cli.nodes import Node, free_port, interrupt, start_node, stop_all, wait_first
 from ftjob.cli.screen import Screen
 from ftjob.job import folder as jobfolder
@@ -88,7 +88,12 @@ def _can_start(job_file: str, spec, source_root: Path, job_dir: Path | None, out
     for problem in missing:
         print(f"ftjob run: {job_file}: {problem.path}: {problem.message}", file=out)
         print(f"  fix: {problem.fix}", file=out, flush=True)
-    return not missing
+    # A tracker's client missing here would only be a warning deep in rank 0's log.
+    trackers = [k for k, v in vars(spec.tracking).items() if v is not None]
+    clients = extras.tracker_problems(trackers)
+    for hint in clients:
+        print(f"ftjob run: {job_file}: {hint}", file=out, flush=True)
+    return not missing and not clients
 
 
 def _set_aside(job_dir: Path, out) -> bool:

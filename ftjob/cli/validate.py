@@ -14,10 +14,11 @@ trainer give one answer; the operator's Planned condition applies it where the m
 table (it reads no volume).
 
 Local inputs (:func:`ftjob.job.inputs.missing`, the check ``ftjob run`` makes before it starts
-anything): ``ftjob plan`` reads the model and data beside the job file, so a missing one
-refuses the job (``local=True``). ``ftjob validate`` checks a job for a cluster,
-where a relative or absolute path names the checkpoint volume, not this machine: a path not
-found here is a note saying the model's shape (or the data) was not checked, not an error.
+anything): both commands check a job for a cluster, where a relative or absolute path names
+the checkpoint volume, not this machine: a path not found here is a note saying the model's
+shape (or the data) was not checked, not an error. Only ``ftjob plan``'s model is needed
+here (``local=True``): its estimate is made from the model's config.json, so a missing model
+folder refuses the job; the data only sizes one row of the plan.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ftjob.api import admission, crd
 from ftjob.api.schema import SpecError
 from ftjob.api.spec import FineTuneJobSpec, parse_resource, validate_update
 from ftjob.job import inputs
+from ftjob.operator import render  # pure: no kopf or kubernetes needed
 from ftjob.operator.admit import parse_job
 from ftjob.plan.estimate import estimate
 from ftjob.plan.modelshape import ModelShape, shape_for
@@ -51,6 +53,7 @@ class CheckedJob:
     errors: list[str] = field(default_factory=list)  # ftjob's messages
     server_errors: list[str] = field(default_factory=list)  # the API server's messages
     notes: list[str] = field(default_factory=list)  # what could not be checked here, and why
+    warnings: list[str] = field(default_factory=list)  # valid, but likely not what was meant
     shape: ModelShape | None = None  # the model's, where it could be read
 
     @property
@@ -66,8 +69,8 @@ def check(
 ) -> CheckedJob:
     """Check ``doc`` (as an update of ``old`` when given) both ways, and on its model.
 
-    ``job_file``: where relative model and data sources are looked up. ``local``: they must
-    be there (plan, run); otherwise a missing one is only a note (validate).
+    ``job_file``: where relative model and data sources are looked up. ``local``: the model
+    must be there (plan reads its shape); any other missing input is only a note.
     """
     name = (doc.get("metadata") or {}).get("name")
     checked = CheckedJob(name=name if isinstance(name, str) else None)
@@ -79,13 +82,15 @@ def check(
         # Relative sources are read beside the job file; without one, only absolute ones.
         root = Path(job_file).parent if job_file else None
         missing = inputs.missing(checked.spec, root, None) if root else []
-        if local and missing:
-            raise SpecError(missing)
+        needed = [m for m in missing if local and m.path == "spec.model.source"]
+        if needed:
+            raise SpecError(needed)
         checked.notes = [
             f"not checked: {m.path}: {m.message} on this machine (a cluster reads the path "
             "from the checkpoint volume)"
             for m in missing
         ]
+        checked.warnings = warnings(checked.spec)
         checked.shape = _model_shape(checked.spec, root)
         if checked.shape is not None:
             problem = estimate(checked.spec, checked.shape).problem
@@ -99,6 +104,15 @@ def check(
         checked.spec = None
     _, checked.server_errors = admission.admit(crd_schema(), doc, old)
     return checked
+
+
+def warnings(spec: FineTuneJobSpec) -> list[str]:
+    """What is valid but likely wrong for a cluster. A CPU-only job is left alone: it is the
+    kind ``ftjob run`` runs on this machine, where no image is pulled."""
+    if not spec.resources.gpus_per_node:
+        return []
+    note = render.image_warning(spec)
+    return [note] if note else []
 
 
 def _model_shape(spec: FineTuneJobSpec, root: Path | None) -> ModelShape | None:

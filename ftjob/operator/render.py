@@ -213,10 +213,15 @@ def resources(spec: FineTuneJobSpec) -> dict[str, Any]:
 
 
 def container_security(spec: FineTuneJobSpec) -> dict[str, Any]:
+    # Every fabric, RDMA included, drops every capability. RDMA registers (pins) memory, which
+    # counts against RLIMIT_MEMLOCK, but an added IPC_LOCK would never reach the trainer: it
+    # runs as a non-root uid, and Kubernetes puts added capabilities of a non-root container
+    # only in the bounding set, not in the effective set. What EFA needs is the device
+    # plugin's devices (resources(): vpc.amazonaws.com/efa) and an unlimited memlock limit,
+    # which the node's container runtime sets (the EKS GPU AMIs' containerd: LimitMEMLOCK=
+    # infinity); without it NCCL cannot register memory and preflight's fabric check fails
+    # with that fix. So RDMA pods meet "restricted" like TCP ones.
     caps: dict[str, Any] = {"drop": ["ALL"]}
-    if spec.network.fabric in ("efa", "infiniband"):
-        # RDMA pins (registers) host memory; that needs IPC_LOCK (an unlimited memlock).
-        caps["add"] = ["IPC_LOCK"]
     return {
         "allowPrivilegeEscalation": False,
         "privileged": False,

@@ -61,6 +61,12 @@ def describe(spec: FineTuneJobSpec, source_root: Path | None = None) -> str:
     e = estimate(spec, source_root)
     memory = (f"memory-mapped, ~{_size(e.rank_bytes)} per rank; rank 0 prepares with "
               f"~{_size(e.prepare_memory)} once")  # fmt: skip
+    if e.prepared_bytes is None and not spec.dataset.source.startswith("hf://"):
+        # A cluster job's data lives on the checkpoint volume: not an error, only unsized here.
+        return (
+            f"data not checked here ({spec.dataset.source} is not on this machine; a cluster "
+            f"reads it from the checkpoint volume): size unknown until prepared; {memory}"
+        )
     if e.prepared_bytes is None:
         return f"size unknown until prepared ({spec.dataset.source}); {memory}"
     return (

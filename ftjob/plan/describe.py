@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ftjob.api.hardware import node_bandwidth
+from ftjob.api.hardware import GPUS, node_bandwidth
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.plan import datasize
 from ftjob.plan.estimate import TIGHT, Estimate, gib, reference_pass, stride_name
@@ -96,7 +96,8 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
                     if e.recomputed_flops_per_token
                     else ""
                 )
-                + total,
+                + total
+                + _assumed_peak(r.gpu_type),
             )
         )
     elif r.gpus_per_node:
@@ -128,6 +129,17 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
         )
     width = max(len(label) for label, _ in rows) + 2
     return [f"{label:<{width}}{text}" for label, text in rows]
+
+
+def _assumed_peak(gpu_type: str | None) -> str:
+    """Where the step time rests on a peak the gpuType does not fix (H100-80GB), say so."""
+    gpu = GPUS.get(gpu_type) if gpu_type else None
+    if gpu is None or not gpu.peak_assumed:
+        return ""
+    return (
+        f"; peak assumed {gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s ({gpu.name} names no board: "
+        "the slowest's; the trainer's MFU uses the device's own name)"
+    )
 
 
 def _reference_text(spec: FineTuneJobSpec, s: ModelShape, e: Estimate) -> str:

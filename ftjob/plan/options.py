@@ -99,7 +99,12 @@ def _candidates(spec: FineTuneJobSpec, shape: ModelShape):
     if not p.cpu_offload and p.sharding != "none":
         yield "cpuOffload: true (roughly halves throughput)", {"parallelism__cpu_offload": True}
     if r.gpu_type:
-        bigger = [g for g in GPUS.values() if g.memory_bytes > GPUS[r.gpu_type].memory_bytes]
+        # Only exact products are suggested: an assumed peak would make a guessed step time.
+        bigger = [
+            g
+            for g in GPUS.values()
+            if g.memory_bytes > GPUS[r.gpu_type].memory_bytes and not g.peak_assumed
+        ]
         for gpu in sorted(bigger, key=lambda g: g.memory_bytes)[:2]:
             yield f"gpuType: {gpu.name} (GPUs with more memory)", {"resources__gpu_type": gpu.name}
 

@@ -236,37 +236,53 @@ def test_the_service_account_may_do_what_the_chart_grants_and_no_more(operator):
     assert ours - everyone == chart_rules()
 
 
-def test_pod_security_admits_tcp_under_restricted_and_refuses_efa_under_baseline(operator):
-    """docs/install.md's table: tcp runs under "restricted"; efa's IPC_LOCK is outside
-    "baseline", and the refusal is in the job's status, not only in the operator's log."""
+def test_pod_security_admits_tcp_and_efa_under_restricted_and_a_refusal_reaches_status(
+    operator,
+):
+    """docs/install.md's table: tcp and efa pods are admitted under "restricted" (EFA asks its
+    devices as a resource and adds no capability); a refused pod (a quota of no pods) is in
+    the job's status, not only in the operator's log."""
     plane = operator.plane
-    for ns, level in (("strict", "restricted"), ("base", "baseline")):
+    for ns in ("strict", "full"):
         plane.kubectl("create", "namespace", ns)
-        plane.kubectl("label", "namespace", ns, f"pod-security.kubernetes.io/enforce={level}")
+        plane.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted")
         plane.wait(lambda ns=ns: plane.get("sa", "default", ns), hangs.FLOOR, "the default SA")
         plane.apply(shared_volume(ns))
+    plane.apply({"apiVersion": "v1", "kind": "ResourceQuota",
+                 "metadata": {"name": "no-pods", "namespace": "full"},
+                 "spec": {"hard": {"pods": "0"}}})  # fmt: skip
     tcp = gpu_job("tcp")
     tcp["metadata"]["namespace"] = "strict"
     plane.apply(tcp)
     efa = gpu_job("efa")
-    efa["metadata"]["namespace"] = "base"
+    efa["metadata"]["namespace"] = "strict"
     efa["spec"]["network"] |= {"fabric": "efa", "efaDevicesPerNode": 4}
     plane.apply(efa)
+    refused_job = gpu_job("refused")
+    refused_job["metadata"]["namespace"] = "full"
+    plane.apply(refused_job)
 
     def running_in_strict():
         pods = plane.get("pods", namespace="strict") or []
-        return len(pods) == 2 and all(p["status"].get("phase") == "Running" for p in pods)
+        tcp_pods = [p for p in pods if p["metadata"]["labels"].get("ftjob.dev/job-name") == "tcp"]
+        efa_pods = [p for p in pods if p["metadata"]["labels"].get("ftjob.dev/job-name") == "efa"]
+        running = len(tcp_pods) == 2 and all(
+            p["status"].get("phase") == "Running" for p in tcp_pods
+        )
+        return running and len(efa_pods) == 2  # admitted (the nodes have no EFA to run them)
 
-    plane.wait(running_in_strict, 60, "the tcp job's pods admitted and running")
+    plane.wait(running_in_strict, 60, "the tcp job's pods running, the efa job's admitted")
 
     def refused():
-        conditions = (plane.get("ftj", "efa", "base") or {}).get("status", {}).get("conditions")
-        created = next((c for c in conditions or [] if c["type"] == "Created"), {})
+        conditions = (plane.get("ftj", "refused", "full") or {}).get("status", {})
+        created = next(
+            (c for c in conditions.get("conditions") or [] if c["type"] == "Created"), {}
+        )
         return created.get("reason") == "PodsRefused" and created["message"]
 
-    message = plane.wait(refused, 60, "the efa job's status to carry the refusal")
-    assert 'violates PodSecurity "baseline' in message and "IPC_LOCK" in message
-    assert not plane.get("pods", namespace="base")
+    message = plane.wait(refused, 60, "the refused job's status to carry the refusal")
+    assert "exceeded quota" in message
+    assert not plane.get("pods", namespace="full")
 
 
 def test_the_scheduler_keeps_the_next_gang_off_a_bad_node(operator):

@@ -84,6 +84,47 @@ def test_every_command_has_help(command):
     assert result.returncode == 0 and "usage: ftjob" in result.stdout
 
 
+def without(modules, *args, cwd=ROOT):
+    """ftjob in a Python where ``modules`` cannot be imported (an extra not installed)."""
+    code = (
+        "import sys\n"
+        f"for m in {list(modules)!r}: sys.modules[m] = None\n"
+        "from ftjob.cli.commands import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, cwd=cwd
+    )
+
+
+@pytest.mark.parametrize(
+    "blocked, args, line",
+    [
+        (["kopf"], ["operator", "-A"], "ftjob: ftjob operator needs ftjob's operator extra (kopf "
+         "not installed); install it with: pip install 'ftjob[operator]'"),
+        (["torch", "peft"], ["run", "examples/tiny.yaml"], "ftjob: ftjob run needs ftjob's "
+         "trainer extra (torch, peft not installed); install it with: "
+         "pip install 'ftjob[trainer]'"),
+    ],
+)  # fmt: skip
+def test_a_command_without_its_extra_says_how_to_install_it(blocked, args, line):
+    result = without(blocked, *args)
+    assert (result.returncode, result.stderr, result.stdout) == (2, line + "\n", "")
+    assert without(blocked, "validate", "examples/tiny.yaml").returncode == 0  # needs no extra
+
+
+def test_run_names_a_trackers_missing_client_before_it_starts(tmp_path):
+    tracking = {"mlflow": {"trackingUri": "http://127.0.0.1:1", "experiment": "e"}}
+    path, _ = tiny_job(tmp_path, tracking=tracking)
+    result = without(["mlflow"], "run", path, "--workdir", tmp_path / "run")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert (
+        f"ftjob run: {path}: spec.tracking.mlflow needs ftjob's tracking extra (mlflow not "
+        "installed); install it with: pip install 'ftjob[tracking]'"
+    ) in result.stdout.splitlines()
+    assert not (tmp_path / "run" / "logs").exists()  # no process was started
+
+
 # ------------------------------------------------------------------ -o json|yaml (docs/cli.md)
 
 
@@ -99,6 +140,29 @@ def test_validate_json_lists_every_document_with_its_field_errors():
     assert not bad["valid"] and bad["summary"] is None
     assert {"field": "spec.method.lora", "message": bad["errors"][0]["message"]} in bad["errors"]
     assert bad["serverErrors"][0]["field"] == "spec.method.lora"
+
+
+def test_validate_json_says_what_the_text_says(tmp_path):
+    """-o json carries the not-checked notes and the warnings the text prints; the text prints
+    the image warning once, after every job, naming the GPU jobs only (a CPU job is what
+    `ftjob run` runs here, where no image is pulled)."""
+    path, _ = tiny_job(tmp_path)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["dataset"]["source"] = "data/none.jsonl"
+    path.write_text(yaml.safe_dump(doc))
+    gpu_jobs = [
+        ROOT / "examples" / n for n in ("llama3-8b-full-1gpu.yaml", "llama31-70b-qlora.yaml")
+    ]
+    text = ftjob("validate", path, *gpu_jobs)
+    assert text.returncode == 0, text.stdout
+    note = DATA_NOTE.format(tmp_path / "data/none.jsonl")
+    (warning,) = [line for line in text.stdout.splitlines() if "spec.image is unset" in line]
+    assert text.stdout.endswith(warning + "\n")
+    assert warning.startswith("warning (llama3-8b-full-1gpu, llama31-70b-qlora): spec.image")
+    items = json.loads(ftjob("validate", "-o", "json", path, *gpu_jobs).stdout)["items"]
+    assert [(i["notes"], len(i["warnings"])) for i in items] == [([note], 0), ([], 1), ([], 1)]
+    assert f"  {note}" in text.stdout.splitlines()
+    assert warning.endswith(items[1]["warnings"][0])
 
 
 def test_validate_yaml_is_the_same_document():
@@ -287,9 +351,10 @@ def test_stacked_suggestions_change_each_field_once_and_fit(tmp_path):
         assert option["perDeviceBytes"] <= 80 * 2**30, option
 
 
-def test_plan_names_a_missing_model_and_missing_data_once_with_the_fix(tmp_path):
-    """plan reads the model and data beside the job file: missing, each is named once, with its
-    field; validate (a job for a cluster, where the path is on the volume) notes them."""
+def test_plan_names_a_missing_model_once_with_the_fix_and_notes_missing_data(tmp_path):
+    """plan estimates from the model's config.json, so a missing model folder refuses the job,
+    named once with its field; missing data (on a cluster's volume) is only a note in both
+    plan and validate (a job for a cluster, where a path names the volume)."""
     path, _ = tiny_job(tmp_path)
     doc = yaml.safe_load(path.read_text())
     doc["spec"]["model"]["source"] = "no-model"
@@ -301,8 +366,6 @@ def test_plan_names_a_missing_model_and_missing_data_once_with_the_fix(tmp_path)
     assert planned.stderr.splitlines() == [
         f"{path}: spec.model.source: no-model: no such folder (looked at "
         f"{tmp_path / 'no-model'}); fix: {inputs.MODEL_FIX}",
-        f"{path}: spec.dataset.source: data/none.jsonl: no such file or folder (looked at "
-        f"{tmp_path / 'data/none.jsonl'}); fix: {inputs.DATA_FIX}",
     ]
     validate = ftjob("validate", path)
     assert validate.returncode == 0, validate.stdout
@@ -312,10 +375,61 @@ def test_plan_names_a_missing_model_and_missing_data_once_with_the_fix(tmp_path)
         f"not checked: spec.model.source: no-model: no such folder (looked at "
         f"{tmp_path / 'no-model'}) on this machine (a cluster reads the path from the "
         "checkpoint volume)",
-        f"not checked: spec.dataset.source: data/none.jsonl: no such file or folder (looked "
-        f"at {tmp_path / 'data/none.jsonl'}) on this machine (a cluster reads the path from "
-        "the checkpoint volume)",
+        DATA_NOTE.format(tmp_path / "data/none.jsonl"),
     ]
+
+
+DATA_NOTE = (
+    "not checked: spec.dataset.source: data/none.jsonl: no such file or folder (looked at {}) "
+    "on this machine (a cluster reads the path from the checkpoint volume)"
+)
+
+
+def test_plan_plans_a_cluster_job_whose_data_is_on_the_volume_beside_a_refused_one(tmp_path):
+    """`dataset.source: data/...` names the checkpoint volume on a cluster: plan prints the
+    plan, its data row "data not checked here" and the note validate prints; a refused job in
+    another file is reported on stderr and in -o json's "invalid", hiding no other plan."""
+    path, _ = tiny_job(tmp_path, name="volume.yaml")
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["dataset"]["source"] = "data/none.jsonl"
+    path.write_text(yaml.safe_dump(doc))
+    bad, _ = tiny_job(tmp_path, name="bad.yaml", method={"type": "full", "lora": {"r": 8}})
+    planned = ftjob("plan", bad, path)
+    assert planned.returncode == 1
+    assert planned.stderr.startswith(f"{bad}: spec.method.lora: ")
+    assert planned.stdout.startswith(f"{path}: FineTuneJob tiny\n")
+    (row,) = [line for line in planned.stdout.splitlines() if line.lstrip().startswith("data ")]
+    assert "data not checked here (data/none.jsonl is not on this machine" in row
+    assert f"  {DATA_NOTE.format(tmp_path / 'data/none.jsonl')}" in planned.stdout.splitlines()
+    alone = ftjob("plan", path)
+    assert alone.returncode == 0 and alone.stderr == "", alone.stderr
+    as_json = json.loads(ftjob("plan", "-o", "json", bad, path).stdout)
+    (item,) = as_json["items"]
+    assert item["file"] == str(path) and item["notes"] == [
+        DATA_NOTE.format(tmp_path / "data/none.jsonl")
+    ]
+    (refused,) = as_json["invalid"]
+    assert refused["file"] == str(bad) and refused["errors"][0]["field"] == "spec.method.lora"
+
+
+def test_h100_80gb_is_planned_with_its_memory_and_an_assumed_peak(tmp_path):
+    """`gpuType: H100-80GB` is a valid job: 80 GB is certain, only the board's peak is not; the
+    plan says which peak it assumed, and never suggests the name (a guessed step time)."""
+    path = llama70b_full_one_gpu(tmp_path, gpuType="H100-80GB", memory="1200Gi")
+    validated = ftjob("validate", path)
+    assert validated.returncode == 0 and ": valid -- " in validated.stdout, validated.stdout
+    planned = ftjob("plan", "-o", "json", path)
+    (item,) = json.loads(planned.stdout)["items"]
+    assert item["perDevice"]["deviceBytes"] == 80 * 2**30 and item["stepSeconds"] > 0
+    text = ftjob("plan", path).stdout
+    (row,) = [line for line in text.splitlines() if line.lstrip().startswith("throughput")]
+    assert row.endswith(
+        "; peak assumed 756 TFLOP/s (H100-80GB names no board: the slowest's; the trainer's MFU "
+        "uses the device's own name)"
+    )
+    a100 = ftjob("plan", "-o", "json", llama70b_full_one_gpu(tmp_path, memory="1200Gi"))
+    changes = [o["change"] for o in json.loads(a100.stdout)["items"][0]["options"]]
+    assert not any("H100-80GB" in change for change in changes)
 
 
 def test_plan_says_where_offloaded_states_live():

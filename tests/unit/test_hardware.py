@@ -47,5 +47,8 @@ def test_a_product_the_table_lacks_gets_no_peak(device_name):
 
 def test_the_h100_boards_have_their_own_peaks():
     peaks = {name: GPUS[name].peak_bf16_flops / 1e12 for name in GPUS if name.startswith("H1")}
-    assert peaks == {"H100-SXM-80GB": 989, "H100-PCIe-80GB": 756, "H100-NVL-94GB": 835}
+    assert peaks == {
+        "H100-SXM-80GB": 989, "H100-PCIe-80GB": 756, "H100-NVL-94GB": 835, "H100-80GB": 756
+    }  # fmt: skip
+    assert [name for name in GPUS if GPUS[name].peak_assumed] == ["H100-80GB"]
     assert GPUS["H100-NVL-94GB"].memory_bytes == 94 * GIB

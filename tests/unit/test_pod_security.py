@@ -148,11 +148,18 @@ def test_the_docs_state_the_level_the_pods_of_each_fabric_meet(doc):
             assert got == {want}, (doc, fabric, example, got)
 
 
-def test_ipc_lock_is_what_keeps_rdma_pods_out_of_baseline():
-    """The reason the docs give, checked: the EFA pod's only finding is IPC_LOCK."""
-    (pod, *_) = pods_for("efa", "llama3-8b-lora-efa.yaml")
-    assert baseline_violations(pod) == ["trainer: adds capabilities ['IPC_LOCK']"]
-    assert set(restricted_violations(pod)) == {"trainer: adds capabilities ['IPC_LOCK']"}
+def test_rdma_pods_meet_restricted_with_their_devices_as_resources():
+    """An EFA pod asks its devices of the device plugin (a resource, which no Pod Security
+    level looks at) and adds no capability: an added IPC_LOCK would not reach the non-root
+    trainer anyway (only the bounding set), so nothing sends the namespace to privileged."""
+    for fabric in ("efa", "infiniband"):
+        (pod, *_) = pods_for(fabric, "llama3-8b-lora-efa.yaml")
+        assert restricted_violations(pod) == [] and baseline_violations(pod) == []
+        (c,) = pod["spec"]["containers"]
+        assert "add" not in c["securityContext"]["capabilities"]
+        assert c["securityContext"]["runAsNonRoot"] is True
+    (efa, *_) = pods_for("efa", "llama3-8b-lora-efa.yaml")
+    assert efa["spec"]["containers"][0]["resources"]["limits"]["vpc.amazonaws.com/efa"] == "4"
 
 
 @pytest.mark.parametrize(

@@ -151,12 +151,8 @@ def test_compile_is_off_unless_asked_until_verified_on_a_gpu():
     assert err.startswith("spec.training.compile: must be true or false")
 
 
-def test_gpu_type_names_one_product_and_the_ambiguous_h100_is_refused_with_the_choices():
+def test_gpu_type_names_a_product_and_h100_80gb_is_one_for_memory():
     assert spec_of(resources={"gpuType": "H100-PCIe-80GB"}).resources.gpu_type == "H100-PCIe-80GB"
-    (err,) = errors_of(
-        {**MINIMAL, "training": {"maxSteps": 1}, "resources": {"gpuType": "H100-80GB"}}
-    )
-    assert err.startswith('spec.resources.gpuType: "H100-80GB" is ambiguous')
-    assert "H100-SXM-80GB, H100-PCIe-80GB or H100-NVL-94GB" in err
+    assert spec_of(resources={"gpuType": "H100-80GB"}).resources.gpu_type == "H100-80GB"
     (err,) = errors_of({**MINIMAL, "training": {"maxSteps": 1}, "resources": {"gpuType": "V100"}})
     assert err.startswith("spec.resources.gpuType: must be one of") and "B200-180GB" in err

@@ -29,6 +29,14 @@ def test_peak_flops_by_device_name():
     assert progress.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert progress.peak_flops("NVIDIA H100 80GB HBM3", gpu_type="A100-80GB") == 312e12
     assert progress.peak_flops(None) is None  # CPU
+
+
+def test_h100_80gb_takes_its_peak_from_the_device_and_assumes_the_slower_board_otherwise():
+    """resources.gpuType: H100-80GB fixes the memory, not the board: the device's own name
+    decides MFU's peak; a name the table lacks keeps the plan's assumed (PCIe) peak."""
+    assert progress.peak_flops("NVIDIA H100 80GB HBM3", gpu_type="H100-80GB") == 989e12
+    assert progress.peak_flops("NVIDIA H100 PCIe", gpu_type="H100-80GB") == 756e12
+    assert progress.peak_flops("NVIDIA H100 (unnamed)", gpu_type="H100-80GB") == 756e12
     assert progress.peak_flops("Some Future GPU") is None
 
 

@@ -58,9 +58,12 @@ _PROVIDER = re.compile(r"Selected [Pp]rovider is (\w+)")
 EXPECTED_TRANSPORT = {"efa": "efa", "infiniband": "ib"}
 FABRIC_FIX = {
     "efa": "check that the nodes have EFA (vpc.amazonaws.com/efa allocatable), that the image "
-    "has the aws-ofi-nccl plugin and libfabric, and network.ncclEnv (FI_PROVIDER=efa)",
-    "infiniband": "check that the pods see the RDMA devices (the RDMA device plugin, "
-    "IPC_LOCK) and network.ncclEnv (NCCL_IB_HCA, NCCL_SOCKET_IFNAME)",
+    "has the aws-ofi-nccl plugin and libfabric, that the node's container runtime gives "
+    "containers an unlimited memlock limit (ulimit -l: unlimited), and network.ncclEnv "
+    "(FI_PROVIDER=efa)",
+    "infiniband": "check that the pods see the RDMA devices (the RDMA device plugin), that "
+    "the node's container runtime gives containers an unlimited memlock limit (ulimit -l: "
+    "unlimited), and network.ncclEnv (NCCL_IB_HCA, NCCL_SOCKET_IFNAME)",
     "tcp": "check the nodes' network, or lower spec.preflight.minBusBandwidthGBps",
 }
 

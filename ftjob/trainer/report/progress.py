@@ -31,11 +31,14 @@ def peak_flops(device_name: str | None, gpu_type: str | None = None) -> float | 
     """Peak dense bf16 FLOP/s of one device (ftjob.api.hardware's table); None on CPU.
 
     ``resources.gpuType`` names the table entry when the spec has it; otherwise the CUDA
-    device name is matched. An unknown device gives None (MFU is then not reported).
+    device name is matched. An unknown device gives None (MFU is then not reported). A
+    gpuType whose peak is only assumed (H100-80GB: SXM or PCIe) yields to the device's own
+    name, and keeps its assumed peak only where the name matches no entry.
     """
-    if gpu_type in GPUS:
-        return GPUS[gpu_type].peak_bf16_flops
-    gpu = gpu_for_device_name(device_name) if device_name else None
+    named = GPUS.get(gpu_type) if gpu_type else None
+    if named is not None and not named.peak_assumed:
+        return named.peak_bf16_flops
+    gpu = (gpu_for_device_name(device_name) if device_name else None) or named
     return gpu.peak_bf16_flops if gpu else None
 
 
