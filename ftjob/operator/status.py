@@ -260,8 +260,13 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     reason, detail, code, note, fix = None, "", None, "", None
     node_fault = False  # the node's fault, not the job's: the next gangs avoid it (badNodes)
     term = terminated(pod)
+    saved = _saved(contract.parse((term or {}).get("message")))
     if stopped := stopped_by_cluster(pod):
-        reason, detail = "Preempted", stopped
+        reason, detail = "Preempted", f"{stopped}; {saved}" if saved else stopped
+    elif saved:
+        # The trainer stopped for a SIGTERM (its own pod's, or another's: the gang stops
+        # together) and says which step it saved: the cluster's doing, not a failure.
+        reason, detail = "Preempted", saved
     elif st.get("reason") == "Evicted":
         reason, detail = "Evicted", st.get("message", "")
         node_fault = detail.startswith(NODE_PRESSURE)
@@ -307,6 +312,13 @@ def _from_container(term: dict, rec: dict) -> tuple[str, str, str, str | None]:
     if rec and rec.get("outcome") == "failed" and rec.get("reason") in ADVICE:
         return rec["reason"], _record_detail(rec), "", rec.get("fix")
     return contract.reason_in_log(text) or "Error", text, NO_RECORD, None
+
+
+def _saved(rec: dict | None) -> str | None:
+    """What a trainer stopped by a SIGTERM says it saved (its record), or None."""
+    if not rec or rec.get("outcome") != "preempted":
+        return None
+    return str(rec.get("message") or f"stopped for a SIGTERM after step {rec.get('step')}")
 
 
 def _record_detail(rec: dict) -> str:

@@ -39,6 +39,7 @@ figure does; the step time also counts the recomputed forward.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ftjob.api.hardware import GIB, GPUS, node_bandwidth
@@ -90,6 +91,21 @@ SAVE_FIXED_SECONDS = 2.0
 def checkpoint_bytes(trainable: int) -> float:
     """What a checkpoint holds: the trained weights and their two AdamW moments, fp32."""
     return 3 * trainable * FP32
+
+
+# terminationGracePeriodSeconds: Kubernetes' default of 30 s twice over at least, as before the
+# save on SIGTERM existed; otherwise the planner's save time with a margin of GRACE_MARGIN (a
+# busy volume, a slow step still to finish: the gang stops at a step boundary first).
+MIN_GRACE_SECONDS = 60
+GRACE_MARGIN = 2.0
+
+
+def grace_period_seconds(saved_bytes: float, nodes: int, given: int | None = None) -> int:
+    """PURE: the pods' grace period: ``given`` (spec.checkpoint.gracePeriodSeconds) when set,
+    else the planner's save time of a ``saved_bytes`` checkpoint, with the margin."""
+    if given is not None:
+        return given
+    return max(MIN_GRACE_SECONDS, math.ceil(GRACE_MARGIN * save_seconds(saved_bytes, nodes)))
 
 
 def save_seconds(saved_bytes: float, nodes: int) -> float:

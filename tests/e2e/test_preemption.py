@@ -25,6 +25,8 @@ from test_recovery import injected, recovery_job, wait_for_step
 from test_trainer_run import RUN_TIMEOUT, history, losses, run, start
 
 from ftjob.api import contract
+from ftjob.api.spec import parse_resource
+from ftjob.operator import render, status
 
 STEPS = 12  # test_recovery.SPEC: checkpoint.every 4, keep 3
 EVERY = 4
@@ -106,7 +108,8 @@ def test_sigterm_to_one_node_saves_the_step_reached_and_resumes_bit_for_bit(
     reached = max(losses(workdir))
     os.kill(agent_pid(workdir, 1), signal.SIGTERM)
     began = time.monotonic()
-    saved = hangs.poll(lambda: _saved(workdir), hangs.RUN, "the save on SIGTERM")
+    record = hangs.poll(lambda: _preempted(workdir), hangs.RUN, "the save on SIGTERM")
+    saved = record["step"]
     hangs.poll(lambda: resumed_training(workdir, saved), hangs.RUN, "training again")
     again = time.monotonic() - began
     out, _ = proc.communicate(timeout=RUN_TIMEOUT)
@@ -120,15 +123,31 @@ def test_sigterm_to_one_node_saves_the_step_reached_and_resumes_bit_for_bit(
     # Preemption is not a failure: no restart in place was spent on it.
     assert "restart 1 of" not in (workdir / "logs" / "node-0.log").read_text()
     assert "(after" not in out.splitlines()[-1]
+    # The operator reads the same record from a pod: Preempted (no restart budget), and the
+    # status says the step saved.
+    failure = operator_sees(record)
+    assert failure["reason"] == "Preempted"
+    assert f"stopped for a SIGTERM after step {saved}; checkpoint" in failure["message"]
 
 
-def _saved(workdir: Path) -> int | None:
-    """The step the gang saved at on SIGTERM, from node 0's record (written before it exits)."""
+def _preempted(workdir: Path) -> dict | None:
+    """Node 0's record once the gang stopped for the SIGTERM (written before it exits)."""
     try:
         rec = contract.parse((workdir / "logs" / "node-0.termination").read_text())
     except OSError:
         return None
-    return rec["step"] if rec and rec.get("outcome") == "preempted" else None
+    return rec if rec and rec.get("outcome") == "preempted" else None
+
+
+def operator_sees(record: dict) -> dict:
+    """status.failure for node 0's pod of a job, its container ended with ``record``."""
+    name, spec = parse_resource(recovery_job("evicted"))
+    pod = render.pod(name, "ns", spec, 0, 0, "uid")
+    term = {"exitCode": contract.EXIT_PREEMPTED, "reason": "Error",
+            "message": contract.dumps(record)}  # fmt: skip
+    state = {"name": "trainer", "state": {"terminated": term}}
+    pod["status"] = {"phase": "Failed", "containerStatuses": [state]}
+    return status.diagnose(pod)
 
 
 def test_sigterm_to_every_node_at_once(reference, tmp_path):
