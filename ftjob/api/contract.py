@@ -58,6 +58,9 @@ PHASES = (
     "pushing",  # uploading the export to the Hub (output.push)
     "succeeded",
     "failed",
+    # SIGTERM (an eviction, a drain, a spot reclaim, Kueue preemption): the gang stopped at one
+    # step boundary, saved there (when the grace period allowed) and ended; not a failure.
+    "preempted",
 )
 # Phases before the first training step: the stall timeout does not apply to them.
 STARTUP_PHASES = ("starting", "downloading", "preparing-data", "loading")
@@ -215,6 +218,35 @@ def success_record(export_path: str) -> dict[str, Any]:
     return {"outcome": "succeeded", "exportPath": export_path}
 
 
+# ------------------------------------------------------------------------------ preemption
+# A signal is a checkpoint: SIGTERM asks the gang to stop at one step boundary and save there.
+# Set by the operator from the pod's terminationGracePeriodSeconds (and by `ftjob run`): the
+# seconds between SIGTERM and SIGKILL, which the save must fit in.
+GRACE_ENV = "FTJOB_GRACE_SECONDS"
+# A process (worker or node agent) that stopped for a SIGTERM, saved or not: distinct from a
+# failure (1) and from a signal's death (128+n), so that neither torch's agent, `ftjob run`
+# nor the operator spends a restart on it.
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again later
+
+
+class Preempted(Exception):
+    """The gang agreed to stop for a SIGTERM at ``step``; ``checkpoint`` is the folder saved
+    there, or None when the grace period was too short (the previous one stays newest)."""
+
+    def __init__(self, step: int, checkpoint: str | None, message: str):
+        super().__init__(message)
+        self.step, self.checkpoint = step, checkpoint
+
+
+def preempted_record(step: int, checkpoint: str | None, message: str) -> dict[str, Any]:
+    """The termination record of a process that stopped for a SIGTERM (not a failure)."""
+    rec = {"outcome": "preempted", "step": step, "message": message, "node": node_name(),
+           "rank": int(os.environ.get("RANK", "0"))}  # fmt: skip
+    if checkpoint is not None:
+        rec["checkpoint"] = checkpoint
+    return rec
+
+
 def rank_of(reason: str | None) -> int:
     """How telling a reason is: 0 the most (SPECIFICITY), unknown reasons last."""
     return SPECIFICITY.index(reason) if reason in SPECIFICITY else len(SPECIFICITY)
@@ -246,7 +278,7 @@ def parse(text: str | None) -> dict[str, Any] | None:
         return None
     if not isinstance(value, dict):
         return None
-    if value.get("outcome") in ("succeeded", "failed"):
+    if value.get("outcome") in ("succeeded", "failed", "preempted"):
         return value
     if isinstance(value.get("exportPath"), str):  # the record before it had an outcome
         return {"outcome": "succeeded", **value}

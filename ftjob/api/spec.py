@@ -592,6 +592,16 @@ class CheckpointSpec:
         "process then keeps a CPU copy of its share of the checkpoint.",
         False,
     )
+    grace_period_seconds: int | None = api_field(
+        "gracePeriodSeconds: the pods' terminationGracePeriodSeconds, the time between "
+        "SIGTERM (an eviction, a drain, a spot reclaim, a preemption) and SIGKILL, in which "
+        "the gang stops at a step boundary and saves a checkpoint there (default: twice the "
+        "planner's save time, at least 60; a save that would not fit is skipped and the "
+        "previous checkpoint is resumed).",
+        None,
+        minimum=5,
+        maximum=86400,
+    )
 
 
 @dataclass(kw_only=True)

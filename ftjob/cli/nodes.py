@@ -140,20 +140,29 @@ def local_env(spec, rank: int, job_dir: Path) -> dict[str, str]:
     elif "OMP_NUM_THREADS" not in os.environ:
         # All "nodes" share this machine: split its cores between every process.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // r.world_size))
+    if contract.GRACE_ENV not in os.environ:
+        # A SIGTERM's save must fit before `ftjob run` kills what is left (stop_all).
+        env[contract.GRACE_ENV] = str(STOP_GRACE_SECONDS)
     if "FTJOB_PROGRESS_PORT" not in os.environ:
         # The spec's port may be taken on a workstation; progress.json has the one chosen.
         env["FTJOB_PROGRESS_PORT"] = "0"
     return env
 
 
+# How a node ends without failing: done, or stopped for a SIGTERM at a step boundary (its
+# gang saved there; ftjob.trainer.gang.preempt).
+ENDED = (0, contract.EXIT_PREEMPTED)
+
+
 def wait_first(nodes: list[Node], screen: Screen) -> Node | None:
-    """Wait until all nodes succeed (None) or one fails (that node); move the bar meanwhile."""
+    """Wait until all nodes end without failing (None) or one fails (that node); move the
+    bar meanwhile."""
     while True:
         codes = [n.proc.poll() for n in nodes]
         for node, code in zip(nodes, codes, strict=True):
-            if code not in (None, 0):
+            if code not in (None, *ENDED):
                 return node
-        if all(code == 0 for code in codes):
+        if all(code in ENDED for code in codes):
             return None
         screen.poll()
         time.sleep(0.2)

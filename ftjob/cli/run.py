@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from ftjob.api import manifest
-from ftjob.api.contract import TrainerError
+from ftjob.api.contract import EXIT_PREEMPTED, TrainerError
 from ftjob.api.schema import SpecError, check_rules
 from ftjob.api.spec import KIND, parse_resource
 from ftjob.cli import extras, failure
@@ -124,16 +124,35 @@ def _run_held(job_file, name, spec, job_dir: Path, source_root: Path, run_id: st
     # Orphans of the run (a worker whose agent died) are handed to this process, which ends
     # them with the rest (ftjob.job.processes).
     processes.become_subreaper()
+    screen = Screen(out, JobFolder(job_dir).progress, since=time.time())
+    gangs = 0
+    while True:
+        args = (spec, name, run_id, spec_file, job_dir, source_root, screen, out)
+        nodes, first, interrupted, hurried = _gang(*args, again=gangs > 0)
+        gangs += 1
+        stopped = None if interrupted or first is not None else _preempted(nodes)
+        if stopped is None:
+            return _ended(job_dir, nodes, first, interrupted, hurried, out)
+        # A SIGTERM to a node from outside (as the cluster evicts a pod): the gang saved at
+        # the step it reached; a new gang resumes there at once, as the operator's would.
+        print(f"ftjob run: {stopped}; starting the gang again, resuming from "
+              f"{_newest_checkpoint(job_dir)}", file=out, flush=True)  # fmt: skip
+
+
+def _gang(spec, name, run_id, spec_file, job_dir, source_root, screen, out, again: bool):
+    """Start every node, wait until all end or one fails, and end every process; returns
+    (nodes, the first to fail or None, interrupted, hurried)."""
+    if again:  # the last gang's stop_all left its handler: Ctrl-C interrupts again
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # `kill`, a closed terminal or a CI timeout stop the gang the same way as Ctrl-C.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, interrupt)
-    screen = Screen(out, JobFolder(job_dir).progress, since=time.time())
     port = free_port()
     nodes: list[Node] = []
     first, interrupted, hurried = None, False, False
     try:
         with screen:
-            for rank in range(r.nodes):
+            for rank in range(spec.resources.nodes):
                 nodes.append(
                     start_node(
                         spec, name, rank, run_id, spec_file, port, job_dir, source_root, screen
@@ -148,7 +167,16 @@ def _run_held(job_file, name, spec, job_dir: Path, source_root: Path, run_id: st
         # Every exit path ends every process of the run (an exception included); a second
         # Ctrl-C only hurries this along.
         hurried = stop_all(nodes)
-    return _ended(job_dir, nodes, first, interrupted, hurried, out)
+    return nodes, first, interrupted, hurried
+
+
+def _preempted(nodes: list[Node]) -> str | None:
+    """What the gang's records say when it stopped for a SIGTERM (None: it did not)."""
+    if not any(n.proc.returncode == EXIT_PREEMPTED for n in nodes):
+        return None
+    records = [n.outcome().record or {} for n in nodes]
+    said = [r for r in records if r.get("outcome") == "preempted"]
+    return (said[0].get("message") if said else None) or "the gang stopped for a SIGTERM"
 
 
 def _answered(name: str, spec, job_dir: Path, out) -> int | None:

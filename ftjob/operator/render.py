@@ -13,6 +13,7 @@ that re-running a reconcile never makes a second copy:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -22,6 +23,8 @@ from ftjob.api import contract
 from ftjob.api.schema import parse, to_dict
 from ftjob.api.spec import API_VERSION, DEFAULT_IMAGE, KIND, FineTuneJobSpec, TrackingSpec
 from ftjob.job import launch
+from ftjob.plan.estimate import estimate, grace_period_seconds
+from ftjob.plan.modelshape import shape_for
 
 MANAGER = "ftjob-operator"
 GROUP_PREFIX = "ftjob.dev"
@@ -36,7 +39,6 @@ TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessa
 SHARED_DIR = launch.VOLUME_MOUNT  # the checkpoint volume (CheckpointSpec documents it)
 # Trainer processes run as this non-root user; fsGroup makes the shared volume writable.
 RUN_AS = 1000
-TERMINATION_GRACE_SECONDS = 60  # time for an in-flight async checkpoint to be abandoned cleanly
 
 # Kueue "plain pod" groups: the pods of one attempt are admitted together or not at all.
 KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
@@ -282,7 +284,9 @@ def container(
     # Face cache is on the volume, see launch); then the fabric defaults;
     # launch's environment (with the user's ncclEnv and env) wins over both.
     # The trainer's rank 0 writes the export path to the termination message on success.
-    env = {"HOME": "/tmp", "FTJOB_TERMINATION_LOG": TERMINATION_LOG} | node.env
+    # The grace period, which the trainer's save on SIGTERM must fit (ftjob.trainer.gang.preempt).
+    env = {"HOME": "/tmp", "FTJOB_TERMINATION_LOG": TERMINATION_LOG,
+           contract.GRACE_ENV: str(grace_seconds(spec))} | node.env  # fmt: skip
     env_list = [{"name": k, "value": v} for k, v in env.items()]
     for var, ref in node.secret_env.items():
         secret = {"secretKeyRef": {"name": ref.name, "key": ref.key}}
@@ -310,6 +314,17 @@ def container(
     if res := resources(spec):
         out["resources"] = res
     return out
+
+
+def grace_seconds(spec: FineTuneJobSpec) -> int:
+    """terminationGracePeriodSeconds: checkpoint.gracePeriodSeconds, else from the planner's
+    save time for this job (the minimum where the plan cannot shape the model offline)."""
+    given = spec.checkpoint.grace_period_seconds
+    saved = 0.0
+    if given is None:
+        with contextlib.suppress(ValueError):  # a model the plan knows only from its files
+            saved = estimate(spec, shape_for(spec.model.source, None)).checkpoint_bytes
+    return grace_period_seconds(saved, spec.resources.nodes, given)
 
 
 def pod(
@@ -341,7 +356,7 @@ def pod(
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "terminationGracePeriodSeconds": grace_seconds(spec),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS,

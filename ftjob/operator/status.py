@@ -260,8 +260,8 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     reason, detail, code, note, fix = None, "", None, "", None
     node_fault = False  # the node's fault, not the job's: the next gangs avoid it (badNodes)
     term = terminated(pod)
-    if stopped := stopped_by_cluster(pod):
-        reason, detail = "Preempted", stopped
+    if preempted := _preemption(pod, term):
+        reason, detail = "Preempted", preempted
     elif st.get("reason") == "Evicted":
         reason, detail = "Evicted", st.get("message", "")
         node_fault = detail.startswith(NODE_PRESSURE)
@@ -307,6 +307,24 @@ def _from_container(term: dict, rec: dict) -> tuple[str, str, str, str | None]:
     if rec and rec.get("outcome") == "failed" and rec.get("reason") in ADVICE:
         return rec["reason"], _record_detail(rec), "", rec.get("fix")
     return contract.reason_in_log(text) or "Error", text, NO_RECORD, None
+
+
+def _preemption(pod: dict, term: dict | None) -> str | None:
+    """Why the cluster stopped the pod (its conditions) and what the trainer saved then (its
+    record), or None when neither says so. A record alone is enough: the trainer stopped for
+    a SIGTERM (its own pod's, or another's: the gang stops together), not for a failure."""
+    stopped = stopped_by_cluster(pod)
+    saved = _saved(contract.parse((term or {}).get("message")))
+    if stopped and saved:
+        return f"{stopped}; {saved}"
+    return stopped or saved
+
+
+def _saved(rec: dict | None) -> str | None:
+    """What a trainer stopped by a SIGTERM says it saved (its record), or None."""
+    if not rec or rec.get("outcome") != "preempted":
+        return None
+    return str(rec.get("message") or f"stopped for a SIGTERM after step {rec.get('step')}")
 
 
 def _record_detail(rec: dict) -> str:

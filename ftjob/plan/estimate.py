@@ -39,6 +39,7 @@ figure does; the step time also counts the recomputed forward.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ftjob.api.hardware import GIB, GPUS, node_bandwidth
@@ -77,6 +78,42 @@ NF4_SEARCH_VALUES = 2**20 * 16
 # (hardware FLOPs utilisation): the step time divides model + recomputed FLOPs by it. Without
 # recomputation it equals MFU; the plan's MFU is it x model / (model + recomputed) FLOPs.
 ASSUMED_HFU = {"full": 0.40, "lora": 0.35, "qlora": 0.25}
+
+# A save to the shared volume, for the grace period a SIGTERM leaves (ftjob.trainer.gang.preempt,
+# the operator's terminationGracePeriodSeconds): what a node's client of a network file system
+# (NFS, EFS, FSx for Lustre at its smaller sizes) writes at least, and the fixed part (the
+# collectives, the checksums' manifest, fsync and the commit's rename). The trainer prefers
+# the time it measured on its own last save.
+SAVE_BYTES_PER_SECOND_PER_NODE = 200e6
+SAVE_FIXED_SECONDS = 2.0
+
+
+def checkpoint_bytes(trainable: int) -> float:
+    """What a checkpoint holds: the trained weights and their two AdamW moments, fp32."""
+    return 3 * trainable * FP32
+
+
+# terminationGracePeriodSeconds: Kubernetes' default of 30 s twice over at least, as before the
+# save on SIGTERM existed; otherwise the planner's save time with a margin of GRACE_MARGIN (a
+# busy volume, a slow step still to finish: the gang stops at a step boundary first).
+MIN_GRACE_SECONDS = 60
+GRACE_MARGIN = 2.0
+
+
+def grace_period_seconds(saved_bytes: float, nodes: int, given: int | None = None) -> int:
+    """PURE: the pods' grace period: ``given`` (spec.checkpoint.gracePeriodSeconds) when set,
+    else the planner's save time of a ``saved_bytes`` checkpoint, with the margin."""
+    if given is not None:
+        return given
+    return max(MIN_GRACE_SECONDS, math.ceil(GRACE_MARGIN * save_seconds(saved_bytes, nodes)))
+
+
+def save_seconds(saved_bytes: float, nodes: int) -> float:
+    """About how long a checkpoint of ``saved_bytes`` takes to write: every node writes its
+    ranks' shares at once."""
+    return SAVE_FIXED_SECONDS + saved_bytes / (max(nodes, 1) * SAVE_BYTES_PER_SECOND_PER_NODE)
+
+
 # activationCheckpointing: auto tries these strides, fastest first (0: none, 1: every layer).
 AUTO_STRIDES = (0, 4, 3, 2, 1)
 OFFLOAD_SLOWDOWN = 0.5  # CPU offload roughly halves throughput (PCIe copies each step)
@@ -265,7 +302,7 @@ def estimate_at(
     cpu = _cpu_memory(spec, shape, group, trainable, shards, device_total, frozen_bytes)
     if cpu.staging:
         notes.append(f"asyncSave keeps a {gib(cpu.staging)} CPU copy per process")
-    checkpoint_bytes = 3 * trainable * FP32
+    saved = checkpoint_bytes(trainable)
 
     if spec.training.objective == "dpo":
         notes.append(_dpo_note(spec))
@@ -283,7 +320,7 @@ def estimate_at(
         cpu_per_node=cpu.steady,
         load_cpu_per_node=cpu.loading,
         page_cache_per_node=cpu.page_cache,
-        checkpoint_bytes=checkpoint_bytes,
+        checkpoint_bytes=saved,
         checkpoint_stride=stride,
         notes=notes,
         problem=problem,

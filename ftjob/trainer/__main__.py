@@ -15,7 +15,14 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ftjob.api import manifest
-from ftjob.api.contract import BAD_SPEC, RESTARTS_IN_PLACE_ENV, TrainerError
+from ftjob.api.contract import (
+    BAD_SPEC,
+    EXIT_PREEMPTED,
+    RESTARTS_IN_PLACE_ENV,
+    Preempted,
+    TrainerError,
+    preempted_record,
+)
 from ftjob.api.schema import SpecError
 from ftjob.api.spec import KIND, parse_resource
 from ftjob.trainer.gang import termination
@@ -45,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         train.run(spec, name)
     except (KeyboardInterrupt, SystemExit):
         raise  # stopped from outside: whoever stopped it knows why
+    except Preempted as e:
+        # Not a failure: its own record and exit code, which neither the agent, `ftjob run`
+        # nor the operator spends a restart on.
+        termination.write(preempted_record(e.step, e.checkpoint, str(e)))
+        if RESTARTS_IN_PLACE_ENV not in os.environ:
+            owner.release_held()  # no agent: the next run need not wait for the folder
+        return EXIT_PREEMPTED
     except BaseException as e:  # noqa: BLE001 - dcp's CheckpointException is a BaseException
         # Every failure leaves a record for whoever watches (the operator decides from it);
         # train.run wrote one already for a failure in training.

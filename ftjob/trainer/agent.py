@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import os
 import signal
 import sys
@@ -53,6 +54,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from ftjob.api import contract
 from ftjob.job import lease
+from ftjob.trainer.gang import preempt
 
 TERMINATION_ENV = "FTJOB_TERMINATION_LOG"
 
@@ -107,9 +109,18 @@ class Agent(LocalElasticAgent):
     def __init__(self, *args, node_rank: int, termination: Path | None, **kwargs):
         super().__init__(*args, **kwargs)
         self.node_rank, self.termination = node_rank, termination
-        self.restarts, self._restarting = 0, False
+        self.restarts, self._restarting, self._ending = 0, False, False
         # The workers' environment (ftjob.trainer.model.parallel, progress, __main__).
         os.environ[contract.RESTARTS_IN_PLACE_ENV] = "0"
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        # Workers in the training loop take SIGTERM as "checkpoint at the next step boundary"
+        # (ftjob.trainer.gang.preempt), which a worker blocked in a collective with a failed
+        # peer never reaches: workers stopped for a failure are killed at once, as SIGTERM's
+        # default action did before. Only this agent's own SIGTERM is passed on as SIGTERM.
+        if self._ending:
+            death_sig = signal.SIGKILL
+        super()._shutdown(death_sig, timeout)
 
     def _monitor_workers(self, worker_group) -> RunResult:
         result = super()._monitor_workers(worker_group)
@@ -118,6 +129,15 @@ class Agent(LocalElasticAgent):
         return result
 
     def _decide(self, result: RunResult, budget: int) -> None:
+        stopped = read_preempted(self.termination)
+        if stopped is not None:
+            # The gang stopped for a SIGTERM and saved where it could: no failure, no restart
+            # here (the pod is going away); the operator or `ftjob run` starts the next gang.
+            self._remaining_restarts = 0
+            what = stopped.get("message", "stopped for a SIGTERM")
+            say(f"node {self.node_rank}: {what}; no restart in place: the next gang resumes "
+                "from the newest checkpoint")  # fmt: skip
+            return
         failed = read_failure(self.termination)
         what = describe(failed, result)
         if failed is not None and failed.get("reason") in contract.NOT_IN_PLACE:
@@ -153,7 +173,11 @@ class Agent(LocalElasticAgent):
         if self._pcontext is not None:
             for pid in self._pcontext.pids().values():
                 _signal_group(pid, signal.SIGCONT)
-        super()._stop_workers(worker_group)
+        self._ending = True
+        try:
+            super()._stop_workers(worker_group)
+        finally:
+            self._ending = False
         if self._restarting and self.termination is not None:
             # The failure restarted from is said in the log; the next workers write their
             # own. (A node that fails for good keeps its record: it says why.) Emptied, not
@@ -162,16 +186,27 @@ class Agent(LocalElasticAgent):
                 self.termination.write_text("")
 
 
-def read_failure(path: Path | None) -> dict | None:
-    """The node's termination record if it is a failure (the trainer writes it before its
-    process exits, so the agent that sees the exit finds it)."""
+def read_record(path: Path | None) -> dict | None:
+    """The node's termination record (the trainer writes it before its process exits, so
+    the agent that sees the exit finds it)."""
     if path is None:
         return None
     try:
-        rec = contract.parse(path.read_text())
+        return contract.parse(path.read_text())
     except OSError:
         return None
+
+
+def read_failure(path: Path | None) -> dict | None:
+    """The node's termination record if it is a failure."""
+    rec = read_record(path)
     return rec if rec is not None and rec.get("outcome") == "failed" else None
+
+
+def read_preempted(path: Path | None) -> dict | None:
+    """The node's termination record if its workers stopped for a SIGTERM."""
+    rec = read_record(path)
+    return rec if rec is not None and rec.get("outcome") == "preempted" else None
 
 
 def describe(failed: dict | None, result: RunResult) -> str:
@@ -208,22 +243,36 @@ OPTIONAL_AGENT_OPTIONS = ("shutdown_timeout",)
 
 def optional_agent_options(config, agent_class: type = LocalElasticAgent) -> dict:
     """Those of :data:`OPTIONAL_AGENT_OPTIONS` this torch has (feature detection, not a version
-    check): on torch 2.11 neither LaunchConfig nor LocalElasticAgent knows shutdown_timeout."""
+    check): on torch 2.11 neither LaunchConfig nor LocalElasticAgent knows shutdown_timeout.
+
+    A SIGTERM to the agent (the pod's main process) is passed on to the workers, which stop
+    at the next step boundary and save (ftjob.trainer.gang.preempt): torch's agent waits
+    shutdown_timeout for them before SIGKILL: the grace period, and never less than
+    Kubernetes' default (the kubelet's SIGKILL ends the pod at the grace period anyway; the
+    agent's own must not come first, also where the grace is too short for a save and the
+    workers only need the moment to stop at a step boundary and say so)."""
     accepted = inspect.signature(agent_class.__init__).parameters
-    return {
+    options = {
         name: getattr(config, name)
         for name in OPTIONAL_AGENT_OPTIONS
         if name in accepted and hasattr(config, name)
     }
+    if "shutdown_timeout" in accepted:
+        grace = max(preempt.grace_seconds(), preempt.DEFAULT_GRACE_SECONDS)
+        options["shutdown_timeout"] = math.ceil(grace)
+    return options
 
 
-def launch(config, entrypoint, args: list[str], node_rank: int) -> None:
+def launch(config, entrypoint, args: list[str], node_rank: int) -> int:
     """torch's ``launch_agent`` (torch.distributed.launcher.api) with :class:`Agent` and
     :class:`NodeRanks`. Left out of it, as ftjob does not use them: the launch-config log
     line, a generated run id (ours always has one), the early health-check server
     (TORCHELASTIC_HEALTH_CHECK_PORT), torchelastic's metrics and events, and the WorkerSpec's
     master address and port, event log handler, NUMA binding, stdout/stderr duplicate
-    filters and virtual local rank: torchrun's options for those are accepted and ignored."""
+    filters and virtual local rank: torchrun's options for those are accepted and ignored.
+
+    Returns the node's exit code: 0, or contract.EXIT_PREEMPTED when its workers stopped for
+    a SIGTERM (this agent's, passed on, or another node's, agreed by the gang)."""
     params = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -262,9 +311,14 @@ def launch(config, entrypoint, args: list[str], node_rank: int) -> None:
     close = True
     try:
         result = agent.run()
-        if result.is_failed():
+        if result.is_failed() and read_preempted(agent.termination) is None:
             raise ChildFailedError(name=str(entrypoint), failures=result.failures)
+        return contract.EXIT_PREEMPTED if result.is_failed() else 0
     except SignalException:
+        if read_preempted(agent.termination) is not None:
+            say(f"node {node_rank}: stopped by a SIGTERM; the workers stopped at a step "
+                "boundary (see their record)")  # fmt: skip
+            return contract.EXIT_PREEMPTED
         close = False  # stopped from outside: torch's launcher leaves the rendezvous open too
         raise
     finally:
@@ -273,7 +327,7 @@ def launch(config, entrypoint, args: list[str], node_rank: int) -> None:
 
 
 @record
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = torchrun.parse_args(argv)
     node_rank = args.node_rank
     if args.standalone:
@@ -291,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
         args.node_rank = 0  # torchrun warns that c10d ignores it; NodeRanks does not
     config, cmd, cmd_args = torchrun.config_from_args(args)
     try:
-        launch(config, cmd, cmd_args, node_rank)
+        return launch(config, cmd, cmd_args, node_rank)
     finally:
         job_dir, run = os.environ.get("FTJOB_JOB_DIR"), config.run_id
         if node_rank == 0 and job_dir:

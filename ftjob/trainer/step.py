@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ftjob.trainer.data import batches as data
+from ftjob.trainer.gang import preempt
 from ftjob.trainer.model import parallel
 from ftjob.trainer.objectives.objective import Objective
 from ftjob.trainer.state import checkpoint
@@ -147,12 +148,15 @@ class Tally:
 
 
 def train_step(
-    run: Run, micro: list[data.Batch], d: parallel.Dist, max_norm: float, objective: Objective
-) -> tuple[torch.Tensor, float, torch.Tensor | None]:
+    run: Run, micro: list[data.Batch], d: parallel.Dist, max_norm: float, objective: Objective,
+    vote: preempt.Vote | None = None,
+) -> tuple[torch.Tensor, float, torch.Tensor | None]:  # fmt: skip
     """Forward and backward over the micro-batches, then the optimizer update; returns this
     rank's share of the step's mean loss (on the device), the seconds the host waited for
     the other ranks at the step's first collective (gloo; NCCL does not hold the host), and
     the objective's metric sums over this rank's micro-batches (None for next-token loss).
+    ``vote`` rides on the step's first collective: the gang's agreement to stop for a SIGTERM
+    (:mod:`ftjob.trainer.gang.preempt`), at no extra collective.
 
     ``objective`` (trainer/objectives/objective.py) gives each micro-batch's summed loss and what
     the step's loss is a mean over (labelled tokens, or pairs)."""
@@ -160,11 +164,14 @@ def train_step(
     # Every labelled token (or pair) of the step weighs the same, whichever rank or
     # micro-batch has it: divide by the global count (FSDP then averages gradients over
     # ranks, hence x world).
-    labelled = torch.tensor(float(sum(objective.count(b) for b in micro)), device=device)
+    count = float(sum(objective.count(b) for b in micro))
+    both = vote.ballot(count) if vote else torch.tensor([count], device=device)
     began = time.perf_counter()
-    dist.all_reduce(labelled)  # stays on the device: nothing waits for it
+    dist.all_reduce(both)  # stays on the device: nothing waits for it
     waited = time.perf_counter() - began
-    scale = world / labelled.clamp(min=1.0)
+    if vote:
+        vote.cast(both)
+    scale = world / both[0].clamp(min=1.0)
     total = torch.zeros((), device=device)
     sums = None
     for m, batch in enumerate(micro):

@@ -28,12 +28,12 @@ from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import folder as jobfolder
 from ftjob.job.folder import JobFolder
 from ftjob.job.lease import LEASE_SECONDS, Lease
-from ftjob.plan.estimate import stride_name
+from ftjob.plan.estimate import checkpoint_bytes, save_seconds, stride_name
 from ftjob.plan.modelshape import model_flops
 from ftjob.trainer import step
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.data import sources
-from ftjob.trainer.gang import heartbeat, preflight, stragglers, termination
+from ftjob.trainer.gang import heartbeat, preempt, preflight, stragglers, termination
 from ftjob.trainer.gang.owner import take_folder
 from ftjob.trainer.model import attention, parallel
 from ftjob.trainer.model import load as model
@@ -58,6 +58,8 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
         return _run(spec, name, job_dir, report)
     except BaseException as e:
         e.ftjob_step = report.last_step  # type: ignore[attr-defined]
+        if isinstance(e, contract.Preempted):
+            raise  # not a failure: the entry point writes its record
         if not isinstance(e, KeyboardInterrupt | SystemExit):
             # The record first: the cleanup below takes a moment (the progress server stops,
             # trackers send what they hold), and a peer that failed faster has its agent end
@@ -305,11 +307,14 @@ def _train(job: Job, run: step.Run, ds, sampler, steps: range, nodes: list[str])
     report.begin(steps.start)
     tally, evaluated_at = step.Tally(run.flops), None
     batches = step.Prefetch(ds, sampler, d.rank, steps, goal.collate)
+    request = preempt.Request(preempt.grace_seconds())
+    vote = preempt.Vote(request, d.device)
+    request.arm()  # from here a SIGTERM is a checkpoint at the next step boundary
     try:
         for n in steps:
             began = time.perf_counter()
             micro = batches.next(n)
-            share, waited, sums = step.train_step(run, micro, d, t.max_grad_norm, goal)
+            share, waited, sums = step.train_step(run, micro, d, t.max_grad_norm, goal, vote)
             run.scheduler.step()
             wall = time.perf_counter() - began
             tally.add(share, micro, own_seconds=wall - waited, sums=sums)
@@ -322,6 +327,8 @@ def _train(job: Job, run: step.Run, ds, sampler, steps: range, nodes: list[str])
                 report.logged(done, loss_, tokens, flops, **goal.step_metrics(sums))
                 if slow.observe(seconds):
                     report.stragglers(slow.named, slow.describe())
+            if vote.agreed(last=done == steps.stop):
+                _preempted(job, run, done, request)  # raises contract.Preempted
             if ds.eval is not None and t.eval_every and done % t.eval_every == 0:
                 report.phase("evaluating")
                 _evaluated(job, run, ds, done)
@@ -329,8 +336,41 @@ def _train(job: Job, run: step.Run, ds, sampler, steps: range, nodes: list[str])
             if done % every == 0 and done < steps.stop:
                 _checkpoint(job, run, done)
     finally:
+        request.disarm()
         batches.close()
     return evaluated_at
+
+
+def _preempted(job: Job, run: step.Run, done: int, request: preempt.Request) -> None:
+    """The gang agreed to stop for a SIGTERM after step ``done``: save a complete checkpoint
+    here if every rank's time left holds it, and end with contract.Preempted either way."""
+    needed = run.ckpt.expected_seconds(_planned_save_seconds(job, run))
+    fits = preempt.save_fits(request.time_left(), needed)
+    short = torch.tensor([0.0 if fits else 1.0], device=job.d.device)
+    dist.all_reduce(short, op=dist.ReduceOp.MAX)  # one answer for all ranks
+    if short.item() > 0:
+        kept = checkpoint.latest(run.ckpt.root)
+        message = (
+            f"stopped for a SIGTERM after step {done} without saving: the grace period left "
+            f"too little time for a save of about {needed:.0f} s; the newest complete "
+            f"checkpoint is {kept or 'none (a rerun starts at step 0)'}"
+        )
+        job.report.log(message)
+        job.report.update(phase="preempted")
+        raise contract.Preempted(done, None, message)
+    job.report.log(f"SIGTERM: the gang stops after step {done} and saves there")
+    _checkpoint(job, run, done)
+    run.ckpt.close()  # a background save is written and committed before the process ends
+    saved = checkpoint.folder(run.ckpt.root, done)
+    message = f"stopped for a SIGTERM after step {done}; checkpoint {saved} saved"
+    job.report.update(phase="preempted")
+    job.report.log(message)
+    raise contract.Preempted(done, str(saved), message)
+
+
+def _planned_save_seconds(job: Job, run: step.Run) -> float:
+    """The planner's time for a save of this job, for a run that has measured none yet."""
+    return save_seconds(checkpoint_bytes(run.trainable), job.spec.resources.nodes)
 
 
 def _checkpoint(job: Job, run: step.Run, done: int) -> None:

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 from torch.distributed import run as torchrun
 
+from ftjob.api import contract
 from ftjob.trainer import agent
 
 
@@ -29,16 +30,20 @@ class AgentWithout:
         pass
 
 
-def test_this_torchs_launch_config_and_agent_get_its_shutdown_timeout():
-    """torch 2.13 (CI's) has the option on both sides: it is passed on, with its value."""
-    config = launch_config()
-    assert agent.optional_agent_options(config) == {"shutdown_timeout": config.shutdown_timeout}
+def test_this_torchs_agent_waits_the_grace_period_for_its_workers(monkeypatch):
+    """torch 2.13 (CI's) takes shutdown_timeout: a SIGTERM passed on to the workers gives them
+    the grace period to save (ftjob.trainer.gang.preempt), not the launch config's 30 s."""
+    monkeypatch.setenv(contract.GRACE_ENV, "120")
+    assert agent.optional_agent_options(launch_config()) == {"shutdown_timeout": 120}
+    monkeypatch.setenv(contract.GRACE_ENV, "5")  # never before the kubelet's own SIGKILL
+    assert agent.optional_agent_options(launch_config()) == {"shutdown_timeout": 30}
 
 
-def test_a_launch_config_without_the_option_passes_nothing():
+def test_a_launch_config_without_the_option_is_not_read(monkeypatch):
     """torch 2.11's LaunchConfig has no shutdown_timeout: reading it raised AttributeError and
     every ftjob run failed at start."""
-    assert agent.optional_agent_options(SimpleNamespace(max_restarts=0)) == {}
+    monkeypatch.delenv(contract.GRACE_ENV, raising=False)
+    assert agent.optional_agent_options(SimpleNamespace(max_restarts=0)) == {"shutdown_timeout": 30}
 
 
 def test_an_agent_without_the_parameter_is_not_given_it():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -127,6 +128,10 @@ class Checkpointer:
         self._staging: Future | None = None
         self._group = self._stager = self._hasher = None
         self._size: int | None = None  # bytes of the last checkpoint: what the next needs
+        # How long the last save took to be written, start to files on the volume; None
+        # before the first (a SIGTERM's save must fit the grace period: expected_seconds).
+        self.seconds: float | None = None
+        self._began = 0.0
         self._gpu = torch.cuda.is_available()
         if async_save:
             # Background saves run their collectives on their own gloo group, so they never
@@ -145,6 +150,7 @@ class Checkpointer:
 
     def save(self, model, optimizer, scheduler, step: int) -> None:
         self.wait()
+        self._began = time.monotonic()
         final = folder(self.root, step)
         tmp = writing(final)
         error = None
@@ -176,17 +182,29 @@ class Checkpointer:
             self._staging = response.staging_completion
             # The checksums are taken in the background too, once the files are written.
             upload = response.upload_completion
-            sums = self._hasher.submit(lambda: (upload.result(), self._checksums(tmp))[1])
+            sums = self._hasher.submit(lambda: (upload.result(), self._written(tmp))[1])
             self._pending = (sums, tmp, final)
         else:
             sums = {}
             try:
                 dcp.save(state, checkpoint_id=str(tmp))
-                sums = self._checksums(tmp)
+                sums = self._written(tmp)
             except (OSError, CheckpointException) as e:  # DCP fails on every rank alike
                 error = e
             self._agree(error, tmp)
             self._commit(tmp, final, sums)
+
+    def _written(self, tmp: Path) -> dict[str, dict]:
+        """This rank's checksums once its files are written, and the save's time so far."""
+        sums = self._checksums(tmp)
+        self.seconds = time.monotonic() - self._began
+        return sums
+
+    def expected_seconds(self, planned: float) -> float:
+        """How long a save now would take: the last one's measured time (``planned``, the
+        planner's, before any), twice while a background save must still be finished first."""
+        each = self.seconds if self.seconds is not None else planned
+        return 2 * each if self._pending is not None else each
 
     def before_update(self) -> None:
         """Call before anything changes the weights or the optimizer's state: a background

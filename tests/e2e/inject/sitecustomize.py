@@ -7,6 +7,9 @@ module at start-up in every process of the run, and only a worker of the named r
 * ``raise:RANK:CALL:MARKER`` -- the CALL-th train_step of the process raises once (MARKER is a
   file created then, so the worker restarted in place does not raise again);
 * ``slow:RANK:SECONDS`` -- every step's data takes SECONDS longer on that rank;
+* ``slowsave:RANK:SECONDS:MARKER`` -- the first checkpoint that rank writes takes SECONDS
+  longer once its files are written (MARKER is created as the wait starts: a test signals
+  the run while that save is being written);
 * ``unhealthy:RANK:NODE`` -- that rank runs on a node named NODE (FTJOB_NODE_NAME, as the
   operator sets it) whose GPU fails the preflight's matmul. There is no GPU here, so the GPU
   check's verdict is what is injected: the same TrainerError a failed matmul raises; the
@@ -61,6 +64,17 @@ def _patch(step) -> None:
             return fetch(self, n)
 
         step.Prefetch.next = slow_next
+    elif kind == "slowsave":
+        seconds, marker = float(_SPEC[2]), _SPEC[3]
+        checksums = step.checkpoint.Checkpointer._checksums
+
+        def slow_checksums(self, tmp):
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                time.sleep(seconds)
+            return checksums(self, tmp)
+
+        step.checkpoint.Checkpointer._checksums = slow_checksums
 
 
 def _patch_preflight(preflight) -> None:
