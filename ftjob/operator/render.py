@@ -22,6 +22,7 @@ from ftjob.api import contract
 from ftjob.api.schema import parse, to_dict
 from ftjob.api.spec import API_VERSION, DEFAULT_IMAGE, KIND, FineTuneJobSpec, TrackingSpec
 from ftjob.job import launch
+from ftjob.plan import quota
 
 MANAGER = "ftjob-operator"
 GROUP_PREFIX = "ftjob.dev"
@@ -47,7 +48,7 @@ KUEUE_TOTAL = "kueue.x-k8s.io/pod-group-total-count"
 # and the old gang's pods, Workload and quota stay (seen with Kueue 0.17).
 KUEUE_RETRIABLE = "kueue.x-k8s.io/retriable-in-group"
 
-EFA_RESOURCE = "vpc.amazonaws.com/efa"
+EFA_RESOURCE = quota.EFA_RESOURCE
 # NCCL's bootstrap over every interface but loopback and container bridges, unless told.
 
 
@@ -198,17 +199,9 @@ def config_map(job: str, namespace: str, spec: FineTuneJobSpec, uid: str = "") -
 
 
 def resources(spec: FineTuneJobSpec) -> dict[str, Any]:
-    """Requests equal limits: Guaranteed QoS, the last pods a node evicts."""
-    r = spec.resources
-    amounts: dict[str, Any] = {}
-    if r.cpu is not None:
-        amounts["cpu"] = str(r.cpu)
-    if r.memory is not None:
-        amounts["memory"] = str(r.memory)
-    if r.gpus_per_node:
-        amounts[r.gpu] = str(r.gpus_per_node)
-    if spec.network.fabric == "efa":
-        amounts[EFA_RESOURCE] = str(spec.network.efa_devices_per_node)
+    """Requests equal limits: Guaranteed QoS, the last pods a node evicts. The same requests
+    are what ``ftjob plan`` counts as the gang's Kueue quota (plan/quota.py)."""
+    amounts = quota.requests(spec)
     return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
 
 
