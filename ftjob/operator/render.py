@@ -47,6 +47,9 @@ KUEUE_TOTAL = "kueue.x-k8s.io/pod-group-total-count"
 # Kueue keeps its finalizer on a group's failed pods, waiting for replacements that never come,
 # and the old gang's pods, Workload and quota stay (seen with Kueue 0.17).
 KUEUE_RETRIABLE = "kueue.x-k8s.io/retriable-in-group"
+# spec.scheduling.topology: Kueue's Topology-Aware Scheduling keeps the whole group inside one
+# domain of that node-label level.
+KUEUE_REQUIRED_TOPOLOGY = "kueue.x-k8s.io/podset-required-topology"
 
 EFA_RESOURCE = quota.EFA_RESOURCE
 # NCCL's bootstrap over every interface but loopback and container bridges, unless told.
@@ -319,6 +322,8 @@ def pod(
         lbls[KUEUE_GROUP] = f"{job}-a{attempt}"
         annotations[KUEUE_TOTAL] = str(spec.resources.nodes)
         annotations[KUEUE_RETRIABLE] = "false"
+        if sched.topology:
+            annotations[KUEUE_REQUIRED_TOPOLOGY] = sched.topology
     meta = _meta(pod_name(job, rank), namespace, lbls, uid)
     if annotations:
         meta["annotations"] = annotations

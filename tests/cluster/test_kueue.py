@@ -21,6 +21,7 @@ from kueue_plane import (
     condition,
     delete_job,
     docs_kueue_configuration,
+    docs_kueue_topology_yaml,
     gates,
     gpu_job,
     install,
@@ -304,3 +305,60 @@ def test_suspending_a_queued_job_takes_it_out_of_the_queue_and_resuming_queues_i
     status = team.get("ftj", "sleeper", TEAM)["status"]
     assert status["restarts"] == 0 and status["attempt"] == 1, status
     delete_job(team, "sleeper")
+
+
+RACK = "cloud.provider.com/topology-rack"
+# Two racks of two nodes; one node of rack-a is taken by a pod Kueue does not manage.
+RACKS = {"gpu-node-0": "rack-a", "gpu-node-1": "rack-a", "gpu-node-2": "rack-b"}
+RACKS["gpu-node-3"] = "rack-b"
+FILLER = """
+apiVersion: v1
+kind: Pod
+metadata: {name: rack-a-filler, namespace: default}
+spec:
+  nodeName: gpu-node-1
+  containers:
+  - name: c
+    image: busybox
+    resources:
+      requests: {nvidia.com/gpu: "8"}
+      limits: {nvidia.com/gpu: "8"}
+"""
+
+
+def test_a_gang_that_asks_for_one_rack_is_placed_inside_one_rack(team):
+    for node, rack in RACKS.items():
+        team.kubectl("label", "node", node, f"{RACK}={rack}", "--overwrite")
+    team.kubectl("apply", "-f", "-", input=docs_kueue_topology_yaml())
+    team.kubectl("apply", "-f", "-", input=FILLER)
+    team.wait(
+        lambda: (
+            (team.get("pod", "rack-a-filler") or {}).get("status", {}).get("phase") == "Running"
+        ),
+        hangs.FLOOR,
+        "the filler running on gpu-node-1",
+    )
+    team.wait(
+        lambda: condition(team.get("clusterqueue.kueue.x-k8s.io", "gpu-training-racks"), "Active")
+        .get("status") == "True",
+        hangs.FLOOR,
+        "the racks ClusterQueue active",
+    )  # fmt: skip
+    submit(team, "racked", scheduling={"queue": "research-racks", "topology": RACK})
+    pods = team.wait(lambda: placed(team, "racked"), 90, "the racked gang placed")
+    wl = admitted(team, "racked-a0")
+    assert wl, workload(team, "racked-a0")
+    (podset,) = wl["spec"]["podSets"]
+    assert podset["topologyRequest"]["required"] == RACK, podset
+    (assignment,) = wl["status"]["admission"]["podSetAssignments"]
+    assert assignment["topologyAssignment"], assignment
+    # rack-a has one free node, rack-b two: the gang of two is inside rack-b, on both its nodes.
+    nodes = sorted(p["spec"]["nodeName"] for p in pods)
+    assert nodes == ["gpu-node-2", "gpu-node-3"], (nodes, assignment)
+    for pod in pods:
+        assert pod["metadata"]["annotations"]["kueue.x-k8s.io/podset-required-topology"] == RACK
+        assert (
+            pod["spec"]["nodeSelector"].get("kubernetes.io/hostname") == pod["spec"]["nodeName"]
+        ), pod["spec"]["nodeSelector"]
+    delete_job(team, "racked")
+    team.kubectl("delete", "pod", "rack-a-filler", "--wait=false")
