@@ -31,6 +31,20 @@ PRINTER_COLUMNS = [
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
     {"name": "ETA", "type": "string", "jsonPath": ".status.progress.eta"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    # Why the job is in its phase (Queued, AllPodsRunning, Preempted, ...), and for a job in a
+    # Kueue queue what Kueue says (what is short, or the ClusterQueue that admitted it).
+    {
+        "name": "Reason",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="Running")].reason',
+        "priority": 1,
+    },
+    {
+        "name": "Queue",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="Queued")].message',
+        "priority": 1,
+    },
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1},
     {
         "name": "In-Place",

@@ -973,6 +973,26 @@ class SchedulingSpec:
         "tolerations of the pods.", factory=list, max_items=64
     )
     affinity: FreeForm | None = api_field("affinity of the pods (a Kubernetes Affinity).", None)
+    topology: str | None = api_field(
+        "topology: a node label of a level of a Kueue Topology (e.g. "
+        "cloud.provider.com/topology-rack): Kueue's Topology-Aware Scheduling admits the gang "
+        "only into one domain of that level (one rack) and places it there; needs queue, and "
+        "a ResourceFlavor of the queue's ClusterQueue with a topologyName.",
+        None,
+        pattern=kv.QUALIFIED_NAME,
+        pattern_hint=LABEL_KEY_HINT,
+        max_length=kv.QUALIFIED_NAME_MAX,
+    )
+
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "!has(self.topology) || has(self.queue)",
+            lambda s: s.topology is None or s.queue is not None,
+            "topology is Kueue's Topology-Aware Scheduling: set queue (a LocalQueue) too, or "
+            "remove topology",
+            ".topology",
+        ),
+    )
 
 
 @dataclass(kw_only=True)

@@ -12,6 +12,7 @@ import json
 from ftjob.api import manifest
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.cli import validate
+from ftjob.plan import quota
 from ftjob.plan.describe import verdict_text
 from ftjob.plan.estimate import stride_name
 from ftjob.plan.options import Plan
@@ -94,6 +95,8 @@ def plan_result(
             "steadyPerNodeBytes": int(e.cpu_per_node),
             "podMemoryBytes": _int(e.pod_memory),
         },
+        # What each pod requests and the whole gang takes of a Kueue ClusterQueue's quota.
+        "quota": {"perPod": quota.requests(spec), "gang": quota.gang(spec)},
         "checkpointBytes": int(e.checkpoint_bytes),
         # What activationCheckpointing asks for, and what it means here (auto resolved).
         "activationCheckpointing": {

@@ -31,7 +31,7 @@ from aiohttp import web
 
 from ftjob.api.schema import SpecError
 from ftjob.api.spec import GROUP, PLURAL, VERSION, FineTuneJobSpec, TrackingSpec
-from ftjob.operator import admit, lifecycle, metrics, render, status
+from ftjob.operator import admit, lifecycle, metrics, queueing, render, status
 from ftjob.operator.kube import Gone, Kube, Refused, error_text
 
 POD_SELECTOR = {"app.kubernetes.io/managed-by": render.MANAGER}
@@ -99,6 +99,7 @@ class Seen:
     old_status: dict
     pods: list[dict]
     now: datetime
+    workload: tuple[str, dict | None] | None = None  # Kueue's, for a gang in a queue
 
     @property
     def meta(self) -> dict:
@@ -223,6 +224,10 @@ async def _reconcile(
 ) -> float | None:
     started = time.monotonic()
     seen = _observe(name, namespace, body, job_pods, state, watch)
+    queue = ((seen.doc.get("spec") or {}).get("scheduling") or {}).get("queue")
+    wanted = queueing.workload_to_read(queue, name, seen.old_status, seen.pods)
+    if wanted:
+        seen.workload = (wanted, await asyncio.to_thread(kube().workload, namespace, wanted))
     spec, decision = _decide(name, seen, state)
     requeue = await _apply(name, namespace, body, seen, spec, decision, state)
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
@@ -264,7 +269,14 @@ def _decide(name, seen: Seen, state: JobState) -> tuple[FineTuneJobSpec | None, 
     state.port = spec.network.progress_port
     snapshot = lifecycle.gang_snapshot(state.snapshot, old_status)
     decision = lifecycle.decide(
-        spec, name, meta.get("generation"), old_status, seen.pods, seen.now, snapshot
+        spec,
+        name,
+        meta.get("generation"),
+        old_status,
+        seen.pods,
+        seen.now,
+        snapshot,
+        seen.workload,
     )
     decision.status["jobFolder"] = render.job_dir(name, spec, meta["uid"])
     if decision.create:

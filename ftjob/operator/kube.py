@@ -98,6 +98,19 @@ class Kube:
             raise
         return job["metadata"].get("uid")
 
+    @metrics.timed("read_workload")
+    def workload(self, namespace: str, name: str) -> dict | None:
+        """Kueue's Workload ``name`` (kueue.x-k8s.io/v1beta2, Kueue 0.17's stored version);
+        None if it does not exist (not made yet, or Kueue is not installed)."""
+        try:
+            return self.custom.get_namespaced_custom_object(
+                "kueue.x-k8s.io", "v1beta2", namespace, "workloads", name
+            )
+        except client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
     @metrics.timed("patch_status")
     def patch_status(self, namespace: str, name: str, uid: str, status: dict[str, Any]) -> dict:
         """Replace ``.status`` of the job ``name`` if it still is object ``uid``; raise

@@ -23,6 +23,7 @@ from typing import Any
 
 from ftjob.api import contract
 from ftjob.api.spec import FineTuneJobSpec
+from ftjob.operator import queueing
 from ftjob.operator import status as st
 from ftjob.plan.describe import planned_condition
 
@@ -50,6 +51,7 @@ class _Step:
         self, old: dict, spec, generation: int | None, pods: list[dict], now: datetime, name=""
     ):
         self.old, self.spec, self.generation, self.now, self.name = old, spec, generation, now, name
+        self.workload: tuple[str, dict | None] | None = None  # Kueue's, when one was read
         self.new = copy.deepcopy(old)
         self.new["observedGeneration"] = generation
         self.new.setdefault("attempt", 0)
@@ -117,15 +119,29 @@ def decide(
     pods: list[dict],
     now: datetime,
     snapshot: dict | None = None,
+    workload: tuple[str, dict | None] | None = None,
 ) -> Decision:
     """The new status of job ``name`` and the changes that bring its pods in line.
 
-    The steps below run in order; the first that decides ends the reconcile.
+    ``workload``: Kueue's Workload of the current gang (name, object or None when absent), if
+    the operator read it (queueing.workload_to_read). The steps below run in order; the first
+    that decides ends the reconcile.
     """
     s = _Step(old_status or {}, spec, generation, pods, now, name)
+    s.workload = workload
     _observe(s, snapshot)
     if s.old.get("phase") in TERMINAL:
         return _finished(s)
+    decision = _steps(s)
+    live = [p for p in s.current.values() if not p["metadata"].get("deletionTimestamp")]
+    has_pods = bool(live) and decision.phase != "Suspended"
+    s.new["conditions"] = queueing.conditions(
+        s.new.get("conditions", []), spec.scheduling.queue, workload, has_pods, now, generation
+    )
+    return decision
+
+
+def _steps(s: _Step) -> Decision:
     for step in (_will_fit, _suspension, _deadline, _previous_gang, _gang_failures, _gang_done):
         decision = step(s)
         if decision is not None:
@@ -322,11 +338,16 @@ def _create_or_wait(s: _Step) -> Decision:
 def _queued_message(s: _Step, gated: int) -> str:
     """Where the gang waits: Kueue admits it whole when the ClusterQueue behind the job's
     LocalQueue has quota for every pod; its Workload's QuotaReserved condition says what is
-    short."""
+    short (the Queued condition, when the operator read it)."""
+    queued = st.condition(s.new.get("conditions", []), queueing.QUEUED) or {}
+    short = ""
+    if s.workload is not None:
+        short = ": " + queueing.verdict(s.spec.scheduling.queue, *s.workload)[0]["message"]
+    elif queued.get("status") == "True":
+        short = ": " + queued.get("message", "")
     return (
         f"queued in Kueue's LocalQueue {s.spec.scheduling.queue}: {gated} of "
-        f"{s.spec.resources.nodes} pod(s) gated until the gang is admitted whole "
-        f"(kubectl get workloads shows what is short)"
+        f"{s.spec.resources.nodes} pod(s) gated until the gang is admitted whole{short}"
     )
 
 

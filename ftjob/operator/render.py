@@ -23,6 +23,7 @@ from ftjob.api import contract
 from ftjob.api.schema import parse, to_dict
 from ftjob.api.spec import API_VERSION, DEFAULT_IMAGE, KIND, FineTuneJobSpec, TrackingSpec
 from ftjob.job import launch
+from ftjob.plan import quota
 from ftjob.plan.estimate import estimate, grace_period_seconds
 from ftjob.plan.modelshape import shape_for
 
@@ -48,8 +49,11 @@ KUEUE_TOTAL = "kueue.x-k8s.io/pod-group-total-count"
 # Kueue keeps its finalizer on a group's failed pods, waiting for replacements that never come,
 # and the old gang's pods, Workload and quota stay (seen with Kueue 0.17).
 KUEUE_RETRIABLE = "kueue.x-k8s.io/retriable-in-group"
+# spec.scheduling.topology: Kueue's Topology-Aware Scheduling keeps the whole group inside one
+# domain of that node-label level.
+KUEUE_REQUIRED_TOPOLOGY = "kueue.x-k8s.io/podset-required-topology"
 
-EFA_RESOURCE = "vpc.amazonaws.com/efa"
+EFA_RESOURCE = quota.EFA_RESOURCE
 # NCCL's bootstrap over every interface but loopback and container bridges, unless told.
 
 
@@ -200,17 +204,9 @@ def config_map(job: str, namespace: str, spec: FineTuneJobSpec, uid: str = "") -
 
 
 def resources(spec: FineTuneJobSpec) -> dict[str, Any]:
-    """Requests equal limits: Guaranteed QoS, the last pods a node evicts."""
-    r = spec.resources
-    amounts: dict[str, Any] = {}
-    if r.cpu is not None:
-        amounts["cpu"] = str(r.cpu)
-    if r.memory is not None:
-        amounts["memory"] = str(r.memory)
-    if r.gpus_per_node:
-        amounts[r.gpu] = str(r.gpus_per_node)
-    if spec.network.fabric == "efa":
-        amounts[EFA_RESOURCE] = str(spec.network.efa_devices_per_node)
+    """Requests equal limits: Guaranteed QoS, the last pods a node evicts. The same requests
+    are what ``ftjob plan`` counts as the gang's Kueue quota (plan/quota.py)."""
+    amounts = quota.requests(spec)
     return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
 
 
@@ -346,6 +342,8 @@ def pod(
         lbls[KUEUE_GROUP] = f"{job}-a{attempt}"
         annotations[KUEUE_TOTAL] = str(spec.resources.nodes)
         annotations[KUEUE_RETRIABLE] = "false"
+        if sched.topology:
+            annotations[KUEUE_REQUIRED_TOPOLOGY] = sched.topology
     meta = _meta(pod_name(job, rank), namespace, lbls, uid)
     if annotations:
         meta["annotations"] = annotations

@@ -26,9 +26,10 @@ from typing import Any
 from ftjob.api import contract, objectives
 from ftjob.operator.render import CONTAINER, LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK
 
-# One condition per phase-like state, always present, plus Planned (ftjob.plan.describe's verdict).
+# One condition per phase-like state, always present, plus Planned (ftjob.plan.describe's verdict)
+# and, for a job with a Kueue queue, Queued and Admitted (operator/queueing.py).
 PHASE_CONDITIONS = ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
-CONDITION_TYPES = ("Planned", *PHASE_CONDITIONS)
+CONDITION_TYPES = ("Planned", "Queued", "Admitted", *PHASE_CONDITIONS)
 MESSAGE_LIMIT = 1500  # of the termination message kept in status (the schema allows 4096)
 
 # A pod that left no termination record (killed, or crashed below Python) is diagnosed from

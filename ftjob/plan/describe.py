@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ftjob.api.hardware import GPUS, node_bandwidth
 from ftjob.api.spec import FineTuneJobSpec
-from ftjob.plan import datasize
+from ftjob.plan import datasize, quota
 from ftjob.plan.estimate import TIGHT, Estimate, gib, reference_pass, stride_name
 from ftjob.plan.modelshape import ModelShape, shape_for
 from ftjob.plan.options import Plan, plan
@@ -79,6 +79,7 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
             f"(x keep {spec.checkpoint.keep} = {gib(e.checkpoint_bytes * spec.checkpoint.keep)})",
         ),
         ("data", datasize.describe(spec, source_root or _source_root())),
+        ("quota", quota.text(spec)),
     ]
     if spec.training.objective == "dpo":
         rows.append(("reference", _reference_text(spec, s, e)))

@@ -100,6 +100,13 @@ def docs_kueue_yaml() -> str:
     return re.findall(r"```yaml\n(.*?)```", section, re.DOTALL)[0]
 
 
+def docs_kueue_topology_yaml() -> str:
+    """The third block: a Topology of racks and the queue whose flavor names it."""
+    text = (ROOT / "docs" / "install.md").read_text()
+    section = text.split("## Queues with Kueue", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```yaml\n(.*?)```", section, re.DOTALL)[2]
+
+
 def docs_kueue_configuration() -> dict:
     text = (ROOT / "docs" / "install.md").read_text()
     section = text.split("## Queues with Kueue", 1)[1].split("\n## ", 1)[0]

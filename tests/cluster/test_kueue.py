@@ -21,6 +21,7 @@ from kueue_plane import (
     condition,
     delete_job,
     docs_kueue_configuration,
+    docs_kueue_topology_yaml,
     gates,
     gpu_job,
     install,
@@ -53,6 +54,19 @@ def team(tmp_path_factory):
 
 def submit(plane: KueuePlane, name: str, **spec_changes) -> None:
     plane.apply(gpu_job(name, **spec_changes))
+
+
+def job_condition(plane: KueuePlane, name: str, kind: str) -> dict:
+    return condition({"status": plane.get("ftj", name, TEAM)["status"]}, kind)
+
+
+def short_of_quota(plane: KueuePlane, name: str) -> dict:
+    """The Workload's QuotaReserved condition once Kueue says the quota is short."""
+    reserved = condition(workload(plane, name), "QuotaReserved")
+    ok = reserved.get("status") == "False" and "insufficient unused quota" in reserved.get(
+        "message", ""
+    )
+    return reserved if ok else {}
 
 
 def test_the_plane_runs_kueue_with_the_configuration_the_docs_give(team):
@@ -126,15 +140,38 @@ def test_quota_for_one_gang_keeps_the_second_gated_until_the_first_goes(team, tm
         assert ADMISSION_GATE in gates(pod) and not pod["spec"].get("nodeName")
     local = team.get("localqueue.kueue.x-k8s.io", "research", TEAM)
     assert local["status"]["pendingWorkloads"] == 1
-    # The job says why it waits, and where.
+    # The job says why it waits, and where: Kueue's own words on what is short.
     status = team.get("ftj", "second", TEAM)["status"]
     running = condition({"status": status}, "Running")
     assert status["phase"] == "Pending" and running["reason"] == "Queued", status
     assert "LocalQueue research" in running["message"], running
+    assert reserved["message"] in running["message"], running
+    queued = condition({"status": status}, "Queued")
+    assert queued["status"] == "True" and queued["reason"] == reserved["reason"], queued
+    assert queued["message"] == f"LocalQueue research: {reserved['message']}", queued
+    assert condition({"status": status}, "Admitted")["status"] == "False", status
+    wide = team.kubectl("get", "ftj", "second", "-n", TEAM, "-o", "wide").stdout
+    header, row = wide.splitlines()
+    assert "REASON" in header and "QUEUE" in header, wide
+    assert "Queued" in row.split() and reserved["message"] in row, wide
+    # The admitted gang's job names the ClusterQueue that admitted it.
+    first = condition({"status": team.get("ftj", "first", TEAM)["status"]}, "Admitted")
+    assert first["status"] == "True", first
+    assert "Workload first-a0 admitted by ClusterQueue gpu-training" in first["message"], first
+    assert "nvidia.com/gpu: a100-80gb" in first["message"], first
 
     delete_job(team, "first")
     team.wait(lambda: placed(team, "second"), 60, "the second gang admitted and placed")
     assert admitted(team, "second-a0")
+    job_admitted = team.wait(
+        lambda: job_condition(team, "second", "Admitted").get("status") == "True",
+        hangs.FLOOR,
+        "the second job's Admitted condition",
+    )
+    assert job_admitted
+    status = team.get("ftj", "second", TEAM)["status"]
+    assert condition({"status": status}, "Queued")["status"] == "False", status
+    assert "ClusterQueue gpu-training" in condition({"status": status}, "Admitted")["message"]
     for pod in watch.stop():  # never a node while gated, never half the gang placed alone
         assert not (gates(pod) and pod["spec"].get("nodeName")), pod["metadata"]["name"]
     delete_job(team, "second")
@@ -221,3 +258,107 @@ def test_kueue_preempts_a_lower_priority_gang_and_no_restart_budget_is_spent(tea
     team.wait(lambda: placed(team, "low", attempt=1), 60, "the low job's gang placed again")
     assert team.get("ftj", "low", TEAM)["status"]["restarts"] == 0
     delete_job(team, "low")
+
+
+def test_suspending_a_queued_job_takes_it_out_of_the_queue_and_resuming_queues_it_again(team):
+    submit(team, "holder")  # the whole quota
+    team.wait(lambda: placed(team, "holder"), 60, "the holder gang placed")
+    submit(team, "sleeper", runPolicy={"backoffLimit": 1})
+    team.wait(lambda: short_of_quota(team, "sleeper-a0"), hangs.FLOOR, "sleeper-a0 queued")
+
+    patch = '{"spec": {"runPolicy": {"suspend": %s}}}'
+    team.kubectl("patch", "ftj", "sleeper", "-n", TEAM, "--type=merge", "-p", patch % "true")
+    team.wait(lambda: not job_pods(team, "sleeper"), hangs.FLOOR, "the queued gang's pods gone")
+    team.wait(lambda: not workload(team, "sleeper-a0"), hangs.FLOOR, "sleeper-a0 gone")
+    team.wait(
+        lambda: (
+            team.get("localqueue.kueue.x-k8s.io", "research", TEAM)["status"].get(
+                "pendingWorkloads"
+            )
+            == 0
+        ),
+        hangs.FLOOR,
+        "the LocalQueue with nothing pending",
+    )
+    status = team.wait(
+        lambda: (s := team.get("ftj", "sleeper", TEAM)["status"])["phase"] == "Suspended" and s,
+        hangs.FLOOR,
+        "the job Suspended",
+    )
+    assert status["restarts"] == 0, status
+    assert condition({"status": status}, "Queued")["status"] == "False", status
+    assert placed(team, "holder")  # the admitted gang is untouched
+
+    team.kubectl("patch", "ftj", "sleeper", "-n", TEAM, "--type=merge", "-p", patch % "false")
+    reserved = team.wait(
+        lambda: short_of_quota(team, "sleeper-a1"), hangs.FLOOR, "sleeper-a1 queued again"
+    )
+    pods = job_pods(team, "sleeper")
+    assert len(pods) == 2 and all(ADMISSION_GATE in gates(p) for p in pods), pods
+    team.wait(
+        lambda: reserved["message"] in job_condition(team, "sleeper", "Queued").get("message", ""),
+        hangs.FLOOR,
+        "the job Queued again",
+    )
+    delete_job(team, "holder")
+    team.wait(lambda: placed(team, "sleeper", attempt=1), 60, "the resumed gang placed")
+    status = team.get("ftj", "sleeper", TEAM)["status"]
+    assert status["restarts"] == 0 and status["attempt"] == 1, status
+    delete_job(team, "sleeper")
+
+
+RACK = "cloud.provider.com/topology-rack"
+# Two racks of two nodes; one node of rack-a is taken by a pod Kueue does not manage.
+RACKS = {"gpu-node-0": "rack-a", "gpu-node-1": "rack-a", "gpu-node-2": "rack-b"}
+RACKS["gpu-node-3"] = "rack-b"
+FILLER = """
+apiVersion: v1
+kind: Pod
+metadata: {name: rack-a-filler, namespace: default}
+spec:
+  nodeName: gpu-node-1
+  containers:
+  - name: c
+    image: busybox
+    resources:
+      requests: {nvidia.com/gpu: "8"}
+      limits: {nvidia.com/gpu: "8"}
+"""
+
+
+def test_a_gang_that_asks_for_one_rack_is_placed_inside_one_rack(team):
+    for node, rack in RACKS.items():
+        team.kubectl("label", "node", node, f"{RACK}={rack}", "--overwrite")
+    team.kubectl("apply", "-f", "-", input=docs_kueue_topology_yaml())
+    team.kubectl("apply", "-f", "-", input=FILLER)
+    team.wait(
+        lambda: (
+            (team.get("pod", "rack-a-filler") or {}).get("status", {}).get("phase") == "Running"
+        ),
+        hangs.FLOOR,
+        "the filler running on gpu-node-1",
+    )
+    team.wait(
+        lambda: condition(team.get("clusterqueue.kueue.x-k8s.io", "gpu-training-racks"), "Active")
+        .get("status") == "True",
+        hangs.FLOOR,
+        "the racks ClusterQueue active",
+    )  # fmt: skip
+    submit(team, "racked", scheduling={"queue": "research-racks", "topology": RACK})
+    pods = team.wait(lambda: placed(team, "racked"), 90, "the racked gang placed")
+    wl = admitted(team, "racked-a0")
+    assert wl, workload(team, "racked-a0")
+    (podset,) = wl["spec"]["podSets"]
+    assert podset["topologyRequest"]["required"] == RACK, podset
+    (assignment,) = wl["status"]["admission"]["podSetAssignments"]
+    assert assignment["topologyAssignment"], assignment
+    # rack-a has one free node, rack-b two: the gang of two is inside rack-b, on both its nodes.
+    nodes = sorted(p["spec"]["nodeName"] for p in pods)
+    assert nodes == ["gpu-node-2", "gpu-node-3"], (nodes, assignment)
+    for pod in pods:
+        assert pod["metadata"]["annotations"]["kueue.x-k8s.io/podset-required-topology"] == RACK
+        assert (
+            pod["spec"]["nodeSelector"].get("kubernetes.io/hostname") == pod["spec"]["nodeName"]
+        ), pod["spec"]["nodeSelector"]
+    delete_job(team, "racked")
+    team.kubectl("delete", "pod", "rack-a-filler", "--wait=false")

@@ -79,7 +79,16 @@ def test_printer_columns_and_names():
     columns = [c["name"] for c in version["additionalPrinterColumns"] if "priority" not in c]
     assert columns == ["Phase", "Nodes", "Progress", "Loss", "ETA", "Age"]
     wide = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority") == 1]
-    assert wide == ["Restarts", "In-Place", "Tokens/s", "MFU", "Reward-Acc", "Image"]
+    assert wide == [
+        "Reason",
+        "Queue",
+        "Restarts",
+        "In-Place",
+        "Tokens/s",
+        "MFU",
+        "Reward-Acc",
+        "Image",
+    ]
     assert version["subresources"] == {"status": {}}
     assert crd.crd()["spec"]["names"]["shortNames"] == ["ftj"]
 

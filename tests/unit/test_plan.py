@@ -611,3 +611,34 @@ def test_dpo_reference_costs_an_adapter_off_forward_with_lora_and_a_stored_pass_
     text = "\n".join(describe.describe(full, options.plan(full, shape)))
     assert "one forward over every pair before training" in text
     assert "8 bytes a pair (7.6 MiB per million pairs)" in text
+
+
+def test_plan_says_the_quota_kueue_counts_for_the_gang(tmp_path):
+    from ftjob.api.schema import quantity as q
+    from ftjob.operator import render
+    from ftjob.plan import quota
+
+    spec = example("llama3-8b-lora-efa.yaml")  # 2 nodes x 8 GPUs, 90 cpu, 1000Gi, 4 EFA
+    gang = {"cpu": "180", "memory": "2000Gi", "nvidia.com/gpu": "16", quota.EFA_RESOURCE: "8"}
+    assert quota.gang(spec) == gang
+    # What Kueue sums for the pod group: every pod's requests, as the operator renders them.
+    pods = [render.pod("j", "ns", spec, r, 0) for r in range(spec.resources.nodes)]
+    for name, total in gang.items():
+        asked = sum(q(p["spec"]["containers"][0]["resources"]["requests"][name]) for p in pods)
+        assert asked == q(total), name
+    lines = describe.describe(spec, options.plan(spec, shape_for(spec.model.source, None)))
+    (line,) = [x for x in lines if x.startswith("quota")]
+    assert "180 cpu, 2000Gi memory, 16 nvidia.com/gpu, 8 vpc.amazonaws.com/efa for the gang" in line
+    assert "2 pod(s) x 90 cpu, 1000Gi memory, 8 nvidia.com/gpu, 4 vpc.amazonaws.com/efa" in line
+    # Fractions of a CPU stay exact; what is not requested is said, not counted.
+    half = example("llama3-8b-lora-efa.yaml", **{"resources.cpu": "500m", "resources.nodes": 3})
+    assert quota.gang(half)["cpu"] == "1500m"
+    bare = example("llama2-70b-full.yaml", **{"resources.memory": None})
+    assert "memory" not in quota.gang(bare)
+    assert "no memory request (resources.memory unset): not counted" in quota.text(bare)
+    # The JSON plan carries both.
+    cmd = [sys.executable, "-m", "ftjob", "plan", "-o", "json"]
+    done = subprocess.run(cmd + [str(ROOT / "examples" / "llama3-8b-lora-efa.yaml")],
+                          capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    (result,) = json.loads(done.stdout)["items"]
+    assert result["quota"] == {"perPod": quota.requests(spec), "gang": gang}

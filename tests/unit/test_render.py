@@ -192,6 +192,16 @@ def test_kueue_admits_each_attempt_as_one_pod_group():
     pod = render.pod(name, "ns", spec, 0, 0, UID)
     assert not any(k.startswith("kueue") for k in pod["metadata"]["labels"])
     assert "annotations" not in pod["metadata"]
+    assert "kueue.x-k8s.io/podset-required-topology" not in a0[0]["metadata"]["annotations"]
+
+
+def test_a_gang_asking_for_one_topology_domain_tells_kueue_on_every_pod():
+    rack = "cloud.provider.com/topology-rack"
+    name, spec = load("llama2-70b-full.yaml", **{"scheduling.topology": rack})
+    for pod in render.pods(name, "ns", spec, 0, UID):
+        assert pod["metadata"]["annotations"]["kueue.x-k8s.io/podset-required-topology"] == rack
+    with pytest.raises(Exception, match="set queue"):
+        load("llama3-8b-lora-efa.yaml", **{"scheduling.topology": rack})
 
 
 def test_scheduling_constraints_reach_the_pod():

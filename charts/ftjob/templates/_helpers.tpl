@@ -116,6 +116,11 @@ ftjob/operator/kube.py or one need of kopf for the handlers in ftjob/operator/ha
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# kube.workload (get): why a queued gang waits and where Kueue admitted it (the Queued and
+# Admitted conditions), for jobs with spec.scheduling.queue; read-only, by name.
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [get]
 {{- if and .Values.peering.enabled .Values.watchNamespaces }}
 # kopf peering in namespaced mode: watch every KopfPeering, write keep-alives only to ours.
 - apiGroups: [kopf.dev]
