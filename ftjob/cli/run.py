@@ -150,13 +150,14 @@ def _answered(name: str, spec, job_dir: Path, out) -> int | None:
     """The exit code when the folder's record answers without a run: it was trained with
     another spec (refused), or this one is trained already; None: run."""
     recorded = jobfolder.read(job_dir)
-    diff = jobfolder.changes(recorded, spec) if recorded else []
+    diff = jobfolder.conflicts(job_dir, recorded, spec)
     if diff:
         fix = (
             "Keep it and train elsewhere (--workdir DIR), or start over here (--restart: "
             "the earlier run is moved aside, not deleted)."
         )
-        print(f"ftjob run: {jobfolder.refusal(job_dir, diff, fix)}", file=sys.stderr)
+        held = jobfolder.trained(job_dir, recorded, spec)
+        print(f"ftjob run: {jobfolder.refusal(job_dir, diff, fix, held)}", file=sys.stderr)
         return EXIT_FAILED
     export = inputs.already_trained(spec, job_dir, recorded)
     if export is not None:

@@ -196,3 +196,24 @@ def test_a_pods_trainer_names_a_missing_data_file_with_the_source_fix(tmp_path):
     for rec in (contract.parse(record.read_text()), None):
         s = failure.summarize([failure.NodeOutcome(0, 1, rec, lines, "node-0.log")])
         assert s.fix.startswith(fix) and "record" not in s.fix
+
+
+# ------------------------------------------------------------ a fix after a failed start
+
+
+def test_a_spec_fixed_after_a_data_error_runs_without_restart(tmp_path):
+    """A run that fails on its data trains nothing: pointing dataset.source at fixed data and
+    running the same command again trains, with no refusal, no --restart, no .old-* folder."""
+    bad = tmp_path / "bad.jsonl"
+    good = (ROOT / "examples" / "data" / "tiny-chat.jsonl").read_text().splitlines()
+    bad.write_text("\n".join([good[0], '{"conversation": []}', *good[2:40]]) + "\n")
+    steps = {"maxSteps": 2, "evalEvery": 0, "logEvery": 1}
+    job = tiny_job(tmp_path, "fixed", dataset={"source": str(bad)}, training=steps)
+    code, out, _ = ftjob_run(job, tmp_path / "fixed")
+    assert code == 1 and "line 2: has no field 'messages'" in out, out[-3000:]
+    assert (tmp_path / "fixed" / "spec.json").is_file()  # the failed run's record
+    job = tiny_job(tmp_path, "fixed", training=steps)  # the bundled, valid data
+    code, out, _ = ftjob_run(job, tmp_path / "fixed")
+    assert code == 0, out[-3000:]
+    assert "another spec" not in out and "exported model" in out
+    assert [p.name for p in tmp_path.iterdir() if ".old-" in p.name] == []
