@@ -33,6 +33,7 @@ from ftjob.cli.screen import Screen
 from ftjob.job import folder as jobfolder
 from ftjob.job import inputs, lease, processes
 from ftjob.job.folder import JobFolder
+from ftjob.trainer.report import trackers
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
@@ -84,7 +85,7 @@ def _can_start(job_file: str, spec, source_root: Path, job_dir: Path | None, out
         return False
     # Named here in a moment, not by the trainer after torch's 10-20 s start-up (the trainer
     # keeps its own checks: pods on a cluster read the volume, not this machine).
-    missing = inputs.missing(spec, source_root, job_dir)
+    missing = inputs.missing(spec, source_root, job_dir) + trackers.not_installed(spec)
     for problem in missing:
         print(f"ftjob run: {job_file}: {problem.path}: {problem.message}", file=out)
         print(f"  fix: {problem.fix}", file=out, flush=True)
