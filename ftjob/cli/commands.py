@@ -77,6 +77,8 @@ def _print_checked(path: str, checked: validate.CheckedJob) -> None:
         print(f"{label}: valid -- {validate.summary(checked.spec)}")
         for note in checked.notes:
             print(f"  {note}")
+        for warning in checked.warnings:
+            print(f"  warning: {warning}")
         _print_image_warning(checked.spec)
         return
     print(f"{label}: INVALID")

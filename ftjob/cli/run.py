@@ -26,7 +26,7 @@ from pathlib import Path
 from ftjob.api import manifest
 from ftjob.api.contract import TrainerError
 from ftjob.api.schema import SpecError, check_rules
-from ftjob.api.spec import KIND, parse_resource
+from ftjob.api.spec import KIND, ineffective, parse_resource
 from ftjob.cli import failure
 from ftjob.cli.nodes import Node, free_port, interrupt, start_node, stop_all, wait_first
 from ftjob.cli.screen import Screen
@@ -49,6 +49,8 @@ def run(job_file: str, workdir: str | None = None, out=None, restart: bool = Fal
         for err in e.errors:
             print(f"  {err}", file=sys.stderr)
         return EXIT_FAILED
+    for warning in ineffective(spec, doc.get("spec") or {}):
+        print(f"ftjob run: warning: {warning}", file=out, flush=True)
     job_dir = Path(workdir or Path.cwd() / "runs" / name).resolve()
     source_root = Path(job_file).resolve().parent
     if not _can_start(job_file, spec, source_root, None if restart else job_dir, out):

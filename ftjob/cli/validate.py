@@ -30,7 +30,7 @@ from typing import Any
 
 from ftjob.api import admission, crd
 from ftjob.api.schema import SpecError
-from ftjob.api.spec import FineTuneJobSpec, parse_resource, validate_update
+from ftjob.api.spec import FineTuneJobSpec, ineffective, parse_resource, validate_update
 from ftjob.job import inputs
 from ftjob.operator.admit import parse_job
 from ftjob.plan.estimate import estimate
@@ -51,6 +51,7 @@ class CheckedJob:
     errors: list[str] = field(default_factory=list)  # ftjob's messages
     server_errors: list[str] = field(default_factory=list)  # the API server's messages
     notes: list[str] = field(default_factory=list)  # what could not be checked here, and why
+    warnings: list[str] = field(default_factory=list)  # valid settings that cannot work
     shape: ModelShape | None = None  # the model's, where it could be read
 
     @property
@@ -73,6 +74,7 @@ def check(
     checked = CheckedJob(name=name if isinstance(name, str) else None)
     try:
         _, checked.spec = parse_job(doc)
+        checked.warnings = ineffective(checked.spec, doc.get("spec") or {})
         if old is not None:
             _, old_spec = parse_resource(old)
             validate_update(old_spec, checked.spec)
