@@ -270,6 +270,15 @@ def test_invalid_json_names_file_and_line(tok, tmp_path):
     )
 
 
+def test_a_line_cut_short_is_named_at_its_end_not_column_1(tok, tmp_path):
+    path = tmp_path / "cut.jsonl"
+    path.write_text('{"text": "ok"}\n{"text": "a cat", "n": 1\n{"text": "b"}\n')
+    assert load_error(tok, spec(path)) == (
+        f"{path} line 2: not valid JSON at column 25 (Expecting ',' delimiter) (the line ends "
+        "before the JSON does: cut short?)"
+    )
+
+
 def test_invalid_utf8_names_file_and_line(tok, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')

@@ -162,13 +162,16 @@ def _json(path: Path, name: str) -> Iterator[tuple[str, int, dict]]:
 
 def _object(line: bytes, where: str) -> dict:
     try:
-        row = json.loads(line.decode("utf-8"))
+        # Without its line end: a line cut short would be blamed on "column 1" of the next.
+        text = line.decode("utf-8").rstrip("\r\n")
+        row = json.loads(text)
     except UnicodeDecodeError as e:
         raise DataError(f"{where}: not valid UTF-8 ({e.reason})") from e
     except json.JSONDecodeError as e:
         # The column too: one JSON line can be a whole document long.
+        cut = " (the line ends before the JSON does: cut short?)" if e.pos >= len(text) else ""
         raise DataError(
-            f"{where}: not valid JSON at column {e.colno} ({e.msg})",
+            f"{where}: not valid JSON at column {e.colno} ({e.msg}){cut}",
             fix="fix the JSON at that line and column of spec.dataset.source",
         ) from e
     if not isinstance(row, dict):
