@@ -68,6 +68,9 @@ STARTUP_PHASES = ("starting", "downloading", "preparing-data", "loading")
 # Failure reasons a trainer can name (one CamelCase word, as Kubernetes condition reasons).
 BAD_DATA = "BadData"
 BAD_MODEL = "BadModel"  # the model source cannot be read (missing folder, bad config, Hub 404)
+# The Hub could not be reached for a download (the network, DNS, a timeout, 429 or 5xx), after
+# the trainer's own retries: transient, so a new gang may succeed where this one did not.
+HUB_UNREACHABLE = "HubUnreachable"
 BAD_SPEC = "BadSpec"  # the job document itself is invalid
 CUDA_OOM = "CudaOOM"
 HOST_OOM = "HostOOM"
@@ -126,6 +129,7 @@ REASONS = (
     BAD_DATA,
     BAD_MODEL,
     BAD_SPEC,
+    HUB_UNREACHABLE,
     CUDA_OOM,
     HOST_OOM,
     COLLECTIVE_TIMEOUT,
@@ -154,6 +158,7 @@ SPECIFICITY = (
     BAD_SPEC,
     BAD_DATA,
     BAD_MODEL,
+    HUB_UNREACHABLE,
     CHECKPOINT_UNREADABLE,
     DISK_FULL,
     VOLUME_UNUSABLE,

@@ -1326,3 +1326,25 @@ def parse_resource(doc: Any) -> tuple[str, FineTuneJobSpec]:
     if errors:
         raise SpecError(errors)
     return doc["metadata"]["name"], spec
+
+
+def ineffective(spec: FineTuneJobSpec, raw: dict[str, Any]) -> list[str]:
+    """PURE: settings that are valid but cannot do what they say, as warnings (``raw``: the
+    spec as written, to tell a field the job sets from its default)."""
+    out = []
+    t, ds = spec.training, spec.dataset
+    steps = t.max_steps
+    if steps is not None and t.warmup_steps(steps) >= steps:
+        out.append(
+            f"spec.training.warmup: {t.warmup} is {t.warmup_steps(steps)} steps of warmup with "
+            f"maxSteps {steps}: the learning rate never reaches its peak; lower warmup (e.g. "
+            '"3%") or raise maxSteps'
+        )
+    written = (raw.get("training") or {}) if isinstance(raw, dict) else {}
+    held_out = ds.eval_fraction is not None or ds.eval_split is not None
+    if "evalEvery" in written and t.eval_every > 0 and not held_out:
+        out.append(
+            f"spec.training.evalEvery: {t.eval_every}, but no eval data is held out: the job "
+            "never evaluates; set dataset.evalFraction (e.g. 0.05) or dataset.evalSplit"
+        )
+    return out

@@ -31,9 +31,6 @@ MODULES = {
 }
 # Which extra a command needs before it can start.
 COMMANDS = {"operator": "operator", "run": "trainer"}
-# spec.tracking's trackers: the client module each imports (tensorboard writes through torch's
-# SummaryWriter, which needs the tensorboard package).
-TRACKER_MODULES = {"mlflow": "mlflow", "wandb": "wandb", "tensorboard": "tensorboard"}
 
 
 def hint(extra: str, missing: list[str], what: str) -> str:
@@ -60,13 +57,3 @@ def command_problem(command: str) -> str | None:
     extra = COMMANDS.get(command)
     missing = not_installed(MODULES[extra]) if extra else []
     return hint(extra, missing, f"ftjob {command}") if missing else None
-
-
-def tracker_problems(trackers: list[str]) -> list[str]:
-    """A hint for each named tracker (spec.tracking's keys) whose client is missing here."""
-    out = []
-    for name in trackers:
-        missing = not_installed([TRACKER_MODULES[name]])
-        if missing:
-            out.append(hint("tracking", missing, f"spec.tracking.{name}"))
-    return out

@@ -21,6 +21,8 @@ FIXES = {
     contract.BAD_DATA: "fix spec.dataset as the message above says",
     contract.BAD_MODEL: "check spec.model.source: a folder with config.json, or hf://org/name",
     contract.BAD_SPEC: "`ftjob validate FILE` names every invalid field",
+    contract.HUB_UNREACHABLE: "check this machine's network (proxy, DNS, HF_ENDPOINT), then "
+    "run it again: nothing is wrong with the job, and what was downloaded is kept",
     contract.CUDA_OOM: "lower spec.training.microBatchSize or spec.dataset.maxSeqLength, or set "
     "spec.training.activationCheckpointing: all; `ftjob plan FILE` estimates the memory",
     contract.HOST_OOM: "this machine ran out of memory: `ftjob plan FILE` estimates it per "

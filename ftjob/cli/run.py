@@ -26,13 +26,14 @@ from pathlib import Path
 from ftjob.api import manifest
 from ftjob.api.contract import EXIT_PREEMPTED, TrainerError
 from ftjob.api.schema import SpecError, check_rules
-from ftjob.api.spec import KIND, parse_resource
-from ftjob.cli import extras, failure
+from ftjob.api.spec import KIND, ineffective, parse_resource
+from ftjob.cli import failure
 from ftjob.cli.nodes import Node, free_port, interrupt, start_node, stop_all, wait_first
 from ftjob.cli.screen import Screen
 from ftjob.job import folder as jobfolder
 from ftjob.job import inputs, lease, processes
 from ftjob.job.folder import JobFolder
+from ftjob.trainer.report import trackers
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
@@ -48,6 +49,8 @@ def run(job_file: str, workdir: str | None = None, out=None, restart: bool = Fal
         for err in e.errors:
             print(f"  {err}", file=sys.stderr)
         return EXIT_FAILED
+    for warning in ineffective(spec, doc.get("spec") or {}):
+        print(f"ftjob run: warning: {warning}", file=out, flush=True)
     job_dir = Path(workdir or Path.cwd() / "runs" / name).resolve()
     source_root = Path(job_file).resolve().parent
     if not _can_start(job_file, spec, source_root, None if restart else job_dir, out):
@@ -84,16 +87,11 @@ def _can_start(job_file: str, spec, source_root: Path, job_dir: Path | None, out
         return False
     # Named here in a moment, not by the trainer after torch's 10-20 s start-up (the trainer
     # keeps its own checks: pods on a cluster read the volume, not this machine).
-    missing = inputs.missing(spec, source_root, job_dir)
+    missing = inputs.missing(spec, source_root, job_dir) + trackers.not_installed(spec)
     for problem in missing:
         print(f"ftjob run: {job_file}: {problem.path}: {problem.message}", file=out)
         print(f"  fix: {problem.fix}", file=out, flush=True)
-    # A tracker's client missing here would only be a warning deep in rank 0's log.
-    trackers = [k for k, v in vars(spec.tracking).items() if v is not None]
-    clients = extras.tracker_problems(trackers)
-    for hint in clients:
-        print(f"ftjob run: {job_file}: {hint}", file=out, flush=True)
-    return not missing and not clients
+    return not missing
 
 
 def _set_aside(job_dir: Path, out) -> bool:
@@ -183,13 +181,14 @@ def _answered(name: str, spec, job_dir: Path, out) -> int | None:
     """The exit code when the folder's record answers without a run: it was trained with
     another spec (refused), or this one is trained already; None: run."""
     recorded = jobfolder.read(job_dir)
-    diff = jobfolder.changes(recorded, spec) if recorded else []
+    diff = jobfolder.conflicts(job_dir, recorded, spec)
     if diff:
         fix = (
             "Keep it and train elsewhere (--workdir DIR), or start over here (--restart: "
             "the earlier run is moved aside, not deleted)."
         )
-        print(f"ftjob run: {jobfolder.refusal(job_dir, diff, fix)}", file=sys.stderr)
+        held = jobfolder.trained(job_dir, recorded, spec)
+        print(f"ftjob run: {jobfolder.refusal(job_dir, diff, fix, held)}", file=sys.stderr)
         return EXIT_FAILED
     export = inputs.already_trained(spec, job_dir, recorded)
     if export is not None:

@@ -31,7 +31,7 @@ from typing import Any
 
 from ftjob.api import admission, crd
 from ftjob.api.schema import SpecError
-from ftjob.api.spec import FineTuneJobSpec, parse_resource, validate_update
+from ftjob.api.spec import FineTuneJobSpec, ineffective, parse_resource, validate_update
 from ftjob.job import inputs
 from ftjob.operator import render  # pure: no kopf or kubernetes needed
 from ftjob.operator.admit import parse_job
@@ -90,7 +90,7 @@ def check(
             "from the checkpoint volume)"
             for m in missing
         ]
-        checked.warnings = warnings(checked.spec)
+        checked.warnings = ineffective(checked.spec, doc.get("spec") or {}) + warnings(checked.spec)
         checked.shape = _model_shape(checked.spec, root)
         if checked.shape is not None:
             problem = estimate(checked.spec, checked.shape).problem

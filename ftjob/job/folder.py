@@ -19,7 +19,9 @@ spec that trains differently (another learning rate, data set, seed, batch or wo
 would silently mix two runs, and a finished folder would answer "already trained" for a
 model it never trained. So the folder records the spec and the fingerprint of the fields that
 change training; ``ftjob run`` and the trainer refuse a spec that differs there, naming the
-fields, while what does not change the steps already taken may change freely: how long to
+fields, once a checkpoint or an export depends on the record (a run that failed before its
+first checkpoint, on bad data or a download, left nothing to mix: its fixed spec replaces
+the record), while what does not change the steps already taken may change freely: how long to
 train (maxSteps, epochs), how often to log, evaluate or checkpoint, where and how it runs
 (images, scheduling, network, sharding, offload), and what is exported. The export is
 swapped in whole (:func:`swap_in_export`): a continued job's older export stays readable
@@ -252,7 +254,9 @@ def write(folder: Path, name: str, spec: FineTuneJobSpec, trained_steps: int | N
     """Record ``spec`` (atomically: a reader sees the old record or the new one), keeping
     what the record says of the export unless ``trained_steps`` says it anew."""
     if trained_steps is None:
-        trained_steps = (read(folder) or {}).get("trainedSteps")
+        old = read(folder) or {}
+        # A record replaced by a spec that trains differently says nothing of an export.
+        trained_steps = None if old and changes(old, spec) else old.get("trainedSteps")
     doc = record(name, spec)
     if trained_steps is not None:
         doc["trainedSteps"] = trained_steps
@@ -260,10 +264,40 @@ def write(folder: Path, name: str, spec: FineTuneJobSpec, trained_steps: int | N
     return doc
 
 
-def refusal(folder: Path, diff: list[str], fix: str) -> str:
-    """The message for a folder whose record differs in ``diff``."""
+def trained(folder: Path, recorded: dict[str, Any], spec: FineTuneJobSpec) -> list[str]:
+    """What in ``folder`` was trained under its record: its checkpoints and its export (at
+    the recorded spec's output.path or ``spec``'s). Empty: nothing depends on the record."""
+    jf = JobFolder(folder)
+    steps = sorted(int(m[1]) for p in jf.checkpoints.glob("step-*") if (m := STEP.match(p.name)))
+    held = [f"checkpoints up to step {steps[-1]}"] if steps else []
+    outs = {jf.export(spec)}
+    try:
+        from ftjob.api.spec import parse_spec
+
+        outs.add(jf.export(parse_spec(recorded.get("spec") or {})))
+    except (ValueError, TypeError, AttributeError):  # an odd record names no other export
+        pass
+    held += [f"an export in {out}" for out in sorted(outs) if export_present(out)]
+    return held
+
+
+def conflicts(folder: Path, recorded: dict[str, Any] | None, spec: FineTuneJobSpec) -> list[str]:
+    """``spec.X: old -> new`` for each training field that differs from the folder's record,
+    when trained state depends on it. A run that failed before its first checkpoint (bad data,
+    a download) left nothing a new spec could mix with: fixing the spec and running again
+    must simply work."""
+    if not recorded:
+        return []
+    diff = changes(recorded, spec)
+    return diff if diff and trained(folder, recorded, spec) else []
+
+
+def refusal(folder: Path, diff: list[str], fix: str, held: list[str] | None = None) -> str:
+    """The message for a folder whose record differs in ``diff`` (``held``: what was trained
+    with the record, the reason the change is refused)."""
+    what = f" ({', '.join(held)})" if held else ""
     lines = [
-        f"{folder} holds a run trained with another spec; continuing it would mix two runs:",
+        f"{folder} holds a run trained with another spec{what}; continuing it would mix two runs:",
         *(f"  {line}" for line in diff),
         fix,
     ]
@@ -278,13 +312,16 @@ def claim(folder: Path, name: str, spec: FineTuneJobSpec, writer: bool) -> dict[
     from ftjob.api.contract import BAD_SPEC, TrainerError
 
     recorded = read(folder) or {}
-    diff = changes(recorded, spec) if recorded else []
+    diff = conflicts(folder, recorded, spec)
     if diff:
         fix = (
             "Create the job under another name, set spec.checkpoint.path to a new folder, "
             "or remove this folder to start over."
         )
-        raise TrainerError(refusal(folder, diff, fix), reason=BAD_SPEC, where="spec")
+        held = trained(folder, recorded, spec)
+        raise TrainerError(refusal(folder, diff, fix, held), reason=BAD_SPEC, where="spec")
+    if recorded and changes(recorded, spec):
+        recorded = {}  # nothing was trained with it: the new spec replaces it (write's rule)
     if writer:
         return write(folder, name, spec)
     return {**record(name, spec), **{k: v for k, v in recorded.items() if k == "trainedSteps"}}

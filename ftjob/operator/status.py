@@ -48,6 +48,8 @@ ADVICE = {
     contract.BAD_DATA: f"the data cannot be trained on; {_RETRY_CANNOT_HELP}",
     contract.BAD_MODEL: f"the model source cannot be read; {_RETRY_CANNOT_HELP}",
     contract.BAD_SPEC: f"the trainer cannot read the job's spec; {_RETRY_CANNOT_HELP}",
+    contract.HUB_UNREACHABLE: "the Hugging Face Hub could not be reached for a download (the "
+    "network, DNS, a timeout, or the Hub busy): transient, the next gang downloads again",
     "BadInput": f"the spec or the data cannot be trained on; {_RETRY_CANNOT_HELP}",
     "OOMKilled": "the pod ran out of memory: raise resources.memory, or lower "
     "dataset.maxSeqLength / training.microBatchSize",
@@ -96,6 +98,7 @@ SPECIFICITY = (
     contract.BAD_DATA,
     contract.BAD_MODEL,
     "BadInput",
+    contract.HUB_UNREACHABLE,
     contract.CHECKPOINT_UNREADABLE,
     contract.DISK_FULL,
     contract.VOLUME_UNUSABLE,

@@ -37,6 +37,10 @@ def stop(server: ThreadingHTTPServer) -> None:
 class HubMirror:
     def __init__(self, repos: dict[str, Path], datasets: tuple[str, ...] = ()):
         self.repos, self.datasets, self.commit = repos, datasets, COMMIT
+        # Status codes the next requests get instead of their answer, one each (a busy Hub:
+        # 429, 503; a refusal: 401), and one that every request gets while set.
+        self.answers: list[int] = []
+        self.always: int | None = None
         self.requests: collections.Counter[str] = collections.Counter()
         mirror = self
 
@@ -64,6 +68,13 @@ class HubMirror:
         return {str(p.relative_to(root)): p for p in sorted(root.rglob("*")) if p.is_file()}
 
     def _answer(self, h: BaseHTTPRequestHandler, body: bool) -> None:
+        status = self.answers.pop(0) if self.answers else self.always
+        if status is not None:
+            self.requests[f"answered {status}"] += 1
+            h.send_response(status)
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return None
         path = unquote(urlparse(h.path).path)
         for repo in self.datasets:
             if path == f"/api/datasets/{repo}" or path.startswith(

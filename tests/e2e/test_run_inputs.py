@@ -196,3 +196,42 @@ def test_a_pods_trainer_names_a_missing_data_file_with_the_source_fix(tmp_path):
     for rec in (contract.parse(record.read_text()), None):
         s = failure.summarize([failure.NodeOutcome(0, 1, rec, lines, "node-0.log")])
         assert s.fix.startswith(fix) and "record" not in s.fix
+
+
+# ------------------------------------------------------------ a fix after a failed start
+
+
+def test_a_spec_fixed_after_a_data_error_runs_without_restart(tmp_path):
+    """A run that fails on its data trains nothing: pointing dataset.source at fixed data and
+    running the same command again trains, with no refusal, no --restart, no .old-* folder."""
+    bad = tmp_path / "bad.jsonl"
+    good = (ROOT / "examples" / "data" / "tiny-chat.jsonl").read_text().splitlines()
+    bad.write_text("\n".join([good[0], '{"conversation": []}', *good[2:40]]) + "\n")
+    steps = {"maxSteps": 2, "evalEvery": 0, "logEvery": 1}
+    job = tiny_job(tmp_path, "fixed", dataset={"source": str(bad)}, training=steps)
+    code, out, _ = ftjob_run(job, tmp_path / "fixed")
+    assert code == 1 and "line 2: has no field 'messages'" in out, out[-3000:]
+    assert (tmp_path / "fixed" / "spec.json").is_file()  # the failed run's record
+    job = tiny_job(tmp_path, "fixed", training=steps)  # the bundled, valid data
+    code, out, _ = ftjob_run(job, tmp_path / "fixed")
+    assert code == 0, out[-3000:]
+    assert "another spec" not in out and "exported model" in out
+    assert [p.name for p in tmp_path.iterdir() if ".old-" in p.name] == []
+
+
+def test_a_tracker_whose_client_is_not_installed_is_refused_at_once_with_the_install(tmp_path):
+    """Without the tracking extra, a job asking for TensorBoard is refused before anything
+    starts, with the install command: not trained untracked and then "already trained"."""
+    hide = tmp_path / "hide"
+    hide.mkdir()  # this Python without tensorboard, as without the extra
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['tensorboard'] = None\n")
+    job = tiny_job(tmp_path, "tracked", tracking={"tensorboard": {"enabled": True}})
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(hide), ENV.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "ftjob", "run", str(job), "--workdir", str(tmp_path / "t")]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=hangs.RUN)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and time.monotonic() - started < 5, out
+    assert f"ftjob run: {job}: spec.tracking.tensorboard: the tensorboard client " in out, out
+    assert "  fix: pip install 'ftjob[tracking]' (or remove spec.tracking.tensorboard)" in out
+    assert not (tmp_path / "t").exists()  # nothing trained untracked

@@ -375,15 +375,21 @@ def test_lora_adapter_and_merged_model_reload_with_equal_loss(lora):
     assert eval_loss_of(merged, lora) == pytest.approx(trained, abs=1e-4)
 
 
-def test_lora_adapter_names_the_jobs_model_source_and_is_readable(lora):
-    """adapter_config.json names the base as the job does (not the training machine's path);
+def test_lora_adapter_names_the_jobs_model_source_and_is_readable(lora, tmp_path, monkeypatch):
+    """adapter_config.json names the base by its absolute path (the job's tiny-model is
+    relative to the job file), so from_pretrained loads the adapter from any working folder;
     every file, merged/ included, is readable like the rest of the folder."""
     from peft import PeftConfig
+    from transformers import AutoModelForCausalLM
 
     export = lora / "model"
     config = json.loads((export / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == "tiny-model"
-    assert PeftConfig.from_pretrained(export).base_model_name_or_path == "tiny-model"
+    base = config["base_model_name_or_path"]
+    assert Path(base).is_absolute() and (Path(base) / "config.json").is_file(), base
+    assert PeftConfig.from_pretrained(export).base_model_name_or_path == base
+    monkeypatch.chdir(tmp_path)  # not the job file's folder: a relative base would not resolve
+    assert AutoModelForCausalLM.from_pretrained(export) is not None
+    assert "base_model" not in (export / "README.md").read_text()  # no training-machine path
     found = modes(export)
     assert {"adapter_model.safetensors", "merged/model.safetensors"} <= set(found)
     assert found["merged"] == umasked("dir")

@@ -118,10 +118,12 @@ def test_run_names_a_trackers_missing_client_before_it_starts(tmp_path):
     path, _ = tiny_job(tmp_path, tracking=tracking)
     result = without(["mlflow"], "run", path, "--workdir", tmp_path / "run")
     assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
     assert (
-        f"ftjob run: {path}: spec.tracking.mlflow needs ftjob's tracking extra (mlflow not "
-        "installed); install it with: pip install 'ftjob[tracking]'"
-    ) in result.stdout.splitlines()
+        f"ftjob run: {path}: spec.tracking.mlflow: the mlflow client (mlflow) is not installed "
+        "in this Python, so the run would not be tracked"
+    ) in lines
+    assert "  fix: pip install 'ftjob[tracking]' (or remove spec.tracking.mlflow)" in lines
     assert not (tmp_path / "run" / "logs").exists()  # no process was started
 
 
@@ -441,3 +443,21 @@ def test_plan_says_where_offloaded_states_live():
     assert row.endswith("weights, gradients and optimizer states live in CPU memory (cpuOffload)")
     full = ftjob("plan", ROOT / "examples" / "llama3-8b-full-40gb.yaml").stdout
     assert "cpuOffload)" not in full
+
+
+def test_settings_that_cannot_do_what_they_say_are_warned_of(tmp_path):
+    """Valid, but a warmup longer than the run never reaches the peak rate, and evalEvery
+    without held-out data never evaluates: validate says both; the example does not."""
+    training = {"maxSteps": 60, "warmup": 500, "evalEvery": 20, "learningRate": 3e-3}
+    path, doc = tiny_job(tmp_path, training=training)
+    doc["spec"]["dataset"].pop("evalFraction")
+    path.write_text(yaml.safe_dump(doc))
+    result = ftjob("validate", path)
+    assert result.returncode == 0, result.stdout
+    assert (
+        "  warning: spec.training.warmup: 500 is 500 steps of warmup with maxSteps 60: the "
+        "learning rate never reaches its peak" in result.stdout
+    )
+    assert "  warning: spec.training.evalEvery: 20, but no eval data is held out" in result.stdout
+    quiet = ftjob("validate", ROOT / "examples" / "tiny.yaml")
+    assert "spec.training" not in quiet.stdout

@@ -20,6 +20,10 @@ def adapter(tmp_path, source: str, revision: str | None = None):
     (folder / "adapter_config.json").write_text(
         json.dumps({"base_model_name_or_path": "/home/trainer/.cache/hub/snapshots/abc", "r": 8})
     )
+    (folder / "README.md").write_text(
+        "---\nbase_model: /home/trainer/.cache/hub/snapshots/abc\nlibrary_name: peft\ntags:\n"
+        "- base_model:adapter:/home/trainer/.cache/hub/snapshots/abc\n- lora\n---\n# x\n"
+    )
     model = {"source": source} | ({"revision": revision} if revision else {})
     raw = {"model": model, "dataset": {"source": "d.jsonl"}, "training": {"maxSteps": 1}}
     export._name_base(folder, parse_spec(raw).model)
@@ -30,12 +34,20 @@ def test_an_adapter_names_the_hub_id_and_revision_of_an_hf_source(tmp_path):
     config = adapter(tmp_path, "hf://meta-llama/Meta-Llama-3-8B", "v1.0")
     assert config["base_model_name_or_path"] == "meta-llama/Meta-Llama-3-8B"
     assert config["revision"] == "v1.0" and config["r"] == 8
+    card = (tmp_path / "adapter" / "README.md").read_text()
+    assert "base_model: meta-llama/Meta-Llama-3-8B" in card and "/home/trainer" not in card
+    assert "- base_model:adapter:meta-llama/Meta-Llama-3-8B" in card and "- lora" in card
 
 
-def test_an_adapter_names_a_path_source_as_the_spec_gives_it(tmp_path):
+def test_an_adapter_names_a_path_source_by_its_absolute_path(tmp_path, monkeypatch):
+    """A relative source is read beside the job file: the adapter names that folder whole, so
+    it loads from any working directory."""
+    monkeypatch.setenv("FTJOB_SOURCE_ROOT", str(tmp_path / "jobs"))
     config = adapter(tmp_path, "models/llama-3-8b")
-    assert config["base_model_name_or_path"] == "models/llama-3-8b"
+    assert config["base_model_name_or_path"] == str(tmp_path / "jobs" / "models" / "llama-3-8b")
     assert "revision" not in config
+    card = (tmp_path / "adapter" / "README.md").read_text()
+    assert "base_model" not in card and "library_name: peft" in card  # a card's base is a Hub id
 
 
 def test_export_files_get_the_umasks_mode(tmp_path):

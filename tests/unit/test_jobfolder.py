@@ -64,6 +64,7 @@ def test_what_changes_training_is_named(change, line):
 
 def test_claim_records_refuses_and_keeps_what_the_export_holds(tmp_path):
     jobfolder.write(tmp_path, "j", spec(), trained_steps=10)
+    JobFolder(tmp_path).step(10).mkdir(parents=True)  # trained state the record vouches for
     record = jobfolder.claim(tmp_path, "j", spec(training={"maxSteps": 20}), writer=True)
     assert record["trainedSteps"] == 10  # a safe change keeps what the export holds
     on_disk = json.loads((tmp_path / jobfolder.RECORD).read_text())
@@ -73,6 +74,32 @@ def test_claim_records_refuses_and_keeps_what_the_export_holds(tmp_path):
     assert refused.value.reason == BAD_SPEC
     assert "spec.training.learningRate: 0.003 -> 1.0" in str(refused.value)
     assert json.loads((tmp_path / jobfolder.RECORD).read_text()) == on_disk  # untouched
+
+
+def test_a_changed_spec_is_refused_only_when_trained_state_depends_on_the_record(tmp_path):
+    """A run that failed before its first checkpoint (bad data, a download) left nothing a
+    fixed spec could mix with: the fix replaces the record; a checkpoint or an export makes
+    the same change a refusal naming what was trained."""
+    jobfolder.write(tmp_path, "j", spec(dataset={"messagesField": "messages"}))
+    fixed = spec(dataset={"messagesField": "conversation"})
+    record = jobfolder.claim(tmp_path, "j", fixed, writer=True)
+    assert record["spec"]["dataset"]["messagesField"] == "conversation"
+    on_disk = json.loads((tmp_path / jobfolder.RECORD).read_text())
+    assert on_disk["spec"]["dataset"]["messagesField"] == "conversation"
+    assert "trainedSteps" not in on_disk
+    for held, said in (
+        (JobFolder(tmp_path).step(4), "checkpoints up to step 4"),
+        (tmp_path / "model", f"an export in {tmp_path / 'model'}"),
+    ):
+        held.mkdir(parents=True)
+        with pytest.raises(TrainerError) as refused:
+            jobfolder.claim(tmp_path, "j", spec(dataset={"source": "other.jsonl"}), writer=True)
+        assert said in str(refused.value).splitlines()[0]
+        assert 'spec.dataset.source: "data/train.jsonl" -> "other.jsonl"' in str(refused.value)
+        held.rmdir()
+    # A half-written checkpoint is no trained state (a crash before its commit).
+    writing(JobFolder(tmp_path).step(8)).mkdir(parents=True)
+    assert jobfolder.conflicts(tmp_path, on_disk, spec(training={"seed": 1})) == []
 
 
 def test_a_record_written_before_fingerprints_is_still_compared(tmp_path):

@@ -2,6 +2,7 @@
 nor the end of the run for longer than the bound, and is said once. (Trackers that answer, and
 one that refuses, are tested against the real clients in tests/e2e/test_tracking.py.)"""
 
+import sys
 import threading
 import time
 
@@ -172,3 +173,23 @@ def test_what_a_hung_event_file_did_not_take_is_said(tmp_path, monkeypatch, even
         "tracking: tensorboard is off for this run: still sending 1 s after the end of the "
         "run, 1 event not sent; training goes on"
     )
+
+
+def test_a_tracker_whose_client_is_missing_is_said_at_the_start_with_the_install(
+    tmp_path, monkeypatch, capsys
+):
+    """In a pod whose image lacks the tracking extra: said on rank 0's screen and in progress
+    when the trainer starts, not found by an import at the first step."""
+    from ftjob.api.spec import parse_spec
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    raw = {"model": {"source": "m"}, "dataset": {"source": "d.jsonl"}}
+    raw |= {"training": {"maxSteps": 1}, "tracking": {"tensorboard": {"enabled": True}}}
+    spec = parse_spec(raw)
+    report = progress.Progress(tmp_path, True, total=1, world=1)
+    trackers.attach(report, spec, "j", tmp_path)
+    (said,) = report.snapshot["trackingWarnings"]
+    assert "spec.tracking.tensorboard: the tensorboard client" in said
+    assert "pip install 'ftjob[tracking]'" in said
+    assert "warning: tracking: spec.tracking.tensorboard" in capsys.readouterr().out
+    report.close()

@@ -270,6 +270,15 @@ def test_invalid_json_names_file_and_line(tok, tmp_path):
     )
 
 
+def test_a_line_cut_short_is_named_at_its_end_not_column_1(tok, tmp_path):
+    path = tmp_path / "cut.jsonl"
+    path.write_text('{"text": "ok"}\n{"text": "a cat", "n": 1\n{"text": "b"}\n')
+    assert load_error(tok, spec(path)) == (
+        f"{path} line 2: not valid JSON at column 25 (Expecting ',' delimiter) (the line ends "
+        "before the JSON does: cut short?)"
+    )
+
+
 def test_invalid_utf8_names_file_and_line(tok, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
@@ -309,3 +318,22 @@ def test_unknown_file_type_and_missing_file(tok, tmp_path):
     (tmp_path / "d.txt").write_text("hello")
     assert "unknown file type" in load_error(tok, spec(tmp_path / "d.txt"))
     assert "no such file" in load_error(tok, spec(tmp_path / "nope.jsonl"))
+
+
+def test_csv_values_are_read_as_the_text_they_hold(tmp_path):
+    """An answer that looks like a number (" 40.") is the text a model learns, not 40.0; a
+    wrong type elsewhere names the value and the fix."""
+    from ftjob.trainer.data import records
+
+    csv = 'prompt,completion\n"How many legs have 10 spiders?"," 80."\nAnd 10 cats?,40\n'
+    (tmp_path / "qa.csv").write_text(csv)
+    source = {"source": str(tmp_path / "qa.csv"), "format": "instruction"}
+    raw = {"model": {"source": "m"}, "training": {"maxSteps": 1}, "dataset": source}
+    ds = parse_spec(raw).dataset
+    rows = [r for b in records.batches(ds, "train") for r in b.to_pylist()]
+    assert [r["completion"] for r in rows] == [" 80.", "40"]
+    assert rows[1]["prompt"] == "And 10 cats?"
+    with pytest.raises(DataError) as e:
+        records.normalize({"prompt": "p", "completion": 40.0}, ds, "d.jsonl line 3")
+    assert "field 'completion' must be a str, got a float (40.0)" in str(e.value)
+    assert e.value.fix.startswith("make field 'completion' a str in that record")

@@ -88,8 +88,20 @@ def raw(ds: DatasetSpec, split: str) -> Iterator[tuple[str, int, dict]]:
         yield from _jsonl(path, name)
     elif path.suffix.lower() == ".json":
         yield from _json(path, name)
+    elif path.suffix.lower() == ".csv":
+        yield from _csv(path, name)
     else:
         yield from _table_rows(_table(ds, split, path), name)
+
+
+def _csv(path: Path, name: str) -> Iterator[tuple[str, int, dict]]:
+    """A CSV's records with every value as the text it holds: a type guessed from the values
+    (an answer " 40." read as the number 40.0) is not the text a model should learn."""
+    import csv
+
+    with path.open(newline="", encoding="utf-8") as f:
+        for i, row in enumerate(csv.DictReader(f), start=1):
+            yield f"{name} record {i}", i, row
 
 
 def _table(ds: DatasetSpec, split: str, path: Path | None):
@@ -150,13 +162,16 @@ def _json(path: Path, name: str) -> Iterator[tuple[str, int, dict]]:
 
 def _object(line: bytes, where: str) -> dict:
     try:
-        row = json.loads(line.decode("utf-8"))
+        # Without its line end: a line cut short would be blamed on "column 1" of the next.
+        text = line.decode("utf-8").rstrip("\r\n")
+        row = json.loads(text)
     except UnicodeDecodeError as e:
         raise DataError(f"{where}: not valid UTF-8 ({e.reason})") from e
     except json.JSONDecodeError as e:
         # The column too: one JSON line can be a whole document long.
+        cut = " (the line ends before the JSON does: cut short?)" if e.pos >= len(text) else ""
         raise DataError(
-            f"{where}: not valid JSON at column {e.colno} ({e.msg})",
+            f"{where}: not valid JSON at column {e.colno} ({e.msg}){cut}",
             fix="fix the JSON at that line and column of spec.dataset.source",
         ) from e
     if not isinstance(row, dict):
@@ -335,7 +350,12 @@ def _field(row: dict, name: str, kind: type, where: str, knob: str):
             fix=_field_fix(row, kind, knob),
         )
     if not isinstance(row[name], kind):
-        raise DataError(f"{where}: field {name!r} must be a {kind.__name__}")
+        got = type(row[name]).__name__
+        raise DataError(
+            f"{where}: field {name!r} must be a {kind.__name__}, got a {got} ({row[name]!r:.60})",
+            fix=f"make field {name!r} a {kind.__name__} in that record of spec.dataset.source"
+            + (" (a JSON string, in quotes)" if kind is str else ""),
+        )
     return row[name]
 
 

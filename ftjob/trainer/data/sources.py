@@ -16,6 +16,12 @@ data is prepared once, :mod:`ftjob.trainer.data.prepare`), and the commit is par
 data's key: a dataset updated on the Hub is never mixed with sequences prepared from the old
 one, and a restart does not pick up the update halfway through a job.
 
+A failed request is one of two kinds. The Hub's answer that the repository is not there
+(404) or not for this token (401, 403) is permanent: BadModel (BadData for a dataset), named
+with its fix. No answer (the network down, DNS, a timeout) or a busy Hub (429, 5xx) is
+transient: retried here with growing waits, then HubUnreachable, which names the network and
+which the operator retries with a new gang (never a job failed for good over a blip).
+
     python -c "from ftjob.trainer.data import sources; help(sources)"
 """
 
@@ -24,11 +30,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ftjob.api.contract import BAD_DATA, BAD_MODEL, TrainerError
+from ftjob.api.contract import BAD_DATA, BAD_MODEL, HUB_UNREACHABLE, TrainerError
 from ftjob.api.spec import DatasetSpec, FineTuneJobSpec
 from ftjob.job import atomic
 from ftjob.job.folder import JobFolder
@@ -38,6 +45,11 @@ HF = "hf://"
 # folder of consolidated .pth weights, as large again as the safetensors).
 WEIGHTS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 WAIT_POLL_SECONDS = 1.0
+# Waits between tries of a transient failure (about two minutes in all): a blip or a Hub
+# restart passes within them; a longer outage is the operator's to retry (a new gang).
+RETRY_WAITS = (2.0, 5.0, 15.0, 30.0, 60.0)
+# Transport errors by name (httpx's, and the copy huggingface_hub vendors, share them).
+TRANSPORT = frozenset({"TransportError", "TimeoutException", "NetworkError", "ProtocolError"})
 
 
 def fetch(
@@ -60,7 +72,7 @@ def fetch(
         spec = dataclasses.replace(spec, model=dataclasses.replace(m, source=folder, revision=None))
     if ds.source.startswith(HF):
         key = f"dataset {ds.source}@{ds.revision or 'main'}"
-        commit = _once(record, key, is_main, lambda: _commit(ds), lambda: None, _is_commit)
+        commit = _once(record, key, is_main, lambda: _commit(ds, say), lambda: None, _is_commit)
         spec = dataclasses.replace(spec, dataset=dataclasses.replace(ds, revision=commit))
     return spec
 
@@ -83,51 +95,116 @@ def _is_commit(value: str) -> bool:
     return len(value) == 40 and all(c in "0123456789abcdef" for c in value)
 
 
-def _commit(ds: DatasetSpec) -> str:
+def _commit(ds: DatasetSpec, say: Callable[[str], None]) -> str:
     """The commit an hf:// dataset's revision names now (a commit names itself)."""
     if ds.revision and _is_commit(ds.revision):
         return ds.revision
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
 
-    try:
-        info = HfApi().dataset_info(
-            ds.source[len(HF) :], revision=ds.revision, token=os.environ.get("HF_TOKEN")
-        )
-    except (HfHubHTTPError, OSError, ValueError) as e:
-        raise _refused("dataset", ds.source, "cannot find it on the Hub", BAD_DATA, e) from e
-    return info.sha
+    repo, token = ds.source[len(HF) :], os.environ.get("HF_TOKEN")
+    ask = lambda: HfApi().dataset_info(repo, revision=ds.revision, token=token)  # noqa: E731
+    return _from_hub("dataset", ds.source, ask, say).sha
 
 
 def _download(spec: FineTuneJobSpec, key: str, say: Callable[[str], None]) -> str:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError
 
     repo = spec.model.source[len(HF) :]
     patterns = WEIGHTS + (["*.py"] if spec.model.trust_remote_code else [])
     say(f"downloading {key} into {os.environ.get('HF_HOME', 'the Hugging Face cache')}")
     started = time.monotonic()
-    try:
-        folder = snapshot_download(
-            repo,
-            revision=spec.model.revision,
-            token=os.environ.get("HF_TOKEN"),
-            allow_patterns=patterns,
-        )
-    except (HfHubHTTPError, OSError, ValueError) as e:
-        raise _refused("model", spec.model.source, "cannot download it", BAD_MODEL, e) from e
+    get = lambda: snapshot_download(  # noqa: E731
+        repo,
+        revision=spec.model.revision,
+        token=os.environ.get("HF_TOKEN"),
+        allow_patterns=patterns,
+    )
+    folder = _from_hub("model", spec.model.source, get, say)
     size = sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
     say(f"downloaded {key}: {size / 2**30:.2f} GiB in {time.monotonic() - started:.0f}s")
     return folder
 
 
-def _refused(field: str, source: str, what: str, reason: str, e: Exception) -> TrainerError:
-    return TrainerError(
-        f"{field}.source {source}: {what} ({type(e).__name__}: {e}); check the name, "
-        f"{field}.revision, and secrets.huggingFaceToken for gated {field}s",
-        reason=reason,
-        where=f"spec.{field}.source",
-    )
+def kind(e: BaseException) -> str:
+    """PURE: what a failed Hub request means: "denied" (401, 403), "missing" (404),
+    "transient" (no answer: connection, DNS, timeout; or 408, 429, 5xx), else "other".
+    The Hub's status wins where one came back; else the causes are searched for a transport
+    error (huggingface_hub wraps a refused connection in a LocalEntryNotFoundError)."""
+    seen: BaseException | None = e
+    while seen is not None:
+        status = getattr(getattr(seen, "response", None), "status_code", None)
+        if isinstance(status, int):
+            if status in (401, 403):
+                return "denied"
+            if status == 404:
+                return "missing"
+            return "transient" if status in (408, 429) or status >= 500 else "other"
+        names = {c.__name__ for c in type(seen).__mro__}
+        if isinstance(seen, ConnectionError | TimeoutError | socket.gaierror) or names & TRANSPORT:
+            return "transient"
+        seen = seen.__cause__ or seen.__context__
+    return "other"
+
+
+def _from_hub(field: str, source: str, get, say: Callable[[str], None]):
+    """``get()``, retried after :data:`RETRY_WAITS` while it fails transiently; a failure
+    as the TrainerError its kind calls for."""
+    for attempt, wait in enumerate((*RETRY_WAITS, None), start=1):
+        try:
+            return get()
+        except Exception as e:  # noqa: BLE001 - sorted by kind(); the rest raise as they came
+            found = kind(e)
+            if found == "other" and not isinstance(e, OSError | ValueError):
+                raise
+            if found != "transient" or wait is None:
+                raise _refused(field, source, found, e, attempt) from e
+            say(
+                f"{field}.source {source}: the Hub request failed ({_short(e)}), try {attempt} of "
+                f"{len(RETRY_WAITS) + 1}: the network or the Hub, not the {field}; "
+                f"retrying in {wait:.0f}s"
+            )
+            time.sleep(wait)
+    raise AssertionError("unreachable")  # the last try returns or raises
+
+
+def _short(e: BaseException) -> str:
+    """What went wrong on the wire: the Hub's status, else the innermost cause's words."""
+    inner: BaseException | None = e
+    while inner is not None:
+        status = getattr(getattr(inner, "response", None), "status_code", None)
+        if isinstance(status, int):
+            return f"HTTP {status}"
+        e, inner = inner, inner.__cause__ or inner.__context__
+    return f"{type(e).__name__}: {e}"
+
+
+def _refused(field: str, source: str, found: str, e: Exception, tries: int) -> TrainerError:
+    reason, where = (BAD_MODEL if field == "model" else BAD_DATA), f"spec.{field}.source"
+    token = "secrets.huggingFaceToken (HF_TOKEN on this machine)"
+    if found == "transient":
+        return TrainerError(
+            f"{field}.source {source}: cannot reach the Hugging Face Hub after {tries} tries "
+            f"({_short(e)}): the network or the Hub, not the {field}",
+            reason=HUB_UNREACHABLE,
+            where=where,
+            fix="check the network (proxy, DNS, HF_ENDPOINT) and run it again; on a cluster "
+            "the operator retries the job with a new gang",
+        )
+    if found == "denied":
+        what, fix = (
+            f"the Hub refused access ({type(e).__name__}): a gated or private {field}",
+            f"set {token} to a token of an account that may read it (for a gated {field}, "
+            "accept its terms on its Hub page first)",
+        )
+    elif found == "missing":
+        what, fix = (
+            f"not found on the Hub ({type(e).__name__})",
+            f"check the name and {field}.revision (a private {field} also needs {token})",
+        )
+    else:
+        what = f"cannot be read from the Hub ({type(e).__name__}: {e})"
+        fix = f"check the name, {field}.revision, and {token} for gated {field}s"
+    return TrainerError(f"{field}.source {source}: {what}", reason=reason, where=where, fix=fix)
 
 
 def _recorded(record: Path, key: str, valid) -> str | None:

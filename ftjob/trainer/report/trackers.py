@@ -22,6 +22,7 @@ the job names them.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import queue
@@ -34,7 +35,7 @@ from typing import Any
 
 from ftjob import __version__
 from ftjob.api import objectives
-from ftjob.api.schema import to_dict
+from ftjob.api.schema import FieldError, to_dict
 from ftjob.api.spec import FineTuneJobSpec, MlflowSpec, WandbSpec
 from ftjob.job import atomic
 from ftjob.job.folder import JobFolder
@@ -61,6 +62,45 @@ EVAL_METRICS = {"evalLoss": "eval/loss"}  # an evaluation's
 EVAL_METRIC = EVAL_METRICS["evalLoss"]  # the series a resumed MLflow run reads its place from
 
 
+# Each tracker's client module (the ``tracking`` extra installs them all).
+CLIENTS = {"mlflow": "mlflow", "wandb": "wandb", "tensorboard": "tensorboard"}
+INSTALL = "pip install 'ftjob[tracking]'"
+
+
+def named(spec: FineTuneJobSpec) -> list[str]:
+    """The trackers ``spec.tracking`` turns on."""
+    t = spec.tracking
+    on = {
+        "mlflow": t.mlflow,
+        "wandb": t.wandb,
+        "tensorboard": t.tensorboard and t.tensorboard.enabled,
+    }
+    return [name for name, wanted in on.items() if wanted]
+
+
+def not_installed(spec: FineTuneJobSpec) -> list[FieldError]:
+    """The trackers the job names whose client this Python cannot import, with the install
+    command: ``ftjob run`` refuses them before any process starts (a run that trains without
+    its tracker would end "already trained" once the client is installed), and the trainer
+    says them at its start."""
+    out = []
+    for name in named(spec):
+        try:
+            found = importlib.util.find_spec(CLIENTS[name]) is not None
+        except (ImportError, ValueError):  # a broken install imports no better
+            found = False
+        if not found:
+            out.append(
+                FieldError(
+                    f"spec.tracking.{name}",
+                    f"the {name} client ({CLIENTS[name]}) is not installed in this Python, so "
+                    "the run would not be tracked",
+                    fix=f"{INSTALL} (or remove spec.tracking.{name})",
+                )
+            )
+    return out
+
+
 def names(event: str) -> dict[str, str]:
     """The snapshot's fields a "step" or "eval" event reports, and their trackers' names."""
     step, evaluation = objectives.trackers()
@@ -79,6 +119,9 @@ def attach(report, spec: FineTuneJobSpec, name: str, job_dir: Path) -> None:
         _Wandb(t.wandb, name, job_dir) if t.wandb else None,
         _Tensorboard(job_dir) if t.tensorboard and t.tensorboard.enabled else None,
     ]
+    for problem in not_installed(spec):  # said at the start, not at the first step's import
+        warnings.add(f"tracking: {problem.path}: {problem.message}; fix: {problem.fix}")
+        report.log(f"warning: tracking: {problem}")
     params = parameters(spec)
     closing: dict[str, float] = {}  # one deadline for all trackers at the end of the run
     for tracker in filter(None, found):

@@ -12,8 +12,10 @@ folder is written to ``.tmp-<name>`` beside the target, then swapped into place
 (:func:`ftjob.job.folder.swap_in_export`: an older export stays readable until the new one is
 complete). Its files follow the process umask like the rest of the job folder (safetensors
 writes 0600), so a serving pod running as another user reads them; an adapter names the
-job's model source as its base (``org/name`` for ``hf://org/name``), not a path of the
-training machine.
+job's model source as its base so that it loads from anywhere: ``org/name`` for
+``hf://org/name`` (not the download's cache folder), the absolute path for a local source (a
+relative one would be read from wherever the loader happens to run); peft's model card
+beside it names the same Hub id, or no base for a local one.
 Reload it with ``AutoModelForCausalLM.from_pretrained(path)`` or
 ``PeftModel.from_pretrained(base, path)``.
 """
@@ -120,9 +122,11 @@ def _save_merged(spec: FineTuneJobSpec, adapter: Path, tmp: Path) -> None:
 
 
 def base_name(source: str) -> str:
-    """The base an adapter names: the Hub id of ``hf://org/name``, else the source as the
-    spec gives it (a path relative to the job file or on the volume), never a local path."""
-    return source.removeprefix("hf://")
+    """The base an adapter names: the Hub id of ``hf://org/name``, else the absolute path of
+    the source (beside the job file under ``ftjob run``, on the volume in a pod)."""
+    if source.startswith("hf://"):
+        return source.removeprefix("hf://")
+    return os.path.abspath(resolve(source))
 
 
 def _name_base(adapter: Path, model: ModelSpec) -> None:
@@ -133,6 +137,23 @@ def _name_base(adapter: Path, model: ModelSpec) -> None:
     if model.source.startswith("hf://") and model.revision:
         config["revision"] = model.revision
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _name_card_base(adapter / "README.md", model)
+
+
+def _name_card_base(card_file: Path, model: ModelSpec) -> None:
+    """peft's card names the folder the base was read from too; a card's base_model is a
+    Hub id (the Hub links it), so a local base is left out there."""
+    if not card_file.is_file():
+        return
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(card_file)
+    hub = model.source.startswith("hf://")
+    card.data.base_model = base_name(model.source) if hub else None
+    # ... and tags it "base_model:adapter:<that folder>".
+    tags = [t for t in card.data.tags or [] if not str(t).startswith("base_model:")]
+    card.data.tags = tags + ([f"base_model:adapter:{base_name(model.source)}"] if hub else [])
+    card.save(card_file)
 
 
 def readable_like_the_folder(folder: Path) -> None:
