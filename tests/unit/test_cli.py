@@ -454,10 +454,13 @@ def test_settings_that_cannot_do_what_they_say_are_warned_of(tmp_path):
     path.write_text(yaml.safe_dump(doc))
     result = ftjob("validate", path)
     assert result.returncode == 0, result.stdout
+    # Each once, after the jobs, naming the job (as the image warning is).
     assert (
-        "  warning: spec.training.warmup: 500 is 500 steps of warmup with maxSteps 60: the "
-        "learning rate never reaches its peak" in result.stdout
+        "warning (tiny): spec.training.warmup: 500 is 500 steps of warmup with maxSteps 60: the "
+        "learning rate never reaches its peak; lower warmup" in result.stdout
     )
-    assert "  warning: spec.training.evalEvery: 20, but no eval data is held out" in result.stdout
+    assert (
+        "warning (tiny): spec.training.evalEvery: 20, but no eval data is held out" in result.stdout
+    )
     quiet = ftjob("validate", ROOT / "examples" / "tiny.yaml")
     assert "spec.training" not in quiet.stdout
