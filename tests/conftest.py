@@ -25,11 +25,21 @@ def trainer_runs(tmp_path_factory):
     runs.close()
 
 
+def _needs(item) -> tuple[set[str], Path]:
+    return set(getattr(item, "fixturenames", ())), Path(item.path)
+
+
 def pytest_collection_finish(session):
-    """The download-bound builds the collected tests need start now, beside the control
-    plane's build (tests/prebuilds.py)."""
-    fixtures = [set(getattr(item, "fixturenames", ())) for item in session.items]
-    prebuilds.start_needed(fixtures, prebuilds.left_out())
+    """The slow builds the collected tests need start now, side by side (tests/prebuilds.py)."""
+    prebuilds.start_needed([_needs(item) for item in session.items], prebuilds.left_out())
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test that needs a build still running waits for it here, outside pytest-timeout's
+    limit (its wrapper is inside this one): a hang guard sized for the test is not a build's."""
+    prebuilds.wait_needed(*_needs(item))
+    yield
 
 
 def pytest_sessionfinish(session):

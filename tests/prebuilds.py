@@ -1,11 +1,13 @@
-"""Builds that start early: the session's download-bound builds (the real images, the torch 2.11
-venv) begin in the background as soon as collection shows a test that needs them.
+"""Builds that start early: the session's slow builds (the control plane and Kueue from Go
+modules, the real images, the torch 2.11 venv) begin in the background as soon as collection
+shows a test that needs them, and a test that needs one waits for it before its own time limit
+starts (tests/conftest.py).
 
-Tests run in folder order, so tests/cluster comes first, and with it the control plane's build
-from Go modules: minutes of compiling on a fresh machine, while these two mostly wait on
-downloads. Started at collection, they overlap it instead of following it. A test that needs one
-waits for it (``result``); a session that ends first stops them. Where nothing collected needs a
-build, it never starts, and a test that asks for one outside a collected session runs it then.
+On a fresh machine the control plane's build is minutes of compiling while the other two mostly
+wait on downloads: started together they overlap instead of following one another, and no
+test's hang guard (a few minutes) has to cover a build of a quarter of an hour. A session that
+ends first stops them. Where nothing collected needs a build, it never starts, and a caller that
+asks for one outside a collected session runs it then.
 """
 
 from __future__ import annotations
@@ -27,12 +29,21 @@ ROOT = Path(__file__).resolve().parents[1]
 class Prebuild:
     name: str
     argv: list[str]
-    fixture: str  # a test that uses this fixture needs the build
     timeout: int  # seconds from its start: past it, a hang, not slowness
+    fixture: str | None = None  # a test that uses this fixture needs the build,
+    folder: str | None = None  # and so does every test under tests/<folder>
     env: dict[str, str] = field(default_factory=dict)
     _proc: subprocess.Popen | None = None
     _started: float = 0.0
     _out: Path | None = None
+
+    def needed_by(self, fixtures: set[str], path: Path) -> bool:
+        if self.fixture in fixtures:
+            return True
+        return self.folder is not None and Path(path).is_relative_to(ROOT / "tests" / self.folder)
+
+    def started(self) -> bool:
+        return self._proc is not None
 
     def start(self) -> None:
         if self._proc is not None:
@@ -67,36 +78,54 @@ class Prebuild:
             self._proc.wait()
 
 
+# kubectl's kustomize renders Kueue's manifests from its module: the test venv's kubectl.
+KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
+PLANE = Prebuild(
+    "plane",
+    ["bash", str(ROOT / "scripts" / "k8s.sh"), "build", "--kueue"],
+    # A fresh 2-core machine compiles the plane and Kueue in 15-35 minutes (busy).
+    timeout=5400,
+    folder="cluster",
+    env={"KUBECTL": KUBECTL} if KUBECTL else {},
+)
 IMAGES = Prebuild(
     "images",
     ["bash", str(ROOT / "scripts" / "images.sh")],
-    fixture="images",
     # A fresh machine makes the stand-in bases first (several minutes); later runs reuse them.
-    timeout=1800,
+    timeout=3600,
+    fixture="images",
     env={"PYTHON": sys.executable, "FTJOB_IMAGE_TAG": "test"},
 )
 TORCH_FLOOR = Prebuild(
     "torch-floor",
     ["bash", str(ROOT / "scripts" / "torch-floor.sh")],
-    fixture="torch_floor",
     # A cold build downloads ~3 GB and installs it: a hang, not slowness, past an hour.
     timeout=3600,
+    fixture="torch_floor",
 )
-ALL = (IMAGES, TORCH_FLOOR)
+ALL = (PLANE, IMAGES, TORCH_FLOOR)
 SKIP_IMAGES = "FTJOB_SKIP_IMAGE_TESTS"  # =1: the image tests are left out on purpose
 
 
-def start_needed(fixtures_of_items: list[set[str]], skipped: set[str], builds=ALL) -> list[str]:
-    """Start each build a collected test needs (by its fixtures), unless it is left out
-    (``skipped``: its name); the names started."""
+def start_needed(items: list[tuple[set[str], Path]], skipped: set[str], builds=ALL) -> list[str]:
+    """Start each build a collected test needs (``items``: each test's fixtures and file),
+    unless it is left out (``skipped``: its name); the names started."""
     started = []
     for build in builds:
         if build.name in skipped:
             continue
-        if any(build.fixture in names for names in fixtures_of_items):
+        if any(build.needed_by(fixtures, path) for fixtures, path in items):
             build.start()
             started.append(build.name)
     return started
+
+
+def wait_needed(fixtures: set[str], path: Path, builds=ALL) -> None:
+    """Before a test's own time limit starts: wait for the started builds it needs (their
+    outcome is the fixtures' to report)."""
+    for build in builds:
+        if build.started() and build.needed_by(fixtures, path):
+            build.result()
 
 
 def left_out() -> set[str]:
@@ -104,6 +133,8 @@ def left_out() -> set[str]:
     out = set()
     if os.environ.get(SKIP_IMAGES) == "1" or not shutil.which("podman"):
         out.add(IMAGES.name)
+    if not shutil.which("go"):
+        out.add(PLANE.name)
     return out
 
 

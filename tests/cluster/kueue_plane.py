@@ -30,7 +30,7 @@ TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
 
 
 def build() -> None:
-    plane.build("--kueue")
+    plane.build()  # the session's one build has Kueue's binaries too
 
 
 class KueuePlane(Plane):

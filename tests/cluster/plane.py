@@ -7,33 +7,28 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import envs
 import hangs
+import prebuilds
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S_SH = ROOT / "scripts" / "k8s.sh"
-KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
+KUBECTL = prebuilds.KUBECTL
 
 
-def build(*options: str) -> None:
-    """Build (or find cached) the plane's binaries (``--kueue``: and Kueue's). Where they cannot
-    be built, CI fails (a skip there would hide the missing component); a developer without Go
-    gets a skip."""
-    why = None
+def build() -> None:
+    """The plane's and Kueue's binaries, built (or found cached) by the session's prebuild
+    (tests/prebuilds.py), started at collection. Where they cannot be built, CI fails (a skip
+    there would hide the missing component); a developer without Go gets a skip."""
     if not shutil.which("go"):
-        why = "go is not installed"
-    else:
-        # kubectl's kustomize renders Kueue's manifests from its module
-        env = dict(os.environ, **({"KUBECTL": KUBECTL} if KUBECTL else {}))
-        argv = ["bash", str(K8S_SH), "build", *options]
-        done = subprocess.run(argv, capture_output=True, text=True, env=env)
-        if done.returncode:
-            why = f"{' '.join(argv[1:])} failed:\n" + (done.stdout + done.stderr)[-3000:]
-    if why:
-        envs.unavailable(f"the control plane cannot be built: {why}")
+        envs.unavailable("the control plane cannot be built: go is not installed")
+    code, out, err = prebuilds.PLANE.result()
+    if code:
+        argv = " ".join(prebuilds.PLANE.argv[1:])
+        envs.unavailable(f"the control plane cannot be built: {argv} failed (exit {code}):\n"
+                         + (out + err)[-3000:])  # fmt: skip
 
 
 class Plane:

@@ -7,9 +7,12 @@ control plane's build, and a test that needs one gets its result; nothing else s
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hangs
 import prebuilds
+
+HERE = Path(__file__)
 
 
 def build(tmp_path, name: str, code: int = 0, seconds: float = 0.0) -> prebuilds.Prebuild:
@@ -24,8 +27,8 @@ def build(tmp_path, name: str, code: int = 0, seconds: float = 0.0) -> prebuilds
 
 def test_only_the_builds_a_collected_test_needs_start_at_collection(tmp_path):
     wanted, unwanted, left = (build(tmp_path, n) for n in ("wanted", "unwanted", "left"))
-    started = prebuilds.start_needed([{"tmp_path", "wanted"}, {"left", "tmp_path"}], {"left"},
-                                     builds=(wanted, unwanted, left))  # fmt: skip
+    items = [({"tmp_path", "wanted"}, HERE), ({"left", "tmp_path"}, HERE)]
+    started = prebuilds.start_needed(items, {"left"}, builds=(wanted, unwanted, left))
     assert started == ["wanted"]
     assert wanted.result() == (0, "built wanted\n", "log\n")
     assert (tmp_path / "wanted").exists()
@@ -34,7 +37,7 @@ def test_only_the_builds_a_collected_test_needs_start_at_collection(tmp_path):
 
 def test_a_build_runs_while_the_session_goes_on_and_its_failure_reaches_the_test(tmp_path):
     failing = build(tmp_path, "failing", code=3, seconds=0.5)
-    prebuilds.start_needed([{"failing"}], set(), builds=(failing,))
+    prebuilds.start_needed([({"failing"}, HERE)], set(), builds=(failing,))
     # Running before any test asked for it: the marker it writes first appears meanwhile.
     hangs.poll((tmp_path / "failing").exists, what="the build's start marker")
     code, out, err = failing.result()
@@ -59,3 +62,19 @@ def test_a_build_past_its_limit_is_stopped_and_reported(tmp_path):
     code, out, _ = hung.result()
     assert code == -1 and out == ""
     assert hung._proc.poll() is not None
+
+
+def test_every_test_of_a_folder_needs_its_folders_build_and_waits_for_it_first(tmp_path):
+    """The control plane's build is every tests/cluster test's; a test of another folder
+    neither starts it nor waits for it. wait_needed returns once the build has ended."""
+    plane = build(tmp_path, "plane", seconds=3)
+    plane.fixture, plane.folder = None, "cluster"
+    cluster = prebuilds.ROOT / "tests" / "cluster" / "test_kueue.py"
+    assert prebuilds.start_needed([(set(), HERE)], set(), builds=(plane,)) == []
+    prebuilds.wait_needed(set(), cluster, builds=(plane,))  # not started: nothing to wait for
+    assert not plane.started()
+    assert prebuilds.start_needed([(set(), cluster)], set(), builds=(plane,)) == ["plane"]
+    prebuilds.wait_needed(set(), HERE, builds=(plane,))  # not this test's
+    assert plane._proc.poll() is None  # still running
+    prebuilds.wait_needed(set(), cluster, builds=(plane,))
+    assert plane._proc.poll() == 0
