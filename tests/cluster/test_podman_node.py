@@ -37,18 +37,22 @@ from ftjob.operator import render  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1800)  # the first test also waits for the image build
 NAMESPACE = "podman"
-NODES = ("podman-0", "podman-1")
+# Named for this session: two CI runs on one machine share podman, and a node's clean-up (or a
+# test's) takes only what carries its own nodes' names.
+NODES = tuple(f"podman-{os.getpid()}-{i}" for i in range(2))
 TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
 
 
-def node_containers() -> list[str]:
-    out = subprocess.run(
-        [*PODMAN, "ps", "-a", "--filter", f"label={LABEL}", "--format", "{{.Names}}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return out.stdout.split()
+def node_containers(name_part: str = "", running: bool = False) -> list[str]:
+    """The containers this session's podman nodes made (those whose name holds ``name_part``;
+    ``running``: only those running)."""
+    found = []
+    for node in NODES:
+        named = ["--filter", f"name={name_part}"] if name_part else []
+        argv = [*PODMAN, "ps", *([] if running else ["-a"]), "--filter", f"label={LABEL}={node}",
+                *named, "--format", "{{.Names}}"]  # fmt: skip
+        found += subprocess.run(argv, capture_output=True, text=True, timeout=120).stdout.split()
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -208,9 +212,7 @@ def test_apply_trains_on_podman_nodes_to_an_export_that_loads(operator, volume, 
 
 def trainer_container(job: str, rank: int) -> str:
     """The podman container running node ``rank`` of ``job`` (as podman_node names it)."""
-    argv = [*PODMAN, "ps", "--filter", f"label={LABEL}", "--format", "{{.Names}}",
-            "--filter", f"name=-{NAMESPACE}-{job}-node-{rank}-"]  # fmt: skip
-    names = subprocess.run(argv, capture_output=True, text=True, timeout=120).stdout.split()
+    names = node_containers(f"-{NAMESPACE}-{job}-node-{rank}-", running=True)
     assert len(names) == 1, names
     return names[0]
 
