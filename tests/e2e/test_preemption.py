@@ -22,7 +22,7 @@ import hangs
 import pytest
 from safetensors.torch import load_file
 from test_recovery import injected, recovery_job, wait_for_step
-from test_trainer_run import RUN_TIMEOUT, history, losses, run, start
+from test_trainer_run import RUN_TIMEOUT, history, job_processes, losses, run, start
 
 from ftjob.api import contract
 from ftjob.api.spec import parse_resource
@@ -42,25 +42,13 @@ def reference(tmp_path_factory) -> Path:
 
 def agent_pid(workdir: Path, node: int) -> int:
     """Node ``node``'s main process, the one a pod's container runs: its agent."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            env = dict(
-                item.split("=", 1)
-                for item in (proc / "environ").read_text().split("\0")
-                if "=" in item
-            )
-            cmdline = (proc / "cmdline").read_text()
-        except OSError:
-            continue
+    for pid, env, cmdline in job_processes(workdir):
         if (
-            env.get("FTJOB_JOB_DIR") == str(workdir)
-            and env.get("PET_NODE_RANK") == str(node)
+            env.get("PET_NODE_RANK") == str(node)
             and "ftjob.trainer.agent" in cmdline
             and "RANK" not in env
         ):
-            return int(proc.name)
+            return pid
     raise AssertionError(f"no agent of node {node} runs for {workdir}")
 
 

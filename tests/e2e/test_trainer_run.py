@@ -251,8 +251,9 @@ def test_progress_json_is_the_documented_contract(full):
 # ---------------------------------------------------------------------------------- resume
 
 
-def rank_pid(workdir: Path, rank: int) -> int | None:
-    """The trainer process of ``rank`` in this job (found by its environment)."""
+def job_processes(workdir: Path):
+    """(pid, environment, command line) of every process of the job in ``workdir`` (found by
+    its FTJOB_JOB_DIR)."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -265,13 +266,19 @@ def rank_pid(workdir: Path, rank: int) -> int | None:
             cmdline = (proc / "cmdline").read_text()
         except OSError:
             continue
+        if env.get("FTJOB_JOB_DIR") == str(workdir):
+            yield int(proc.name), env, cmdline
+
+
+def rank_pid(workdir: Path, rank: int) -> int | None:
+    """The trainer process of ``rank`` in this job (found by its environment)."""
+    for pid, env, cmdline in job_processes(workdir):
         if (
-            env.get("FTJOB_JOB_DIR") == str(workdir)
-            and env.get("RANK") == str(rank)
+            env.get("RANK") == str(rank)
             and "ftjob.trainer" in cmdline
             and "torch.distributed.run" not in cmdline
         ):
-            return int(proc.name)
+            return pid
     return None
 
 
