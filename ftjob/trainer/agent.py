@@ -113,14 +113,16 @@ class Agent(LocalElasticAgent):
         # The workers' environment (ftjob.trainer.model.parallel, progress, __main__).
         os.environ[contract.RESTARTS_IN_PLACE_ENV] = "0"
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, *args, **kwargs) -> None:
         # Workers in the training loop take SIGTERM as "checkpoint at the next step boundary"
         # (ftjob.trainer.gang.preempt), which a worker blocked in a collective with a failed
         # peer never reaches: workers stopped for a failure are killed at once, as SIGTERM's
         # default action did before. Only this agent's own SIGTERM is passed on as SIGTERM.
+        # The rest goes on as torch gave it: 2.13 adds a timeout that 2.11 (the GPU image's)
+        # does not take.
         if self._ending:
             death_sig = signal.SIGKILL
-        super()._shutdown(death_sig, timeout)
+        super()._shutdown(death_sig, *args, **kwargs)
 
     def _monitor_workers(self, worker_group) -> RunResult:
         result = super()._monitor_workers(worker_group)

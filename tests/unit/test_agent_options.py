@@ -49,3 +49,33 @@ def test_a_launch_config_without_the_option_is_not_read(monkeypatch):
 def test_an_agent_without_the_parameter_is_not_given_it():
     config = SimpleNamespace(shutdown_timeout=30)
     assert agent.optional_agent_options(config, AgentWithout) == {}
+
+
+def _shutdown_under(monkeypatch, parent_shutdown, ending: bool, *args):
+    """Agent._shutdown on a stand-in agent whose torch parent's _shutdown is ``parent_shutdown``."""
+    calls = []
+    monkeypatch.setattr(agent.LocalElasticAgent, "_shutdown",
+                        lambda self, *a, **k: calls.append(parent_shutdown(*a, **k)))  # fmt: skip
+    stand_in = agent.Agent.__new__(agent.Agent)  # no torch agent behind it: only _shutdown runs
+    stand_in._ending = ending
+    stand_in._shutdown(*args)
+    return calls
+
+
+def test_the_agent_stops_its_workers_as_either_torch_asks(monkeypatch):
+    """torch 2.13 calls _shutdown(death_sig, timeout); 2.11 (the GPU image's) _shutdown(death_sig)
+    with a parent that takes no timeout: both reach the parent as given, and workers stopped
+    for a failure get SIGKILL (a worker in the training loop takes SIGTERM as a save)."""
+    import signal
+
+    def torch_211(death_sig=signal.SIGTERM):
+        return (death_sig,)
+
+    def torch_213(death_sig=signal.SIGTERM, timeout=30):
+        return (death_sig, timeout)
+
+    assert _shutdown_under(monkeypatch, torch_211, False, signal.SIGTERM) == [(signal.SIGTERM,)]
+    assert _shutdown_under(monkeypatch, torch_213, False, signal.SIGTERM, 45) == [
+        (signal.SIGTERM, 45)
+    ]
+    assert _shutdown_under(monkeypatch, torch_211, True, signal.SIGTERM) == [(signal.SIGKILL,)]
