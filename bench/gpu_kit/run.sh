@@ -63,7 +63,11 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 step() {
   local name=$1 cap=$(($2 * scale))
   shift 2
-  local left=$((budget - (SECONDS - start) - spent - 10 * scale))
+  # A dry run counts each step as its whole limit (spent) and not the clock: its plan is the
+  # same however busy the machine that prints it.
+  local elapsed=$((SECONDS - start))
+  [[ -z $dry ]] || elapsed=0
+  local left=$((budget - elapsed - spent - 10 * scale))
   local limit=$((cap < left ? cap : left))
   if ((limit < 20)); then
     echo "$name: not run, $((left + 10 * scale))s of the ${budget}s budget left; it runs again in:" \
