@@ -71,7 +71,7 @@ def test_the_agent_stops_its_workers_as_either_torch_asks(monkeypatch):
     def torch_211(death_sig=signal.SIGTERM):
         return (death_sig,)
 
-    def torch_213(death_sig=signal.SIGTERM, timeout=30):
+    def torch_213(death_sig=signal.SIGTERM, timeout=30):  # not a hang guard: torch's signature
         return (death_sig, timeout)
 
     assert _shutdown_under(monkeypatch, torch_211, False, signal.SIGTERM) == [(signal.SIGTERM,)]
