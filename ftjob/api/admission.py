@@ -98,9 +98,10 @@ def _schema_message(err: jsonschema.ValidationError) -> tuple[str, str]:
     path = _path(err.absolute_path)
     kind, rule, value = err.validator, err.validator_value, err.instance
     if kind == "additionalProperties":
+        # Every extra key named, as the strict decoder does (one error line holds them all).
         extra = sorted(set(value) - set(err.schema.get("properties", {})))
-        where = f"{path}.{extra[0]}" if path else extra[0]
-        return where, f'unknown field "{where}"'
+        named = [f"{path}.{key}" if path else key for key in extra]
+        return named[0], ", ".join(f'unknown field "{where}"' for where in named)
     if kind == "required":
         missing = err.message.split("'")[1]
         where = f"{path}.{missing}" if path else missing

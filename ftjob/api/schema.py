@@ -466,7 +466,8 @@ def parse(cls: type, data: Any, path: str = "spec") -> Any:
     return result
 
 
-def _suggest(key: str, known: list[str]) -> str:
+def unknown_field(key: str, known: list[str]) -> str:
+    """The message for a key no field has: the closest known spelling, else every one."""
     close = [k for k in known if k.lower() == key.lower()]
     close = close or difflib.get_close_matches(key, known, n=1, cutoff=0.7)
     if close:
@@ -484,7 +485,7 @@ def _parse_object(cls: type, data: Any, path: str, errors: Errors) -> Any:
     known = {camel(f.name): f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in known:
-            message = _suggest(str(key), list(known))
+            message = unknown_field(str(key), list(known))
             errors.append(FieldError(f"{path}.{key}", message, unknown=True))
     values = {}
     for key, f in known.items():

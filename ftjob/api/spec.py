@@ -26,10 +26,13 @@ from ftjob.api.schema import (
     api_field,
     check_update,
     parse,
+    unknown_field,
 )
 
 GROUP, VERSION, KIND, PLURAL = "ftjob.dev", "v1alpha1", "FineTuneJob", "finetunejobs"
 API_VERSION = f"{GROUP}/{VERSION}"
+# What a FineTuneJob document holds at its top (a status is allowed and ignored, as by kubectl).
+DOCUMENT_KEYS = ("apiVersion", "kind", "metadata", "spec", "status")
 # The release's trainer image name: a placeholder (nothing is published under it), used only
 # when neither spec.image nor the operator's --default-image names one.
 DEFAULT_IMAGE = f"ghcr.io/ftjob/trainer:{__version__}"
@@ -1316,6 +1319,12 @@ def parse_resource(doc: Any) -> tuple[str, FineTuneJobSpec]:
     if doc.get("kind") != KIND:
         errors.append(FieldError("kind", f"must be {KIND}, got {doc.get('kind')!r}"))
     errors.extend(_metadata_errors(doc.get("metadata") or {}))
+    # Every key the document cannot hold, each named: kubectl's strict decoder names them all.
+    errors.extend(
+        FieldError(str(key), unknown_field(str(key), list(DOCUMENT_KEYS)), unknown=True)
+        for key in doc
+        if key not in DOCUMENT_KEYS
+    )
     if "spec" not in doc:
         errors.append(FieldError("spec", "is required"))
     try:

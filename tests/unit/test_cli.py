@@ -467,3 +467,45 @@ def test_settings_that_cannot_do_what_they_say_are_warned_of(tmp_path):
     )
     quiet = ftjob("validate", ROOT / "examples" / "tiny.yaml")
     assert "spec.training" not in quiet.stdout
+
+
+def unknown_lines(stdout: str) -> tuple[set[str], set[str]]:
+    """(ftjob's, kubectl's) unknown fields as validate prints them, by field path."""
+    ours, server = stdout.split("kubectl apply would be refused with:")
+    return (
+        set(re.findall(r"^  (\S+): unknown field", ours, re.M)),
+        set(re.findall(r'unknown field "([^"]+)"', server)),
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "top", "fields"),
+    [
+        # two in one object
+        ({"training": {"maxSteps": 5, "bogusOne": 1, "bogusTwo": 2}}, {},
+         {"spec.training.bogusOne", "spec.training.bogusTwo"}),
+        # two in two objects
+        ({"training": {"maxSteps": 5, "bogusOne": 1}, "output": {"bogusTwo": 2}}, {},
+         {"spec.training.bogusOne", "spec.output.bogusTwo"}),
+        # two beside spec, at the document's top
+        ({}, {"foo": 1, "bar": 2}, {"foo", "bar"}),
+    ],
+)  # fmt: skip
+def test_every_unknown_field_is_named_both_ways(tmp_path, changes, top, fields):
+    path, doc = tiny_job(tmp_path, **changes)
+    path.write_text(yaml.safe_dump({**doc, **top}))
+    result = ftjob("validate", path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert unknown_lines(result.stdout) == (fields, fields)
+
+
+def test_a_schema_refusal_of_extra_keys_names_each_of_them():
+    import jsonschema
+
+    from ftjob.api import admission
+
+    schema = {
+        "properties": {"a": {"type": "object", "properties": {}, "additionalProperties": False}}
+    }
+    (err,) = jsonschema.Draft4Validator(schema).iter_errors({"a": {"x": 1, "y": 2}})
+    assert admission._schema_message(err) == ("a.x", 'unknown field "a.x", unknown field "a.y"')
