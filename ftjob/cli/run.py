@@ -33,6 +33,7 @@ from ftjob.cli.screen import Screen
 from ftjob.job import folder as jobfolder
 from ftjob.job import inputs, lease, processes
 from ftjob.job.folder import JobFolder
+from ftjob.trainer.data import records
 from ftjob.trainer.report import trackers
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
@@ -91,7 +92,21 @@ def _can_start(job_file: str, spec, source_root: Path, job_dir: Path | None, out
     for problem in missing:
         print(f"ftjob run: {job_file}: {problem.path}: {problem.message}", file=out)
         print(f"  fix: {problem.fix}", file=out, flush=True)
-    return not missing
+    return not missing and _data_readable(job_file, spec, source_root, out)
+
+
+def _data_readable(job_file: str, spec, source_root: Path, out) -> bool:
+    """Every record of a local data file reads as the trainer reads it: a missing field or a
+    cut line is named now, with the trainer's words and fix, before any process starts."""
+    try:
+        records.check(spec.dataset, source_root)
+    except records.DataError as e:
+        print(f"ftjob run: {job_file}: {e.reason}: {e}", file=out)
+        if e.fix:
+            print(f"  fix: {e.fix}", file=out)
+        print("  nothing was started; once fixed, run it again", file=out, flush=True)
+        return False
+    return True
 
 
 def _set_aside(job_dir: Path, out) -> bool:

@@ -10,6 +10,7 @@ resolves relative paths the same way: beside the job file (FTJOB_SOURCE_ROOT).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,17 @@ DATA_FIX = (
     "set spec.dataset.source to an existing file or folder (a relative path is read beside "
     "the job file, or from the volume on a cluster), or hf://org/name"
 )
+
+
+def resolve(source: str, root: Path | None = None) -> str:
+    """hf://org/name -> org/name for the Hub; a relative path -> beside ``root``, the job
+    file's folder (default FTJOB_SOURCE_ROOT: what the trainer is told it is; else here)."""
+    if source.startswith("hf://"):
+        return source[len("hf://") :]
+    path = Path(source)
+    if not path.is_absolute():
+        path = Path(root or os.environ.get("FTJOB_SOURCE_ROOT", ".")) / path
+    return str(path)
 
 
 def _local(source: str, root: Path) -> Path | None:

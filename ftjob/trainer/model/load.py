@@ -32,22 +32,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from ftjob.api.contract import BAD_SPEC, TrainerError
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import modelfiles
+from ftjob.job.inputs import resolve  # here too: the trainer's modules call model.resolve
 from ftjob.plan.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK
 from ftjob.trainer.model import attention, weights
 from ftjob.trainer.model.parallel import Dist
 
 # The model cannot be read: one error for the folder, the weights and the tensors.
 SourceError = weights.SourceError
-
-
-def resolve(source: str) -> str:
-    """hf://org/name -> org/name for the Hub; a relative path -> beside the job file/volume."""
-    if source.startswith("hf://"):
-        return source[len("hf://") :]
-    path = Path(source)
-    if not path.is_absolute():
-        path = Path(os.environ.get("FTJOB_SOURCE_ROOT", ".")) / path
-    return str(path)
 
 
 def source_options(spec: FineTuneJobSpec) -> dict:
