@@ -1307,8 +1307,11 @@ def _metadata_errors(meta: Any) -> list[FieldError]:
     return errors
 
 
-def parse_resource(doc: Any) -> tuple[str, FineTuneJobSpec]:
-    """Check a whole FineTuneJob document (kind, metadata, spec); return its name and spec."""
+def parse_resource(doc: Any, strict: bool = False) -> tuple[str, FineTuneJobSpec]:
+    """Check a whole FineTuneJob document (kind, metadata, spec); return its name and spec.
+
+    ``strict``: a job file as a person wrote it, whose every top-level key must be known (a
+    record that adds keys of its own, as the job folder's spec.json does, is read without)."""
     errors = []
     if not isinstance(doc, dict):
         raise SpecError([FieldError("(document)", "must be a FineTuneJob object")])
@@ -1323,7 +1326,7 @@ def parse_resource(doc: Any) -> tuple[str, FineTuneJobSpec]:
     errors.extend(
         FieldError(str(key), unknown_field(str(key), list(DOCUMENT_KEYS)), unknown=True)
         for key in doc
-        if key not in DOCUMENT_KEYS
+        if strict and key not in DOCUMENT_KEYS
     )
     if "spec" not in doc:
         errors.append(FieldError("spec", "is required"))

@@ -44,7 +44,7 @@ def run(job_file: str, workdir: str | None = None, out=None, restart: bool = Fal
     out = out or sys.stdout
     doc = manifest.load_one(job_file, KIND)
     try:
-        name, spec = parse_resource(doc)
+        name, spec = parse_resource(doc, strict=True)
     except SpecError as e:
         print(f"{job_file}: invalid {KIND}:", file=sys.stderr)
         for err in e.errors:

@@ -75,7 +75,7 @@ def check(
     name = (doc.get("metadata") or {}).get("name")
     checked = CheckedJob(name=name if isinstance(name, str) else None)
     try:
-        _, checked.spec = parse_job(doc)
+        _, checked.spec = parse_job(doc, strict=True)
         if old is not None:
             _, old_spec = parse_resource(old)
             validate_update(old_spec, checked.spec)

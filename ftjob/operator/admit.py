@@ -21,11 +21,12 @@ from ftjob.operator import render
 SAMPLE_UID = "00000000-0000-4000-8000-000000000000"
 
 
-def parse_job(doc: dict[str, Any]) -> tuple[str, FineTuneJobSpec]:
+def parse_job(doc: dict[str, Any], strict: bool = False) -> tuple[str, FineTuneJobSpec]:
     """The job's name and spec, if the job and every child it would have are valid; else
-    :class:`SpecError` naming every field at fault. The operator and ``ftjob validate`` share it.
+    :class:`SpecError` naming every field at fault. The operator and ``ftjob validate`` share it
+    (``strict``: see :func:`ftjob.api.spec.parse_resource`).
     """
-    name, spec = parse_resource(doc)
+    name, spec = parse_resource(doc, strict)
     namespace = doc["metadata"].get("namespace") or "default"
     if errors := children_errors(name, namespace, spec):
         raise SpecError(errors)

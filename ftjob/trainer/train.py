@@ -53,6 +53,7 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
     """
     job_dir = Path(os.environ.get("FTJOB_JOB_DIR") or Path("runs") / name)
     report = _progress(spec, job_dir)
+    report.startup.mark("imports")  # the rest of start-up: marked where each phase ends
     trackers.attach(report, spec, name, job_dir)  # spec.tracking: rank 0's listeners
     try:
         return _run(spec, name, job_dir, report)
@@ -109,6 +110,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
     if not d.is_main:
         hf_logging.set_verbosity_error()  # one copy of each warning is enough
     lease, recorded = _take(spec, name, job_dir, out, d, report)
+    report.startup.mark("rendezvous")
     if jobfolder.finished(spec, recorded, out):
         # A gang restarted after the export was written (a pod evicted at the very end).
         job = Job(spec, spec, name, d, report, job_dir, lease, beat)
@@ -123,6 +125,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
         say=lambda m: print(m, flush=True) if d.is_main else None,
         downloading=lambda: report.phase("downloading"),
     )
+    report.startup.mark("download")
     return _train_and_export(Job(spec, resolved, name, d, report, job_dir, lease, beat))
 
 
@@ -131,12 +134,16 @@ def _train_and_export(job: Job) -> Path:
     torch.manual_seed(job.spec.training.seed)
     # Data first: a bad record fails the job in seconds, before any weights are read.
     tok, ds, sampler, total = _data(job)
+    job.report.startup.mark("data")
     job.report.phase("loading")
     run = _load(job, tok, total)
+    # _load times the weights' reading itself; the rest of it builds, shards, makes the optimizer.
+    job.report.startup.mark("shard", within=("load", run.load_seconds))
     _describe(job, run, ds, total)
     nodes = _loaded(job.report, job.d, run)
     job.goal.before_training(job.spec, run.net, ds, job.d, job.report.log)  # before resuming
     start = _resume(job, run)
+    job.report.startup.mark("resume")  # the first step's seconds: Progress.step
     evaluated_at = _train(job, run, ds, sampler, range(start, total), nodes)
     run.ckpt.close()
     if ds.eval is not None and evaluated_at != total:

@@ -7,6 +7,7 @@ python -m pytest tests/e2e/test_run_display.py -q
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pty
 import re
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 import hangs
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,6 +139,7 @@ def test_a_pipe_gets_plain_lines_and_a_rerun_says_it_resumes(tmp_path):
     assert first.returncode == 0, first.stdout + first.stderr
     assert "\x1b[" not in first.stdout and "\r" not in first.stdout  # no bar in a pipe
     assert "step 40/40" in first.stdout
+    assert_start_up_said_and_kept(first.stdout, workdir)
     assert f"checkpoint saved: step 20 in {workdir / 'checkpoints' / 'step-00000020'}" in (
         first.stdout
     )
@@ -148,6 +151,25 @@ def test_a_pipe_gets_plain_lines_and_a_rerun_says_it_resumes(tmp_path):
         again.stdout
     )
     assert "step 40/40" in again.stdout and "step  5/40" not in again.stdout
+
+
+def assert_start_up_said_and_kept(stdout: str, workdir: Path) -> None:
+    """Rank 0 says its start-up once, phase by phase, and progress.json keeps the figures."""
+    from ftjob.trainer.report.startup import PHASES
+
+    said = re.findall(r"^start-up ([\d.]+) s: (.*)$", stdout, re.M)
+    assert len(said) == 1, stdout
+    total, listed = float(said[0][0]), [p.rsplit(" ", 1) for p in said[0][1].split(", ")]
+    assert [name for name, _ in listed] == list(PHASES)
+    # Each figure is rounded to 0.1 s: the sum is the total within the rounding.
+    assert abs(sum(float(s) for _, s in listed) - total) <= 0.05 * (len(PHASES) + 1)
+    kept = json.loads((workdir / "progress.json").read_text())["startup"]
+    assert list(kept["phases"]) == list(PHASES) and kept["seconds"] == pytest.approx(
+        total, abs=0.06
+    )
+    assert sum(kept["phases"].values()) == pytest.approx(kept["seconds"], abs=0.01 * len(PHASES))
+    # Every phase the tiny job passes through took some time (it downloads nothing).
+    assert all(kept["phases"][p] > 0 for p in PHASES if p != "download"), kept
 
 
 def test_ctrl_c_stops_quietly_and_says_how_to_resume(tmp_path):

@@ -46,13 +46,6 @@ def ftjob_run(job: Path, workdir: Path, timeout: float = hangs.RUN) -> tuple[int
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started
 
 
-def summary(out: str) -> tuple[str, str]:
-    """(headline, fix) of a failed run's summary."""
-    lines = out.splitlines()
-    i = next(i for i, x in enumerate(lines) if x.startswith("ftjob run: node "))
-    return lines[i], lines[i + 1]
-
-
 # ------------------------------------------------------- truncation, rerun, node logs
 
 
@@ -151,27 +144,51 @@ def test_a_pickled_checkpoint_is_named_at_once_with_the_conversion(tmp_path):
 # ------------------------------------------------------------------ fix lines by cause
 
 
-def test_a_chat_file_with_conversations_gets_the_messages_field_fix(tmp_path):
+def refusal(out: str) -> tuple[str, str]:
+    """(headline, fix) of a run refused before it started anything."""
+    lines = out.splitlines()
+    i = next(i for i, x in enumerate(lines) if x.startswith("ftjob run: "))
+    return lines[i], lines[i + 1]
+
+
+def test_a_chat_file_with_conversations_gets_the_messages_field_fix_before_anything_starts(
+    tmp_path,
+):
+    """Issue 40: the data is read by `ftjob run` itself, not after each trainer's imports."""
     data = tmp_path / "sharegpt.jsonl"
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     data.write_text(json.dumps({"id": 1, "conversations": turns}) + "\n")
     job = tiny_job(tmp_path, "convs", dataset={"source": str(data)})
     code, out, _ = ftjob_run(job, tmp_path / "convs")
     assert code == 1
-    headline, fix = summary(out)
-    assert f"{data} line 1: has no field 'messages' (dataset.messagesField)" in headline
+    headline, fix = refusal(out)
+    assert headline == (
+        f"ftjob run: {job}: BadData: {data} line 1: has no field 'messages' "
+        "(dataset.messagesField); it has ['conversations', 'id']"
+    ), out
     assert fix == "  fix: set dataset.messagesField: conversations", out
+    # No trainer was started: no job folder, so no node log, progress or recorded spec.
+    assert not (tmp_path / "convs").exists()
 
 
 def test_a_json_error_names_its_column_and_the_fix_is_the_json(tmp_path):
     data = tmp_path / "broken.jsonl"
-    data.write_text('{"messages": [{"role": "user", "content": "hi"}], "x": nope}\n')
+    whole = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+    data.write_text(f'{whole}\n{{"messages": [{{"role": "user", "content": "hi"}}], "x": nope}}\n'
+                    f"{whole[:-1]}\n")  # fmt: skip
     job = tiny_job(tmp_path, "json", dataset={"source": str(data)})
     code, out, _ = ftjob_run(job, tmp_path / "json")
     assert code == 1
-    headline, fix = summary(out)
-    assert f"{data} line 1: not valid JSON at column 56 (Expecting value)" in headline, headline
+    headline, fix = refusal(out)
+    assert f"BadData: {data} line 2: not valid JSON at column 56 (Expecting value)" in headline
     assert fix == "  fix: fix the JSON at that line and column of spec.dataset.source"
+    # A line cut short at the end (a download that stopped) is named too.
+    data.write_text(f"{whole}\n{whole}\n{whole[:-1]}\n")
+    code, out, _ = ftjob_run(job, tmp_path / "json")
+    headline, _ = refusal(out)
+    assert code == 1 and f"{data} line 3: not valid JSON at column" in headline, out
+    assert "(the line ends before the JSON does: cut short?)" in headline
+    assert not (tmp_path / "json").exists()
 
 
 def test_a_pods_trainer_names_a_missing_data_file_with_the_source_fix(tmp_path):
@@ -211,7 +228,7 @@ def test_a_spec_fixed_after_a_data_error_runs_without_restart(tmp_path):
     job = tiny_job(tmp_path, "fixed", dataset={"source": str(bad)}, training=steps)
     code, out, _ = ftjob_run(job, tmp_path / "fixed")
     assert code == 1 and "line 2: has no field 'messages'" in out, out[-3000:]
-    assert (tmp_path / "fixed" / "spec.json").is_file()  # the failed run's record
+    assert not (tmp_path / "fixed").exists()  # refused before any folder was made
     job = tiny_job(tmp_path, "fixed", training=steps)  # the bundled, valid data
     code, out, _ = ftjob_run(job, tmp_path / "fixed")
     assert code == 0, out[-3000:]

@@ -509,38 +509,3 @@ def test_a_schema_refusal_of_extra_keys_names_each_of_them():
     }
     (err,) = jsonschema.Draft4Validator(schema).iter_errors({"a": {"x": 1, "y": 2}})
     assert admission._schema_message(err) == ("a.x", 'unknown field "a.x", unknown field "a.y"')
-
-
-def chat_job_with_records(tmp_path, lines: list[str], **dataset):
-    """The tiny job with its chat data replaced by ``lines`` (data.jsonl beside the job)."""
-    (tmp_path / "data.jsonl").write_text("".join(line + "\n" for line in lines))
-    path, doc = tiny_job(tmp_path)
-    doc["spec"]["dataset"].update(source="data.jsonl", **dataset)
-    path.write_text(yaml.safe_dump(doc))
-    return path
-
-
-TURNS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-
-
-def test_run_names_a_data_error_before_any_process_starts(tmp_path):
-    job = chat_job_with_records(tmp_path, [json.dumps({"conversation": TURNS})] * 3)
-    result = ftjob("run", job, "--workdir", tmp_path / "run")
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert (
-        f"ftjob run: {job}: BadData: data.jsonl line 1: has no field 'messages' "
-        "(dataset.messagesField); it has ['conversation']\n"
-        "  fix: set dataset.messagesField: conversation\n"
-    ) in result.stdout
-    # Nothing was started: no job folder, so no node log, progress or recorded spec either
-    # (a rerun with the fix is not refused as "another spec").
-    assert not (tmp_path / "run").exists()
-
-
-def test_run_names_a_cut_last_line_before_any_process_starts(tmp_path):
-    whole = json.dumps({"messages": TURNS})
-    job = chat_job_with_records(tmp_path, [whole, whole, whole[:-1]])  # its "}" lost
-    result = ftjob("run", job, "--workdir", tmp_path / "run")
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "BadData: data.jsonl line 3: not valid JSON at column" in result.stdout
-    assert "cut short?" in result.stdout and not (tmp_path / "run").exists()

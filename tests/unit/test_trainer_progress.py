@@ -160,3 +160,52 @@ def test_only_committed_checkpoints_are_resumed(tmp_path):
     (tmp_path / ".tmp-step-00000016").mkdir()
     newest = checkpoint.latest(tmp_path)
     assert newest.name == "step-00000008" and checkpoint.step_of(newest) == 8
+
+
+class Clock:
+    """time.monotonic for ftjob.trainer.report.startup, moved by the test."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_start_up_is_said_once_with_every_phase_and_kept_in_progress(tmp_path, monkeypatch, capsys):
+    from ftjob.trainer.report import startup
+
+    clock = Clock()
+    monkeypatch.setattr(startup.time, "monotonic", clock)
+    monkeypatch.setattr(startup, "process_age", lambda: 6.0)  # interpreter + imports so far
+    report = progress.Progress(tmp_path, True, total=10, world=2)
+    report.startup.mark("imports")
+    for phase, seconds in [("rendezvous", 0.4), ("download", 0.0), ("data", 1.2)]:
+        clock.now += seconds
+        report.startup.mark(phase)
+    clock.now += 2.3  # _load: 2.0 s of it reading weights (its own figure), the rest sharding
+    report.startup.mark("shard", within=("load", 2.0))
+    clock.now += 0.1
+    report.startup.mark("resume")
+    report.begin(0)
+    clock.now += 4.2
+    report.step(1, lr=1e-3, epoch=0.1)
+    clock.now += 1.0
+    report.step(2, lr=1e-3, epoch=0.2)
+    report.close()
+    said = [line for line in capsys.readouterr().out.splitlines() if "start-up" in line]
+    assert said == [
+        "start-up 14.2 s: imports 6.0, rendezvous 0.4, download 0.0, data 1.2, load 2.0, "
+        "shard 0.3, resume 0.1, first step 4.2"
+    ]
+    kept = json.loads((tmp_path / "progress.json").read_text())["startup"]
+    assert list(kept["phases"]) == list(startup.PHASES)
+    assert kept["seconds"] == pytest.approx(14.2)
+    assert sum(kept["phases"].values()) == pytest.approx(kept["seconds"], abs=0.01)
+
+
+def test_the_process_age_counts_this_interpreters_start():
+    from ftjob.trainer.report import startup
+
+    # This pytest process started before the test ran, and not days ago.
+    assert 0.05 < startup.process_age() < 86400

@@ -25,6 +25,7 @@ from ftjob.api.hardware import GPUS, gpu_for_device_name
 from ftjob.job import atomic
 from ftjob.job.folder import JobFolder
 from ftjob.trainer.report import metrics
+from ftjob.trainer.report.startup import Startup
 
 
 def peak_flops(device_name: str | None, gpu_type: str | None = None) -> float | None:
@@ -99,6 +100,8 @@ class Progress:
         self._server: ThreadingHTTPServer | None = None
         self._files = _FileWriter(job_dir) if enabled else None
         self.metrics = metrics.TrainerMetrics(self._copy)
+        # Each phase's seconds to the first step (train.py marks them), said once (step()).
+        self.startup = Startup()
         # Told each event with the snapshot (ftjob.trainer.report.trackers); each must return at
         # once: what it sends, it sends from a thread of its own.
         self.listeners: list = []
@@ -235,6 +238,10 @@ class Progress:
             return
         if seconds is not None:
             self.metrics.step_seconds.observe(seconds)
+        if not self.startup.finished:  # the first step of this process: start-up is over
+            self.startup.finish()
+            self.log(self.startup.line())
+            self.update(startup=self.startup.record())
         self.update(step=step, learningRate=lr, epoch=round(epoch, 4))
         if self.tty and self.snapshot["loss"] is not None:
             sys.stdout.write("\r" + self.line(bar=True))
