@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import get_scheduler
 from transformers.utils import logging as hf_logging
 
 from ftjob.api import contract
@@ -137,10 +136,11 @@ def _train_and_export(job: Job) -> Path:
     job.report.startup.mark("data")
     job.report.phase("loading")
     run = _load(job, tok, total)
-    # _load times the weights' reading itself; the rest of it builds, shards, makes the optimizer.
-    job.report.startup.mark("shard", within=("load", run.load_seconds))
     _describe(job, run, ds, total)
     nodes = _loaded(job.report, job.d, run)
+    # _load times its weights' reading; the rest builds, shards, makes the optimizer, and waits
+    # in _loaded's gather for the gang's slowest rank to have loaded too.
+    job.report.startup.mark("shard", within=("load", run.load_seconds))
     job.goal.before_training(job.spec, run.net, ds, job.d, job.report.log)  # before resuming
     start = _resume(job, run)
     job.report.startup.mark("resume")  # the first step's seconds: Progress.step
@@ -303,6 +303,14 @@ def _load(job: Job, tok, total: int) -> step.Run:
     flops = _flops_counter(spec, net, params, trainable)
     return step.Run(net, weights, optimizer, scheduler, ckpt, params, trainable, sharding,
                     replicated, speed, flops, built.read_bytes, load_seconds)  # fmt: skip
+
+
+def get_scheduler(*args, **kwargs):
+    """transformers' learning-rate schedules, imported when the optimizer is made: their module
+    imports transformers' Trainer utilities and, through them, peft, also for a full fine-tune."""
+    from transformers import get_scheduler as schedule
+
+    return schedule(*args, **kwargs)
 
 
 def _train(job: Job, run: step.Run, ds, sampler, steps: range, nodes: list[str]) -> int | None:

@@ -52,6 +52,7 @@ ROWS = make_rows()
 
 
 def tiny(implementation: str):
+    attention.register()  # as attention.implementation("sdpa") does for a job's build
     return AutoModelForCausalLM.from_pretrained(
         TINY, dtype=torch.float32, attn_implementation=implementation
     ).eval()

@@ -16,17 +16,20 @@ import mmap
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job.folder import JobFolder
 from ftjob.trainer.data import prepare
 from ftjob.trainer.data.records import DataError
 from ftjob.trainer.data.tokenize import IGNORE
+
+if TYPE_CHECKING:  # imported by the phase that uses it: see ftjob/trainer/report/startup.py
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "IGNORE",

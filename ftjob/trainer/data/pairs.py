@@ -15,14 +15,17 @@ prompt's last tokens. Text responses end with the tokenizer's end-of-sequence to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-from transformers import PreTrainedTokenizerBase
 
 from ftjob.api.spec import DatasetSpec
 from ftjob.trainer.data.records import DataError
 from ftjob.trainer.data.tokenize import IGNORE
+
+if TYPE_CHECKING:  # imported by the phase that uses it: see ftjob/trainer/report/startup.py
+    from transformers import PreTrainedTokenizerBase
 
 COLUMNS = ("line", "prompt_ids", "chosen_ids", "rejected_ids")
 

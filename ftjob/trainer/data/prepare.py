@@ -19,16 +19,19 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from transformers import PreTrainedTokenizerBase
 
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import atomic
 from ftjob.trainer.data import pairs, records, tokenize
 from ftjob.trainer.data.records import DataError
+
+if TYPE_CHECKING:  # imported by the phase that uses it: see ftjob/trainer/report/startup.py
+    from transformers import PreTrainedTokenizerBase
 
 LAYOUT = 3  # bump when the prepared layout or the tokenization rules change
 SHARD = 50_000  # records tokenized between two progress reports

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import re
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from transformers import PreTrainedTokenizerBase
 
 from ftjob.api.spec import DatasetSpec
 from ftjob.trainer.data.records import DataError
+
+if TYPE_CHECKING:  # imported by the phase that uses it: see ftjob/trainer/report/startup.py
+    from transformers import PreTrainedTokenizerBase
 
 IGNORE = -100  # label of tokens that are context only (prompts, user turns, padding)
 

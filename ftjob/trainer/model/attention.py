@@ -37,7 +37,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
 NAME = "ftjob_packed"  # the attn_implementation the default (sdpa) builds with
 SPEC_CHOICES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
@@ -74,7 +73,9 @@ def model_kwargs(batch, implementation: str) -> dict:
 
 
 def register() -> None:
-    """Make :data:`NAME` known to transformers (idempotent; done on import too)."""
+    """Make :data:`NAME` known to transformers (idempotent; :func:`implementation` does)."""
+    from transformers import AttentionInterface  # with the model classes: when they are built
+
     if NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(NAME, packed_attention)
 
@@ -286,6 +287,6 @@ def _torch_varlen() -> Varlen | None:
     return adapt_varlen(varlen_attn)
 
 
-# Resolved once at import, not inside a forward that torch.compile may trace.
+# Resolved once at import, not inside a forward that torch.compile may trace. Registering
+# with transformers waits for implementation(): the model's build (start-up: its import).
 _VARLEN = _torch_varlen()
-register()

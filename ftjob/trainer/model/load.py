@@ -21,13 +21,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torchao.quantization import NF4Tensor, to_nf4
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from ftjob.api.contract import BAD_SPEC, TrainerError
 from ftjob.api.spec import FineTuneJobSpec
@@ -36,6 +35,9 @@ from ftjob.job.inputs import resolve  # here too: the trainer's modules call mod
 from ftjob.plan.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK
 from ftjob.trainer.model import attention, weights
 from ftjob.trainer.model.parallel import Dist
+
+if TYPE_CHECKING:  # imported by the phase that uses it: see ftjob/trainer/report/startup.py
+    from transformers import PreTrainedTokenizerBase
 
 # The model cannot be read: one error for the folder, the weights and the tensors.
 SourceError = weights.SourceError
@@ -59,6 +61,8 @@ def load_tokenizer(spec: FineTuneJobSpec) -> PreTrainedTokenizerBase:
         found = modelfiles.folder_problem(Path(path), spec.model.source)
         if found:
             raise SourceError(found[0], where="spec.model.source", fix=found[1])
+    from transformers import AutoTokenizer  # the data phase's (start-up: imported when used)
+
     tok = AutoTokenizer.from_pretrained(path, **source_options(spec))
     if tok.pad_token is None:
         # Padding positions never reach the loss (labels -100), so any known token will do;
@@ -89,6 +93,10 @@ class Built:
 
 def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase) -> Built:
     """The model with adapters applied, on the meta device: no weight is read yet."""
+    # transformers' model classes (and through them torchao): seconds, paid here, once the
+    # data is known to be good, not before every rank's first line.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     path, options = resolve(spec.model.source), source_options(spec)
     config = AutoConfig.from_pretrained(path, **options)
     with torch.device("meta"):
@@ -353,6 +361,8 @@ def _nf4_shard(whole: torch.Tensor, like: torch.Tensor, home: torch.device) -> t
     taken from all of it (one absmax per block of 64: cheap); the 4-bit codes, a nearest-of-16
     search per value and nearly all of the work, depend on their own block only and are
     computed for this rank's rows alone (whole scale blocks: :func:`check_shardable`)."""
+    from torchao.quantization import NF4Tensor, to_nf4  # QLoRA's only
+
     if not isinstance(like, DTensor):
         return to_nf4(whole, NF4_BLOCK, NF4_SCALE_BLOCK)  # left whole by FSDP
     rows = _rows(like)[0]
@@ -379,6 +389,8 @@ def _own_shard(full: torch.Tensor, like: torch.Tensor, home: torch.device) -> to
 
 def _kept(local: torch.Tensor, like: torch.Tensor, home: torch.device) -> torch.Tensor:
     """This rank's piece, on ``home`` in memory of its own, as the sharded parameter ``like``."""
+    from torchao.quantization import NF4Tensor  # loaded by transformers' model classes by now
+
     local = local.to(home)
     if isinstance(local, NF4Tensor):
         # NF4's clone() quantizes again (and a slice's own scale mean differs from the whole

@@ -22,8 +22,10 @@ PHASES = (
     "download",  # hf:// model and data sources fetched to the volume (0 for local sources)
     "data",  # the tokenizer, and the data prepared (or memory-mapped) on the volume
     "load",  # every rank reading its part of the weights
-    "shard",  # the model built on the meta device and sharded, the optimizer beside it
-    "resume",  # what the run says of itself, the checkpoint it resumes from, if any
+    # the model built on the meta device (transformers' model classes imported) and sharded,
+    # the optimizer beside it, and the wait for the gang's slowest rank to have loaded
+    "shard",
+    "resume",  # the objective's preparation (DPO's reference) and the checkpoint resumed from
     "first step",  # the first optimizer step, its first batch included
 )
 

@@ -26,16 +26,19 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from ftjob.api.spec import FineTuneJobSpec, ModelSpec
 from ftjob.job import folder as jobfolder
 from ftjob.trainer.model.load import resolve, source_options
+
+if TYPE_CHECKING:  # imported by the phase that uses it: see ftjob/trainer/report/startup.py
+    from transformers import PreTrainedTokenizerBase
 
 
 def export(
@@ -82,6 +85,8 @@ def _trained(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _save_full(state: dict[str, torch.Tensor], spec: FineTuneJobSpec, tmp: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM  # loaded since the model's build
+
     config = AutoConfig.from_pretrained(resolve(spec.model.source), **source_options(spec))
     with torch.device("meta"):
         fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -112,6 +117,7 @@ def _save_adapter(model: nn.Module, state: dict[str, torch.Tensor], tmp: Path) -
 
 def _save_merged(spec: FineTuneJobSpec, adapter: Path, tmp: Path) -> None:
     from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve(spec.model.source)
     config = AutoConfig.from_pretrained(path, **source_options(spec))
