@@ -407,18 +407,25 @@ def test_lora_adapter_names_the_jobs_model_source_and_is_readable(lora, tmp_path
 
 
 def test_bad_data_fails_at_once_naming_file_and_line(runs, tmp_path):
+    """`ftjob run` reads the records before it starts any process; a pod's trainer, which no
+    `ftjob run` checked for, names the same line in its termination record."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": "fine too"}\n{"text": oops}\n')
     doc = job("bad-data", dataset={"source": str(bad)})
-    start_time = time.monotonic()
     code, out = run(doc, runs / "bad-data")
     assert code == 1
-    assert f"{bad} line 3: not valid JSON" in out
-    assert "ftjob run: node " in out
-    logs = runs / "bad-data" / "logs"
-    records = [json.loads(p.read_text()) for p in logs.glob("node-*.termination")]
-    assert any(r["reason"] == "BadData" and "line 3" in r["message"] for r in records), records
-    assert time.monotonic() - start_time < 60
+    assert f"BadData: {bad} line 3: not valid JSON" in out, out
+    assert not (runs / "bad-data" / "logs").exists()  # no node was started
+    spec_file = tmp_path / "bad-data.yaml"
+    spec_file.write_text(yaml.safe_dump(doc))
+    record = tmp_path / "termination-log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FTJOB_PROGRESS_PORT": "0"}
+    env.update(FTJOB_JOB_DIR=str(tmp_path / "job"), FTJOB_TERMINATION_LOG=str(record))
+    cmd = [sys.executable, "-m", "ftjob.trainer", "--spec", str(spec_file)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    written = json.loads(record.read_text())
+    assert written["reason"] == "BadData" and f"{bad} line 3" in written["message"], written
 
 
 def test_bad_spec_is_refused_before_any_process_starts(tmp_path):
