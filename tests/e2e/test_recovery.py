@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from safetensors.torch import load_file
 from test_trainer_run import RUN_TIMEOUT, job, losses, rank_pid, run, start
@@ -107,12 +109,13 @@ def test_a_worker_that_raises_restarts_every_node_in_place_and_resumes_exactly(
 
 
 def test_a_permanent_failure_is_not_restarted_in_place(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "fine"}\n{"text": oops}\n')
+    # Parquet: read by the trainer itself (ftjob run reads JSON lines, JSON and CSV first)
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"text": ["fine", None]}), bad)
     workdir = tmp_path / "permanent"
     code, out = run(recovery_job("permanent", dataset={"source": str(bad)}), workdir)
     assert code == 1
-    assert "BadData" in out and f"{bad} line 2: not valid JSON" in out
+    assert "BadData" in out and f"{bad} record 2: field 'text' must be a str" in out
     logs = "".join(p.read_text() for p in (workdir / "logs").glob("node-*.log"))
     assert "retrying on these nodes cannot help, so no restart in place" in logs
     assert "restarting the workers" not in logs and "restart 1 of" not in logs

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 import hangs
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -214,8 +216,9 @@ def test_a_gpu_job_on_a_machine_without_enough_gpus_is_refused_at_once(tmp_path)
 
 
 def test_a_failure_is_summarised_first_with_node_rank_cause_fix_and_log(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": oops}\n')
+    # Parquet: read by the trainer itself (ftjob run reads JSON lines, JSON and CSV first)
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": "hi"}], None]}), bad)
     job = tiny_job(tmp_path, "broken")
     doc = yaml.safe_load(job.read_text())
     doc["spec"]["dataset"]["source"] = str(bad)
@@ -233,10 +236,10 @@ def test_a_failure_is_summarised_first_with_node_rank_cause_fix_and_log(tmp_path
     summary = next(i for i, x in enumerate(lines) if x.startswith("ftjob run: node "))
     headline = lines[summary]
     assert re.match(r"ftjob run: node \d \(rank \d\) failed: BadData: ", headline), headline
-    assert f"{bad} line 2" in headline
+    assert f"{bad} record 2" in headline
     assert lines[summary + 1].startswith("  fix: ") and "spec.dataset.source" in lines[summary + 1]
     log = lines[summary + 2].removeprefix("  full log: ")
     assert log.startswith(str(workdir / "logs" / "node-")) and Path(log).exists()
-    assert "line 2" in Path(log).read_text()
+    assert "record 2" in Path(log).read_text()
     # Before the summary: only the start line and rank 0's own lines, no traceback.
     assert "Traceback" not in result.stdout and summary <= 4, result.stdout

@@ -23,6 +23,8 @@ from pathlib import Path
 import hangs
 import mlflow
 import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 from test_trainer_run import RUN_TIMEOUT, final, history, job, losses
@@ -235,13 +237,14 @@ def test_a_tracker_that_is_down_never_fails_training_and_is_said_once(tmp_path):
 
 
 def test_a_failed_job_ends_its_run_failed(tmp_path, mlflow_server):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "fine"}\n{"text": oops}\n')
+    # Parquet: read by the trainer itself (ftjob run reads JSON lines, JSON and CSV first)
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"text": ["fine", None]}), bad)
     doc = tracked("failing", {"mlflow": {"trackingUri": mlflow_server, "experiment": "fails"}})
     doc["spec"]["dataset"]["source"] = str(bad)
     proc = start(doc, tmp_path / "failing")
     out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    assert proc.returncode == 1 and "line 2: not valid JSON" in out, out
+    assert proc.returncode == 1 and "record 2: field 'text' must be a str" in out, out
     client = mlflow.MlflowClient(mlflow_server)
     (run,) = client.search_runs([client.get_experiment_by_name("fails").experiment_id])
     assert run.info.status == "FAILED" and "ftjob.export" not in run.data.tags
