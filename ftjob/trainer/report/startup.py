@@ -1,8 +1,10 @@
 """Where a run's start-up went: wall seconds of each phase from the process's start to the end
 of its first optimizer step, said once in the log and kept in progress (``startup``).
 
-    start-up 14.2 s: imports 6.1, rendezvous 0.4, download 0.0, data 1.2, load 2.0, shard 0.3,
-    resume 0.1, first step 4.1
+    start-up 34.1 s: imports 14.7, rendezvous 0.6, download 0.0, data 11.8, load 0.2, shard 5.6,
+    resume 0.0, first step 1.2
+
+(the tiny example on a 2-core machine under a load average of 13).
 
 The phases follow one another, so they add up to the total: each is the time since the one
 before it ended. What a phase imports when it needs it (transformers' model classes in
