@@ -3,7 +3,9 @@
     python examples/make_tiny.py [--out DIR]
 
 writes DIR/tiny-model/ (config, fp32 safetensors weights, byte-level BPE tokenizer with a chat
-template) and DIR/data/tiny-{text,chat,instruct,pairs}.jsonl. DIR defaults to this script's folder.
+template), DIR/tiny-qlora-model/ (the same tokenizer; a Llama whose decoder weights NF4 can store
+in 4 bits and split over two processes, bf16) and DIR/data/tiny-{text,chat,instruct,pairs}.jsonl.
+DIR defaults to this script's folder.
 The output is byte-for-byte deterministic, so the committed files can be checked against a
 fresh run (tests/unit/test_tiny_assets.py does).
 """
@@ -200,20 +202,27 @@ def train_tokenizer(datasets: dict[str, list[dict]]) -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+# The tiny model: 64x64 weights, too small for QLoRA (torchao's NF4 needs multiples of
+# 64 x 256 = 16,384 values in each shard).
+TINY = dict(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2)
+# A small Llama QLoRA runs on over 2 processes (examples/tiny-qlora.yaml): every decoder linear
+# weight holds a multiple of 2 x 16,384 values (k/v_proj 128x256, the rest 256x256).
+QLORA = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+
+def build_model(
+    tokenizer: PreTrainedTokenizerFast, dtype: torch.dtype = torch.float32, **shape
+) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=176,
+        **(shape or TINY),
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=512,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        dtype="float32",
+        dtype=str(dtype).removeprefix("torch."),
     )
     # Construction draws from torch's global RNG; fork it so importers' seeds are untouched.
     with torch.random.fork_rng():
@@ -231,7 +240,7 @@ def build_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
             raw = bytearray(rng.randbytes(4 * param.numel()))
             ints = torch.frombuffer(raw, dtype=torch.int32) >> 8  # in [-2**23, 2**23)
             param.copy_((ints.to(torch.float32) * scale).view_as(param))
-    return model
+    return model.to(dtype)
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
@@ -248,8 +257,12 @@ def build(out: Path) -> None:
     write_jsonl(out / "data" / "tiny-pairs.jsonl", make_pairs(datasets["tiny-instruct"]))
 
     tokenizer = train_tokenizer(datasets)
-    model = build_model(tokenizer)
-    model_dir = out / "tiny-model"
+    save(build_model(tokenizer), tokenizer, out / "tiny-model")
+    # bf16, as QLoRA's frozen base computes: half the file of fp32.
+    save(build_model(tokenizer, torch.bfloat16, **QLORA), tokenizer, out / "tiny-qlora-model")
+
+
+def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, model_dir: Path) -> None:
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     # safetensors creates its files with mode 0600; an image built from this folder must let

@@ -22,7 +22,9 @@ def after(alone: float) -> float:
 
 # One `ftjob run` of a tiny job, or a wait within one (its first step, a checkpoint). 150 s
 # alone is above the slowest such run, a compiled model's, which failed the old 240 s limit
-# only on a loaded machine: 750 s.
+# only on a loaded machine (it compiled its layers again at every step until the per-document
+# attention was kept out of the trace; since then 4 compiled steps took 186 s end to end at
+# load average 13, 50 s resumed with the compile cache): 750 s.
 RUN = after(150)
 
 

@@ -403,7 +403,8 @@ class TrainingSpec:
     )
     compile: bool | None = api_field(
         "compile each decoder layer with torch.compile before sharding (faster steps after "
-        "a slower first one; more GPU memory than ftjob plan counts). Unset, ftjob "
+        "a slower first one; more GPU memory than ftjob plan counts). The compiled layers "
+        "are cached in the job's folder (compile-cache/): a restart loads them. Unset, ftjob "
         "decides: off on CPU, and off on GPUs until the plan counts compile's memory.",
         None,
     )

@@ -6,6 +6,7 @@ spec it trains (``<job folder>/spec.json``).
     hub/                  the Hugging Face cache: model and dataset downloads, fetched once
     sources.json          which downloads the run reads (ftjob.trainer.data.sources)
     data/<key>/           tokenized, packed, memory-mapped sequences
+    compile-cache/        torch.compile's caches (TORCHINDUCTOR_CACHE_DIR): compiled once
     checkpoints/step-N/   committed checkpoints (ftjob.trainer.state.checkpoint)
     logs/                 node-<rank>.log and .termination (ftjob run), nccl/
     tmp/                  TMPDIR of the node's processes (ftjob run)
@@ -43,6 +44,7 @@ from typing import Any
 # The entries' names are the contract's (spec.output.path may not take one).
 from ftjob.api.contract import (
     CHECKPOINTS,
+    COMPILE_CACHE,
     DATA,
     DOWNLOADS,
     HISTORY,
@@ -92,6 +94,11 @@ class JobFolder:
     @property
     def data(self) -> Path:
         return self.root / DATA
+
+    @property
+    def compile_cache(self) -> Path:
+        """torch.compile's caches (TORCHINDUCTOR_CACHE_DIR)."""
+        return self.root / COMPILE_CACHE
 
     @property
     def checkpoints(self) -> Path:

@@ -61,8 +61,9 @@ def qlora_problem(
                 f"{NF4_BLOCK * NF4_SCALE_BLOCK}: this model cannot be stored in NF4",
                 # Where to get one: sizes that are multiples of 128 give whole NF4 blocks.
                 fix="use method.type lora, or a model whose hidden and intermediate sizes are "
-                "multiples of 128, as most released models' are (e.g. hf://Qwen/Qwen2.5-0.5B; to "
-                "try QLoRA on CPU, a small Llama with hidden_size 256 and intermediate_size 512)",
+                "multiples of 128, as most released models' are (e.g. hf://Qwen/Qwen2.5-0.5B); "
+                "to try QLoRA on CPU: ftjob run examples/tiny-qlora.yaml (its base, "
+                "tiny-qlora-model, is a small Llama of hidden size 256 that NF4 can store)",
             )
         good = [n for n in range(1, 17) if all(nf4_splits(r, c, n) for r, c in weights.values())]
         counts = ", ".join(str(n) for n in good[:-1]) + (" or " if len(good) > 1 else "")

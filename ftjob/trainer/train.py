@@ -34,7 +34,7 @@ from ftjob.trainer.data import batches as data
 from ftjob.trainer.data import sources
 from ftjob.trainer.gang import heartbeat, preempt, preflight, stragglers, termination
 from ftjob.trainer.gang.owner import take_folder
-from ftjob.trainer.model import attention, parallel
+from ftjob.trainer.model import attention, compile_cache, parallel
 from ftjob.trainer.model import load as model
 from ftjob.trainer.objectives import loss, objective
 from ftjob.trainer.report import progress, trackers
@@ -336,6 +336,8 @@ def _train(job: Job, run: step.Run, ds, sampler, steps: range, nodes: list[str])
             done = n + 1
             job.beat.at(done)
             report.step(done, run.scheduler.get_last_lr()[0], sampler.epoch(done), seconds=wall)
+            if n == steps.start and run.speed.compile:  # the step that compiled the layers
+                report.log(compile_cache.used().note(wall, compile_cache.folder()))
             if done % t.log_every == 0 or done == steps.stop:
                 # The step's one host wait: loss, counts and every rank's own step time.
                 loss_, tokens, flops, seconds, sums = tally.reduce(d.device, d.rank, d.world_size)

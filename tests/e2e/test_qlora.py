@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer_run import RUN_TIMEOUT, eval_loss_of, losses, start
+import yaml
+from test_trainer_run import RUN_TIMEOUT, eval_loss_of, final, losses, start
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
@@ -370,3 +371,29 @@ def test_dcp_round_trip_of_the_sharded_4bit_state_is_exact(ranks):
 
 if __name__ == "__main__":
     probe(Path(sys.argv[1]), Path(sys.argv[2]))
+
+
+def test_the_cpu_qlora_example_trains_and_its_export_loads(tmp_path, monkeypatch):
+    """examples/tiny-qlora.yaml as a new user runs it (2 processes, its bundled base): the loss
+    drops, and the adapter export loads with plain transformers from another folder."""
+    from transformers import AutoModelForCausalLM
+
+    for name in ("tiny-qlora-model", "data"):  # the example's relative sources
+        (tmp_path / name).symlink_to(EXAMPLES / name)
+    doc = yaml.safe_load((EXAMPLES / "tiny-qlora.yaml").read_text())
+    doc["spec"]["training"]["logEvery"] = 1  # step 1's loss is the untrained adapters'
+    workdir = tmp_path / "tiny-qlora"
+    run(doc, workdir)
+    curve = losses(workdir)
+    assert sorted(curve) == list(range(1, 41))
+    assert sum(curve[s] for s in (38, 39, 40)) / 3 < curve[1] - 1.5, curve
+    trained = final(workdir)["evalLoss"]
+
+    monkeypatch.chdir(tmp_path.parent)  # the adapter's base must resolve from anywhere
+    model = AutoModelForCausalLM.from_pretrained(workdir / "model", dtype=torch.float32)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.peft_config  # base + adapter
+    base = AutoModelForCausalLM.from_pretrained(EXAMPLES / "tiny-qlora-model", dtype=torch.float32)
+    untrained, reloaded = eval_loss_of(base, workdir), eval_loss_of(model, workdir)
+    # Trained on the 4-bit base, reloaded on the bf16 one: close, and far below the base's.
+    assert reloaded == pytest.approx(trained, abs=0.1), (reloaded, trained)
+    assert reloaded < untrained - 1.5, (reloaded, untrained)

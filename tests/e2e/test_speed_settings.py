@@ -4,13 +4,16 @@
 
 `ftjob run` with 2 real processes: activation checkpointing of no layer, of every other layer
 and of every layer, and each decoder layer compiled (torch.compile with inductor, on CPU),
-train to the same losses; the progress document says which setting ran.
+train to the same losses; the progress document says which setting ran. A compiled run
+leaves its compiled graphs in the job folder's compile cache, and the resumed run loads them.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
+import hangs
 import pytest
 
 from tests.e2e.test_trainer_run import job, losses, run
@@ -26,6 +29,9 @@ def settings_run(tmp_path, name: str, **training) -> tuple[dict, dict]:
     return losses(workdir), json.loads((workdir / "progress.json").read_text())
 
 
+# The outer hang guard of three runs (each guarded by hangs.RUN): pyproject's 1800 s is below
+# three runs' guards, and would end the test before a run's own guard could name the hang.
+@pytest.mark.timeout(3 * hangs.RUN)
 def test_checkpointing_and_compile_settings_train_to_the_same_losses(tmp_path):
     reference, snap = settings_run(tmp_path, "every-layer", activationCheckpointing="all")
     assert snap["activationCheckpointing"] == 1 and snap["compiled"] is False
@@ -40,3 +46,33 @@ def test_checkpointing_and_compile_settings_train_to_the_same_losses(tmp_path):
         for step, loss in reference.items():
             # inductor fuses and reorders fp32 arithmetic: equal to rounding, not bit for bit
             assert curve[step] == pytest.approx(loss, rel=1e-4), (name, step)
+
+
+def compile_notes(workdir) -> list[str]:
+    """The trainer's line after each run's first compiled step (rank 0's log)."""
+    log = (workdir / "logs" / "node-0.log").read_text()
+    return [line for line in log.splitlines() if line.startswith("compiled layers:")]
+
+
+@pytest.mark.timeout(2 * hangs.RUN)  # two runs, each guarded by hangs.RUN
+def test_a_resumed_compiled_run_loads_its_layers_from_the_compile_cache(tmp_path):
+    training = {"maxSteps": 2, "compile": True, "activationCheckpointing": "none"}
+    doc = job("cached", training=training, dataset={"evalFraction": None}, checkpoint={"every": 1})
+    workdir = tmp_path / "cached"
+    code, out = run(doc, workdir)
+    assert code == 0, out[-3000:]
+    # On the job's volume (shared by the gang's nodes, kept across restarts), not in /tmp.
+    cache = workdir / "compile-cache"
+    assert [p for p in cache.rglob("*") if p.is_file()], f"nothing cached in {cache}"
+    (first,) = compile_notes(workdir)
+    assert "compiled now and saved there for a restart" in first, first
+    assert str(cache) in first
+
+    doc["spec"]["training"]["maxSteps"] = 3  # trains on from the step-2 checkpoint
+    code, out = run(doc, workdir)
+    assert code == 0, out[-3000:]
+    assert "resuming from checkpoint" in (workdir / "logs" / "node-0.log").read_text()
+    second = compile_notes(workdir)[-1]
+    hits, graphs = re.search(r"(\d+) of (\d+) graphs from the compile cache", second).groups()
+    assert int(graphs) > 0 and hits == graphs, second
+    assert "compiled now" not in second

@@ -426,3 +426,32 @@ def test_the_trainer_names_the_kernel_its_attention_runs():
     )
     assert name(attention.NAME, cpu, torch.bfloat16).endswith("per document")
     assert name("flash_attention_2", cuda, torch.bfloat16) == "transformers' flash_attention_2"
+
+
+# ------------------------------------------------------------------ under torch.compile
+
+
+def test_a_compiled_layer_is_not_compiled_again_for_each_batch_of_documents(models):
+    """training.compile compiles each decoder layer: every micro-batch packs documents of other
+    lengths, and a trace of the per-document loop was specialised to them, so every step
+    compiled the layer again. Dynamo's own tracing (the eager backend: no inductor) counts
+    the compilations: the second layout may make the length dynamic; no later one compiles."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    layer = get(models, attention.implementation("sdpa")).model.layers[0]
+    forward = torch.compile(layer.forward, backend=counter)
+    net = get(models, attention.implementation("sdpa"))
+    compiled_after = []
+    for row in ROWS:  # four rows: four document layouts of their own
+        batch = data.collate([row], PAD)
+        hidden = net.model.embed_tokens(batch.input_ids)
+        rope = net.model.rotary_emb(hidden, batch.position_ids)
+        with torch.no_grad():
+            forward(hidden, position_embeddings=rope, position_ids=batch.position_ids,
+                    **attention.model_kwargs(batch, net.config._attn_implementation))  # fmt: skip
+        compiled_after.append(counter.frame_count)
+    torch._dynamo.reset()
+    assert compiled_after[0] > 0
+    assert compiled_after[-1] == compiled_after[1], compiled_after

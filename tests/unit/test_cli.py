@@ -245,8 +245,8 @@ TINY_QLORA = (
     "spec.method.type: qlora: q_proj (64x64) has 4096 values, not a multiple of 16384: this "
     "model cannot be stored in NF4; fix: use method.type lora, or a model whose hidden and "
     "intermediate sizes are multiples of 128, as most released models' are (e.g. "
-    "hf://Qwen/Qwen2.5-0.5B; to try QLoRA on CPU, a small Llama with hidden_size 256 and "
-    "intermediate_size 512)"
+    "hf://Qwen/Qwen2.5-0.5B); to try QLoRA on CPU: ftjob run examples/tiny-qlora.yaml (its "
+    "base, tiny-qlora-model, is a small Llama of hidden size 256 that NF4 can store)"
 )
 
 

@@ -98,6 +98,15 @@ def test_the_job_folder_carries_the_uid_and_holds_the_hub_cache():
     assert command(shared).env["HF_HOME"] == "/ftjob/hub-cache"  # shared between jobs
 
 
+def test_compiled_layers_are_cached_in_the_job_folder():
+    # On the volume: a restarted process or a new gang loads them instead of compiling again.
+    assert command().env["TORCHINDUCTOR_CACHE_DIR"] == "/ftjob/job/compile-cache"
+    local = command(job_folder="/w/runs/job").env["TORCHINDUCTOR_CACHE_DIR"]
+    assert local == "/w/runs/job/compile-cache"
+    own = parse_spec({**_raw(), "env": [{"name": "TORCHINDUCTOR_CACHE_DIR", "value": "/c"}]})
+    assert command(own).env["TORCHINDUCTOR_CACHE_DIR"] == "/c"
+
+
 def test_fabric_nccl_and_user_environment():
     s = spec(network={"fabric": "efa", "efaDevicesPerNode": 32, "ncclEnv": {"NCCL_PROTO": "LL128"}})
     env = command(s).env

@@ -215,6 +215,10 @@ def test_nf4_sharding_is_refused_where_a_weight_cannot_split():
     assert tiny.path == "spec.method.type" and "not a multiple of 16384" in tiny.message
     assert tiny.fix.startswith("use method.type lora, or a model whose hidden and intermediate")
     assert "fix: use method.type lora, or" in str(tiny)
+    assert "ftjob run examples/tiny-qlora.yaml" in tiny.fix  # the example that does work on CPU
+    shape = json.loads((ROOT / "examples" / "tiny-qlora-model" / "config.json").read_text())
+    weights = shape_for("tiny-qlora", shape).linear_shapes()
+    assert qlora_problem(example("tiny-qlora.yaml"), weights, 2) is None
 
 
 def test_auto_sharding_is_hybrid_for_8b_lora_on_two_nodes():

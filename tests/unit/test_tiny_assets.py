@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MODEL_DIR = EXAMPLES / "tiny-model"
+QLORA_MODEL_DIR = EXAMPLES / "tiny-qlora-model"  # examples/tiny-qlora.yaml's base
 DATA_FILES = ["tiny-text.jsonl", "tiny-chat.jsonl", "tiny-instruct.jsonl", "tiny-pairs.jsonl"]
 
 
@@ -39,9 +40,10 @@ def test_committed_files_equal_a_fresh_generation(tmp_path):
     make_tiny.build(tmp_path)
 
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
-    # A stale file left in tiny-model/ would be loaded too, so the folder must match exactly.
-    committed_model = sorted(p.relative_to(EXAMPLES) for p in MODEL_DIR.iterdir())
-    assert [p for p in generated if p.parts[0] == "tiny-model"] == committed_model
+    # A stale file left in a model folder would be loaded too, so each must match exactly.
+    for model_dir in (MODEL_DIR, QLORA_MODEL_DIR):
+        committed_model = sorted(p.relative_to(EXAMPLES) for p in model_dir.iterdir())
+        assert [p for p in generated if p.parts[0] == model_dir.name] == committed_model
     assert sorted(p.name for p in generated if p.parts[0] == "data") == sorted(DATA_FILES)
     stale = [
         str(rel)

@@ -161,6 +161,12 @@ def _refuse_unsupported(module, query, key, attention_mask, dropout, is_causal, 
         )
 
 
+# Eager under torch.compile (training.compile): the document lengths are read on the host,
+# and a traced loop over them would be specialised to each batch's lengths, so every step
+# compiled its layers again (a layer compiled once per new layout until dynamo's limit of 8;
+# measured on CPU, tiny model). SDPA per document has nothing for inductor to fuse; the layer
+# around it stays compiled, once.
+@torch.compiler.disable
 def per_document(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
