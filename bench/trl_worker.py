@@ -34,11 +34,14 @@ class Clock(TrainerCallback):
 
     def __init__(self):
         self.ends, self.losses, self.tokens = [], [], []
+        self.first_step_at = None
 
     def on_step_end(self, args, state, control, **kw):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.ends.append(time.perf_counter())
+        if len(self.ends) == 1:  # wall clock, for bench/startup.py's launch-to-first-step
+            self.first_step_at = time.time()
 
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs:
@@ -133,6 +136,7 @@ def main() -> None:
     trainer.train()
     result = {
         "tokensPerSecond": clock.steady_tokens_per_second(a.skip),
+        "firstStepAt": clock.first_step_at,
         "losses": clock.losses,
         "wrapper": type(trainer.model_wrapped).__name__,
         "attention": model.config._attn_implementation,

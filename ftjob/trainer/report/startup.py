@@ -53,6 +53,7 @@ class Startup:
         self._last = self.began
         self.seconds: dict[str, float] = {}
         self.finished = False
+        self.ended_at: float | None = None  # Unix time of the first step's end
 
     def mark(self, phase: str, within: tuple[str, float] | None = None) -> None:
         """``phase`` ended now: it took the time since the previous mark. ``within``: (name,
@@ -71,15 +72,18 @@ class Startup:
         """The first step is done: start-up is over."""
         self.mark("first step")
         self.finished = True
+        self.ended_at = time.time()
 
     @property
     def total(self) -> float:
         return self._last - self.began
 
     def record(self) -> dict:
-        """progress's ``startup``: the total and every phase, in seconds."""
+        """progress's ``startup``: the total and every phase, in seconds, and when the first
+        step ended (Unix time: what a launcher's clock compares with, as bench/startup.py)."""
         phases = {p: round(self.seconds.get(p, 0.0), 2) for p in PHASES}
-        return {"seconds": round(self.total, 2), "phases": phases}
+        ended = None if self.ended_at is None else round(self.ended_at, 3)
+        return {"seconds": round(self.total, 2), "phases": phases, "endedAt": ended}
 
     def line(self) -> str:
         phases = ", ".join(f"{p} {self.seconds.get(p, 0.0):.1f}" for p in PHASES)
