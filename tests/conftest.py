@@ -29,6 +29,12 @@ def _needs(item) -> tuple[set[str], Path]:
     return set(getattr(item, "fixturenames", ())), Path(item.path)
 
 
+def pytest_collection_modifyitems(items):
+    """Tests that wait for no build run first (tests/prebuilds.py)."""
+    order = prebuilds.builds_last([_needs(item) for item in items])
+    items[:] = [items[k] for k in order]
+
+
 def pytest_collection_finish(session):
     """The slow builds the collected tests need start now, side by side (tests/prebuilds.py)."""
     prebuilds.start_needed([_needs(item) for item in session.items], prebuilds.left_out())

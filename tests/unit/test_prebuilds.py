@@ -78,3 +78,16 @@ def test_every_test_of_a_folder_needs_its_folders_build_and_waits_for_it_first(t
     assert plane._proc.poll() is None  # still running
     prebuilds.wait_needed(set(), cluster, builds=(plane,))
     assert plane._proc.poll() == 0
+
+
+def test_tests_that_need_a_build_run_after_those_that_need_none(tmp_path):
+    """On a fresh machine the unit and e2e tests run while the plane compiles: the cluster
+    tests (first by name) and a test that asks for a build's fixture move to the end."""
+    plane = build(tmp_path, "plane")
+    plane.fixture, plane.folder = None, "cluster"
+    floor = build(tmp_path, "floor")
+    cluster = prebuilds.ROOT / "tests" / "cluster" / "test_kueue.py"
+    items = [(set(), cluster), ({"tmp_path"}, HERE), ({"floor"}, HERE), (set(), HERE),
+             (set(), cluster)]  # fmt: skip
+    assert prebuilds.builds_last(items, builds=(plane, floor)) == [1, 3, 0, 2, 4]
+    assert not plane.started() and not floor.started()  # ordering starts nothing
