@@ -19,6 +19,7 @@ NF4, which FSDP2 shards like any other parameter (``Shard(0)``: each rank holds 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -389,10 +390,11 @@ def _own_shard(full: torch.Tensor, like: torch.Tensor, home: torch.device) -> to
 
 def _kept(local: torch.Tensor, like: torch.Tensor, home: torch.device) -> torch.Tensor:
     """This rank's piece, on ``home`` in memory of its own, as the sharded parameter ``like``."""
-    from torchao.quantization import NF4Tensor  # loaded by transformers' model classes by now
-
+    # torchao is the qlora extra's: an NF4 tensor exists only once _nf4_shard imported it,
+    # and a LoRA or full job runs where torchao is not installed.
+    nf4 = sys.modules.get("torchao.quantization")
     local = local.to(home)
-    if isinstance(local, NF4Tensor):
+    if nf4 is not None and isinstance(local, nf4.NF4Tensor):
         # NF4's clone() quantizes again (and a slice's own scale mean differs from the whole
         # weight's): copy its parts instead. Fresh unit strides also matter, as FSDP2 views
         # each all-gather input as bytes (a one-element slice keeps its parent's stride).
