@@ -143,6 +143,26 @@ def test_run_refuses_a_qlora_job_without_torchao_at_once_with_the_install(tmp_pa
     assert not (tmp_path / "run").exists()  # nothing was started or written
 
 
+def test_a_trainer_started_without_torchao_refuses_qlora_before_reading_weights(monkeypatch):
+    """A trainer started otherwise than by `ftjob run` (torchrun, a pod) names the extra too,
+    not an import error halfway through reading the weights."""
+    from ftjob.api.contract import BAD_SPEC, TrainerError
+    from ftjob.api.spec import parse_resource
+    from ftjob.trainer.model import load as model
+
+    (doc,) = manifest.load(ROOT / "examples" / "tiny-qlora.yaml")
+    monkeypatch.chdir(ROOT / "examples")
+    spec = parse_resource(doc)[1]
+    built = model.build(spec, model.load_tokenizer(spec))
+    model.check_shardable(built, 2)  # with torchao: nothing to refuse
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    with pytest.raises(TrainerError) as refused:
+        model.check_shardable(built, 2)
+    assert (refused.value.reason, refused.value.where) == (BAD_SPEC, ".method.type")
+    assert refused.value.fix == "pip install 'ftjob[qlora]' (or use method.type lora)"
+    assert "qlora needs ftjob's qlora extra (torchao not installed)" in str(refused.value)
+
+
 def test_torchao_is_the_qlora_extras_alone():
     """transformers imports torchao whenever it is installed (and torchao's import prints
     warnings), so ``ftjob[trainer]`` must not install it; ``ftjob[qlora]`` and the tests do."""

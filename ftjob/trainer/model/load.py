@@ -18,6 +18,7 @@ NF4, which FSDP2 shards like any other parameter (``Shard(0)``: each rank holds 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
@@ -94,8 +95,8 @@ class Built:
 
 def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase) -> Built:
     """The model with adapters applied, on the meta device: no weight is read yet."""
-    # transformers' model classes (and through them torchao): seconds, paid here, once the
-    # data is known to be good, not before every rank's first line.
+    # transformers' model classes (and through them torchao, where installed): seconds, paid
+    # here, once the data is known to be good, not before every rank's first line.
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path, options = resolve(spec.model.source), source_options(spec)
@@ -134,6 +135,16 @@ def check_shardable(built: Built, shards: int) -> None:
         where = problem.path.removeprefix("spec")  # the termination record's field, e.g. .resources
         # The fix travels on its own, so the failure summary's fix line is this cause's.
         raise TrainerError(problem.message, reason=BAD_SPEC, where=where, fix=problem.fix)
+    if built.quantized and importlib.util.find_spec("torchao") is None:
+        # ftjob run refuses this at its door (ftjob.cli.extras); a trainer started otherwise
+        # says it here, not as an import error in the middle of reading the weights.
+        raise TrainerError(
+            "qlora needs ftjob's qlora extra (torchao not installed), the 4-bit storage of the "
+            "base model",
+            reason=BAD_SPEC,
+            where=".method.type",
+            fix="pip install 'ftjob[qlora]' (or use method.type lora)",
+        )
 
 
 def _prepare(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
