@@ -83,8 +83,8 @@ RUN if [ "${EFA}" = "true" ]; then \
 ENV PATH=/opt/amazon/efa/bin:$PATH
 
 COPY constraints.txt /src/constraints.txt
-# ftjob's dependencies + the "trainer" and "tracking" extras, less torch (the base's, held by
-# the pin): a job's spec.tracking finds its tracker's client in the image.
+# ftjob's dependencies + the "trainer", "qlora" and "tracking" extras, less torch (the base's,
+# held by the pin): a QLoRA job finds torchao, a job's spec.tracking its tracker's client.
 # flash-attn compiles against the base's torch and CUDA (without a prebuilt wheel it needs
 # nvcc: build it with TRAINER_IMAGE=...-devel); off by default, sdpa needs nothing.
 RUN pip install --no-cache-dir -c /src/constraints.txt \

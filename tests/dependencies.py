@@ -27,8 +27,9 @@ def pins() -> dict[str, str]:
     return out
 
 
-# The extras each image target installs: the trainer's also has the experiment trackers'.
-EXTRAS_OF_TARGET = {"operator": ("operator",), "trainer": ("trainer", "tracking")}
+# The extras each image target installs: the trainer's also has QLoRA's and the experiment
+# trackers' (a pod runs whatever job it is given).
+EXTRAS_OF_TARGET = {"operator": ("operator",), "trainer": ("trainer", "qlora", "tracking")}
 
 
 def wanted(*extras: str) -> set[str]:

@@ -1,15 +1,19 @@
 """What each optional part of ftjob needs installed, and the hint when it is not.
 
 ``pip install ftjob`` gives validate, plan, render and crd; the operator, the trainer
-(``ftjob run``) and the experiment trackers' clients are extras (pyproject.toml). A command
-whose extra is missing says which extra and how to install it, instead of ending in an
-import traceback. Which modules are missing is read from this machine (find_spec: nothing
-is imported); the rest is pure.
+(``ftjob run``), QLoRA's 4-bit base and the experiment trackers' clients are extras
+(pyproject.toml). A command whose extra is missing says which extra and how to install it,
+instead of ending in an import traceback; so does a job whose settings need one. Which
+modules are missing is read from this machine (find_spec: nothing is imported); the rest is
+pure.
 """
 
 from __future__ import annotations
 
 import importlib.util
+
+from ftjob.api.schema import FieldError
+from ftjob.api.spec import FineTuneJobSpec
 
 # The top-level modules each extra provides (pyproject.toml's [project.optional-dependencies]).
 MODULES = {
@@ -22,11 +26,13 @@ MODULES = {
         "safetensors",
         "tokenizers",
         "huggingface_hub",
-        "torchao",
         "trl",
         "prometheus_client",
         "rich",
     ),
+    # Its own extra: transformers imports torchao whenever it is installed, and torchao's
+    # import prints warnings in every script of a user that loads a model (an export too).
+    "qlora": ("torchao",),
     "tracking": ("mlflow", "wandb", "tensorboard"),
 }
 # Which extra a command needs before it can start.
@@ -57,3 +63,19 @@ def command_problem(command: str) -> str | None:
     extra = COMMANDS.get(command)
     missing = not_installed(MODULES[extra]) if extra else []
     return hint(extra, missing, f"ftjob {command}") if missing else None
+
+
+def job_problems(spec: FineTuneJobSpec) -> list[FieldError]:
+    """The extras a job's own settings need that are missing here (the trackers' are
+    ftjob.trainer.report.trackers.not_installed): ``ftjob run`` refuses the job at once."""
+    missing = not_installed(MODULES["qlora"]) if spec.method.type == "qlora" else []
+    if not missing:
+        return []
+    return [
+        FieldError(
+            "spec.method.type",
+            f"qlora needs ftjob's qlora extra ({', '.join(missing)} not installed), the 4-bit "
+            "storage of the base model",
+            fix="pip install 'ftjob[qlora]' (or use method.type lora)",
+        )
+    ]

@@ -27,7 +27,7 @@ from ftjob.api import manifest
 from ftjob.api.contract import EXIT_PREEMPTED, TrainerError
 from ftjob.api.schema import SpecError, check_rules
 from ftjob.api.spec import KIND, ineffective, parse_resource
-from ftjob.cli import failure
+from ftjob.cli import extras, failure
 from ftjob.cli.nodes import Node, free_port, interrupt, start_node, stop_all, wait_first
 from ftjob.cli.screen import Screen
 from ftjob.job import folder as jobfolder
@@ -88,7 +88,11 @@ def _can_start(job_file: str, spec, source_root: Path, job_dir: Path | None, out
         return False
     # Named here in a moment, not by the trainer after torch's 10-20 s start-up (the trainer
     # keeps its own checks: pods on a cluster read the volume, not this machine).
-    missing = inputs.missing(spec, source_root, job_dir) + trackers.not_installed(spec)
+    missing = (
+        inputs.missing(spec, source_root, job_dir)
+        + extras.job_problems(spec)
+        + trackers.not_installed(spec)
+    )
     for problem in missing:
         print(f"ftjob run: {job_file}: {problem.path}: {problem.message}", file=out)
         print(f"  fix: {problem.fix}", file=out, flush=True)

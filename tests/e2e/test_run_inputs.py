@@ -236,14 +236,20 @@ def test_a_spec_fixed_after_a_data_error_runs_without_restart(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if ".old-" in p.name] == []
 
 
+def without(tmp_path: Path, module: str) -> dict[str, str]:
+    """The environment of a Python (and of every process it starts) where ``module`` cannot
+    be imported and find_spec finds nothing, as where its extra is not installed."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(f"import sys\nsys.modules[{module!r}] = None\n")
+    return {**ENV, "PYTHONPATH": os.pathsep.join([str(hide), ENV.get("PYTHONPATH", "")])}
+
+
 def test_a_tracker_whose_client_is_not_installed_is_refused_at_once_with_the_install(tmp_path):
     """Without the tracking extra, a job asking for TensorBoard is refused before anything
     starts, with the install command: not trained untracked and then "already trained"."""
-    hide = tmp_path / "hide"
-    hide.mkdir()  # this Python without tensorboard, as without the extra
-    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['tensorboard'] = None\n")
     job = tiny_job(tmp_path, "tracked", tracking={"tensorboard": {"enabled": True}})
-    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(hide), ENV.get("PYTHONPATH", "")])}
+    env = without(tmp_path, "tensorboard")
     cmd = [sys.executable, "-m", "ftjob", "run", str(job), "--workdir", str(tmp_path / "t")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=hangs.RUN)
     out = proc.stdout + proc.stderr
@@ -251,3 +257,33 @@ def test_a_tracker_whose_client_is_not_installed_is_refused_at_once_with_the_ins
     assert f"ftjob run: {job}: spec.tracking.tensorboard: the tensorboard client " in out, out
     assert "  fix: pip install 'ftjob[tracking]' (or remove spec.tracking.tensorboard)" in out
     assert not (tmp_path / "t").exists()  # nothing trained untracked
+
+
+# The lines torchao's import prints (torch's pytree warnings for its enums; on a CPU-only
+# torch, "Failed to load .../_C_mxfp8...so"), in any script that imports transformers' models.
+TORCHAO_NOISE = re.compile(r"torchao|_C_mxfp8|_C_cutlass|KernelPreference|register_constant")
+USER_SCRIPT = """
+import sys
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+tokens = AutoTokenizer.from_pretrained(sys.argv[1])("hello", return_tensors="pt")
+imported = sys.modules.get("torchao") is not None
+print("logits", tuple(model(**tokens).logits.shape), imported)
+"""
+
+
+def test_a_trainer_only_install_trains_and_its_export_loads_without_torchao_noise(tmp_path):
+    """With ftjob[trainer] alone (torchao is the qlora extra's), a LoRA job trains and
+    exports, and a user's own script that loads the export (the adapter on its base, as
+    transformers loads one) prints nothing of torchao."""
+    env = without(tmp_path, "torchao")
+    steps = {"maxSteps": 2, "logEvery": 1, "evalEvery": 0}
+    job = tiny_job(tmp_path, "lora", method={"type": "lora"}, training=steps)
+    cmd = [sys.executable, "-m", "ftjob", "run", str(job), "--workdir", str(tmp_path / "w")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=hangs.RUN)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    user = [sys.executable, "-c", USER_SCRIPT, str(tmp_path / "w" / "model")]
+    loaded = subprocess.run(user, capture_output=True, text=True, env=env, timeout=hangs.RUN)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout.startswith("logits (1, ") and loaded.stdout.endswith(" False\n")
+    assert not TORCHAO_NOISE.search(loaded.stderr), loaded.stderr

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from ftjob.api import manifest
@@ -125,6 +126,58 @@ def test_run_names_a_trackers_missing_client_before_it_starts(tmp_path):
     ) in lines
     assert "  fix: pip install 'ftjob[tracking]' (or remove spec.tracking.mlflow)" in lines
     assert not (tmp_path / "run" / "logs").exists()  # no process was started
+
+
+def test_run_refuses_a_qlora_job_without_torchao_at_once_with_the_install(tmp_path):
+    """torchao is the qlora extra's, not the trainer's: a QLoRA job where it is missing is
+    refused before anything starts, not ended by an import deep in the trainer."""
+    job = ROOT / "examples" / "tiny-qlora.yaml"
+    result = without(["torchao"], "run", job, "--workdir", tmp_path / "run")
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert (
+        f"ftjob run: {job}: spec.method.type: qlora needs ftjob's qlora extra (torchao not "
+        "installed), the 4-bit storage of the base model"
+    ) in lines
+    assert "  fix: pip install 'ftjob[qlora]' (or use method.type lora)" in lines
+    assert not (tmp_path / "run").exists()  # nothing was started or written
+
+
+def test_a_trainer_started_without_torchao_refuses_qlora_before_reading_weights(monkeypatch):
+    """A trainer started otherwise than by `ftjob run` (torchrun, a pod) names the extra too,
+    not an import error halfway through reading the weights."""
+    from ftjob.api.contract import BAD_SPEC, TrainerError
+    from ftjob.api.spec import parse_resource
+    from ftjob.trainer.model import load as model
+
+    (doc,) = manifest.load(ROOT / "examples" / "tiny-qlora.yaml")
+    monkeypatch.chdir(ROOT / "examples")
+    spec = parse_resource(doc)[1]
+    built = model.build(spec, model.load_tokenizer(spec))
+    model.check_shardable(built, 2)  # with torchao: nothing to refuse
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    with pytest.raises(TrainerError) as refused:
+        model.check_shardable(built, 2)
+    assert (refused.value.reason, refused.value.where) == (BAD_SPEC, ".method.type")
+    assert refused.value.fix == "pip install 'ftjob[qlora]' (or use method.type lora)"
+    assert "qlora needs ftjob's qlora extra (torchao not installed)" in str(refused.value)
+
+
+def test_torchao_is_the_qlora_extras_alone():
+    """transformers imports torchao whenever it is installed (and torchao's import prints
+    warnings), so ``ftjob[trainer]`` must not install it; ``ftjob[qlora]`` and the tests do."""
+    from dependencies import wanted
+
+    from ftjob.cli import extras
+
+    extras_of = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert "torchao" not in wanted("trainer")
+    assert "torchao" in wanted("qlora") and "ftjob[qlora]" in extras_of["test"]
+    # What `ftjob run` checks is what pyproject installs (bench and test are not the product).
+    assert extras.extra_of("torchao") == "qlora" and "torchao" not in extras.MODULES["trainer"]
+    assert set(extras.MODULES) == set(extras_of) - {"bench", "test"}
 
 
 # ------------------------------------------------------------------ -o json|yaml (docs/cli.md)

@@ -18,7 +18,9 @@ NF4, which FSDP2 shards like any other parameter (``Shard(0)``: each rank holds 
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -93,8 +95,8 @@ class Built:
 
 def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase) -> Built:
     """The model with adapters applied, on the meta device: no weight is read yet."""
-    # transformers' model classes (and through them torchao): seconds, paid here, once the
-    # data is known to be good, not before every rank's first line.
+    # transformers' model classes (and through them torchao, where installed): seconds, paid
+    # here, once the data is known to be good, not before every rank's first line.
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path, options = resolve(spec.model.source), source_options(spec)
@@ -133,6 +135,16 @@ def check_shardable(built: Built, shards: int) -> None:
         where = problem.path.removeprefix("spec")  # the termination record's field, e.g. .resources
         # The fix travels on its own, so the failure summary's fix line is this cause's.
         raise TrainerError(problem.message, reason=BAD_SPEC, where=where, fix=problem.fix)
+    if built.quantized and importlib.util.find_spec("torchao") is None:
+        # ftjob run refuses this at its door (ftjob.cli.extras); a trainer started otherwise
+        # says it here, not as an import error in the middle of reading the weights.
+        raise TrainerError(
+            "qlora needs ftjob's qlora extra (torchao not installed), the 4-bit storage of the "
+            "base model",
+            reason=BAD_SPEC,
+            where=".method.type",
+            fix="pip install 'ftjob[qlora]' (or use method.type lora)",
+        )
 
 
 def _prepare(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -389,10 +401,11 @@ def _own_shard(full: torch.Tensor, like: torch.Tensor, home: torch.device) -> to
 
 def _kept(local: torch.Tensor, like: torch.Tensor, home: torch.device) -> torch.Tensor:
     """This rank's piece, on ``home`` in memory of its own, as the sharded parameter ``like``."""
-    from torchao.quantization import NF4Tensor  # loaded by transformers' model classes by now
-
+    # torchao is the qlora extra's: an NF4 tensor exists only once _nf4_shard imported it,
+    # and a LoRA or full job runs where torchao is not installed.
+    nf4 = sys.modules.get("torchao.quantization")
     local = local.to(home)
-    if isinstance(local, NF4Tensor):
+    if nf4 is not None and isinstance(local, nf4.NF4Tensor):
         # NF4's clone() quantizes again (and a slice's own scale mean differs from the whole
         # weight's): copy its parts instead. Fresh unit strides also matter, as FSDP2 views
         # each all-gather input as bytes (a one-element slice keeps its parent's stride).
