@@ -17,6 +17,9 @@ It models what ftjob's trainer does, not an ideal FSDP:
   one shard more than at accumulation 1, where it never meets the activations); hybrid
   (and none) all-reduce across replicas once per step, full and grad-op gather and
   reduce-scatter every micro-batch;
+* parallelism.sharding auto is the fastest layout that fits (:mod:`ftjob.plan.layout`, timed
+  by :mod:`ftjob.plan.traffic`); under none with adapters the frozen base is left whole on
+  every process and nothing is gathered;
 * activation checkpointing every N layers: a checkpointed layer keeps only its input, the
   others everything, and one layer at a time is recomputed; ``auto`` takes the fastest
   setting that fits (:func:`checkpoint_stride`);
