@@ -76,13 +76,13 @@ class Layout:
 
 
 def candidates(spec: FineTuneJobSpec) -> list[str]:
-    """The layouts auto compares for this job: hybrid only across nodes, and none not with
-    cpuOffload (which offloads shards)."""
+    """The layouts auto compares for this job: hybrid only across nodes of more than one
+    process (with one, its shard group is a process: none under another name), and none not
+    with cpuOffload (which offloads shards)."""
     r, p = spec.resources, spec.parallelism
+    hybrid = r.nodes > 1 and r.nproc_per_node > 1
     return [
-        s
-        for s in CANDIDATES
-        if (s != "hybrid" or r.nodes > 1) and (s != "none" or not p.cpu_offload)
+        s for s in CANDIDATES if (s != "hybrid" or hybrid) and (s != "none" or not p.cpu_offload)
     ]
 
 

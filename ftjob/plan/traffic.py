@@ -56,8 +56,9 @@ def traffic(
     if r.world_size == 1:
         return Traffic(0.0, 0.0, 0)
     if sharding == "none":
-        # One all-reduce per unit per step, over every process.
-        share = (r.world_size - 1) / r.world_size
+        # One all-reduce per unit per step, over every process: within a node among its
+        # processes, and between the nodes.
+        share = (r.nproc_per_node - 1) / r.nproc_per_node
         return Traffic(2 * grads * share, _across(spec) * 2 * grads, units)
     group = r.nproc_per_node if sharding == "hybrid" else r.world_size
     share = (group - 1) / group

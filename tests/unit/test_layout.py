@@ -148,3 +148,12 @@ def test_dpo_reference_gathers_a_sharded_base_once_more_except_under_grad_op():
     assert moved["dpo", "full"].process_bytes == pytest.approx(3e6 * share + grads)
     assert moved["sft", "full"].process_bytes == pytest.approx(2e6 * share + grads)
     assert moved["dpo", "grad-op"].process_bytes == moved["sft", "grad-op"].process_bytes
+
+
+def test_hybrid_is_a_candidate_only_across_nodes_of_several_processes():
+    # 2 nodes x 1 process: hybrid's shard group would be one process, none by another name.
+    assert "hybrid" not in layout.candidates(example("tiny.yaml"))
+    assert "hybrid" not in layout.candidates(cpu_job())  # one node
+    two_by_two = example("tiny.yaml", **{"resources.processesPerNode": 2})
+    assert "hybrid" in layout.candidates(two_by_two)
+    assert "none" not in layout.candidates(cpu_job(**{"parallelism.cpuOffload": True}))
