@@ -58,7 +58,8 @@ def main(spec_file: str, out: str) -> None:
     before, started = status(), time.time()
     built = model.build(spec, tok)  # the trainer's _load, up to the optimizer
     params, trainable = model.count_parameters(built.model)
-    sharding = spec.effective_sharding(4 * params + 12 * trainable, None)
+    # The loading suite measures the sharded layout (auto would replicate these on one node).
+    sharding = "full" if spec.parallelism.sharding == "auto" else spec.parallelism.sharding
     mesh = parallel.mesh(spec, d, sharding)
     shards = parallel.shard_group_size(mesh)
     model.check_shardable(built, shards)

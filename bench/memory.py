@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench import common
-from bench.planner import MIB, PINNED, estimate
+from bench.planner import MIB, PINNED, estimate_of
 from bench.report import row
 
 SIZE = "190m"
@@ -29,7 +29,7 @@ def job(method: str, work: Path) -> dict:
 
 def measure(method: str, work: Path) -> dict:
     doc = job(method, work)
-    e = estimate(doc)
+    e = estimate_of(doc)
     run = common.ftjob_run(doc, work, env=PINNED)
     return {"method": method, "params": e.params, "planMiB": e.per_device / MIB,
             "planWeightsMiB": e.weights / MIB, "rankPeakMiB": run.progress["trainPeakRssMiB"],

@@ -20,6 +20,7 @@ from pathlib import Path
 from bench import common
 from bench.report import row
 from ftjob.api.spec import parse_resource
+from ftjob.job import machine
 from ftjob.plan.estimate import Estimate, estimate
 from ftjob.plan.modelshape import ModelShape
 
@@ -37,7 +38,8 @@ def small_job(size: str, work: Path, method: str = "full") -> dict:
 def estimate_of(doc: dict) -> Estimate:
     _, spec = parse_resource(doc)
     config = json.loads((Path(doc["spec"]["model"]["source"]) / "config.json").read_text())
-    return estimate(spec, ModelShape.from_config(config))
+    # The memory `ftjob run` fits sharding auto against on this machine, as the trainer does.
+    return estimate(spec, ModelShape.from_config(config), machine.memory_bytes())
 
 
 def variable(e: Estimate) -> float:

@@ -38,6 +38,8 @@ def compare(size: str, work: Path, method: str = "full", steps: int | None = Non
         "params": common.param_count(model),
         "method": method,
         "steps": steps,
+        "seq": seq,
+        "microBatch": micro_batch,
         "ftjob": {"tokensPerSecond": mine,
                   "runs": [r.steady_tokens_per_second() for r in ours],
                   "wall": [r.wall for r in ours], "losses": ours[0].losses(),
@@ -49,13 +51,21 @@ def compare(size: str, work: Path, method: str = "full", steps: int | None = Non
     }  # fmt: skip
 
 
+# The 190M LoRA row has the dpo suite's shape (bench/dpo.py FULL): seq 256, two sequences a
+# rank (a pair there), 8 steps; one run a side, as a 190M step takes seconds here.
+LORA_190M = dict(method="lora", steps=8, seq=256, micro_batch=2, pairs=1)
+
+
 def run(work: Path, quick: bool) -> dict:
     sizes = ["tiny"] if quick else ["tiny", "medium"]
     cases = [compare(size, work, pairs=1 if quick else 2) for size in sizes]
+    if not quick:
+        cases.append(compare("190m", work, **LORA_190M))
     rows = [
         row(
             f"tokens/s, {c['model']} ({c['params'] / 1e6:.1f}M) {c['method']}, 2 procs, "
-            f"seq 256 x mb 4, {c['steps']} steps, best of {len(c['ftjob']['runs'])}",
+            f"seq {c['seq']} x mb {c['microBatch']}, {c['steps']} steps, "
+            f"best of {len(c['ftjob']['runs'])}",
             c["ftjob"]["tokensPerSecond"],
             c["baseline"]["tokensPerSecond"],
             f"TRL SFTTrainer ({c['baseline']['wrapper']})",

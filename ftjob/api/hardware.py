@@ -89,3 +89,40 @@ def node_bandwidth(fabric: str, gpus_per_node: int, efa_devices: int | None) -> 
     if fabric == "infiniband":
         return INFINIBAND_PER_GPU_BYTES_PER_S * max(gpus_per_node, 1)
     return TCP_BYTES_PER_S
+
+
+# Within a node, per process and one direction: what a collective between the node's own
+# processes moves. The planner compares layouts by it (ftjob.plan.traffic), so it matters
+# mostly as a ratio to the fabric above and to the collective's fixed cost below.
+# NVLink: 4th generation (H100 SXM, H200) gives each GPU 900 GB/s both directions together
+# (NVIDIA's H100 datasheet); A100's 3rd generation 600 GB/s. NCCL's all-gather reaches ~80%
+# of it in nccl-tests: the lower generation's one direction is kept for every NVLink board.
+NVLINK_BYTES_PER_S = 300e9
+# Boards without NVLink (L4, A10G, L40S, RTX 4090, H100 PCIe) talk over PCIe 4.0 x16:
+# 32 GB/s one direction on paper, ~25 in practice.
+PCIE_BYTES_PER_S = 25e9
+_NVLINK_BOARDS = ("A100-40GB", "A100-80GB", "H100-SXM-80GB", "H100-NVL-94GB", "H200-141GB",
+                  "B200-180GB")  # fmt: skip
+# CPU processes (gloo over loopback TCP): measured on the project's 2-core machine, two
+# processes, a CI run sharing it: an all-reduce of 4 and 64 MiB at 0.52 and 0.60 GB/s, an
+# all-gather of the same at 0.70 and 0.35 GB/s of output (bench/RESULTS.md, 2026-11-27,
+# "sharding auto"). 0.5 GB/s is kept.
+GLOO_BYTES_PER_S = 0.5e9
+# The fixed cost of one collective, whatever its size: gloo measured with a 4-byte all-reduce
+# in the same run (0.4-0.9 ms); NCCL's small-message latency within a node is ~10-20 us in
+# nccl-tests, across nodes 2-3x that: 30 us for both (an assumption, not measured here).
+GLOO_COLLECTIVE_SECONDS = 0.5e-3
+NCCL_COLLECTIVE_SECONDS = 30e-6
+
+
+def intra_node_bandwidth(gpu_type: str | None, gpus_per_node: int) -> float:
+    """Bytes/s one process sends to the others of its node: gloo for CPU processes, NVLink or
+    PCIe for GPUs (an unknown gpuType: PCIe, the slower)."""
+    if gpus_per_node == 0:
+        return GLOO_BYTES_PER_S
+    return NVLINK_BYTES_PER_S if gpu_type in _NVLINK_BOARDS else PCIE_BYTES_PER_S
+
+
+def collective_seconds(gpus_per_node: int) -> float:
+    """The fixed cost of one collective: gloo's on CPU, NCCL's on GPUs."""
+    return NCCL_COLLECTIVE_SECONDS if gpus_per_node else GLOO_COLLECTIVE_SECONDS

@@ -499,8 +499,9 @@ class ParallelismSpec:
         "sharding: full shards parameters, gradients and optimizer states across all "
         "processes; hybrid shards within a node and replicates across nodes (less traffic "
         "between nodes); grad-op keeps parameters whole between forward and backward; none "
-        "replicates (DDP-like); auto picks hybrid when one node holds the model states, "
-        "otherwise full.",
+        "replicates (DDP-like; with adapters the frozen base is left whole, never gathered); "
+        "auto picks the fastest of these whose memory fits in 90% of a GPU (CPU: of "
+        "resources.memory, or the machine's, per process), as ftjob plan shows.",
         "auto",
     )
     cpu_offload: bool = api_field(
@@ -1244,23 +1245,6 @@ class FineTuneJobSpec:
         if self.training.precision != "auto":
             return self.training.precision
         return "bf16" if self.resources.gpus_per_node > 0 else "fp32"
-
-    def effective_sharding(self, state_bytes: int | None = None, gpu_bytes: int | None = None):
-        """The sharding in force; ``auto`` becomes hybrid if one node holds the states.
-
-        ``state_bytes`` is the size of parameters + gradients + optimizer states and
-        ``gpu_bytes`` one GPU's memory; without them auto is full, which always fits
-        where hybrid fits.
-        """
-        chosen = self.parallelism.sharding
-        if chosen != "auto":
-            return chosen
-        r = self.resources
-        if r.nodes == 1 or state_bytes is None or gpu_bytes is None:
-            return "full"
-        # Leave 40% of each GPU for activations, buffers and fragmentation.
-        fits_one_node = state_bytes / r.nproc_per_node <= 0.6 * gpu_bytes
-        return "hybrid" if fits_one_node else "full"
 
 
 def parse_spec(data: Any, path: str = "spec") -> FineTuneJobSpec:

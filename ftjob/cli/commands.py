@@ -21,6 +21,7 @@ from ftjob.api import crd, manifest
 from ftjob.api.schema import to_dict
 from ftjob.api.spec import API_VERSION, KIND
 from ftjob.cli import extras, output, validate
+from ftjob.job import machine
 from ftjob.plan import modelshape
 from ftjob.plan.describe import describe
 from ftjob.plan.options import Plan, plan
@@ -163,7 +164,8 @@ def _plan_job(path: str, doc: dict) -> tuple[validate.CheckedJob, Plan]:
         shape = job.shape or modelshape.shape_for(job.spec.model.source, None)
     except ValueError as e:
         raise InvalidJob([f"{path}: {e}"]) from None
-    return job, plan(job.spec, shape)
+    # A CPU job without resources.memory is planned as `ftjob run` would run it: here.
+    return job, plan(job.spec, shape, machine_bytes=machine.memory_bytes())
 
 
 def _print_plan(path: str, job: validate.CheckedJob, result: Plan) -> None:

@@ -98,6 +98,13 @@ def plan_result(
         # What each pod requests and the whole gang takes of a Kueue ClusterQueue's quota.
         "quota": {"perPod": quota.requests(spec), "gang": quota.gang(spec)},
         "checkpointBytes": int(e.checkpoint_bytes),
+        # What parallelism.sharding asks for, what it means here and why (auto resolved).
+        "sharding": {
+            "setting": spec.parallelism.sharding,
+            "chosen": e.sharding,
+            "why": e.sharding_reason,
+            "collectiveSecondsPerStep": e.collective_seconds,
+        },
         # What activationCheckpointing asks for, and what it means here (auto resolved).
         "activationCheckpointing": {
             "setting": spec.training.activation_checkpointing,

@@ -51,6 +51,7 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
             + f", {spec.compute_precision()}, "
             + checkpointing_text(spec, e),
         ),
+        ("sharding", _sharding_text(spec, e)),
         (
             "per GPU" if r.gpus_per_node else "per process",
             f"weights {gib(e.weights)} + gradients {gib(e.gradients)} + optimizer "
@@ -170,6 +171,13 @@ def _more_cpu(base: Estimate, option: Estimate) -> str:
     if option.cpu_peak_per_node <= base.cpu_peak_per_node:
         return ""
     return f", {gib(option.cpu_peak_per_node)} CPU memory per pod"
+
+
+def _sharding_text(spec: FineTuneJobSpec, e: Estimate) -> str:
+    """What parallelism.sharding means here: auto's choice and why, or the setting obeyed."""
+    if e.sharding_reason:
+        return e.sharding_reason.removeprefix("sharding ")
+    return f"{e.sharding} (parallelism.sharding; collectives ~{e.collective_seconds:.2g} s/step)"
 
 
 def checkpointing_text(spec: FineTuneJobSpec, e: Estimate) -> str:

@@ -17,6 +17,9 @@ It models what ftjob's trainer does, not an ideal FSDP:
   one shard more than at accumulation 1, where it never meets the activations); hybrid
   (and none) all-reduce across replicas once per step, full and grad-op gather and
   reduce-scatter every micro-batch;
+* parallelism.sharding auto is the fastest layout that fits (:mod:`ftjob.plan.layout`, timed
+  by :mod:`ftjob.plan.traffic`); under none with adapters the frozen base is left whole on
+  every process and nothing is gathered;
 * activation checkpointing every N layers: a checkpointed layer keeps only its input, the
   others everything, and one layer at a time is recomputed; ``auto`` takes the fastest
   setting that fits (:func:`checkpoint_stride`);
@@ -47,6 +50,7 @@ from ftjob.api.schema import FieldError, quantity
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.plan.limits import qlora_problem, shard_group
 from ftjob.plan.modelshape import LOSS_CHUNK_TOKENS, ModelShape, flops_per_token
+from ftjob.plan.traffic import traffic
 
 FP32 = 4
 # Measured on the GPUs we have run: CUDA context, NCCL buffers and the caching allocator.
@@ -154,6 +158,11 @@ class Estimate:
     on_gpu: bool = True  # a GPU job fits only if its GPUs and its pods' CPU memory both do
     # DPO with adapters: the reference forward with them off (not model FLOPs: MFU leaves it out).
     reference_flops_per_token: float = 0.0
+    sharding: str = "full"  # parallelism.sharding in force (auto resolved)
+    sharding_reason: str = ""  # what auto chose and why, in one line ("" when set explicitly)
+    # The step's collectives (gathers, reduce-scatters, all-reduces) if none overlapped compute:
+    # what sets the layouts apart (ftjob.plan.traffic).
+    collective_seconds: float = 0.0
 
     @property
     def per_device(self) -> float:
@@ -230,9 +239,11 @@ def checkpointed(layer: int, stride: int) -> bool:
     return stride > 0 and (layer + 1) % stride == 0
 
 
-def checkpoint_stride(spec: FineTuneJobSpec, shape: ModelShape, device_bytes: int | None) -> int:
-    """training.activationCheckpointing as a layer stride: 0 none, 1 every layer, N every
-    Nth (:func:`checkpointed` says which).
+def checkpoint_stride(
+    spec: FineTuneJobSpec, shape: ModelShape, device_bytes: int | None, sharding: str
+) -> int:
+    """training.activationCheckpointing as a layer stride under ``sharding`` (resolved):
+    0 none, 1 every layer, N every Nth (:func:`checkpointed` says which).
 
     ``auto`` is the fastest of AUTO_STRIDES whose estimate stays within TIGHT of
     ``device_bytes`` (one GPU's memory), leaving room for the estimate's error: a job that
@@ -245,25 +256,38 @@ def checkpoint_stride(spec: FineTuneJobSpec, shape: ModelShape, device_bytes: in
     if device_bytes is None or spec.resources.gpus_per_node == 0:
         return 1
     for stride in AUTO_STRIDES[:-1]:
-        if estimate_at(spec, shape, stride, device_bytes).per_device <= TIGHT * device_bytes:
+        e = estimate_at(spec, shape, stride, device_bytes, sharding)
+        if e.per_device <= TIGHT * device_bytes:
             return stride
     return AUTO_STRIDES[-1]
 
 
-def estimate(spec: FineTuneJobSpec, shape: ModelShape) -> Estimate:
+def estimate(
+    spec: FineTuneJobSpec, shape: ModelShape, machine_bytes: float | None = None
+) -> Estimate:
     """The estimate for the GPU resources.gpuType names (none: no device fit, auto
-    activation checkpointing every layer)."""
+    activation checkpointing every layer), with sharding auto resolved
+    (:func:`ftjob.plan.layout.choose`). ``machine_bytes``: the memory of the machine a CPU
+    job without resources.memory runs on (``ftjob run``), which auto fits against."""
+    from ftjob.plan import layout  # it compares estimate_at's layouts: imported late
+
     gpu = GPUS.get(spec.resources.gpu_type) if spec.resources.gpu_type else None
     device_bytes = gpu.memory_bytes if gpu else None
-    stride = checkpoint_stride(spec, shape, device_bytes)
-    return estimate_at(spec, shape, stride, device_bytes)
+    chosen = layout.choose(spec, shape, layout.budget(spec, device_bytes, machine_bytes))
+    e = estimate_at(spec, shape, chosen.stride, device_bytes, chosen.sharding)
+    e.sharding_reason = chosen.reason
+    return e
 
 
 def estimate_at(
-    spec: FineTuneJobSpec, shape: ModelShape, stride: int, device_bytes: int | None
+    spec: FineTuneJobSpec,
+    shape: ModelShape,
+    stride: int,
+    device_bytes: int | None,
+    sharding: str,
 ) -> Estimate:
-    """The estimate at a given checkpoint stride on a GPU of ``device_bytes`` (None: CPU or an
-    unknown GPU); :func:`estimate` resolves both from the spec."""
+    """The estimate at a given checkpoint stride and sharding (both resolved) on a GPU of
+    ``device_bytes`` (None: CPU or an unknown GPU); :func:`estimate` resolves them."""
     r, t, method = spec.resources, spec.training, spec.method.type
     on_gpu = r.gpus_per_node > 0
     act_bytes = 2 if spec.compute_precision() == "bf16" else FP32
@@ -279,7 +303,6 @@ def estimate_at(
         base_bytes = 0.0  # every weight trains: counted below
     sharded_weights = base_bytes + trainable * FP32
     state_bytes = sharded_weights + 3 * trainable * FP32
-    sharding = spec.effective_sharding(state_bytes, device_bytes)
     group = shard_group(spec, sharding)
     offload = spec.parallelism.cpu_offload
     notes = [f"sharding {sharding} over {group} process{'es' if group > 1 else ''}"]
@@ -297,6 +320,9 @@ def estimate_at(
     tokens = t.micro_batch_size * spec.sequences_per_example * spec.dataset.max_seq_length
     activations = _activations(spec, shape, tokens, act_bytes, stride) * FRAGMENTATION
     temporaries = _temporaries(method, shape, sharding, act_bytes)
+    # What FSDP gathers for one forward: nothing where a group of one leaves the frozen base
+    # whole (trainer/model/load.py left_whole; the adapters' copies are negligible).
+    gathered = 0.0 if group == 1 else base_bytes + trainable * act_bytes
     reserved = GPU_RESERVED_BYTES if on_gpu else PROCESS_BASELINE_BYTES
 
     device_total = weights + gradients + optimizer + activations + temporaries + reserved
@@ -327,7 +353,8 @@ def estimate_at(
         notes=notes,
         problem=problem,
         on_gpu=on_gpu,
-        **_speed(spec, shape, adapter, stride, sharding, trainable, act_bytes),
+        sharding=sharding,
+        **_speed(spec, shape, adapter, stride, sharding, trainable, gathered),
     )
 
 
@@ -338,10 +365,11 @@ def _speed(
     stride: int,
     sharding: str,
     trainable: int,
-    act_bytes: int,
+    gathered: float,
 ) -> dict[str, float | None]:
     """The estimate's speed: FLOPs per token, the step's time on the named GPUs at the
-    assumed utilisation, and the bytes each node sends per step over its fabric."""
+    assumed utilisation, the bytes each node sends per step over its fabric, and the
+    step's collectives' time (``gathered``: the bytes one forward gathers)."""
     r, method = spec.resources, spec.method.type
     gpu = GPUS.get(r.gpu_type) if r.gpu_type else None
     flops, recomputed = _flops_per_token(spec, shape, adapter, stride)
@@ -351,7 +379,8 @@ def _speed(
         hfu = ASSUMED_HFU[method] * (OFFLOAD_SLOWDOWN if spec.parallelism.cpu_offload else 1.0)
         work = spec.tokens_per_step * (flops + recomputed + reference)
         step_seconds = work / (r.world_size * gpu.peak_bf16_flops * hfu)
-    net = _network_bytes_per_node(spec, shape, sharding, trainable, act_bytes)
+    moved = traffic(spec, shape.layers, sharding, gathered, trainable)
+    net = moved.node_bytes
     bandwidth = node_bandwidth(
         spec.network.fabric, r.gpus_per_node, spec.network.efa_devices_per_node
     )
@@ -363,6 +392,7 @@ def _speed(
         network_bytes_per_node=net,
         network_seconds=net / bandwidth if r.nodes > 1 else 0.0,
         hardware_utilisation=hfu,
+        collective_seconds=moved.seconds(spec),
     )
 
 
@@ -371,6 +401,8 @@ def _temporaries(method: str, shape: ModelShape, sharding: str, act_bytes: int) 
     unsharded fp32 gradient until the reduce-scatter; grad-op keeps every layer gathered
     from forward to backward."""
     layer = shape.layer_params
+    if sharding == "none" and method != "full":
+        return 0.0  # the frozen base is left whole: nothing is gathered
     gathered = (shape.params if sharding == "grad-op" else 2 * layer) * act_bytes
     if method == "qlora":
         # The gathered layers stay 4-bit; each linear weight is dequantized as it is used.
@@ -507,23 +539,6 @@ def _dpo_note(spec: FineTuneJobSpec) -> str:
     if spec.method.type == "full":
         return "DPO: 2 sequences a pair, reference log-probs computed once and stored"
     return "DPO: 2 sequences a pair, reference forward with adapters off"
-
-
-def _network_bytes_per_node(spec, s: ModelShape, sharding: str, trainable: int, nbytes: int):
-    """Bytes each node sends to other nodes per optimizer step (ring collectives)."""
-    r = spec.resources
-    if r.nodes == 1:
-        return 0.0
-    across = (r.nodes - 1) / r.nodes
-    micro = spec.training.gradient_accumulation
-    if sharding in ("full", "grad-op"):
-        # Every micro-batch gathers the weights and reduce-scatters its gradients (fp32).
-        gathers = 1 if sharding == "grad-op" else 2  # forward, and again for backward
-        per_micro = gathers * s.params * nbytes + trainable * FP32
-        return per_micro * micro * across
-    # hybrid and none: gradients accumulate within the node and are all-reduced across
-    # nodes once per step, after the last micro-batch (a ring sends 2x the data).
-    return 2 * trainable * FP32 * across
 
 
 def gib(n: float) -> str:

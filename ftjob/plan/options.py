@@ -56,7 +56,7 @@ def _with(spec: FineTuneJobSpec, **changes) -> FineTuneJobSpec:
     return dataclasses.replace(spec, **replaced)
 
 
-def _candidates(spec: FineTuneJobSpec, shape: ModelShape):
+def _candidates(spec: FineTuneJobSpec, shape: ModelShape, machine_bytes: float | None):
     """Single changes that lower memory, cheapest first (what each costs the user)."""
     t, r, p, m = spec.training, spec.resources, spec.parallelism, spec.method
     if t.activation_checkpointing not in ("auto", "all"):
@@ -64,9 +64,11 @@ def _candidates(spec: FineTuneJobSpec, shape: ModelShape):
         # itself already recomputes as much as it takes, so it gets no such advice.
         gpu = GPUS.get(r.gpu_type) if r.gpu_type else None
         auto = _with(spec, training__activation_checkpointing="auto")
-        stride = checkpoint_stride(auto, shape, gpu.memory_bytes if gpu else None)
+        device = gpu.memory_bytes if gpu else None
+        sharding = estimate(spec, shape, machine_bytes).sharding
+        stride = checkpoint_stride(auto, shape, device, sharding)
         if stride != stride_of(t.activation_checkpointing):
-            e = estimate_at(auto, shape, stride, gpu.memory_bytes if gpu else None)
+            e = estimate_at(auto, shape, stride, device, sharding)
             more = e.recomputed_flops_per_token / e.flops_per_token
             yield (
                 f"activationCheckpointing: {stride_name(stride)} (~{more:.0%} more compute)",
@@ -123,19 +125,25 @@ def option_fits(base: Estimate, option: Estimate) -> bool:
     return True
 
 
-def plan(spec: FineTuneJobSpec, shape: ModelShape, max_options: int = 3) -> Plan:
-    """The estimate and, if it does not fit, up to ``max_options`` changes that would."""
-    base = estimate(spec, shape)
+def plan(
+    spec: FineTuneJobSpec,
+    shape: ModelShape,
+    max_options: int = 3,
+    machine_bytes: float | None = None,
+) -> Plan:
+    """The estimate and, if it does not fit, up to ``max_options`` changes that would;
+    ``machine_bytes``: the memory a CPU job without resources.memory runs in (``ftjob run``)."""
+    base = estimate(spec, shape, machine_bytes)
     options: list[Option] = []
     if base.fits is False:
         cumulative: dict = {}
         labels: list[str] = []
         stacked_fits = False
-        for label, change in _candidates(spec, shape):
+        for label, change in _candidates(spec, shape, machine_bytes):
             single = _with(spec, **change)
             if check_rules(single, "spec"):
                 continue  # advice must be a job the API server accepts
-            est = estimate(single, shape)
+            est = estimate(single, shape, machine_bytes)
             if option_fits(base, est):
                 options.append(Option(label, single, est))
             elif (
@@ -148,7 +156,7 @@ def plan(spec: FineTuneJobSpec, shape: ModelShape, max_options: int = 3) -> Plan
                 cumulative.update(change)
                 labels.append(label.split(" (")[0])
                 stacked = _with(spec, **cumulative)
-                est = estimate(stacked, shape)
+                est = estimate(stacked, shape, machine_bytes)
                 if option_fits(base, est) and len(labels) > 1 and not check_rules(stacked, "spec"):
                     options.append(Option(" + ".join(labels), stacked, est))
                     stacked_fits = True

@@ -273,11 +273,14 @@ def _load(job: Job, tok, total: int) -> step.Run:
     built = model.build(spec, tok)
     loss.install(built.model)  # before sharding: the head's forward computes the loss
     params, trainable = model.count_parameters(built.model)
-    sharding = spec.effective_sharding(4 * params + 12 * trainable, _gpu_bytes(d))
+    chosen = parallel.layout(spec, d, built.model.config)
+    if chosen.reason:
+        job.report.log(chosen.reason)  # what sharding auto chose, and why
+    sharding = chosen.sharding
     mesh = parallel.mesh(spec, d, sharding)
     shards = parallel.shard_group_size(mesh)
     model.check_shardable(built, shards)  # before any weight is read
-    speed = parallel.speed_settings(spec, built.model.config, _gpu_bytes(d))
+    speed = parallel.Speed(chosen.stride, spec.compile_enabled(d.device.type == "cuda"))
     net = parallel.shard(built.model, spec, mesh, sharding, model.left_whole(built, shards), speed)
     began = time.monotonic()
     model.materialize(built, d, spec.parallelism.cpu_offload)
@@ -478,12 +481,6 @@ def _evaluated(job: Job, run: step.Run, ds: data.Data, done: int) -> None:
 def _peak_rss_mib() -> float:
     # Linux reports ru_maxrss in KiB; it counts the mapped weight files' pages a rank touched.
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-
-
-def _gpu_bytes(d: parallel.Dist) -> int | None:
-    if d.device.type != "cuda":
-        return None
-    return torch.cuda.get_device_properties(d.device).total_memory
 
 
 def _progress(spec: FineTuneJobSpec, job_dir: Path) -> progress.Progress:

@@ -51,6 +51,9 @@ BASE = {
             "evalEvery": 0,
         },
         "resources": {"nodes": 2, "gpusPerNode": 0},
+        # Sharded, as on GPUs: auto would replicate the tiny model (test_sharding_layouts.py),
+        # and these tests check that checkpoints, resume and export work from shards.
+        "parallelism": {"sharding": "full"},
         "checkpoint": {"volume": {"claimName": "shared"}, "every": 4, "keep": 2},
     },
 }

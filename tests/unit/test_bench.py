@@ -216,3 +216,10 @@ def test_dpo_steady_rates_leave_out_the_warm_up_steps():
            for k, t in [(1, 10.0), (2, 50.0), (3, 100.0), (4, 200.0)]]  # fmt: skip
     assert dpo.steady(log + [{"event": "eval"}], skip=2, pairs_per_step=2) == (4 / 1.5, 200 / 1.5)
     assert dpo.steady(log, skip=4, pairs_per_step=2) == (None, None)
+
+
+def test_dpo_reads_rank_records_that_share_a_line():
+    from bench.dpo import rank_records
+
+    out = 'x\nTRL-RANK {"rank": 1, "peakRssMiB": 2}TRL-RANK {"rank": 0, "peakRssMiB": 3}\nTRL {}\n'
+    assert rank_records(out) == [{"rank": 1, "peakRssMiB": 2}, {"rank": 0, "peakRssMiB": 3}]

@@ -221,8 +221,8 @@ def test_nf4_sharding_is_refused_where_a_weight_cannot_split():
     assert qlora_problem(example("tiny-qlora.yaml"), weights, 2) is None
 
 
-def test_auto_sharding_is_hybrid_for_8b_lora_on_two_nodes():
-    spec = example("llama3-8b-lora-efa.yaml")
+def test_hybrid_sends_far_less_between_nodes_than_full_for_8b_lora():
+    spec = example("llama3-8b-lora-efa.yaml", **{"parallelism.sharding": "hybrid"})
     e = estimate.estimate(spec, known_model(spec.model.source))
     assert e.notes[0] == "sharding hybrid over 8 processes"
     # Hybrid keeps all-gathers inside a node: far less traffic between nodes than full.
@@ -410,8 +410,8 @@ def test_checkpoint_stride_names_the_recomputed_layers():
         edited = example(
             "llama3-8b-full-40gb.yaml", **{"training.activationCheckpointing": setting}
         )
-        assert estimate.checkpoint_stride(edited, shape, 40 * GIB) == stride
-        assert estimate.checkpoint_stride(edited, shape, None) == stride
+        assert estimate.checkpoint_stride(edited, shape, 40 * GIB, "full") == stride
+        assert estimate.checkpoint_stride(edited, shape, None, "full") == stride
         assert estimate.stride_name(stride) == setting
 
 
@@ -434,7 +434,7 @@ def test_auto_checkpointing_picks_the_fastest_setting_that_fits(micro_batch, gpu
     assert e.per_device <= estimate.TIGHT * e.device_bytes
     faster = [s for s in estimate.AUTO_STRIDES[: estimate.AUTO_STRIDES.index(e.checkpoint_stride)]]
     for stride in faster:  # each faster setting would not fit with the margin
-        slower = estimate.estimate_at(spec, shape, stride, e.device_bytes)
+        slower = estimate.estimate_at(spec, shape, stride, e.device_bytes, e.sharding)
         assert slower.per_device > estimate.TIGHT * e.device_bytes
         assert slower.step_seconds < e.step_seconds
     text = "\n".join(describe.describe(spec, options.plan(spec, shape)))
@@ -446,11 +446,11 @@ def test_auto_checkpointing_recomputes_every_layer_where_no_gpu_memory_is_known(
     unknown = example("llama3-8b-lora-efa.yaml", **{"resources.gpuType": None})
     for spec in (cpu, unknown):
         shape = known_model("hf://meta-llama/Meta-Llama-3-8B")
-        assert estimate.checkpoint_stride(spec, shape, None) == 1
+        assert estimate.checkpoint_stride(spec, shape, None, "full") == 1
         assert estimate.estimate(spec, shape).checkpoint_stride == 1
     # The trainer passes the memory it sees: the same answer as the table's for that much.
     spec = example("llama3-8b-lora-efa.yaml")
-    assert estimate.checkpoint_stride(spec, known_model(spec.model.source), 80 * GIB) == 0
+    assert estimate.checkpoint_stride(spec, known_model(spec.model.source), 80 * GIB, "full") == 0
 
 
 def test_recomputation_costs_time_but_not_mfu():

@@ -197,3 +197,37 @@ def test_per_rank_bytes_equal_the_plan(layout, model_dir, fake_world, monkeypatc
             assert sum(nbytes(getattr(q, c)) for c in NF4_CONSTANT) <= 64
     else:
         assert weights == SHAPE.params * 4 / shards  # fp32 masters, no padding
+
+
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+def test_auto_leaves_a_lora_base_whole_on_8_gpus(model_dir, fake_world, monkeypatch):
+    """8 x A100-80GB, LoRA: auto picks none (ftjob/plan/layout.py), and the trainer's layout
+    for it holds every frozen weight whole on each rank, outside FSDP (nothing to gather),
+    and the adapters replicated over a (8, 1) mesh: the plan's per-GPU weights."""
+    spec = parse_spec(
+        {
+            "model": {"source": str(model_dir), "attention": "eager"},
+            "dataset": {"source": "data.jsonl", "format": "text", "maxSeqLength": 64},
+            "method": {"type": "lora", "lora": {"r": 16, "targetModules": ["all-linear"]}},
+            "training": {"maxSteps": 1},
+            "resources": {"nodes": 1, "gpusPerNode": 8, "gpuType": "A100-80GB"},
+        }
+    )
+    planned = estimate(spec, SHAPE)
+    assert planned.sharding == "none" and spec.parallelism.sharding == "auto"
+    fake_world(8)
+    d = parallel.Dist(rank=0, local_rank=0, world_size=8, local_world_size=8,
+                      device=torch.device("cpu"))  # fmt: skip
+    built = model.build(spec, types.SimpleNamespace(pad_token_id=0))
+    mesh = parallel.mesh(spec, d, planned.sharding)
+    whole = model.left_whole(built, parallel.shard_group_size(mesh))
+    net = parallel.shard(built.model, spec, mesh, planned.sharding, whole)
+    params = list(net.parameters())
+    frozen = [p for p in params if not p.requires_grad]
+    assert whole == set(frozen) and len(frozen) > 0
+    assert not any(hasattr(p, "placements") for p in frozen)
+    adapters = [p for p in params if p.requires_grad]
+    assert {p.placements for p in adapters} == {(Replicate(), Shard(0))}
+    assert tuple(mesh.shape) == (8, 1)
+    held = sum(nbytes(local(p)) for p in params)  # meta tensors: shapes and dtypes only
+    assert held == planned.weights

@@ -73,17 +73,6 @@ def test_derived_values():
     assert cpu.resources.world_size == 3 and cpu.compute_precision() == "fp32"
 
 
-def test_auto_sharding_picks_hybrid_only_when_a_node_holds_the_states():
-    s = spec_of(resources={"nodes": 2, "gpusPerNode": 8}, checkpoint={"volume": {"claimName": "v"}})
-    gib = 2**30
-    # 8B with AdamW: ~16 bytes/param = 128 GiB over 8 x 80 GiB GPUs fits one node.
-    assert s.effective_sharding(128 * gib, 80 * gib) == "hybrid"
-    # 70B: ~1.1 TiB does not.
-    assert s.effective_sharding(1120 * gib, 80 * gib) == "full"
-    assert s.effective_sharding() == "full"
-    assert spec_of().effective_sharding(1, 80 * gib) == "full"  # one node: nothing to replicate
-
-
 def test_round_trip_through_dict_keeps_every_value():
     s = spec_of(method={"type": "qlora", "quantization": {"type": "fp4"}}, env=[{"name": "A"}])
     assert parse_spec(to_dict(s)) == s

@@ -172,12 +172,14 @@ def _adapters(model: nn.Module, spec: FineTuneJobSpec) -> nn.Module:
 
 
 def left_whole(built: Built, shards: int) -> set[nn.Parameter]:
-    """QLoRA's 4-bit weights when the shard group is one process: FSDP2 skips the NF4 hooks
-    for a group of one (its all-gather fails), and there is nothing to split them over."""
+    """The frozen weights (the base under LoRA and QLoRA) when the shard group is one
+    process: there is nothing to split them over, and FSDP would still copy each layer in and
+    out of a gather buffer every forward and backward (and skips the NF4 hooks for a group of
+    one, so its all-gather of 4-bit weights fails). Left whole, they cost no collective; only
+    what trains is replicated by FSDP and its gradients all-reduced."""
     if shards > 1:
         return set()
-    params = dict(built.model.named_parameters())
-    return {params[name] for name in built.quantized}
+    return {p for p in built.model.parameters() if not p.requires_grad}
 
 
 @dataclass(eq=False)

@@ -24,6 +24,8 @@ from torch.distributed.fsdp import (
 
 from ftjob.api import contract
 from ftjob.api.spec import FineTuneJobSpec
+from ftjob.job import machine
+from ftjob.plan import layout as plan_layout
 from ftjob.plan.estimate import checkpoint_stride, checkpointed
 from ftjob.plan.modelshape import ModelShape
 
@@ -132,12 +134,33 @@ class Speed:
     compile: bool  # torch.compile each decoder layer
 
 
-def speed_settings(spec: FineTuneJobSpec, config, device_bytes: int | None) -> Speed:
+def speed_settings(
+    spec: FineTuneJobSpec, config, device_bytes: int | None, sharding: str = "full"
+) -> Speed:
     """Resolve activationCheckpointing (``auto``: the planner's fastest setting that fits this
-    device) and compile for this device; ``config`` is the model's transformers config."""
+    device under ``sharding``) and compile for this device; ``config`` is the model's
+    transformers config."""
     shape = ModelShape.from_config(config.to_dict())
     on_gpu = spec.resources.gpus_per_node > 0
-    return Speed(checkpoint_stride(spec, shape, device_bytes), spec.compile_enabled(on_gpu))
+    stride = checkpoint_stride(spec, shape, device_bytes, sharding)
+    return Speed(stride, spec.compile_enabled(on_gpu))
+
+
+def layout(spec: FineTuneJobSpec, d: Dist, config) -> plan_layout.Layout:
+    """parallelism.sharding (``auto``: the planner's fastest layout that fits) and the
+    activation checkpointing that goes with it, for the memory this gang has: one GPU's, or
+    a CPU process's share of resources.memory or of the machine's. Every rank takes the
+    smallest any rank found, so all choose the same layout."""
+    if d.device.type == "cuda":
+        found = torch.cuda.get_device_properties(d.device).total_memory
+    else:
+        found = machine.memory_bytes() or 0.0
+    least = torch.tensor([float(found)], dtype=torch.float64, device=d.device)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    memory = least.item() or None
+    on_gpu = d.device.type == "cuda"
+    budget = plan_layout.budget(spec, memory if on_gpu else None, None if on_gpu else memory)
+    return plan_layout.choose(spec, ModelShape.from_config(config.to_dict()), budget)
 
 
 def shard(
@@ -153,7 +176,7 @@ def shard(
 
     ``whole``: parameters FSDP leaves alone (each rank holds them whole); ``speed``: as
     :func:`speed_settings` resolves it for a CPU (no device memory to fit) when not given."""
-    speed = speed or speed_settings(spec, model.config, None)
+    speed = speed or speed_settings(spec, model.config, None, sharding)
     layers = decoder_layers(model)
     if speed.checkpoint_every:
         # Non-reentrant checkpointing recomputes inside FSDP's hooks and needs no input grads.

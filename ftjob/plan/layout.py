@@ -1,0 +1,144 @@
+"""parallelism.sharding: auto, resolved: the fastest layout whose states fit. Pure.
+
+The candidates are ``none`` (every process holds the model whole; with adapters the frozen
+base is left out of FSDP altogether, so nothing is gathered and only the adapters' gradients
+are all-reduced), ``grad-op`` (sharded, each layer gathered once a micro-batch), ``hybrid``
+(sharded within a node, replicated across nodes; only with more than one node) and ``full``.
+Each is estimated (:func:`ftjob.plan.estimate.estimate_at`, with activationCheckpointing's
+own auto resolved for that layout on GPUs) and timed: its compute on GPUs (FLOPs at the
+assumed utilisation; on CPU the same for every layout, so left out) plus its collectives
+(:mod:`ftjob.plan.traffic`). The fastest whose memory stays within TIGHT of the budget wins;
+ties go to the earlier candidate. Where none fits, the one that needs the least memory.
+
+``ftjob plan`` (through :func:`ftjob.plan.estimate.estimate`) and the trainer
+(trainer/train.py ``_load``, with the memory it finds) both ask :func:`choose`.
+
+    python -m ftjob plan examples/tiny.yaml
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ftjob.api.schema import quantity
+from ftjob.api.spec import FineTuneJobSpec
+from ftjob.plan.estimate import TIGHT, Estimate, checkpoint_stride, estimate_at, gib
+from ftjob.plan.modelshape import ModelShape
+
+CANDIDATES = ("none", "grad-op", "hybrid", "full")  # ties: the earlier, fewer collectives
+# Why a layout is faster, in the words the log and the plan use.
+_WHAT = {
+    "none": "replicated (no gathers{base})",
+    "grad-op": "each layer gathered once a micro-batch",
+    "hybrid": "sharded within a node, replicated across nodes",
+    "full": "fully sharded",
+}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The memory one process may use: one GPU's, or a CPU job's share of its pod's (or of
+    the machine's, for ``ftjob run``); None where nobody knows it."""
+
+    per_process: float | None
+    source: str  # where the figure comes from, in words
+
+
+def budget(
+    spec: FineTuneJobSpec, device_bytes: float | None, machine_bytes: float | None = None
+) -> Budget:
+    """The budget auto fits against: ``device_bytes`` (one GPU) for a GPU job; for a CPU job
+    resources.memory shared by a pod's processes, else ``machine_bytes`` (the machine
+    ``ftjob run`` runs on) shared by all the job's processes, as ``ftjob run`` starts them all
+    there."""
+    r = spec.resources
+    if r.gpus_per_node:
+        if device_bytes is None:
+            return Budget(None, "no GPU memory known (set resources.gpuType)")
+        return Budget(device_bytes, f"{gib(device_bytes)} per GPU")
+    if r.memory:
+        total, n, where = quantity(r.memory), r.nproc_per_node, f"resources.memory {r.memory}"
+    elif machine_bytes:
+        # `ftjob run` starts every node's processes on this one machine.
+        total, n, where = machine_bytes, r.world_size, f"this machine's {gib(machine_bytes)}"
+    else:
+        return Budget(None, "no memory known (set resources.memory)")
+    return Budget(total / n, f"{gib(total / n)} per process ({where} / {n})")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The sharding in force, the activation checkpointing stride that goes with it, and why."""
+
+    sharding: str
+    stride: int
+    reason: str  # one line: what auto chose and why ("" for an explicit setting)
+
+
+def candidates(spec: FineTuneJobSpec) -> list[str]:
+    """The layouts auto compares for this job: hybrid only across nodes of more than one
+    process (with one, its shard group is a process: none under another name), and none not
+    with cpuOffload (which offloads shards)."""
+    r, p = spec.resources, spec.parallelism
+    hybrid = r.nodes > 1 and r.nproc_per_node > 1
+    return [
+        s for s in CANDIDATES if (s != "hybrid" or hybrid) and (s != "none" or not p.cpu_offload)
+    ]
+
+
+def choose(spec: FineTuneJobSpec, shape: ModelShape, b: Budget) -> Layout:
+    """The sharding for this job: the spec's when set; for auto the fastest candidate that
+    fits ``b`` within TIGHT, or, where nothing fits, the one that needs the least memory."""
+    device = b.per_process if spec.resources.gpus_per_node else None
+    explicit = spec.parallelism.sharding
+    if explicit != "auto":
+        return Layout(explicit, checkpoint_stride(spec, shape, device, explicit), "")
+    timed = [(s, *_timed(spec, shape, device, s)) for s in candidates(spec)]
+    if b.per_process is None:
+        # Nothing to fit against: the layout that needs least, as before auto compared.
+        s, e, _ = min(timed, key=lambda t: t[1].per_device)
+        return Layout(s, e.checkpoint_stride, f"sharding auto -> {s}: {b.source}")
+    limit = TIGHT * b.per_process
+    fitting = [t for t in timed if _fits(t[1], limit)]
+    if not fitting:
+        s, e, _ = min(timed, key=lambda t: t[1].per_device)
+        why = (
+            f"nothing fits in {TIGHT:.0%} of {b.source}; {s} needs the least "
+            f"({gib(e.per_device)}/process)"
+        )
+        return Layout(s, e.checkpoint_stride, f"sharding auto -> {s}: {why}")
+    s, e, seconds = min(fitting, key=lambda t: t[2])
+    return Layout(s, e.checkpoint_stride, _reason(spec, s, e, seconds, timed, b))
+
+
+def _timed(
+    spec: FineTuneJobSpec, shape: ModelShape, device: float | None, sharding: str
+) -> tuple[Estimate, float]:
+    """A layout's estimate (its own auto activation checkpointing) and the step time it is
+    compared by: compute where a GPU type gives one, plus collectives."""
+    stride = checkpoint_stride(spec, shape, device, sharding)
+    e = estimate_at(spec, shape, stride, device, sharding)
+    return e, (e.step_seconds or 0.0) + e.collective_seconds
+
+
+def _fits(e: Estimate, limit: float) -> bool:
+    """Within ``limit`` per process, and no check the estimate made (the pod's CPU memory,
+    a QLoRA shard rule) failing."""
+    return e.per_device <= limit and e.fits_pod is not False and e.problem is None
+
+
+def _reason(spec, chosen: str, e: Estimate, seconds: float, timed, b: Budget) -> str:
+    """One line: the chosen layout's memory against the budget, and the next fastest."""
+    base = ", frozen base whole" if spec.method.type != "full" else ""
+    what = _WHAT[chosen].format(base=base)
+    slower = sorted((t for t in timed if t[0] != chosen), key=lambda t: t[2])
+    versus = f" vs {slower[0][0]} {_ms(slower[0][2])}" if slower else ""
+    return (
+        f"sharding auto -> {chosen}: {gib(e.per_device)}/process fits in {TIGHT:.0%} of "
+        f"{b.source}; {what} is the fastest that fits ({_ms(seconds)} of collectives"
+        f"{' and compute' if e.step_seconds else ''} a step{versus})"
+    )
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"

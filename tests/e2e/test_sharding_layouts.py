@@ -1,0 +1,87 @@
+"""Every sharding layout trains to the same losses: a layout changes where weights live and
+which collectives run, and the arithmetic only in its order (fp32 noise).
+
+    python -m pytest tests/e2e/test_sharding_layouts.py -q
+
+`ftjob run`, 1 node x 2 real processes, the tiny model: a full fine-tune under none, grad-op
+and full; LoRA with the frozen base left whole (none, and auto, which picks it here and says
+so in its first lines) against it sharded (full, grad-op); DPO with LoRA, whose reference
+forward gathers nothing with the base whole and shares the policy's gather under grad-op.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_dpo_run import beside_the_examples, tiny_dpo
+from test_trainer_run import job, losses, run
+
+STEPS = 4
+ONE_NODE = {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2}
+# The same sums in another order: fp32 rounding, growing a little with every step trained.
+FP32_NOISE = dict(rel=2e-5, abs=2e-6)
+
+
+def sft(name: str, method: str, sharding: str) -> dict:
+    return job(
+        name,
+        method={"type": method},
+        training={"maxSteps": STEPS, "activationCheckpointing": "none"},
+        dataset={"evalFraction": None},
+        resources=ONE_NODE,
+        parallelism={"sharding": sharding},
+    )
+
+
+def dpo(name: str, sharding: str) -> dict:
+    doc = tiny_dpo()
+    doc["metadata"]["name"] = name
+    spec = doc["spec"]
+    spec["training"].update(maxSteps=STEPS, evalEvery=0)
+    spec["dataset"]["evalFraction"] = None
+    spec["resources"] = ONE_NODE
+    spec["parallelism"] = {"sharding": sharding}
+    return doc
+
+
+def curves(tmp_path, docs: dict[str, dict]) -> tuple[dict[str, dict[int, float]], dict[str, str]]:
+    """Each layout's losses by step, and its output."""
+    found, outputs = {}, {}
+    for label, doc in docs.items():
+        workdir = tmp_path / label
+        code, out = run(doc, workdir)
+        assert code == 0, out[-3000:]
+        found[label], outputs[label] = losses(workdir), out
+    return found, outputs
+
+
+def assert_equal_curves(found: dict[str, dict[int, float]], reference: str) -> None:
+    assert sorted(found[reference]) == list(range(1, STEPS + 1))
+    for label, curve in found.items():
+        assert curve.keys() == found[reference].keys(), label
+        for step, loss in found[reference].items():
+            assert curve[step] == pytest.approx(loss, **FP32_NOISE), (label, step)
+
+
+def test_a_full_fine_tune_trains_alike_under_every_layout(tmp_path):
+    docs = {s: sft(f"layout-full-{s}", "full", s) for s in ("none", "grad-op", "full")}
+    found, _ = curves(tmp_path, docs)
+    assert_equal_curves(found, "none")
+    assert found["none"][STEPS] < found["none"][1]  # it trains at all
+
+
+def test_lora_with_the_base_whole_trains_like_the_base_sharded(tmp_path):
+    docs = {s: sft(f"layout-lora-{s}", "lora", s) for s in ("none", "auto", "grad-op", "full")}
+    found, out = curves(tmp_path, docs)
+    assert_equal_curves(found, "full")
+    # auto chose the base whole here, and said why in the run's first lines.
+    assert "sharding auto -> none: " in out["auto"]
+    assert "frozen base whole" in out["auto"]
+    assert "none sharding over 2 ranks" in out["auto"]
+
+
+def test_dpo_reference_trains_alike_whether_the_base_is_whole_or_sharded(tmp_path):
+    (tmp_path / "jobs").mkdir()
+    folder = beside_the_examples(tmp_path / "jobs")
+    docs = {s: dpo(f"layout-dpo-{s}", s) for s in ("none", "grad-op", "full")}
+    found, _ = curves(folder, docs)
+    assert_equal_curves(found, "full")

@@ -1,0 +1,159 @@
+"""parallelism.sharding: auto picks the fastest layout that fits (ftjob/plan/layout.py)."""
+
+from pathlib import Path
+
+import pytest
+
+from ftjob.api import manifest
+from ftjob.api.hardware import GIB
+from ftjob.api.spec import parse_resource
+from ftjob.plan import estimate, layout, traffic
+from ftjob.plan.modelshape import ModelShape, known_model
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ModelShape.from_config(
+    __import__("json").loads((ROOT / "examples/tiny-model/config.json").read_text())
+)
+LLAMA_8B = known_model("hf://meta-llama/Meta-Llama-3-8B")
+LLAMA_70B = known_model("hf://meta-llama/Llama-2-70b-hf")
+
+
+def example(name, **edits):
+    (doc,) = manifest.load(ROOT / "examples" / name)
+    for path, value in edits.items():
+        node = doc["spec"]
+        *parents, last = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return parse_resource(doc)[1]
+
+
+def cpu_job(method="full", memory=None, **edits):
+    """The tiny job's shape on CPU: 1 node x 2 processes."""
+    more = {"resources.memory": memory} if memory else {}
+    return example(
+        "tiny.yaml",
+        **{"resources.nodes": 1, "resources.processesPerNode": 2, "method.type": method},
+        **more,
+        **edits,
+    )
+
+
+def per_process(spec, shape, sharding, device=None):
+    stride = estimate.checkpoint_stride(spec, shape, device, sharding)
+    return estimate.estimate_at(spec, shape, stride, device, sharding).per_device
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_cpu_job_that_fits_is_replicated(method):
+    spec = cpu_job(method, memory="8Gi")
+    chosen = layout.choose(spec, TINY, layout.budget(spec, None))
+    assert chosen.sharding == "none"
+    assert chosen.reason.startswith("sharding auto -> none: ")
+    assert "fits in 90% of 4.0 GiB per process (resources.memory 8Gi / 2)" in chosen.reason
+    if method == "lora":
+        assert "frozen base whole" in chosen.reason
+    # Replicated sends less than any sharded layout here: it is the fastest, not the default.
+    seconds = {
+        s: estimate.estimate_at(spec, TINY, 0, None, s).collective_seconds
+        for s in layout.candidates(spec)
+    }
+    assert min(seconds, key=seconds.get) == "none"
+
+
+def test_cpu_job_that_does_not_fit_replicated_is_sharded():
+    # The 8B model on a CPU pod of 2 processes, with memory between what full sharding and
+    # grad-op need: only full fits.
+    spec = cpu_job("full", memory="1Gi")
+    full, grad_op, none = (per_process(spec, LLAMA_8B, s) for s in ("full", "grad-op", "none"))
+    assert full < grad_op < none
+    between = (full / estimate.TIGHT + grad_op / estimate.TIGHT) / 2 * 2  # for 2 processes
+    spec = cpu_job("full", memory=str(int(between)))
+    chosen = layout.choose(spec, LLAMA_8B, layout.budget(spec, None))
+    assert chosen.sharding == "full"
+    assert "fully sharded is the fastest that fits" in chosen.reason
+
+
+def test_machine_memory_is_shared_by_every_process_of_ftjob_run():
+    spec = example("tiny.yaml")  # 2 nodes x 1 process, no resources.memory: both run here
+    b = layout.budget(spec, None, machine_bytes=24 * GIB)
+    assert b.per_process == 12 * GIB
+    assert b.source == "12.0 GiB per process (this machine's 24.0 GiB / 2)"
+    assert layout.choose(spec, TINY, b).sharding == "none"
+
+
+def test_nothing_fits_takes_the_layout_that_needs_least():
+    spec = cpu_job("full", memory="1Gi")
+    chosen = layout.choose(spec, LLAMA_8B, layout.budget(spec, None))
+    assert chosen.sharding == "full"
+    assert "nothing fits in 90% of 512.0 MiB per process" in chosen.reason
+
+
+def test_unknown_memory_takes_the_layout_that_needs_least():
+    spec = cpu_job("full")
+    chosen = layout.choose(spec, LLAMA_8B, layout.budget(spec, None))
+    assert chosen.sharding == "full"
+    assert chosen.reason == "sharding auto -> full: no memory known (set resources.memory)"
+
+
+def test_an_explicit_setting_is_obeyed():
+    for setting in ("full", "grad-op", "none"):
+        spec = cpu_job("full", memory="64Gi", **{"parallelism.sharding": setting})
+        chosen = layout.choose(spec, TINY, layout.budget(spec, None))
+        assert (chosen.sharding, chosen.reason) == (setting, "")
+
+
+def test_8_gpus_lora_8b_leaves_the_base_whole():
+    spec = example("llama3-8b-lora-efa.yaml", **{"resources.nodes": 1})
+    e = estimate.estimate(spec, LLAMA_8B)
+    assert e.sharding == "none" and e.fits
+    assert e.temporaries == 0  # nothing gathered
+    assert "frozen base whole" in e.sharding_reason
+    assert "of 80.0 GiB per GPU" in e.sharding_reason
+
+
+def test_8_gpus_70b_full_is_sharded_across_16_gpus():
+    spec = example("llama2-70b-full.yaml", **{"parallelism.sharding": "auto"})
+    assert spec.resources.gpus_per_node == 8 and spec.resources.nodes > 1
+    e = estimate.estimate(spec, LLAMA_70B)
+    # 70B's states (~1.1 TiB) fit one node's 8 GPUs neither whole nor sharded: full it is.
+    assert e.sharding == "full"
+    assert per_process(spec, LLAMA_70B, "hybrid", 80 * GIB) > 0.9 * 80 * GIB
+    assert e.sharding_reason.startswith("sharding auto -> full: ")
+
+
+def test_8_gpus_two_nodes_prefers_hybrid_when_the_states_fit_a_node_but_not_a_gpu():
+    # 8B full fine-tune, 2 nodes x 8 x 40 GB: the whole states (~128 GiB) fit no GPU, a node's
+    # shard of them fits; hybrid keeps the gathers inside each node.
+    spec = example(
+        "llama3-8b-full-40gb.yaml", **{"parallelism.sharding": "auto", "resources.nodes": 2}
+    )
+    assert spec.resources.nodes == 2 and spec.resources.gpus_per_node == 8
+    e = estimate.estimate(spec, LLAMA_8B)
+    assert e.sharding == "hybrid"
+    assert per_process(spec, LLAMA_8B, "none", 40 * GIB) > 40 * GIB
+
+
+def test_dpo_reference_gathers_a_sharded_base_once_more_except_under_grad_op():
+    spec = example("tiny-dpo.yaml")
+    sft = example("tiny.yaml", **{"method.type": "lora"})
+    moved = {
+        (s.training.objective, sharding): traffic.traffic(s, 2, sharding, 1e6, 1000)
+        for s in (spec, sft)
+        for sharding in ("full", "grad-op")
+    }
+    share = (spec.resources.world_size - 1) / spec.resources.world_size
+    grads = 4000 * share
+    assert moved["dpo", "full"].process_bytes == pytest.approx(3e6 * share + grads)
+    assert moved["sft", "full"].process_bytes == pytest.approx(2e6 * share + grads)
+    assert moved["dpo", "grad-op"].process_bytes == moved["sft", "grad-op"].process_bytes
+
+
+def test_hybrid_is_a_candidate_only_across_nodes_of_several_processes():
+    # 2 nodes x 1 process: hybrid's shard group would be one process, none by another name.
+    assert "hybrid" not in layout.candidates(example("tiny.yaml"))
+    assert "hybrid" not in layout.candidates(cpu_job())  # one node
+    two_by_two = example("tiny.yaml", **{"resources.processesPerNode": 2})
+    assert "hybrid" in layout.candidates(two_by_two)
+    assert "none" not in layout.candidates(cpu_job(**{"parallelism.cpuOffload": True}))
