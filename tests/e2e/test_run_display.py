@@ -170,8 +170,10 @@ def assert_start_up_said_and_kept(stdout: str, workdir: Path) -> None:
         total, abs=0.06
     )
     assert sum(kept["phases"].values()) == pytest.approx(kept["seconds"], abs=0.01 * len(PHASES))
-    # Every phase the tiny job passes through took some time (it downloads nothing).
-    assert all(kept["phases"][p] > 0 for p in PHASES if p != "download"), kept
+    # The phases that always work took time; the others may round to 0.00 s (the tiny job
+    # downloads nothing, reads 0.00 GiB of weights and resumes from no checkpoint).
+    assert all(kept["phases"][p] >= 0 for p in PHASES), kept
+    assert all(kept["phases"][p] > 0 for p in ("imports", "data", "shard", "first step")), kept
 
 
 def test_ctrl_c_stops_quietly_and_says_how_to_resume(tmp_path):
