@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import envs
@@ -15,6 +16,13 @@ from trainer_outputs import Runs
 # (hangs, trainer_outputs) from tests/ as pytest does: every process the tests start finds them.
 TESTS = str(Path(__file__).resolve().parent)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))
+
+# A runner that starts the suite with Ctrl-C ignored (a background job of a non-interactive
+# shell, nohup) passes that on to every process the tests start: the tests that press Ctrl-C
+# would meet an ftjob run that cannot hear it, as no user at a terminal does. A caught signal
+# is reset at exec, so every process started from here gets Ctrl-C's default again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
