@@ -14,11 +14,12 @@ cd "$(dirname "$0")/.."
 torch=${TORCH_FLOOR:-2.11.0}  # the GPU image's torch (docs/gpu.md)
 python=${PYTHON:-python3}
 cache=${FTJOB_ENV_CACHE:-$HOME/.cache/ftjob-envs}
-# What the trainer, the bench baseline (TRL + accelerate) and the tests import.
+# What the trainer with QLoRA's torchao (as the GPU image has them), the bench baseline
+# (TRL + accelerate) and the tests import.
 packages=$("$python" - <<'PY'
 import tomllib
 extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]
-keep = extras["trainer"] + [d for d in extras["bench"]]
+keep = extras["trainer"] + extras["qlora"] + extras["bench"]
 keep += ["pyyaml", "jsonschema", "common-expression-language", "pytest", "pytest-timeout"]
 print(" ".join(sorted(set(keep))))
 PY
