@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from ftjob.api.schema import FieldError
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.job import installed
 
 # The top-level modules each extra provides (pyproject.toml's [project.optional-dependencies]).
 MODULES = {
@@ -30,9 +29,7 @@ MODULES = {
         "prometheus_client",
         "rich",
     ),
-    # Its own extra: transformers imports torchao whenever it is installed, and torchao's
-    # import prints warnings in every script of a user that loads a model (an export too).
-    "qlora": ("torchao",),
+    "qlora": installed.QLORA,  # its own extra: ftjob.job.installed says why
     "tracking": ("mlflow", "wandb", "tensorboard"),
 }
 # Which extra a command needs before it can start.
@@ -63,19 +60,3 @@ def command_problem(command: str) -> str | None:
     extra = COMMANDS.get(command)
     missing = not_installed(MODULES[extra]) if extra else []
     return hint(extra, missing, f"ftjob {command}") if missing else None
-
-
-def job_problems(spec: FineTuneJobSpec) -> list[FieldError]:
-    """The extras a job's own settings need that are missing here (the trackers' are
-    ftjob.trainer.report.trackers.not_installed): ``ftjob run`` refuses the job at once."""
-    missing = not_installed(MODULES["qlora"]) if spec.method.type == "qlora" else []
-    if not missing:
-        return []
-    return [
-        FieldError(
-            "spec.method.type",
-            f"qlora needs ftjob's qlora extra ({', '.join(missing)} not installed), the 4-bit "
-            "storage of the base model",
-            fix="pip install 'ftjob[qlora]' (or use method.type lora)",
-        )
-    ]

@@ -27,11 +27,11 @@ from ftjob.api import manifest
 from ftjob.api.contract import EXIT_PREEMPTED, TrainerError
 from ftjob.api.schema import SpecError, check_rules
 from ftjob.api.spec import KIND, ineffective, parse_resource
-from ftjob.cli import extras, failure
+from ftjob.cli import failure
 from ftjob.cli.nodes import Node, free_port, interrupt, start_node, stop_all, wait_first
 from ftjob.cli.screen import Screen
 from ftjob.job import folder as jobfolder
-from ftjob.job import inputs, lease, processes
+from ftjob.job import inputs, installed, lease, processes
 from ftjob.job.folder import JobFolder
 from ftjob.trainer.data import records
 from ftjob.trainer.report import trackers
@@ -90,7 +90,7 @@ def _can_start(job_file: str, spec, source_root: Path, job_dir: Path | None, out
     # keeps its own checks: pods on a cluster read the volume, not this machine).
     missing = (
         inputs.missing(spec, source_root, job_dir)
-        + extras.job_problems(spec)
+        + installed.missing(spec)
         + trackers.not_installed(spec)
     )
     for problem in missing:

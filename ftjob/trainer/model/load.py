@@ -18,7 +18,6 @@ NF4, which FSDP2 shards like any other parameter (``Shard(0)``: each rank holds 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ftjob.api.contract import BAD_SPEC, TrainerError
 from ftjob.api.spec import FineTuneJobSpec
-from ftjob.job import modelfiles
+from ftjob.job import installed, modelfiles
 from ftjob.job.inputs import resolve  # here too: the trainer's modules call model.resolve
 from ftjob.plan.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK
 from ftjob.trainer.model import attention, weights
@@ -127,24 +126,18 @@ def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase) -> Built:
 
 
 def check_shardable(built: Built, shards: int) -> None:
-    """Refuse, before any weight is read, a QLoRA job whose 4-bit weights cannot be split."""
+    """Refuse, before any weight is read, a QLoRA job whose 4-bit weights cannot be split, or
+    that this Python cannot store in 4 bits (the qlora extra missing: ftjob run refuses that at
+    its door; a trainer started otherwise says it here, not as an import error halfway through
+    the weights)."""
     from ftjob.plan.limits import qlora_problem  # the rule validate, plan and the operator apply
 
     problem = qlora_problem(built.spec, built.quantized, shards)
+    problem = problem or next(iter(installed.missing(built.spec)), None)
     if problem:
         where = problem.path.removeprefix("spec")  # the termination record's field, e.g. .resources
         # The fix travels on its own, so the failure summary's fix line is this cause's.
         raise TrainerError(problem.message, reason=BAD_SPEC, where=where, fix=problem.fix)
-    if built.quantized and importlib.util.find_spec("torchao") is None:
-        # ftjob run refuses this at its door (ftjob.cli.extras); a trainer started otherwise
-        # says it here, not as an import error in the middle of reading the weights.
-        raise TrainerError(
-            "qlora needs ftjob's qlora extra (torchao not installed), the 4-bit storage of the "
-            "base model",
-            reason=BAD_SPEC,
-            where=".method.type",
-            fix="pip install 'ftjob[qlora]' (or use method.type lora)",
-        )
 
 
 def _prepare(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
