@@ -134,18 +134,6 @@ class Speed:
     compile: bool  # torch.compile each decoder layer
 
 
-def speed_settings(
-    spec: FineTuneJobSpec, config, device_bytes: int | None, sharding: str = "full"
-) -> Speed:
-    """Resolve activationCheckpointing (``auto``: the planner's fastest setting that fits this
-    device under ``sharding``) and compile for this device; ``config`` is the model's
-    transformers config."""
-    shape = ModelShape.from_config(config.to_dict())
-    on_gpu = spec.resources.gpus_per_node > 0
-    stride = checkpoint_stride(spec, shape, device_bytes, sharding)
-    return Speed(stride, spec.compile_enabled(on_gpu))
-
-
 def layout(spec: FineTuneJobSpec, d: Dist, config) -> plan_layout.Layout:
     """parallelism.sharding (``auto``: the planner's fastest layout that fits) and the
     activation checkpointing that goes with it, for the memory this gang has: one GPU's, or
@@ -174,9 +162,13 @@ def shard(
     """Activation checkpointing, compile, then ``fully_shard`` per decoder layer, then the root
     (torchtitan's order).
 
-    ``whole``: parameters FSDP leaves alone (each rank holds them whole); ``speed``: as
-    :func:`speed_settings` resolves it for a CPU (no device memory to fit) when not given."""
-    speed = speed or speed_settings(spec, model.config, None, sharding)
+    ``whole``: parameters FSDP leaves alone (each rank holds them whole); ``speed``:
+    what activationCheckpointing and compile resolve to on a CPU (no device memory to fit)
+    when not given; the trainer passes its :func:`layout`'s."""
+    if speed is None:
+        shape = ModelShape.from_config(model.config.to_dict())
+        on_gpu = spec.resources.gpus_per_node > 0
+        speed = Speed(checkpoint_stride(spec, shape, None, sharding), spec.compile_enabled(on_gpu))
     layers = decoder_layers(model)
     if speed.checkpoint_every:
         # Non-reentrant checkpointing recomputes inside FSDP's hooks and needs no input grads.
