@@ -1,32 +1,19 @@
 """parallelism.sharding: auto picks the fastest layout that fits (ftjob/plan/layout.py)."""
 
+import json
 from pathlib import Path
 
 import pytest
+from example_jobs import example
 
-from ftjob.api import manifest
 from ftjob.api.hardware import GIB
-from ftjob.api.spec import parse_resource
 from ftjob.plan import estimate, layout, traffic
 from ftjob.plan.modelshape import ModelShape, known_model
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ModelShape.from_config(
-    __import__("json").loads((ROOT / "examples/tiny-model/config.json").read_text())
-)
+TINY = ModelShape.from_config(json.loads((ROOT / "examples/tiny-model/config.json").read_text()))
 LLAMA_8B = known_model("hf://meta-llama/Meta-Llama-3-8B")
 LLAMA_70B = known_model("hf://meta-llama/Llama-2-70b-hf")
-
-
-def example(name, **edits):
-    (doc,) = manifest.load(ROOT / "examples" / name)
-    for path, value in edits.items():
-        node = doc["spec"]
-        *parents, last = path.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return parse_resource(doc)[1]
 
 
 def cpu_job(method="full", memory=None, **edits):

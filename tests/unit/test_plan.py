@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from example_jobs import example
 
 from ftjob.api import manifest
 from ftjob.api.hardware import GIB
@@ -17,17 +18,6 @@ from ftjob.plan.modelshape import ModelShape, known_model, shape_for
 
 ROOT = Path(__file__).resolve().parents[2]
 ONE_80GB = {"resources.nodes": 1, "resources.gpusPerNode": 1, "resources.gpuType": "A100-80GB"}
-
-
-def example(name, **edits):
-    (doc,) = manifest.load(ROOT / "examples" / name)
-    for path, value in edits.items():
-        node = doc["spec"]
-        *parents, last = path.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return parse_resource(doc)[1]
 
 
 @pytest.mark.parametrize(
