@@ -337,3 +337,17 @@ def test_csv_values_are_read_as_the_text_they_hold(tmp_path):
         records.normalize({"prompt": "p", "completion": 40.0}, ds, "d.jsonl line 3")
     assert "field 'completion' must be a str, got a float (40.0)" in str(e.value)
     assert e.value.fix.startswith("make field 'completion' a str in that record")
+
+
+def test_ftjob_runs_record_check_reads_the_first_records_only(tmp_path, monkeypatch):
+    """`ftjob run` names a bad record in the first CHECKED at once; past them, the trainer
+    does (a 10 GB file read whole before every run, a resume too, would be minutes)."""
+    from ftjob.trainer.data import records
+
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    path = write_jsonl(tmp_path / "d.jsonl", [good] * 5 + [{"conversation": []}])
+    ds = spec(str(path), format="chat").dataset
+    with pytest.raises(DataError, match="line 6: has no field 'messages'"):
+        records.check(ds)
+    monkeypatch.setattr(records, "CHECKED", 5)
+    assert records.check(ds) == 5  # the sixth, bad, record is the trainer's to find

@@ -7,6 +7,7 @@ Records are yielded, never collected, so a file larger than RAM streams through.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -229,21 +230,26 @@ def batches(ds: DatasetSpec, split: str, size: int = 2_000) -> Iterator:
 
 # The files read here without the datasets library: those :func:`check` reads.
 PLAIN_FILES = (".jsonl", ".json", ".csv")
+# How many records `ftjob run` reads before it starts anything: a field named wrongly or a
+# format mismatch shows in the first; the trainer reads them all. 50,000 chat records take
+# ~0.2 s (200,000 took 0.78 s, 35 MB); every record of a 10 GB file would be minutes before
+# every run, a resume too.
+CHECKED = 50_000
 
 
 def check(ds: DatasetSpec, root: Path | None = None) -> int | None:
-    """Read every record of a local JSON lines, JSON or CSV source as the trainer will, and
-    raise its DataError at the first bad one (a missing field, a cut line); the number of
-    records read. None: not read here (an hf:// source, a datasets folder or Parquet needs the
-    datasets library; the trainer reads those). A plain pass, no Arrow and no tokenizer: the
-    tiny job's 2,000 chat records take a few hundredths of a second.
+    """Read the first CHECKED records of a local JSON lines, JSON or CSV source as the trainer
+    will, and raise its DataError at the first bad one (a missing field, a cut line); the number
+    of records read. None: not read here (an hf:// source, a datasets folder or Parquet needs
+    the datasets library; the trainer reads those). A plain pass, no Arrow and no tokenizer.
     """
-    for split in filter(None, (ds.split, ds.eval_split)):
-        path = check_source(ds, split, root)  # a single file has one split
+    path = check_source(ds, ds.split, root)
+    if ds.eval_split:
+        check_source(ds, ds.eval_split, root)  # a single file has one split
     if path is None or path.is_dir() or path.suffix.lower() not in PLAIN_FILES:
         return None
     count = 0
-    for where, _, row in raw(ds, ds.split, root):
+    for where, _, row in itertools.islice(raw(ds, ds.split, root), CHECKED):
         normalize(row, ds, where)
         count += 1
     if count == 0:
