@@ -319,7 +319,7 @@ def estimate_at(
 
     tokens = t.micro_batch_size * spec.sequences_per_example * spec.dataset.max_seq_length
     activations = _activations(spec, shape, tokens, act_bytes, stride) * FRAGMENTATION
-    temporaries = _temporaries(method, shape, sharding, act_bytes)
+    temporaries = _temporaries(method, shape, sharding, group, act_bytes)
     # What FSDP gathers for one forward: nothing where a group of one leaves the frozen base
     # whole (trainer/model/load.py left_whole; the adapters' copies are negligible).
     gathered = 0.0 if group == 1 else base_bytes + trainable * act_bytes
@@ -396,13 +396,15 @@ def _speed(
     )
 
 
-def _temporaries(method: str, shape: ModelShape, sharding: str, act_bytes: int) -> float:
+def _temporaries(
+    method: str, shape: ModelShape, sharding: str, group: int, act_bytes: int
+) -> float:
     """FSDP gathers a layer (and prefetches the next) in compute precision and holds its
     unsharded fp32 gradient until the reduce-scatter; grad-op keeps every layer gathered
     from forward to backward."""
     layer = shape.layer_params
-    if sharding == "none" and method != "full":
-        return 0.0  # the frozen base is left whole: nothing is gathered
+    if group == 1 and method != "full":
+        return 0.0  # a group of one leaves the frozen base whole (load.py left_whole)
     gathered = (shape.params if sharding == "grad-op" else 2 * layer) * act_bytes
     if method == "qlora":
         # The gathered layers stay 4-bit; each linear weight is dequantized as it is used.

@@ -144,3 +144,13 @@ def test_hybrid_is_a_candidate_only_across_nodes_of_several_processes():
     two_by_two = example("tiny.yaml", **{"resources.processesPerNode": 2})
     assert "hybrid" in layout.candidates(two_by_two)
     assert "none" not in layout.candidates(cpu_job(**{"parallelism.cpuOffload": True}))
+
+
+def test_any_group_of_one_plans_the_frozen_base_whole_as_the_trainer_leaves_it():
+    """The trainer leaves frozen weights outside FSDP whenever a parameter's shard group is
+    one process (load.py left_whole), hybrid on nodes of one process too: nothing gathered."""
+    spec = example("tiny.yaml", **{"method.type": "lora", "parallelism.sharding": "hybrid"})
+    assert spec.resources.nodes == 2 and spec.resources.nproc_per_node == 1  # groups of one
+    for sharding in ("none", "hybrid"):
+        assert estimate.estimate_at(spec, TINY, 0, None, sharding).temporaries == 0.0
+    assert estimate.estimate_at(spec, TINY, 0, None, "full").temporaries > 0.0
