@@ -94,14 +94,13 @@ def choose(spec: FineTuneJobSpec, shape: ModelShape, b: Budget) -> Layout:
     if explicit != "auto":
         return Layout(explicit, checkpoint_stride(spec, shape, device, explicit), "")
     timed = [(s, *_timed(spec, shape, device, s)) for s in candidates(spec)]
+    s, e, _ = min(timed, key=lambda t: t[1].per_device)  # where nothing fits, or is known
     if b.per_process is None:
         # Nothing to fit against: the layout that needs least, as before auto compared.
-        s, e, _ = min(timed, key=lambda t: t[1].per_device)
         return Layout(s, e.checkpoint_stride, f"sharding auto -> {s}: {b.source}")
     limit = TIGHT * b.per_process
     fitting = [t for t in timed if _fits(t[1], limit)]
     if not fitting:
-        s, e, _ = min(timed, key=lambda t: t[1].per_device)
         why = (
             f"nothing fits in {TIGHT:.0%} of {b.source}; {s} needs the least "
             f"({gib(e.per_device)}/process)"

@@ -56,8 +56,9 @@ def _with(spec: FineTuneJobSpec, **changes) -> FineTuneJobSpec:
     return dataclasses.replace(spec, **replaced)
 
 
-def _candidates(spec: FineTuneJobSpec, shape: ModelShape, machine_bytes: float | None):
-    """Single changes that lower memory, cheapest first (what each costs the user)."""
+def _candidates(spec: FineTuneJobSpec, shape: ModelShape, sharding: str):
+    """Single changes that lower memory, cheapest first (what each costs the user);
+    ``sharding``: the job's own, resolved (its estimate's)."""
     t, r, p, m = spec.training, spec.resources, spec.parallelism, spec.method
     if t.activation_checkpointing not in ("auto", "all"):
         # What auto would pick here: the fewest recomputed layers that fit (else all). auto
@@ -65,7 +66,6 @@ def _candidates(spec: FineTuneJobSpec, shape: ModelShape, machine_bytes: float |
         gpu = GPUS.get(r.gpu_type) if r.gpu_type else None
         auto = _with(spec, training__activation_checkpointing="auto")
         device = gpu.memory_bytes if gpu else None
-        sharding = estimate(spec, shape, machine_bytes).sharding
         stride = checkpoint_stride(auto, shape, device, sharding)
         if stride != stride_of(t.activation_checkpointing):
             e = estimate_at(auto, shape, stride, device, sharding)
@@ -139,7 +139,7 @@ def plan(
         cumulative: dict = {}
         labels: list[str] = []
         stacked_fits = False
-        for label, change in _candidates(spec, shape, machine_bytes):
+        for label, change in _candidates(spec, shape, base.sharding):
             single = _with(spec, **change)
             if check_rules(single, "spec"):
                 continue  # advice must be a job the API server accepts
