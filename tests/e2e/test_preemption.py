@@ -21,7 +21,7 @@ from pathlib import Path
 import hangs
 import pytest
 from safetensors.torch import load_file
-from test_recovery import injected, recovery_job, wait_for_step
+from test_recovery import hold_after, injected, recovery_job, wait_for_step
 from test_trainer_run import RUN_TIMEOUT, history, job_processes, losses, run, start
 
 from ftjob.api import contract
@@ -84,13 +84,14 @@ def saved_step(out: str) -> int:
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_sigterm_to_one_node_saves_the_step_reached_and_resumes_bit_for_bit(
-    reference, tmp_path, async_save
+    reference, tmp_path, monkeypatch, async_save
 ):
     """The main case: one node's pod evicted at a random step. Periodic checkpoints are off
     in effect (every 1000 steps), so all that keeps the work is the save on SIGTERM."""
     workdir = tmp_path / "evicted"
     doc = recovery_job("evicted", checkpoint={"every": 1000, "asyncSave": async_save})
     at = random.Random().randint(2, STEPS - 3)
+    hold_after(monkeypatch, at, tmp_path / "gate")
     proc = start(doc, workdir)
     wait_for_step(proc, workdir, at)
     reached = max(losses(workdir))
@@ -138,8 +139,9 @@ def operator_sees(record: dict) -> dict:
     return status.diagnose(pod)
 
 
-def test_sigterm_to_every_node_at_once(reference, tmp_path):
+def test_sigterm_to_every_node_at_once(reference, tmp_path, monkeypatch):
     workdir = tmp_path / "drained"
+    hold_after(monkeypatch, 5, tmp_path / "gate")
     proc = start(recovery_job("drained", checkpoint={"every": 1000}), workdir)
     wait_for_step(proc, workdir, 5)
     reached = max(losses(workdir))
@@ -175,8 +177,11 @@ def test_a_grace_period_too_short_for_the_save_keeps_the_previous_checkpoint(
     one, and the next gang resumes from it."""
     workdir = tmp_path / "short"
     monkeypatch.setenv(contract.GRACE_ENV, "0.1")
+    # The SIGTERM reaches rank 1 before its step EVERY + 2, and the gang stops a step after its
+    # ballot (ftjob.trainer.gang.preempt.Vote): at EVERY + 3, between two periodic saves.
+    hold_after(monkeypatch, EVERY + 1, tmp_path / "gate")
     proc = start(recovery_job("short"), workdir)
-    wait_for_step(proc, workdir, EVERY + 2)
+    wait_for_step(proc, workdir, EVERY + 1)
     os.kill(agent_pid(workdir, 1), signal.SIGTERM)
     out, _ = proc.communicate(timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, out

@@ -61,6 +61,14 @@ def run_processes(workdir: Path) -> set[int]:
     return found
 
 
+def hold_after(monkeypatch, step: int, gate: Path) -> None:
+    """Rank 1 of the next run waits before its step ``step + 1`` until ``gate`` exists or its
+    SIGTERM arrived: a test that acts on a run at ``step`` (a signal, a stopped process) must
+    act before it ends, and a step of this job takes ~0.1 s, less than a busy machine gives a
+    test to find a pid. Only the first gang waits (the SIGTERM makes ``gate``)."""
+    injected(monkeypatch, f"hold:1:{step + 1}:{gate}")
+
+
 def wait_for_step(proc, workdir: Path, step: int) -> None:
     deadline = time.monotonic() + RUN_TIMEOUT
     while not any(s >= step for s in losses(workdir)):
@@ -178,15 +186,18 @@ def test_a_stopped_rank_is_named_and_no_process_of_the_run_survives(tmp_path):
 
 
 def test_a_stopped_rank_is_restarted_in_place_with_the_gang_which_resumes_exactly(
-    reference, tmp_path
+    reference, tmp_path, monkeypatch
 ):
     """The rung before: with restarts left, the hang costs one collective timeout. The
     stopped worker's agent continues it (SIGCONT) before ending it, and every node resumes."""
     workdir = tmp_path / "hang"
+    gate = tmp_path / "gate"
+    hold_after(monkeypatch, 5, gate)
     proc = start(recovery_job("hang", network={"collectiveTimeoutSeconds": 30}), workdir)
     wait_for_step(proc, workdir, 5)
     stopped = rank_pid(workdir, 1)
     os.kill(stopped, signal.SIGSTOP)
+    gate.touch()
     out, _ = proc.communicate(timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, out
     notice = next(x for x in out.splitlines() if x.startswith("ftjob agent: node 0: rank 0"))

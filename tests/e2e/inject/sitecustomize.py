@@ -6,6 +6,10 @@ module at start-up in every process of the run, and only a worker of the named r
 
 * ``raise:RANK:CALL:MARKER`` -- the CALL-th train_step of the process raises once (MARKER is a
   file created then, so the worker restarted in place does not raise again);
+* ``hold:RANK:CALL:GATE`` -- the CALL-th train_step of the process waits until the file GATE
+  exists or this worker has noted a SIGTERM (its agent passes the pod's on in its own time;
+  GATE is made then, so the gang started again does not wait). A test acts on a run that
+  cannot pass that step meanwhile;
 * ``slow:RANK:SECONDS`` -- every step's data takes SECONDS longer on that rank;
 * ``slowsave:RANK:SECONDS:MARKER`` -- the first checkpoint that rank writes takes SECONDS
   longer once its files are written (MARKER is created as the wait starts: a test signals
@@ -56,6 +60,20 @@ def _patch(step) -> None:
             return original(*args, **kwargs)
 
         step.train_step = train_step
+    elif kind == "hold":
+        call, gate = int(_SPEC[2]), _SPEC[3]
+        original, calls = step.train_step, [0]
+
+        def held_step(*args, **kwargs):
+            calls[0] += 1
+            vote = kwargs.get("vote", args[5] if len(args) > 5 else None)
+            while calls[0] == call and not os.path.exists(gate):
+                if vote.request.asked:
+                    open(gate, "w").close()
+                time.sleep(0.05)
+            return original(*args, **kwargs)
+
+        step.train_step = held_step
     elif kind == "slow":
         seconds, fetch = float(_SPEC[2]), step.Prefetch.next
 
