@@ -17,15 +17,19 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
+import hangs
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch.distributed as dist
 from safetensors.torch import load_file
-from test_trainer_run import RUN_TIMEOUT, job, losses, rank_pid, run, start
+from test_trainer_run import RUN_TIMEOUT, job, job_processes, losses, rank_pid, run, start
 
 from ftjob.job.processes import alive
+from ftjob.trainer.gang import heartbeat
 
 INJECT = Path(__file__).resolve().parent / "inject"
 STEPS = 12
@@ -67,6 +71,13 @@ def hold_after(monkeypatch, step: int, gate: Path) -> None:
     act before it ends, and a step of this job takes ~0.1 s, less than a busy machine gives a
     test to find a pid. Only the first gang waits (the SIGTERM makes ``gate``)."""
     injected(monkeypatch, f"hold:1:{step + 1}:{gate}")
+
+
+def gang_store(workdir: Path, pid: int) -> dist.TCPStore:
+    """A client of the store the worker ``pid`` keeps its heartbeat in (node 0's agent's)."""
+    env = next(env for p, env, _ in job_processes(workdir) if p == pid)
+    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=hangs.FLOOR))  # fmt: skip
 
 
 def wait_for_step(proc, workdir: Path, step: int) -> None:
@@ -172,6 +183,11 @@ def test_a_stopped_rank_is_named_and_no_process_of_the_run_survives(tmp_path):
     everyone = run_processes(workdir)
     stopped = rank_pid(workdir, 1)
     assert stopped in everyone and len(everyone) == 4  # 2 agents, 2 workers
+    # Three steps can take less than the second between beats: stop it once it has beaten
+    # from training, or its last beat is the one from before step 1.
+    beats = gang_store(workdir, stopped)
+    hangs.poll(lambda: heartbeat.read(beats, 2).get(1, {}).get("step", 0) >= 1, hangs.RUN,
+               "rank 1's heartbeat after a step")  # fmt: skip
     os.kill(stopped, signal.SIGSTOP)
     out, _ = proc.communicate(timeout=RUN_TIMEOUT)
     assert proc.returncode == 1, out
