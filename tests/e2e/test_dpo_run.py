@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 from test_qlora import make_base, nf4_reference
-from test_trainer_run import RUN_TIMEOUT, history, losses, rank_pid, run, start
+from test_trainer_run import RUN_TIMEOUT, history, hold_after, losses, rank_pid, run, start
 
 from ftjob.trainer.state.integrity import COMMITTED
 
@@ -31,11 +31,14 @@ def tiny_dpo() -> dict:
     return doc
 
 
-def killed_mid_run(doc: dict, workdir: Path, ready) -> tuple[int, str]:
-    """Run ``doc`` in ``workdir`` and SIGKILL rank 1 once ``ready(workdir)`` holds: the last
-    step logged and the killed run's output. No restart in place: a rerun resumes."""
+def killed_mid_run(doc: dict, workdir: Path, ready, hold: int) -> tuple[int, str]:
+    """Run ``doc`` in ``workdir`` and SIGKILL rank 1 once ``ready(workdir)`` holds (rank 1
+    waits before step ``hold + 1`` meanwhile): the last step logged and the killed run's
+    output. No restart in place: a rerun resumes."""
     doc["spec"]["runPolicy"] = {"inPlaceRestarts": 0}
-    proc = start(doc, workdir)
+    with pytest.MonkeyPatch.context() as patch:  # the rerun runs without the hold
+        hold_after(patch, hold, workdir.parent / f"{workdir.name}-gate")
+        proc = start(doc, workdir)
     deadline = time.monotonic() + RUN_TIMEOUT
     while not ready(workdir):
         assert proc.poll() is None, proc.communicate()[0]
@@ -75,7 +78,7 @@ def dpo(runs) -> tuple[Path, str, dict]:
 def killed(runs) -> tuple[Path, int, int, str]:
     """The same job with rank 1 SIGKILLed mid-run, then `ftjob run` once more."""
     workdir = runs / "killed"
-    killed_at, _ = killed_mid_run(tiny_dpo(), workdir, past_step_10)
+    killed_at, _ = killed_mid_run(tiny_dpo(), workdir, past_step_10, hold=10)
     code, out = run(tiny_dpo(), workdir)
     return workdir, killed_at, code, out
 
@@ -190,7 +193,7 @@ def qlora_killed(runs, qlora) -> tuple[Path, int, int, str]:
     def ready(workdir: Path) -> bool:
         return committed.is_file() and max(losses(workdir), default=0) > 10
 
-    killed_at, _ = killed_mid_run(qlora_dpo(), workdir, ready)
+    killed_at, _ = killed_mid_run(qlora_dpo(), workdir, ready, hold=12)
     code, out = run(qlora_dpo(), workdir)
     return workdir, killed_at, code, out
 

@@ -21,8 +21,17 @@ from pathlib import Path
 import hangs
 import pytest
 from safetensors.torch import load_file
-from test_recovery import hold_after, injected, recovery_job, wait_for_step
-from test_trainer_run import RUN_TIMEOUT, history, job_processes, losses, run, start
+from test_recovery import recovery_job, wait_for_step
+from test_trainer_run import (
+    RUN_TIMEOUT,
+    history,
+    hold_after,
+    injected,
+    job_processes,
+    losses,
+    run,
+    start,
+)
 
 from ftjob.api import contract
 from ftjob.api.spec import parse_resource

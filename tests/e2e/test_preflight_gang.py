@@ -12,8 +12,7 @@ import json
 import re
 from datetime import datetime, timezone
 
-from test_recovery import injected
-from test_trainer_run import job, run
+from test_trainer_run import injected, job, run
 
 from ftjob.api import contract, manifest
 from ftjob.api.spec import parse_resource

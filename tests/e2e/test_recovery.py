@@ -26,12 +26,21 @@ import pyarrow.parquet as pq
 import pytest
 import torch.distributed as dist
 from safetensors.torch import load_file
-from test_trainer_run import RUN_TIMEOUT, job, job_processes, losses, rank_pid, run, start
+from test_trainer_run import (
+    RUN_TIMEOUT,
+    hold_after,
+    injected,
+    job,
+    job_processes,
+    losses,
+    rank_pid,
+    run,
+    start,
+)
 
 from ftjob.job.processes import alive
 from ftjob.trainer.gang import heartbeat
 
-INJECT = Path(__file__).resolve().parent / "inject"
 STEPS = 12
 SPEC = {"training": {"maxSteps": STEPS}, "checkpoint": {"every": 4, "keep": 3}}
 
@@ -41,13 +50,6 @@ def recovery_job(name: str, **changes) -> dict:
     for section, values in changes.items():
         doc["spec"].setdefault(section, {}).update(values)
     return doc
-
-
-def injected(monkeypatch, fault: str) -> None:
-    """Every process of the next run imports tests/e2e/inject with ``fault``."""
-    path = os.environ.get("PYTHONPATH")
-    monkeypatch.setenv("PYTHONPATH", f"{INJECT}{os.pathsep}{path}" if path else str(INJECT))
-    monkeypatch.setenv("FTJOB_TEST_INJECT", fault)
 
 
 def run_processes(workdir: Path) -> set[int]:
@@ -63,14 +65,6 @@ def run_processes(workdir: Path) -> set[int]:
         if f"FTJOB_JOB_DIR={workdir}".encode() in environ:
             found.add(int(proc.name))
     return found
-
-
-def hold_after(monkeypatch, step: int, gate: Path) -> None:
-    """Rank 1 of the next run waits before its step ``step + 1`` until ``gate`` exists or its
-    SIGTERM arrived: a test that acts on a run at ``step`` (a signal, a stopped process) must
-    act before it ends, and a step of this job takes ~0.1 s, less than a busy machine gives a
-    test to find a pid. Only the first gang waits (the SIGTERM makes ``gate``)."""
-    injected(monkeypatch, f"hold:1:{step + 1}:{gate}")
 
 
 def gang_store(workdir: Path, pid: int) -> dist.TCPStore:

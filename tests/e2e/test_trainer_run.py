@@ -26,6 +26,7 @@ import torch
 import yaml
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+INJECT = Path(__file__).resolve().parent / "inject"
 RUN_TIMEOUT = hangs.RUN  # one tiny run (tests/hangs.py)
 
 BASE = {
@@ -76,6 +77,21 @@ def start(doc: dict, workdir: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FTJOB_PROGRESS_PORT": "0"}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)  # fmt: skip
+
+
+def injected(monkeypatch, fault: str) -> None:
+    """Every process of the next run imports tests/e2e/inject with ``fault``."""
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", f"{INJECT}{os.pathsep}{path}" if path else str(INJECT))
+    monkeypatch.setenv("FTJOB_TEST_INJECT", fault)
+
+
+def hold_after(monkeypatch, step: int, gate: Path) -> None:
+    """Rank 1 of the next run waits before its step ``step + 1`` until ``gate`` exists or its
+    SIGTERM arrived: a test that acts on a run at ``step`` (a signal, a stopped process) must
+    act before it ends, and a step of this job takes ~0.1 s, less than a busy machine gives a
+    test to find a pid. Only the first gang waits (the SIGTERM makes ``gate``)."""
+    injected(monkeypatch, f"hold:1:{step + 1}:{gate}")
 
 
 def run(doc: dict, workdir: Path) -> tuple[int, str]:
@@ -290,7 +306,9 @@ def killed(runs):
     """The full job again: rank 1 SIGKILLed mid-run, then `ftjob run` once more."""
     workdir = runs / "killed"
     # No restart in place (test_recovery.py has those): the ladder's last rung, then a rerun.
-    proc = start(job("full", runPolicy={"inPlaceRestarts": 0}), workdir)
+    with pytest.MonkeyPatch.context() as patch:  # the rerun below runs without the hold
+        hold_after(patch, 6, runs / "killed-gate")
+        proc = start(job("full", runPolicy={"inPlaceRestarts": 0}), workdir)
     deadline = time.monotonic() + RUN_TIMEOUT
     while not any(s >= 6 for s in losses(workdir)):
         assert proc.poll() is None, proc.communicate()[0]
