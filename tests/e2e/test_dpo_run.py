@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 from test_qlora import make_base, nf4_reference
-from test_trainer_run import RUN_TIMEOUT, history, hold_after, losses, rank_pid, run, start
+from test_trainer_run import RUN_TIMEOUT, history, losses, rank_pid, run, start_held
 
 from ftjob.trainer.state.integrity import COMMITTED
 
@@ -36,9 +36,7 @@ def killed_mid_run(doc: dict, workdir: Path, ready, hold: int) -> tuple[int, str
     waits before step ``hold + 1`` meanwhile): the last step logged and the killed run's
     output. No restart in place: a rerun resumes."""
     doc["spec"]["runPolicy"] = {"inPlaceRestarts": 0}
-    with pytest.MonkeyPatch.context() as patch:  # the rerun runs without the hold
-        hold_after(patch, hold, workdir.parent / f"{workdir.name}-gate")
-        proc = start(doc, workdir)
+    proc = start_held(doc, workdir, hold)
     deadline = time.monotonic() + RUN_TIMEOUT
     while not ready(workdir):
         assert proc.poll() is None, proc.communicate()[0]

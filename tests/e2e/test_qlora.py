@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_trainer_run import RUN_TIMEOUT, eval_loss_of, final, hold_after, losses, start
+from test_trainer_run import RUN_TIMEOUT, eval_loss_of, final, losses, start, start_held
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
@@ -174,9 +174,7 @@ def test_qlora_resumes_exactly_after_a_rank_is_killed(qlora, runs):
     # a rerun resumes from the checkpoint.
     doc = job("qlora", runs / "base", "qlora", runPolicy={"inPlaceRestarts": 0})
     workdir = runs / "killed"
-    with pytest.MonkeyPatch.context() as patch:  # the rerun below runs without the hold
-        hold_after(patch, 5, runs / "killed-gate")
-        proc = start(doc, workdir)
+    proc = start_held(doc, workdir, 5)
     deadline = time.monotonic() + RUN_TIMEOUT
     while max(losses(workdir), default=0) < 5 and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -94,6 +94,14 @@ def hold_after(monkeypatch, step: int, gate: Path) -> None:
     injected(monkeypatch, f"hold:1:{step + 1}:{gate}")
 
 
+def start_held(doc: dict, workdir: Path, step: int) -> subprocess.Popen:
+    """:func:`start` with rank 1 held before step ``step + 1`` (:func:`hold_after`) until the
+    test kills it; a rerun started later runs without the hold."""
+    with pytest.MonkeyPatch.context() as patch:
+        hold_after(patch, step, workdir.parent / f"{workdir.name}-gate")
+        return start(doc, workdir)
+
+
 def run(doc: dict, workdir: Path) -> tuple[int, str]:
     proc = start(doc, workdir)
     out, _ = proc.communicate(timeout=RUN_TIMEOUT)
@@ -306,9 +314,7 @@ def killed(runs):
     """The full job again: rank 1 SIGKILLed mid-run, then `ftjob run` once more."""
     workdir = runs / "killed"
     # No restart in place (test_recovery.py has those): the ladder's last rung, then a rerun.
-    with pytest.MonkeyPatch.context() as patch:  # the rerun below runs without the hold
-        hold_after(patch, 6, runs / "killed-gate")
-        proc = start(job("full", runPolicy={"inPlaceRestarts": 0}), workdir)
+    proc = start_held(job("full", runPolicy={"inPlaceRestarts": 0}), workdir, 6)
     deadline = time.monotonic() + RUN_TIMEOUT
     while not any(s >= 6 for s in losses(workdir)):
         assert proc.poll() is None, proc.communicate()[0]
