@@ -41,7 +41,7 @@ def full(runs) -> tuple[Path, str]:
 def killed(runs) -> tuple[Path, int, str, str, float]:
     """The same job with rank 1 SIGKILLed mid-run, then `ftjob run` once more."""
     workdir = runs / "killed"
-    killed_at, first = killed_mid_run(full_dpo(), workdir, past_step_10)
+    killed_at, first = killed_mid_run(full_dpo(), workdir, past_step_10, hold=10)
     (stored,) = workdir.glob("data/*/reference-*/train.npy")
     written = stored.stat().st_mtime_ns
     code, out = run(full_dpo(), workdir)
