@@ -202,6 +202,28 @@ def test_qlora_on_weights_that_cannot_split_is_refused_before_loading(tmp_path):
 
 # ---------------------------------------------------------------------------------- probe
 
+NF4_PARTS = ("quantized_data", "quantized_scalers", "quantization_factor")
+
+
+def nf4_whole(p) -> dict[str, torch.Tensor]:
+    """The parts of a sharded 4-bit weight, whole: each rank's shard of each part gathered over
+    the shard group (a plain, blocking all-gather). Not ``p.full_tensor()``: torchao's NF4 path
+    through the functional all-gather now and then corrupted the heap on CPU (gloo):
+    ``malloc(): unaligned tcache chunk detected`` in its wait, 2 probe runs in 37 under load.
+    The trainer never gathers a 4-bit weight that way (FSDP2 gathers its plain parts)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    (dim,) = [i for i, s in enumerate(p.placements) if isinstance(s, Shard)]
+    group = p.device_mesh.get_group(dim)
+    whole = {}
+    for part in NF4_PARTS:
+        mine = getattr(p.to_local(), part)
+        pieces = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, mine, group=group)
+        whole[part] = torch.cat(pieces)
+    return whole
+
 
 def probe(base: Path, out: Path) -> None:
     """Under torchrun: build the QLoRA model the trainer's way; record what this rank holds."""
@@ -229,19 +251,18 @@ def probe(base: Path, out: Path) -> None:
         model.materialize(built, d, spec.parallelism.cpu_offload)
         nf4 = {n: p for n, p in net.named_parameters() if isinstance(p.to_local(), NF4Tensor)}
         shares = []
-        for p in nf4.values():
-            local, full = p.to_local(), p.full_tensor()
-            held = [local.quantized_data, local.quantized_scalers, local.quantization_factor]
-            whole = [full.quantized_data, full.quantized_scalers, full.quantization_factor]
-            shares.append(sum(t.nbytes for t in held) / sum(t.nbytes for t in whole))
+        wholes = {n: nf4_whole(p) for n, p in nf4.items()}
+        for n, p in nf4.items():
+            held = sum(getattr(p.to_local(), part).nbytes for part in NF4_PARTS)
+            shares.append(held / sum(t.nbytes for t in wholes[n].values()))
         row = {"input_ids": list(range(10, 70)), "labels": list(range(10, 70))}
         batch = data.collate([{**row, "seq_lengths": [60]}], 0)
         reference = model._adapters(nf4_reference(base, model.frozen_dtype(spec)), spec)
         ref_weights = dict(reference.named_parameters())
         bit_equal = all(
-            torch.equal(getattr(p.full_tensor(), part), getattr(ref_weights[n], part))
-            for n, p in nf4.items()
-            for part in ("quantized_data", "quantized_scalers", "quantization_factor")
+            torch.equal(whole[part], getattr(ref_weights[n], part))
+            for n, whole in wholes.items()
+            for part in NF4_PARTS
         )
         with torch.no_grad():
             loss, count = token_loss(net, batch, d.device)

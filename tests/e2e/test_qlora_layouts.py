@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_qlora import RUN_TIMEOUT, job, make_base, nf4_reference
+from test_qlora import RUN_TIMEOUT, job, make_base, nf4_reference, nf4_whole
 
 LAYOUTS = {
     "hybrid": {"sharding": "hybrid"},
@@ -52,7 +52,7 @@ def probe(base: Path, out: Path) -> None:
         net = parallel.shard(built.model, spec, mesh, "hybrid", model.left_whole(built, shards))
         model.materialize(built, d, spec.parallelism.cpu_offload)
         nf4 = [p for p in net.parameters() if isinstance(p.to_local(), NF4Tensor)]
-        shares = [p.to_local().quantized_data.numel() / p.full_tensor().quantized_data.numel()
+        shares = [p.to_local().quantized_data.numel() / nf4_whole(p)["quantized_data"].numel()
                   for p in nf4]  # fmt: skip
         reference = model._adapters(nf4_reference(base, model.frozen_dtype(spec)), spec)
         with torch.no_grad():
