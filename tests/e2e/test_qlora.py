@@ -209,7 +209,7 @@ def nf4_whole(p) -> dict[str, torch.Tensor]:
     """The parts of a sharded 4-bit weight, whole: each rank's shard of each part gathered over
     the shard group (a plain, blocking all-gather). Not ``p.full_tensor()``: torchao's NF4 path
     through the functional all-gather now and then corrupted the heap on CPU (gloo):
-    ``malloc(): unaligned tcache chunk detected`` in its wait, 2 probe runs in 37 under load.
+    ``malloc(): unaligned tcache chunk detected`` in its wait, 3 probe runs in 28 beside a CI run.
     The trainer never gathers a 4-bit weight that way (FSDP2 gathers its plain parts)."""
     import torch.distributed as dist
     from torch.distributed.tensor import Shard
