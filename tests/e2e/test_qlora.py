@@ -22,7 +22,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_trainer_run import RUN_TIMEOUT, eval_loss_of, final, losses, start, start_held
+from test_trainer_run import (
+    RUN_TIMEOUT,
+    eval_loss_of,
+    final,
+    losses,
+    rank_pid,
+    start,
+    start_held,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
@@ -147,26 +155,6 @@ def test_qlora_export_reloads_with_the_trained_eval_loss(qlora, runs):
     merged = AutoModelForCausalLM.from_pretrained(export / "merged")
     assert merged.dtype == torch.bfloat16  # the base's original dtype
     assert eval_loss_of(merged.float(), workdir) == pytest.approx(trained, abs=2 * gap + 5e-3)
-
-
-def rank_pid(workdir: Path, rank: int) -> int | None:
-    """The trainer process of ``rank`` in this job (found by its environment)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            environ = (proc / "environ").read_text().split("\0")
-            cmdline = (proc / "cmdline").read_text()
-        except OSError:
-            continue
-        env = dict(item.split("=", 1) for item in environ if "=" in item)
-        if (
-            env.get("FTJOB_JOB_DIR") == str(workdir)
-            and env.get("RANK") == str(rank)
-            and "torch.distributed.run" not in cmdline
-        ):
-            return int(proc.name)
-    return None
 
 
 def test_qlora_resumes_exactly_after_a_rank_is_killed(qlora, runs):
