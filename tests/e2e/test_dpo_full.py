@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_dpo_run import EXAMPLES, beside_the_examples, killed_mid_run, past_step_10, tiny_dpo
-from test_trainer_run import history, losses, run
+from test_dpo_run import EXAMPLES, beside_the_examples, tiny_dpo
+from test_trainer_run import history, killed_mid_run, losses, run
 
 
 def full_dpo() -> dict:
@@ -41,7 +41,7 @@ def full(runs) -> tuple[Path, str]:
 def killed(runs) -> tuple[Path, int, str, str, float]:
     """The same job with rank 1 SIGKILLed mid-run, then `ftjob run` once more."""
     workdir = runs / "killed"
-    killed_at, first = killed_mid_run(full_dpo(), workdir, past_step_10, hold=10)
+    _, first, killed_at = killed_mid_run(full_dpo(), workdir, 10)
     (stored,) = workdir.glob("data/*/reference-*/train.npy")
     written = stored.stat().st_mtime_ns
     code, out = run(full_dpo(), workdir)

@@ -8,16 +8,13 @@ pairs with QLoRA on a base that splits into NF4 blocks. Each is SIGKILLed once a
 from __future__ import annotations
 
 import math
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from test_qlora import make_base, nf4_reference
-from test_trainer_run import RUN_TIMEOUT, history, losses, rank_pid, run, start_held
+from test_trainer_run import history, killed_mid_run, losses, run
 
 from ftjob.trainer.state.integrity import COMMITTED
 
@@ -29,26 +26,6 @@ def tiny_dpo() -> dict:
     doc["spec"]["training"]["logEvery"] = 1  # step 1's loss is the untrained policy's
     doc["spec"]["checkpoint"]["every"] = 8
     return doc
-
-
-def killed_mid_run(doc: dict, workdir: Path, ready, hold: int) -> tuple[int, str]:
-    """Run ``doc`` in ``workdir`` and SIGKILL rank 1 once ``ready(workdir)`` holds (rank 1
-    waits before step ``hold + 1`` meanwhile): the last step logged and the killed run's
-    output. No restart in place: a rerun resumes."""
-    doc["spec"]["runPolicy"] = {"inPlaceRestarts": 0}
-    proc = start_held(doc, workdir, hold)
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while not ready(workdir):
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    os.kill(rank_pid(workdir, 1), signal.SIGKILL)
-    out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    return max(losses(workdir)), out
-
-
-def past_step_10(workdir: Path) -> bool:
-    return any(s >= 10 for s in losses(workdir))
 
 
 def beside_the_examples(folder: Path) -> Path:
@@ -76,7 +53,7 @@ def dpo(runs) -> tuple[Path, str, dict]:
 def killed(runs) -> tuple[Path, int, int, str]:
     """The same job with rank 1 SIGKILLed mid-run, then `ftjob run` once more."""
     workdir = runs / "killed"
-    killed_at, _ = killed_mid_run(tiny_dpo(), workdir, past_step_10, hold=10)
+    _, _, killed_at = killed_mid_run(tiny_dpo(), workdir, 10)
     code, out = run(tiny_dpo(), workdir)
     return workdir, killed_at, code, out
 
@@ -191,7 +168,7 @@ def qlora_killed(runs, qlora) -> tuple[Path, int, int, str]:
     def ready(workdir: Path) -> bool:
         return committed.is_file() and max(losses(workdir), default=0) > 10
 
-    killed_at, _ = killed_mid_run(qlora_dpo(), workdir, ready, hold=12)
+    _, _, killed_at = killed_mid_run(qlora_dpo(), workdir, 12, ready)
     code, out = run(qlora_dpo(), workdir)
     return workdir, killed_at, code, out
 

@@ -13,10 +13,8 @@ from __future__ import annotations
 import copy
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,10 +24,9 @@ from test_trainer_run import (
     RUN_TIMEOUT,
     eval_loss_of,
     final,
+    killed_mid_run,
     losses,
-    rank_pid,
     start,
-    start_held,
 )
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -160,16 +157,10 @@ def test_qlora_export_reloads_with_the_trained_eval_loss(qlora, runs):
 def test_qlora_resumes_exactly_after_a_rank_is_killed(qlora, runs):
     # No restart in place (tests/e2e/test_recovery.py has those): the ladder's last rung, then
     # a rerun resumes from the checkpoint.
-    doc = job("qlora", runs / "base", "qlora", runPolicy={"inPlaceRestarts": 0})
+    doc = job("qlora", runs / "base", "qlora")
     workdir = runs / "killed"
-    proc = start_held(doc, workdir, 5)
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while max(losses(workdir), default=0) < 5 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    os.kill(rank_pid(workdir, 1), signal.SIGKILL)
-    proc.communicate(timeout=RUN_TIMEOUT)
-    assert proc.returncode != 0
-    killed_at = max(losses(workdir))
+    code, _, killed_at = killed_mid_run(doc, workdir, 5)
+    assert code != 0
     assert killed_at < 12
     out = run(doc, workdir)
     resumed = int(out.split("(step ")[1].split(")")[0])

@@ -54,17 +54,7 @@ def recovery_job(name: str, **changes) -> dict:
 
 def run_processes(workdir: Path) -> set[int]:
     """Pids of this run's agents and workers now (their environment names the job folder)."""
-    found = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            environ = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"FTJOB_JOB_DIR={workdir}".encode() in environ:
-            found.add(int(proc.name))
-    return found
+    return {pid for pid, _, _ in job_processes(workdir)}
 
 
 def gang_store(workdir: Path, pid: int) -> dist.TCPStore:

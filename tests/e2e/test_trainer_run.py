@@ -102,6 +102,23 @@ def start_held(doc: dict, workdir: Path, step: int) -> subprocess.Popen:
         return start(doc, workdir)
 
 
+def killed_mid_run(doc: dict, workdir: Path, step: int, ready=None) -> tuple[int, str, int]:
+    """Run ``doc`` in ``workdir`` with no restart in place, rank 1 held before step
+    ``step + 1``, and SIGKILL rank 1 once step ``step`` is logged (or ``ready(workdir)``
+    holds): the run's exit code, its output and the last step logged. A rerun resumes."""
+    doc["spec"]["runPolicy"] = {"inPlaceRestarts": 0}
+    ready = ready or (lambda folder: max(losses(folder), default=0) >= step)
+    proc = start_held(doc, workdir, step)
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not ready(workdir):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.kill(rank_pid(workdir, 1), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    return proc.returncode, out, max(losses(workdir))
+
+
 def run(doc: dict, workdir: Path) -> tuple[int, str]:
     proc = start(doc, workdir)
     out, _ = proc.communicate(timeout=RUN_TIMEOUT)
@@ -314,21 +331,13 @@ def killed(runs):
     """The full job again: rank 1 SIGKILLed mid-run, then `ftjob run` once more."""
     workdir = runs / "killed"
     # No restart in place (test_recovery.py has those): the ladder's last rung, then a rerun.
-    proc = start_held(job("full", runPolicy={"inPlaceRestarts": 0}), workdir, 6)
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while not any(s >= 6 for s in losses(workdir)):
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    os.kill(rank_pid(workdir, 1), signal.SIGKILL)
-    out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    killed_at = max(losses(workdir))
+    code1, out, killed_at = killed_mid_run(job("full"), workdir, 6)
     # Leftovers a crash can leave: a half-written save and a folder that was never committed.
     (workdir / "checkpoints" / ".tmp-step-00000032").mkdir()
     (workdir / "checkpoints" / "step-00000096").mkdir()
     (workdir / "checkpoints" / "step-00000096" / "__0_0.distcp").write_bytes(b"partial")
     code, out2 = run(job("full"), workdir)
-    return workdir, proc.returncode, out, killed_at, code, out2
+    return workdir, code1, out, killed_at, code, out2
 
 
 def test_a_killed_rank_fails_the_run_with_its_error(killed):
