@@ -27,6 +27,33 @@ from ftjob.api import kubevalidation
 _KEYWORDS_DROPPED = ("description", "default", "format", "example")
 
 
+def prune_nulls(schema: dict, obj: Any) -> Any:
+    """Drop every null the schema does not allow, at any depth, as the API server does before
+    defaulting (apiextensions' PruneNonNullableNullsWithoutDefaults and Default): an object's
+    field or a map's value that is null and not ``nullable`` is taken as unset, so its default
+    then holds. A null list item is no field: it stays (a default for items replaces it), and
+    the schema check refuses it. Fields the schema does not know are left to the unknown-field
+    check."""
+    if isinstance(obj, dict):
+        props, extra = schema.get("properties", {}), schema.get("additionalProperties")
+        out = {}
+        for key, value in obj.items():
+            sub = props.get(key, extra if isinstance(extra, dict) else None)
+            if value is None and sub is not None and not sub.get("nullable"):
+                continue
+            out[key] = prune_nulls(sub, value) if sub is not None else value
+        return out
+    if isinstance(obj, list) and isinstance(schema.get("items"), dict):
+        items = schema["items"]
+        return [
+            copy.deepcopy(items["default"])
+            if item is None and "default" in items and not items.get("nullable")
+            else prune_nulls(items, item)
+            for item in obj
+        ]
+    return obj
+
+
 def apply_defaults(schema: dict, obj: Any) -> Any:
     """Fill in missing fields from ``default``s, top-down, as the API server does."""
     if isinstance(obj, dict) and "properties" in schema:
@@ -216,9 +243,9 @@ def admit(schema: dict, obj: dict, old: dict | None = None) -> tuple[dict, list[
         # kubectl asks for strict field validation: the decoder refuses unknown fields (those
         # the structural schema would prune) before any schema check or rule runs.
         return obj, [f'{p}: unknown field "{p}"' for p in unknown]
-    obj = apply_defaults(schema, copy.deepcopy(obj))
+    obj = apply_defaults(schema, prune_nulls(schema, obj))
     if old is not None:
-        old = apply_defaults(schema, copy.deepcopy(old))
+        old = apply_defaults(schema, prune_nulls(schema, old))
     validator = jsonschema.Draft4Validator(_json_schema(schema, root=True))
     errors = list(validator.iter_errors(obj))
     found = [_schema_message(e) for e in errors]

@@ -373,6 +373,7 @@ class _Map(_Kind):
         if not isinstance(value, dict):
             errors.append(FieldError(path, f"must be an object, got {_show(value)}"))
             return value
+        value = {k: v for k, v in value.items() if v is not None}  # pruned, as in an object
         limit = meta.get("max_properties")
         if limit is not None and len(value) > limit:
             errors.append(FieldError(path, f"must have at most {limit} entries, got {len(value)}"))
@@ -490,8 +491,10 @@ def _parse_object(cls: type, data: Any, path: str, errors: Errors) -> Any:
     values = {}
     for key, f in known.items():
         sub = f"{path}.{key}"
-        tp, optional = _unwrap_optional(hints[f.name])
-        if key not in data or (data[key] is None and optional):
+        tp, _ = _unwrap_optional(hints[f.name])
+        # No field is nullable: the API server prunes a null before defaulting, so a null is
+        # an unset field here too (its default holds; a required one is missing).
+        if data.get(key) is None:
             if f.default is MISSING and f.default_factory is MISSING:
                 errors.append(FieldError(sub, "is required"))
                 values[f.name] = None

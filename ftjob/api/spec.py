@@ -1313,7 +1313,7 @@ def parse_resource(doc: Any, strict: bool = False) -> tuple[str, FineTuneJobSpec
         for key in doc
         if strict and key not in DOCUMENT_KEYS
     )
-    if "spec" not in doc:
+    if doc.get("spec") is None:  # a null spec is pruned by the API server: missing
         errors.append(FieldError("spec", "is required"))
     try:
         spec = parse_spec(doc.get("spec"))
@@ -1339,7 +1339,7 @@ def ineffective(spec: FineTuneJobSpec, raw: dict[str, Any]) -> list[str]:
         )
     written = (raw.get("training") or {}) if isinstance(raw, dict) else {}
     held_out = ds.eval_fraction is not None or ds.eval_split is not None
-    if "evalEvery" in written and t.eval_every > 0 and not held_out:
+    if written.get("evalEvery") is not None and t.eval_every > 0 and not held_out:
         out.append(
             f"spec.training.evalEvery: {t.eval_every}, but no eval data is held out: the job "
             "never evaluates; set dataset.evalFraction (e.g. 0.05) or dataset.evalSplit"
