@@ -226,7 +226,7 @@ def memory(work: Path, s: Setup) -> dict:
     memory per rank against `ftjob plan`'s estimate (less its fixed CUDA/NCCL reserve, which
     the allocator does not count), and the QLoRA loss curve next to LoRA's."""
     from ftjob.api.spec import parse_spec
-    from ftjob.plan.estimate import estimate
+    from ftjob.plan.layout import estimate
     from ftjob.plan.modelshape import ModelShape
 
     model, chat = model_folder(s, work), data(work, s)

@@ -195,7 +195,7 @@ def plan_row(c: dict, label: str) -> dict:
     """`ftjob plan`'s loading per process against the measured one: the process before loading
     (the plan's baseline) plus its anonymous growth (the weight files' pages are page cache)."""
     from ftjob.api.spec import parse_spec
-    from ftjob.plan.estimate import estimate
+    from ftjob.plan.layout import estimate
     from ftjob.plan.modelshape import ModelShape
 
     shape = ModelShape.from_config(config(c["size"]))

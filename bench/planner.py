@@ -21,7 +21,8 @@ from bench import common
 from bench.report import row
 from ftjob.api.spec import parse_resource
 from ftjob.job import machine
-from ftjob.plan.estimate import Estimate, estimate
+from ftjob.plan.estimate import Estimate
+from ftjob.plan.layout import estimate
 from ftjob.plan.modelshape import ModelShape
 
 MIB = 2**20

@@ -88,7 +88,7 @@ def planned_mib(doc: dict, model: Path) -> float:
     """`ftjob plan`'s per-device estimate less its fixed CUDA/NCCL reserve (which
     torch.cuda.max_memory_allocated does not count)."""
     from ftjob.api.spec import parse_spec
-    from ftjob.plan.estimate import estimate
+    from ftjob.plan.layout import estimate
     from ftjob.plan.modelshape import ModelShape
 
     shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))

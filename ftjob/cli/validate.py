@@ -35,7 +35,7 @@ from ftjob.api.spec import FineTuneJobSpec, ineffective, parse_resource, validat
 from ftjob.job import inputs
 from ftjob.operator import render  # pure: no kopf or kubernetes needed
 from ftjob.operator.admit import parse_job
-from ftjob.plan.estimate import estimate
+from ftjob.plan.layout import estimate
 from ftjob.plan.modelshape import ModelShape, shape_for
 
 

@@ -24,7 +24,8 @@ from ftjob.api.schema import parse, to_dict
 from ftjob.api.spec import API_VERSION, DEFAULT_IMAGE, KIND, FineTuneJobSpec, TrackingSpec
 from ftjob.job import launch
 from ftjob.plan import quota
-from ftjob.plan.estimate import estimate, grace_period_seconds
+from ftjob.plan.estimate import grace_period_seconds
+from ftjob.plan.layout import estimate
 from ftjob.plan.modelshape import shape_for
 
 MANAGER = "ftjob-operator"

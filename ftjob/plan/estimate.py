@@ -262,23 +262,6 @@ def checkpoint_stride(
     return AUTO_STRIDES[-1]
 
 
-def estimate(
-    spec: FineTuneJobSpec, shape: ModelShape, machine_bytes: float | None = None
-) -> Estimate:
-    """The estimate for the GPU resources.gpuType names (none: no device fit, auto
-    activation checkpointing every layer), with sharding auto resolved
-    (:func:`ftjob.plan.layout.choose`). ``machine_bytes``: the memory of the machine a CPU
-    job without resources.memory runs on (``ftjob run``), which auto fits against."""
-    from ftjob.plan import layout  # it compares estimate_at's layouts: imported late
-
-    gpu = GPUS.get(spec.resources.gpu_type) if spec.resources.gpu_type else None
-    device_bytes = gpu.memory_bytes if gpu else None
-    chosen = layout.choose(spec, shape, layout.budget(spec, device_bytes, machine_bytes))
-    e = estimate_at(spec, shape, chosen.stride, device_bytes, chosen.sharding)
-    e.sharding_reason = chosen.reason
-    return e
-
-
 def estimate_at(
     spec: FineTuneJobSpec,
     shape: ModelShape,

@@ -10,8 +10,9 @@ assumed utilisation; on CPU the same for every layout, so left out) plus its col
 (:mod:`ftjob.plan.traffic`). The fastest whose memory stays within TIGHT of the budget wins;
 ties go to the earlier candidate. Where none fits, the one that needs the least memory.
 
-``ftjob plan`` (through :func:`ftjob.plan.estimate.estimate`) and the trainer
-(trainer/train.py ``_load``, with the memory it finds) both ask :func:`choose`.
+``ftjob plan`` (through :func:`estimate`, the job's estimate at the layout it resolves to) and
+the trainer (trainer/model/parallel.py, with the memory it finds) both ask :func:`choose`.
+This module sits above :mod:`ftjob.plan.estimate`, which estimates one given layout.
 
     python -m ftjob plan examples/tiny.yaml
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ftjob.api.hardware import GPUS
 from ftjob.api.schema import quantity
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.plan.estimate import TIGHT, Estimate, checkpoint_stride, estimate_at, gib
@@ -141,3 +143,18 @@ def _reason(spec, chosen: str, e: Estimate, seconds: float, timed, b: Budget) ->
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+def estimate(
+    spec: FineTuneJobSpec, shape: ModelShape, machine_bytes: float | None = None
+) -> Estimate:
+    """The estimate for the GPU resources.gpuType names (none: no device fit, auto
+    activation checkpointing every layer), with sharding auto resolved
+    (:func:`choose`). ``machine_bytes``: the memory of the machine a CPU
+    job without resources.memory runs on (``ftjob run``), which auto fits against."""
+    gpu = GPUS.get(spec.resources.gpu_type) if spec.resources.gpu_type else None
+    device_bytes = gpu.memory_bytes if gpu else None
+    chosen = choose(spec, shape, budget(spec, device_bytes, machine_bytes))
+    e = estimate_at(spec, shape, chosen.stride, device_bytes, chosen.sharding)
+    e.sharding_reason = chosen.reason
+    return e

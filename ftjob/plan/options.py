@@ -15,11 +15,11 @@ from ftjob.api.spec import FineTuneJobSpec
 from ftjob.plan.estimate import (
     Estimate,
     checkpoint_stride,
-    estimate,
     estimate_at,
     stride_name,
     stride_of,
 )
+from ftjob.plan.layout import estimate
 from ftjob.plan.modelshape import ModelShape
 
 

@@ -29,7 +29,7 @@ import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ftjob.api.spec import parse_resource
-from ftjob.plan.estimate import estimate
+from ftjob.plan.layout import estimate
 from ftjob.plan.modelshape import ModelShape
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -93,7 +93,7 @@ def test_an_explicit_setting_is_obeyed():
 
 def test_8_gpus_lora_8b_leaves_the_base_whole():
     spec = example("llama3-8b-lora-efa.yaml", **{"resources.nodes": 1})
-    e = estimate.estimate(spec, LLAMA_8B)
+    e = layout.estimate(spec, LLAMA_8B)
     assert e.sharding == "none" and e.fits
     assert e.temporaries == 0  # nothing gathered
     assert "frozen base whole" in e.sharding_reason
@@ -103,7 +103,7 @@ def test_8_gpus_lora_8b_leaves_the_base_whole():
 def test_8_gpus_70b_full_is_sharded_across_16_gpus():
     spec = example("llama2-70b-full.yaml", **{"parallelism.sharding": "auto"})
     assert spec.resources.gpus_per_node == 8 and spec.resources.nodes > 1
-    e = estimate.estimate(spec, LLAMA_70B)
+    e = layout.estimate(spec, LLAMA_70B)
     # 70B's states (~1.1 TiB) fit one node's 8 GPUs neither whole nor sharded: full it is.
     assert e.sharding == "full"
     assert per_process(spec, LLAMA_70B, "hybrid", 80 * GIB) > 0.9 * 80 * GIB
@@ -117,7 +117,7 @@ def test_8_gpus_two_nodes_prefers_hybrid_when_the_states_fit_a_node_but_not_a_gp
         "llama3-8b-full-40gb.yaml", **{"parallelism.sharding": "auto", "resources.nodes": 2}
     )
     assert spec.resources.nodes == 2 and spec.resources.gpus_per_node == 8
-    e = estimate.estimate(spec, LLAMA_8B)
+    e = layout.estimate(spec, LLAMA_8B)
     assert e.sharding == "hybrid"
     assert per_process(spec, LLAMA_8B, "none", 40 * GIB) > 40 * GIB
 

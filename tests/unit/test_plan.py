@@ -13,7 +13,7 @@ from ftjob.api import manifest
 from ftjob.api.hardware import GIB
 from ftjob.api.schema import check_rules, quantity
 from ftjob.api.spec import parse_resource
-from ftjob.plan import describe, estimate, options
+from ftjob.plan import describe, estimate, layout, options
 from ftjob.plan.modelshape import ModelShape, known_model, shape_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +67,7 @@ def test_seed_70b_full_fits_on_16_a100_80gb():
     assert e.load_cpu_per_node < e.cpu_per_node == e.cpu_peak_per_node
     # Hybrid sharding (over one node's 8 GPUs) would not fit: the seed's reason for full.
     hybrid = example("llama2-70b-full.yaml", **{"parallelism.sharding": "hybrid"})
-    assert estimate.estimate(hybrid, known_model(spec.model.source)).fits is False
+    assert layout.estimate(hybrid, known_model(spec.model.source)).fits is False
 
 
 def test_loading_is_each_process_shards_and_the_tensor_it_reads_and_page_cache_is_not_counted():
@@ -77,7 +77,7 @@ def test_loading_is_each_process_shards_and_the_tensor_it_reads_and_page_cache_i
     weight whole (bench --suite loading: the plan is 1.10-1.21x the measured peak)."""
     spec = example("llama31-70b-qlora.yaml")
     s = known_model(spec.model.source)
-    e = estimate.estimate(spec, s)
+    e = layout.estimate(spec, s)
     reading = s.vocab * s.hidden * 2 / 2  # half of the bf16 embedding of a 128k vocabulary
     assert reading > 8192 * 28672 * 2  # more than the largest 4-bit weight read whole
     shard = (s.params - s.linear_params) * 2 + s.linear_params * estimate.NF4_BITS_PER_PARAM / 8
@@ -89,7 +89,7 @@ def test_loading_is_each_process_shards_and_the_tensor_it_reads_and_page_cache_i
     # the job still fits: clean page cache is reclaimed, not counted.
     assert e.page_cache_per_node == pytest.approx(s.params * 2)
     assert e.page_cache_per_node > e.pod_memory and e.fits
-    on_gpu = estimate.estimate(example("llama3-8b-full-40gb.yaml"), known_model(
+    on_gpu = layout.estimate(example("llama3-8b-full-40gb.yaml"), known_model(
         "hf://meta-llama/Meta-Llama-3-8B"))  # fmt: skip
     # shards on the GPUs: loading keeps nothing in CPU memory but the tensor being read
     s8 = known_model("hf://meta-llama/Meta-Llama-3-8B")
@@ -108,9 +108,9 @@ def test_qlora_on_cpu_adds_torchaos_quantization_memory_to_loading(monkeypatch):
     doc["spec"]["resources"] = {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2}
     on_cpu = parse_resource(doc)[1]
     s = known_model(on_cpu.model.source)
-    before = [estimate.estimate(spec, s).load_cpu_per_node for spec in (on_cpu, on_gpu)]
+    before = [layout.estimate(spec, s).load_cpu_per_node for spec in (on_cpu, on_gpu)]
     monkeypatch.setattr(estimate, "NF4_SEARCH_VALUES", 0)
-    after = [estimate.estimate(spec, s).load_cpu_per_node for spec in (on_cpu, on_gpu)]
+    after = [layout.estimate(spec, s).load_cpu_per_node for spec in (on_cpu, on_gpu)]
     weight_bytes = 2 if on_cpu.compute_precision() == "bf16" else 4
     search = 2**20 * 16 * weight_bytes
     assert before[0] - after[0] == pytest.approx(on_cpu.resources.nproc_per_node * search)
@@ -151,7 +151,7 @@ def test_qlora_70b_on_two_24gb_gpus_fits_with_the_4bit_base_sharded_and_offloade
     assert "4-bit base sharded" in result.estimate.notes
     # Without offload each GPU holds half of the ~36 GB of 4-bit weights, bf16 embeddings and
     # the adapters' fp32 states: more than a 24 GB card.
-    on_gpu = estimate.estimate(
+    on_gpu = layout.estimate(
         example("llama31-70b-qlora.yaml", **{"parallelism.cpuOffload": False}), shape
     )
     assert on_gpu.weights > 18 * GIB and on_gpu.fits is False
@@ -168,14 +168,14 @@ def test_llama3_8b_lora_fits_one_24gb_gpu_with_a_bf16_base():
                    "training.microBatchSize": 1, "training.activationCheckpointing": "all",
                    "method": lora})  # fmt: skip
     shape = known_model(spec.model.source)
-    e = estimate.estimate(spec, shape)
+    e = layout.estimate(spec, shape)
     assert e.weights == pytest.approx(shape.params * 2 + e.trainable * 4)  # bf16 frozen base
     assert e.fits is True
 
 
 def test_llama3_8b_full_on_one_80gb_gpu_without_offload_does_not_fit():
     spec = example("llama3-8b-full-40gb.yaml", **ONE_80GB)
-    e = estimate.estimate(spec, known_model(spec.model.source))
+    e = layout.estimate(spec, known_model(spec.model.source))
     assert e.weights == pytest.approx(e.params * 4)  # full fine-tuning keeps fp32 masters
     assert e.fits is False
 
@@ -213,22 +213,22 @@ def test_nf4_sharding_is_refused_where_a_weight_cannot_split():
 
 def test_hybrid_sends_far_less_between_nodes_than_full_for_8b_lora():
     spec = example("llama3-8b-lora-efa.yaml", **{"parallelism.sharding": "hybrid"})
-    e = estimate.estimate(spec, known_model(spec.model.source))
+    e = layout.estimate(spec, known_model(spec.model.source))
     assert e.notes[0] == "sharding hybrid over 8 processes"
     # Hybrid keeps all-gathers inside a node: far less traffic between nodes than full.
     full = example("llama3-8b-lora-efa.yaml", **{"parallelism.sharding": "full"})
-    full_e = estimate.estimate(full, known_model(spec.model.source))
+    full_e = layout.estimate(full, known_model(spec.model.source))
     assert full_e.network_bytes_per_node > 50 * e.network_bytes_per_node
 
 
 def test_memory_falls_with_each_lever():
     shape = known_model("hf://meta-llama/Meta-Llama-3-8B")
     base = example("llama3-8b-full-40gb.yaml", **{"training.activationCheckpointing": "none"})
-    full = estimate.estimate(base, shape)
+    full = layout.estimate(base, shape)
 
     def with_(**lever):
         edits = {"training.activationCheckpointing": "none"} | lever
-        return estimate.estimate(example("llama3-8b-full-40gb.yaml", **edits), shape)
+        return layout.estimate(example("llama3-8b-full-40gb.yaml", **edits), shape)
 
     for lever in [
         {"training.activationCheckpointing": "every-4"},
@@ -306,7 +306,7 @@ def test_async_save_adds_a_staging_copy_of_each_process_share_to_cpu_memory():
     sync = example("llama2-70b-full.yaml", **{"checkpoint.asyncSave": False})
     background = example("llama2-70b-full.yaml", **{"checkpoint.asyncSave": True})
     shape = known_model(sync.model.source)
-    a, b = estimate.estimate(sync, shape), estimate.estimate(background, shape)
+    a, b = layout.estimate(sync, shape), layout.estimate(background, shape)
     # full fine-tune sharded over all 16 GPUs: 3 fp32 tensors (weights, 2 moments) per param
     share = 3 * shape.params * 4 / sync.resources.world_size
     per_node = sync.resources.nproc_per_node
@@ -369,7 +369,7 @@ def test_per_gpu_memory_does_not_grow_with_gradient_accumulation():
     for name in ("llama3-8b-full-40gb.yaml", "llama3-8b-lora-efa.yaml", "llama2-70b-full.yaml"):
         one, many = (example(name, **{"training.gradientAccumulation": n}) for n in (1, 16))
         shape = known_model(one.model.source)
-        a, b = estimate.estimate(one, shape), estimate.estimate(many, shape)
+        a, b = layout.estimate(one, shape), layout.estimate(many, shape)
         assert b.per_device == a.per_device and b.gradients == a.gradients, name
         assert b.step_seconds == pytest.approx(16 * a.step_seconds), name
 
@@ -379,7 +379,7 @@ def test_hybrid_all_reduces_across_nodes_once_per_step_full_every_micro_batch():
 
     def network(sharding, accumulation):
         edits = {"parallelism.sharding": sharding, "training.gradientAccumulation": accumulation}
-        return estimate.estimate(example("llama3-8b-lora-efa.yaml", **edits), shape)
+        return layout.estimate(example("llama3-8b-lora-efa.yaml", **edits), shape)
 
     hybrid = network("hybrid", 1)
     assert network("hybrid", 8).network_bytes_per_node == hybrid.network_bytes_per_node
@@ -419,7 +419,7 @@ def test_auto_checkpointing_picks_the_fastest_setting_that_fits(micro_batch, gpu
              "resources.gpuType": gpu}  # fmt: skip
     spec = example("llama3-8b-full-40gb.yaml", **edits)
     shape = known_model(spec.model.source)
-    e = estimate.estimate(spec, shape)
+    e = layout.estimate(spec, shape)
     assert estimate.stride_name(e.checkpoint_stride) == chosen
     assert e.per_device <= estimate.TIGHT * e.device_bytes
     faster = [s for s in estimate.AUTO_STRIDES[: estimate.AUTO_STRIDES.index(e.checkpoint_stride)]]
@@ -437,7 +437,7 @@ def test_auto_checkpointing_recomputes_every_layer_where_no_gpu_memory_is_known(
     for spec in (cpu, unknown):
         shape = known_model("hf://meta-llama/Meta-Llama-3-8B")
         assert estimate.checkpoint_stride(spec, shape, None, "full") == 1
-        assert estimate.estimate(spec, shape).checkpoint_stride == 1
+        assert layout.estimate(spec, shape).checkpoint_stride == 1
     # The trainer passes the memory it sees: the same answer as the table's for that much.
     spec = example("llama3-8b-lora-efa.yaml")
     assert estimate.checkpoint_stride(spec, known_model(spec.model.source), 80 * GIB, "full") == 0
@@ -446,7 +446,7 @@ def test_auto_checkpointing_recomputes_every_layer_where_no_gpu_memory_is_known(
 def test_recomputation_costs_time_but_not_mfu():
     shape = known_model("hf://meta-llama/Meta-Llama-3-8B")
     runs = {
-        setting: estimate.estimate(
+        setting: layout.estimate(
             example("llama3-8b-full-40gb.yaml", **{"training.activationCheckpointing": setting}),
             shape,
         )
@@ -499,7 +499,7 @@ def test_model_flops_is_the_one_definition_behind_the_plan():
     assert whole == 2 * seq * flops_per_token(n, 0, layers, hidden, seq, False)
     spec = example("llama3-8b-full-40gb.yaml")
     s = known_model(spec.model.source)
-    e = estimate.estimate(spec, s)
+    e = layout.estimate(spec, s)
     assert e.flops_per_token == model_flops(s.matmul_params, 0, s.layers, s.hidden, False, 1, 2048)
 
 
@@ -536,7 +536,7 @@ def test_dpo_counts_two_sequences_a_pair():
     dpo = example("llama3-8b-lora-efa.yaml", **DPO, **{"training.activationCheckpointing": "all"})
     assert dpo.tokens_per_step == 2 * sft.tokens_per_step
     shape = known_model(sft.model.source)
-    a, b = estimate.estimate(sft, shape), estimate.estimate(dpo, shape)
+    a, b = layout.estimate(sft, shape), layout.estimate(dpo, shape)
     assert b.flops_per_token == a.flops_per_token  # per token the same model FLOPs
     assert b.activations > 2 * a.activations - 1  # twice the sequences (and whole logits)
     # What `ftjob plan` prints for the tiny DPO example: 2 processes x 4 pairs x 2 x 64 tokens.
@@ -569,7 +569,7 @@ def test_dpo_reference_costs_an_adapter_off_forward_with_lora_and_a_stored_pass_
     shape = known_model("hf://meta-llama/Meta-Llama-3-8B")
     sft = example("llama3-8b-lora-efa.yaml")
     lora = example("llama3-8b-lora-efa.yaml", **DPO)
-    a, b = estimate.estimate(sft, shape), estimate.estimate(lora, shape)
+    a, b = layout.estimate(sft, shape), layout.estimate(lora, shape)
     # The reference forward: 2 FLOPs a weight and 4·hidden·seq of attention per layer.
     forward = 2 * shape.matmul_params + 4 * shape.hidden * 2048 * shape.layers
     assert a.reference_flops_per_token == 0 and b.reference_flops_per_token == forward
@@ -589,7 +589,7 @@ def test_dpo_reference_costs_an_adapter_off_forward_with_lora_and_a_stored_pass_
     assert item["referenceFlopsPerToken"] == forward and item["tokensPerStep"] == 2 * 16 * 2048
     # Full: the one-time pass before training, and 8 bytes a pair on the volume.
     full = example("llama3-8b-full-40gb.yaml", **DPO)
-    e = estimate.estimate(full, shape)
+    e = layout.estimate(full, shape)
     assert e.reference_flops_per_token == 0
     stored, seconds = estimate.reference_pass(full, shape)
     assert stored == 8

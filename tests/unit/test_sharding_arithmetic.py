@@ -38,7 +38,7 @@ from torchao.quantization import NF4Tensor
 from transformers import LlamaConfig
 
 from ftjob.api.spec import parse_spec
-from ftjob.plan.estimate import estimate
+from ftjob.plan.layout import estimate
 from ftjob.plan.modelshape import known_model
 from ftjob.trainer.model import load as model
 from ftjob.trainer.model import parallel
