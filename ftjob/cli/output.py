@@ -90,6 +90,9 @@ def plan_result(
         },
         "cpuMemory": {
             "peakPerNodeBytes": int(e.cpu_peak_per_node),
+            "peakPhase": e.cpu_peak_phase,  # which phase sets the peak
+            # Each phase's peak, in the busiest pod (rank 0's: it prepares and exports).
+            "phasesPerNodeBytes": {phase: int(b) for phase, b in e.cpu_phases.items()},
             "loadingPerNodeBytes": int(e.load_cpu_per_node),
             "pageCachePerNodeBytes": int(e.page_cache_per_node),
             "steadyPerNodeBytes": int(e.cpu_per_node),
@@ -114,10 +117,12 @@ def plan_result(
         "flopsPerToken": e.flops_per_token,
         "recomputedFlopsPerToken": e.recomputed_flops_per_token,
         "referenceFlopsPerToken": e.reference_flops_per_token,  # DPO with adapters
+        # The one step time (compute + collectives, not overlapped), and its parts.
         "stepSeconds": e.step_seconds,
+        "computeSecondsPerStep": e.compute_seconds,
         "mfu": e.mfu,
         "networkBytesPerNodePerStep": int(e.network_bytes_per_node),
-        "networkSecondsPerStep": e.network_seconds,
+        "networkSecondsPerStep": e.network_seconds,  # the collectives' share between nodes
         "options": [
             {
                 "change": o.change,

@@ -33,6 +33,7 @@ GROUP_PREFIX = "ftjob.dev"
 LABEL_JOB = f"{GROUP_PREFIX}/job-name"
 LABEL_RANK = f"{GROUP_PREFIX}/node-rank"
 LABEL_ATTEMPT = f"{GROUP_PREFIX}/attempt"
+HOSTNAME_LABEL = "kubernetes.io/hostname"  # a node's own: one value per node
 CONTAINER = "trainer"
 
 SPEC_DIR = "/etc/ftjob"
@@ -370,8 +371,12 @@ def pod(
         pod_spec["nodeSelector"] = dict(sched.node_selector)
     if sched.tolerations:
         pod_spec["tolerations"] = to_dict(sched.tolerations)
-    if sched.affinity or avoid:
-        pod_spec["affinity"] = affinity(sched.affinity, avoid)
+    # One pod per node (resources.nodes is nodes, each pod its node's GPUs, NICs and NVLink):
+    # the gang's pods repel each other on a node's hostname. The attempt is in the selector so
+    # that a new gang never waits for the old one's terminating pods to leave.
+    gang = {LABEL_JOB: job, LABEL_ATTEMPT: str(attempt)} if spec.resources.nodes > 1 else None
+    if sched.affinity or avoid or gang:
+        pod_spec["affinity"] = affinity(sched.affinity, avoid, gang)
     if sched.priority_class_name:
         pod_spec["priorityClassName"] = sched.priority_class_name
     if sched.scheduler_name:
@@ -379,14 +384,23 @@ def pod(
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
-def affinity(given: dict | None, avoid: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+def affinity(
+    given: dict | None, avoid: list[str] | tuple[str, ...] = (), gang: dict | None = None
+) -> dict[str, Any]:
     """The pods' affinity: the spec's, with ``avoid``'s nodes excluded (required node
-    anti-affinity). The exclusion matches the node's name (matchFields on metadata.name, as
+    anti-affinity) and, with ``gang`` (the labels of one attempt's pods), no two of them on one
+    node (required pod anti-affinity on the hostname, added to the spec's own terms). The
+    exclusion matches the node's name (matchFields on metadata.name, as
     the DaemonSet controller pins pods), which is what spec.nodeName and status.badNodes
     hold; the kubernetes.io/hostname label usually equals it but need not. The API server
     takes one value per field requirement, so each node is its own NotIn. nodeSelectorTerms
     are ORed: the exclusion goes into every term the spec has (or into a new, only term)."""
     out = copy.deepcopy(dict(given or {}))
+    if gang:
+        apart = out.setdefault("podAntiAffinity", {}).setdefault(
+            "requiredDuringSchedulingIgnoredDuringExecution", []
+        )
+        apart.append({"labelSelector": {"matchLabels": dict(gang)}, "topologyKey": HOSTNAME_LABEL})
     if not avoid:
         return out
     away = [

@@ -10,7 +10,15 @@ from pathlib import Path
 from ftjob.api.hardware import GPUS, node_bandwidth
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.plan import datasize, quota
-from ftjob.plan.estimate import TIGHT, Estimate, gib, reference_pass, stride_name
+from ftjob.plan.estimate import (
+    PHASES,
+    TIGHT,
+    Estimate,
+    gib,
+    phase_why,
+    reference_pass,
+    stride_name,
+)
 from ftjob.plan.modelshape import ModelShape, shape_for
 from ftjob.plan.options import Plan, plan
 
@@ -46,7 +54,8 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
         ),
         (
             "shape",
-            f"{r.nodes} node(s) x {r.nproc_per_node} x {device}, "
+            f"{r.nodes} node(s) x {r.nproc_per_node} x {device}"
+            + (", one pod per node (required pod anti-affinity), " if r.nodes > 1 else ", ")
             + ", ".join(e.notes)
             + f", {spec.compute_precision()}, "
             + checkpointing_text(spec, e),
@@ -65,15 +74,7 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
                 else ""
             ),
         ),
-        (
-            "CPU memory",
-            f"{gib(e.cpu_peak_per_node)} per pod at most: loading {gib(e.load_cpu_per_node)} "
-            "(each process its shards + the tensor it reads), steady "
-            f"{gib(e.cpu_per_node)}"
-            + (f", of {gib(e.pod_memory)} (resources.memory)" if e.pod_memory else "")
-            + f"; page cache: {gib(e.page_cache_per_node)} of weight files read through it, "
-            "charged to the pod but reclaimable, not counted",
-        ),
+        ("CPU memory", _cpu_text(spec, e)),
         (
             "checkpoint",
             f"{gib(e.checkpoint_bytes)} each on the volume "
@@ -89,19 +90,7 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
         total, steps = "", spec.training.max_steps
         if steps:
             total = f", {steps} steps ~ {_duration(e.step_seconds * steps)}"
-        rows.append(
-            (
-                "throughput",
-                f"{tokens:,} tokens/step, ~{_duration(e.step_seconds)}/step at {e.mfu:.0%} MFU"
-                + (
-                    f" ({e.hardware_utilisation:.0%} of peak with recomputation)"
-                    if e.recomputed_flops_per_token
-                    else ""
-                )
-                + total
-                + _assumed_peak(r.gpu_type),
-            )
-        )
+        rows.append(("throughput", _throughput_text(e, tokens) + total + _assumed_peak(r.gpu_type)))
     elif r.gpus_per_node:
         rows.append(("throughput", f"{tokens:,} tokens/step (set resources.gpuType for time)"))
     else:
@@ -112,8 +101,8 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
             (
                 "network",
                 f"{gib(e.network_bytes_per_node)} per node per step over "
-                f"{spec.network.fabric} ({bw / 1e9:.0f} GB/s): {_duration(e.network_seconds)} if "
-                "not overlapped with compute",
+                f"{spec.network.fabric} ({bw / 1e9:.0f} GB/s): {_duration(e.network_seconds)} "
+                "of the step's collectives",
             )
         )
     rows.append(("verdict", verdict_text(result)))
@@ -131,6 +120,14 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
         )
     width = max(len(label) for label, _ in rows) + 2
     return [f"{label:<{width}}{text}" for label, text in rows]
+
+
+def _throughput_text(e: Estimate, tokens: int) -> str:
+    """The step time, the one every line quotes, and what it is made of."""
+    parts = f"compute {_duration(e.compute_seconds)} at {e.hardware_utilisation:.0%} of peak"
+    if e.collective_seconds:
+        parts += f" + collectives {_duration(e.collective_seconds)}, not overlapped"
+    return f"{tokens:,} tokens/step, ~{_duration(e.step_seconds)}/step ({parts}): {e.mfu:.0%} MFU"
 
 
 def _assumed_peak(gpu_type: str | None) -> str:
@@ -161,6 +158,18 @@ def _reference_text(spec: FineTuneJobSpec, s: ModelShape, e: Estimate) -> str:
     )
 
 
+def _cpu_text(spec: FineTuneJobSpec, e: Estimate) -> str:
+    """The pods' CPU memory: the peak, the phase that sets it, and every phase's figure."""
+    phases = ", ".join(f"{phase} {gib(e.cpu_phases[phase])}" for phase in PHASES)
+    return (
+        f"{gib(e.cpu_peak_per_node)} per pod at most, while {e.cpu_peak_phase} "
+        f"({phase_why(spec, e.cpu_peak_phase)}): {phases}"
+        + (f"; of {gib(e.pod_memory)} (resources.memory)" if e.pod_memory else "")
+        + f"; page cache: {gib(e.page_cache_per_node)} of weight files read through it, "
+        "charged to the pod but reclaimable, not counted"
+    )
+
+
 def _tight(e: Estimate) -> bool:
     """Above TIGHT of a GPU's memory: the estimate's error could tip it."""
     return bool(e.device_bytes) and e.per_device > TIGHT * e.device_bytes
@@ -177,7 +186,9 @@ def _sharding_text(spec: FineTuneJobSpec, e: Estimate) -> str:
     """What parallelism.sharding means here: auto's choice and why, or the setting obeyed."""
     if e.sharding_reason:
         return e.sharding_reason.removeprefix("sharding ")
-    return f"{e.sharding} (parallelism.sharding; collectives ~{e.collective_seconds:.2g} s/step)"
+    return (
+        f"{e.sharding} (parallelism.sharding; collectives {_duration(e.collective_seconds)} a step)"
+    )
 
 
 def checkpointing_text(spec: FineTuneJobSpec, e: Estimate) -> str:
@@ -205,10 +216,10 @@ def verdict_text(result: Plan) -> str:
         share = e.per_device / e.device_bytes
         found.append(f"{gib(e.per_device)} of {gib(e.device_bytes)} per GPU ({share:.0%})")
     if e.fits_pod is not None:
-        peak = "loading" if e.load_cpu_per_node > e.cpu_per_node else "training"
+        phase = e.cpu_peak_phase
         found.append(
             f"{gib(e.cpu_peak_per_node)} of {gib(e.pod_memory)} CPU memory per pod (peak "
-            f"while {peak}: every rank reads only its part of the weights)"
+            f"while {phase}: {phase_why(result.spec, phase)})"
         )
     if e.fits is None:
         if not result.on_gpus:  # gpuType is for GPU jobs only (a CRD rule)

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from ftjob.api.hardware import GIB, GPUS, node_bandwidth
 from ftjob.api.schema import FieldError, quantity
 from ftjob.api.spec import FineTuneJobSpec
+from ftjob.plan import datasize
 from ftjob.plan.limits import qlora_problem, shard_group
 from ftjob.plan.modelshape import LOSS_CHUNK_TOKENS, ModelShape, flops_per_token
 from ftjob.plan.traffic import traffic
@@ -143,14 +144,15 @@ class Estimate:
     pod_memory: float | None  # resources.memory of a pod (None: not set)
     cpu_per_node: float  # steady state: offloaded states and per-process baselines
     load_cpu_per_node: float  # while loading: what each rank keeps + the tensor it reads
+    cpu_phases: dict[str, float]  # per pod, the busiest (rank 0's): each phase's peak (PHASES)
     page_cache_per_node: float  # checkpoint bytes a node's ranks read (reclaimable, not counted)
     checkpoint_bytes: float
     flops_per_token: float  # model FLOPs (MFU's), every document maxSeqLength long
     recomputed_flops_per_token: float  # the forward that activation checkpointing repeats
     checkpoint_stride: int  # 0 none, 1 every layer, N every Nth (auto resolved)
-    step_seconds: float | None
+    compute_seconds: float | None  # the step's FLOPs at the assumed utilisation (no GPU: None)
     network_bytes_per_node: float
-    network_seconds: float | None
+    network_seconds: float | None  # the collectives' share between nodes (in collective_seconds)
     notes: list[str] = field(default_factory=list)
     problem: FieldError | None = None  # why the job cannot run at all, whatever the memory
     # The assumed share of peak behind step_seconds (ASSUMED_HFU; None without a GPU type).
@@ -176,24 +178,33 @@ class Estimate:
         )
 
     @property
+    def step_seconds(self) -> float | None:
+        """The one step time every line quotes (the throughput, the sharding, the options,
+        auto's comparison): compute plus the step's collectives, counted as not overlapped
+        (an upper bound: FSDP overlaps much of them). None without a GPU type."""
+        if self.compute_seconds is None:
+            return None
+        return self.compute_seconds + self.collective_seconds
+
+    @property
     def mfu(self) -> float | None:
         """The MFU the step time implies: model FLOPs only, as the trainer reports it."""
-        if self.hardware_utilisation is None:
+        if self.hardware_utilisation is None or not self.step_seconds:
             return None
-        return (
-            self.hardware_utilisation
-            * self.flops_per_token
-            / (
-                self.flops_per_token
-                + self.recomputed_flops_per_token
-                + self.reference_flops_per_token
-            )
-        )
+        work = self.flops_per_token + self.recomputed_flops_per_token
+        work += self.reference_flops_per_token
+        at_peak = self.hardware_utilisation * self.flops_per_token / work
+        return at_peak * self.compute_seconds / self.step_seconds
 
     @property
     def cpu_peak_per_node(self) -> float:
-        """The most CPU memory a pod needs: while loading, or the steady state."""
-        return max(self.load_cpu_per_node, self.cpu_per_node)
+        """The most CPU memory a pod needs, in whichever phase needs most."""
+        return self.cpu_phases[self.cpu_peak_phase]
+
+    @property
+    def cpu_peak_phase(self) -> str:
+        """The phase that sets the pod's peak (the first of equals, in PHASES' order)."""
+        return max(PHASES, key=lambda phase: self.cpu_phases[phase])
 
     @property
     def fits_device(self) -> bool | None:
@@ -330,6 +341,7 @@ def estimate_at(
         pod_memory=quantity(r.memory) if r.memory else None,
         cpu_per_node=cpu.steady,
         load_cpu_per_node=cpu.loading,
+        cpu_phases=cpu.phases,
         page_cache_per_node=cpu.page_cache,
         checkpoint_bytes=saved,
         checkpoint_stride=stride,
@@ -350,18 +362,18 @@ def _speed(
     trainable: int,
     gathered: float,
 ) -> dict[str, float | None]:
-    """The estimate's speed: FLOPs per token, the step's time on the named GPUs at the
+    """The estimate's speed: FLOPs per token, the step's compute on the named GPUs at the
     assumed utilisation, the bytes each node sends per step over its fabric, and the
     step's collectives' time (``gathered``: the bytes one forward gathers)."""
     r, method = spec.resources, spec.method.type
     gpu = GPUS.get(r.gpu_type) if r.gpu_type else None
     flops, recomputed = _flops_per_token(spec, shape, adapter, stride)
     reference = _reference_flops_per_token(spec, shape) if method != "full" else 0.0
-    step_seconds = hfu = None
+    compute = hfu = None
     if gpu:
         hfu = ASSUMED_HFU[method] * (OFFLOAD_SLOWDOWN if spec.parallelism.cpu_offload else 1.0)
         work = spec.tokens_per_step * (flops + recomputed + reference)
-        step_seconds = work / (r.world_size * gpu.peak_bf16_flops * hfu)
+        compute = work / (r.world_size * gpu.peak_bf16_flops * hfu)
     moved = traffic(spec, shape.layers, sharding, gathered, trainable)
     net = moved.node_bytes
     bandwidth = node_bandwidth(
@@ -371,7 +383,7 @@ def _speed(
         flops_per_token=flops,
         recomputed_flops_per_token=recomputed,
         reference_flops_per_token=reference,
-        step_seconds=step_seconds,
+        compute_seconds=compute,
         network_bytes_per_node=net,
         network_seconds=net / bandwidth if r.nodes > 1 else 0.0,
         hardware_utilisation=hfu,
@@ -403,6 +415,29 @@ class _Cpu:
     loading: float  # per node, while loading
     page_cache: float  # per node: checkpoint bytes read through the page cache
     staging: float  # per process: asyncSave's copy
+    phases: dict[str, float]  # per node, the busiest pod's (rank 0's): each phase's peak
+
+
+# The phases a pod goes through, in order; the pod's memory must hold the peak of each.
+PHASES = ("preparing", "loading", "training", "saving", "exporting")
+# Why a phase peaks, in the verdict's words.
+PHASE_WHY = {
+    "preparing": "rank 0 tokenizes the data with its worker processes",
+    "loading": "every rank reads only its part of the weights",
+    "training": "the states each process keeps in CPU memory",
+    "saving": "each process copies the tensor it writes to CPU memory",
+}
+
+
+def phase_why(spec: FineTuneJobSpec, phase: str) -> str:
+    """What a phase holds in a pod's memory, in the verdict's words."""
+    if phase != "exporting":
+        return PHASE_WHY[phase]
+    if spec.method.type == "full":
+        return "rank 0 holds the whole model in fp32 to write the export"
+    if spec.output.merge_adapter:
+        return "rank 0 loads the base in fp32 to merge the adapters into it (output.mergeAdapter)"
+    return "every rank gathers the trained adapters to write them"
 
 
 def _cpu_memory(
@@ -447,7 +482,38 @@ def _cpu_memory(
     read_whole = shape.linear_params if qlora else 0
     own_share = min(1.0, nproc / group)
     read = ((shape.params - read_whole) * own_share + read_whole) * shape.checkpoint_bytes
-    return _Cpu(nproc * steady, nproc * loading, read, staging)
+    phases = {
+        "preparing": _preparing(spec, baseline),
+        "loading": nproc * loading,
+        "training": nproc * steady,
+        # A save copies each tensor it writes off the GPU (offloaded or CPU states are there).
+        "saving": nproc * (steady + (largest_rows * FP32 if on_gpu and not offload else 0.0)),
+        "exporting": nproc * steady + _exporting(spec, shape),
+    }
+    return _Cpu(nproc * steady, nproc * loading, read, staging, phases)
+
+
+def _preparing(spec: FineTuneJobSpec, baseline: float) -> float:
+    """Rank 0's pod while it prepares the data: its tokenizing processes (datasize, measured),
+    rank 0 at least its baseline, and the pod's other ranks waiting at their baselines."""
+    data = datasize.estimate(spec)
+    workers = data.prepare_memory - datasize.PREPARE_BYTES_PER_PROCESS
+    rank0 = max(baseline, datasize.PREPARE_BYTES_PER_PROCESS)
+    return (spec.resources.nproc_per_node - 1) * baseline + rank0 + workers
+
+
+def _exporting(spec: FineTuneJobSpec, shape: ModelShape) -> float:
+    """What the export adds to rank 0's pod (trainer/state/export.py): a full fine-tune
+    gathers every weight in fp32 into rank 0's CPU memory, then casts the model to the
+    published dtype beside it; a merge loads the base in fp32 and casts it the same way; an
+    adapter's trained weights are gathered whole, in fp32, by every rank of the pod."""
+    cast = shape.params * shape.checkpoint_bytes if shape.checkpoint_bytes < FP32 else 0
+    merged = shape.params * FP32 + cast if spec.output.merge_adapter else 0.0
+    if spec.method.type == "full":
+        return shape.params * FP32 + cast
+    lora = spec.method.lora_settings()
+    adapters = shape.lora_params(lora.r, lora.target_modules) * FP32 if lora else 0.0
+    return spec.resources.nproc_per_node * adapters + merged
 
 
 def _activations(

@@ -102,14 +102,25 @@ def choose(spec: FineTuneJobSpec, shape: ModelShape, b: Budget) -> Layout:
         return Layout(s, e.checkpoint_stride, f"sharding auto -> {s}: {b.source}")
     limit = TIGHT * b.per_process
     fitting = [t for t in timed if _fits(t[1], limit)]
-    if not fitting:
+    if fitting:
+        s, e, seconds = min(fitting, key=lambda t: t[2])
+        return Layout(s, e.checkpoint_stride, _reason(spec, s, e, seconds, timed, b))
+    held = [t for t in timed if t[1].per_device <= limit and t[1].problem is None]
+    if held:
+        # The budget holds a layout; what binds is the pods' CPU memory, in every layout: the
+        # fastest the budget holds, and the refusal names the pods' limit, not the budget.
+        s, e, _ = min(held, key=lambda t: t[2])
         why = (
-            f"nothing fits in {TIGHT:.0%} of {b.source}; {s} needs the least "
-            f"({gib(e.per_device)}/process)"
+            f"{gib(e.per_device)}/process fits in {TIGHT:.0%} of {b.source}, but no layout "
+            f"fits resources.memory {spec.resources.memory} ({s} needs "
+            f"{gib(e.cpu_peak_per_node)} a pod while {e.cpu_peak_phase}); {s} is the fastest"
         )
         return Layout(s, e.checkpoint_stride, f"sharding auto -> {s}: {why}")
-    s, e, seconds = min(fitting, key=lambda t: t[2])
-    return Layout(s, e.checkpoint_stride, _reason(spec, s, e, seconds, timed, b))
+    why = (
+        f"nothing fits in {TIGHT:.0%} of {b.source}; {s} needs the least "
+        f"({gib(e.per_device)}/process)"
+    )
+    return Layout(s, e.checkpoint_stride, f"sharding auto -> {s}: {why}")
 
 
 def _timed(
@@ -119,7 +130,7 @@ def _timed(
     compared by: compute where a GPU type gives one, plus collectives."""
     stride = checkpoint_stride(spec, shape, device, sharding)
     e = estimate_at(spec, shape, stride, device, sharding)
-    return e, (e.step_seconds or 0.0) + e.collective_seconds
+    return e, e.collective_seconds if e.step_seconds is None else e.step_seconds
 
 
 def _fits(e: Estimate, limit: float) -> bool:

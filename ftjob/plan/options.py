@@ -7,9 +7,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
-from ftjob.api.hardware import GPUS
+from ftjob.api.hardware import GIB, GPUS
 from ftjob.api.schema import check_rules
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.plan.estimate import (
@@ -36,6 +37,7 @@ class Option:
 class Plan:
     """A job's estimate and, when it does not fit, the options that would."""
 
+    spec: FineTuneJobSpec
     shape: ModelShape
     estimate: Estimate
     options: list[Option]
@@ -56,10 +58,18 @@ def _with(spec: FineTuneJobSpec, **changes) -> FineTuneJobSpec:
     return dataclasses.replace(spec, **replaced)
 
 
-def _candidates(spec: FineTuneJobSpec, shape: ModelShape, sharding: str):
-    """Single changes that lower memory, cheapest first (what each costs the user);
-    ``sharding``: the job's own, resolved (its estimate's)."""
+def _candidates(spec: FineTuneJobSpec, shape: ModelShape, base: Estimate):
+    """Single changes that lower memory (or raise the pods' where theirs binds), cheapest
+    first (what each costs the user); ``base``: the job's own estimate."""
     t, r, p, m = spec.training, spec.resources, spec.parallelism, spec.method
+    sharding = base.sharding
+    if base.fits_pod is False:
+        # The smallest whole GiB that holds the pods' peak: no speed lost, if the nodes have it.
+        need = math.ceil(base.cpu_peak_per_node / GIB)
+        yield (
+            f"resources.memory: {need}Gi (the pods' peak, while {base.cpu_peak_phase})",
+            {"resources__memory": f"{need}Gi"},
+        )
     if t.activation_checkpointing not in ("auto", "all"):
         # What auto would pick here: the fewest recomputed layers that fit (else all). auto
         # itself already recomputes as much as it takes, so it gets no such advice.
@@ -139,7 +149,7 @@ def plan(
         cumulative: dict = {}
         labels: list[str] = []
         stacked_fits = False
-        for label, change in _candidates(spec, shape, base.sharding):
+        for label, change in _candidates(spec, shape, base):
             single = _with(spec, **change)
             if check_rules(single, "spec"):
                 continue  # advice must be a job the API server accepts
@@ -163,5 +173,9 @@ def plan(
             if len(options) >= max_options:
                 break
     return Plan(
-        shape=shape, estimate=base, options=options, on_gpus=spec.resources.gpus_per_node > 0
+        spec=spec,
+        shape=shape,
+        estimate=base,
+        options=options,
+        on_gpus=spec.resources.gpus_per_node > 0,
     )

@@ -306,20 +306,44 @@ def test_the_scheduler_keeps_the_next_gang_off_a_bad_node(operator):
     assert bad in [b["node"] for b in status_of(plane, "xid")["badNodes"]]
     pending = next(p for p in pods if not p["spec"].get("nodeName"))
     unschedulable = plane.wait(
-        lambda: next(
-            (
-                c
-                for c in plane.get("pod", pending["metadata"]["name"], NAMESPACE)["status"].get(
-                    "conditions", []
-                )
-                if c["type"] == "PodScheduled" and c["status"] == "False"
-            ),
-            None,
-        ),
+        lambda: scheduled_condition(plane, pending["metadata"]["name"]),
         hangs.FLOOR,
         "the scheduler's verdict on the fourth pod",
     )
     assert "affinity" in unschedulable["message"], unschedulable
+
+
+def scheduled_condition(plane: Plane, pod: str) -> dict | None:
+    """The scheduler's verdict on a pod it could not place (PodScheduled False), once given."""
+    conditions = (plane.get("pod", pod, NAMESPACE) or {}).get("status", {}).get("conditions", [])
+    return next(
+        (c for c in conditions if c["type"] == "PodScheduled" and c["status"] == "False"), None
+    )
+
+
+def test_a_gang_puts_one_pod_on_each_node_and_waits_for_a_free_one(operator):
+    """resources.nodes counts nodes: 5 pods of one GPU each on the 4 GPU nodes (32 GPUs, room
+    for all 5 by count) are placed on 4 different nodes, and the real scheduler leaves the
+    fifth Pending for the gang's pod anti-affinity."""
+    plane = operator.plane
+    job = gpu_job("spread", nodes=5)
+    job["spec"]["resources"]["gpusPerNode"] = 1
+    plane.apply(job)
+
+    def four_placed():
+        pods = pods_of(plane, "spread") or []
+        placed = [p for p in pods if p["spec"].get("nodeName")]
+        return len(pods) == 5 and len(placed) == 4 and pods
+
+    pods = plane.wait(four_placed, 90, "4 of the 5 pods placed")
+    assert len({p["spec"]["nodeName"] for p in pods if p["spec"].get("nodeName")}) == 4
+    pending = next(p for p in pods if not p["spec"].get("nodeName"))
+    verdict = plane.wait(
+        lambda: scheduled_condition(plane, pending["metadata"]["name"]),
+        hangs.FLOOR,
+        "the scheduler's verdict on the fifth pod",
+    )
+    assert "anti-affinity" in verdict["message"], verdict
 
 
 @pytest.mark.timeout(600)  # the first test to ask waits for the real trainer's outputs

@@ -63,8 +63,12 @@ def test_seed_70b_full_fits_on_16_a100_80gb():
     spec = example("llama2-70b-full.yaml")
     e = options.plan(spec, known_model(spec.model.source)).estimate
     assert e.fits_device and e.fits_pod
-    # Loading holds no more than the training it precedes: the pod's peak is training's.
-    assert e.load_cpu_per_node < e.cpu_per_node == e.cpu_peak_per_node
+    # Loading holds no more than the training it precedes; the export sets the pod's peak:
+    # rank 0 gathers all 69 B weights in fp32 (257 GiB) and casts them to bf16 beside the
+    # run's baselines and asyncSave's copies.
+    assert e.load_cpu_per_node < e.cpu_per_node < e.cpu_peak_per_node
+    assert e.cpu_peak_phase == "exporting"
+    assert e.cpu_peak_per_node == e.cpu_per_node + e.params * (4 + 2)
     # Hybrid sharding (over one node's 8 GPUs) would not fit: the seed's reason for full.
     hybrid = example("llama2-70b-full.yaml", **{"parallelism.sharding": "hybrid"})
     assert layout.estimate(hybrid, known_model(spec.model.source)).fits is False
@@ -122,8 +126,9 @@ def test_seed_70b_qlora_fits_a_96gi_pod_and_says_why_in_one_line():
     assert spec.resources.memory == "96Gi"
     condition = describe.planned_condition(spec)
     assert condition["reason"] == "Fits" and condition["allowed"]
-    assert "of 96.0 GiB CPU memory per pod (peak while training: every rank reads only its " \
-           "part of the weights)" in condition["message"]  # fmt: skip
+    # The export adds the gathered adapters (fp32) to training's offloaded states.
+    assert "of 96.0 GiB CPU memory per pod (peak while exporting: every rank gathers the trained " \
+           "adapters to write them)" in condition["message"]  # fmt: skip
     small = describe.planned_condition(
         example("llama31-70b-qlora.yaml", **{"resources.memory": "48Gi"})
     )
@@ -278,7 +283,7 @@ def test_plan_command_prints_breakdown_and_exits_by_verdict(tmp_path):
     assert fits.returncode == 0, fits.stderr
     for word in ("weights", "gradients", "optimizer", "activations", "checkpoint", "network"):
         assert word in fits.stdout
-    assert "every rank reads only its part of the weights" in fits.stdout
+    assert "while exporting (rank 0 holds the whole model in fp32" in fits.stdout
     (doc,) = manifest.load(ROOT / "examples" / "llama3-8b-full-40gb.yaml")
     doc["spec"]["resources"] = {"nodes": 1, "gpusPerNode": 1, "gpuType": "A100-80GB"}
     (tmp_path / "one.yaml").write_text(yaml.safe_dump(doc))
@@ -371,7 +376,7 @@ def test_per_gpu_memory_does_not_grow_with_gradient_accumulation():
         shape = known_model(one.model.source)
         a, b = layout.estimate(one, shape), layout.estimate(many, shape)
         assert b.per_device == a.per_device and b.gradients == a.gradients, name
-        assert b.step_seconds == pytest.approx(16 * a.step_seconds), name
+        assert b.compute_seconds == pytest.approx(16 * a.compute_seconds), name
 
 
 def test_hybrid_all_reduces_across_nodes_once_per_step_full_every_micro_batch():
@@ -460,10 +465,12 @@ def test_recomputation_costs_time_but_not_mfu():
     forward = shape.layers * (2 * shape.layer_params + 4 * shape.hidden * 2048)
     assert every.recomputed_flops_per_token == forward
     assert none.step_seconds < half.step_seconds < every.step_seconds
-    assert none.mfu == estimate.ASSUMED_HFU["full"]
-    assert every.mfu == pytest.approx(
-        estimate.ASSUMED_HFU["full"] * none.step_seconds / every.step_seconds
-    )
+    # MFU: the assumed utilisation over model FLOPs only, and the step's collectives on top.
+    hfu = estimate.ASSUMED_HFU["full"]
+    assert none.mfu == pytest.approx(hfu * none.compute_seconds / none.step_seconds)
+    assert every.mfu == pytest.approx(hfu * none.compute_seconds / every.step_seconds)
+    for e in (none, half, every):
+        assert e.step_seconds == e.compute_seconds + e.collective_seconds
     assert none.activations > half.activations > every.activations
 
 
@@ -510,7 +517,15 @@ def test_plan_json_says_what_auto_chose_and_the_mfu():
     result = options.plan(spec, known_model(spec.model.source))
     item = output.plan_result("f.yaml", "n", spec, result)
     assert item["activationCheckpointing"] == {"setting": "auto", "chosen": "none"}
-    assert item["mfu"] == estimate.ASSUMED_HFU["lora"] and item["recomputedFlopsPerToken"] == 0
+    assert item["recomputedFlopsPerToken"] == 0
+    # One step time, made of its parts; MFU from it: the assumed share of peak on model FLOPs.
+    assert item["stepSeconds"] == pytest.approx(
+        item["computeSecondsPerStep"] + item["sharding"]["collectiveSecondsPerStep"]
+    )
+    assert 0 < item["networkSecondsPerStep"] <= item["sharding"]["collectiveSecondsPerStep"]
+    assert item["mfu"] == pytest.approx(
+        estimate.ASSUMED_HFU["lora"] * item["computeSecondsPerStep"] / item["stepSeconds"]
+    )
 
 
 def test_admission_never_says_fits_on_unchecked_host_memory():
@@ -577,7 +592,7 @@ def test_dpo_reference_costs_an_adapter_off_forward_with_lora_and_a_stored_pass_
     work = (b.flops_per_token + b.recomputed_flops_per_token + forward) / (
         a.flops_per_token + a.recomputed_flops_per_token
     )
-    assert b.step_seconds == pytest.approx(2 * a.step_seconds * work)
+    assert b.compute_seconds == pytest.approx(2 * a.compute_seconds * work)
     assert b.mfu < a.mfu
     # No extra weights.
     assert (b.weights, b.optimizer) == (a.weights, a.optimizer)
@@ -637,3 +652,86 @@ def test_plan_says_the_quota_kueue_counts_for_the_gang(tmp_path):
                           capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     (result,) = json.loads(done.stdout)["items"]
     assert result["quota"] == {"perPod": quota.requests(spec), "gang": gang}
+
+
+# ------------------------------------------- every phase a pod goes through, one step time
+
+
+def tiny_model() -> ModelShape:
+    return shape_for(
+        "examples/tiny-model", json.loads((ROOT / "examples/tiny-model/config.json").read_text())
+    )
+
+
+def test_the_pod_must_hold_every_phase_and_the_verdict_names_the_one_that_binds():
+    """Preparing the data (rank 0's tokenizers) and exporting (the whole model gathered in
+    fp32) are phases of the pod too: memory enough for training is not enough for them."""
+    tiny = example("tiny.yaml", **{"resources.memory": "1Gi"})
+    result = options.plan(tiny, tiny_model())
+    e = result.estimate
+    assert set(e.cpu_phases) == set(estimate.PHASES)
+    assert e.cpu_phases["training"] < quantity("1Gi") < e.cpu_peak_per_node
+    assert e.cpu_peak_phase == "preparing" and result.fits is False
+    verdict = describe.verdict_text(result)
+    assert (
+        verdict.startswith("WILL NOT FIT") and "(peak while preparing: rank 0 tokenizes" in verdict
+    )
+    # The smallest change that fits is more memory, in whole GiB, and it fits.
+    (first, *_) = result.options
+    assert first.change.startswith("resources.memory: 3Gi (the pods' peak, while preparing)")
+    assert first.estimate.fits
+    # The 70B full fine-tune with 26Gi: enough for loading (25 GiB), not for its export.
+    big = example("llama2-70b-full.yaml", **{"resources.memory": "26Gi"})
+    e = layout.estimate(big, known_model(big.model.source))
+    assert e.load_cpu_per_node < quantity("26Gi") and e.fits is False
+    assert e.cpu_peak_phase == "exporting"
+
+
+def test_auto_names_the_pods_memory_when_it_binds_and_not_the_gpus():
+    """With too little pod memory for every layout, auto still takes the fastest layout the
+    GPUs hold, says the pods' memory binds, and the plan offers the memory that fits."""
+    spec = example(
+        "llama2-70b-full.yaml",
+        **{"resources.nodes": 4, "resources.gpuType": "H100-SXM-80GB",
+           "resources.memory": "20Gi", "parallelism.sharding": "auto"},
+    )  # fmt: skip
+    result = options.plan(spec, known_model(spec.model.source))
+    e = result.estimate
+    assert e.per_device < estimate.TIGHT * e.device_bytes  # the GPUs hold it
+    assert "but no layout fits resources.memory 20Gi" in e.sharding_reason
+    assert "nothing fits in" not in e.sharding_reason
+    assert result.options[0].change.startswith("resources.memory: ")
+    assert result.options[0].estimate.fits
+
+
+def test_every_line_quotes_one_step_time():
+    """The throughput, the sharding line, the options and -o json quote one step time:
+    compute plus the step's collectives; the network's seconds are a part of those."""
+    from ftjob.cli import output
+
+    spec = example(
+        "llama2-70b-full.yaml", **{"resources.nodes": 4, "resources.gpuType": "H100-SXM-80GB"}
+    )
+    result = options.plan(spec, known_model(spec.model.source))
+    e = result.estimate
+    assert e.step_seconds == e.compute_seconds + e.collective_seconds
+    assert e.network_seconds <= e.collective_seconds
+    text = "\n".join(describe.describe(spec, result))
+    quoted = {float(x) for x in __import__("re").findall(r"~([\d.]+) s/step", text)}
+    assert quoted == {round(e.step_seconds, 1)}, text
+    item = output.plan_result("f.yaml", "n", spec, result)
+    assert item["stepSeconds"] == e.step_seconds
+    auto = example("llama3-8b-lora-efa.yaml")
+    chosen = layout.estimate(auto, known_model(auto.model.source))
+    assert (
+        f"{chosen.step_seconds * 1e3:.0f} ms of collectives and compute" in chosen.sharding_reason
+    )
+
+
+def test_the_plan_says_a_gang_takes_one_node_per_pod():
+    for name, nodes in (("llama3-8b-lora-efa.yaml", 2), ("llama3-8b-full-40gb.yaml", 1)):
+        spec = example(name)
+        text = "\n".join(
+            describe.describe(spec, options.plan(spec, known_model(spec.model.source)))
+        )
+        assert ("one pod per node (required pod anti-affinity)" in text) == (nodes > 1), text

@@ -225,7 +225,10 @@ def test_scheduling_constraints_reach_the_pod():
         },
     )
     ps = render.pod(name, "ns", spec, 0, 0, UID)["spec"]
-    assert ps["nodeSelector"] == {"pool": "gpu"} and ps["affinity"] == affinity
+    # The spec's affinity as given, and the gang's one pod per node beside it.
+    assert ps["nodeSelector"] == {"pool": "gpu"}
+    assert ps["affinity"]["nodeAffinity"] == affinity["nodeAffinity"]
+    assert set(ps["affinity"]) == {"nodeAffinity", "podAntiAffinity"}
     assert ps["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert ps["priorityClassName"] == "high" and ps["schedulerName"] == "volcano"
     kubernetes_validate.validate(render.pod(name, "ns", spec, 0, 0, UID), "1.30", strict=True)
@@ -276,3 +279,26 @@ def test_spec_image_wins_over_the_operators_default():
     _, named = load("tiny.yaml", image="registry.example.com/t:1")
     pod = render.pod("j", "ns", named, 0, 0, UID, default_image="registry.example.com/t:2")
     assert pod["spec"]["containers"][0]["image"] == "registry.example.com/t:1"
+
+
+def test_a_gang_of_several_nodes_puts_one_pod_on_each_node():
+    """resources.nodes counts nodes: each pod of one attempt repels the others on a node's
+    hostname (a hard rule), beside a podAntiAffinity the spec brings; one node needs none.
+    tests/cluster/test_real_operator.py shows the real scheduler keeping to it."""
+    own = {"labelSelector": {"matchLabels": {"team": "x"}}, "topologyKey": "zone"}
+    given = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [own]}}
+    name, spec = load("tiny.yaml", **{"scheduling.affinity": given})
+    for attempt in (0, 3):
+        for pod in render.pods(name, "ns", spec, attempt, UID):
+            terms = pod["spec"]["affinity"]["podAntiAffinity"][
+                "requiredDuringSchedulingIgnoredDuringExecution"
+            ]
+            assert terms == [own, {
+                "labelSelector": {"matchLabels": {"ftjob.dev/job-name": name,
+                                                  "ftjob.dev/attempt": str(attempt)}},
+                "topologyKey": "kubernetes.io/hostname",
+            }]  # fmt: skip
+            assert pod["metadata"]["labels"]["ftjob.dev/attempt"] == str(attempt)
+            kubernetes_validate.validate(pod, "1.30", strict=True)
+    name, one = load("tiny.yaml", **{"resources.nodes": 1})
+    assert "affinity" not in render.pod(name, "ns", one, 0, 0, UID)["spec"]

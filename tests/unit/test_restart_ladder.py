@@ -226,12 +226,16 @@ def test_anti_affinity_joins_every_term_of_the_spec_s_own_affinity():
         {"matchExpressions": [zone], "matchFields": away},
         {"matchExpressions": [pool], "matchFields": away},
     ]
-    assert got["podAntiAffinity"] == given["podAntiAffinity"]
+    # The spec's own pod anti-affinity is kept; the gang's one pod per node joins it.
+    kept = got["podAntiAffinity"]
+    assert kept["preferredDuringSchedulingIgnoredDuringExecution"] == []
+    assert len(kept["requiredDuringSchedulingIgnoredDuringExecution"]) == 1
     assert spec.scheduling.affinity == given  # the spec itself is not changed
     kubernetes_validate.validate(p, "1.37", strict=True)
     assert kubevalidation.errors([p]) == []
-    # Without bad nodes the spec's affinity is rendered as it is.
-    assert render.pod(name, "ns", spec, 0, 0, "uid")["spec"]["affinity"] == given
+    # Without bad nodes the spec's node affinity is rendered as it is.
+    plain = render.pod(name, "ns", spec, 0, 0, "uid")["spec"]["affinity"]
+    assert plain["nodeAffinity"] == given["nodeAffinity"]
 
 
 def test_the_api_server_s_node_selector_rules_are_checked():
