@@ -567,3 +567,26 @@ def test_a_schema_refusal_of_extra_keys_names_each_of_them():
     }
     (err,) = jsonschema.Draft4Validator(schema).iter_errors({"a": {"x": 1, "y": 2}})
     assert admission._schema_message(err) == ("a.x", 'unknown field "a.x", unknown field "a.y"')
+
+
+def test_plan_reads_nulls_as_the_api_server_does(tmp_path):
+    """A null is an unset field in plan too (and in run: the same parse_resource): the plan of
+    a job with nulls at every depth is the plan of the job without them."""
+    with_nulls, doc = tiny_job(tmp_path, "nulls.yaml")
+    spec = doc["spec"]
+    spec["dataset"].update(evalFraction=None, maxSeqLength=None)
+    spec["model"]["revision"] = None
+    spec["training"]["learningRate"] = None
+    spec.update(env=None, output=None, runPolicy=None)
+    spec["scheduling"] = {"tolerations": [{"key": "a", "operator": "Exists", "value": None}]}
+    with_nulls.write_text(yaml.safe_dump(doc))
+    for key in ("env", "output", "runPolicy"):
+        del spec[key]
+    del spec["model"]["revision"], spec["training"]["learningRate"]
+    del spec["dataset"]["evalFraction"], spec["dataset"]["maxSeqLength"]
+    del spec["scheduling"]["tolerations"][0]["value"]
+    without = tmp_path / "without.yaml"
+    without.write_text(yaml.safe_dump(doc))
+    a, b = ftjob("plan", with_nulls), ftjob("plan", without)
+    assert a.returncode == b.returncode == 0, a.stderr
+    assert a.stdout.replace("nulls.yaml", "without.yaml") == b.stdout
