@@ -74,8 +74,9 @@ GPU_TYPES = tuple(GPUS)
 # activationCheckpointing: auto, all, none or every-N (N >= 2; N = 1 is all).
 CHECKPOINTING_PATTERN = r"^(auto|all|none|every-([2-9]|[1-9][0-9]{1,2}))$"
 # Whether compile: unset turns torch.compile on for GPU jobs. A GPU run has shown compiled layers
-# train to the same losses, 1.74x faster (bench/RESULTS.md, H200); off until `ftjob plan` models
-# their memory, which peaked 31% above its plan there.
+# train to the same losses, 1.74x faster (bench/RESULTS.md, H200); `ftjob plan` counts their
+# memory from that one measurement (COMPILED_EXTRA_ACTIVATIONS): on once the GPU kit has found
+# the plan within 15% of the compiled peak at a second size (bench/gpu_kit, compile-3b).
 COMPILE_VERIFIED_ON_GPU = False
 RESERVED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "HF_TOKEN")
 
@@ -403,9 +404,10 @@ class TrainingSpec:
     )
     compile: bool | None = api_field(
         "compile each decoder layer with torch.compile before sharding (faster steps after "
-        "a slower first one; more GPU memory than ftjob plan counts). The compiled layers "
-        "are cached in the job's folder (compile-cache/): a restart loads them. Unset, ftjob "
-        "decides: off on CPU, and off on GPUs until the plan counts compile's memory.",
+        "a slower first one; more GPU memory, which ftjob plan counts as measured at one "
+        "size). The compiled layers are cached in the job's folder (compile-cache/): a "
+        "restart loads them. Unset, ftjob decides: off on CPU, and off on GPUs until compile's "
+        "memory is measured at a second size.",
         None,
     )
     seed: int = api_field("seed for initialisation and data order.", 42, minimum=0)

@@ -79,6 +79,14 @@ LOAD_SLACK_BYTES = 64 * 2**20
 # one such tensor, 101.5 MiB. The plan is then 1.10-1.21x the loading peak of every case of
 # that run (1.21x: 1B QLoRA, which grew 50-51 MiB): an upper bound.
 NF4_SEARCH_VALUES = 2**20 * 16
+# training.compile on a GPU: what the compiled step holds beyond the eager one, as a multiple
+# of the eager activations. Measured once (bench/RESULTS.md, 2026-11-27, one H200, the 1.1B
+# full fine-tune, bf16, seq 2048 x 4, every layer recomputed): compiled peak 25,345 MiB, eager
+# 17,813 MiB, the plan's eager activations 2,273 MiB: 7,532 MiB more, 3.31x those activations.
+# (The peaks' ratio, 1.42x, applied to the activations alone would plan 20,350 MiB, 0.80x the
+# compiled peak.) One size only: the GPU kit measures a second (bench/gpu_kit, compile-3b)
+# before compile may become the default (COMPILE_VERIFIED_ON_GPU in ftjob/api/spec.py).
+COMPILED_EXTRA_ACTIVATIONS = 7532 / 2273
 # Share of the peak the GPUs are assumed to spend on matmuls, recomputed ones included
 # (hardware FLOPs utilisation): the step time divides model + recomputed FLOPs by it. Without
 # recomputation it equals MFU; the plan's MFU is it x model / (model + recomputed) FLOPs.
@@ -313,6 +321,12 @@ def estimate_at(
 
     tokens = t.micro_batch_size * spec.sequences_per_example * spec.dataset.max_seq_length
     activations = _activations(spec, shape, tokens, act_bytes, stride) * FRAGMENTATION
+    if on_gpu and spec.compile_enabled(on_gpu):
+        activations *= 1 + COMPILED_EXTRA_ACTIVATIONS
+        notes.append(
+            f"compiled: activations x{1 + COMPILED_EXTRA_ACTIVATIONS:.2f} (measured at one "
+            "size, 1.1B on an H200)"
+        )
     temporaries = _temporaries(method, shape, sharding, group, act_bytes)
     # What FSDP gathers for one forward: nothing where a group of one leaves the frozen base
     # whole (trainer/model/load.py left_whole; the adapters' copies are negligible).
