@@ -307,13 +307,8 @@ def estimate_at(
     state_bytes = sharded_weights + 3 * trainable * FP32
     group = shard_group(spec, sharding)
     offload = spec.parallelism.cpu_offload
-    notes = [f"sharding {sharding} over {group} process{'es' if group > 1 else ''}"]
     # The rule validate and the trainer apply; every decoder layer has the same weights.
     problem = qlora_problem(spec, shape.linear_shapes(), group)
-    if method == "qlora":
-        notes.append("4-bit base sharded" if group > 1 else "4-bit base")
-    elif method == "lora" and frozen_bytes == 2:
-        notes.append("bf16 frozen base")
     states_on_device = 0.0 if offload else 1.0
     weights = sharded_weights / group * states_on_device
     gradients = trainable * FP32 / group * states_on_device
@@ -321,12 +316,6 @@ def estimate_at(
 
     tokens = t.micro_batch_size * spec.sequences_per_example * spec.dataset.max_seq_length
     activations = _activations(spec, shape, tokens, act_bytes, stride) * FRAGMENTATION
-    if on_gpu and spec.compile_enabled(on_gpu):
-        activations *= 1 + COMPILED_EXTRA_ACTIVATIONS
-        notes.append(
-            f"compiled: activations x{1 + COMPILED_EXTRA_ACTIVATIONS:.2f} (measured at one "
-            "size, 1.1B on an H200)"
-        )
     temporaries = _temporaries(method, shape, sharding, group, act_bytes)
     # What FSDP gathers for one forward: nothing where a group of one leaves the frozen base
     # whole (trainer/model/load.py left_whole; the adapters' copies are negligible).
@@ -336,12 +325,8 @@ def estimate_at(
     device_total = weights + gradients + optimizer + activations + temporaries + reserved
     shards = (state_bytes / group, sharded_weights / group)
     cpu = _cpu_memory(spec, shape, group, trainable, shards, device_total, frozen_bytes)
-    if cpu.staging:
-        notes.append(f"asyncSave keeps a {gib(cpu.staging)} CPU copy per process")
     saved = checkpoint_bytes(trainable)
-
-    if spec.training.objective == "dpo":
-        notes.append(_dpo_note(spec))
+    notes = _notes(spec, sharding, group, frozen_bytes, cpu.staging)
     return Estimate(
         params=shape.params,
         trainable=trainable,
@@ -562,7 +547,9 @@ def _activations(
     loss = chunk * s.vocab * (nbytes + 2 * FP32) + tokens * h * nbytes
     if spec.method.type == "full":
         loss += s.vocab * h * FP32
-    return stored + loss
+    # A compiled step keeps more for backward than the eager one (COMPILED_EXTRA_ACTIVATIONS).
+    compiled = 1 + COMPILED_EXTRA_ACTIVATIONS if _compiled_on_gpu(spec) else 1
+    return (stored + loss) * compiled
 
 
 def _flops_per_token(
@@ -598,6 +585,32 @@ def reference_pass(spec: FineTuneJobSpec, s: ModelShape) -> tuple[float, float |
         seconds = tokens * forward / (spec.resources.world_size * gpu.peak_bf16_flops
                                       * ASSUMED_HFU["full"])  # fmt: skip
     return 2 * FP32, seconds
+
+
+def _notes(
+    spec: FineTuneJobSpec, sharding: str, group: int, frozen_bytes: int, staging: float
+) -> list[str]:
+    """The shape row's words: the layout, how the base is held, what adds memory."""
+    method = spec.method.type
+    notes = [f"sharding {sharding} over {group} process{'es' if group > 1 else ''}"]
+    if method == "qlora":
+        notes.append("4-bit base sharded" if group > 1 else "4-bit base")
+    elif method == "lora" and frozen_bytes == 2:
+        notes.append("bf16 frozen base")
+    if _compiled_on_gpu(spec):
+        notes.append(
+            f"compiled: activations x{1 + COMPILED_EXTRA_ACTIVATIONS:.2f} (measured at one "
+            "size, 1.1B on an H200)"
+        )
+    if staging:
+        notes.append(f"asyncSave keeps a {gib(staging)} CPU copy per process")
+    if spec.training.objective == "dpo":
+        notes.append(_dpo_note(spec))
+    return notes
+
+
+def _compiled_on_gpu(spec: FineTuneJobSpec) -> bool:
+    return spec.resources.gpus_per_node > 0 and spec.compile_enabled(True)
 
 
 def _dpo_note(spec: FineTuneJobSpec) -> str:
