@@ -86,6 +86,8 @@ class _Step:
             self.generation,
             created,
         )
+        if phase in TERMINAL and self.new.get("progress"):
+            self.new["progress"] = st.ended(self.new["progress"], phase)
         if phase != old_phase:
             kind = "Warning" if phase in ("Failed", "Restarting") else "Normal"
             self.decision.events.append((kind, reason, message.split("\n")[0]))
@@ -165,7 +167,7 @@ def _observe(s: _Step, snapshot: dict | None) -> None:
     the preflight's figures, stragglers and the workers' restarts in place (the current
     gang's: see :func:`gang_snapshot`)."""
     new = s.new
-    if snapshot:
+    if snapshot and s.old.get("phase") not in TERMINAL:  # a finished job's numbers are final
         new["progress"] = st.progress(snapshot)
         new["lastCheckpoint"] = st.last_checkpoint(snapshot) or new.get("lastCheckpoint")
         if (preflight := st.preflight(snapshot)) is not None:
@@ -173,8 +175,22 @@ def _observe(s: _Step, snapshot: dict | None) -> None:
         if "stragglers" in snapshot:
             new["stragglers"] = st.stragglers(snapshot)
         _count_in_place(s, st.restarts_in_place(snapshot))
+    _observe_records(s)
     if new.get("lastCheckpoint") is None:
         new.pop("lastCheckpoint", None)
+
+
+def _observe_records(s: _Step) -> None:
+    """The numbers the current gang's ended pods left in their termination records: a job
+    that ends between two reads of rank 0's progress still shows the step, losses and
+    checkpoint it ended with (and a failed one the step it reached)."""
+    final = st.final_progress(list(s.current.values()))
+    if not final:
+        return
+    s.new["progress"] = st.with_final(s.new.get("progress"), final)
+    saved = st.last_checkpoint(final)
+    if saved and saved["step"] > (s.new.get("lastCheckpoint") or {}).get("step", -1):
+        s.new["lastCheckpoint"] = saved
 
 
 def _count_in_place(s: _Step, now_in_gang: int | None) -> None:

@@ -354,6 +354,19 @@ def format_eta(seconds: float | None) -> str | None:
     return f"{m}m{s % 60:02d}s" if m else f"{s}s"
 
 
+# Losses and the objectives' metrics are kept to this many decimals: the printer columns show
+# a number as it is stored (2.4004, not 2.4003989696502686).
+DECIMALS = 4
+
+
+def _readable(value: Any) -> Any:
+    return round(value, DECIMALS) if isinstance(value, float) else value
+
+
+def _display(step: int, total: int | None) -> str:
+    return f"{step}/{total}" if total else str(step)
+
+
 def progress(snapshot: dict) -> dict[str, Any]:
     """``status.progress`` from rank 0's ``/progress`` JSON (docs/progress.md)."""
     step, total = snapshot.get("step") or 0, snapshot.get("totalSteps")
@@ -362,10 +375,10 @@ def progress(snapshot: dict) -> dict[str, Any]:
         "phase": snapshot.get("phase"),
         "step": step,
         "totalSteps": total,
-        "display": f"{step}/{total}" if total else str(step),
-        "loss": snapshot.get("loss"),
-        "evalLoss": snapshot.get("evalLoss"),
-        **{k: snapshot.get(k) for k in objectives.status()},  # the job's objective's only
+        "display": _display(step, total),
+        "loss": _readable(snapshot.get("loss")),
+        "evalLoss": _readable(snapshot.get("evalLoss")),
+        **{k: _readable(snapshot.get(k)) for k in objectives.status()},  # the job's objective's
         "learningRate": snapshot.get("learningRate"),
         "tokensPerSecond": snapshot.get("tokensPerSecond"),
         "mfu": round(mfu * 100, 2) if mfu is not None else None,  # the trainer reports 0-1
@@ -376,6 +389,43 @@ def progress(snapshot: dict) -> dict[str, Any]:
         "updateTime": snapshot.get("updatedAt"),
     }
     return {k: v for k, v in out.items() if v is not None}
+
+
+def final_progress(pods: list[dict]) -> dict[str, Any] | None:
+    """What a gang's termination records say it ended with (None while none has one): rank
+    0's final numbers (contract.final_progress), the furthest step any record names, and the
+    checkpoint a SIGTERM saved (a preempted record's)."""
+    records = [r for p in pods if (r := record(p))]
+    out: dict[str, Any] = {}
+    for rec in records:
+        out |= rec.get("progress") if isinstance(rec.get("progress"), dict) else {}
+    for rec in records:
+        step = rec.get("step")
+        if isinstance(step, int) and step > out.get("step", -1):
+            out["step"] = step
+        saved = out.get("lastCheckpointStep", -1)
+        if rec.get("outcome") == "preempted" and rec.get("checkpoint") and rec["step"] >= saved:
+            out |= {"lastCheckpointStep": rec["step"], "lastCheckpoint": rec["checkpoint"]}
+    return out or None
+
+
+def with_final(old: dict[str, Any] | None, final: dict[str, Any]) -> dict[str, Any]:
+    """``status.progress`` once the records' final numbers (:func:`final_progress`) are known:
+    theirs where they reach at least as far as what rank 0 last served."""
+    out = dict(old or {})
+    if final.get("step", 0) >= out.get("step", 0):
+        out |= {k: _readable(final[k]) for k in ("step", "totalSteps", "loss", "evalLoss")
+                if k in final}  # fmt: skip
+    out.setdefault("step", 0)
+    out["display"] = _display(out["step"], out.get("totalSteps"))
+    return out
+
+
+def ended(old: dict[str, Any], phase: str) -> dict[str, Any]:
+    """``status.progress`` of a job that ended (Succeeded, Failed): the trainer's phase says
+    so, and there is no time left to estimate."""
+    out = {k: v for k, v in old.items() if k != "eta"}
+    return out | {"phase": phase.lower()}
 
 
 def restarts_in_place(snapshot: dict | None) -> int | None:
