@@ -296,7 +296,7 @@ async def _apply(name, namespace, body, seen: Seen, spec, decision, state: JobSt
         await asyncio.to_thread(kube().patch_status, namespace, name, uid, new)
         state.written = (meta.get("resourceVersion"), new)
     for kind, reason, message in decision.events:
-        kopf.event(body, type=kind, reason=reason, message=message)
+        _say(body, kind, reason, message)
     metrics.observed(namespace, name, old_status, new)
     metrics.job_phase(uid, decision.phase)
 
@@ -359,7 +359,12 @@ async def _record_refusal(body, namespace, name, seen: Seen, state: JobState, me
     if new != old:
         await asyncio.to_thread(kube().patch_status, namespace, name, uid, new)
         state.written = (meta.get("resourceVersion"), new)
-    kopf.event(body, type="Warning", reason=status.REFUSED, message=message)
+    _say(body, "Warning", status.REFUSED, message)
+
+
+def _say(body, kind: str, reason: str, message: str) -> None:
+    """An Event on the job: one line, bounded (kubectl describe shows one per line)."""
+    kopf.event(body, type=kind, reason=reason, message=status.event_message(message))
 
 
 async def _create(child: dict, uid: str) -> bool:

@@ -90,7 +90,7 @@ class _Step:
             self.new["progress"] = st.ended(self.new["progress"], phase)
         if phase != old_phase:
             kind = "Warning" if phase in ("Failed", "Restarting") else "Normal"
-            self.decision.events.append((kind, reason, message.split("\n")[0]))
+            self.decision.events.append((kind, reason, st.event_message(message)))
         return self.decision
 
     def delete_live(self, pods: list[dict]) -> None:
@@ -104,7 +104,8 @@ class _Step:
         # Kill what still runs (ranks hung in a collective hold GPUs); finished pods stay for
         # `kubectl logs`, and go with the job.
         self.delete_live([p for p in self.pods if not st.terminated(p)])
-        # The note first: the Event carries only the first line ("backoffLimit (3) reached").
+        # The note first: the Event's first words say why it is final ("backoffLimit (3)
+        # reached"), its cause follows on the same line (status.event_message).
         message = f"{note}: {failure['message']}" if note else failure["message"]
         return self.set("Failed", failure["reason"], message)
 

@@ -344,6 +344,27 @@ def root_cause(failures: list[dict]) -> dict:
     return min(failures, key=lambda f: (SPECIFICITY.index(f["reason"]), f.get("rank", 0)))
 
 
+# An Event is one line of `kubectl describe`, and kopf cuts a longer message in its middle at
+# 1024 characters (where a failure's cause would be).
+EVENT_LIMIT = 1000
+
+
+def event_message(message: str, limit: int = EVENT_LIMIT) -> str:
+    """``message`` as an Event says it: one line of at most ``limit`` characters, its first
+    line (what happened, what to do) and then its cause (a record's words naming the file and
+    line, a log tail), the lines joined by " | ". A cause too long loses its beginning: the
+    end of a log tail names what failed."""
+    lines = [" ".join(line.split()) for line in message.splitlines()]
+    head, *rest = [line for line in lines if line] or [""]
+    if len(head) > limit:
+        return head[: limit - 3] + "..."
+    cause = " | ".join(rest)
+    room = limit - len(head) - len(" | ")
+    if not cause or room < 8:
+        return head
+    return f"{head} | " + (cause if len(cause) <= room else "..." + cause[-(room - 3) :])
+
+
 def format_eta(seconds: float | None) -> str | None:
     if seconds is None:
         return None
