@@ -228,15 +228,24 @@ def _finished(s: _Step) -> Decision:
     return s.set(s.old["phase"], _cond_reason(s.old), _cond_message(s.old), created == "True")
 
 
+# The Planned condition's status for each verdict of ftjob.plan.describe; any other
+# (its "Unknown") is status Unknown, reason NOT_PLANNED.
+PLANNED = {"Fits": True, "WillNotFit": False, "CannotRun": False}
+NOT_PLANNED = "NotPlanned"
+
+
 def _will_fit(s: _Step) -> Decision | None:
     """The plan's Planned condition, before the first pod (resources are immutable)."""
     planned = planned_condition(s.spec)
-    fits = planned["reason"] != "WillNotFit"
+    # True only for a verdict that it fits; Unknown where the plan could not tell (the model's
+    # shape unread, or no figure for its GPU), under a reason that says so.
+    fits = PLANNED.get(planned["reason"])
+    reason = planned["reason"] if fits is not None else NOT_PLANNED
     s.new["conditions"] = st.set_condition(
         s.new.get("conditions", []),
         "Planned",
         fits,
-        planned["reason"],
+        reason,
         planned["message"],
         s.now,
         s.generation,

@@ -508,15 +508,16 @@ def last_checkpoint(snapshot: dict) -> dict[str, Any] | None:
 def set_condition(
     conditions: list[dict],
     type_: str,
-    status: bool,
+    status: bool | None,
     reason: str,
     message: str,
     now: datetime,
     generation: int | None,
 ) -> list[dict]:
-    """A copy of ``conditions`` with one condition set; its transition time moves only when
-    its status changes (so level-triggered re-runs do not churn it)."""
-    value = "True" if status else "False"
+    """A copy of ``conditions`` with one condition set (``status`` None: "Unknown"); its
+    transition time moves only when its status changes (so level-triggered re-runs do not
+    churn it)."""
+    value = "Unknown" if status is None else "True" if status else "False"
     old = next((c for c in conditions if c["type"] == type_), None)
     since = old["lastTransitionTime"] if old and old["status"] == value else now_iso(now)
     new = {
