@@ -78,9 +78,9 @@ ADVICE = {
     contract.VOLUME_UNUSABLE: "the preflight could not write and read back the job's volume",
     contract.INTERNAL: "the trainer failed (a bug, or something it cannot name)",
     "Evicted": "the node evicted the pod",
-    "Preempted": "the cluster stopped the pod for reasons of its own (Kueue preempting for "
-    "another workload, an eviction such as a node drain, the scheduler's preemption, a taint, "
-    "its node deleted): no restart budget is spent",
+    "Preempted": "the pod was stopped from outside the job (Kueue preempting for another "
+    "workload, an eviction such as a node drain, the scheduler's preemption, a taint, its node "
+    "deleted, or the pod deleted by a person or a controller): no restart budget is spent",
     "Lost": "the pod or its node disappeared",
     "Error": "the trainer exited with an error",
 }
@@ -272,6 +272,10 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     elif st.get("phase") == "Unknown" or st.get("reason") == "NodeLost":
         reason, detail = "Lost", st.get("message", "the node stopped reporting")
         node_fault = True
+    elif meta.get("deletionTimestamp") and term is None and _trainer_state(pod):
+        # Deleted (by a person, a controller) while its trainer runs: a SIGTERM is a
+        # checkpoint, and the record it ends with says what was saved. Not a failure yet.
+        return None
     elif meta.get("deletionTimestamp") and not succeeded(pod):
         reason, detail = "Lost", "the pod was deleted while the gang was running"
     elif term is not None and term.get("exitCode") != 0:
@@ -319,6 +323,8 @@ def _preemption(pod: dict, term: dict | None) -> str | None:
     a SIGTERM (its own pod's, or another's: the gang stops together), not for a failure."""
     stopped = stopped_by_cluster(pod)
     saved = _saved(contract.parse((term or {}).get("message")))
+    if saved and not stopped and pod["metadata"].get("deletionTimestamp"):
+        stopped = "the pod was deleted"
     if stopped and saved:
         return f"{stopped}; {saved}"
     return stopped or saved
