@@ -2,9 +2,10 @@
 
 Each scenario runs ``python -m ftjob.trainer`` (world size 1) into one way of ending -- bad
 data, a missing model folder, a full disk, host memory running out, a checkpoint that does
-not fit the model, success, a restart after the export, a kill -- and keeps what a kubelet
-would show: the termination file, else the log tail (FallbackToLogsOnError). The status and
-lifecycle tests feed these to the operator's code; none of them types a trainer line by hand.
+not fit the model, success, a restart after the export, a kill, a SIGTERM -- and keeps what
+a kubelet would show: the termination file, else the log tail (FallbackToLogsOnError). The
+status and lifecycle tests feed these to the operator's code; none of them types a trainer
+line by hand.
 
 The scenarios start together on first use (three at a time), once per test session.
 """
@@ -233,6 +234,18 @@ def killed(runs: Runs) -> Outcome:
     return runs.finish(started)
 
 
+def sigterm(runs: Runs) -> Outcome:
+    """SIGTERM after a few steps (its pod deleted, evicted, preempted): it saves the step it
+    reached, though no checkpoint was due, and ends with a "preempted" record."""
+    doc = job("sigterm", training={"maxSteps": 100000}, checkpoint={"every": 100000})
+    started = runs.start("sigterm", doc)
+    proc = started[0]
+    wait_for(started[2], lambda s: s.get("phase") == "training" and s.get("step", 0) >= 2, proc,
+             "step 2")  # fmt: skip
+    proc.send_signal(signal.SIGTERM)
+    return runs.finish(started)
+
+
 def volume_unusable(runs: Runs) -> Outcome:
     """The preflight's volume check on a job folder that cannot be made (its parent is a
     file: refused even to root, which the tests may run as)."""
@@ -276,6 +289,7 @@ SCENARIOS = {
     ("disk-full",): disk_full,
     ("host-oom",): host_oom,
     ("killed",): killed,
+    ("sigterm",): sigterm,
     ("volume-unusable",): volume_unusable,
     ("scraped",): scraped,
 }

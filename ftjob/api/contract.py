@@ -190,6 +190,7 @@ class Failure:
     step: int | None = None
     where: str | None = None  # file:line, or the spec field, when known
     fix: str | None = None  # what to change, when the cause says more than the reason's fix
+    progress: dict[str, Any] | None = None  # rank 0's final numbers (final_progress)
 
     def record(self) -> dict[str, Any]:
         data = {k: v for k, v in asdict(self).items() if v is not None}
@@ -222,8 +223,22 @@ class TrainerError(Exception):
         self.node = node
 
 
-def success_record(export_path: str) -> dict[str, Any]:
-    return {"outcome": "succeeded", "exportPath": export_path}
+def success_record(export_path: str, progress: dict[str, Any] | None = None) -> dict[str, Any]:
+    rec = {"outcome": "succeeded", "exportPath": export_path}
+    return rec | ({"progress": progress} if progress else {})
+
+
+# The numbers rank 0 ends with, carried in its termination record (key "progress"): the
+# operator reads progress from rank 0 every FTJOB_PROGRESS_SECONDS while it runs, and a job
+# that ends between two reads would otherwise keep the step, loss and checkpoint of the last
+# read (a short job always does). A record holds at most 4096 bytes (the kubelet's limit for a
+# termination message), so this is the few numbers `kubectl get ftj` shows, not the snapshot.
+FINAL_PROGRESS = ("step", "totalSteps", "loss", "evalLoss", "lastCheckpointStep", "lastCheckpoint")
+
+
+def final_progress(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """The part of a progress snapshot a termination record carries (:data:`FINAL_PROGRESS`)."""
+    return {k: snapshot[k] for k in FINAL_PROGRESS if snapshot.get(k) is not None}
 
 
 # ------------------------------------------------------------------------------ preemption
@@ -274,8 +289,18 @@ def keep(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
     return new if rank_of(new.get("reason")) < rank_of(old.get("reason")) else old
 
 
+# The kubelet keeps at most 4096 bytes of a termination message: a record cut there is no
+# JSON, and its pod would be diagnosed from the log tail instead.
+RECORD_LIMIT = 4096
+
+
 def dumps(record: dict[str, Any]) -> str:
-    return json.dumps(record, sort_keys=True)
+    """The record as the termination file holds it; without its progress numbers when they
+    would push it past :data:`RECORD_LIMIT` (the reason and message matter more)."""
+    text = json.dumps(record, sort_keys=True)
+    if len(text.encode()) > RECORD_LIMIT and "progress" in record:
+        text = json.dumps({k: v for k, v in record.items() if k != "progress"}, sort_keys=True)
+    return text
 
 
 def parse(text: str | None) -> dict[str, Any] | None:

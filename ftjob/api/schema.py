@@ -610,6 +610,8 @@ def openapi(cls: type, doc: str | None = None) -> dict:
             schema["default"] = produced if spelled else {}
         elif f.default is MISSING:
             required.append(camel(f.name))
+        if "default" in schema and schema.get("description"):
+            schema["description"] += _default_text(schema["description"], schema["default"])
         props[camel(f.name)] = schema
     out: dict[str, Any] = {"type": "object"}
     if doc or cls.__doc__:
@@ -621,6 +623,15 @@ def openapi(cls: type, doc: str | None = None) -> dict:
     if rules:
         out["x-kubernetes-validations"] = [_cel_rule(r) for r in rules]
     return out
+
+
+def _default_text(description: str, value: Any) -> str:
+    """`kubectl explain` shows a field's description, not its default: say a scalar default
+    as Kubernetes' own types do ("Defaults to 30."), unless the words say it already. An
+    object's or a list's default is its fields' (or empty), said by them."""
+    if isinstance(value, dict | list) or value == "" or re.search(r"\bdefault", description, re.I):
+        return ""
+    return f" Defaults to {_show(value)}."
 
 
 def _cel_rule(rule: Rule) -> dict:

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ftjob.operator import handlers  # noqa: F401 - registers the handlers
 
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
+    configure_logging(args.verbose)
     priority = args.priority
     if priority is None:
         # kopf pauses every replica that ties for the highest priority, so identical replicas
@@ -95,6 +95,32 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+class _ObjectName(logging.Filter):
+    """kopf's lines about an object carry it (``k8s_ref``) but do not say it: name it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ref = getattr(record, "k8s_ref", None) or {}
+        name = f"{ref.get('namespace')}/{ref.get('name')}" if ref.get("name") else ""
+        record.object = f"{name}: " if name else ""
+        return True
+
+
+def configure_logging(verbose: bool) -> None:
+    """One line per decision, naming the job (the ftjob.operator logger: handlers.py), and no
+    line per routine event at the default level: kopf says every handler call at INFO
+    ("Handler 'pod_changed' succeeded.", a line per pod event) and aiohttp every liveness
+    probe; those show with --verbose. kopf's warnings and errors always show."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(object)s%(message)s",
+    )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_ObjectName())
+    if not verbose:
+        for routine in ("kopf", "aiohttp.access"):
+            logging.getLogger(routine).setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:

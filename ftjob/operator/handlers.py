@@ -35,6 +35,9 @@ from ftjob.operator import admit, lifecycle, metrics, queueing, render, status
 from ftjob.operator.kube import Gone, Kube, Refused, error_text
 
 POD_SELECTOR = {"app.kubernetes.io/managed-by": render.MANAGER}
+# The operator's own log: one line per decision, naming the job (kopf's per-event lines are
+# below the default level: ftjob.operator.__main__).
+LOG = logging.getLogger("ftjob.operator")
 
 
 @dataclass(frozen=True)
@@ -190,16 +193,17 @@ async def job_daemon(name, namespace, body, stopped, job_pods: kopf.Index, logge
                 async with _slots:
                     delay = await _reconcile(name, namespace, body, job_pods, state, watch)
             except Gone as e:
-                logger.info(f"stopping: {e}")
+                LOG.info(f"stopping: {e}")  # e names the job
                 return
             except Exception as e:  # noqa: BLE001 - a failed reconcile is retried, not fatal
                 metrics.RECONCILE_ERRORS.inc()
+                # kopf's logger: a Warning Event on the job as well.
                 logger.warning(f"reconcile failed, retrying: {error_text(e)}")
                 delay = 1.0
             resync = SETTINGS.resync
             await _sleep(watch.wake, max(min(delay or resync, resync), 0.05))
         if watch.gone:
-            logger.info(f"stopping: {namespace}/{name} (object {uid}) was deleted")
+            LOG.info(f"stopping: {namespace}/{name} (object {uid}) was deleted")
     finally:
         poller.cancel()
         WATCHES.pop(uid, None)
@@ -296,7 +300,7 @@ async def _apply(name, namespace, body, seen: Seen, spec, decision, state: JobSt
         await asyncio.to_thread(kube().patch_status, namespace, name, uid, new)
         state.written = (meta.get("resourceVersion"), new)
     for kind, reason, message in decision.events:
-        kopf.event(body, type=kind, reason=reason, message=message)
+        _say(body, namespace, name, kind, reason, message)
     metrics.observed(namespace, name, old_status, new)
     metrics.job_phase(uid, decision.phase)
 
@@ -306,7 +310,7 @@ async def _apply(name, namespace, body, seen: Seen, spec, decision, state: JobSt
     for pod_name in decision.delete:
         await asyncio.to_thread(kube().delete, "Pod", namespace, pod_name)
     if decision.delete_job:
-        logging.getLogger(__name__).info(f"{namespace}/{name}: ttlSecondsAfterFinished passed")
+        LOG.info(f"{namespace}/{name}: ttlSecondsAfterFinished passed: deleting the job")
         await asyncio.to_thread(kube().delete_job, namespace, name, uid)
     return requeue
 
@@ -359,7 +363,16 @@ async def _record_refusal(body, namespace, name, seen: Seen, state: JobState, me
     if new != old:
         await asyncio.to_thread(kube().patch_status, namespace, name, uid, new)
         state.written = (meta.get("resourceVersion"), new)
-    kopf.event(body, type="Warning", reason=status.REFUSED, message=message)
+    _say(body, namespace, name, "Warning", status.REFUSED, message)
+
+
+def _say(body, namespace: str, name: str, kind: str, reason: str, message: str) -> None:
+    """A decision, said twice: as an Event on the job (one line, bounded: kubectl describe
+    shows one per line) and as one line of the operator's log naming the job."""
+    line = status.event_message(message)
+    kopf.event(body, type=kind, reason=reason, message=line)
+    LOG.log(logging.WARNING if kind == "Warning" else logging.INFO,
+            f"{namespace}/{name}: {reason}: {line}")  # fmt: skip
 
 
 async def _create(child: dict, uid: str) -> bool:
@@ -371,7 +384,7 @@ async def _create(child: dict, uid: str) -> bool:
     owners = await asyncio.to_thread(kube().owners, kind, meta["namespace"], meta["name"])
     if owners is None or uid in owners:
         return owners is not None
-    logging.getLogger(__name__).warning(
+    LOG.warning(
         f"{kind} {meta['namespace']}/{meta['name']} belongs to {sorted(owners)}, not to job "
         f"{uid}: deleting it"
     )

@@ -86,9 +86,11 @@ class _Step:
             self.generation,
             created,
         )
+        if phase in TERMINAL and self.new.get("progress"):
+            self.new["progress"] = st.ended(self.new["progress"], phase)
         if phase != old_phase:
             kind = "Warning" if phase in ("Failed", "Restarting") else "Normal"
-            self.decision.events.append((kind, reason, message.split("\n")[0]))
+            self.decision.events.append((kind, reason, st.event_message(message)))
         return self.decision
 
     def delete_live(self, pods: list[dict]) -> None:
@@ -102,7 +104,8 @@ class _Step:
         # Kill what still runs (ranks hung in a collective hold GPUs); finished pods stay for
         # `kubectl logs`, and go with the job.
         self.delete_live([p for p in self.pods if not st.terminated(p)])
-        # The note first: the Event carries only the first line ("backoffLimit (3) reached").
+        # The note first: the Event's first words say why it is final ("backoffLimit (3)
+        # reached"), its cause follows on the same line (status.event_message).
         message = f"{note}: {failure['message']}" if note else failure["message"]
         return self.set("Failed", failure["reason"], message)
 
@@ -165,7 +168,7 @@ def _observe(s: _Step, snapshot: dict | None) -> None:
     the preflight's figures, stragglers and the workers' restarts in place (the current
     gang's: see :func:`gang_snapshot`)."""
     new = s.new
-    if snapshot:
+    if snapshot and s.old.get("phase") not in TERMINAL:  # a finished job's numbers are final
         new["progress"] = st.progress(snapshot)
         new["lastCheckpoint"] = st.last_checkpoint(snapshot) or new.get("lastCheckpoint")
         if (preflight := st.preflight(snapshot)) is not None:
@@ -173,8 +176,22 @@ def _observe(s: _Step, snapshot: dict | None) -> None:
         if "stragglers" in snapshot:
             new["stragglers"] = st.stragglers(snapshot)
         _count_in_place(s, st.restarts_in_place(snapshot))
+    _observe_records(s)
     if new.get("lastCheckpoint") is None:
         new.pop("lastCheckpoint", None)
+
+
+def _observe_records(s: _Step) -> None:
+    """The numbers the current gang's ended pods left in their termination records: a job
+    that ends between two reads of rank 0's progress still shows the step, losses and
+    checkpoint it ended with (and a failed one the step it reached)."""
+    final = st.final_progress(list(s.current.values()))
+    if not final:
+        return
+    s.new["progress"] = st.with_final(s.new.get("progress"), final)
+    saved = st.last_checkpoint(final)
+    if saved and saved["step"] > (s.new.get("lastCheckpoint") or {}).get("step", -1):
+        s.new["lastCheckpoint"] = saved
 
 
 def _count_in_place(s: _Step, now_in_gang: int | None) -> None:
@@ -211,15 +228,24 @@ def _finished(s: _Step) -> Decision:
     return s.set(s.old["phase"], _cond_reason(s.old), _cond_message(s.old), created == "True")
 
 
+# The Planned condition's status for each verdict of ftjob.plan.describe; any other
+# (its "Unknown") is status Unknown, reason NOT_PLANNED.
+PLANNED = {"Fits": True, "WillNotFit": False, "CannotRun": False}
+NOT_PLANNED = "NotPlanned"
+
+
 def _will_fit(s: _Step) -> Decision | None:
     """The plan's Planned condition, before the first pod (resources are immutable)."""
     planned = planned_condition(s.spec)
-    fits = planned["reason"] != "WillNotFit"
+    # True only for a verdict that it fits; Unknown where the plan could not tell (the model's
+    # shape unread, or no figure for its GPU), under a reason that says so.
+    fits = PLANNED.get(planned["reason"])
+    reason = planned["reason"] if fits is not None else NOT_PLANNED
     s.new["conditions"] = st.set_condition(
         s.new.get("conditions", []),
         "Planned",
         fits,
-        planned["reason"],
+        reason,
         planned["message"],
         s.now,
         s.generation,

@@ -78,9 +78,9 @@ ADVICE = {
     contract.VOLUME_UNUSABLE: "the preflight could not write and read back the job's volume",
     contract.INTERNAL: "the trainer failed (a bug, or something it cannot name)",
     "Evicted": "the node evicted the pod",
-    "Preempted": "the cluster stopped the pod for reasons of its own (Kueue preempting for "
-    "another workload, an eviction such as a node drain, the scheduler's preemption, a taint, "
-    "its node deleted): no restart budget is spent",
+    "Preempted": "the pod was stopped from outside the job (Kueue preempting for another "
+    "workload, an eviction such as a node drain, the scheduler's preemption, a taint, its node "
+    "deleted, or the pod deleted by a person or a controller): no restart budget is spent",
     "Lost": "the pod or its node disappeared",
     "Error": "the trainer exited with an error",
 }
@@ -272,6 +272,10 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     elif st.get("phase") == "Unknown" or st.get("reason") == "NodeLost":
         reason, detail = "Lost", st.get("message", "the node stopped reporting")
         node_fault = True
+    elif meta.get("deletionTimestamp") and term is None and _trainer_state(pod):
+        # Deleted (by a person, a controller) while its trainer runs: a SIGTERM is a
+        # checkpoint, and the record it ends with says what was saved. Not a failure yet.
+        return None
     elif meta.get("deletionTimestamp") and not succeeded(pod):
         reason, detail = "Lost", "the pod was deleted while the gang was running"
     elif term is not None and term.get("exitCode") != 0:
@@ -319,6 +323,8 @@ def _preemption(pod: dict, term: dict | None) -> str | None:
     a SIGTERM (its own pod's, or another's: the gang stops together), not for a failure."""
     stopped = stopped_by_cluster(pod)
     saved = _saved(contract.parse((term or {}).get("message")))
+    if saved and not stopped and pod["metadata"].get("deletionTimestamp"):
+        stopped = "the pod was deleted"
     if stopped and saved:
         return f"{stopped}; {saved}"
     return stopped or saved
@@ -344,6 +350,27 @@ def root_cause(failures: list[dict]) -> dict:
     return min(failures, key=lambda f: (SPECIFICITY.index(f["reason"]), f.get("rank", 0)))
 
 
+# An Event is one line of `kubectl describe`, and kopf cuts a longer message in its middle at
+# 1024 characters (where a failure's cause would be).
+EVENT_LIMIT = 1000
+
+
+def event_message(message: str, limit: int = EVENT_LIMIT) -> str:
+    """``message`` as an Event says it: one line of at most ``limit`` characters, its first
+    line (what happened, what to do) and then its cause (a record's words naming the file and
+    line, a log tail), the lines joined by " | ". A cause too long loses its beginning: the
+    end of a log tail names what failed."""
+    lines = [" ".join(line.split()) for line in message.splitlines()]
+    head, *rest = [line for line in lines if line] or [""]
+    if len(head) > limit:
+        return head[: limit - 3] + "..."
+    cause = " | ".join(rest)
+    room = limit - len(head) - len(" | ")
+    if not cause or room < 8:
+        return head
+    return f"{head} | " + (cause if len(cause) <= room else "..." + cause[-(room - 3) :])
+
+
 def format_eta(seconds: float | None) -> str | None:
     if seconds is None:
         return None
@@ -354,6 +381,19 @@ def format_eta(seconds: float | None) -> str | None:
     return f"{m}m{s % 60:02d}s" if m else f"{s}s"
 
 
+# Losses and the objectives' metrics are kept to this many decimals: the printer columns show
+# a number as it is stored (2.4004, not 2.4003989696502686).
+DECIMALS = 4
+
+
+def _readable(value: Any) -> Any:
+    return round(value, DECIMALS) if isinstance(value, float) else value
+
+
+def _display(step: int, total: int | None) -> str:
+    return f"{step}/{total}" if total else str(step)
+
+
 def progress(snapshot: dict) -> dict[str, Any]:
     """``status.progress`` from rank 0's ``/progress`` JSON (docs/progress.md)."""
     step, total = snapshot.get("step") or 0, snapshot.get("totalSteps")
@@ -362,10 +402,10 @@ def progress(snapshot: dict) -> dict[str, Any]:
         "phase": snapshot.get("phase"),
         "step": step,
         "totalSteps": total,
-        "display": f"{step}/{total}" if total else str(step),
-        "loss": snapshot.get("loss"),
-        "evalLoss": snapshot.get("evalLoss"),
-        **{k: snapshot.get(k) for k in objectives.status()},  # the job's objective's only
+        "display": _display(step, total),
+        "loss": _readable(snapshot.get("loss")),
+        "evalLoss": _readable(snapshot.get("evalLoss")),
+        **{k: _readable(snapshot.get(k)) for k in objectives.status()},  # the job's objective's
         "learningRate": snapshot.get("learningRate"),
         "tokensPerSecond": snapshot.get("tokensPerSecond"),
         "mfu": round(mfu * 100, 2) if mfu is not None else None,  # the trainer reports 0-1
@@ -376,6 +416,43 @@ def progress(snapshot: dict) -> dict[str, Any]:
         "updateTime": snapshot.get("updatedAt"),
     }
     return {k: v for k, v in out.items() if v is not None}
+
+
+def final_progress(pods: list[dict]) -> dict[str, Any] | None:
+    """What a gang's termination records say it ended with (None while none has one): rank
+    0's final numbers (contract.final_progress), the furthest step any record names, and the
+    checkpoint a SIGTERM saved (a preempted record's)."""
+    records = [r for p in pods if (r := record(p))]
+    out: dict[str, Any] = {}
+    for rec in records:
+        out |= rec.get("progress") if isinstance(rec.get("progress"), dict) else {}
+    for rec in records:
+        step = rec.get("step")
+        if isinstance(step, int) and step > out.get("step", -1):
+            out["step"] = step
+        saved = out.get("lastCheckpointStep", -1)
+        if rec.get("outcome") == "preempted" and rec.get("checkpoint") and rec["step"] >= saved:
+            out |= {"lastCheckpointStep": rec["step"], "lastCheckpoint": rec["checkpoint"]}
+    return out or None
+
+
+def with_final(old: dict[str, Any] | None, final: dict[str, Any]) -> dict[str, Any]:
+    """``status.progress`` once the records' final numbers (:func:`final_progress`) are known:
+    theirs where they reach at least as far as what rank 0 last served."""
+    out = dict(old or {})
+    if final.get("step", 0) >= out.get("step", 0):
+        out |= {k: _readable(final[k]) for k in ("step", "totalSteps", "loss", "evalLoss")
+                if k in final}  # fmt: skip
+    out.setdefault("step", 0)
+    out["display"] = _display(out["step"], out.get("totalSteps"))
+    return out
+
+
+def ended(old: dict[str, Any], phase: str) -> dict[str, Any]:
+    """``status.progress`` of a job that ended (Succeeded, Failed): the trainer's phase says
+    so, and there is no time left to estimate."""
+    out = {k: v for k, v in old.items() if k != "eta"}
+    return out | {"phase": phase.lower()}
 
 
 def restarts_in_place(snapshot: dict | None) -> int | None:
@@ -437,15 +514,16 @@ def last_checkpoint(snapshot: dict) -> dict[str, Any] | None:
 def set_condition(
     conditions: list[dict],
     type_: str,
-    status: bool,
+    status: bool | None,
     reason: str,
     message: str,
     now: datetime,
     generation: int | None,
 ) -> list[dict]:
-    """A copy of ``conditions`` with one condition set; its transition time moves only when
-    its status changes (so level-triggered re-runs do not churn it)."""
-    value = "True" if status else "False"
+    """A copy of ``conditions`` with one condition set (``status`` None: "Unknown"); its
+    transition time moves only when its status changes (so level-triggered re-runs do not
+    churn it)."""
+    value = "Unknown" if status is None else "True" if status else "False"
     old = next((c for c in conditions if c["type"] == type_), None)
     since = old["lastTransitionTime"] if old and old["status"] == value else now_iso(now)
     new = {

@@ -64,7 +64,7 @@ def run(spec: FineTuneJobSpec, name: str) -> Path:
             # The record first: the cleanup below takes a moment (the progress server stops,
             # trackers send what they hold), and a peer that failed faster has its agent end
             # this process meanwhile (torchrun's SIGTERM), which would leave no record.
-            e.ftjob_record = termination.failure(e, step=report.last_step)  # type: ignore[attr-defined]
+            e.ftjob_record = termination.failure(e, report.last_step, report.final())  # type: ignore[attr-defined]
             termination.write(e.ftjob_record)
         with contextlib.suppress(OSError):  # a full disk must not hide what failed
             report.update(phase="failed")
@@ -247,7 +247,7 @@ def _succeeded(job: Job) -> Path:
     push.push(job.asked, job.folder, out, job.d, job.report)  # a failure: HubPushFailed
     job.report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
     if job.d.is_main:
-        termination.write(contract.success_record(str(out)))
+        termination.write(contract.success_record(str(out), job.report.final()))
     if job.lease:
         job.lease.release()
     dist.destroy_process_group()

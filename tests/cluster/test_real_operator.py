@@ -19,7 +19,7 @@ from plane import ROOT, Plane, shared_volume, token_kubeconfig
 sys.path.append(str(ROOT / "tests" / "emulator"))
 from support import Operator  # noqa: E402  (the emulator tests' launcher, reused)
 
-from ftjob.api import manifest  # noqa: E402
+from ftjob.api import contract, manifest  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 NAMESPACE = "training"
@@ -360,4 +360,45 @@ def test_every_node_exiting_zero_with_the_trainers_record_succeeds(operator, tra
         lambda: (s := status_of(plane, "done")).get("phase") == "Succeeded" and s, 60, "success"
     )
     assert status["completionTime"] and status["modelPath"] == str(run.job_dir / "model")
-    assert "Succeeded" in plane.kubectl("get", "ftj", "done", "-n", NAMESPACE).stdout
+    # How it ended, though the operator never read rank 0's progress (kwok's pods serve none):
+    # the numbers rank 0's record carries (issue 52, point 3).
+    final = contract.parse(run.record)["progress"]
+    progress = status["progress"]
+    assert progress["display"] == f"{final['step']}/{final['totalSteps']}"
+    assert progress["phase"] == "succeeded" and "eta" not in progress
+    assert progress["loss"] == round(final["loss"], 4)
+    assert status["lastCheckpoint"]["step"] == final["lastCheckpointStep"]
+    row = plane.kubectl("get", "ftj", "done", "-n", NAMESPACE).stdout.splitlines()[1].split()
+    assert row[1:5] == ["Succeeded", "2", progress["display"], str(progress["loss"])], row
+    # The operator's log says the decision, naming the job (point 6).
+    assert operator.logged(f"{NAMESPACE}/done: Completed: training finished; model at ")
+
+
+def events_of(plane: Plane, name: str, reason: str) -> list[dict]:
+    found = json.loads(plane.kubectl("get", "events", "-n", NAMESPACE, "-o", "json").stdout)
+    return [
+        e
+        for e in found["items"]
+        if e["involvedObject"].get("name") == name and e["reason"] == reason
+    ]
+
+
+@pytest.mark.timeout(600)  # the first test to ask waits for the real trainer's outputs
+def test_a_bad_records_event_names_the_file_and_line_on_one_line(operator, trainer_runs):
+    """The Event of a failure carries its cause (the real trainer's record: the data file and
+    line), on one line of `kubectl describe`; the operator's log says the decision, naming the
+    job, and no line per pod event (issue 52, points 2 and 6)."""
+    plane = operator.plane
+    run = trainer_runs.get("bad-data")
+    plane.apply(gpu_job("bad"))
+    gang_running(plane, "bad", 0)
+    terminate(plane, "bad-node-0", 1, "Error", run.message)
+    cause = contract.parse(run.record)["message"]  # ".../bad.jsonl line 2: has no field ..."
+    event = plane.wait(lambda: events_of(plane, "bad", "BadData"), 60, "the BadData Event")[0]
+    assert event["type"] == "Warning" and cause in event["message"], event["message"]
+    assert "\n" not in event["message"]
+    described = plane.kubectl("describe", "ftj", "bad", "-n", NAMESPACE).stdout
+    lines = described.split("Events:")[1].splitlines()
+    assert any("BadData" in line and cause in line for line in lines), described
+    assert operator.logged(f"{NAMESPACE}/bad: BadData: not retried: bad-node-0 (node rank 0)")
+    assert not operator.logged("Handler 'pod_changed' succeeded")

@@ -25,6 +25,8 @@ import pytest
 import torch
 import yaml
 
+from ftjob.api import contract
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 INJECT = Path(__file__).resolve().parent / "inject"
 RUN_TIMEOUT = hangs.RUN  # one tiny run (tests/hangs.py)
@@ -289,7 +291,11 @@ def test_progress_json_is_the_documented_contract(full):
     assert isinstance(snap["port"], int) and snap["port"] > 0
     # Each node's termination record (ftjob.api.contract), as a pod's message file.
     record = json.loads((workdir / "logs" / "node-0.termination").read_text())
-    assert record == {"outcome": "succeeded", "exportPath": str(workdir / "model")}
+    # Rank 0's record carries the numbers it ended with (the operator shows them).
+    progress = contract.final_progress(snap)
+    assert progress["step"] == 30 and progress["lastCheckpointStep"] == 28
+    assert record == {"outcome": "succeeded", "exportPath": str(workdir / "model"),
+                      "progress": progress}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------- resume

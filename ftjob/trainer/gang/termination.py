@@ -96,8 +96,11 @@ def _where(e: BaseException) -> str | None:
     return f"{name}:{frame.lineno}"
 
 
-def failure(exc: BaseException, step: int | None = None) -> dict[str, Any]:
-    """The failure record for ``exc`` raised in this process."""
+def failure(
+    exc: BaseException, step: int | None = None, progress: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The failure record for ``exc`` raised in this process; ``progress``: rank 0's final
+    numbers (contract.final_progress), which the operator shows for the failed job."""
     reason, message, where = classify(exc)
     fix = next((e.fix for e in _chain(exc) if isinstance(e, contract.TrainerError)), None)
     node = next((e.node for e in _chain(exc) if isinstance(e, contract.TrainerError)), None)
@@ -106,7 +109,7 @@ def failure(exc: BaseException, step: int | None = None) -> dict[str, Any]:
         who = heartbeat.explain()
         if who:
             message = f"{message}; {who}"
-    return named(reason, message, where, step, fix, node)
+    return named(reason, message, where, step, fix, node, progress)
 
 
 def named(
@@ -116,6 +119,7 @@ def named(
     step: int | None = None,
     fix: str | None = None,
     node: str | None = None,
+    progress: dict[str, Any] | None = None,
 ):
     """A failure record of this process (its rank filled in, and its node unless the failure
     names the node at fault)."""
@@ -127,6 +131,7 @@ def named(
         step=step,
         where=where,
         fix=fix,
+        progress=progress or None,
     ).record()
 
 

@@ -110,6 +110,11 @@ class Progress:
         with self._lock:
             return dict(self.snapshot)
 
+    def final(self) -> dict | None:
+        """What the termination record carries of the snapshot (contract.final_progress):
+        rank 0's only, the one rank that knows the losses; None on the others."""
+        return contract.final_progress(self._copy()) if self.enabled else None
+
     # -------------------------------------------------------------------- publishing
 
     def serve(self, port: int) -> None:

@@ -1,0 +1,56 @@
+"""A pod deleted by a person or a controller while its trainer runs (issue 52, point 4): the
+operator waits for the trainer to end, and one that saved at the SIGTERM (the real trainer's
+"preempted" record) is Preempted, not Lost: no restart budget spent, and the Event names the
+step saved. A deleted pod that ends without a record is still Lost."""
+
+from test_status import decide, pod, run_to
+
+from ftjob.api import contract
+from ftjob.operator import status as st
+
+DELETED_AT = "2026-01-01T12:00:30Z"
+
+
+def deleted(p: dict) -> dict:
+    p["metadata"]["deletionTimestamp"] = DELETED_AT
+    return p
+
+
+def test_a_deleted_pod_that_saved_is_preempted_and_the_event_names_the_step(trainer_runs):
+    run = trainer_runs.get("sigterm")
+    record = contract.parse(run.record)
+    assert record["outcome"] == "preempted" and record["checkpoint"]
+    saved = f"stopped for a SIGTERM after step {record['step']}; checkpoint"
+    running = run_to([pod(0), pod(1)], backoffLimit=3)
+    # `kubectl delete pod tiny-node-1`: its trainer got the SIGTERM and is saving.
+    saving = decide(running.status, [pod(0), deleted(pod(1))], backoffLimit=3)
+    assert saving.phase == "Running" and not saving.delete and "failure" not in saving.status
+    # It saved and ended with its record.
+    ended = deleted(pod(1, real=run))
+    r = decide(saving.status, [pod(0), ended], backoffLimit=3)
+    assert r.phase == "Restarting" and r.status["attempt"] == 1
+    assert r.status["restarts"] == 0  # no restart budget spent
+    failure = r.status["failure"]
+    assert failure["reason"] == "Preempted" and "the pod was deleted" in failure["message"]
+    kind, reason, message = next(e for e in r.events if e[1] == "Preempted")
+    assert kind == "Warning" and saved in message and "Lost" not in message
+    assert r.status["lastCheckpoint"] == {"step": record["step"], "path": record["checkpoint"]}
+
+
+def test_the_gangs_other_pods_ending_with_the_same_save_are_preempted_too(trainer_runs):
+    """The gang stops together: a pod not deleted ends with a "preempted" record as well."""
+    run = trainer_runs.get("sigterm")
+    running = run_to([pod(0), pod(1)], backoffLimit=3)
+    r = decide(running.status, [pod(0, real=run), deleted(pod(1))], backoffLimit=3)
+    assert r.status["failure"]["reason"] == "Preempted" and r.status["restarts"] == 0
+
+
+def test_a_deleted_pod_that_ends_without_a_record_is_lost():
+    running = run_to([pod(0), pod(1)], backoffLimit=3)
+    killed = deleted(pod(1, phase="Failed", exit_code=137, reason="Error"))
+    r = decide(running.status, [pod(0), killed], backoffLimit=3)
+    assert r.status["failure"]["reason"] == "Lost" and r.status["restarts"] == 1
+    # ... and one that vanished before it was seen to end.
+    gone = decide(running.status, [pod(0)], backoffLimit=3)
+    assert gone.status["failure"]["reason"] == "Lost"
+    assert st.diagnose(deleted(pod(1))) is None  # still running: not a failure yet
