@@ -292,7 +292,9 @@ def _load(job: Job, tok, total: int) -> step.Run:
         weights,
         lr=t.peak_learning_rate(spec.method.type),
         weight_decay=t.weight_decay,
-        fused=d.device.type == "cuda",  # one kernel for all tensors where the device has it
+        # One kernel for all tensors, on CPU as on GPUs; the unfused kernels read each
+        # parameter's step count on the host every step (tests/e2e/test_host_reads.py).
+        fused=True,
     )
     scheduler = get_scheduler(SCHEDULERS[t.scheduler], optimizer, t.warmup_steps(total), total)
     ckpt = checkpoint.Checkpointer(
@@ -326,7 +328,7 @@ def _train(job: Job, run: step.Run, ds, sampler, steps: range, nodes: list[str])
     tally, evaluated_at = step.Tally(run.flops), None
     batches = step.Prefetch(ds, sampler, d.rank, steps, goal.collate)
     request = preempt.Request(preempt.grace_seconds())
-    vote = preempt.Vote(request, d.device)
+    vote = preempt.Vote(request)
     request.arm()  # from here a SIGTERM is a checkpoint at the next step boundary
     try:
         for n in steps:
@@ -347,7 +349,7 @@ def _train(job: Job, run: step.Run, ds, sampler, steps: range, nodes: list[str])
                 report.logged(done, loss_, tokens, flops, **goal.step_metrics(sums))
                 if slow.observe(seconds):
                     report.stragglers(slow.named, slow.describe())
-            if vote.agreed(last=done == steps.stop):
+            if vote.agreed():
                 _preempted(job, run, done, request)  # raises contract.Preempted
             if ds.eval is not None and t.eval_every and done % t.eval_every == 0:
                 report.phase("evaluating")
