@@ -31,7 +31,7 @@ def one_rank(name: str, **changes) -> dict:
         maxGradNorm=1.0, warmup=1,
     )  # fmt: skip
     spec["resources"] = {"nodes": 1, "gpusPerNode": 0}
-    spec["parallelism"] = {"sharding": "auto"}
+    spec["parallelism"] = changes.get("parallelism", {"sharding": "auto"})
     spec["checkpoint"]["every"] = 1000
     return doc
 
@@ -109,6 +109,16 @@ def base(tmp_path_factory):
 def test_steps_between_log_steps_read_nothing_from_the_device(kind, base, tmp_path, monkeypatch):
     iterations = reads_per_iteration(JOBS[kind](base), tmp_path / kind, monkeypatch)
     assert_reads_only_on_log_steps(iterations)
+
+
+def test_a_sharded_step_reads_nothing_between_log_steps_either(tmp_path, monkeypatch):
+    """The same over FSDP (a gang of one sharded as several ranks are: the hooks, DTensor
+    parameters and the clip over them)."""
+    from ftjob.trainer.model import parallel
+
+    monkeypatch.setattr(parallel, "plain_enough", lambda spec, d: False)
+    doc = one_rank("reads-sharded", parallelism={"sharding": "full"})
+    assert_reads_only_on_log_steps(reads_per_iteration(doc, tmp_path / "sharded", monkeypatch))
 
 
 def test_the_counter_catches_a_step_that_calls_item(tmp_path, monkeypatch):
