@@ -56,7 +56,10 @@ JOBS = {
         model={"source": str(base)},
         method={**LORA, "type": "qlora", "quantization": {"type": "nf4"}},
     ),
-    "dpo-lora": lambda base: dpo("reads-dpo-lora", LORA),
+    # No dropout: the adapted head takes the chunked loss (trainer/objectives/loss.py).
+    "dpo-lora": lambda base: dpo(
+        "reads-dpo-lora", {**LORA, "lora": {**LORA["lora"], "dropout": 0.0}}
+    ),
     "dpo-full": lambda base: dpo("reads-dpo-full", {"type": "full"}),
 }
 

@@ -176,3 +176,56 @@ def test_dpo_log_probabilities_through_the_installed_head_equal_plain_logits():
     (want * weights).sum().backward()
     for (name, p), q in zip(fused.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def adapted(dropout: float):
+    """The tiny model with LoRA on its attention and output head, adapters drawn non-zero."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,
+                        target_modules=["q_proj", "v_proj", "lm_head"])  # fmt: skip
+    base = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    return get_peft_model(base, config)
+
+
+def test_a_lora_head_takes_the_chunked_loss_with_equal_values_and_gradients():
+    """SFT's loss and DPO's log-probabilities, policy and adapter-off reference, through a
+    LoRA-adapted head (no dropout): equal to peft's own logits, gradients of the adapters too."""
+    from ftjob.trainer.objectives import dpo, preference
+
+    plain = adapted(dropout=0.0)
+    fused = copy.deepcopy(plain)
+    assert loss.install(fused)
+    assert not isinstance(plain.get_output_embeddings(), type(fused.get_output_embeddings()))
+    b = pair_batch(plain.config.pad_token_id or 0)
+    got, _ = loss.token_loss(fused, b, torch.device("cpu"))
+    want, _ = loss.token_loss(plain, b, torch.device("cpu"))  # peft's head: whole logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    inputs = loss.model_inputs(fused, b)
+    with torch.no_grad(), dpo.adapters_off(fused), dpo.adapters_off(plain):
+        torch.testing.assert_close(
+            loss.sequence_logps(fused, inputs, b.labels),
+            preference.response_logps(plain(**inputs).logits, b.labels),
+            rtol=1e-6, atol=1e-6,
+        )  # fmt: skip
+    policy = loss.sequence_logps(fused, inputs, b.labels)
+    reference = preference.response_logps(plain(**inputs).logits, b.labels)
+    torch.testing.assert_close(policy, reference, rtol=1e-6, atol=1e-6)
+    # As a step weighs them: the mean over labelled tokens; a DPO pair loss's gradient per
+    # row, beta (0.1) x a sigmoid at most.
+    weights = torch.tensor([0.05, -0.1, 0.08, -0.02])
+    (got / b.labelled + (policy * weights).sum()).backward()
+    (want / b.labelled + (reference * weights).sum()).backward()
+    trained = 0
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters(), strict=True):
+        if p.requires_grad:
+            trained += "lm_head" in name
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6, msg=name)
+    assert trained == 2  # the head's A and B
+
+
+def test_a_lora_head_with_dropout_keeps_whole_logits():
+    """Dropout between A and the input makes no single merged weight: not installed."""
+    model = adapted(dropout=0.1)
+    assert not loss.install(model)

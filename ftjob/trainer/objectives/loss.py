@@ -11,7 +11,8 @@ the same code runs on CPU and GPU.
 DPO asks for each token's log-probability instead of a sum (:func:`sequence_logps`); its
 gradient comes from above, so that path keeps one log-normaliser a token and computes each
 chunk's logits again in backward (one more matmul a chunk, still never the whole logits). A head
-adapted by peft (``lm_head`` in targetModules) is not a plain linear layer: it keeps whole
+adapted by peft's LoRA (``lm_head`` in targetModules) computes the same way from its merged
+weight, W + scaling * B @ A, when its adapters have no dropout; with dropout it keeps whole
 logits.
 
 The head stays the model's own ``nn.Linear`` (same parameter, same name, so checkpoints,
@@ -24,6 +25,7 @@ loss when the caller has set targets on it (:func:`token_loss`), and plain logit
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -160,30 +162,77 @@ def linear_logprobs(
     return _LinearLogProbs.apply(hidden, weight, targets, chunk)
 
 
-class _LossHead(nn.Linear):
-    """The output head with one addition: given targets, it returns their summed loss, or
-    (``per_token``) each target's log-probability, shaped as the targets."""
+class _Asked:
+    """What a loss head is asked for: with ``targets`` set, their summed loss, or
+    (``per_token``) each target's log-probability shaped as the targets, instead of logits."""
 
     targets: torch.Tensor | None = None
     per_token: bool = False
 
+    def _loss(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        flat, targets = hidden.flatten(0, -2), self.targets.flatten()
+        if self.per_token:
+            return linear_logprobs(flat, weight, targets).view(self.targets.shape)
+        return linear_cross_entropy(flat, weight, targets)
+
+
+class _LossHead(_Asked, nn.Linear):
+    """The plain output head, asked for a loss (:class:`_Asked`)."""
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.targets is None:  # evaluation by other code, generation, the export's checks
             return super().forward(hidden)
-        flat, targets = hidden.flatten(0, -2), self.targets.flatten()
-        if self.per_token:
-            return linear_logprobs(flat, self.weight, targets).view(self.targets.shape)
-        return linear_cross_entropy(flat, self.weight, targets)
+        return self._loss(hidden, self.weight)
+
+
+@functools.cache
+def _adapted(lora_linear: type) -> type:
+    """peft's LoRA linear layer as an output head asked for a loss: the same logits peft
+    computes, base(x) + scaling * B(A(x)), taken as x @ (W + scaling * B @ A).T chunk by chunk;
+    exact because :func:`_mergeable` lets in no dropout (nor DoRA, biases, merged weights)."""
+
+    class _AdaptedLossHead(_Asked, lora_linear):
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if self.targets is None:
+                return super().forward(x, *args, **kwargs)
+            weight = self.base_layer.weight
+            if not self.disable_adapters:  # DPO's reference turns them off
+                for name in self.active_adapters:
+                    b, a = self.lora_B[name].weight, self.lora_A[name].weight
+                    weight = weight + (b @ a) * self.scaling[name]
+            return self._loss(x, weight)
+
+    return _AdaptedLossHead
+
+
+def _mergeable(head: nn.Module) -> bool:
+    """A peft LoRA head whose logits are those of one merged weight."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    if type(head) is not LoraLinear or head.merged:
+        return False
+    base = head.base_layer
+    return (
+        type(base) is nn.Linear
+        and base.bias is None
+        and all(isinstance(d, nn.Identity) for d in head.lora_dropout.values())
+        and not any(head.use_dora.values())
+        and all(b.bias is None for b in head.lora_B.values())
+    )
 
 
 def install(model: nn.Module) -> bool:
     """Give the model's output head the loss forward (before sharding); False if its head is
-    not a plain bias-free linear layer (e.g. adapted by peft), which keeps plain logits."""
+    neither a plain bias-free linear layer nor such a layer adapted by LoRA without dropout,
+    which keeps plain logits."""
     head = model.get_output_embeddings()
-    if type(head) is not nn.Linear or head.bias is not None:
-        return False
-    head.__class__ = _LossHead
-    return True
+    if type(head) is nn.Linear and head.bias is None:
+        head.__class__ = _LossHead
+        return True
+    if _mergeable(head):
+        head.__class__ = _adapted(type(head))
+        return True
+    return False
 
 
 @contextlib.contextmanager
@@ -218,7 +267,7 @@ def token_loss(net: nn.Module, batch, device: torch.device) -> tuple[torch.Tenso
     targets = next_tokens(on.labels)
     inputs = model_inputs(net, on)
     head = net.get_output_embeddings()
-    if isinstance(head, _LossHead):
+    if isinstance(head, _Asked):
         with _targets(head, targets):
             return net(**inputs).logits, batch.labelled
     logits = net(**inputs).logits
@@ -233,7 +282,7 @@ def sequence_logps(net: nn.Module, inputs: dict, labels: torch.Tensor) -> torch.
     the position before it (DPO's), through the installed head chunk by chunk; from the
     model's whole logits only where its head is not a plain linear layer (adapted by peft)."""
     head = net.get_output_embeddings()
-    if not isinstance(head, _LossHead):
+    if not isinstance(head, _Asked):
         return preference.response_logps(net(**inputs).logits, labels)
     with _targets(head, next_tokens(labels), per_token=True):
         return net(**inputs).logits.sum(dim=1)
