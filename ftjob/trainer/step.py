@@ -3,9 +3,10 @@
 Three things used to stall a GPU step and are kept off it here:
 * data: each step's micro-batches are read, collated and pinned by a background thread one
   step ahead (:class:`Prefetch`), and copied to the device without blocking;
-* numbers: the labelled-token count that weighs the loss comes from collate (host ints), its
-  sum over ranks is all-reduced on the device and never read back; the loss stays a device
-  tensor, and only log steps turn it into a number (:meth:`Tally.reduce`, one collective);
+* numbers: the labelled-token count that weighs the loss comes from collate (host ints), and
+  its sum over ranks (with the preemption vote) is all-reduced in host memory, never on the
+  device; the loss stays a device tensor, and only log steps turn it into a number
+  (:meth:`Tally.reduce`, one collective); ``tests/e2e/test_host_reads.py`` counts the reads;
 * gradients: FSDP reduce-scatters every micro-batch, so what accumulates is each rank's shard
   of the gradients (4·N/world bytes), never the whole unsharded gradient; with replicas
   (hybrid, none) only the all-reduce across replicas waits for the last micro-batch.
@@ -21,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -153,7 +155,7 @@ def train_step(
 ) -> tuple[torch.Tensor, float, torch.Tensor | None]:  # fmt: skip
     """Forward and backward over the micro-batches, then the optimizer update; returns this
     rank's share of the step's mean loss (on the device), the seconds the host waited for
-    the other ranks at the step's first collective (gloo; NCCL does not hold the host), and
+    the other ranks at the step's first collective (on the host, gloo, whatever the device), and
     the objective's metric sums over this rank's micro-batches (None for next-token loss).
     ``vote`` rides on the step's first collective: the gang's agreement to stop for a SIGTERM
     (:mod:`ftjob.trainer.gang.preempt`), at no extra collective.
@@ -163,15 +165,16 @@ def train_step(
     net, device, world = run.net, d.device, d.world_size
     # Every labelled token (or pair) of the step weighs the same, whichever rank or
     # micro-batch has it: divide by the global count (FSDP then averages gradients over
-    # ranks, hence x world).
-    count = float(sum(objective.count(b) for b in micro))
-    both = vote.ballot(count) if vote else torch.tensor([count], device=device)
+    # ranks, hence x world). The count is a host number from collate, summed over ranks on
+    # the host (gloo, also beside NCCL): the device never holds it, so nothing waits to read it.
+    counted = np.array([sum(objective.count(b) for b in micro), vote.ballot() if vote else 0.0])
     began = time.perf_counter()
-    dist.all_reduce(both)  # stays on the device: nothing waits for it
+    dist.all_reduce(torch.from_numpy(counted))  # in place: ``counted`` holds the sums
     waited = time.perf_counter() - began
+    count, ballots = counted.tolist()
     if vote:
-        vote.cast(both)
-    scale = world / both[0].clamp(min=1.0)
+        vote.cast(ballots)
+    scale = world / max(count, 1.0)
     total = torch.zeros((), device=device)
     sums = None
     for m, batch in enumerate(micro):

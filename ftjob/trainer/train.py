@@ -164,14 +164,20 @@ def _describe(job: Job, run: step.Run, ds: data.Data, total: int) -> None:
     spec, d = job.spec, job.d
     job.report.log(
         f"{job.name}: {spec.method.type} fine-tune of {job.asked.model.source}, "
-        f"{run.params:,} parameters ({run.trainable:,} trained), {run.sharding} sharding over "
-        f"{d.world_size} ranks, {len(ds.train)} train / {len(ds.eval or [])} eval "
+        f"{run.params:,} parameters ({run.trainable:,} trained), {_layout_words(job, run)}, "
+        f"{len(ds.train)} train / {len(ds.eval or [])} eval "
         f"{job.goal.unit}, {total} steps" + _speed_note(run.speed)
     )
     compute = torch.bfloat16 if spec.compute_precision() == "bf16" else torch.float32
     implementation = run.net.config._attn_implementation  # the GPU kit records the kernel
     job.report.log(f"attention: {attention.kernel_name(implementation, d.device, compute)}")
     _plan_progress(job.report, spec, d, total, run)
+
+
+def _layout_words(job: Job, run: step.Run) -> str:
+    if parallel.plain_enough(job.spec, job.d):
+        return "one process: a plain module (no FSDP)"
+    return f"{run.sharding} sharding over {job.d.world_size} ranks"
 
 
 def _speed_note(speed: parallel.Speed) -> str:
@@ -277,11 +283,16 @@ def _load(job: Job, tok, total: int) -> step.Run:
     if chosen.reason:
         job.report.log(chosen.reason)  # what sharding auto chose, and why
     sharding = chosen.sharding
-    mesh = parallel.mesh(spec, d, sharding)
-    shards = parallel.shard_group_size(mesh)
-    model.check_shardable(built, shards)  # before any weight is read
     speed = parallel.Speed(chosen.stride, spec.compile_enabled(d.device.type == "cuda"))
-    net = parallel.shard(built.model, spec, mesh, sharding, model.left_whole(built, shards), speed)
+    # One rank: nothing to shard, gather or reduce; the model trains as it is.
+    mesh = None if parallel.plain_enough(spec, d) else parallel.mesh(spec, d, sharding)
+    shards = 1 if mesh is None else parallel.shard_group_size(mesh)
+    model.check_shardable(built, shards)  # before any weight is read
+    if mesh is None:
+        net = parallel.plain(built.model, spec, d.device, speed)
+    else:
+        whole = model.left_whole(built, shards)
+        net = parallel.shard(built.model, spec, mesh, sharding, whole, speed)
     began = time.monotonic()
     model.materialize(built, d, spec.parallelism.cpu_offload)
     load_seconds = time.monotonic() - began
@@ -292,7 +303,9 @@ def _load(job: Job, tok, total: int) -> step.Run:
         weights,
         lr=t.peak_learning_rate(spec.method.type),
         weight_decay=t.weight_decay,
-        fused=d.device.type == "cuda",  # one kernel for all tensors where the device has it
+        # One kernel for all tensors, on CPU as on GPUs; the unfused kernels read each
+        # parameter's step count on the host every step (tests/e2e/test_host_reads.py).
+        fused=True,
     )
     scheduler = get_scheduler(SCHEDULERS[t.scheduler], optimizer, t.warmup_steps(total), total)
     ckpt = checkpoint.Checkpointer(
@@ -302,7 +315,7 @@ def _load(job: Job, tok, total: int) -> step.Run:
         spec.checkpoint.async_save,
         fence=job.lease.check if job.lease else None,
     )
-    replicated = mesh.ndim == 2 and mesh["replicate"].size() > 1
+    replicated = mesh is not None and mesh.ndim == 2 and mesh["replicate"].size() > 1
     flops = _flops_counter(spec, net, params, trainable)
     return step.Run(net, weights, optimizer, scheduler, ckpt, params, trainable, sharding,
                     replicated, speed, flops, built.read_bytes, load_seconds)  # fmt: skip
@@ -326,7 +339,7 @@ def _train(job: Job, run: step.Run, ds, sampler, steps: range, nodes: list[str])
     tally, evaluated_at = step.Tally(run.flops), None
     batches = step.Prefetch(ds, sampler, d.rank, steps, goal.collate)
     request = preempt.Request(preempt.grace_seconds())
-    vote = preempt.Vote(request, d.device)
+    vote = preempt.Vote(request)
     request.arm()  # from here a SIGTERM is a checkpoint at the next step boundary
     try:
         for n in steps:
@@ -347,7 +360,7 @@ def _train(job: Job, run: step.Run, ds, sampler, steps: range, nodes: list[str])
                 report.logged(done, loss_, tokens, flops, **goal.step_metrics(sums))
                 if slow.observe(seconds):
                     report.stragglers(slow.named, slow.describe())
-            if vote.agreed(last=done == steps.stop):
+            if vote.agreed():
                 _preempted(job, run, done, request)  # raises contract.Preempted
             if ds.eval is not None and t.eval_every and done % t.eval_every == 0:
                 report.phase("evaluating")

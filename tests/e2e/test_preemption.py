@@ -186,8 +186,9 @@ def test_a_grace_period_too_short_for_the_save_keeps_the_previous_checkpoint(
     one, and the next gang resumes from it."""
     workdir = tmp_path / "short"
     monkeypatch.setenv(contract.GRACE_ENV, "0.1")
-    # The SIGTERM reaches rank 1 before its step EVERY + 2, and the gang stops a step after its
-    # ballot (ftjob.trainer.gang.preempt.Vote): at EVERY + 3, between two periodic saves.
+    # The SIGTERM reaches rank 1 before its step EVERY + 2, and the gang stops after the step
+    # that carries its ballot (ftjob.trainer.gang.preempt.Vote): EVERY + 2, between two
+    # periodic saves.
     hold_after(monkeypatch, EVERY + 1, tmp_path / "gate")
     proc = start(recovery_job("short"), workdir)
     wait_for_step(proc, workdir, EVERY + 1)

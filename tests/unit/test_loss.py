@@ -97,3 +97,135 @@ def test_token_loss_through_the_installed_head_equals_plain_logits():
         assert loss.token_loss(fused, b, torch.device("cpu"))[0].item() == pytest.approx(
             want.item(), rel=1e-5
         )
+
+
+def plain_logprobs(hidden, weight, targets) -> torch.Tensor:
+    picked = torch.log_softmax(hidden @ weight.t(), dim=-1).gather(
+        1, targets.clamp(min=0).unsqueeze(1)
+    )
+    return picked.squeeze(1) * (targets != IGNORE)
+
+
+def test_chunked_log_probabilities_and_their_gradients_equal_the_plain_ones():
+    """Per token, with any gradient from above (DPO weighs each row by its pair's loss); at a
+    trained model's scale (logits of order 1), where fp32 holds 1e-6."""
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 16, requires_grad=True)
+    weight = (0.1 * torch.randn(50, 16)).requires_grad_()
+    targets = torch.randint(0, 50, (300,))
+    targets[::7] = IGNORE
+    above = torch.randn(300)
+    chunked = loss.linear_logprobs(hidden, weight, targets, chunk=64)
+    (chunked * above).sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    plain = plain_logprobs(hidden, weight, targets)
+    (plain * above).sum().backward()
+    torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-6)
+    assert (chunked[::7] == 0).all()  # an ignored target adds nothing
+    torch.testing.assert_close(grads[0], hidden.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grads[1], weight.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_log_probabilities_keep_no_logits_for_backward_and_make_one_chunk_at_a_time(
+    monkeypatch,
+):
+    """Forward and the backward's recomputation alike: one chunk of fp32 logits at a time,
+    and nothing of [tokens x vocab] kept between them (the plain path keeps it: the control)."""
+    hidden = torch.randn(4096, 8, requires_grad=True)
+    weight = torch.randn(1000, 8, requires_grad=True)
+    targets = torch.randint(0, 1000, (4096,))
+    plain = saved_for_backward(lambda: plain_logprobs(hidden, weight, targets).sum())
+    assert torch.Size([4096, 1000]) in plain
+    made = []
+    real = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: (made.append(t.shape), real(t))[1])
+    kept = saved_for_backward(lambda: loss.linear_logprobs(hidden, weight, targets, 1024).sum())
+    assert kept and all(s.numel() <= 4096 * 8 for s in kept)  # hidden, weight, per token
+    assert made.count(torch.Size([1024, 1000])) == 2 * 4  # 4 chunks, forward and backward
+    assert max(s.numel() for s in made) == 1024 * 1000
+
+
+def pair_batch(pad_id: int) -> data.Batch:
+    """Two preference pairs as DPO collates them: chosen rows, then rejected rows, with the
+    prompt's labels masked."""
+    g = torch.Generator().manual_seed(2)
+    rows = []
+    for length in (24, 40, 31, 17):
+        ids = torch.randint(5, 200, (length,), generator=g).tolist()
+        labels = [IGNORE] * 6 + ids[6:]
+        rows.append({"input_ids": ids, "labels": labels, "seq_lengths": [length]})
+    return data.collate(rows, pad_id)
+
+
+def test_dpo_log_probabilities_through_the_installed_head_equal_plain_logits():
+    """DPO's per-row log-probabilities (policy and reference) and their gradients, chunked
+    through the head, equal preference.response_logps of the model's whole logits."""
+    from ftjob.trainer.objectives import preference
+
+    plain = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    fused = copy.deepcopy(plain)
+    assert loss.install(fused)
+    b = pair_batch(plain.config.pad_token_id or 0)
+    inputs = loss.model_inputs(fused, b)
+    got = loss.sequence_logps(fused, inputs, b.labels)
+    want = preference.response_logps(plain(**loss.model_inputs(plain, b)).logits, b.labels)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    weights = torch.tensor([0.5, -1.0, 2.0, 0.25])  # a pair loss's gradient, row by row
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def adapted(dropout: float):
+    """The tiny model with LoRA on its attention and output head, adapters drawn non-zero."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,
+                        target_modules=["q_proj", "v_proj", "lm_head"])  # fmt: skip
+    base = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    return get_peft_model(base, config)
+
+
+def test_a_lora_head_takes_the_chunked_loss_with_equal_values_and_gradients():
+    """SFT's loss and DPO's log-probabilities, policy and adapter-off reference, through a
+    LoRA-adapted head (no dropout): equal to peft's own logits, gradients of the adapters too."""
+    from ftjob.trainer.objectives import dpo, preference
+
+    plain = adapted(dropout=0.0)
+    fused = copy.deepcopy(plain)
+    assert loss.install(fused)
+    assert not isinstance(plain.get_output_embeddings(), type(fused.get_output_embeddings()))
+    b = pair_batch(plain.config.pad_token_id or 0)
+    got, _ = loss.token_loss(fused, b, torch.device("cpu"))
+    want, _ = loss.token_loss(plain, b, torch.device("cpu"))  # peft's head: whole logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    inputs = loss.model_inputs(fused, b)
+    with torch.no_grad(), dpo.adapters_off(fused), dpo.adapters_off(plain):
+        torch.testing.assert_close(
+            loss.sequence_logps(fused, inputs, b.labels),
+            preference.response_logps(plain(**inputs).logits, b.labels),
+            rtol=1e-6, atol=1e-6,
+        )  # fmt: skip
+    policy = loss.sequence_logps(fused, inputs, b.labels)
+    reference = preference.response_logps(plain(**inputs).logits, b.labels)
+    torch.testing.assert_close(policy, reference, rtol=1e-6, atol=1e-6)
+    # As a step weighs them: the mean over labelled tokens; a DPO pair loss's gradient per
+    # row, beta (0.1) x a sigmoid at most.
+    weights = torch.tensor([0.05, -0.1, 0.08, -0.02])
+    (got / b.labelled + (policy * weights).sum()).backward()
+    (want / b.labelled + (reference * weights).sum()).backward()
+    trained = 0
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters(), strict=True):
+        if p.requires_grad:
+            trained += "lm_head" in name
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6, msg=name)
+    assert trained == 2  # the head's A and B
+
+
+def test_a_lora_head_with_dropout_keeps_whole_logits():
+    """Dropout between A and the input makes no single merged weight: not installed."""
+    model = adapted(dropout=0.1)
+    assert not loss.install(model)

@@ -6,8 +6,6 @@ import os
 import signal
 from pathlib import Path
 
-import torch
-
 from ftjob.api import contract, manifest
 from ftjob.api.spec import parse_resource
 from ftjob.operator import render
@@ -58,10 +56,11 @@ def test_the_pod_and_its_trainer_are_told_the_same_grace_period():
     assert render.grace_seconds(known) > estimate.MIN_GRACE_SECONDS
 
 
-def test_the_vote_is_read_one_step_late_and_the_same_for_every_rank():
+def test_the_vote_is_the_gangs_sum_and_stays_agreed():
     request = preempt.Request(grace=30)
-    vote = preempt.Vote(request, torch.device("cpu"))
-    vote.cast(vote.ballot(7.0))  # step 1: nobody signalled
+    vote = preempt.Vote(request)
+    assert vote.ballot() == 0.0
+    vote.cast(0.0)  # step 1: nobody signalled
     assert not vote.agreed()
     request.arm()
     try:
@@ -69,15 +68,11 @@ def test_the_vote_is_read_one_step_late_and_the_same_for_every_rank():
     finally:
         request.disarm()
     assert request.asked and 0 < request.time_left() <= 30
-    ballot = vote.ballot(7.0)
-    assert ballot.tolist() == [7.0, 1.0]
-    vote.cast(ballot * 2)  # step 2: the all-reduced sum of two ranks, one of them signalled
-    assert not vote.agreed()  # step 1's sum is read after step 2
-    vote.cast(vote.ballot(7.0))
-    assert vote.agreed()  # step 2's, after step 3
-    vote.cast(torch.tensor([1.0, 0.0]))
-    assert vote.agreed(last=True)  # the last step reads what is left, step 3's sum too
-    assert not vote.agreed(last=True)  # and nothing is read twice
+    assert vote.ballot() == 1.0
+    vote.cast(1.0)  # step 2: the all-reduced sum of two ranks, one of them signalled
+    assert vote.agreed()  # at the same step, on every rank (each reads the same sum)
+    vote.cast(0.0)
+    assert vote.agreed()  # an agreement is not taken back
 
 
 def test_a_preempted_record_is_neither_success_nor_failure():

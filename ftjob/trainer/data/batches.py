@@ -159,6 +159,9 @@ class Batch:
     attention_sq: int  # sum of the real documents' length^2 (attention FLOPs)
     # DPO with stored reference log-probabilities (full fine-tune): [rows] fp32, row by row.
     reference: torch.Tensor | None = None
+    # The documents' lengths over the flattened batch (cu_seqlens' steps), as host ints:
+    # attention that splits by document reads them here, not from the device.
+    lengths: tuple[int, ...] = ()
 
     _TENSORS = ("input_ids", "labels", "position_ids", "cu_seqlens", "reference")
 
@@ -219,6 +222,7 @@ def collate(rows: list[dict], pad_id: int) -> Batch:
         tokens=tokens,
         labelled=int((labels[:, 1:] != IGNORE).sum()),  # a row's first label predicts nothing
         attention_sq=attention_sq,
+        lengths=tuple(lengths),
     )
 
 

@@ -19,9 +19,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections import deque
-
-import torch
 
 from ftjob.api.contract import GRACE_ENV
 
@@ -78,36 +75,22 @@ class Request:
 class Vote:
     """The gang's agreement to stop, carried by the step's first all-reduce (one number more).
 
-    Each step casts this rank's ballot into that sum; the boundary after step n reads the sum
-    of step n-1, already on the host (a pinned copy and an event on a GPU), so reading it never
-    waits for the device's queue. Every rank reads the same sums at the same steps: they stop
-    together. The last step reads what is left (the run's end is a sync point anyway)."""
+    That all-reduce sums host numbers in host memory (ftjob.trainer.step.train_step: gloo, the
+    CPU backend, beside NCCL on GPUs), so every rank has the same sum when it returns, at the
+    same step, and reading it never waits for the device's queue."""
 
-    def __init__(self, request: Request, device: torch.device):
-        self.request, self.device = request, device
-        self._cast: deque = deque()
+    def __init__(self, request: Request):
+        self.request = request
+        self._stop = False
 
-    def ballot(self, count: float) -> torch.Tensor:
-        """The step's collective's input: the count it reduces, and this rank's ballot."""
-        return torch.tensor([count, float(self.request.asked)], device=self.device)
+    def ballot(self) -> float:
+        """This rank's ballot: 1 if it was signalled."""
+        return float(self.request.asked)
 
-    def cast(self, reduced: torch.Tensor) -> None:
-        """Keep the reduced sum's ballot (without waiting for it)."""
-        if self.device.type == "cuda":
-            host = torch.empty(1, pin_memory=True)
-            host.copy_(reduced[1:], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._cast.append((host, event))
-        else:
-            self._cast.append((reduced[1:].clone(), None))
+    def cast(self, reduced: float) -> None:
+        """Keep the gang's sum of the ballots."""
+        self._stop = self._stop or reduced > 0
 
-    def agreed(self, last: bool = False) -> bool:
+    def agreed(self) -> bool:
         """Whether the gang stops at this boundary (the same answer on every rank)."""
-        stop = False
-        while len(self._cast) > (0 if last else 1):
-            host, event = self._cast.popleft()
-            if event is not None:
-                event.synchronize()
-            stop = stop or bool(host.item() > 0)
-        return stop
+        return self._stop

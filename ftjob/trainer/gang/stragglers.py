@@ -9,8 +9,9 @@ straggler until a log step finds it within the margin again.
 Why the wait is left out: in a sharded step every rank waits for the slowest at each
 collective, so wall times are equal on all ranks; the rank that is slow is the one that
 makes the others wait, i.e. the one whose own time is longest. The limit: the wait is
-measured on the host, where gloo holds it; NCCL does not, so on GPUs a rank slowed on its
-host (data, Python) is named, and one slowed only inside its kernels is not.
+measured on the host, at the step's first collective, which sums host numbers (gloo) on GPUs
+too; a GPU's host runs ahead of its kernels, so on GPUs a rank slowed on its host (data,
+Python) is named, and one slowed only inside its kernels is not.
 """
 
 from __future__ import annotations

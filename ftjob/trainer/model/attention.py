@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 NAME = "ftjob_packed"  # the attn_implementation the default (sdpa) builds with
 SPEC_CHOICES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
@@ -64,12 +65,20 @@ def model_kwargs(batch, implementation: str) -> dict:
     transformers' flash path. Eager needs none (its mask comes from the position ids)."""
     if implementation == "eager":
         return {}
+    if batch.lengths:
+        _lengths[batch.cu_seqlens] = batch.lengths
     return {
         "cu_seq_lens_q": batch.cu_seqlens,
         "cu_seq_lens_k": batch.cu_seqlens,
         "max_length_q": batch.max_seqlen,
         "max_length_k": batch.max_seqlen,
     }
+
+
+# Each batch's documents' lengths as host ints (data.Batch.lengths), by its cu_seqlens tensor:
+# what :func:`per_document` splits by, without reading the device (transformers passes only
+# tensors through the model to the attention). Entries go with their tensors.
+_lengths: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def register() -> None:
@@ -172,17 +181,21 @@ def per_document(
 ) -> torch.Tensor:
     """Exact causal attention inside each document: one SDPA call per document, no mask.
 
-    q [T, Hq, D], k/v [T, Hkv, D]; ``cu`` [N+1] with cu[-1] == T. Reads ``cu`` on the host
-    (free on CPU, a device wait on CUDA, where the flash kernel runs instead).
+    q [T, Hq, D], k/v [T, Hkv, D]; ``cu`` [N+1] with cu[-1] == T. The lengths come from the
+    host (ftjob's batches, :func:`model_kwargs`), else from reading ``cu`` (a device wait).
     """
-    bounds = cu.tolist()
-    if bounds[0] != 0 or bounds[-1] != q.shape[0]:
+    lengths = _lengths.get(cu)
+    if lengths is None:
+        bounds = cu.tolist()
+        if bounds[0] != 0:
+            raise ValueError(f"{NAME}: cu_seqlens start at {bounds[0]}, not 0")
+        lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    if sum(lengths) != q.shape[0]:
         raise ValueError(
-            f"{NAME}: cu_seqlens run from {bounds[0]} to {bounds[-1]}; the batch has "
+            f"{NAME}: cu_seqlens cover {sum(lengths)} tokens; the batch has "
             f"{q.shape[0]} tokens (B x S)"
         )
     gqa = k.shape[1] != q.shape[1]
-    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
     outs = []
     # split, not a slice per document: split's backward is one cat, where each slice's would
     # write its gradient into a zeroed copy of the whole tensor (measured: 2x the time).

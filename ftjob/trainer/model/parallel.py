@@ -2,7 +2,9 @@
 
 The model code knows nothing of this (torchtitan's rule): :func:`shard` takes a plain Hugging
 Face model, turns on activation checkpointing, then applies ``fully_shard`` to every decoder
-layer and finally to the root. The same calls run on CPU (gloo) and GPUs (NCCL).
+layer and finally to the root. The same calls run on CPU (gloo) and GPUs (NCCL). A job of one
+rank has nothing to shard or reduce: :func:`plain` trains it as the module it is (no DTensor,
+no FSDP hooks), as torchtitan does where the data-parallel degree is 1.
 """
 
 from __future__ import annotations
@@ -151,6 +153,55 @@ def layout(spec: FineTuneJobSpec, d: Dist, config) -> plan_layout.Layout:
     return plan_layout.choose(spec, ModelShape.from_config(config.to_dict()), budget)
 
 
+def plain_enough(spec: FineTuneJobSpec, d: Dist) -> bool:
+    """Whether the job trains as a plain module: one rank in all, whose states stay on its
+    device (cpuOffload is FSDP's: it moves shards between host and device)."""
+    return d.world_size == 1 and not spec.parallelism.cpu_offload
+
+
+def _resolved(model: nn.Module, spec: FineTuneJobSpec, sharding: str, speed: Speed | None):
+    """``speed`` as given, else what activationCheckpointing and compile resolve to on a CPU
+    (no device memory to fit)."""
+    if speed is not None:
+        return speed
+    shape = ModelShape.from_config(model.config.to_dict())
+    on_gpu = spec.resources.gpus_per_node > 0
+    return Speed(checkpoint_stride(spec, shape, None, sharding), spec.compile_enabled(on_gpu))
+
+
+def _speed_up(model: nn.Module, speed: Speed) -> list[nn.Module]:
+    """Activation checkpointing, then compile, on the decoder layers (returned)."""
+    layers = decoder_layers(model)
+    if speed.checkpoint_every:
+        # Non-reentrant checkpointing recomputes inside FSDP's hooks and needs no input grads.
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
+        for i, layer in enumerate(layers):  # the layers ftjob plan counted as recomputed
+            layer.gradient_checkpointing = checkpointed(i, speed.checkpoint_every)
+    if speed.compile:
+        for layer in layers:
+            # The layer's forward only: FSDP's hooks (in __call__) stay eager around it, and
+            # the layer keeps its name, so checkpoints and the export see the same keys.
+            layer.forward = torch.compile(layer.forward)
+    return layers
+
+
+def plain(
+    model: nn.Module, spec: FineTuneJobSpec, device: torch.device, speed: Speed | None = None
+) -> nn.Module:
+    """Activation checkpointing and compile as :func:`shard` applies them, and the precision
+    FSDP's policy gives: fp32 weights (the optimizer's masters and moments stay fp32), bf16
+    compute where the job asks for it, fp32 gradients. The parameters keep their names, so
+    checkpoints and exports are those of the sharded layouts (DCP reshards between them)."""
+    _speed_up(model, _resolved(model, spec, "none", speed))
+    if spec.compute_precision() == "bf16":
+        # Autocast casts the weights for each op as FSDP casts them for each layer; the
+        # gradients land on the fp32 weights in fp32, as FSDP's fp32 reduce gives them.
+        model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)
+    return model
+
+
 def shard(
     model: nn.Module,
     spec: FineTuneJobSpec,
@@ -165,23 +216,7 @@ def shard(
     ``whole``: parameters FSDP leaves alone (each rank holds them whole); ``speed``:
     what activationCheckpointing and compile resolve to on a CPU (no device memory to fit)
     when not given; the trainer passes its :func:`layout`'s."""
-    if speed is None:
-        shape = ModelShape.from_config(model.config.to_dict())
-        on_gpu = spec.resources.gpus_per_node > 0
-        speed = Speed(checkpoint_stride(spec, shape, None, sharding), spec.compile_enabled(on_gpu))
-    layers = decoder_layers(model)
-    if speed.checkpoint_every:
-        # Non-reentrant checkpointing recomputes inside FSDP's hooks and needs no input grads.
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False}
-        )
-        for i, layer in enumerate(layers):  # the layers ftjob plan counted as recomputed
-            layer.gradient_checkpointing = checkpointed(i, speed.checkpoint_every)
-    if speed.compile:
-        for layer in layers:
-            # The layer's forward only: FSDP's hooks (in __call__) stay eager around it, and
-            # the layer keeps its name, so checkpoints and the export see the same keys.
-            layer.forward = torch.compile(layer.forward)
+    layers = _speed_up(model, _resolved(model, spec, sharding, speed))
     if spec.compute_precision() == "bf16":
         # Gradients are reduced in fp32 so that averaging across ranks loses nothing.
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

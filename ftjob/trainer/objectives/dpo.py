@@ -25,7 +25,7 @@ from ftjob.api.spec import FineTuneJobSpec
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.data import pairs
 from ftjob.trainer.objectives import preference, reference
-from ftjob.trainer.objectives.loss import model_inputs
+from ftjob.trainer.objectives.loss import model_inputs, sequence_logps
 
 
 @contextlib.contextmanager
@@ -94,7 +94,7 @@ class Dpo:
     def policy_logps(self, net, batch: data.Batch, device) -> torch.Tensor:
         """[2B] response log-probabilities of the batch's rows under ``net`` as it is."""
         on = batch.to(device)
-        return preference.response_logps(net(**model_inputs(net, on)).logits, on.labels)
+        return sequence_logps(net, model_inputs(net, on), on.labels)
 
     def count(self, batch: data.Batch) -> int:
         """What the step's loss is a mean over: pairs (half the rows)."""
@@ -110,8 +110,8 @@ class Dpo:
         else:
             # The reference first, under no_grad: nothing of it waits for the policy's backward.
             with torch.no_grad(), adapters_off(net):
-                reference = preference.response_logps(net(**inputs).logits, on.labels)
-        policy = preference.response_logps(net(**inputs).logits, on.labels)
+                reference = sequence_logps(net, inputs, on.labels)
+        policy = sequence_logps(net, inputs, on.labels)
         return preference.dpo(
             policy,
             reference,

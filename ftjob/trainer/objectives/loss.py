@@ -8,6 +8,13 @@ gradients* (with respect to the hidden states and the head's weight) at once, ke
 those gradients for the backward pass: Liger's fused linear cross-entropy, in plain torch, so
 the same code runs on CPU and GPU.
 
+DPO asks for each token's log-probability instead of a sum (:func:`sequence_logps`); its
+gradient comes from above, so that path keeps one log-normaliser a token and computes each
+chunk's logits again in backward (one more matmul a chunk, still never the whole logits). A head
+adapted by peft's LoRA (``lm_head`` in targetModules) computes the same way from its merged
+weight, W + scaling * B @ A, when its adapters have no dropout; with dropout it keeps whole
+logits.
+
 The head stays the model's own ``nn.Linear`` (same parameter, same name, so checkpoints,
 FSDP and the export see nothing new); :func:`install` gives it a forward that computes the
 loss when the caller has set targets on it (:func:`token_loss`), and plain logits otherwise.
@@ -18,6 +25,7 @@ loss when the caller has set targets on it (:func:`token_loss`), and plain logit
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -25,6 +33,7 @@ from torch import nn
 from ftjob.plan.modelshape import LOSS_CHUNK_TOKENS
 from ftjob.trainer.data.tokenize import IGNORE
 from ftjob.trainer.model import attention
+from ftjob.trainer.objectives import preference
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -84,34 +93,162 @@ def linear_cross_entropy(
     return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, torch.is_grad_enabled())
 
 
-class _LossHead(nn.Linear):
-    """The output head with one addition: given targets, it returns their summed loss."""
+class _LinearLogProbs(torch.autograd.Function):
+    """Each token's log-probability of its target under ``hidden @ weight.T``, chunk by chunk.
+
+    A per-token result takes any gradient from above (DPO weighs each row by its pair's
+    loss), so the gradients cannot be taken in forward as :class:`_LinearCrossEntropy` does:
+    forward keeps one log-normaliser a token, and backward computes each chunk's logits again
+    from the hidden states and the weight (one more matmul a chunk; never the whole logits).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk: int):  # noqa: D102
+        logps = torch.zeros(hidden.size(0), dtype=torch.float32, device=hidden.device)
+        norms = torch.zeros_like(logps)
+        for start in range(0, hidden.size(0), chunk):
+            logits, t = _chunk_logits(hidden, weight, start, chunk), targets[start : start + chunk]
+            norm = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
+            logps[start : start + chunk] = (picked - norm) * (t != IGNORE)
+            norms[start : start + chunk] = norm
+        ctx.save_for_backward(hidden, weight, targets, norms)
+        ctx.chunk = chunk
+        # Backward recomputes under the precision forward ran in (autocast on one process).
+        kind = hidden.device.type
+        ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        return logps
+
+    @staticmethod
+    def backward(ctx, grad_logps):  # noqa: D102 - autograd's API
+        hidden, weight, targets, norms = ctx.saved_tensors
+        kind, enabled, dtype = ctx.autocast
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        with torch.autocast(kind, dtype=dtype, enabled=enabled):
+            for start in range(0, hidden.size(0), ctx.chunk):
+                end = start + ctx.chunk
+                h, t = hidden[start:end], targets[start:end]
+                g = grad_logps[start:end] * (t != IGNORE)
+                # d logp / d logits = one-hot - softmax, times the token's gradient
+                grad = _chunk_logits(hidden, weight, start, ctx.chunk)
+                grad = grad.sub_(norms[start:end].unsqueeze(1)).exp_().mul_(-g.unsqueeze(1))
+                grad.scatter_add_(1, t.clamp(min=0).unsqueeze(1), g.unsqueeze(1))
+                grad = grad.to(h.dtype)
+                if grad_hidden is not None:
+                    grad_hidden[start:end] = grad @ weight
+                if grad_weight is not None:
+                    grad_weight += (grad.t() @ h).float()
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+def _chunk_logits(hidden, weight, start: int, chunk: int) -> torch.Tensor:
+    """One chunk's logits, in fp32."""
+    return (hidden[start : start + chunk] @ weight.t()).float()
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int = LOSS_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """[N] fp32: each token's log-probability of its target through a head ``weight`` [V, h]
+    (0 where the target is IGNORE); the full [N, V] logits never exist."""
+    return _LinearLogProbs.apply(hidden, weight, targets, chunk)
+
+
+class _Asked:
+    """What a loss head is asked for: with ``targets`` set, their summed loss, or
+    (``per_token``) each target's log-probability shaped as the targets, instead of logits."""
 
     targets: torch.Tensor | None = None
+    per_token: bool = False
+
+    def _loss(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        flat, targets = hidden.flatten(0, -2), self.targets.flatten()
+        if self.per_token:
+            return linear_logprobs(flat, weight, targets).view(self.targets.shape)
+        return linear_cross_entropy(flat, weight, targets)
+
+
+class _LossHead(_Asked, nn.Linear):
+    """The plain output head, asked for a loss (:class:`_Asked`)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.targets is None:  # evaluation by other code, generation, the export's checks
             return super().forward(hidden)
-        return linear_cross_entropy(hidden.flatten(0, -2), self.weight, self.targets.flatten())
+        return self._loss(hidden, self.weight)
+
+
+@functools.cache
+def _adapted(lora_linear: type) -> type:
+    """peft's LoRA linear layer as an output head asked for a loss: the same logits peft
+    computes, base(x) + scaling * B(A(x)), taken as x @ (W + scaling * B @ A).T chunk by chunk;
+    exact because :func:`_mergeable` lets in no dropout (nor DoRA, biases, merged weights)."""
+
+    class _AdaptedLossHead(_Asked, lora_linear):
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if self.targets is None:
+                return super().forward(x, *args, **kwargs)
+            weight = self.base_layer.weight
+            if not self.disable_adapters:  # DPO's reference turns them off
+                for name in self.active_adapters:
+                    b, a = self.lora_B[name].weight, self.lora_A[name].weight
+                    weight = weight + (b @ a) * self.scaling[name]
+            return self._loss(x, weight)
+
+    return _AdaptedLossHead
+
+
+def _mergeable(head: nn.Module) -> bool:
+    """A peft LoRA head whose logits are those of one merged weight."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    if type(head) is not LoraLinear or head.merged:
+        return False
+    base = head.base_layer
+    return (
+        type(base) is nn.Linear
+        and base.bias is None
+        and all(isinstance(d, nn.Identity) for d in head.lora_dropout.values())
+        and not any(head.use_dora.values())
+        and all(b.bias is None for b in head.lora_B.values())
+    )
 
 
 def install(model: nn.Module) -> bool:
     """Give the model's output head the loss forward (before sharding); False if its head is
-    not a plain bias-free linear layer (e.g. adapted by peft), which keeps plain logits."""
+    neither a plain bias-free linear layer nor such a layer adapted by LoRA without dropout,
+    which keeps plain logits."""
     head = model.get_output_embeddings()
-    if type(head) is not nn.Linear or head.bias is not None:
-        return False
-    head.__class__ = _LossHead
-    return True
+    if type(head) is nn.Linear and head.bias is None:
+        head.__class__ = _LossHead
+        return True
+    if _mergeable(head):
+        head.__class__ = _adapted(type(head))
+        return True
+    return False
 
 
 @contextlib.contextmanager
-def _targets(head: nn.Module, targets: torch.Tensor):
-    head.targets = targets
+def _targets(head: nn.Module, targets: torch.Tensor, per_token: bool = False):
+    head.targets, head.per_token = targets, per_token
     try:
         yield
     finally:
-        head.targets = None
+        head.targets, head.per_token = None, False
+
+
+def next_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Each position's target: the next token's label; a row's last position predicts nothing."""
+    targets = torch.full_like(labels, IGNORE)
+    targets[:, :-1] = labels[:, 1:]
+    return targets
 
 
 def model_inputs(net: nn.Module, on) -> dict:
@@ -127,12 +264,10 @@ def token_loss(net: nn.Module, batch, device: torch.device) -> tuple[torch.Tenso
     """Sum of next-token losses over the batch's labelled tokens, and their count (a host
     number from collate: reading it never waits for the device)."""
     on = batch.to(device)
-    # Each position predicts the next token; a row's last position predicts nothing.
-    targets = torch.full_like(on.labels, IGNORE)
-    targets[:, :-1] = on.labels[:, 1:]
+    targets = next_tokens(on.labels)
     inputs = model_inputs(net, on)
     head = net.get_output_embeddings()
-    if isinstance(head, _LossHead):
+    if isinstance(head, _Asked):
         with _targets(head, targets):
             return net(**inputs).logits, batch.labelled
     logits = net(**inputs).logits
@@ -140,3 +275,14 @@ def token_loss(net: nn.Module, batch, device: torch.device) -> tuple[torch.Tenso
         logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum"
     )
     return loss, batch.labelled
+
+
+def sequence_logps(net: nn.Module, inputs: dict, labels: torch.Tensor) -> torch.Tensor:
+    """[N] fp32: each row's summed log-probability of its labelled tokens, each predicted from
+    the position before it (DPO's), through the installed head chunk by chunk; from the
+    model's whole logits only where its head is not a plain linear layer (adapted by peft)."""
+    head = net.get_output_embeddings()
+    if not isinstance(head, _Asked):
+        return preference.response_logps(net(**inputs).logits, labels)
+    with _targets(head, next_tokens(labels), per_token=True):
+        return net(**inputs).logits.sum(dim=1)

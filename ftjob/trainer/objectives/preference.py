@@ -88,7 +88,9 @@ class Pairs:
 def means(sums: torch.Tensor | list[float]) -> dict[str, float]:
     """The step's metrics from summed :meth:`Pairs.sums`: mean loss, rewards, accuracy and
     margin over all its pairs."""
-    values = dict(zip(SUMS, torch.as_tensor(sums).tolist(), strict=True))
+    # A logged step's sums arrive as host numbers: only a tensor is read (evaluation's own).
+    numbers = sums.tolist() if isinstance(sums, torch.Tensor) else sums
+    values = dict(zip(SUMS, numbers, strict=True))
     n = max(values.pop("pairs"), 1.0)
     return {k: v / n for k, v in values.items()}
 
