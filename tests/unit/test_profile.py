@@ -101,3 +101,16 @@ def test_no_window_where_profiling_is_off_or_on_other_ranks(tmp_path, monkeypatc
             window.at(n)
         window.close()
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_count_that_is_not_a_number_of_steps_is_named_and_training_goes_on(tmp_path, monkeypatch):
+    said = []
+    for raw in ("-1", "three"):
+        monkeypatch.setenv(profile.ENV, raw)
+        for _ in profile.steps(range(0, 4), tmp_path, True, torch.device("cpu"), said.append):
+            pass
+    assert said == [
+        f"profile: not taken: {profile.ENV}='-1' is not a number of steps",
+        f"profile: not taken: {profile.ENV}='three' is not a number of steps",
+    ]
+    assert not (tmp_path / "logs").exists()

@@ -129,7 +129,10 @@ class Window:
         """The window FTJOB_PROFILE_STEPS asks for (none when unset or 0), on rank 0 only
         (``main``): one rank's profile says where a step's time goes, a profile per rank would
         only repeat it."""
-        count = int(os.environ.get(ENV) or 0)
+        raw = os.environ.get(ENV) or "0"
+        count = int(raw) if raw.isdigit() else 0
+        if main and not raw.isdigit():  # a typo must not fail a training run
+            log(f"profile: not taken: {ENV}={raw!r} is not a number of steps")
         first = steps.start + WARMUP
         on = bool(count) and main
         if on and first >= steps.stop:
