@@ -34,6 +34,13 @@ SHAPES = {
     # The GPU suite's: TinyLlama-1.1B's shape (its own vocabulary size, the tiny tokenizer).
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096),
+    # The GPU kit's second size for compile's peak: Llama-3.2-3B's shape (~3.2B, tied head).
+    "3b": dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+               num_attention_heads=24, num_key_value_heads=8, max_position_embeddings=4096,
+               tie_word_embeddings=True),
+    # The GPU kit's LoRA yardstick: Llama-3-8B's shape (NeMo's published LoRA tokens/s).
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192),
 }  # fmt: skip
 
 

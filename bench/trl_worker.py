@@ -75,10 +75,14 @@ def main() -> None:
     # ftjob: ftjob's packed attention (needs ftjob importable); or a transformers name.
     p.add_argument("--attention", choices=["ftjob", "sdpa", "flash_attention_2"], default="ftjob")
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of tokens/s")
+    # What a user who leaves TRL alone gets: SFTConfig's own packing (none), padding, gradient
+    # checkpointing (on) and transformers' own attention (sdpa); --attention and
+    # --activation-checkpointing are ignored. --bf16 still says the dtype (TRL's default on GPUs).
+    p.add_argument("--trl-defaults", action="store_true")
     a = p.parse_args()
     cuda = torch.cuda.is_available()
     tok = AutoTokenizer.from_pretrained(a.model)
-    attn = a.attention
+    attn = "sdpa" if a.trl_defaults else a.attention
     if attn == "ftjob":
         from ftjob.trainer.model import attention
 
@@ -98,6 +102,17 @@ def main() -> None:
         fsdp = dict(fsdp="full_shard auto_wrap",
                     fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap":
                                  ["LlamaDecoderLayer"], "reshard_after_forward": True})  # fmt: skip
+    ours = dict(
+        # TRL 1.16 defaults to both; ftjob's CPU job runs fp32 without recomputation.
+        gradient_checkpointing=a.activation_checkpointing,
+        # ftjob recomputes every decoder layer with non-reentrant checkpointing.
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        packing=True,
+        # ftjob's packing: whole documents placed best-fit-decreasing into rows of `seq`
+        # tokens (longer ones truncated), each attending only to itself.
+        packing_strategy="bfd",
+        padding_free=True,
+    )
     config = SFTConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
         max_steps=a.steps,
@@ -114,20 +129,12 @@ def main() -> None:
         report_to=[],
         disable_tqdm=True,
         seed=42,
-        # TRL 1.16 defaults to both; ftjob's CPU job runs fp32 without recomputation.
         bf16=a.bf16,
-        gradient_checkpointing=a.activation_checkpointing,
-        # ftjob recomputes every decoder layer with non-reentrant checkpointing.
-        gradient_checkpointing_kwargs={"use_reentrant": False},
         max_length=a.seq,
-        packing=True,
-        # ftjob's packing: whole documents placed best-fit-decreasing into rows of `seq`
-        # tokens (longer ones truncated), each attending only to itself.
-        packing_strategy="bfd",
-        padding_free=True,
         use_cpu=not cuda,
         dataloader_num_workers=0,
         **fsdp,
+        **({} if a.trl_defaults else ours),
     )
     data = load_dataset("json", data_files=a.data, split="train")
     clock = Clock()
@@ -140,7 +147,8 @@ def main() -> None:
         "losses": clock.losses,
         "wrapper": type(trainer.model_wrapped).__name__,
         "attention": model.config._attn_implementation,
-        "packing": config.packing_strategy,
+        "packing": config.packing_strategy if config.packing else None,
+        "gradientCheckpointing": config.gradient_checkpointing,
         "peakRssMiB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "cudaMaxAllocatedGiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
     }

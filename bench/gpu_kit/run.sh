@@ -1,31 +1,37 @@
 #!/usr/bin/env bash
 # The call on a lent GPU machine (no package registry there), from the repo root:
 #
-#   bash bench/gpu_kit/run.sh [main|rest|rehearse] [--dry-run]
+#   bash bench/gpu_kit/run.sh [main|rest|tests] [rehearse] [--dry-run]
 #
-#   main      (default) the one call, most valuable first: env, ftjob-full, ftjob-compile, trl,
-#             gpu-tests, memory. Run it with the device's timeout_s=420; KIT_BUDGET_S (default
-#             360) bounds it inside that, so what it measured comes back.
-#   rest      a second call, only when 6 minutes of device time are left: env, lora (ftjob
-#             against TRL), offload (QLoRA + cpuOffload), and main's last two again.
-#   rehearse  main on CPU with tiny sizes: the same install, steps, caps and files. The
-#             image's role is played by PYTHON (tests/e2e/test_bench_gpu_suite.py uses the
+#   main      (default) the one call, most valuable first: env, then profile (ftjob's default
+#             job under torch.profiler: the device's busy fraction, longest kernels, host
+#             syncs), then versus-trl (the default job's tokens/s and peak, TRL at its defaults,
+#             TRL with the same settings). Run it with the device's timeout_s=420; KIT_BUDGET_S
+#             (default 360) bounds it inside that, so what it measured comes back.
+#   rest      a second call, only when 6 minutes of device time are left: env, compile-3b
+#             (compiled peak at a second size against the plan), offload (QLoRA + cpuOffload),
+#             ckpt-stall (asyncSave), lora-8b (Llama-3-8B-shaped LoRA at seq 4096).
+#   tests     a call only when time is left after both: env, tests/gpu, memory (LoRA, QLoRA).
+#   rehearse  the chosen call on CPU with tiny sizes: the same install, steps, caps and files.
+#             The image's role is played by PYTHON (tests/e2e/test_bench_gpu_suite.py uses the
 #             torch 2.11 venv of scripts/torch-floor.sh), the wheels come from KIT_WHEELS.
 #
 # It installs the wheels in KIT_WHEELS (default .whl/, from python -m bench.gpu_kit.gather,
 # carried with the call) offline into a fresh folder, then runs each step with its own limit;
 # a step that fails or times out does not stop the next, and after each its leftover processes
 # are ended by pid (bench/gpu_kit/reap.py). $OUT gets at most 8 files: summary.txt (a line per
-# step), results.jsonl (each figure the moment it exists: bench/gpu_kit/steps.py) and a log
-# per step, written as the output comes. See bench/README.md and docs/gpu.md.
+# step), results.jsonl (each figure the moment it exists: bench/gpu_kit/steps.py), profile.json
+# (main) and a log per step, written as the output comes. See bench/README.md and docs/gpu.md.
 set -u -o pipefail
 
-mode=main dry=
+mode=main dry= rehearse=
 for arg in "$@"; do
   case $arg in
-    main | rest | rehearse) mode=$arg ;;
+    main | rest | tests) mode=$arg ;;
+    rehearse) rehearse=1 ;;
     --dry-run) dry=1 ;;
-    *) echo "usage: bash bench/gpu_kit/run.sh [main|rest|rehearse] [--dry-run]" >&2; exit 2 ;;
+    *) echo "usage: bash bench/gpu_kit/run.sh [main|rest|tests] [rehearse] [--dry-run]" >&2
+      exit 2 ;;
   esac
 done
 out=${OUT:-$PWD/gpu-out}
@@ -39,7 +45,7 @@ wheels=${KIT_WHEELS:-.whl}
 sizes=gpu
 # tmpfs where there is one: the 1B model and its exports are written and read at memory speed.
 work=${KIT_WORKDIR:-$( [[ -d /dev/shm && -w /dev/shm ]] && echo /dev/shm/ftjob-kit || echo /tmp/ftjob-kit)}
-if [[ $mode == rehearse ]]; then
+if [[ -n $rehearse ]]; then
   sizes=tiny
   export CUDA_VISIBLE_DEVICES=""  # as if the GPU were absent: the CPU paths, the same steps
   # torch.compile traces and differentiates the layers as there, without inductor's C++ build
@@ -47,6 +53,9 @@ if [[ $mode == rehearse ]]; then
   export TORCH_COMPILE_OVERRIDE_BACKENDS=">=0:aot_eager"
 fi
 mkdir -p "$out" "$work"
+# Where a step the budget could not hold runs: main's in rest, the others' in a later call.
+again="bash bench/gpu_kit/run.sh rest"
+[[ $mode == main ]] || again="a later call of bash bench/gpu_kit/run.sh $mode"
 summary=$out/summary.txt
 : >"$summary"
 start=$SECONDS
@@ -71,7 +80,7 @@ step() {
   local limit=$((cap < left ? cap : left))
   if ((limit < 20)); then
     echo "$name: not run, $((left + 10 * scale))s of the ${budget}s budget left; it runs again in:" \
-      "bash bench/gpu_kit/run.sh rest" | tee -a "$summary"
+      "$again" | tee -a "$summary"
     return
   fi
   echo "== $name (at most ${limit}s): $*"
@@ -127,16 +136,22 @@ gpu_tests() {  # no -x: every test runs, each at most 60 s, its outcome printed 
 step env 60 bash -c 'nvidia-smi || echo "nvidia-smi: not found"; "$0" -m bench.gpu_kit.env \
   --out "$1"; echo "pip check (the image with the carried wheels):"; "$0" -m pip check' \
   "$py" "$out"
-if [[ $mode == rest ]]; then
-  measure lora 120
-  measure offload 75
-  gpu_tests
-  measure memory 90
-else
-  measure ftjob-full 90
-  measure ftjob-compile 80
-  measure trl 70
-  gpu_tests
-  measure memory 90
-fi
+# A call's caps sum to its budget less the 10 s kept back: every step gets its whole cap, and
+# what does not fit goes to the next call, not to the end of this one.
+case $mode in
+  main)
+    measure profile 90      # first: a number without a profile does not say what to fix
+    measure versus-trl 190  # ftjob-default, trl-defaults, trl-same: one model build, 3 runs
+    ;;
+  rest)
+    measure compile-3b 80
+    measure offload 60
+    measure ckpt-stall 60
+    measure lora-8b 90
+    ;;
+  tests)
+    gpu_tests
+    measure memory 90
+    ;;
+esac
 echo "run.sh $mode: $((SECONDS - start))s; output in $out" | tee -a "$summary"

@@ -2,27 +2,38 @@
 
     python -m bench.gpu_kit.steps STEP --out DIR --work DIR [--sizes gpu|tiny]
 
-    ftjob-full     ftjob's ~1B Llama full fine-tune, bf16, seq 2048 packed, 1 GPU per rank:
-                   tokens/s, MFU, torch.cuda.max_memory_allocated per rank against `ftjob plan`,
-                   the attention kernel the trainer ran
-    ftjob-compile  the same with training.compile
-    trl            TRL SFTTrainer + accelerate FSDP2 on the same job
-    memory         LoRA and QLoRA: peak GPU memory against `ftjob plan`
-    lora           (second call) ftjob LoRA against TRL LoRA
-    offload        (second call) QLoRA with cpuOffload: peak against `ftjob plan`
+The main call, most valuable first; every job is ftjob's default (sharding, activation
+checkpointing and compile left to auto):
+    profile      the ~1B Llama full fine-tune (bf16, seq 2048 packed) under torch.profiler for
+                 3 steps after the trainer's warm-up (`ftjob run --profile-steps 3`): the
+                 device's busy fraction, the 10 longest kernels, the host syncs; the summary
+                 also in DIR/profile.json
+    versus-trl   the same job's tokens/s, MFU and peak against `ftjob plan` (ftjob-default),
+                 then TRL SFTTrainer at TRL's defaults (trl-defaults) and with ftjob's settings:
+                 packing, attention, recomputation and FSDP as ftjob ran them (trl-same)
+The second call (rest):
+    compile-3b   the default job compiled at a second size (Llama-3.2-3B's shape): peak against
+                 `ftjob plan`, which counts compiled activations x4.31 on GPUs
+    offload      QLoRA with cpuOffload: peak against `ftjob plan`
+    ckpt-stall   a step after an asyncSave checkpoint against the steps without one
+    lora-8b      Llama-3-8B-shaped LoRA at seq 4096: tokens/s (NeMo: 12,473 on one H100)
+And (a call of its own, when time is left): memory, LoRA and QLoRA peaks against the plan.
 
 Each result is appended to DIR/results.jsonl (one JSON object a line) the moment it exists, and
 every child's output is printed as it comes (run.sh tees it to DIR/STEP.log): a step cut off by
 its time limit still leaves what it had. ``--sizes tiny`` is the CPU rehearsal's: the tiny
-model, seq 64, one CPU process, the same steps, files and fields.
+model at every size, seq 64, one CPU process, the same steps, files and fields.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
+import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -32,7 +43,9 @@ import yaml
 
 from bench import common, gpu
 
-STEPS = ("ftjob-full", "ftjob-compile", "trl", "memory", "lora", "offload")
+STEPS = ("profile", "versus-trl", "compile-3b", "offload", "ckpt-stall", "lora-8b", "memory")
+PROFILED = 3  # steps under the profiler, after ftjob.trainer.report.profile.WARMUP
+NEMO_8B_LORA = 12473  # tok/s, Llama-3-8B LoRA seq 4096 on one H100 (NeMo's published table)
 
 
 def record(out: Path, step: str, **fields) -> None:
@@ -60,8 +73,9 @@ def streamed(cmd: list[str], env: dict | None = None, on_line=None) -> str:
     return "".join(lines)
 
 
-def ftjob(doc: dict, work: Path) -> tuple[common.Run, str]:
-    """``ftjob run`` of ``doc`` in a fresh folder, output streamed; the run and its stdout."""
+def ftjob(doc: dict, work: Path, args: tuple[str, ...] = ()) -> tuple[common.Run, str]:
+    """``ftjob run`` of ``doc`` (with ``args``) in a fresh folder, output streamed; the run and
+    its stdout."""
     folder = work / "runs" / doc["metadata"]["name"]
     subprocess.run(["rm", "-rf", str(folder)], check=True)
     folder.mkdir(parents=True)
@@ -69,7 +83,7 @@ def ftjob(doc: dict, work: Path) -> tuple[common.Run, str]:
     job_file.write_text(yaml.safe_dump(doc, sort_keys=False))
     started = time.monotonic()
     out = streamed([sys.executable, "-m", "ftjob", "run", str(job_file), "--workdir",
-                    str(folder / "job")])  # fmt: skip
+                    str(folder / "job"), *args])  # fmt: skip
     job_dir = folder / "job"
     progress = json.loads((job_dir / "progress.json").read_text())
     log = [json.loads(x) for x in (job_dir / "progress.jsonl").read_text().splitlines() if x]
@@ -104,41 +118,135 @@ def peak_fields(run: common.Run, doc: dict, model: Path) -> dict:
             "peakOverPlan": round(measured / planned, 3) if measured else None}  # fmt: skip
 
 
-def ftjob_step(step: str, s: gpu.Setup, work: Path, out: Path, method: str = "full") -> None:
-    model, chat = gpu.model_folder(s, work), gpu.data(work, s)
-    doc = gpu.job(method, model, chat, s)
-    if step == "ftjob-compile":
-        doc["metadata"]["name"] += "-compile"
-        doc["spec"]["training"]["compile"] = True
-    run, stdout = ftjob(doc, work)
+def sized(s: gpu.Setup, shape: str, **sizes) -> gpu.Setup:
+    """``s`` at the GPU call's ``shape`` (a key of common.SHAPES) and ``sizes``; the rehearsal
+    keeps its tiny model and sizes at every step."""
+    return dataclasses.replace(s, shape=shape, **sizes) if s.gpu else s
+
+
+def default_job(s: gpu.Setup, work: Path, method: str = "full", tag: str = "default") -> dict:
+    """``s``'s job at ftjob's defaults: sharding, activation checkpointing, compile on auto."""
+    doc = gpu.job(method, gpu.model_folder(s, work), gpu.data(work, s), s)
+    doc["metadata"]["name"] += f"-{tag}"
+    del doc["spec"]["training"]["activationCheckpointing"]
+    return doc
+
+
+def chosen(run: common.Run) -> dict:
+    """What auto chose, as the trainer reported it (progress.json), in the spec's words."""
+    from ftjob.plan.estimate import stride_name
+
+    stride = run.progress.get("activationCheckpointing")  # layers between recomputed ones
+    return {"sharding": run.progress.get("sharding"), "compiled": run.progress.get("compiled"),
+            "activationCheckpointing": None if stride is None else stride_name(stride)}  # fmt: skip
+
+
+def rate_fields(run: common.Run, doc: dict, s: gpu.Setup, work: Path, stdout: str) -> dict:
+    model = Path(doc["spec"]["model"]["source"])
     rate = run.steady_tokens_per_second(skip=s.skip)
     length = gpu.attention_length(work / "runs" / doc["metadata"]["name"])
-    record(out, step, method=method, tokensPerSecond=round(rate, 1),
-           mfu=gpu.mfu(rate, model, method, s, length), attention=attention_kernel(stdout),
-           **peak_fields(run, doc, model), attentionLength=round(length, 1),
+    return {"tokensPerSecond": round(rate, 1), "attentionLength": round(length, 1),
+            "mfu": gpu.mfu(rate, model, doc["spec"]["method"]["type"], s, length),
+            "attention": attention_kernel(stdout)}  # fmt: skip
+
+
+def profile_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
+    from ftjob.trainer.report import profile
+
+    short = dataclasses.replace(s, steps=profile.WARMUP + PROFILED)
+    doc = default_job(short, work, tag="profile")
+    run, _ = ftjob(doc, work, ("--profile-steps", str(PROFILED)))
+    found = work / "runs" / doc["metadata"]["name"] / "job" / "logs" / "profile"
+    shutil.copyfile(found / "summary.json", out / "profile.json")
+    summary = json.loads((found / "summary.json").read_text())
+    record(out, step, **summary, **chosen(run), setup=short.__dict__)
+
+
+def versus_trl_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
+    """ftjob's default job, then TRL at its defaults and TRL with the settings ftjob ran."""
+    doc = default_job(s, work)
+    run, stdout = ftjob(doc, work)
+    fields, settings = rate_fields(run, doc, s, work, stdout), chosen(run)
+    model = Path(doc["spec"]["model"]["source"])
+    record(out, "ftjob-default", **fields, **settings, **peak_fields(run, doc, model),
            losses=run.losses(), wallSeconds=round(run.wall, 1), setup=s.__dict__)  # fmt: skip
+    length = fields["attentionLength"]
+    trl_step("trl-defaults", s, work, out, ["--trl-defaults"], length)
+    same = ["--attention", "ftjob"]  # ftjob's packed attention; the worker packs as ftjob does
+    same += ["--fsdp"] if settings["sharding"] not in (None, "none") else []
+    # TRL recomputes every layer or none: every-N counts as on.
+    recomputed = settings["activationCheckpointing"] not in (None, "none")
+    trl_step("trl-same", s, work, out, same + (["--activation-checkpointing"] if recomputed
+                                              else []), length)  # fmt: skip
 
 
-def trl_step(step: str, s: gpu.Setup, work: Path, out: Path, method: str = "full") -> None:
+def trl_step(step: str, s: gpu.Setup, work: Path, out: Path, extra: list[str],
+             length: float | None) -> None:  # fmt: skip
+    """TRL's SFTTrainer (bench/trl_worker.py) on ``s``'s model and data with ``extra`` args;
+    MFU with the attention length of ftjob's run of the same data (``length``)."""
     model, chat = gpu.model_folder(s, work), gpu.data(work, s)
-    cmd = common.torchrun_command("bench.trl_worker", gpu.trl_args(method, model, chat, s),
-                                  s.processes)  # fmt: skip
+    args = ["--model", str(model), "--data", str(chat), "--steps", str(s.steps), "--seq",
+            str(s.seq), "--micro-batch", str(s.micro_batch), "--lr", "1e-5", "--skip",
+            str(s.skip), *extra, *(["--bf16"] if s.gpu else [])]  # fmt: skip
     started = time.monotonic()
-    # The attention length of ftjob's run of the same job, where it ran (both pack alike).
-    ours = work / "runs" / gpu.job(method, model, chat, s)["metadata"]["name"]
-    length = gpu.attention_length(ours) if (ours / "job" / "data").is_dir() else None
 
     def recorded(line: str) -> None:  # at once: TRL's processes may take long to exit
         if not line.startswith("TRL "):
             return
         trl = json.loads(line[4:])
         rate = trl["tokensPerSecond"]
-        record(out, step, method=method, tokensPerSecond=round(rate, 1),
-               mfu=gpu.mfu(rate, model, method, s, length) if length else None,
+        record(out, step, tokensPerSecond=round(rate, 1), args=extra,
+               mfu=gpu.mfu(rate, model, "full", s, length) if length else None,
                wrapper=trl["wrapper"], attention=trl["attention"], packing=trl["packing"],
-               losses=trl["losses"], wallSeconds=round(time.monotonic() - started, 1))  # fmt: skip
+               gradientCheckpointing=trl["gradientCheckpointing"], losses=trl["losses"],
+               peakGiB=trl["cudaMaxAllocatedGiB"],
+               wallSeconds=round(time.monotonic() - started, 1))  # fmt: skip
 
+    cmd = common.torchrun_command("bench.trl_worker", args, s.processes)
     streamed(cmd, {"TMPDIR": str(work / "tmp")}, recorded)
+
+
+def compile_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
+    """The default job compiled at the second size: is the plan within 15% of its peak?"""
+    big = sized(s, "3b", micro_batch=2, steps=6)
+    doc = default_job(big, work, tag="compile")
+    doc["spec"]["training"]["compile"] = True
+    run, stdout = ftjob(doc, work)
+    model = Path(doc["spec"]["model"]["source"])
+    record(out, step, shape=big.shape, **rate_fields(run, doc, big, work, stdout), **chosen(run),
+           **peak_fields(run, doc, model), losses=run.losses(), wallSeconds=round(run.wall, 1),
+           setup=big.__dict__)  # fmt: skip
+
+
+def step_seconds(run: common.Run) -> list[float]:
+    """Each logged step's seconds (logEvery 1): its tokens over its tokens/s. A step's interval
+    runs from the previous log to its own, so it holds the checkpoint saved before it."""
+    steps = [e for e in run.log if e.get("event") == "step"]
+    seen = [0] + [e["tokensSeen"] for e in steps]
+    return [(seen[k + 1] - seen[k]) / e["tokensPerSecond"] for k, e in enumerate(steps)]
+
+
+def stall_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
+    """8 steps, an asyncSave checkpoint after step 4: step 5's seconds (which hold the save)
+    against the median of steps 2-4 and 6-8 (step 1 warms up)."""
+    doc = default_job(dataclasses.replace(s, steps=8), work, tag="stall")
+    doc["spec"]["checkpoint"].update(every=4, asyncSave=True)
+    run, _ = ftjob(doc, work)
+    seconds = step_seconds(run)
+    usual = statistics.median(seconds[1:4] + seconds[5:])
+    record(out, step, stepSeconds=[round(x, 4) for x in seconds], savedAfterStep=4,
+           asyncSave=True, stallSeconds=round(seconds[4] - usual, 4),
+           medianStepSeconds=round(usual, 4), wallSeconds=round(run.wall, 1))  # fmt: skip
+
+
+def lora_8b_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
+    big = sized(s, "8b", seq=4096, micro_batch=1, steps=8)
+    doc = default_job(big, work, method="lora", tag="lora")
+    run, stdout = ftjob(doc, work)
+    model = Path(doc["spec"]["model"]["source"])
+    record(out, step, shape=big.shape, **rate_fields(run, doc, big, work, stdout), **chosen(run),
+           **peak_fields(run, doc, model), yardstick=NEMO_8B_LORA, losses=run.losses(),
+           wallSeconds=round(run.wall, 1), setup=big.__dict__)  # fmt: skip
 
 
 def memory_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
@@ -166,16 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     s = gpu.gpu_setup() if a.sizes == "gpu" else gpu.REHEARSAL
     a.out.mkdir(parents=True, exist_ok=True)
     (a.work / "tmp").mkdir(parents=True, exist_ok=True)
-    if a.step in ("ftjob-full", "ftjob-compile"):
-        ftjob_step(a.step, s, a.work, a.out)
-    elif a.step == "trl":
-        trl_step(a.step, s, a.work, a.out)
-    elif a.step == "lora":
-        ftjob_step("lora-ftjob", s, a.work, a.out, "lora")
-        trl_step("lora-trl", s, a.work, a.out, "lora")
-    else:
-        memory_step(a.step, s, a.work, a.out)
+    STEP_FUNCTIONS[a.step](a.step, s, a.work, a.out)
     return 0
+
+
+STEP_FUNCTIONS = {"profile": profile_step, "versus-trl": versus_trl_step,
+                  "compile-3b": compile_step, "offload": memory_step, "ckpt-stall": stall_step,
+                  "lora-8b": lora_8b_step, "memory": memory_step}  # fmt: skip
 
 
 if __name__ == "__main__":

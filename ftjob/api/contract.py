@@ -246,6 +246,9 @@ def final_progress(snapshot: dict[str, Any]) -> dict[str, Any]:
 # Set by the operator from the pod's terminationGracePeriodSeconds (and by `ftjob run`): the
 # seconds between SIGTERM and SIGKILL, which the save must fit in.
 GRACE_ENV = "FTJOB_GRACE_SECONDS"
+# A profile of N training steps on rank 0 (ftjob.trainer.report.profile): set by `ftjob run
+# --profile-steps N`, or in a job's spec.env.
+PROFILE_STEPS_ENV = "FTJOB_PROFILE_STEPS"
 # A process (worker or node agent) that stopped for a SIGTERM, saved or not: distinct from a
 # failure (1) and from a signal's death (128+n), so that neither torch's agent, `ftjob run`
 # nor the operator spends a restart on it.

@@ -13,11 +13,12 @@ ftjob operator --all-namespaces     # the operator, against the kubeconfig's clu
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from ftjob import __version__
-from ftjob.api import crd, manifest
+from ftjob.api import contract, crd, manifest
 from ftjob.api.schema import to_dict
 from ftjob.api.spec import API_VERSION, KIND
 from ftjob.cli import extras, output, validate
@@ -184,6 +185,8 @@ def cmd_crd(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from ftjob.cli import run as local  # starts processes; kept out of the other commands' imports
 
+    if args.profile_steps:  # the nodes' processes inherit it (ftjob.cli.nodes.start_node)
+        os.environ[contract.PROFILE_STEPS_ENV] = str(args.profile_steps)
     return local.run(args.file, args.workdir, restart=args.restart)
 
 
@@ -279,6 +282,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start over: move the job folder's earlier run aside (to <folder>.old-<time>, "
         "nothing is deleted) and train from step 0",
+    )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile N training steps after 2 warm-up steps on rank 0 (torch.profiler): "
+        "the device's busy fraction, the longest kernels and the host syncs in "
+        "<job folder>/logs/profile/summary.json, beside a Chrome trace (docs/progress.md)",
     )
     p.set_defaults(func=cmd_run)
 

@@ -8,7 +8,8 @@ spec it trains (``<job folder>/spec.json``).
     data/<key>/           tokenized, packed, memory-mapped sequences
     compile-cache/        torch.compile's caches (TORCHINDUCTOR_CACHE_DIR): compiled once
     checkpoints/step-N/   committed checkpoints (ftjob.trainer.state.checkpoint)
-    logs/                 node-<rank>.log and .termination (ftjob run), nccl/
+    logs/                 node-<rank>.log and .termination (ftjob run), nccl/, profile/
+                          (FTJOB_PROFILE_STEPS: ftjob.trainer.report.profile)
     tmp/                  TMPDIR of the node's processes (ftjob run)
     progress.json         rank 0's last progress snapshot
     tracking.json, tensorboard/   the trackers' run ids and TensorBoard's event files
@@ -113,6 +114,12 @@ class JobFolder:
     @property
     def logs(self) -> Path:
         return self.root / LOGS
+
+    @property
+    def profile(self) -> Path:
+        """A profile of a few steps (ftjob.trainer.report.profile): summary.json, trace.json.
+        Under logs/, whose name output.path already may not take."""
+        return self.logs / "profile"
 
     def node_log(self, rank: int) -> Path:
         return self.logs / f"node-{rank}.log"

@@ -37,7 +37,7 @@ from ftjob.trainer.gang.owner import take_folder
 from ftjob.trainer.model import attention, compile_cache, parallel
 from ftjob.trainer.model import load as model
 from ftjob.trainer.objectives import loss, objective
-from ftjob.trainer.report import progress, trackers
+from ftjob.trainer.report import profile, progress, trackers
 from ftjob.trainer.state import checkpoint, export, push, volume
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
@@ -342,7 +342,8 @@ def _train(job: Job, run: step.Run, ds, sampler, steps: range, nodes: list[str])
     vote = preempt.Vote(request)
     request.arm()  # from here a SIGTERM is a checkpoint at the next step boundary
     try:
-        for n in steps:
+        # FTJOB_PROFILE_STEPS: a few of these steps under torch.profiler, on rank 0
+        for n in profile.steps(steps, job.folder, d.is_main, d.device, report.log):
             began = time.perf_counter()
             micro = batches.next(n)
             share, waited, sums = step.train_step(run, micro, d, t.max_grad_norm, goal, vote)

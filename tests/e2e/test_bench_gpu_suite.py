@@ -47,18 +47,9 @@ def test_gpu_suite_compares_ftjob_and_trl_for_full_and_lora(tmp_path):
     assert rows[1]["goal"] == f">= {gpu.MFU_GOAL}" and rows[1]["met"] is False
 
 
-# The kit's own limits (420 s in all) times the suite's margin for a shared machine, with the
-# test's own setup (the venv, the wheels) beside it.
-@pytest.mark.timeout(hangs.after(420) + hangs.RUN)
-def test_the_gpu_call_rehearsed_on_cpu_installs_offline_and_measures_every_step(
-    tmp_path, torch_floor
-):
-    """bash bench/gpu_kit/run.sh rehearse: the main call's install (the kit's wheels, offline,
-    onto the torch 2.11 venv standing in for the image), steps and files, with the tiny model
-    on one CPU process. Each step's cap and the budget are the device call's times
-    hangs.SLOWER (KIT_CAP_SCALE): a loaded 2-core machine timed out honest steps at the
-    device's own caps (env 60 s, ftjob-full 90 s)."""
-    python = torch_floor
+def rehearse(tmp_path: Path, python: Path, mode: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """bash bench/gpu_kit/run.sh MODE rehearse on ``python`` (the torch 2.11 venv standing in
+    for the image) with the kit's wheels installed offline on top; its output folder."""
     version = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     wheels = python.parents[2] / f"kit-wheels-{version}"  # beside the venv, reused
@@ -69,26 +60,90 @@ def test_the_gpu_call_rehearsed_on_cpu_installs_offline_and_measures_every_step(
            "KIT_WHEELS": str(wheels), "PYTHON": str(python),
            "KIT_CAP_SCALE": str(hangs.SLOWER)}  # fmt: skip
     env.pop("PYTHONPATH", None)  # the kit puts the checkout and its wheels there itself
-    done = subprocess.run(["bash", "bench/gpu_kit/run.sh", "rehearse"], cwd=ROOT, env=env,
+    done = subprocess.run(["bash", "bench/gpu_kit/run.sh", mode, "rehearse"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=hangs.after(420))  # fmt: skip
     summary = (out / "summary.txt").read_text()
     assert done.returncode == 0, done.stdout[-3000:]
     assert re.search(r"^install: \d+ wheels into ", summary, re.MULTILINE), summary
-    for name in ("env", "ftjob-full", "ftjob-compile", "trl", "gpu-tests", "memory"):
-        assert re.search(rf"^{name}: ok in \d+s$", summary, re.MULTILINE), summary
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) <= 8 and all(p.parent == out for p in files)
-    results = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-    by = {r["step"]: r for r in results}
+    return done, out
+
+
+def results(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+
+
+def steps_ok(out: Path, names: list[str]) -> None:
+    summary = (out / "summary.txt").read_text()
+    for name in names:
+        assert re.search(rf"^{name}: ok in \d+s$", summary, re.MULTILINE), summary
+
+
+# The kit's own limits (420 s in all) times the suite's margin for a shared machine, with the
+# test's own setup (the venv, the wheels) beside it.
+@pytest.mark.timeout(hangs.after(420) + hangs.RUN)
+def test_the_main_call_rehearsed_on_cpu_profiles_first_then_measures_ftjob_against_trl(
+    tmp_path, torch_floor
+):
+    """bash bench/gpu_kit/run.sh main rehearse: the main call's install (the kit's wheels,
+    offline, onto the torch 2.11 venv standing in for the image), steps and files, with the
+    tiny model on one CPU process. Each step's cap and the budget are the device call's times
+    hangs.SLOWER (KIT_CAP_SCALE): a loaded 2-core machine timed out honest steps at the
+    device's own caps (env 60 s, ftjob-full 90 s)."""
+    _, out = rehearse(tmp_path, torch_floor, "main")
+    steps_ok(out, ["env", "profile", "versus-trl"])
+    found = results(out)
+    assert [r["step"] for r in found] == ["env", "kernels", "profile", "ftjob-default",
+                                          "trl-defaults", "trl-same"]  # fmt: skip
+    by = {r["step"]: r for r in found}
     assert by["env"]["torch"].startswith("2.11.") and "cuda" in by["kernels"]  # no GPU here
-    for name in ("ftjob-full", "ftjob-compile", "trl"):
-        assert by[name]["tokensPerSecond"] > 0
-        assert len(by[name]["losses"]) == gpu.REHEARSAL.steps
-    assert (
-        by["ftjob-full"]["attention"]
-        == f"{attention.NAME}: scaled_dot_product_attention per document"
-    )
-    assert by["ftjob-full"]["plannedMiB"] > 0
-    assert [r["method"] for r in results if r["step"] == "memory"] == ["lora", "qlora"]
+    # The profile: 3 steps after the trainer's warm-up, of ftjob's default job as auto chose it.
+    profiled = by["profile"]
+    assert profiled["steps"] == 3 and profiled["device"] == "cpu"
+    assert profiled["busyFraction"] is None and profiled["cpuOpFraction"] > 0  # no device
+    assert 0 < len(profiled["longest"]) <= 10 and profiled["longest"][0]["selfMs"] > 0
+    assert profiled["hostSyncs"]["localScalarDense"] >= 0 and profiled["compiled"] is False
+    assert json.loads((out / "profile.json").read_text()) == {
+        k: v for k, v in profiled.items()
+        if k not in ("step", "time", "sharding", "activationCheckpointing", "compiled", "setup")
+    }  # fmt: skip
+    ours = by["ftjob-default"]
+    assert ours["tokensPerSecond"] > 0 and len(ours["losses"]) == gpu.REHEARSAL.steps
+    assert ours["attention"] == f"{attention.NAME}: scaled_dot_product_attention per document"
+    assert ours["plannedMiB"] > 0 and ours["sharding"] == profiled["sharding"]
+    # TRL left alone: no packing, transformers' sdpa, recomputation on (TRL's defaults) ...
+    theirs = by["trl-defaults"]
+    assert (theirs["packing"], theirs["attention"], theirs["gradientCheckpointing"]) == (
+        None, "sdpa", True)  # fmt: skip
+    # ... and with ftjob's settings: its packing, its attention, recomputation as it chose.
+    same = by["trl-same"]
+    assert (same["packing"], same["attention"]) == ("bfd", attention.NAME)
+    assert same["gradientCheckpointing"] == (ours["activationCheckpointing"] != "none")
+    for r in (theirs, same):
+        assert r["tokensPerSecond"] > 0 and len(r["losses"]) == gpu.REHEARSAL.steps
     # The trainer's transformers and peft came from the carried wheels, not the venv's own.
     assert re.search(r"^ +transformers +\S+ +\S+/site$", (out / "env.log").read_text(), re.M)
+
+
+@pytest.mark.timeout(hangs.after(420) + hangs.RUN)
+def test_the_second_call_rehearsed_on_cpu_measures_compile_offload_the_stall_and_8b_lora(
+    tmp_path, torch_floor
+):
+    """bash bench/gpu_kit/run.sh rest rehearse: every step of the second call runs on CPU
+    before it first runs on a GPU (the tiny model stands in for the 3B and 8B shapes)."""
+    _, out = rehearse(tmp_path, torch_floor, "rest")
+    steps_ok(out, ["env", "compile-3b", "offload", "ckpt-stall", "lora-8b"])
+    found = results(out)
+    assert [r["step"] for r in found] == ["env", "kernels", "compile-3b", "offload",
+                                          "ckpt-stall", "lora-8b"]  # fmt: skip
+    by = {r["step"]: r for r in found}
+    assert by["compile-3b"]["compiled"] is True and by["compile-3b"]["plannedMiB"] > 0
+    assert by["offload"]["method"] == "qlora + cpuOffload" and by["offload"]["plannedMiB"] > 0
+    stall = by["ckpt-stall"]
+    assert len(stall["stepSeconds"]) == 8 and all(x > 0 for x in stall["stepSeconds"])
+    assert (stall["savedAfterStep"], stall["asyncSave"]) == (4, True)
+    lora = by["lora-8b"]
+    assert lora["tokensPerSecond"] > 0 and lora["yardstick"] == 12473
+    for name in ("compile-3b", "offload", "lora-8b"):
+        assert len(by[name]["losses"]) == gpu.REHEARSAL.steps

@@ -1,7 +1,7 @@
 """The trainer on a CUDA GPU: what no CPU run shows (NCCL, bf16 on CUDA, CUDA memory, pinned
 checkpoint staging, NF4 on the GPU).
 
-    python -m pytest tests/gpu -x -q      # where CUDA is; bench/gpu_kit/run.sh runs this
+    python -m pytest tests/gpu -x -q      # where CUDA is; bench/gpu_kit/run.sh tests runs this
 
 Collected by every test run and skipped, with that reason, where CUDA is absent. The jobs are
 tests/e2e's (the tiny model, `ftjob run`, the same readers of progress.json and the export), on

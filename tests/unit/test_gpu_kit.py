@@ -57,32 +57,57 @@ def test_the_wheels_and_the_runs_output_stay_out_of_git():
     assert "/.whl/" in ignored and "/gpu-out/" in ignored
 
 
-def plan(tmp_path: Path, *args: str, scale: int = 1) -> list[str]:
-    env = {**os.environ, "OUT": str(tmp_path), "KIT_BUDGET_S": "360", "KIT_CAP_SCALE": str(scale)}
+def plan(tmp_path: Path, *args: str, scale: int = 1, budget: int = 360) -> list[str]:
+    env = {**os.environ, "OUT": str(tmp_path), "KIT_BUDGET_S": str(budget),
+           "KIT_CAP_SCALE": str(scale)}  # fmt: skip
     done = subprocess.run(["bash", "bench/gpu_kit/run.sh", *args, "--dry-run"], cwd=ROOT,
                           env=env, capture_output=True, text=True, check=True)  # fmt: skip
     assert done.stdout.splitlines()[-1].startswith(f"run.sh {args[0] if args else 'main'}: ")
     return (tmp_path / "summary.txt").read_text().splitlines()
 
 
-MAIN = ["env", "ftjob-full", "ftjob-compile", "trl", "gpu-tests", "memory"]
+# The order of issue 50 item 5: the profile first, then ftjob's default job against TRL (main);
+# compile's peak at a second size, QLoRA with cpuOffload, the checkpoint stall, 8B LoRA (rest).
+MAIN = ["env", "profile", "versus-trl"]
+REST = ["env", "compile-3b", "offload", "ckpt-stall", "lora-8b"]
 
 
-def test_the_main_call_measures_the_most_valuable_first_within_its_budget(tmp_path):
+def limits_of(lines: list[str]) -> list[int]:
+    return [
+        int(line.split("limit ")[1].split("s,")[0]) for line in lines if "dry run, limit" in line
+    ]
+
+
+@pytest.mark.parametrize(("mode", "steps"), [("main", MAIN), ("rest", REST)])
+def test_each_call_runs_its_steps_in_order_each_at_its_whole_limit(tmp_path, mode, steps):
     """Counting every step at its whole limit, the 360 s budget (the call's 420 s limit less a
-    margin) reaches the environment, ftjob, ftjob compiled, TRL and the CUDA tests; what does
-    not fit is named with the call that runs it."""
-    lines = plan(tmp_path)
-    assert [line.split(":")[0] for line in lines[1:-1]] == MAIN
-    limits = [int(line.split("limit ")[1].split("s,")[0]) for line in lines[1:-1] if "dry" in line]
-    assert len(limits) >= 5 and sum(limits) <= 360
-    assert lines[-2] == lines[-2].split(":")[0] + ": " + lines[-2].split(": ", 1)[1]
-    assert lines[-2].startswith("memory: not run") and lines[-2].endswith("run.sh rest")
+    margin) reaches every step of the call: none is cut to less than its cap, none left out."""
+    lines = plan(tmp_path, mode)
+    assert [line.split(":")[0] for line in lines[1:-1]] == steps
+    assert all("dry run, limit" in line for line in lines[1:-1])
+    assert sum(limits_of(lines)) <= 360 - 10
 
 
-def test_the_rehearsal_is_the_main_call(tmp_path):
-    main = [line.split(",")[0] for line in plan(tmp_path)[1:-1]]
-    assert [line.split(",")[0] for line in plan(tmp_path, "rehearse")[1:-1]] == main
+def test_a_step_the_budget_cannot_hold_is_named_with_the_call_that_runs_it(tmp_path):
+    lines = plan(tmp_path, "rest", budget=280)
+    assert lines[-2] == "lora-8b: not run, 20s of the 280s budget left; it runs again in: " \
+        "a later call of bash bench/gpu_kit/run.sh rest"  # fmt: skip
+    cut = plan(tmp_path, "main", budget=170)
+    assert cut[-2] == "versus-trl: not run, 20s of the 170s budget left; it runs again in: " \
+        "bash bench/gpu_kit/run.sh rest"  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["main", "rest"])
+def test_the_rehearsal_is_the_same_call(tmp_path, mode):
+    device = [line.split(",")[0] for line in plan(tmp_path, mode)[1:-1]]
+    assert [line.split(",")[0] for line in plan(tmp_path, mode, "rehearse")[1:-1]] == device
+
+
+def test_every_step_the_calls_run_is_one_the_steps_module_has():
+    from bench.gpu_kit import steps
+
+    measured = [s for s in MAIN + REST + ["memory"] if s not in ("env",)]
+    assert set(measured) == set(steps.STEPS) == set(steps.STEP_FUNCTIONS)
 
 
 def test_a_rehearsal_on_a_shared_machine_scales_every_limit_and_keeps_the_plan(tmp_path):
@@ -96,22 +121,23 @@ def test_a_rehearsal_on_a_shared_machine_scales_every_limit_and_keeps_the_plan(t
             if "dry run, limit" in x
         ]
 
-    device = plan(tmp_path, "rehearse")
-    scaled = plan(tmp_path, "rehearse", scale=5)
+    device = plan(tmp_path, "rest", "rehearse")
+    scaled = plan(tmp_path, "rest", "rehearse", scale=5)
     assert [(n, 5 * s) for n, s in limits(device)] == limits(scaled) and len(limits(device)) >= 5
     assert [x.split(":")[0] for x in device] == [x.split(":")[0] for x in scaled]
 
 
-def test_the_second_call_runs_the_rest(tmp_path):
-    steps = [line.split(":")[0] for line in plan(tmp_path, "rest")[1:-1]]
-    assert steps == ["env", "lora", "offload", "gpu-tests", "memory"]
+def test_a_call_when_time_is_left_runs_the_gpu_tests_and_memory(tmp_path):
+    steps = [line.split(":")[0] for line in plan(tmp_path, "tests")[1:-1]]
+    assert steps == ["env", "gpu-tests", "memory"]
 
 
 def test_no_more_files_than_a_device_call_returns(tmp_path):
-    """$OUT comes back with at most 8 files: the summary, the results, a log per step."""
-    for mode in ("main", "rest"):
+    """$OUT comes back with at most 8 files: the summary, the results, the profile's summary
+    and a log per step."""
+    for mode in ("main", "rest", "tests"):
         logs = {line.split(":")[0] for line in plan(tmp_path, mode)[1:-1]}
-        assert len({"summary.txt", "results.jsonl", *logs}) <= 8
+        assert len({"summary.txt", "results.jsonl", "profile.json", *logs}) <= 8
 
 
 def test_the_gpu_tests_run_on_without_x_each_with_a_limit():
