@@ -30,8 +30,10 @@ It models what ftjob's trainer does, not an ideal FSDP:
   memory grows by its shards plus the tensor being read (measured: bench --suite loading); the
   files' pages pass through the page cache, which is reclaimable and not counted;
 * checkpoints hold the trainable parameters' weights and AdamW moments (fp32).
-* DPO (training.objective dpo): a pair is two sequences in one forward, and its loss takes the
-  head's full-vocabulary logits in fp32 (not in chunks); LoRA and QLoRA run a reference
+* DPO (training.objective dpo): a pair is two sequences in one forward, and its
+  log-probabilities go through the head LOSS_CHUNK_TOKENS tokens at a time too (each chunk's
+  logits recomputed in the backward; each token's fp32 log-normaliser kept); LoRA and QLoRA
+  run a reference
   forward with the adapters off each micro-batch (time, no weights, no kept activations); a
   full fine-tune runs one forward over every pair before training and stores 8 bytes a pair
   (two fp32 log-probabilities) on the volume.
@@ -49,7 +51,7 @@ from ftjob.api.hardware import GIB, GPUS, node_bandwidth
 from ftjob.api.schema import FieldError, quantity
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.plan import datasize
-from ftjob.plan.limits import qlora_problem, shard_group
+from ftjob.plan.limits import plain_module, qlora_problem, shard_group
 from ftjob.plan.modelshape import LOSS_CHUNK_TOKENS, ModelShape, flops_per_token
 from ftjob.plan.traffic import traffic
 
@@ -316,7 +318,7 @@ def estimate_at(
 
     tokens = t.micro_batch_size * spec.sequences_per_example * spec.dataset.max_seq_length
     activations = _activations(spec, shape, tokens, act_bytes, stride) * FRAGMENTATION
-    temporaries = _temporaries(method, shape, sharding, group, act_bytes)
+    temporaries = _temporaries(spec, shape, sharding, group, act_bytes)
     # What FSDP gathers for one forward: nothing where a group of one leaves the frozen base
     # whole (trainer/model/load.py left_whole; the adapters' copies are negligible).
     gathered = 0.0 if group == 1 else base_bytes + trainable * act_bytes
@@ -391,12 +393,16 @@ def _speed(
 
 
 def _temporaries(
-    method: str, shape: ModelShape, sharding: str, group: int, act_bytes: int
+    spec: FineTuneJobSpec, shape: ModelShape, sharding: str, group: int, act_bytes: int
 ) -> float:
     """FSDP gathers a layer (and prefetches the next) in compute precision and holds its
     unsharded fp32 gradient until the reduce-scatter; grad-op keeps every layer gathered
-    from forward to backward."""
-    layer = shape.layer_params
+    from forward to backward. A plain module (one process) has nothing to gather, but a
+    full fine-tune in bf16 computes under autocast, whose cache holds a bf16 copy of every
+    fp32 weight until the forward ends (read from torch's autocast; not measured on a GPU)."""
+    method, layer = spec.method.type, shape.layer_params
+    if plain_module(spec):
+        return shape.params * act_bytes if method == "full" and act_bytes < FP32 else 0.0
     if group == 1 and method != "full":
         return 0.0  # a group of one leaves the frozen base whole (load.py left_whole)
     gathered = (shape.params if sharding == "grad-op" else 2 * layer) * act_bytes
@@ -541,10 +547,12 @@ def _activations(
     # The loss takes LOSS_CHUNK_TOKENS tokens at a time: that chunk's logits in compute
     # precision and fp32 (the upcast and its gradient) come and go; what stays is the
     # gradient of the hidden states, and under a full fine-tune the head's fp32 gradient.
-    # DPO's loss takes the whole micro-batch's logits: in compute precision, their fp32 copy
-    # that log-softmax keeps for backward, and its fp32 gradient.
-    chunk = tokens if spec.training.objective == "dpo" else min(tokens, LOSS_CHUNK_TOKENS)
+    # DPO's log-probabilities take the same chunks (objectives/loss.py linear_logprobs) and
+    # keep each token's fp32 log-normaliser for the backward, which recomputes the chunk.
+    chunk = min(tokens, LOSS_CHUNK_TOKENS)
     loss = chunk * s.vocab * (nbytes + 2 * FP32) + tokens * h * nbytes
+    if spec.training.objective == "dpo":
+        loss += tokens * FP32
     if spec.method.type == "full":
         loss += s.vocab * h * FP32
     # A compiled step keeps more for backward than the eager one (COMPILED_EXTRA_ACTIVATIONS).

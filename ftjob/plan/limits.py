@@ -24,6 +24,12 @@ def shard_group(spec: FineTuneJobSpec, sharding: str) -> int:
     return {"world": r.world_size, "node": r.nproc_per_node, "one": 1}[_GROUP[sharding]]
 
 
+def plain_module(spec: FineTuneJobSpec) -> bool:
+    """Whether the job trains as a plain module, no FSDP (trainer/model/parallel.py ``plain``):
+    one rank in all, whose states stay on its device (cpuOffload is FSDP's)."""
+    return spec.resources.world_size == 1 and not spec.parallelism.cpu_offload
+
+
 def qlora_problem(
     spec: FineTuneJobSpec, weights: dict[str, tuple[int, int]], shards: int
 ) -> FieldError | None:

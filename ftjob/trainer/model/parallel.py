@@ -28,6 +28,7 @@ from ftjob.api import contract
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import machine
 from ftjob.plan import layout as plan_layout
+from ftjob.plan import limits
 from ftjob.plan.estimate import checkpoint_stride, checkpointed
 from ftjob.plan.modelshape import ModelShape
 
@@ -155,8 +156,9 @@ def layout(spec: FineTuneJobSpec, d: Dist, config) -> plan_layout.Layout:
 
 def plain_enough(spec: FineTuneJobSpec, d: Dist) -> bool:
     """Whether the job trains as a plain module: one rank in all, whose states stay on its
-    device (cpuOffload is FSDP's: it moves shards between host and device)."""
-    return d.world_size == 1 and not spec.parallelism.cpu_offload
+    device (cpuOffload is FSDP's: it moves shards between host and device); the rule the
+    planner counts by (:func:`ftjob.plan.limits.plain_module`), with the gang's real size."""
+    return d.world_size == 1 and limits.plain_module(spec)
 
 
 def _resolved(model: nn.Module, spec: FineTuneJobSpec, sharding: str, speed: Speed | None):
