@@ -295,30 +295,34 @@ def test_the_scheduler_keeps_the_next_gang_off_a_bad_node(operator):
     bad = next(p["spec"]["nodeName"] for p in first if p["metadata"]["name"] == "xid-node-0")
     terminate(plane, "xid-node-0", 1, "Error", "NVRM: Xid 79, GPU has fallen off the bus")
 
-    def next_gang():
-        pods = pods_of(plane, "xid") or []
-        pods = [p for p in pods if p["metadata"]["labels"]["ftjob.dev/attempt"] == "1"]
-        placed = [p for p in pods if p["spec"].get("nodeName")]
-        return len(pods) == 4 and len(placed) == 3 and pods
-
-    pods = plane.wait(next_gang, 90, "attempt 1: 3 pods placed, 1 unschedulable")
+    pods, unschedulable = placed_but_one(plane, "xid", 1, 4)
     assert bad not in {p["spec"].get("nodeName") for p in pods}
     assert bad in [b["node"] for b in status_of(plane, "xid")["badNodes"]]
-    pending = next(p for p in pods if not p["spec"].get("nodeName"))
-    unschedulable = plane.wait(
-        lambda: scheduled_condition(plane, pending["metadata"]["name"]),
-        hangs.FLOOR,
-        "the scheduler's verdict on the fourth pod",
-    )
     assert "affinity" in unschedulable["message"], unschedulable
 
 
-def scheduled_condition(plane: Plane, pod: str) -> dict | None:
-    """The scheduler's verdict on a pod it could not place (PodScheduled False), once given."""
-    conditions = (plane.get("pod", pod, NAMESPACE) or {}).get("status", {}).get("conditions", [])
-    return next(
-        (c for c in conditions if c["type"] == "PodScheduled" and c["status"] == "False"), None
-    )
+def placed_but_one(plane: Plane, name: str, attempt: int, nodes: int) -> tuple[list, dict]:
+    """The gang's pods once all but one are placed, and the scheduler's verdict on that one
+    (its PodScheduled False condition)."""
+
+    def all_but_one():
+        pods = pods_of(plane, name) or []
+        pods = [p for p in pods if p["metadata"]["labels"]["ftjob.dev/attempt"] == str(attempt)]
+        placed = [p for p in pods if p["spec"].get("nodeName")]
+        return len(pods) == nodes and len(placed) == nodes - 1 and pods
+
+    pods = plane.wait(all_but_one, 90, f"attempt {attempt}: {nodes - 1} of {nodes} pods placed")
+    pending = next(p for p in pods if not p["spec"].get("nodeName"))["metadata"]["name"]
+
+    def verdict():
+        status = (plane.get("pod", pending, NAMESPACE) or {}).get("status", {})
+        conditions = status.get("conditions", [])
+        return next(
+            (c for c in conditions if c["type"] == "PodScheduled" and c["status"] == "False"),
+            None,
+        )
+
+    return pods, plane.wait(verdict, hangs.FLOOR, f"the scheduler's verdict on {pending}")
 
 
 def test_a_gang_puts_one_pod_on_each_node_and_waits_for_a_free_one(operator):
@@ -330,19 +334,8 @@ def test_a_gang_puts_one_pod_on_each_node_and_waits_for_a_free_one(operator):
     job["spec"]["resources"]["gpusPerNode"] = 1
     plane.apply(job)
 
-    def four_placed():
-        pods = pods_of(plane, "spread") or []
-        placed = [p for p in pods if p["spec"].get("nodeName")]
-        return len(pods) == 5 and len(placed) == 4 and pods
-
-    pods = plane.wait(four_placed, 90, "4 of the 5 pods placed")
+    pods, verdict = placed_but_one(plane, "spread", 0, 5)
     assert len({p["spec"]["nodeName"] for p in pods if p["spec"].get("nodeName")}) == 4
-    pending = next(p for p in pods if not p["spec"].get("nodeName"))
-    verdict = plane.wait(
-        lambda: scheduled_condition(plane, pending["metadata"]["name"]),
-        hangs.FLOOR,
-        "the scheduler's verdict on the fifth pod",
-    )
     assert "anti-affinity" in verdict["message"], verdict
 
 

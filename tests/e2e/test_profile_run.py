@@ -10,32 +10,20 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import hangs
 import yaml
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+from trainer_outputs import job
 
 
 def test_ftjob_run_with_profile_steps_writes_the_summary_and_the_trace(tmp_path):
-    doc = {
-        "apiVersion": "ftjob.dev/v1alpha1",
-        "kind": "FineTuneJob",
-        "metadata": {"name": "profiled"},
-        "spec": {
-            "model": {"source": str(EXAMPLES / "tiny-model")},
-            "dataset": {
-                "source": str(EXAMPLES / "data" / "tiny-text.jsonl"),
-                "format": "text",
-                "maxSeqLength": 64,
-            },  # fmt: skip
-            "method": {"type": "full"},
-            "training": {"maxSteps": 4, "microBatchSize": 2, "logEvery": 1, "evalEvery": 0},
-            # 2 processes: only rank 0 profiles.
-            "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2},
-        },
-    }
+    # The trainer contract's tiny job, 4 steps on 2 processes: only rank 0 profiles.
+    doc = job(
+        "profiled",
+        training={"maxSteps": 4, "microBatchSize": 2, "logEvery": 1, "evalEvery": 0},
+        resources={"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2},
+    )
+    del doc["spec"]["checkpoint"]
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(doc))
     workdir = tmp_path / "job"
