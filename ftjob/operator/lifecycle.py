@@ -30,6 +30,8 @@ from ftjob.plan.describe import planned_condition
 TERMINAL = ("Succeeded", "Failed")
 # A Pending gang's reasons when a pod of it cannot start: the scheduler's, or the kubelet's.
 STUCK = ("Unschedulable", *st.CANNOT_START)
+# The kubelet alternates these two while it backs off pulling one image: one cause, one Event.
+SAME_CAUSE = {"ImagePullBackOff": "ErrImagePull"}
 
 
 @dataclass
@@ -91,7 +93,8 @@ class _Step:
         if phase in TERMINAL and self.new.get("progress"):
             self.new["progress"] = st.ended(self.new["progress"], phase)
         # A pod that cannot start says so once per cause (its reason), as a Warning.
-        stuck = reason in STUCK and reason != _cond_reason(self.old, "Running")
+        was = _cond_reason(self.old, "Running")
+        stuck = reason in STUCK and SAME_CAUSE.get(reason, reason) != SAME_CAUSE.get(was, was)
         if phase != old_phase or stuck:
             kind = "Warning" if phase in ("Failed", "Restarting") or stuck else "Normal"
             self.decision.events.append((kind, reason, st.event_message(message)))

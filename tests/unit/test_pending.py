@@ -152,3 +152,15 @@ def test_a_gang_that_starts_stops_the_start_clock():
     d = decide(created.status, stuck, startTimeoutSeconds=60)
     d = decide(d.status, [pod(0), pod(1)], now=T0 + timedelta(seconds=50), startTimeoutSeconds=60)
     assert d.phase == "Running" and "waitingSince" not in d.status
+
+
+def test_the_kubelets_pull_back_off_is_one_cause_not_an_event_each_flip():
+    created = decide(None, [])
+    pull = waiting("ErrImagePull", 'failed to pull image "x": not found')
+    backoff = waiting("ImagePullBackOff", 'Back-off pulling image "x"')
+    d = decide(created.status, [pod(0), pull])
+    assert [e[1] for e in d.events if e[0] == "Warning"] == ["ErrImagePull"]
+    for i, flip in enumerate((backoff, pull, backoff), start=1):
+        d = decide(d.status, [pod(0), flip], now=T0 + timedelta(seconds=10 * i))
+        assert not [e for e in d.events if e[0] == "Warning"]
+    assert st.condition(d.status["conditions"], "Running")["reason"] == "ImagePullBackOff"
