@@ -264,10 +264,13 @@ class Preempted(Exception):
         self.step, self.checkpoint = step, checkpoint
 
 
-def preempted_record(step: int, checkpoint: str | None, message: str) -> dict[str, Any]:
-    """The termination record of a process that stopped for a SIGTERM (not a failure)."""
-    rec = {"outcome": "preempted", "step": step, "message": message, "node": node_name(),
+def preempted_record(step: int | None, checkpoint: str | None, message: str) -> dict[str, Any]:
+    """The termination record of a process that stopped for a SIGTERM (not a failure);
+    ``step`` None: stopped outside the training loop (the node agent writes it)."""
+    rec = {"outcome": "preempted", "message": message, "node": node_name(),
            "rank": int(os.environ.get("RANK", "0"))}  # fmt: skip
+    if step is not None:
+        rec["step"] = step
     if checkpoint is not None:
         rec["checkpoint"] = checkpoint
     return rec

@@ -26,19 +26,21 @@ NAME_SCHEMA = {
 
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    # Why the job is in its phase, one word (Queued, Unschedulable, ImagePullBackOff,
+    # AllPodsRunning, Preempted, ...): a Pending job's cause at a glance; the condition's
+    # message and a Warning Event say the rest.
+    {
+        "name": "Reason",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="Running")].reason',
+    },
     {"name": "Nodes", "type": "integer", "jsonPath": ".spec.resources.nodes"},
     {"name": "Progress", "type": "string", "jsonPath": ".status.progress.display"},
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
     {"name": "ETA", "type": "string", "jsonPath": ".status.progress.eta"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-    # Why the job is in its phase (Queued, AllPodsRunning, Preempted, ...), and for a job in a
-    # Kueue queue what Kueue says (what is short, or the ClusterQueue that admitted it).
-    {
-        "name": "Reason",
-        "type": "string",
-        "jsonPath": '.status.conditions[?(@.type=="Running")].reason',
-        "priority": 1,
-    },
+    # For a job in a Kueue queue, what Kueue says (what is short, or the ClusterQueue that
+    # admitted it).
     {
         "name": "Queue",
         "type": "string",

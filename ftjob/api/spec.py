@@ -790,6 +790,14 @@ class RunPolicySpec:
         1800,
         minimum=60,
     )
+    start_timeout_seconds: int = api_field(
+        "startTimeoutSeconds: the job fails if the pods of a gang do not all run this long "
+        "after they exist (unschedulable, a missing claim, an image that cannot be pulled, a "
+        "container that cannot be created; the reason is in the Pending condition and a "
+        "Warning Event). Time gated by Kueue, waiting for quota, does not count.",
+        1800,
+        minimum=1,
+    )
     startup_timeout_seconds: int = api_field(
         "startupTimeoutSeconds: the gang is restarted if its first training step has not "
         "started this long after every pod runs (downloading, preparing data, loading weights; "

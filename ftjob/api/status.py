@@ -24,6 +24,7 @@ FAILURE_REASONS = (
     "Lost",
     "Stalled",
     "StartupTimeout",
+    "StartTimeout",
     "DeadlineExceeded",
     "WillNotFit",
     "Error",
@@ -199,6 +200,12 @@ class FineTuneJobStatus:
         "preflight: what the checks before loading measured.", None
     )
     start_time: str | None = api_field("startTime of the first attempt.", None, fmt="date-time")
+    waiting_since: str | None = api_field(
+        "waitingSince: when the current gang's pods all existed without all running, not "
+        "gated by Kueue (runPolicy.startTimeoutSeconds counts from here).",
+        None,
+        fmt="date-time",
+    )
     completion_time: str | None = api_field(
         "completionTime: when the job succeeded or failed.", None, fmt="date-time"
     )

@@ -13,7 +13,7 @@ from ftjob.api import manifest
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.cli import validate
 from ftjob.plan import quota
-from ftjob.plan.describe import verdict_text
+from ftjob.plan.describe import pod_grace, verdict_text
 from ftjob.plan.estimate import stride_name
 from ftjob.plan.options import Plan
 
@@ -101,6 +101,8 @@ def plan_result(
         # What each pod requests and the whole gang takes of a Kueue ClusterQueue's quota.
         "quota": {"perPod": quota.requests(spec), "gang": quota.gang(spec)},
         "checkpointBytes": int(e.checkpoint_bytes),
+        # The pods' terminationGracePeriodSeconds and why (the planned save, or the floor).
+        "gracePeriod": dict(zip(("seconds", "why"), pod_grace(spec, e), strict=True)),
         # What parallelism.sharding asks for, what it means here and why (auto resolved).
         "sharding": {
             "setting": spec.parallelism.sharding,

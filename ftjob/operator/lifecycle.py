@@ -28,6 +28,10 @@ from ftjob.operator import status as st
 from ftjob.plan.describe import planned_condition
 
 TERMINAL = ("Succeeded", "Failed")
+# A Pending gang's reasons when a pod of it cannot start: the scheduler's, or the kubelet's.
+STUCK = ("Unschedulable", *st.CANNOT_START)
+# The kubelet alternates these two while it backs off pulling one image: one cause, one Event.
+SAME_CAUSE = {"ImagePullBackOff": "ErrImagePull"}
 
 
 @dataclass
@@ -88,8 +92,11 @@ class _Step:
         )
         if phase in TERMINAL and self.new.get("progress"):
             self.new["progress"] = st.ended(self.new["progress"], phase)
-        if phase != old_phase:
-            kind = "Warning" if phase in ("Failed", "Restarting") else "Normal"
+        # A pod that cannot start says so once per cause (its reason), as a Warning.
+        was = _cond_reason(self.old, "Running")
+        stuck = reason in STUCK and SAME_CAUSE.get(reason, reason) != SAME_CAUSE.get(was, was)
+        if phase != old_phase or stuck:
+            kind = "Warning" if phase in ("Failed", "Restarting") or stuck else "Normal"
             self.decision.events.append((kind, reason, st.event_message(message)))
         return self.decision
 
@@ -260,6 +267,7 @@ def _suspension(s: _Step) -> Decision | None:
     """Suspended: no pods; checkpoints stay on the volume. Resumed: a new gang."""
     if s.spec.run_policy.suspend:
         s.delete_live(s.pods)
+        s.new.pop(WAITING_SINCE, None)
         return s.set("Suspended", "Suspended", "runPolicy.suspend is true: the pods are removed")
     if s.old.get("phase") == "Suspended":
         # A resumed job is a new gang (new rendezvous), but not a restart after a failure;
@@ -353,12 +361,37 @@ def _create_or_wait(s: _Step) -> Decision:
         return _running(s)
     gated = sum(st.queued(p) for p in current.values())
     if gated:
+        s.new.pop(WAITING_SINCE, None)  # waiting for quota is not being stuck
         return s.set("Pending", "Queued", _queued_message(s, gated), True)
     waiting = sorted({w for p in current.values() if (w := st.waiting_reason(p))})
     message = f"waiting for {sum(not st.running(p) for p in current.values())} pod(s) to run"
-    return s.set(
-        "Pending", "PodsPending", message + (f" ({', '.join(waiting)})" if waiting else ""), True
+    causes = [c for p in current.values() if not st.running(p) and (c := st.not_starting(p))]
+    reason, message = (
+        (causes[0][0], f"{message}: {causes[0][1]}")
+        if causes
+        else ("PodsPending", message + (f" ({', '.join(waiting)})" if waiting else ""))
     )
+    return _start_limit(s, reason, message) or s.set("Pending", reason, message, True)
+
+
+WAITING_SINCE = "waitingSince"
+
+
+def _start_limit(s: _Step, reason: str, message: str) -> Decision | None:
+    """runPolicy.startTimeoutSeconds: a gang whose pods all exist but do not all run (not
+    gated by Kueue) fails when it has waited that long, with what it waited for."""
+    since = s.new.setdefault(WAITING_SINCE, st.now_iso(s.now))
+    limit = s.spec.run_policy.start_timeout_seconds
+    left = limit - _since(since, s.now)
+    if left > 0:
+        s.decision.requeue_after = min(left, s.decision.requeue_after or left)
+        return None
+    failure = {
+        "reason": "StartTimeout",
+        "message": f"attempt {s.attempt} did not start within runPolicy.startTimeoutSeconds "
+        f"({limit}): {reason}: {message}",
+    }
+    return s.fail(failure, "not retried")
 
 
 def _queued_message(s: _Step, gated: int) -> str:
@@ -386,6 +419,7 @@ def _running(s: _Step) -> Decision:
     counts from rank 0's latest report.
     """
     policy, progress = s.spec.run_policy, s.new.get("progress") or {}
+    s.new.pop(WAITING_SINCE, None)  # started: startTimeoutSeconds is over for this gang
     running_cond = st.condition(s.old.get("conditions", []), "Running")
     was_running = (
         s.old.get("phase") == "Running" and running_cond and running_cond["status"] == "True"
@@ -459,6 +493,7 @@ def _preempted(s: _Step, failure: dict) -> Decision:
 def _next_gang(s: _Step) -> None:
     """The next attempt: a new gang, whose own restarts in place start at 0."""
     s.new["attempt"] += 1
+    s.new.pop(WAITING_SINCE, None)
     s.new["attemptRestartsInPlace"] = 0
 
 
@@ -484,9 +519,10 @@ def bad_nodes(status: dict | None) -> list[str]:
     return [b["node"] for b in (status or {}).get("badNodes") or [] if b.get("node")]
 
 
-def _cond_reason(old: dict) -> str:
-    cond = st.condition(old.get("conditions", []), old["phase"]) or {}
-    return cond.get("reason", old["phase"])
+def _cond_reason(old: dict, type_: str | None = None) -> str | None:
+    type_ = type_ or old["phase"]
+    cond = st.condition(old.get("conditions", []), type_) or {}
+    return cond.get("reason", old.get("phase"))
 
 
 def _cond_message(old: dict) -> str:

@@ -142,9 +142,10 @@ def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
     10-20 KiB of Python objects or more, of which the decisions read a few fields. This keeps
     exactly what this module, :mod:`lifecycle` and the handlers read: name, the ftjob
     labels, owner uids, deletionTimestamp, node name, Kueue's admission gate,
-    phase/reason/message, pod IP and the trainer container's state (its termination message
-    included). A new reader of another field must add it here; tests/unit/test_status.py
-    checks that decisions made from these views equal those made from whole pods.
+    phase/reason/message, pod IP, the scheduler's Unschedulable condition and the trainer
+    container's state (its termination message included). A new reader of another field must
+    add it here; tests/unit/test_status.py checks that decisions made from these views equal
+    those made from whole pods.
     """
     meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
     status = pod.get("status") or {}
@@ -157,7 +158,8 @@ def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
     if meta.get("deletionTimestamp"):
         view_meta["deletionTimestamp"] = meta["deletionTimestamp"]
     view_status = {k: status[k] for k in ("phase", "reason", "message", "podIP") if k in status}
-    stopped = [c for c in status.get("conditions") or [] if c.get("type") in STOPPED_BY_CLUSTER]
+    stopped = [c for c in status.get("conditions") or [] if c.get("type") in STOPPED_BY_CLUSTER
+               or _unschedulable(c)]  # fmt: skip
     if stopped:  # a copy, as below
         view_status["conditions"] = copy.deepcopy(stopped)
     trainer = _trainer_state(pod)
@@ -192,6 +194,40 @@ def _trainer_state(pod: dict) -> dict:
 def terminated(pod: dict) -> dict | None:
     """The trainer container's terminated state, if it has ended."""
     return _trainer_state(pod).get("state", {}).get("terminated")
+
+
+# The kubelet's waiting reasons that do not end by themselves: a wrong or unreachable image, a
+# missing Secret or ConfigMap, a container the runtime refuses to create or start.
+CANNOT_START = (
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "ErrImageNeverPull",
+    "CreateContainerError",
+    "CreateContainerConfigError",
+    "RunContainerError",
+)
+
+
+def _unschedulable(cond: dict) -> bool:
+    return (cond.get("type"), cond.get("status"), cond.get("reason")) == (
+        "PodScheduled", "False", "Unschedulable")  # fmt: skip
+
+
+def not_starting(pod: dict) -> tuple[str, str] | None:
+    """Why the pod cannot start, in the scheduler's or the kubelet's own words: (reason,
+    message), e.g. ("Unschedulable", "...: 0/2 nodes are available: 2 Insufficient
+    nvidia.com/gpu"), ("ImagePullBackOff", "...: Back-off pulling image ..."); None while
+    nothing says it is stuck (being scheduled, pulling, or gated by Kueue: not stuck)."""
+    name = pod["metadata"].get("name")
+    for cond in pod.get("status", {}).get("conditions") or []:
+        if _unschedulable(cond):
+            return "Unschedulable", f"pod {name}: {cond.get('message') or 'no node fits it'}"
+    waiting = _trainer_state(pod).get("state", {}).get("waiting") or {}
+    if waiting.get("reason") in CANNOT_START:
+        said = waiting.get("message") or "(the kubelet gave no message)"
+        return waiting["reason"], f"pod {name}: {waiting['reason']}: {said}"
+    return None
 
 
 def waiting_reason(pod: dict) -> str | None:

@@ -15,6 +15,7 @@ from ftjob.plan.estimate import (
     TIGHT,
     Estimate,
     gib,
+    grace_period,
     phase_why,
     reference_pass,
     stride_name,
@@ -80,6 +81,7 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
             f"{gib(e.checkpoint_bytes)} each on the volume "
             f"(x keep {spec.checkpoint.keep} = {gib(e.checkpoint_bytes * spec.checkpoint.keep)})",
         ),
+        ("grace", grace_text(spec, e)),
         ("data", datasize.describe(spec, source_root or _source_root())),
         ("quota", quota.text(spec)),
     ]
@@ -188,6 +190,22 @@ def _sharding_text(spec: FineTuneJobSpec, e: Estimate) -> str:
         return e.sharding_reason.removeprefix("sharding ")
     return (
         f"{e.sharding} (parallelism.sharding; collectives {_duration(e.collective_seconds)} a step)"
+    )
+
+
+def pod_grace(spec: FineTuneJobSpec, e: Estimate) -> tuple[int, str]:
+    """The terminationGracePeriodSeconds the pods get (as ftjob.operator.render sets it) and why."""
+    return grace_period(
+        e.checkpoint_bytes, spec.resources.nodes, spec.checkpoint.grace_period_seconds
+    )
+
+
+def grace_text(spec: FineTuneJobSpec, e: Estimate) -> str:
+    """The pods' grace period, why, and what a SIGTERM does with it."""
+    seconds, why = pod_grace(spec, e)
+    return (
+        f"terminationGracePeriodSeconds {seconds} ({why}): a SIGTERM in training saves at the "
+        "next step; before the first step or after the last save the pod ends in seconds"
     )
 
 

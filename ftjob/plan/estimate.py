@@ -120,9 +120,21 @@ GRACE_MARGIN = 2.0
 def grace_period_seconds(saved_bytes: float, nodes: int, given: int | None = None) -> int:
     """PURE: the pods' grace period: ``given`` (spec.checkpoint.gracePeriodSeconds) when set,
     else the planner's save time of a ``saved_bytes`` checkpoint, with the margin."""
+    return grace_period(saved_bytes, nodes, given)[0]
+
+
+def grace_period(saved_bytes: float, nodes: int, given: int | None = None) -> tuple[int, str]:
+    """PURE: the grace period (:func:`grace_period_seconds`) and why, in words: the time a
+    SIGTERM in the training loop needs for its save (start-up and export end at once)."""
+    save = save_seconds(saved_bytes, nodes)
     if given is not None:
-        return given
-    return max(MIN_GRACE_SECONDS, math.ceil(GRACE_MARGIN * save_seconds(saved_bytes, nodes)))
+        return given, f"checkpoint.gracePeriodSeconds (the planned save takes ~{save:.0f} s)"
+    planned = math.ceil(GRACE_MARGIN * save)
+    if planned <= MIN_GRACE_SECONDS:
+        return MIN_GRACE_SECONDS, (
+            f"the floor: a save takes ~{save:.0f} s, x{GRACE_MARGIN:g} margin = {planned} s"
+        )
+    return planned, f"a save takes ~{save:.0f} s, x{GRACE_MARGIN:g} margin"
 
 
 def save_seconds(saved_bytes: float, nodes: int) -> float:

@@ -54,7 +54,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from ftjob.api import contract
 from ftjob.job import lease
-from ftjob.trainer.gang import preempt
+from ftjob.trainer.gang import preempt, termination
 
 TERMINATION_ENV = "FTJOB_TERMINATION_LOG"
 
@@ -316,20 +316,47 @@ def launch(config, entrypoint, args: list[str], node_rank: int) -> int:
         if result.is_failed() and read_preempted(agent.termination) is None:
             raise ChildFailedError(name=str(entrypoint), failures=result.failures)
         return contract.EXIT_PREEMPTED if result.is_failed() else 0
-    except SignalException:
+    except SignalException as e:
+        close = False  # stopped from outside: torch's launcher leaves the rendezvous open too
         if read_preempted(agent.termination) is not None:
             say(f"node {node_rank}: stopped by a SIGTERM; the workers stopped at a step "
                 "boundary (see their record)")  # fmt: skip
             return contract.EXIT_PREEMPTED
-        close = False  # stopped from outside: torch's launcher leaves the rendezvous open too
-        raise
+        if e.sigval != signal.SIGTERM:
+            raise
+        return _stopped_outside_loop(agent.termination, node_rank)
     finally:
         if close:
             handler.shutdown()  # closes the rendezvous: the other agents stop waiting
 
 
+def _stopped_outside_loop(path: Path | None, node_rank: int) -> int:
+    """A SIGTERM reached this node outside the training loop (rendezvous, data, loading, or
+    after the last save): its workers ended at once, with nothing new to save (a checkpoint
+    is written only in the loop, the export only whole). A finished node stays finished; any
+    other ends as stopped, not failed: the next gang resumes from the newest checkpoint."""
+    rec = read_record(path)
+    if rec is not None and rec.get("outcome") == "succeeded":
+        say(f"node {node_rank}: stopped by a SIGTERM after its workers finished")
+        return 0
+    message = "stopped for a SIGTERM outside the training loop; nothing new to save"
+    say(f"node {node_rank}: {message}")
+    with contextlib.suppress(OSError):  # a failure a worker wrote first stays (termination.keep)
+        termination.write(contract.preempted_record(None, None, message))
+    return contract.EXIT_PREEMPTED
+
+
+def _terminate(signum: int, frame) -> None:
+    raise SignalException(f"process {os.getpid()} got signal {signum}", signal.Signals(signum))
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
+    # From the first moment, not only once torch starts the workers (its PContext installs
+    # this same handler then): in a container this agent is PID 1, and the kernel drops a
+    # signal whose action is the default for PID 1. Without it, a SIGTERM during the
+    # rendezvous was ignored and the pod held its nodes for the whole grace period.
+    signal.signal(signal.SIGTERM, _terminate)
     args = torchrun.parse_args(argv)
     node_rank = args.node_rank
     if args.standalone:

@@ -287,3 +287,31 @@ def test_a_killed_container_then_an_evicted_pod_each_get_a_gang_that_resumes_exa
     )
     assert resumed_step(folder) >= 40, progress(folder)
     assert losses(folder) == reference.losses
+
+
+def test_a_job_deleted_in_start_up_frees_its_nodes_in_seconds(operator, volume):
+    """Deleted while its trainers start (the agent, PID 1 of its container, in the rendezvous
+    or loading): the pods end within seconds of the SIGTERM, not at the end of the 60 s grace
+    period (issue 52, point 5)."""
+    plane = operator.plane
+    job = tiny("gone")
+    # Three nodes on two podman nodes: the third pod stays Pending (one pod a node), so the two
+    # agents that run wait in the rendezvous, workers not started, as a gang whose last pod is
+    # still pulling its image does.
+    job["spec"]["resources"]["nodes"] = 3
+    plane.apply(job)
+    plane.wait(lambda: len(node_containers(f"-{NAMESPACE}-gone-node-", running=True)) >= 2,
+               hangs.FLOOR,
+               "both trainer containers running")  # fmt: skip
+    time.sleep(10)  # the agents are past their imports, in the rendezvous
+    started = time.monotonic()
+    plane.kubectl("delete", "ftj", "gone", "-n", NAMESPACE, "--wait=false")
+
+    def gone():
+        return not [p for p in plane.get("pods", namespace=NAMESPACE) or []
+                    if p["metadata"]["labels"].get(render.LABEL_JOB) == "gone"]  # fmt: skip
+
+    plane.wait(gone, 90, "the deleted job's pods to go")
+    took = time.monotonic() - started
+    print(f"\ndeleted in start-up: pods gone {took:.1f} s after the delete (grace 60 s)")
+    assert took < 30, took

@@ -362,7 +362,13 @@ def test_every_node_exiting_zero_with_the_trainers_record_succeeds(operator, tra
     assert progress["loss"] == round(final["loss"], 4)
     assert status["lastCheckpoint"]["step"] == final["lastCheckpointStep"]
     row = plane.kubectl("get", "ftj", "done", "-n", NAMESPACE).stdout.splitlines()[1].split()
-    assert row[1:5] == ["Succeeded", "2", progress["display"], str(progress["loss"])], row
+    assert row[1:6] == [
+        "Succeeded",
+        "Completed",
+        "2",
+        progress["display"],
+        str(progress["loss"]),
+    ], row
     # The operator's log says the decision, naming the job (point 6).
     assert operator.logged(f"{NAMESPACE}/done: Completed: training finished; model at ")
 
@@ -395,3 +401,32 @@ def test_a_bad_records_event_names_the_file_and_line_on_one_line(operator, train
     assert any("BadData" in line and cause in line for line in lines), described
     assert operator.logged(f"{NAMESPACE}/bad: BadData: not retried: bad-node-0 (node rank 0)")
     assert not operator.logged("Handler 'pod_changed' succeeded")
+
+
+def test_a_gang_that_cannot_be_scheduled_says_why_and_fails_at_its_start_limit(operator):
+    """More GPUs per node than any node has: the job's condition, `kubectl get ftj` and a
+    Warning Event carry the real scheduler's words, and runPolicy.startTimeoutSeconds fails it
+    with them (issue 52, point 1)."""
+    plane = operator.plane
+    job = gpu_job("toobig", runPolicy={"startTimeoutSeconds": 30})
+    job["spec"]["resources"]["gpusPerNode"] = 16  # kwok's GPU nodes have 8
+    job["spec"]["plan"] = {"enforce": False}
+    plane.apply(job)
+
+    def unschedulable():
+        cond = next((c for c in status_of(plane, "toobig").get("conditions", [])
+                     if c["type"] == "Running"), {})  # fmt: skip
+        return cond.get("reason") == "Unschedulable" and cond
+
+    cond = plane.wait(unschedulable, 60, "the Running condition to say Unschedulable")
+    assert "Insufficient nvidia.com/gpu" in cond["message"], cond
+    row = plane.kubectl("get", "ftj", "toobig", "-n", NAMESPACE).stdout.splitlines()[1].split()
+    assert row[1:3] == ["Pending", "Unschedulable"], row
+    event = plane.wait(lambda: events_of(plane, "toobig", "Unschedulable"), 30, "the Event")[0]
+    assert event["type"] == "Warning" and "Insufficient nvidia.com/gpu" in event["message"]
+    failed = plane.wait(
+        lambda: (s := status_of(plane, "toobig")).get("phase") == "Failed" and s, 60, "Failed"
+    )
+    assert failed["failure"]["reason"] == "StartTimeout", failed["failure"]
+    assert "Insufficient nvidia.com/gpu" in failed["failure"]["message"]
+    assert not [p for p in pods_of(plane, "toobig") if not p["metadata"].get("deletionTimestamp")]

@@ -77,10 +77,9 @@ def test_lists_and_maps_are_bounded_so_cel_cost_is_bounded():
 def test_printer_columns_and_names():
     version = crd.crd()["spec"]["versions"][0]
     columns = [c["name"] for c in version["additionalPrinterColumns"] if "priority" not in c]
-    assert columns == ["Phase", "Nodes", "Progress", "Loss", "ETA", "Age"]
+    assert columns == ["Phase", "Reason", "Nodes", "Progress", "Loss", "ETA", "Age"]
     wide = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority") == 1]
     assert wide == [
-        "Reason",
         "Queue",
         "Restarts",
         "In-Place",

@@ -2,6 +2,7 @@
 the grace period the operator gives the pods, the gang's vote, and the record through the
 contract. The whole mechanism with real processes: tests/e2e/test_preemption.py."""
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -83,3 +84,29 @@ def test_a_preempted_record_is_neither_success_nor_failure():
     assert contract.keep(rec, failure) == failure  # a rank that failed still says so
     assert contract.keep(failure, rec) == failure
     assert contract.EXIT_PREEMPTED not in (0, 1) and contract.EXIT_PREEMPTED < 128
+
+
+def test_the_plan_states_the_grace_period_the_pods_get_and_why():
+    from ftjob.cli import output
+    from ftjob.plan import describe, options
+    from ftjob.plan.modelshape import shape_for
+
+    big = parse_resource(manifest.load(ROOT / "examples" / "llama2-70b-full.yaml")[0])
+    cases = {"floor": tiny(), "checkpoint.gracePeriodSeconds": tiny(gracePeriodSeconds=300),
+             "margin": big}  # fmt: skip
+    for why, (name, spec) in cases.items():
+        source = spec.model.source
+        config = (
+            None
+            if "://" in source
+            else json.loads((ROOT / "examples" / source / "config.json").read_text())
+        )
+        result = options.plan(spec, shape_for(source, config))
+        rendered = render.pod(name, "ns", spec, 1, 0, "uid")["spec"][
+            "terminationGracePeriodSeconds"
+        ]
+        stated = output.plan_result("f.yaml", name, spec, result)["gracePeriod"]
+        assert stated["seconds"] == rendered and why in stated["why"]
+        line = next(x for x in describe.describe(spec, result) if x.startswith("grace"))
+        assert f"terminationGracePeriodSeconds {rendered} (" in line and why in line
+    assert rendered > estimate.MIN_GRACE_SECONDS  # the 70B job: the save, not the floor

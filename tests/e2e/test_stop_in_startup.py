@@ -1,0 +1,126 @@
+"""A SIGTERM before the first step ends a node within seconds, as a stop, not a failure.
+
+    python -m pytest tests/e2e/test_stop_in_startup.py -q
+
+A pod's container runs the node agent as PID 1 of its own PID namespace, where the kernel
+drops a signal whose action is the default: so does this test (``unshare --pid``), and it
+signals the agent from outside the namespace, as the kubelet's runtime does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from test_startup import SLOW_LOAD
+from test_trainer_run import job
+from trainer_outputs import wait_for_phase
+
+from ftjob.api import contract
+from ftjob.api.spec import parse_resource
+from ftjob.job import launch
+
+pytestmark = pytest.mark.timeout(240)
+
+PROMPT = 5.0  # seconds: "within seconds" (the grace period here is 60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _namespaces_work() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "true"]
+    return subprocess.run(probe, capture_output=True).returncode == 0
+
+
+needs_pid_namespace = pytest.mark.skipif(
+    not _namespaces_work(), reason="unshare --user --pid is not allowed here"
+)
+
+
+def start_node_zero(tmp_path: Path, nodes: int, env: dict | None = None):
+    """Node 0 of a ``nodes``-node job, its agent PID 1 of a new PID namespace; returns the
+    (unshare process, the agent's pid outside, the job folder, the termination record)."""
+    doc = job("stop", resources={"nodes": nodes, "gpusPerNode": 0})
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(yaml.safe_dump(doc))
+    _, spec = parse_resource(doc)
+    folder, record = tmp_path / "job", tmp_path / "termination-log"
+    node = launch.node_command(spec, "stop", 0, "127.0.0.1", "rdzv-stop", str(spec_file),
+                               master_port=_free_port(), job_folder=str(folder))  # fmt: skip
+    argv = [sys.executable, *node.argv[1:]]  # argv[0] is the image's python
+    env = {**os.environ, **node.env, **(env or {}), "OMP_NUM_THREADS": "1",
+           "FTJOB_PROGRESS_PORT": "0", "FTJOB_TERMINATION_LOG": str(record)}  # fmt: skip
+    proc = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "--pid", "--fork", *argv],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    return proc, _child(proc.pid), folder, record
+
+
+def _child(pid: int) -> int:
+    """unshare's one child: the agent, PID 1 inside."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if children:
+            return int(children[0])
+        time.sleep(0.02)
+    raise AssertionError("unshare started no child")
+
+
+def stopped_within(proc, agent: int) -> tuple[float, int, str]:
+    """SIGTERM to the agent; (seconds until the node ended, exit code, output)."""
+    sent = time.monotonic()
+    os.kill(agent, signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # still there: the SIGTERM was ignored
+        os.kill(agent, signal.SIGKILL)  # SIGKILL reaches a namespace's PID 1 from outside
+        out, _ = proc.communicate()
+    took = time.monotonic() - sent
+    print(f"the node ended {took:.2f} s after the SIGTERM (exit {proc.returncode})")
+    return took, proc.returncode, out
+
+
+@needs_pid_namespace
+def test_a_sigterm_in_the_rendezvous_ends_the_node_at_once(tmp_path):
+    # Node 1 never comes: node 0's agent waits in the rendezvous (its workers not started).
+    proc, agent, _, record = start_node_zero(tmp_path, nodes=2)
+    time.sleep(8)  # imports done, waiting for the other node
+    assert proc.poll() is None, proc.communicate()[0]
+    took, code, out = stopped_within(proc, agent)
+    assert took < PROMPT, f"took {took:.1f} s\n{out}"
+    assert code == contract.EXIT_PREEMPTED, out
+    rec = json.loads(record.read_text())
+    assert rec["outcome"] == "preempted" and "outside the training loop" in rec["message"]
+
+
+@needs_pid_namespace
+def test_a_sigterm_while_loading_ends_the_node_at_once_saving_nothing(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_LOAD)
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+           "SLOW_LOAD_SECONDS": "120"}  # fmt: skip
+    proc, agent, folder, record = start_node_zero(tmp_path, nodes=1, env=env)
+    wait_for_phase(folder, ("loading",), proc)
+    took, code, out = stopped_within(proc, agent)
+    assert took < PROMPT, f"took {took:.1f} s\n{out}"
+    assert code == contract.EXIT_PREEMPTED, out
+    assert json.loads(record.read_text())["outcome"] == "preempted"
+    assert not list(folder.glob("checkpoints/step-*"))  # nothing half-written
