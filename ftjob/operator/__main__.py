@@ -97,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+KOPF_PEERING_LOGGER = "kopf._core.engines.peering"
+
+
 class _ObjectName(logging.Filter):
     """kopf's lines about an object carry it (``k8s_ref``) but do not say it: name it."""
 
@@ -121,6 +124,9 @@ def configure_logging(verbose: bool) -> None:
     if not verbose:
         for routine in ("kopf", "aiohttp.access"):
             logging.getLogger(routine).setLevel(logging.WARNING)
+        # Peering logs only its decisions (a replica pausing for a leader, resuming when it
+        # is gone): those stay.
+        logging.getLogger(KOPF_PEERING_LOGGER).setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -422,7 +422,9 @@ def test_a_gang_that_cannot_be_scheduled_says_why_and_fails_at_its_start_limit(o
     assert "Insufficient nvidia.com/gpu" in cond["message"], cond
     row = plane.kubectl("get", "ftj", "toobig", "-n", NAMESPACE).stdout.splitlines()[1].split()
     assert row[1:3] == ["Pending", "Unschedulable"], row
-    event = plane.wait(lambda: events_of(plane, "toobig", "Unschedulable"), 30, "the Event")[0]
+    event = plane.wait(
+        lambda: events_of(plane, "toobig", "Unschedulable"), hangs.FLOOR, "the Event"
+    )[0]
     assert event["type"] == "Warning" and "Insufficient nvidia.com/gpu" in event["message"]
     failed = plane.wait(
         lambda: (s := status_of(plane, "toobig")).get("phase") == "Failed" and s, 60, "Failed"

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import hangs
 import pytest
 import yaml
 from test_startup import SLOW_LOAD
@@ -31,7 +32,8 @@ from ftjob.job import launch
 
 pytestmark = pytest.mark.timeout(240)
 
-PROMPT = 5.0  # seconds: "within seconds" (the grace period here is 60)
+# not a hang guard: the product's promised bound under test ("within seconds"; grace is 60)
+PROMPT = 5.0
 
 
 def _free_port() -> int:
@@ -74,7 +76,7 @@ def start_node_zero(tmp_path: Path, nodes: int, env: dict | None = None):
 
 def _child(pid: int) -> int:
     """unshare's one child: the agent, PID 1 inside."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + hangs.FLOOR
     while time.monotonic() < deadline:
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
         if children:

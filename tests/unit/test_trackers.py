@@ -20,10 +20,12 @@ class Hanging:
 
     def __init__(self):
         self.release = threading.Event()
+        self.started = threading.Event()
         self.calls = 0
 
     def start(self, params, ids):
         self.calls += 1
+        self.started.set()
         self.release.wait()
 
 
@@ -43,6 +45,9 @@ def test_a_hanging_tracker_holds_no_step_and_the_end_waits_only_its_bound(tmp_pa
         report.step(step, 1e-3, step / 1000)
         report.logged(step, 2.0, 100, 0.0)
     assert time.perf_counter() - began < hangs.FLOOR  # bounded by the machine, not the tracker
+    # The sender's thread takes its first event when it gets the CPU: on a busy machine the
+    # 1,000 steps may all be queued before it does. Then it is stuck, once, and only once.
+    assert hanging.started.wait(hangs.FLOOR)
     assert hanging.calls == 1
     began = time.perf_counter()
     report.close()
