@@ -164,8 +164,6 @@ class Estimate:
     reserved: float
     device_bytes: float | None  # one GPU's memory (None: CPU job or unknown GPU)
     pod_memory: float | None  # resources.memory of a pod (None: not set)
-    cpu_per_node: float  # steady state: offloaded states and per-process baselines
-    load_cpu_per_node: float  # while loading: what each rank keeps + the tensor it reads
     cpu_phases: dict[str, float]  # per pod, the busiest (rank 0's): each phase's peak (PHASES)
     page_cache_per_node: float  # checkpoint bytes a node's ranks read (reclaimable, not counted)
     checkpoint_bytes: float
@@ -217,6 +215,16 @@ class Estimate:
         work += self.reference_flops_per_token
         at_peak = self.hardware_utilisation * self.flops_per_token / work
         return at_peak * self.compute_seconds / self.step_seconds
+
+    @property
+    def cpu_per_node(self) -> float:
+        """The steady state (training): offloaded states and per-process baselines."""
+        return self.cpu_phases["training"]
+
+    @property
+    def load_cpu_per_node(self) -> float:
+        """While loading: what each rank keeps + the tensor it reads."""
+        return self.cpu_phases["loading"]
 
     @property
     def cpu_peak_per_node(self) -> float:
@@ -352,8 +360,6 @@ def estimate_at(
         reserved=reserved,
         device_bytes=device_bytes if on_gpu else None,
         pod_memory=quantity(r.memory) if r.memory else None,
-        cpu_per_node=cpu.steady,
-        load_cpu_per_node=cpu.loading,
         cpu_phases=cpu.phases,
         page_cache_per_node=cpu.page_cache,
         checkpoint_bytes=saved,
@@ -428,8 +434,6 @@ def _temporaries(
 
 @dataclass
 class _Cpu:
-    steady: float  # per node: offloaded states, baselines, background-save copies
-    loading: float  # per node, while loading
     page_cache: float  # per node: checkpoint bytes read through the page cache
     staging: float  # per process: asyncSave's copy
     phases: dict[str, float]  # per node, the busiest pod's (rank 0's): each phase's peak
@@ -507,7 +511,7 @@ def _cpu_memory(
         "saving": nproc * (steady + (largest_rows * FP32 if on_gpu and not offload else 0.0)),
         "exporting": nproc * steady + _exporting(spec, shape),
     }
-    return _Cpu(nproc * steady, nproc * loading, read, staging, phases)
+    return _Cpu(read, staging, phases)
 
 
 def _preparing(spec: FineTuneJobSpec, baseline: float) -> float:
