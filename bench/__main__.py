@@ -31,6 +31,7 @@ CPU_SUITES = [
     "data",
     "accumulation",
     "dpo",
+    "chunkedloss",
     "startup",
 ]
 ALL_SUITES = [*CPU_SUITES, "gpu"]
