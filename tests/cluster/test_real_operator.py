@@ -439,8 +439,9 @@ def test_an_edit_of_a_gang_that_never_ran_makes_a_new_gang_and_a_running_one_say
 ):
     """A gang no node fits (its nodeSelector names a label no node has) is edited to fit: the
     operator replaces the gang that never ran by one made from the edited spec, which the real
-    scheduler places; no restart budget is spent. An edit of the running gang's image is not
-    applied to it, and a Warning Event says how to apply it (issue 52, point 1)."""
+    scheduler places; no restart budget is spent (an edit of its resources is refused by the
+    CRD, saying how). An edit of the running gang's image is not applied to it, and a Warning
+    Event says how to apply it (issue 52, point 1)."""
     plane = operator.plane
     job = gpu_job("edited", scheduling={"nodeSelector": {"ftjob.dev/pool": "nowhere"}})
     plane.apply(job)
@@ -451,6 +452,11 @@ def test_an_edit_of_a_gang_that_never_ran_makes_a_new_gang_and_a_running_one_say
         return cond.get("reason") == "Unschedulable" and cond
 
     plane.wait(stuck, 60, "the gang to be Unschedulable")
+    # resources is immutable: the API server refuses its edit and says what to do instead.
+    smaller = copy.deepcopy(job)
+    smaller["spec"]["resources"]["gpusPerNode"] = 4
+    refused = plane.apply(smaller, ok=False)
+    assert refused.returncode != 0 and "create a new FineTuneJob" in refused.stderr, refused
     job["spec"]["scheduling"] = {}
     plane.apply(job)
     gang_running(plane, "edited", 1)
