@@ -12,6 +12,10 @@ node lost, a stall), the gang is the unit: every pod of the attempt is deleted a
 attempt starts once they are gone, resuming from the newest checkpoint on the shared volume,
 its pods kept away from the nodes a failure was blamed on (``status.badNodes``). A
 permanent failure, or backoffLimit spent, fails the job.
+
+An edit of what the pods are made of (each pod says: render.template) replaces a gang that
+never ran by one made from the edited spec, spending no budget; a gang that ran keeps its
+spec until the next gang, and an Event says how to apply the edit sooner.
 """
 
 from __future__ import annotations
