@@ -32,6 +32,7 @@ CPU_SUITES = [
     "accumulation",
     "dpo",
     "chunkedloss",
+    "grpo",
     "startup",
 ]
 ALL_SUITES = [*CPU_SUITES, "gpu"]
