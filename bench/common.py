@@ -216,12 +216,29 @@ def _timed(cmd: list[str], what: str, env: dict, timeout: float,
     return wall, proc.stdout
 
 
+def tagged(stdout: str, tag: str) -> list[dict]:
+    """Every ``tag {json}`` record a worker printed, in order. Two ranks printing at once can
+    share a line of torchrun's output (seen: ``TRL-RANK {...}TRL {...}``), so each record is
+    decoded where its marker starts, up to its own end."""
+    decoder, found, marker = json.JSONDecoder(), [], tag + " {"
+    at = stdout.find(marker)
+    while at >= 0:
+        try:
+            record, end = decoder.raw_decode(stdout, at + len(tag) + 1)
+        except ValueError:  # a marker inside other text: look further on
+            end = at + 1
+        else:
+            found.append(record)
+        at = stdout.find(marker, end)
+    return found
+
+
 def last_json(stdout: str, tag: str) -> dict:
-    """The last ``tag {json}`` line a worker printed."""
-    lines = [x for x in stdout.splitlines() if x.startswith(tag + " ")]
-    if not lines:
+    """The last ``tag {json}`` record a worker printed (:func:`tagged`)."""
+    records = tagged(stdout, tag)
+    if not records:
         raise RuntimeError(f"no '{tag}' line in:\n{stdout[-2000:]}")
-    return json.loads(lines[-1][len(tag) + 1 :])
+    return records[-1]
 
 
 def proc_mib(pid: int | str, names: tuple[str, ...], table: str = "status") -> dict[str, float]:

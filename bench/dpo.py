@@ -135,19 +135,6 @@ def steady(log: list[dict], skip: int, pairs_per_step: int) -> tuple[float | Non
     return pairs_per_step * counted / seconds, tokens / seconds
 
 
-def rank_records(out: str) -> list[dict]:
-    """Every ``TRL-RANK {json}`` the worker's ranks printed. Two ranks printing at once can
-    share a line of torchrun's output (seen: ``TRL-RANK {...}TRL-RANK {...}``), so each
-    record is decoded where its marker starts, up to its own end."""
-    decoder, found, marker = json.JSONDecoder(), [], "TRL-RANK "
-    at = out.find(marker)
-    while at >= 0:
-        record, end = decoder.raw_decode(out, at + len(marker))
-        found.append(record)
-        at = out.find(marker, end)
-    return found
-
-
 def compare(work: Path, s: Setup) -> dict:
     from transformers import AutoTokenizer
 
@@ -162,7 +149,7 @@ def compare(work: Path, s: Setup) -> dict:
     wall, out = common.torchrun(WORKER, trl_args(model, ordered, s), s.processes, work,
                                 env=threads)  # fmt: skip
     theirs = {**common.last_json(out, "TRL"), "wall": wall}
-    ranks = sorted(rank_records(out), key=lambda r: r["rank"])
+    ranks = sorted(common.tagged(out, "TRL-RANK"), key=lambda r: r["rank"])
     pairs_per_second, tokens_per_second = steady(ours.log, s.skip, s.micro_batch * s.processes)
     lengths = [len(tokenizer(json.loads(x)["prompt"])["input_ids"]) for x in records]
     return {

@@ -73,7 +73,8 @@ def trl_args(model: Path, s: Setup) -> list[str]:
             "--steps", str(s.steps), "--generations", str(s.generations),
             "--completion-length", str(s.completion_length), "--micro-batch", str(s.micro_batch),
             "--lr", str(s.lr), "--lora-r", str(s.r), "--lora-alpha", str(s.alpha),
-            "--targets", ",".join(dpo.TARGETS), "--seed", str(s.seed), "--skip", str(s.skip)]  # fmt: skip
+            "--targets", ",".join(dpo.TARGETS), "--seed", str(s.seed),
+            "--skip", str(s.skip)]  # fmt: skip
 
 
 def compare(work: Path, s: Setup) -> dict:
@@ -82,7 +83,7 @@ def compare(work: Path, s: Setup) -> dict:
     ours = common.ftjob_run(job(f"grpo-{s.size}", model, s), work, env=threads)
     wall, out = common.torchrun(WORKER, trl_args(model, s), s.processes, work, env=threads)
     theirs = {**common.last_json(out, "TRL"), "wall": wall}
-    ranks = sorted(dpo.rank_records(out), key=lambda r: r["rank"])
+    ranks = sorted(common.tagged(out, "TRL-RANK"), key=lambda r: r["rank"])
     steps = [e for e in ours.log if e.get("event") == "step"]
     steps_per_second, _ = dpo.steady(ours.log, s.skip, 1)
     return {

@@ -230,8 +230,10 @@ def test_dpo_steady_rates_leave_out_the_warm_up_steps():
     assert dpo.steady(log, skip=4, pairs_per_step=2) == (None, None)
 
 
-def test_dpo_reads_rank_records_that_share_a_line():
-    from bench.dpo import rank_records
-
+def test_tagged_records_are_read_where_ranks_share_a_line():
     out = 'x\nTRL-RANK {"rank": 1, "peakRssMiB": 2}TRL-RANK {"rank": 0, "peakRssMiB": 3}\nTRL {}\n'
-    assert rank_records(out) == [{"rank": 1, "peakRssMiB": 2}, {"rank": 0, "peakRssMiB": 3}]
+    assert common.tagged(out, "TRL-RANK") == [{"rank": 1, "peakRssMiB": 2},
+                                              {"rank": 0, "peakRssMiB": 3}]  # fmt: skip
+    # The result line glued to a rank's (seen from the GRPO worker): still found.
+    glued = 'TRL-RANK {"rank": 1}TRL {"stepsPerSecond": 0.15}\n'
+    assert common.last_json(glued, "TRL") == {"stepsPerSecond": 0.15}
