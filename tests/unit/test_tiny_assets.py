@@ -18,7 +18,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MODEL_DIR = EXAMPLES / "tiny-model"
 QLORA_MODEL_DIR = EXAMPLES / "tiny-qlora-model"  # examples/tiny-qlora.yaml's base
-DATA_FILES = ["tiny-text.jsonl", "tiny-chat.jsonl", "tiny-instruct.jsonl", "tiny-pairs.jsonl"]
+DATA_FILES = [
+    "tiny-text.jsonl",
+    "tiny-chat.jsonl",
+    "tiny-instruct.jsonl",
+    "tiny-pairs.jsonl",
+    "tiny-prompts.jsonl",
+]
 
 
 def read_jsonl(name: str) -> list[dict]:
