@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from pathlib import Path
 
 import torch
@@ -166,7 +167,7 @@ def make_prompts(instruct: list[dict], count: int = 300) -> list[dict]:
     """GRPO's prompts (examples/tiny-grpo.yaml): the arithmetic questions of the instruction
     records, each with its answer in a field of its own for the rewards to read. Derived from
     those records, with no random stream: the other files are the same with or without it."""
-    sums = [r for r in instruct if r["prompt"].startswith("Question: What is ")]
+    sums = [r for r in instruct if re.match(r"Question: What is \d+ [-+*] \d+\?", r["prompt"])]
     return [{"prompt": r["prompt"], "answer": r["completion"].strip()} for r in sums[:count]]
 
 
