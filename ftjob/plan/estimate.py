@@ -338,6 +338,9 @@ def estimate_at(
 
     tokens = t.micro_batch_size * spec.sequences_per_example * spec.dataset.max_seq_length
     activations = _activations(spec, shape, tokens, act_bytes, stride) * FRAGMENTATION
+    # GRPO samples before the step's forward: its KV cache and the activations are never held
+    # at once; the larger of the two counts.
+    activations = max(activations, kv_cache_bytes(spec, shape, act_bytes) * FRAGMENTATION)
     temporaries = _temporaries(spec, shape, sharding, group, act_bytes)
     # What FSDP gathers for one forward: nothing where a group of one leaves the frozen base
     # whole (trainer/model/load.py left_whole; the adapters' copies are negligible).
@@ -393,6 +396,7 @@ def _speed(
         hfu = ASSUMED_HFU[method] * (OFFLOAD_SLOWDOWN if spec.parallelism.cpu_offload else 1.0)
         work = spec.tokens_per_step * (flops + recomputed + reference)
         compute = work / (r.world_size * gpu.peak_bf16_flops * hfu)
+        compute += generation_seconds(spec, shape, gpu.peak_bf16_flops)
     moved = traffic(spec, shape.layers, sharding, gathered, trainable)
     net = moved.node_bytes
     bandwidth = node_bandwidth(
@@ -591,11 +595,45 @@ def _flops_per_token(
 
 
 def _reference_flops_per_token(spec: FineTuneJobSpec, s: ModelShape) -> float:
-    """DPO with adapters: the adapter-free forward that gives the reference, per token (its
-    weights 2 FLOPs each, attention 4·hidden·seq per layer); 0 for other objectives."""
-    if spec.training.objective != "dpo":
+    """Forwards beside the model FLOPs, per token (weights 2 FLOPs each, attention
+    4·hidden·seq per layer): DPO's adapter-free reference; GRPO's reference when beta > 0 and
+    its log-probabilities at sampling time when numIterations > 1 (once per generation
+    batch); 0 for other objectives."""
+    forward = 2 * s.matmul_params + 4 * s.hidden * spec.dataset.max_seq_length * s.layers
+    if spec.training.objective == "dpo":
+        return forward
+    grpo = spec.training.grpo_settings()
+    if grpo is None:
         return 0.0
-    return 2 * s.matmul_params + 4 * s.hidden * spec.dataset.max_seq_length * s.layers
+    old = 1 / grpo.num_iterations if grpo.num_iterations > 1 else 0.0
+    return forward * ((1.0 if grpo.beta else 0.0) + old)
+
+
+# Sampling one token at a time reads every weight for a few rows' worth of FLOPs: far below
+# the training step's utilisation. Assumed, not measured (no GPU run of GRPO yet): what
+# batched decoding with a KV cache reaches in transformers at small batches, ~3% of peak.
+GENERATION_HFU = 0.03
+
+
+def kv_cache_bytes(spec: FineTuneJobSpec, s: ModelShape, act_bytes: int) -> float:
+    """GRPO: the KV cache of one sampled micro-batch, per process (keys and values of every
+    layer, for the prompt and the whole completion); 0 for other objectives."""
+    if spec.training.grpo_settings() is None:
+        return 0.0
+    rows, seq = spec.training.micro_batch_size, spec.dataset.max_seq_length
+    return rows * seq * s.layers * 2 * s.kv_dim * act_bytes
+
+
+def generation_seconds(spec: FineTuneJobSpec, s: ModelShape, peak: float) -> float:
+    """GRPO: a step's share of sampling its completions (each rank its own, token by token,
+    once per numIterations steps) at GENERATION_HFU of ``peak``; 0 for other objectives."""
+    grpo = spec.training.grpo_settings()
+    if grpo is None:
+        return 0.0
+    t = spec.training
+    tokens = t.micro_batch_size * t.gradient_accumulation * grpo.max_completion_length
+    forward = 2 * s.matmul_params + 4 * s.hidden * spec.dataset.max_seq_length * s.layers
+    return tokens * forward / (peak * GENERATION_HFU) / grpo.num_iterations
 
 
 def reference_pass(spec: FineTuneJobSpec, s: ModelShape) -> tuple[float, float | None]:
@@ -630,6 +668,8 @@ def _notes(
         notes.append(f"asyncSave keeps a {gib(staging)} CPU copy per process")
     if spec.training.objective == "dpo":
         notes.append(_dpo_note(spec))
+    if spec.training.objective == "grpo":
+        notes.append(_grpo_note(spec))
     return notes
 
 
@@ -641,6 +681,15 @@ def _dpo_note(spec: FineTuneJobSpec) -> str:
     if spec.method.type == "full":
         return "DPO: 2 sequences a pair, reference log-probs computed once and stored"
     return "DPO: 2 sequences a pair, reference forward with adapters off"
+
+
+def _grpo_note(spec: FineTuneJobSpec) -> str:
+    grpo = spec.training.grpo_settings()
+    reference = ", reference forward with adapters off" if grpo.beta else ""
+    return (
+        f"GRPO: {grpo.num_generations} completions a prompt sampled with a KV cache of "
+        f"microBatchSize rows (the larger of it and the activations counts){reference}"
+    )
 
 
 def gib(n: float) -> str:

@@ -119,6 +119,7 @@ class Grpo:
     samples: Path | None = None  # the job folder's completions.jsonl (rank 0)
     engine: Sampling | None = None
     tokenizer: object = None
+    log: object = print
     _held: tuple[int, list[Rolled]] | None = field(default=None, repr=False)
 
     @classmethod
@@ -174,6 +175,7 @@ class Grpo:
             pad=ds.pad_id,
             synced=d.world_size > 1,
         )
+        self.log = log
         if d.is_main:
             self.samples = JobFolder(folder).completions
 
@@ -185,6 +187,12 @@ class Grpo:
         g = step // self.settings.num_iterations
         if self._held is not None and self._held[0] == g:
             return self._held[1]
+        if step % self.settings.num_iterations:
+            self.log(
+                f"grpo: resumed inside generation batch {g} (numIterations "
+                f"{self.settings.num_iterations}): its completions are sampled again from the "
+                "resumed weights, not the ones they were first sampled from"
+            )
         completions = self._sample(net, micro, g, d)
         rolled = self._scored(net, micro, completions, step, d)
         self._held = (g, rolled)
