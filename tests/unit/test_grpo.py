@@ -148,3 +148,14 @@ def test_the_plan_counts_the_kv_cache_of_a_sampled_micro_batch_and_the_sampling_
         spec, shape, peak
     )
     assert any("GRPO" in note for note in layout.estimate(spec, shape).notes)
+
+
+def test_the_model_card_says_grpo_its_rewards_and_the_final_mean_reward():
+    from ftjob.trainer.state import push
+
+    spec = example("tiny-grpo.yaml")
+    card = push.model_card(spec, {"trainedSteps": 60}, {"loss": 0.0, "reward": 0.4921875})
+    assert "trained by GRPO on its own completions (8 a prompt, dapo loss" in card
+    assert "rewards: answer" in card
+    assert "- **Final train mean reward:** 0.4922" in card
+    assert "- grpo" in card
