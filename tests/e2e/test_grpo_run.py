@@ -76,6 +76,8 @@ def test_the_mean_reward_rises(grpo):
     assert last > first + 0.15, rewards
     assert all(s["completionLength"] > 0 for s in steps)
     assert all(0 <= s["clipRatio"] <= 1 for s in steps)
+    # One reward of weight 1: its own mean is the step's reward.
+    assert all(s["rewards"]["answer"]["mean"] == pytest.approx(s["reward"]) for s in steps)
     assert "reward" in out and "300 train / 0 eval prompts" in out
 
 

@@ -159,3 +159,23 @@ def test_the_model_card_says_grpo_its_rewards_and_the_final_mean_reward():
     assert "rewards: answer" in card
     assert "- **Final train mean reward:** 0.4922" in card
     assert "- grpo" in card
+
+
+def test_each_reward_has_its_mean_and_spread_under_trls_tracker_names():
+    from ftjob.api.spec import GrpoSpec
+    from ftjob.trainer.report import trackers
+
+    nan = float("nan")
+    scores = torch.tensor([[1.0, nan], [0.0, 2.0], [0.5, 4.0]])
+    goal = grpo.Grpo(GrpoSpec(), seed=0, prompt_field="prompt", log_every=1, method="lora")
+    goal.rewards = type("R", (), {"names": ["right", "steps"]})()
+    sums = [1.5, 1.25, 3, 12, 3, 0, 0, *grpo._function_sums(scores).tolist()]
+    got = goal.step_metrics(sums)
+    assert got["reward"] == 0.5 and got["completionLength"] == 4.0
+    assert got["rewards"]["right"] == {"mean": 0.5, "std": pytest.approx(0.5)}
+    assert got["rewards"]["steps"] == {"mean": 3.0, "std": pytest.approx(2**0.5)}  # NaN left out
+    snap = {"step": 7, "loss": 0.0, **got}
+    step, values = trackers.measured("step", snap)
+    assert step == 7 and values["train/reward"] == 0.5
+    assert values["train/rewards/steps/mean"] == 3.0
+    assert values["train/rewards/right/std"] == pytest.approx(0.5)

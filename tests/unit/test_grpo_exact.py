@@ -119,7 +119,7 @@ def ftjob_side(tok, done, settings: GrpoSpec) -> tuple[float, dict, torch.Tensor
                                        settings.scale_rewards)  # fmt: skip
     rows = [{"prompt_ids": tok(p)["input_ids"]} for p in PROMPTS for _ in range(G)]
     goal.settings = GrpoSpec(**{**settings.__dict__, "beta": 0.0})  # the reference comes below
-    rolled = goal._rolled(policy, rows, done, adv, summed, _Dist())
+    rolled = goal._rolled(policy, rows, done, adv, summed, torch.tensor(SCORES), _Dist())
     goal.settings = settings
     if settings.beta:
         with torch.no_grad():

@@ -40,7 +40,8 @@ from ftjob.trainer.objectives import grpo_loss
 from ftjob.trainer.objectives.generate import KvSampling, Sampling
 from ftjob.trainer.objectives.loss import model_inputs, token_logps
 
-# The metric sums of a micro-batch, in this order (step_metrics reads them).
+# The metric sums of a micro-batch, in this order (step_metrics reads them), then each reward
+# function's sum, sum of squares and count of the completions it applied to.
 SUMS = ("reward", "rewardSquares", "scored", "tokens", "completions", "clipped", "kl")
 SAMPLES_PER_LOG = 4  # completions written to the job folder's completions.jsonl per log step
 
@@ -92,6 +93,7 @@ class Rolled:
     prompt_lengths: list[int]
     advantages: torch.Tensor  # [B]
     rewards: torch.Tensor  # [B] weighted sums (NaN where no reward applied)
+    scores: torch.Tensor  # [B, F] each reward function's (NaN where it does not apply)
     old: torch.Tensor | None = None  # [B, C] log-probabilities when sampled (numIterations > 1)
     ref: torch.Tensor | None = None  # [B, C] under the reference (beta > 0)
 
@@ -226,11 +228,12 @@ class Grpo:
         out, at = [], 0
         for m, part in zip(micro, completions, strict=True):
             n = len(part)
-            out.append(self._rolled(net, m.rows, part, adv[at : at + n], summed[at : at + n], d))
+            mine = slice(at, at + n)
+            out.append(self._rolled(net, m.rows, part, adv[mine], summed[mine], scores[mine], d))
             at += n
         return out
 
-    def _rolled(self, net, rows, completions, adv, rewards, d) -> Rolled:
+    def _rolled(self, net, rows, completions, adv, rewards, scores, d) -> Rolled:
         seqs = []
         for r, c in zip(rows, completions, strict=True):
             p = list(r["prompt_ids"])
@@ -243,6 +246,7 @@ class Grpo:
             prompt_lengths=[len(r["prompt_ids"]) for r in rows],
             advantages=adv,
             rewards=rewards,
+            scores=scores,
         )
         old = ref = None
         with torch.no_grad():
@@ -278,22 +282,21 @@ class Grpo:
              len(batch.lengths), 0.0, 0.0], dtype=torch.float32
         ).to(device)  # fmt: skip
         sums[5], sums[6] = terms.clipped, terms.kl
-        return terms.loss, sums
+        return terms.loss, torch.cat([sums, _function_sums(batch.scores).to(device)])
 
     def step_metrics(self, sums: list[float]) -> dict[str, float]:
         """The step's mean reward and its spread (TRL's reward and reward_std: over every
         completion of the step), mean completion length, clipped share and KL."""
-        total, squares, n, tokens, completions, clipped, kl = sums
+        total, squares, n, tokens, completions, clipped, kl = sums[: len(SUMS)]
         out = {
             "reward": total / max(n, 1.0),
-            "rewardStd": math.sqrt(max(squares - total * total / n, 0.0) / (n - 1))
-            if n > 1
-            else 0.0,
+            "rewardStd": _std(total, squares, n) or 0.0,
             "completionLength": tokens / max(completions, 1.0),
             "clipRatio": clipped / max(tokens, 1.0),
         }
         if self.settings.beta:
             out["kl"] = kl / max(tokens, 1.0)
+        out["rewards"] = _by_function(self.rewards.names, sums[len(SUMS) :])
         return out
 
     def evaluate(self, net, ds: data.Data, d, micro_batch: int) -> tuple[float, dict]:
@@ -312,6 +315,30 @@ class Grpo:
                 line = {"step": step, "prompt": prompts[i], "completion": texts[i],
                         "reward": _number(summed[i]), "rewards": each}  # fmt: skip
                 f.write(json.dumps(line, ensure_ascii=False) + "\n")
+
+
+def _function_sums(scores: torch.Tensor) -> torch.Tensor:
+    """[3F]: each reward function's sum, sum of squares and count over the rows it applies to."""
+    applies = ~torch.isnan(scores)
+    values = torch.where(applies, scores, torch.zeros_like(scores))
+    return torch.stack([values.sum(0), (values**2).sum(0), applies.sum(0).float()], 1).flatten()
+
+
+def _std(total: float, squares: float, n: float) -> float | None:
+    """The standard deviation (Bessel's correction, as TRL's nanstd) from sums."""
+    if n < 2:
+        return None
+    return math.sqrt(max(squares - total * total / n, 0.0) / (n - 1))
+
+
+def _by_function(names: list[str], sums: list[float]) -> dict[str, dict]:
+    """Each reward's mean and spread over the completions it applied to (TRL's
+    rewards/<name>/mean and /std); None where it applied to none."""
+    out = {}
+    for j, name in enumerate(names):
+        total, squares, n = sums[3 * j : 3 * j + 3]
+        out[name] = {"mean": total / n if n else None, "std": _std(total, squares, n)}
+    return out
 
 
 def _number(x: torch.Tensor) -> float | None:
