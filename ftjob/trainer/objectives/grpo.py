@@ -213,16 +213,12 @@ class Grpo:
         texts = self.tokenizer.batch_decode(done, skip_special_tokens=True)
         records = [json.loads(r["record"]) for r in rows]
         prompts = [rec.get(self.prompt_field) for rec in records]
-        scores = self.rewards.score(prompts, texts, records).to(torch.float32)
-        # Groups span ranks: every rank normalises with every rank's scores (N x F floats).
-        gathered = [torch.empty_like(scores, device=d.device) for _ in range(d.world_size)]
-        dist.all_gather(gathered, scores.to(d.device))
-        every = torch.cat(gathered).cpu()
+        every = self._gathered(prompts, texts, records, d)
         adv, summed = grpo_loss.advantages(
             every, self.rewards.weights, self.settings.num_generations, self.settings.scale_rewards
         )
         mine = slice(d.rank * len(rows), (d.rank + 1) * len(rows))
-        adv, summed = adv[mine], summed[mine]
+        adv, summed, scores = adv[mine], summed[mine], every[mine]
         if self.samples is not None and (step + 1) % self.log_every == 0:
             self._write_samples(step + 1, prompts, texts, scores, summed)
         out, at = [], 0
@@ -232,6 +228,25 @@ class Grpo:
             out.append(self._rolled(net, m.rows, part, adv[mine], summed[mine], scores[mine], d))
             at += n
         return out
+
+    def _gathered(self, prompts, texts, records, d) -> torch.Tensor:
+        """Every rank's scores [N, F], in rank order: groups span ranks, and every rank
+        normalises each group alike. A reward that fails on one rank fails the step on all of
+        them at once (a last column says which failed), instead of leaving the others waiting
+        in the next collective until it times out."""
+        error = None
+        try:
+            scores = self.rewards.score(prompts, texts, records).to(torch.float32)
+        except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+            error, scores = e, torch.zeros((len(texts), len(self.rewards.names)))
+        flagged = torch.cat([scores, torch.full((len(texts), 1), float(error is not None))], 1)
+        gathered = [torch.empty_like(flagged, device=d.device) for _ in range(d.world_size)]
+        dist.all_gather(gathered, flagged.to(d.device))
+        every = torch.cat(gathered).cpu()
+        failed = every[:, -1].view(d.world_size, -1)[:, 0].nonzero().flatten().tolist()
+        if failed:
+            _fail_together(error, failed[0], d)
+        return every[:, :-1]
 
     def _rolled(self, net, rows, completions, adv, rewards, scores, d) -> Rolled:
         seqs = []
@@ -315,6 +330,25 @@ class Grpo:
                 line = {"step": step, "prompt": prompts[i], "completion": texts[i],
                         "reward": _number(summed[i]), "rewards": each}  # fmt: skip
                 f.write(json.dumps(line, ensure_ascii=False) + "\n")
+
+
+def _fail_together(error: BaseException | None, first: int, d) -> None:
+    """Every rank raises the error of the first rank whose reward failed (its message names
+    the file, the line and the fix): whichever rank's record the summary shows, it says why."""
+    said = [None] * d.world_size
+    mine = None
+    if error is not None:
+        mine = (str(error), getattr(error, "fix", None), getattr(error, "reason", None))
+    dist.all_gather_object(said, mine)  # only on failure: every rank knows it failed
+    if error is not None and d.rank == first:
+        raise error
+    message, fix, reason = said[first]
+    raise TrainerError(
+        f"a reward failed on rank {first}: {message}",
+        reason=reason or BAD_SPEC,
+        fix=fix,
+        where="spec.training.grpo.rewards",
+    )
 
 
 def _function_sums(scores: torch.Tensor) -> torch.Tensor:
