@@ -100,3 +100,39 @@ def test_a_killed_grpo_run_resumes_to_the_same_completions_rewards_and_losses(ki
     uninterrupted = {s["step"]: {k: s[k] for k in keys} for s in history(grpo[0])}
     assert resumed == uninterrupted
     assert completions(workdir) == completions(grpo[0])
+
+
+def qlora_kl() -> dict:
+    """GRPO with everything the plain example leaves off: QLoRA on the 4-bit tiny base, its
+    shards gathered layer by layer while sampling (sharding full), the KL term (the adapters
+    off), two optimizer steps per generation batch, top-p, a temperature, recomputation."""
+    doc = tiny_grpo()
+    doc["metadata"]["name"] = "qlora-grpo"
+    spec = doc["spec"]
+    spec["model"]["source"] = "tiny-qlora-model"
+    spec["method"].update(type="qlora", quantization={"type": "nf4"})
+    spec["method"]["lora"]["r"] = 16
+    spec["parallelism"] = {"sharding": "full"}
+    spec["training"].update(maxSteps=6, activationCheckpointing="all")
+    spec["training"]["grpo"].update(
+        beta=0.04, numIterations=2, lossType="grpo", topP=0.9, temperature=0.8
+    )
+    return doc
+
+
+def test_qlora_sharded_grpo_with_the_kl_term_and_two_steps_per_generation(runs):
+    workdir = runs / "qlora-grpo"
+    (runs / "tiny-qlora-model").symlink_to(EXAMPLES / "tiny-qlora-model")
+    code, out = run(qlora_kl(), workdir)
+    assert code == 0, out
+    assert "full sharding over 2 ranks" in out
+    steps = history(workdir)
+    assert [s["step"] for s in steps] == list(range(1, 7))
+    # Steps 1, 3, 5 sample from the weights they train: ratio 1, nothing clipped. The adapters
+    # start at zero and warmup's first step has learning rate 0: KL 0 until step 2's update.
+    # Steps 4 and 6 reuse their batch's completions after an update: the ratio moves.
+    assert [s["kl"] == 0.0 for s in steps[:3]] == [True, True, False]
+    assert all(s["kl"] > 0 for s in steps[2:])
+    assert all(steps[k]["clipRatio"] == 0.0 for k in (0, 2, 4))
+    assert any(steps[k]["clipRatio"] > 0 for k in (3, 5))
+    assert (workdir / "model" / "adapter_model.safetensors").is_file()
