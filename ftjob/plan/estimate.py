@@ -338,13 +338,16 @@ def estimate_at(
 
     tokens = t.micro_batch_size * spec.sequences_per_example * spec.dataset.max_seq_length
     activations = _activations(spec, shape, tokens, act_bytes, stride) * FRAGMENTATION
-    # GRPO samples before the step's forward: its KV cache and the activations are never held
-    # at once; the larger of the two counts.
-    activations = max(activations, kv_cache_bytes(spec, shape, act_bytes) * FRAGMENTATION)
     temporaries = _temporaries(spec, shape, sharding, group, act_bytes)
     # What FSDP gathers for one forward: nothing where a group of one leaves the frozen base
     # whole (trainer/model/load.py left_whole; the adapters' copies are negligible).
     gathered = 0.0 if group == 1 else base_bytes + trainable * act_bytes
+    # GRPO samples before the step's forward, with the whole model gathered once (not once a
+    # token: trainer/objectives/generate.py) beside the KV cache; that and the step's
+    # activations are never held at once, and the larger counts.
+    sampling = kv_cache_bytes(spec, shape, act_bytes)
+    if sampling:
+        activations = max(activations, (sampling + gathered) * FRAGMENTATION)
     reserved = GPU_RESERVED_BYTES if on_gpu else PROCESS_BASELINE_BYTES
 
     device_total = weights + gradients + optimizer + activations + temporaries + reserved
@@ -688,7 +691,8 @@ def _grpo_note(spec: FineTuneJobSpec) -> str:
     reference = ", reference forward with adapters off" if grpo.beta else ""
     return (
         f"GRPO: {grpo.num_generations} completions a prompt sampled with a KV cache of "
-        f"microBatchSize rows (the larger of it and the activations counts){reference}"
+        f"microBatchSize rows and the model gathered whole (the larger of them and the "
+        f"activations counts){reference}"
     )
 
 

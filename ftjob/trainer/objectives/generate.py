@@ -64,7 +64,7 @@ class KvSampling:
         was_training = net.training
         net.eval()  # no dropout while sampling
         try:
-            with _cached_attention(net):
+            with _cached_attention(net), _gathered_once(net):
                 step_ids = ids
                 for _ in range(self.max_new):
                     logits = net(
@@ -133,3 +133,30 @@ def _cached_attention(net):
         yield
     finally:
         config._attn_implementation = kept
+
+
+@contextlib.contextmanager
+def _gathered_once(net):
+    """Under FSDP2, every sharded module gathered once for the whole sampling rather than once
+    per token: the forwards of a completion keep their parameters whole (the root already
+    does), and one reshard each at the end frees them. The planner counts the whole model
+    gathered beside the KV cache. Nothing to do for a plain module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in net.modules() if isinstance(m, FSDPModule)]
+    kept = [_reshards_after_forward(m) for m in sharded]
+    for m in sharded:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m, reshard in zip(sharded, kept, strict=True):
+            m.reshard()
+            m.set_reshard_after_forward(reshard, recurse=False)
+
+
+def _reshards_after_forward(module) -> bool:
+    """Whether an FSDP2 module frees its gathered parameters after forward (full sharding's
+    layers do; grad-op's and the root do not): FSDP2 keeps it as the mesh it reshards to."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    return any(g.post_forward_mesh_info is not None for g in groups)
