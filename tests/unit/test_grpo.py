@@ -69,7 +69,7 @@ def test_sampling_with_the_kv_cache_on_left_padded_prompts_equals_a_plain_forwar
     prompts = [tok("Question: What is 3 * 8?\nAnswer:")["input_ids"], tok("Hi")["input_ids"]]
     # A temperature this low makes each draw the argmax: the cached, padded, batched path
     # must pick what a forward of each prompt alone, without a cache, picks.
-    engine = KvSampling(10, 1e-4, 1.0, tok.eos_token_id, tok.pad_token_id, synced=False)
+    engine = KvSampling(10, 1e-4, 1.0, (tok.eos_token_id,), tok.pad_token_id, synced=False)
     got = engine.complete(net, prompts, torch.Generator().manual_seed(0))
     want = [greedy_without_cache(net, p, 10, tok.eos_token_id) for p in prompts]
     assert got == want
@@ -80,7 +80,7 @@ def test_sampling_with_the_kv_cache_on_left_padded_prompts_equals_a_plain_forwar
 def test_a_seeded_generator_samples_the_same_completions_and_another_seed_others(tiny):
     tok, net = tiny
     prompts = [tok("Question: What is 3 * 8?\nAnswer:")["input_ids"]] * 4
-    engine = KvSampling(12, 1.0, 0.9, tok.eos_token_id, tok.pad_token_id, synced=False)
+    engine = KvSampling(12, 1.0, 0.9, (tok.eos_token_id,), tok.pad_token_id, synced=False)
     first = engine.complete(net, prompts, torch.Generator().manual_seed(5))
     assert engine.complete(net, prompts, torch.Generator().manual_seed(5)) == first
     assert engine.complete(net, prompts, torch.Generator().manual_seed(6)) != first
@@ -90,7 +90,7 @@ def test_a_seeded_generator_samples_the_same_completions_and_another_seed_others
 
 
 def test_top_p_keeps_the_most_likely_tokens_that_reach_it():
-    engine = KvSampling(1, 1.0, 0.5, eos=0, pad=0, synced=False)
+    engine = KvSampling(1, 1.0, 0.5, eos=(0,), pad=0, synced=False)
     logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]]))
     draws = {int(engine._draw(logits, torch.Generator().manual_seed(s))) for s in range(50)}
     assert draws == {1}
@@ -179,3 +179,16 @@ def test_each_reward_has_its_mean_and_spread_under_trls_tracker_names():
     assert step == 7 and values["train/reward"] == 0.5
     assert values["train/rewards/steps/mean"] == 3.0
     assert values["train/rewards/right/std"] == pytest.approx(0.5)
+
+
+def test_a_completion_ends_at_the_first_of_the_models_stop_tokens(tiny):
+    from ftjob.trainer.objectives import generate
+
+    tok, net = tiny
+    assert generate.stop_tokens(tok, net) == (tok.eos_token_id,)
+    net.generation_config.eos_token_id = [tok.eos_token_id, 7]  # a chat model's end of turn
+    try:
+        assert generate.stop_tokens(tok, net) == (tok.eos_token_id, 7)
+    finally:
+        net.generation_config.eos_token_id = tok.eos_token_id
+    assert generate._trimmed([[5, 7, 9, 2], [5, 6]], (2, 7)) == [[5, 7], [5, 6]]

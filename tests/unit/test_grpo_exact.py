@@ -113,7 +113,7 @@ def ftjob_side(tok, done, settings: GrpoSpec) -> tuple[float, dict, torch.Tensor
     loss.install(reference)
     goal = grpo.Grpo(settings, seed=0, prompt_field="prompt", log_every=1, method="full")
     goal.engine = KvSampling(
-        8, settings.temperature, 1.0, tok.eos_token_id, tok.pad_token_id, False
+        8, settings.temperature, 1.0, (tok.eos_token_id,), tok.pad_token_id, False
     )
     adv, summed = grpo_loss.advantages(torch.tensor(SCORES), torch.tensor(WEIGHTS), G,
                                        settings.scale_rewards)  # fmt: skip

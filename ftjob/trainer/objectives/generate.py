@@ -45,7 +45,7 @@ class KvSampling:
     max_new: int
     temperature: float
     top_p: float
-    eos: int
+    eos: tuple[int, ...]  # the tokens that end a completion (TRL's eos_token_ids)
     pad: int
     synced: bool  # FSDP: every rank runs forward as often as the longest rank does
 
@@ -59,6 +59,7 @@ class KvSampling:
         ids, mask = _left_padded(prompts, self.pad, device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        ends = torch.tensor(self.eos, device=device)
         out: list[torch.Tensor] = []
         cache = DynamicCache()
         was_training = net.training
@@ -74,7 +75,7 @@ class KvSampling:
                     token = self._draw(logits[:, -1], generator)
                     token = torch.where(done, torch.full_like(token, self.pad), token)
                     out.append(token)
-                    done |= token == self.eos
+                    done |= torch.isin(token, ends)
                     if self._finished(done):
                         break
                     step_ids = token.unsqueeze(1)
@@ -113,12 +114,24 @@ def _left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tens
     return ids.to(device), mask.to(device)
 
 
-def _trimmed(rows: list[list[int]], eos: int) -> list[list[int]]:
+def _trimmed(rows: list[list[int]], eos: tuple[int, ...]) -> list[list[int]]:
     """Each completion up to and including its first end-of-sequence token (TRL's mask)."""
     out = []
     for row in rows:
-        out.append(row[: row.index(eos) + 1] if eos in row else row)
+        ends = [i for i, t in enumerate(row) if t in eos]
+        out.append(row[: ends[0] + 1] if ends else row)
     return out
+
+
+def stop_tokens(tok, net) -> tuple[int, ...]:
+    """The tokens that end a completion: the tokenizer's end-of-sequence and those of the
+    model's generation config (a chat model's end of turn, e.g. Llama 3's <|eot_id|>), as
+    TRL's eos_token_ids."""
+    found = [tok.eos_token_id]
+    config = getattr(net, "generation_config", None)
+    more = getattr(config, "eos_token_id", None)
+    found += more if isinstance(more, list) else [more]
+    return tuple(dict.fromkeys(t for t in found if t is not None))
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ from ftjob.job.folder import JobFolder
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.data.tokenize import IGNORE
 from ftjob.trainer.objectives import grpo_loss
-from ftjob.trainer.objectives.generate import KvSampling, Sampling
+from ftjob.trainer.objectives.generate import KvSampling, Sampling, stop_tokens
 from ftjob.trainer.objectives.loss import model_inputs, token_logps
 
 # The metric sums of a micro-batch, in this order (step_metrics reads them), then each reward
@@ -169,11 +169,21 @@ class Grpo:
             self.settings.rewards, Path(os.environ.get("FTJOB_SOURCE_ROOT", "."))
         )
         self.tokenizer = model.load_tokenizer(spec)
+        ends = stop_tokens(self.tokenizer, net)
+        if not ends:
+            raise TrainerError(
+                "GRPO samples until an end-of-sequence token, and neither the tokenizer nor "
+                "the model's generation config names one",
+                reason=BAD_SPEC,
+                fix="set eos_token in the model's tokenizer_config.json (or eos_token_id in "
+                "its generation_config.json)",
+                where="spec.model.source",
+            )
         self.engine = KvSampling(
             max_new=self.settings.max_completion_length,
             temperature=self.settings.temperature,
             top_p=self.settings.top_p,
-            eos=self.tokenizer.eos_token_id,
+            eos=ends,
             pad=ds.pad_id,
             synced=d.world_size > 1,
         )
