@@ -185,6 +185,8 @@ class Estimate:
     # The step's collectives (gathers, reduce-scatters, all-reduces) if none overlapped compute:
     # what sets the layouts apart (ftjob.plan.traffic).
     collective_seconds: float = 0.0
+    # GRPO: the step's share of sampling its completions (generation_seconds; 0 otherwise).
+    generation_seconds: float = 0.0
 
     @property
     def per_device(self) -> float:
@@ -204,11 +206,12 @@ class Estimate:
         (an upper bound: FSDP overlaps much of them). None without a GPU type."""
         if self.compute_seconds is None:
             return None
-        return self.compute_seconds + self.collective_seconds
+        return self.compute_seconds + self.collective_seconds + self.generation_seconds
 
     @property
     def mfu(self) -> float | None:
-        """The MFU the step time implies: model FLOPs only, as the trainer reports it."""
+        """The MFU the step time implies: model FLOPs only, as the trainer reports it (GRPO's
+        sampling is in the step's time, not in its model FLOPs)."""
         if self.hardware_utilisation is None or not self.step_seconds:
             return None
         work = self.flops_per_token + self.recomputed_flops_per_token
@@ -395,11 +398,12 @@ def _speed(
     flops, recomputed = _flops_per_token(spec, shape, adapter, stride)
     reference = _reference_flops_per_token(spec, shape) if method != "full" else 0.0
     compute = hfu = None
+    sampling = 0.0
     if gpu:
         hfu = ASSUMED_HFU[method] * (OFFLOAD_SLOWDOWN if spec.parallelism.cpu_offload else 1.0)
         work = spec.tokens_per_step * (flops + recomputed + reference)
         compute = work / (r.world_size * gpu.peak_bf16_flops * hfu)
-        compute += generation_seconds(spec, shape, gpu.peak_bf16_flops)
+        sampling = generation_seconds(spec, shape, gpu.peak_bf16_flops)
     moved = traffic(spec, shape.layers, sharding, gathered, trainable)
     net = moved.node_bytes
     bandwidth = node_bandwidth(
@@ -414,6 +418,7 @@ def _speed(
         network_seconds=net / bandwidth if r.nodes > 1 else 0.0,
         hardware_utilisation=hfu,
         collective_seconds=moved.seconds(spec),
+        generation_seconds=sampling,
     )
 
 
