@@ -31,6 +31,8 @@ CPU_SUITES = [
     "data",
     "accumulation",
     "dpo",
+    "chunkedloss",
+    "grpo",
     "startup",
 ]
 ALL_SUITES = [*CPU_SUITES, "gpu"]

@@ -31,6 +31,9 @@ SHAPES = {
     # The memory suite's: big enough that the weights dominate a process (~190M).
     "190m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
                  num_attention_heads=16, num_key_value_heads=8),
+    # The same with a 32k vocabulary, where the head's logits are a step's largest tensor.
+    "190m-32k": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                     num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8),
     # The GPU suite's: TinyLlama-1.1B's shape (its own vocabulary size, the tiny tokenizer).
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096),
@@ -155,8 +158,12 @@ class Run:
 _CACHE: dict[str, Run] = {}
 
 
-def ftjob_run(doc: dict, work: Path, env: dict | None = None, timeout: float = 600) -> Run:
-    """``ftjob run`` of ``doc`` in a fresh folder; the same doc and env run once per bench."""
+def ftjob_run(doc: dict, work: Path, env: dict | None = None, timeout: float = 600,
+              tree: Path | None = None) -> Run:  # fmt: skip
+    """``ftjob run`` of ``doc`` in a fresh folder; the same doc and env run once per bench.
+    ``tree``: a folder holding another commit's ``ftjob`` package, run instead of this one."""
+    if tree:  # first on the path: run from there (-m puts the working folder before PYTHONPATH)
+        env = {**(env or {}), "PYTHONPATH": str(tree)}
     key = json.dumps([doc, env or {}], sort_keys=True)
     if key in _CACHE:
         return _CACHE[key]
@@ -167,7 +174,7 @@ def ftjob_run(doc: dict, work: Path, env: dict | None = None, timeout: float = 6
     job_file = folder / "job.yaml"
     job_file.write_text(yaml.safe_dump(doc, sort_keys=False))
     cmd = [sys.executable, "-m", "ftjob", "run", str(job_file), "--workdir", str(folder / "job")]
-    wall, stdout = _timed(cmd, f"ftjob run {name}", env or {}, timeout)
+    wall, stdout = _timed(cmd, f"ftjob run {name}", env or {}, timeout, cwd=tree or ROOT)
     job_dir = folder / "job"
     progress = json.loads((job_dir / "progress.json").read_text())
     log = [json.loads(x) for x in (job_dir / "progress.jsonl").read_text().splitlines() if x]
@@ -196,12 +203,13 @@ def torchrun(module: str, args: list[str], nproc: int, work: Path, timeout: floa
                   timeout)  # fmt: skip
 
 
-def _timed(cmd: list[str], what: str, env: dict, timeout: float) -> tuple[float, str]:
-    """Run ``cmd`` in the repo with ``env`` added; (wall seconds, stdout), or raise with the
-    output's tail."""
+def _timed(cmd: list[str], what: str, env: dict, timeout: float,
+           cwd: Path = ROOT) -> tuple[float, str]:  # fmt: skip
+    """Run ``cmd`` in ``cwd`` (the repo) with ``env`` added; (wall seconds, stdout), or raise
+    with the output's tail."""
     started = time.monotonic()
     proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)  # fmt: skip
+                          timeout=timeout, cwd=cwd)  # fmt: skip
     wall = time.monotonic() - started
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")

@@ -1199,7 +1199,8 @@ class FineTuneJobSpec:
     # cluster-wide default (ftjob operator --default-image) can fill it in.
     image: str | None = api_field(
         "image of the trainer (default: the operator's --default-image, the chart's "
-        "trainer.defaultImage); changes apply to the next gang attempt.",
+        "trainer.defaultImage); an edit applies at once to a gang that never ran (a new gang), "
+        "else to the next gang attempt.",
         None,
         pattern=kv.IMAGE,
         pattern_hint="be an image reference without spaces, e.g. ghcr.io/org/trainer:1.0",

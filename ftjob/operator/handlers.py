@@ -281,6 +281,8 @@ def _decide(name, seen: Seen, state: JobState) -> tuple[FineTuneJobSpec | None, 
         seen.now,
         snapshot,
         seen.workload,
+        # What the pods _create_gang makes are made of: an edit is compared with the gang's.
+        render.template(spec, SETTINGS.default_image),
     )
     decision.status["jobFolder"] = render.job_dir(name, spec, meta["uid"])
     if decision.create:

@@ -12,6 +12,10 @@ node lost, a stall), the gang is the unit: every pod of the attempt is deleted a
 attempt starts once they are gone, resuming from the newest checkpoint on the shared volume,
 its pods kept away from the nodes a failure was blamed on (``status.badNodes``). A
 permanent failure, or backoffLimit spent, fails the job.
+
+An edit of what the pods are made of (each pod says: render.template) replaces a gang that
+never ran by one made from the edited spec, spending no budget; a gang that ran keeps its
+spec until the next gang, and an Event says how to apply the edit sooner.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class _Step:
     ):
         self.old, self.spec, self.generation, self.now, self.name = old, spec, generation, now, name
         self.workload: tuple[str, dict | None] | None = None  # Kueue's, when one was read
+        self.template: dict[str, str] | None = None  # render.template of the spec, when given
         self.new = copy.deepcopy(old)
         self.new["observedGeneration"] = generation
         self.new.setdefault("attempt", 0)
@@ -130,15 +135,18 @@ def decide(
     now: datetime,
     snapshot: dict | None = None,
     workload: tuple[str, dict | None] | None = None,
+    template: dict[str, str] | None = None,
 ) -> Decision:
     """The new status of job ``name`` and the changes that bring its pods in line.
 
     ``workload``: Kueue's Workload of the current gang (name, object or None when absent), if
-    the operator read it (queueing.workload_to_read). The steps below run in order; the first
-    that decides ends the reconcile.
+    the operator read it (queueing.workload_to_read). ``template``: what the spec's pods are
+    made of (render.template, with the operator's default image); without it an edit of the
+    spec is not compared with the running gang. The steps below run in order; the first that
+    decides ends the reconcile.
     """
     s = _Step(old_status or {}, spec, generation, pods, now, name)
-    s.workload = workload
+    s.workload, s.template = workload, template
     _observe(s, snapshot)
     if s.old.get("phase") in TERMINAL:
         return _finished(s)
@@ -152,7 +160,8 @@ def decide(
 
 
 def _steps(s: _Step) -> Decision:
-    for step in (_will_fit, _suspension, _deadline, _previous_gang, _gang_failures, _gang_done):
+    steps = (_will_fit, _suspension, _deadline, _previous_gang, _gang_failures, _gang_done, _edited)
+    for step in steps:
         decision = step(s)
         if decision is not None:
             return decision
@@ -301,11 +310,61 @@ def _previous_gang(s: _Step) -> Decision | None:
         return None
     s.delete_live(stale)
     failure = s.new.get("failure") or {}
-    return s.set(
-        "Restarting",
-        failure.get("reason", "Restarting"),
-        f"waiting for {len(stale)} pod(s) of the previous gang to go before attempt {s.attempt}",
+    message = (
+        f"waiting for {len(stale)} pod(s) of the previous gang to go before attempt {s.attempt}"
     )
+    if _cond_reason(s.old, "Running") == EDITED:
+        # A gang replaced for an edit was never running: still Pending, and no Warning.
+        return s.set("Pending", EDITED, f"{message} (made from the edited spec)")
+    return s.set("Restarting", failure.get("reason", "Restarting"), message)
+
+
+# The reasons of an edit of the spec: applied to a gang that never ran (a new gang made from
+# it), or waiting for the next gang (a running gang keeps the spec it was made from).
+EDITED, EDIT_WAITS = "SpecChanged", "SpecChangeWaits"
+
+
+def _edited(s: _Step) -> Decision | None:
+    """An edit of what the pods are made of (render.template: the image, env, scheduling,
+    ...). A gang that never ran (phase Pending: its pods have not all run, so no rank trained;
+    stuck Unschedulable, on a wrong image, or just being placed) is replaced at once by a gang
+    made from the edited spec, spending no restart budget. A gang that ran keeps its spec; an
+    Event says so once per generation, and how to apply it."""
+    made = [t for p in s.current.values() if (t := st.template_of(p)) is not None]
+    changed = _changes(made, s.template or {})
+    if not changed:
+        return None
+    if s.old.get("phase") != "Pending":
+        if s.old.get("observedGeneration") != s.generation:
+            s.decision.events.append(("Warning", EDIT_WAITS, (
+                f"spec changed at generation {s.generation} ({changed}): attempt {s.attempt} "
+                "is running and keeps the spec it was made from; the next gang takes the "
+                "change: suspend and resume the job (runPolicy.suspend) to apply it now, or "
+                "delete and re-apply it to start over")))  # fmt: skip
+        return None
+    old_attempt = s.attempt
+    _next_gang(s)
+    s.delete_live(s.pods)
+    message = (
+        f"spec changed at generation {s.generation} ({changed}): attempt {old_attempt} never "
+        f"ran, so it is replaced by attempt {s.attempt} made from the edited spec; no restart "
+        f"budget spent ({s.new['restarts']} of {s.spec.run_policy.backoff_limit} used)"
+    )
+    s.decision.events.append(("Normal", EDITED, message))
+    return s.set("Pending", EDITED, message)
+
+
+def _changes(made: list[dict[str, str]], wanted: dict[str, str]) -> str:
+    """What differs between the pods' templates and the spec's, in words ("image a -> b,
+    env"); "" when nothing does (or either side does not say)."""
+    if not made or not wanted:
+        return ""
+    words = []
+    for key, value in wanted.items():
+        before = sorted({m[key] for m in made if key in m and m[key] != value})
+        if before:
+            words.append(f"{key} {', '.join(before)} -> {value}" if key == "image" else key)
+    return ", ".join(words)
 
 
 def _gang_failures(s: _Step) -> Decision | None:

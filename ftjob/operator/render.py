@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import json
 from typing import Any
 
@@ -35,6 +36,9 @@ LABEL_RANK = f"{GROUP_PREFIX}/node-rank"
 LABEL_ATTEMPT = f"{GROUP_PREFIX}/attempt"
 HOSTNAME_LABEL = "kubernetes.io/hostname"  # a node's own: one value per node
 CONTAINER = "trainer"
+# On every pod: what it was made of (:func:`template`), so that an edit of the job is seen to
+# differ from the gang that runs, section by section.
+TEMPLATE = f"{GROUP_PREFIX}/template"
 
 SPEC_DIR = "/etc/ftjob"
 SPEC_FILE = "spec.json"
@@ -93,6 +97,26 @@ def with_tracking(spec: FineTuneJobSpec, default: TrackingSpec | None) -> FineTu
     if default is None or (t.mlflow or t.wandb or t.tensorboard):
         return spec
     return dataclasses.replace(spec, tracking=default)
+
+
+# The sections of a spec that a user may edit (the others are immutable: the CRD) and that the
+# pods are made of (the trainer's own settings stay those of the ConfigMap written with the
+# first gang); runPolicy only through the in-place restarts torchrun is given.
+EDITABLE = ("env", "secrets", "scheduling", "network", "tracking")
+
+
+def template(spec: FineTuneJobSpec, default_image: str | None = None) -> dict[str, str]:
+    """What a gang's pods are made of, as far as an edit can change it: the image itself and
+    a short digest of each other editable section. Two gangs of the same template differ in
+    nothing an edit reaches; lifecycle compares it with the running gang's (its pods'
+    :data:`TEMPLATE` annotation) to see what an edit changed."""
+    sections = {name: to_dict(getattr(spec, name)) for name in EDITABLE}
+    sections["runPolicy.inPlaceRestarts"] = spec.run_policy.in_place_restarts
+    out = {"image": trainer_image(spec, default_image)}
+    for name, value in sections.items():
+        text = json.dumps(value, sort_keys=True, default=str)
+        out[name] = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return out
 
 
 def image_warning(spec: FineTuneJobSpec) -> str | None:
@@ -337,7 +361,7 @@ def pod(
 ) -> dict[str, Any]:
     """Node ``rank`` of gang ``attempt``, kept off the nodes in ``avoid`` (status.badNodes)."""
     lbls = labels(job, rank, attempt)
-    annotations = {}
+    annotations = {TEMPLATE: json.dumps(template(spec, default_image), sort_keys=True)}
     sched = spec.scheduling
     if sched.queue:
         lbls[KUEUE_QUEUE] = sched.queue
@@ -347,8 +371,7 @@ def pod(
         if sched.topology:
             annotations[KUEUE_REQUIRED_TOPOLOGY] = sched.topology
     meta = _meta(pod_name(job, rank), namespace, lbls, uid)
-    if annotations:
-        meta["annotations"] = annotations
+    meta["annotations"] = annotations
     pod_spec: dict[str, Any] = {
         "hostname": pod_name(job, rank),
         "subdomain": job,

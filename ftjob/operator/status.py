@@ -18,13 +18,14 @@ comes out is camelCase dicts in the shape of ``ftjob/api/status.py``:
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
 from ftjob.api import contract, objectives
-from ftjob.operator.render import CONTAINER, LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK
+from ftjob.operator.render import CONTAINER, LABEL_ATTEMPT, LABEL_JOB, LABEL_RANK, TEMPLATE
 
 # One condition per phase-like state, always present, plus Planned (ftjob.plan.describe's verdict)
 # and, for a job with a Kueue queue, Queued and Admitted (operator/queueing.py).
@@ -141,11 +142,12 @@ def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
     pod index), and a whole pod -- containers with their env, volumes, managedFields -- is
     10-20 KiB of Python objects or more, of which the decisions read a few fields. This keeps
     exactly what this module, :mod:`lifecycle` and the handlers read: name, the ftjob
-    labels, owner uids, deletionTimestamp, node name, Kueue's admission gate,
-    phase/reason/message, pod IP, the scheduler's Unschedulable condition and the trainer
-    container's state (its termination message included). A new reader of another field must
-    add it here; tests/unit/test_status.py checks that decisions made from these views equal
-    those made from whole pods.
+    labels, the template annotation (what the pod was made of), owner uids,
+    deletionTimestamp, node name, Kueue's admission gate, phase/reason/message, pod IP, the
+    scheduler's Unschedulable condition and the trainer container's state (its termination
+    message included). A new reader of another field must add it here;
+    tests/unit/test_status.py checks that decisions made from these views equal those made
+    from whole pods.
     """
     meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
     status = pod.get("status") or {}
@@ -157,6 +159,8 @@ def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
     }
     if meta.get("deletionTimestamp"):
         view_meta["deletionTimestamp"] = meta["deletionTimestamp"]
+    if TEMPLATE in (meta.get("annotations") or {}):
+        view_meta["annotations"] = {TEMPLATE: meta["annotations"][TEMPLATE]}
     view_status = {k: status[k] for k in ("phase", "reason", "message", "podIP") if k in status}
     stopped = [c for c in status.get("conditions") or [] if c.get("type") in STOPPED_BY_CLUSTER
                or _unschedulable(c)]  # fmt: skip
@@ -182,6 +186,17 @@ def rank_of(pod: dict) -> int:
 
 def attempt_of(pod: dict) -> int:
     return int(pod["metadata"].get("labels", {}).get(LABEL_ATTEMPT, -1))
+
+
+def template_of(pod: dict) -> dict[str, str] | None:
+    """What the pod was made of (render.template), or None for a pod that does not say (made
+    by an operator before it said so, or its annotation edited away)."""
+    text = (pod["metadata"].get("annotations") or {}).get(TEMPLATE)
+    try:
+        made = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return made if isinstance(made, dict) else None
 
 
 def _trainer_state(pod: dict) -> dict:

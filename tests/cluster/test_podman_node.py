@@ -3,9 +3,10 @@
 chart's ServiceAccount -> the real scheduler places the pods on two podman nodes
 (tests/cluster/podman_node.py) -> the trainer gang trains in the containers -> `kubectl get
 ftj` shows the loss, then Succeeded -> the export on the volume's host folder loads, and every
-logged loss equals `ftjob run examples/tiny.yaml`'s. Then a container SIGKILLed mid-run, and a
-pod evicted: each time the operator replaces the gang and the run resumes from its checkpoint
-with the same losses.
+logged loss equals `ftjob run examples/tiny.yaml`'s. Then a container SIGKILLed mid-run, a
+pod evicted, and a pod deleted: each time the operator replaces the gang and the run resumes
+from its checkpoint with the same losses. And a job whose image does not exist, edited to the
+built one: a new gang trains it.
 
     python -m pytest tests/cluster/test_podman_node.py -q   # needs podman and the plane
 """
@@ -315,3 +316,60 @@ def test_a_job_deleted_in_start_up_frees_its_nodes_in_seconds(operator, volume):
     took = time.monotonic() - started
     print(f"\ndeleted in start-up: pods gone {took:.1f} s after the delete (grace 60 s)")
     assert took < 30, took
+
+
+def events_of(plane: Plane, name: str, reason: str) -> list[dict]:
+    found = json.loads(plane.kubectl("get", "events", "-n", NAMESPACE, "-o", "json").stdout)
+    return [e for e in found["items"]
+            if e["involvedObject"].get("name") == name and e["reason"] == reason]  # fmt: skip
+
+
+def test_an_image_that_does_not_exist_edited_to_the_built_one_trains_as_a_new_gang(operator):
+    """The podman node cannot create a container from an image it does not have (as a kubelet
+    says CreateContainerError or ErrImagePull): the job says so, and `kubectl apply` of the
+    job with the right image replaces that gang, which never ran, by one that trains to the
+    end; no restart budget is spent (issue 52, point 1)."""
+    plane = operator.plane
+    job = tiny("retag")
+    good = job["spec"]["image"]
+    job["spec"]["image"] = good.rsplit(":", 1)[0] + ":no-such-tag"
+    plane.apply(job)
+
+    def cannot_start():
+        cond = next((c for c in status_of(plane, "retag").get("conditions", [])
+                     if c["type"] == "Running"), {})  # fmt: skip
+        return cond.get("reason") == "CreateContainerError" and cond
+
+    cond = plane.wait(cannot_start, hangs.FLOOR, "the gang to say CreateContainerError")
+    assert "no-such-tag" in cond["message"], cond
+    job["spec"]["image"] = good
+    plane.apply(job)
+    status = finished(plane, "retag")
+    assert status["attempt"] == 1 and status["restarts"] == 0, status
+    assert status["image"] == good, status
+    [event] = events_of(plane, "retag", "SpecChanged")
+    assert event["type"] == "Normal", event
+    assert f"(image {good.rsplit(':', 1)[0]}:no-such-tag -> {good})" in event["message"], event
+
+
+def test_a_pod_deleted_mid_run_is_preempted_naming_the_step_it_saved(operator, volume, reference):
+    """`kubectl delete pod` while the gang trains: the deleted pod's trainer saves at the
+    SIGTERM and says so in its record; the operator calls it Preempted, not Lost (no restart
+    budget spent), its Event names the step saved, and the next gang resumes from that step to
+    the same losses as the uninterrupted run (issue 52, point 4)."""
+    plane = operator.plane
+    plane.apply(tiny("deleted"))
+    placed(plane, "deleted")
+    folder = host_dir(volume, plane, "deleted")
+    checkpointed(plane, folder, 20)  # past the first checkpoint, before the end
+    plane.kubectl("delete", "pod", "deleted-node-1", "-n", NAMESPACE, "--wait=false")
+    status = finished(plane, "deleted")
+    failure = status["failure"]
+    assert failure["reason"] == "Preempted" and "the pod was deleted" in failure["message"], status
+    assert status["attempt"] == 1 and status["restarts"] == 0, status
+    saved = resumed_step(folder)
+    [event] = events_of(plane, "deleted", "Preempted")
+    message = event["message"]
+    assert f"after step {saved}" in message and "Lost" not in message, message
+    print(f"\ndeleted pod: {message}")
+    assert losses(folder) == reference.losses

@@ -432,3 +432,47 @@ def test_a_gang_that_cannot_be_scheduled_says_why_and_fails_at_its_start_limit(o
     assert failed["failure"]["reason"] == "StartTimeout", failed["failure"]
     assert "Insufficient nvidia.com/gpu" in failed["failure"]["message"]
     assert not [p for p in pods_of(plane, "toobig") if not p["metadata"].get("deletionTimestamp")]
+
+
+def test_an_edit_of_a_gang_that_never_ran_makes_a_new_gang_and_a_running_one_says_how(
+    operator,
+):
+    """A gang no node fits (its nodeSelector names a label no node has) is edited to fit: the
+    operator replaces the gang that never ran by one made from the edited spec, which the real
+    scheduler places; no restart budget is spent (an edit of its resources is refused by the
+    CRD, saying how). An edit of the running gang's image is not applied to it, and a Warning
+    Event says how to apply it (issue 52, point 1)."""
+    plane = operator.plane
+    job = gpu_job("edited", scheduling={"nodeSelector": {"ftjob.dev/pool": "nowhere"}})
+    plane.apply(job)
+
+    def stuck():
+        cond = next((c for c in status_of(plane, "edited").get("conditions", [])
+                     if c["type"] == "Running"), {})  # fmt: skip
+        return cond.get("reason") == "Unschedulable" and cond
+
+    plane.wait(stuck, 60, "the gang to be Unschedulable")
+    # resources is immutable: the API server refuses its edit and says what to do instead.
+    smaller = copy.deepcopy(job)
+    smaller["spec"]["resources"]["gpusPerNode"] = 4
+    refused = plane.apply(smaller, ok=False)
+    assert refused.returncode != 0 and "create a new FineTuneJob" in refused.stderr, refused
+    job["spec"]["scheduling"] = {}
+    plane.apply(job)
+    gang_running(plane, "edited", 1)
+    status = plane.wait(lambda: (s := status_of(plane, "edited")).get("phase") == "Running" and s,
+                        60, "Running")  # fmt: skip
+    assert status["restarts"] == 0 and "failure" not in status, status
+    [event] = events_of(plane, "edited", "SpecChanged")
+    assert event["type"] == "Normal" and "(scheduling)" in event["message"], event
+    assert "attempt 0 never ran" in event["message"], event["message"]
+    assert operator.logged(f"{NAMESPACE}/edited: SpecChanged: spec changed at generation 2")
+
+    job["spec"]["image"] = "ghcr.io/ftjob/trainer:edited"
+    plane.apply(job)
+    waits = plane.wait(lambda: events_of(plane, "edited", "SpecChangeWaits"), 60, "the Event")
+    assert waits[0]["type"] == "Warning" and "suspend and resume" in waits[0]["message"]
+    assert "ghcr.io/ftjob/trainer:edited" in waits[0]["message"]
+    pods = pods_of(plane, "edited")
+    assert {p["metadata"]["labels"]["ftjob.dev/attempt"] for p in pods} == {"1"}, pods
+    assert status_of(plane, "edited")["phase"] == "Running"

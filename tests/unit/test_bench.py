@@ -107,6 +107,18 @@ def test_the_gpu_suites_job_is_a_valid_bf16_gpu_finetunejob(method, tmp_path):
     assert args[args.index("--skip") + 1] == "3" and args[args.index("--attention") + 1] == "ftjob"
 
 
+def test_the_chunkedloss_suite_runs_the_baseline_commits_trainer_on_a_valid_dpo_job(tmp_path):
+    from bench import chunkedloss
+
+    _, spec = parse_resource(chunkedloss.job("c", tmp_path, chunkedloss.QUICK))
+    assert spec.training.objective == "dpo" and spec.training.activation_checkpointing == "all"
+    assert spec.resources.world_size == 2 and spec.training.max_steps == 1
+    tree = chunkedloss.baseline_tree(tmp_path)
+    # The commit before DPO's chunked log-probabilities: its dpo.py takes whole logits.
+    assert "sequence_logps" not in (tree / "ftjob/trainer/objectives/dpo.py").read_text()
+    assert "sequence_logps" in (common.ROOT / "ftjob/trainer/objectives/dpo.py").read_text()
+
+
 def test_trls_steady_rate_leaves_out_the_warm_up_steps():
     from bench.trl_worker import Clock
 
