@@ -73,7 +73,8 @@ def trl_args(model: Path, s: Setup) -> list[str]:
             "--steps", str(s.steps), "--generations", str(s.generations),
             "--completion-length", str(s.completion_length), "--micro-batch", str(s.micro_batch),
             "--lr", str(s.lr), "--lora-r", str(s.r), "--lora-alpha", str(s.alpha),
-            "--targets", ",".join(dpo.TARGETS), "--seed", str(s.seed), "--skip", str(s.skip)]  # fmt: skip
+            "--targets", ",".join(dpo.TARGETS), "--seed", str(s.seed),
+            "--skip", str(s.skip)]  # fmt: skip
 
 
 def compare(work: Path, s: Setup) -> dict:
