@@ -120,11 +120,16 @@ def qlora_kl() -> dict:
     return doc
 
 
-def test_qlora_sharded_grpo_with_the_kl_term_and_two_steps_per_generation(runs):
-    workdir = runs / "qlora-grpo"
+@pytest.fixture(scope="module")
+def qlora(runs) -> tuple[Path, str]:
     (runs / "tiny-qlora-model").symlink_to(EXAMPLES / "tiny-qlora-model")
-    code, out = run(qlora_kl(), workdir)
+    code, out = run(qlora_kl(), runs / "qlora-grpo")
     assert code == 0, out
+    return runs / "qlora-grpo", out
+
+
+def test_qlora_sharded_grpo_with_the_kl_term_and_two_steps_per_generation(qlora):
+    workdir, out = qlora
     assert "full sharding over 2 ranks" in out
     steps = history(workdir)
     assert [s["step"] for s in steps] == list(range(1, 7))
@@ -136,3 +141,18 @@ def test_qlora_sharded_grpo_with_the_kl_term_and_two_steps_per_generation(runs):
     assert all(steps[k]["clipRatio"] == 0.0 for k in (0, 2, 4))
     assert any(steps[k]["clipRatio"] > 0 for k in (3, 5))
     assert (workdir / "model" / "adapter_model.safetensors").is_file()
+
+
+def test_a_killed_sharded_qlora_grpo_run_resumes_to_the_same_rewards_and_losses(runs, qlora):
+    """Killed after step 3, resumed from step 2's checkpoint: a generation batch's first step
+    (numIterations 2), so the resumed run samples what the first one did."""
+    doc = qlora_kl()
+    doc["spec"]["checkpoint"]["every"] = 2
+    workdir = runs / "qlora-killed"
+    _, _, killed_at = killed_mid_run(doc, workdir, 3)
+    code, out = run(qlora_kl() | {"spec": doc["spec"]}, workdir)
+    assert code == 0, out
+    assert 2 < killed_at < 6 and "resuming from checkpoint" in out, (killed_at, out)
+    keys = ("loss", "reward", "kl", "clipRatio")
+    resumed = {s["step"]: {k: s[k] for k in keys} for s in history(workdir)}
+    assert resumed == {s["step"]: {k: s[k] for k in keys} for s in history(qlora[0])}
