@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from pathlib import Path
 
 import torch
@@ -162,6 +163,14 @@ def make_pairs(instruct: list[dict], count: int = 500) -> list[dict]:
     return pairs
 
 
+def make_prompts(instruct: list[dict], count: int = 300) -> list[dict]:
+    """GRPO's prompts (examples/tiny-grpo.yaml): the arithmetic questions of the instruction
+    records, each with its answer in a field of its own for the rewards to read. Derived from
+    those records, with no random stream: the other files are the same with or without it."""
+    sums = [r for r in instruct if re.match(r"Question: What is \d+ [-+*] \d+\?", r["prompt"])]
+    return [{"prompt": r["prompt"], "answer": r["completion"].strip()} for r in sums[:count]]
+
+
 def corpus(datasets: dict[str, list[dict]]):
     for record in datasets["tiny-text"]:
         yield record["text"]
@@ -255,6 +264,7 @@ def build(out: Path) -> None:
     for name, records in datasets.items():
         write_jsonl(out / "data" / f"{name}.jsonl", records)
     write_jsonl(out / "data" / "tiny-pairs.jsonl", make_pairs(datasets["tiny-instruct"]))
+    write_jsonl(out / "data" / "tiny-prompts.jsonl", make_prompts(datasets["tiny-instruct"]))
 
     tokenizer = train_tokenizer(datasets)
     save(build_model(tokenizer), tokenizer, out / "tiny-model")

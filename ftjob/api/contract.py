@@ -42,11 +42,12 @@ PROGRESS = "progress.json"
 HISTORY = "progress.jsonl"  # one line per logged step
 TRACKING = "tracking.json"  # the trackers' run ids
 PUSHED = "pushed.json"  # what output.push uploaded
+COMPLETIONS = "completions.jsonl"  # GRPO: a few sampled completions per logged step
 # torch.compile's caches (TORCHINDUCTOR_CACHE_DIR: inductor's and AOT autograd's compiled
 # graphs, generated kernels): a restart or a new gang loads compiled layers from here.
 COMPILE_CACHE = "compile-cache"
 FOLDER_DIRS = (CHECKPOINTS, DATA, DOWNLOADS, LOGS, TMP, TENSORBOARD, WANDB, COMPILE_CACHE)
-FOLDER_FILES = (RECORD, OWNER, SOURCES, PROGRESS, HISTORY, TRACKING, PUSHED)
+FOLDER_FILES = (RECORD, OWNER, SOURCES, PROGRESS, HISTORY, TRACKING, PUSHED, COMPLETIONS)
 
 # Phases in the order a run passes through them; "failed" can follow any of them.
 PHASES = (

@@ -107,8 +107,68 @@ DPO = Objective(
     ),
 )
 
+# Named as TRL's GRPO trainer reports them to trackers; in the order of trainer/objectives/
+# grpo.py's sums (GRPO_SUMS there). A step's loss says little in GRPO (it is near zero by
+# construction when beta is 0): the reward is what shows whether the model learns.
+GRPO = Objective(
+    "grpo",
+    (
+        Metric(
+            key="reward",
+            fmt=".4f",
+            tracker="train/reward",
+            log="reward",
+            screen="reward",
+            card="mean reward",
+            gauge=Gauge(
+                "ftjob_reward", "GRPO: mean weighted reward of the last step's completions."
+            ),
+            status="reward (GRPO jobs): mean weighted reward of the latest logged step's "
+            "completions.",
+            column="Reward",
+        ),
+        Metric(
+            key="rewardStd",
+            fmt=".4f",
+            tracker="train/reward_std",
+            log="±",
+            gauge=Gauge(
+                "ftjob_reward_std", "GRPO: mean over groups of the rewards' standard deviation."
+            ),
+            status="rewardStd (GRPO jobs): mean over the latest logged step's prompts of the "
+            "standard deviation of their completions' rewards (0: nothing to learn from).",
+        ),
+        Metric(
+            key="completionLength",
+            fmt=".1f",
+            tracker="train/completions/mean_length",
+            log="len",
+            gauge=Gauge("ftjob_completion_length", "GRPO: mean completion tokens, last step."),
+            status="completionLength (GRPO jobs): mean tokens of the latest logged step's "
+            "completions.",
+        ),
+        Metric(
+            key="clipRatio",
+            fmt=".3f",
+            tracker="train/clip_ratio/region_mean",
+            log="clip",
+            status="clipRatio (GRPO jobs): share of completion tokens whose probability ratio "
+            "was clipped in the latest logged step.",
+        ),
+        Metric(
+            key="kl",
+            fmt=".4f",
+            tracker="train/kl",
+            log="kl",
+            gauge=Gauge("ftjob_kl", "GRPO: mean per-token KL to the starting model, last step."),
+            status="kl (GRPO jobs with beta > 0): mean per-token KL of the latest logged "
+            "step's completions to the starting model.",
+        ),
+    ),
+)
+
 # training.objective -> its declaration: the one table every reader goes through.
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (SFT, DPO)}
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (SFT, DPO, GRPO)}
 
 
 def metrics() -> list[Metric]:

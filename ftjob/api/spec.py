@@ -16,6 +16,7 @@ from ftjob import __version__
 from ftjob.api import contract
 from ftjob.api import kubevalidation as kv
 from ftjob.api.hardware import GPUS, RETIRED_GPU_TYPES
+from ftjob.api.rewards import RewardSpec
 from ftjob.api.schema import (
     QUANTITY_PATTERN,
     FieldError,
@@ -164,13 +165,15 @@ class DatasetSpec:
         min_length=1,
         max_length=128,
     )
-    format: Literal["text", "chat", "instruction", "preference"] = api_field(
+    format: Literal["text", "chat", "instruction", "preference", "prompts"] = api_field(
         "format of each record: text (one text field), chat (a list of role/content "
         "messages rendered by the tokenizer's chat template), instruction (prompt and "
-        "completion fields) or preference (a prompt with a chosen and a rejected response, "
-        "for training.objective dpo). Preference fields hold plain text or lists of "
-        "role/content messages (rendered by the chat template); without a prompt field, the "
-        "prompt is what chosen and rejected share at their start.",
+        "completion fields), preference (a prompt with a chosen and a rejected response, "
+        "for training.objective dpo) or prompts (a prompt to complete, for training.objective "
+        "grpo; the record's other fields are kept for the rewards to read). Preference fields "
+        "and prompts hold plain text or lists of role/content messages (rendered by the chat "
+        "template); without a prompt field, a preference prompt is what chosen and rejected "
+        "share at their start.",
         "text",
     )
     text_field: str = api_field(
@@ -180,7 +183,7 @@ class DatasetSpec:
         "messagesField holds the messages (format chat).", "messages", min_length=1, max_length=64
     )
     prompt_field: str = api_field(
-        "promptField holds the prompt (format instruction and preference).",
+        "promptField holds the prompt (format instruction, preference and prompts).",
         "prompt",
         min_length=1,
         max_length=64,
@@ -335,15 +338,114 @@ class DpoSpec:
 
 
 @dataclass(kw_only=True)
+class GrpoSpec:
+    """grpo: group relative policy optimization settings (training.objective grpo), named and
+    defaulted as TRL's GRPOConfig."""
+
+    rewards: list[RewardSpec] = api_field(
+        "rewards scored on each completion; the advantage is their weighted sum, normalised "
+        "within each prompt's group of completions.",
+        factory=list,
+        max_items=16,
+    )
+    num_generations: int = api_field(
+        "numGenerations: completions sampled per prompt (a group); the global batch of "
+        "completions (microBatchSize x gradientAccumulation x processes) must divide by it.",
+        8,
+        minimum=2,
+        maximum=1024,
+    )
+    max_completion_length: int = api_field(
+        "maxCompletionLength: tokens a completion may have at most; the prompt keeps at most "
+        "dataset.maxSeqLength minus this many of its last tokens.",
+        256,
+        minimum=1,
+        maximum=131072,
+    )
+    temperature: float = api_field(
+        "temperature of sampling (and of the log-probabilities the loss takes, as TRL).",
+        1.0,
+        minimum=0,
+        exclusive_minimum=True,
+        maximum=100,
+    )
+    top_p: float = api_field(
+        "topP: sample from the smallest set of tokens whose probability reaches it.",
+        1.0,
+        minimum=0,
+        exclusive_minimum=True,
+        maximum=1,
+    )
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = api_field(
+        "lossType: dapo (token-level mean over the generation batch), grpo (each "
+        "completion's token mean, then the mean of completions) or dr_grpo (the token sum "
+        "over batch x maxCompletionLength), as TRL computes them.",
+        "dapo",
+    )
+    epsilon: float = api_field(
+        "epsilon: the clipping range of the probability ratio, below 1 (and above, unless "
+        "epsilonHigh is set).",
+        0.2,
+        minimum=0,
+        exclusive_minimum=True,
+        maximum=1,
+    )
+    epsilon_high: float | None = api_field(
+        "epsilonHigh: the clipping range above 1 (DAPO's clip-higher); unset is epsilon.",
+        None,
+        minimum=0,
+        exclusive_minimum=True,
+        maximum=10,
+    )
+    beta: float = api_field(
+        "beta: weight of the KL term to the starting model; 0 (the default) holds no "
+        "reference model.",
+        0.0,
+        minimum=0,
+        maximum=100,
+    )
+    num_iterations: int = api_field(
+        "numIterations: optimizer steps taken on each generation batch (TRL's mu).",
+        1,
+        minimum=1,
+        maximum=64,
+    )
+    scale_rewards: Literal["group", "batch", "none"] = api_field(
+        "scaleRewards: divide advantages by the standard deviation of rewards in the group "
+        "(group), in the whole batch (batch), or not at all (none), as TRL.",
+        "group",
+    )
+
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "!has(self.epsilonHigh) || self.epsilonHigh >= self.epsilon",
+            lambda s: s.epsilon_high is None or s.epsilon_high >= s.epsilon,
+            "epsilonHigh is the upper clipping range and may not be below epsilon; raise it, "
+            "or remove it to use epsilon on both sides",
+            ".epsilonHigh",
+        ),
+    )
+
+    @property
+    def upper(self) -> float:
+        """The clipping range above 1."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+@dataclass(kw_only=True)
 class TrainingSpec:
     """training: the optimisation loop."""
 
-    objective: Literal["sft", "dpo"] = api_field(
-        "objective: sft (next-token loss on the data) or dpo (direct preference optimization "
-        "on chosen/rejected pairs, dataset.format preference).",
+    objective: Literal["sft", "dpo", "grpo"] = api_field(
+        "objective: sft (next-token loss on the data), dpo (direct preference optimization "
+        "on chosen/rejected pairs, dataset.format preference) or grpo (reinforcement learning "
+        "from rewards on completions the model samples, dataset.format prompts).",
         "sft",
     )
     dpo: DpoSpec | None = api_field("dpo settings (objective dpo; defaults apply).", None)
+    grpo: GrpoSpec | None = api_field(
+        "grpo settings (objective grpo; rewards are required, the rest has defaults).", None
+    )
     max_steps: int | None = api_field(
         "maxSteps: optimizer steps to run. Set this or epochs.", None, minimum=1, maximum=10**8
     )
@@ -373,7 +475,8 @@ class TrainingSpec:
     weight_decay: float = api_field("weightDecay of AdamW.", 0.0, minimum=0, maximum=1)
     micro_batch_size: int = api_field(
         "microBatchSize: sequences per GPU (or process) per forward pass; for objective dpo, "
-        "preference pairs (two sequences each, both in the same forward).",
+        "preference pairs (two sequences each, both in the same forward); for objective grpo, "
+        "completions (prompt and completion, one sequence each).",
         1,
         minimum=1,
         maximum=1024,
@@ -424,6 +527,12 @@ class TrainingSpec:
         if self.objective != "dpo":
             return None
         return self.dpo or DpoSpec()
+
+    def grpo_settings(self) -> GrpoSpec | None:
+        """The GRPO settings in force, or None for other objectives."""
+        if self.objective != "grpo":
+            return None
+        return self.grpo or GrpoSpec()
 
     def peak_learning_rate(self, method: str) -> float:
         if self.learning_rate is not None:
@@ -1040,6 +1149,15 @@ _RESERVED_CEL = " || ".join(
     + [f"e.name == '{n}'" for n in RESERVED_ENV]
 )
 
+# The processes of a job, in CEL (ResourcesSpec.world_size), and a step's completions (GRPO).
+_WORLD_CEL = (
+    "self.resources.nodes * (self.resources.gpusPerNode > 0 ? self.resources.gpusPerNode : "
+    "(has(self.resources.processesPerNode) ? self.resources.processesPerNode : 1))"
+)
+_COMPLETIONS_CEL = (
+    f"self.training.microBatchSize * self.training.gradientAccumulation * {_WORLD_CEL}"
+)
+
 
 @dataclass(kw_only=True)
 class FineTuneJobSpec:
@@ -1142,6 +1260,81 @@ class FineTuneJobSpec:
             lambda s: s.training.objective == "dpo" or s.training.dpo is None,
             "dpo settings need training.objective: dpo; set it, or remove training.dpo",
             ".training.dpo",
+        ),
+        Rule(
+            "self.training.objective != 'grpo' || self.dataset.format == 'prompts'",
+            lambda s: s.training.objective != "grpo" or s.dataset.format == "prompts",
+            "objective grpo samples completions of prompts: set dataset.format: prompts (a "
+            "prompt field, text or messages, plus what the rewards read)",
+            ".dataset.format",
+        ),
+        Rule(
+            "self.dataset.format != 'prompts' || self.training.objective == 'grpo'",
+            lambda s: s.dataset.format != "prompts" or s.training.objective == "grpo",
+            "prompts data trains with training.objective: grpo; set it (with training.grpo."
+            "rewards), or use a format for next-token training (text, chat or instruction)",
+            ".training.objective",
+        ),
+        Rule(
+            "self.training.objective == 'grpo' || !has(self.training.grpo)",
+            lambda s: s.training.objective == "grpo" or s.training.grpo is None,
+            "grpo settings need training.objective: grpo; set it, or remove training.grpo",
+            ".training.grpo",
+        ),
+        Rule(
+            "self.training.objective != 'grpo' || (has(self.training.grpo) && "
+            "has(self.training.grpo.rewards) && size(self.training.grpo.rewards) > 0)",
+            lambda s: (
+                s.training.objective != "grpo" or bool(s.training.grpo and s.training.grpo.rewards)
+            ),
+            "objective grpo learns from rewards: list at least one in training.grpo.rewards "
+            "(e.g. {type: exactMatch, field: answer})",
+            ".training.grpo.rewards",
+        ),
+        Rule(
+            f"!has(self.training.grpo) || ({_COMPLETIONS_CEL}) % "
+            "self.training.grpo.numGenerations == 0",
+            lambda s: (
+                s.training.grpo is None
+                or s.global_batch_size % s.training.grpo.num_generations == 0
+            ),
+            "the completions of a step (microBatchSize x gradientAccumulation x processes) "
+            "must divide by training.grpo.numGenerations, so each prompt's whole group trains "
+            "in the same step; change numGenerations or the batch",
+            ".training.grpo.numGenerations",
+        ),
+        Rule(
+            "!has(self.training.grpo) || self.training.grpo.maxCompletionLength < "
+            "self.dataset.maxSeqLength",
+            lambda s: (
+                s.training.grpo is None
+                or s.training.grpo.max_completion_length < s.dataset.max_seq_length
+            ),
+            "a sequence is the prompt and its completion: training.grpo.maxCompletionLength "
+            "must be below dataset.maxSeqLength; raise maxSeqLength or lower the completion",
+            ".training.grpo.maxCompletionLength",
+        ),
+        Rule(
+            "!has(self.training.grpo) || !has(self.training.grpo.beta) || "
+            "self.training.grpo.beta == 0.0 || self.method.type != 'full'",
+            lambda s: (
+                s.training.grpo is None or s.training.grpo.beta == 0 or s.method.type != "full"
+            ),
+            "training.grpo.beta > 0 needs a reference model: with method.type lora or qlora it "
+            "is the network with its adapters off; a full fine-tune holds none, so set beta: 0 "
+            "or use lora",
+            ".training.grpo.beta",
+        ),
+        Rule(
+            "self.training.objective != 'grpo' || !(has(self.dataset.evalFraction) || "
+            "has(self.dataset.evalSplit))",
+            lambda s: (
+                s.training.objective != "grpo"
+                or (s.dataset.eval_fraction is None and s.dataset.eval_split is None)
+            ),
+            "objective grpo does not evaluate yet (its training log reports the rewards); "
+            "remove dataset.evalFraction and dataset.evalSplit",
+            ".dataset",
         ),
         Rule(
             "has(self.training.maxSteps) != has(self.training.epochs)",

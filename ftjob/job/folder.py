@@ -46,6 +46,7 @@ from typing import Any
 from ftjob.api.contract import (
     CHECKPOINTS,
     COMPILE_CACHE,
+    COMPLETIONS,
     DATA,
     DOWNLOADS,
     HISTORY,
@@ -158,6 +159,12 @@ class JobFolder:
     @property
     def history(self) -> Path:
         return self.root / HISTORY
+
+    @property
+    def completions(self) -> Path:
+        """GRPO's sampled completions: a few per logged step, one JSON line each, with their
+        prompt and rewards, for a user to read what the model writes."""
+        return self.root / COMPLETIONS
 
     def export(self, spec: FineTuneJobSpec) -> Path:
         """Where the job's export goes: ``output.path`` inside the job folder, else ``model``."""

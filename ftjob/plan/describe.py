@@ -129,6 +129,8 @@ def _throughput_text(e: Estimate, tokens: int) -> str:
     parts = f"compute {_duration(e.compute_seconds)} at {e.hardware_utilisation:.0%} of peak"
     if e.collective_seconds:
         parts += f" + collectives {_duration(e.collective_seconds)}, not overlapped"
+    if e.generation_seconds:
+        parts += f" + sampling {_duration(e.generation_seconds)} (GRPO, assumed ~3% of peak)"
     return f"{tokens:,} tokens/step, ~{_duration(e.step_seconds)}/step ({parts}): {e.mfu:.0%} MFU"
 
 

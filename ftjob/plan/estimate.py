@@ -185,6 +185,8 @@ class Estimate:
     # The step's collectives (gathers, reduce-scatters, all-reduces) if none overlapped compute:
     # what sets the layouts apart (ftjob.plan.traffic).
     collective_seconds: float = 0.0
+    # GRPO: the step's share of sampling its completions (generation_seconds; 0 otherwise).
+    generation_seconds: float = 0.0
 
     @property
     def per_device(self) -> float:
@@ -204,11 +206,12 @@ class Estimate:
         (an upper bound: FSDP overlaps much of them). None without a GPU type."""
         if self.compute_seconds is None:
             return None
-        return self.compute_seconds + self.collective_seconds
+        return self.compute_seconds + self.collective_seconds + self.generation_seconds
 
     @property
     def mfu(self) -> float | None:
-        """The MFU the step time implies: model FLOPs only, as the trainer reports it."""
+        """The MFU the step time implies: model FLOPs only, as the trainer reports it (GRPO's
+        sampling is in the step's time, not in its model FLOPs)."""
         if self.hardware_utilisation is None or not self.step_seconds:
             return None
         work = self.flops_per_token + self.recomputed_flops_per_token
@@ -342,6 +345,12 @@ def estimate_at(
     # What FSDP gathers for one forward: nothing where a group of one leaves the frozen base
     # whole (trainer/model/load.py left_whole; the adapters' copies are negligible).
     gathered = 0.0 if group == 1 else base_bytes + trainable * act_bytes
+    # GRPO samples before the step's forward, with the whole model gathered once (not once a
+    # token: trainer/objectives/generate.py) beside the KV cache; that and the step's
+    # activations are never held at once, and the larger counts.
+    sampling = kv_cache_bytes(spec, shape, act_bytes)
+    if sampling:
+        activations = max(activations, (sampling + gathered) * FRAGMENTATION)
     reserved = GPU_RESERVED_BYTES if on_gpu else PROCESS_BASELINE_BYTES
 
     device_total = weights + gradients + optimizer + activations + temporaries + reserved
@@ -389,10 +398,12 @@ def _speed(
     flops, recomputed = _flops_per_token(spec, shape, adapter, stride)
     reference = _reference_flops_per_token(spec, shape) if method != "full" else 0.0
     compute = hfu = None
+    sampling = 0.0
     if gpu:
         hfu = ASSUMED_HFU[method] * (OFFLOAD_SLOWDOWN if spec.parallelism.cpu_offload else 1.0)
         work = spec.tokens_per_step * (flops + recomputed + reference)
         compute = work / (r.world_size * gpu.peak_bf16_flops * hfu)
+        sampling = generation_seconds(spec, shape, gpu.peak_bf16_flops)
     moved = traffic(spec, shape.layers, sharding, gathered, trainable)
     net = moved.node_bytes
     bandwidth = node_bandwidth(
@@ -407,6 +418,7 @@ def _speed(
         network_seconds=net / bandwidth if r.nodes > 1 else 0.0,
         hardware_utilisation=hfu,
         collective_seconds=moved.seconds(spec),
+        generation_seconds=sampling,
     )
 
 
@@ -591,11 +603,45 @@ def _flops_per_token(
 
 
 def _reference_flops_per_token(spec: FineTuneJobSpec, s: ModelShape) -> float:
-    """DPO with adapters: the adapter-free forward that gives the reference, per token (its
-    weights 2 FLOPs each, attention 4·hidden·seq per layer); 0 for other objectives."""
-    if spec.training.objective != "dpo":
+    """Forwards beside the model FLOPs, per token (weights 2 FLOPs each, attention
+    4·hidden·seq per layer): DPO's adapter-free reference; GRPO's reference when beta > 0 and
+    its log-probabilities at sampling time when numIterations > 1 (once per generation
+    batch); 0 for other objectives."""
+    forward = 2 * s.matmul_params + 4 * s.hidden * spec.dataset.max_seq_length * s.layers
+    if spec.training.objective == "dpo":
+        return forward
+    grpo = spec.training.grpo_settings()
+    if grpo is None:
         return 0.0
-    return 2 * s.matmul_params + 4 * s.hidden * spec.dataset.max_seq_length * s.layers
+    old = 1 / grpo.num_iterations if grpo.num_iterations > 1 else 0.0
+    return forward * ((1.0 if grpo.beta else 0.0) + old)
+
+
+# Sampling one token at a time reads every weight for a few rows' worth of FLOPs: far below
+# the training step's utilisation. Assumed, not measured (no GPU run of GRPO yet): what
+# batched decoding with a KV cache reaches in transformers at small batches, ~3% of peak.
+GENERATION_HFU = 0.03
+
+
+def kv_cache_bytes(spec: FineTuneJobSpec, s: ModelShape, act_bytes: int) -> float:
+    """GRPO: the KV cache of one sampled micro-batch, per process (keys and values of every
+    layer, for the prompt and the whole completion); 0 for other objectives."""
+    if spec.training.grpo_settings() is None:
+        return 0.0
+    rows, seq = spec.training.micro_batch_size, spec.dataset.max_seq_length
+    return rows * seq * s.layers * 2 * s.kv_dim * act_bytes
+
+
+def generation_seconds(spec: FineTuneJobSpec, s: ModelShape, peak: float) -> float:
+    """GRPO: a step's share of sampling its completions (each rank its own, token by token,
+    once per numIterations steps) at GENERATION_HFU of ``peak``; 0 for other objectives."""
+    grpo = spec.training.grpo_settings()
+    if grpo is None:
+        return 0.0
+    t = spec.training
+    tokens = t.micro_batch_size * t.gradient_accumulation * grpo.max_completion_length
+    forward = 2 * s.matmul_params + 4 * s.hidden * spec.dataset.max_seq_length * s.layers
+    return tokens * forward / (peak * GENERATION_HFU) / grpo.num_iterations
 
 
 def reference_pass(spec: FineTuneJobSpec, s: ModelShape) -> tuple[float, float | None]:
@@ -630,6 +676,8 @@ def _notes(
         notes.append(f"asyncSave keeps a {gib(staging)} CPU copy per process")
     if spec.training.objective == "dpo":
         notes.append(_dpo_note(spec))
+    if spec.training.objective == "grpo":
+        notes.append(_grpo_note(spec))
     return notes
 
 
@@ -641,6 +689,16 @@ def _dpo_note(spec: FineTuneJobSpec) -> str:
     if spec.method.type == "full":
         return "DPO: 2 sequences a pair, reference log-probs computed once and stored"
     return "DPO: 2 sequences a pair, reference forward with adapters off"
+
+
+def _grpo_note(spec: FineTuneJobSpec) -> str:
+    grpo = spec.training.grpo_settings()
+    reference = ", reference forward with adapters off" if grpo.beta else ""
+    return (
+        f"GRPO: {grpo.num_generations} completions a prompt sampled with a KV cache of "
+        f"microBatchSize rows and the model gathered whole (the larger of them and the "
+        f"activations counts){reference}"
+    )
 
 
 def gib(n: float) -> str:

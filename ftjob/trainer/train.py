@@ -141,7 +141,8 @@ def _train_and_export(job: Job) -> Path:
     # _load times its weights' reading; the rest builds, shards, makes the optimizer, and waits
     # in _loaded's gather for the gang's slowest rank to have loaded too.
     job.report.startup.mark("shard", within=("load", run.load_seconds))
-    job.goal.before_training(job.spec, run.net, ds, job.d, job.report.log)  # before resuming
+    # Before resuming: a full fine-tune's DPO reference is the loaded model's.
+    job.goal.before_training(job.spec, run.net, ds, job.d, job.report.log, job.folder)
     start = _resume(job, run)
     job.report.startup.mark("resume")  # the first step's seconds: Progress.step
     evaluated_at = _train(job, run, ds, sampler, range(start, total), nodes)
@@ -208,8 +209,7 @@ def _data(job: Job):
     # Rank 0 prepares (or reuses) the data on the volume; the others wait, then memory-map it.
     ds = data.load(spec, tok, job.folder, is_main=d.is_main, log=job.say,
                    on_progress=lambda p: job.report.update(preparing=p))  # fmt: skip
-    sampler = data.Sampler(len(ds.train), t.seed, d.world_size, t.micro_batch_size,
-                           t.gradient_accumulation)  # fmt: skip
+    sampler = job.goal.sampler(len(ds.train), spec, d.world_size)
     return tok, ds, sampler, t.max_steps or sampler.steps_for(t.epochs)
 
 
@@ -345,7 +345,7 @@ def _train(job: Job, run: step.Run, ds, sampler, steps: range, nodes: list[str])
         # FTJOB_PROFILE_STEPS: a few of these steps under torch.profiler, on rank 0
         for n in profile.steps(steps, job.folder, d.is_main, d.device, report.log):
             began = time.perf_counter()
-            micro = batches.next(n)
+            micro = goal.rollout(run.net, batches.next(n), n, d)  # GRPO samples here
             share, waited, sums = step.train_step(run, micro, d, t.max_grad_norm, goal, vote)
             run.scheduler.step()
             wall = time.perf_counter() - began

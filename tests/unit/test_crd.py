@@ -86,6 +86,7 @@ def test_printer_columns_and_names():
         "Tokens/s",
         "MFU",
         "Reward-Acc",
+        "Reward",  # GRPO's mean reward (its loss says little)
         "Image",
     ]
     assert version["subresources"] == {"status": {}}

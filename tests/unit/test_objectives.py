@@ -33,28 +33,50 @@ def made_up(monkeypatch):
 
 
 def test_dpo_declares_what_each_reader_showed_before():
-    assert [m.key for m in objectives.metrics()] == [
+    dpo = {m.key for m in objectives.DPO.metrics}
+    assert [m.key for m in objectives.metrics() if m.key in dpo] == [
         "chosenReward", "rejectedReward", "rewardAccuracy", "rewardMargin",
     ]  # fmt: skip
-    assert [(g.name, key) for g, key in objectives.gauges()] == [
-        ("ftjob_reward_accuracy", "rewardAccuracy"),
-        ("ftjob_reward_margin", "rewardMargin"),
+    assert [(g.name, key) for g, key in objectives.gauges() if key.startswith("evalR")] == [
         ("ftjob_eval_reward_accuracy", "evalRewardAccuracy"),
         ("ftjob_eval_reward_margin", "evalRewardMargin"),
     ]
     step, evaluation = objectives.trackers()
     assert step["rewardAccuracy"] == "train/rewards/accuracies"
-    assert evaluation == {
+    assert {k: v for k, v in evaluation.items() if k[4:5].lower() + k[5:] in dpo} == {
         "evalChosenReward": "eval/rewards/chosen",
         "evalRejectedReward": "eval/rewards/rejected",
         "evalRewardAccuracy": "eval/rewards/accuracies",
         "evalRewardMargin": "eval/rewards/margins",
     }
-    assert list(objectives.status()) == ["rewardAccuracy", "rewardMargin", "evalRewardAccuracy"]
+    assert [k for k in objectives.status() if k in dpo or k.startswith("evalR")] == [
+        "rewardAccuracy", "rewardMargin", "evalRewardAccuracy",
+    ]  # fmt: skip
     values = {"rewardAccuracy": 0.75, "rewardMargin": 0.3, "chosenReward": 0.2}
     assert objectives.labelled(values, "log") == ["acc 0.75", "margin 0.3000"]
     assert objectives.labelled(values, "eval_log") == ["reward accuracy 0.75", "margin 0.3000"]
     assert objectives.labelled(values, "screen") == ["reward acc 0.75"]
+
+
+def test_grpo_declares_trls_tracker_names_and_a_reward_column():
+    grpo = {m.key: m for m in objectives.GRPO.metrics}
+    assert {k: m.tracker for k, m in grpo.items()} == {
+        "reward": "train/reward",
+        "rewardStd": "train/reward_std",
+        "completionLength": "train/completions/mean_length",
+        "clipRatio": "train/clip_ratio/region_mean",
+        "kl": "train/kl",
+    }
+    assert grpo["reward"].column == "Reward" and grpo["reward"].card == "mean reward"
+    assert ("ftjob_reward", "reward") in [(g.name, key) for g, key in objectives.gauges()]
+    values = {"reward": 0.25, "rewardStd": 0.1, "completionLength": 12.0, "clipRatio": 0.0}
+    assert objectives.labelled(values, "log") == [
+        "reward 0.2500",
+        "± 0.1000",
+        "len 12.0",
+        "clip 0.000",
+    ]
+    assert objectives.labelled(values, "screen") == ["reward 0.2500"]
 
 
 def test_each_status_description_starts_with_its_field_name():
@@ -88,7 +110,7 @@ def test_a_made_up_objective_reaches_the_crd_and_status(made_up):
 
     version = crd.crd()["spec"]["versions"][0]
     columns = version["additionalPrinterColumns"]
-    assert [c["name"] for c in columns][-3:] == ["Reward-Acc", "KL", "Image"]
+    assert [c["name"] for c in columns][-4:] == ["Reward-Acc", "Reward", "KL", "Image"]
     assert columns[-2] == {
         "name": "KL",
         "type": "number",

@@ -18,7 +18,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MODEL_DIR = EXAMPLES / "tiny-model"
 QLORA_MODEL_DIR = EXAMPLES / "tiny-qlora-model"  # examples/tiny-qlora.yaml's base
-DATA_FILES = ["tiny-text.jsonl", "tiny-chat.jsonl", "tiny-instruct.jsonl", "tiny-pairs.jsonl"]
+DATA_FILES = [
+    "tiny-text.jsonl",
+    "tiny-chat.jsonl",
+    "tiny-instruct.jsonl",
+    "tiny-pairs.jsonl",
+    "tiny-prompts.jsonl",
+]
 
 
 def read_jsonl(name: str) -> list[dict]:
@@ -72,9 +78,11 @@ def test_model_loads_and_starts_near_uniform_loss(tokenizer):
 
 
 def test_records_have_their_fields_and_fit_a_short_context(tokenizer):
-    text, chat, instruct, pairs = (read_jsonl(name) for name in DATA_FILES)
+    text, chat, instruct, pairs, prompts = (read_jsonl(name) for name in DATA_FILES)
     assert len(text) == len(chat) == len(instruct) == 2000
     assert len(pairs) == 500 and all(p["chosen"] != p["rejected"] for p in pairs)
+    # GRPO's prompts: sums with their answers as numbers, for a reward to check.
+    assert len(prompts) == 300 and all(p["answer"].lstrip("-").isdigit() for p in prompts)
     lengths = [len(tokenizer(r["text"]).input_ids) for r in text]
     lengths += [len(tokenizer(r["prompt"] + r["completion"]).input_ids) for r in instruct]
     for record in chat:

@@ -11,6 +11,7 @@ reuses stale sequences.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -27,7 +28,7 @@ import pyarrow.compute as pc
 
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import atomic
-from ftjob.trainer.data import pairs, records, tokenize
+from ftjob.trainer.data import pairs, prompts, records, tokenize
 from ftjob.trainer.data.records import DataError
 
 if TYPE_CHECKING:  # imported by the phase that uses it: see ftjob/trainer/report/startup.py
@@ -69,6 +70,12 @@ def key(spec: FineTuneJobSpec, tok: PreTrainedTokenizerBase) -> str:
         "seed": spec.training.seed,
         # Only preference data reads these; other formats keep the keys they had.
         **({"pairs": [ds.chosen_field, ds.rejected_field]} if ds.format == "preference" else {}),
+        # A prompt keeps maxSeqLength minus the completion's room.
+        **(
+            {"completion": spec.training.grpo_settings().max_completion_length}
+            if ds.format == "prompts"
+            else {}
+        ),  # fmt: skip
         "files": _source_identity(ds.source),
         "tokenizer": _tokenizer_identity(tok),
     }
@@ -174,6 +181,9 @@ def _build(spec, tok, tmp: Path, log, on_progress) -> dict:
     write = _sequences
     if ds.format == "preference":
         template, write = pairs.template(tok), _pairs
+    if ds.format == "prompts":
+        room = prompts.room(ds.max_seq_length, spec.training.grpo_settings().max_completion_length)
+        template, write = pairs.template(tok), functools.partial(_prompts, room=room)
     info = {"train": write(train, tok, ds, name, template, tmp / "train", log, on_progress)}
     if evaluation is not None:
         info["eval"] = write(
@@ -300,6 +310,37 @@ def _pairs(table, tok, ds, name, template, out: Path, log, on_progress) -> dict:
     return info
 
 
+def _prompts(table, tok, ds, name, template, out: Path, log, on_progress, *, room: int) -> dict:
+    """Tokenize prompts (objective grpo), each cut to its last ``room`` tokens, and write them
+    with their records to ``out``: one prompt per row."""
+    meter = Meter("tokenizing", len(table), log, on_progress)
+    fn_kwargs = {"tok": tok, "name": name, "template": template, "limit": room}
+    tokens = _concat(_map_in_shards(table, prompts.batch, fn_kwargs, f"prompts-{out.name}", meter))
+    cut = tokens.data.table.column("cut_prompt").to_numpy()
+    out.mkdir()
+    last = {"batch_size": 10_000, "num_proc": _processes(len(table)),
+            "cache_file_name": str(out / "part.arrow")}  # fmt: skip
+    kept = tokens.with_format("arrow").map(
+        _prompt_columns, batched=True, new_fingerprint=f"prompts-{out.name}", **last
+    )
+    lengths = pc.list_value_length(kept.data.table.column("prompt_ids")).to_numpy()
+    info = {"name": name, "records": len(table), "prompts": len(kept),
+            "tokens": int(lengths.sum()), "cutPrompts": int((cut > 0).sum()),
+            "cutPromptTokens": int(cut.sum()), "bytes": _size(out)}  # fmt: skip
+    log(f"data: {name}: {len(table):,} records -> {len(kept):,} prompts of <= {room} tokens "
+        "(dataset.maxSeqLength minus training.grpo.maxCompletionLength)")  # fmt: skip
+    if info["cutPrompts"]:
+        log(
+            f"data: {name}: {info['cutPrompts']:,} prompts kept only their last {room} tokens "
+            f"({info['cutPromptTokens']:,} tokens cut); raise dataset.maxSeqLength to keep them"
+        )
+    return info
+
+
+def _prompt_columns(table: pa.Table) -> pa.Table:
+    return table.select(list(prompts.COLUMNS))  # the cut counts stay in info.json
+
+
 def _pair_columns(table: pa.Table) -> pa.Table:
     return table.select(list(pairs.COLUMNS))  # the cut counts stay in info.json
 
@@ -383,6 +424,8 @@ def _say_losses(folder: Path, n: int, log) -> None:
         return
     for split in ("train", "eval"):
         said = info.get(split) or {}
+        if "prompts" in said:
+            continue  # prompts cut nothing but their starts, said when prepared
         for line in (pair_lines if "pairs" in said else loss_lines)(said, n):
             log(line)
 

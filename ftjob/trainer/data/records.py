@@ -193,6 +193,11 @@ def schema(ds: DatasetSpec):
         fields.append(("text", pa.string()))
     elif ds.format == "chat":
         fields.append(("messages", pa.list_(message)))
+    elif ds.format == "prompts":
+        # A text prompt or a conversational one (the other null), and the whole record as JSON
+        # for the rewards to read (an answer, test cases: any field).
+        fields += [("prompt", pa.string()), ("prompt_messages", pa.list_(message))]
+        fields.append(("record", pa.string()))
     elif ds.format == "preference":
         # Plain-text parts fill the first three columns, conversational ones the other three;
         # the unused three are null.
@@ -276,6 +281,8 @@ def normalize(row: dict, ds: DatasetSpec, where: str) -> dict:
         return {"messages": _messages(messages)}
     if ds.format == "preference":
         return preference(row, ds, where)
+    if ds.format == "prompts":
+        return prompt(row, ds, where)
     return {
         "prompt": _field(row, ds.prompt_field, str, where, "promptField"),
         "completion": _field(row, ds.completion_field, str, where, "completionField"),
@@ -327,6 +334,27 @@ def preference(row: dict, ds: DatasetSpec, where: str) -> dict:
     if isinstance(chosen, str):
         return {**parts, **{f"{p}_messages": None for p in PARTS}}
     return {**{p: None for p in PARTS}, **{f"{p}_messages": _messages(v) for p, v in parts.items()}}
+
+
+def prompt(row: dict, ds: DatasetSpec, where: str) -> dict:
+    """A prompts record (objective grpo): its prompt, text or messages, and the record itself
+    as JSON, which the rewards read (its fields as the source has them)."""
+    value = _side(row, ds.prompt_field, where, "promptField")
+    if _empty(value):
+        raise DataError(
+            f"{where}: field {ds.prompt_field!r} is empty: there is nothing to complete",
+            fix="remove the record, or give it a prompt, in spec.dataset.source",
+        )
+    text = isinstance(value, str)
+    try:
+        record = json.dumps(row, ensure_ascii=False, default=str)
+    except ValueError as e:  # a circular structure cannot come from a file; NaN can
+        raise DataError(f"{where}: the record cannot be kept for the rewards: {e}") from e
+    return {
+        "prompt": value if text else None,
+        "prompt_messages": None if text else _messages(value),
+        "record": record,
+    }
 
 
 def _side(row: dict, name: str, where: str, knob: str):

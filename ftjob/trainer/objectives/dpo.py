@@ -126,7 +126,14 @@ class Dpo:
         result = self.pairs(net, batch, device)
         return result.losses.sum(), result.sums()
 
-    def before_training(self, spec, net, ds: data.Data, d, log) -> None:
+    def sampler(self, n: int, spec: FineTuneJobSpec, world: int) -> data.Sampler:
+        t = spec.training
+        return data.Sampler(n, t.seed, world, t.micro_batch_size, t.gradient_accumulation)
+
+    def rollout(self, net, micro: list[data.Batch], step: int, d) -> list[data.Batch]:
+        return micro
+
+    def before_training(self, spec, net, ds: data.Data, d, log, folder) -> None:
         """A full fine-tune's reference: the loaded model's log-probabilities of every pair,
         stored on the volume (or reused from it) before any checkpoint is resumed."""
         if self.stored:

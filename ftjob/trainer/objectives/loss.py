@@ -168,9 +168,12 @@ class _Asked:
 
     targets: torch.Tensor | None = None
     per_token: bool = False
+    temperature: float = 1.0  # GRPO's log-probabilities are those of the sampling temperature
 
     def _loss(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         flat, targets = hidden.flatten(0, -2), self.targets.flatten()
+        if self.temperature != 1.0:
+            weight = weight / self.temperature  # logits / T, the logits never whole
         if self.per_token:
             return linear_logprobs(flat, weight, targets).view(self.targets.shape)
         return linear_cross_entropy(flat, weight, targets)
@@ -236,12 +239,12 @@ def install(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _targets(head: nn.Module, targets: torch.Tensor, per_token: bool = False):
-    head.targets, head.per_token = targets, per_token
+def _targets(head: nn.Module, targets: torch.Tensor, per_token: bool = False, temperature=1.0):
+    head.targets, head.per_token, head.temperature = targets, per_token, temperature
     try:
         yield
     finally:
-        head.targets, head.per_token = None, False
+        head.targets, head.per_token, head.temperature = None, False, 1.0
 
 
 def next_tokens(labels: torch.Tensor) -> torch.Tensor:
@@ -286,3 +289,19 @@ def sequence_logps(net: nn.Module, inputs: dict, labels: torch.Tensor) -> torch.
         return preference.response_logps(net(**inputs).logits, labels)
     with _targets(head, next_tokens(labels), per_token=True):
         return net(**inputs).logits.sum(dim=1)
+
+
+def token_logps(
+    net: nn.Module, inputs: dict, labels: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """[B, S] fp32: at each position, the log-probability of the next labelled token under
+    logits / ``temperature`` (GRPO's), 0 where the next token is not labelled; through the
+    installed head chunk by chunk, or the model's whole logits where it has none."""
+    head = net.get_output_embeddings()
+    targets = next_tokens(labels)
+    if isinstance(head, _Asked):
+        with _targets(head, targets, per_token=True, temperature=temperature):
+            return net(**inputs).logits
+    logits = net(**inputs).logits.float() / temperature
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0).unsqueeze(-1))
+    return picked.squeeze(-1) * (targets != IGNORE)

@@ -37,7 +37,14 @@ class NextToken:
         """The micro-batch's summed loss, and no metric sums."""
         return token_loss(net, batch, device)[0], None
 
-    def before_training(self, spec, net, ds: data.Data, d, log) -> None:
+    def sampler(self, n: int, spec: FineTuneJobSpec, world: int) -> data.Sampler:
+        t = spec.training
+        return data.Sampler(n, t.seed, world, t.micro_batch_size, t.gradient_accumulation)
+
+    def rollout(self, net, micro: list[data.Batch], step: int, d) -> list[data.Batch]:
+        return micro
+
+    def before_training(self, spec, net, ds: data.Data, d, log, folder) -> None:
         """Nothing to compute from the loaded model before the first step."""
 
     def step_metrics(self, sums: list[float]) -> dict[str, float]:

@@ -17,11 +17,12 @@ from ftjob.api import objectives
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.objectives.dpo import Dpo
+from ftjob.trainer.objectives.grpo import Grpo
 from ftjob.trainer.objectives.next_token import NextToken
 
 
 class Objective(Protocol):
-    """What the loop asks of an objective (:class:`NextToken`, :class:`Dpo`)."""
+    """What the loop asks of an objective (:class:`NextToken`, :class:`Dpo`, :class:`Grpo`)."""
 
     declared: ClassVar[objectives.Objective]  # its name and the metrics it reports
     unit: str  # what a data set holds, in the log
@@ -30,7 +31,14 @@ class Objective(Protocol):
     def of(cls, spec: FineTuneJobSpec) -> Objective:
         """The objective with the spec's settings."""
 
+    def sampler(self, n: int, spec: FineTuneJobSpec, world: int) -> data.Sampler:
+        """Which rows a rank reads at (step, micro-batch), as a pure function of them."""
+
     def collate(self, rows: list[dict], pad_id: int) -> data.Batch: ...
+
+    def rollout(self, net, micro: list, step: int, d) -> list[data.Batch]:
+        """The step's micro-batches as the loss takes them: the collated ones as they are,
+        or (GRPO) with completions sampled from ``net`` and scored."""
 
     def count(self, batch: data.Batch) -> int:
         """What the step's loss is a mean over (a host number)."""
@@ -38,7 +46,7 @@ class Objective(Protocol):
     def loss(self, net, batch: data.Batch, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The micro-batch's summed loss, and its metric sums (None without metrics)."""
 
-    def before_training(self, spec, net, ds: data.Data, d, log) -> None: ...
+    def before_training(self, spec, net, ds: data.Data, d, log, folder) -> None: ...
 
     def step_metrics(self, sums: list[float]) -> dict[str, float]:
         """A logged step's metrics, by their declared keys, from its reduced sums."""
@@ -48,7 +56,7 @@ class Objective(Protocol):
 
 
 # training.objective -> the trainer's objective, built from the spec.
-OBJECTIVES = {o.declared.name: o.of for o in (NextToken, Dpo)}
+OBJECTIVES = {o.declared.name: o.of for o in (NextToken, Dpo, Grpo)}
 
 
 def of(spec: FineTuneJobSpec) -> Objective:

@@ -315,6 +315,7 @@ KEPT = (
     "step", "totalSteps", "epoch", "loss", "evalLoss", "evalStep", "learningRate",
     "tokensPerSecond", "tokensSeen", "mfu", "lastCheckpointStep", "lastCheckpoint",
     "loadPeakRssMiB", "trainPeakRssMiB", "trainPeakGpuMiB",
+    "rewards",  # GRPO: each reward function's mean and std (api/objectives.py: its names vary)
 )  # fmt: skip
 
 

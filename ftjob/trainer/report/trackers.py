@@ -149,7 +149,23 @@ def measured(event: str, snap: dict) -> tuple[int, dict[str, float]]:
     """The step and the metrics a "step" or "eval" event reports."""
     step = (snap.get("evalStep") or 0) if event == "eval" else snap["step"]
     fields = names(event)
-    return step, {fields[k]: snap[k] for k in fields if snap.get(k) is not None}
+    out = {fields[k]: snap[k] for k in fields if snap.get(k) is not None}
+    if event == "step":
+        out.update(per_reward(snap.get("rewards")))
+    return step, out
+
+
+def per_reward(rewards) -> dict[str, float]:
+    """GRPO's rewards by function (progress key ``rewards``: name -> mean and std) under TRL's
+    tracker names, train/rewards/<name>/mean and /std."""
+    if not isinstance(rewards, dict):
+        return {}
+    return {
+        f"train/rewards/{name}/{what}": value
+        for name, both in rewards.items()
+        for what, value in both.items()
+        if value is not None
+    }
 
 
 def reported(job_dir: Path, after: dict[str, int], upto: int) -> list[tuple[str, dict]]:

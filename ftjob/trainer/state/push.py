@@ -209,7 +209,7 @@ def model_card(spec: FineTuneJobSpec, recorded: dict[str, Any], snapshot: dict[s
 
 
 def _objective_tags(spec: FineTuneJobSpec) -> list[str]:
-    return ["dpo"] if spec.training.dpo_settings() else []
+    return [spec.training.objective] if spec.training.objective != "sft" else []
 
 
 def _objective_lines(spec: FineTuneJobSpec, snapshot: dict[str, Any]) -> list[str]:
@@ -226,10 +226,16 @@ def _objective_lines(spec: FineTuneJobSpec, snapshot: dict[str, Any]) -> list[st
 
 
 def _method(spec: FineTuneJobSpec) -> str:
-    dpo = spec.training.dpo_settings()
+    dpo, grpo = spec.training.dpo_settings(), spec.training.grpo_settings()
     what = _weights(spec)
     if dpo:
         return f"{what}, trained by DPO on preference pairs (beta {dpo.beta}, {dpo.loss_type} loss)"
+    if grpo:
+        rewards = ", ".join(r.name or r.type for r in grpo.rewards)
+        return (
+            f"{what}, trained by GRPO on its own completions ({grpo.num_generations} a prompt, "
+            f"{grpo.loss_type} loss, beta {grpo.beta}; rewards: {rewards})"
+        )
     return what
 
 

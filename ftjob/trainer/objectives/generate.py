@@ -1,0 +1,175 @@
+"""Sampling completions from the policy as it is now, in the trainer's own processes.
+
+:class:`Sampling` is the seam: GRPO asks it for completions of token-id prompts and gets token
+ids back. :class:`KvSampling` is today's engine: batched, with transformers' KV cache, on the
+network that trains (plain module, FSDP2 shards, LoRA and QLoRA alike), drawing every token
+from a ``torch.Generator`` that GRPO seeds from (seed, generation batch, rank): the same step
+samples the same completions after any resume, with nothing to store (bit-exact on CPU).
+
+A faster engine (vLLM colocated, as TRL's ``vllm_mode: colocate``) would be another
+:class:`Sampling`: it needs the policy's current weights (gathered from the shards after each
+optimizer step and loaded into the engine: ``load_weights`` on its model runner), a seed per
+request for the same resume guarantee, and the completions' token ids; the loss still takes
+its log-probabilities from the training network (trainer/objectives/grpo.py).
+
+    python -m pytest tests/unit/test_grpo.py -q
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from ftjob.trainer.model import attention
+
+
+class Sampling(Protocol):
+    """An engine that completes prompts."""
+
+    def complete(
+        self, net, prompts: list[list[int]], generator: torch.Generator
+    ) -> list[list[int]]:
+        """Each prompt's completion (token ids, ending with end-of-sequence unless cut at the
+        length limit). Under FSDP every rank calls it together."""
+
+
+@dataclass(frozen=True)
+class KvSampling:
+    """Token by token with a KV cache: temperature and nucleus (top-p) sampling, as TRL's
+    generation settings name them; stops at end-of-sequence or ``max_new`` tokens."""
+
+    max_new: int
+    temperature: float
+    top_p: float
+    eos: tuple[int, ...]  # the tokens that end a completion (TRL's eos_token_ids)
+    pad: int
+    synced: bool  # FSDP: every rank runs forward as often as the longest rank does
+
+    @torch.no_grad()
+    def complete(
+        self, net, prompts: list[list[int]], generator: torch.Generator
+    ) -> list[list[int]]:
+        from transformers import DynamicCache
+
+        device = next(net.parameters()).device
+        ids, mask = _left_padded(prompts, self.pad, device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        ends = torch.tensor(self.eos, device=device)
+        out: list[torch.Tensor] = []
+        cache = DynamicCache()
+        was_training = net.training
+        net.eval()  # no dropout while sampling
+        try:
+            with _cached_attention(net), _gathered_once(net):
+                step_ids = ids
+                for _ in range(self.max_new):
+                    logits = net(
+                        input_ids=step_ids, attention_mask=mask, position_ids=positions,
+                        past_key_values=cache, use_cache=True, logits_to_keep=1,
+                    ).logits  # fmt: skip
+                    token = self._draw(logits[:, -1], generator)
+                    token = torch.where(done, torch.full_like(token, self.pad), token)
+                    out.append(token)
+                    done |= torch.isin(token, ends)
+                    if self._finished(done):
+                        break
+                    step_ids = token.unsqueeze(1)
+                    mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                    positions = positions[:, -1:] + 1
+        finally:
+            net.train(was_training)
+        return _trimmed(torch.stack(out, dim=1).tolist() if out else [[]] * len(prompts), self.eos)
+
+    def _draw(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            # Keep the most likely tokens whose mass reaches top_p (at least the first one).
+            ordered, order = probs.sort(dim=-1, descending=True)
+            before = ordered.cumsum(-1) - ordered
+            ordered = ordered.masked_fill(before >= self.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, ordered)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+    def _finished(self, done: torch.Tensor) -> bool:
+        # Under FSDP a rank that stopped early would leave the others waiting in their next
+        # forward's all-gather: all stop together, when every rank's rows are done.
+        left = torch.tensor([float((~done).sum())])
+        if self.synced:
+            dist.all_reduce(left)
+        return left.item() == 0
+
+
+def _left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _trimmed(rows: list[list[int]], eos: tuple[int, ...]) -> list[list[int]]:
+    """Each completion up to and including its first end-of-sequence token (TRL's mask)."""
+    out = []
+    for row in rows:
+        ends = [i for i, t in enumerate(row) if t in eos]
+        out.append(row[: ends[0] + 1] if ends else row)
+    return out
+
+
+def stop_tokens(tok, net) -> tuple[int, ...]:
+    """The tokens that end a completion: the tokenizer's end-of-sequence and those of the
+    model's generation config (a chat model's end of turn, e.g. Llama 3's <|eot_id|>), as
+    TRL's eos_token_ids."""
+    found = [tok.eos_token_id]
+    config = getattr(net, "generation_config", None)
+    more = getattr(config, "eos_token_id", None)
+    found += more if isinstance(more, list) else [more]
+    return tuple(dict.fromkeys(t for t in found if t is not None))
+
+
+@contextlib.contextmanager
+def _cached_attention(net):
+    """transformers' sdpa while sampling: ftjob's packed attention takes no KV cache (it
+    runs documents without a mask); the weights and the math are the same."""
+    config = net.config
+    kept = config._attn_implementation
+    if kept == attention.NAME:
+        config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        config._attn_implementation = kept
+
+
+@contextlib.contextmanager
+def _gathered_once(net):
+    """Under FSDP2, every sharded module gathered once for the whole sampling rather than once
+    per token: the forwards of a completion keep their parameters whole (the root already
+    does), and one reshard each at the end frees them. The planner counts the whole model
+    gathered beside the KV cache. Nothing to do for a plain module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in net.modules() if isinstance(m, FSDPModule)]
+    kept = [_reshards_after_forward(m) for m in sharded]
+    for m in sharded:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m, reshard in zip(sharded, kept, strict=True):
+            m.reshard()
+            m.set_reshard_after_forward(reshard, recurse=False)
+
+
+def _reshards_after_forward(module) -> bool:
+    """Whether an FSDP2 module frees its gathered parameters after forward (full sharding's
+    layers do; grad-op's and the root do not): FSDP2 keeps it as the mesh it reshards to."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    return any(g.post_forward_mesh_info is not None for g in groups)

@@ -1,0 +1,406 @@
+"""Group relative policy optimization (training.objective grpo): the objective that generates.
+
+Each generation batch (every ``numIterations`` optimizer steps) takes the next prompts of the
+run's order (:class:`Rollouts`, a pure function of the step like data.Sampler), and each
+rank samples its share of the completions, ``numGenerations`` per prompt, from the policy as
+it is (trainer/objectives/generate.py). Rewards score them on the rank that sampled them; the
+scores are gathered so that every rank normalises each prompt's group alike; the loss is
+trainer/objectives/grpo_loss.py's, TRL's, through the chunked head (loss.token_logps).
+
+The sampler's generator is seeded from (seed, generation batch, rank): a resumed run samples
+the completions the first run did from the same weights, with nothing to store beside the
+checkpoint. The one exception is a checkpoint taken inside a generation batch with
+numIterations > 1 (its completions came from weights the checkpoint no longer holds): the
+resumed run samples that batch again from the weights it resumes with, and says so.
+
+A step's micro-batches (:class:`Rolled`) are prompt + completion rows, packed as any batch
+(data.collate), with each completion's advantage, and its log-probabilities when sampled
+(numIterations > 1) and under the reference (beta > 0: the network with its adapters off).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ftjob.api import objectives
+from ftjob.api.contract import BAD_SPEC, TrainerError
+from ftjob.api.spec import FineTuneJobSpec, GrpoSpec
+from ftjob.job.folder import JobFolder
+from ftjob.trainer.data import batches as data
+from ftjob.trainer.data.tokenize import IGNORE
+from ftjob.trainer.objectives import grpo_loss
+from ftjob.trainer.objectives.generate import KvSampling, Sampling, stop_tokens
+from ftjob.trainer.objectives.loss import model_inputs, token_logps
+
+# The metric sums of a micro-batch, in this order (step_metrics reads them), then each reward
+# function's sum, sum of squares and count of the completions it applied to.
+SUMS = ("reward", "rewardSquares", "scored", "tokens", "completions", "clipped", "kl")
+SAMPLES_PER_LOG = 4  # completions written to the job folder's completions.jsonl per log step
+
+
+class Rollouts:
+    """Which prompt each completion of a (step, micro-batch, rank) completes.
+
+    Generation batch g = step // numIterations takes prompts g·P .. (g+1)·P - 1 of the run's
+    order (one permutation per epoch, data.Sampler's), P = completions per step /
+    numGenerations; completion k of the batch completes prompt k // numGenerations, and rank r's
+    micro-batch m holds completions (r·accumulation + m)·microBatch onwards."""
+
+    def __init__(self, n: int, seed: int, world: int, micro: int, accumulation: int,
+                 generations: int, iterations: int):  # fmt: skip
+        self.world, self.micro, self.accumulation = world, micro, accumulation
+        self.generations, self.iterations = generations, iterations
+        self.prompts = world * micro * accumulation // generations
+        self.n = n
+        self._order = data.Sampler(n, seed, 1, self.prompts, 1)
+
+    def steps_for(self, epochs: float) -> int:
+        return max(1, math.ceil(epochs * self.n / self.prompts)) * self.iterations
+
+    def epoch(self, step: int) -> float:
+        return math.ceil(step / self.iterations) * self.prompts / self.n
+
+    def indices(self, step: int, micro: int, rank: int) -> list[int]:
+        prompts = self._order.indices(step // self.iterations, 0, 0)
+        start = (rank * self.accumulation + micro) * self.micro
+        return [prompts[k // self.generations] for k in range(start, start + self.micro)]
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """A micro-batch's prompts, one row per completion to sample (Prefetch collates them)."""
+
+    rows: list[dict]
+
+    def pin(self) -> Prompts:
+        return self
+
+
+@dataclass(frozen=True)
+class Rolled:
+    """A micro-batch of sampled completions, ready for the loss."""
+
+    batch: data.Batch  # prompt + completion rows; labels: the completion's tokens
+    lengths: list[int]  # each completion's tokens (host ints)
+    prompt_lengths: list[int]
+    advantages: torch.Tensor  # [B]
+    rewards: torch.Tensor  # [B] weighted sums (NaN where no reward applied)
+    scores: torch.Tensor  # [B, F] each reward function's (NaN where it does not apply)
+    old: torch.Tensor | None = None  # [B, C] log-probabilities when sampled (numIterations > 1)
+    ref: torch.Tensor | None = None  # [B, C] under the reference (beta > 0)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch.tokens
+
+    @property
+    def attention_sq(self) -> int:
+        return self.batch.attention_sq
+
+
+@dataclass
+class Grpo:
+    """GRPO with TRL's settings and loss; ``rewards`` are built before training."""
+
+    settings: GrpoSpec
+    seed: int
+    prompt_field: str
+    log_every: int
+    method: str
+    unit: str = "prompts"
+    declared: ClassVar[objectives.Objective] = objectives.GRPO
+    rewards: object = None  # ftjob.trainer.rewards.Rewards
+    samples: Path | None = None  # the job folder's completions.jsonl (rank 0)
+    engine: Sampling | None = None
+    tokenizer: object = None
+    log: object = print
+    _held: tuple[int, list[Rolled]] | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, spec: FineTuneJobSpec) -> Grpo:
+        return cls(
+            settings=spec.training.grpo_settings(),
+            seed=spec.training.seed,
+            prompt_field=spec.dataset.prompt_field,
+            log_every=spec.training.log_every,
+            method=spec.method.type,
+        )
+
+    @property
+    def clip(self) -> grpo_loss.Clip:
+        s = self.settings
+        return grpo_loss.Clip(s.loss_type, s.epsilon, s.upper, s.beta, s.max_completion_length)
+
+    def sampler(self, n: int, spec: FineTuneJobSpec, world: int) -> Rollouts:
+        t, s = spec.training, self.settings
+        return Rollouts(n, t.seed, world, t.micro_batch_size, t.gradient_accumulation,
+                        s.num_generations, s.num_iterations)  # fmt: skip
+
+    def collate(self, rows: list[dict], pad_id: int) -> Prompts:
+        return Prompts(rows)
+
+    def count(self, batch: Rolled) -> int:
+        return grpo_loss.count(self.settings.loss_type, batch.lengths,
+                               self.settings.max_completion_length)  # fmt: skip
+
+    def before_training(self, spec, net, ds: data.Data, d, log, folder: Path) -> None:
+        """The rewards (a user's function is imported here: a bad one fails before any step),
+        the sampling engine and, on rank 0, where sampled completions go."""
+        from ftjob.trainer.model import load as model
+        from ftjob.trainer.rewards import Rewards
+
+        if self.settings.beta and self.method == "full":
+            raise TrainerError(
+                "GRPO's KL term needs a reference model, and a full fine-tune holds none",
+                reason=BAD_SPEC,
+                fix="set spec.method.type: lora (the reference is the network with its "
+                "adapters off), or training.grpo.beta: 0",
+                where="spec.training.grpo.beta",
+            )
+        self.rewards = Rewards(
+            self.settings.rewards, Path(os.environ.get("FTJOB_SOURCE_ROOT", "."))
+        )
+        self.tokenizer = model.load_tokenizer(spec)
+        ends = stop_tokens(self.tokenizer, net)
+        if not ends:
+            raise TrainerError(
+                "GRPO samples until an end-of-sequence token, and neither the tokenizer nor "
+                "the model's generation config names one",
+                reason=BAD_SPEC,
+                fix="set eos_token in the model's tokenizer_config.json (or eos_token_id in "
+                "its generation_config.json)",
+                where="spec.model.source",
+            )
+        self.engine = KvSampling(
+            max_new=self.settings.max_completion_length,
+            temperature=self.settings.temperature,
+            top_p=self.settings.top_p,
+            eos=ends,
+            pad=ds.pad_id,
+            synced=d.world_size > 1,
+        )
+        self.log = log
+        if d.is_main:
+            self.samples = JobFolder(folder).completions
+
+    # ------------------------------------------------------------------ the rollout
+
+    def rollout(self, net, micro: list[Prompts], step: int, d) -> list[Rolled]:
+        """The step's micro-batches with their completions: sampled at the first step of a
+        generation batch (or the first after a resume), reused for numIterations steps."""
+        g = step // self.settings.num_iterations
+        if self._held is not None and self._held[0] == g:
+            return self._held[1]
+        if step % self.settings.num_iterations:
+            self.log(
+                f"grpo: resumed inside generation batch {g} (numIterations "
+                f"{self.settings.num_iterations}): its completions are sampled again from the "
+                "resumed weights, not the ones they were first sampled from"
+            )
+        completions = self._sample(net, micro, g, d)
+        rolled = self._scored(net, micro, completions, step, d)
+        self._held = (g, rolled)
+        return rolled
+
+    def _sample(self, net, micro: list[Prompts], g: int, d) -> list[list[list[int]]]:
+        generator = torch.Generator(device=d.device)
+        generator.manual_seed((self.seed * 1_000_003 + g) * 4099 + d.rank)
+        return [
+            self.engine.complete(net, [r["prompt_ids"] for r in m.rows], generator) for m in micro
+        ]
+
+    def _scored(self, net, micro, completions, step: int, d) -> list[Rolled]:
+        rows = [r for m in micro for r in m.rows]
+        done = [c for part in completions for c in part]
+        texts = self.tokenizer.batch_decode(done, skip_special_tokens=True)
+        records = [json.loads(r["record"]) for r in rows]
+        prompts = [rec.get(self.prompt_field) for rec in records]
+        every = self._gathered(prompts, texts, records, d)
+        adv, summed = grpo_loss.advantages(
+            every, self.rewards.weights, self.settings.num_generations, self.settings.scale_rewards
+        )
+        mine = slice(d.rank * len(rows), (d.rank + 1) * len(rows))
+        adv, summed, scores = adv[mine], summed[mine], every[mine]
+        if self.samples is not None and (step + 1) % self.log_every == 0:
+            self._write_samples(step + 1, prompts, texts, scores, summed)
+        out, at = [], 0
+        for m, part in zip(micro, completions, strict=True):
+            n = len(part)
+            mine = slice(at, at + n)
+            out.append(self._rolled(net, m.rows, part, adv[mine], summed[mine], scores[mine], d))
+            at += n
+        return out
+
+    def _gathered(self, prompts, texts, records, d) -> torch.Tensor:
+        """Every rank's scores [N, F], in rank order: groups span ranks, and every rank
+        normalises each group alike. A reward that fails on one rank fails the step on all of
+        them at once (a last column says which failed), instead of leaving the others waiting
+        in the next collective until it times out."""
+        error = None
+        try:
+            scores = self.rewards.score(prompts, texts, records).to(torch.float32)
+        except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+            error, scores = e, torch.zeros((len(texts), len(self.rewards.names)))
+        flagged = torch.cat([scores, torch.full((len(texts), 1), float(error is not None))], 1)
+        gathered = [torch.empty_like(flagged, device=d.device) for _ in range(d.world_size)]
+        dist.all_gather(gathered, flagged.to(d.device))
+        every = torch.cat(gathered).cpu()
+        failed = every[:, -1].view(d.world_size, -1)[:, 0].nonzero().flatten().tolist()
+        if failed:
+            _fail_together(error, failed[0], d)
+        return every[:, :-1]
+
+    def _rolled(self, net, rows, completions, adv, rewards, scores, d) -> Rolled:
+        seqs = []
+        for r, c in zip(rows, completions, strict=True):
+            p = list(r["prompt_ids"])
+            seqs.append({"input_ids": p + c, "labels": [IGNORE] * len(p) + c,
+                         "seq_lengths": [len(p) + len(c)]})  # fmt: skip
+        pad = self.engine.pad
+        rolled = Rolled(
+            batch=data.collate(seqs, pad),
+            lengths=[len(c) for c in completions],
+            prompt_lengths=[len(r["prompt_ids"]) for r in rows],
+            advantages=adv,
+            rewards=rewards,
+            scores=scores,
+        )
+        old = ref = None
+        with torch.no_grad():
+            if self.settings.num_iterations > 1:
+                old = self.logps(net, rolled, d.device)
+            if self.settings.beta:
+                from ftjob.trainer.objectives.dpo import adapters_off
+
+                with adapters_off(net):
+                    ref = self.logps(net, rolled, d.device)
+        return replace(rolled, old=old, ref=ref)
+
+    # ------------------------------------------------------------------ the loss
+
+    def logps(self, net, b: Rolled, device) -> torch.Tensor:
+        """[B, C] each completion token's log-probability under ``net`` as it is, at the
+        sampling temperature (0 past a completion's end)."""
+        on = b.batch.to(device)
+        every = token_logps(net, model_inputs(net, on), on.labels, self.settings.temperature)
+        return completion_view(every, b.prompt_lengths, b.lengths)
+
+    def loss(self, net, batch: Rolled, device) -> tuple[torch.Tensor, torch.Tensor]:
+        logps = self.logps(net, batch, device)
+        mask = completion_mask(batch.lengths, device)
+        old = None if batch.old is None else batch.old.to(device)
+        ref = None if batch.ref is None else batch.ref.to(device)
+        terms = grpo_loss.token_terms(logps, old, ref, batch.advantages.to(device), mask,
+                                      self.clip)  # fmt: skip
+        r = batch.rewards
+        scored = ~torch.isnan(r)
+        sums = torch.tensor(
+            [r[scored].sum(), (r[scored] ** 2).sum(), scored.sum(), sum(batch.lengths),
+             len(batch.lengths), 0.0, 0.0], dtype=torch.float32
+        ).to(device)  # fmt: skip
+        sums[5], sums[6] = terms.clipped, terms.kl
+        return terms.loss, torch.cat([sums, _function_sums(batch.scores).to(device)])
+
+    def step_metrics(self, sums: list[float]) -> dict[str, float]:
+        """The step's mean reward and its spread (TRL's reward and reward_std: over every
+        completion of the step), mean completion length, clipped share and KL."""
+        total, squares, n, tokens, completions, clipped, kl = sums[: len(SUMS)]
+        out = {
+            "reward": total / max(n, 1.0),
+            "rewardStd": _std(total, squares, n) or 0.0,
+            "completionLength": tokens / max(completions, 1.0),
+            "clipRatio": clipped / max(tokens, 1.0),
+        }
+        if self.settings.beta:
+            out["kl"] = kl / max(tokens, 1.0)
+        out["rewards"] = _by_function(self.rewards.names, sums[len(SUMS) :])
+        return out
+
+    def evaluate(self, net, ds: data.Data, d, micro_batch: int) -> tuple[float, dict]:
+        raise TrainerError(
+            "objective grpo does not evaluate yet",
+            reason=BAD_SPEC,
+            fix="remove dataset.evalFraction and dataset.evalSplit",
+            where="spec.dataset",
+        )
+
+    def _write_samples(self, step, prompts, texts, scores, summed) -> None:
+        names = self.rewards.names
+        with self.samples.open("a") as f:
+            for i in range(min(SAMPLES_PER_LOG, len(texts))):
+                each = {n: _number(scores[i, j]) for j, n in enumerate(names)}
+                line = {"step": step, "prompt": prompts[i], "completion": texts[i],
+                        "reward": _number(summed[i]), "rewards": each}  # fmt: skip
+                f.write(json.dumps(line, ensure_ascii=False) + "\n")
+
+
+def _fail_together(error: BaseException | None, first: int, d) -> None:
+    """Every rank raises the error of the first rank whose reward failed (its message names
+    the file, the line and the fix): whichever rank's record the summary shows, it says why."""
+    said = [None] * d.world_size
+    mine = None
+    if error is not None:
+        mine = (str(error), getattr(error, "fix", None), getattr(error, "reason", None))
+    dist.all_gather_object(said, mine)  # only on failure: every rank knows it failed
+    if error is not None and d.rank == first:
+        raise error
+    message, fix, reason = said[first]
+    raise TrainerError(
+        f"a reward failed on rank {first}: {message}",
+        reason=reason or BAD_SPEC,
+        fix=fix,
+        where="spec.training.grpo.rewards",
+    )
+
+
+def _function_sums(scores: torch.Tensor) -> torch.Tensor:
+    """[3F]: each reward function's sum, sum of squares and count over the rows it applies to."""
+    applies = ~torch.isnan(scores)
+    values = torch.where(applies, scores, torch.zeros_like(scores))
+    return torch.stack([values.sum(0), (values**2).sum(0), applies.sum(0).float()], 1).flatten()
+
+
+def _std(total: float, squares: float, n: float) -> float | None:
+    """The standard deviation (Bessel's correction, as TRL's nanstd) from sums."""
+    if n < 2:
+        return None
+    return math.sqrt(max(squares - total * total / n, 0.0) / (n - 1))
+
+
+def _by_function(names: list[str], sums: list[float]) -> dict[str, dict]:
+    """Each reward's mean and spread over the completions it applied to (TRL's
+    rewards/<name>/mean and /std); None where it applied to none."""
+    out = {}
+    for j, name in enumerate(names):
+        total, squares, n = sums[3 * j : 3 * j + 3]
+        out[name] = {"mean": total / n if n else None, "std": _std(total, squares, n)}
+    return out
+
+
+def _number(x: torch.Tensor) -> float | None:
+    v = float(x)
+    return None if math.isnan(v) else v
+
+
+def completion_mask(lengths: list[int], device) -> torch.Tensor:
+    width = max(lengths) if lengths else 0
+    return (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).to(device)
+
+
+def completion_view(every: torch.Tensor, prompts: list[int], lengths: list[int]) -> torch.Tensor:
+    """[B, S] per-position log-probabilities of the next token -> [B, C]: row i's completion
+    token j, predicted at position prompts[i] + j - 1 (0 past the completion's end)."""
+    width = max(lengths) if lengths else 0
+    j = torch.arange(width).unsqueeze(0)
+    at = torch.tensor(prompts).unsqueeze(1) + j - 1
+    at = torch.minimum(at, torch.tensor(every.shape[1] - 1)).to(every.device)
+    picked = every.gather(1, at)
+    return picked * completion_mask(lengths, every.device)

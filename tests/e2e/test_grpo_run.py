@@ -1,0 +1,158 @@
+"""GRPO end to end: `ftjob run` of examples/tiny-grpo.yaml (LoRA, 2 processes on CPU): the tiny
+model samples completions of arithmetic prompts, a user's reward function with partial credit
+scores them, and the mean reward rises; the same job SIGKILLed mid-way resumes to the same
+completions, rewards and losses, bit for bit.
+
+    python -m pytest tests/e2e/test_grpo_run.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from test_trainer_run import history, killed_mid_run, run
+
+from ftjob.trainer.objectives.grpo import SAMPLES_PER_LOG
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+STEPS = 60  # the example's
+
+
+def tiny_grpo() -> dict:
+    doc = yaml.safe_load((EXAMPLES / "tiny-grpo.yaml").read_text())
+    assert doc["spec"]["training"]["maxSteps"] == STEPS
+    doc["spec"]["training"]["logEvery"] = 1  # every step's reward
+    return doc
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Job folders beside links to the example's relative sources (start() writes the job file
+    beside the job's folder): the model, the prompts and the reward function."""
+    folder = tmp_path_factory.mktemp("grpo")
+    for name in ("tiny-model", "data", "rewards"):
+        (folder / name).symlink_to(EXAMPLES / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def grpo(runs) -> tuple[Path, str]:
+    code, out = run(tiny_grpo(), runs / "tiny-grpo")
+    assert code == 0, out
+    return runs / "tiny-grpo", out
+
+
+@pytest.fixture(scope="module")
+def killed(runs, grpo) -> tuple[Path, int, int, str]:
+    """The same job with rank 1 SIGKILLed after step 25 (its step-20 checkpoint committed),
+    then `ftjob run` once more."""
+    workdir = runs / "killed"
+    _, _, killed_at = killed_mid_run(tiny_grpo(), workdir, 25)
+    code, out = run(tiny_grpo(), workdir)
+    return workdir, killed_at, code, out
+
+
+def completions(workdir: Path) -> dict[tuple[int, int], dict]:
+    """(step, i) -> the i-th completion written at that log step; a resumed run's lines
+    (written after the first attempt's) replace the first attempt's."""
+    by_step: dict[int, list[dict]] = {}
+    for line in (workdir / "completions.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_step.setdefault(row["step"], []).append(row)
+    return {(step, i): row for step, rows in by_step.items()
+            for i, row in enumerate(rows[-SAMPLES_PER_LOG:])}  # fmt: skip
+
+
+def test_the_mean_reward_rises(grpo):
+    workdir, out = grpo
+    steps = history(workdir)
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    rewards = [s["reward"] for s in steps]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    # Partial credit for digits: the model learns to write numbers (a rise, not a value).
+    assert last > first + 0.15, rewards
+    assert all(s["completionLength"] > 0 for s in steps)
+    assert all(0 <= s["clipRatio"] <= 1 for s in steps)
+    # One reward of weight 1: its own mean is the step's reward.
+    assert all(s["rewards"]["answer"]["mean"] == pytest.approx(s["reward"]) for s in steps)
+    assert "reward" in out and "300 train / 0 eval prompts" in out
+
+
+def test_completions_are_written_to_the_job_folder_with_their_rewards(grpo):
+    workdir, _ = grpo
+    written = completions(workdir)
+    assert {step for step, _ in written} == set(range(1, STEPS + 1))
+    row = written[(STEPS, 0)]
+    assert row["prompt"].startswith("Question: What is ")
+    assert isinstance(row["completion"], str)
+    assert row["reward"] == row["rewards"]["answer"]
+
+
+def test_a_killed_grpo_run_resumes_to_the_same_completions_rewards_and_losses(killed, grpo):
+    workdir, killed_at, code, out = killed
+    assert code == 0, out
+    assert 20 < killed_at < STEPS and "resuming from checkpoint" in out, (killed_at, out)
+    keys = ("loss", "reward", "rewardStd", "completionLength", "clipRatio")
+    resumed = {s["step"]: {k: s[k] for k in keys} for s in history(workdir)}
+    uninterrupted = {s["step"]: {k: s[k] for k in keys} for s in history(grpo[0])}
+    assert resumed == uninterrupted
+    assert completions(workdir) == completions(grpo[0])
+
+
+def qlora_kl() -> dict:
+    """GRPO with everything the plain example leaves off: QLoRA on the 4-bit tiny base, its
+    shards gathered layer by layer while sampling (sharding full), the KL term (the adapters
+    off), two optimizer steps per generation batch, top-p, a temperature, recomputation."""
+    doc = tiny_grpo()
+    doc["metadata"]["name"] = "qlora-grpo"
+    spec = doc["spec"]
+    spec["model"]["source"] = "tiny-qlora-model"
+    spec["method"].update(type="qlora", quantization={"type": "nf4"})
+    spec["method"]["lora"]["r"] = 16
+    spec["parallelism"] = {"sharding": "full"}
+    spec["training"].update(maxSteps=6, activationCheckpointing="all")
+    spec["training"]["grpo"].update(
+        beta=0.04, numIterations=2, lossType="grpo", topP=0.9, temperature=0.8
+    )
+    return doc
+
+
+@pytest.fixture(scope="module")
+def qlora(runs) -> tuple[Path, str]:
+    (runs / "tiny-qlora-model").symlink_to(EXAMPLES / "tiny-qlora-model")
+    code, out = run(qlora_kl(), runs / "qlora-grpo")
+    assert code == 0, out
+    return runs / "qlora-grpo", out
+
+
+def test_qlora_sharded_grpo_with_the_kl_term_and_two_steps_per_generation(qlora):
+    workdir, out = qlora
+    assert "full sharding over 2 ranks" in out
+    steps = history(workdir)
+    assert [s["step"] for s in steps] == list(range(1, 7))
+    # Steps 1, 3, 5 sample from the weights they train: ratio 1, nothing clipped. The adapters
+    # start at zero and warmup's first step has learning rate 0: KL 0 until step 2's update.
+    # Steps 4 and 6 reuse their batch's completions after an update: the ratio moves.
+    assert [s["kl"] == 0.0 for s in steps[:3]] == [True, True, False]
+    assert all(s["kl"] > 0 for s in steps[2:])
+    assert all(steps[k]["clipRatio"] == 0.0 for k in (0, 2, 4))
+    assert any(steps[k]["clipRatio"] > 0 for k in (3, 5))
+    assert (workdir / "model" / "adapter_model.safetensors").is_file()
+
+
+def test_a_killed_sharded_qlora_grpo_run_resumes_to_the_same_rewards_and_losses(runs, qlora):
+    """Killed after step 3, resumed from step 2's checkpoint: a generation batch's first step
+    (numIterations 2), so the resumed run samples what the first one did."""
+    doc = qlora_kl()
+    doc["spec"]["checkpoint"]["every"] = 2
+    workdir = runs / "qlora-killed"
+    _, _, killed_at = killed_mid_run(doc, workdir, 3)
+    code, out = run(qlora_kl() | {"spec": doc["spec"]}, workdir)
+    assert code == 0, out
+    assert 2 < killed_at < 6 and "resuming from checkpoint" in out, (killed_at, out)
+    keys = ("loss", "reward", "kl", "clipRatio")
+    resumed = {s["step"]: {k: s[k] for k in keys} for s in history(workdir)}
+    assert resumed == {s["step"]: {k: s[k] for k in keys} for s in history(qlora[0])}

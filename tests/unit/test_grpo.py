@@ -1,0 +1,194 @@
+"""GRPO's pieces: which prompts a step completes, sampling with the KV cache, the prompts
+records, the completion layout the loss reads, and what the planner counts.
+
+    python -m pytest tests/unit/test_grpo.py -q
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from example_jobs import example
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ftjob.api.spec import DatasetSpec
+from ftjob.plan import estimate, layout
+from ftjob.plan.modelshape import known_model
+from ftjob.trainer.data import records
+from ftjob.trainer.data.records import DataError
+from ftjob.trainer.model import attention
+from ftjob.trainer.objectives import grpo, loss
+from ftjob.trainer.objectives.generate import KvSampling
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-model"
+
+
+def test_a_step_completes_whole_groups_and_numiterations_steps_reuse_them():
+    r = grpo.Rollouts(n=50, seed=7, world=2, micro=4, accumulation=3, generations=8,
+                      iterations=2)  # fmt: skip
+    step = [r.indices(0, m, rank) for rank in range(2) for m in range(3)]
+    drawn = Counter(i for part in step for i in part)
+    assert r.prompts == 3 and len(drawn) == 3 and set(drawn.values()) == {8}
+    # A group spans ranks: rank 0's last micro-batch and rank 1's first share a prompt.
+    assert step[2][-1] == step[3][0]
+    assert [r.indices(1, m, k) for k in range(2) for m in range(3)] == step  # iteration 2
+    later = {i for k in range(2) for m in range(3) for i in r.indices(2, m, k)}
+    assert later.isdisjoint(drawn)  # the next generation batch: the next prompts
+    again = grpo.Rollouts(50, 7, 2, 4, 3, 8, 2)
+    assert [again.indices(0, m, k) for k in range(2) for m in range(3)] == step
+    assert r.steps_for(1.0) == 2 * 17  # ceil(50 / 3) generation batches, 2 steps each
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = AutoTokenizer.from_pretrained(TINY)
+    net = AutoModelForCausalLM.from_pretrained(
+        TINY, dtype=torch.float32, attn_implementation=attention.implementation("sdpa")
+    )
+    loss.install(net)
+    return tok, net.eval()
+
+
+def greedy_without_cache(net, prompt: list[int], n: int, eos: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            logits = net(input_ids=x, position_ids=torch.arange(len(ids)).unsqueeze(0)).logits
+        ids.append(int(logits[0, -1].argmax()))
+        if ids[-1] == eos:
+            break
+    return ids[len(prompt) :]
+
+
+def test_sampling_with_the_kv_cache_on_left_padded_prompts_equals_a_plain_forward(tiny):
+    tok, net = tiny
+    prompts = [tok("Question: What is 3 * 8?\nAnswer:")["input_ids"], tok("Hi")["input_ids"]]
+    # A temperature this low makes each draw the argmax: the cached, padded, batched path
+    # must pick what a forward of each prompt alone, without a cache, picks.
+    engine = KvSampling(10, 1e-4, 1.0, (tok.eos_token_id,), tok.pad_token_id, synced=False)
+    got = engine.complete(net, prompts, torch.Generator().manual_seed(0))
+    want = [greedy_without_cache(net, p, 10, tok.eos_token_id) for p in prompts]
+    assert got == want
+    # The packed attention is back for training.
+    assert net.config._attn_implementation == attention.NAME
+
+
+def test_a_seeded_generator_samples_the_same_completions_and_another_seed_others(tiny):
+    tok, net = tiny
+    prompts = [tok("Question: What is 3 * 8?\nAnswer:")["input_ids"]] * 4
+    engine = KvSampling(12, 1.0, 0.9, (tok.eos_token_id,), tok.pad_token_id, synced=False)
+    first = engine.complete(net, prompts, torch.Generator().manual_seed(5))
+    assert engine.complete(net, prompts, torch.Generator().manual_seed(5)) == first
+    assert engine.complete(net, prompts, torch.Generator().manual_seed(6)) != first
+    assert len({tuple(c) for c in first}) > 1  # a group's completions differ
+    for c in first:  # ended by end-of-sequence, or cut at the limit
+        assert (c[-1] == tok.eos_token_id and tok.eos_token_id not in c[:-1]) or len(c) == 12
+
+
+def test_top_p_keeps_the_most_likely_tokens_that_reach_it():
+    engine = KvSampling(1, 1.0, 0.5, eos=(0,), pad=0, synced=False)
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]]))
+    draws = {int(engine._draw(logits, torch.Generator().manual_seed(s))) for s in range(50)}
+    assert draws == {1}
+
+
+def test_the_loss_reads_each_completion_token_where_it_is_predicted():
+    every = torch.arange(20.0).view(2, 10)  # position p holds p (row 1: 10 + p)
+    view = grpo.completion_view(every, prompts=[3, 5], lengths=[4, 2])
+    # Row 0's completion starts at position 3, predicted from position 2 onward.
+    assert view.tolist() == [[2.0, 3.0, 4.0, 5.0], [14.0, 15.0, 0.0, 0.0]]
+
+
+def test_a_prompts_record_keeps_its_fields_for_the_rewards_and_refuses_an_empty_prompt():
+    ds = DatasetSpec(source="p.jsonl", format="prompts")
+    got = records.normalize({"prompt": "2 + 2 =", "answer": 4}, ds, "p.jsonl line 1")
+    assert got["prompt"] == "2 + 2 =" and got["prompt_messages"] is None
+    assert '"answer": 4' in got["record"]
+    chat = records.normalize({"prompt": [{"role": "user", "content": "hi"}]}, ds, "line 2")
+    assert chat["prompt"] is None and chat["prompt_messages"][0]["content"] == "hi"
+    with pytest.raises(DataError, match="line 3: field 'prompt' is empty"):
+        records.normalize({"prompt": "  "}, ds, "p.jsonl line 3")
+    with pytest.raises(DataError, match="has no field 'prompt'.*question"):
+        records.normalize({"question": "2 + 2 ="}, ds, "p.jsonl line 4")
+
+
+# The DPO example's own settings, unset (a null is an unset field).
+UNSET = {"training.dpo": None, "dataset.evalFraction": None, "dataset.evalSplit": None}
+
+
+def grpo_job(**edits):
+    base = {
+        **UNSET,
+        "training.objective": "grpo",
+        "dataset.format": "prompts",
+        "dataset.maxSeqLength": 1024,
+        "training.microBatchSize": 8,
+        "training.grpo": {"maxCompletionLength": 512, "rewards": [{"type": "exactMatch"}]},
+    }
+    return example("llama3-8b-lora-dpo.yaml", **{**base, **edits})
+
+
+def test_the_plan_counts_the_kv_cache_of_a_sampled_micro_batch_and_the_sampling_time():
+    spec = grpo_job()
+    shape = known_model(spec.model.source)
+    # 8 rows x 1,024 tokens x 32 layers x (K and V) x 1,024 (8 KV heads of 128) x bf16 = 1 GiB
+    assert estimate.kv_cache_bytes(spec, shape, 2) == 2**30
+    sft = example("llama3-8b-lora-dpo.yaml", **{**UNSET, "training.objective": "sft",
+                  "dataset.format": "chat", "dataset.maxSeqLength": 1024,
+                  "training.microBatchSize": 8})  # fmt: skip
+    assert layout.estimate(spec, shape).step_seconds > layout.estimate(sft, shape).step_seconds
+    slower = grpo_job(**{"training.grpo": {"maxCompletionLength": 1000,
+                                            "rewards": [{"type": "exactMatch"}]}})  # fmt: skip
+    peak = 312e12
+    assert estimate.generation_seconds(slower, shape, peak) > estimate.generation_seconds(
+        spec, shape, peak
+    )
+    assert any("GRPO" in note for note in layout.estimate(spec, shape).notes)
+
+
+def test_the_model_card_says_grpo_its_rewards_and_the_final_mean_reward():
+    from ftjob.trainer.state import push
+
+    spec = example("tiny-grpo.yaml")
+    card = push.model_card(spec, {"trainedSteps": 60}, {"loss": 0.0, "reward": 0.4921875})
+    assert "trained by GRPO on its own completions (8 a prompt, dapo loss" in card
+    assert "rewards: answer" in card
+    assert "- **Final train mean reward:** 0.4922" in card
+    assert "- grpo" in card
+
+
+def test_each_reward_has_its_mean_and_spread_under_trls_tracker_names():
+    from ftjob.api.spec import GrpoSpec
+    from ftjob.trainer.report import trackers
+
+    nan = float("nan")
+    scores = torch.tensor([[1.0, nan], [0.0, 2.0], [0.5, 4.0]])
+    goal = grpo.Grpo(GrpoSpec(), seed=0, prompt_field="prompt", log_every=1, method="lora")
+    goal.rewards = type("R", (), {"names": ["right", "steps"]})()
+    sums = [1.5, 1.25, 3, 12, 3, 0, 0, *grpo._function_sums(scores).tolist()]
+    got = goal.step_metrics(sums)
+    assert got["reward"] == 0.5 and got["completionLength"] == 4.0
+    assert got["rewards"]["right"] == {"mean": 0.5, "std": pytest.approx(0.5)}
+    assert got["rewards"]["steps"] == {"mean": 3.0, "std": pytest.approx(2**0.5)}  # NaN left out
+    snap = {"step": 7, "loss": 0.0, **got}
+    step, values = trackers.measured("step", snap)
+    assert step == 7 and values["train/reward"] == 0.5
+    assert values["train/rewards/steps/mean"] == 3.0
+    assert values["train/rewards/right/std"] == pytest.approx(0.5)
+
+
+def test_a_completion_ends_at_the_first_of_the_models_stop_tokens(tiny):
+    from ftjob.trainer.objectives import generate
+
+    tok, net = tiny
+    assert generate.stop_tokens(tok, net) == (tok.eos_token_id,)
+    net.generation_config.eos_token_id = [tok.eos_token_id, 7]  # a chat model's end of turn
+    try:
+        assert generate.stop_tokens(tok, net) == (tok.eos_token_id, 7)
+    finally:
+        net.generation_config.eos_token_id = tok.eos_token_id
+    assert generate._trimmed([[5, 7, 9, 2], [5, 6]], (2, 7)) == [[5, 7], [5, 6]]
