@@ -387,3 +387,26 @@ def test_a_full_reward_list_is_accepted_both_ways():
         {"type": "exactMatch", "field": "label", "name": "label"},
     ]
     assert python_errors(rewards) == [] and server_errors(rewards) == []
+
+
+def test_a_function_without_kwargs_is_told_to_take_them(tmp_path):
+    narrow = "def score(completions):\n    return [1.0 for c in completions]\n"
+    with pytest.raises(RewardError, match=r"unexpected keyword argument 'prompts'") as caught:
+        score([function(tmp_path, narrow)], ["a"], [{"answer": "1"}], root=tmp_path)
+    assert "end the function's parameters with **kwargs" in str(caught.value)
+
+
+def test_a_pattern_that_backtracks_for_ever_is_stopped_at_its_limit():
+    reward = {"type": "regex", "pattern": r"^(a|a)+$", "timeoutSeconds": 1}
+    began = time.monotonic()
+    with pytest.raises(RewardError, match="took longer than 1 s"):
+        score([reward], ["a" * 64 + "b"], [{}])
+    # not a hang guard: the promised bound under test (1 s limit, a kill and a wait)
+    assert time.monotonic() - began < 10
+
+
+def test_check_refuses_a_record_without_a_field_before_any_step():
+    with Rewards(specs({"type": "numeric", "field": "solution"}), None) as rewards:
+        rewards.check({"solution": "4"})
+        with pytest.raises(RewardError, match="no field 'solution'.*fields: answer, question"):
+            rewards.check({"question": "2+2?", "answer": "4"})

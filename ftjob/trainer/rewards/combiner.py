@@ -117,6 +117,14 @@ class Rewards:
             self.close()
             raise
 
+    def check(self, record: dict) -> None:
+        """Refuse a dataset record that lacks a field a reward reads (exactMatch, numeric):
+        call it on the first record when the data is loaded, so that a wrong field fails
+        before the first step rather than at it."""
+        for part in self._parts:
+            if isinstance(part, _Builtin) and part.spec.type in ("exactMatch", "numeric"):
+                builtins.field_values([record], part.spec.field, part.name)
+
     def score(
         self,
         prompts: list,

@@ -113,7 +113,7 @@ class Worker:
     def collect(self) -> list[float | None]:
         kind, payload = self._answer(self.deadline - time.monotonic(), "to return")
         if kind == "error":
-            raise _call_error(self.name, payload)
+            raise _call_error(self.name, self.target, payload)
         if kind == "bad":
             raise _shape_error(self.name, self.target, f"{payload}", self.expected)
         if len(payload) != self.expected:
@@ -186,12 +186,19 @@ def _load_error(name: str, target: str, payload: dict) -> RewardError:
     )
 
 
-def _call_error(name: str, payload: dict) -> RewardError:
+def _call_error(name: str, target: str, payload: dict) -> RewardError:
+    if payload.get("entered", True):
+        return RewardError(
+            f"reward {name!r} raised {payload['type']}: {payload['message']} (at {_at(payload)})",
+            where=_where(payload),
+            fix="correct the function at that line (its full traceback is in the trainer's "
+            "log); return None for a completion it cannot judge rather than raising",
+        )
     return RewardError(
-        f"reward {name!r} raised {payload['type']}: {payload['message']} (at {_at(payload)})",
-        where=_where(payload),
-        fix="correct the function at that line (its full traceback is in the trainer's log); "
-        "return None for a completion it cannot judge rather than raising",
+        f"reward {name!r} ({target}) could not be called: {payload['type']}: {payload['message']}",
+        where=_short(target),
+        fix="end the function's parameters with **kwargs: it is called, as TRL calls reward "
+        "functions, with prompts, completions, completion_ids and every field of the records",
     )
 
 

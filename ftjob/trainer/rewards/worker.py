@@ -79,7 +79,10 @@ def describe(e: BaseException, file: str | None) -> dict[str, Any]:
             found = {"file": frame.filename, "line": frame.lineno, "function": frame.name}
             found["code"] = frame.line
     text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    return found | {"type": type(e).__name__, "message": str(e), "traceback": text}
+    found |= {"type": type(e).__name__, "message": str(e), "traceback": text}
+    # entered: False for a traceback of serve's frame alone, where the call itself failed
+    # (the function's signature) before any line of the function ran.
+    return found | {"entered": len(frames) > 1}
 
 
 def _same(a: str, b: str) -> bool:
