@@ -5,10 +5,14 @@ reward functions unchanged, and RewardSpec as the API parses and the API server 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
+import hangs
 import pytest
 import torch
 
@@ -410,3 +414,40 @@ def test_check_refuses_a_record_without_a_field_before_any_step():
         rewards.check({"solution": "4"})
         with pytest.raises(RewardError, match="no field 'solution'.*fields: answer, question"):
             rewards.check({"question": "2+2?", "answer": "4"})
+
+
+ORPHAN = """
+import sys
+from pathlib import Path
+from ftjob.api.schema import parse
+from ftjob.api.rewards import RewardSpec
+from ftjob.trainer.rewards import Rewards
+
+spec = {"type": "function", "function": "rewards/mine.py:score", "timeoutSeconds": 600}
+rewards = Rewards([parse(RewardSpec, spec)], Path(sys.argv[1]))
+print(rewards._parts[0].worker.proc.pid, flush=True)
+rewards.score(["Q"], ["slow"], [{}])  # the worker sleeps in the function
+"""
+
+
+def test_a_busy_worker_ends_with_its_trainer_even_when_the_trainer_is_killed(tmp_path):
+    function(tmp_path, SLEEPS)
+    command = [sys.executable, "-c", ORPHAN, str(tmp_path)]
+    trainer = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(trainer.stdout.readline())
+        time.sleep(0.5)  # not a hang guard: time for the call to reach the function
+        assert _alive(worker)
+    finally:
+        trainer.kill()
+        trainer.wait(hangs.FLOOR)
+    # Past its parent a sleeping worker reads no closed socket: only the death signal ends it.
+    hangs.poll(lambda: not _alive(worker), what="the worker to end with its trainer")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has ended; only its parent's wait is missing
