@@ -50,7 +50,7 @@ class _Builtin:
 class _Remote:
     """A reward run by a worker process: a user's function, or the regex built-in."""
 
-    def __init__(self, spec: RewardSpec, name: str, root: Path):
+    def __init__(self, spec: RewardSpec, name: str, root: Path | None):
         self.spec = spec
         if spec.type == "function":
             target, is_file = resolve(spec.function, root)
@@ -92,14 +92,14 @@ def _limits(spec: RewardSpec) -> tuple[int, int]:
 
 class Rewards:
     """The job's rewards (``training.grpo.rewards``); ``root`` is where relative function
-    files are read (the job file's folder, as for dataset paths: FTJOB_SOURCE_ROOT).
+    files are read (None: FTJOB_SOURCE_ROOT, the job file's folder, as for dataset paths).
 
     Every user function's file is loaded here, in its worker, so that a missing file, a
     syntax error or a missing function fails before the first step. Call :meth:`close` (or
     use it as a context manager) to stop the workers; they also end with this process.
     """
 
-    def __init__(self, specs: list[RewardSpec], root: Path):
+    def __init__(self, specs: list[RewardSpec], root: Path | None = None):
         self.specs = list(specs)
         self.names: list[str] = reward_names(self.specs)
         self.weights = torch.tensor([s.weight for s in self.specs], dtype=torch.float32)

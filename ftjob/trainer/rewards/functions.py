@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from ftjob.job import inputs
 from ftjob.trainer.rewards.errors import RewardError
 
 # Starting an interpreter and importing the function's module: not the call's limit, which
@@ -38,13 +39,14 @@ LOAD_SECONDS = 120
 RESERVED = ("prompts", "completions", "completion_ids", "prompt", "completion")
 
 
-def resolve(function: str, root: Path) -> tuple[str, bool]:
-    """``path/file.py:fn`` (relative to ``root``) or ``package.module:fn`` -> the target the
-    worker loads and whether it is a file; a file that is not there is refused here."""
+def resolve(function: str, root: Path | None) -> tuple[str, bool]:
+    """``path/file.py:fn`` or ``package.module:fn`` -> the target the worker loads and whether
+    it is a file; a file that is not there is refused here. A relative path is read beside
+    ``root`` (None: FTJOB_SOURCE_ROOT, the job file's folder, as for dataset paths)."""
     where, name = function.rsplit(":", 1)
     if not (where.endswith(".py") or "/" in where):
         return function, False
-    path = Path(where) if Path(where).is_absolute() else root / where
+    path = Path(inputs.resolve(where, root))  # as the trainer reads dataset.source
     if not path.is_file():
         raise RewardError(
             f"reward function {function}: no such file (looked at {path})",
