@@ -451,3 +451,9 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"  # a zombie has ended; only its parent's wait is missing
+
+
+def test_a_function_that_ends_its_process_is_named_with_the_exit_code(tmp_path):
+    exits = "import os\n\ndef score(completions, **kwargs):\n    os._exit(3)\n"
+    with pytest.raises(RewardError, match=r"its process ended \(exit code 3\) while returning"):
+        score([function(tmp_path, exits)], ["a"], [{}], root=tmp_path)

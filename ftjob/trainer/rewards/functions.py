@@ -89,7 +89,9 @@ class Worker:
         mine, theirs = socket.socketpair()
         command = [sys.executable, "-m", "ftjob.trainer.rewards.worker"]
         self.proc = subprocess.Popen(
-            [*command, str(theirs.fileno()), str(os.getpid())], pass_fds=[theirs.fileno()]
+            [*command, str(theirs.fileno()), str(os.getpid())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
         )
         theirs.close()
         self.conn = Connection(mine.detach())
@@ -109,8 +111,11 @@ class Worker:
             self.start()
             self.ready()
         self.expected = expected
-        self.conn.send(kwargs)
         self.deadline = time.monotonic() + self.timeout
+        try:
+            self.conn.send(kwargs)
+        except OSError:  # it ended since the check above: collect() reports how
+            self.deadline = time.monotonic()
 
     def collect(self) -> list[float | None]:
         kind, payload = self._answer(self.deadline - time.monotonic(), "to return")
@@ -127,9 +132,10 @@ class Worker:
         """The worker's next message; killed past ``seconds``, or dead, a RewardError."""
         if not self.conn.poll(max(seconds, 0)):
             self.close()
+            limit = LOAD_SECONDS if doing == "to load" else self.timeout
             raise RewardError(
-                f"reward {self.name!r} ({self.target}) took longer than {self.timeout:g} s "
-                f"{doing}; its process was stopped",
+                f"reward {self.name!r} ({self.target}) took longer than {limit:g} s {doing}; "
+                "its process was stopped",
                 where=_short(self.target),
                 fix="make the function faster (or return None for completions it cannot "
                 "judge in time), or raise the reward's timeoutSeconds",
