@@ -62,7 +62,8 @@ class RewardSpec:
         "field of the dataset record holding the reference answer (exactMatch and numeric). "
         "A list of answers matches if any one does. The completion's answer is the text of "
         "its last <answer>...</answer>, else its last \\boxed{...}, else what follows its "
-        "last '####', else the whole completion (numeric: the last number in it).",
+        "last '####', else the whole completion (numeric: the last number in it); the "
+        "field is read the same way, so GSM8K's '... #### 72' works as it is.",
         DEFAULT_FIELD,
         min_length=1,
         max_length=128,

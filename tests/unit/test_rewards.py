@@ -96,6 +96,10 @@ def test_exact_match_normalises_case_whitespace_and_trailing_punctuation():
     ]
     records = [{"answer": "Paris"}] * 3 + [{"answer": ["London", "Paris"]}]
     assert column([{"type": "exactMatch"}], completions, records) == [1.0, 1.0, 0.0, 1.0]
+    gsm8k = column(
+        [{"type": "exactMatch"}], ["So 72.\n#### 72", "#### 72.5"], [{"answer": GSM8K_ANSWER}] * 2
+    )
+    assert gsm8k == [1.0, 0.0]  # the reference's answer is read as the completion's is
 
 
 def test_a_record_without_the_field_is_refused_naming_the_field():

@@ -121,11 +121,11 @@ def field_values(records: list[dict], field: str, reward: str) -> list[Any]:
 
 
 def exact_match(completions: list[str], references: list[Any]) -> list[float | None]:
-    """1.0 where the completion's answer text (:func:`answer_text`) equals a reference after
+    """1.0 where the completion's answer text (:func:`answer_text`) equals a reference's after
     :func:`normalise`, else 0.0; None where the record has no reference."""
     out: list[float | None] = []
     for completion, value in zip(completions, references, strict=True):
-        wanted = {normalise(str(v)) for v in _references(value)}
+        wanted = {normalise(answer_text(str(v))) for v in _references(value)}
         if not wanted:
             out.append(None)
             continue
