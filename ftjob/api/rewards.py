@@ -82,8 +82,8 @@ class RewardSpec:
         "job file (ftjob run) or on the job's volume or a mounted ConfigMap (an absolute "
         "path), or package.module:function_name from the trainer image. Called as TRL calls "
         "its reward functions: fn(prompts=..., completions=..., completion_ids=..., "
-        "**record_fields), each a list with one entry per completion; returns one float (or "
-        "None: no reward for that completion) per completion.",
+        "records=..., **record_fields), each a list with one entry per completion; returns "
+        "one float (or None: no reward for that completion) per completion.",
         None,
         pattern=FUNCTION_PATTERN,
         pattern_hint=FUNCTION_HINT,

@@ -174,8 +174,9 @@ def test_derived_names_step_aside_for_given_ones():
 # ----------------------------------------------------------------------------- user functions
 
 WORKS = """
-def score(prompts, completions, completion_ids, answer, difficulty, **kwargs):
+def score(prompts, completions, completion_ids, records, answer, difficulty, **kwargs):
     assert len(prompts) == len(completions) == len(answer) == len(completion_ids)
+    assert [r["answer"] for r in records] == answer and completion_ids == [[1], [2]]
     return [len(c) / 10 if d == "easy" else None for c, d in zip(completions, difficulty)]
 """
 RAISES = """

@@ -3,14 +3,16 @@
 The function is called as TRL's GRPOTrainer calls its reward functions, so a TRL reward
 function works unchanged::
 
-    fn(prompts=[...], completions=[...], completion_ids=[[...], ...], answer=[...], ...)
+    fn(prompts=[...], completions=[...], completion_ids=[[...], ...], records=[{...}, ...],
+       answer=[...], ...)
 
 every argument a list with one entry per completion: the prompts (text, or chat message lists),
 the completions (text; for chat prompts a list of one assistant message,
 ``[{"role": "assistant", "content": text}]``, as TRL passes them), their token ids where the
-trainer gives them, and each field of the dataset records as a column (TRL's ``trainer_state``,
-``log_extra`` and ``log_metric`` are not passed: TRL's own functions default them). It
-returns one float, or None (no reward for that completion), per completion.
+trainer gives them, the dataset records whole (ftjob's addition; TRL functions take **kwargs
+and ignore it), and each field of the records as a column, as TRL passes dataset columns
+(TRL's ``trainer_state``, ``log_extra`` and ``log_metric`` are not passed: TRL's own functions
+default them). It returns one float, or None (no reward for that completion), per completion.
 
 Each function gets its own worker process (worker.py), started when :class:`Rewards` is built
 and kept: a missing file, a syntax error or a missing function is found before the first step,
@@ -35,8 +37,9 @@ from ftjob.trainer.rewards.errors import RewardError
 # Starting an interpreter and importing the function's module: not the call's limit, which
 # would refuse a module with heavy imports under a short timeoutSeconds.
 LOAD_SECONDS = 120
-# What TRL passes under its own names; a record field of the same name is not passed twice.
-RESERVED = ("prompts", "completions", "completion_ids", "prompt", "completion")
+# The arguments' own names (and TRL's prompt and completion columns): a record field of the same
+# name is not passed as a column (records[i] still holds it).
+RESERVED = ("prompts", "completions", "completion_ids", "records", "prompt", "completion")
 
 
 def resolve(function: str, root: Path | None) -> tuple[str, bool]:
@@ -65,6 +68,7 @@ def trl_arguments(
     chat = bool(prompts) and isinstance(prompts[0], list)
     shown = [[{"role": "assistant", "content": c}] for c in completions] if chat else completions
     kwargs: dict[str, Any] = {"prompts": list(prompts), "completions": list(shown)}
+    kwargs["records"] = list(records)
     if completion_ids is not None:
         kwargs["completion_ids"] = [list(ids) for ids in completion_ids]
     fields = dict.fromkeys(k for r in records for k in r if k not in RESERVED)
