@@ -16,7 +16,7 @@ from ftjob import __version__
 from ftjob.api import contract
 from ftjob.api import kubevalidation as kv
 from ftjob.api.hardware import GPUS, RETIRED_GPU_TYPES
-from ftjob.api.rewards import RewardSpec
+from ftjob.api.rewards import UNIQUE_NAMES, RewardSpec
 from ftjob.api.schema import (
     QUANTITY_PATTERN,
     FieldError,
@@ -424,6 +424,7 @@ class GrpoSpec:
             "or remove it to use epsilon on both sides",
             ".epsilonHigh",
         ),
+        UNIQUE_NAMES,
     )
 
     @property

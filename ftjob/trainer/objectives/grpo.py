@@ -168,6 +168,8 @@ class Grpo:
         self.rewards = Rewards(
             self.settings.rewards, Path(os.environ.get("FTJOB_SOURCE_ROOT", "."))
         )
+        # A reward reading a field the records lack fails here, not at the first step.
+        self.rewards.check(json.loads(ds.rows([0])[0]["record"]))
         self.tokenizer = model.load_tokenizer(spec)
         ends = stop_tokens(self.tokenizer, net)
         if not ends:
@@ -223,7 +225,7 @@ class Grpo:
         texts = self.tokenizer.batch_decode(done, skip_special_tokens=True)
         records = [json.loads(r["record"]) for r in rows]
         prompts = [rec.get(self.prompt_field) for rec in records]
-        every = self._gathered(prompts, texts, records, d)
+        every = self._gathered(prompts, texts, records, done, d)
         adv, summed = grpo_loss.advantages(
             every, self.rewards.weights, self.settings.num_generations, self.settings.scale_rewards
         )
@@ -239,14 +241,14 @@ class Grpo:
             at += n
         return out
 
-    def _gathered(self, prompts, texts, records, d) -> torch.Tensor:
+    def _gathered(self, prompts, texts, records, done, d) -> torch.Tensor:
         """Every rank's scores [N, F], in rank order: groups span ranks, and every rank
         normalises each group alike. A reward that fails on one rank fails the step on all of
         them at once (a last column says which failed), instead of leaving the others waiting
         in the next collective until it times out."""
         error = None
         try:
-            scores = self.rewards.score(prompts, texts, records).to(torch.float32)
+            scores = self.rewards.score(prompts, texts, records, done).to(torch.float32)
         except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
             error, scores = e, torch.zeros((len(texts), len(self.rewards.names)))
         flagged = torch.cat([scores, torch.full((len(texts), 1), float(error is not None))], 1)
