@@ -47,7 +47,8 @@ def test_a_reward_that_raises_stops_every_rank_and_keeps_the_checkpoints(tmp_pat
     assert code != 0
     # Both ranks stop with rank 1's reason: the user's file and the line that raised.
     line = REWARD.splitlines().index('        raise ValueError("the grader is broken")') + 1
-    assert "a reward failed on rank 1: reward 'flaky' raised ValueError: the grader is broken" in out
+    said = "a reward failed on rank 1: reward 'flaky' raised ValueError: the grader is broken"
+    assert said in out
     assert f"flaky.py:{line}" in out
     assert (workdir / "checkpoints" / "step-00000004").is_dir()
     assert not (workdir / "model").exists()
