@@ -26,6 +26,7 @@ from ftjob.trainer.data import batches as data
 from ftjob.trainer.data import pairs
 from ftjob.trainer.objectives import preference, reference
 from ftjob.trainer.objectives.loss import model_inputs, sequence_logps
+from ftjob.trainer.objectives.offline import Offline
 
 
 @contextlib.contextmanager
@@ -60,7 +61,7 @@ def adapters_off(net):
 
 
 @dataclass(frozen=True)
-class Dpo:
+class Dpo(Offline):
     """Direct preference optimization against the adapter-free network, or (``stored``, a
     full fine-tune) against the initial model's stored log-probabilities."""
 
@@ -125,13 +126,6 @@ class Dpo:
         """The micro-batch's summed pair losses, and its metric sums (preference.SUMS)."""
         result = self.pairs(net, batch, device)
         return result.losses.sum(), result.sums()
-
-    def sampler(self, n: int, spec: FineTuneJobSpec, world: int) -> data.Sampler:
-        t = spec.training
-        return data.Sampler(n, t.seed, world, t.micro_batch_size, t.gradient_accumulation)
-
-    def rollout(self, net, micro: list[data.Batch], step: int, d) -> list[data.Batch]:
-        return micro
 
     def before_training(self, spec, net, ds: data.Data, d, log, folder) -> None:
         """A full fine-tune's reference: the loaded model's log-probabilities of every pair,

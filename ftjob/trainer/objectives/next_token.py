@@ -13,10 +13,11 @@ from ftjob.api import objectives
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.objectives.loss import token_loss
+from ftjob.trainer.objectives.offline import Offline
 
 
 @dataclass(frozen=True)
-class NextToken:
+class NextToken(Offline):
     """Next-token loss (SFT)."""
 
     declared: ClassVar[objectives.Objective] = objectives.SFT
@@ -36,13 +37,6 @@ class NextToken:
     def loss(self, net, batch: data.Batch, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The micro-batch's summed loss, and no metric sums."""
         return token_loss(net, batch, device)[0], None
-
-    def sampler(self, n: int, spec: FineTuneJobSpec, world: int) -> data.Sampler:
-        t = spec.training
-        return data.Sampler(n, t.seed, world, t.micro_batch_size, t.gradient_accumulation)
-
-    def rollout(self, net, micro: list[data.Batch], step: int, d) -> list[data.Batch]:
-        return micro
 
     def before_training(self, spec, net, ds: data.Data, d, log, folder) -> None:
         """Nothing to compute from the loaded model before the first step."""
