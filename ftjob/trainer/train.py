@@ -410,7 +410,7 @@ def _planned_save_seconds(job: Job, run: step.Run) -> float:
 def _checkpoint(job: Job, run: step.Run, done: int) -> None:
     report = job.report
     report.phase("checkpointing")
-    run.ckpt.save(run.net, run.optimizer, run.scheduler, done)
+    run.ckpt.save(run.net, run.optimizer, run.scheduler, done, own=job.goal.held())
     path = checkpoint.folder(run.ckpt.root, done)
     report.update(phase="training", lastCheckpoint=str(path), lastCheckpointStep=done)
     background = " (written in the background)" if job.spec.checkpoint.async_save else ""
@@ -428,7 +428,8 @@ def _resume(job: Job, run: step.Run) -> int:
     if found is None:
         report.log(f"no checkpoint in {checkpoints}: starting at step 0")
         return 0
-    start = run.ckpt.load(found, run.net, run.optimizer, run.scheduler)
+    start, own = run.ckpt.load(found, run.net, run.optimizer, run.scheduler)
+    job.goal.restore(own)
     report.update(resumedFrom=str(found), lastCheckpoint=str(found), lastCheckpointStep=start)
     report.log(f"resuming from checkpoint {found} (step {start})")
     return start

@@ -77,7 +77,7 @@ def probe(out: Path) -> None:
     for name, saver in (("async", background), ("sync", sync)):
         found = checkpoint.latest(saver.root)
         results[f"{name}Folder"] = found.name if found else None
-        results[f"{name}Step"] = saver.load(found, model, optimizer, scheduler)
+        results[f"{name}Step"] = saver.load(found, model, optimizer, scheduler)[0]
         results[f"{name}Differs"] = differences(at_save, snapshot(model, optimizer))
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()

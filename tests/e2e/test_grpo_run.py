@@ -156,3 +156,21 @@ def test_a_killed_sharded_qlora_grpo_run_resumes_to_the_same_rewards_and_losses(
     keys = ("loss", "reward", "kl", "clipRatio")
     resumed = {s["step"]: {k: s[k] for k in keys} for s in history(workdir)}
     assert resumed == {s["step"]: {k: s[k] for k in keys} for s in history(qlora[0])}
+
+
+def test_a_run_killed_inside_a_generation_batch_resumes_to_its_completions(runs, qlora):
+    """Saved after step 3, the first of generation batch 1's two steps: the checkpoint keeps
+    the batch's completions, advantages and old log-probabilities (what each rank holds), so
+    step 4 trains on them as the run that was not stopped did, not on a new sampling from the
+    weights step 3 left."""
+    doc = qlora_kl()
+    doc["spec"]["checkpoint"]["every"] = 3
+    workdir = runs / "qlora-killed-inside"
+    _, _, killed_at = killed_mid_run(doc, workdir, 4)
+    code, out = run(qlora_kl() | {"spec": doc["spec"]}, workdir)
+    assert code == 0, out
+    assert killed_at == 4 and "resuming from checkpoint" in out and "(step 3)" in out, out
+    assert "sampled again" not in out
+    keys = ("loss", "reward", "kl", "clipRatio")
+    resumed = {s["step"]: {k: s[k] for k in keys} for s in history(workdir)}
+    assert resumed == {s["step"]: {k: s[k] for k in keys} for s in history(qlora[0])}

@@ -8,10 +8,9 @@ scores are gathered so that every rank normalises each prompt's group alike; the
 trainer/objectives/grpo_loss.py's, TRL's, through the chunked head (loss.token_logps).
 
 The sampler's generator is seeded from (seed, generation batch, rank): a resumed run samples
-the completions the first run did from the same weights, with nothing to store beside the
-checkpoint. The one exception is a checkpoint taken inside a generation batch with
-numIterations > 1 (its completions came from weights the checkpoint no longer holds): the
-resumed run samples that batch again from the weights it resumes with, and says so.
+the completions the first run did from the same weights. A checkpoint taken inside a
+generation batch (numIterations > 1: its completions came from weights it no longer holds)
+keeps the batch itself, per rank (:meth:`Grpo.held`), and the resumed run trains on it.
 
 A step's micro-batches (:class:`Rolled`) are prompt + completion rows, packed as any batch
 (data.collate), with each completion's advantage, and its log-probabilities when sampled
@@ -89,6 +88,7 @@ class Rolled:
     """A micro-batch of sampled completions, ready for the loss."""
 
     batch: data.Batch  # prompt + completion rows; labels: the completion's tokens
+    completions: list[list[int]]  # each row's completion ids (what a checkpoint keeps)
     lengths: list[int]  # each completion's tokens (host ints)
     prompt_lengths: list[int]
     advantages: torch.Tensor  # [B]
@@ -123,6 +123,7 @@ class Grpo:
     tokenizer: object = None
     log: object = print
     _held: tuple[int, list[Rolled]] | None = field(default=None, repr=False)
+    _restored: dict | None = field(default=None, repr=False)  # held(), read from a checkpoint
 
     @classmethod
     def of(cls, spec: FineTuneJobSpec) -> Grpo:
@@ -201,16 +202,43 @@ class Grpo:
         g = step // self.settings.num_iterations
         if self._held is not None and self._held[0] == g:
             return self._held[1]
-        if step % self.settings.num_iterations:
-            self.log(
-                f"grpo: resumed inside generation batch {g} (numIterations "
-                f"{self.settings.num_iterations}): its completions are sampled again from the "
-                "resumed weights, not the ones they were first sampled from"
-            )
-        completions = self._sample(net, micro, g, d)
-        rolled = self._scored(net, micro, completions, step, d)
+        stored, self._restored = self._restored, None
+        if stored is not None and stored["batch"] == g and len(stored["micro"]) == len(micro):
+            parts = zip(micro, stored["micro"], strict=True)
+            rolled = [self._unpacked(m.rows, part) for m, part in parts]
+        else:
+            if step % self.settings.num_iterations:
+                self.log(
+                    f"grpo: resumed inside generation batch {g} (numIterations "
+                    f"{self.settings.num_iterations}) from a checkpoint that does not hold its "
+                    "completions (another gang size): they are sampled again from the resumed "
+                    "weights, not the ones they were first sampled from"
+                )
+            rolled = self._scored(net, micro, self._sample(net, micro, g, d), step, d)
         self._held = (g, rolled)
         return rolled
+
+    def held(self) -> dict | None:
+        """What a checkpoint keeps of this rank's generation batch, so that a resume inside
+        it (numIterations > 1) trains on the same completions, advantages and old
+        log-probabilities as the run that was not stopped: plain lists and tensors."""
+        if self._held is None or self.settings.num_iterations == 1:
+            return None
+        micro = [
+            {"completions": r.completions, "advantages": r.advantages, "rewards": r.rewards,
+             "scores": r.scores, "old": r.old, "ref": r.ref}
+            for r in self._held[1]
+        ]  # fmt: skip
+        return {"batch": self._held[0], "micro": micro}
+
+    def restore(self, held: dict | None) -> None:
+        """:meth:`held` as a checkpoint kept it; used by the first rollout after a resume."""
+        self._restored = held
+
+    def _unpacked(self, rows, part: dict) -> Rolled:
+        rolled = self._assembled(rows, part["completions"], part["advantages"], part["rewards"],
+                                 part["scores"])  # fmt: skip
+        return replace(rolled, old=part["old"], ref=part["ref"])
 
     def _sample(self, net, micro: list[Prompts], g: int, d) -> list[list[list[int]]]:
         generator = torch.Generator(device=d.device)
@@ -261,20 +289,7 @@ class Grpo:
         return every[:, :-1]
 
     def _rolled(self, net, rows, completions, adv, rewards, scores, d) -> Rolled:
-        seqs = []
-        for r, c in zip(rows, completions, strict=True):
-            p = list(r["prompt_ids"])
-            seqs.append({"input_ids": p + c, "labels": [IGNORE] * len(p) + c,
-                         "seq_lengths": [len(p) + len(c)]})  # fmt: skip
-        pad = self.engine.pad
-        rolled = Rolled(
-            batch=data.collate(seqs, pad),
-            lengths=[len(c) for c in completions],
-            prompt_lengths=[len(r["prompt_ids"]) for r in rows],
-            advantages=adv,
-            rewards=rewards,
-            scores=scores,
-        )
+        rolled = self._assembled(rows, completions, adv, rewards, scores)
         old = ref = None
         with torch.no_grad():
             if self.settings.num_iterations > 1:
@@ -285,6 +300,22 @@ class Grpo:
                 with adapters_off(net):
                     ref = self.logps(net, rolled, d.device)
         return replace(rolled, old=old, ref=ref)
+
+    def _assembled(self, rows, completions, adv, rewards, scores) -> Rolled:
+        seqs = []
+        for r, c in zip(rows, completions, strict=True):
+            p = list(r["prompt_ids"])
+            seqs.append({"input_ids": p + c, "labels": [IGNORE] * len(p) + c,
+                         "seq_lengths": [len(p) + len(c)]})  # fmt: skip
+        return Rolled(
+            batch=data.collate(seqs, self.engine.pad),
+            completions=[list(c) for c in completions],
+            lengths=[len(c) for c in completions],
+            prompt_lengths=[len(r["prompt_ids"]) for r in rows],
+            advantages=adv,
+            rewards=rewards,
+            scores=scores,
+        )
 
     # ------------------------------------------------------------------ the loss
 

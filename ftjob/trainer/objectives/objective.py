@@ -40,6 +40,13 @@ class Objective(Protocol):
         """The step's micro-batches as the loss takes them: the collated ones as they are,
         or (GRPO) with completions sampled from ``net`` and scored."""
 
+    def held(self) -> dict | None:
+        """What this rank holds between steps that a resume needs (plain lists and tensors):
+        a checkpoint keeps it beside the rank's RNG streams."""
+
+    def restore(self, held: dict | None) -> None:
+        """:meth:`held` as the checkpoint resumed from kept it (None: nothing kept)."""
+
     def count(self, batch: data.Batch) -> int:
         """What the step's loss is a mean over (a host number)."""
 

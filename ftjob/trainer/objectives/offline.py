@@ -1,6 +1,7 @@
 """What the objectives that train on the data set's own rows share (SFT, DPO): a sampler over
-those rows, and micro-batches taken as collated. GRPO differs in both (its rows are prompts,
-and its micro-batches are rollouts sampled from the policy)."""
+those rows, micro-batches taken as collated, and nothing held between steps. GRPO differs in
+all three (its rows are prompts, its micro-batches rollouts sampled from the policy, which it
+holds for numIterations steps)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from ftjob.trainer.data import batches as data
 
 
 class Offline:
-    """The sampler and the rollout of an objective whose data is what it trains on."""
+    """The sampler, rollout and held state of an objective whose data is what it trains on."""
 
     def sampler(self, n: int, spec: FineTuneJobSpec, world: int) -> data.Sampler:
         t = spec.training
@@ -17,3 +18,9 @@ class Offline:
 
     def rollout(self, net, micro: list[data.Batch], step: int, d) -> list[data.Batch]:
         return micro
+
+    def held(self) -> None:
+        return None
+
+    def restore(self, held: None) -> None:
+        pass

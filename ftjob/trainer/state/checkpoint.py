@@ -5,6 +5,9 @@ Layout under ``FTJOB_JOB_DIR/checkpoints/``::
     step-00000200/          committed: DCP shards + .metadata, rng-rank*.pt, COMMITTED
     .tmp-step-00000300/     being written (or left by a crash): never read
 
+``rng-rank<r>.pt`` is what rank r alone holds: its RNG streams, and what its objective keeps
+between steps (GRPO's generation batch inside numIterations).
+
 Every rank writes its shards into the temporary folder (``torch.distributed.checkpoint``)
 and takes their checksums; rank 0 writes the manifest of all of them as ``COMMITTED``
 (:mod:`ftjob.trainer.state.integrity`) and renames the folder, an atomic step on POSIX file
@@ -148,7 +151,9 @@ class Checkpointer:
                 )
             )
 
-    def save(self, model, optimizer, scheduler, step: int) -> None:
+    def save(self, model, optimizer, scheduler, step: int, own: dict | None = None) -> None:
+        """``own``: what this rank holds that no other does and the next run needs (the
+        objective's, e.g. GRPO's generation batch), kept beside its RNG streams."""
         self.wait()
         self._began = time.monotonic()
         final = folder(self.root, step)
@@ -163,7 +168,7 @@ class Checkpointer:
         self._agree(error, tmp)  # also the barrier before anyone writes into tmp
         try:
             # RNG is per rank; DCP would keep one copy of a plain tensor: its own file.
-            torch.save(_rng(), tmp / f"rng-rank{self.rank}.pt")
+            torch.save({**_rng(), "own": own}, tmp / f"rng-rank{self.rank}.pt")
         except OSError as e:
             error = e
         self._agree(error, tmp)
@@ -295,8 +300,9 @@ class Checkpointer:
         for old in committed(self.root)[self.keep :]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path, model, optimizer, scheduler) -> int:
-        """Restore model, optimizer, scheduler and this rank's RNG; return the step.
+    def load(self, path: Path, model, optimizer, scheduler) -> tuple[int, dict | None]:
+        """Restore model, optimizer, scheduler and this rank's RNG; return the step and what
+        the rank saved as its own (None where it saved none, or the gang grew).
 
         The files were verified (:func:`choose`); what fails now does not fit this job (a
         changed model or method) and is named as such rather than as a traceback."""
@@ -323,12 +329,12 @@ class Checkpointer:
             ) from e
         rng_file = path / f"rng-rank{self.rank}.pt"
         if not rng_file.exists():  # resumed with more ranks than saved: fresh RNG streams
-            return int(state["step"])
+            return int(state["step"]), None
         rng = torch.load(rng_file, weights_only=True)
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-        return int(state["step"])
+        return int(state["step"]), rng.get("own")
 
 
 def _fsync_dir(path: Path) -> None:
