@@ -67,14 +67,18 @@ PRINTER_COLUMNS = [
 
 
 def printer_columns() -> list[dict[str, Any]]:
-    """:data:`PRINTER_COLUMNS` with the objectives' metrics that ask for a column before the
-    last (api/objectives.py; a job of another objective leaves them empty)."""
-    own = [
-        {"name": m.column, "type": "number", "jsonPath": f".status.progress.{m.key}", "priority": 1}
-        for m in objectives.metrics()
-        if m.column
-    ]
-    return PRINTER_COLUMNS[:-1] + own + PRINTER_COLUMNS[-1:]
+    """:data:`PRINTER_COLUMNS` with the objectives' metrics that ask for a column
+    (api/objectives.py; a job of another objective leaves them empty): a headline one after
+    Loss in the default view, the others before the last, with -o wide."""
+    own = [m for m in objectives.metrics() if m.column]
+    head = [_column(m) for m in own if m.headline]
+    wide = [_column(m) | {"priority": 1} for m in own if not m.headline]
+    at = [c["name"] for c in PRINTER_COLUMNS].index("Loss") + 1
+    return PRINTER_COLUMNS[:at] + head + PRINTER_COLUMNS[at:-1] + wide + PRINTER_COLUMNS[-1:]
+
+
+def _column(m: objectives.Metric) -> dict[str, Any]:
+    return {"name": m.column, "type": "number", "jsonPath": f".status.progress.{m.key}"}
 
 
 def schema() -> dict[str, Any]:

@@ -43,6 +43,9 @@ class Metric:
     status: str | None = None  # the description of status.progress.<key>, which it is in
     eval_status: str | None = None  # and of status.progress.<eval key>
     column: str | None = None  # a printer column of status.progress.<key> (kubectl get -o wide)
+    # Its column shows in kubectl get's default view, after Loss: where it says more than the
+    # loss does (GRPO's reward).
+    headline: bool = False
 
     def __post_init__(self):
         if self.column and not self.status:
@@ -126,6 +129,7 @@ GRPO = Objective(
             status="reward (GRPO jobs): mean weighted reward of the latest logged step's "
             "completions.",
             column="Reward",
+            headline=True,
         ),
         Metric(
             key="rewardStd",

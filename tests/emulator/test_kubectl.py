@@ -27,11 +27,13 @@ def test_apply_get_wait_and_delete(cluster, operator, kubectl):
 
     kubectl("wait", "--for=condition=Running", "finetunejob/tiny", "--timeout=20s")
     table = kubectl("get", "finetunejobs").stdout.splitlines()
-    assert table[0].split()[:7] == ["NAME", "PHASE", "REASON", "NODES", "PROGRESS", "LOSS", "ETA"]
+    head = ["NAME", "PHASE", "REASON", "NODES", "PROGRESS", "LOSS", "REWARD", "ETA"]
+    assert table[0].split()[:8] == head
     # The emulator's table leaves REASON (a JSONPath filter) <none>; the real apiserver fills
     # it (tests/cluster/test_real_operator.py).
     row = table[1].split()
-    assert row[:2] == ["tiny", "Running"] and row[3] == "2"
+    # A next-token job has no reward: GRPO's column stays empty.
+    assert row[:2] == ["tiny", "Running"] and row[3] == "2" and row[6] == "<none>"
     assert "RESTARTS" not in table[0]
     wide = kubectl("get", "finetunejobs", "-o", "wide").stdout.splitlines()
     columns = ["RESTARTS", "IN-PLACE", "TOKENS/S", "MFU", "REWARD-ACC", "IMAGE"]

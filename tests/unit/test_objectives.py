@@ -110,7 +110,7 @@ def test_a_made_up_objective_reaches_the_crd_and_status(made_up):
 
     version = crd.crd()["spec"]["versions"][0]
     columns = version["additionalPrinterColumns"]
-    assert [c["name"] for c in columns][-4:] == ["Reward-Acc", "Reward", "KL", "Image"]
+    assert [c["name"] for c in columns][-3:] == ["Reward-Acc", "KL", "Image"]
     assert columns[-2] == {
         "name": "KL",
         "type": "number",
