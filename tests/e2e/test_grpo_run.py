@@ -143,19 +143,32 @@ def test_qlora_sharded_grpo_with_the_kl_term_and_two_steps_per_generation(qlora)
     assert (workdir / "model" / "adapter_model.safetensors").is_file()
 
 
+def killed_qlora(runs: Path, every: int, after: int) -> tuple[Path, int, str]:
+    """qlora_kl saving every ``every`` steps, killed once step ``after`` is logged, run again:
+    (its folder, the last step the killed run logged, the rerun's output)."""
+    doc = qlora_kl()
+    doc["spec"]["checkpoint"]["every"] = every
+    workdir = runs / f"qlora-killed-{every}"
+    _, _, killed_at = killed_mid_run(doc, workdir, after)
+    code, out = run(qlora_kl() | {"spec": doc["spec"]}, workdir)
+    assert code == 0, out
+    return workdir, killed_at, out
+
+
+def same_steps(workdir: Path, uninterrupted: Path) -> bool:
+    """Every step's loss, reward, KL and clip ratio as the uninterrupted run logged them (a
+    step the killed run logged and the rerun logged again: the rerun's)."""
+    keys = ("loss", "reward", "kl", "clipRatio")
+    resumed = {s["step"]: {k: s[k] for k in keys} for s in history(workdir)}
+    return resumed == {s["step"]: {k: s[k] for k in keys} for s in history(uninterrupted)}
+
+
 def test_a_killed_sharded_qlora_grpo_run_resumes_to_the_same_rewards_and_losses(runs, qlora):
     """Killed after step 3, resumed from step 2's checkpoint: a generation batch's first step
     (numIterations 2), so the resumed run samples what the first one did."""
-    doc = qlora_kl()
-    doc["spec"]["checkpoint"]["every"] = 2
-    workdir = runs / "qlora-killed"
-    _, _, killed_at = killed_mid_run(doc, workdir, 3)
-    code, out = run(qlora_kl() | {"spec": doc["spec"]}, workdir)
-    assert code == 0, out
+    workdir, killed_at, out = killed_qlora(runs, every=2, after=3)
     assert 2 < killed_at < 6 and "resuming from checkpoint" in out, (killed_at, out)
-    keys = ("loss", "reward", "kl", "clipRatio")
-    resumed = {s["step"]: {k: s[k] for k in keys} for s in history(workdir)}
-    assert resumed == {s["step"]: {k: s[k] for k in keys} for s in history(qlora[0])}
+    assert same_steps(workdir, qlora[0])
 
 
 def test_a_run_killed_inside_a_generation_batch_resumes_to_its_completions(runs, qlora):
@@ -163,14 +176,7 @@ def test_a_run_killed_inside_a_generation_batch_resumes_to_its_completions(runs,
     the batch's completions, advantages and old log-probabilities (what each rank holds), so
     step 4 trains on them as the run that was not stopped did, not on a new sampling from the
     weights step 3 left."""
-    doc = qlora_kl()
-    doc["spec"]["checkpoint"]["every"] = 3
-    workdir = runs / "qlora-killed-inside"
-    _, _, killed_at = killed_mid_run(doc, workdir, 4)
-    code, out = run(qlora_kl() | {"spec": doc["spec"]}, workdir)
-    assert code == 0, out
+    workdir, killed_at, out = killed_qlora(runs, every=3, after=4)
     assert killed_at == 4 and "resuming from checkpoint" in out and "(step 3)" in out, out
     assert "sampled again" not in out
-    keys = ("loss", "reward", "kl", "clipRatio")
-    resumed = {s["step"]: {k: s[k] for k in keys} for s in history(workdir)}
-    assert resumed == {s["step"]: {k: s[k] for k in keys} for s in history(qlora[0])}
+    assert same_steps(workdir, qlora[0])
