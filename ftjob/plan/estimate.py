@@ -51,7 +51,7 @@ from ftjob.api.hardware import GIB, GPUS, node_bandwidth
 from ftjob.api.schema import FieldError, quantity
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.plan import datasize
-from ftjob.plan.limits import plain_module, qlora_problem, shard_group
+from ftjob.plan.limits import fp8_problem, plain_module, qlora_problem, shard_group
 from ftjob.plan.modelshape import LOSS_CHUNK_TOKENS, ModelShape, flops_per_token
 from ftjob.plan.traffic import traffic
 
@@ -317,7 +317,7 @@ def estimate_at(
     ``device_bytes`` (None: CPU or an unknown GPU); :func:`estimate` resolves them."""
     r, t, method = spec.resources, spec.training, spec.method.type
     on_gpu = r.gpus_per_node > 0
-    act_bytes = 2 if spec.compute_precision() == "bf16" else FP32
+    act_bytes = 2 if spec.bf16_compute() else FP32
     lora = spec.method.lora_settings()
     adapter = shape.lora_params(lora.r, lora.target_modules) if lora else 0
     trainable = shape.params if method == "full" else adapter
@@ -334,6 +334,7 @@ def estimate_at(
     offload = spec.parallelism.cpu_offload
     # The rule validate and the trainer apply; every decoder layer has the same weights.
     problem = qlora_problem(spec, shape.linear_shapes(), group)
+    problem = problem or fp8_problem(spec, shape.linear_shapes())
     states_on_device = 0.0 if offload else 1.0
     weights = sharded_weights / group * states_on_device
     gradients = trainable * FP32 / group * states_on_device
