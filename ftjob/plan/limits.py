@@ -30,6 +30,18 @@ def plain_module(spec: FineTuneJobSpec) -> bool:
     return spec.resources.world_size == 1 and not spec.parallelism.cpu_offload
 
 
+def float8_all_gather(spec: FineTuneJobSpec) -> bool:
+    """Whether FSDP2 gathers the float8 linear layers' weights in float8 (trainer/model/float8.py):
+    tensorwise scaling (one scale a weight: torchao's only float8 all-gather), a full
+    fine-tune (the weights FSDP gathers are the ones that train and are rescaled each step)
+    and a job that is sharded (not a plain module)."""
+    return (
+        spec.training.fp8_scaling() == "tensorwise"
+        and spec.method.type == "full"
+        and not plain_module(spec)
+    )
+
+
 def qlora_problem(
     spec: FineTuneJobSpec, weights: dict[str, tuple[int, int]], shards: int
 ) -> FieldError | None:

@@ -144,6 +144,9 @@ def _train_and_export(job: Job) -> Path:
     # Before resuming: a full fine-tune's DPO reference is the loaded model's.
     job.goal.before_training(job.spec, run.net, ds, job.d, job.report.log, job.folder)
     start = _resume(job, run)
+    # Only now: loading a checkpoint takes an optimizer step of its own (torch initialises
+    # the moments so), and scales computed then would be the weights' from before the load.
+    float8.rescale_after_each_step(run.net, run.optimizer, job.spec)
     job.report.startup.mark("resume")  # the first step's seconds: Progress.step
     evaluated_at = _train(job, run, ds, sampler, range(start, total), nodes)
     run.ckpt.close()
@@ -309,7 +312,6 @@ def _load(job: Job, tok, total: int) -> step.Run:
         # parameter's step count on the host every step (tests/e2e/test_host_reads.py).
         fused=True,
     )
-    float8.rescale_after_each_step(net, optimizer, spec)
     scheduler = get_scheduler(SCHEDULERS[t.scheduler], optimizer, t.warmup_steps(total), total)
     ckpt = checkpoint.Checkpointer(
         JobFolder(job.folder).checkpoints,

@@ -28,7 +28,7 @@ from torch import nn
 from ftjob.api.contract import BAD_SPEC, TrainerError
 from ftjob.api.hardware import FP8_MIN_CAPABILITY
 from ftjob.api.spec import FineTuneJobSpec
-from ftjob.plan.limits import fp8_problem, plain_module
+from ftjob.plan.limits import float8_all_gather, fp8_problem
 
 
 def convertible(model: nn.Module) -> dict[str, nn.Linear]:
@@ -44,17 +44,6 @@ def convertible(model: nn.Module) -> dict[str, nn.Linear]:
     return found
 
 
-def all_gathers_float8(spec: FineTuneJobSpec) -> bool:
-    """Whether FSDP2 gathers the converted weights in float8: tensorwise scaling (one scale a
-    weight, torchao's only float8 all-gather), a full fine-tune (the weights that train are
-    the ones FSDP gathers and rescales each step) and a sharded job."""
-    return (
-        spec.training.fp8_scaling() == "tensorwise"
-        and spec.method.type == "full"
-        and not plain_module(spec)
-    )
-
-
 def config(spec: FineTuneJobSpec):
     """torchao's configuration for the job's recipe, emulated on CPU."""
     from torchao.float8 import Float8LinearConfig
@@ -63,7 +52,7 @@ def config(spec: FineTuneJobSpec):
     return dataclasses.replace(
         recipe,
         emulate=spec.resources.gpus_per_node == 0,
-        enable_fsdp_float8_all_gather=all_gathers_float8(spec),
+        enable_fsdp_float8_all_gather=float8_all_gather(spec),
         # A batch's token count is the inner dimension of the weight gradient's matmul; it
         # varies with the longest row, and float8 matmuls take only multiples of 16.
         pad_inner_dim=True,
@@ -114,9 +103,11 @@ def rescale_after_each_step(
 ) -> None:
     """With float8 all-gathers: the weights' scales, computed for all of them in one
     all-reduce after each optimizer step (torchao's precompute), not one per weight in
-    every all-gather. A resumed run's first step computes them in the gathers, to the same
-    values (the largest magnitude of each weight, whichever way it is reduced)."""
-    if not all_gathers_float8(spec):
+    every all-gather. Installed after any checkpoint is loaded (set_state_dict takes an
+    optimizer step to initialise the moments: scales computed then would be those of the
+    weights before the load); the first step computes them in its gathers, to the same values
+    (the largest magnitude of each weight, whichever way it is reduced)."""
+    if not float8_all_gather(spec):
         return
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -139,7 +130,7 @@ def words(spec: FineTuneJobSpec, converted: list[str]) -> str:
     how = "emulated on CPU: float8 rounding without float8 speed"
     if spec.resources.gpus_per_node:
         how = "on float8 tensor cores"
-    gathers = "; FSDP all-gathers them in float8" if all_gathers_float8(spec) else ""
+    gathers = "; FSDP all-gathers them in float8" if float8_all_gather(spec) else ""
     return (
         f"precision fp8: {len(converted)} linear layers of the decoder in float8, "
         f"{spec.training.fp8_scaling()} scaling, {how}{gathers}; the embedding, output "
