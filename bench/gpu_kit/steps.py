@@ -275,7 +275,7 @@ def fp8_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
     if step == "fp8-8b":
         s, method = sized(s, "8b", seq=4096, micro_batch=1, steps=12), "lora"
     else:
-        s, method = dataclasses.replace(s, steps=12), "full"
+        s, method = sized(s, "1b", steps=12), "full"
     for precision in ("bf16", "fp8"):
         doc = default_job(s, work, method=method, tag=precision)
         doc["spec"]["training"].update(precision=precision, compile=True)
