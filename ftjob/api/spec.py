@@ -1591,6 +1591,11 @@ def ineffective(spec: FineTuneJobSpec, raw: dict[str, Any]) -> list[str]:
             f"maxSteps {steps}: the learning rate never reaches its peak; lower warmup (e.g. "
             '"3%") or raise maxSteps'
         )
+    if t.precision == "fp8" and spec.resources.gpus_per_node == 0:
+        out.append(
+            "spec.training.precision: fp8 on CPU is emulated (float8 rounding without float8 "
+            "speed): it tests what fp8 does to a job's numerics; train with fp32 or bf16"
+        )
     written = (raw.get("training") or {}) if isinstance(raw, dict) else {}
     held_out = ds.eval_fraction is not None or ds.eval_split is not None
     if written.get("evalEvery") is not None and t.eval_every > 0 and not held_out:

@@ -233,3 +233,11 @@ def test_the_plan_refuses_fp8_on_a_model_whose_shapes_float8_cannot_take():
     e = layout.estimate(job, odd)
     assert e.fits is False and e.problem.path == "spec.training.precision"
     assert "gate_proj (14330x4096)" in e.problem.message
+
+
+def test_fp8_on_cpu_is_taken_with_a_warning_that_it_is_emulated():
+    from ftjob.api.spec import ineffective
+
+    job = spec(precision="fp8")
+    assert any("fp8 on CPU is emulated" in w for w in ineffective(job, {}))
+    assert not any("emulated" in w for w in ineffective(spec(precision="bf16"), {}))
