@@ -520,8 +520,9 @@ class TrainingSpec:
         "compile each decoder layer with torch.compile before sharding (faster steps after "
         "a slower first one; more GPU memory, which ftjob plan counts as measured at one "
         "size). The compiled layers are cached in the job's folder (compile-cache/): a "
-        "restart loads them. Unset, ftjob decides: off on CPU, and off on GPUs until compile's "
-        "memory is measured at a second size.",
+        "restart loads them. Unset, ftjob decides: off on CPU; on GPUs on for precision fp8 "
+        "(float8 is fast only compiled), else off until compile's memory is measured at a "
+        "second size.",
         None,
     )
     seed: int = api_field("seed for initialisation and data order.", 42, minimum=0)
