@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The call on a lent GPU machine (no package registry there), from the repo root:
 #
-#   bash bench/gpu_kit/run.sh [main|rest|tests] [rehearse] [--dry-run]
+#   bash bench/gpu_kit/run.sh [main|rest|tests|fp8] [rehearse] [--dry-run]
 #
 #   main      (default) the one call, most valuable first: env, then profile (ftjob's default
 #             job under torch.profiler: the device's busy fraction, longest kernels, host
@@ -12,6 +12,8 @@
 #             (compiled peak at a second size against the plan), offload (QLoRA + cpuOffload),
 #             ckpt-stall (asyncSave), lora-8b (Llama-3-8B-shaped LoRA at seq 4096).
 #   tests     a call only when time is left after both: env, tests/gpu, memory (LoRA, QLoRA).
+#   fp8       a call of its own (issue 58): env, fp8-1b (the 1B full fine-tune) and fp8-8b
+#             (8B-shaped LoRA, seq 4096), each bf16 then fp8, compiled: tokens/s, peak, losses.
 #   rehearse  the chosen call on CPU with tiny sizes: the same install, steps, caps and files.
 #             The image's role is played by PYTHON (tests/e2e/test_bench_gpu_suite.py uses the
 #             torch 2.11 venv of scripts/torch-floor.sh), the wheels come from KIT_WHEELS.
@@ -27,10 +29,10 @@ set -u -o pipefail
 mode=main dry= rehearse=
 for arg in "$@"; do
   case $arg in
-    main | rest | tests) mode=$arg ;;
+    main | rest | tests | fp8) mode=$arg ;;
     rehearse) rehearse=1 ;;
     --dry-run) dry=1 ;;
-    *) echo "usage: bash bench/gpu_kit/run.sh [main|rest|tests] [rehearse] [--dry-run]" >&2
+    *) echo "usage: bash bench/gpu_kit/run.sh [main|rest|tests|fp8] [rehearse] [--dry-run]" >&2
       exit 2 ;;
   esac
 done
@@ -152,6 +154,10 @@ case $mode in
   tests)
     gpu_tests
     measure memory 90
+    ;;
+  fp8)
+    measure fp8-1b 120  # two compiled runs of the 1B model
+    measure fp8-8b 170  # two compiled runs of the 8B-shaped LoRA (its base built once)
     ;;
 esac
 echo "run.sh $mode: $((SECONDS - start))s; output in $out" | tee -a "$summary"

@@ -18,6 +18,10 @@ The second call (rest):
     ckpt-stall   a step after an asyncSave checkpoint against the steps without one
     lora-8b      Llama-3-8B-shaped LoRA at seq 4096: tokens/s (NeMo: 12,473 on one H100)
 And (a call of its own, when time is left): memory, LoRA and QLoRA peaks against the plan.
+The fp8 call (issue 58; `run.sh fp8`), bf16 then fp8, both compiled, 12 steps each:
+    fp8-1b       the ~1B Llama full fine-tune (float8 all-gathers): tokens/s, peak against
+                 `ftjob plan`, the losses
+    fp8-8b       Llama-3-8B-shaped LoRA at seq 4096 (the frozen base's linears in float8)
 
 Each result is appended to DIR/results.jsonl (one JSON object a line) the moment it exists, and
 every child's output is printed as it comes (run.sh tees it to DIR/STEP.log): a step cut off by
@@ -43,7 +47,8 @@ import yaml
 
 from bench import common, gpu
 
-STEPS = ("profile", "versus-trl", "compile-3b", "offload", "ckpt-stall", "lora-8b", "memory")
+STEPS = ("profile", "versus-trl", "compile-3b", "offload", "ckpt-stall", "lora-8b", "memory",
+         "fp8-1b", "fp8-8b")  # fmt: skip
 PROFILED = 3  # steps under the profiler, after ftjob.trainer.report.profile.WARMUP
 NEMO_8B_LORA = 12473  # tok/s, Llama-3-8B LoRA seq 4096 on one H100 (NeMo's published table)
 
@@ -264,6 +269,24 @@ def memory_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
                wallSeconds=round(run.wall, 1))  # fmt: skip
 
 
+def fp8_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
+    """bf16 then fp8, both compiled, on the same job: one result each, the moment it exists.
+    The rehearsal compiles with aot_eager (run.sh) and emulates float8 on CPU."""
+    if step == "fp8-8b":
+        s, method = sized(s, "8b", seq=4096, micro_batch=1, steps=12), "lora"
+    else:
+        s, method = sized(s, "1b", steps=12), "full"
+    for precision in ("bf16", "fp8"):
+        doc = default_job(s, work, method=method, tag=precision)
+        doc["spec"]["training"].update(precision=precision, compile=True)
+        run, stdout = ftjob(doc, work)
+        model = Path(doc["spec"]["model"]["source"])
+        record(out, step, precision=precision, shape=s.shape, method=method,
+               **rate_fields(run, doc, s, work, stdout), **chosen(run),
+               **peak_fields(run, doc, model), losses=run.losses(),
+               wallSeconds=round(run.wall, 1), setup=s.__dict__)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("step", choices=STEPS)
@@ -280,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
 
 STEP_FUNCTIONS = {"profile": profile_step, "versus-trl": versus_trl_step,
                   "compile-3b": compile_step, "offload": memory_step, "ckpt-stall": stall_step,
-                  "lora-8b": lora_8b_step, "memory": memory_step}  # fmt: skip
+                  "lora-8b": lora_8b_step, "memory": memory_step, "fp8-1b": fp8_step,
+                  "fp8-8b": fp8_step}  # fmt: skip
 
 
 if __name__ == "__main__":

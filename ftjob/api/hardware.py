@@ -25,6 +25,16 @@ class Gpu:
     # True: the name covers boards of different peaks; peak_bf16_flops is the slowest one's,
     # assumed by the plan; the trainer's MFU uses the device's own name (gpu_for_device_name).
     peak_assumed: bool = False
+    peak_fp8_flops: float | None = None  # dense float8, fp32 accumulate; None: no float8 cores
+
+
+# The vendors' float8 figures are quoted with 2:4 sparsity; the dense rate is half of it.
+# Sources: NVIDIA L4 datasheet (FP8 485 TFLOPS sparse), L40S datasheet (1,466 sparse), Ada
+# whitepaper (RTX 4090: FP8 with FP32 accumulate 660.6 sparse), H100 datasheet (SXM 3,958,
+# PCIe 3,026, NVL 3,341 sparse), H200 datasheet (3,958 sparse), DGX B200 datasheet (72 PFLOPS
+# FP8 training for 8 GPUs, sparse: 9,000 per GPU).
+def _fp8(sparse_tflops: float) -> float:
+    return sparse_tflops / 2 * 1e12
 
 
 GPUS = {
@@ -33,19 +43,25 @@ GPUS = {
         # NVIDIA publishes no datasheet for the A10G (an AWS part); third-party tables
         # disagree (70 and 125 TFLOP/s). The lower figure is kept until measured.
         Gpu("A10G-24GB", 24 * GIB, 70e12),
-        Gpu("L4-24GB", 24 * GIB, 121e12),
-        Gpu("RTX4090-24GB", 24 * GIB, 165e12),
+        Gpu("L4-24GB", 24 * GIB, 121e12, peak_fp8_flops=_fp8(485)),
+        Gpu("RTX4090-24GB", 24 * GIB, 165e12, peak_fp8_flops=_fp8(660.6)),
         Gpu("A100-40GB", 40 * GIB, 312e12),
         Gpu("A100-80GB", 80 * GIB, 312e12),
-        Gpu("L40S-48GB", 48 * GIB, 362e12),
-        Gpu("H100-PCIe-80GB", 80 * GIB, 756e12),
-        Gpu("H100-NVL-94GB", 94 * GIB, 835e12),
-        Gpu("H100-SXM-80GB", 80 * GIB, 989e12),
-        Gpu("H100-80GB", 80 * GIB, 756e12, peak_assumed=True),  # SXM or PCIe: see above
-        Gpu("H200-141GB", 141 * GIB, 989e12),
-        Gpu("B200-180GB", 180 * GIB, 2250e12),
+        Gpu("L40S-48GB", 48 * GIB, 362e12, peak_fp8_flops=_fp8(1466)),
+        Gpu("H100-PCIe-80GB", 80 * GIB, 756e12, peak_fp8_flops=_fp8(3026)),
+        Gpu("H100-NVL-94GB", 94 * GIB, 835e12, peak_fp8_flops=_fp8(3341)),
+        Gpu("H100-SXM-80GB", 80 * GIB, 989e12, peak_fp8_flops=_fp8(3958)),
+        # SXM or PCIe: see above (both peaks the slower board's)
+        Gpu("H100-80GB", 80 * GIB, 756e12, peak_assumed=True, peak_fp8_flops=_fp8(3026)),
+        Gpu("H200-141GB", 141 * GIB, 989e12, peak_fp8_flops=_fp8(3958)),
+        Gpu("B200-180GB", 180 * GIB, 2250e12, peak_fp8_flops=_fp8(9000)),
     ]
 }
+
+# The boards with float8 tensor cores: training.precision fp8 is refused on the others.
+FP8_GPU_TYPES = tuple(name for name, g in GPUS.items() if g.peak_fp8_flops)
+# torchao's float8 matmuls (torch._scaled_mm) need this CUDA capability or newer (Ada).
+FP8_MIN_CAPABILITY = (8, 9)
 
 # Names the table once had, and why they are gone (resources.gpuType's error says so).
 RETIRED_GPU_TYPES: dict[str, str] = {}

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 from ftjob import __version__
 from ftjob.api import contract
 from ftjob.api import kubevalidation as kv
-from ftjob.api.hardware import GPUS, RETIRED_GPU_TYPES
+from ftjob.api.hardware import FP8_GPU_TYPES, GPUS, RETIRED_GPU_TYPES
 from ftjob.api.rewards import UNIQUE_NAMES, RewardSpec
 from ftjob.api.schema import (
     QUANTITY_PATTERN,
@@ -72,6 +72,7 @@ WARMUP = r"^([0-9]+|([0-9]{1,2}([.][0-9]+)?|100([.]0+)?)%)$"
 # Variables ftjob sets itself for torchrun and the trainer; a user value would break wiring.
 RESERVED_ENV_PREFIXES = ("PET_", "FTJOB_", "TORCHELASTIC_")
 GPU_TYPES = tuple(GPUS)
+_FP8_CEL = "[" + ", ".join(f"'{name}'" for name in FP8_GPU_TYPES) + "]"
 # activationCheckpointing: auto, all, none or every-N (N >= 2; N = 1 is all).
 CHECKPOINTING_PATTERN = r"^(auto|all|none|every-([2-9]|[1-9][0-9]{1,2}))$"
 # Whether compile: unset turns torch.compile on for GPU jobs. A GPU run has shown compiled layers
@@ -488,10 +489,19 @@ class TrainingSpec:
     max_grad_norm: float = api_field(
         "maxGradNorm clips the gradient norm; 0 turns clipping off.", 1.0, minimum=0
     )
-    precision: Literal["auto", "bf16", "fp32"] = api_field(
-        "precision of compute: auto is bf16 on GPUs and fp32 on CPUs. Weights and optimizer "
-        "states stay fp32.",
+    precision: Literal["auto", "bf16", "fp32", "fp8"] = api_field(
+        "precision of compute: auto is bf16 on GPUs and fp32 on CPUs (never fp8). fp8 is bf16 "
+        "with the decoder layers' linear matmuls in float8 (torchao; the embedding and output "
+        "projection stay bf16): faster on GPUs with float8 tensor cores (resources.gpuType "
+        "L4, L40S, RTX4090, H100, H200, B200), emulated on CPU. Weights and optimizer states "
+        "stay fp32 (a LoRA base: bf16), so checkpoints and exports are those of a bf16 run.",
         "auto",
+    )
+    fp8_recipe: Literal["tensorwise", "rowwise"] | None = api_field(
+        "fp8Recipe (advanced; precision fp8 only): how float8 values are scaled. tensorwise "
+        "(the default): one scale per tensor, float8 all-gathers under FSDP; rowwise: a scale "
+        "per row (more accurate, slower, torchao says).",
+        None,
     )
     activation_checkpointing: str = api_field(
         "activationCheckpointing: which decoder layers keep only their input in the forward "
@@ -510,8 +520,9 @@ class TrainingSpec:
         "compile each decoder layer with torch.compile before sharding (faster steps after "
         "a slower first one; more GPU memory, which ftjob plan counts as measured at one "
         "size). The compiled layers are cached in the job's folder (compile-cache/): a "
-        "restart loads them. Unset, ftjob decides: off on CPU, and off on GPUs until compile's "
-        "memory is measured at a second size.",
+        "restart loads them. Unset, ftjob decides: off on CPU; on GPUs on for precision fp8 "
+        "(float8 is fast only compiled), else off until compile's memory is measured at a "
+        "second size.",
         None,
     )
     seed: int = api_field("seed for initialisation and data order.", 42, minimum=0)
@@ -522,6 +533,12 @@ class TrainingSpec:
         100,
         minimum=0,
     )
+
+    def fp8_scaling(self) -> str | None:
+        """The float8 scaling recipe in force, or None when precision is not fp8."""
+        if self.precision != "fp8":
+            return None
+        return self.fp8_recipe or "tensorwise"
 
     def dpo_settings(self) -> DpoSpec | None:
         """The DPO settings in force, or None for next-token training."""
@@ -1386,6 +1403,32 @@ class FineTuneJobSpec:
             ".model.attention",
         ),
         Rule(
+            "self.training.precision != 'fp8' || self.method.type != 'qlora'",
+            lambda s: s.training.precision != "fp8" or s.method.type != "qlora",
+            "precision fp8 casts each high-precision weight to float8 for its matmul; QLoRA's "
+            "base is 4-bit NF4, so every step would dequantize it to bf16 and quantize again "
+            "to float8 (slower than bf16, and rounded twice): use precision bf16 with qlora, or "
+            "fp8 with method.type lora or full",
+            ".training.precision",
+        ),
+        Rule(
+            "self.training.precision == 'fp8' || !has(self.training.fp8Recipe)",
+            lambda s: s.training.precision == "fp8" or s.training.fp8_recipe is None,
+            "fp8Recipe is for precision fp8; remove it or set precision fp8",
+            ".training.fp8Recipe",
+        ),
+        Rule(
+            f"self.training.precision != 'fp8' || !has(self.resources.gpuType) || "
+            f"self.resources.gpuType in {_FP8_CEL}",
+            lambda s: (
+                s.training.precision != "fp8" or s.resources.gpu_type in (None, *FP8_GPU_TYPES)
+            ),
+            "precision fp8 needs float8 tensor cores (CUDA capability 8.9: Ada, Hopper, "
+            f"Blackwell), which resources.gpuType lacks; use precision bf16, or a gpuType of "
+            f"{', '.join(FP8_GPU_TYPES)}",
+            ".training.precision",
+        ),
+        Rule(
             "self.resources.gpusPerNode > 0 || !has(self.resources.gpuType)",
             lambda s: s.resources.gpus_per_node > 0 or s.resources.gpu_type is None,
             "gpuType names the GPU of a GPU job; remove it when gpusPerNode is 0",
@@ -1444,12 +1487,19 @@ class FineTuneJobSpec:
         off on CPU, and on GPUs only once compile has been verified there."""
         if self.training.compile is not None:
             return self.training.compile
-        return on_gpu and COMPILE_VERIFIED_ON_GPU
+        # float8's casts and scales are fast only fused into the matmuls around them: torchao
+        # and torchtitan train fp8 compiled (eager fp8 can be slower than bf16).
+        return on_gpu and (COMPILE_VERIFIED_ON_GPU or self.training.precision == "fp8")
 
     def compute_precision(self) -> str:
+        """bf16, fp32 or fp8 (auto resolved; auto never picks fp8: it changes numerics)."""
         if self.training.precision != "auto":
             return self.training.precision
         return "bf16" if self.resources.gpus_per_node > 0 else "fp32"
+
+    def bf16_compute(self) -> bool:
+        """Whether the ops outside float8 matmuls compute in bf16 (precision bf16 and fp8)."""
+        return self.compute_precision() in ("bf16", "fp8")
 
 
 def parse_spec(data: Any, path: str = "spec") -> FineTuneJobSpec:
@@ -1541,6 +1591,11 @@ def ineffective(spec: FineTuneJobSpec, raw: dict[str, Any]) -> list[str]:
             f"spec.training.warmup: {t.warmup} is {t.warmup_steps(steps)} steps of warmup with "
             f"maxSteps {steps}: the learning rate never reaches its peak; lower warmup (e.g. "
             '"3%") or raise maxSteps'
+        )
+    if t.precision == "fp8" and spec.resources.gpus_per_node == 0:
+        out.append(
+            "spec.training.precision: fp8 on CPU is emulated (float8 rounding without float8 "
+            "speed): it tests what fp8 does to a job's numerics; train with fp32 or bf16"
         )
     written = (raw.get("training") or {}) if isinstance(raw, dict) else {}
     held_out = ds.eval_fraction is not None or ds.eval_split is not None

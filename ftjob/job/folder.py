@@ -25,7 +25,7 @@ fields, once a checkpoint or an export depends on the record (a run that failed 
 first checkpoint, on bad data or a download, left nothing to mix: its fixed spec replaces
 the record), while what does not change the steps already taken may change freely: how long to
 train (maxSteps, epochs), how often to log, evaluate or checkpoint, where and how it runs
-(images, scheduling, network, sharding, offload), and what is exported. The export is
+(images, scheduling, network, sharding, offload, precision), and what is exported. The export is
 swapped in whole (:func:`swap_in_export`): a continued job's older export stays readable
 until the new one is complete.
 
@@ -197,6 +197,10 @@ SAFE = frozenset(
         "training.evalEvery",
         "training.activationCheckpointing",  # recomputes the same activations
         "training.compile",  # the same layers, compiled
+        # The same fp32 weights and moments, computed at another precision: an fp8 run's
+        # checkpoint resumes in bf16 or fp32 and the reverse (trainer/model/float8.py).
+        "training.precision",
+        "training.fp8Recipe",
     }
 )
 
@@ -244,6 +248,8 @@ def changes(recorded: dict[str, Any], spec: FineTuneJobSpec) -> list[str]:
         from ftjob.api.spec import parse_spec
 
         old = training_fields(parse_spec(recorded.get("spec") or {}))
+    # A record written before a field became safe to change still lists it.
+    old = {k: v for k, v in old.items() if k not in SAFE}
     new = training_fields(spec)
     if fingerprint(old) == fingerprint(new):
         return []

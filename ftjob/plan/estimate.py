@@ -47,11 +47,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ftjob.api.hardware import GIB, GPUS, node_bandwidth
+from ftjob.api.hardware import GIB, GPUS, Gpu, node_bandwidth
 from ftjob.api.schema import FieldError, quantity
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.plan import datasize
-from ftjob.plan.limits import plain_module, qlora_problem, shard_group
+from ftjob.plan.limits import (
+    float8_all_gather,
+    fp8_problem,
+    plain_module,
+    qlora_problem,
+    shard_group,
+)
 from ftjob.plan.modelshape import LOSS_CHUNK_TOKENS, ModelShape, flops_per_token
 from ftjob.plan.traffic import traffic
 
@@ -93,6 +99,14 @@ COMPILED_EXTRA_ACTIVATIONS = 7532 / 2273
 # (hardware FLOPs utilisation): the step time divides model + recomputed FLOPs by it. Without
 # recomputation it equals MFU; the plan's MFU is it x model / (model + recomputed) FLOPs.
 ASSUMED_HFU = {"full": 0.40, "lora": 0.35, "qlora": 0.25}
+# precision fp8: the decoder's linear layers run at the GPU's float8 peak, at this share of the
+# utilisation bf16 matmuls reach (the casts, amax reductions and scales are memory-bound work
+# around them). Calibrated on the one published pair at hand, not measured here: torchtitan's
+# Llama 3.1 8B on 8xH100, compiled, 6,667 tok/s per GPU in bf16 and 8,532 in float8
+# (benchmarks/llama3_h100_202412_torchtitan.md): with 72% of its forward FLOPs in the decoder's
+# linear layers at seq 8192 (fp8_speedup's count), 8,532/6,667 = 1 / (0.28 + 0.72 / (2 x 0.72))
+# on the H100 SXM's peaks. The GPU kit's fp8 rows measure ftjob's own (bench/gpu_kit).
+FP8_EFFICIENCY = 0.72
 
 # A save to the shared volume, for the grace period a SIGTERM leaves (ftjob.trainer.gang.preempt,
 # the operator's terminationGracePeriodSeconds): what a node's client of a network file system
@@ -317,7 +331,7 @@ def estimate_at(
     ``device_bytes`` (None: CPU or an unknown GPU); :func:`estimate` resolves them."""
     r, t, method = spec.resources, spec.training, spec.method.type
     on_gpu = r.gpus_per_node > 0
-    act_bytes = 2 if spec.compute_precision() == "bf16" else FP32
+    act_bytes = 2 if spec.bf16_compute() else FP32
     lora = spec.method.lora_settings()
     adapter = shape.lora_params(lora.r, lora.target_modules) if lora else 0
     trainable = shape.params if method == "full" else adapter
@@ -334,6 +348,7 @@ def estimate_at(
     offload = spec.parallelism.cpu_offload
     # The rule validate and the trainer apply; every decoder layer has the same weights.
     problem = qlora_problem(spec, shape.linear_shapes(), group)
+    problem = problem or fp8_problem(spec, shape.linear_shapes())
     states_on_device = 0.0 if offload else 1.0
     weights = sharded_weights / group * states_on_device
     gradients = trainable * FP32 / group * states_on_device
@@ -342,9 +357,12 @@ def estimate_at(
     tokens = t.micro_batch_size * spec.sequences_per_example * spec.dataset.max_seq_length
     activations = _activations(spec, shape, tokens, act_bytes, stride) * FRAGMENTATION
     temporaries = _temporaries(spec, shape, sharding, group, act_bytes)
+    temporaries += float8_copies(spec, shape, tokens)
     # What FSDP gathers for one forward: nothing where a group of one leaves the frozen base
     # whole (trainer/model/load.py left_whole; the adapters' copies are negligible).
     gathered = 0.0 if group == 1 else base_bytes + trainable * act_bytes
+    if group > 1 and float8_all_gather(spec):
+        gathered -= shape.linear_params * (act_bytes - 1)  # the linear weights: 1 byte each
     # GRPO samples before the step's forward, with the whole model gathered once (not once a
     # token: trainer/objectives/generate.py) beside the KV cache; that and the step's
     # activations are never held at once, and the larger counts.
@@ -401,6 +419,7 @@ def _speed(
     sampling = 0.0
     if gpu:
         hfu = ASSUMED_HFU[method] * (OFFLOAD_SLOWDOWN if spec.parallelism.cpu_offload else 1.0)
+        hfu *= fp8_speedup(spec, shape, gpu)
         work = spec.tokens_per_step * (flops + recomputed + reference)
         compute = work / (r.world_size * gpu.peak_bf16_flops * hfu)
         sampling = generation_seconds(spec, shape, gpu.peak_bf16_flops)
@@ -422,6 +441,19 @@ def _speed(
     )
 
 
+def fp8_speedup(spec: FineTuneJobSpec, s: ModelShape, gpu: Gpu) -> float:
+    """How much faster the step's compute is in fp8 than in bf16 on ``gpu``: the decoder's
+    linear layers (their share of the forward's FLOPs) at the float8 peak, times
+    FP8_EFFICIENCY; the rest (attention, the output projection, adapters) at bf16's. 1 for
+    other precisions. Utilisation stays quoted against the bf16 peak, as MFU is."""
+    if spec.training.fp8_scaling() is None or not gpu.peak_fp8_flops:
+        return 1.0
+    forward = 2 * s.matmul_params + 4 * s.hidden * spec.dataset.max_seq_length * s.layers
+    share = 2 * s.linear_params / forward
+    faster = gpu.peak_fp8_flops * FP8_EFFICIENCY / gpu.peak_bf16_flops
+    return 1 / (1 - share + share / faster)
+
+
 def _temporaries(
     spec: FineTuneJobSpec, shape: ModelShape, sharding: str, group: int, act_bytes: int
 ) -> float:
@@ -436,12 +468,30 @@ def _temporaries(
     if group == 1 and method != "full":
         return 0.0  # a group of one leaves the frozen base whole (load.py left_whole)
     gathered = (shape.params if sharding == "grad-op" else 2 * layer) * act_bytes
+    if float8_all_gather(spec):  # the linear weights arrive in float8: 1 byte each
+        linear = shape.linear_params * (1 if sharding == "grad-op" else 2 / shape.layers)
+        gathered -= linear * (act_bytes - 1)
     if method == "qlora":
         # The gathered layers stay 4-bit; each linear weight is dequantized as it is used.
         layers = shape.params / shape.layer_params if sharding == "grad-op" else 2
         largest = max(r * c for r, c in shape.linear_shapes().values())
         gathered = layers * layer * NF4_BITS_PER_PARAM / 8 + largest * act_bytes
     return gathered + (layer if method == "full" else 0) * FP32
+
+
+def float8_copies(spec: FineTuneJobSpec, s: ModelShape, tokens: int) -> float:
+    """precision fp8: the float8 copies and scales of the largest linear layer's matmul,
+    made in forward and again in backward (torchao 0.18 saves the bf16 input and weight for
+    backward and casts them anew, so no float8 copy is kept across layers): the input, the
+    weight and the output's gradient, a byte a value, and their fp32 scales (one a tensor,
+    tensorwise; one a row, rowwise). 0 for other precisions."""
+    recipe = spec.training.fp8_scaling()
+    if recipe is None:
+        return 0.0
+    rows, cols = max(s.linear_shapes().values(), key=lambda shape: shape[0] * shape[1])
+    values = tokens * (cols + rows) + rows * cols
+    scales = 3 if recipe == "tensorwise" else 2 * tokens + rows + cols
+    return values + scales * FP32
 
 
 @dataclass
@@ -667,6 +717,12 @@ def _notes(
         notes.append("4-bit base sharded" if group > 1 else "4-bit base")
     elif method == "lora" and frozen_bytes == 2:
         notes.append("bf16 frozen base")
+    if spec.training.fp8_scaling():
+        gathers = ", gathered in float8" if float8_all_gather(spec) else ""
+        notes.append(
+            f"fp8 ({spec.training.fp8_scaling()}): the decoder's linear layers at the float8 "
+            f"peak x{FP8_EFFICIENCY}{gathers}; their float8 copies and scales counted"
+        )
     if _compiled_on_gpu(spec):
         notes.append(
             f"compiled: activations x{1 + COMPILED_EXTRA_ACTIVATIONS:.2f} (measured at one "

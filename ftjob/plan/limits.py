@@ -2,9 +2,9 @@
 
 ``ftjob validate`` and ``ftjob plan`` (through :func:`ftjob.cli.validate.check`), the
 operator's Planned condition (:func:`ftjob.plan.describe.planned_condition`) and the trainer
-(``trainer/model/load.py`` ``check_shardable``, with the weights it actually built) all ask
-:func:`qlora_problem`, so a job one of them refuses is refused by all with the same field and
-words. Pure: no torch.
+(``trainer/model/load.py`` ``check_shardable`` and ``trainer/model/float8.py`` ``convert``,
+with the weights it actually built) all ask :func:`qlora_problem` and :func:`fp8_problem`, so
+a job one of them refuses is refused by all with the same field and words. Pure: no torch.
 """
 
 from __future__ import annotations
@@ -28,6 +28,18 @@ def plain_module(spec: FineTuneJobSpec) -> bool:
     """Whether the job trains as a plain module, no FSDP (trainer/model/parallel.py ``plain``):
     one rank in all, whose states stay on its device (cpuOffload is FSDP's)."""
     return spec.resources.world_size == 1 and not spec.parallelism.cpu_offload
+
+
+def float8_all_gather(spec: FineTuneJobSpec) -> bool:
+    """Whether FSDP2 gathers the float8 linear layers' weights in float8 (trainer/model/float8.py):
+    tensorwise scaling (one scale a weight: torchao's only float8 all-gather), a full
+    fine-tune (the weights FSDP gathers are the ones that train and are rescaled each step)
+    and a job that is sharded (not a plain module)."""
+    return (
+        spec.training.fp8_scaling() == "tensorwise"
+        and spec.method.type == "full"
+        and not plain_module(spec)
+    )
 
 
 def qlora_problem(
@@ -79,6 +91,28 @@ def qlora_problem(
             fix=f"the shard group (resources.processesPerNode / gpusPerNode, or nodes with "
             f"hybrid sharding) must be {counts}{good[-1]} processes",
         )
+    return None
+
+
+# torch._scaled_mm, under torchao's float8 matmuls, takes only dimensions that divide by 16 (the
+# tokens of a batch, an inner dimension in the weight's gradient, are padded by torchao).
+FP8_MULTIPLE = 16
+
+
+def fp8_problem(spec: FineTuneJobSpec, weights: dict[str, tuple[int, int]]) -> FieldError | None:
+    """Why the decoder's linear ``weights`` (name: (rows, cols)) cannot compute in float8;
+    None if they can or precision is not fp8."""
+    if spec.training.fp8_scaling() is None:
+        return None
+    for full_name, (rows, cols) in weights.items():
+        if rows % FP8_MULTIPLE or cols % FP8_MULTIPLE:
+            return FieldError(
+                "spec.training.precision",
+                f"fp8: {module_name(full_name)} ({rows}x{cols}) has a dimension that does not "
+                f"divide by {FP8_MULTIPLE}, which float8 matmuls need",
+                fix="use precision bf16, or a model whose hidden, intermediate and attention "
+                f"head sizes are multiples of {FP8_MULTIPLE}, as released models' are",
+            )
     return None
 
 

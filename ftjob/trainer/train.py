@@ -34,7 +34,7 @@ from ftjob.trainer.data import batches as data
 from ftjob.trainer.data import sources
 from ftjob.trainer.gang import heartbeat, preempt, preflight, stragglers, termination
 from ftjob.trainer.gang.owner import take_folder
-from ftjob.trainer.model import attention, compile_cache, parallel
+from ftjob.trainer.model import attention, compile_cache, float8, parallel
 from ftjob.trainer.model import load as model
 from ftjob.trainer.objectives import loss, objective
 from ftjob.trainer.report import profile, progress, trackers
@@ -144,6 +144,9 @@ def _train_and_export(job: Job) -> Path:
     # Before resuming: a full fine-tune's DPO reference is the loaded model's.
     job.goal.before_training(job.spec, run.net, ds, job.d, job.report.log, job.folder)
     start = _resume(job, run)
+    # Only now: loading a checkpoint takes an optimizer step of its own (torch initialises
+    # the moments so), and scales computed then would be the weights' from before the load.
+    float8.rescale_after_each_step(run.net, run.optimizer, job.spec)
     job.report.startup.mark("resume")  # the first step's seconds: Progress.step
     evaluated_at = _train(job, run, ds, sampler, range(start, total), nodes)
     run.ckpt.close()
@@ -169,7 +172,7 @@ def _describe(job: Job, run: step.Run, ds: data.Data, total: int) -> None:
         f"{len(ds.train)} train / {len(ds.eval or [])} eval "
         f"{job.goal.unit}, {total} steps" + _speed_note(run.speed)
     )
-    compute = torch.bfloat16 if spec.compute_precision() == "bf16" else torch.float32
+    compute = torch.bfloat16 if spec.bf16_compute() else torch.float32
     implementation = run.net.config._attn_implementation  # the GPU kit records the kernel
     job.report.log(f"attention: {attention.kernel_name(implementation, d.device, compute)}")
     _plan_progress(job.report, spec, d, total, run)
@@ -279,6 +282,8 @@ def _load(job: Job, tok, total: int) -> step.Run:
     built = model.build(spec, tok)
     loss.install(built.model)  # before sharding: the head's forward computes the loss
     params, trainable = model.count_parameters(built.model)
+    if built.converted:
+        job.report.log(float8.words(spec, built.converted))
     chosen = parallel.layout(spec, d, built.model.config)
     if chosen.reason:
         job.report.log(chosen.reason)  # what sharding auto chose, and why

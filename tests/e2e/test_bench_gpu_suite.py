@@ -147,3 +147,24 @@ def test_the_second_call_rehearsed_on_cpu_measures_compile_offload_the_stall_and
     assert lora["tokensPerSecond"] > 0 and lora["yardstick"] == 12473
     for name in ("compile-3b", "offload", "lora-8b"):
         assert len(by[name]["losses"]) == gpu.REHEARSAL.steps
+
+
+@pytest.mark.timeout(hangs.after(420) + hangs.RUN)
+def test_the_fp8_call_rehearsed_on_cpu_runs_bf16_then_fp8_compiled_at_both_shapes(
+    tmp_path, torch_floor
+):
+    """bash bench/gpu_kit/run.sh fp8 rehearse: issue 58's call on the image's torch with the
+    kit's torchao, float8 emulated and compile on aot_eager; the tiny model stands in for the
+    1B full fine-tune and the 8B-shaped LoRA."""
+    _, out = rehearse(tmp_path, torch_floor, "fp8")
+    steps_ok(out, ["env", "fp8-1b", "fp8-8b"])
+    found = results(out)
+    assert [(r["step"], r.get("precision")) for r in found] == [
+        ("env", None), ("kernels", None), ("fp8-1b", "bf16"), ("fp8-1b", "fp8"),
+        ("fp8-8b", "bf16"), ("fp8-8b", "fp8")]  # fmt: skip
+    for r in found[2:]:
+        assert r["compiled"] is True and r["tokensPerSecond"] > 0 and r["plannedMiB"] > 0
+        assert len(r["losses"]) == gpu.REHEARSAL.steps  # 12 on the GPU
+    assert [r["method"] for r in found[2:]] == ["full", "full", "lora", "lora"]
+    # Float8 rounding happened: each fp8 curve differs from its bf16 twin.
+    assert found[3]["losses"] != found[2]["losses"] and found[5]["losses"] != found[4]["losses"]

@@ -70,6 +70,8 @@ def plan(tmp_path: Path, *args: str, scale: int = 1, budget: int = 360) -> list[
 # compile's peak at a second size, QLoRA with cpuOffload, the checkpoint stall, 8B LoRA (rest).
 MAIN = ["env", "profile", "versus-trl"]
 REST = ["env", "compile-3b", "offload", "ckpt-stall", "lora-8b"]
+# Issue 58's call: float8 against bf16, compiled, at the 1B and an 8B shape.
+FP8 = ["env", "fp8-1b", "fp8-8b"]
 
 
 def limits_of(lines: list[str]) -> list[int]:
@@ -78,7 +80,7 @@ def limits_of(lines: list[str]) -> list[int]:
     ]
 
 
-@pytest.mark.parametrize(("mode", "steps"), [("main", MAIN), ("rest", REST)])
+@pytest.mark.parametrize(("mode", "steps"), [("main", MAIN), ("rest", REST), ("fp8", FP8)])
 def test_each_call_runs_its_steps_in_order_each_at_its_whole_limit(tmp_path, mode, steps):
     """Counting every step at its whole limit, the 360 s budget (the call's 420 s limit less a
     margin) reaches every step of the call: none is cut to less than its cap, none left out."""
@@ -97,7 +99,7 @@ def test_a_step_the_budget_cannot_hold_is_named_with_the_call_that_runs_it(tmp_p
         "bash bench/gpu_kit/run.sh rest"  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", ["main", "rest"])
+@pytest.mark.parametrize("mode", ["main", "rest", "fp8"])
 def test_the_rehearsal_is_the_same_call(tmp_path, mode):
     device = [line.split(",")[0] for line in plan(tmp_path, mode)[1:-1]]
     assert [line.split(",")[0] for line in plan(tmp_path, mode, "rehearse")[1:-1]] == device
@@ -106,7 +108,7 @@ def test_the_rehearsal_is_the_same_call(tmp_path, mode):
 def test_every_step_the_calls_run_is_one_the_steps_module_has():
     from bench.gpu_kit import steps
 
-    measured = [s for s in MAIN + REST + ["memory"] if s not in ("env",)]
+    measured = [s for s in MAIN + REST + FP8 + ["memory"] if s not in ("env",)]
     assert set(measured) == set(steps.STEPS) == set(steps.STEP_FUNCTIONS)
 
 
@@ -135,7 +137,7 @@ def test_a_call_when_time_is_left_runs_the_gpu_tests_and_memory(tmp_path):
 def test_no_more_files_than_a_device_call_returns(tmp_path):
     """$OUT comes back with at most 8 files: the summary, the results, the profile's summary
     and a log per step."""
-    for mode in ("main", "rest", "tests"):
+    for mode in ("main", "rest", "tests", "fp8"):
         logs = {line.split(":")[0] for line in plan(tmp_path, mode)[1:-1]}
         assert len({"summary.txt", "results.jsonl", "profile.json", *logs}) <= 8
 

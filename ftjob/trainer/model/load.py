@@ -34,7 +34,7 @@ from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import installed, modelfiles
 from ftjob.job.inputs import resolve  # here too: the trainer's modules call model.resolve
 from ftjob.plan.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK
-from ftjob.trainer.model import attention, weights
+from ftjob.trainer.model import attention, float8, weights
 from ftjob.trainer.model.parallel import Dist
 
 if TYPE_CHECKING:  # imported by the phase that uses it: see ftjob/trainer/report/startup.py
@@ -76,7 +76,7 @@ def load_tokenizer(spec: FineTuneJobSpec) -> PreTrainedTokenizerBase:
 
 def frozen_dtype(spec: FineTuneJobSpec) -> torch.dtype:
     """The dtype of weights that do not train: the compute precision (full: fp32 masters)."""
-    if spec.method.type != "full" and spec.compute_precision() == "bf16":
+    if spec.method.type != "full" and spec.bf16_compute():
         return torch.bfloat16
     return torch.float32
 
@@ -90,6 +90,7 @@ class Built:
     # Names of the frozen linear weights that QLoRA stores in NF4 (empty otherwise).
     quantized: dict[str, tuple[int, int]] = field(default_factory=dict)
     read_bytes: int = 0  # what this rank read from the weight files (set by materialize)
+    converted: list[str] = field(default_factory=list)  # linear layers in float8 (fp8)
 
 
 def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase) -> Built:
@@ -109,6 +110,8 @@ def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase) -> Built:
         )
     _prepare(model, tokenizer)
     model = _adapters(model, spec)
+    # precision fp8: before sharding, so FSDP sees Float8Linear (and gathers float8 weights).
+    converted = float8.convert(model, spec)
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()  # what trains keeps fp32 weights, gradients and moments
@@ -122,7 +125,7 @@ def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase) -> Built:
                 if isinstance(module, nn.Linear) and not module.weight.requires_grad:
                     full = f"{prefix[id(layer)]}.{name}.weight"
                     quantized[full] = tuple(module.weight.shape)
-    return Built(model, spec, quantized)
+    return Built(model, spec, quantized, converted=converted)
 
 
 def check_shardable(built: Built, shards: int) -> None:
@@ -277,6 +280,7 @@ def _placed(own: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     the GPU, which FSDP then refused (first seen on an H200: bench/RESULTS.md)."""
     if not isinstance(like, DTensor):
         return own
+    own = float8.like(own, like._local_tensor)  # fp8: FSDP gathers it in float8
     return DTensor(own, like._spec, requires_grad=False)
 
 

@@ -197,7 +197,7 @@ def plain(
     compute where the job asks for it, fp32 gradients. The parameters keep their names, so
     checkpoints and exports are those of the sharded layouts (DCP reshards between them)."""
     _speed_up(model, _resolved(model, spec, "none", speed))
-    if spec.compute_precision() == "bf16":
+    if spec.bf16_compute():
         # Autocast casts the weights for each op as FSDP casts them for each layer; the
         # gradients land on the fp32 weights in fp32, as FSDP's fp32 reduce gives them.
         model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)
@@ -219,7 +219,7 @@ def shard(
     what activationCheckpointing and compile resolve to on a CPU (no device memory to fit)
     when not given; the trainer passes its :func:`layout`'s."""
     layers = _speed_up(model, _resolved(model, spec, sharding, speed))
-    if spec.compute_precision() == "bf16":
+    if spec.bf16_compute():
         # Gradients are reduced in fp32 so that averaging across ranks loses nothing.
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
