@@ -3,7 +3,9 @@
     python scripts/manifests.py            # rewrite them (from spec.py, the chart, examples/)
     python scripts/manifests.py --check    # exit 1 if any is stale (tests check the same)
 
-manifests/crd.yaml and charts/ftjob/crds/finetunejobs.ftjob.dev.yaml are `ftjob crd`'s output;
+manifests/crd.yaml and charts/ftjob/crds/finetunejobs.ftjob.dev.yaml are `ftjob crd`'s output,
+manifests/profile-crd.yaml and charts/ftjob/crds/finetuneprofiles.ftjob.dev.yaml `ftjob crd
+--profile`'s;
 charts/ftjob/values.schema.json's trainer.tracking is spec.tracking's schema (spec.py).
 
 install.yaml is what `helm install ftjob charts/ftjob -n ftjob-system --create-namespace`
@@ -27,6 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "ftjob"
 CHART_CRD = CHART / "crds" / "finetunejobs.ftjob.dev.yaml"
 CRD_COPIES = [ROOT / "manifests" / "crd.yaml", CHART_CRD]
+PROFILE_CRD_COPIES = [
+    ROOT / "manifests" / "profile-crd.yaml",
+    CHART / "crds" / "finetuneprofiles.ftjob.dev.yaml",
+]
 INSTALL = ROOT / "manifests" / "install.yaml"
 VALUES_SCHEMA = CHART / "values.schema.json"
 SAMPLES = ROOT / "manifests" / "samples"
@@ -130,12 +136,18 @@ def samples() -> dict[str, str]:
     return {p.name: p.read_text() for p in sorted(EXAMPLES.glob("*.yaml"))}
 
 
-def stale() -> list[str]:
+def crd_copies() -> dict[Path, str]:
+    """Each committed CRD copy and what it must hold."""
     from ftjob.api import crd
 
+    out = {copy: crd.render_yaml() for copy in CRD_COPIES}
+    return out | {copy: crd.render_profile_yaml() for copy in PROFILE_CRD_COPIES}
+
+
+def stale() -> list[str]:
     out = []
-    for copy in CRD_COPIES:
-        if not copy.is_file() or copy.read_text() != crd.render_yaml():
+    for copy, text in crd_copies().items():
+        if not copy.is_file() or copy.read_text() != text:
             out.append(str(copy.relative_to(ROOT)))
     if VALUES_SCHEMA.read_text() != values_schema():
         out.append(str(VALUES_SCHEMA.relative_to(ROOT)))
@@ -149,10 +161,8 @@ def stale() -> list[str]:
 
 
 def write() -> None:
-    from ftjob.api import crd
-
-    for copy in CRD_COPIES:  # first: install.yaml includes the chart's CRDs
-        copy.write_text(crd.render_yaml())
+    for copy, text in crd_copies().items():  # first: install.yaml includes the chart's CRDs
+        copy.write_text(text)
     VALUES_SCHEMA.write_text(values_schema())  # before install.yaml: helm reads it
     INSTALL.write_text(install_yaml())
     SAMPLES.mkdir(parents=True, exist_ok=True)

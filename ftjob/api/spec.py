@@ -1210,6 +1210,15 @@ class FineTuneJobSpec:
     env: list[EnvVar] = api_field(
         "env: extra environment variables of the training processes.", factory=list, max_items=64
     )
+    profile: str | None = api_field(
+        "profile: the FineTuneProfile whose defaults fill what this job leaves unset and whose "
+        "limits it must keep (default: the namespace's, by its label ftjob.dev/profile or a "
+        "profile's namespaceSelector; docs/platform.md).",
+        None,
+        pattern=kv.DNS_SUBDOMAIN,
+        pattern_hint=DNS_SUBDOMAIN_HINT,
+        max_length=253,
+    )
 
     __rules__: ClassVar[tuple[Rule, ...]] = (
         Rule(

@@ -225,7 +225,7 @@ def chart_crds() -> list[dict]:
 @pytest.mark.parametrize("kube", KUBE_VERSIONS)
 def test_chart_crds_are_valid_kubernetes(kube):
     kinds = sorted(c["spec"]["names"]["kind"] for c in chart_crds())
-    assert kinds == ["ClusterKopfPeering", "FineTuneJob", "KopfPeering"]
+    assert kinds == ["ClusterKopfPeering", "FineTuneJob", "FineTuneProfile", "KopfPeering"]
     for c in chart_crds():
         kubernetes_validate.validate(c, kube, strict=True)
 
