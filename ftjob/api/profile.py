@@ -231,13 +231,20 @@ class Applied:
     profile: str
     generation: int
     violations: list[FieldError]
+    pinned: dict[str, Any]  # the defaults of immutable sections, as applied (see PINNED)
 
     @property
     def record(self) -> dict[str, Any]:
         """What the job's status keeps of the profile it was given."""
-        return {"name": self.profile, "generation": self.generation}
+        out = {"name": self.profile, "generation": self.generation}
+        return out | ({"pinned": self.pinned} if self.pinned else {})
 
 
+# Sections of a job that never change once it exists (the CRD's immutable fields: the
+# checkpoint volume its checkpoints live on, its resources): the profile's defaults for them
+# are kept with the job as first applied, so a profile edited later never moves a job's
+# checkpoints to another volume.
+PINNED = ("checkpoint", "resources")
 # Taken whole from whichever side sets it: merging two affinities would OR their node
 # selector terms, widening where the job may run.
 ATOMIC = frozenset({"affinity"})
@@ -264,14 +271,22 @@ def merge(default: Any, job: Any, key: str = "") -> Any:
     return job
 
 
-def apply(doc: dict[str, Any], profile: Profile, default_image: str | None = None) -> Applied:
+def apply(
+    doc: dict[str, Any],
+    profile: Profile,
+    default_image: str | None = None,
+    pinned: dict[str, Any] | None = None,
+) -> Applied:
     """``doc`` (a FineTuneJob document) with ``profile``'s defaults under what it sets, and the
     limits the merged job breaks. ``default_image``: the image of a job that names none after
-    the merge (the operator's), which the image limit holds too."""
+    the merge (the operator's), which the image limit holds too. ``pinned``: the
+    :data:`PINNED` defaults as first applied to this job (its status keeps them)."""
     job = dict(doc.get("spec") or {})
     defaults = _pruned(to_dict(profile.spec.defaults))
     if not _gpus(job):  # a GPU type is a GPU job's: a CPU job naming one is refused
         defaults.pop("resources", None)
+    if pinned is not None:
+        defaults = {k: v for k, v in defaults.items() if k not in PINNED} | pinned
     merged = dict(doc)
     merged["spec"] = merge(defaults, job)
     violations: list[FieldError] = []
@@ -281,7 +296,8 @@ def apply(doc: dict[str, Any], profile: Profile, default_image: str | None = Non
         spec = None  # the job's own errors are reported by its own check; no limit is read
     if spec is not None:
         violations = limit_violations(spec, profile, default_image)
-    return Applied(merged, profile.name, profile.generation, violations)
+    kept = {k: defaults[k] for k in PINNED if k in defaults}
+    return Applied(merged, profile.name, profile.generation, violations, kept)
 
 
 def _gpus(job: dict[str, Any]) -> bool:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, make_dataclass
 from typing import Any, Literal
 
 from ftjob.api import contract, objectives
-from ftjob.api.schema import api_field, openapi
+from ftjob.api.schema import FreeForm, api_field, openapi
 
 PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 # The trainer's own reasons (its termination record), then what the operator sees itself.
@@ -27,6 +27,8 @@ FAILURE_REASONS = (
     "StartTimeout",
     "DeadlineExceeded",
     "WillNotFit",
+    "OverLimit",
+    "NoProfile",
     "Error",
 )
 
@@ -160,6 +162,20 @@ class PreflightStatus:
 
 
 @dataclass(kw_only=True)
+class ProfileStatus:
+    """profile: the FineTuneProfile applied to the newest gang."""
+
+    name: str = api_field("name of the FineTuneProfile.")
+    generation: int = api_field("generation of the profile the gang was made from.")
+    attempt: int | None = api_field("attempt: the gang that took this generation.", None)
+    pinned: FreeForm | None = api_field(
+        "pinned: the profile's defaults of the job's immutable sections (checkpoint, "
+        "resources) as first applied; later gangs keep them whatever the profile says then.",
+        None,
+    )
+
+
+@dataclass(kw_only=True)
 class FineTuneJobStatus:
     """FineTuneJobStatus is the observed state of a FineTuneJob."""
 
@@ -216,6 +232,11 @@ class FineTuneJobStatus:
     image: str | None = api_field(
         "image: the trainer image of the newest gang's pods (spec.image, else the operator's "
         "default image).",
+        None,
+    )
+    profile: ProfileStatus | None = api_field(
+        "profile: the FineTuneProfile (and its generation) the newest gang was made with; a "
+        "profile edited later changes no running gang, the next gang says which it took.",
         None,
     )
     job_folder: str | None = api_field(

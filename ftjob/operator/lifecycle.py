@@ -589,10 +589,18 @@ def _cond_message(old: dict) -> str:
     return cond.get("message", "")
 
 
-def invalid(errors: list[str], generation: int | None, old_status: dict | None, now: datetime):
-    """A spec the API server let through but ftjob cannot run: Failed at once, with the fix."""
+def invalid(
+    errors: list[str],
+    generation: int | None,
+    old_status: dict | None,
+    now: datetime,
+    reason: str = "BadInput",
+):
+    """A spec the API server let through but ftjob cannot run (or its profile refuses:
+    ``reason`` OverLimit, NoProfile): Failed at once, with the fix."""
     if (old_status or {}).get("phase") == "Failed":
         return Decision(status=copy.deepcopy(old_status))  # already said; nothing moves
     s = _Step(old_status or {}, None, generation, [], now)
-    failure = {"reason": "BadInput", "message": "invalid spec: " + "; ".join(errors)}
+    words = "invalid spec: " if reason == "BadInput" else "refused by its profile: "
+    failure = {"reason": reason, "message": words + "; ".join(errors)}
     return s.fail(failure)

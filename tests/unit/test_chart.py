@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from ftjob import __version__
-from ftjob.api import crd, spec
+from ftjob.api import crd, profile, spec
 from ftjob.operator.__main__ import add_arguments
 from ftjob.operator.render import owner_reference
 
@@ -617,10 +617,12 @@ def test_notes_tell_the_next_command():
 CLUSTER_SCOPED = {
     ("apiextensions.k8s.io", "customresourcedefinitions"),
     ("kopf.dev", "clusterkopfpeerings"),
+    ("", "namespaces"),
+    (spec.GROUP, "finetuneprofiles"),
 }
 KUBE_METHOD = re.compile(
-    r"^(?P<verb>create|delete|get|list|patch|read|replace)_namespaced_(?P<kind>[a-z_]+?)"
-    r"(?P<sub>_status)?$"
+    r"^(?P<verb>create|delete|get|list|patch|read|replace)_(?P<scope>namespaced_|cluster_)?"
+    r"(?P<kind>[a-z_]+?)(?P<sub>_status)?$"
 )
 VERB = {"create": "create", "delete": "delete", "list": "list", "patch": "patch"}
 VERB |= {"get": "get", "read": "get", "replace": "update"}
@@ -629,9 +631,12 @@ HANDLERS_THAT_WATCH = HANDLERS_THAT_PATCH | {"index", "event"}
 
 
 def _constant(node: ast.expr) -> str:
-    """A string literal, or a name imported from ftjob.api.spec (GROUP, PLURAL, ...)."""
+    """A string literal, or a name imported from ftjob.api.spec (GROUP, PLURAL, ...) or, as
+    kube.py names it, ftjob.api.profile's PLURAL (PROFILES)."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
+    if isinstance(node, ast.Name) and node.id == "PROFILES":
+        return profile.PLURAL
     if isinstance(node, ast.Name) and hasattr(spec, node.id):
         return getattr(spec, node.id)
     raise AssertionError(f"cannot resolve {ast.unparse(node)} at line {node.lineno}")
@@ -675,7 +680,8 @@ def kube_py_permissions() -> set[tuple[str, str, str]]:
             group, resource = "", kind.replace("_", "") + "s"
         else:
             assert kind == "custom_object" and call is not None, method
-            group, resource = _constant(call.args[0]), _constant(call.args[3])
+            plural = 2 if m["scope"] == "cluster_" else 3  # (group, version, [namespace,] plural)
+            group, resource = _constant(call.args[0]), _constant(call.args[plural])
         perms.add((group, resource + sub.replace("_", "/"), verb))
         if verb == "watch":
             perms.add((group, resource + sub.replace("_", "/"), "list"))
@@ -801,7 +807,8 @@ def test_rbac_grants_exactly_what_the_operator_uses(combo, rendered):
 def test_namespaced_mode_has_no_cluster_access_to_namespaced_resources(rendered):
     cluster = [o for o in rendered["namespaced"] if o["kind"] == "ClusterRole"]
     resources = {r for o in cluster for rule in o["rules"] for r in rule["resources"]}
-    assert resources == {"customresourcedefinitions"}
+    # Cluster-scoped all: the CRDs' watch, the profiles and the namespaces' labels.
+    assert resources == {"customresourcedefinitions", "finetuneprofiles", "namespaces"}
     roles = [o for o in rendered["namespaced"] if o["kind"] == "Role"]
     assert sorted(o["metadata"]["namespace"] for o in roles) == ["team-a", "team-b"]
 

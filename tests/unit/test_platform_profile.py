@@ -195,7 +195,8 @@ def test_validate_plan_and_run_refuse_a_job_over_a_limit_of_the_profile(tmp_path
 def test_validate_says_which_profile_it_applied_and_render_shows_the_merged_job(capsys):
     assert main(["validate", "-o", "json", "--profile", str(TEAM_A), str(TINY)]) == 0
     result = json.loads(capsys.readouterr().out)["items"][0]
-    assert result["valid"] and result["profile"] == {"name": "team-a", "generation": 1}
+    assert result["valid"] and result["profile"]["name"] == "team-a"
+    assert result["profile"]["generation"] == 1
     assert main(["render", "-o", "json", "--profile", str(TEAM_A), str(TINY)]) == 0
     job = json.loads(capsys.readouterr().out)["items"][0]
     assert job["spec"]["scheduling"]["queue"] == "team-a"
