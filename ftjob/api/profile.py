@@ -322,6 +322,15 @@ def limit_violations(
     limits, r = profile.spec.limits, spec.resources
     of = f"of FineTuneProfile {profile.name}"
     out = []
+    if r.nodes > 1 and spec.checkpoint.volume is None:  # the CRD let it in for its profile
+        out.append(
+            FieldError(
+                "spec.checkpoint.volume",
+                f"more than one node needs a shared volume, and neither the job nor "
+                f"defaults.checkpoint.volume {of} gives one",
+                fix="set checkpoint.volume.claimName, or give the profile a default volume",
+            )
+        )
     if limits.max_nodes is not None and r.nodes > limits.max_nodes:
         out.append(
             FieldError(

@@ -1408,10 +1408,15 @@ class FineTuneJobSpec:
             ".network.collectiveTimeoutSeconds",
         ),
         Rule(
-            "self.resources.nodes == 1 || has(self.checkpoint.volume)",
-            lambda s: s.resources.nodes == 1 or s.checkpoint.volume is not None,
+            # A job naming its profile may take the volume from it: the door sees the job
+            # before the merge, and the merge checks the volume is then there (api/profile.py).
+            "self.resources.nodes == 1 || has(self.checkpoint.volume) || has(self.profile)",
+            lambda s: (
+                s.resources.nodes == 1 or s.checkpoint.volume is not None or s.profile is not None
+            ),
             "more than one node needs a shared checkpoint.volume (a ReadWriteMany claim) so "
-            "that every node writes its shards to one place",
+            "that every node writes its shards to one place; set it, or name a spec.profile "
+            "whose defaults give one",
             ".checkpoint.volume",
         ),
         Rule(

@@ -211,3 +211,21 @@ def test_a_job_naming_another_profile_is_refused_with_the_fix(tmp_path, capsys):
     assert main(["validate", "--profile", str(TEAM_A), str(path)]) == 1
     out = capsys.readouterr().out
     assert "spec.profile: names FineTuneProfile team-b, but the profile given is team-a" in out
+
+
+def test_a_multi_node_job_may_take_its_volume_from_the_profile_it_names_and_only_then():
+    job = load(TINY)
+    del job["spec"]["checkpoint"]["volume"]
+    assert not validate.check(job).ok  # the door: two nodes and no volume, no profile named
+    job["spec"]["profile"] = "team-a"
+    assert validate.check(job).ok  # the door lets it in for its profile ...
+    merged = apply(job, team_a())
+    assert merged.violations == []  # ... which gives the volume
+    assert merged.doc["spec"]["checkpoint"]["volume"] == {"claimName": "ftjob-shared"}
+    bare = load(TEAM_A)
+    del bare["spec"]["defaults"]["checkpoint"]
+    found = apply(job, parse_profile(bare)).violations
+    assert [e.path for e in found] == ["spec.checkpoint.volume"]
+    assert "neither the job nor defaults.checkpoint.volume of FineTuneProfile team-a" in str(
+        found[0]
+    )

@@ -1,0 +1,186 @@
+"""FineTuneProfiles on the real control plane, with the operator holding only the chart's
+ServiceAccount token: two namespaces taking different default profiles (one by the namespace
+label, one by a profile's namespaceSelector), a job over a limit refused before any pod with
+the limit, the profile and the fix, and a profile edited while a job runs (the running gang
+keeps its generation; the next gang takes the new one and says so in status)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+from types import SimpleNamespace
+
+import hangs
+import pytest
+from plane import ROOT, Plane, shared_volume, token_kubeconfig
+
+sys.path.append(str(ROOT / "tests" / "emulator"))
+from support import Operator  # noqa: E402  (the emulator tests' launcher, reused)
+
+from ftjob.api import manifest  # noqa: E402
+from ftjob.api.profile import NAMESPACE_LABEL  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
+TEAM_A = manifest.load(ROOT / "examples" / "profiles" / "team-a.yaml")[0]
+# ns-a takes team-a by team-a's namespaceSelector (team: a); ns-b names team-b by its label.
+NAMESPACES = {"ns-a": {"team": "a"}, "ns-b": {"team": "a", NAMESPACE_LABEL: "team-b"}}
+
+
+def profile(name: str, image: str, **limits) -> dict:
+    doc = copy.deepcopy(TEAM_A)
+    doc["metadata"] = {"name": name}
+    defaults = doc["spec"]["defaults"]
+    defaults["image"] = image
+    # What every kwok node satisfies: no Kueue queue or priority class on this plane.
+    defaults["scheduling"] = {"tolerations": defaults["scheduling"]["tolerations"]}
+    defaults["env"] = [{"name": "TEAM", "value": name}]
+    doc["spec"]["limits"].update(limits)
+    if name != "team-a":
+        doc["spec"].pop("namespaceSelector")
+    return doc
+
+
+def job(name: str, namespace: str, nodes: int = 2, profile: str | None = None) -> dict:
+    """The tiny job on GPUs without an image: its profile gives it. A job naming its profile
+    takes the volume from it too (the CRD's rule lets a multi-node job without one in only
+    then: a namespace's default is not known at the door)."""
+    doc = copy.deepcopy(TINY)
+    doc["metadata"] = {"name": name, "namespace": namespace}
+    doc["spec"]["resources"] = {"nodes": nodes, "gpusPerNode": 8}
+    doc["spec"]["network"] = {"collectiveTimeoutSeconds": 30}
+    if profile:
+        doc["spec"]["profile"] = profile
+        del doc["spec"]["checkpoint"]["volume"]
+    return doc
+
+
+@pytest.fixture(scope="module")
+def operator(installed: Plane, tmp_path_factory):
+    for ns, labels in NAMESPACES.items():
+        installed.kubectl("create", "namespace", ns)
+        installed.kubectl("label", "namespace", ns, *(f"{k}={v}" for k, v in labels.items()))
+        installed.apply(shared_volume(ns))
+        installed.wait(lambda ns=ns: installed.get("sa", "default", ns), hangs.FLOOR, "the SA")
+    installed.apply(profile("team-a", "registry.example.com/ml/a:1", maxNodes=2))
+    installed.apply(profile("team-b", "registry.example.com/ml/b:1"))
+    work = tmp_path_factory.mktemp("operator")
+    kubeconfig = token_kubeconfig(installed, "ftjob-system", "ftjob", work / "sa.kubeconfig")
+    op = Operator(SimpleNamespace(kubeconfig=kubeconfig, wait=Plane.wait), work / "op.log").start()
+    op.plane = installed
+    yield op
+    op.stop()
+
+
+@pytest.fixture(autouse=True)
+def one_job_at_a_time(operator):
+    yield
+    plane = operator.plane
+    plane.kubectl("delete", "ftj", "--all", "-A", "--wait=false")
+
+    def no_pods():
+        found = plane.kubectl("get", "pods", "-A", "-l", "ftjob.dev/job-name", "-o", "name")
+        return not found.stdout.strip()
+
+    plane.wait(no_pods, 60, "every job's pods to go")
+
+
+def pods_of(plane: Plane, name: str, namespace: str) -> list[dict]:
+    pods = plane.get("pods", namespace=namespace, ok=False) or []
+    return [p for p in pods if p["metadata"]["labels"].get("ftjob.dev/job-name") == name]
+
+
+def status_of(plane: Plane, name: str, namespace: str) -> dict:
+    return (plane.get("ftj", name, namespace) or {}).get("status") or {}
+
+
+def running(plane: Plane, name: str, namespace: str, attempt: int) -> list[dict]:
+    def check():
+        pods = pods_of(plane, name, namespace)
+        return (
+            len(pods) == 2
+            and all(
+                p["metadata"]["labels"]["ftjob.dev/attempt"] == str(attempt)
+                and p["status"].get("phase") == "Running"
+                and not p["metadata"].get("deletionTimestamp")
+                for p in pods
+            )
+            and pods
+        )
+
+    return plane.wait(check, 60, f"2 running pods of {name} attempt {attempt}")
+
+
+def fail(plane: Plane, pod: str, namespace: str) -> None:
+    """What a kubelet writes when the trainer container exits 1."""
+    ended = {"exitCode": 1, "reason": "Error", "startedAt": None, "finishedAt": None}
+    container = {"name": "trainer", "ready": False, "restartCount": 0, "image": "x"}
+    container |= {"imageID": "sha256:0", "state": {"terminated": ended}}
+    patch = {"status": {"phase": "Failed", "containerStatuses": [container]}}
+    plane.kubectl(
+        "patch", "pod", pod, "-n", namespace, "--subresource=status", "--type=merge",
+        "-p", json.dumps(patch),
+    )  # fmt: skip
+
+
+def env_of(pod: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env", [])}
+
+
+def test_two_namespaces_take_their_own_default_profile(operator):
+    plane = operator.plane
+    plane.apply(job("tiny", "ns-a"))
+    plane.apply(job("tiny", "ns-b", profile="team-b"))  # as ns-b's label says, and its volume
+    for ns, team in (("ns-a", "team-a"), ("ns-b", "team-b")):
+        pods = running(plane, "tiny", ns, 0)
+        letter = team[-1]
+        assert {p["spec"]["containers"][0]["image"] for p in pods} == {
+            f"registry.example.com/ml/{letter}:1"
+        }
+        assert {env_of(p)["TEAM"] for p in pods} == {team}
+        volumes = [v for p in pods for v in p["spec"]["volumes"]]
+        claims = {
+            v["persistentVolumeClaim"]["claimName"]
+            for v in volumes
+            if v.get("persistentVolumeClaim")
+        }
+        assert claims == {"ftjob-shared"}  # ns-b: the profile's volume
+        recorded = status_of(plane, "tiny", ns)["profile"]
+        assert (recorded["name"], recorded["generation"], recorded["attempt"]) == (team, 1, 0)
+
+
+def test_a_job_over_a_limit_is_refused_before_any_pod_with_the_limit_and_the_fix(operator):
+    plane = operator.plane
+    plane.apply(job("big", "ns-a", nodes=3))  # team-a allows 2 nodes here
+    failure = plane.wait(
+        lambda: status_of(plane, "big", "ns-a").get("failure"), 30, "the job to be refused"
+    )
+    assert failure["reason"] == "OverLimit"
+    assert "3 nodes exceed limits.maxNodes 2 of FineTuneProfile team-a" in failure["message"]
+    assert "fix: set resources.nodes to at most 2" in failure["message"]
+    assert status_of(plane, "big", "ns-a")["phase"] == "Failed"
+    assert pods_of(plane, "big", "ns-a") == []
+    table = plane.kubectl("get", "ftj", "big", "-n", "ns-a").stdout
+    assert "Failed" in table and "OverLimit" in table
+
+
+def test_a_profile_edited_while_a_job_runs_reaches_only_the_next_gang(operator):
+    plane = operator.plane
+    plane.apply(job("edited", "ns-b"))
+    first = running(plane, "edited", "ns-b", 0)
+    plane.apply(profile("team-b", "registry.example.com/ml/b:2"))
+    generation = plane.get("ftp", "team-b")["metadata"]["generation"]
+    assert generation == 2
+    # Several reconciles later (the operator resyncs every second) the gang is the same one.
+    time.sleep(3)
+    now = pods_of(plane, "edited", "ns-b")
+    assert {p["metadata"]["uid"] for p in now} == {p["metadata"]["uid"] for p in first}
+    assert status_of(plane, "edited", "ns-b")["profile"]["generation"] == 1
+    # A pod fails: the next gang is made from generation 2, and status says so.
+    fail(plane, first[0]["metadata"]["name"], "ns-b")
+    second = running(plane, "edited", "ns-b", 1)
+    assert {p["spec"]["containers"][0]["image"] for p in second} == {"registry.example.com/ml/b:2"}
+    recorded = status_of(plane, "edited", "ns-b")["profile"]
+    assert (recorded["generation"], recorded["attempt"]) == (2, 1)
