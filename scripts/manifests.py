@@ -6,7 +6,8 @@
 manifests/crd.yaml and charts/ftjob/crds/finetunejobs.ftjob.dev.yaml are `ftjob crd`'s output,
 manifests/profile-crd.yaml and charts/ftjob/crds/finetuneprofiles.ftjob.dev.yaml `ftjob crd
 --profile`'s;
-charts/ftjob/values.schema.json's trainer.tracking is spec.tracking's schema (spec.py).
+charts/ftjob/values.schema.json's trainer.tracking is spec.tracking's schema (spec.py), its
+profile.spec a FineTuneProfile's (api/profile.py).
 
 install.yaml is what `helm install ftjob charts/ftjob -n ftjob-system --create-namespace`
 creates, as one file for `kubectl apply`: the chart's CRDs, the namespace (Helm's
@@ -104,8 +105,8 @@ def install_yaml() -> str:
 
 
 def values_schema() -> str:
-    """values.schema.json with trainer.tracking's schema from spec.py's TrackingSpec (the
-    rest of the file is written by hand): the chart refuses what a job's spec.tracking would.
+    """values.schema.json with trainer.tracking's schema from spec.py's TrackingSpec and
+    profile.spec's from api/profile.py (the rest of the file is written by hand): the chart refuses what a job's spec.tracking would.
     The CEL rules are not JSON Schema; the operator checks them when it starts."""
     from ftjob.api.schema import openapi
     from ftjob.api.spec import TrackingSpec
@@ -120,6 +121,8 @@ def values_schema() -> str:
             out["additionalProperties"] = False  # a typo is refused, as elsewhere in values
         return out
 
+    from ftjob.api.profile import FineTuneProfileSpec
+
     tracking = chart_form(openapi(TrackingSpec))
     tracking["description"] = (
         "Experiment trackers of every job that names none in spec.tracking (the operator's "
@@ -128,6 +131,9 @@ def values_schema() -> str:
     )
     schema = json.loads(VALUES_SCHEMA.read_text())
     schema["properties"]["trainer"]["properties"]["tracking"] = tracking
+    profile = chart_form(openapi(FineTuneProfileSpec))
+    profile["description"] = "spec of the FineTuneProfile (api/profile.py): same fields."
+    schema["properties"]["profile"]["properties"]["spec"] = profile
     return json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
 
 

@@ -26,6 +26,7 @@ import yaml
 
 from ftjob import __version__
 from ftjob.api import crd, profile, spec
+from ftjob.api.profile import parse_profile
 from ftjob.operator.__main__ import add_arguments
 from ftjob.operator.render import owner_reference
 
@@ -39,6 +40,16 @@ NAMESPACE = "ftjob-system"
 COMBOS = {
     "defaults": {},
     "namespaced": {"watchNamespaces": ["team-a", "team-b"]},
+    # The platform's profile from values: examples/profiles/team-a.yaml's spec.
+    "default-profile": {
+        "profile": {
+            "create": True,
+            "name": "team-a",
+            "spec": yaml.safe_load((ROOT / "examples" / "profiles" / "team-a.yaml").read_text())[
+                "spec"
+            ],
+        }
+    },
     "ha-peering": {"replicaCount": 2, "peering": {"enabled": True, "name": "ftjob-ha"}},
     "ha-namespaced": {
         "replicaCount": 3,
@@ -293,6 +304,8 @@ def test_schema_and_values_agree():
         ({"trainer": {"podMonitor": {"port": 8000}}}, "port"),  # the pods' port is named
         ({"dashboard": {"label": "grafana dashboard"}}, "/dashboard/label"),
         ({"dashboard": {"labelValue": 1}}, "/dashboard/labelValue"),
+        ({"profile": {"spec": {"limits": {"maxNodes": 0}}}}, "/profile/spec/limits/maxNodes"),
+        ({"profile": {"spec": {"default": {}}}}, "default"),  # a typo of defaults
     ],
 )
 def test_schema_refuses_bad_values(values, message):
@@ -811,6 +824,16 @@ def test_namespaced_mode_has_no_cluster_access_to_namespaced_resources(rendered)
     assert resources == {"customresourcedefinitions", "finetuneprofiles", "namespaces"}
     roles = [o for o in rendered["namespaced"] if o["kind"] == "Role"]
     assert sorted(o["metadata"]["namespace"] for o in roles) == ["team-a", "team-b"]
+
+
+def test_the_chart_installs_the_profile_of_its_values_and_none_by_default(rendered):
+    made = the(rendered["default-profile"], "FineTuneProfile")
+    want = parse_profile(
+        yaml.safe_load((ROOT / "examples" / "profiles" / "team-a.yaml").read_text())
+    )
+    assert parse_profile(made) == want  # the same profile as the file: name, spec
+    assert made["metadata"]["labels"]["app.kubernetes.io/part-of"] == "ftjob"
+    assert not [o for o in rendered["defaults"] if o["kind"] == "FineTuneProfile"]
 
 
 def test_rbac_create_false_renders_no_rbac(rendered):
