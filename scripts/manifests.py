@@ -106,8 +106,9 @@ def install_yaml() -> str:
 
 def values_schema() -> str:
     """values.schema.json with trainer.tracking's schema from spec.py's TrackingSpec and
-    profile.spec's from api/profile.py (the rest of the file is written by hand): the chart refuses what a job's spec.tracking would.
-    The CEL rules are not JSON Schema; the operator checks them when it starts."""
+    profile.spec's from api/profile.py (the rest of the file is written by hand): the chart
+    refuses what a job's spec.tracking, or a FineTuneProfile, would. The CEL rules are not
+    JSON Schema; the operator checks them when it starts."""
     from ftjob.api.schema import openapi
     from ftjob.api.spec import TrackingSpec
 
