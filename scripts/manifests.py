@@ -5,7 +5,8 @@
 
 manifests/crd.yaml and charts/ftjob/crds/finetunejobs.ftjob.dev.yaml are `ftjob crd`'s output,
 manifests/profile-crd.yaml and charts/ftjob/crds/finetuneprofiles.ftjob.dev.yaml `ftjob crd
---profile`'s;
+--profile`'s; charts/ftjob/templates/profile-policy.yaml the profiles' ValidatingAdmissionPolicy
+(ftjob/api/policy.py);
 charts/ftjob/values.schema.json's trainer.tracking is spec.tracking's schema (spec.py), its
 profile.spec a FineTuneProfile's (api/profile.py).
 
@@ -36,6 +37,7 @@ PROFILE_CRD_COPIES = [
 ]
 INSTALL = ROOT / "manifests" / "install.yaml"
 VALUES_SCHEMA = CHART / "values.schema.json"
+POLICY = CHART / "templates" / "profile-policy.yaml"
 SAMPLES = ROOT / "manifests" / "samples"
 EXAMPLES = ROOT / "examples"
 RELEASE = "ftjob"
@@ -52,6 +54,8 @@ INSTALL_ORDER = [
     "RoleBinding",
     "Service",
     "Deployment",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
 ]
 HEADER = f"""\
 # ftjob: the FineTuneJob CRD and its operator, for `kubectl apply` (the Helm chart's defaults).
@@ -144,11 +148,12 @@ def samples() -> dict[str, str]:
 
 
 def crd_copies() -> dict[Path, str]:
-    """Each committed CRD copy and what it must hold."""
-    from ftjob.api import crd
+    """Each committed CRD copy (and the profiles' admission policy) and what it must hold."""
+    from ftjob.api import crd, policy
 
     out = {copy: crd.render_yaml() for copy in CRD_COPIES}
-    return out | {copy: crd.render_profile_yaml() for copy in PROFILE_CRD_COPIES}
+    out |= {copy: crd.render_profile_yaml() for copy in PROFILE_CRD_COPIES}
+    return out | {POLICY: policy.render_yaml()}
 
 
 def stale() -> list[str]:

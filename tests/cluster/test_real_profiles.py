@@ -1,6 +1,7 @@
 """FineTuneProfiles on the real control plane, with the operator holding only the chart's
 ServiceAccount token: two namespaces taking different default profiles (one by the namespace
-label, one by a profile's namespaceSelector), a job over a limit refused before any pod with
+label, one by a profile's namespaceSelector), a job over a limit refused at kubectl apply by the
+ValidatingAdmissionPolicy (and what the door cannot see, by the operator before any pod) with
 the limit, the profile and the fix, and a profile edited while a job runs (the running gang
 keeps its generation; the next gang takes the new one and says so in status)."""
 
@@ -40,6 +41,8 @@ def profile(name: str, image: str, **limits) -> dict:
     doc["spec"]["limits"].update(limits)
     if name != "team-a":
         doc["spec"].pop("namespaceSelector")
+    if name == "team-b":
+        doc["spec"]["limits"] = {}
     return doc
 
 
@@ -66,6 +69,9 @@ def operator(installed: Plane, tmp_path_factory):
         installed.wait(lambda ns=ns: installed.get("sa", "default", ns), hangs.FLOOR, "the SA")
     installed.apply(profile("team-a", "registry.example.com/ml/a:1", maxNodes=2))
     installed.apply(profile("team-b", "registry.example.com/ml/b:1"))
+    no_volume = profile("team-c", "registry.example.com/ml/c:1")
+    del no_volume["spec"]["defaults"]["checkpoint"]
+    installed.apply(no_volume)
     work = tmp_path_factory.mktemp("operator")
     kubeconfig = token_kubeconfig(installed, "ftjob-system", "ftjob", work / "sa.kubeconfig")
     op = Operator(SimpleNamespace(kubeconfig=kubeconfig, wait=Plane.wait), work / "op.log").start()
@@ -96,11 +102,11 @@ def status_of(plane: Plane, name: str, namespace: str) -> dict:
     return (plane.get("ftj", name, namespace) or {}).get("status") or {}
 
 
-def running(plane: Plane, name: str, namespace: str, attempt: int) -> list[dict]:
+def running(plane: Plane, name: str, namespace: str, attempt: int, nodes: int = 2) -> list[dict]:
     def check():
         pods = pods_of(plane, name, namespace)
         return (
-            len(pods) == 2
+            len(pods) == nodes
             and all(
                 p["metadata"]["labels"]["ftjob.dev/attempt"] == str(attempt)
                 and p["status"].get("phase") == "Running"
@@ -110,7 +116,7 @@ def running(plane: Plane, name: str, namespace: str, attempt: int) -> list[dict]
             and pods
         )
 
-    return plane.wait(check, 60, f"2 running pods of {name} attempt {attempt}")
+    return plane.wait(check, 60, f"{nodes} running pods of {name} attempt {attempt}")
 
 
 def fail(plane: Plane, pod: str, namespace: str) -> None:
@@ -151,18 +157,37 @@ def test_two_namespaces_take_their_own_default_profile(operator):
         assert (recorded["name"], recorded["generation"], recorded["attempt"]) == (team, 1, 0)
 
 
-def test_a_job_over_a_limit_is_refused_before_any_pod_with_the_limit_and_the_fix(operator):
+def test_a_job_over_a_limit_is_refused_at_the_door_with_the_limit_and_the_fix(operator):
     plane = operator.plane
-    plane.apply(job("big", "ns-a", nodes=3))  # team-a allows 2 nodes here
+    # team-a allows 2 nodes in ns-a (its namespaceSelector); the ValidatingAdmissionPolicy
+    # with the profiles as params refuses the job at kubectl apply.
+    refused = plane.apply(job("big", "ns-a", nodes=3), ok=False)
+    assert refused.returncode != 0
+    said = refused.stderr
+    assert "3 nodes exceed limits.maxNodes 2 of FineTuneProfile team-a" in said, said
+    assert "fix: set resources.nodes to at most 2" in said
+    assert plane.get("ftj", "big", "ns-a") is None
+    # The same job in ns-b (team-b has no node limit) is let in: the limit is team-a's.
+    plane.apply(job("big", "ns-b", nodes=3, profile="team-b"))
+    running(plane, "big", "ns-b", 0, nodes=3)
+
+
+def test_what_the_door_cannot_see_the_operator_refuses_before_any_pod(operator):
+    plane = operator.plane
+    # team-c gives no volume; the CRD lets a two-node job without one in because it names its
+    # profile, and the merge finds no volume on either side.
+    plane.apply(job("novolume", "ns-a", profile="team-c"))
     failure = plane.wait(
-        lambda: status_of(plane, "big", "ns-a").get("failure"), 30, "the job to be refused"
+        lambda: status_of(plane, "novolume", "ns-a").get("failure"), 30, "the job to be refused"
     )
     assert failure["reason"] == "OverLimit"
-    assert "3 nodes exceed limits.maxNodes 2 of FineTuneProfile team-a" in failure["message"]
-    assert "fix: set resources.nodes to at most 2" in failure["message"]
-    assert status_of(plane, "big", "ns-a")["phase"] == "Failed"
-    assert pods_of(plane, "big", "ns-a") == []
-    table = plane.kubectl("get", "ftj", "big", "-n", "ns-a").stdout
+    assert (
+        "neither the job nor defaults.checkpoint.volume of FineTuneProfile team-c"
+        in (failure["message"])
+    )
+    assert status_of(plane, "novolume", "ns-a")["phase"] == "Failed"
+    assert pods_of(plane, "novolume", "ns-a") == []
+    table = plane.kubectl("get", "ftj", "novolume", "-n", "ns-a").stdout
     assert "Failed" in table and "OverLimit" in table
 
 
