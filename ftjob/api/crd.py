@@ -62,6 +62,8 @@ PRINTER_COLUMNS = [
         "priority": 1,
     },
     {"name": "MFU", "type": "number", "jsonPath": ".status.progress.mfu", "priority": 1},
+    # GPU-hours and money spent, and the projection (status.cost, the profile's prices).
+    {"name": "Cost", "type": "string", "jsonPath": ".status.cost.display", "priority": 1},
     # Then the objectives' own (printer_columns()), then the image.
     {"name": "Image", "type": "string", "jsonPath": ".status.image", "priority": 1},
 ]

@@ -133,6 +133,14 @@ class NamespaceSelector:
 
 
 @dataclass(kw_only=True)
+class GpuPrice:
+    """A GPU-hour's price on one GPU type."""
+
+    gpu_type: Literal[GPU_TYPES] = api_field("gpuType the price is for.")  # type: ignore[valid-type]
+    per_gpu_hour: float = api_field("perGpuHour: the price of one GPU for one hour.", minimum=0)
+
+
+@dataclass(kw_only=True)
 class FineTuneProfileSpec:
     """FineTuneProfile holds a platform's defaults and limits for FineTuneJobs (cluster-wide)."""
 
@@ -140,6 +148,15 @@ class FineTuneProfileSpec:
         "defaults of fields a job leaves unset.", factory=ProfileDefaults
     )
     limits: ProfileLimits = api_field("limits no job may exceed.", factory=ProfileLimits)
+    prices: list[GpuPrice] = api_field(
+        "prices of a GPU-hour per GPU type: a job's status.cost says what it spent (GPU-hours "
+        "of its pods' running time, over every attempt) and its projection to the end.",
+        factory=list,
+        max_items=32,
+    )
+    currency: str = api_field(
+        "currency of the prices (ISO 4217).", "USD", pattern=r"^[A-Z]{3}$", max_length=3
+    )
     namespace_selector: NamespaceSelector | None = api_field(
         "namespaceSelector: this is the default profile of the matching namespaces (a "
         f"namespace's label {NAMESPACE_LABEL} wins over any selector).",
@@ -233,6 +250,9 @@ class Applied:
     violations: list[FieldError]
     pinned: dict[str, Any]  # the defaults of immutable sections, as applied (see PINNED)
 
+    price: float | None = None  # of a GPU-hour of the merged job's gpuType, if priced
+    currency: str = "USD"
+
     @property
     def record(self) -> dict[str, Any]:
         """What the job's status keeps of the profile it was given."""
@@ -297,7 +317,11 @@ def apply(
     if spec is not None:
         violations = limit_violations(spec, profile, default_image)
     kept = {k: defaults[k] for k in PINNED if k in defaults}
-    return Applied(merged, profile.name, profile.generation, violations, kept)
+    gpu_type = (merged["spec"].get("resources") or {}).get("gpuType")
+    prices = {p.gpu_type: p.per_gpu_hour for p in profile.spec.prices}
+    price = prices.get(gpu_type)
+    currency = profile.spec.currency
+    return Applied(merged, profile.name, profile.generation, violations, kept, price, currency)
 
 
 def _gpus(job: dict[str, Any]) -> bool:

@@ -31,7 +31,7 @@ from aiohttp import web
 
 from ftjob.api.schema import SpecError
 from ftjob.api.spec import GROUP, PLURAL, VERSION, FineTuneJobSpec, TrackingSpec
-from ftjob.operator import admit, lifecycle, metrics, profiles, queueing, render, status
+from ftjob.operator import admit, cost, lifecycle, metrics, profiles, queueing, render, status
 from ftjob.operator.kube import Gone, Kube, Refused, error_text
 
 POD_SELECTOR = {"app.kubernetes.io/managed-by": render.MANAGER}
@@ -299,6 +299,7 @@ def _decide(name, seen: Seen, state: JobState) -> tuple[FineTuneJobSpec | None, 
         render.template(spec, SETTINGS.default_image),
     )
     decision.status["jobFolder"] = render.job_dir(name, spec, meta["uid"])
+    _count_cost(spec, seen, snapshot, decision)
     if decision.create:
         # Recorded with the pods it is about to create (status is written first): the
         # image they run, wherever it came from (spec.image or the operator's default).
@@ -306,6 +307,24 @@ def _decide(name, seen: Seen, state: JobState) -> tuple[FineTuneJobSpec | None, 
         if taken and taken.record:  # ... and the profile generation they were made with
             decision.status["profile"] = taken.record | {"attempt": decision.status["attempt"]}
     return spec, decision
+
+
+def _count_cost(spec, seen: Seen, snapshot: dict | None, decision: lifecycle.Decision) -> None:
+    """status.cost from the pods' running times (operator/cost.py), at the profile's price."""
+    taken = seen.taken or profiles.Taken(seen.doc)
+    r = spec.resources
+    spent = cost.update(
+        seen.old_status.get("cost"),
+        seen.pods,
+        r.gpus_per_node,
+        seen.now,
+        taken.price,
+        taken.currency,
+        (snapshot or {}).get("etaSeconds"),
+        r.nodes * r.gpus_per_node,
+    )
+    if spent is not None:
+        decision.status["cost"] = spent
 
 
 async def _apply(name, namespace, body, seen: Seen, spec, decision, state: JobState):

@@ -25,6 +25,8 @@ class Taken:
     record: dict[str, Any] | None = None  # status.profile for the gang made from ``doc``
     refused: list[str] = field(default_factory=list)
     reason: str = "OverLimit"  # the failure reason of ``refused``
+    price: float | None = None  # of a GPU-hour of the job's GPU type (the profile's prices)
+    currency: str = "USD"
 
 
 def take(
@@ -50,7 +52,9 @@ def take(
     pinned = before.get("pinned") if before.get("name") == chosen.name else None
     applied = apply(doc, chosen, default_image, pinned or ({} if before else None))
     refused = [] if before else [str(v) for v in applied.violations]
-    return Taken(applied.doc, applied.record, refused)
+    return Taken(
+        applied.doc, applied.record, refused, price=applied.price, currency=applied.currency
+    )
 
 
 def _valid(docs: list[dict[str, Any]]) -> list[Profile]:

@@ -39,6 +39,7 @@ def profile(name: str, image: str, **limits) -> dict:
     defaults["scheduling"] = {"tolerations": defaults["scheduling"]["tolerations"]}
     defaults["env"] = [{"name": "TEAM", "value": name}]
     doc["spec"]["limits"].update(limits)
+    doc["spec"]["prices"] = [{"gpuType": "H100-SXM-80GB", "perGpuHour": 3.0}]
     if name != "team-a":
         doc["spec"].pop("namespaceSelector")
     if name == "team-b":
@@ -155,6 +156,17 @@ def test_two_namespaces_take_their_own_default_profile(operator):
         assert claims == {"ftjob-shared"}  # ns-b: the profile's volume
         recorded = status_of(plane, "tiny", ns)["profile"]
         assert (recorded["name"], recorded["generation"], recorded["attempt"]) == (team, 1, 0)
+    # What the pods have run, priced at the profile's H100 rate, and in kubectl get -o wide.
+    spent = plane.wait(
+        lambda: (status_of(plane, "tiny", "ns-a").get("cost") or {}).get("amount"),
+        30,
+        "a cost in status",
+    )
+    cost = status_of(plane, "tiny", "ns-a")["cost"]
+    assert cost["currency"] == "USD" and spent == pytest.approx(cost["gpuHours"] * 3.0, abs=0.01)
+    assert cost["attempts"][0]["attempt"] == 0 and cost["attempts"][0]["gpuSeconds"] > 0
+    wide = plane.kubectl("get", "ftj", "tiny", "-n", "ns-a", "-o", "wide").stdout
+    assert "COST" in wide and "GPU-h" in wide and "USD" in wide
 
 
 def test_a_job_over_a_limit_is_refused_at_the_door_with_the_limit_and_the_fix(operator):
@@ -189,6 +201,9 @@ def test_what_the_door_cannot_see_the_operator_refuses_before_any_pod(operator):
     assert pods_of(plane, "novolume", "ns-a") == []
     table = plane.kubectl("get", "ftj", "novolume", "-n", "ns-a").stdout
     assert "Failed" in table and "OverLimit" in table
+    events = plane.get("events", namespace="ns-a", ok=False) or []
+    said = [e for e in events if e.get("involvedObject", {}).get("name") == "novolume"]
+    assert any(e["reason"] == "OverLimit" and e["type"] == "Warning" for e in said), said
 
 
 def test_a_profile_edited_while_a_job_runs_reaches_only_the_next_gang(operator):
@@ -209,3 +224,18 @@ def test_a_profile_edited_while_a_job_runs_reaches_only_the_next_gang(operator):
     assert {p["spec"]["containers"][0]["image"] for p in second} == {"registry.example.com/ml/b:2"}
     recorded = status_of(plane, "edited", "ns-b")["profile"]
     assert (recorded["generation"], recorded["attempt"]) == (2, 1)
+    # The first gang's GPU time stays counted beside the second's.
+    cost = plane.wait(
+        lambda: (
+            len((c := status_of(plane, "edited", "ns-b").get("cost") or {}).get("attempts") or [])
+            == 2
+            and c
+        ),
+        30,
+        "both attempts' GPU time",
+    )
+    assert cost["attempts"][0]["gpuSeconds"] > 0
+    assert cost["gpuHours"] * 3600 == pytest.approx(
+        sum(a["gpuSeconds"] for a in cost["attempts"]),
+        abs=1,  # gpuHours: 4 decimals
+    )
