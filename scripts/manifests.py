@@ -122,6 +122,8 @@ def values_schema() -> str:
         if not isinstance(node, dict):
             return node
         out = {k: chart_form(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
+        if out.get("exclusiveMinimum") is True:  # OpenAPI's boolean is a number in draft 7
+            out["exclusiveMinimum"] = out.pop("minimum")
         if out.get("type") == "object" and "properties" in out:
             out["additionalProperties"] = False  # a typo is refused, as elsewhere in values
         return out

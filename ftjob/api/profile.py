@@ -100,6 +100,13 @@ class ProfileLimits:
     max_gpus_per_job: int | None = api_field(
         "maxGpusPerJob: most GPUs of one job (nodes x gpusPerNode).", None, minimum=0
     )
+    max_gpu_hours_per_job: float | None = api_field(
+        "maxGpuHoursPerJob: most GPU-hours one job may spend: the budget (spec.budget.gpuHours) "
+        "of a job that sets none, and the cap of one that does.",
+        None,
+        minimum=0,
+        exclusive_minimum=True,
+    )
     allowed_image_prefixes: list[str] = api_field(
         "allowedImagePrefixes: a job's trainer image must start with one of these (e.g. "
         "registry.example.com/ml/); empty allows any.",
@@ -307,6 +314,9 @@ def apply(
         defaults.pop("resources", None)
     if pinned is not None:
         defaults = {k: v for k, v in defaults.items() if k not in PINNED} | pinned
+    cap = profile.spec.limits.max_gpu_hours_per_job
+    if cap is not None:  # the budget of a job that sets none
+        defaults["budget"] = {"gpuHours": cap}
     merged = dict(doc)
     merged["spec"] = merge(defaults, job)
     violations: list[FieldError] = []
@@ -382,6 +392,15 @@ def limit_violations(
                 "spec.image",
                 f"{image} is not under limits.allowedImagePrefixes {of}",
                 fix=f"use an image starting with {' or '.join(prefixes)}",
+            )
+        )
+    budget, cap = spec.budget.gpu_hours, limits.max_gpu_hours_per_job
+    if cap is not None and budget is not None and budget > cap:
+        out.append(
+            FieldError(
+                "spec.budget.gpuHours",
+                f"{budget:g} GPU-hours exceed limits.maxGpuHoursPerJob {cap:g} {of}",
+                fix=f"set budget.gpuHours to at most {cap:g}",
             )
         )
     methods = limits.allowed_methods

@@ -885,6 +885,26 @@ class TrackingSpec:
 
 
 @dataclass(kw_only=True)
+class BudgetSpec:
+    """budget: what the job may spend; reached, the gang checkpoints and stops (phase
+    Suspended, reason BudgetReached), and raising it resumes from that checkpoint."""
+
+    gpu_hours: float | None = api_field(
+        "gpuHours: GPU-hours of the pods' running time, over every attempt (status.cost); "
+        "capped by the profile's limits.maxGpuHoursPerJob.",
+        None,
+        minimum=0,
+        exclusive_minimum=True,
+    )
+    amount: float | None = api_field(
+        "amount: money at the profile's prices (status.cost.amount, in its currency).",
+        None,
+        minimum=0,
+        exclusive_minimum=True,
+    )
+
+
+@dataclass(kw_only=True)
 class RunPolicySpec:
     """runPolicy: retries, timeouts and suspension."""
 
@@ -1210,6 +1230,7 @@ class FineTuneJobSpec:
     env: list[EnvVar] = api_field(
         "env: extra environment variables of the training processes.", factory=list, max_items=64
     )
+    budget: BudgetSpec = api_field("budget: a spend that stops the job.", factory=BudgetSpec)
     profile: str | None = api_field(
         "profile: the FineTuneProfile whose defaults fill what this job leaves unset and whose "
         "limits it must keep (default: the namespace's, by its label ftjob.dev/profile or a "

@@ -239,3 +239,30 @@ def test_a_profile_edited_while_a_job_runs_reaches_only_the_next_gang(operator):
         sum(a["gpuSeconds"] for a in cost["attempts"]),
         abs=1,  # gpuHours: 4 decimals
     )
+
+
+def test_a_budget_reached_stops_the_gang_and_raising_it_resumes(operator):
+    plane = operator.plane
+    small = job("budget", "ns-b", profile="team-b")
+    small["spec"]["budget"] = {"gpuHours": 0.005}  # 18 GPU-seconds: ~1 s of 16 GPUs
+    plane.apply(small)
+    running(plane, "budget", "ns-b", 0)
+
+    def stopped():
+        s = status_of(plane, "budget", "ns-b")
+        return s.get("phase") == "Suspended" and not pods_of(plane, "budget", "ns-b") and s
+
+    status = plane.wait(stopped, 60, "the budget to stop the gang")
+    reason = {c["type"]: c for c in status["conditions"]}["Running"]
+    assert reason["reason"] == "BudgetReached", status["conditions"]
+    assert "budget of 0.005 GPU-hours" in reason["message"] and "at step" in reason["message"]
+    assert status["cost"]["gpuHours"] >= 0.005
+    table = plane.kubectl("get", "ftj", "budget", "-n", "ns-b").stdout
+    assert "Suspended" in table and "BudgetReached" in table
+    # Raised: a new gang (it resumes from the checkpoint the stopped one saved).
+    plane.kubectl(
+        "patch", "ftj", "budget", "-n", "ns-b", "--type=merge",
+        "-p", json.dumps({"spec": {"budget": {"gpuHours": 10}}}),
+    )  # fmt: skip
+    running(plane, "budget", "ns-b", 1)
+    assert status_of(plane, "budget", "ns-b")["phase"] in ("Pending", "Running")

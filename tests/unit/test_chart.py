@@ -162,7 +162,7 @@ def test_every_rendered_object_is_valid_kubernetes(combo, rendered):
         if (group, obj["kind"]) in crd_schemas:
             custom = crd_schemas[(group, obj["kind"])]
             schema = custom["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-            jsonschema.validate(obj, schema)
+            jsonschema.Draft4Validator(schema).validate(obj)  # OpenAPI 3.0: draft 4 bounds
             namespaced = custom["spec"]["scope"] == "Namespaced"
             assert ("namespace" in obj["metadata"]) == namespaced, obj["metadata"]
         elif group == "monitoring.coreos.com":

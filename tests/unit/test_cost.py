@@ -4,11 +4,19 @@ money at the profile's price, and the projection from the trainer's ETA."""
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
+from test_status import T0, run_to
+from test_status import pod as pod_of
 
-from ftjob.operator import cost
+from ftjob.api import manifest
+from ftjob.api.profile import apply, parse_profile
+from ftjob.api.spec import parse_resource
+from ftjob.operator import cost, lifecycle
 from ftjob.operator.status import observed_pod
+
+ROOT = Path(__file__).resolve().parents[2]
 
 NOW = datetime(2026, 11, 28, 12, 0, tzinfo=timezone.utc)
 
@@ -67,3 +75,42 @@ def test_an_attempt_whose_pods_are_gone_stays_counted_and_is_never_lowered():
 def test_a_cpu_job_has_no_cost_and_a_pod_not_started_costs_nothing():
     assert cost.update(None, [pod(0, 0, 60)], 0, NOW) is None
     assert cost.update(None, [pod(0, 0, None)], 8, NOW)["gpuHours"] == 0
+
+
+def budget_job(gpu_hours: float):
+    doc = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
+    doc["spec"]["network"] = {"collectiveTimeoutSeconds": 60}
+    doc["spec"]["budget"] = {"gpuHours": gpu_hours}
+    return parse_resource(doc)
+
+
+def test_a_budget_reached_stops_the_gang_as_a_suspension_and_raising_it_resumes():
+    name, spec = budget_job(1.0)
+    running = run_to([pod_of(0), pod_of(1)])
+    status = running.status | {"cost": {"gpuHours": 1.2, "attempts": []}}
+    status["progress"] = {"step": 40}
+    stopped = lifecycle.decide(spec, name, 2, status, [pod_of(0), pod_of(1)], T0)
+    assert stopped.phase == "Suspended" and sorted(stopped.delete) == ["tiny-node-0", "tiny-node-1"]
+    said = [e for e in stopped.events if e[1] == "BudgetReached"]
+    assert said and "budget of 1 GPU-hours (1.2 spent) reached at step 40" in said[0][2]
+    # Still over it: stays stopped, nothing made.
+    held = lifecycle.decide(spec, name, 2, stopped.status, [], T0)
+    assert held.phase == "Suspended" and held.create == []
+    # Raised: a new gang, which resumes from the checkpoint on the volume.
+    name, raised = budget_job(2.0)
+    resumed = lifecycle.decide(raised, name, 3, held.status, [], T0)
+    assert resumed.create == [0, 1] and resumed.status["attempt"] == running.status["attempt"] + 1
+
+
+def test_the_profile_caps_the_budget_and_gives_one_to_a_job_without():
+    team = manifest.load(ROOT / "examples" / "profiles" / "team-a.yaml")[0]
+    team["spec"]["limits"]["maxGpuHoursPerJob"] = 100
+    p = parse_profile(team)
+    doc = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
+    assert apply(doc, p).doc["spec"]["budget"] == {"gpuHours": 100}
+    doc["spec"]["budget"] = {"gpuHours": 500}
+    found = apply(doc, p).violations
+    assert [str(e) for e in found] == [
+        "spec.budget.gpuHours: 500 GPU-hours exceed limits.maxGpuHoursPerJob 100 of "
+        "FineTuneProfile team-a; fix: set budget.gpuHours to at most 100"
+    ]
