@@ -32,6 +32,7 @@ from ftjob.api.spec import (
     VERSION,
     EnvVar,
     FineTuneJobSpec,
+    PullSecret,
     SchedulingSpec,
     SecretsSpec,
     TrackingSpec,
@@ -87,6 +88,11 @@ class ProfileDefaults:
         "env: variables of every job's training processes.", factory=list, max_items=64
     )
     secrets: SecretsSpec | None = api_field("secrets: e.g. the Hugging Face token.", None)
+    image_pull_secrets: list[PullSecret] = api_field(
+        "imagePullSecrets: Secrets (in each job's namespace) to pull the trainer image with.",
+        factory=list,
+        max_items=16,
+    )
     resources: ProfileResources | None = api_field("resources: the GPU type.", None)
 
 

@@ -1152,6 +1152,18 @@ class PlanSpec:
 
 
 @dataclass(kw_only=True)
+class PullSecret:
+    """A Secret of the job's namespace with registry credentials (a dockerconfigjson)."""
+
+    name: str = api_field(
+        "name of the Secret.",
+        pattern=kv.DNS_SUBDOMAIN,
+        pattern_hint=DNS_SUBDOMAIN_HINT,
+        max_length=253,
+    )
+
+
+@dataclass(kw_only=True)
 class EnvVar:
     """An environment variable set on every training process."""
 
@@ -1229,6 +1241,11 @@ class FineTuneJobSpec:
     )
     env: list[EnvVar] = api_field(
         "env: extra environment variables of the training processes.", factory=list, max_items=64
+    )
+    image_pull_secrets: list[PullSecret] = api_field(
+        "imagePullSecrets: Secrets the pods pull the trainer image with (a private registry).",
+        factory=list,
+        max_items=16,
     )
     budget: BudgetSpec = api_field("budget: a spend that stops the job.", factory=BudgetSpec)
     profile: str | None = api_field(

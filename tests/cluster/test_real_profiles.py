@@ -147,6 +147,8 @@ def test_two_namespaces_take_their_own_default_profile(operator):
             f"registry.example.com/ml/{letter}:1"
         }
         assert {env_of(p)["TEAM"] for p in pods} == {team}
+        pulls = [p["spec"].get("imagePullSecrets") for p in pods]
+        assert pulls == [[{"name": "registry-example-com"}]] * 2  # the profile's
         volumes = [v for p in pods for v in p["spec"]["volumes"]]
         claims = {
             v["persistentVolumeClaim"]["claimName"]

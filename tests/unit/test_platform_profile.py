@@ -229,3 +229,17 @@ def test_a_multi_node_job_may_take_its_volume_from_the_profile_it_names_and_only
     assert "neither the job nor defaults.checkpoint.volume of FineTuneProfile team-a" in str(
         found[0]
     )
+
+
+def test_the_profiles_pull_secrets_reach_the_pods_beside_the_jobs_own():
+    from ftjob.operator import render
+
+    job = gpu_job()
+    job["spec"]["imagePullSecrets"] = [{"name": "team-registry"}]
+    checked = validate.check(apply(job, team_a()).doc)
+    assert checked.ok, checked.errors + checked.server_errors
+    pod = render.pod("j", "ns", checked.spec, 0, 0, "uid")
+    assert pod["spec"]["imagePullSecrets"] == [
+        {"name": "registry-example-com"},
+        {"name": "team-registry"},
+    ]
