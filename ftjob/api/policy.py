@@ -93,6 +93,14 @@ def validations() -> list[dict[str, Any]]:
             f"{lim}.allowedImagePrefixes.join(' or ')",
         ),
         _check(
+            "maxGpuHoursPerJob",
+            "!has(object.spec.budget) || !has(object.spec.budget.gpuHours) || "
+            f"object.spec.budget.gpuHours <= {lim}.maxGpuHoursPerJob",
+            "'spec.budget.gpuHours: ' + string(object.spec.budget.gpuHours) + ' GPU-hours "
+            f"exceed limits.maxGpuHoursPerJob ' + string({lim}.maxGpuHoursPerJob) + {_OF} + "
+            f"'; fix: set budget.gpuHours to at most ' + string({lim}.maxGpuHoursPerJob)",
+        ),
+        _check(
             "allowedMethods",
             f"size({lim}.allowedMethods) == 0 || variables.method in {lim}.allowedMethods",
             f"'spec.method.type: ' + variables.method + ' is not in limits.allowedMethods'"

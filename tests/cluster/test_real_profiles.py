@@ -68,7 +68,9 @@ def operator(installed: Plane, tmp_path_factory):
         installed.kubectl("label", "namespace", ns, *(f"{k}={v}" for k, v in labels.items()))
         installed.apply(shared_volume(ns))
         installed.wait(lambda ns=ns: installed.get("sa", "default", ns), hangs.FLOOR, "the SA")
-    installed.apply(profile("team-a", "registry.example.com/ml/a:1", maxNodes=2))
+    installed.apply(
+        profile("team-a", "registry.example.com/ml/a:1", maxNodes=2, maxGpuHoursPerJob=50)
+    )
     installed.apply(profile("team-b", "registry.example.com/ml/b:1"))
     no_volume = profile("team-c", "registry.example.com/ml/c:1")
     del no_volume["spec"]["defaults"]["checkpoint"]
@@ -181,6 +183,11 @@ def test_a_job_over_a_limit_is_refused_at_the_door_with_the_limit_and_the_fix(op
     assert "3 nodes exceed limits.maxNodes 2 of FineTuneProfile team-a" in said, said
     assert "fix: set resources.nodes to at most 2" in said
     assert plane.get("ftj", "big", "ns-a") is None
+    rich = job("rich", "ns-a")
+    rich["spec"]["budget"] = {"gpuHours": 75.5}
+    said = plane.apply(rich, ok=False).stderr
+    assert "spec.budget.gpuHours: 75.5 GPU-hours exceed limits.maxGpuHoursPerJob 50 of " in said
+    assert "fix: set budget.gpuHours to at most 50" in said, said
     # The same job in ns-b (team-b has no node limit) is let in: the limit is team-a's.
     plane.apply(job("big", "ns-b", nodes=3, profile="team-b"))
     running(plane, "big", "ns-b", 0, nodes=3)

@@ -60,7 +60,14 @@ def team(name: str, selector: dict | None, **limits) -> dict:
 
 
 PROFILES = [
-    team("team-a", {"team": "a"}, maxNodes=2, maxGpusPerJob=16, allowedMethods=["lora"]),
+    team(
+        "team-a",
+        {"team": "a"},
+        maxNodes=2,
+        maxGpusPerJob=16,
+        maxGpuHoursPerJob=100.5,
+        allowedMethods=["lora"],
+    ),
     team("team-b", None, allowedImagePrefixes=["registry.example.com/b/", "ghcr.io/b/"]),
 ]
 JOBS = {
@@ -71,6 +78,8 @@ JOBS = {
     "image": {"image": "docker.io/someone/trainer:1"},
     "named-b": {"profile": "team-b", "image": "docker.io/someone/trainer:1"},
     "named-a": {"profile": "team-a", "resources": {"nodes": 4, "gpusPerNode": 8}},
+    "budget": {"budget": {"gpuHours": 250}},
+    "budget-within": {"budget": {"gpuHours": 100.5}},
 }
 LABELS = {
     "selected": {"team": "a"},
