@@ -3,8 +3,12 @@
     python scripts/manifests.py            # rewrite them (from spec.py, the chart, examples/)
     python scripts/manifests.py --check    # exit 1 if any is stale (tests check the same)
 
-manifests/crd.yaml and charts/ftjob/crds/finetunejobs.ftjob.dev.yaml are `ftjob crd`'s output;
-charts/ftjob/values.schema.json's trainer.tracking is spec.tracking's schema (spec.py).
+manifests/crd.yaml and charts/ftjob/crds/finetunejobs.ftjob.dev.yaml are `ftjob crd`'s output,
+manifests/profile-crd.yaml and charts/ftjob/crds/finetuneprofiles.ftjob.dev.yaml `ftjob crd
+--profile`'s; charts/ftjob/templates/profile-policy.yaml the profiles' ValidatingAdmissionPolicy
+(ftjob/api/policy.py);
+charts/ftjob/values.schema.json's trainer.tracking is spec.tracking's schema (spec.py), its
+profile.spec a FineTuneProfile's (api/profile.py).
 
 install.yaml is what `helm install ftjob charts/ftjob -n ftjob-system --create-namespace`
 creates, as one file for `kubectl apply`: the chart's CRDs, the namespace (Helm's
@@ -27,8 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "ftjob"
 CHART_CRD = CHART / "crds" / "finetunejobs.ftjob.dev.yaml"
 CRD_COPIES = [ROOT / "manifests" / "crd.yaml", CHART_CRD]
+PROFILE_CRD_COPIES = [
+    ROOT / "manifests" / "profile-crd.yaml",
+    CHART / "crds" / "finetuneprofiles.ftjob.dev.yaml",
+]
 INSTALL = ROOT / "manifests" / "install.yaml"
 VALUES_SCHEMA = CHART / "values.schema.json"
+POLICY = CHART / "templates" / "profile-policy.yaml"
 SAMPLES = ROOT / "manifests" / "samples"
 EXAMPLES = ROOT / "examples"
 RELEASE = "ftjob"
@@ -45,6 +54,8 @@ INSTALL_ORDER = [
     "RoleBinding",
     "Service",
     "Deployment",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
 ]
 HEADER = f"""\
 # ftjob: the FineTuneJob CRD and its operator, for `kubectl apply` (the Helm chart's defaults).
@@ -98,9 +109,10 @@ def install_yaml() -> str:
 
 
 def values_schema() -> str:
-    """values.schema.json with trainer.tracking's schema from spec.py's TrackingSpec (the
-    rest of the file is written by hand): the chart refuses what a job's spec.tracking would.
-    The CEL rules are not JSON Schema; the operator checks them when it starts."""
+    """values.schema.json with trainer.tracking's schema from spec.py's TrackingSpec and
+    profile.spec's from api/profile.py (the rest of the file is written by hand): the chart
+    refuses what a job's spec.tracking, or a FineTuneProfile, would. The CEL rules are not
+    JSON Schema; the operator checks them when it starts."""
     from ftjob.api.schema import openapi
     from ftjob.api.spec import TrackingSpec
 
@@ -110,9 +122,13 @@ def values_schema() -> str:
         if not isinstance(node, dict):
             return node
         out = {k: chart_form(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
+        if out.get("exclusiveMinimum") is True:  # OpenAPI's boolean is a number in draft 7
+            out["exclusiveMinimum"] = out.pop("minimum")
         if out.get("type") == "object" and "properties" in out:
             out["additionalProperties"] = False  # a typo is refused, as elsewhere in values
         return out
+
+    from ftjob.api.profile import FineTuneProfileSpec
 
     tracking = chart_form(openapi(TrackingSpec))
     tracking["description"] = (
@@ -122,6 +138,9 @@ def values_schema() -> str:
     )
     schema = json.loads(VALUES_SCHEMA.read_text())
     schema["properties"]["trainer"]["properties"]["tracking"] = tracking
+    profile = chart_form(openapi(FineTuneProfileSpec))
+    profile["description"] = "spec of the FineTuneProfile (api/profile.py): same fields."
+    schema["properties"]["profile"]["properties"]["spec"] = profile
     return json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
 
 
@@ -130,12 +149,19 @@ def samples() -> dict[str, str]:
     return {p.name: p.read_text() for p in sorted(EXAMPLES.glob("*.yaml"))}
 
 
-def stale() -> list[str]:
-    from ftjob.api import crd
+def crd_copies() -> dict[Path, str]:
+    """Each committed CRD copy (and the profiles' admission policy) and what it must hold."""
+    from ftjob.api import crd, policy
 
+    out = {copy: crd.render_yaml() for copy in CRD_COPIES}
+    out |= {copy: crd.render_profile_yaml() for copy in PROFILE_CRD_COPIES}
+    return out | {POLICY: policy.render_yaml()}
+
+
+def stale() -> list[str]:
     out = []
-    for copy in CRD_COPIES:
-        if not copy.is_file() or copy.read_text() != crd.render_yaml():
+    for copy, text in crd_copies().items():
+        if not copy.is_file() or copy.read_text() != text:
             out.append(str(copy.relative_to(ROOT)))
     if VALUES_SCHEMA.read_text() != values_schema():
         out.append(str(VALUES_SCHEMA.relative_to(ROOT)))
@@ -149,10 +175,8 @@ def stale() -> list[str]:
 
 
 def write() -> None:
-    from ftjob.api import crd
-
-    for copy in CRD_COPIES:  # first: install.yaml includes the chart's CRDs
-        copy.write_text(crd.render_yaml())
+    for copy, text in crd_copies().items():  # first: install.yaml includes the chart's CRDs
+        copy.write_text(text)
     VALUES_SCHEMA.write_text(values_schema())  # before install.yaml: helm reads it
     INSTALL.write_text(install_yaml())
     SAMPLES.mkdir(parents=True, exist_ok=True)

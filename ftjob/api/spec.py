@@ -902,6 +902,26 @@ class TrackingSpec:
 
 
 @dataclass(kw_only=True)
+class BudgetSpec:
+    """budget: what the job may spend; reached, the gang checkpoints and stops (phase
+    Suspended, reason BudgetReached), and raising it resumes from that checkpoint."""
+
+    gpu_hours: float | None = api_field(
+        "gpuHours: GPU-hours of the pods' running time, over every attempt (status.cost); "
+        "capped by the profile's limits.maxGpuHoursPerJob.",
+        None,
+        minimum=0,
+        exclusive_minimum=True,
+    )
+    amount: float | None = api_field(
+        "amount: money at the profile's prices (status.cost.amount, in its currency).",
+        None,
+        minimum=0,
+        exclusive_minimum=True,
+    )
+
+
+@dataclass(kw_only=True)
 class RunPolicySpec:
     """runPolicy: retries, timeouts and suspension."""
 
@@ -1149,6 +1169,18 @@ class PlanSpec:
 
 
 @dataclass(kw_only=True)
+class PullSecret:
+    """A Secret of the job's namespace with registry credentials (a dockerconfigjson)."""
+
+    name: str = api_field(
+        "name of the Secret.",
+        pattern=kv.DNS_SUBDOMAIN,
+        pattern_hint=DNS_SUBDOMAIN_HINT,
+        max_length=253,
+    )
+
+
+@dataclass(kw_only=True)
 class EnvVar:
     """An environment variable set on every training process."""
 
@@ -1226,6 +1258,21 @@ class FineTuneJobSpec:
     )
     env: list[EnvVar] = api_field(
         "env: extra environment variables of the training processes.", factory=list, max_items=64
+    )
+    image_pull_secrets: list[PullSecret] = api_field(
+        "imagePullSecrets: Secrets the pods pull the trainer image with (a private registry).",
+        factory=list,
+        max_items=16,
+    )
+    budget: BudgetSpec = api_field("budget: a spend that stops the job.", factory=BudgetSpec)
+    profile: str | None = api_field(
+        "profile: the FineTuneProfile whose defaults fill what this job leaves unset and whose "
+        "limits it must keep (default: the namespace's, by its label ftjob.dev/profile or a "
+        "profile's namespaceSelector; docs/platform.md).",
+        None,
+        pattern=kv.DNS_SUBDOMAIN,
+        pattern_hint=DNS_SUBDOMAIN_HINT,
+        max_length=253,
     )
 
     __rules__: ClassVar[tuple[Rule, ...]] = (
@@ -1442,10 +1489,15 @@ class FineTuneJobSpec:
             ".network.collectiveTimeoutSeconds",
         ),
         Rule(
-            "self.resources.nodes == 1 || has(self.checkpoint.volume)",
-            lambda s: s.resources.nodes == 1 or s.checkpoint.volume is not None,
+            # A job naming its profile may take the volume from it: the door sees the job
+            # before the merge, and the merge checks the volume is then there (api/profile.py).
+            "self.resources.nodes == 1 || has(self.checkpoint.volume) || has(self.profile)",
+            lambda s: (
+                s.resources.nodes == 1 or s.checkpoint.volume is not None or s.profile is not None
+            ),
             "more than one node needs a shared checkpoint.volume (a ReadWriteMany claim) so "
-            "that every node writes its shards to one place",
+            "that every node writes its shards to one place; set it, or name a spec.profile "
+            "whose defaults give one",
             ".checkpoint.volume",
         ),
         Rule(

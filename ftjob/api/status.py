@@ -11,7 +11,7 @@ from dataclasses import dataclass, make_dataclass
 from typing import Any, Literal
 
 from ftjob.api import contract, objectives
-from ftjob.api.schema import api_field, openapi
+from ftjob.api.schema import FreeForm, api_field, openapi
 
 PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 # The trainer's own reasons (its termination record), then what the operator sees itself.
@@ -27,6 +27,8 @@ FAILURE_REASONS = (
     "StartTimeout",
     "DeadlineExceeded",
     "WillNotFit",
+    "OverLimit",
+    "NoProfile",
     "Error",
 )
 
@@ -160,6 +162,52 @@ class PreflightStatus:
 
 
 @dataclass(kw_only=True)
+class AttemptCost:
+    """One gang attempt's GPU time."""
+
+    attempt: int = api_field("attempt of the gang.")
+    gpu_seconds: float = api_field("gpuSeconds: its pods' running seconds times their GPUs.")
+    price_per_gpu_hour: float | None = api_field(
+        "pricePerGpuHour its profile named for the job's gpuType, if any.", None
+    )
+
+
+@dataclass(kw_only=True)
+class CostStatus:
+    """cost: what the job's pods have run, from their containers' real running times."""
+
+    attempts: list[AttemptCost] = api_field(
+        "attempts: each gang's GPU time (kept once its pods are gone).", factory=list, max_items=64
+    )
+    gpu_hours: float = api_field("gpuHours spent so far, over every attempt.", 0.0)
+    amount: float | None = api_field(
+        "amount spent so far at the profile's prices (FineTuneProfile spec.prices).", None
+    )
+    currency: str | None = api_field("currency of amount.", None)
+    projected_gpu_hours: float | None = api_field(
+        "projectedGpuHours at the end: spent plus the trainer's ETA on the gang's GPUs.", None
+    )
+    projected_amount: float | None = api_field("projectedAmount at the end.", None)
+    display: str | None = api_field(
+        "display for kubectl get -o wide, e.g. 1.25 GPU-h 4.00 USD (~10.00 USD).", None
+    )
+
+
+@dataclass(kw_only=True)
+class ProfileStatus:
+    """profile: the FineTuneProfile applied to the newest gang."""
+
+    name: str = api_field("name of the FineTuneProfile.")
+    generation: int = api_field("generation of the profile the gang was made from.")
+    attempt: int | None = api_field("attempt: the gang that took this generation.", None)
+    pinned: FreeForm | None = api_field(
+        "pinned: the profile's defaults of the job's immutable sections (checkpoint, "
+        "resources) as first applied; later gangs keep them whatever the profile says then.",
+        None,
+    )
+
+
+@dataclass(kw_only=True)
 class FineTuneJobStatus:
     """FineTuneJobStatus is the observed state of a FineTuneJob."""
 
@@ -218,6 +266,12 @@ class FineTuneJobStatus:
         "default image).",
         None,
     )
+    profile: ProfileStatus | None = api_field(
+        "profile: the FineTuneProfile (and its generation) the newest gang was made with; a "
+        "profile edited later changes no running gang, the next gang says which it took.",
+        None,
+    )
+    cost: CostStatus | None = api_field("cost of a GPU job so far, and projected.", None)
     job_folder: str | None = api_field(
         "jobFolder: the job's folder on the checkpoint volume as the pods see it "
         "(checkpoints, caches, export): /ftjob/<name>-<first 8 characters of the uid> unless "

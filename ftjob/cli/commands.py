@@ -6,7 +6,7 @@ ftjob validate -o json examples/*.yaml     # ... as one JSON document, for CI (d
 ftjob plan examples/*.yaml          # will it fit? memory, time, traffic
 ftjob render examples/tiny.yaml     # what would be created for the job
 ftjob render --children examples/tiny.yaml  # ... with the operator's Service, ConfigMap, Pods
-ftjob crd > manifests/crd.yaml      # the CustomResourceDefinition
+ftjob crd > manifests/crd.yaml      # the CustomResourceDefinition (--profile: the profile's)
 ftjob operator --all-namespaces     # the operator, against the kubeconfig's cluster
 """
 
@@ -19,7 +19,9 @@ from pathlib import Path
 
 from ftjob import __version__
 from ftjob.api import contract, crd, manifest
-from ftjob.api.schema import to_dict
+from ftjob.api.profile import KIND as PROFILE_KIND
+from ftjob.api.profile import Profile, parse_profile
+from ftjob.api.schema import SpecError, to_dict
 from ftjob.api.spec import API_VERSION, KIND
 from ftjob.cli import extras, output, validate
 from ftjob.job import machine
@@ -46,11 +48,23 @@ def _jobs(path: str) -> list[dict]:
     return jobs
 
 
-def _valid_jobs(path: str, local: bool = False) -> list[validate.CheckedJob]:
-    """The jobs in ``path``, checked; :class:`InvalidJob` if any is refused.
+def _profile(args: argparse.Namespace) -> Profile | None:
+    """The FineTuneProfile of ``--profile FILE``, checked; None without one."""
+    if not getattr(args, "profile", None):
+        return None
+    doc = manifest.load_one(args.profile, PROFILE_KIND)
+    try:
+        return parse_profile(doc)
+    except SpecError as e:
+        raise InvalidJob([f"{args.profile}: {x}" for x in e.errors]) from None
 
-    ``local``: the model and data must be beside the job file (plan reads them)."""
-    jobs = [validate.check(doc, job_file=path, local=local) for doc in _jobs(path)]
+
+def _valid_jobs(
+    path: str, local: bool = False, profile: Profile | None = None
+) -> list[validate.CheckedJob]:
+    """The jobs in ``path``, checked (``profile`` applied); :class:`InvalidJob` if any is
+    refused. ``local``: the model and data must be beside the job file (plan reads them)."""
+    jobs = [validate.check(doc, job_file=path, local=local, profile=profile) for doc in _jobs(path)]
     for job in jobs:
         if not job.ok:
             raise InvalidJob([f"{path}: {x}" for x in job.errors or job.server_errors])
@@ -58,13 +72,13 @@ def _valid_jobs(path: str, local: bool = False) -> list[validate.CheckedJob]:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    old = None
+    old, profile = None, _profile(args)
     if args.old:
         old = manifest.load_one(args.old, KIND)
     results, warned = [], {}
     for path in args.files:
         for doc in _jobs(path):
-            checked = validate.check(doc, old, job_file=path)
+            checked = validate.check(doc, old, job_file=path, profile=profile)
             results.append(output.validation_result(path, checked))
             for warning in checked.warnings:
                 warned.setdefault(warning, []).append(checked.name or path)
@@ -81,6 +95,8 @@ def _print_checked(path: str, checked: validate.CheckedJob) -> None:
     label = f"{path}: {KIND} {checked.name or '(unnamed)'}"
     if checked.ok:
         print(f"{label}: valid -- {validate.summary(checked.spec)}")
+        if checked.profile:
+            print(f"  FineTuneProfile {checked.profile['name']} applied: `ftjob render` shows it")
         for note in checked.notes:
             print(f"  {note}")
         return
@@ -102,7 +118,7 @@ def _print_warnings(warned: dict[str, list[str]]) -> None:
 
 def cmd_render(args: argparse.Namespace) -> int:
     out = []
-    for job in _valid_jobs(args.file):
+    for job in _valid_jobs(args.file, profile=_profile(args)):
         meta = {"name": job.name, "namespace": args.namespace}
         out.append(
             {
@@ -128,6 +144,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # Each job is planned on its own: a refused job or an unreadable file is reported (stderr,
     # and under "invalid" with -o) and the exit code says so, but never hides another's plan.
     worst, results, invalid = 0, [], []
+    profile = _profile(args)
     for path in args.files:
         try:
             docs = _jobs(path)
@@ -137,7 +154,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             continue
         for doc in docs:
             try:
-                job, result = _plan_job(path, doc)
+                job, result = _plan_job(path, doc, profile)
             except InvalidJob as e:
                 for line in e.lines:
                     print(line, file=sys.stderr)
@@ -155,10 +172,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return worst
 
 
-def _plan_job(path: str, doc: dict) -> tuple[validate.CheckedJob, Plan]:
+def _plan_job(
+    path: str, doc: dict, profile: Profile | None = None
+) -> tuple[validate.CheckedJob, Plan]:
     """The job checked and planned; :class:`InvalidJob` if it is refused or has no shape.
     Its model must be read here (the estimate needs its shape); its data need not be."""
-    job = validate.check(doc, job_file=path, local=True)
+    job = validate.check(doc, job_file=path, local=True, profile=profile)
     if not job.ok:
         raise InvalidJob([f"{path}: {x}" for x in job.errors or job.server_errors])
     try:
@@ -178,7 +197,7 @@ def _print_plan(path: str, job: validate.CheckedJob, result: Plan) -> None:
 
 
 def cmd_crd(args: argparse.Namespace) -> int:
-    print(crd.render_yaml(), end="")
+    print(crd.render_profile_yaml() if args.profile else crd.render_yaml(), end="")
     return 0
 
 
@@ -187,7 +206,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.profile_steps:  # the nodes' processes inherit it (ftjob.cli.nodes.start_node)
         os.environ[contract.PROFILE_STEPS_ENV] = str(args.profile_steps)
-    return local.run(args.file, args.workdir, restart=args.restart)
+    return local.run(args.file, args.workdir, restart=args.restart, profile=_profile(args))
 
 
 def cmd_operator(args: argparse.Namespace) -> int:
@@ -202,6 +221,15 @@ def _output_option(p: argparse.ArgumentParser, what: str = "one document") -> No
         "--output",
         choices=output.FORMATS,
         help=f"print {what} as json or yaml for scripts (docs/cli.md) instead of text",
+    )
+
+
+def _profile_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="apply this FineTuneProfile as the operator would: its defaults under what the "
+        "job leaves unset, its limits checked (docs/platform.md)",
     )
 
 
@@ -223,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--old", metavar="FILE", help="check FILEs as updates of this job (immutable fields)"
     )
     _output_option(p)
+    _profile_option(p)
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser(
@@ -241,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--attempt", type=int, default=0, help="gang attempt the Pods belong to (--children)"
     )
     _output_option(p, "a v1 List of the objects (kubectl apply -f takes it)")
+    _profile_option(p)
     p.set_defaults(func=cmd_render)
 
     p = sub.add_parser(
@@ -252,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("files", nargs="+", metavar="FILE")
     _output_option(p)
+    _profile_option(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser(
@@ -260,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Print the CRD generated from ftjob/api/spec.py (what manifests/crd.yaml holds)."
         ),
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print the FineTuneProfile CRD instead (ftjob/api/profile.py; "
+        "manifests/profile-crd.yaml)",
     )
     p.set_defaults(func=cmd_crd)
 
@@ -292,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the device's busy fraction, the longest kernels and the host syncs in "
         "<job folder>/logs/profile/summary.json, beside a Chrome trace (docs/progress.md)",
     )
+    _profile_option(p)
     p.set_defaults(func=cmd_run)
 
     from ftjob.operator.__main__ import add_arguments  # argparse only; kopf loads on run

@@ -42,6 +42,7 @@ def validation_result(path: str, checked: validate.CheckedJob) -> dict:
         "name": checked.name,
         "valid": checked.ok,
         "summary": validate.summary(checked.spec) if checked.ok else None,
+        "profile": checked.profile,  # {name, generation} applied (--profile), else None
         "errors": errors(checked.errors),
         "serverErrors": errors(checked.server_errors),
         # What the text prints under a valid job: what was not checked here, and warnings.

@@ -25,11 +25,13 @@ from pathlib import Path
 
 from ftjob.api import manifest
 from ftjob.api.contract import EXIT_PREEMPTED, TrainerError
+from ftjob.api.profile import Profile
 from ftjob.api.schema import SpecError, check_rules
 from ftjob.api.spec import KIND, ineffective, parse_resource
 from ftjob.cli import failure
 from ftjob.cli.nodes import Node, free_port, interrupt, start_node, stop_all, wait_first
 from ftjob.cli.screen import Screen
+from ftjob.cli.validate import with_profile
 from ftjob.job import folder as jobfolder
 from ftjob.job import inputs, installed, lease, processes
 from ftjob.job.folder import JobFolder
@@ -39,12 +41,21 @@ from ftjob.trainer.report import trackers
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
-def run(job_file: str, workdir: str | None = None, out=None, restart: bool = False) -> int:
-    """Run every node of the job in ``job_file`` locally; return an exit code."""
+def run(
+    job_file: str,
+    workdir: str | None = None,
+    out=None,
+    restart: bool = False,
+    profile: Profile | None = None,
+) -> int:
+    """Run every node of the job in ``job_file`` locally (``profile`` applied as the operator
+    would); return an exit code."""
     out = out or sys.stdout
-    doc = manifest.load_one(job_file, KIND)
+    doc, refused, _ = with_profile(manifest.load_one(job_file, KIND), profile)
     try:
         name, spec = parse_resource(doc, strict=True)
+        if refused:  # over a limit of the profile
+            raise SpecError(refused)
     except SpecError as e:
         print(f"{job_file}: invalid {KIND}:", file=sys.stderr)
         for err in e.errors:

@@ -30,8 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from ftjob.api import admission, crd
-from ftjob.api.schema import SpecError
-from ftjob.api.spec import FineTuneJobSpec, ineffective, parse_resource, validate_update
+from ftjob.api.profile import Profile, apply
+from ftjob.api.schema import FieldError, SpecError
+from ftjob.api.spec import (
+    DEFAULT_IMAGE,
+    FineTuneJobSpec,
+    ineffective,
+    parse_resource,
+    validate_update,
+)
 from ftjob.job import inputs
 from ftjob.operator import render  # pure: no kopf or kubernetes needed
 from ftjob.operator.admit import parse_job
@@ -55,6 +62,7 @@ class CheckedJob:
     notes: list[str] = field(default_factory=list)  # what could not be checked here, and why
     warnings: list[str] = field(default_factory=list)  # valid, but likely not what was meant
     shape: ModelShape | None = None  # the model's, where it could be read
+    profile: dict | None = None  # the profile applied: {name, generation}
 
     @property
     def ok(self) -> bool:
@@ -66,14 +74,17 @@ def check(
     old: dict[str, Any] | None = None,
     job_file: str | None = None,
     local: bool = False,
+    profile: Profile | None = None,
 ) -> CheckedJob:
     """Check ``doc`` (as an update of ``old`` when given) both ways, and on its model.
 
     ``job_file``: where relative model and data sources are looked up. ``local``: the model
     must be there (plan reads its shape); any other missing input is only a note.
+    ``profile``: merged under the job first (:func:`with_profile`), its limits checked too.
     """
     name = (doc.get("metadata") or {}).get("name")
     checked = CheckedJob(name=name if isinstance(name, str) else None)
+    doc, refused, checked.profile = with_profile(doc, profile)
     try:
         _, checked.spec = parse_job(doc, strict=True)
         if old is not None:
@@ -102,8 +113,31 @@ def check(
     except ValueError as e:  # a config.json without the fields a decoder has
         checked.errors = [f"spec.model.source: {e}"]
         checked.spec = None
+    if refused:  # the profile's limits (the job's own errors first)
+        checked.errors += [str(x) for x in refused]
+        checked.spec = None
     _, checked.server_errors = admission.admit(crd_schema(), doc, old)
     return checked
+
+
+def with_profile(
+    doc: dict[str, Any], profile: Profile | None
+) -> tuple[dict[str, Any], list[FieldError], dict | None]:
+    """``doc`` with ``profile`` applied as the operator would (api/profile.py), the limits it
+    breaks, and the record of what was applied. Without a profile, the job as it is; a job
+    naming another profile than the one given is refused (it would not get this one)."""
+    if profile is None:
+        return doc, [], None
+    named = (doc.get("spec") or {}).get("profile") if isinstance(doc.get("spec"), dict) else None
+    if named is not None and named != profile.name:
+        wrong = FieldError(
+            "spec.profile",
+            f"names FineTuneProfile {named}, but the profile given is {profile.name}",
+            fix=f"pass --profile with {named}'s file, or set spec.profile: {profile.name}",
+        )
+        return doc, [wrong], None
+    applied = apply(doc, profile, DEFAULT_IMAGE)
+    return applied.doc, applied.violations, applied.record
 
 
 def warnings(spec: FineTuneJobSpec) -> list[str]:

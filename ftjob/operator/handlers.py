@@ -31,7 +31,7 @@ from aiohttp import web
 
 from ftjob.api.schema import SpecError
 from ftjob.api.spec import GROUP, PLURAL, VERSION, FineTuneJobSpec, TrackingSpec
-from ftjob.operator import admit, lifecycle, metrics, queueing, render, status
+from ftjob.operator import admit, cost, lifecycle, metrics, profiles, queueing, render, status
 from ftjob.operator.kube import Gone, Kube, Refused, error_text
 
 POD_SELECTOR = {"app.kubernetes.io/managed-by": render.MANAGER}
@@ -103,6 +103,7 @@ class Seen:
     pods: list[dict]
     now: datetime
     workload: tuple[str, dict | None] | None = None  # Kueue's, for a gang in a queue
+    taken: profiles.Taken | None = None  # its FineTuneProfile applied (doc is then merged)
 
     @property
     def meta(self) -> dict:
@@ -228,6 +229,7 @@ async def _reconcile(
 ) -> float | None:
     started = time.monotonic()
     seen = _observe(name, namespace, body, job_pods, state, watch)
+    await _take_profile(namespace, seen)
     queue = ((seen.doc.get("spec") or {}).get("scheduling") or {}).get("queue")
     wanted = queueing.workload_to_read(queue, name, seen.old_status, seen.pods)
     if wanted:
@@ -259,9 +261,21 @@ def _observe(name, namespace, body, job_pods, state: JobState, watch: Watch) -> 
     return Seen(doc, old_status, pods, datetime.now(timezone.utc))
 
 
+async def _take_profile(namespace: str, seen: Seen) -> None:
+    """The job's FineTuneProfile applied to ``seen.doc`` (operator/profiles.py decides). Read
+    every reconcile: a profile or a namespace label edited later reaches the next gang."""
+    labels = await asyncio.to_thread(kube().namespace_labels, namespace)
+    found = await asyncio.to_thread(kube().profiles)
+    seen.taken = profiles.take(seen.doc, labels, found, seen.old_status, SETTINGS.default_image)
+    seen.doc = seen.taken.doc
+
+
 def _decide(name, seen: Seen, state: JobState) -> tuple[FineTuneJobSpec | None, lifecycle.Decision]:
     """What should be (lifecycle.decide, pure), for a valid job; Failed for an invalid one."""
-    meta, old_status = seen.meta, seen.old_status
+    meta, old_status, taken = seen.meta, seen.old_status, seen.taken
+    if taken and taken.refused:  # over a limit of its profile, or no such profile
+        gen = meta.get("generation")
+        return None, lifecycle.invalid(taken.refused, gen, old_status, seen.now, taken.reason)
     try:
         _, spec = admit.parse_job(seen.doc)  # the job and every child it would create
         spec = render.with_tracking(spec, SETTINGS.default_tracking)
@@ -285,11 +299,32 @@ def _decide(name, seen: Seen, state: JobState) -> tuple[FineTuneJobSpec | None, 
         render.template(spec, SETTINGS.default_image),
     )
     decision.status["jobFolder"] = render.job_dir(name, spec, meta["uid"])
+    _count_cost(spec, seen, snapshot, decision)
     if decision.create:
         # Recorded with the pods it is about to create (status is written first): the
         # image they run, wherever it came from (spec.image or the operator's default).
         decision.status["image"] = render.trainer_image(spec, SETTINGS.default_image)
+        if taken and taken.record:  # ... and the profile generation they were made with
+            decision.status["profile"] = taken.record | {"attempt": decision.status["attempt"]}
     return spec, decision
+
+
+def _count_cost(spec, seen: Seen, snapshot: dict | None, decision: lifecycle.Decision) -> None:
+    """status.cost from the pods' running times (operator/cost.py), at the profile's price."""
+    taken = seen.taken or profiles.Taken(seen.doc)
+    r = spec.resources
+    spent = cost.update(
+        seen.old_status.get("cost"),
+        seen.pods,
+        r.gpus_per_node,
+        seen.now,
+        taken.price,
+        taken.currency,
+        (snapshot or {}).get("etaSeconds"),
+        r.nodes * r.gpus_per_node,
+    )
+    if spent is not None:
+        decision.status["cost"] = spent
 
 
 async def _apply(name, namespace, body, seen: Seen, spec, decision, state: JobState):

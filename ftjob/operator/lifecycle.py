@@ -273,10 +273,14 @@ def _will_fit(s: _Step) -> Decision | None:
 
 
 def _suspension(s: _Step) -> Decision | None:
-    """Suspended: no pods; checkpoints stay on the volume. Resumed: a new gang."""
-    if s.spec.run_policy.suspend:
+    """Suspended: no pods; checkpoints stay on the volume. Resumed: a new gang. A budget
+    reached suspends the job the same way (reason BudgetReached) until it is raised."""
+    spent = _budget_spent(s)
+    if s.spec.run_policy.suspend or spent:
         s.delete_live(s.pods)
         s.new.pop(WAITING_SINCE, None)
+        if spent:
+            return s.set("Suspended", BUDGET_REACHED, spent)
         return s.set("Suspended", "Suspended", "runPolicy.suspend is true: the pods are removed")
     if s.old.get("phase") == "Suspended":
         # A resumed job is a new gang (new rendezvous), but not a restart after a failure;
@@ -285,6 +289,28 @@ def _suspension(s: _Step) -> Decision | None:
         s.new["startTime"] = st.now_iso(s.now)
         s.decision.events.append(("Normal", "Resumed", f"resuming as attempt {s.attempt}"))
     return None
+
+
+BUDGET_REACHED = "BudgetReached"
+
+
+def _budget_spent(s: _Step) -> str | None:
+    """Why the job has spent its spec.budget (status.cost, from the last look at its pods),
+    or None. Its pods are then deleted as on a preemption: SIGTERM, and the trainer saves a
+    checkpoint at the next step boundary (checkpoint.gracePeriodSeconds) before it exits."""
+    budget, cost = s.spec.budget, s.old.get("cost") or {}
+    reached = None
+    if budget.gpu_hours is not None and cost.get("gpuHours", 0) >= budget.gpu_hours:
+        reached = f"{budget.gpu_hours:g} GPU-hours ({cost['gpuHours']:g} spent)"
+    elif budget.amount is not None and (cost.get("amount") or 0) >= budget.amount:
+        reached = f"{budget.amount:g} {cost.get('currency', '')} ({cost['amount']:g} spent)"
+    if reached is None:
+        return None
+    step = (s.new.get("progress") or {}).get("step", 0)
+    return (
+        f"budget of {reached} reached at step {step}: the pods are stopped as on a preemption "
+        "(a checkpoint at the next step); raise spec.budget to resume from it"
+    )
 
 
 def _deadline(s: _Step) -> Decision | None:
@@ -589,10 +615,18 @@ def _cond_message(old: dict) -> str:
     return cond.get("message", "")
 
 
-def invalid(errors: list[str], generation: int | None, old_status: dict | None, now: datetime):
-    """A spec the API server let through but ftjob cannot run: Failed at once, with the fix."""
+def invalid(
+    errors: list[str],
+    generation: int | None,
+    old_status: dict | None,
+    now: datetime,
+    reason: str = "BadInput",
+):
+    """A spec the API server let through but ftjob cannot run (or its profile refuses:
+    ``reason`` OverLimit, NoProfile): Failed at once, with the fix."""
     if (old_status or {}).get("phase") == "Failed":
         return Decision(status=copy.deepcopy(old_status))  # already said; nothing moves
     s = _Step(old_status or {}, None, generation, [], now)
-    failure = {"reason": "BadInput", "message": "invalid spec: " + "; ".join(errors)}
+    words = "invalid spec: " if reason == "BadInput" else "refused by its profile: "
+    failure = {"reason": reason, "message": words + "; ".join(errors)}
     return s.fail(failure)

@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from ftjob.api import contract
-from ftjob.api.schema import parse, to_dict
+from ftjob.api.schema import camel, parse, to_dict
 from ftjob.api.spec import API_VERSION, DEFAULT_IMAGE, KIND, FineTuneJobSpec, TrackingSpec
 from ftjob.job import launch
 from ftjob.plan import quota
@@ -102,7 +102,7 @@ def with_tracking(spec: FineTuneJobSpec, default: TrackingSpec | None) -> FineTu
 # The sections of a spec that a user may edit (the others are immutable: the CRD) and that the
 # pods are made of (the trainer's own settings stay those of the ConfigMap written with the
 # first gang); runPolicy only through the in-place restarts torchrun is given.
-EDITABLE = ("env", "secrets", "scheduling", "network", "tracking")
+EDITABLE = ("env", "secrets", "scheduling", "network", "tracking", "image_pull_secrets")
 
 
 def template(spec: FineTuneJobSpec, default_image: str | None = None) -> dict[str, str]:
@@ -110,7 +110,7 @@ def template(spec: FineTuneJobSpec, default_image: str | None = None) -> dict[st
     a short digest of each other editable section. Two gangs of the same template differ in
     nothing an edit reaches; lifecycle compares it with the running gang's (its pods'
     :data:`TEMPLATE` annotation) to see what an edit changed."""
-    sections = {name: to_dict(getattr(spec, name)) for name in EDITABLE}
+    sections = {camel(name): to_dict(getattr(spec, name)) for name in EDITABLE}
     sections["runPolicy.inPlaceRestarts"] = spec.run_policy.in_place_restarts
     out = {"image": trainer_image(spec, default_image)}
     for name, value in sections.items():
@@ -404,6 +404,8 @@ def pod(
         pod_spec["priorityClassName"] = sched.priority_class_name
     if sched.scheduler_name:
         pod_spec["schedulerName"] = sched.scheduler_name
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = to_dict(spec.image_pull_secrets)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 

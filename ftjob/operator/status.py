@@ -166,7 +166,7 @@ def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
                or _unschedulable(c)]  # fmt: skip
     if stopped:  # a copy, as below
         view_status["conditions"] = copy.deepcopy(stopped)
-    trainer = _trainer_state(pod)
+    trainer = trainer_state(pod)
     if trainer:
         # A copy: the view outlives the watch event it came from, whose dicts kopf owns.
         state = copy.deepcopy(trainer.get("state") or {})
@@ -199,7 +199,8 @@ def template_of(pod: dict) -> dict[str, str] | None:
     return made if isinstance(made, dict) else None
 
 
-def _trainer_state(pod: dict) -> dict:
+def trainer_state(pod: dict) -> dict:
+    """The trainer container's status ({} before it has one)."""
     for cs in pod.get("status", {}).get("containerStatuses") or []:
         if cs.get("name") == CONTAINER:
             return cs
@@ -208,7 +209,7 @@ def _trainer_state(pod: dict) -> dict:
 
 def terminated(pod: dict) -> dict | None:
     """The trainer container's terminated state, if it has ended."""
-    return _trainer_state(pod).get("state", {}).get("terminated")
+    return trainer_state(pod).get("state", {}).get("terminated")
 
 
 # The kubelet's waiting reasons that do not end by themselves: a wrong or unreachable image, a
@@ -238,7 +239,7 @@ def not_starting(pod: dict) -> tuple[str, str] | None:
     for cond in pod.get("status", {}).get("conditions") or []:
         if _unschedulable(cond):
             return "Unschedulable", f"pod {name}: {cond.get('message') or 'no node fits it'}"
-    waiting = _trainer_state(pod).get("state", {}).get("waiting") or {}
+    waiting = trainer_state(pod).get("state", {}).get("waiting") or {}
     if waiting.get("reason") in CANNOT_START:
         said = waiting.get("message") or "(the kubelet gave no message)"
         return waiting["reason"], f"pod {name}: {waiting['reason']}: {said}"
@@ -247,7 +248,7 @@ def not_starting(pod: dict) -> tuple[str, str] | None:
 
 def waiting_reason(pod: dict) -> str | None:
     """Why the trainer container has not started (ImagePullBackOff, ...), if it is waiting."""
-    return _trainer_state(pod).get("state", {}).get("waiting", {}).get("reason")
+    return trainer_state(pod).get("state", {}).get("waiting", {}).get("reason")
 
 
 # Kueue's webhook gates every pod it manages until the pod's group is admitted whole.
@@ -323,7 +324,7 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
     elif st.get("phase") == "Unknown" or st.get("reason") == "NodeLost":
         reason, detail = "Lost", st.get("message", "the node stopped reporting")
         node_fault = True
-    elif meta.get("deletionTimestamp") and term is None and _trainer_state(pod):
+    elif meta.get("deletionTimestamp") and term is None and trainer_state(pod):
         # Deleted (by a person, a controller) while its trainer runs: a SIGTERM is a
         # checkpoint, and the record it ends with says what was saved. Not a failure yet.
         return None

@@ -8,6 +8,7 @@ from plane import ROOT, Plane, build
 
 INSTALL = ROOT / "manifests" / "install.yaml"
 CRD = "finetunejobs.ftjob.dev"
+CRDS = (CRD, "finetuneprofiles.ftjob.dev")
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +24,9 @@ def plane(tmp_path_factory):
 @pytest.fixture(scope="session")
 def installed(plane):
     """manifests/install.yaml (the chart as the real Helm engine renders it, kept equal by
-    scripts/manifests.py --check) applied server-side; the CRD Established."""
+    scripts/manifests.py --check) applied server-side; the CRDs Established (both: a group's
+    discovery changes again when its second kind is served)."""
     plane.kubectl("apply", "--server-side", "-f", str(INSTALL))
-    plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD}")
+    crds = [f"crd/{name}" for name in CRDS]
+    plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crds)
     return plane

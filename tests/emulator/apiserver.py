@@ -25,6 +25,7 @@ import contextlib
 import copy
 import itertools
 import json
+import re
 import secrets
 import uuid
 from typing import Any
@@ -90,6 +91,9 @@ class ApiServer(kmock.KubernetesScaffold):
         # lists and watches it when given --namespace.
         if raw_request.path.rstrip("/") == "/api/v1/namespaces":
             return await self._namespaces(raw_request)
+        one = re.fullmatch(r"/api/v1/namespaces/([^/]+)", raw_request.path.rstrip("/"))
+        if one and raw_request.method == "GET":  # the operator reads its labels (profiles)
+            return aiohttp.web.json_response(_namespace(one.group(1), str(self._last_rv())))
         return await super().__call__(raw_request)
 
     async def _namespaces(self, raw_request) -> aiohttp.web.StreamResponse:

@@ -35,7 +35,7 @@ def test_a_bound_lets_the_rules_run_a_blocking_error_does_not():
     assert server_errors("range-nodes-zero.yaml") == [
         "spec.checkpoint.volume: Invalid value: more than one node needs a shared "
         "checkpoint.volume (a ReadWriteMany claim) so that every node writes its shards to one "
-        "place",
+        "place; set it, or name a spec.profile whose defaults give one",
         "spec.resources.nodes: Invalid value: 0: spec.resources.nodes in body should be greater "
         "than or equal to 1",
     ]

@@ -25,7 +25,8 @@ import pytest
 import yaml
 
 from ftjob import __version__
-from ftjob.api import crd, spec
+from ftjob.api import crd, profile, spec
+from ftjob.api.profile import parse_profile
 from ftjob.operator.__main__ import add_arguments
 from ftjob.operator.render import owner_reference
 
@@ -39,6 +40,16 @@ NAMESPACE = "ftjob-system"
 COMBOS = {
     "defaults": {},
     "namespaced": {"watchNamespaces": ["team-a", "team-b"]},
+    # The platform's profile from values: examples/profiles/team-a.yaml's spec.
+    "default-profile": {
+        "profile": {
+            "create": True,
+            "name": "team-a",
+            "spec": yaml.safe_load((ROOT / "examples" / "profiles" / "team-a.yaml").read_text())[
+                "spec"
+            ],
+        }
+    },
     "ha-peering": {"replicaCount": 2, "peering": {"enabled": True, "name": "ftjob-ha"}},
     "ha-namespaced": {
         "replicaCount": 3,
@@ -151,7 +162,7 @@ def test_every_rendered_object_is_valid_kubernetes(combo, rendered):
         if (group, obj["kind"]) in crd_schemas:
             custom = crd_schemas[(group, obj["kind"])]
             schema = custom["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-            jsonschema.validate(obj, schema)
+            jsonschema.Draft4Validator(schema).validate(obj)  # OpenAPI 3.0: draft 4 bounds
             namespaced = custom["spec"]["scope"] == "Namespaced"
             assert ("namespace" in obj["metadata"]) == namespaced, obj["metadata"]
         elif group == "monitoring.coreos.com":
@@ -225,7 +236,7 @@ def chart_crds() -> list[dict]:
 @pytest.mark.parametrize("kube", KUBE_VERSIONS)
 def test_chart_crds_are_valid_kubernetes(kube):
     kinds = sorted(c["spec"]["names"]["kind"] for c in chart_crds())
-    assert kinds == ["ClusterKopfPeering", "FineTuneJob", "KopfPeering"]
+    assert kinds == ["ClusterKopfPeering", "FineTuneJob", "FineTuneProfile", "KopfPeering"]
     for c in chart_crds():
         kubernetes_validate.validate(c, kube, strict=True)
 
@@ -293,6 +304,8 @@ def test_schema_and_values_agree():
         ({"trainer": {"podMonitor": {"port": 8000}}}, "port"),  # the pods' port is named
         ({"dashboard": {"label": "grafana dashboard"}}, "/dashboard/label"),
         ({"dashboard": {"labelValue": 1}}, "/dashboard/labelValue"),
+        ({"profile": {"spec": {"limits": {"maxNodes": 0}}}}, "/profile/spec/limits/maxNodes"),
+        ({"profile": {"spec": {"default": {}}}}, "default"),  # a typo of defaults
     ],
 )
 def test_schema_refuses_bad_values(values, message):
@@ -617,10 +630,12 @@ def test_notes_tell_the_next_command():
 CLUSTER_SCOPED = {
     ("apiextensions.k8s.io", "customresourcedefinitions"),
     ("kopf.dev", "clusterkopfpeerings"),
+    ("", "namespaces"),
+    (spec.GROUP, "finetuneprofiles"),
 }
 KUBE_METHOD = re.compile(
-    r"^(?P<verb>create|delete|get|list|patch|read|replace)_namespaced_(?P<kind>[a-z_]+?)"
-    r"(?P<sub>_status)?$"
+    r"^(?P<verb>create|delete|get|list|patch|read|replace)_(?P<scope>namespaced_|cluster_)?"
+    r"(?P<kind>[a-z_]+?)(?P<sub>_status)?$"
 )
 VERB = {"create": "create", "delete": "delete", "list": "list", "patch": "patch"}
 VERB |= {"get": "get", "read": "get", "replace": "update"}
@@ -629,9 +644,12 @@ HANDLERS_THAT_WATCH = HANDLERS_THAT_PATCH | {"index", "event"}
 
 
 def _constant(node: ast.expr) -> str:
-    """A string literal, or a name imported from ftjob.api.spec (GROUP, PLURAL, ...)."""
+    """A string literal, or a name imported from ftjob.api.spec (GROUP, PLURAL, ...) or, as
+    kube.py names it, ftjob.api.profile's PLURAL (PROFILES)."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
+    if isinstance(node, ast.Name) and node.id == "PROFILES":
+        return profile.PLURAL
     if isinstance(node, ast.Name) and hasattr(spec, node.id):
         return getattr(spec, node.id)
     raise AssertionError(f"cannot resolve {ast.unparse(node)} at line {node.lineno}")
@@ -675,7 +693,8 @@ def kube_py_permissions() -> set[tuple[str, str, str]]:
             group, resource = "", kind.replace("_", "") + "s"
         else:
             assert kind == "custom_object" and call is not None, method
-            group, resource = _constant(call.args[0]), _constant(call.args[3])
+            plural = 2 if m["scope"] == "cluster_" else 3  # (group, version, [namespace,] plural)
+            group, resource = _constant(call.args[0]), _constant(call.args[plural])
         perms.add((group, resource + sub.replace("_", "/"), verb))
         if verb == "watch":
             perms.add((group, resource + sub.replace("_", "/"), "list"))
@@ -801,9 +820,20 @@ def test_rbac_grants_exactly_what_the_operator_uses(combo, rendered):
 def test_namespaced_mode_has_no_cluster_access_to_namespaced_resources(rendered):
     cluster = [o for o in rendered["namespaced"] if o["kind"] == "ClusterRole"]
     resources = {r for o in cluster for rule in o["rules"] for r in rule["resources"]}
-    assert resources == {"customresourcedefinitions"}
+    # Cluster-scoped all: the CRDs' watch, the profiles and the namespaces' labels.
+    assert resources == {"customresourcedefinitions", "finetuneprofiles", "namespaces"}
     roles = [o for o in rendered["namespaced"] if o["kind"] == "Role"]
     assert sorted(o["metadata"]["namespace"] for o in roles) == ["team-a", "team-b"]
+
+
+def test_the_chart_installs_the_profile_of_its_values_and_none_by_default(rendered):
+    made = the(rendered["default-profile"], "FineTuneProfile")
+    want = parse_profile(
+        yaml.safe_load((ROOT / "examples" / "profiles" / "team-a.yaml").read_text())
+    )
+    assert parse_profile(made) == want  # the same profile as the file: name, spec
+    assert made["metadata"]["labels"]["app.kubernetes.io/part-of"] == "ftjob"
+    assert not [o for o in rendered["defaults"] if o["kind"] == "FineTuneProfile"]
 
 
 def test_rbac_create_false_renders_no_rbac(rendered):

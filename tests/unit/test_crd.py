@@ -86,6 +86,7 @@ def test_printer_columns_and_names():
         "In-Place",
         "Tokens/s",
         "MFU",
+        "Cost",
         "Reward-Acc",
         "Image",
     ]

@@ -16,6 +16,7 @@ from test_pending import unschedulable
 from test_status import ROOT, T0, pod
 
 from ftjob.api import manifest
+from ftjob.api.schema import camel
 from ftjob.api.spec import parse_resource
 from ftjob.operator import lifecycle, render
 from ftjob.operator import status as st
@@ -132,7 +133,7 @@ def test_pods_that_do_not_say_what_they_were_made_of_are_left_alone():
 def test_the_template_names_the_image_and_moves_only_with_an_editable_section():
     _, s = spec()
     t = render.template(s)
-    assert t["image"] == GOOD and set(t) == {"image", *render.EDITABLE,
+    assert t["image"] == GOOD and set(t) == {"image", *map(camel, render.EDITABLE),
                                               "runPolicy.inPlaceRestarts"}  # fmt: skip
     assert render.template(spec(runPolicy={"backoffLimit": 9})[1]) == t
     assert render.template(spec(runPolicy={"inPlaceRestarts": 9})[1]) != t

@@ -1,0 +1,84 @@
+"""PURE: what a job has spent, from its pods' real running times, and what it will spend.
+
+A pod's GPU time is the trainer container's running time (``startedAt`` to its end, or to now)
+times its GPUs. Each gang attempt's total is kept in ``status.cost.attempts`` while its pods
+exist and stays there once they are gone (never lowered: a pod deleted before the last look
+loses at most the time since that look, one resync), so the sum covers every attempt. The
+money is each attempt's GPU-hours at the price its profile named then; the projection adds the
+rest of the run at the trainer's ETA, on the gang's GPUs.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from ftjob.operator import status as st
+
+MAX_ATTEMPTS = 64  # status.cost.attempts is bounded (the CRD's maxItems)
+
+
+def pod_seconds(pod: dict, now: datetime) -> float:
+    """Seconds the trainer container of ``pod`` has run (0 before it started)."""
+    state = st.trainer_state(pod).get("state") or {}
+    running, ended = state.get("running") or {}, state.get("terminated") or {}
+    started = st.parse_time(running.get("startedAt") or ended.get("startedAt"))
+    if started is None:
+        return 0.0
+    end = st.parse_time(ended.get("finishedAt")) if ended else now
+    return max(((end or now) - started).total_seconds(), 0.0)
+
+
+def update(
+    old: dict | None,
+    pods: list[dict],
+    gpus_per_pod: int,
+    now: datetime,
+    price: float | None = None,
+    currency: str = "USD",
+    eta_seconds: float | None = None,
+    gang_gpus: int = 0,
+) -> dict[str, Any] | None:
+    """``status.cost`` after this look at the pods; None for a job without GPUs."""
+    if gpus_per_pod <= 0:
+        return None
+    kept = {a["attempt"]: dict(a) for a in (old or {}).get("attempts") or []}
+    seen: dict[int, float] = {}
+    for pod in pods:
+        attempt = st.attempt_of(pod)
+        seen[attempt] = seen.get(attempt, 0.0) + pod_seconds(pod, now) * gpus_per_pod
+    for attempt, seconds in seen.items():
+        entry = kept.setdefault(attempt, {"attempt": attempt, "gpuSeconds": 0.0})
+        entry["gpuSeconds"] = round(max(entry["gpuSeconds"], seconds), 1)
+        if price is not None:
+            entry["pricePerGpuHour"] = price
+    attempts = [kept[a] for a in sorted(kept)][-MAX_ATTEMPTS:]
+    return _totals(attempts, currency, eta_seconds, gang_gpus, price)
+
+
+def _totals(attempts, currency, eta_seconds, gang_gpus, price) -> dict[str, Any]:
+    hours = sum(a["gpuSeconds"] for a in attempts) / 3600
+    priced = [a for a in attempts if a.get("pricePerGpuHour") is not None]
+    out: dict[str, Any] = {"attempts": attempts, "gpuHours": round(hours, 4)}
+    rest = (eta_seconds or 0) * gang_gpus / 3600 if eta_seconds is not None else None
+    if rest is not None:
+        out["projectedGpuHours"] = round(hours + rest, 4)
+    if priced:
+        amount = sum(a["gpuSeconds"] / 3600 * a["pricePerGpuHour"] for a in priced)
+        out |= {"amount": round(amount, 2), "currency": currency}
+        if rest is not None and price is not None:
+            out["projectedAmount"] = round(amount + rest * price, 2)
+    out["display"] = display(out)
+    return out
+
+
+def display(cost: dict[str, Any]) -> str:
+    """The printer column: "1.25 GPU-h 4.00 USD (~10.00 USD)"."""
+    text = f"{cost['gpuHours']:.2f} GPU-h"
+    if "amount" in cost:
+        text += f" {cost['amount']:.2f} {cost['currency']}"
+        if "projectedAmount" in cost:
+            text += f" (~{cost['projectedAmount']:.2f} {cost['currency']})"
+    elif "projectedGpuHours" in cost:
+        text += f" (~{cost['projectedGpuHours']:.2f})"
+    return text

@@ -1,0 +1,69 @@
+"""PURE: a job's FineTuneProfile as the operator applies it (api/profile.py merges).
+
+The profiles and the namespace's labels are read by the handlers (kube.py); this decides which
+profile the job takes, the merged job the rest of the reconcile sees, what the status records,
+and what refuses the job. Limits are held when the job is first taken (no gang made yet):
+a profile edited later changes no running gang and fails no job that was let in; the next
+gang takes the edited defaults (lifecycle treats that as any edit of what pods are made of),
+except the pinned immutable sections (api/profile.py PINNED), kept as first applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftjob.api.profile import NoProfile, Profile, apply, choose, merge, parse_profile
+from ftjob.api.schema import SpecError
+
+
+@dataclass(frozen=True)
+class Taken:
+    """The job with its profile applied, the status record, and why it is refused (if so)."""
+
+    doc: dict[str, Any]
+    record: dict[str, Any] | None = None  # status.profile for the gang made from ``doc``
+    refused: list[str] = field(default_factory=list)
+    reason: str = "OverLimit"  # the failure reason of ``refused``
+    price: float | None = None  # of a GPU-hour of the job's GPU type (the profile's prices)
+    currency: str = "USD"
+
+
+def take(
+    doc: dict[str, Any],
+    labels: dict[str, str],
+    profile_docs: list[dict[str, Any]],
+    old_status: dict[str, Any] | None,
+    default_image: str | None = None,
+) -> Taken:
+    """``doc`` as the operator runs it, given the namespace's ``labels`` and every profile."""
+    namespace = doc["metadata"].get("namespace") or "default"
+    before = (old_status or {}).get("profile") or {}
+    named = (doc.get("spec") or {}).get("profile")
+    try:
+        chosen = choose(named, namespace, labels, _valid(profile_docs))
+    except NoProfile as e:
+        if not before:
+            return Taken(doc, None, [str(e)], "NoProfile")
+        chosen = None
+    if chosen is None:  # gone since a gang was made with it: the job keeps what it pinned
+        pinned = before.get("pinned") or {}
+        return Taken(doc | {"spec": merge(pinned, dict(doc.get("spec") or {}))}, before or None)
+    pinned = before.get("pinned") if before.get("name") == chosen.name else None
+    applied = apply(doc, chosen, default_image, pinned or ({} if before else None))
+    refused = [] if before else [str(v) for v in applied.violations]
+    return Taken(
+        applied.doc, applied.record, refused, price=applied.price, currency=applied.currency
+    )
+
+
+def _valid(docs: list[dict[str, Any]]) -> list[Profile]:
+    """The profiles that parse; the API server checked each against the CRD, so one that
+    does not is from another version of ftjob and is left out rather than guessed at."""
+    out = []
+    for doc in docs:
+        try:
+            out.append(parse_profile(doc))
+        except SpecError:
+            continue
+    return out

@@ -1,0 +1,116 @@
+"""operator/cost.py: GPU time from the pods' real running times, kept over every attempt, the
+money at the profile's price, and the projection from the trainer's ETA."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from test_status import T0, run_to
+from test_status import pod as pod_of
+
+from ftjob.api import manifest
+from ftjob.api.profile import apply, parse_profile
+from ftjob.api.spec import parse_resource
+from ftjob.operator import cost, lifecycle
+from ftjob.operator.status import observed_pod
+
+ROOT = Path(__file__).resolve().parents[2]
+
+NOW = datetime(2026, 11, 28, 12, 0, tzinfo=timezone.utc)
+
+
+def iso(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def pod(attempt: int, rank: int, started_ago: float | None, ran: float | None = None) -> dict:
+    """A pod as the API serves it; ``ran``: seconds until it ended (None: still running)."""
+    state: dict = {"waiting": {"reason": "ContainerCreating"}}
+    if started_ago is not None:
+        started = NOW - timedelta(seconds=started_ago)
+        state = {"running": {"startedAt": iso(started)}}
+        if ran is not None:
+            ended = {"startedAt": iso(started), "finishedAt": iso(started + timedelta(seconds=ran))}
+            state = {"terminated": {"exitCode": 1, **ended}}
+    labels = {"ftjob.dev/job-name": "j", "ftjob.dev/node-rank": str(rank)}
+    labels["ftjob.dev/attempt"] = str(attempt)
+    return observed_pod(
+        {
+            "metadata": {"name": f"j-node-{rank}", "labels": labels},
+            "status": {
+                "phase": "Running",
+                "containerStatuses": [{"name": "trainer", "state": state}],
+            },
+        }
+    )
+
+
+def test_gpu_time_is_the_containers_running_time_times_their_gpus():
+    pods = [pod(0, 0, 3600), pod(0, 1, 1800), pod(0, 2, None)]  # one not started yet
+    spent = cost.update(
+        None, pods, 8, NOW, price=2.5, currency="EUR", eta_seconds=1800, gang_gpus=24
+    )
+    assert spent["attempts"] == [{"attempt": 0, "gpuSeconds": 8 * 5400.0, "pricePerGpuHour": 2.5}]
+    assert spent["gpuHours"] == pytest.approx(12.0)
+    assert spent["amount"] == pytest.approx(30.0) and spent["currency"] == "EUR"
+    assert spent["projectedGpuHours"] == pytest.approx(12.0 + 0.5 * 24)
+    assert spent["projectedAmount"] == pytest.approx(30.0 + 0.5 * 24 * 2.5)
+    assert spent["display"] == "12.00 GPU-h 30.00 EUR (~60.00 EUR)"
+
+
+def test_an_attempt_whose_pods_are_gone_stays_counted_and_is_never_lowered():
+    first = cost.update(None, [pod(0, 0, 600, ran=600)], 4, NOW)
+    # The next gang runs; the first gang's pods are gone.
+    later = cost.update(first, [pod(1, 0, 60)], 4, NOW + timedelta(seconds=60))
+    assert [a["attempt"] for a in later["attempts"]] == [0, 1]
+    assert later["gpuHours"] == pytest.approx((600 * 4 + 120 * 4) / 3600)
+    # A pod of the running gang already deleted: its time is not taken back.
+    again = cost.update(later, [], 4, NOW + timedelta(seconds=120))
+    assert again["gpuHours"] == later["gpuHours"]
+    assert "amount" not in again and again["display"] == f"{again['gpuHours']:.2f} GPU-h"
+
+
+def test_a_cpu_job_has_no_cost_and_a_pod_not_started_costs_nothing():
+    assert cost.update(None, [pod(0, 0, 60)], 0, NOW) is None
+    assert cost.update(None, [pod(0, 0, None)], 8, NOW)["gpuHours"] == 0
+
+
+def budget_job(gpu_hours: float):
+    doc = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
+    doc["spec"]["network"] = {"collectiveTimeoutSeconds": 60}
+    doc["spec"]["budget"] = {"gpuHours": gpu_hours}
+    return parse_resource(doc)
+
+
+def test_a_budget_reached_stops_the_gang_as_a_suspension_and_raising_it_resumes():
+    name, spec = budget_job(1.0)
+    running = run_to([pod_of(0), pod_of(1)])
+    status = running.status | {"cost": {"gpuHours": 1.2, "attempts": []}}
+    status["progress"] = {"step": 40}
+    stopped = lifecycle.decide(spec, name, 2, status, [pod_of(0), pod_of(1)], T0)
+    assert stopped.phase == "Suspended" and sorted(stopped.delete) == ["tiny-node-0", "tiny-node-1"]
+    said = [e for e in stopped.events if e[1] == "BudgetReached"]
+    assert said and "budget of 1 GPU-hours (1.2 spent) reached at step 40" in said[0][2]
+    # Still over it: stays stopped, nothing made.
+    held = lifecycle.decide(spec, name, 2, stopped.status, [], T0)
+    assert held.phase == "Suspended" and held.create == []
+    # Raised: a new gang, which resumes from the checkpoint on the volume.
+    name, raised = budget_job(2.0)
+    resumed = lifecycle.decide(raised, name, 3, held.status, [], T0)
+    assert resumed.create == [0, 1] and resumed.status["attempt"] == running.status["attempt"] + 1
+
+
+def test_the_profile_caps_the_budget_and_gives_one_to_a_job_without():
+    team = manifest.load(ROOT / "examples" / "profiles" / "team-a.yaml")[0]
+    team["spec"]["limits"]["maxGpuHoursPerJob"] = 100
+    p = parse_profile(team)
+    doc = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
+    assert apply(doc, p).doc["spec"]["budget"] == {"gpuHours": 100}
+    doc["spec"]["budget"] = {"gpuHours": 500}
+    found = apply(doc, p).violations
+    assert [str(e) for e in found] == [
+        "spec.budget.gpuHours: 500 GPU-hours exceed limits.maxGpuHoursPerJob 100 of "
+        "FineTuneProfile team-a; fix: set budget.gpuHours to at most 100"
+    ]
