@@ -49,9 +49,22 @@ LABEL_VALUE_HINT = (
     "be a label value: at most 63 letters, digits, '-', '_' or '.', starting and ending with "
     "a letter or digit"
 )
-# hf://org/name (or a legacy hf://name), an absolute path, or a path relative to the job.
-SOURCE_PATTERN = r"^(hf://[A-Za-z0-9][\w.-]*(/[\w.-]+)?|[^:\s]+)$"
-SOURCE_HINT = "be hf://org/name or a path (absolute on a volume, or relative)"
+# hf://org/name (or a legacy hf://name), s3://bucket/key-or-prefix (S3's bucket names: 3-63
+# lowercase letters, digits, '.' and '-'), an absolute path, or a path relative to the job.
+SOURCE_PATTERN = (
+    r"^(hf://[A-Za-z0-9][\w.-]*(/[\w.-]+)?|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/\S*)?|[^:\s]+)$"
+)
+SOURCE_HINT = "be hf://org/name, s3://bucket/prefix or a path (absolute on a volume, or relative)"
+# Sources the trainer fetches (into the volume) rather than reads where they are.
+REMOTE_SOURCES = ("hf://", "s3://")
+
+
+def is_remote(source: str) -> bool:
+    """PURE: whether ``source`` is fetched by the trainer (the Hub, an object store), not a
+    path on this machine or the volume."""
+    return source.startswith(REMOTE_SOURCES)
+
+
 # output.push: a Hub model repository, always with its namespace (a user or an organization).
 PUSH_PATTERN = r"^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
 PUSH_HINT = "be hf://org/name, the Hub model repository to upload to, e.g. hf://my-org/my-model"
@@ -775,6 +788,53 @@ class SecretsSpec:
     )
 
 
+@dataclass(kw_only=True)
+class S3Spec:
+    """s3: the object store of s3:// sources, as the AWS SDKs are told where it is and who asks."""
+
+    endpoint: str | None = api_field(
+        "endpoint of an S3-compatible store (Ceph, SeaweedFS, MinIO, R2, GCS's S3 interface), "
+        "http(s)://host[:port]; unset: AWS (becomes AWS_ENDPOINT_URL).",
+        None,
+        pattern=r"^https?://[^\s/]+/?$",
+        pattern_hint="be http(s)://host[:port], e.g. https://s3.example.com",
+        max_length=253,
+    )
+    region: str | None = api_field(
+        "region of the bucket (becomes AWS_REGION; S3-compatible stores take any).",
+        None,
+        pattern=r"^[a-z0-9-]+$",
+        pattern_hint="be a region name like us-east-1",
+        max_length=64,
+    )
+    access_key_id: SecretKeyRef | None = api_field(
+        "accessKeyId: the Secret key holding the access key id (becomes AWS_ACCESS_KEY_ID). "
+        "Unset: the pods' own AWS environment (a web identity token file, as EKS's IAM roles "
+        "for service accounts give).",
+        None,
+    )
+    secret_access_key: SecretKeyRef | None = api_field(
+        "secretAccessKey: the Secret key holding the secret (becomes AWS_SECRET_ACCESS_KEY).",
+        None,
+    )
+
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "has(self.accessKeyId) == has(self.secretAccessKey)",
+            lambda s: (s.access_key_id is None) == (s.secret_access_key is None),
+            "accessKeyId and secretAccessKey come together: set both (a key pair) or neither",
+            ".accessKeyId",
+        ),
+    )
+
+
+@dataclass(kw_only=True)
+class StorageSpec:
+    """storage: object stores the job reads sources from."""
+
+    s3: S3Spec = api_field("s3: the store of s3:// sources.", factory=S3Spec)
+
+
 # An MLflow tracking server over HTTP(S), or Databricks' (databricks, databricks://profile).
 MLFLOW_URI = r"^(https?://[^\s/]+(/[^\s]*)?|databricks(://[^\s]*)?)$"
 # What W&B accepts as a project or entity name.
@@ -1182,6 +1242,9 @@ class FineTuneJobSpec:
     )
     output: OutputSpec = api_field("output: the exported model.", factory=OutputSpec)
     secrets: SecretsSpec = api_field("secrets the pods may read.", factory=SecretsSpec)
+    storage: StorageSpec = api_field(
+        "storage: the object store of s3:// sources.", factory=StorageSpec
+    )
     tracking: TrackingSpec = api_field(
         "tracking: experiment trackers (MLflow, Weights & Biases, TensorBoard).",
         factory=TrackingSpec,

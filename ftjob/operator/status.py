@@ -51,6 +51,8 @@ ADVICE = {
     contract.BAD_SPEC: f"the trainer cannot read the job's spec; {_RETRY_CANNOT_HELP}",
     contract.HUB_UNREACHABLE: "the Hugging Face Hub could not be reached for a download (the "
     "network, DNS, a timeout, or the Hub busy): transient, the next gang downloads again",
+    contract.STORE_UNREACHABLE: "an s3:// endpoint did not answer for a download (the network, "
+    "DNS, the store down or busy): transient, the next gang resumes the download",
     "BadInput": f"the spec or the data cannot be trained on; {_RETRY_CANNOT_HELP}",
     "OOMKilled": "the pod ran out of memory: raise resources.memory, or lower "
     "dataset.maxSeqLength / training.microBatchSize",
@@ -100,6 +102,7 @@ SPECIFICITY = (
     contract.BAD_MODEL,
     "BadInput",
     contract.HUB_UNREACHABLE,
+    contract.STORE_UNREACHABLE,
     contract.CHECKPOINT_UNREADABLE,
     contract.DISK_FULL,
     contract.VOLUME_UNUSABLE,

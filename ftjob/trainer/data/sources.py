@@ -39,6 +39,7 @@ from ftjob.api.contract import BAD_DATA, BAD_MODEL, HUB_UNREACHABLE, TrainerErro
 from ftjob.api.spec import DatasetSpec, FineTuneJobSpec
 from ftjob.job import atomic
 from ftjob.job.folder import JobFolder
+from ftjob.trainer.data import s3, storeerrors
 
 HF = "hf://"
 # What loading a model reads; not the repositories' other formats (e.g. Llama's original/
@@ -74,7 +75,29 @@ def fetch(
         key = f"dataset {ds.source}@{ds.revision or 'main'}"
         commit = _once(record, key, is_main, lambda: _commit(ds, say), lambda: None, _is_commit)
         spec = dataclasses.replace(spec, dataset=dataclasses.replace(ds, revision=commit))
+    for field in ("model", "dataset"):
+        part = getattr(spec, field)
+        if part.source.startswith(s3.S3):
+            get = lambda p=part, f=field: _from_store(f, p.source, job_dir, say)  # noqa: E731
+            local = _once(record, part.source, is_main, get, downloading, _exists)
+            spec = dataclasses.replace(spec, **{field: dataclasses.replace(part, source=local)})
     return spec
+
+
+def _exists(value: str) -> bool:
+    return Path(value).exists()
+
+
+def _from_store(field: str, source: str, job_dir: Path, say: Callable[[str], None]) -> str:
+    """The local copy of an s3:// source in the volume's shared cache; a failure named."""
+    try:
+        local, _ = s3.download(source, JobFolder(job_dir).s3_cache, say)
+    except Exception as e:  # noqa: BLE001 - storeerrors sorts them; the rest raise as they came
+        named = storeerrors.refused(field, source, e)
+        if named is None:
+            raise
+        raise named from e
+    return str(local)
 
 
 def _once(record: Path, key: str, is_main: bool, get, starting, valid) -> str:
