@@ -65,9 +65,16 @@ def is_remote(source: str) -> bool:
     return source.startswith(REMOTE_SOURCES)
 
 
-# output.push: a Hub model repository, always with its namespace (a user or an organization).
-PUSH_PATTERN = r"^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
-PUSH_HINT = "be hf://org/name, the Hub model repository to upload to, e.g. hf://my-org/my-model"
+# output.push: a Hub model repository, always with its namespace (a user or an organization),
+# or an s3:// prefix (a bucket name as for sources, and a prefix: never a bucket's root).
+PUSH_PATTERN = (
+    r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
+    r"|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/[^\s]*[^\s/])$"
+)
+PUSH_HINT = (
+    "be hf://org/name, the Hub model repository to upload to, e.g. hf://my-org/my-model, or "
+    "s3://bucket/prefix, e.g. s3://models/llama3-8b-guanaco"
+)
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 # Segments start with a letter, digit or '_', so '..' (and absolute paths) cannot escape the
 # job's folder. RE2, which the API server uses, has no lookahead to say it more directly.
@@ -750,10 +757,11 @@ class OutputSpec:
         False,
     )
     push: str | None = api_field(
-        "push uploads the export, with a model card, to this Hugging Face Hub model repository "
-        "(hf://org/name; created if missing) once training has finished; needs "
-        "secrets.huggingFaceToken (a token that may write there). A failed upload "
-        "(HubPushFailed) is retried without training again.",
+        "push uploads the export, with a model card, once training has finished: to a Hugging "
+        "Face Hub model repository (hf://org/name; created if missing; needs "
+        "secrets.huggingFaceToken, a token that may write there), or under an s3:// prefix "
+        "(storage.s3's store and key pair; multipart, SHA-256 checksums, a manifest written "
+        "last). A failed upload (HubPushFailed) is retried without training again.",
         None,
         pattern=PUSH_PATTERN,
         pattern_hint=PUSH_HINT,
@@ -1469,8 +1477,12 @@ class FineTuneJobSpec:
             ".checkpoint.volume",
         ),
         Rule(
-            "!has(self.output.push) || has(self.secrets.huggingFaceToken)",
-            lambda s: s.output.push is None or s.secrets.hugging_face_token is not None,
+            "!has(self.output.push) || !self.output.push.startsWith('hf://') "
+            "|| has(self.secrets.huggingFaceToken)",
+            lambda s: (
+                not (s.output.push or "").startswith("hf://")
+                or s.secrets.hugging_face_token is not None
+            ),
             "output.push needs secrets.huggingFaceToken: a Secret key holding a Hub token that "
             "may write to the repository (ftjob run reads HF_TOKEN from its environment)",
             ".output.push",

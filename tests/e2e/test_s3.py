@@ -195,3 +195,68 @@ def test_a_job_runs_from_s3(store, tmp_path):
         outs.append(out)
     assert "downloaded s3://models/tiny-model" in outs[0], outs[0][-3000:]
     assert "downloaded s3://" not in outs[1], outs[1][-3000:]  # the shared copy
+
+
+def _run(doc: dict, runs: Path, env: dict) -> tuple[int, str]:
+    runs.mkdir(exist_ok=True)
+    name = doc["metadata"]["name"]
+    job_file = runs / f"{name}.yaml"
+    job_file.write_text(yaml.safe_dump(doc, sort_keys=False))
+    cmd = [sys.executable, "-m", "ftjob", "run", str(job_file), "--workdir", str(runs / name)]
+    env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "FTJOB_PROGRESS_PORT": "0"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _objects(store, bucket: str, prefix: str) -> dict[str, bytes]:
+    import obstore
+
+    s = store.store(bucket)
+    keys = [m["path"] for chunk in obstore.list(s, prefix=prefix) for m in chunk]
+    return {k[len(prefix) + 1 :]: obstore.get(s, k).bytes().to_bytes() for k in keys}
+
+
+def test_the_export_is_uploaded_once_and_a_refused_upload_keeps_it(store, tmp_path):
+    """output.push: s3://...: an identity that may not write fails the job as HubPushFailed
+    with the export kept; run again with one that may, it uploads without training; a third
+    run does nothing."""
+    store.upload("public", MODEL, "tiny-model")
+    store.upload("public", DATA, "tiny-text.jsonl")
+    doc = job("s3-export", model={"source": "s3://public/tiny-model"},
+              dataset={"source": "s3://public/tiny-text.jsonl"}, training={"maxSteps": 4},
+              output={"push": "s3://exports/tiny/v1"},
+              storage={"s3": {"endpoint": store.endpoint}})  # fmt: skip
+    runs, workdir = tmp_path / "runs", tmp_path / "runs" / "s3-export"
+    code, out = _run(doc, runs, store.env("reader"))  # reads public, may write nowhere
+    assert code != 0 and "HubPushFailed" in out and "s3:PutObject" in out, out[-3000:]
+    assert (workdir / "model" / "config.json").is_file()  # the export stays
+    steps = final(workdir)["step"]
+    code, out = _run(doc, runs, store.env("admin"))
+    assert code == 0, out[-3000:]
+    assert final(workdir)["step"] == steps  # nothing trained again
+    uploaded = _objects(store, "exports", "tiny/v1")
+    local = files(workdir / "model")
+    assert {k: v for k, v in uploaded.items() if k in local} == local
+    manifest = json.loads(uploaded["ftjob-upload.json"])["files"]
+    assert set(manifest) == set(local) | {"README.md"} and "# v1" in uploaded["README.md"].decode()
+    for name, body in local.items():
+        assert manifest[name]["sha256"] == hashlib.sha256(body).hexdigest()
+    code, out = _run(doc, runs, store.env("admin"))
+    # Trained and pushed: ftjob run answers from the job folder's records, starting nothing.
+    assert code == 0 and "already trained" in out and "pushing" not in out, out[-3000:]
+
+
+def test_an_upload_complete_there_is_not_repeated(store, tmp_path, monkeypatch):
+    from ftjob.trainer.state import s3upload
+
+    for k, v in store.env("admin").items():
+        monkeypatch.setenv(k, v)
+    big = tmp_path / "model.safetensors"
+    big.write_bytes(os.urandom(70 * 2**20))  # over one part: a multipart upload
+    said: list[str] = []
+    first = s3upload.upload("s3://exports/again", {"model.safetensors": big}, "card", said.append)
+    assert (
+        said == [] and _objects(store, "exports", "again")["model.safetensors"] == big.read_bytes()
+    )
+    second = s3upload.upload("s3://exports/again", {"model.safetensors": big}, "card", said.append)
+    assert second == first and "already holds this export" in said[0]

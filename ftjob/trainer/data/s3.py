@@ -1,12 +1,8 @@
 """s3:// sources: the objects under a bucket prefix (or one object), downloaded once per content
 into the volume's shared cache, in parallel ranged parts, resumable, verified.
 
-The client is obstore (object_store's Rust S3 client): it reads the AWS SDKs' environment
-(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or AWS_WEB_IDENTITY_TOKEN_FILE
-with AWS_ROLE_ARN; AWS_REGION; AWS_ENDPOINT_URL for an S3-compatible store) and retries a
-transient failure (no answer, 429, 5xx) with growing waits. boto3 was the first choice, but
-botocore requires python-dateutil < 3 and kubernetes 37 >= 3: the two cannot share one
-environment, and ``ftjob run`` and the operator's tests need both (docs/data.md).
+The client is obstore, configured from the AWS environment (:mod:`ftjob.trainer.state.
+objectstore`, which the s3:// exports share).
 
 The cache: ``<volume>/s3-cache/<content key>/`` where the key hashes the source and every
 object's key, size and ETag, so two jobs reading the same objects share one copy and a changed
@@ -31,18 +27,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 from ftjob.job import atomic
+from ftjob.trainer.state.objectstore import S3, split, store  # noqa: F401 (S3: sources')
 
-S3 = "s3://"
 COMPLETE = ".complete"
 PART_BYTES = 16 * 2**20  # one ranged GET
 PARALLEL = 8  # ranged GETs in flight; a window of PARALLEL parts is written before it is recorded
-# How long obstore keeps retrying a transient failure of one request (no answer, 429, 5xx)
-# before the download fails with StoreUnreachable; FTJOB_S3_RETRY_SECONDS overrides it.
-RETRY_SECONDS = 120.0
 SAY_EVERY_SECONDS = 10.0
 
 
@@ -54,33 +46,6 @@ class Obj:
     name: str  # the path below the cache folder
     size: int
     etag: str
-
-
-def split(url: str) -> tuple[str, str]:
-    """PURE: s3://bucket/some/prefix -> ("bucket", "some/prefix")."""
-    bucket, _, prefix = url.removeprefix(S3).partition("/")
-    return bucket, prefix.strip("/")
-
-
-def store(bucket: str):
-    """An obstore S3Store for ``bucket`` configured from the AWS environment; plain http is
-    allowed only when the endpoint says http:// (a store on a private network or loopback)."""
-    from obstore.store import S3Store
-
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
-    seconds = float(os.environ.get("FTJOB_S3_RETRY_SECONDS", RETRY_SECONDS))
-    retry = {
-        "max_retries": 50,
-        "retry_timeout": timedelta(seconds=seconds),
-        "backoff": {"init_backoff": timedelta(seconds=0.2), "max_backoff": timedelta(seconds=15)},
-    }
-    client = {"allow_http": endpoint.startswith("http://"), "connect_timeout": "5s"}
-    # Path-style requests (bucket in the path) are what S3-compatible stores on one endpoint
-    # serve; AWS itself serves both.
-    virtual = not endpoint
-    return S3Store(
-        bucket, client_options=client, retry_config=retry, virtual_hosted_style_request=virtual
-    )
 
 
 def listing(bucket_store, prefix: str) -> list[Obj]:
