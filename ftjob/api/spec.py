@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from ftjob import __version__
-from ftjob.api import contract
+from ftjob.api import contract, promotion
 from ftjob.api import kubevalidation as kv
 from ftjob.api.hardware import GPUS, RETIRED_GPU_TYPES
+from ftjob.api.objectives import OBJECTIVES
 from ftjob.api.rewards import UNIQUE_NAMES, RewardSpec
 from ftjob.api.schema import (
     QUANTITY_PATTERN,
@@ -768,6 +769,15 @@ class OutputSpec:
         max_length=200,
         example="hf://my-org/llama3-8b-guanaco",
     )
+    promote_when: str | None = api_field(
+        "promoteWhen: the push waits for this condition on the final evaluation's metrics, "
+        "e.g. 'evalLoss < 1.8' or 'evalRewardAccuracy >= 0.7 and evalLoss < 0.6' (evalLoss, "
+        "and eval + each metric of training.objective; <, <=, >, >=; joined by and). Unmet: "
+        "the job succeeds unpromoted and status.progress.promotion says why, with the numbers.",
+        None,
+        max_length=256,
+        example="evalLoss < 1.8",
+    )
     private: bool = api_field(
         "private: the repository push creates is private (default); false makes it public. "
         "A repository that exists keeps its visibility.",
@@ -1475,6 +1485,31 @@ class FineTuneJobSpec:
             "more than one node needs a shared checkpoint.volume (a ReadWriteMany claim) so "
             "that every node writes its shards to one place",
             ".checkpoint.volume",
+        ),
+        Rule(
+            promotion.cel_rule(),
+            lambda s: (
+                s.output.promote_when is None
+                or promotion.valid(s.output.promote_when, s.training.objective)
+            ),
+            "output.promoteWhen must be METRIC OP NUMBER clauses joined by ' and ', e.g. "
+            "'evalLoss < 1.8', with metrics that training.objective evaluates: "
+            + "; ".join(f"{o}: {', '.join(promotion.eval_metrics(o))}" for o in OBJECTIVES),
+            ".output.promoteWhen",
+        ),
+        Rule(
+            "!has(self.output.promoteWhen) || (has(self.output.push) && "
+            "(has(self.dataset.evalFraction) || has(self.dataset.evalSplit)))",
+            lambda s: (
+                s.output.promote_when is None
+                or (
+                    s.output.push is not None
+                    and (s.dataset.eval_fraction is not None or s.dataset.eval_split is not None)
+                )
+            ),
+            "output.promoteWhen gates output.push on the final evaluation: set output.push and "
+            "dataset.evalFraction or dataset.evalSplit",
+            ".output.promoteWhen",
         ),
         Rule(
             "!has(self.output.push) || !self.output.push.startsWith('hf://') "

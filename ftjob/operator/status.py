@@ -466,6 +466,7 @@ def progress(snapshot: dict) -> dict[str, Any]:
         "eta": format_eta(snapshot.get("etaSeconds")),
         "replacesExport": snapshot.get("replacesExport"),
         "pushedTo": snapshot.get("pushedTo"),
+        "promotion": snapshot.get("promotion"),
         "trackingWarnings": snapshot.get("trackingWarnings") or None,
         "updateTime": snapshot.get("updatedAt"),
     }

@@ -260,3 +260,29 @@ def test_an_upload_complete_there_is_not_repeated(store, tmp_path, monkeypatch):
     )
     second = s3upload.upload("s3://exports/again", {"model.safetensors": big}, "card", said.append)
     assert second == first and "already holds this export" in said[0]
+
+
+@pytest.mark.parametrize(("bound", "promoted"), [(100.0, True), (0.001, False)])
+def test_the_push_waits_for_its_condition_on_the_final_evaluation(store, tmp_path, bound, promoted):
+    """output.promoteWhen: evalLoss < bound: pushed when the final evaluation's loss is under
+    it, else the job succeeds unpromoted; progress (status.progress.promotion) says which,
+    with the number."""
+    name, prefix = f"promote-{int(promoted)}", f"promoted/{int(promoted)}"
+    doc = job(name, model={"source": "s3://models/tiny-model"},
+              dataset={"source": "s3://data/tiny-text.jsonl", "evalFraction": 0.05},
+              training={"maxSteps": 4},
+              output={"push": f"s3://exports/{prefix}", "promoteWhen": f"evalLoss < {bound}"},
+              storage={"s3": {"endpoint": store.endpoint}})  # fmt: skip
+    code, out = _run(doc, tmp_path / "runs", store.env("admin"))
+    assert code == 0, out[-3000:]
+    progress = final(tmp_path / "runs" / name)
+    loss = progress["evalLoss"]
+    assert progress["phase"] == "succeeded"
+    if promoted:
+        assert progress["promotion"] == f"promoted: evalLoss {loss:.4g} < {bound:g}"
+        assert progress["pushedTo"] == f"s3://exports/{prefix}"
+        assert "ftjob-upload.json" in _objects(store, "exports", prefix)
+    else:
+        assert progress["promotion"] == f"not promoted: evalLoss {loss:.4g} < 0.001 does not hold"
+        assert "pushedTo" not in progress or progress["pushedTo"] is None
+        assert _objects(store, "exports", prefix) == {}

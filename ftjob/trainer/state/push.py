@@ -19,6 +19,7 @@ record_push`) and in progress (``pushedTo``); a job trained and pushed does noth
 from __future__ import annotations
 
 import datetime
+import json
 import threading
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ftjob import __version__
-from ftjob.api import objectives
+from ftjob.api import objectives, promotion
 from ftjob.api.contract import HUB_PUSH_FAILED, TrainerError
 from ftjob.api.schema import to_dict
 from ftjob.api.spec import FineTuneJobSpec
@@ -86,8 +87,16 @@ def _push_once(spec: FineTuneJobSpec, job_dir: Path, out: Path, report) -> None:
     recorded = jobfolder.read(job_dir) or {}
     if not jobfolder.push_pending(spec, job_dir, recorded):
         done = jobfolder.pushed(job_dir) or {}
-        report.update(pushedTo=done.get("commitUrl"))
-        report.log(f"already pushed to {spec.output.push}: {done.get('commitUrl')}")
+        report.update(pushedTo=done.get("commitUrl"), promotion=done.get("promotion"))
+        if done.get("commitUrl"):
+            report.log(f"already pushed to {spec.output.push}: {done.get('commitUrl')}")
+        else:
+            report.log(f"not pushed to {spec.output.push}: {done.get('promotion')}")
+        return
+    promoted = _promotion(spec, job_dir, report)
+    if promoted is not None and promoted.startswith("not"):
+        # Decided once: the record answers a rerun, which pushes nothing either.
+        jobfolder.record_push(job_dir, spec, recorded, promotion=promoted)
         return
     import huggingface_hub  # only a job that pushes pays for the import (the card needs it)
 
@@ -106,12 +115,41 @@ def _push_once(spec: FineTuneJobSpec, job_dir: Path, out: Path, report) -> None:
             found = {"commitUrl": commit.commit_url, "revision": commit.oid}
         else:
             found = s3upload.upload(spec.output.push, layout(spec, out), card, report.log)
-    jobfolder.record_push(job_dir, spec, recorded, **found)
+    jobfolder.record_push(job_dir, spec, recorded, **found, promotion=promoted)
     report.update(pushedTo=found["commitUrl"])
     report.log(
         f"pushed the export to {spec.output.push} in {time.monotonic() - began:.0f} s: "
         f"{found['commitUrl']}"
     )
+
+
+def _promotion(spec: FineTuneJobSpec, job_dir: Path, report) -> str | None:
+    """output.promoteWhen decided with the final evaluation's numbers, as status says it
+    ("promoted: evalLoss 1.62 < 1.8"); None when the job sets no condition."""
+    if not spec.output.promote_when:
+        return None
+    held, words = promotion.decide(spec.output.promote_when, final_evaluation(job_dir))
+    said = f"{'promoted' if held else 'not promoted'}: {words}"
+    report.update(promotion=said)
+    report.log(f"output.promoteWhen {spec.output.promote_when!r}: {said}")
+    return said
+
+
+def final_evaluation(job_dir: Path) -> dict[str, Any]:
+    """The job's last evaluation as progress.jsonl recorded it (a restarted trainer that only
+    pushes has evaluated nothing itself); empty when it has none."""
+    try:
+        lines = jobfolder.JobFolder(job_dir).history.read_text().splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a kill
+        if row.get("event") == "eval":
+            return row
+    return {}
 
 
 def upload(spec: FineTuneJobSpec, out: Path, card: str, message: str):
