@@ -286,3 +286,24 @@ def test_the_push_waits_for_its_condition_on_the_final_evaluation(store, tmp_pat
         assert progress["promotion"] == f"not promoted: evalLoss {loss:.4g} < 0.001 does not hold"
         assert "pushedTo" not in progress or progress["pushedTo"] is None
         assert _objects(store, "exports", prefix) == {}
+
+
+def test_validate_check_sources_asks_the_store_at_the_door(store, tmp_path):
+    def validate(model: str, who: str) -> tuple[int, str]:
+        doc = job("check", model={"source": model}, dataset={"source": "s3://data/tiny-text.jsonl"},
+                  storage={"s3": {"endpoint": store.endpoint}})  # fmt: skip
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        env = {**os.environ, **store.env(who)}
+        env.pop("AWS_ENDPOINT_URL")  # the job's storage.s3.endpoint says it
+        cmd = [sys.executable, "-m", "ftjob", "validate", "--check-sources", str(path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=hangs.FLOOR)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    code, out = validate("s3://models/tiny-model", "admin")
+    assert code == 0 and "valid" in out, out
+    code, out = validate("s3://no-such-bucket/tiny-model", "admin")
+    assert code == 1 and "spec.model.source" in out and "no bucket 'no-such-bucket'" in out, out
+    code, out = validate("s3://models/tiny-model", "stranger")
+    assert code == 1 and "refused the credentials" in out and "AWS_ACCESS_KEY_ID" in out, out
+    assert "spec.dataset.source" in out  # each source is named
