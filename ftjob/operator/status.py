@@ -466,11 +466,19 @@ def progress(snapshot: dict) -> dict[str, Any]:
         "eta": format_eta(snapshot.get("etaSeconds")),
         "replacesExport": snapshot.get("replacesExport"),
         "pushedTo": snapshot.get("pushedTo"),
+        "download": _download(snapshot.get("downloadedBytes"), snapshot.get("downloadBytes")),
         "promotion": snapshot.get("promotion"),
         "trackingWarnings": snapshot.get("trackingWarnings") or None,
         "updateTime": snapshot.get("updatedAt"),
     }
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _download(got: int | None, total: int | None) -> str | None:
+    """PURE: '1.20 of 5.00 GiB (24%)' from the trainer's byte counts."""
+    if got is None or not total:
+        return None
+    return f"{got / 2**30:.2f} of {total / 2**30:.2f} GiB ({100 * got / total:.0f}%)"
 
 
 def final_progress(pods: list[dict]) -> dict[str, Any] | None:

@@ -194,6 +194,9 @@ def test_a_job_runs_from_s3(store, tmp_path):
         assert (workdir / "model" / "config.json").is_file()
         outs.append(out)
     assert "downloaded s3://models/tiny-model" in outs[0], outs[0][-3000:]
+    # Progress (status.progress.download) counted the bytes; the data set came last.
+    first = final(runs / "s3-first")
+    assert first["downloadedBytes"] == first["downloadBytes"] == DATA.stat().st_size
     assert "downloaded s3://" not in outs[1], outs[1][-3000:]  # the shared copy
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from ftjob.api.schema import SpecError
 from ftjob.api.spec import is_remote, parse_spec
-from ftjob.operator import render
+from ftjob.operator import render, status
 from ftjob.trainer.data import s3, storeerrors
 
 UID = "0123456789abcdef"
@@ -64,6 +64,13 @@ def test_pods_get_the_store_and_the_key_pair_only_as_secret_references():
     bare = render.pod("j", "ns", parse_spec(raw(resources={"gpusPerNode": 0})), 0, 0, UID)
     names = {e["name"] for e in bare["spec"]["containers"][0]["env"]}
     assert not names & {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"}
+
+
+def test_status_says_how_much_is_downloaded():
+    shown = status.progress({"phase": "downloading", "downloadedBytes": 2**30,
+                             "downloadBytes": 4 * 2**30})  # fmt: skip
+    assert shown["download"] == "1.00 of 4.00 GiB (25%)"
+    assert "download" not in status.progress({"phase": "training"})
 
 
 def test_the_cache_is_keyed_by_content_not_by_spelling():

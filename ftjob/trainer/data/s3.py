@@ -86,11 +86,15 @@ def local_path(folder: Path, url: str, objects: list[Obj]) -> Path:
 
 
 def download(
-    url: str, cache_root: Path, say: Callable[[str], None] = print
+    url: str,
+    cache_root: Path,
+    say: Callable[[str], None] = print,
+    progress: Callable[[int, int], None] = lambda got, total: None,
 ) -> tuple[Path, list[Obj]]:
     """The local copy of ``url`` in ``cache_root`` (fetched unless a complete copy is there),
-    and the objects it holds. Raises ValueError when the prefix names no object, and the
-    client's errors as they come (sources.py names them)."""
+    and the objects it holds; ``progress(bytes so far, total)`` as ``say`` is told. Raises
+    ValueError when the prefix names no object, and the client's errors as they come
+    (sources.py names them)."""
     bucket, prefix = split(url)
     bucket_store = store(bucket)
     objects = listing(bucket_store, prefix)
@@ -104,14 +108,13 @@ def download(
         with open(folder.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not (folder / COMPLETE).exists():
-                _fetch_all(bucket_store, url, objects, folder, say)
+                _fetch_all(bucket_store, url, objects, folder, _Meter(url, objects, say, progress))
     return local_path(folder, url, objects), objects
 
 
-def _fetch_all(bucket_store, url: str, objects: list[Obj], folder: Path, say) -> None:
-    total = sum(o.size for o in objects)
-    meter = _Meter(url, total, say)
-    say(f"downloading {url}: {len(objects)} object(s), {total / 2**30:.2f} GiB into {folder}")
+def _fetch_all(bucket_store, url: str, objects: list[Obj], folder: Path, meter: _Meter) -> None:
+    gib = meter.total / 2**30
+    meter.say(f"downloading {url}: {len(objects)} object(s), {gib:.2f} GiB into {folder}")
     for o in objects:
         _fetch_one(bucket_store, o, folder / o.name, meter)
     manifest = [{"key": o.key, "name": o.name, "size": o.size, "etag": o.etag} for o in objects]
@@ -188,10 +191,16 @@ def _verify(part: Path, o: Obj) -> None:
 
 
 class _Meter:
-    """Bytes so far, said every SAY_EVERY_SECONDS (a terminal and a pod log alike)."""
+    """Bytes so far, said every SAY_EVERY_SECONDS (a terminal and a pod log alike) and given to
+    ``progress`` (the job's progress: status.progress.download)."""
 
-    def __init__(self, url: str, total: int, say: Callable[[str], None]):
-        self.url, self.total, self.say = url, total, say
+    def __init__(self, url: str, objects: list[Obj], say, progress):
+        self.url, self.total, self.say, self.progress = (
+            url,
+            sum(o.size for o in objects),
+            say,
+            progress,
+        )
         self.got, self.started, self.last = 0, time.monotonic(), time.monotonic()
 
     def add(self, n: int) -> None:
@@ -199,6 +208,7 @@ class _Meter:
         now = time.monotonic()
         if now - self.last >= SAY_EVERY_SECONDS:
             self.last = now
+            self.progress(self.got, self.total)
             rate = self.got / max(now - self.started, 1e-9)
             self.say(
                 f"downloading {self.url}: {self.got / 2**30:.2f} of {self.total / 2**30:.2f} GiB "
@@ -206,6 +216,7 @@ class _Meter:
             )
 
     def done(self) -> None:
+        self.progress(self.total, self.total)
         seconds = time.monotonic() - self.started
         self.say(
             f"downloaded {self.url}: {self.total / 2**30:.2f} GiB in {seconds:.0f}s "

@@ -59,11 +59,13 @@ def fetch(
     is_main: bool,
     say: Callable[[str], None] = print,
     downloading: Callable[[], None] = lambda: None,
+    progress: Callable[[int, int], None] = lambda got, total: None,
 ) -> FineTuneJobSpec:
     """``spec`` with its hf:// sources pinned: the model's replaced by its local snapshot
     folder, the dataset's revision by the commit it names.
     ``downloading()`` is called when this job has not fetched the model yet (a download, or a
-    wait for the rank that downloads): the progress phase of that name."""
+    wait for the rank that downloads): the progress phase of that name; ``progress(bytes so
+    far, total)`` while an s3:// source downloads."""
     record = JobFolder(job_dir).sources
     m, ds = spec.model, spec.dataset
     if m.source.startswith(HF):
@@ -78,7 +80,7 @@ def fetch(
     for field in ("model", "dataset"):
         part = getattr(spec, field)
         if part.source.startswith(s3.S3):
-            get = lambda p=part, f=field: _from_store(f, p.source, job_dir, say)  # noqa: E731
+            get = lambda p=part, f=field: _from_store(f, p.source, job_dir, say, progress)  # noqa: E731
             local = _once(record, part.source, is_main, get, downloading, _exists)
             spec = dataclasses.replace(spec, **{field: dataclasses.replace(part, source=local)})
     return spec
@@ -88,10 +90,10 @@ def _exists(value: str) -> bool:
     return Path(value).exists()
 
 
-def _from_store(field: str, source: str, job_dir: Path, say: Callable[[str], None]) -> str:
+def _from_store(field: str, source: str, job_dir: Path, say, progress) -> str:
     """The local copy of an s3:// source in the volume's shared cache; a failure named."""
     try:
-        local, _ = s3.download(source, JobFolder(job_dir).s3_cache, say)
+        local, _ = s3.download(source, JobFolder(job_dir).s3_cache, say, progress)
     except Exception as e:  # noqa: BLE001 - storeerrors sorts them; the rest raise as they came
         named = storeerrors.refused(field, source, e)
         if named is None:
