@@ -117,7 +117,7 @@ DOWNLOADER = """
 import sys
 from pathlib import Path
 from ftjob.trainer.data import s3
-s3.PART_BYTES, s3.PARALLEL, s3.SAY_EVERY_SECONDS = 2**20, 2, 0.5
+s3.PART_BYTES, s3.PARALLEL, s3.RECORD_BYTES, s3.SAY_EVERY_SECONDS = 2**20, 2, 2**21, 0.5
 path, _ = s3.download(sys.argv[1], Path(sys.argv[2]), lambda m: print(m, flush=True))
 print("LOCAL", path, flush=True)
 """

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,7 +36,8 @@ from ftjob.trainer.state.objectstore import S3, split, store  # noqa: F401 (S3: 
 
 COMPLETE = ".complete"
 PART_BYTES = 16 * 2**20  # one ranged GET
-PARALLEL = 8  # ranged GETs in flight; a window of PARALLEL parts is written before it is recorded
+PARALLEL = 8  # ranged GETs in flight (and 2 more queued: at most 10 parts held in memory)
+RECORD_BYTES = 128 * 2**20  # written and fsynced between two resume records
 SAY_EVERY_SECONDS = 10.0
 
 
@@ -133,26 +136,35 @@ def _fetch_one(bucket_store, o: Obj, dest: Path, meter: _Meter) -> None:
     if start:
         meter.say(f"resuming {o.key} at {start / 2**20:.0f} of {o.size / 2**20:.0f} MiB")
     meter.add(start)
-    with open(part, "r+b" if start else "wb") as f:
+    with open(part, "r+b" if start else "wb") as f, ThreadPoolExecutor(PARALLEL) as pool:
         f.truncate(o.size)
-        window = PART_BYTES * PARALLEL
-        with ThreadPoolExecutor(PARALLEL) as pool:
-            for offset in range(start, o.size, window):
-                ranges = [
-                    (s, min(s + PART_BYTES, o.size))
-                    for s in range(offset, min(offset + window, o.size), PART_BYTES)
-                ]
-                got = pool.map(lambda r: _get(bucket_store, o, r), ranges)
-                for (s, _), data in zip(ranges, got, strict=True):
-                    os.pwrite(f.fileno(), data, s)
-                    meter.add(len(data))
-                f.flush()
-                os.fsync(f.fileno())
-                end = ranges[-1][1]
-                atomic.write_json(state, {"etag": o.etag, "size": o.size, "done": end})
+        _write_ranges(f, pool, bucket_store, o, start, state, meter)
     _verify(part, o)
     os.replace(part, dest)
     state.unlink(missing_ok=True)
+
+
+def _write_ranges(f, pool, bucket_store, o: Obj, start: int, state: Path, meter) -> None:
+    """Ranges from ``start`` to the end, PARALLEL in flight, written in order as each arrives:
+    the file's first bytes up to the last one written are always whole, so the resume record
+    (every RECORD_BYTES, after an fsync) can name that offset while later ranges still run.
+    A slow range holds back only the record, not the other ranges."""
+    ranges = iter((s, min(s + PART_BYTES, o.size)) for s in range(start, o.size, PART_BYTES))
+    get = lambda r: (r, pool.submit(_get, bucket_store, o, r))  # noqa: E731
+    queued = deque(get(r) for r in itertools.islice(ranges, PARALLEL + 2))
+    unrecorded = 0
+    while queued:
+        (begin, end), future = queued.popleft()
+        data = future.result()
+        os.pwrite(f.fileno(), data, begin)
+        meter.add(len(data))
+        queued.extend(get(r) for r in itertools.islice(ranges, 1))
+        unrecorded += len(data)
+        if unrecorded >= RECORD_BYTES or not queued:
+            f.flush()
+            os.fsync(f.fileno())
+            atomic.write_json(state, {"etag": o.etag, "size": o.size, "done": end})
+            unrecorded = 0
 
 
 def _resume_offset(state: Path, part: Path, o: Obj) -> int:
