@@ -28,7 +28,7 @@ def problems(spec: FineTuneJobSpec) -> list[str]:
     try:
         for field in ("model", "dataset"):
             source = getattr(spec, field).source
-            if not source.startswith(s3.S3):
+            if not source.startswith("s3://"):
                 continue
             bucket, prefix = s3.split(source)
             try:

@@ -4,15 +4,16 @@ into the volume's shared cache, in parallel ranged parts, resumable, verified.
 The client is obstore, configured from the AWS environment (:mod:`ftjob.trainer.state.
 objectstore`, which the s3:// exports share).
 
-The cache: ``<volume>/s3-cache/<content key>/`` where the key hashes the source and every
-object's key, size and ETag, so two jobs reading the same objects share one copy and a changed
-object is a new download. A folder holds the objects under the prefix at their relative paths
-(a model folder); one object lands as its own file name (a data file). ``.complete`` marks a
-finished, verified copy; it is written last. Each object is written to ``<name>.part`` with its
-ranges as they arrive; ``<name>.part.json`` records the offset below which every byte is
-written, so a download killed mid-object (a pod evicted) resumes there, and only while the
-object's ETag is still the one it started with. A finished object is checked against its size,
-and against its MD5 where the ETag is one (a single-part upload's), before it takes its name.
+The cache: ``<volume>/s3-cache/<content key>/`` where the key hashes the bucket and every
+object's key, local name, size and ETag, so two jobs reading the same objects share one copy
+and a changed object is a new download. A folder holds the objects under the prefix at their
+relative paths (a model folder); one object lands as its own file name (a data file).
+``.complete`` marks a finished, verified copy; it is written last. Each object is written to
+``<name>.part`` with its ranges in order as they arrive; ``<name>.part.json`` records the
+offset below which every byte is written, so a download killed mid-object (a pod evicted)
+resumes there, and only while the object's ETag is still the one it started with. A finished
+object is checked against its size, and against its MD5 where the ETag is one (a single-part
+upload's), before it takes its name.
 
     python -c "from ftjob.trainer.data import s3; help(s3)"
 """
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ftjob.job import atomic
-from ftjob.trainer.state.objectstore import S3, split, store  # noqa: F401 (S3: sources')
+from ftjob.trainer.state.objectstore import split, store
 
 COMPLETE = ".complete"
 PART_BYTES = 16 * 2**20  # one ranged GET

@@ -1,5 +1,7 @@
-"""Hub sources, pinned once per job: the model fetched into the shared volume, the dataset's
-revision resolved to a commit.
+"""Hub and object store sources, pinned once per job: an hf:// model fetched into the shared
+volume, an hf:// dataset's revision resolved to a commit, an s3:// model or dataset downloaded
+into the volume's shared cache (:mod:`ftjob.trainer.data.s3`; its failures named by
+:mod:`ftjob.trainer.data.storeerrors`), by the same one-rank-downloads, others-wait record.
 
 Pods set ``HF_HOME`` to ``<job folder>/hub`` (:mod:`ftjob.job.launch`), so the Hugging Face cache
 lives on the shared volume, not in a pod's emptyDir: a restarted gang finds the weights there.
@@ -40,6 +42,7 @@ from ftjob.api.spec import DatasetSpec, FineTuneJobSpec
 from ftjob.job import atomic
 from ftjob.job.folder import JobFolder
 from ftjob.trainer.data import s3, storeerrors
+from ftjob.trainer.state.objectstore import S3
 
 HF = "hf://"
 # What loading a model reads; not the repositories' other formats (e.g. Llama's original/
@@ -79,7 +82,7 @@ def fetch(
         spec = dataclasses.replace(spec, dataset=dataclasses.replace(ds, revision=commit))
     for field in ("model", "dataset"):
         part = getattr(spec, field)
-        if part.source.startswith(s3.S3):
+        if part.source.startswith(S3):
             get = lambda p=part, f=field: _from_store(f, p.source, job_dir, say, progress)  # noqa: E731
             local = _once(record, part.source, is_main, get, downloading, _exists)
             spec = dataclasses.replace(spec, **{field: dataclasses.replace(part, source=local)})
