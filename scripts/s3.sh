@@ -19,7 +19,8 @@
 # SeaweedFS's go.mod replaces one dependency (go-bip39), so `go install ...@version` is refused:
 # the build writes a local module that requires it and repeats the replace. The module and build
 # caches are Go's own (the ones scripts/k8s.sh fills); the binary lives outside the repository:
-# ${FTJOB_S3_CACHE:-~/.cache/ftjob/s3}/<version>/bin/weed.
+# ${FTJOB_S3_CACHE:-~/.cache/ftjob/s3}/<version>/bin/weed. From empty module and build caches the
+# build took 368 s on the 2-core machine (load average 5-8); cached, `up` takes ~3 s.
 set -euo pipefail
 
 WEED_VERSION=v0.0.0-20261109003541-7506e5f91cd6
