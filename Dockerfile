@@ -89,7 +89,7 @@ COPY constraints.txt /src/constraints.txt
 # nvcc: build it with TRAINER_IMAGE=...-devel); off by default, sdpa needs nothing.
 RUN pip install --no-cache-dir -c /src/constraints.txt \
       pyyaml jsonschema common-expression-language \
-      transformers peft datasets safetensors tokenizers huggingface-hub torchao trl prometheus-client rich \
+      transformers peft datasets safetensors tokenizers huggingface-hub obstore torchao trl prometheus-client rich \
       mlflow-skinny wandb tensorboard \
     && if [ "${FLASH_ATTN}" = "true" ]; then \
       pip install --no-cache-dir --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"; \

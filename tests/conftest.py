@@ -64,3 +64,17 @@ def pytest_sessionfinish(session):
 def torch_floor() -> Path:
     """The python of a venv with the GPU image's torch (2.11), built if the machine has none."""
     return envs.torch_floor_python()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """The session's S3-compatible server (scripts/s3.sh: SeaweedFS on loopback), built once
+    (cached outside the repository), started in a temporary folder, stopped at the end."""
+    from s3server import S3Server, build
+
+    build()
+    server = S3Server(tmp_path_factory.mktemp("s3")).up()
+    try:
+        yield server
+    finally:
+        server.down()

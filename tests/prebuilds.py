@@ -103,7 +103,14 @@ TORCH_FLOOR = Prebuild(
     timeout=3600,
     fixture="torch_floor",
 )
-ALL = (PLANE, IMAGES, TORCH_FLOOR)
+S3 = Prebuild(
+    "s3",
+    ["bash", str(ROOT / "scripts" / "s3.sh"), "build"],
+    # SeaweedFS's weed from its module: 368 s here from empty module and build caches.
+    timeout=3600,
+    fixture="s3_server",
+)
+ALL = (PLANE, IMAGES, TORCH_FLOOR, S3)
 SKIP_IMAGES = "FTJOB_SKIP_IMAGE_TESTS"  # =1: the image tests are left out on purpose
 
 
@@ -143,7 +150,7 @@ def left_out() -> set[str]:
     if os.environ.get(SKIP_IMAGES) == "1" or not shutil.which("podman"):
         out.add(IMAGES.name)
     if not shutil.which("go"):
-        out.add(PLANE.name)
+        out |= {PLANE.name, S3.name}
     return out
 
 

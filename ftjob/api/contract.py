@@ -37,7 +37,9 @@ TENSORBOARD = "tensorboard"
 WANDB = "wandb"  # W&B's own files when they go to the job's folder
 RECORD = "spec.json"  # the spec the folder trains
 OWNER = "owner"  # the lease: who writes here now
-SOURCES = "sources.json"  # what hf:// sources resolved to
+SOURCES = "sources.json"  # what hf:// and s3:// sources resolved to
+# s3:// downloads: beside the job folders on the volume (shared by jobs), not inside one.
+S3_CACHE = "s3-cache"
 PROGRESS = "progress.json"
 HISTORY = "progress.jsonl"  # one line per logged step
 TRACKING = "tracking.json"  # the trackers' run ids
@@ -75,6 +77,8 @@ BAD_MODEL = "BadModel"  # the model source cannot be read (missing folder, bad c
 # The Hub could not be reached for a download (the network, DNS, a timeout, 429 or 5xx), after
 # the trainer's own retries: transient, so a new gang may succeed where this one did not.
 HUB_UNREACHABLE = "HubUnreachable"
+# An s3:// endpoint did not answer after the client's retries: transient, as HubUnreachable.
+STORE_UNREACHABLE = "StoreUnreachable"
 BAD_SPEC = "BadSpec"  # the job document itself is invalid
 CUDA_OOM = "CudaOOM"
 HOST_OOM = "HostOOM"
@@ -134,6 +138,7 @@ REASONS = (
     BAD_MODEL,
     BAD_SPEC,
     HUB_UNREACHABLE,
+    STORE_UNREACHABLE,
     CUDA_OOM,
     HOST_OOM,
     COLLECTIVE_TIMEOUT,
@@ -163,6 +168,7 @@ SPECIFICITY = (
     BAD_DATA,
     BAD_MODEL,
     HUB_UNREACHABLE,
+    STORE_UNREACHABLE,
     CHECKPOINT_UNREADABLE,
     DISK_FULL,
     VOLUME_UNUSABLE,

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from ftjob import __version__
-from ftjob.api import contract
+from ftjob.api import contract, promotion
 from ftjob.api import kubevalidation as kv
 from ftjob.api.hardware import FP8_GPU_TYPES, GPUS, RETIRED_GPU_TYPES
+from ftjob.api.objectives import OBJECTIVES
 from ftjob.api.rewards import UNIQUE_NAMES, RewardSpec
 from ftjob.api.schema import (
     QUANTITY_PATTERN,
@@ -49,12 +50,32 @@ LABEL_VALUE_HINT = (
     "be a label value: at most 63 letters, digits, '-', '_' or '.', starting and ending with "
     "a letter or digit"
 )
-# hf://org/name (or a legacy hf://name), an absolute path, or a path relative to the job.
-SOURCE_PATTERN = r"^(hf://[A-Za-z0-9][\w.-]*(/[\w.-]+)?|[^:\s]+)$"
-SOURCE_HINT = "be hf://org/name or a path (absolute on a volume, or relative)"
-# output.push: a Hub model repository, always with its namespace (a user or an organization).
-PUSH_PATTERN = r"^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
-PUSH_HINT = "be hf://org/name, the Hub model repository to upload to, e.g. hf://my-org/my-model"
+# hf://org/name (or a legacy hf://name), s3://bucket/key-or-prefix (S3's bucket names: 3-63
+# lowercase letters, digits, '.' and '-'), an absolute path, or a path relative to the job.
+SOURCE_PATTERN = (
+    r"^(hf://[A-Za-z0-9][\w.-]*(/[\w.-]+)?|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/\S*)?|[^:\s]+)$"
+)
+SOURCE_HINT = "be hf://org/name, s3://bucket/prefix or a path (absolute on a volume, or relative)"
+# Sources the trainer fetches (into the volume) rather than reads where they are.
+REMOTE_SOURCES = ("hf://", "s3://")
+
+
+def is_remote(source: str) -> bool:
+    """PURE: whether ``source`` is fetched by the trainer (the Hub, an object store), not a
+    path on this machine or the volume."""
+    return source.startswith(REMOTE_SOURCES)
+
+
+# output.push: a Hub model repository, always with its namespace (a user or an organization),
+# or an s3:// prefix (a bucket name as for sources, and a prefix: never a bucket's root).
+PUSH_PATTERN = (
+    r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
+    r"|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/[^\s]*[^\s/])$"
+)
+PUSH_HINT = (
+    "be hf://org/name, the Hub model repository to upload to, e.g. hf://my-org/my-model, or "
+    "s3://bucket/prefix, e.g. s3://models/llama3-8b-guanaco"
+)
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 # Segments start with a letter, digit or '_', so '..' (and absolute paths) cannot escape the
 # job's folder. RE2, which the API server uses, has no lookahead to say it more directly.
@@ -754,15 +775,25 @@ class OutputSpec:
         False,
     )
     push: str | None = api_field(
-        "push uploads the export, with a model card, to this Hugging Face Hub model repository "
-        "(hf://org/name; created if missing) once training has finished; needs "
-        "secrets.huggingFaceToken (a token that may write there). A failed upload "
-        "(HubPushFailed) is retried without training again.",
+        "push uploads the export, with a model card, once training has finished: to a Hugging "
+        "Face Hub model repository (hf://org/name; created if missing; needs "
+        "secrets.huggingFaceToken, a token that may write there), or under an s3:// prefix "
+        "(storage.s3's store and key pair; multipart, SHA-256 checksums, a manifest written "
+        "last). A failed upload (HubPushFailed) is retried without training again.",
         None,
         pattern=PUSH_PATTERN,
         pattern_hint=PUSH_HINT,
         max_length=200,
         example="hf://my-org/llama3-8b-guanaco",
+    )
+    promote_when: str | None = api_field(
+        "promoteWhen: the push waits for this condition on the final evaluation's metrics, "
+        "e.g. 'evalLoss < 1.8' or 'evalRewardAccuracy >= 0.7 and evalLoss < 0.6' (evalLoss, "
+        "and eval + each metric of training.objective; <, <=, >, >=; joined by and). Unmet: "
+        "the job succeeds unpromoted and status.progress.promotion says why, with the numbers.",
+        None,
+        max_length=256,
+        example="evalLoss < 1.8",
     )
     private: bool = api_field(
         "private: the repository push creates is private (default); false makes it public. "
@@ -790,6 +821,53 @@ class SecretsSpec:
         "(becomes HF_TOKEN).",
         None,
     )
+
+
+@dataclass(kw_only=True)
+class S3Spec:
+    """s3: the object store of s3:// sources, as the AWS SDKs are told where it is and who asks."""
+
+    endpoint: str | None = api_field(
+        "endpoint of an S3-compatible store (Ceph, SeaweedFS, MinIO, R2, GCS's S3 interface), "
+        "http(s)://host[:port]; unset: AWS (becomes AWS_ENDPOINT_URL).",
+        None,
+        pattern=r"^https?://[^\s/]+/?$",
+        pattern_hint="be http(s)://host[:port], e.g. https://s3.example.com",
+        max_length=253,
+    )
+    region: str | None = api_field(
+        "region of the bucket (becomes AWS_REGION; S3-compatible stores take any).",
+        None,
+        pattern=r"^[a-z0-9-]+$",
+        pattern_hint="be a region name like us-east-1",
+        max_length=64,
+    )
+    access_key_id: SecretKeyRef | None = api_field(
+        "accessKeyId: the Secret key holding the access key id (becomes AWS_ACCESS_KEY_ID). "
+        "Unset: the pods' own AWS environment (a web identity token file, as EKS's IAM roles "
+        "for service accounts give).",
+        None,
+    )
+    secret_access_key: SecretKeyRef | None = api_field(
+        "secretAccessKey: the Secret key holding the secret (becomes AWS_SECRET_ACCESS_KEY).",
+        None,
+    )
+
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "has(self.accessKeyId) == has(self.secretAccessKey)",
+            lambda s: (s.access_key_id is None) == (s.secret_access_key is None),
+            "accessKeyId and secretAccessKey come together: set both (a key pair) or neither",
+            ".accessKeyId",
+        ),
+    )
+
+
+@dataclass(kw_only=True)
+class StorageSpec:
+    """storage: object stores the job reads sources from."""
+
+    s3: S3Spec = api_field("s3: the store of s3:// sources.", factory=S3Spec)
 
 
 # An MLflow tracking server over HTTP(S), or Databricks' (databricks, databricks://profile).
@@ -1231,6 +1309,9 @@ class FineTuneJobSpec:
     )
     output: OutputSpec = api_field("output: the exported model.", factory=OutputSpec)
     secrets: SecretsSpec = api_field("secrets the pods may read.", factory=SecretsSpec)
+    storage: StorageSpec = api_field(
+        "storage: the object store of s3:// sources.", factory=StorageSpec
+    )
     tracking: TrackingSpec = api_field(
         "tracking: experiment trackers (MLflow, Weights & Biases, TensorBoard).",
         factory=TrackingSpec,
@@ -1501,8 +1582,37 @@ class FineTuneJobSpec:
             ".checkpoint.volume",
         ),
         Rule(
-            "!has(self.output.push) || has(self.secrets.huggingFaceToken)",
-            lambda s: s.output.push is None or s.secrets.hugging_face_token is not None,
+            promotion.cel_rule(),
+            lambda s: (
+                s.output.promote_when is None
+                or promotion.valid(s.output.promote_when, s.training.objective)
+            ),
+            "output.promoteWhen must be METRIC OP NUMBER clauses joined by ' and ', e.g. "
+            "'evalLoss < 1.8', with metrics that training.objective evaluates: "
+            + "; ".join(f"{o}: {', '.join(promotion.eval_metrics(o))}" for o in OBJECTIVES),
+            ".output.promoteWhen",
+        ),
+        Rule(
+            "!has(self.output.promoteWhen) || (has(self.output.push) && "
+            "(has(self.dataset.evalFraction) || has(self.dataset.evalSplit)))",
+            lambda s: (
+                s.output.promote_when is None
+                or (
+                    s.output.push is not None
+                    and (s.dataset.eval_fraction is not None or s.dataset.eval_split is not None)
+                )
+            ),
+            "output.promoteWhen gates output.push on the final evaluation: set output.push and "
+            "dataset.evalFraction or dataset.evalSplit",
+            ".output.promoteWhen",
+        ),
+        Rule(
+            "!has(self.output.push) || !self.output.push.startsWith('hf://') "
+            "|| has(self.secrets.huggingFaceToken)",
+            lambda s: (
+                not (s.output.push or "").startswith("hf://")
+                or s.secrets.hugging_face_token is not None
+            ),
             "output.push needs secrets.huggingFaceToken: a Secret key holding a Hub token that "
             "may write to the repository (ftjob run reads HF_TOKEN from its environment)",
             ".output.push",

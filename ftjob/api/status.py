@@ -74,7 +74,17 @@ class Progress:
         None,
     )
     pushed_to: str | None = api_field(
-        "pushedTo: the Hub commit the export was uploaded in (output.push).", None
+        "pushedTo: the Hub commit or s3:// prefix the export was uploaded to (output.push).", None
+    )
+    download: str | None = api_field(
+        "download: how much of an s3:// source rank 0 has downloaded, e.g. '1.20 of 5.00 GiB "
+        "(24%)'; kept once complete.",
+        None,
+    )
+    promotion: str | None = api_field(
+        "promotion: whether output.promoteWhen held of the final evaluation, with the numbers: "
+        "'promoted: evalLoss 1.62 < 1.8' or 'not promoted: evalLoss 2.01 < 1.8 does not hold'.",
+        None,
     )
     tracking_warnings: list[str] = api_field(
         "trackingWarnings: experiment trackers this run went on without, and why "

@@ -23,7 +23,7 @@ from ftjob.api.profile import KIND as PROFILE_KIND
 from ftjob.api.profile import Profile, parse_profile
 from ftjob.api.schema import SpecError, to_dict
 from ftjob.api.spec import API_VERSION, KIND
-from ftjob.cli import extras, output, validate
+from ftjob.cli import extras, output, sources, validate
 from ftjob.job import machine
 from ftjob.plan import modelshape
 from ftjob.plan.describe import describe
@@ -79,6 +79,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for path in args.files:
         for doc in _jobs(path):
             checked = validate.check(doc, old, job_file=path, profile=profile)
+            if args.check_sources and checked.ok:
+                checked.errors.extend(sources.problems(checked.spec))
             results.append(output.validation_result(path, checked))
             for warning in checked.warnings:
                 warned.setdefault(warning, []).append(checked.name or path)
@@ -249,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument(
         "--old", metavar="FILE", help="check FILEs as updates of this job (immutable fields)"
+    )
+    p.add_argument(
+        "--check-sources",
+        action="store_true",
+        help="also ask the store whether each s3:// source is there and readable, with this "
+        "machine's AWS credentials (the bucket, the key, the key pair, the permission)",
     )
     _output_option(p)
     _profile_option(p)

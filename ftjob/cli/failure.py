@@ -23,6 +23,8 @@ FIXES = {
     contract.BAD_SPEC: "`ftjob validate FILE` names every invalid field",
     contract.HUB_UNREACHABLE: "check this machine's network (proxy, DNS, HF_ENDPOINT), then "
     "run it again: nothing is wrong with the job, and what was downloaded is kept",
+    contract.STORE_UNREACHABLE: "check AWS_ENDPOINT_URL and this machine's network, then run it "
+    "again: nothing is wrong with the job, and the download resumes where it stopped",
     contract.CUDA_OOM: "lower spec.training.microBatchSize or spec.dataset.maxSeqLength, or set "
     "spec.training.activationCheckpointing: all; `ftjob plan FILE` estimates the memory",
     contract.HOST_OOM: "this machine ran out of memory: `ftjob plan FILE` estimates it per "

@@ -154,6 +154,8 @@ def _model_shape(spec: FineTuneJobSpec, root: Path | None) -> ModelShape | None:
     table's entry for an hf:// model (None: not known here; the trainer checks it)."""
     source = spec.model.source
     config = None
+    if source.startswith("s3://"):
+        return None  # read by the trainer, once downloaded
     if not source.startswith("hf://"):
         folder = Path(source) if Path(source).is_absolute() or root is None else root / source
         if not (folder / "config.json").is_file():

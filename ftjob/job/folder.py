@@ -5,6 +5,7 @@ spec it trains (``<job folder>/spec.json``).
     spec.json             the spec this folder was trained with (+ its hash)
     hub/                  the Hugging Face cache: model and dataset downloads, fetched once
     sources.json          which downloads the run reads (ftjob.trainer.data.sources)
+    ../s3-cache/<key>/    s3:// downloads, shared by the volume's jobs (ftjob.trainer.data.s3)
     data/<key>/           tokenized, packed, memory-mapped sequences
     compile-cache/        torch.compile's caches (TORCHINDUCTOR_CACHE_DIR): compiled once
     checkpoints/step-N/   committed checkpoints (ftjob.trainer.state.checkpoint)
@@ -55,6 +56,7 @@ from ftjob.api.contract import (
     PROGRESS,
     PUSHED,
     RECORD,
+    S3_CACHE,
     SOURCES,
     TENSORBOARD,
     TMP,
@@ -92,6 +94,12 @@ class JobFolder:
     @property
     def sources(self) -> Path:
         return self.root / SOURCES
+
+    @property
+    def s3_cache(self) -> Path:
+        """s3:// downloads, beside the job folders on the volume, so jobs that read the same
+        objects share one copy (ftjob.trainer.data.s3: one folder per content)."""
+        return self.root.parent / S3_CACHE
 
     @property
     def data(self) -> Path:

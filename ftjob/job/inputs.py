@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ftjob.api.schema import FieldError
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.spec import FineTuneJobSpec, is_remote
 from ftjob.job import folder as jobfolder
 from ftjob.job import modelfiles
 from ftjob.job.folder import JobFolder
@@ -40,8 +40,8 @@ def resolve(source: str, root: Path | None = None) -> str:
 
 
 def _local(source: str, root: Path) -> Path | None:
-    """The path a local source names (None for a Hub source)."""
-    if source.startswith("hf://"):
+    """The path a local source names (None for a Hub or object store source)."""
+    if is_remote(source):
         return None
     path = Path(source)
     return path if path.is_absolute() else root / path

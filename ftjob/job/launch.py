@@ -128,7 +128,24 @@ def node_command(
     if spec.secrets.hugging_face_token is not None:
         secrets["HF_TOKEN"] = spec.secrets.hugging_face_token
     secrets.update(tracking_secrets(spec))
+    env.update(s3_env(spec))
+    secrets.update(s3_secrets(spec))
     return NodeCommand([*TRAINER, spec_path], env, secrets)
+
+
+def s3_env(spec: FineTuneJobSpec) -> dict[str, str]:
+    """Where s3:// sources are, under the names the AWS SDKs (and obstore) read."""
+    s3 = spec.storage.s3
+    named = {"AWS_ENDPOINT_URL": s3.endpoint, "AWS_REGION": s3.region}
+    return {k: v.rstrip("/") for k, v in named.items() if v}
+
+
+def s3_secrets(spec: FineTuneJobSpec) -> dict[str, SecretKeyRef]:
+    """The key pair of s3:// sources, from the Secret the job names."""
+    s3 = spec.storage.s3
+    if s3.access_key_id is None or s3.secret_access_key is None:
+        return {}
+    return {"AWS_ACCESS_KEY_ID": s3.access_key_id, "AWS_SECRET_ACCESS_KEY": s3.secret_access_key}
 
 
 def tracking_secrets(spec: FineTuneJobSpec) -> dict[str, SecretKeyRef]:

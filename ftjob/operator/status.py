@@ -51,6 +51,8 @@ ADVICE = {
     contract.BAD_SPEC: f"the trainer cannot read the job's spec; {_RETRY_CANNOT_HELP}",
     contract.HUB_UNREACHABLE: "the Hugging Face Hub could not be reached for a download (the "
     "network, DNS, a timeout, or the Hub busy): transient, the next gang downloads again",
+    contract.STORE_UNREACHABLE: "an s3:// endpoint did not answer for a download (the network, "
+    "DNS, the store down or busy): transient, the next gang resumes the download",
     "BadInput": f"the spec or the data cannot be trained on; {_RETRY_CANNOT_HELP}",
     "OOMKilled": "the pod ran out of memory: raise resources.memory, or lower "
     "dataset.maxSeqLength / training.microBatchSize",
@@ -100,6 +102,7 @@ SPECIFICITY = (
     contract.BAD_MODEL,
     "BadInput",
     contract.HUB_UNREACHABLE,
+    contract.STORE_UNREACHABLE,
     contract.CHECKPOINT_UNREADABLE,
     contract.DISK_FULL,
     contract.VOLUME_UNUSABLE,
@@ -464,10 +467,19 @@ def progress(snapshot: dict) -> dict[str, Any]:
         "eta": format_eta(snapshot.get("etaSeconds")),
         "replacesExport": snapshot.get("replacesExport"),
         "pushedTo": snapshot.get("pushedTo"),
+        "download": _download(snapshot.get("downloadedBytes"), snapshot.get("downloadBytes")),
+        "promotion": snapshot.get("promotion"),
         "trackingWarnings": snapshot.get("trackingWarnings") or None,
         "updateTime": snapshot.get("updatedAt"),
     }
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _download(got: int | None, total: int | None) -> str | None:
+    """PURE: '1.20 of 5.00 GiB (24%)' from the trainer's byte counts."""
+    if got is None or not total:
+        return None
+    return f"{got / 2**30:.2f} of {total / 2**30:.2f} GiB ({100 * got / total:.0f}%)"
 
 
 def final_progress(pods: list[dict]) -> dict[str, Any] | None:

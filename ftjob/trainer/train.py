@@ -123,6 +123,7 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
         d.is_main,
         say=lambda m: print(m, flush=True) if d.is_main else None,
         downloading=lambda: report.phase("downloading"),
+        progress=lambda got, total: report.update(downloadedBytes=got, downloadBytes=total),
     )
     report.startup.mark("download")
     return _train_and_export(Job(spec, resolved, name, d, report, job_dir, lease, beat))

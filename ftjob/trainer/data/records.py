@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ftjob.api.contract import BAD_DATA, TrainerError
-from ftjob.api.spec import DatasetSpec
+from ftjob.api.spec import DatasetSpec, is_remote
 from ftjob.job.inputs import DATA_FIX, resolve
 
 # No torch, transformers or pyarrow at import (pyarrow only where a function builds Arrow):
@@ -44,14 +44,14 @@ PARTS = ("prompt", "chosen", "rejected")
 
 def origin(ds: DatasetSpec, split: str, root: Path | None = None) -> str:
     """How errors name the source of one split (``root``: see :func:`resolve`)."""
-    if ds.source.startswith("hf://") or Path(resolve(ds.source, root)).is_dir():
+    if is_remote(ds.source) or Path(resolve(ds.source, root)).is_dir():
         return f"{ds.source} split {split}"
     return ds.source
 
 
 def check_source(ds: DatasetSpec, split: str, root: Path | None = None) -> Path | None:
     """Refuse a source that cannot hold the split; the local file or folder, if any."""
-    if ds.source.startswith("hf://"):
+    if is_remote(ds.source):
         return None
     path = Path(resolve(ds.source, root))
     if path.is_dir():
@@ -245,8 +245,8 @@ CHECKED = 50_000
 def check(ds: DatasetSpec, root: Path | None = None) -> int | None:
     """Read the first CHECKED records of a local JSON lines, JSON or CSV source as the trainer
     will, and raise its DataError at the first bad one (a missing field, a cut line); the number
-    of records read. None: not read here (an hf:// source, a datasets folder or Parquet needs
-    the datasets library; the trainer reads those). A plain pass, no Arrow and no tokenizer.
+    of records read. None: not read here (an hf:// or s3:// source, a datasets folder or Parquet
+    needs the datasets library; the trainer reads those). A plain pass, no Arrow and no tokenizer.
     """
     path = check_source(ds, ds.split, root)
     if ds.eval_split:

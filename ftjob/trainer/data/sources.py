@@ -1,5 +1,7 @@
-"""Hub sources, pinned once per job: the model fetched into the shared volume, the dataset's
-revision resolved to a commit.
+"""Hub and object store sources, pinned once per job: an hf:// model fetched into the shared
+volume, an hf:// dataset's revision resolved to a commit, an s3:// model or dataset downloaded
+into the volume's shared cache (:mod:`ftjob.trainer.data.s3`; its failures named by
+:mod:`ftjob.trainer.data.storeerrors`), by the same one-rank-downloads, others-wait record.
 
 Pods set ``HF_HOME`` to ``<job folder>/hub`` (:mod:`ftjob.job.launch`), so the Hugging Face cache
 lives on the shared volume, not in a pod's emptyDir: a restarted gang finds the weights there.
@@ -39,6 +41,8 @@ from ftjob.api.contract import BAD_DATA, BAD_MODEL, HUB_UNREACHABLE, TrainerErro
 from ftjob.api.spec import DatasetSpec, FineTuneJobSpec
 from ftjob.job import atomic
 from ftjob.job.folder import JobFolder
+from ftjob.trainer.data import s3, storeerrors
+from ftjob.trainer.state.objectstore import S3
 
 HF = "hf://"
 # What loading a model reads; not the repositories' other formats (e.g. Llama's original/
@@ -58,11 +62,13 @@ def fetch(
     is_main: bool,
     say: Callable[[str], None] = print,
     downloading: Callable[[], None] = lambda: None,
+    progress: Callable[[int, int], None] = lambda got, total: None,
 ) -> FineTuneJobSpec:
     """``spec`` with its hf:// sources pinned: the model's replaced by its local snapshot
     folder, the dataset's revision by the commit it names.
     ``downloading()`` is called when this job has not fetched the model yet (a download, or a
-    wait for the rank that downloads): the progress phase of that name."""
+    wait for the rank that downloads): the progress phase of that name; ``progress(bytes so
+    far, total)`` while an s3:// source downloads."""
     record = JobFolder(job_dir).sources
     m, ds = spec.model, spec.dataset
     if m.source.startswith(HF):
@@ -74,7 +80,29 @@ def fetch(
         key = f"dataset {ds.source}@{ds.revision or 'main'}"
         commit = _once(record, key, is_main, lambda: _commit(ds, say), lambda: None, _is_commit)
         spec = dataclasses.replace(spec, dataset=dataclasses.replace(ds, revision=commit))
+    for field in ("model", "dataset"):
+        part = getattr(spec, field)
+        if part.source.startswith(S3):
+            get = lambda p=part, f=field: _from_store(f, p.source, job_dir, say, progress)  # noqa: E731
+            local = _once(record, part.source, is_main, get, downloading, _exists)
+            spec = dataclasses.replace(spec, **{field: dataclasses.replace(part, source=local)})
     return spec
+
+
+def _exists(value: str) -> bool:
+    return Path(value).exists()
+
+
+def _from_store(field: str, source: str, job_dir: Path, say, progress) -> str:
+    """The local copy of an s3:// source in the volume's shared cache; a failure named."""
+    try:
+        local, _ = s3.download(source, JobFolder(job_dir).s3_cache, say, progress)
+    except Exception as e:  # noqa: BLE001 - storeerrors sorts them; the rest raise as they came
+        named = storeerrors.refused(field, source, e)
+        if named is None:
+            raise
+        raise named from e
+    return str(local)
 
 
 def _once(record: Path, key: str, is_main: bool, get, starting, valid) -> str:

@@ -132,6 +132,8 @@ def base_name(source: str) -> str:
     the source (beside the job file under ``ftjob run``, on the volume in a pod)."""
     if source.startswith("hf://"):
         return source.removeprefix("hf://")
+    if source.startswith("s3://"):
+        return source  # where the base lives for everyone, not this volume's cached copy
     return os.path.abspath(resolve(source))
 
 

@@ -1,4 +1,6 @@
-"""Push the export to the Hugging Face Hub (``output.push: hf://org/name``), with a model card.
+"""Push the export to the Hugging Face Hub (``output.push: hf://org/name``) or under an s3://
+prefix (``output.push: s3://bucket/prefix``, :mod:`ftjob.trainer.state.s3upload`), with a model
+card.
 
 After a successful export, rank 0 creates the repository (private unless ``output.private:
 false``; an existing one keeps its visibility) and uploads the export (:func:`layout`) and a
@@ -17,6 +19,7 @@ record_push`) and in progress (``pushedTo``); a job trained and pushed does noth
 from __future__ import annotations
 
 import datetime
+import json
 import threading
 import time
 from pathlib import Path
@@ -25,11 +28,12 @@ from typing import Any
 import torch.distributed as dist
 
 from ftjob import __version__
-from ftjob.api import objectives
+from ftjob.api import objectives, promotion
 from ftjob.api.contract import HUB_PUSH_FAILED, TrainerError
 from ftjob.api.schema import to_dict
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import folder as jobfolder
+from ftjob.trainer.state import s3upload
 from ftjob.trainer.state.export import base_name
 
 # How long the other ranks wait for rank 0's upload: an upload of a large model takes far
@@ -42,6 +46,11 @@ CARD = "README.md"
 FIX = (
     "check that HF_TOKEN (spec.secrets.huggingFaceToken) may write to spec.output.push and "
     "that the Hub can be reached, then run the job again: it pushes without training again"
+)
+S3_FIX = (
+    "check that the key pair (spec.storage.s3; AWS_ACCESS_KEY_ID on this machine) may write "
+    "(s3:PutObject) under spec.output.push and that the store answers, then run the job again: "
+    "it uploads without training again"
 )
 
 
@@ -70,35 +79,77 @@ def push(spec: FineTuneJobSpec, job_dir: Path, out: Path, d, report) -> None:
         failed = agreed[0]
         dist.destroy_process_group(group)
     if failed is not None:
-        raise TrainerError(failed, reason=HUB_PUSH_FAILED, where="spec.output.push", fix=FIX)
+        fix = FIX if spec.output.push.startswith("hf://") else S3_FIX
+        raise TrainerError(failed, reason=HUB_PUSH_FAILED, where="spec.output.push", fix=fix)
 
 
 def _push_once(spec: FineTuneJobSpec, job_dir: Path, out: Path, report) -> None:
     recorded = jobfolder.read(job_dir) or {}
     if not jobfolder.push_pending(spec, job_dir, recorded):
         done = jobfolder.pushed(job_dir) or {}
-        report.update(pushedTo=done.get("commitUrl"))
-        report.log(f"already pushed to {spec.output.push}: {done.get('commitUrl')}")
+        report.update(pushedTo=done.get("commitUrl"), promotion=done.get("promotion"))
+        if done.get("commitUrl"):
+            report.log(f"already pushed to {spec.output.push}: {done.get('commitUrl')}")
+        else:
+            report.log(f"not pushed to {spec.output.push}: {done.get('promotion')}")
         return
-    import huggingface_hub  # only a job that pushes pays for the import
+    promoted = _promotion(spec, job_dir, report)
+    if promoted is not None and promoted.startswith("not"):
+        # Decided once: the record answers a rerun, which pushes nothing either.
+        jobfolder.record_push(job_dir, spec, recorded, promotion=promoted)
+        return
+    import huggingface_hub  # only a job that pushes pays for the import (the card needs it)
 
     huggingface_hub.utils.disable_progress_bars()  # pod logs are not terminals: ours say it
 
-    if huggingface_hub.get_token() is None:
+    hub = spec.output.push.startswith("hf://")
+    if hub and huggingface_hub.get_token() is None:
         raise RuntimeError("no Hub token: HF_TOKEN is not set (spec.secrets.huggingFaceToken)")
     report.phase("pushing")
     report.log(f"pushing {out} to {spec.output.push} ...")
     began = time.monotonic()
     card = model_card(spec, recorded, report.snapshot)
     with _alive(report, began):
-        commit = upload(spec, out, card, _message(spec, recorded))
-    found = {"commitUrl": commit.commit_url, "revision": commit.oid}
-    jobfolder.record_push(job_dir, spec, recorded, **found)
-    report.update(pushedTo=commit.commit_url)
+        if hub:
+            commit = upload(spec, out, card, _message(spec, recorded))
+            found = {"commitUrl": commit.commit_url, "revision": commit.oid}
+        else:
+            found = s3upload.upload(spec.output.push, layout(spec, out), card, report.log)
+    jobfolder.record_push(job_dir, spec, recorded, **found, promotion=promoted)
+    report.update(pushedTo=found["commitUrl"])
     report.log(
         f"pushed the export to {spec.output.push} in {time.monotonic() - began:.0f} s: "
-        f"{commit.commit_url}"
+        f"{found['commitUrl']}"
     )
+
+
+def _promotion(spec: FineTuneJobSpec, job_dir: Path, report) -> str | None:
+    """output.promoteWhen decided with the final evaluation's numbers, as status says it
+    ("promoted: evalLoss 1.62 < 1.8"); None when the job sets no condition."""
+    if not spec.output.promote_when:
+        return None
+    held, words = promotion.decide(spec.output.promote_when, final_evaluation(job_dir))
+    said = f"{'promoted' if held else 'not promoted'}: {words}"
+    report.update(promotion=said)
+    report.log(f"output.promoteWhen {spec.output.promote_when!r}: {said}")
+    return said
+
+
+def final_evaluation(job_dir: Path) -> dict[str, Any]:
+    """The job's last evaluation as progress.jsonl recorded it (a restarted trainer that only
+    pushes has evaluated nothing itself); empty when it has none."""
+    try:
+        lines = jobfolder.JobFolder(job_dir).history.read_text().splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a kill
+        if row.get("event") == "eval":
+            return row
+    return {}
 
 
 def upload(spec: FineTuneJobSpec, out: Path, card: str, message: str):

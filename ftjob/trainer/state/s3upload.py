@@ -1,0 +1,70 @@
+"""Upload an export under an s3:// prefix (``output.push: s3://bucket/prefix``).
+
+Each file goes up with obstore's put: multipart above PART_BYTES (parts in parallel), each
+part with its SHA-256 (x-amz-checksum-sha256), which the store checks before it keeps it; an
+object is whole or absent (an aborted multipart upload leaves no object). The model card
+(README.md) follows, and last ``ftjob-upload.json``, the manifest: every file's size and
+SHA-256. Its presence says the upload under the prefix is complete, and a run that finds the
+same manifest there uploads nothing (a rerun after the job folder's record was lost, or a
+second job that exported the same bytes).
+
+    python -c "from ftjob.trainer.state import s3upload; help(s3upload)"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from ftjob.trainer.state.objectstore import split, store
+
+MANIFEST = "ftjob-upload.json"
+PART_BYTES = 64 * 2**20  # one part of a multipart upload
+PARALLEL = 8  # parts in flight
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(2**24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def manifest(files: dict[str, Path], card: bytes) -> dict:
+    """PURE but for reading the files: name -> size and SHA-256, the card's included."""
+    out = {name: {"size": p.stat().st_size, "sha256": sha256(p)} for name, p in files.items()}
+    out["README.md"] = {"size": len(card), "sha256": hashlib.sha256(card).hexdigest()}
+    return {"files": dict(sorted(out.items()))}
+
+
+def upload(url: str, files: dict[str, Path], card: str, say=print) -> dict:
+    """Upload ``files`` (name under the prefix -> local file) and ``card`` under ``url``,
+    unless the same upload is complete there; what the job folder records of it."""
+    import obstore
+
+    bucket, prefix = split(url)
+    s = store(bucket, checksums=True)
+    body = card.encode()
+    want = manifest(files, body)
+    text = json.dumps(want, indent=1, sort_keys=True).encode()
+    revision = hashlib.sha256(text).hexdigest()[:16]
+    found = {"commitUrl": url, "revision": revision}
+    if _remote_manifest(s, f"{prefix}/{MANIFEST}") == want:
+        say(f"{url} already holds this export (its {MANIFEST} lists the same files)")
+        return found
+    for name, path in files.items():
+        obstore.put(s, f"{prefix}/{name}", path, chunk_size=PART_BYTES, max_concurrency=PARALLEL)
+    obstore.put(s, f"{prefix}/README.md", body)
+    obstore.put(s, f"{prefix}/{MANIFEST}", text)  # last: the upload is complete
+    return found
+
+
+def _remote_manifest(s, key: str) -> dict | None:
+    import obstore
+
+    try:
+        return json.loads(obstore.get(s, key).bytes().to_bytes())
+    except (FileNotFoundError, ValueError):
+        return None
