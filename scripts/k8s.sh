@@ -289,13 +289,13 @@ cmd_up() {
       --gpu-nodes) nodes=${2:-}; shift 2 ;;
       --gpu-nodes=*) nodes=${1#*=}; shift ;;
       --kueue) kueue=1; shift ;;
-      --nodes) real=${2:-}; shift 2 ;;
+      --nodes) real=${2:?--nodes takes a number of nodes}; shift 2 ;;
       --nodes=*) real=${1#*=}; shift ;;
       --node-image) NODE_IMAGES+=("${2:?--node-image takes an image}"); shift 2 ;;
       --node-image=*) NODE_IMAGES+=("${1#*=}"); shift ;;
       --apiserver-arg) APISERVER_ARGS+=("${2:?--apiserver-arg takes a flag}"); shift 2 ;;
       --apiserver-arg=*) APISERVER_ARGS+=("${1#*=}"); shift ;;
-      *) die "unknown option $1 (usage: k8s.sh up DIR [--gpu-nodes N])" ;;
+      *) die "unknown option $1 (usage: k8s.sh up DIR [--gpu-nodes N] [--kueue] [--nodes N])" ;;
     esac
   done
   [[ "$nodes" =~ ^[0-9]+$ ]] || die "--gpu-nodes takes a number of nodes, not '$nodes'"
