@@ -371,5 +371,6 @@ case ${1:-} in
   bin) echo "$BIN" ;;
   up) shift; cmd_up "$@" ;;
   down) shift; cmd_down "$@" ;;
-  *) die "usage: k8s.sh build [--kueue] [--nodes] | up DIR [--gpu-nodes N] [--nodes N] | down DIR | bin" ;;
+  *) die "usage: k8s.sh build [--kueue] [--nodes] | up DIR [--gpu-nodes N] [--kueue]" \
+    "[--nodes N [--node-image REF]...] | down DIR | bin" ;;
 esac

@@ -25,9 +25,10 @@
 # - containerd 1.6 reports image-filesystem capacity 0, and the kubelet's default eviction
 #   thresholds then see DiskPressure and taint the node: evictionHard is set low, every signal.
 # - CAP_SYS_RESOURCE is withheld: runc fails ("can't get final child's PID from pipe: EOF") when
-#   the bundle lowers oom_score_adj (the CRI gives the sandbox -998) or raises an rlimit. The
-#   runtime is a wrapper (DIR/nodes/runc) that deletes process.oomScoreAdj and process.rlimits
-#   from the bundle's config.json and execs runc: pods keep the host's limits and oom score.
+#   a bundle lowers oom_score_adj (the CRI gives the sandbox -998, a Guaranteed pod's container
+#   -997). containerd's restrict_oom_score_adj keeps every score at or above containerd's own
+#   (0 here): BestEffort and Burstable pods keep the kubelet's scores, Guaranteed ones get 0.
+#   (The CRI sets no rlimits: pods inherit containerd's, so none needs raising.)
 # - a kubelet refuses a loopback node IP: each node's InternalIP is its bridge's gateway address
 #   (10.214.K.1, made at `up`, reachable from this host only), where its kubelet listens.
 # - the apiserver reaches a kubelet (kubectl logs/exec) at that InternalIP rather than at the
@@ -114,34 +115,7 @@ nodes_build() {
 
 # ------------------------------------------------------------------------------------ up
 
-# The runtime containerd runs (see the header: CAP_SYS_RESOURCE): drop what runc may not set.
-nodes_runc_wrapper() {
-  cat <<'EOF'
-#!/bin/sh
-# Written by ftjob's scripts/nodes.sh: runc without oomScoreAdj and rlimits (see there for why).
-bundle=
-prev=
-for a in "$@"; do
-  [ "$prev" = --bundle ] && bundle=$a
-  case $a in --bundle=*) bundle=${a#--bundle=} ;; esac
-  prev=$a
-done
-if [ -n "$bundle" ] && [ -f "$bundle/config.json" ]; then
-  python3 - "$bundle/config.json" <<'PY' || exit 1
-import json, sys
-with open(sys.argv[1]) as f:
-    spec = json.load(f)
-for key in ("oomScoreAdj", "rlimits"):
-    spec.get("process", {}).pop(key, None)
-with open(sys.argv[1], "w") as f:
-    json.dump(spec, f)
-PY
-fi
-exec runc "$@"
-EOF
-}
-
-# nodes_containerd_config NODEDIR SUBNET BRIDGE
+# nodes_containerd_config NODEDIR
 nodes_containerd_config() {
   local d=$1
   cat <<EOF
@@ -158,6 +132,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   path = "$d/containerd/opt"
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "$NODES_PAUSE"
+  restrict_oom_score_adj = true
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
   [plugins."io.containerd.grpc.v1.cri".containerd]
@@ -166,7 +141,6 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        BinaryName = "$DIR/nodes/runc"
         SystemdCgroup = false
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
@@ -283,12 +257,13 @@ nodes_up() {
     NODE_IMAGES=("localhost/ftjob-operator:${FTJOB_IMAGE_TAG:-dev}"
       "localhost/ftjob-trainer:${FTJOB_IMAGE_TAG:-dev}")
   fi
-  mkdir -p "$DIR/nodes"
-  nodes_runc_wrapper >"$DIR/nodes/runc" && chmod +x "$DIR/nodes/runc"
   for ((i = 0; i < n; i++)); do nodes_start_one "real-node-$i"; done
   for ((i = 0; i < n; i++)); do
     # `kubectl wait` fails at once on a Node not registered yet: wait for the object first.
-    for _ in $(seq 600); do kubectl_ get "node/real-node-$i" >/dev/null 2>&1 && break; sleep 0.1; done
+    for _ in $(seq 600); do
+      kubectl_ get "node/real-node-$i" >/dev/null 2>&1 && break
+      sleep 0.1
+    done
     kubectl_ wait --for=condition=Ready "node/real-node-$i" --timeout=120s >/dev/null ||
       die "real-node-$i is not Ready: $DIR/logs/kubelet.log"
   done
@@ -317,7 +292,12 @@ for n in spec.get("linux", {}).get("namespaces", []):
       sleep 0.1
     done
     "${ctr[@]}" containers delete "$c" >/dev/null 2>&1 || true
-    if [[ -n "$ns" && -e "$ns" ]]; then umount "$ns" 2>/dev/null || true; rm -f "$ns"; fi
+    # A sandbox's is a file containerd made (/var/run/netns/cni-...); a container's is the
+    # sandbox process's (/proc/PID/ns/net), which goes with it.
+    if [[ "$ns" == */netns/cni-* && -e "$ns" ]]; then
+      umount "$ns" 2>/dev/null || true
+      rm -f "$ns"
+    fi
   done
 }
 

@@ -102,13 +102,14 @@ def test_a_pod_over_its_memory_limit_is_oomkilled_by_the_kernel(real):
 
 
 def sandbox_netns(node: Path) -> list[str]:
-    """The network namespaces (paths) of the node's sandboxes, as containerd holds them."""
+    """The network namespaces (bind-mounted files) of the node's sandboxes, as containerd
+    holds them (a container's own spec names its sandbox's process instead)."""
     ctr = ["ctr", "-a", str(node / "containerd.sock"), "-n", "k8s.io"]
     found = []
     for c in run(*ctr, "containers", "list", "-q").split():
         spec = json.loads(run(*ctr, "containers", "info", c))["Spec"]
         found += [n["path"] for n in spec["linux"]["namespaces"]
-                  if n["type"] == "network" and n.get("path")]  # fmt: skip
+                  if n["type"] == "network" and "/netns/" in n.get("path", "")]  # fmt: skip
     return found
 
 
