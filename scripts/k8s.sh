@@ -6,9 +6,12 @@
 #                                             kube-scheduler and kwok into a cache keyed by version
 #   scripts/k8s.sh up DIR [--gpu-nodes N]     start them on 127.0.0.1, all state in DIR; writes
 #                                             DIR/admin.kubeconfig; returns when all are healthy
+#                [--nodes N [--node-image REF]...]  (opt-in) N real nodes, kubelet + containerd
+#                                             (scripts/nodes.sh; `build --nodes` first)
 #                [--apiserver-arg ARG]...     (opt-in) one more kube-apiserver flag each, e.g.
 #                                             --watch-cache=false or an audit log's flags
-#   scripts/k8s.sh down DIR                   stop every process `up` started (by pid)
+#   scripts/k8s.sh down DIR                   stop every process `up` started (by pid), and
+#                                             remove the real nodes' containers, mounts, cgroups
 #   scripts/k8s.sh bin                        print the folder holding the binaries
 #
 # Kubernetes' own go.mod replaces its 31 staging modules with ./staging/..., so `go install
@@ -38,6 +41,8 @@ die() { echo "k8s.sh: $*" >&2; exit 1; }
 
 # Kueue (`build --kueue`, `up DIR --kueue`): kueue_build, kueue_up, kueue_net_down.
 source "$(dirname "${BASH_SOURCE[0]}")/kueue.sh"
+# Real nodes (`build --nodes`, `up DIR --nodes N`): nodes_build, nodes_up, nodes_clear, ...
+source "$(dirname "${BASH_SOURCE[0]}")/nodes.sh"
 
 # ------------------------------------------------------------------------------------ build
 
@@ -184,7 +189,7 @@ start() {
 wait_healthy() {
   local name=$1 url=$2 pid
   shift 2
-  pid=$(awk -v n="$name" '$1 == n {print $2}' "$DIR/pids")
+  pid=$(awk -v n="$name" '$1 == n {p = $2} END {print p}' "$DIR/pids")  # the latest
   for _ in $(seq 600); do
     if curl -fsS --max-time 2 "$@" "$url" 2>/dev/null | grep -q '^ok\|"health":"true"'; then
       return 0
@@ -274,8 +279,8 @@ start_kwok() {
 kubectl_() { "${KUBECTL:-kubectl}" --kubeconfig "$DIR/admin.kubeconfig" "$@"; }
 
 cmd_up() {
-  local nodes=4 kueue=0
-  APISERVER_ARGS=()
+  local nodes=4 kueue=0 real=0
+  APISERVER_ARGS=() NODE_IMAGES=()
   DIR=${1:-}
   [[ -n "$DIR" ]] || die "usage: k8s.sh up DIR [--gpu-nodes N]"
   shift
@@ -284,16 +289,22 @@ cmd_up() {
       --gpu-nodes) nodes=${2:-}; shift 2 ;;
       --gpu-nodes=*) nodes=${1#*=}; shift ;;
       --kueue) kueue=1; shift ;;
+      --nodes) real=${2:?--nodes takes a number of nodes}; shift 2 ;;
+      --nodes=*) real=${1#*=}; shift ;;
+      --node-image) NODE_IMAGES+=("${2:?--node-image takes an image}"); shift 2 ;;
+      --node-image=*) NODE_IMAGES+=("${1#*=}"); shift ;;
       --apiserver-arg) APISERVER_ARGS+=("${2:?--apiserver-arg takes a flag}"); shift 2 ;;
       --apiserver-arg=*) APISERVER_ARGS+=("${1#*=}"); shift ;;
-      *) die "unknown option $1 (usage: k8s.sh up DIR [--gpu-nodes N])" ;;
+      *) die "unknown option $1 (usage: k8s.sh up DIR [--gpu-nodes N] [--kueue] [--nodes N])" ;;
     esac
   done
   [[ "$nodes" =~ ^[0-9]+$ ]] || die "--gpu-nodes takes a number of nodes, not '$nodes'"
+  [[ "$real" =~ ^[0-9]+$ ]] || die "--nodes takes a number of nodes, not '$real'"
   built || die "no binaries in $BIN: run 'scripts/k8s.sh build' first"
   command -v "${KUBECTL:-kubectl}" >/dev/null || die "kubectl is not on PATH (set KUBECTL)"
   [[ -e "$DIR/pids" ]] && die "$DIR/pids exists: a plane runs there ('k8s.sh down $DIR')"
   mkdir -p "$DIR/logs" && DIR=$(cd "$DIR" && pwd)
+  ((real == 0)) || nodes_apiserver_args
   : >"$DIR/pids"
   # Whatever fails before the end stops what was started.
   trap '[[ $? == 0 ]] || cmd_down "$DIR" >/dev/null 2>&1' EXIT
@@ -314,32 +325,52 @@ cmd_up() {
   # The default ServiceAccount (the ServiceAccount controller) is what pods of tests need.
   for _ in $(seq 300); do kubectl_ get sa default >/dev/null 2>&1 && break; sleep 0.2; done
   ((kueue == 0)) || kueue_up
-  echo "k8s.sh: up in $DIR (KUBECONFIG=$DIR/admin.kubeconfig, $nodes GPU nodes)"
+  ((real == 0)) || nodes_up "$real"
+  echo "k8s.sh: up in $DIR (KUBECONFIG=$DIR/admin.kubeconfig, $nodes GPU nodes, $real real nodes)"
 }
 
 # ------------------------------------------------------------------------------------ down
 
+# stop NAME PID: TERM, KILL after 10 s.
+stop() {
+  local name=$1 pid=$2
+  # A pid that no longer runs our binary (the process ended, the pid was reused) is left alone.
+  [[ "$(readlink "/proc/$pid/exe" 2>/dev/null)" == */"$name" ]] || return 0
+  kill -TERM "$pid" 2>/dev/null || return 0
+  for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  kill -KILL "$pid" 2>/dev/null || true
+  echo "k8s.sh: stopped $name ($pid)"
+}
+
 cmd_down() {
-  local dir=${1:-} name pid
+  local dir=${1:-} name pid d
   [[ -n "$dir" ]] || die "usage: k8s.sh down DIR"
   [[ -f "$dir/pids" ]] || { echo "k8s.sh: nothing runs in $dir"; return 0; }
+  dir=$(cd "$dir" && pwd)
+  # Real nodes: the kubelets first (they would restart what goes), then every container while
+  # its containerd still runs.
+  awk '$1 == "kubelet"' "$dir/pids" | while read -r name pid; do stop "$name" "$pid"; done
+  for d in "$dir"/nodes/*/; do [[ -d "$d" ]] && nodes_clear "${d%/}"; done
   # Stop in reverse order of start: clients first, etcd last.
-  tac "$dir/pids" | while read -r name pid; do
-    # A pid that no longer runs our binary (the process ended, the pid was reused) is left alone.
-    [[ "$(readlink "/proc/$pid/exe" 2>/dev/null)" == */"$name" ]] || continue
-    kill -TERM "$pid" 2>/dev/null || continue
-    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$pid" 2>/dev/null || true
-    echo "k8s.sh: stopped $name ($pid)"
-  done
+  tac "$dir/pids" | while read -r name pid; do stop "$name" "$pid"; done
+  nodes_down_rest "$dir"
   kueue_net_down "$dir"
   rm -f "$dir/pids"
 }
 
 case ${1:-} in
-  build) cmd_build; [[ "${2:-}" != --kueue ]] || kueue_build ;;
+  build)
+    cmd_build
+    for opt in "${@:2}"; do
+      case $opt in
+        --kueue) kueue_build ;;
+        --nodes) nodes_build ;;
+        *) die "unknown option $opt (usage: k8s.sh build [--kueue] [--nodes])" ;;
+      esac
+    done ;;
   bin) echo "$BIN" ;;
   up) shift; cmd_up "$@" ;;
   down) shift; cmd_down "$@" ;;
-  *) die "usage: k8s.sh build | up DIR [--gpu-nodes N] | down DIR | bin" ;;
+  *) die "usage: k8s.sh build [--kueue] [--nodes] | up DIR [--gpu-nodes N] [--kueue]" \
+    "[--nodes N [--node-image REF]...] | down DIR | bin" ;;
 esac

@@ -6,8 +6,9 @@
 #   bash scripts/podman-host.sh
 #
 # Installs podman, runc and debootstrap (debootstrap makes the stand-in base images, see
-# scripts/images.sh) and, if the machine has no /etc/containers/containers.conf yet, writes
-# one with the three settings podman needs on CI machines of this project's kind:
+# scripts/images.sh), containerd and the CNI plugins (the real nodes, scripts/nodes.sh) and,
+# if the machine has no /etc/containers/containers.conf yet, writes one with the three settings
+# podman needs on CI machines of this project's kind:
 # - runtime "runc": crun refuses the machine's hybrid (v1 + v2) cgroup hierarchy;
 # - cgroup_manager "cgroupfs": there is no systemd to ask for cgroups;
 # - default_ulimits = []: containers may not set RLIMIT_NPROC/NOFILE there, and podman's
@@ -22,6 +23,10 @@ done
 # ip (iproute2): the Kueue cluster tests serve Kueue's webhook on a veth pair into a network
 # namespace (scripts/kueue.sh), as root.
 command -v ip >/dev/null || need+=(iproute2)
+# containerd (with ctr) and the CNI plugins: the real nodes of the cluster tests
+# (scripts/nodes.sh); runc above is their runtime too.
+command -v containerd >/dev/null || need+=(containerd)
+[ -x /usr/lib/cni/bridge ] || need+=(containernetworking-plugins)
 if [ ${#need[@]} -gt 0 ]; then
   sudo=()
   [ "$(id -u)" -eq 0 ] || sudo=(sudo)

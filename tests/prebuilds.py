@@ -82,7 +82,9 @@ class Prebuild:
 KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
 PLANE = Prebuild(
     "plane",
-    ["bash", str(ROOT / "scripts" / "k8s.sh"), "build", "--kueue"],
+    # --nodes: the kubelet and the pause image (podman builds it) for the real nodes.
+    ["bash", str(ROOT / "scripts" / "k8s.sh"), "build", "--kueue"]
+    + (["--nodes"] if shutil.which("podman") else []),
     # A fresh 2-core machine compiles the plane and Kueue in 15-35 minutes (busy).
     timeout=5400,
     folder="cluster",

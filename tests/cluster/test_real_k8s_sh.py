@@ -43,7 +43,8 @@ def test_up_starts_n_gpu_nodes_and_down_leaves_no_process(tmp_path):
 
 
 def test_unknown_options_are_refused_by_name(tmp_path):
-    for option, word in (("--nodes", "--nodes"), ("--gpus", "--gpus")):  # --kueue: test_kueue.py
-        result = k8s_sh("up", str(tmp_path), option)
-        assert result.returncode != 0 and word in result.stderr
+    # --kueue: test_kueue.py; --nodes N: test_real_nodes.py.
+    for options in (["--gpus"], ["--nodes"], ["--nodes", "two"], ["--gpu-nodes", "x"]):
+        result = k8s_sh("up", str(tmp_path), *options)
+        assert result.returncode != 0 and options[0] in result.stderr, result.stderr
     assert not (tmp_path / "pids").exists()

@@ -1,0 +1,328 @@
+# Real nodes on scripts/k8s.sh's control plane: kubelet v$KUBE_VERSION + containerd, each node
+# its own pair of processes. Sourced by k8s.sh (`build --nodes`, `up DIR --nodes N`, `down DIR`),
+# which provides DIR, BIN, CACHE, STAGING, start, wait_healthy, kubectl_, free_port, cert, die.
+#
+#   build --nodes     kubelet from the plane's own local module (the same replaces, the same
+#                     GOPATH/GOCACHE, so a warm plane build makes it ~30 s) and the pause image
+#                     (a static Go program in an image from scratch, saved to the cache)
+#   up DIR --nodes N  real-node-0..N-1 (label ftjob.dev/real-node=true): under DIR/nodes/NAME
+#                     a containerd (root, state, socket, CNI bridge and /24) and a kubelet
+#                     (root dir, pod logs, ports, cgroup root /ftjob-ID-NAME) as the node itself
+#                     (system:node:NAME); the images named by --node-image (repeatable; default
+#                     scripts/images.sh's two at FTJOB_IMAGE_TAG, else dev) imported into each
+#                     containerd (`podman save | ctr import`); returns when every node is Ready
+#   down DIR          every container killed and removed, then kubelet and containerd stopped,
+#                     mounts, network namespaces, bridges and cgroups removed, and
+#                     containerd's root (the imported images: ~1 GB a node)
+#
+# Containerd and runc are Debian's (scripts/podman-host.sh installs them with apt-get); the
+# CNI plugins are Debian's containernetworking-plugins. Pods of one node reach each other on
+# the node's bridge; pods of two nodes do not (no routes between bridges, no cluster DNS yet).
+#
+# ---- What this machine's kind needs, and why (the one place that says it) ----------------------
+# - cgroup v1 (a hybrid hierarchy, no systemd): the kubelet's cgroupDriver is cgroupfs and
+#   failCgroupV1 false (v1.35+ refuses v1 otherwise); containerd's runc runs SystemdCgroup=false.
+# - swap may be on: failSwapOn false.
+# - containerd 1.6 reports image-filesystem capacity 0, and the kubelet's default eviction
+#   thresholds then see DiskPressure and taint the node: evictionHard is set low, every signal.
+# - CAP_SYS_RESOURCE is withheld: runc fails ("can't get final child's PID from pipe: EOF") when
+#   a bundle lowers oom_score_adj (the CRI gives the sandbox -998, a Guaranteed pod's container
+#   -997). containerd's restrict_oom_score_adj keeps every score at or above containerd's own
+#   (0 here): BestEffort and Burstable pods keep the kubelet's scores, Guaranteed ones get 0.
+#   (The CRI sets no rlimits: pods inherit containerd's, so none needs raising.)
+# - a kubelet refuses a loopback node IP: each node's InternalIP is its bridge's gateway address
+#   (10.214.K.1, made at `up`, reachable from this host only), where its kubelet listens.
+# - the apiserver reaches a kubelet (kubectl logs/exec) at that InternalIP rather than at the
+#   node's name, which does not resolve, with a client certificate the kubelet's webhook
+#   authorization accepts: nodes_apiserver_args.
+# -------------------------------------------------------------------------------------------------
+
+NODES_PAUSE="localhost/ftjob-pause:1"
+NODES_NET_LOCK="${TMPDIR:-/tmp}/ftjob-nodes-net.lock"
+export PATH="$PATH:/usr/sbin:/sbin"
+
+# The apiserver's flags for real nodes (see the header), appended to k8s.sh's APISERVER_ARGS.
+nodes_apiserver_args() {
+  APISERVER_ARGS+=(--kubelet-preferred-address-types=InternalIP
+    "--kubelet-client-certificate=$DIR/pki/admin.crt" "--kubelet-client-key=$DIR/pki/admin.key")
+}
+
+nodes_built() { [[ -x "$BIN/kubelet" && -s "$CACHE/pause.tar" ]]; }
+
+nodes_kubelet_module() {
+  printf 'module ftjob.dev/kubelet\n\ngo %s\n\nrequire k8s.io/kubernetes v%s\n\n' \
+    "$GO_DIRECTIVE" "$KUBE_VERSION"
+  for m in "${STAGING[@]}"; do echo "replace k8s.io/$m => k8s.io/$m v$STAGING_VERSION"; done
+  printf '\ntool k8s.io/kubernetes/cmd/kubelet\n'
+}
+
+# A module of its own beside the plane's (whose go.sum lacks the kubelet's extra modules), with
+# the same requirement and replaces: the same versions of everything the two share.
+nodes_build_kubelet() {
+  local src="$CACHE/src/kubelet" v="k8s.io/component-base/version"
+  mkdir -p "$src" && nodes_kubelet_module >"$src/go.mod"
+  (cd "$src" && go mod tidy)
+  local flags="-s -w -X $v.gitVersion=v$KUBE_VERSION -X $v.gitMajor=${KUBE_VERSION%%.*}"
+  flags+=" -X $v.gitMinor=$(echo "$KUBE_VERSION" | cut -d. -f2) -X $v.gitTreeState=clean"
+  flags+=" -X $v.buildDate=1970-01-01T00:00:00Z"
+  (cd "$src" && go build -trimpath -ldflags "$flags" -o "$BIN/" k8s.io/kubernetes/cmd/kubelet)
+}
+
+# The sandbox image: what Kubernetes' pause does (sleep until a signal, reap orphans), in Go,
+# static, in an image from scratch, saved as an archive that `ctr import` takes.
+nodes_build_pause() {
+  local src="$CACHE/src/pause"
+  mkdir -p "$src"
+  printf 'module ftjob.dev/pause\n\ngo %s\n' "$GO_DIRECTIVE" >"$src/go.mod"
+  cat >"$src/main.go" <<'EOF'
+package main
+
+import (
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+func main() {
+	sig := make(chan os.Signal, 8)
+	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM, syscall.SIGCHLD)
+	for s := range sig {
+		if s != syscall.SIGCHLD {
+			os.Exit(0)
+		}
+		for { // reap every exited orphan
+			if pid, _ := syscall.Wait4(-1, nil, syscall.WNOHANG, nil); pid <= 0 {
+				break
+			}
+		}
+	}
+}
+EOF
+  printf 'FROM scratch\nCOPY pause /pause\nENTRYPOINT ["/pause"]\n' >"$src/Containerfile"
+  (cd "$src" && CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o pause .)
+  podman build -q -t "$NODES_PAUSE" "$src" >/dev/null
+  podman save "$NODES_PAUSE" >"$CACHE/pause.tar.new" && mv "$CACHE/pause.tar.new" "$CACHE/pause.tar"
+}
+
+nodes_build() {
+  if nodes_built; then echo "nodes.sh: cached in $BIN"; return; fi
+  command -v go >/dev/null || die "go is not installed (it builds the kubelet)"
+  command -v podman >/dev/null || die "podman is not installed (scripts/podman-host.sh)"
+  [[ -x "$BIN/kubelet" ]] || nodes_build_kubelet
+  nodes_build_pause
+  nodes_built || die "the nodes' build left no kubelet or pause image in $BIN"
+  echo "nodes.sh: built kubelet and the pause image into $CACHE"
+}
+
+# ------------------------------------------------------------------------------------ up
+
+# nodes_containerd_config NODEDIR
+nodes_containerd_config() {
+  local d=$1
+  cat <<EOF
+version = 2
+root = "$d/containerd/root"
+state = "$d/containerd/state"
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
+  "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs"]
+[grpc]
+  address = "$d/containerd.sock"
+[ttrpc]
+  address = "$d/containerd.sock.ttrpc"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "$d/containerd/opt"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "$NODES_PAUSE"
+  restrict_oom_score_adj = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "$d/cni"
+EOF
+}
+
+# nodes_cni NODEDIR SUBNET BRIDGE: a bridge with the node's /24, no masquerade (no iptables).
+nodes_cni() {
+  cat <<EOF
+{"cniVersion": "1.0.0", "name": "$3", "plugins": [
+  {"type": "bridge", "bridge": "$3", "isGateway": true, "ipMasq": false, "hairpinMode": true,
+   "ipam": {"type": "host-local", "ranges": [[{"subnet": "$2"}]], "dataDir": "$1/ipam"}},
+  {"type": "loopback"}]}
+EOF
+}
+
+# nodes_kubelet_config NODEDIR NAME PORT HEALTHZ IP
+nodes_kubelet_config() {
+  cat <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: $5
+port: $3
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: $4
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+  x509: {clientCAFile: $DIR/pki/ca.crt}
+authorization: {mode: Webhook}
+tlsCertFile: $DIR/pki/$2.crt
+tlsPrivateKeyFile: $DIR/pki/$2.key
+containerRuntimeEndpoint: unix://$1/containerd.sock
+cgroupDriver: cgroupfs
+cgroupRoot: /$(nodes_cgroup "$2")
+failCgroupV1: false
+failSwapOn: false
+podLogsDir: $1/pod-logs
+volumePluginDir: $1/volume-plugins
+registerNode: true
+evictionHard: {memory.available: 50Mi, nodefs.available: 1%, nodefs.inodesFree: 1%,
+  imagefs.available: 1%, imagefs.inodesFree: 1%}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+serializeImagePulls: false
+EOF
+}
+
+# A cgroup name unique to this plane and node (two planes on one machine never share one).
+nodes_cgroup() { echo "ftjob-$(echo "$DIR" | md5sum | cut -c1-8)-$1"; }
+
+# nodes_subnet: a 10.214.K.0/24 no route of this machine uses yet (under a lock: two planes
+# starting at once take different ones); prints "K".
+nodes_free_subnet() {
+  local k
+  for k in $(seq 0 255); do
+    ip route | grep -q "^10\.214\.$k\.0/24 " && continue
+    grep -qs "^10.214.$k$" "${TMPDIR:-/tmp}"/ftjob-nodes-net.taken && continue
+    echo "10.214.$k" >>"${TMPDIR:-/tmp}/ftjob-nodes-net.taken"
+    echo "$k"
+    return
+  done
+  die "no free 10.214.K.0/24 for a node's pods"
+}
+
+# nodes_import NODEDIR: the pause image and the test images into the node's containerd.
+nodes_import() {
+  local ctr=(ctr -a "$1/containerd.sock" -n k8s.io) ref
+  "${ctr[@]}" images import "$CACHE/pause.tar" >/dev/null
+  for ref in "${NODE_IMAGES[@]}"; do
+    podman image exists "$ref" || die "image $ref is not in podman (bash scripts/images.sh)"
+    podman save "$ref" | "${ctr[@]}" images import - >/dev/null
+  done
+}
+
+nodes_start_one() {
+  local name=$1 d="$DIR/nodes/$1" k port healthz ctl
+  mkdir -p "$d/cni" "$d/pod-logs" "$d/kubelet" "$d/volume-plugins"
+  k=$(flock "$NODES_NET_LOCK" bash -c "$(declare -f nodes_free_subnet die); nodes_free_subnet")
+  echo "$k" >"$d/subnet"
+  nodes_cni "$d" "10.214.$k.0/24" "ftjn$k" >"$d/cni/10-ftjob.conflist"
+  # The bridge now, not at the first pod: its gateway address is the node's InternalIP, where
+  # the kubelet listens (a kubelet refuses a loopback node IP), reachable from this host only.
+  ip link add "ftjn$k" type bridge && ip addr add "10.214.$k.1/24" dev "ftjn$k" &&
+    ip link set "ftjn$k" up || die "cannot make bridge ftjn$k (needs root)"
+  nodes_containerd_config "$d" >"$d/containerd.toml"
+  start "containerd" containerd --config "$d/containerd.toml"
+  for _ in $(seq 300); do [[ -S "$d/containerd.sock" ]] && break; sleep 0.1; done
+  ctr -a "$d/containerd.sock" version >/dev/null || die "containerd of $name did not start"
+  nodes_import "$d"
+  # The node's identity: the Node authorizer gives system:node:NAME what a kubelet needs.
+  cert "$name" "/O=system:nodes/CN=system:node:$name" \
+    "subjectAltName=IP:10.214.$k.1,DNS:$name"$'\n'"extendedKeyUsage=clientAuth,serverAuth"
+  kubeconfig "$name" "$name"
+  # The kubelet wants its cgroup root to exist in every v1 hierarchy.
+  for ctl in /sys/fs/cgroup/*/; do
+    [[ -e "$ctl/cgroup.procs" ]] && mkdir -p "$ctl$(nodes_cgroup "$name")"
+  done
+  port=$(free_port) healthz=$(free_port)
+  nodes_kubelet_config "$d" "$name" "$port" "$healthz" "10.214.$k.1" >"$d/kubelet.yaml"
+  start kubelet "$BIN/kubelet" --config "$d/kubelet.yaml" --kubeconfig "$DIR/$name.kubeconfig" \
+    --root-dir "$d/kubelet" --cert-dir "$d/kubelet/pki" --hostname-override "$name" \
+    --node-ip "10.214.$k.1" --node-labels "ftjob.dev/real-node=true"
+  wait_healthy kubelet "http://127.0.0.1:$healthz/healthz"
+}
+
+nodes_up() {
+  local n=$1 i
+  nodes_built || die "no kubelet in $BIN: run 'scripts/k8s.sh build --nodes' first"
+  command -v containerd >/dev/null || die "containerd is not installed (scripts/podman-host.sh)"
+  if [[ ${#NODE_IMAGES[@]} -eq 0 ]]; then
+    NODE_IMAGES=("localhost/ftjob-operator:${FTJOB_IMAGE_TAG:-dev}"
+      "localhost/ftjob-trainer:${FTJOB_IMAGE_TAG:-dev}")
+  fi
+  for ((i = 0; i < n; i++)); do nodes_start_one "real-node-$i"; done
+  for ((i = 0; i < n; i++)); do
+    # `kubectl wait` fails at once on a Node not registered yet: wait for the object first.
+    for _ in $(seq 600); do
+      kubectl_ get "node/real-node-$i" >/dev/null 2>&1 && break
+      sleep 0.1
+    done
+    kubectl_ wait --for=condition=Ready "node/real-node-$i" --timeout=120s >/dev/null ||
+      die "real-node-$i is not Ready: $DIR/logs/kubelet.log"
+  done
+}
+
+# ------------------------------------------------------------------------------------ down
+
+# nodes_clear NODEDIR: every container of the node's containerd killed and deleted (their shims
+# exit), the network namespaces the sandboxes had unmounted and removed (their veths go too).
+nodes_clear() {
+  local d=$1 c ns
+  local ctr=(ctr -a "$d/containerd.sock" -n k8s.io)
+  [[ -S "$d/containerd.sock" ]] || return 0
+  # Each step may find its work done already (a task that exited): none is an error.
+  for c in $("${ctr[@]}" containers list -q 2>/dev/null || true); do
+    ns=$("${ctr[@]}" containers info "$c" 2>/dev/null | python3 -c '
+import json, sys
+spec = json.load(sys.stdin).get("Spec") or {}
+for n in spec.get("linux", {}).get("namespaces", []):
+    if n.get("type") == "network" and n.get("path"):
+        print(n["path"])' 2>/dev/null || true)
+    "${ctr[@]}" tasks kill -s KILL "$c" >/dev/null 2>&1 || true
+    for _ in $(seq 50); do
+      "${ctr[@]}" tasks delete "$c" >/dev/null 2>&1 && break
+      "${ctr[@]}" tasks list -q 2>/dev/null | grep -qx "$c" || break
+      sleep 0.1
+    done
+    "${ctr[@]}" containers delete "$c" >/dev/null 2>&1 || true
+    # A sandbox's is a file containerd made (/var/run/netns/cni-...); a container's is the
+    # sandbox process's (/proc/PID/ns/net), which goes with it.
+    if [[ "$ns" == */netns/cni-* && -e "$ns" ]]; then
+      umount "$ns" 2>/dev/null || true
+      rm -f "$ns"
+    fi
+  done
+}
+
+# nodes_down DIR: after the processes are stopped (k8s.sh down): mounts, bridges, cgroups.
+nodes_down_rest() {
+  local dir=$1 d k m ctl cg
+  for d in "$dir"/nodes/*/; do
+    [[ -d "$d" ]] || continue
+    # Mounts under the node's folders (snapshots, shm, projected volumes), deepest first.
+    for m in $(awk '{print $5}' /proc/self/mountinfo | grep "^${d%/}/" | sort -r); do
+      umount "$m" 2>/dev/null || umount -l "$m"
+    done
+    # containerd's root and state (~1 GB a node with the operator image): `up` imports again.
+    grep -q " ${d%/}/" /proc/self/mountinfo || rm -rf "$d/containerd"
+    if [[ -s "$d/subnet" ]]; then
+      k=$(cat "$d/subnet")
+      ip link delete "ftjn$k" 2>/dev/null || true
+      flock "$NODES_NET_LOCK" sed -i "/^10\.214\.$k$/d" "${TMPDIR:-/tmp}/ftjob-nodes-net.taken"
+      rm -f "$d/subnet"
+    fi
+    cg=$(DIR=$dir nodes_cgroup "$(basename "$d")")
+    for ctl in /sys/fs/cgroup/*/; do
+      [[ -d "$ctl$cg" ]] && find "$ctl$cg" -depth -type d -exec rmdir {} + 2>/dev/null
+    done
+  done
+  return 0
+}
