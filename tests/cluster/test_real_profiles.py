@@ -163,7 +163,7 @@ def test_two_namespaces_take_their_own_default_profile(operator):
     # What the pods have run, priced at the profile's H100 rate, and in kubectl get -o wide.
     spent = plane.wait(
         lambda: (status_of(plane, "tiny", "ns-a").get("cost") or {}).get("amount"),
-        30,
+        hangs.after(30),
         "a cost in status",
     )
     cost = status_of(plane, "tiny", "ns-a")["cost"]
@@ -199,7 +199,9 @@ def test_what_the_door_cannot_see_the_operator_refuses_before_any_pod(operator):
     # profile, and the merge finds no volume on either side.
     plane.apply(job("novolume", "ns-a", profile="team-c"))
     failure = plane.wait(
-        lambda: status_of(plane, "novolume", "ns-a").get("failure"), 30, "the job to be refused"
+        lambda: status_of(plane, "novolume", "ns-a").get("failure"),
+        hangs.after(30),
+        "the job to be refused",
     )
     assert failure["reason"] == "OverLimit"
     assert (
@@ -240,7 +242,7 @@ def test_a_profile_edited_while_a_job_runs_reaches_only_the_next_gang(operator):
             == 2
             and c
         ),
-        30,
+        hangs.after(30),
         "both attempts' GPU time",
     )
     assert cost["attempts"][0]["gpuSeconds"] > 0
