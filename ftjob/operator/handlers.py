@@ -31,8 +31,8 @@ from aiohttp import web
 
 from ftjob.api.schema import SpecError
 from ftjob.api.spec import GROUP, PLURAL, VERSION, FineTuneJobSpec, TrackingSpec
-from ftjob.operator import admit, lifecycle, metrics, queueing, render, status
-from ftjob.operator.kube import Gone, Kube, Refused, error_text
+from ftjob.operator import admit, lifecycle, metrics, queueing, render, startup, status
+from ftjob.operator.kube import ApiException, Gone, Kube, Refused, Unreachable, error_text
 
 POD_SELECTOR = {"app.kubernetes.io/managed-by": render.MANAGER}
 # The operator's own log: one line per decision, naming the job (kopf's per-event lines are
@@ -124,7 +124,7 @@ def kube() -> Kube:
 
 
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, **_) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     global _slots, SETTINGS
     SETTINGS = Settings.from_env()
     _slots = asyncio.Semaphore(SETTINGS.concurrency)  # in the operator's own event loop
@@ -138,13 +138,36 @@ async def configure(settings: kopf.OperatorSettings, **_) -> None:
     # The daemons' finalizer (it lets kopf stop a job's daemon before the job is gone).
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.watching.server_timeout = 300  # re-list now and then: watches can drop silently
-    port = SETTINGS.metrics_port
-    if port:
-        app = web.Application()
-        app.router.add_get("/metrics", _serve_metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
+    await _check_access(memo.get("namespaces") or [])
+    if SETTINGS.metrics_port:
+        await _serve_metrics_on(SETTINGS.metrics_port)
+
+
+async def _check_access(namespaces: list[str]) -> None:
+    """The API server answers and lets us do what a job needs, or the operator ends saying
+    which (:mod:`ftjob.operator.startup`): never a start-up that kopf retries every minute."""
+    try:
+        refused = await asyncio.to_thread(startup.missing, kube().may, namespaces)
+    except Unreachable as e:
+        raise startup.unreachable_error(e) from None
+    except ApiException as e:  # 401: a token the server does not take
+        raise startup.StartupError(
+            f"the API server refused the operator's access review: {error_text(e)}"
+        ) from None
+    if refused:
+        raise startup.permissions_error(refused, "the operator's credentials")
+
+
+async def _serve_metrics_on(port: int) -> None:
+    app = web.Application()
+    app.router.add_get("/metrics", _serve_metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
         await web.TCPSite(runner, "0.0.0.0", port).start()
+    except OSError as e:  # taken by another process (EADDRINUSE), or a privileged port
+        await runner.cleanup()
+        raise startup.port_error(port, e) from None
 
 
 @kopf.index("pods", labels=POD_SELECTOR)
