@@ -1,7 +1,8 @@
-"""python -m bench [--suite NAME ...] [--quick] [--json PATH] [--no-results-md]
+"""python -m bench [--suite NAME ...] [--quick] [--jobs N] [--json PATH] [--no-results-md]
 
-Runs the suites (default: every CPU suite, plus `gpu` where CUDA is available), writes
-bench/results/<time>.json (or --json PATH) and appends the table to bench/RESULTS.md.
+Runs the suites (default: every CPU suite, plus `gpu` where CUDA is available; `fleet`, a
+real control plane with N jobs, only when named), writes bench/results/<time>.json (or
+--json PATH) and appends the table to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ CPU_SUITES = [
     "grpo",
     "startup",
 ]
-ALL_SUITES = [*CPU_SUITES, "gpu"]
+ALL_SUITES = [*CPU_SUITES, "gpu", "fleet"]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     p.add_argument("--suite", action="append", choices=ALL_SUITES, help="repeatable")
     p.add_argument("--quick", action="store_true", help="smaller models and fewer jobs")
+    p.add_argument("--jobs", type=int, help="FineTuneJobs of the fleet suite (default 1000)")
     p.add_argument("--json", type=Path, help="where the JSON goes (default bench/results/)")
     p.add_argument("--no-results-md", action="store_true", help="do not append to RESULTS.md")
     p.add_argument("--workdir", type=Path, help="keep models and runs here (default: a temp dir)")
@@ -64,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "gpu" and not module.available():
                     results["suites"][name] = {"skipped": "no CUDA device", "rows": []}
                     continue
-                results["suites"][name] = module.run(work, a.quick)
+                sized = {"jobs": a.jobs} if name == "fleet" else {}
+                results["suites"][name] = module.run(work, a.quick, **sized)
             except Exception as e:  # noqa: BLE001 - one failed suite must not lose the others
                 traceback.print_exc()
                 results["suites"][name] = {"error": f"{type(e).__name__}: {e}"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import random
@@ -84,17 +85,42 @@ def run(args: argparse.Namespace) -> int:
         # kopf pauses every replica that ties for the highest priority, so identical replicas
         # of one Deployment would all stand still; a random priority makes one of them lead.
         priority = random.SystemRandom().randint(1, 2**31 - 1)
-    asyncio.run(
-        kopf.operator(
-            clusterwide=args.all_namespaces,
-            namespaces=args.namespace,
-            liveness_endpoint=args.liveness or None,
-            standalone=args.standalone,
-            peering_name=args.peering,
-            priority=priority,
+    try:
+        asyncio.run(
+            kopf.operator(
+                clusterwide=args.all_namespaces,
+                namespaces=args.namespace,
+                liveness_endpoint=args.liveness or None,
+                standalone=args.standalone,
+                peering_name=args.peering,
+                priority=priority,
+                # The start-up handler checks access where the operator will act.
+                memo=kopf.Memo(namespaces=[] if args.all_namespaces else args.namespace),
+            )
         )
-    )
+    except Exception as e:  # noqa: BLE001 - the cause, said once, is the exit status's reason
+        cause = _startup_cause(e)
+        if cause is None:
+            raise
+        raise SystemExit(f"ftjob operator: cannot start: {cause}") from None
     return 0
+
+
+def _startup_cause(error: BaseException | None) -> str | None:
+    """The line that says why the operator could not start: a :class:`StartupError` that kopf
+    wraps (in its ActivityError), or a port kopf's liveness endpoint could not take."""
+    from ftjob.operator.startup import StartupError
+
+    while error is not None:
+        if isinstance(error, StartupError):
+            return str(error)
+        if isinstance(error, OSError) and error.errno == errno.EADDRINUSE:
+            return (
+                f"the liveness endpoint's port is taken ({error.strerror}): free it, or "
+                "choose another with --liveness (the chart's operator.healthPort)"
+            )
+        error = error.__cause__ or error.__context__
+    return None
 
 
 KOPF_PEERING_LOGGER = "kopf._core.engines.peering"

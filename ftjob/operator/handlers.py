@@ -2,11 +2,12 @@
 
 One daemon per FineTuneJob reconciles it whenever one of its pods changes (a kopf index
 holds the pods; a pod event wakes the job's daemon), when its spec changes or it is being
-deleted (a job event wakes it), when rank 0's progress changed (polled on its own timer
-every ``FTJOB_PROGRESS_SECONDS``), when a deadline the decision asked for comes due, and at
-least every ``FTJOB_RESYNC_SECONDS``. Status is written *before* pods are created or
-deleted, so a crash between the two repeats the same step instead of counting a restart
-twice. At most ``FTJOB_RECONCILE_CONCURRENCY`` reconciles run at once.
+deleted (a job event wakes it), when rank 0's progress changed (one timer polls every
+running job's rank 0 every ``FTJOB_PROGRESS_SECONDS``: no task per job), when a deadline
+the decision asked for comes due, and at least every ``FTJOB_RESYNC_SECONDS``. Status is
+written *before* pods are created or deleted, so a crash between the two repeats the same
+step instead of counting a restart twice. At most ``FTJOB_RECONCILE_CONCURRENCY``
+reconciles run at once.
 
 A daemon serves one object, the UID it was started for, not a name: every status write is
 a JSON patch that tests that UID, children carry it as owner, and once the object is gone
@@ -22,17 +23,27 @@ import json
 import logging
 import os
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+import aiohttp
 import kopf
 from aiohttp import web
 
 from ftjob.api.schema import SpecError
 from ftjob.api.spec import GROUP, PLURAL, VERSION, FineTuneJobSpec, TrackingSpec
-from ftjob.operator import admit, cost, lifecycle, metrics, profiles, queueing, render, status
-from ftjob.operator.kube import Gone, Kube, Refused, error_text
+from ftjob.operator import (
+    admit,
+    cost,
+    lifecycle,
+    metrics,
+    profiles,
+    queueing,
+    render,
+    startup,
+    status,
+)
+from ftjob.operator.kube import ApiException, Gone, Kube, Refused, Unreachable, error_text
 
 POD_SELECTOR = {"app.kubernetes.io/managed-by": render.MANAGER}
 # The operator's own log: one line per decision, naming the job (kopf's per-event lines are
@@ -73,16 +84,6 @@ class Settings:
 
 
 @dataclass
-class Watch:
-    """What the handlers share with one running daemon."""
-
-    uid: str
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    generation: int | None = None  # the spec generation last reconciled
-    gone: bool = False
-
-
-@dataclass
 class JobState:
     """What one job's daemon remembers from one reconcile to the next."""
 
@@ -91,6 +92,19 @@ class JobState:
     snapshot: tuple[int | None, dict] | None = None  # rank 0's progress, with its gang's attempt
     port: int | None = None  # where rank 0 serves progress, once the spec parsed
     attempt: int | None = None  # the current gang's
+
+
+@dataclass
+class Watch:
+    """What the handlers and the progress timer share with one running daemon."""
+
+    uid: str
+    namespace: str
+    name: str
+    state: JobState = field(default_factory=JobState)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    generation: int | None = None  # the spec generation last reconciled
+    gone: bool = False
 
 
 @dataclass
@@ -115,6 +129,9 @@ LATEST: dict[tuple[str, str], Watch] = {}  # by (namespace, name): the newest ob
 SETTINGS = Settings()
 _kube: Kube | None = None
 _slots: asyncio.Semaphore | None = None
+_loops: set[asyncio.Task] = set()  # the operator's own loops (asyncio holds tasks weakly)
+# Rank 0 fetches in flight at once (each waits at most 2 s for a pod that does not answer).
+PROGRESS_FETCHES = 32
 
 
 def kube() -> Kube:
@@ -125,7 +142,9 @@ def kube() -> Kube:
 
 
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, **_) -> None:
+async def configure(
+    settings: kopf.OperatorSettings, memo: kopf.Memo, job_pods: kopf.Index, **_
+) -> None:
     global _slots, SETTINGS
     SETTINGS = Settings.from_env()
     _slots = asyncio.Semaphore(SETTINGS.concurrency)  # in the operator's own event loop
@@ -139,13 +158,37 @@ async def configure(settings: kopf.OperatorSettings, **_) -> None:
     # The daemons' finalizer (it lets kopf stop a job's daemon before the job is gone).
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.watching.server_timeout = 300  # re-list now and then: watches can drop silently
-    port = SETTINGS.metrics_port
-    if port:
-        app = web.Application()
-        app.router.add_get("/metrics", _serve_metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
+    await _check_access(memo.get("namespaces") or [])
+    if SETTINGS.metrics_port:
+        await _serve_metrics_on(SETTINGS.metrics_port)
+    _loops.add(asyncio.create_task(_poll_progress(job_pods)))
+
+
+async def _check_access(namespaces: list[str]) -> None:
+    """The API server answers and lets us do what a job needs, or the operator ends saying
+    which (:mod:`ftjob.operator.startup`): never a start-up that kopf retries every minute."""
+    try:
+        refused = await asyncio.to_thread(startup.missing, kube().may, namespaces)
+    except Unreachable as e:
+        raise startup.unreachable_error(e) from None
+    except ApiException as e:  # 401: a token the server does not take
+        raise startup.StartupError(
+            f"the API server refused the operator's access review: {error_text(e)}"
+        ) from None
+    if refused:
+        raise startup.permissions_error(refused, "the operator's credentials")
+
+
+async def _serve_metrics_on(port: int) -> None:
+    app = web.Application()
+    app.router.add_get("/metrics", _serve_metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
         await web.TCPSite(runner, "0.0.0.0", port).start()
+    except OSError as e:  # taken by another process (EADDRINUSE), or a privileged port
+        await runner.cleanup()
+        raise startup.port_error(port, e) from None
 
 
 @kopf.index("pods", labels=POD_SELECTOR)
@@ -184,9 +227,8 @@ def job_changed(type, body, **_) -> None:  # noqa: A002 - kopf's argument name
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0)
 async def job_daemon(name, namespace, body, stopped, job_pods: kopf.Index, logger, **_) -> None:
     uid = body["metadata"]["uid"]
-    watch = WATCHES[uid] = LATEST[(namespace, name)] = Watch(uid)
-    state = JobState()
-    poller = asyncio.create_task(_poll_progress(namespace, name, job_pods, state, watch))
+    watch = WATCHES[uid] = LATEST[(namespace, name)] = Watch(uid, namespace, name)
+    state = watch.state
     try:
         while not stopped and not watch.gone:
             watch.wake.clear()
@@ -206,7 +248,6 @@ async def job_daemon(name, namespace, body, stopped, job_pods: kopf.Index, logge
         if watch.gone:
             LOG.info(f"stopping: {namespace}/{name} (object {uid}) was deleted")
     finally:
-        poller.cancel()
         WATCHES.pop(uid, None)
         if LATEST.get((namespace, name)) is watch:
             del LATEST[(namespace, name)]
@@ -434,41 +475,47 @@ def _own_pods(job_pods, namespace: str, name: str, uid: str) -> list[dict]:
     return [p for p in pods if any(r.get("uid") == uid for r in p["metadata"]["ownerReferences"])]
 
 
-async def _poll_progress(namespace, name, job_pods, state: JobState, watch: Watch) -> None:
-    """Rank 0's snapshot every ``progress_every`` seconds while it runs; a new one wakes the
-    reconcile (progress is not a Kubernetes event, so no watch would). It is held with the
-    attempt of the pod that served it: a fetch that ends after a new gang started holds the
-    old gang's, which :func:`lifecycle.gang_snapshot` then keeps from the decision."""
-    while True:
-        await asyncio.sleep(SETTINGS.progress_every)
-        pods = _own_pods(job_pods, namespace, name, watch.uid)
-        # The current gang's rank 0 only: a pod of the gang being replaced reports another
-        # gang's restarts in place.
-        rank0 = next(
-            (
-                p
-                for p in pods
-                if status.rank_of(p) == 0
-                and status.attempt_of(p) == state.attempt
-                and not p["metadata"].get("deletionTimestamp")
-            ),
-            None,
-        )
-        ip = (rank0 or {}).get("status", {}).get("podIP")
-        if not ip or rank0["status"].get("phase") != "Running" or not state.port:
-            continue
-        # Not serving yet (still loading) or gone: keep the last snapshot.
-        with contextlib.suppress(OSError, ValueError):
-            snapshot = await asyncio.to_thread(_get_json, f"http://{ip}:{state.port}/progress")
-            held = (status.attempt_of(rank0), snapshot)
-            if held != state.snapshot:
-                state.snapshot = held
-                watch.wake.set()
+async def _poll_progress(job_pods) -> None:
+    """One timer for every job: each running gang's rank 0 snapshot every ``progress_every``
+    seconds; a new one wakes that job's reconcile (progress is not a Kubernetes event, so no
+    watch would). A snapshot is held with the attempt of the pod that served it: a fetch that
+    ends after a new gang started holds the old gang's, which :func:`lifecycle.gang_snapshot`
+    then keeps from the decision."""
+    fetches = asyncio.Semaphore(PROGRESS_FETCHES)
+    timeout = aiohttp.ClientTimeout(total=2)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while True:
+            await asyncio.sleep(SETTINGS.progress_every)
+            due = [(w, *at) for w in list(WATCHES.values()) if (at := _rank0(job_pods, w))]
+            await asyncio.gather(*(_fetch(session, fetches, *d) for d in due))
 
 
-def _get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=2) as response:
-        return json.loads(response.read())
+def _rank0(job_pods, watch: Watch) -> tuple[int | None, str] | None:
+    """(attempt, URL) of the current gang's rank 0 while it runs; None otherwise. The current
+    gang's only: a pod of the gang being replaced reports another gang's restarts in place."""
+    state = watch.state
+    for pod in _own_pods(job_pods, watch.namespace, watch.name, watch.uid):
+        if (
+            status.rank_of(pod) == 0
+            and status.attempt_of(pod) == state.attempt
+            and not pod["metadata"].get("deletionTimestamp")
+            and pod.get("status", {}).get("phase") == "Running"
+            and pod["status"].get("podIP")
+            and state.port
+        ):
+            return status.attempt_of(pod), f"http://{pod['status']['podIP']}:{state.port}/progress"
+    return None
+
+
+async def _fetch(session, fetches: asyncio.Semaphore, watch: Watch, attempt, url: str) -> None:
+    # Not serving yet (still loading) or gone: keep the last snapshot.
+    with contextlib.suppress(OSError, ValueError, asyncio.TimeoutError, aiohttp.ClientError):
+        async with fetches, session.get(url) as response:
+            snapshot = await response.json(content_type=None)
+        held = (attempt, snapshot)
+        if held != watch.state.snapshot:
+            watch.state.snapshot = held
+            watch.wake.set()
 
 
 async def _serve_metrics(request: web.Request) -> web.Response:

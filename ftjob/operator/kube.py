@@ -12,6 +12,7 @@ import json
 import os
 from typing import Any
 
+import urllib3
 from kubernetes import client, config
 
 from ftjob.api.profile import PLURAL as PROFILES
@@ -19,6 +20,7 @@ from ftjob.api.spec import GROUP, PLURAL, VERSION
 from ftjob.operator import metrics
 
 FIELD_MANAGER = "ftjob-operator"
+ApiException = client.ApiException  # for callers: only this module imports kubernetes
 _KINDS = {"Pod": "pod", "Service": "service", "ConfigMap": "config_map"}
 
 
@@ -33,6 +35,10 @@ class Refused(Exception):
     gets the same answer until the namespace or the cluster changes."""
 
 
+class Unreachable(Exception):
+    """No API server answers where the kubeconfig (or the pod's service account) points."""
+
+
 class Kube:
     def __init__(self, api: client.ApiClient | None = None):
         if api is None:
@@ -43,6 +49,34 @@ class Kube:
             api = client.ApiClient()
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        # SelfSubjectAccessReview: every authenticated user may ask (system:basic-user), so
+        # it needs no rule of the chart's.
+        self.auth = client.AuthorizationV1Api(api)
+
+    def may(self, group: str, resource: str, verb: str, namespace: str) -> bool:
+        """Whether the API server's authorizer lets this client ``verb`` ``resource``
+        (``plural`` or ``plural/subresource``) in ``namespace`` ("": every namespace).
+        Raises :class:`Unreachable` when no API server answers."""
+        plural, _, sub = resource.partition("/")
+        attrs = client.V1ResourceAttributes(
+            group=group, resource=plural, subresource=sub or None, verb=verb,
+            namespace=namespace or None,
+        )  # fmt: skip
+        review = client.V1SelfSubjectAccessReview(
+            spec=client.V1SelfSubjectAccessReviewSpec(resource_attributes=attrs)
+        )
+        try:
+            # One try, a short wait: a start-up that cannot reach the server says so now.
+            answer = self.auth.create_self_subject_access_review(
+                review, _request_timeout=10, _preload_content=False
+            )
+        except urllib3.exceptions.HTTPError as e:
+            host = self.auth.api_client.configuration.host
+            # urllib3's own words end its message ("... [Errno 111] Connection refused").
+            reason = e.reason if isinstance(e, urllib3.exceptions.MaxRetryError) else e
+            why = str(reason).rpartition("): ")[2]
+            raise Unreachable(f"no API server answers at {host} ({why})") from e
+        return bool(json.loads(answer.data).get("status", {}).get("allowed"))
 
     @metrics.timed("create")
     def create(self, obj: dict[str, Any]) -> bool:

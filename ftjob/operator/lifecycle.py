@@ -370,7 +370,6 @@ def _edited(s: _Step) -> Decision | None:
         return None
     old_attempt = s.attempt
     _next_gang(s)
-    s.delete_live(s.pods)
     message = (
         f"spec changed at generation {s.generation} ({changed}): attempt {old_attempt} never "
         f"ran, so it is replaced by attempt {s.attempt} made from the edited spec; no restart "
@@ -534,6 +533,10 @@ def _running(s: _Step) -> Decision:
     return s.set("Running", "AllPodsRunning", f"all {s.spec.resources.nodes} pods run", True)
 
 
+# A look again "now" (requeue_after): 0 would read as "no deadline" to the caller.
+AT_ONCE = 0.05
+
+
 def _gang_failed(s: _Step, failure: dict) -> Decision:
     """Restart the gang as attempt+1, or fail the job if that cannot help any more."""
     new, limit = s.new, s.spec.run_policy.backoff_limit
@@ -550,7 +553,6 @@ def _gang_failed(s: _Step, failure: dict) -> Decision:
     new["failure"] = failure
     new["restarts"] += 1
     _next_gang(s)
-    s.delete_live(s.pods)
     avoid = f"; avoiding node(s) {', '.join(bad_nodes(new))}" if new.get("badNodes") else ""
     message = (
         f"restarting the gang as attempt {new['attempt']} (restart {new['restarts']} of "
@@ -566,7 +568,6 @@ def _preempted(s: _Step, failure: dict) -> Decision:
     has a Kueue queue) resumes from the newest checkpoint."""
     s.new["failure"] = failure
     _next_gang(s)
-    s.delete_live(s.pods)
     queues = " queues for admission again," if s.spec.scheduling.queue else " starts,"
     message = (
         f"preempted: attempt {s.new['attempt']}{queues} no restart budget spent "
@@ -576,10 +577,15 @@ def _preempted(s: _Step, failure: dict) -> Decision:
 
 
 def _next_gang(s: _Step) -> None:
-    """The next attempt: a new gang, whose own restarts in place start at 0."""
+    """The next attempt: a new gang, whose own restarts in place start at 0, made once the
+    old gang's pods are gone. Their deletion events wake the next look; with no pod left
+    (all already gone, as after an operator restart) no event will come: look again now."""
     s.new["attempt"] += 1
     s.new.pop(WAITING_SINCE, None)
     s.new["attemptRestartsInPlace"] = 0
+    s.delete_live(s.pods)
+    if not s.pods:
+        s.decision.requeue_after = AT_ONCE
 
 
 def _keep_away(s: _Step, failure: dict) -> None:

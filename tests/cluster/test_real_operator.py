@@ -133,6 +133,7 @@ def test_a_gpu_job_is_reconciled_with_only_the_charts_token(operator):
     children = [*pods, plane.get("svc", "gpu", NAMESPACE), plane.get("cm", "gpu-spec", NAMESPACE)]
     for obj in children:
         assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
+        assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "ftjob-operator"
     # The real scheduler placed each pod on a kwok GPU node with room for its 8 GPUs.
     nodes = {p["spec"]["nodeName"] for p in pods}
     assert len(nodes) == 2 and all(n.startswith("gpu-node-") for n in nodes)
@@ -140,9 +141,17 @@ def test_a_gpu_job_is_reconciled_with_only_the_charts_token(operator):
         limits = p["spec"]["containers"][0]["resources"]["limits"]
         assert limits["nvidia.com/gpu"] == "8"
     assert job["metadata"]["finalizers"] == ["ftjob.dev/finalizer"]
-    plane.wait(
-        lambda: status_of(plane, "gpu").get("phase") == "Running", hangs.FLOOR, "phase Running"
+    status = plane.wait(
+        lambda: (s := status_of(plane, "gpu")).get("phase") == "Running" and s,
+        hangs.FLOOR,
+        "phase Running",
     )
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Running"]["status"] == "True"
+    assert conditions["Created"]["reason"] == "PodsCreated"
+    assert status["observedGeneration"] == 1 and status["attempt"] == 0 and status["startTime"]
+    # kopf's bookkeeping stays out of .status (annotations: handlers.configure).
+    assert not [key for key in status if "kopf" in key], status
     table = plane.kubectl("get", "ftj", "gpu", "-n", NAMESPACE).stdout
     assert "Running" in table.splitlines()[1], table
     wide = plane.kubectl("get", "ftj", "gpu", "-n", NAMESPACE, "-o", "wide").stdout
@@ -152,9 +161,12 @@ def test_a_gpu_job_is_reconciled_with_only_the_charts_token(operator):
 def test_a_failed_pod_replaces_the_gang_and_the_budget_fails_the_job(operator):
     plane = operator.plane
     plane.apply(gpu_job("oom", runPolicy={"backoffLimit": 1}))
-    gang_running(plane, "oom", 0)
+    first = gang_running(plane, "oom", 0)
     terminate(plane, "oom-node-1", 137, "OOMKilled")
-    gang_running(plane, "oom", 1)
+    second = gang_running(plane, "oom", 1)
+    # The new gang never rendezvouses with the old one.
+    rdzv = {rdzv_id(p) for p in first} | {rdzv_id(p) for p in second}
+    assert len(rdzv) == 2, rdzv
     status = status_of(plane, "oom")
     assert status["restarts"] == 1 and status["attempt"] == 1
     assert status["failure"]["reason"] == "OOMKilled" and status["failure"]["rank"] == 1
@@ -169,6 +181,11 @@ def test_a_failed_pod_replaces_the_gang_and_the_budget_fails_the_job(operator):
         e["reason"] for e in json.loads(events)["items"] if e["involvedObject"].get("name") == "oom"
     }
     assert "OOMKilled" in reasons
+
+
+def rdzv_id(pod: dict) -> str:
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    return env["PET_RDZV_ID"]
 
 
 def test_deleting_a_job_leaves_no_child(operator):
@@ -192,12 +209,14 @@ def test_deleting_a_job_leaves_no_child(operator):
 def test_the_operator_killed_mid_job_converges_after_restart(operator):
     plane = operator.plane
     plane.apply(gpu_job("survive", runPolicy={"backoffLimit": 2}))
-    gang_running(plane, "survive", 0)
+    first = {p["metadata"]["uid"] for p in gang_running(plane, "survive", 0)}
     operator.kill()
     terminate(plane, "survive-node-0", 137, "OOMKilled")
     operator.start()
-    gang_running(plane, "survive", 1)
-    assert status_of(plane, "survive")["restarts"] == 1
+    second = {p["metadata"]["uid"] for p in gang_running(plane, "survive", 1)}
+    assert not first & second
+    status = status_of(plane, "survive")
+    assert status["restarts"] == 1 and status["failure"]["reason"] == "OOMKilled"
 
 
 def can_i(plane: Plane, user: str) -> set[tuple[str, str]]:
@@ -396,6 +415,11 @@ def test_a_bad_records_event_names_the_file_and_line_on_one_line(operator, train
     event = plane.wait(lambda: events_of(plane, "bad", "BadData"), 60, "the BadData Event")[0]
     assert event["type"] == "Warning" and cause in event["message"], event["message"]
     assert "\n" not in event["message"]
+    # Bad input is not retried: no restart budget spent, no second gang.
+    status = plane.wait(
+        lambda: (s := status_of(plane, "bad")).get("phase") == "Failed" and s, 60, "Failed"
+    )
+    assert status["failure"]["reason"] == "BadData" and status["restarts"] == 0, status
     described = plane.kubectl("describe", "ftj", "bad", "-n", NAMESPACE).stdout
     lines = described.split("Events:")[1].splitlines()
     assert any("BadData" in line and cause in line for line in lines), described

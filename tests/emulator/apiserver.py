@@ -56,6 +56,7 @@ CORE = {  # plural: (kind, namespaced, subresources)
 }
 CRD_RESOURCE = ("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 EVENTS_V1 = ("events.k8s.io", "v1", "events")
+SELF_REVIEW = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"  # the operator's start-up
 
 
 @attrs.define(kw_only=True)
@@ -94,6 +95,10 @@ class ApiServer(kmock.KubernetesScaffold):
         one = re.fullmatch(r"/api/v1/namespaces/([^/]+)", raw_request.path.rstrip("/"))
         if one and raw_request.method == "GET":  # the operator reads its labels (profiles)
             return aiohttp.web.json_response(_namespace(one.group(1), str(self._last_rv())))
+        if raw_request.path == SELF_REVIEW and raw_request.method == "POST":
+            # No authorizer here (every request is allowed): say so, as AlwaysAllow would.
+            review = await raw_request.json()
+            return aiohttp.web.json_response(review | {"status": {"allowed": True}}, status=201)
         return await super().__call__(raw_request)
 
     async def _namespaces(self, raw_request) -> aiohttp.web.StreamResponse:

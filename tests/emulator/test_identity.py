@@ -72,9 +72,14 @@ def test_a_job_deleted_before_its_finalizer_and_recreated_is_run_for_the_new_uid
     cluster.wait(children_owned, FLOOR, f"the service and configmap of race owned by {new_uid}")
     status = wait_phase(cluster, "race", "Running")
     assert status["attempt"] == 0 and status["restarts"] == 0
-    # The old job's daemon stopped; nothing is written for the dead UID any more.
-    stops = [x for x in op.log.read_text().splitlines() if "stopping: default/race" in x]
-    assert len(stops) == 1 and old_uid in stops[0], stops
+
+    # The old job's daemon stopped (a line the operator writes when it does: wait for it);
+    # nothing is written for the dead UID any more.
+    def stops():
+        return [x for x in op.log.read_text().splitlines() if "stopping: default/race" in x]
+
+    cluster.wait(stops, FLOOR, "the old job's daemon to stop")
+    assert len(stops()) == 1 and old_uid in stops()[0], stops()
     time.sleep(2)
     leftovers = [o for plural in ("pods", "services", "configmaps") for o in cluster.list(plural)]
     assert not [o["metadata"]["name"] for o in leftovers if old_uid in owners(o)]

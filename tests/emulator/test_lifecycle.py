@@ -33,29 +33,12 @@ def env_of(pod: dict) -> dict:
     return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
 
 
-def test_a_new_job_gets_its_children_and_runs(cluster, operator):
-    job = cluster.create_job(tiny_job("run"))
-    pods = gang_running(cluster, "run", 0)
-    uid = job["metadata"]["uid"]
-    for obj in [*pods, cluster.get("services", "run"), cluster.get("configmaps", "run-spec")]:
-        assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
-        assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "ftjob-operator"
-    status = wait_phase(cluster, "run", "Running")
-    conditions = {c["type"]: c for c in status["conditions"]}
-    assert conditions["Running"]["status"] == "True"
-    assert conditions["Created"]["reason"] == "PodsCreated"
-    assert status["observedGeneration"] == 1 and status["attempt"] == 0 and status["startTime"]
-    cluster.wait(lambda: "AllPodsRunning" in events_of(cluster, "run"), FLOOR, "a Running event")
-    # kopf's bookkeeping stays out of .status, and its finalizer carries our name.
-    assert "kopf" not in job_status(cluster, "run")
-    assert cluster.get("finetunejobs", "run")["metadata"]["finalizers"] == ["ftjob.dev/finalizer"]
-
-
 @REAL_RUNS
-@pytest.mark.parametrize("scenario", ["succeeded", "already-trained"])
-def test_every_node_exiting_zero_succeeds(cluster, operator, trainer_runs, scenario):
-    run = trainer_runs.get(scenario)
-    name = f"ok-{scenario}"
+def test_a_job_whose_model_was_already_trained_succeeds(cluster, operator, trainer_runs):
+    """The real trainer's record when the export already existed (a fresh run's record is
+    tests/cluster/test_real_operator.py's, on the real control plane)."""
+    run = trainer_runs.get("already-trained")
+    name = "ok-already-trained"
     cluster.create_job(tiny_job(name))
     gang_running(cluster, name, 0)
     cluster.terminate(f"{name}-node-1", 0)
@@ -75,19 +58,6 @@ def test_exit_zero_without_an_exported_model_is_not_success(cluster, operator):
     assert status["restarts"] == 0
 
 
-def test_a_failed_pod_replaces_the_whole_gang(cluster, operator):
-    cluster.create_job(tiny_job("oom", runPolicy={"backoffLimit": 2}))
-    first = gang_running(cluster, "oom", 0)
-    cluster.terminate("oom-node-1", 137, "OOMKilled")
-    second = gang_running(cluster, "oom", 1)
-    status = job_status(cluster, "oom")
-    assert status["restarts"] == 1 and status["attempt"] == 1
-    assert status["failure"]["reason"] == "OOMKilled" and status["failure"]["rank"] == 1
-    rdzv = {env_of(p)["PET_RDZV_ID"] for p in first} | {env_of(p)["PET_RDZV_ID"] for p in second}
-    assert len(rdzv) == 2  # the new gang never rendezvouses with the old one
-    assert "OOMKilled" in events_of(cluster, "oom")
-
-
 @REAL_RUNS
 def test_backoff_limit_fails_the_job_and_stops_the_gang(cluster, operator, trainer_runs):
     killed = trainer_runs.get("killed")  # no record: its log tail is the message
@@ -101,17 +71,6 @@ def test_backoff_limit_fails_the_job_and_stops_the_gang(cluster, operator, train
     assert "backoffLimit (0) reached" in failed["message"]
     # The surviving rank is stopped; the failed pod stays for `kubectl logs`.
     cluster.wait(lambda: len(job_pods(cluster, "limit")) == 1, FLOOR, "the survivor to go")
-
-
-@REAL_RUNS
-def test_bad_data_fails_at_once(cluster, operator, trainer_runs):
-    bad = trainer_runs.get("bad-data")
-    cluster.create_job(tiny_job("bad", runPolicy={"backoffLimit": 3}))
-    gang_running(cluster, "bad", 0)
-    cluster.terminate("bad-node-0", bad.exit_code, message=bad.message)
-    status = wait_phase(cluster, "bad", "Failed")
-    assert status["failure"]["reason"] == "BadData" and status["restarts"] == 0
-    assert "line 2: has no field 'text'" in status["failure"]["message"]
 
 
 @REAL_RUNS
@@ -154,7 +113,10 @@ def test_suspend_removes_the_pods_and_resume_brings_a_new_gang(cluster, operator
     gang_running(cluster, "pause", 1)
     status = wait_phase(cluster, "pause", "Running")
     assert status["restarts"] == 0 and status["observedGeneration"] == 3
-    assert {"Suspended", "Resumed"} <= set(events_of(cluster, "pause"))
+    # Events are posted after the status they go with: wait for them too.
+    cluster.wait(
+        lambda: {"Suspended", "Resumed"} <= set(events_of(cluster, "pause")), FLOOR, "the Events"
+    )
 
 
 def test_active_deadline_fails_the_job(cluster, operator):
@@ -172,20 +134,14 @@ def test_ttl_after_finished_deletes_the_job_and_its_children(cluster, operator):
     cluster.terminate("ttl-node-1", 0)
     cluster.wait(lambda: cluster.get("finetunejobs", "ttl") is None, FLOOR, "the job to go")
     cluster.wait(lambda: not job_pods(cluster, "ttl"), FLOOR, "the pods to go")
-    assert cluster.get("configmaps", "ttl-spec") is None and cluster.get("services", "ttl") is None
-
-
-def test_deleting_a_job_removes_its_children(cluster, operator):
-    cluster.create_job(tiny_job("gone"))
-    gang_running(cluster, "gone", 0)
-    cluster.call(
-        lambda: cluster.api.begin_delete(
-            ("ftjob.dev", "v1alpha1", "finetunejobs", "default", "gone")
-        )
+    # The garbage collector takes each child in its own time: wait for each, not the pods only.
+    cluster.wait(
+        lambda: (
+            cluster.get("configmaps", "ttl-spec") is None and cluster.get("services", "ttl") is None
+        ),
+        FLOOR,
+        "the ConfigMap and Service to go",
     )
-    cluster.wait(lambda: cluster.get("finetunejobs", "gone") is None, FLOOR, "the job to go")
-    cluster.wait(lambda: not job_pods(cluster, "gone"), FLOOR, "the pods to go")
-    assert cluster.get("services", "gone") is None
 
 
 def test_progress_from_rank_0_reaches_status(cluster, operator):
@@ -216,7 +172,7 @@ def test_progress_from_rank_0_reaches_status(cluster, operator):
 def test_metrics_count_jobs_by_phase_and_restarts(cluster, operator):
     text = operator.get_metrics()
     assert 'ftjob_jobs{phase="Running"}' in text
-    assert operator.metric("ftjob_gang_restarts_total") >= 3  # oom, disk full and stall above
+    assert operator.metric("ftjob_gang_restarts_total") >= 2  # disk full and stall above
     assert operator.metric("ftjob_reconcile_seconds_count") > 0
     # Latency histograms: every reconcile falls in some bucket, and API calls are timed.
     assert 'ftjob_reconcile_seconds_bucket{le="+Inf"}' in text

@@ -1,5 +1,7 @@
-"""The operator converges through crashes, API errors and dropped watches: it never
-duplicates pods, never counts one failure twice and never loses status."""
+"""The operator converges through restarts and API errors: it never duplicates pods, never
+counts one failure twice and never loses status. An operator killed mid-job and a watch
+that expired are the real control plane's to show (tests/cluster/test_real_operator.py,
+tests/cluster/test_real_watch.py)."""
 
 import time
 
@@ -19,25 +21,6 @@ def fresh(tmp_path):
         op = Operator(cluster, tmp_path / "operator.log")
         yield cluster, op
         op.stop()
-
-
-def test_operator_killed_mid_job_resumes_without_duplicates(fresh):
-    cluster, op = fresh
-    op.start()
-    cluster.create_job(tiny_job("crash", runPolicy={"backoffLimit": 3}))
-    first = {p["metadata"]["uid"] for p in gang_running(cluster, "crash", 0)}
-    wait_phase(cluster, "crash", "Running")
-    op.kill()
-    # While no operator runs, a node fails.
-    cluster.terminate("crash-node-1", 1, message="NCCL watchdog: operation timed out")
-    op.start()
-    second = gang_running(cluster, "crash", 1)
-    assert not first & {p["metadata"]["uid"] for p in second}
-    time.sleep(2)  # several resyncs: nothing more may happen
-    status = job_status(cluster, "crash")
-    assert status["restarts"] == 1 and status["attempt"] == 1 and status["phase"] == "Running"
-    assert status["failure"]["reason"] == "CollectiveTimeout"
-    assert len(job_pods(cluster, "crash")) == 2
 
 
 def test_restarting_the_operator_changes_nothing_that_is_right(fresh):
@@ -67,19 +50,6 @@ def test_api_server_errors_are_retried(fresh):
     wait_phase(cluster, "flaky", "Running")
     assert op.metric("ftjob_reconcile_errors_total") >= 2
     assert all(f.times == 0 for f in cluster.api.faults)
-
-
-def test_dropped_watches_are_resumed(fresh):
-    cluster, op = fresh
-    op.start()
-    cluster.create_job(tiny_job("drop"))
-    gang_running(cluster, "drop", 0)
-    wait_phase(cluster, "drop", "Running")
-    cluster.call(cluster.api.drop_watches)
-    time.sleep(0.5)
-    cluster.terminate("drop-node-0", 137, "OOMKilled")
-    gang_running(cluster, "drop", 1)
-    assert job_status(cluster, "drop")["failure"]["reason"] == "OOMKilled"
 
 
 # kopf's peering resource (as in kopf's docs/peering.yaml): peers write their liveness into

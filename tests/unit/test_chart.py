@@ -27,6 +27,7 @@ import yaml
 from ftjob import __version__
 from ftjob.api import crd, profile, spec
 from ftjob.api.profile import parse_profile
+from ftjob.operator import startup
 from ftjob.operator.__main__ import add_arguments
 from ftjob.operator.render import owner_reference
 
@@ -937,3 +938,13 @@ def test_docs_monitoring_values_file_renders_the_monitors_and_the_dashboard():
     values = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.DOTALL).group(1))
     kinds = [o["kind"] for o in objects(values)]
     assert {"ServiceMonitor", "PodMonitor", "ConfigMap"} <= set(kinds)
+
+
+def test_the_operators_start_up_checks_what_the_chart_grants():
+    """ftjob.operator.startup.NEEDED (asked of the authorizer before anything is reconciled,
+    so a missing rule ends the operator naming it) is the chart's cluster-wide rules."""
+    granted = {(g, r, v) for _, g, r, v, _ in expected_rules({})}
+    assert set(startup.NEEDED) == granted
+    assert {r for g, r, v in startup.NEEDED if r in startup.CLUSTER_SCOPED} == {
+        r for g, r in CLUSTER_SCOPED if g == "apiextensions.k8s.io"
+    }

@@ -54,3 +54,18 @@ def test_a_deleted_pod_that_ends_without_a_record_is_lost():
     gone = decide(running.status, [pod(0)], backoffLimit=3)
     assert gone.status["failure"]["reason"] == "Lost"
     assert st.diagnose(deleted(pod(1))) is None  # still running: not a failure yet
+
+
+def test_a_gang_lost_whole_is_replaced_at_once_not_at_the_next_resync():
+    """Every pod gone while no operator ran (deleted, a node pool drained): no pod event will
+    come for them, so the decision that restarts the gang asks to be looked at again now,
+    and the next look creates the new gang. With a pod still to delete, its deletion event
+    is what wakes the next look, and no early look is asked for."""
+    running = run_to([pod(0), pod(1)], backoffLimit=3)
+    lost = decide(running.status, [], backoffLimit=3)
+    assert lost.phase == "Restarting" and lost.status["failure"]["reason"] == "Lost"
+    assert lost.requeue_after is not None and lost.requeue_after < 1
+    again = decide(lost.status, [], backoffLimit=3)
+    assert again.create == [0, 1] and again.status["attempt"] == 1
+    one_left = decide(running.status, [pod(0)], backoffLimit=3)
+    assert one_left.delete == ["tiny-node-0"] and one_left.requeue_after is None
