@@ -30,6 +30,7 @@ import aiohttp
 import kopf
 from aiohttp import web
 
+from ftjob.api.profile import PLURAL as PROFILES
 from ftjob.api.schema import SpecError
 from ftjob.api.spec import GROUP, PLURAL, VERSION, FineTuneJobSpec, TrackingSpec
 from ftjob.operator import (
@@ -199,6 +200,36 @@ def job_pods(namespace, labels, body, **_):
     return {(namespace, labels.get(render.LABEL_JOB)): status.observed_pod(body)}
 
 
+@kopf.index(GROUP, VERSION, PROFILES)
+def job_profiles(name, body, **_):
+    """Every FineTuneProfile (cluster-scoped), kept current by kopf's watch: each reconcile
+    reads the profiles from here, not from the API (a list per job per look, at a thousand
+    jobs, was thousands of requests a resync). kopf fills every index before it starts any
+    daemon, so no job is judged against profiles not yet seen."""
+    return {name: json.loads(json.dumps(body, default=dict))}
+
+
+@kopf.index("namespaces")
+def namespace_labels(name, labels, **_):
+    """Each namespace's labels (one may name its jobs' default profile), from kopf's watch."""
+    return {name: dict(labels)}
+
+
+@dataclass(frozen=True)
+class Indexes:
+    """kopf's watch-fed views that a decision reads: no API read per job per look."""
+
+    pods: kopf.Index
+    profiles: kopf.Index
+    namespaces: kopf.Index
+
+    def profile_list(self) -> list[dict]:
+        return [doc for key in self.profiles for doc in self.profiles[key]]
+
+    def labels_of(self, namespace: str) -> dict[str, str]:
+        return next(iter(self.namespaces.get(namespace, [])), {})
+
+
 @kopf.on.event("pods", labels=POD_SELECTOR)
 def pod_changed(namespace, labels, **_) -> None:
     watch = LATEST.get((namespace, labels.get(render.LABEL_JOB)))
@@ -225,8 +256,19 @@ def job_changed(type, body, **_) -> None:  # noqa: A002 - kopf's argument name
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0)
-async def job_daemon(name, namespace, body, stopped, job_pods: kopf.Index, logger, **_) -> None:
+async def job_daemon(
+    name,
+    namespace,
+    body,
+    stopped,
+    job_pods: kopf.Index,
+    job_profiles: kopf.Index,
+    namespace_labels: kopf.Index,
+    logger,
+    **_,
+) -> None:
     uid = body["metadata"]["uid"]
+    views = Indexes(job_pods, job_profiles, namespace_labels)
     watch = WATCHES[uid] = LATEST[(namespace, name)] = Watch(uid, namespace, name)
     state = watch.state
     try:
@@ -234,7 +276,7 @@ async def job_daemon(name, namespace, body, stopped, job_pods: kopf.Index, logge
             watch.wake.clear()
             try:
                 async with _slots:
-                    delay = await _reconcile(name, namespace, body, job_pods, state, watch)
+                    delay = await _reconcile(name, namespace, body, views, state, watch)
             except Gone as e:
                 LOG.info(f"stopping: {e}")  # e names the job
                 return
@@ -266,11 +308,11 @@ async def _sleep(wake: asyncio.Event, seconds: float) -> None:
 
 
 async def _reconcile(
-    name, namespace, body, job_pods, state: JobState, watch: Watch
+    name, namespace, body, views: Indexes, state: JobState, watch: Watch
 ) -> float | None:
     started = time.monotonic()
-    seen = _observe(name, namespace, body, job_pods, state, watch)
-    await _take_profile(namespace, seen)
+    seen = _observe(name, namespace, body, views.pods, state, watch)
+    _take_profile(namespace, seen, views)
     queue = ((seen.doc.get("spec") or {}).get("scheduling") or {}).get("queue")
     wanted = queueing.workload_to_read(queue, name, seen.old_status, seen.pods)
     if wanted:
@@ -302,11 +344,10 @@ def _observe(name, namespace, body, job_pods, state: JobState, watch: Watch) -> 
     return Seen(doc, old_status, pods, datetime.now(timezone.utc))
 
 
-async def _take_profile(namespace: str, seen: Seen) -> None:
-    """The job's FineTuneProfile applied to ``seen.doc`` (operator/profiles.py decides). Read
-    every reconcile: a profile or a namespace label edited later reaches the next gang."""
-    labels = await asyncio.to_thread(kube().namespace_labels, namespace)
-    found = await asyncio.to_thread(kube().profiles)
+def _take_profile(namespace: str, seen: Seen, views: Indexes) -> None:
+    """The job's FineTuneProfile applied to ``seen.doc`` (operator/profiles.py decides), from
+    the watched profiles and labels as they are now: an edit reaches the next gang."""
+    labels, found = views.labels_of(namespace), views.profile_list()
     seen.taken = profiles.take(seen.doc, labels, found, seen.old_status, SETTINGS.default_image)
     seen.doc = seen.taken.doc
 

@@ -15,7 +15,6 @@ from typing import Any
 import urllib3
 from kubernetes import client, config
 
-from ftjob.api.profile import PLURAL as PROFILES
 from ftjob.api.spec import GROUP, PLURAL, VERSION
 from ftjob.operator import metrics
 
@@ -145,23 +144,6 @@ class Kube:
             if e.status == 404:
                 return None
             raise
-
-    @metrics.timed("read_profiles")
-    def profiles(self) -> list[dict]:
-        """Every FineTuneProfile (cluster-scoped); none if its CRD is not installed."""
-        try:
-            found = self.custom.list_cluster_custom_object(GROUP, VERSION, PROFILES)
-        except client.ApiException as e:
-            if e.status == 404:
-                return []
-            raise
-        return found.get("items") or []
-
-    @metrics.timed("read_namespace")
-    def namespace_labels(self, namespace: str) -> dict[str, str]:
-        """The labels of ``namespace`` (one may name its jobs' profile)."""
-        response = self.core.read_namespace(namespace, _preload_content=False)
-        return (json.loads(response.data).get("metadata") or {}).get("labels") or {}
 
     @metrics.timed("patch_status")
     def patch_status(self, namespace: str, name: str, uid: str, status: dict[str, Any]) -> dict:

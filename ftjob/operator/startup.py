@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 
 import kopf
 
+from ftjob.api.profile import PLURAL as PROFILES
 from ftjob.api.spec import GROUP, PLURAL
 
 # (apiGroup, resource, verb): what kopf's watches and kube.py's calls need, the chart's
@@ -39,10 +40,14 @@ NEEDED: tuple[tuple[str, str, str], ...] = (
     ("", "configmaps", "delete"),
     ("", "events", "create"),
     ("kueue.x-k8s.io", "workloads", "get"),  # kube.workload: a queued gang's admission
+    (GROUP, PROFILES, "list"),  # the profiles' index (handlers.job_profiles)
+    (GROUP, PROFILES, "watch"),
+    ("", "namespaces", "list"),  # their labels' index (handlers.namespace_labels)
+    ("", "namespaces", "watch"),
     ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
     ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
 )
-CLUSTER_SCOPED = {"customresourcedefinitions"}
+CLUSTER_SCOPED = {"customresourcedefinitions", PROFILES, "namespaces"}
 
 
 class StartupError(kopf.PermanentError):

@@ -25,7 +25,6 @@ import contextlib
 import copy
 import itertools
 import json
-import re
 import secrets
 import uuid
 from typing import Any
@@ -92,9 +91,6 @@ class ApiServer(kmock.KubernetesScaffold):
         # lists and watches it when given --namespace.
         if raw_request.path.rstrip("/") == "/api/v1/namespaces":
             return await self._namespaces(raw_request)
-        one = re.fullmatch(r"/api/v1/namespaces/([^/]+)", raw_request.path.rstrip("/"))
-        if one and raw_request.method == "GET":  # the operator reads its labels (profiles)
-            return aiohttp.web.json_response(_namespace(one.group(1), str(self._last_rv())))
         if raw_request.path == SELF_REVIEW and raw_request.method == "POST":
             # No authorizer here (every request is allowed): say so, as AlwaysAllow would.
             review = await raw_request.json()

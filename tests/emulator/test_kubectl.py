@@ -36,12 +36,13 @@ def test_apply_get_wait_and_delete(cluster, operator, kubectl):
     assert row[:2] == ["tiny", "Running"] and row[3] == "2" and row[6] == "<none>"
     assert "RESTARTS" not in table[0]
     wide = kubectl("get", "finetunejobs", "-o", "wide").stdout.splitlines()
-    columns = ["RESTARTS", "IN-PLACE", "TOKENS/S", "MFU", "REWARD-ACC", "IMAGE"]
-    assert wide[0].split()[-6:] == columns
-    # No default image for this operator: status.image shows the placeholder the pods got;
-    # a next-token job has no reward accuracy.
+    columns = ["RESTARTS", "IN-PLACE", "TOKENS/S", "MFU", "COST", "REWARD-ACC", "IMAGE"]
+    assert wide[0].split()[-7:] == columns
+    # No default image for this operator: status.image shows the placeholder the pods got; a
+    # CPU job spends no GPU-hours and a next-token job has no reward accuracy.
     row = wide[1].split()
-    assert row[-6:-4] == ["0", "0"] and row[-2] == "<none>" and row[-1] == DEFAULT_IMAGE
+    assert row[-7:-5] == ["0", "0"] and row[-3:-1] == ["<none>", "<none>"]
+    assert row[-1] == DEFAULT_IMAGE
     short = kubectl("get", "ftj", "-o", "name").stdout
     assert short.strip() == "finetunejob.ftjob.dev/tiny"
     pods = kubectl("get", "pods", "-l", "ftjob.dev/job-name=tiny", "-o", "name").stdout.split()

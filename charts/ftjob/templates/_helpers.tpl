@@ -139,14 +139,14 @@ ftjob/operator/kube.py or one need of kopf for the handlers in ftjob/operator/ha
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [list, watch]
-# Profiles: a job's FineTuneProfile (cluster-scoped), and its namespace's labels (one may name
-# the namespace's default profile); read-only.
+# Profiles: kopf's indexes of every FineTuneProfile (cluster-scoped) and of the namespaces'
+# labels (one may name the namespace's default profile), read at each reconcile; read-only.
 - apiGroups: [ftjob.dev]
   resources: [finetuneprofiles]
-  verbs: [list]
+  verbs: [list, watch]
 - apiGroups: [""]
   resources: [namespaces]
-  verbs: [get]
+  verbs: [list, watch]
 {{- if and .Values.peering.enabled (not .Values.watchNamespaces) }}
 # kopf peering cluster-wide: watch every ClusterKopfPeering, write keep-alives only to ours.
 - apiGroups: [kopf.dev]
