@@ -16,6 +16,11 @@ from typing import Any
 from ftjob.operator import status as st
 
 MAX_ATTEMPTS = 64  # status.cost.attempts is bounded (the CRD's maxItems)
+# Alone, a running gang's growing cost is written once per this many seconds of its running:
+# a write at every look would be a write per running job per resync where nothing else
+# changed (a thousand jobs: tens of writes a second at rest). With any other change of status
+# (progress, phase) it is written as it is; the budget is judged on the cost counted now.
+REFRESH_SECONDS = 600
 
 
 def pod_seconds(pod: dict, now: datetime) -> float:
@@ -70,6 +75,26 @@ def _totals(attempts, currency, eta_seconds, gang_gpus, price) -> dict[str, Any]
             out["projectedAmount"] = round(amount + rest * price, 2)
     out["display"] = display(out)
     return out
+
+
+def gpu_seconds(cost: dict | None) -> float:
+    """Every attempt's GPU-seconds in ``cost`` (0 for none)."""
+    return sum(a["gpuSeconds"] for a in (cost or {}).get("attempts") or [])
+
+
+def to_write(old_status: dict, new_status: dict, resources) -> dict:
+    """The ``status.cost`` to write: ``new_status``'s (counted now), unless nothing else in
+    status changed, no attempt began and the running gang has run under REFRESH_SECONDS since
+    the cost last written; then that one, and the status need not be written at all."""
+    fresh, old = new_status["cost"], old_status.get("cost")
+    others = {k: v for k, v in new_status.items() if k != "cost"}
+    if old is None or others != {k: v for k, v in old_status.items() if k != "cost"}:
+        return fresh
+    if [a["attempt"] for a in fresh["attempts"]] != [a["attempt"] for a in old["attempts"]]:
+        return fresh
+    gang_gpus = max(resources.nodes * resources.gpus_per_node, 1)
+    grown = gpu_seconds(fresh) - gpu_seconds(old)
+    return fresh if grown >= REFRESH_SECONDS * gang_gpus else old
 
 
 def display(cost: dict[str, Any]) -> str:

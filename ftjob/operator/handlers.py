@@ -93,6 +93,7 @@ class JobState:
     snapshot: tuple[int | None, dict] | None = None  # rank 0's progress, with its gang's attempt
     port: int | None = None  # where rank 0 serves progress, once the spec parsed
     attempt: int | None = None  # the current gang's
+    cost: dict | None = None  # status.cost as last counted (written at most every so often)
 
 
 @dataclass
@@ -368,11 +369,12 @@ def _decide(name, seen: Seen, state: JobState) -> tuple[FineTuneJobSpec | None, 
         return None, decision
     state.port = spec.network.progress_port
     snapshot = lifecycle.gang_snapshot(state.snapshot, old_status)
+    spent = state.cost = _count_cost(spec, seen, snapshot, state.cost)
     decision = lifecycle.decide(
         spec,
         name,
         meta.get("generation"),
-        old_status,
+        old_status | ({"cost": spent} if spent else {}),  # the budget is judged on it
         seen.pods,
         seen.now,
         snapshot,
@@ -381,7 +383,8 @@ def _decide(name, seen: Seen, state: JobState) -> tuple[FineTuneJobSpec | None, 
         render.template(spec, SETTINGS.default_image),
     )
     decision.status["jobFolder"] = render.job_dir(name, spec, meta["uid"])
-    _count_cost(spec, seen, snapshot, decision)
+    if spent:
+        decision.status["cost"] = cost.to_write(old_status, decision.status, spec.resources)
     if decision.create:
         # Recorded with the pods it is about to create (status is written first): the
         # image they run, wherever it came from (spec.image or the operator's default).
@@ -391,12 +394,14 @@ def _decide(name, seen: Seen, state: JobState) -> tuple[FineTuneJobSpec | None, 
     return spec, decision
 
 
-def _count_cost(spec, seen: Seen, snapshot: dict | None, decision: lifecycle.Decision) -> None:
-    """status.cost from the pods' running times (operator/cost.py), at the profile's price."""
+def _count_cost(spec, seen: Seen, snapshot: dict | None, counted: dict | None) -> dict | None:
+    """status.cost now, from the pods' running times (operator/cost.py) at the profile's price,
+    over what was written or, if more, what this daemon counted last (not always written)."""
     taken = seen.taken or profiles.Taken(seen.doc)
     r = spec.resources
-    spent = cost.update(
-        seen.old_status.get("cost"),
+    written = seen.old_status.get("cost")
+    return cost.update(
+        counted if cost.gpu_seconds(counted) > cost.gpu_seconds(written) else written,
         seen.pods,
         r.gpus_per_node,
         seen.now,
@@ -405,8 +410,6 @@ def _count_cost(spec, seen: Seen, snapshot: dict | None, decision: lifecycle.Dec
         (snapshot or {}).get("etaSeconds"),
         r.nodes * r.gpus_per_node,
     )
-    if spent is not None:
-        decision.status["cost"] = spent
 
 
 async def _apply(name, namespace, body, seen: Seen, spec, decision, state: JobState):

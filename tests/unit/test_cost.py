@@ -72,6 +72,30 @@ def test_an_attempt_whose_pods_are_gone_stays_counted_and_is_never_lowered():
     assert "amount" not in again and again["display"] == f"{again['gpuHours']:.2f} GPU-h"
 
 
+def test_a_running_gangs_cost_alone_is_written_once_per_refresh_not_at_every_look():
+    """At rest (nothing else in status moves) a status write per look per running job would
+    be a write per job per resync; the cost alone is written every REFRESH_SECONDS of running."""
+    from types import SimpleNamespace
+
+    gang = SimpleNamespace(nodes=2, gpus_per_node=4)
+    pods = [pod(0, 0, 60), pod(0, 1, 60)]
+    written = {"phase": "Running", "cost": cost.update(None, pods, 4, NOW)}
+
+    def look(seconds_later, **changed):
+        later = NOW + timedelta(seconds=seconds_later)
+        fresh = cost.update(written["cost"], pods, 4, later)
+        return cost.to_write(written, written | changed | {"cost": fresh}, gang), fresh
+
+    kept, fresh = look(30)
+    assert kept is written["cost"] and fresh["gpuHours"] > kept["gpuHours"]  # no write
+    assert look(cost.REFRESH_SECONDS)[0]["gpuHours"] > written["cost"]["gpuHours"]
+    # With any other change of status the cost counted now goes with it.
+    assert look(30, phase="Suspended")[0] == look(30)[1]
+    # A new attempt is written at once.
+    more = cost.update(written["cost"], [*pods, pod(1, 0, 1)], 4, NOW)
+    assert cost.to_write(written, written | {"cost": more}, gang) is more
+
+
 def test_a_cpu_job_has_no_cost_and_a_pod_not_started_costs_nothing():
     assert cost.update(None, [pod(0, 0, 60)], 0, NOW) is None
     assert cost.update(None, [pod(0, 0, None)], 8, NOW)["gpuHours"] == 0
