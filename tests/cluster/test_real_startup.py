@@ -12,12 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hangs
 import pytest
 from plane import Plane, token_kubeconfig
 
-pytestmark = pytest.mark.timeout(180)
-# Well inside kopf's 60 s retry of a failed start-up: an operator still running then retries.
-PROMPTLY = 30
+# An operator that fails its start-up and does not end retries it every 60 s for ever: the
+# wait below ends that (a failure), and is otherwise a hang guard of a start that takes ~5 s.
+PROMPTLY = hangs.after(30)
+pytestmark = pytest.mark.timeout(PROMPTLY + 60)
 
 
 def start_and_end(kubeconfig: Path, *flags: str) -> subprocess.CompletedProcess:
