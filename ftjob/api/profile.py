@@ -27,8 +27,6 @@ from ftjob.api.spec import (
     DNS_SUBDOMAIN_HINT,
     GPU_TYPES,
     GROUP,
-    LABEL_KEY_HINT,
-    LABEL_VALUE_HINT,
     VERSION,
     EnvVar,
     FineTuneJobSpec,
@@ -37,6 +35,7 @@ from ftjob.api.spec import (
     SecretsSpec,
     TrackingSpec,
     VolumeRef,
+    label_map,
 )
 
 KIND, PLURAL, SINGULAR = "FineTuneProfile", "finetuneprofiles", "finetuneprofile"
@@ -132,16 +131,8 @@ class ProfileLimits:
 class NamespaceSelector:
     """namespaceSelector: the namespaces whose jobs take this profile when they name none."""
 
-    match_labels: dict[str, str] = api_field(
-        "matchLabels: namespace labels and the values they must have (all of them).",
-        factory=dict,
-        max_properties=16,
-        key_pattern=kv.QUALIFIED_NAME,
-        key_hint=LABEL_KEY_HINT,
-        key_max_length=kv.QUALIFIED_NAME_MAX,
-        pattern=kv.LABEL_VALUE,
-        pattern_hint=LABEL_VALUE_HINT,
-        max_length=63,
+    match_labels: dict[str, str] = label_map(
+        "matchLabels: namespace labels and the values they must have (all of them).", 16
     )
 
 

@@ -50,6 +50,24 @@ LABEL_VALUE_HINT = (
     "be a label value: at most 63 letters, digits, '-', '_' or '.', starting and ending with "
     "a letter or digit"
 )
+
+
+def label_map(doc: str, max_properties: int) -> Any:
+    """A map of label keys to label values (a nodeSelector, a namespace's matchLabels), checked
+    as the API server checks labels."""
+    return api_field(
+        doc,
+        factory=dict,
+        max_properties=max_properties,
+        key_pattern=kv.QUALIFIED_NAME,
+        key_hint=LABEL_KEY_HINT,
+        key_max_length=kv.QUALIFIED_NAME_MAX,
+        pattern=kv.LABEL_VALUE,
+        pattern_hint=LABEL_VALUE_HINT,
+        max_length=63,
+    )
+
+
 # hf://org/name (or a legacy hf://name), s3://bucket/key-or-prefix (S3's bucket names: 3-63
 # lowercase letters, digits, '.' and '-'), an absolute path, or a path relative to the job.
 SOURCE_PATTERN = (
@@ -1198,16 +1216,8 @@ class SchedulingSpec:
         pattern_hint=DNS_SUBDOMAIN_HINT,
         max_length=253,
     )
-    node_selector: dict[str, str] = api_field(
-        "nodeSelector of the pods: node label keys and the values they must have.",
-        factory=dict,
-        max_properties=64,
-        key_pattern=kv.QUALIFIED_NAME,
-        key_hint=LABEL_KEY_HINT,
-        key_max_length=kv.QUALIFIED_NAME_MAX,
-        pattern=kv.LABEL_VALUE,
-        pattern_hint=LABEL_VALUE_HINT,
-        max_length=63,
+    node_selector: dict[str, str] = label_map(
+        "nodeSelector of the pods: node label keys and the values they must have.", 64
     )
     tolerations: list[Toleration] = api_field(
         "tolerations of the pods.", factory=list, max_items=64
