@@ -1,11 +1,12 @@
 """PURE: a job's FineTuneProfile as the operator applies it (api/profile.py merges).
 
-The profiles and the namespace's labels are read by the handlers (kube.py); this decides which
-profile the job takes, the merged job the rest of the reconcile sees, what the status records,
-and what refuses the job. Limits are held when the job is first taken (no gang made yet):
-a profile edited later changes no running gang and fails no job that was let in; the next
-gang takes the edited defaults (lifecycle treats that as any edit of what pods are made of),
-except the pinned immutable sections (api/profile.py PINNED), kept as first applied.
+The profiles and the namespace's labels come from the handlers' kopf indexes (watches, no
+read per job); this decides which profile the job takes, the merged job the rest of the
+reconcile sees, what the status records, and what refuses the job. Limits are held when the
+job is first taken (no gang made yet): a profile edited later changes no running gang and
+fails no job that was let in; the next gang takes the edited defaults (lifecycle treats that
+as any edit of what pods are made of), except the pinned immutable sections (api/profile.py
+PINNED), kept as first applied.
 """
 
 from __future__ import annotations
