@@ -83,6 +83,16 @@ class Plane:
         text = doc if isinstance(doc, str) else json.dumps(doc)
         return self.kubectl("apply", "-f", "-", *args, input=text, ok=ok)
 
+    def delete_every_job(self) -> None:
+        """Every FineTuneJob deleted, and waited for until none of their pods is left."""
+        self.kubectl("delete", "ftj", "--all", "-A", "--wait=false")
+
+        def no_pods():
+            found = self.kubectl("get", "pods", "-A", "-l", "ftjob.dev/job-name", "-o", "name")
+            return not found.stdout.strip()
+
+        self.wait(no_pods, hangs.FLOOR, "every job's pods to go")
+
     # The emulator tests' Operator helper calls cluster.wait.
     @staticmethod
     def wait(predicate, timeout: float = hangs.FLOOR, what: str = "condition"):

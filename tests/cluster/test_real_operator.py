@@ -61,14 +61,7 @@ def operator(installed: Plane, tmp_path_factory):
 def one_job_at_a_time(operator):
     """Each test's jobs are deleted after it: the plane has 4 GPU nodes of 8 GPUs."""
     yield
-    plane = operator.plane
-    plane.kubectl("delete", "ftj", "--all", "-A", "--wait=false")
-
-    def no_pods():
-        found = plane.kubectl("get", "pods", "-A", "-l", "ftjob.dev/job-name", "-o", "name")
-        return not found.stdout.strip()
-
-    plane.wait(no_pods, 60, "every job's pods to go")
+    operator.plane.delete_every_job()
 
 
 def pods_of(plane: Plane, name: str) -> list[dict]:

@@ -86,14 +86,7 @@ def operator(installed: Plane, tmp_path_factory):
 @pytest.fixture(autouse=True)
 def one_job_at_a_time(operator):
     yield
-    plane = operator.plane
-    plane.kubectl("delete", "ftj", "--all", "-A", "--wait=false")
-
-    def no_pods():
-        found = plane.kubectl("get", "pods", "-A", "-l", "ftjob.dev/job-name", "-o", "name")
-        return not found.stdout.strip()
-
-    plane.wait(no_pods, 60, "every job's pods to go")
+    operator.plane.delete_every_job()
 
 
 def pods_of(plane: Plane, name: str, namespace: str) -> list[dict]:
