@@ -7,8 +7,10 @@ order of api/profile.py's :func:`~ftjob.api.profile.choose`). The limits are tho
 :func:`~ftjob.api.profile.limit_violations`, with the same words; the operator checks them
 again on the merged job (it also knows its own default image, and selector ambiguity).
 
-Only on create: a profile tightened later must not refuse the edits (a suspend, a new image)
-of jobs it let in. charts/ftjob/templates/profile-policy.yaml is :func:`render_yaml`'s output.
+On create every limit; on update only the budget, and only when the edit changes it: a profile
+tightened later must not refuse the edits (a suspend, a new image) of jobs it let in, but a
+budget raised to resume a stopped job is held to the cap as a new job's is.
+charts/ftjob/templates/profile-policy.yaml is :func:`render_yaml`'s output.
 """
 
 from __future__ import annotations
@@ -52,13 +54,20 @@ _METHOD = (
     "has(object.spec.method) && has(object.spec.method.type) ? object.spec.method.type : 'lora'"
 )
 _OF = "' of FineTuneProfile ' + params.metadata.name"
+_CREATE = "request.operation == 'CREATE'"
+# An update that leaves the budget as it was is not held to the cap (lowered since, perhaps).
+_BUDGET_EDITED = (
+    f"{_CREATE} || !has(oldObject.spec.budget) || !has(object.spec.budget) || "
+    "oldObject.spec.budget != object.spec.budget"
+)
 
 
-def _check(limit: str, ok: str, message: str) -> dict[str, Any]:
-    """One limit: passes when the profile is not the job's, has no such limit, or holds."""
+def _check(limit: str, ok: str, message: str, when: str = _CREATE) -> dict[str, Any]:
+    """One limit: passes when the profile is not the job's, has no such limit, or holds;
+    checked only ``when`` (on create, unless said)."""
     has = f"{_LIMITS} && has(params.spec.limits.{limit})"
     return {
-        "expression": f"!variables.applies || !({has}) || ({ok})",
+        "expression": f"!({when}) || !variables.applies || !({has}) || ({ok})",
         "messageExpression": message,
         "reason": "Forbidden",
     }
@@ -99,6 +108,7 @@ def validations() -> list[dict[str, Any]]:
             "'spec.budget.gpuHours: ' + string(object.spec.budget.gpuHours) + ' GPU-hours "
             f"exceed limits.maxGpuHoursPerJob ' + string({lim}.maxGpuHoursPerJob) + {_OF} + "
             f"'; fix: set budget.gpuHours to at most ' + string({lim}.maxGpuHoursPerJob)",
+            _BUDGET_EDITED,
         ),
         _check(
             "allowedMethods",
@@ -122,7 +132,7 @@ def policy() -> dict[str, Any]:
                     {
                         "apiGroups": [spec.GROUP],
                         "apiVersions": [spec.VERSION],
-                        "operations": ["CREATE"],
+                        "operations": ["CREATE", "UPDATE"],
                         "resources": [spec.PLURAL],
                     }
                 ]

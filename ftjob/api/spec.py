@@ -1000,7 +1000,7 @@ class TrackingSpec:
 @dataclass(kw_only=True)
 class BudgetSpec:
     """budget: what the job may spend; reached, the gang checkpoints and stops (phase
-    Suspended, reason BudgetReached), and raising it resumes from that checkpoint."""
+    Stopped, reason BudgetReached), and raising it resumes from that checkpoint."""
 
     gpu_hours: float | None = api_field(
         "gpuHours: GPU-hours of the pods' running time, over every attempt (status.cost); "

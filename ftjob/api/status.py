@@ -13,7 +13,9 @@ from typing import Any, Literal
 from ftjob.api import contract, objectives
 from ftjob.api.schema import FreeForm, api_field, openapi
 
-PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+# Stopped: the budget (spec.budget) is spent; a user suspend is Suspended. Both keep the
+# checkpoints and resume: Stopped when the budget is raised, Suspended when resumed.
+PHASES = ("Pending", "Running", "Restarting", "Suspended", "Stopped", "Succeeded", "Failed")
 # The trainer's own reasons (its termination record), then what the operator sees itself.
 FAILURE_REASONS = (
     *contract.REASONS,
@@ -223,7 +225,7 @@ class FineTuneJobStatus:
 
     phase: Literal[PHASES] | None = api_field("phase for humans and printer columns.", None)  # type: ignore[valid-type]
     conditions: list[Condition] = api_field(
-        "conditions: Planned, Created, Running, Restarting, Suspended, Succeeded, Failed.",
+        "conditions: Planned, Created, Running, Restarting, Suspended, Stopped, Succeeded, Failed.",
         factory=list,
         max_items=16,
     )

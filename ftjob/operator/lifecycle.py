@@ -32,6 +32,9 @@ from ftjob.operator import status as st
 from ftjob.plan.describe import planned_condition
 
 TERMINAL = ("Succeeded", "Failed")
+# Without pods, checkpoints kept, until resumed: by the user (Suspended: runPolicy.suspend) or
+# by a raised budget (Stopped: spec.budget spent).
+PAUSED = ("Suspended", "Stopped")
 # A Pending gang's reasons when a pod of it cannot start: the scheduler's, or the kubelet's.
 STUCK = ("Unschedulable", *st.CANNOT_START)
 # The kubelet alternates these two while it backs off pulling one image: one cause, one Event.
@@ -152,7 +155,7 @@ def decide(
         return _finished(s)
     decision = _steps(s)
     live = [p for p in s.current.values() if not p["metadata"].get("deletionTimestamp")]
-    has_pods = bool(live) and decision.phase != "Suspended"
+    has_pods = bool(live) and decision.phase not in PAUSED
     s.new["conditions"] = queueing.conditions(
         s.new.get("conditions", []), spec.scheduling.queue, workload, has_pods, now, generation
     )
@@ -274,15 +277,18 @@ def _will_fit(s: _Step) -> Decision | None:
 
 def _suspension(s: _Step) -> Decision | None:
     """Suspended: no pods; checkpoints stay on the volume. Resumed: a new gang. A budget
-    reached suspends the job the same way (reason BudgetReached) until it is raised."""
+    reached stops the job the same way (phase Stopped, reason BudgetReached) until it is
+    raised; a user's suspend says Suspended whatever the budget, so each has its own word."""
     spent = _budget_spent(s)
     if s.spec.run_policy.suspend or spent:
         s.delete_live(s.pods)
         s.new.pop(WAITING_SINCE, None)
-        if spent:
-            return s.set("Suspended", BUDGET_REACHED, spent)
-        return s.set("Suspended", "Suspended", "runPolicy.suspend is true: the pods are removed")
-    if s.old.get("phase") == "Suspended":
+        if s.spec.run_policy.suspend:
+            return s.set(
+                "Suspended", "Suspended", "runPolicy.suspend is true: the pods are removed"
+            )
+        return s.set("Stopped", BUDGET_REACHED, spent)
+    if s.old.get("phase") in PAUSED:
         # A resumed job is a new gang (new rendezvous), but not a restart after a failure;
         # like a batch/v1 Job, the active deadline counts from the resume.
         _next_gang(s)

@@ -29,7 +29,15 @@ from ftjob.operator.render import CONTAINER, LABEL_ATTEMPT, LABEL_JOB, LABEL_RAN
 
 # One condition per phase-like state, always present, plus Planned (ftjob.plan.describe's verdict)
 # and, for a job with a Kueue queue, Queued and Admitted (operator/queueing.py).
-PHASE_CONDITIONS = ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+PHASE_CONDITIONS = (
+    "Created",
+    "Running",
+    "Restarting",
+    "Suspended",
+    "Stopped",
+    "Succeeded",
+    "Failed",
+)
 CONDITION_TYPES = ("Planned", "Queued", "Admitted", *PHASE_CONDITIONS)
 MESSAGE_LIMIT = 1500  # of the termination message kept in status (the schema allows 4096)
 
@@ -620,13 +628,14 @@ def conditions(
     generation: int | None,
     created: bool,
 ) -> list[dict]:
-    """All six conditions for a phase: the phase's own True, the rest False, each with a
+    """Every phase condition for a phase: the phase's own True, the rest False, each with a
     reason, so ``kubectl wait --for=condition=X`` always has something to read."""
     truths = {
         "Created": created,
         "Running": phase == "Running",
         "Restarting": phase == "Restarting",
         "Suspended": phase == "Suspended",
+        "Stopped": phase == "Stopped",
         "Succeeded": phase == "Succeeded",
         "Failed": phase == "Failed",
     }

@@ -246,27 +246,41 @@ def test_a_profile_edited_while_a_job_runs_reaches_only_the_next_gang(operator):
 
 
 def test_a_budget_reached_stops_the_gang_and_raising_it_resumes(operator):
+    """Stopped (not Suspended) with reason BudgetReached; a raise over team-a's cap (50) is
+    refused at kubectl by the policy, with the cap, the profile and the fix; one under it
+    resumes."""
     plane = operator.plane
-    small = job("budget", "ns-b", profile="team-b")
+    small = job("budget", "ns-a", profile="team-a")
     small["spec"]["budget"] = {"gpuHours": 0.005}  # 18 GPU-seconds: ~1 s of 16 GPUs
     plane.apply(small)
-    running(plane, "budget", "ns-b", 0)
+    running(plane, "budget", "ns-a", 0)
 
     def stopped():
-        s = status_of(plane, "budget", "ns-b")
-        return s.get("phase") == "Suspended" and not pods_of(plane, "budget", "ns-b") and s
+        s = status_of(plane, "budget", "ns-a")
+        return s.get("phase") == "Stopped" and not pods_of(plane, "budget", "ns-a") and s
 
     status = plane.wait(stopped, 60, "the budget to stop the gang")
-    reason = {c["type"]: c for c in status["conditions"]}["Running"]
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Stopped"]["status"] == "True", status["conditions"]
+    reason = conditions["Running"]
     assert reason["reason"] == "BudgetReached", status["conditions"]
     assert "budget of 0.005 GPU-hours" in reason["message"] and "at step" in reason["message"]
     assert status["cost"]["gpuHours"] >= 0.005
-    table = plane.kubectl("get", "ftj", "budget", "-n", "ns-b").stdout
-    assert "Suspended" in table and "BudgetReached" in table
-    # Raised: a new gang (it resumes from the checkpoint the stopped one saved).
+    table = plane.kubectl("get", "ftj", "budget", "-n", "ns-a").stdout
+    assert "Stopped" in table and "BudgetReached" in table
+    over = plane.kubectl(
+        "patch", "ftj", "budget", "-n", "ns-a", "--type=merge",
+        "-p", json.dumps({"spec": {"budget": {"gpuHours": 60}}}), ok=False,
+    )  # fmt: skip
+    said = over.stderr
+    assert over.returncode != 0 and "ValidatingAdmissionPolicy" in said, said
+    assert "spec.budget.gpuHours: 60 GPU-hours exceed limits.maxGpuHoursPerJob 50 of " in said
+    assert "FineTuneProfile team-a; fix: set budget.gpuHours to at most 50" in said, said
+    assert status_of(plane, "budget", "ns-a")["phase"] == "Stopped"
+    # Raised within the cap: a new gang (it resumes from the checkpoint the stopped one saved).
     plane.kubectl(
-        "patch", "ftj", "budget", "-n", "ns-b", "--type=merge",
+        "patch", "ftj", "budget", "-n", "ns-a", "--type=merge",
         "-p", json.dumps({"spec": {"budget": {"gpuHours": 10}}}),
     )  # fmt: skip
-    running(plane, "budget", "ns-b", 1)
-    assert status_of(plane, "budget", "ns-b")["phase"] in ("Pending", "Running")
+    running(plane, "budget", "ns-a", 1)
+    assert status_of(plane, "budget", "ns-a")["phase"] in ("Pending", "Running")

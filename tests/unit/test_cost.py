@@ -114,12 +114,21 @@ def test_a_budget_reached_stops_the_gang_as_a_suspension_and_raising_it_resumes(
     status = running.status | {"cost": {"gpuHours": 1.2, "attempts": []}}
     status["progress"] = {"step": 40}
     stopped = lifecycle.decide(spec, name, 2, status, [pod_of(0), pod_of(1)], T0)
-    assert stopped.phase == "Suspended" and sorted(stopped.delete) == ["tiny-node-0", "tiny-node-1"]
+    assert stopped.phase == "Stopped" and sorted(stopped.delete) == ["tiny-node-0", "tiny-node-1"]
     said = [e for e in stopped.events if e[1] == "BudgetReached"]
     assert said and "budget of 1 GPU-hours (1.2 spent) reached at step 40" in said[0][2]
+    conditions = {c["type"]: c for c in stopped.status["conditions"]}
+    assert (
+        conditions["Stopped"]["status"] == "True" and conditions["Suspended"]["status"] == "False"
+    )
+    assert conditions["Running"]["reason"] == "BudgetReached"  # the Reason column
     # Still over it: stays stopped, nothing made.
     held = lifecycle.decide(spec, name, 2, stopped.status, [], T0)
-    assert held.phase == "Suspended" and held.create == []
+    assert held.phase == "Stopped" and held.create == []
+    # A user's suspend says so over a spent budget, and is not taken for a stop.
+    spec.run_policy.suspend = True
+    assert lifecycle.decide(spec, name, 2, held.status, [], T0).phase == "Suspended"
+    spec.run_policy.suspend = False
     # Raised: a new gang, which resumes from the checkpoint on the volume.
     name, raised = budget_job(2.0)
     resumed = lifecycle.decide(raised, name, 3, held.status, [], T0)

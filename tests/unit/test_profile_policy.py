@@ -21,13 +21,18 @@ GPU_JOB = manifest.load(ROOT / "examples" / "llama3-8b-lora-efa.yaml")[0]
 FUNCTIONS = {"join": lambda items, sep: sep.join(items)}
 
 
-def door(job: dict, profiles: list[dict], labels: dict[str, str]) -> list[str]:
-    """The messages of every validation that fails, over every profile as a param."""
+def door(
+    job: dict, profiles: list[dict], labels: dict[str, str], old: dict | None = None
+) -> list[str]:
+    """The messages of every validation that fails, over every profile as a param (an
+    update of ``old`` when given)."""
     p = policy.policy()["spec"]
     namespace = {"metadata": {"name": "ns", "labels": labels}}
+    request = {"operation": "UPDATE" if old else "CREATE"}
     out = []
     for params in profiles:
-        ctx = {"object": job, "params": params, "namespaceObject": namespace}
+        ctx = {"object": job, "params": params, "namespaceObject": namespace, "request": request}
+        ctx |= {"oldObject": old} if old else {}
         variables = {}
         for v in p["variables"]:
             env = cel.Context(variables=ctx | {"variables": variables}, functions=FUNCTIONS)
@@ -113,13 +118,35 @@ def test_the_cases_above_are_refused_somewhere():
     assert refused >= 10
 
 
-def test_the_policy_matches_only_creates_of_jobs():
+def test_an_update_is_held_only_to_the_budget_cap_and_only_when_it_changes_the_budget():
+    """A stopped job's budget raised over its profile's cap is refused with the cap, the
+    profile and the fix; an edit leaving the budget alone passes whatever the limits say now
+    (team-a's maxNodes 2 is broken by this job, as by one let in before it was lowered)."""
+    old = copy.deepcopy(GPU_JOB)
+    old["spec"].update(JOBS["nodes"] | {"budget": {"gpuHours": 10}})
+    old["spec"]["method"].pop("quantization", None)
+    selected = LABELS["selected"]
+    assert len(door(old, PROFILES, selected)) == 1  # on create: maxNodes
+    suspended = copy.deepcopy(old)
+    suspended["spec"]["runPolicy"] = {"suspend": True}
+    assert door(suspended, PROFILES, selected, old) == []
+    raised = copy.deepcopy(old)
+    raised["spec"]["budget"] = {"gpuHours": 250}
+    assert door(raised, PROFILES, selected, old) == [
+        "spec.budget.gpuHours: 250 GPU-hours exceed limits.maxGpuHoursPerJob 100.5 of "
+        "FineTuneProfile team-a; fix: set budget.gpuHours to at most 100.5"
+    ]
+    raised["spec"]["budget"] = {"gpuHours": 100}
+    assert door(raised, PROFILES, selected, old) == []
+
+
+def test_the_policy_matches_creates_and_updates_of_jobs_not_their_status():
     rules = policy.policy()["spec"]["matchConstraints"]["resourceRules"]
     assert rules == [
         {
             "apiGroups": ["ftjob.dev"],
             "apiVersions": ["v1alpha1"],
-            "operations": ["CREATE"],
+            "operations": ["CREATE", "UPDATE"],
             "resources": ["finetunejobs"],
         }
     ]
