@@ -205,15 +205,53 @@ class NoProfile(ValueError):
     """The profile a job should take cannot be told: its message says which and what to do."""
 
 
+class InvalidProfile(NoProfile):
+    """The job's profile exists but cannot be read: its message names the profile, each bad
+    field and the fix. Never skipped: the job would silently run without its limits."""
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A FineTuneProfile document that does not parse (another ftjob version's, say): its
+    name, what is wrong, and its namespaceSelector as written (so a job it selects is told)."""
+
+    name: str
+    errors: list[FieldError]
+    match_labels: dict[str, Any]
+
+    @classmethod
+    def of(cls, doc: dict[str, Any], error: SpecError) -> Unreadable:
+        spec = doc.get("spec") if isinstance(doc.get("spec"), dict) else {}
+        selector = spec.get("namespaceSelector") if isinstance(spec, dict) else None
+        labels = selector.get("matchLabels") if isinstance(selector, dict) else None
+        name = str((doc.get("metadata") or {}).get("name"))
+        return cls(name, error.errors, labels if isinstance(labels, dict) else {})
+
+    def refusal(self, where: str) -> InvalidProfile:
+        said = "; ".join(str(e) for e in self.errors)
+        return InvalidProfile(
+            f"{where} FineTuneProfile {self.name}, which cannot be read: {said}; fix the "
+            f"profile (kubectl edit ftp {self.name}) or name another"
+        )
+
+
 def choose(
-    named: str | None, namespace: str, labels: dict[str, str], profiles: list[Profile]
+    named: str | None,
+    namespace: str,
+    labels: dict[str, str],
+    profiles: list[Profile],
+    unreadable: list[Unreadable] = (),  # type: ignore[assignment]
 ) -> Profile | None:
     """The profile of a job in ``namespace`` (with ``labels``): ``spec.profile`` when named,
-    else the namespace label's, else the one whose selector matches; None when none applies."""
+    else the namespace label's, else the one whose selector matches; None when none applies.
+    One of ``unreadable`` that would be the job's refuses it (:class:`InvalidProfile`)."""
     by_name = {p.name: p for p in profiles}
+    broken = {u.name: u for u in unreadable}
     wanted, where = named, "spec.profile"
     if wanted is None and labels.get(NAMESPACE_LABEL):
         wanted, where = labels[NAMESPACE_LABEL], f"namespace {namespace}'s label {NAMESPACE_LABEL}"
+    if wanted in broken:
+        raise broken[wanted].refusal(f"{where} names")
     if wanted is not None:
         if wanted not in by_name:
             raise NoProfile(
@@ -221,6 +259,9 @@ def choose(
                 f"name one of: {', '.join(sorted(by_name)) or '(none exist)'}"
             )
         return by_name[wanted]
+    for u in sorted(broken.values(), key=lambda u: u.name):
+        if u.match_labels and all(labels.get(k) == v for k, v in u.match_labels.items()):
+            raise u.refusal(f"namespace {namespace} matches the namespaceSelector of")
     matching = sorted(
         (p for p in profiles if _selects(p.spec.namespace_selector, labels)), key=lambda p: p.name
     )

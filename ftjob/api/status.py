@@ -31,6 +31,7 @@ FAILURE_REASONS = (
     "WillNotFit",
     "OverLimit",
     "NoProfile",
+    "InvalidProfile",
     "Error",
 )
 

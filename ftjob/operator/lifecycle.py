@@ -635,7 +635,7 @@ def invalid(
     reason: str = "BadInput",
 ):
     """A spec the API server let through but ftjob cannot run (or its profile refuses:
-    ``reason`` OverLimit, NoProfile): Failed at once, with the fix."""
+    ``reason`` OverLimit, NoProfile, InvalidProfile): Failed at once, with the fix."""
     if (old_status or {}).get("phase") == "Failed":
         return Decision(status=copy.deepcopy(old_status))  # already said; nothing moves
     s = _Step(old_status or {}, None, generation, [], now)

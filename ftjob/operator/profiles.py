@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftjob.api.profile import NoProfile, Profile, apply, choose, merge, parse_profile
+from ftjob.api.profile import NoProfile, Profile, Unreadable, apply, choose, merge, parse_profile
 from ftjob.api.schema import SpecError
 
 
@@ -42,10 +42,10 @@ def take(
     before = (old_status or {}).get("profile") or {}
     named = (doc.get("spec") or {}).get("profile")
     try:
-        chosen = choose(named, namespace, labels, _valid(profile_docs))
-    except NoProfile as e:
+        chosen = choose(named, namespace, labels, *_parsed(profile_docs))
+    except NoProfile as e:  # InvalidProfile too: refused by its class's name
         if not before:
-            return Taken(doc, None, [str(e)], "NoProfile")
+            return Taken(doc, None, [str(e)], type(e).__name__)
         chosen = None
     if chosen is None:  # gone since a gang was made with it: the job keeps what it pinned
         pinned = before.get("pinned") or {}
@@ -58,13 +58,14 @@ def take(
     )
 
 
-def _valid(docs: list[dict[str, Any]]) -> list[Profile]:
-    """The profiles that parse; the API server checked each against the CRD, so one that
-    does not is from another version of ftjob and is left out rather than guessed at."""
-    out = []
+def _parsed(docs: list[dict[str, Any]]) -> tuple[list[Profile], list[Unreadable]]:
+    """The profiles that parse, and those that do not. The API server checked each against
+    the CRD, so one that does not is from another version of ftjob: it is not guessed at,
+    and a job it would apply to is refused saying why (choose), never run without it."""
+    good, bad = [], []
     for doc in docs:
         try:
-            out.append(parse_profile(doc))
-        except SpecError:
-            continue
-    return out
+            good.append(parse_profile(doc))
+        except SpecError as e:
+            bad.append(Unreadable.of(doc, e))
+    return good, bad

@@ -66,6 +66,24 @@ def test_a_job_naming_a_missing_profile_is_refused_saying_which_exist():
     assert "team-a" in taken.refused[0]
 
 
+def test_a_profile_that_cannot_be_read_refuses_its_jobs_naming_it_the_field_and_the_fix():
+    """Named by spec.profile, by the namespace's label, or selecting the namespace: an
+    unreadable profile (another ftjob version's) is never skipped as if absent; a job it does
+    not concern runs on."""
+    bad = profile()
+    bad["spec"]["limits"]["maxNodes"] = 0  # the parser's bound (minimum 1)
+    for labels, spec in (({}, {"profile": "team-a"}), ({NAMESPACE_LABEL: "team-a"}, {}),
+                         ({"team": "a"}, {})):  # fmt: skip
+        taken = take(job(**spec), labels, [bad], None)
+        assert taken.reason == "InvalidProfile", (labels, spec)
+        [said] = taken.refused
+        assert "FineTuneProfile team-a, which cannot be read: spec.limits.maxNodes: " in said
+        assert "fix the profile (kubectl edit ftp team-a) or name another" in said
+        decision = lifecycle.invalid(taken.refused, 1, None, datetime.now(timezone.utc), "x")
+        assert decision.create == [] and said in decision.status["failure"]["message"]
+    assert take(job(), {"team": "b"}, [bad], None).refused == []
+
+
 def test_a_profile_edited_later_fails_no_job_taken_and_keeps_its_volume():
     first = take(job(), {"team": "a"}, [profile(1)], None)
     status = {"profile": first.record | {"attempt": 0}, "phase": "Running"}

@@ -192,6 +192,21 @@ def test_validate_plan_and_run_refuse_a_job_over_a_limit_of_the_profile(tmp_path
     assert not (tmp_path / "run").exists()  # run started nothing
 
 
+def test_validate_plan_and_run_refuse_a_profile_file_that_cannot_be_read(tmp_path, capsys):
+    """A bad --profile FILE is an error naming the file and each bad field with what it must
+    be, as the operator refuses a job whose profile cannot be read; never run without it."""
+    doc = load(TEAM_A)
+    doc["spec"]["limits"]["maxNodes"] = 0
+    bad = tmp_path / "bad-profile.yaml"
+    bad.write_text(json.dumps(doc))
+    want = f"{bad}: spec.limits.maxNodes: must be an integer between 1 and 1024, got 0"
+    for command in (["validate"], ["plan"], ["run", "--workdir", str(tmp_path / "run")]):
+        assert main([*command, "--profile", str(bad), str(TINY)]) == 1, command
+        said = capsys.readouterr()
+        assert want in said.out + said.err, command
+    assert not (tmp_path / "run").exists()  # run started nothing
+
+
 def test_validate_says_which_profile_it_applied_and_render_shows_the_merged_job(capsys):
     assert main(["validate", "-o", "json", "--profile", str(TEAM_A), str(TINY)]) == 0
     result = json.loads(capsys.readouterr().out)["items"][0]
