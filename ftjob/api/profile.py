@@ -18,11 +18,14 @@ cluster-wide rule that may match more namespaces than meant (:func:`choose`).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, Literal
 
+from ftjob.api import admission
 from ftjob.api import kubevalidation as kv
-from ftjob.api.schema import FieldError, SpecError, api_field, parse, to_dict
+from ftjob.api.schema import FieldError, SpecError, api_field, openapi, parse, to_dict
 from ftjob.api.spec import (
     DNS_SUBDOMAIN_HINT,
     GPU_TYPES,
@@ -336,6 +339,21 @@ def merge(default: Any, job: Any, key: str = "") -> Any:
     return job
 
 
+@cache
+def _job_schema() -> dict[str, Any]:
+    return openapi(FineTuneJobSpec)  # the CRD's spec schema (api/crd.py)
+
+
+def as_stored(job: dict[str, Any]) -> dict[str, Any]:
+    """A job's spec as the API server stores it: the CRD schema's defaults filled in. The
+    operator only ever sees a job so; a job file is taken so too before a profile merges
+    under it, or a field the schema defaults inside an object both set (a secret ref's key,
+    tracking.mlflow.experiment) would take the profile's value in ``ftjob validate`` and the
+    schema's on the cluster. Idempotent: a stored job is unchanged."""
+    schema = _job_schema()
+    return admission.apply_defaults(schema, admission.prune_nulls(schema, copy.deepcopy(job)))
+
+
 def apply(
     doc: dict[str, Any],
     profile: Profile,
@@ -345,8 +363,10 @@ def apply(
     """``doc`` (a FineTuneJob document) with ``profile``'s defaults under what it sets, and the
     limits the merged job breaks. ``default_image``: the image of a job that names none after
     the merge (the operator's), which the image limit holds too. ``pinned``: the
-    :data:`PINNED` defaults as first applied to this job (its status keeps them)."""
-    job = dict(doc.get("spec") or {})
+    :data:`PINNED` defaults as first applied to this job (its status keeps them). The job is
+    taken as stored (:func:`as_stored`): what its CRD defaults, the job has set."""
+    spec = doc.get("spec")
+    job = as_stored(spec) if isinstance(spec, dict) else {}
     defaults = _pruned(to_dict(profile.spec.defaults))
     if not _gpus(job):  # a GPU type is a GPU job's: a CPU job naming one is refused
         defaults.pop("resources", None)

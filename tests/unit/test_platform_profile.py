@@ -258,3 +258,43 @@ def test_the_profiles_pull_secrets_reach_the_pods_beside_the_jobs_own():
         {"name": "registry-example-com"},
         {"name": "team-registry"},
     ]
+
+
+def operator_merge(doc: dict, profile_doc: dict) -> dict:
+    """The operator's merge, fed what it is fed on a cluster: the job and the profile as the
+    API server stores them (each defaulted by its CRD's schema)."""
+    from ftjob.operator.profiles import take
+
+    stored, errors = admission.admit(crd.schema(), copy.deepcopy(doc))
+    assert errors == []
+    profile_schema = crd.profile_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    stored_profile, errors = admission.admit(profile_schema, copy.deepcopy(profile_doc))
+    assert errors == []
+    stored["metadata"]["namespace"] = "team-a-ns"
+    return take(stored, {"team": "a"}, [stored_profile], None).doc
+
+
+def test_the_cli_and_the_operator_merge_a_job_into_the_same_spec():
+    """``ftjob validate/plan/run --profile`` (validate.with_profile, on the job file) and the
+    operator (profiles.take, on the job as stored) give the same spec, down to the fields the
+    CRD's schema defaults inside objects both sides set: tracking.mlflow.experiment, a
+    secret ref's key."""
+    job = gpu_job()
+    job["spec"]["tracking"] = {"mlflow": {"trackingUri": "http://mlflow.team:5000"}}
+    job["spec"]["secrets"] = {"huggingFaceToken": {"name": "own-hf"}}
+    team = load(TEAM_A)
+    team["spec"]["defaults"]["tracking"] = {
+        "mlflow": {"trackingUri": "http://mlflow.mlflow:5000", "experiment": "team-a-runs"}
+    }
+    team["spec"]["defaults"]["secrets"] = {"huggingFaceToken": {"name": "hf", "key": "hf-token"}}
+    by_cli, refused, _ = validate.with_profile(copy.deepcopy(job), parse_profile(team))
+    assert refused == []
+    by_operator = operator_merge(job, team)
+    cli_spec, operator_spec = parse_resource(by_cli)[1], parse_resource(by_operator)[1]
+    assert cli_spec == operator_spec
+    # What the job wrote won; what it left to the schema stays the schema's on both sides.
+    assert cli_spec.tracking.mlflow.tracking_uri == "http://mlflow.team:5000"
+    assert cli_spec.tracking.mlflow.experiment == "ftjob"
+    assert cli_spec.secrets.hugging_face_token.name == "own-hf"
+    assert cli_spec.secrets.hugging_face_token.key == "token"
+    assert cli_spec.scheduling.queue == "team-a"  # a default the job left unset, both sides
