@@ -1015,6 +1015,13 @@ class BudgetSpec:
         minimum=0,
         exclusive_minimum=True,
     )
+    node_hours: float | None = api_field(
+        "nodeHours: hours of the gang's pods' running time, one pod a node, over every attempt "
+        "(status.cost.nodeHours): how whole-node instances are billed, and a CPU job's budget.",
+        None,
+        minimum=0,
+        exclusive_minimum=True,
+    )
 
 
 @dataclass(kw_only=True)

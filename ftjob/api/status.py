@@ -176,10 +176,13 @@ class PreflightStatus:
 
 @dataclass(kw_only=True)
 class AttemptCost:
-    """One gang attempt's GPU time."""
+    """One gang attempt's node and GPU time."""
 
     attempt: int = api_field("attempt of the gang.")
     gpu_seconds: float = api_field("gpuSeconds: its pods' running seconds times their GPUs.")
+    node_seconds: float = api_field(
+        "nodeSeconds: its pods' running seconds (one pod a node; a CPU job's only time).", 0.0
+    )
     price_per_gpu_hour: float | None = api_field(
         "pricePerGpuHour its profile named for the job's gpuType, if any.", None
     )
@@ -190,9 +193,16 @@ class CostStatus:
     """cost: what the job's pods have run, from their containers' real running times."""
 
     attempts: list[AttemptCost] = api_field(
-        "attempts: each gang's GPU time (kept once its pods are gone).", factory=list, max_items=64
+        "attempts: each gang's node and GPU time (kept once its pods are gone).",
+        factory=list,
+        max_items=64,
     )
     gpu_hours: float = api_field("gpuHours spent so far, over every attempt.", 0.0)
+    node_hours: float = api_field(
+        "nodeHours: the gang's pods' running hours so far, over every attempt (GPU jobs and CPU "
+        "jobs alike).",
+        0.0,
+    )
     amount: float | None = api_field(
         "amount spent so far at the profile's prices (FineTuneProfile spec.prices).", None
     )

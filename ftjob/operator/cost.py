@@ -1,11 +1,14 @@
 """PURE: what a job has spent, from its pods' real running times, and what it will spend.
 
-A pod's GPU time is the trainer container's running time (``startedAt`` to its end, or to now)
-times its GPUs. Each gang attempt's total is kept in ``status.cost.attempts`` while its pods
-exist and stays there once they are gone (never lowered: a pod deleted before the last look
-loses at most the time since that look, one resync), so the sum covers every attempt. The
-money is each attempt's GPU-hours at the price its profile named then; the projection adds the
-rest of the run at the trainer's ETA, on the gang's GPUs.
+A pod's node time is the trainer container's running time (``startedAt`` to its end, or to
+now): one pod a node, so the gang's node-hours, the unit whole-node instances are billed in and
+the only spend a CPU job has. Its GPU time is that times the GPUs it asked for (the spec's
+gpusPerNode, which the pod's limits carry and the scheduler reserved). Each gang attempt's
+total is kept in ``status.cost.attempts`` while its pods exist and stays there once they are
+gone (never lowered: a pod deleted before the last look loses at most the time since that look,
+one resync), so the sum covers every attempt. The money is each attempt's GPU-hours at the
+price its profile named then; the projection adds the rest of the run at the trainer's ETA, on
+the gang's GPUs.
 """
 
 from __future__ import annotations
@@ -43,29 +46,31 @@ def update(
     currency: str = "USD",
     eta_seconds: float | None = None,
     gang_gpus: int = 0,
-) -> dict[str, Any] | None:
-    """``status.cost`` after this look at the pods; None for a job without GPUs."""
-    if gpus_per_pod <= 0:
-        return None
+) -> dict[str, Any]:
+    """``status.cost`` after this look at the pods (a CPU job's: node time only)."""
     kept = {a["attempt"]: dict(a) for a in (old or {}).get("attempts") or []}
     seen: dict[int, float] = {}
     for pod in pods:
         attempt = st.attempt_of(pod)
-        seen[attempt] = seen.get(attempt, 0.0) + pod_seconds(pod, now) * gpus_per_pod
+        seen[attempt] = seen.get(attempt, 0.0) + pod_seconds(pod, now)
     for attempt, seconds in seen.items():
         entry = kept.setdefault(attempt, {"attempt": attempt, "gpuSeconds": 0.0})
-        entry["gpuSeconds"] = round(max(entry["gpuSeconds"], seconds), 1)
-        if price is not None:
+        # Never lowered: a pod gone since the last look took its time with it.
+        entry["nodeSeconds"] = round(max(entry.get("nodeSeconds", 0.0), seconds), 1)
+        entry["gpuSeconds"] = round(max(entry["gpuSeconds"], seconds * gpus_per_pod), 1)
+        if price is not None and gpus_per_pod > 0:
             entry["pricePerGpuHour"] = price
     attempts = [kept[a] for a in sorted(kept)][-MAX_ATTEMPTS:]
-    return _totals(attempts, currency, eta_seconds, gang_gpus, price)
+    out = _totals(attempts, currency, eta_seconds, gang_gpus, price)
+    return out | {"display": display(out, gpus=gpus_per_pod > 0)}
 
 
 def _totals(attempts, currency, eta_seconds, gang_gpus, price) -> dict[str, Any]:
     hours = sum(a["gpuSeconds"] for a in attempts) / 3600
     priced = [a for a in attempts if a.get("pricePerGpuHour") is not None]
     out: dict[str, Any] = {"attempts": attempts, "gpuHours": round(hours, 4)}
-    rest = (eta_seconds or 0) * gang_gpus / 3600 if eta_seconds is not None else None
+    out["nodeHours"] = round(node_seconds(out) / 3600, 4)
+    rest = eta_seconds * gang_gpus / 3600 if eta_seconds is not None and gang_gpus else None
     if rest is not None:
         out["projectedGpuHours"] = round(hours + rest, 4)
     if priced:
@@ -73,13 +78,12 @@ def _totals(attempts, currency, eta_seconds, gang_gpus, price) -> dict[str, Any]
         out |= {"amount": round(amount, 2), "currency": currency}
         if rest is not None and price is not None:
             out["projectedAmount"] = round(amount + rest * price, 2)
-    out["display"] = display(out)
     return out
 
 
-def gpu_seconds(cost: dict | None) -> float:
-    """Every attempt's GPU-seconds in ``cost`` (0 for none)."""
-    return sum(a["gpuSeconds"] for a in (cost or {}).get("attempts") or [])
+def node_seconds(cost: dict | None) -> float:
+    """Every attempt's node-seconds in ``cost`` (0 for none); they grow with the GPU-seconds."""
+    return sum(a.get("nodeSeconds", 0.0) for a in (cost or {}).get("attempts") or [])
 
 
 def to_write(old_status: dict, new_status: dict, resources) -> dict:
@@ -92,13 +96,14 @@ def to_write(old_status: dict, new_status: dict, resources) -> dict:
         return fresh
     if [a["attempt"] for a in fresh["attempts"]] != [a["attempt"] for a in old["attempts"]]:
         return fresh
-    gang_gpus = max(resources.nodes * resources.gpus_per_node, 1)
-    grown = gpu_seconds(fresh) - gpu_seconds(old)
-    return fresh if grown >= REFRESH_SECONDS * gang_gpus else old
+    grown = node_seconds(fresh) - node_seconds(old)
+    return fresh if grown >= REFRESH_SECONDS * resources.nodes else old
 
 
-def display(cost: dict[str, Any]) -> str:
-    """The printer column: "1.25 GPU-h 4.00 USD (~10.00 USD)"."""
+def display(cost: dict[str, Any], gpus: bool = True) -> str:
+    """The printer column: "1.25 GPU-h 4.00 USD (~10.00 USD)"; a CPU job's "0.02 node-h"."""
+    if not gpus:
+        return f"{cost['nodeHours']:.2f} node-h"
     text = f"{cost['gpuHours']:.2f} GPU-h"
     if "amount" in cost:
         text += f" {cost['amount']:.2f} {cost['currency']}"

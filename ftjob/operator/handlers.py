@@ -94,6 +94,11 @@ class JobState:
     port: int | None = None  # where rank 0 serves progress, once the spec parsed
     attempt: int | None = None  # the current gang's
     cost: dict | None = None  # status.cost as last counted (written at most every so often)
+    # The last copy of each pod that ended with a termination record, by name: a pod the
+    # operator (or anyone) deleted is gone from the index a moment after its record is written,
+    # often before the next reconcile runs, and its record says where the gang stopped (the
+    # checkpoint a SIGTERM saved). Only the current gang's are kept.
+    ended: dict[str, dict] = field(default_factory=dict)
 
 
 @dataclass
@@ -232,9 +237,12 @@ class Indexes:
 
 
 @kopf.on.event("pods", labels=POD_SELECTOR)
-def pod_changed(namespace, labels, **_) -> None:
+def pod_changed(namespace, labels, body, **_) -> None:
     watch = LATEST.get((namespace, labels.get(render.LABEL_JOB)))
     if watch is not None:
+        pod = status.observed_pod(body)
+        if status.record(pod) is not None:
+            watch.state.ended[pod["metadata"]["name"]] = pod
         watch.wake.set()
 
 
@@ -381,6 +389,7 @@ def _decide(name, seen: Seen, state: JobState) -> tuple[FineTuneJobSpec | None, 
         seen.workload,
         # What the pods _create_gang makes are made of: an edit is compared with the gang's.
         render.template(spec, SETTINGS.default_image),
+        _ended(state, old_status.get("attempt", 0)),
     )
     decision.status["jobFolder"] = render.job_dir(name, spec, meta["uid"])
     if spent:
@@ -394,6 +403,12 @@ def _decide(name, seen: Seen, state: JobState) -> tuple[FineTuneJobSpec | None, 
     return spec, decision
 
 
+def _ended(state: JobState, attempt: int) -> list[dict]:
+    """The current gang's ended pods remembered (JobState.ended); older gangs' are dropped."""
+    state.ended = {k: p for k, p in state.ended.items() if status.attempt_of(p) >= attempt}
+    return list(state.ended.values())
+
+
 def _count_cost(spec, seen: Seen, snapshot: dict | None, counted: dict | None) -> dict | None:
     """status.cost now, from the pods' running times (operator/cost.py) at the profile's price,
     over what was written or, if more, what this daemon counted last (not always written)."""
@@ -401,7 +416,7 @@ def _count_cost(spec, seen: Seen, snapshot: dict | None, counted: dict | None) -
     r = spec.resources
     written = seen.old_status.get("cost")
     return cost.update(
-        counted if cost.gpu_seconds(counted) > cost.gpu_seconds(written) else written,
+        counted if cost.node_seconds(counted) > cost.node_seconds(written) else written,
         seen.pods,
         r.gpus_per_node,
         seen.now,

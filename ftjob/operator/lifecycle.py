@@ -139,18 +139,20 @@ def decide(
     snapshot: dict | None = None,
     workload: tuple[str, dict | None] | None = None,
     template: dict[str, str] | None = None,
+    ended: list[dict] | None = None,
 ) -> Decision:
     """The new status of job ``name`` and the changes that bring its pods in line.
 
     ``workload``: Kueue's Workload of the current gang (name, object or None when absent), if
     the operator read it (queueing.workload_to_read). ``template``: what the spec's pods are
     made of (render.template, with the operator's default image); without it an edit of the
-    spec is not compared with the running gang. The steps below run in order; the first that
-    decides ends the reconcile.
+    spec is not compared with the running gang. ``ended``: pods seen ending with a termination
+    record, some perhaps gone since (their records still say where the gang stopped). The
+    steps below run in order; the first that decides ends the reconcile.
     """
     s = _Step(old_status or {}, spec, generation, pods, now, name)
     s.workload, s.template = workload, template
-    _observe(s, snapshot)
+    _observe(s, snapshot, ended or [])
     if s.old.get("phase") in TERMINAL:
         return _finished(s)
     decision = _steps(s)
@@ -182,7 +184,7 @@ def gang_snapshot(held: tuple[int, dict] | None, status: dict | None) -> dict | 
     return snapshot if attempt == (status or {}).get("attempt", 0) else None
 
 
-def _observe(s: _Step, snapshot: dict | None) -> None:
+def _observe(s: _Step, snapshot: dict | None, ended: list[dict]) -> None:
     """Rank 0's progress snapshot, when the operator has one, goes into the status: progress,
     the preflight's figures, stragglers and the workers' restarts in place (the current
     gang's: see :func:`gang_snapshot`)."""
@@ -195,16 +197,19 @@ def _observe(s: _Step, snapshot: dict | None) -> None:
         if "stragglers" in snapshot:
             new["stragglers"] = st.stragglers(snapshot)
         _count_in_place(s, st.restarts_in_place(snapshot))
-    _observe_records(s)
+    _observe_records(s, ended)
     if new.get("lastCheckpoint") is None:
         new.pop("lastCheckpoint", None)
 
 
-def _observe_records(s: _Step) -> None:
+def _observe_records(s: _Step, ended: list[dict]) -> None:
     """The numbers the current gang's ended pods left in their termination records: a job
     that ends between two reads of rank 0's progress still shows the step, losses and
-    checkpoint it ended with (and a failed one the step it reached)."""
-    final = st.final_progress(list(s.current.values()))
+    checkpoint it ended with (and a failed one the step it reached), even where a pod is gone
+    already (``ended``: a gang stopped by its budget is deleted as it saves)."""
+    current = s.current
+    gone = [p for p in ended if st.attempt_of(p) == s.attempt and st.rank_of(p) not in current]
+    final = st.final_progress([*current.values(), *gone])
     if not final:
         return
     s.new["progress"] = st.with_final(s.new.get("progress"), final)
@@ -310,6 +315,8 @@ def _budget_spent(s: _Step) -> str | None:
         reached = f"{budget.gpu_hours:g} GPU-hours ({cost['gpuHours']:g} spent)"
     elif budget.amount is not None and (cost.get("amount") or 0) >= budget.amount:
         reached = f"{budget.amount:g} {cost.get('currency', '')} ({cost['amount']:g} spent)"
+    elif budget.node_hours is not None and cost.get("nodeHours", 0) >= budget.node_hours:
+        reached = f"{budget.node_hours:g} node-hours ({cost['nodeHours']:g} spent)"
     if reached is None:
         return None
     step = (s.new.get("progress") or {}).get("step", 0)

@@ -373,3 +373,54 @@ def test_a_pod_deleted_mid_run_is_preempted_naming_the_step_it_saved(operator, v
     assert f"after step {saved}" in message and "Lost" not in message, message
     print(f"\ndeleted pod: {message}")
     assert losses(folder) == reference.losses
+
+
+def test_a_budget_reached_stops_at_a_checkpoint_and_raised_resumes_to_the_same_losses(
+    operator, volume, reference
+):
+    """A real run stopped by its budget (issue 56, point 5): the CPU job spends node-hours
+    (its pods' running time; it has no GPU-hours), and a budget below what it has spent, set
+    once it passed its first checkpoint, stops the gang as a preemption does: SIGTERM, a
+    checkpoint at the next step boundary (no step lost), phase Stopped with reason
+    BudgetReached and the step. The budget raised, the next gang resumes from that checkpoint
+    and ends Succeeded with every logged loss equal to the uninterrupted run's."""
+    plane = operator.plane
+    job = tiny("budget")
+    job["spec"]["budget"] = {"nodeHours": 1}
+    plane.apply(job)
+    placed(plane, "budget")
+    folder = host_dir(volume, plane, "budget")
+    checkpointed(plane, folder, 20)
+    plane.kubectl("patch", "ftj", "budget", "-n", NAMESPACE, "--type=merge",
+                  "-p", json.dumps({"spec": {"budget": {"nodeHours": 0.0001}}}))  # fmt: skip
+
+    def stopped():
+        s = status_of(plane, "budget")
+        pods = [p for p in plane.get("pods", namespace=NAMESPACE) or []
+                if p["metadata"]["labels"].get(render.LABEL_JOB) == "budget"]  # fmt: skip
+        return s.get("phase") == "Stopped" and not pods and s
+
+    plane.wait(stopped, hangs.RUN, "the budget to stop the gang")
+    newest = max(int(p.name.rsplit("-", 1)[1]) for p in (folder / "checkpoints").iterdir())
+
+    def told():  # the stopped pods' termination records, read though the pods are gone
+        s = status_of(plane, "budget")
+        return (s.get("lastCheckpoint") or {}).get("step") == newest and s
+
+    status = plane.wait(told, hangs.FLOOR, f"status.lastCheckpoint at step {newest}")
+    reason = {c["type"]: c for c in status["conditions"]}["Running"]
+    assert reason["reason"] == "BudgetReached", status["conditions"]
+    step = int(reason["message"].split(" reached at step ")[1].split(":")[0])
+    # The SIGTERM's checkpoint, past the first, before the end: the step the gang reached.
+    assert 20 < newest < 60 and step == newest == status["progress"]["step"], status
+    assert status["cost"]["nodeHours"] >= 0.0001 and status["cost"]["gpuHours"] == 0
+    row = plane.kubectl("get", "ftj", "budget", "-n", NAMESPACE).stdout.splitlines()[1].split()
+    assert row[1:3] == ["Stopped", "BudgetReached"], row
+    plane.kubectl("patch", "ftj", "budget", "-n", NAMESPACE, "--type=merge",
+                  "-p", json.dumps({"spec": {"budget": {"nodeHours": 1}}}))  # fmt: skip
+    status = finished(plane, "budget")
+    assert status["attempt"] == 1 and status["restarts"] == 0, status
+    assert resumed_step(folder) == newest, progress(folder)
+    assert [a["attempt"] for a in status["cost"]["attempts"]] == [0, 1], status["cost"]
+    print(f"\nbudget reached: stopped at step {step}, checkpoint {newest}; resumed from it")
+    assert losses(folder) == reference.losses

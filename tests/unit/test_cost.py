@@ -52,7 +52,10 @@ def test_gpu_time_is_the_containers_running_time_times_their_gpus():
     spent = cost.update(
         None, pods, 8, NOW, price=2.5, currency="EUR", eta_seconds=1800, gang_gpus=24
     )
-    assert spent["attempts"] == [{"attempt": 0, "gpuSeconds": 8 * 5400.0, "pricePerGpuHour": 2.5}]
+    assert spent["attempts"] == [
+        {"attempt": 0, "nodeSeconds": 5400.0, "gpuSeconds": 8 * 5400.0, "pricePerGpuHour": 2.5}
+    ]
+    assert spent["nodeHours"] == pytest.approx(1.5)
     assert spent["gpuHours"] == pytest.approx(12.0)
     assert spent["amount"] == pytest.approx(30.0) and spent["currency"] == "EUR"
     assert spent["projectedGpuHours"] == pytest.approx(12.0 + 0.5 * 24)
@@ -77,7 +80,7 @@ def test_a_running_gangs_cost_alone_is_written_once_per_refresh_not_at_every_loo
     be a write per job per resync; the cost alone is written every REFRESH_SECONDS of running."""
     from types import SimpleNamespace
 
-    gang = SimpleNamespace(nodes=2, gpus_per_node=4)
+    gang = SimpleNamespace(nodes=2)
     pods = [pod(0, 0, 60), pod(0, 1, 60)]
     written = {"phase": "Running", "cost": cost.update(None, pods, 4, NOW)}
 
@@ -96,8 +99,11 @@ def test_a_running_gangs_cost_alone_is_written_once_per_refresh_not_at_every_loo
     assert cost.to_write(written, written | {"cost": more}, gang) is more
 
 
-def test_a_cpu_job_has_no_cost_and_a_pod_not_started_costs_nothing():
-    assert cost.update(None, [pod(0, 0, 60)], 0, NOW) is None
+def test_a_cpu_job_spends_node_hours_only_and_a_pod_not_started_costs_nothing():
+    cpu = cost.update(None, [pod(0, 0, 1800), pod(0, 1, 1800)], 0, NOW, price=2.0, eta_seconds=60)
+    assert cpu["nodeHours"] == pytest.approx(1.0) and cpu["gpuHours"] == 0
+    assert "amount" not in cpu and "projectedGpuHours" not in cpu  # no GPU, nothing priced
+    assert cpu["display"] == "1.00 node-h"
     assert cost.update(None, [pod(0, 0, None)], 8, NOW)["gpuHours"] == 0
 
 
@@ -133,6 +139,18 @@ def test_a_budget_reached_stops_the_gang_as_a_suspension_and_raising_it_resumes(
     name, raised = budget_job(2.0)
     resumed = lifecycle.decide(raised, name, 3, held.status, [], T0)
     assert resumed.create == [0, 1] and resumed.status["attempt"] == running.status["attempt"] + 1
+
+
+def test_a_cpu_jobs_node_hour_budget_stops_it():
+    name, spec = budget_job(1.0)
+    spec.budget.gpu_hours, spec.budget.node_hours = None, 0.5
+    running = run_to([pod_of(0), pod_of(1)])
+    spent = cost.update(None, [pod(0, 0, 900), pod(0, 1, 900)], 0, NOW)  # 2 x 15 min
+    status = running.status | {"cost": spent, "progress": {"step": 7}}
+    stopped = lifecycle.decide(spec, name, 2, status, [pod_of(0), pod_of(1)], T0)
+    assert stopped.phase == "Stopped" and stopped.delete
+    message = {c["type"]: c for c in stopped.status["conditions"]}["Stopped"]["message"]
+    assert "budget of 0.5 node-hours (0.5 spent) reached at step 7" in message
 
 
 def test_the_profile_caps_the_budget_and_gives_one_to_a_job_without():

@@ -3,7 +3,7 @@ operator waits for the trainer to end, and one that saved at the SIGTERM (the re
 "preempted" record) is Preempted, not Lost: no restart budget spent, and the Event names the
 step saved. A deleted pod that ends without a record is still Lost."""
 
-from test_status import decide, pod, run_to
+from test_status import T0, decide, pod, run_to
 
 from ftjob.api import contract
 from ftjob.operator import status as st
@@ -69,3 +69,28 @@ def test_a_gang_lost_whole_is_replaced_at_once_not_at_the_next_resync():
     assert again.create == [0, 1] and again.status["attempt"] == 1
     one_left = decide(running.status, [pod(0)], backoffLimit=3)
     assert one_left.delete == ["tiny-node-0"] and one_left.requeue_after is None
+
+
+def test_a_stopped_gangs_records_count_though_its_pods_are_gone(trainer_runs):
+    """A gang stopped by its budget is deleted as it saves; its pods are gone from the
+    operator's view a moment after their records are written. The records remembered
+    (``ended``) still say where it stopped: the step and the checkpoint the SIGTERM saved."""
+    from test_cost import budget_job
+
+    from ftjob.operator import lifecycle
+
+    run = trainer_runs.get("sigterm")
+    record = contract.parse(run.record)
+    name, spec = budget_job(0.5)
+    running = run_to([pod(0), pod(1)])
+    status = running.status | {"cost": {"gpuHours": 1.0, "attempts": []}}
+    stopped = lifecycle.decide(spec, name, 1, status, [pod(0), pod(1)], T0)
+    assert stopped.phase == "Stopped" and "lastCheckpoint" not in stopped.status
+    ended = [deleted(pod(0, real=run)), deleted(pod(1, real=run))]
+    unseen = lifecycle.decide(spec, name, 1, stopped.status, [], T0)
+    assert "lastCheckpoint" not in unseen.status  # gone before any look: nothing to read
+    told = lifecycle.decide(spec, name, 1, stopped.status, [], T0, ended=ended)
+    assert told.phase == "Stopped" and told.create == []
+    assert told.status["lastCheckpoint"] == {"step": record["step"], "path": record["checkpoint"]}
+    message = {c["type"]: c for c in told.status["conditions"]}["Stopped"]["message"]
+    assert f"reached at step {record['step']}:" in message
