@@ -373,7 +373,7 @@ def apply(
     if pinned is not None:
         defaults = {k: v for k, v in defaults.items() if k not in PINNED} | pinned
     cap = profile.spec.limits.max_gpu_hours_per_job
-    if cap is not None:  # the budget of a job that sets none
+    if cap is not None and _gpus(job):  # the budget of a GPU job that sets none
         defaults["budget"] = {"gpuHours": cap}
     merged = dict(doc)
     merged["spec"] = merge(defaults, job)

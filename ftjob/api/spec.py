@@ -1580,6 +1580,19 @@ class FineTuneJobSpec:
             ".resources.gpuType",
         ),
         Rule(
+            # A CPU job spends node time only (operator/cost.py): a GPU-hour or money budget
+            # would never be reached, and so never stop it.
+            "self.resources.gpusPerNode > 0 || "
+            "(!has(self.budget.gpuHours) && !has(self.budget.amount))",
+            lambda s: (
+                s.resources.gpus_per_node > 0
+                or (s.budget.gpu_hours is None and s.budget.amount is None)
+            ),
+            "a CPU job (gpusPerNode 0) spends no GPU-hours or money, so a budget in gpuHours or "
+            "amount would never stop it; set budget.nodeHours instead",
+            ".budget",
+        ),
+        Rule(
             "self.network.collectiveTimeoutSeconds < self.runPolicy.stallTimeoutSeconds",
             lambda s: s.network.collective_timeout_seconds < s.run_policy.stall_timeout_seconds,
             "collectiveTimeoutSeconds must be shorter than runPolicy.stallTimeoutSeconds, so a "

@@ -12,6 +12,7 @@ from test_status import pod as pod_of
 
 from ftjob.api import manifest
 from ftjob.api.profile import apply, parse_profile
+from ftjob.api.schema import SpecError
 from ftjob.api.spec import parse_resource
 from ftjob.operator import cost, lifecycle
 from ftjob.operator.status import observed_pod
@@ -107,10 +108,14 @@ def test_a_cpu_job_spends_node_hours_only_and_a_pod_not_started_costs_nothing():
     assert cost.update(None, [pod(0, 0, None)], 8, NOW)["gpuHours"] == 0
 
 
-def budget_job(gpu_hours: float):
+def budget_job(gpu_hours: float | None = None, node_hours: float | None = None):
+    """The tiny job with a budget: on GPUs for one in GPU-hours, on CPU for one in node-hours."""
     doc = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
     doc["spec"]["network"] = {"collectiveTimeoutSeconds": 60}
-    doc["spec"]["budget"] = {"gpuHours": gpu_hours}
+    if gpu_hours is not None:
+        doc["spec"]["resources"] = {"nodes": 2, "gpusPerNode": 8}
+    budget = {"gpuHours": gpu_hours, "nodeHours": node_hours}
+    doc["spec"]["budget"] = {k: v for k, v in budget.items() if v is not None}
     return parse_resource(doc)
 
 
@@ -142,8 +147,7 @@ def test_a_budget_reached_stops_the_gang_as_a_suspension_and_raising_it_resumes(
 
 
 def test_a_cpu_jobs_node_hour_budget_stops_it():
-    name, spec = budget_job(1.0)
-    spec.budget.gpu_hours, spec.budget.node_hours = None, 0.5
+    name, spec = budget_job(node_hours=0.5)
     running = run_to([pod_of(0), pod_of(1)])
     spent = cost.update(None, [pod(0, 0, 900), pod(0, 1, 900)], 0, NOW)  # 2 x 15 min
     status = running.status | {"cost": spent, "progress": {"step": 7}}
@@ -158,6 +162,13 @@ def test_the_profile_caps_the_budget_and_gives_one_to_a_job_without():
     team["spec"]["limits"]["maxGpuHoursPerJob"] = 100
     p = parse_profile(team)
     doc = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
+    # A CPU job spends no GPU-hours: the cap gives it no budget (one it could never reach).
+    assert not apply(doc, p).doc["spec"].get("budget")
+    doc["spec"]["budget"] = {"gpuHours": 5}
+    with pytest.raises(SpecError, match="set budget.nodeHours instead"):
+        parse_resource(doc)
+    doc["spec"]["budget"] = {}
+    doc["spec"]["resources"] = {"nodes": 1, "gpusPerNode": 8}
     assert apply(doc, p).doc["spec"]["budget"] == {"gpuHours": 100}
     doc["spec"]["budget"] = {"gpuHours": 500}
     found = apply(doc, p).violations
