@@ -239,8 +239,10 @@ def success_record(export_path: str, progress: dict[str, Any] | None = None) -> 
 # operator reads progress from rank 0 every FTJOB_PROGRESS_SECONDS while it runs, and a job
 # that ends between two reads would otherwise keep the step, loss and checkpoint of the last
 # read (a short job always does). A record holds at most 4096 bytes (the kubelet's limit for a
-# termination message), so this is the few numbers `kubectl get ftj` shows, not the snapshot.
-FINAL_PROGRESS = ("step", "totalSteps", "loss", "evalLoss", "lastCheckpointStep", "lastCheckpoint")
+# termination message), so this is the few numbers `kubectl get ftj` shows, not the snapshot,
+# and the push's outcome: the last thing a trainer does, which no read sees before it exits.
+FINAL_PROGRESS = ("step", "totalSteps", "loss", "evalLoss", "lastCheckpointStep", "lastCheckpoint",
+                  "pushedTo", "promotion")  # fmt: skip
 
 
 def final_progress(snapshot: dict[str, Any]) -> dict[str, Any]:

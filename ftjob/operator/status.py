@@ -507,6 +507,8 @@ def with_final(old: dict[str, Any] | None, final: dict[str, Any]) -> dict[str, A
     if final.get("step", 0) >= out.get("step", 0):
         out |= {k: _readable(final[k]) for k in ("step", "totalSteps", "loss", "evalLoss")
                 if k in final}  # fmt: skip
+    # Where the export went and whether it was promoted: only a record says it (see above).
+    out |= {k: final[k] for k in ("pushedTo", "promotion") if final.get(k)}
     out.setdefault("step", 0)
     out["display"] = _display(out["step"], out.get("totalSteps"))
     return out
