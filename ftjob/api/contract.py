@@ -90,8 +90,10 @@ NCCL_ERROR = "NCCLError"
 DISK_FULL = "DiskFull"
 CHECKPOINT_UNREADABLE = "CheckpointUnreadable"
 EXPORT_FAILED = "ExportFailed"
-# The upload to the Hub (output.push) failed; the export stays, and a rerun only pushes.
-HUB_PUSH_FAILED = "HubPushFailed"
+# The upload of the export to output.push failed, whatever the destination (the Hub or an
+# s3:// prefix): the message names it. The export stays, and a rerun only pushes.
+PUSH_FAILED = "PushFailed"
+HUB_PUSH_FAILED = "HubPushFailed"  # written by trainers before PushFailed; still understood
 OWNED_ELSEWHERE = "JobFolderBusy"  # another run owns the job folder
 # The preflight's findings (ftjob.trainer.gang.preflight), before any weight is read:
 NODE_UNHEALTHY = "NodeUnhealthy"  # a GPU of this node is slow, short of memory or broken
@@ -147,6 +149,7 @@ REASONS = (
     DISK_FULL,
     CHECKPOINT_UNREADABLE,
     EXPORT_FAILED,
+    PUSH_FAILED,
     HUB_PUSH_FAILED,
     OWNED_ELSEWHERE,
     NODE_UNHEALTHY,
@@ -178,6 +181,7 @@ SPECIFICITY = (
     OWNED_ELSEWHERE,
     FABRIC_MISCONFIGURED,
     EXPORT_FAILED,
+    PUSH_FAILED,
     HUB_PUSH_FAILED,
     INTERNAL,
     NCCL_ERROR,

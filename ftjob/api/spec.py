@@ -797,7 +797,8 @@ class OutputSpec:
         "Face Hub model repository (hf://org/name; created if missing; needs "
         "secrets.huggingFaceToken, a token that may write there), or under an s3:// prefix "
         "(storage.s3's store and key pair; multipart, SHA-256 checksums, a manifest written "
-        "last). A failed upload (HubPushFailed) is retried without training again.",
+        "last). A failed upload (PushFailed, naming the destination) is retried without "
+        "training again.",
         None,
         pattern=PUSH_PATTERN,
         pattern_hint=PUSH_HINT,

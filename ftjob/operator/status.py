@@ -71,6 +71,8 @@ ADVICE = {
     contract.CHECKPOINT_UNREADABLE: "the newest checkpoint cannot be loaded into this model: "
     "move it aside on the volume to resume from an older one",
     contract.EXPORT_FAILED: "the trained model could not be written to output.path",
+    contract.PUSH_FAILED: "the upload to output.push failed (the destination named, the "
+    "network or the credentials' rights): the export is kept and the next gang only pushes",
     contract.HUB_PUSH_FAILED: "the upload to output.push failed (the Hub, the network or the "
     "token's rights): the export is kept and the next gang only pushes",
     contract.OWNED_ELSEWHERE: "another run owns the job folder on the volume",
@@ -113,6 +115,7 @@ SPECIFICITY = (
     contract.OWNED_ELSEWHERE,
     contract.FABRIC_MISCONFIGURED,
     contract.EXPORT_FAILED,
+    contract.PUSH_FAILED,
     contract.HUB_PUSH_FAILED,
     "Preempted",
     "Evicted",

@@ -220,9 +220,9 @@ def _objects(store, bucket: str, prefix: str) -> dict[str, bytes]:
 
 
 def test_the_export_is_uploaded_once_and_a_refused_upload_keeps_it(store, tmp_path):
-    """output.push: s3://...: an identity that may not write fails the job as HubPushFailed
-    with the export kept; run again with one that may, it uploads without training; a third
-    run does nothing."""
+    """output.push: s3://...: an identity that may not write fails the job as PushFailed
+    naming the S3 prefix, with the export kept; run again with one that may, it uploads
+    without training; a third run does nothing."""
     store.upload("public", MODEL, "tiny-model")
     store.upload("public", DATA, "tiny-text.jsonl")
     doc = job("s3-export", model={"source": "s3://public/tiny-model"},
@@ -231,7 +231,8 @@ def test_the_export_is_uploaded_once_and_a_refused_upload_keeps_it(store, tmp_pa
               storage={"s3": {"endpoint": store.endpoint}})  # fmt: skip
     runs, workdir = tmp_path / "runs", tmp_path / "runs" / "s3-export"
     code, out = _run(doc, runs, store.env("reader"))  # reads public, may write nowhere
-    assert code != 0 and "HubPushFailed" in out and "s3:PutObject" in out, out[-3000:]
+    assert code != 0 and "PushFailed" in out and "s3:PutObject" in out, out[-3000:]
+    assert "the push to the S3 prefix s3://exports/tiny/v1 failed" in out, out[-3000:]
     assert (workdir / "model" / "config.json").is_file()  # the export stays
     steps = final(workdir)["step"]
     code, out = _run(doc, runs, store.env("admin"))

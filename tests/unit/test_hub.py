@@ -89,8 +89,9 @@ def test_ftjob_run_leaves_a_trained_job_whose_push_is_pending_to_the_trainer(tmp
     assert inputs.already_trained(job, tmp_path, recorded) == tmp_path / "model"
 
 
-def test_hub_push_failed_is_named_everywhere_and_retryable():
-    reason = contract.HUB_PUSH_FAILED
+@pytest.mark.parametrize("reason", [contract.PUSH_FAILED, contract.HUB_PUSH_FAILED])
+def test_push_failed_is_named_everywhere_and_retryable(reason):
+    """PushFailed, and HubPushFailed, which trainers wrote before it (still understood)."""
     assert reason in contract.REASONS and reason not in contract.NOT_IN_PLACE
     assert reason not in status.PERMANENT and "output.push" in status.ADVICE[reason]
     assert "run it again" in failure.FIXES[reason]
@@ -139,7 +140,7 @@ def test_a_full_fine_tunes_card_without_an_evaluation_says_so():
     assert 'AutoModelForCausalLM.from_pretrained("my-org/tuned")' in text
 
 
-def test_a_push_with_no_token_at_all_fails_as_hub_push_failed_naming_hf_token(
+def test_a_push_with_no_token_at_all_fails_as_push_failed_naming_the_hub_and_hf_token(
     tmp_path, monkeypatch
 ):
     """The spec asks for the Secret; a pod (or `ftjob run`) that still has no token fails
@@ -160,7 +161,8 @@ def test_a_push_with_no_token_at_all_fails_as_hub_push_failed_naming_hf_token(
     one = parallel.Dist(0, 0, 1, 1, torch.device("cpu"))
     with pytest.raises(contract.TrainerError) as e:
         push.push(job, tmp_path, tmp_path / "model", one, report)
-    assert e.value.reason == contract.HUB_PUSH_FAILED and e.value.where == "spec.output.push"
+    assert e.value.reason == contract.PUSH_FAILED and e.value.where == "spec.output.push"
+    assert "the push to the Hub repository hf://my-org/tuned failed" in str(e.value)
     assert "HF_TOKEN is not set" in str(e.value) and "HF_TOKEN" in e.value.fix
     assert jobfolder.pushed(tmp_path) is None and report.snapshot.get("pushedTo") is None
 

@@ -7,7 +7,8 @@ false``; an existing one keeps its visibility) and uploads the export (:func:`la
 ``README.md`` model card in one commit, with huggingface_hub's own API (``HfApi.create_repo``,
 ``HfApi.create_commit``). The token is ``HF_TOKEN`` (``spec.secrets.huggingFaceToken``).
 
-A failed upload fails the job as ``HubPushFailed`` (retryable): the export and the job
+A failed upload fails the job as ``PushFailed`` (retryable), its message naming the
+destination (:func:`destination`) and its fix that destination's: the export and the job
 folder's record stay, so the next attempt -- a new gang, an in-place restart or ``ftjob run``
 again -- finds the job trained (:func:`ftjob.job.folder.finished`) and only pushes. The push
 that completed is recorded in ``<job folder>/pushed.json`` (:func:`ftjob.job.folder.
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from ftjob import __version__
 from ftjob.api import objectives, promotion
-from ftjob.api.contract import HUB_PUSH_FAILED, TrainerError
+from ftjob.api.contract import PUSH_FAILED, TrainerError
 from ftjob.api.schema import to_dict
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import folder as jobfolder
@@ -58,9 +59,16 @@ def repo_id(push: str) -> str:
     return push.removeprefix("hf://")
 
 
+def destination(push: str) -> str:
+    """PURE: the destination as a failure names it: "the Hub repository hf://org/name", "the
+    S3 prefix s3://bucket/prefix"."""
+    kind = "the Hub repository" if push.startswith("hf://") else "the S3 prefix"
+    return f"{kind} {push}"
+
+
 def push(spec: FineTuneJobSpec, job_dir: Path, out: Path, d, report) -> None:
     """Upload the export if ``output.push`` asks for an upload not yet done (collective: rank
-    0 uploads, every rank raises the same HubPushFailed if it failed)."""
+    0 uploads, every rank raises the same PushFailed if it failed)."""
     if not spec.output.push:
         return
     # The other ranks wait for the upload in a gloo group of their own (CPU objects), with a
@@ -72,7 +80,8 @@ def push(spec: FineTuneJobSpec, job_dir: Path, out: Path, d, report) -> None:
         try:
             _push_once(spec, job_dir, out, report)
         except Exception as e:  # noqa: BLE001 - every failure is named, agreed and raised below
-            failed = f"uploading {out} to {spec.output.push} failed: {type(e).__name__}: {e}"
+            where = destination(spec.output.push)
+            failed = f"the push to {where} failed: uploading {out}: {type(e).__name__}: {e}"
     if group is not None:
         agreed = [failed]
         dist.broadcast_object_list(agreed, src=0, group=group)
@@ -80,7 +89,7 @@ def push(spec: FineTuneJobSpec, job_dir: Path, out: Path, d, report) -> None:
         dist.destroy_process_group(group)
     if failed is not None:
         fix = FIX if spec.output.push.startswith("hf://") else S3_FIX
-        raise TrainerError(failed, reason=HUB_PUSH_FAILED, where="spec.output.push", fix=fix)
+        raise TrainerError(failed, reason=PUSH_FAILED, where="spec.output.push", fix=fix)
 
 
 def _push_once(spec: FineTuneJobSpec, job_dir: Path, out: Path, report) -> None:
