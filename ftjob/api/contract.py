@@ -61,7 +61,7 @@ PHASES = (
     "checkpointing",
     "evaluating",
     "exporting",
-    "pushing",  # uploading the export to the Hub (output.push)
+    "pushing",  # uploading the export to output.push's destinations
     "succeeded",
     "failed",
     # SIGTERM (an eviction, a drain, a spot reclaim, Kueue preemption): the gang stopped at one

@@ -417,7 +417,7 @@ def s3_job(plane: Plane, store: SimpleNamespace, name: str, keys: tuple[str, str
     job["spec"]["model"]["source"] = "s3://models/tiny-model"
     job["spec"]["dataset"]["source"] = "s3://data/tiny-chat.jsonl"
     job["spec"]["training"] |= {"maxSteps": 10, "evalEvery": 10}
-    job["spec"]["output"] = {"push": f"s3://exports/{name}"}
+    job["spec"]["output"] = {"push": [f"s3://exports/{name}"]}
     job["spec"]["storage"] = {"s3": {
         "endpoint": store.endpoint, "region": "us-east-1",
         "accessKeyId": {"name": f"{name}-s3", "key": "id"},
@@ -447,7 +447,7 @@ def test_a_job_from_s3_through_the_operator_exports_to_s3_and_the_export_loads(
     ref = env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "s3job-s3", "key": "secret"}, ref  # the secret never in the pod spec
     status = finished(plane, "s3job")
-    assert status["progress"]["pushedTo"] == "s3://exports/s3job", status["progress"]
+    assert status["progress"]["pushedTo"] == ["s3://exports/s3job"], status["progress"]
     assert list((volume / "s3-cache").glob("*/.complete")), "the download is not in the cache"
     # What the bucket holds, fetched from it as any reader would, loads.
     with pytest.MonkeyPatch.context() as mp:

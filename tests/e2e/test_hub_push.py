@@ -37,7 +37,7 @@ def doc(name: str, repo: str, **changes) -> dict:
     return job(
         name,
         checkpoint={"every": 4, "keep": 1},
-        output={"push": f"hf://{repo}", **changes.pop("output", {})},
+        output={"push": [f"hf://{repo}"], **changes.pop("output", {})},
         secrets={"huggingFaceToken": {"name": "hf-token"}},
         **changes,
     )
@@ -108,15 +108,15 @@ def test_push_uploads_the_export_byte_for_byte_in_one_private_commit(pushed, ser
     assert server.requests["unauthorized"] == 0  # every call carried HF_TOKEN
     # Recorded in the job folder and progress, and said in the log.
     url = f"{server.url}/ftjob-test/full/commit/{repo['commits'][0]['oid']}"
-    record = json.loads((workdir / "pushed.json").read_text())
+    record = json.loads((workdir / "pushed.json").read_text())["pushes"]["hf://ftjob-test/full"]
     assert record["commitUrl"] == url and record["revision"] == repo["commits"][0]["oid"]
     assert record["repo"] == "hf://ftjob-test/full" and record["trainedSteps"] == 6
-    assert final(workdir)["pushedTo"] == url and final(workdir)["phase"] == "succeeded"
+    assert final(workdir)["pushedTo"] == [url] and final(workdir)["phase"] == "succeeded"
     assert "pushed the export to hf://ftjob-test/full in" in out and url in out, out
     # The operator shows it in status.progress, read from the trainer's real snapshot.
     from ftjob.operator import status
 
-    assert status.progress(final(workdir))["pushedTo"] == url
+    assert status.progress(final(workdir))["pushedTo"] == [url]
 
 
 def test_pushed_model_downloads_and_loads_as_the_export(pushed, server, tmp_path):
@@ -228,7 +228,8 @@ def test_the_rerun_pushes_without_training_again(failed, server):
     stored = files(server.folder("ftjob-test/retried"))
     assert {k: v for k, v in stored.items() if k != "README.md"} == first["export"]
     assert len(server.commits("ftjob-test/retried")) == 1
-    assert final(workdir)["pushedTo"].startswith(f"{server.url}/ftjob-test/retried/commit/")
+    [url] = final(workdir)["pushedTo"]
+    assert url.startswith(f"{server.url}/ftjob-test/retried/commit/")
     # The card still carries the losses of the run that trained (progress.json kept them).
     assert f"{final(workdir)['loss']:.4f}" in stored["README.md"].decode()
 
