@@ -222,23 +222,36 @@ def _objects(store, bucket: str, prefix: str) -> dict[str, bytes]:
 
 
 def test_the_export_is_uploaded_once_and_a_refused_upload_keeps_it(store, tmp_path):
-    """output.push: s3://...: an identity that may not write fails the job as PushFailed
-    naming the S3 prefix, with the export kept; run again with one that may, it uploads
-    without training; a third run does nothing."""
+    """output.push to the Hub (the local server speaking its upload API) and an s3:// prefix:
+    an identity that may not write to the store fails the job as PushFailed naming the S3
+    prefix, after the Hub commit, with the export kept; run again with one that may, it
+    uploads to S3 only, without training; a third run does nothing."""
     store.upload("public", MODEL, "tiny-model")
     store.upload("public", DATA, "tiny-text.jsonl")
     doc = job("s3-export", model={"source": "s3://public/tiny-model"},
               dataset={"source": "s3://public/tiny-text.jsonl"}, training={"maxSteps": 4},
-              output={"push": ["s3://exports/tiny/v1"]},
-              storage={"s3": {"endpoint": store.endpoint}})  # fmt: skip
+              output={"push": ["hf://ftjob-test/v1", "s3://exports/tiny/v1"]},
+              secrets={"huggingFaceToken": {"name": "hf-token"}},
+              storage={"s3": {"endpoint": store.endpoint}},
+              # The refused run ends at its first failure: restarts in place would be refused
+              # alike, and a restart another node starts can empty node 0's record, leaving
+              # ftjob run the log tail's words instead of the record's fix.
+              runPolicy={"inPlaceRestarts": 0})  # fmt: skip
     runs, workdir = tmp_path / "runs", tmp_path / "runs" / "s3-export"
-    code, out = _run(doc, runs, store.env("reader"))  # reads public, may write nowhere
-    assert code != 0 and "PushFailed" in out and "s3:PutObject" in out, out[-3000:]
-    assert "the push to the S3 prefix s3://exports/tiny/v1 failed" in out, out[-3000:]
-    assert (workdir / "model" / "config.json").is_file()  # the export stays
-    steps = final(workdir)["step"]
-    code, out = _run(doc, runs, store.env("admin"))
-    assert code == 0, out[-3000:]
+    hub = HubServer(tmp_path / "hub", HF_TOKEN)
+    try:
+        # The reader reads public and may write nowhere in the store.
+        code, out = _run(doc, runs, {**store.env("reader"), **_hub_env(hub)})
+        assert code != 0 and "PushFailed" in out and "s3:PutObject" in out, out[-3000:]
+        assert "the push to the S3 prefix s3://exports/tiny/v1 failed" in out, out[-3000:]
+        assert (workdir / "model" / "config.json").is_file()  # the export stays
+        assert len(hub.commits("ftjob-test/v1")) == 1  # the Hub's push, before, is kept
+        steps = final(workdir)["step"]
+        code, out = _run(doc, runs, {**store.env("admin"), **_hub_env(hub)})
+        assert code == 0, out[-3000:]
+        assert len(hub.commits("ftjob-test/v1")) == 1  # not pushed there again
+    finally:
+        hub.close()
     assert final(workdir)["step"] == steps  # nothing trained again
     uploaded = _objects(store, "exports", "tiny/v1")
     local = files(workdir / "model")
@@ -250,6 +263,13 @@ def test_the_export_is_uploaded_once_and_a_refused_upload_keeps_it(store, tmp_pa
     code, out = _run(doc, runs, store.env("admin"))
     # Trained and pushed: ftjob run answers from the job folder's records, starting nothing.
     assert code == 0 and "already trained" in out and "pushing" not in out, out[-3000:]
+
+
+def _hub_env(hub: HubServer) -> dict[str, str]:
+    """The local Hub server, as huggingface_hub is pointed at it (Git LFS's basic transfer:
+    Xet off) with the token it takes."""
+    return {"HF_ENDPOINT": hub.url, "HF_TOKEN": HF_TOKEN, "HF_HUB_DISABLE_XET": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1"}  # fmt: skip
 
 
 def test_an_upload_complete_there_is_not_repeated(store, tmp_path, monkeypatch):
@@ -287,9 +307,7 @@ def test_the_push_to_the_hub_and_s3_waits_for_its_condition_on_the_final_evaluat
               storage={"s3": {"endpoint": store.endpoint}})  # fmt: skip
     hub = HubServer(tmp_path / "hub", HF_TOKEN)
     try:
-        env = {**store.env("admin"), "HF_ENDPOINT": hub.url, "HF_TOKEN": HF_TOKEN,
-               "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}  # fmt: skip
-        code, out = _run(doc, tmp_path / "runs", env)
+        code, out = _run(doc, tmp_path / "runs", {**store.env("admin"), **_hub_env(hub)})
     finally:
         hub.close()
     assert code == 0, out[-3000:]
