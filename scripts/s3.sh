@@ -3,10 +3,12 @@
 # (tests/s3/) and anyone who wants an object store on loopback:
 #
 #   scripts/s3.sh build          weed into a cache keyed by its version
-#   scripts/s3.sh up DIR         start `weed mini` (master, volume, filer and S3 gateway in one
-#                                process) on 127.0.0.1, all state in DIR; writes DIR/env (the
+#   scripts/s3.sh up DIR [BIND]  start `weed server` (master, volume, filer and S3 gateway in
+#                                one process) on 127.0.0.1, all state in DIR; writes DIR/env (the
 #                                endpoint and the identities' keys, shell syntax); returns when
-#                                the S3 gateway answers
+#                                the S3 gateway answers. BIND (default 127.0.0.1): the address
+#                                it listens on; 0.0.0.0 lets containers on podman's bridge reach
+#                                it at the bridge's gateway (tests/cluster/test_podman_node.py)
 #   scripts/s3.sh down DIR       stop what `up` started (by pid)
 #   scripts/s3.sh bin            print the folder holding weed
 #
@@ -49,14 +51,15 @@ cmd_build() {
   echo "s3.sh: built into $BIN"
 }
 
-# A free port below 55536: SeaweedFS serves gRPC on each HTTP port + 10000.
+# A free port below 55536 (SeaweedFS serves gRPC on each HTTP port + 10000), on every address:
+# free whichever BIND `up` is given.
 free_port() {
   python3 -c '
 import random, socket
 while True:
     p = random.randrange(20000, 55000)
     try:
-        socket.create_server(("127.0.0.1", p)).close(); socket.create_server(("127.0.0.1", p + 10000)).close()
+        socket.create_server(("", p)).close(); socket.create_server(("", p + 10000)).close()
     except OSError:
         continue
     print(p); break'
@@ -97,14 +100,15 @@ EOF
 
 cmd_up() {
   DIR=${1:-}
-  [[ -n "$DIR" ]] || die "usage: s3.sh up DIR"
+  local bind=${2:-127.0.0.1}
+  [[ -n "$DIR" ]] || die "usage: s3.sh up DIR [BIND]"
   [[ -x "$BIN/weed" ]] || cmd_build >&2
   mkdir -p "$DIR/data" && DIR=$(cd "$DIR" && pwd)
   [[ -e "$DIR/pid" ]] && die "$DIR/pid exists: a server runs there ('s3.sh down $DIR')"
   [[ -s "$DIR/env" ]] || write_env
   # shellcheck disable=SC1091
   . "$DIR/env"
-  "$BIN/weed" server -ip=127.0.0.1 -ip.bind=127.0.0.1 -dir="$DIR/data" \
+  "$BIN/weed" server -ip=127.0.0.1 -ip.bind="$bind" -dir="$DIR/data" \
     -master.port="$MASTER_PORT" -volume.port="$VOLUME_PORT" -filer -filer.port="$FILER_PORT" \
     -s3 -s3.port="$S3_PORT" -s3.config="$DIR/s3.json" -master.volumeSizeLimitMB=256 \
     -volume.max=0 >"$DIR/weed.log" 2>&1 &
@@ -142,5 +146,5 @@ case ${1:-} in
   up) shift; cmd_up "$@" ;;
   down) shift; cmd_down "$@" ;;
   bin) echo "$BIN" ;;
-  *) die "usage: s3.sh build | up DIR | down DIR | bin" ;;
+  *) die "usage: s3.sh build | up DIR [BIND] | down DIR | bin" ;;
 esac

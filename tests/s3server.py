@@ -28,12 +28,12 @@ def build() -> None:
 class S3Server:
     """``scripts/s3.sh up DIR``'s server: its endpoint, its identities' environments."""
 
-    def __init__(self, workdir: Path):
-        self.dir = workdir
+    def __init__(self, workdir: Path, bind: str = "127.0.0.1"):
+        self.dir, self.bind = workdir, bind  # bind: the address it listens on (s3.sh up)
 
     def up(self) -> S3Server:
-        done = subprocess.run(["bash", str(S3_SH), "up", str(self.dir)], capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
+        done = subprocess.run(["bash", str(S3_SH), "up", str(self.dir), self.bind],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         return self
 

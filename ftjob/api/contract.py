@@ -61,7 +61,7 @@ PHASES = (
     "checkpointing",
     "evaluating",
     "exporting",
-    "pushing",  # uploading the export to the Hub (output.push)
+    "pushing",  # uploading the export to output.push's destinations
     "succeeded",
     "failed",
     # SIGTERM (an eviction, a drain, a spot reclaim, Kueue preemption): the gang stopped at one
@@ -90,8 +90,10 @@ NCCL_ERROR = "NCCLError"
 DISK_FULL = "DiskFull"
 CHECKPOINT_UNREADABLE = "CheckpointUnreadable"
 EXPORT_FAILED = "ExportFailed"
-# The upload to the Hub (output.push) failed; the export stays, and a rerun only pushes.
-HUB_PUSH_FAILED = "HubPushFailed"
+# The upload of the export to output.push failed, whatever the destination (the Hub or an
+# s3:// prefix): the message names it. The export stays, and a rerun only pushes.
+PUSH_FAILED = "PushFailed"
+HUB_PUSH_FAILED = "HubPushFailed"  # written by trainers before PushFailed; still understood
 OWNED_ELSEWHERE = "JobFolderBusy"  # another run owns the job folder
 # The preflight's findings (ftjob.trainer.gang.preflight), before any weight is read:
 NODE_UNHEALTHY = "NodeUnhealthy"  # a GPU of this node is slow, short of memory or broken
@@ -147,6 +149,7 @@ REASONS = (
     DISK_FULL,
     CHECKPOINT_UNREADABLE,
     EXPORT_FAILED,
+    PUSH_FAILED,
     HUB_PUSH_FAILED,
     OWNED_ELSEWHERE,
     NODE_UNHEALTHY,
@@ -178,6 +181,7 @@ SPECIFICITY = (
     OWNED_ELSEWHERE,
     FABRIC_MISCONFIGURED,
     EXPORT_FAILED,
+    PUSH_FAILED,
     HUB_PUSH_FAILED,
     INTERNAL,
     NCCL_ERROR,
@@ -239,8 +243,10 @@ def success_record(export_path: str, progress: dict[str, Any] | None = None) -> 
 # operator reads progress from rank 0 every FTJOB_PROGRESS_SECONDS while it runs, and a job
 # that ends between two reads would otherwise keep the step, loss and checkpoint of the last
 # read (a short job always does). A record holds at most 4096 bytes (the kubelet's limit for a
-# termination message), so this is the few numbers `kubectl get ftj` shows, not the snapshot.
-FINAL_PROGRESS = ("step", "totalSteps", "loss", "evalLoss", "lastCheckpointStep", "lastCheckpoint")
+# termination message), so this is the few numbers `kubectl get ftj` shows, not the snapshot,
+# and the push's outcome: the last thing a trainer does, which no read sees before it exits.
+FINAL_PROGRESS = ("step", "totalSteps", "loss", "evalLoss", "lastCheckpointStep", "lastCheckpoint",
+                  "pushedTo", "promotion")  # fmt: skip
 
 
 def final_progress(snapshot: dict[str, Any]) -> dict[str, Any]:

@@ -84,8 +84,9 @@ def is_remote(source: str) -> bool:
     return source.startswith(REMOTE_SOURCES)
 
 
-# output.push: a Hub model repository, always with its namespace (a user or an organization),
-# or an s3:// prefix (a bucket name as for sources, and a prefix: never a bucket's root).
+# output.push: destinations, each a Hub model repository, always with its namespace (a user or
+# an organization), or an s3:// prefix (a bucket name as for sources, and a prefix: never a
+# bucket's root).
 PUSH_PATTERN = (
     r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
     r"|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/[^\s]*[^\s/])$"
@@ -792,20 +793,24 @@ class OutputSpec:
         "mergeAdapter also writes the base model with the adapter merged in (lora/qlora).",
         False,
     )
-    push: str | None = api_field(
-        "push uploads the export, with a model card, once training has finished: to a Hugging "
-        "Face Hub model repository (hf://org/name; created if missing; needs "
-        "secrets.huggingFaceToken, a token that may write there), or under an s3:// prefix "
-        "(storage.s3's store and key pair; multipart, SHA-256 checksums, a manifest written "
-        "last). A failed upload (HubPushFailed) is retried without training again.",
+    push: list[str] | None = api_field(
+        "push uploads the export, with a model card, once training has finished, to each "
+        "destination listed, in order: a Hugging Face Hub model repository (hf://org/name; "
+        "created if missing; needs secrets.huggingFaceToken, a token that may write there), or "
+        "an s3:// prefix (storage.s3's store and key pair; multipart, SHA-256 checksums, a "
+        "manifest written last). A failed upload (PushFailed, naming the destination) is "
+        "retried without training again, and without uploading again where it was done.",
         None,
+        min_items=1,
+        max_items=4,
         pattern=PUSH_PATTERN,
         pattern_hint=PUSH_HINT,
         max_length=200,
-        example="hf://my-org/llama3-8b-guanaco",
+        example=["hf://my-org/llama3-8b-guanaco", "s3://models/llama3-8b-guanaco"],
     )
     promote_when: str | None = api_field(
-        "promoteWhen: the push waits for this condition on the final evaluation's metrics, "
+        "promoteWhen: the push (to every destination) waits for this condition on the final "
+        "evaluation's metrics, "
         "e.g. 'evalLoss < 1.8' or 'evalRewardAccuracy >= 0.7 and evalLoss < 0.6' (evalLoss, "
         "and eval + each metric of training.objective; <, <=, >, >=; joined by and). Unmet: "
         "the job succeeds unpromoted and status.progress.promotion says why, with the numbers.",
@@ -820,6 +825,12 @@ class OutputSpec:
     )
 
     __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "!has(self.push) || self.push.all(p, self.push.exists_one(q, q == p))",
+            lambda o: o.push is None or len(set(o.push)) == len(o.push),
+            "push lists each destination once",
+            ".push",
+        ),
         Rule(
             f"!has(self.path) || !self.path.matches('{RESERVED_OUTPUT}')",
             lambda o: o.path is None or not re.match(RESERVED_OUTPUT, o.path),
@@ -1637,14 +1648,15 @@ class FineTuneJobSpec:
             ".output.promoteWhen",
         ),
         Rule(
-            "!has(self.output.push) || !self.output.push.startsWith('hf://') "
+            "!has(self.output.push) || !self.output.push.exists(p, p.startsWith('hf://')) "
             "|| has(self.secrets.huggingFaceToken)",
             lambda s: (
-                not (s.output.push or "").startswith("hf://")
+                not any(p.startswith("hf://") for p in s.output.push or [])
                 or s.secrets.hugging_face_token is not None
             ),
-            "output.push needs secrets.huggingFaceToken: a Secret key holding a Hub token that "
-            "may write to the repository (ftjob run reads HF_TOKEN from its environment)",
+            "output.push to the Hub needs secrets.huggingFaceToken: a Secret key holding a Hub "
+            "token that may write to the repository (ftjob run reads HF_TOKEN from its "
+            "environment)",
             ".output.push",
         ),
         Rule(

@@ -76,8 +76,10 @@ class Progress:
         "the export at this path when it completes; the export stays readable until then.",
         None,
     )
-    pushed_to: str | None = api_field(
-        "pushedTo: the Hub commit or s3:// prefix the export was uploaded to (output.push).", None
+    pushed_to: list[str] | None = api_field(
+        "pushedTo: where the export was uploaded (output.push), in its order: each Hub commit "
+        "or s3:// prefix.",
+        None,
     )
     download: str | None = api_field(
         "download: how much of an s3:// source rank 0 has downloaded, e.g. '1.20 of 5.00 GiB "

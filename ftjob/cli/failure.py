@@ -30,6 +30,9 @@ FIXES = {
     contract.HOST_OOM: "this machine ran out of memory: `ftjob plan FILE` estimates it per "
     "process; use fewer processes (resources.nodes) or a smaller model",
     contract.DISK_FULL: "free space where the job folder is, or lower spec.checkpoint.keep",
+    contract.PUSH_FAILED: "check that the credentials may write to spec.output.push (HF_TOKEN "
+    "for the Hub, the key pair for s3://) and the network, then run it again: the export is "
+    "kept and only the push is retried",
     contract.HUB_PUSH_FAILED: "check HF_TOKEN (write access to spec.output.push) and the "
     "network, then run it again: the export is kept and only the push is retried",
     contract.COLLECTIVE_TIMEOUT: "a rank stopped answering (named above when its heartbeat "

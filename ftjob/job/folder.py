@@ -415,39 +415,60 @@ def swap_in_export(new: Path, out: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ the push
-# output.push uploads the export to the Hub after training. What was pushed is recorded beside
-# the spec, so a rerun of a finished job pushes only what is not there yet (the push failed,
-# output.push was added or changed, or a continued job replaced the export) and trains nothing.
+# output.push uploads the export to each destination after training. What was pushed where is
+# recorded beside the spec, one record per destination, so a rerun of a finished job pushes
+# only where it is not done yet (a push failed, a destination was added or changed, or a
+# continued job replaced the export) and trains nothing.
 
 
-def pushed(folder: Path) -> dict[str, Any] | None:
-    """The record of the latest push from this folder, or None."""
+def pushed(folder: Path) -> dict[str, dict[str, Any]]:
+    """Destination -> the record of the latest push there from this folder (empty: none). A
+    record without ``commitUrl`` is a push decided not to happen (output.promoteWhen)."""
     try:
         value = json.loads(JobFolder(folder).pushed.read_text())
     except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
+        return {}
+    if not isinstance(value, dict):
+        return {}
+    if "repo" in value:  # written before output.push listed destinations: one record
+        return {value["repo"]: value}
+    pushes = value.get("pushes")
+    return pushes if isinstance(pushes, dict) else {}
 
 
-def push_key(spec: FineTuneJobSpec, recorded: dict[str, Any]) -> dict[str, Any]:
-    """What a push uploads: the repository, and which export (its path and the steps it holds)."""
+def push_key(spec: FineTuneJobSpec, recorded: dict[str, Any], destination: str) -> dict[str, Any]:
+    """What a push uploads: the destination, and which export (its path and the steps it
+    holds)."""
     return {
-        "repo": spec.output.push,
+        "repo": destination,
         "export": spec.output.path or "model",
         "trainedSteps": recorded.get("trainedSteps"),
     }
 
 
+def pending_pushes(spec: FineTuneJobSpec, folder: Path, recorded: dict[str, Any]) -> list[str]:
+    """The destinations of output.push whose upload of the folder's export is not yet done."""
+    done = pushed(folder)
+
+    def is_done(where: str) -> bool:
+        record = done.get(where, {})
+        return {k: record.get(k) for k in ("repo", "export", "trainedSteps")} == push_key(
+            spec, recorded, where
+        )
+
+    return [where for where in spec.output.push or [] if not is_done(where)]
+
+
 def push_pending(spec: FineTuneJobSpec, folder: Path, recorded: dict[str, Any]) -> bool:
-    """Whether output.push names an upload of the folder's export not yet done."""
-    if not spec.output.push:
-        return False
-    done = pushed(folder) or {}
-    return {k: done.get(k) for k in ("repo", "export", "trainedSteps")} != push_key(spec, recorded)
+    return bool(pending_pushes(spec, folder, recorded))
 
 
-def record_push(folder: Path, spec: FineTuneJobSpec, recorded: dict[str, Any], **found) -> dict:
-    """Record a push that completed (``found``: its commit URL, revision, ...), atomically."""
-    doc = {**push_key(spec, recorded), **found}
-    atomic.write_json(JobFolder(folder).pushed, doc)
+def record_push(
+    folder: Path, spec: FineTuneJobSpec, recorded: dict[str, Any], destination: str, **found
+) -> dict:
+    """Record a push to ``destination`` that completed (``found``: its commit URL, revision,
+    ...), or was decided against, atomically, keeping the other destinations' records."""
+    doc = {**push_key(spec, recorded, destination), **found}
+    pushes = {**pushed(folder), destination: doc}
+    atomic.write_json(JobFolder(folder).pushed, {"pushes": pushes})
     return doc

@@ -79,6 +79,8 @@ ADVICE = {
     contract.CHECKPOINT_UNREADABLE: "the newest checkpoint cannot be loaded into this model: "
     "move it aside on the volume to resume from an older one",
     contract.EXPORT_FAILED: "the trained model could not be written to output.path",
+    contract.PUSH_FAILED: "the upload to output.push failed (the destination named, the "
+    "network or the credentials' rights): the export is kept and the next gang only pushes",
     contract.HUB_PUSH_FAILED: "the upload to output.push failed (the Hub, the network or the "
     "token's rights): the export is kept and the next gang only pushes",
     contract.OWNED_ELSEWHERE: "another run owns the job folder on the volume",
@@ -121,6 +123,7 @@ SPECIFICITY = (
     contract.OWNED_ELSEWHERE,
     contract.FABRIC_MISCONFIGURED,
     contract.EXPORT_FAILED,
+    contract.PUSH_FAILED,
     contract.HUB_PUSH_FAILED,
     "Preempted",
     "Evicted",
@@ -515,6 +518,8 @@ def with_final(old: dict[str, Any] | None, final: dict[str, Any]) -> dict[str, A
     if final.get("step", 0) >= out.get("step", 0):
         out |= {k: _readable(final[k]) for k in ("step", "totalSteps", "loss", "evalLoss")
                 if k in final}  # fmt: skip
+    # Where the export went and whether it was promoted: only a record says it (see above).
+    out |= {k: final[k] for k in ("pushedTo", "promotion") if final.get(k)}
     out.setdefault("step", 0)
     out["display"] = _display(out["step"], out.get("totalSteps"))
     return out

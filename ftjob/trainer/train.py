@@ -254,7 +254,7 @@ def _succeeded(job: Job) -> Path:
     """The job is done (once output.push is pushed): say so in progress and in the record the
     operator requires."""
     out = job.out
-    push.push(job.asked, job.folder, out, job.d, job.report)  # a failure: HubPushFailed
+    push.push(job.asked, job.folder, out, job.d, job.report)  # a failure: PushFailed
     job.report.update(phase="succeeded", exportPath=str(out), etaSeconds=0)
     if job.d.is_main:
         termination.write(contract.success_record(str(out), job.report.final()))

@@ -6,7 +6,9 @@ ftj` shows the loss, then Succeeded -> the export on the volume's host folder lo
 logged loss equals `ftjob run examples/tiny.yaml`'s. Then a container SIGKILLed mid-run, a
 pod evicted, and a pod deleted: each time the operator replaces the gang and the run resumes
 from its checkpoint with the same losses. And a job whose image does not exist, edited to the
-built one: a new gang trains it.
+built one: a new gang trains it. And a job whose model and data are s3:// objects on a real S3
+server (tests/s3server.py), with the key pair from a Secret the job names, exported to an s3://
+prefix; and the same job with a key pair the store refuses: BadModel, not retried.
 
     python -m pytest tests/cluster/test_podman_node.py -q   # needs podman and the plane
 """
@@ -28,6 +30,7 @@ import hangs
 import pytest
 from plane import ROOT, Plane, shared_volume, token_kubeconfig
 from podman_node import LABEL, NODE_LABEL
+from s3server import S3Server
 
 sys.path.append(str(ROOT / "tests" / "emulator"))
 from podrun import PODMAN, fs_group  # noqa: E402  (podman_node put tests/images on the path)
@@ -424,3 +427,99 @@ def test_a_budget_reached_stops_at_a_checkpoint_and_raised_resumes_to_the_same_l
     assert [a["attempt"] for a in status["cost"]["attempts"]] == [0, 1], status["cost"]
     print(f"\nbudget reached: stopped at step {step}, checkpoint {newest}; resumed from it")
     assert losses(folder) == reference.losses
+
+
+@pytest.fixture(scope="module")
+def pod_store(tmp_path_factory) -> SimpleNamespace:
+    """A real S3 server the pods reach: weed listens on every address, and a container on
+    podman's bridge reaches the host at the bridge's gateway (the host's address on podman's
+    network; 127.0.0.1 in a pod is the pod itself). The example's model and chat data are
+    uploaded to buckets models and data."""
+    import s3server
+
+    s3server.build()
+    server = S3Server(tmp_path_factory.mktemp("s3"), bind="0.0.0.0").up()
+    try:
+        server.upload("models", ROOT / "examples" / "tiny-model", "tiny-model")
+        server.upload("data", ROOT / "examples" / "data" / "tiny-chat.jsonl", "tiny-chat.jsonl")
+        net = podman("network", "inspect", "podman", "--format",
+                     "{{range .Subnets}}{{.Gateway}}{{end}}")  # fmt: skip
+        gateway = net.stdout.strip()
+        assert gateway, f"podman's network has no gateway: {net.stderr}"
+        port = server.vars["S3_PORT"]
+        yield SimpleNamespace(server=server, endpoint=f"http://{gateway}:{port}")
+    finally:
+        server.down()
+
+
+def podman(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*PODMAN, *args], capture_output=True, text=True, timeout=120)
+
+
+def s3_job(plane: Plane, store: SimpleNamespace, name: str, keys: tuple[str, str]) -> dict:
+    """tiny() with its model and data on the store, the key pair in a Secret it names, the
+    export pushed to s3://exports/<name>; a short run (the download and the upload are what
+    it tests)."""
+    secret = {"apiVersion": "v1", "kind": "Secret",
+              "metadata": {"name": f"{name}-s3", "namespace": NAMESPACE},
+              "stringData": {"id": keys[0], "secret": keys[1]}}  # fmt: skip
+    plane.apply(secret)
+    job = tiny(name)
+    job["spec"]["model"]["source"] = "s3://models/tiny-model"
+    job["spec"]["dataset"]["source"] = "s3://data/tiny-chat.jsonl"
+    job["spec"]["training"] |= {"maxSteps": 10, "evalEvery": 10}
+    job["spec"]["output"] = {"push": [f"s3://exports/{name}"]}
+    job["spec"]["storage"] = {"s3": {
+        "endpoint": store.endpoint, "region": "us-east-1",
+        "accessKeyId": {"name": f"{name}-s3", "key": "id"},
+        "secretAccessKey": {"name": f"{name}-s3", "key": "secret"}}}  # fmt: skip
+    return job
+
+
+def test_a_job_from_s3_through_the_operator_exports_to_s3_and_the_export_loads(
+    operator, volume, pod_store, tmp_path
+):
+    """The pods get the job's endpoint and region as env and the Secret's keys as
+    secretKeyRefs (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, as the SDKs read them); rank 0
+    downloads the model and data into the volume's cache, both ranks train, the export goes
+    up to the bucket, and what is there loads with from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    from ftjob.trainer.data import s3
+
+    plane, server = operator.plane, pod_store.server
+    admin = server.env("admin")
+    plane.apply(s3_job(plane, pod_store, "s3job", (admin["AWS_ACCESS_KEY_ID"],
+                                                   admin["AWS_SECRET_ACCESS_KEY"])))  # fmt: skip
+    pod = placed(plane, "s3job")[0]
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert env["AWS_ENDPOINT_URL"]["value"] == pod_store.endpoint
+    assert env["AWS_REGION"]["value"] == "us-east-1"
+    ref = env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "s3job-s3", "key": "secret"}, ref  # the secret never in the pod spec
+    status = finished(plane, "s3job")
+    assert status["progress"]["pushedTo"] == ["s3://exports/s3job"], status["progress"]
+    assert list((volume / "s3-cache").glob("*/.complete")), "the download is not in the cache"
+    # What the bucket holds, fetched from it as any reader would, loads.
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in admin.items():
+            mp.setenv(k, v)
+        export, objects = s3.download("s3://exports/s3job", tmp_path, lambda m: None)
+    assert {"config.json", "model.safetensors", "README.md", "ftjob-upload.json"} <= {
+        o.name for o in objects
+    }
+    assert AutoModelForCausalLM.from_pretrained(export).num_parameters() > 0
+
+
+def test_a_key_pair_the_store_refuses_fails_the_job_once_as_bad_model(operator, pod_store):
+    """The same job with a key pair the store does not know: rank 0's download is refused,
+    the job fails as BadModel naming the source and the cause, and no second gang starts."""
+    plane = operator.plane
+    plane.apply(s3_job(plane, pod_store, "s3refused", ("AKIAFTJOBSTRANGER", "not-known")))
+    status = plane.wait(lambda: (s := status_of(plane, "s3refused")).get("phase") == "Failed"
+                        and s, hangs.RUN, "s3refused to fail")  # fmt: skip
+    failure = status["failure"]
+    assert failure["reason"] == "BadModel", failure
+    assert "s3://models/tiny-model" in failure["message"], failure
+    assert "refused the credentials" in failure["message"], failure
+    assert status["restarts"] == 0 and status["attempt"] == 0, status

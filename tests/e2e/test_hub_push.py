@@ -6,10 +6,10 @@ The Hub is a local server that speaks its upload API as huggingface_hub calls it
 (tests/e2e/hubserver.py: repository creation, preupload, Git LFS batch and basic transfer,
 NDJSON commit); what it stores is downloaded back with huggingface_hub's own
 snapshot_download from the local mirror (tests/e2e/hubmirror.py) and loaded. A full
-fine-tune is pushed; another job's push fails at the commit (HubPushFailed, the export kept)
-and is run again with the server healthy (pushes, trains nothing); a third fails once and is
-retried by the restart in place, its commit answered after the collective timeout; a LoRA job
-pushes its merged model and adapter.
+fine-tune is pushed; another job's push fails at the commit (PushFailed naming the Hub
+repository, the export kept) and is run again with the server healthy (pushes, trains nothing);
+a third fails once and is retried by the restart in place, its commit answered after the
+collective timeout; a LoRA job pushes its merged model and adapter.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def doc(name: str, repo: str, **changes) -> dict:
     return job(
         name,
         checkpoint={"every": 4, "keep": 1},
-        output={"push": f"hf://{repo}", **changes.pop("output", {})},
+        output={"push": [f"hf://{repo}"], **changes.pop("output", {})},
         secrets={"huggingFaceToken": {"name": "hf-token"}},
         **changes,
     )
@@ -108,15 +108,15 @@ def test_push_uploads_the_export_byte_for_byte_in_one_private_commit(pushed, ser
     assert server.requests["unauthorized"] == 0  # every call carried HF_TOKEN
     # Recorded in the job folder and progress, and said in the log.
     url = f"{server.url}/ftjob-test/full/commit/{repo['commits'][0]['oid']}"
-    record = json.loads((workdir / "pushed.json").read_text())
+    record = json.loads((workdir / "pushed.json").read_text())["pushes"]["hf://ftjob-test/full"]
     assert record["commitUrl"] == url and record["revision"] == repo["commits"][0]["oid"]
     assert record["repo"] == "hf://ftjob-test/full" and record["trainedSteps"] == 6
-    assert final(workdir)["pushedTo"] == url and final(workdir)["phase"] == "succeeded"
+    assert final(workdir)["pushedTo"] == [url] and final(workdir)["phase"] == "succeeded"
     assert "pushed the export to hf://ftjob-test/full in" in out and url in out, out
     # The operator shows it in status.progress, read from the trainer's real snapshot.
     from ftjob.operator import status
 
-    assert status.progress(final(workdir))["pushedTo"] == url
+    assert status.progress(final(workdir))["pushedTo"] == [url]
 
 
 def test_pushed_model_downloads_and_loads_as_the_export(pushed, server, tmp_path):
@@ -177,21 +177,22 @@ def failed(runs, server):
     return workdir, first, code, out
 
 
-def test_a_failed_push_fails_the_job_as_hub_push_failed_and_keeps_the_export(failed, server):
+def test_a_failed_push_fails_the_job_as_push_failed_and_keeps_the_export(failed, server):
     workdir, first, _, _ = failed
     assert first["code"] != 0
     assert first["record"]["outcome"] == "failed"
-    assert first["record"]["reason"] == "HubPushFailed"
+    assert first["record"]["reason"] == "PushFailed"
     assert first["record"]["where"] == "spec.output.push"
+    assert "the push to the Hub repository hf://" in first["record"]["message"]
     assert "500" in first["record"]["message"] and "HF_TOKEN" in first["record"]["fix"]
-    assert "HubPushFailed" in first["out"] and "run it again" in first["out"], first["out"]
+    assert "PushFailed" in first["out"] and "run it again" in first["out"], first["out"]
     assert "model.safetensors" in first["export"] and not first["pushed"]
     assert first["steps"] > 0  # it trained before the push failed
 
 
 def test_the_operator_restarts_the_gang_on_the_real_record(failed):
     """The record the failed push left, as a trainer container's termination message: the
-    operator names HubPushFailed with its fix and replaces the gang (it is not permanent)."""
+    operator names PushFailed with its fix and replaces the gang (it is not permanent)."""
     from ftjob.api import manifest
     from ftjob.api.spec import parse_resource
     from ftjob.operator import lifecycle, render
@@ -214,7 +215,7 @@ def test_the_operator_restarts_the_gang_on_the_real_record(failed):
     ended = pod(0, {"terminated": {"exitCode": 1, "reason": "Error", "message": message}})
     decision = lifecycle.decide(spec, name, 1, seen.status, [ended, running[1]], now, None)
     assert decision.phase == "Restarting", decision.status
-    assert decision.status["failure"]["reason"] == "HubPushFailed"
+    assert decision.status["failure"]["reason"] == "PushFailed"
     assert first["record"]["fix"] in decision.status["failure"]["message"]
 
 
@@ -227,7 +228,8 @@ def test_the_rerun_pushes_without_training_again(failed, server):
     stored = files(server.folder("ftjob-test/retried"))
     assert {k: v for k, v in stored.items() if k != "README.md"} == first["export"]
     assert len(server.commits("ftjob-test/retried")) == 1
-    assert final(workdir)["pushedTo"].startswith(f"{server.url}/ftjob-test/retried/commit/")
+    [url] = final(workdir)["pushedTo"]
+    assert url.startswith(f"{server.url}/ftjob-test/retried/commit/")
     # The card still carries the losses of the run that trained (progress.json kept them).
     assert f"{final(workdir)['loss']:.4f}" in stored["README.md"].decode()
 

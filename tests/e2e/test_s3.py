@@ -18,6 +18,7 @@ from pathlib import Path
 import hangs
 import pytest
 import yaml
+from hubserver import HubServer
 from test_trainer_run import EXAMPLES, RUN_TIMEOUT, final, job
 
 from ftjob.api.contract import BAD_DATA, BAD_MODEL, STORE_UNREACHABLE, TrainerError
@@ -26,6 +27,7 @@ from ftjob.trainer.data import s3, sources
 
 MODEL = EXAMPLES / "tiny-model"
 DATA = EXAMPLES / "data" / "tiny-text.jsonl"
+HF_TOKEN = "hf_ftjob_test_token"  # the token the local Hub server takes
 
 
 @pytest.fixture(scope="module")
@@ -220,22 +222,36 @@ def _objects(store, bucket: str, prefix: str) -> dict[str, bytes]:
 
 
 def test_the_export_is_uploaded_once_and_a_refused_upload_keeps_it(store, tmp_path):
-    """output.push: s3://...: an identity that may not write fails the job as HubPushFailed
-    with the export kept; run again with one that may, it uploads without training; a third
-    run does nothing."""
+    """output.push to the Hub (the local server speaking its upload API) and an s3:// prefix:
+    an identity that may not write to the store fails the job as PushFailed naming the S3
+    prefix, after the Hub commit, with the export kept; run again with one that may, it
+    uploads to S3 only, without training; a third run does nothing."""
     store.upload("public", MODEL, "tiny-model")
     store.upload("public", DATA, "tiny-text.jsonl")
     doc = job("s3-export", model={"source": "s3://public/tiny-model"},
               dataset={"source": "s3://public/tiny-text.jsonl"}, training={"maxSteps": 4},
-              output={"push": "s3://exports/tiny/v1"},
-              storage={"s3": {"endpoint": store.endpoint}})  # fmt: skip
+              output={"push": ["hf://ftjob-test/v1", "s3://exports/tiny/v1"]},
+              secrets={"huggingFaceToken": {"name": "hf-token"}},
+              storage={"s3": {"endpoint": store.endpoint}},
+              # The refused run ends at its first failure: restarts in place would be refused
+              # alike, and a restart another node starts can empty node 0's record, leaving
+              # ftjob run the log tail's words instead of the record's fix.
+              runPolicy={"inPlaceRestarts": 0})  # fmt: skip
     runs, workdir = tmp_path / "runs", tmp_path / "runs" / "s3-export"
-    code, out = _run(doc, runs, store.env("reader"))  # reads public, may write nowhere
-    assert code != 0 and "HubPushFailed" in out and "s3:PutObject" in out, out[-3000:]
-    assert (workdir / "model" / "config.json").is_file()  # the export stays
-    steps = final(workdir)["step"]
-    code, out = _run(doc, runs, store.env("admin"))
-    assert code == 0, out[-3000:]
+    hub = HubServer(tmp_path / "hub", HF_TOKEN)
+    try:
+        # The reader reads public and may write nowhere in the store.
+        code, out = _run(doc, runs, {**store.env("reader"), **_hub_env(hub)})
+        assert code != 0 and "PushFailed" in out and "s3:PutObject" in out, out[-3000:]
+        assert "the push to the S3 prefix s3://exports/tiny/v1 failed" in out, out[-3000:]
+        assert (workdir / "model" / "config.json").is_file()  # the export stays
+        assert len(hub.commits("ftjob-test/v1")) == 1  # the Hub's push, before, is kept
+        steps = final(workdir)["step"]
+        code, out = _run(doc, runs, {**store.env("admin"), **_hub_env(hub)})
+        assert code == 0, out[-3000:]
+        assert len(hub.commits("ftjob-test/v1")) == 1  # not pushed there again
+    finally:
+        hub.close()
     assert final(workdir)["step"] == steps  # nothing trained again
     uploaded = _objects(store, "exports", "tiny/v1")
     local = files(workdir / "model")
@@ -247,6 +263,13 @@ def test_the_export_is_uploaded_once_and_a_refused_upload_keeps_it(store, tmp_pa
     code, out = _run(doc, runs, store.env("admin"))
     # Trained and pushed: ftjob run answers from the job folder's records, starting nothing.
     assert code == 0 and "already trained" in out and "pushing" not in out, out[-3000:]
+
+
+def _hub_env(hub: HubServer) -> dict[str, str]:
+    """The local Hub server, as huggingface_hub is pointed at it (Git LFS's basic transfer:
+    Xet off) with the token it takes."""
+    return {"HF_ENDPOINT": hub.url, "HF_TOKEN": HF_TOKEN, "HF_HUB_DISABLE_XET": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1"}  # fmt: skip
 
 
 def test_an_upload_complete_there_is_not_repeated(store, tmp_path, monkeypatch):
@@ -266,29 +289,46 @@ def test_an_upload_complete_there_is_not_repeated(store, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(("bound", "promoted"), [(100.0, True), (0.001, False)])
-def test_the_push_waits_for_its_condition_on_the_final_evaluation(store, tmp_path, bound, promoted):
-    """output.promoteWhen: evalLoss < bound: pushed when the final evaluation's loss is under
-    it, else the job succeeds unpromoted; progress (status.progress.promotion) says which,
-    with the number."""
-    name, prefix = f"promote-{int(promoted)}", f"promoted/{int(promoted)}"
+def test_the_push_to_the_hub_and_s3_waits_for_its_condition_on_the_final_evaluation(
+    store, tmp_path, bound, promoted
+):
+    """output.push to a Hub repository (the local server speaking the Hub's upload API,
+    tests/e2e/hubserver.py) and an S3 prefix in one job, output.promoteWhen: evalLoss < bound:
+    both get the export when the final evaluation's loss is under it, neither when not, and
+    the job succeeds either way; progress (status.progress.promotion, pushedTo) says which,
+    with the number, and where."""
+    name, prefix, repo = f"promote-{int(promoted)}", f"promoted/{int(promoted)}", "ftjob-test/p"
     doc = job(name, model={"source": "s3://models/tiny-model"},
               dataset={"source": "s3://data/tiny-text.jsonl", "evalFraction": 0.05},
               training={"maxSteps": 4},
-              output={"push": f"s3://exports/{prefix}", "promoteWhen": f"evalLoss < {bound}"},
+              output={"push": [f"hf://{repo}", f"s3://exports/{prefix}"],
+                      "promoteWhen": f"evalLoss < {bound}"},
+              secrets={"huggingFaceToken": {"name": "hf-token"}},
               storage={"s3": {"endpoint": store.endpoint}})  # fmt: skip
-    code, out = _run(doc, tmp_path / "runs", store.env("admin"))
+    hub = HubServer(tmp_path / "hub", HF_TOKEN)
+    try:
+        code, out = _run(doc, tmp_path / "runs", {**store.env("admin"), **_hub_env(hub)})
+    finally:
+        hub.close()
     assert code == 0, out[-3000:]
     progress = final(tmp_path / "runs" / name)
     loss = progress["evalLoss"]
     assert progress["phase"] == "succeeded"
     if promoted:
         assert progress["promotion"] == f"promoted: evalLoss {loss:.4g} < {bound:g}"
-        assert progress["pushedTo"] == f"s3://exports/{prefix}"
-        assert "ftjob-upload.json" in _objects(store, "exports", prefix)
+        [commit] = hub.commits(repo)
+        hub_url = f"{hub.url}/{repo}/commit/{commit['oid']}"
+        assert progress["pushedTo"] == [hub_url, f"s3://exports/{prefix}"]
+        # The same export in both places, each with its card.
+        export = files(tmp_path / "runs" / name / "model")
+        in_s3, in_hub = _objects(store, "exports", prefix), files(hub.folder(repo))
+        assert {k: in_s3[k] for k in export} == export == {k: in_hub[k] for k in export}
+        assert "README.md" in in_hub and "ftjob-upload.json" in in_s3
     else:
         assert progress["promotion"] == f"not promoted: evalLoss {loss:.4g} < 0.001 does not hold"
-        assert "pushedTo" not in progress or progress["pushedTo"] is None
-        assert _objects(store, "exports", prefix) == {}
+        assert progress.get("pushedTo") is None
+        assert repo not in hub.repos and _objects(store, "exports", prefix) == {}
+        assert "not pushed to hf://ftjob-test/p, s3://exports/promoted/0: not promoted" in out
 
 
 def test_validate_check_sources_asks_the_store_at_the_door(store, tmp_path):

@@ -19,7 +19,7 @@ def spec(objective: str, when: str, **output):
         "dataset": {"source": "s3://data/pairs.jsonl", "evalFraction": 0.05,
                     **({"format": "preference"} if objective == "dpo" else {})},
         "training": {"maxSteps": 10, "objective": objective},
-        "output": {"push": "s3://exports/x", "promoteWhen": when, **output},
+        "output": {"push": ["s3://exports/x"], "promoteWhen": when, **output},
     }  # fmt: skip
     return parse_spec(raw)
 

@@ -1,19 +1,23 @@
-"""Push the export to the Hugging Face Hub (``output.push: hf://org/name``) or under an s3://
-prefix (``output.push: s3://bucket/prefix``, :mod:`ftjob.trainer.state.s3upload`), with a model
-card.
+"""Push the export, with a model card, to each destination ``output.push`` lists: the Hugging
+Face Hub (``hf://org/name``), an s3:// prefix (``s3://bucket/prefix``, :mod:`ftjob.trainer.
+state.s3upload`), or both; when ``output.promoteWhen`` holds of the final evaluation, for all of
+them at once.
 
 After a successful export, rank 0 creates the repository (private unless ``output.private:
 false``; an existing one keeps its visibility) and uploads the export (:func:`layout`) and a
 ``README.md`` model card in one commit, with huggingface_hub's own API (``HfApi.create_repo``,
 ``HfApi.create_commit``). The token is ``HF_TOKEN`` (``spec.secrets.huggingFaceToken``).
 
-A failed upload fails the job as ``HubPushFailed`` (retryable): the export and the job
+A failed upload fails the job as ``PushFailed`` (retryable), its message naming the
+destination (:func:`destination`) and its fix that destination's: the export and the job
 folder's record stay, so the next attempt -- a new gang, an in-place restart or ``ftjob run``
-again -- finds the job trained (:func:`ftjob.job.folder.finished`) and only pushes. The push
-that completed is recorded in ``<job folder>/pushed.json`` (:func:`ftjob.job.folder.
-record_push`) and in progress (``pushedTo``); a job trained and pushed does nothing more.
+again -- finds the job trained (:func:`ftjob.job.folder.finished`) and only pushes. Each
+destination's push that completed is recorded in ``<job folder>/pushed.json`` (:func:`ftjob.
+job.folder.record_push`) and in progress (``pushedTo``, a list); a failed one leaves the others'
+records, so the next attempt uploads only where it is not done; a job trained and pushed
+everywhere does nothing more.
 
-    HF_TOKEN=hf_... ftjob run job.yaml      # with output.push: hf://my-org/my-model
+    HF_TOKEN=hf_... ftjob run job.yaml      # with output.push: [hf://my-org/my-model]
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch.distributed as dist
 
 from ftjob import __version__
 from ftjob.api import objectives, promotion
-from ftjob.api.contract import HUB_PUSH_FAILED, TrainerError
+from ftjob.api.contract import PUSH_FAILED, TrainerError
 from ftjob.api.schema import to_dict
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import folder as jobfolder
@@ -58,68 +62,93 @@ def repo_id(push: str) -> str:
     return push.removeprefix("hf://")
 
 
+def destination(push: str) -> str:
+    """PURE: the destination as a failure names it: "the Hub repository hf://org/name", "the
+    S3 prefix s3://bucket/prefix"."""
+    kind = "the Hub repository" if push.startswith("hf://") else "the S3 prefix"
+    return f"{kind} {push}"
+
+
 def push(spec: FineTuneJobSpec, job_dir: Path, out: Path, d, report) -> None:
-    """Upload the export if ``output.push`` asks for an upload not yet done (collective: rank
-    0 uploads, every rank raises the same HubPushFailed if it failed)."""
+    """Upload the export to each destination of ``output.push`` where it is not yet done
+    (collective: rank 0 uploads, every rank raises the same PushFailed if one failed)."""
     if not spec.output.push:
         return
     # The other ranks wait for the upload in a gloo group of their own (CPU objects), with a
     # timeout as long as an upload may take. Made before the upload: making it is a collective
     # too, which would otherwise wait out the gang's collective timeout.
     group = dist.new_group(backend="gloo", timeout=UPLOAD_WAIT) if d.world_size > 1 else None
-    failed = None
-    if d.is_main:
-        try:
-            _push_once(spec, job_dir, out, report)
-        except Exception as e:  # noqa: BLE001 - every failure is named, agreed and raised below
-            failed = f"uploading {out} to {spec.output.push} failed: {type(e).__name__}: {e}"
+    failed = _push_all(spec, job_dir, out, report) if d.is_main else None
     if group is not None:
         agreed = [failed]
         dist.broadcast_object_list(agreed, src=0, group=group)
         failed = agreed[0]
         dist.destroy_process_group(group)
     if failed is not None:
-        fix = FIX if spec.output.push.startswith("hf://") else S3_FIX
-        raise TrainerError(failed, reason=HUB_PUSH_FAILED, where="spec.output.push", fix=fix)
+        message, where = failed
+        fix = FIX if where.startswith("hf://") else S3_FIX
+        raise TrainerError(message, reason=PUSH_FAILED, where="spec.output.push", fix=fix)
 
 
-def _push_once(spec: FineTuneJobSpec, job_dir: Path, out: Path, report) -> None:
+def _push_all(spec: FineTuneJobSpec, job_dir: Path, out: Path, report) -> tuple[str, str] | None:
+    """Each destination not yet pushed, in order, once promotion allows; the first failure's
+    words and destination (the ones pushed before it stay recorded), or None."""
     recorded = jobfolder.read(job_dir) or {}
-    if not jobfolder.push_pending(spec, job_dir, recorded):
-        done = jobfolder.pushed(job_dir) or {}
-        report.update(pushedTo=done.get("commitUrl"), promotion=done.get("promotion"))
-        if done.get("commitUrl"):
-            report.log(f"already pushed to {spec.output.push}: {done.get('commitUrl')}")
-        else:
-            report.log(f"not pushed to {spec.output.push}: {done.get('promotion')}")
-        return
+    pending = jobfolder.pending_pushes(spec, job_dir, recorded)
+    _report_recorded(spec, job_dir, report, said=not pending)
+    if not pending:
+        return None
     promoted = _promotion(spec, job_dir, report)
     if promoted is not None and promoted.startswith("not"):
-        # Decided once: the record answers a rerun, which pushes nothing either.
-        jobfolder.record_push(job_dir, spec, recorded, promotion=promoted)
-        return
+        # Decided once: the records answer a rerun, which pushes nothing either.
+        for where in pending:
+            jobfolder.record_push(job_dir, spec, recorded, where, promotion=promoted)
+        report.log(f"not pushed to {', '.join(pending)}: {promoted}")
+        return None
+    report.phase("pushing")
+    for where in pending:
+        try:
+            _push_one(spec, job_dir, out, report, where, recorded, promoted)
+        except Exception as e:  # noqa: BLE001 - every failure is named, agreed and raised
+            words = f"{type(e).__name__}: {e}"
+            return f"the push to {destination(where)} failed: uploading {out}: {words}", where
+        _report_recorded(spec, job_dir, report, said=False)
+    return None
+
+
+def _report_recorded(spec: FineTuneJobSpec, job_dir: Path, report, said: bool) -> None:
+    """Progress says where the export is (pushedTo, in output.push's order) and the promotion
+    recorded; ``said``: the log says so too (a rerun with nothing left to push)."""
+    done = jobfolder.pushed(job_dir)
+    records = [done[w] for w in spec.output.push or [] if w in done]
+    urls = [r["commitUrl"] for r in records if r.get("commitUrl")]
+    promoted = next((r["promotion"] for r in records if r.get("promotion")), None)
+    report.update(pushedTo=urls or None, promotion=promoted)
+    if said:
+        report.log(f"already pushed to {', '.join(urls)}" if urls else f"not pushed: {promoted}")
+
+
+def _push_one(spec, job_dir, out, report, where: str, recorded, promoted) -> None:
+    """The export and its card to one destination, then its record."""
     import huggingface_hub  # only a job that pushes pays for the import (the card needs it)
 
     huggingface_hub.utils.disable_progress_bars()  # pod logs are not terminals: ours say it
 
-    hub = spec.output.push.startswith("hf://")
+    hub = where.startswith("hf://")
     if hub and huggingface_hub.get_token() is None:
         raise RuntimeError("no Hub token: HF_TOKEN is not set (spec.secrets.huggingFaceToken)")
-    report.phase("pushing")
-    report.log(f"pushing {out} to {spec.output.push} ...")
+    report.log(f"pushing {out} to {where} ...")
     began = time.monotonic()
-    card = model_card(spec, recorded, report.snapshot)
+    card = model_card(spec, recorded, report.snapshot, where)
     with _alive(report, began):
         if hub:
-            commit = upload(spec, out, card, _message(spec, recorded))
+            commit = upload(spec, where, out, card, _message(spec, recorded))
             found = {"commitUrl": commit.commit_url, "revision": commit.oid}
         else:
-            found = s3upload.upload(spec.output.push, layout(spec, out), card, report.log)
-    jobfolder.record_push(job_dir, spec, recorded, **found, promotion=promoted)
-    report.update(pushedTo=found["commitUrl"])
+            found = s3upload.upload(where, layout(spec, out), card, report.log)
+    jobfolder.record_push(job_dir, spec, recorded, where, **found, promotion=promoted)
     report.log(
-        f"pushed the export to {spec.output.push} in {time.monotonic() - began:.0f} s: "
-        f"{found['commitUrl']}"
+        f"pushed the export to {where} in {time.monotonic() - began:.0f} s: {found['commitUrl']}"
     )
 
 
@@ -152,12 +181,12 @@ def final_evaluation(job_dir: Path) -> dict[str, Any]:
     return {}
 
 
-def upload(spec: FineTuneJobSpec, out: Path, card: str, message: str):
-    """Create the repository (if missing) and commit the export (:func:`layout`) and the card
-    in one commit; the CommitInfo (commit_url, oid)."""
+def upload(spec: FineTuneJobSpec, where: str, out: Path, card: str, message: str):
+    """Create the repository ``where`` (if missing) and commit the export (:func:`layout`) and
+    the card in one commit; the CommitInfo (commit_url, oid)."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    api, repo = HfApi(), repo_id(spec.output.push)
+    api, repo = HfApi(), repo_id(where)
     api.create_repo(repo, repo_type="model", private=spec.output.private, exist_ok=True)
     ops = [
         CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path))
@@ -211,10 +240,13 @@ class _alive:
 # ------------------------------------------------------------------------------ the card
 
 
-def model_card(spec: FineTuneJobSpec, recorded: dict[str, Any], snapshot: dict[str, Any]) -> str:
-    """The README.md the push uploads: huggingface_hub's card metadata (base model, data set
-    when both are on the Hub, library, tags) and what the run was: base model, data source,
-    method, hyper-parameters, final losses, ftjob version."""
+def model_card(
+    spec: FineTuneJobSpec, recorded: dict[str, Any], snapshot: dict[str, Any], where: str = ""
+) -> str:
+    """The README.md the push uploads to ``where`` (default: output.push's first destination):
+    huggingface_hub's card metadata (base model, data set when both are on the Hub, library,
+    tags) and what the run was: base model, data source, method, hyper-parameters, final
+    losses, ftjob version."""
     from huggingface_hub import ModelCard, ModelCardData
 
     model_src, data_src = spec.model.source, spec.dataset.source
@@ -227,7 +259,7 @@ def model_card(spec: FineTuneJobSpec, recorded: dict[str, Any], snapshot: dict[s
         pipeline_tag="text-generation",
         tags=["ftjob", spec.method.type, *(["lora"] if adapter else []), *_objective_tags(spec)],
     )
-    repo = repo_id(spec.output.push or "")
+    repo = repo_id(where or (spec.output.push or [""])[0])
     steps = recorded.get("trainedSteps")
     lines = [
         f"# {repo.split('/')[-1]}",

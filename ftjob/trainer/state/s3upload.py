@@ -1,4 +1,4 @@
-"""Upload an export under an s3:// prefix (``output.push: s3://bucket/prefix``).
+"""Upload an export under an s3:// prefix (``output.push: [s3://bucket/prefix]``).
 
 Each file goes up with obstore's put: multipart above PART_BYTES (parts in parallel), each
 part with its SHA-256 (x-amz-checksum-sha256), which the store checks before it keeps it; an
