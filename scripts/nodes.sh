@@ -33,7 +33,8 @@
 # kubelets' clusterDNS names that address, so a pod's resolv.conf searches
 # NS.svc.cluster.local and a gang's `pod.job.ns.svc` resolves to the pod's address. There is
 # no kube-dns Service: with no kube-proxy here a cluster IP leads nowhere, and nothing reads
-# the Service. No upstream is forwarded to: pods here need cluster names only.
+# the Service. No upstream is forwarded to: pods here need cluster names only. The reverse zone
+# too: torch's c10d store looks up its clients' addresses (a warning per client without it).
 #
 # ---- What this machine's kind needs, and why (the one place that says it) ----------------------
 # - cgroup v1 (a hybrid hierarchy, no systemd): the kubelet's cgroupDriver is cgroupfs and
@@ -316,7 +317,7 @@ nodes_dns() {
     bind $NODES_DNS_IP
     errors
     ready 127.0.0.1:$ready
-    kubernetes $NODES_DOMAIN {
+    kubernetes $NODES_DOMAIN in-addr.arpa {
         kubeconfig $DIR/coredns.kubeconfig ftjob-test
     }
 }

@@ -99,7 +99,8 @@ print("peer", peer[0], flush=True)
 c.sendall(c.recv(100).upper())
 """
 # Resolves NAME (argv[1]) until the cluster's DNS has the record (the pods start before the
-# EndpointSlice names them), prints the address; with argv[2], connects and sends it.
+# EndpointSlice names them), prints the address and its reverse name; with argv[2], connects
+# and sends it.
 CLIENT = f"""
 import socket, sys, time
 deadline = time.monotonic() + {hangs.FLOOR}
@@ -112,6 +113,7 @@ while True:
             raise
         time.sleep(0.5)
 print("resolved", addr, flush=True)
+print("reverse", socket.gethostbyaddr(addr)[0], flush=True)  # what torch's c10d store asks
 if len(sys.argv) > 2:
     c = socket.create_connection((sys.argv[1], 7000), timeout=30)
     c.sendall(sys.argv[2].encode())
@@ -134,7 +136,8 @@ def test_a_pod_resolves_a_gang_members_name_through_the_cluster_dns(real):
     for i in range(len(names)):
         got = finished(plane, f"resolve{i}")
         assert got["status"]["phase"] == "Succeeded", plane.kubectl("logs", f"resolve{i}").stdout
-        assert plane.kubectl("logs", f"resolve{i}").stdout.split() == ["resolved", ip]
+        assert plane.kubectl("logs", f"resolve{i}").stdout.split() == [
+            "resolved", ip, "reverse", names[1]]  # fmt: skip
     plane.kubectl("delete", "pod", "member", "resolve0", "resolve1", "--wait=false")
 
 
@@ -153,7 +156,8 @@ def test_a_pod_on_one_node_connects_to_a_pod_on_the_other_by_its_name(real):
     assert got["status"]["podIP"].startswith(f"10.214.{subnets[OTHER]}.")
     assert (server["status"]["phase"], got["status"]["phase"]) == ("Succeeded", "Succeeded")
     assert plane.kubectl("logs", "rank1").stdout.split() == [
-        "resolved", server["status"]["podIP"], "reply", "HELLO"]  # fmt: skip
+        "resolved", server["status"]["podIP"],
+        "reverse", "rank0.gang.default.svc.cluster.local", "reply", "HELLO"]  # fmt: skip
     assert plane.kubectl("logs", "rank0").stdout.split() == [
         "listening", "peer", got["status"]["podIP"]]  # fmt: skip
 
