@@ -185,13 +185,14 @@ start() {
   echo "$name $!" >>"$DIR/pids"
 }
 
-# wait_healthy NAME URL [CURL ARGS]: poll until URL answers "ok" (60 s).
+# wait_healthy NAME URL [CURL ARGS]: poll until URL answers "ok" (any case: CoreDNS says "OK";
+# 60 s).
 wait_healthy() {
   local name=$1 url=$2 pid
   shift 2
   pid=$(awk -v n="$name" '$1 == n {p = $2} END {print p}' "$DIR/pids")  # the latest
   for _ in $(seq 600); do
-    if curl -fsS --max-time 2 "$@" "$url" 2>/dev/null | grep -q '^ok\|"health":"true"'; then
+    if curl -fsS --max-time 2 "$@" "$url" 2>/dev/null | grep -qi '^ok\|"health":"true"'; then
       return 0
     fi
     kill -0 "$pid" 2>/dev/null || { tail -20 "$DIR/logs/$name.log" >&2; die "$name exited"; }

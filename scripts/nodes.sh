@@ -3,21 +3,38 @@
 # which provides DIR, BIN, CACHE, STAGING, start, wait_healthy, kubectl_, free_port, cert, die.
 #
 #   build --nodes     kubelet from the plane's own local module (the same replaces, the same
-#                     GOPATH/GOCACHE, so a warm plane build makes it ~30 s) and the pause image
-#                     (a static Go program in an image from scratch, saved to the cache)
+#                     GOPATH/GOCACHE, so a warm plane build makes it ~30 s), CoreDNS from its
+#                     module (`go install`, the same caches) and the pause image (a static Go
+#                     program in an image from scratch, saved to the cache)
 #   up DIR --nodes N  real-node-0..N-1 (label ftjob.dev/real-node=true): under DIR/nodes/NAME
 #                     a containerd (root, state, socket, CNI bridge and /24) and a kubelet
 #                     (root dir, pod logs, ports, cgroup root /ftjob-ID-NAME) as the node itself
 #                     (system:node:NAME); the images named by --node-image (repeatable; default
 #                     scripts/images.sh's two at FTJOB_IMAGE_TAG, else dev) imported into each
-#                     containerd (`podman save | ctr import`); returns when every node is Ready
-#   down DIR          every container killed and removed, then kubelet and containerd stopped,
-#                     mounts, network namespaces, bridges and cgroups removed, and
+#                     containerd (`podman save | ctr import`); the cluster's DNS (CoreDNS, a
+#                     process); returns when every node is Ready
+#   down DIR          every container killed and removed, then kubelet, containerd and CoreDNS
+#                     stopped, mounts, network namespaces, bridges and cgroups removed, and
 #                     containerd's root (the imported images: ~1 GB a node)
 #
 # Containerd and runc are Debian's (scripts/podman-host.sh installs them with apt-get); the
-# CNI plugins are Debian's containernetworking-plugins. Pods of one node reach each other on
-# the node's bridge; pods of two nodes do not (no routes between bridges, no cluster DNS yet).
+# CNI plugins are Debian's containernetworking-plugins.
+#
+# Pod network: node K's pods are on its bridge ftjnK, 10.214.K.0/24, gateway 10.214.K.1 (this
+# host). Pods of two nodes reach each other through the host, which routes between its bridges
+# as between any two of its connected networks: that takes net.ipv4.ip_forward=1 (`up` checks,
+# and says the fix; it changes no machine-wide setting) and a FORWARD chain that does not drop
+# them. `up` adds no iptables rule and no route (the bridges' own /24s are the routes), and the
+# kubelet's makeIPTablesUtilChains is off, so it adds none either: `down` has none to remove.
+#
+# Cluster DNS: CoreDNS as a process of the plane, its kubernetes plugin watching the plane as
+# system:coredns (a certificate and a ClusterRole of list/watch), answering on node 0's gateway
+# address, port 53, which every pod reaches (its own node's gateway, or through it). The
+# kubelets' clusterDNS names that address, so a pod's resolv.conf searches
+# NS.svc.cluster.local and a gang's `pod.job.ns.svc` resolves to the pod's address. There is
+# no kube-dns Service: with no kube-proxy here a cluster IP leads nowhere, and nothing reads
+# the Service. No upstream is forwarded to: pods here need cluster names only. The reverse zone
+# too: torch's c10d store looks up its clients' addresses (a warning per client without it).
 #
 # ---- What this machine's kind needs, and why (the one place that says it) ----------------------
 # - cgroup v1 (a hybrid hierarchy, no systemd): the kubelet's cgroupDriver is cgroupfs and
@@ -38,6 +55,9 @@
 # -------------------------------------------------------------------------------------------------
 
 NODES_PAUSE="localhost/ftjob-pause:1"
+NODES_DNS_VERSION=1.15.0
+NODES_DNS_BIN="${FTJOB_K8S_CACHE:-$HOME/.cache/ftjob/k8s}/coredns-v$NODES_DNS_VERSION/bin"
+NODES_DOMAIN=cluster.local
 NODES_NET_LOCK="${TMPDIR:-/tmp}/ftjob-nodes-net.lock"
 export PATH="$PATH:/usr/sbin:/sbin"
 
@@ -47,7 +67,7 @@ nodes_apiserver_args() {
     "--kubelet-client-certificate=$DIR/pki/admin.crt" "--kubelet-client-key=$DIR/pki/admin.key")
 }
 
-nodes_built() { [[ -x "$BIN/kubelet" && -s "$CACHE/pause.tar" ]]; }
+nodes_built() { [[ -x "$BIN/kubelet" && -x "$NODES_DNS_BIN/coredns" && -s "$CACHE/pause.tar" ]]; }
 
 nodes_kubelet_module() {
   printf 'module ftjob.dev/kubelet\n\ngo %s\n\nrequire k8s.io/kubernetes v%s\n\n' \
@@ -109,9 +129,12 @@ nodes_build() {
   command -v go >/dev/null || die "go is not installed (it builds the kubelet)"
   command -v podman >/dev/null || die "podman is not installed (scripts/podman-host.sh)"
   [[ -x "$BIN/kubelet" ]] || nodes_build_kubelet
-  nodes_build_pause
+  # CoreDNS's go.mod has no replaces: `go install` of the published module is enough.
+  [[ -x "$NODES_DNS_BIN/coredns" ]] || GOBIN="$NODES_DNS_BIN" GOFLAGS=-trimpath \
+    go install -ldflags "-s -w" "github.com/coredns/coredns@v$NODES_DNS_VERSION"
+  [[ -s "$CACHE/pause.tar" ]] || nodes_build_pause
   nodes_built || die "the nodes' build left no kubelet or pause image in $BIN"
-  echo "nodes.sh: built kubelet and the pause image into $CACHE"
+  echo "nodes.sh: built kubelet, CoreDNS and the pause image"
 }
 
 # ------------------------------------------------------------------------------------ up
@@ -149,17 +172,19 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 EOF
 }
 
-# nodes_cni NODEDIR SUBNET BRIDGE: a bridge with the node's /24, no masquerade (no iptables).
+# nodes_cni NODEDIR SUBNET BRIDGE: a bridge with the node's /24, no masquerade (no iptables);
+# the pods' default route is the bridge's gateway (this host), which routes to the other nodes.
 nodes_cni() {
   cat <<EOF
 {"cniVersion": "1.0.0", "name": "$3", "plugins": [
-  {"type": "bridge", "bridge": "$3", "isGateway": true, "ipMasq": false, "hairpinMode": true,
+  {"type": "bridge", "bridge": "$3", "isDefaultGateway": true, "ipMasq": false,
+   "hairpinMode": true,
    "ipam": {"type": "host-local", "ranges": [[{"subnet": "$2"}]], "dataDir": "$1/ipam"}},
   {"type": "loopback"}]}
 EOF
 }
 
-# nodes_kubelet_config NODEDIR NAME PORT HEALTHZ IP
+# nodes_kubelet_config NODEDIR NAME PORT HEALTHZ IP (and NODES_DNS_IP: the cluster's DNS)
 nodes_kubelet_config() {
   cat <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
@@ -189,6 +214,9 @@ evictionHard: {memory.available: 50Mi, nodefs.available: 1%, nodefs.inodesFree: 
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 serializeImagePulls: false
+clusterDNS: [$NODES_DNS_IP]
+clusterDomain: $NODES_DOMAIN
+makeIPTablesUtilChains: false
 EOF
 }
 
@@ -219,16 +247,24 @@ nodes_import() {
   done
 }
 
-nodes_start_one() {
-  local name=$1 d="$DIR/nodes/$1" k port healthz ctl
-  mkdir -p "$d/cni" "$d/pod-logs" "$d/kubelet" "$d/volume-plugins"
+# nodes_net_one NAME: the node's /24 and its bridge, made before any node starts: node 0's
+# gateway address is where the cluster's DNS answers, and every kubelet names it. The bridge
+# now, not at the first pod: its gateway address is the node's InternalIP too, where the
+# kubelet listens (a kubelet refuses a loopback node IP), reachable from this host only.
+nodes_net_one() {
+  local d="$DIR/nodes/$1" k
+  mkdir -p "$d/cni"
   k=$(flock "$NODES_NET_LOCK" bash -c "$(declare -f nodes_free_subnet die); nodes_free_subnet")
   echo "$k" >"$d/subnet"
   nodes_cni "$d" "10.214.$k.0/24" "ftjn$k" >"$d/cni/10-ftjob.conflist"
-  # The bridge now, not at the first pod: its gateway address is the node's InternalIP, where
-  # the kubelet listens (a kubelet refuses a loopback node IP), reachable from this host only.
   ip link add "ftjn$k" type bridge && ip addr add "10.214.$k.1/24" dev "ftjn$k" &&
     ip link set "ftjn$k" up || die "cannot make bridge ftjn$k (needs root)"
+}
+
+nodes_start_one() {
+  local name=$1 d="$DIR/nodes/$1" k port healthz ctl
+  mkdir -p "$d/pod-logs" "$d/kubelet" "$d/volume-plugins"
+  k=$(cat "$d/subnet")
   nodes_containerd_config "$d" >"$d/containerd.toml"
   start "containerd" containerd --config "$d/containerd.toml"
   for _ in $(seq 300); do [[ -S "$d/containerd.sock" ]] && break; sleep 0.1; done
@@ -250,6 +286,46 @@ nodes_start_one() {
   wait_healthy kubelet "http://127.0.0.1:$healthz/healthz"
 }
 
+# What CoreDNS's kubernetes plugin reads, and no more.
+nodes_dns_rbac() {
+  cat <<EOF
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: "system:coredns"}
+rules:
+- {apiGroups: [""], resources: [endpoints, services, pods, namespaces], verbs: [list, watch]}
+- {apiGroups: [discovery.k8s.io], resources: [endpointslices], verbs: [list, watch]}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: "system:coredns"}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "system:coredns"}
+subjects: [{apiGroup: rbac.authorization.k8s.io, kind: User, name: "system:coredns"}]
+EOF
+}
+
+# nodes_dns: CoreDNS on NODES_DNS_IP:53 (see the header), ready once its kubernetes plugin
+# has synced with the plane.
+nodes_dns() {
+  local ready
+  ready=$(free_port)
+  cert coredns "/CN=system:coredns" "extendedKeyUsage=clientAuth"
+  kubeconfig coredns coredns
+  nodes_dns_rbac | kubectl_ apply -f - >/dev/null
+  cat >"$DIR/Corefile" <<EOF
+.:53 {
+    bind $NODES_DNS_IP
+    errors
+    ready 127.0.0.1:$ready
+    kubernetes $NODES_DOMAIN in-addr.arpa {
+        kubeconfig $DIR/coredns.kubeconfig ftjob-test
+    }
+}
+EOF
+  start coredns "$NODES_DNS_BIN/coredns" -conf "$DIR/Corefile"
+  wait_healthy coredns "http://127.0.0.1:$ready/ready"
+}
+
 nodes_up() {
   local n=$1 i
   nodes_built || die "no kubelet in $BIN: run 'scripts/k8s.sh build --nodes' first"
@@ -258,6 +334,11 @@ nodes_up() {
     NODE_IMAGES=("localhost/ftjob-operator:${FTJOB_IMAGE_TAG:-dev}"
       "localhost/ftjob-trainer:${FTJOB_IMAGE_TAG:-dev}")
   fi
+  [[ "$(cat /proc/sys/net/ipv4/ip_forward)" == 1 ]] ||
+    die "pods of two nodes need this host to route: sysctl -w net.ipv4.ip_forward=1"
+  for ((i = 0; i < n; i++)); do nodes_net_one "real-node-$i"; done
+  NODES_DNS_IP="10.214.$(cat "$DIR/nodes/real-node-0/subnet").1"
+  nodes_dns
   for ((i = 0; i < n; i++)); do nodes_start_one "real-node-$i"; done
   for ((i = 0; i < n; i++)); do
     # `kubectl wait` fails at once on a Node not registered yet: wait for the object first.

@@ -1,0 +1,142 @@
+"""The operator's gang on real nodes (scripts/k8s.sh up DIR --nodes N, scripts/nodes.sh): a plane
+of its own with the chart installed, real nodes whose containerds hold the built trainer image,
+``ftjob operator`` as the chart's ServiceAccount. examples/tiny.yaml, applied with kubectl, is
+placed by the real scheduler on the real nodes, trained by the real kubelets' containers (which
+find each other through the cluster's DNS), and ends Succeeded with an export that
+``from_pretrained`` loads; ``kubectl logs`` shows a rank's output.
+
+The shared volume is a hostPath PersistentVolume on this machine's folder: every node is a
+process of this one machine, so one folder is what a ReadWriteMany volume would be.
+
+    python -m pytest tests/cluster/test_real_gang.py -q   # root, containerd, podman, go
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import envs
+import hangs
+import pytest
+from plane import ROOT, Plane, build, shared_volume, token_kubeconfig
+
+sys.path.append(str(ROOT / "tests" / "emulator"))
+sys.path.append(str(ROOT / "tests" / "images"))
+from podrun import fs_group  # noqa: E402
+from support import Operator  # noqa: E402  (the emulator tests' launcher, reused)
+
+from ftjob.api import manifest  # noqa: E402
+from ftjob.operator import render  # noqa: E402
+
+pytestmark = pytest.mark.timeout(1800)  # the first test also waits for the image build
+NAMESPACE = "gang"
+NODES = 1  # each node's containerd holds the ~6 GB trainer image: see tests' docstrings
+TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
+
+
+@pytest.fixture(scope="module")
+def plane(images, tmp_path_factory):
+    """A plane with the chart installed and real nodes holding the trainer image."""
+    build()
+    for tool in ("containerd", "ctr"):
+        if not shutil.which(tool):
+            envs.unavailable(f"{tool} is not installed: bash scripts/podman-host.sh")
+    p = Plane(tmp_path_factory.mktemp("real-gang"), "--gpu-nodes", "0", "--nodes", str(NODES),
+              "--node-image", images.trainer)  # fmt: skip
+    p.up()
+    try:
+        p.kubectl("apply", "--server-side", "-f", str(ROOT / "manifests" / "install.yaml"))
+        p.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                  "crd/finetunejobs.ftjob.dev", "crd/finetuneprofiles.ftjob.dev")  # fmt: skip
+        yield p
+    finally:
+        p.down()
+
+
+@pytest.fixture(scope="module")
+def volume(plane: Plane, tmp_path_factory) -> Path:
+    """The claim's host folder: the example's model and data, writable by the pods' user (a
+    kubelet applies no fsGroup to a hostPath volume)."""
+    shared = tmp_path_factory.mktemp("real-gang-volume")
+    shutil.copytree(ROOT / "examples" / "tiny-model", shared / "tiny-model")
+    shutil.copytree(ROOT / "examples" / "data", shared / "data")
+    fs_group(shared, render.RUN_AS)
+    plane.kubectl("create", "namespace", NAMESPACE)
+    plane.wait(lambda: plane.get("sa", "default", NAMESPACE), hangs.FLOOR, "the default SA")
+    plane.apply(shared_volume(NAMESPACE, str(shared)))
+    return shared
+
+
+@pytest.fixture(scope="module")
+def operator(plane: Plane, volume, tmp_path_factory):
+    work = tmp_path_factory.mktemp("real-gang-operator")
+    kubeconfig = token_kubeconfig(plane, "ftjob-system", "ftjob", work / "sa.kubeconfig")
+    op = Operator(SimpleNamespace(kubeconfig=kubeconfig, wait=Plane.wait), work / "op.log")
+    op.start()
+    op.plane = plane
+    yield op
+    plane.kubectl("delete", "ftj", "--all", "-n", NAMESPACE, "--timeout=120s", ok=False)
+    op.stop()
+
+
+def tiny(name: str) -> dict:
+    """examples/tiny.yaml with the built image, one rank per real node, one core a pod."""
+    doc = copy.deepcopy(TINY)
+    doc["metadata"] = {"name": name, "namespace": NAMESPACE}
+    doc["spec"]["image"] = "localhost/ftjob-trainer:test"
+    doc["spec"]["resources"] |= {"nodes": NODES, "cpu": 1}
+    return doc
+
+
+def status_of(plane: Plane, name: str) -> dict:
+    return (plane.get("ftj", name, NAMESPACE) or {}).get("status") or {}
+
+
+def test_tiny_trains_on_real_nodes_to_an_export_that_loads(operator, volume):
+    from transformers import AutoModelForCausalLM
+
+    plane = operator.plane
+    plane.apply(tiny("tiny"))
+
+    def done():
+        s = status_of(plane, "tiny")
+        return s.get("phase") in ("Succeeded", "Failed") and s
+
+    status = plane.wait(done, hangs.RUN, "tiny to finish")
+    pods = [p for p in plane.get("pods", namespace=NAMESPACE) or []
+            if p["metadata"]["labels"].get(render.LABEL_JOB) == "tiny"]  # fmt: skip
+    assert status["phase"] == "Succeeded", (status, plane.kubectl(
+        "logs", "-n", NAMESPACE, "tiny-node-0", ok=False).stdout[-3000:])  # fmt: skip
+    assert {p["spec"]["nodeName"] for p in pods} == {f"real-node-{i}" for i in range(NODES)}
+    export = volume / status["modelPath"].removeprefix(render.SHARED_DIR + "/")
+    assert AutoModelForCausalLM.from_pretrained(export).num_parameters() > 0
+    # The kubelet keeps a finished container's log: `kubectl logs` of rank 0 shows its steps.
+    logs = plane.kubectl("logs", "-n", NAMESPACE, "tiny-node-0").stdout
+    assert "step" in logs, logs[-3000:]
+
+
+def test_a_pod_over_its_memory_limit_is_diagnosed_oomkilled_in_the_jobs_status(operator):
+    """resources.memory too small for the trainer: the kernel kills the container (the
+    kubelet reports OOMKilled, exit 137) and the operator says so in the job's status, naming
+    the pod, its node and the fix."""
+    plane = operator.plane
+    job = tiny("small")
+    job["spec"]["resources"]["memory"] = "128Mi"
+    job["spec"]["runPolicy"] = {"backoffLimit": 0}
+    plane.apply(job)
+
+    def ended():
+        s = status_of(plane, "small")
+        return s.get("phase") in ("Succeeded", "Failed") and s
+
+    status = plane.wait(ended, hangs.RUN, "small to end")
+    failure = status["failure"]
+    assert (status["phase"], failure["reason"], failure["exitCode"]) == ("Failed", "OOMKilled", 137)
+    assert failure["node"] == "real-node-0" and failure["pod"] == "small-node-0", failure
+    assert "raise resources.memory" in failure["message"], failure
+    pod = plane.get("pod", "small-node-0", NAMESPACE)
+    assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] == "OOMKilled"
