@@ -122,6 +122,15 @@ class Kube:
             raise
         return True
 
+    @metrics.timed("list_pods")
+    def pods(self, namespace: str, job: str) -> list[dict]:
+        """The pods labelled as ``job``'s, as the API server has them now (not a watch's
+        copy), as plain dicts."""
+        response = self.core.list_namespaced_pod(
+            namespace, label_selector=f"ftjob.dev/job-name={job}", _preload_content=False
+        )
+        return json.loads(response.data).get("items") or []
+
     @metrics.timed("read_job")
     def job_uid(self, namespace: str, name: str) -> str | None:
         try:

@@ -1,0 +1,260 @@
+"""Two replicas of ``ftjob operator`` with one peering name, as the chart runs them with
+``replicaCount: 2`` and ``peering.enabled`` (its args, its ClusterRole, its ClusterKopfPeering,
+each replica's POD_ID), against the real control plane, with the chart's ServiceAccount token:
+the acting replica is killed in the middle of a burst of jobs and the other takes over, and no
+job gets a second gang, a counted attempt or a lost status update (issue 55, point 2).
+
+Which replica acts is the API's word: kopf's keep-alives in the ClusterKopfPeering's status carry
+each replica's priority, and the highest live one acts (the other logs that it pauses)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import hangs
+import pytest
+import yaml
+from plane import KUBECTL, ROOT, Plane, shared_volume, token_kubeconfig
+
+sys.path.append(str(ROOT / "tests" / "emulator"))
+from support import Operator  # noqa: E402  (the emulator tests' launcher, reused)
+
+from ftjob.api import manifest  # noqa: E402
+
+NAMESPACE = "handover"
+RELEASE, SYSTEM = "fleet", "fleet-system"  # not the installed release: its ClusterRole stays
+PEERING = "ftjob"
+LIFETIME = 60  # kopf's settings.peering.lifetime, which the operator leaves at its default
+JOBS = 50
+TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
+pytestmark = pytest.mark.timeout(hangs.after(LIFETIME) + 600)
+
+
+def chart_with_peering() -> list[dict]:
+    """The chart rendered by the real Helm engine with two peering replicas."""
+    import helm_python as helm
+
+    values = {"replicaCount": 2, "peering": {"enabled": True, "name": PEERING}}
+    with helm.Chart.load(str(ROOT / "charts" / "ftjob")) as chart:
+        rendered = chart.render(values, name=RELEASE, namespace=SYSTEM, is_install=True)
+    docs = [d for p, t in rendered.items() if p.endswith(".yaml") for d in yaml.safe_load_all(t)]
+    return [d for d in docs if d]
+
+
+class Replicas:
+    """The chart's Deployment's replicas as processes: its args (the ports aside: they share
+    this machine), each with its own POD_ID, as the Deployment's pods get theirs."""
+
+    def __init__(self, plane: Plane, deployment: dict, kubeconfig: Path, work: Path):
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        args = [a for a in container["args"] if not a.startswith(("--liveness", "--metrics"))]
+        assert args[0] == "operator" and f"--peering={PEERING}" in args, args
+        self.args, self.plane, self.work = args[1:], plane, work
+        self.target = SimpleNamespace(kubeconfig=kubeconfig, wait=Plane.wait)
+        self.running: dict[str, Operator] = {}
+
+    def start(self, pod: str) -> Operator:
+        log = self.work / f"{pod}.log"
+        op = Operator(self.target, log, *self.args, standalone=False, env={"POD_ID": pod})
+        self.running[pod] = op.start()
+        return op
+
+    def peers(self) -> dict[str, dict]:
+        """The ClusterKopfPeering's status: each replica's keep-alive (priority, lastseen)."""
+        return (self.plane.get("clusterkopfpeering", PEERING) or {}).get("status") or {}
+
+    def acting(self) -> str:
+        """The running replica that acts: the highest priority in the peering's status, once
+        every running replica keeps its keep-alive there, and the only one whose latest
+        peering decision in its log is to resume (kopf starts a replica of a named peering
+        paused, and resumes it when no live peer has a higher priority)."""
+        peers: dict = {}
+
+        def settled():
+            peers.update(self.peers())
+            if set(self.running) - set(peers):
+                return None
+            top = max(self.running, key=lambda pod: peers[pod]["priority"])
+            resumed = {pod for pod, op in self.running.items() if acts(op)}
+            return resumed == {top} and top
+
+        try:
+            return self.plane.wait(settled, hangs.FLOOR, "the replicas to settle who acts")
+        except AssertionError as e:
+            logs = {pod: op.log.read_text()[-2000:] for pod, op in self.running.items()}
+            raise AssertionError(f"{e}: peers {peers}, logs {logs}") from None
+
+    def stop_all(self) -> None:
+        for op in self.running.values():
+            op.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(installed: Plane, tmp_path_factory):
+    plane = installed
+    docs = chart_with_peering()
+    keep = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering")
+    applied = [d for d in docs if d["kind"] in keep]
+    plane.kubectl("create", "namespace", SYSTEM)
+    plane.kubectl("create", "namespace", NAMESPACE)
+    plane.apply({"apiVersion": "v1", "kind": "List", "items": applied})
+    plane.wait(lambda: plane.get("sa", "default", NAMESPACE), hangs.FLOOR, "the default SA")
+    plane.apply(shared_volume(NAMESPACE))
+    work = tmp_path_factory.mktemp("handover")
+    kubeconfig = token_kubeconfig(plane, SYSTEM, f"{RELEASE}-ftjob", work / "sa.kubeconfig")
+    [deployment] = [d for d in docs if d["kind"] == "Deployment"]
+    assert deployment["spec"]["replicas"] == 2
+    pair = Replicas(plane, deployment, kubeconfig, work)
+    yield pair
+    plane.delete_every_job()  # while a replica acts: it removes the jobs' finalizer
+    pair.stop_all()
+    cluster_scoped = [d for d in applied if d["kind"] != "ServiceAccount"]
+    listed = json.dumps({"apiVersion": "v1", "kind": "List", "items": cluster_scoped})
+    plane.kubectl("delete", "-f", "-", "--wait=false", input=listed)
+    plane.kubectl("delete", "namespace", SYSTEM, NAMESPACE, "--wait=false")
+
+
+def acts(op: Operator) -> bool:
+    """Whether kopf's latest peering decision in the replica's log was to resume."""
+    said = [line for line in op.log.read_text().splitlines() if "operations" in line]
+    return bool(said) and "Resuming operations" in said[-1]
+
+
+def tiny_job(name: str) -> dict:
+    """examples/tiny.yaml's shape (2 nodes) under a new name."""
+    doc = copy.deepcopy(TINY)
+    doc["metadata"] = {"name": name, "namespace": NAMESPACE}
+    return doc
+
+
+def apply_jobs(plane: Plane, names: list[str]) -> None:
+    items = [tiny_job(n) for n in names]
+    plane.apply({"apiVersion": "v1", "kind": "List", "items": items})
+
+
+class PodLog:
+    """Every pod event of the namespace as the API server sends it (kubectl's watch): which
+    pod names were created, and with which UIDs, for the whole test."""
+
+    def __init__(self, plane: Plane, path: Path):
+        self.path = path
+        argv = [KUBECTL, "--kubeconfig", str(plane.kubeconfig), "get", "pods", "-n",
+                NAMESPACE, "-l", "ftjob.dev/job-name", "-w", "--output-watch-events", "-o",
+                "json"]  # fmt: skip
+        with open(path, "w") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+
+    def events(self) -> list[dict]:
+        text, decoder, out, i = self.path.read_text(), json.JSONDecoder(), [], 0
+        while i < len(text):
+            if text[i].isspace():
+                i += 1
+                continue
+            event, i = decoder.raw_decode(text, i)
+            out.append(event)
+        return out
+
+    def uids(self) -> dict[str, set[str]]:
+        """Each pod name -> every UID it was ever seen with."""
+        seen: dict[str, set[str]] = {}
+        for e in self.events():
+            meta = e["object"]["metadata"]
+            seen.setdefault(meta["name"], set()).add(meta["uid"])
+        return seen
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(hangs.FLOOR)
+
+
+def gangs(plane: Plane) -> dict[str, list[dict]]:
+    pods = plane.get("pods", namespace=NAMESPACE) or []
+    out: dict[str, list[dict]] = {}
+    for p in pods:
+        out.setdefault(p["metadata"]["labels"]["ftjob.dev/job-name"], []).append(p)
+    return out
+
+
+def finish(plane: Plane, pod: str) -> None:
+    """The trainer container exits 0, as a kubelet writes it: the pod's status subresource."""
+    term = {"exitCode": 0, "reason": "Completed", "startedAt": None, "finishedAt": None}
+    container = {"name": "trainer", "ready": False, "restartCount": 0, "image": "trainer:test",
+                 "imageID": "sha256:0", "state": {"terminated": term}}  # fmt: skip
+    patch = {"status": {"phase": "Succeeded", "containerStatuses": [container]}}
+    plane.kubectl("patch", "pod", pod, "-n", NAMESPACE, "--subresource=status",
+                  "--type=merge", "-p", json.dumps(patch))  # fmt: skip
+
+
+def test_the_standby_replica_takes_over_a_burst_without_a_second_gang(replicas, tmp_path):
+    plane = replicas.plane
+    replicas.start("replica-a")
+    replicas.start("replica-b")
+    acting = replicas.acting()
+    [standby] = [pod for pod in replicas.running if pod != acting]
+    watch = PodLog(plane, tmp_path / "pods.json")
+    names = [f"burst-{i:02d}" for i in range(JOBS)]
+    try:
+        apply_jobs(plane, names[: JOBS // 2])
+        # Mid-burst: some gangs made, others not yet (the rest of the burst comes after).
+        plane.wait(lambda: len(gangs(plane)) >= 5, hangs.FLOOR, "the first gangs")
+        replicas.running.pop(acting).kill()
+        killed = time.monotonic()
+        before = {p["metadata"]["name"]: p["metadata"]["uid"]
+                  for pods in gangs(plane).values() for p in pods}  # fmt: skip
+        apply_jobs(plane, names[JOBS // 2 :])
+        # While no replica acts: three whole gangs exit 0 (the pods' status changes; with no
+        # trainer's record naming a model, the job fails, not retried: no budget spent).
+        complete = sorted(n for n, pods in gangs(plane).items() if len(pods) == 2)[:3]
+        for name in complete:
+            for rank in (0, 1):
+                finish(plane, f"{name}-node-{rank}")
+        every = converged(plane, names, complete, hangs.after(LIFETIME))
+        took = time.monotonic() - killed
+        uids = watch.uids()
+    finally:
+        watch.close()
+    print(f"hand-over: {acting} killed, {standby} converged all {JOBS} jobs in {took:.0f} s")
+    assert replicas.acting() == standby
+    # No pod name was ever created twice, and every pod there at the kill is the same pod.
+    assert all(len(u) == 1 for u in uids.values()), {n: u for n, u in uids.items() if len(u) > 1}
+    assert all(uids[name] == {uid} for name, uid in before.items())
+    for name in names:
+        status, pods = every[name]
+        assert {p["metadata"]["labels"]["ftjob.dev/attempt"] for p in pods} == {"0"}, name
+        assert status.get("attempt", 0) == 0 and status.get("restarts", 0) == 0, (name, status)
+    for name in complete:
+        assert "every node exited 0" in every[name][0]["failure"]["message"], every[name]
+    # The survivor says it resumed; nothing in its log says it met a second operator's work.
+    assert replicas.running[standby].logged("Resuming operations after the pause")
+
+
+def converged(plane: Plane, names: list[str], complete: list[str], timeout: float) -> dict:
+    """Every job's status says what its pods say: one gang of 2 pods, Running, or for
+    ``complete`` Succeeded pods and a Failed job (exit 0 with no record of a model); returns
+    {job: (status, pods)}. A second attempt fails it at once."""
+    behind: list[str] = []
+
+    def check():
+        pods = gangs(plane)
+        jobs = {j["metadata"]["name"]: j for j in plane.get("ftj", namespace=NAMESPACE) or []}
+        out, behind[:] = {}, []
+        for name in names:
+            status = (jobs.get(name) or {}).get("status") or {}
+            assert not status.get("attempt") and not status.get("restarts"), (name, status)
+            want, pods_want = ("Failed", "Succeeded") if name in complete else ("Running",) * 2
+            phases = [p["status"].get("phase") for p in pods.get(name, [])]
+            if status.get("phase") != want or phases != [pods_want] * 2:
+                behind.append(f"{name}: {status.get('phase')}, pods {phases}")
+            out[name] = (status, pods.get(name, []))
+        return not behind and out
+
+    try:
+        return plane.wait(check, timeout, f"all {len(names)} jobs to say what their pods say")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; not yet: {behind[:10]}") from None
