@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # ftjob's operator on one machine, no cluster needed (docs/try-the-operator.md):
 #
-#   scripts/try-operator.sh up DIR      a real control plane (scripts/k8s.sh, no fake GPU nodes),
-#                                       the chart's manifests, the images (scripts/images.sh),
-#                                       a volume holding the tiny example's model and data, two
-#                                       podman nodes (tests/cluster/podman_node.py) and the
-#                                       operator; prints the KUBECONFIG to export
-#   scripts/try-operator.sh down DIR    stops the operator and the nodes (which remove every
-#                                       container they started), then the plane
+#   scripts/try-operator.sh up DIR      the images (scripts/images.sh), a real control plane with
+#                                       two real nodes (scripts/k8s.sh --nodes 2: kubelet,
+#                                       containerd holding the trainer image, CNI, CoreDNS; no
+#                                       fake GPU nodes), the chart's manifests, a volume holding
+#                                       the tiny example's model and data, and the operator;
+#                                       prints the KUBECONFIG to export
+#   scripts/try-operator.sh down DIR    stops the operator, then the plane and its nodes (their
+#                                       containers, mounts, bridges, cgroups, imported images)
 #
-# Needs root and podman (scripts/podman-host.sh), Go for the first plane build, and a Python with
-# ftjob installed (pip install -e '.[test]'; PYTHON=... picks it; kubectl beside it or on PATH).
+# Needs root, podman and containerd (scripts/podman-host.sh), Go for the first plane build, a
+# Python with ftjob installed (pip install -e '.[test]'; PYTHON=... picks it; kubectl beside it
+# or on PATH), and ~25 GB of disk: each node's containerd holds its own copy of the ~6 GB
+# trainer image (its layers and their unpacked snapshot).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
 TAG=${FTJOB_IMAGE_TAG:-dev}
-NODES=(podman-0 podman-1)
 export KUBECTL=${KUBECTL:-$(command -v "$(dirname "$PYTHON")/kubectl" || command -v kubectl)}
 
 die() { echo "try-operator: $*" >&2; exit 1; }
@@ -54,10 +56,12 @@ background() {
 
 cmd_up() {
   [[ -e "$DIR/try.pids" ]] && die "$DIR/try.pids exists: 'try-operator.sh down $DIR' first"
-  bash "$ROOT/scripts/k8s.sh" build
-  bash "$ROOT/scripts/k8s.sh" up "$DIR" --gpu-nodes 0
-  export KUBECONFIG=$DIR/admin.kubeconfig
+  bash "$ROOT/scripts/k8s.sh" build --nodes
   FTJOB_IMAGE_TAG=$TAG PYTHON=$PYTHON bash "$ROOT/scripts/images.sh"
+  # The nodes' containerds get the trainer image (the operator runs as a process here).
+  bash "$ROOT/scripts/k8s.sh" up "$DIR" --gpu-nodes 0 --nodes 2 \
+    --node-image "localhost/ftjob-trainer:$TAG"
+  export KUBECONFIG=$DIR/admin.kubeconfig
   "$KUBECTL" apply --server-side -f "$ROOT/manifests/install.yaml" >/dev/null
   "$KUBECTL" wait --for=condition=Established --timeout=60s crd/finetunejobs.ftjob.dev >/dev/null
   # The pods run as uid 1000; a kubelet does not chown a hostPath volume for them.
@@ -65,14 +69,6 @@ cmd_up() {
   cp -r "$ROOT/examples/tiny-model" "$ROOT/examples/data" "$DIR/volume/"
   chown -R 1000:1000 "$DIR/volume"
   claim "$DIR/volume" | "$KUBECTL" apply -f - >/dev/null
-  for node in "${NODES[@]}"; do
-    background "$node" "$PYTHON" "$ROOT/tests/cluster/podman_node.py" --kubeconfig "$KUBECONFIG" \
-      --name "$node" --workdir "$DIR/$node"
-  done
-  for node in "${NODES[@]}"; do
-    for _ in $(seq 300); do "$KUBECTL" get node "$node" >/dev/null 2>&1 && break; sleep 0.2; done
-    "$KUBECTL" wait --for=condition=Ready --timeout=60s "node/$node" >/dev/null
-  done
   background operator "$PYTHON" -m ftjob operator --all-namespaces \
     --default-image "localhost/ftjob-trainer:$TAG"
   echo "try-operator: up. export KUBECONFIG=$KUBECONFIG"
@@ -82,7 +78,7 @@ cmd_up() {
 cmd_down() {
   local name pid
   if [[ -f "$DIR/try.pids" ]]; then
-    # The operator first, then the nodes: SIGTERM, and they remove their containers.
+    # The operator (SIGTERM: it ends its watches); k8s.sh down then stops the nodes.
     tac "$DIR/try.pids" | while read -r name pid; do
       kill -TERM "$pid" 2>/dev/null || continue
       for _ in $(seq 600); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done

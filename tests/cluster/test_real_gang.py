@@ -14,6 +14,7 @@ process of this one machine, so one folder is what a ReadWriteMany volume would 
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -34,7 +35,9 @@ from ftjob.operator import render  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1800)  # the first test also waits for the image build
 NAMESPACE = "gang"
-NODES = 1  # each node's containerd holds the ~6 GB trainer image: see tests' docstrings
+# Each node's containerd holds its own ~12 GB of the trainer image (docs/testing.md): one node
+# unless the machine has the disk for more (FTJOB_REAL_GANG_NODES=2: one rank on each).
+NODES = int(os.environ.get("FTJOB_REAL_GANG_NODES", "1"))
 TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
 
 
@@ -136,7 +139,8 @@ def test_a_pod_over_its_memory_limit_is_diagnosed_oomkilled_in_the_jobs_status(o
     status = plane.wait(ended, hangs.RUN, "small to end")
     failure = status["failure"]
     assert (status["phase"], failure["reason"], failure["exitCode"]) == ("Failed", "OOMKilled", 137)
-    assert failure["node"] == "real-node-0" and failure["pod"] == "small-node-0", failure
+    # Every rank outgrows the limit: the failure names whichever the operator saw first.
+    assert failure["node"].startswith("real-node-") and failure["pod"].startswith("small-node-")
     assert "raise resources.memory" in failure["message"], failure
-    pod = plane.get("pod", "small-node-0", NAMESPACE)
+    pod = plane.get("pod", failure["pod"], NAMESPACE)
     assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] == "OOMKilled"
