@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import re
+import time
 
 from ftjob.api.kubevalidation import IMAGE
 from ftjob.operator import render
@@ -136,6 +137,32 @@ class _ObjectName(logging.Filter):
         return True
 
 
+class _OnceAnOutage(logging.Filter):
+    """kopf logs every retry of every request the API server does not answer ("Request
+    attempt #3/9 failed; will retry: ..."): with five watches, some 40 lines in a 30 s
+    restart of the API server. The first retry of an outage passes, saying what it is; the
+    others show with --verbose. An outage is over when no request was retried for QUIET s."""
+
+    QUIET = 60.0
+    RETRY = re.compile(r"Request attempt #?\d+(/\d+)? failed; will retry")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: float | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.RETRY.match(str(record.msg)):
+            return True
+        now = time.monotonic()
+        first = self.last is None or now - self.last > self.QUIET
+        self.last = now
+        if first:
+            said = "the API server did not answer; kopf retries (each retry: --verbose)"
+            record.msg = f"{said}: {record.msg}"
+            record.args = ()
+        return first
+
+
 def configure_logging(verbose: bool) -> None:
     """One line per decision, naming the job (the ftjob.operator logger: handlers.py), and no
     line per routine event at the default level: kopf says every handler call at INFO
@@ -148,6 +175,8 @@ def configure_logging(verbose: bool) -> None:
     for handler in logging.getLogger().handlers:
         handler.addFilter(_ObjectName())
     if not verbose:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_OnceAnOutage())
         for routine in ("kopf", "aiohttp.access"):
             logging.getLogger(routine).setLevel(logging.WARNING)
         # Peering logs only its decisions (a replica pausing for a leader, resuming when it

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -93,11 +94,49 @@ class Plane:
 
         self.wait(no_pods, hangs.FLOOR, "every job's pods to go")
 
+    def stop(self, name: str) -> list[str]:
+        """Stop one of the plane's processes (``kube-apiserver``, ``etcd``, ...) as k8s.sh
+        down does (SIGTERM, SIGKILL after 10 s) and wait until it is gone; returns its
+        command line, for start."""
+        pid = self._pid(name)
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+        os.kill(pid, signal.SIGTERM)
+        try:  # not a hang guard: k8s.sh down's grace before SIGKILL (a draining apiserver)
+            hangs.poll(lambda: _ended(pid), 10, f"{name} ({pid}) to stop")
+        except AssertionError:
+            os.kill(pid, signal.SIGKILL)
+            hangs.poll(lambda: _ended(pid), hangs.FLOOR, f"{name} ({pid}) to stop")
+        return argv
+
+    def start(self, name: str, argv: list[str]) -> None:
+        """Start a stopped process again as k8s.sh does (its own session, its log appended,
+        its pid recorded for down), and wait until the API server is ready again."""
+        with open(self.dir / "logs" / f"{name}.log", "a") as log:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        with open(self.dir / "pids", "a") as pids:
+            pids.write(f"{name} {proc.pid}\n")
+        self.wait(lambda: self.kubectl("get", "--raw=/readyz", ok=False).returncode == 0,
+                  hangs.FLOOR, f"the API server to be ready after {name} started")  # fmt: skip
+
+    def _pid(self, name: str) -> int:
+        """The latest pid k8s.sh (or start) recorded for ``name``."""
+        found = [line.split() for line in (self.dir / "pids").read_text().splitlines()]
+        return int([pid for n, pid in found if n == name][-1])
+
     # The emulator tests' Operator helper calls cluster.wait.
     @staticmethod
     def wait(predicate, timeout: float = hangs.FLOOR, what: str = "condition"):
         """Poll ``predicate()`` (an API read: every 0.2 s) until it returns something truthy."""
         return hangs.poll(predicate, timeout, what, every=0.2)
+
+
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie (its parent, if it is this process, reaps it later)."""
+    try:
+        return not Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return True
 
 
 def token_kubeconfig(plane: Plane, namespace: str, account: str, path: Path) -> Path:

@@ -1,0 +1,139 @@
+"""The control plane restarts under a running ``ftjob operator`` (issue 55, point 3): the real
+kube-apiserver stopped for 30 s and started again, then etcd likewise, while gangs run on kwok's
+nodes and pods change. The operator rides it out as the same process, every job converges to
+what its pods say, no gang that did not fail is made again, and its log names the outage a
+bounded number of times (not a line per job per second)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+from types import SimpleNamespace
+
+import hangs
+import pytest
+from plane import ROOT, Plane, shared_volume, token_kubeconfig
+
+sys.path.append(str(ROOT / "tests" / "emulator"))
+from support import Operator  # noqa: E402  (the emulator tests' launcher, reused)
+
+from ftjob.api import manifest  # noqa: E402
+
+NAMESPACE = "outage"
+OUTAGE = 30  # seconds each component stays down: not a wait, the outage itself
+TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
+# The log may name an outage this often in all: a few lines each (kopf's watch retries, a
+# reconcile that failed), never a line per job per second (~30 s x 3 jobs here).
+LINES_PER_OUTAGE = 12
+pytestmark = pytest.mark.timeout(2 * OUTAGE + 6 * hangs.FLOOR + 300)
+
+
+@pytest.fixture(scope="module")
+def operator(installed: Plane, tmp_path_factory):
+    plane = installed
+    plane.kubectl("create", "namespace", NAMESPACE)
+    plane.wait(lambda: plane.get("sa", "default", NAMESPACE), hangs.FLOOR, "the default SA")
+    plane.apply(shared_volume(NAMESPACE))
+    work = tmp_path_factory.mktemp("outage")
+    kubeconfig = token_kubeconfig(plane, "ftjob-system", "ftjob", work / "sa.kubeconfig")
+    op = Operator(SimpleNamespace(kubeconfig=kubeconfig, wait=Plane.wait), work / "operator.log")
+    op.plane = plane
+    yield op.start()
+    plane.delete_every_job()
+    op.stop()
+    plane.kubectl("delete", "namespace", NAMESPACE, "--wait=false")
+
+
+def tiny_job(name: str) -> dict:
+    doc = copy.deepcopy(TINY)
+    doc["metadata"] = {"name": name, "namespace": NAMESPACE}
+    doc["spec"]["runPolicy"] = {"backoffLimit": 2}
+    return doc
+
+
+def pods_of(plane: Plane, name: str) -> list[dict]:
+    pods = plane.get("pods", namespace=NAMESPACE) or []
+    return [p for p in pods if p["metadata"]["labels"].get("ftjob.dev/job-name") == name]
+
+
+def gang(plane: Plane, name: str, attempt: int, phase: str | None = "Running") -> dict:
+    """Waits until the job's 2 pods are of ``attempt`` and in ``phase`` (None: one phase,
+    whichever: a restarted plane's kwok may leave new pods Pending), and its status says the
+    phase the pods call for; returns {pod name: uid}."""
+    says = {"Running": "Running", "Pending": "Pending", "Succeeded": "Failed"}  # exit 0, no model
+
+    def check():
+        pods = pods_of(plane, name)
+        status = (plane.get("ftj", name, NAMESPACE) or {}).get("status") or {}
+        phases = {p["status"].get("phase") for p in pods}
+        ok = len(pods) == 2 and len(phases) == 1 and phases <= ({phase} if phase else set(says))
+        ok = ok and {p["metadata"]["labels"]["ftjob.dev/attempt"] for p in pods} == {str(attempt)}
+        ok = ok and status.get("phase") == says[phases.pop()] and status.get("attempt") == attempt
+        return ok and {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
+
+    try:
+        return plane.wait(check, hangs.FLOOR, f"{name}: attempt {attempt}, pods {phase}")
+    except AssertionError as e:
+        status = (plane.get("ftj", name, NAMESPACE) or {}).get("status")
+        pods = [(p["metadata"]["name"], p["metadata"]["labels"], p["status"].get("phase"))
+                for p in pods_of(plane, name)]  # fmt: skip
+        raise AssertionError(f"{e}: status {status}, pods {pods}") from None
+
+
+def terminate(plane: Plane, pod: str, exit_code: int, reason: str) -> None:
+    """What a kubelet writes when the trainer container ends: the pod's status subresource."""
+    term = {"exitCode": exit_code, "reason": reason, "startedAt": None, "finishedAt": None}
+    container = {"name": "trainer", "ready": False, "restartCount": 0, "image": "trainer:test",
+                 "imageID": "sha256:0", "state": {"terminated": term}}  # fmt: skip
+    phase = "Failed" if exit_code else "Succeeded"
+    patch = {"status": {"phase": phase, "containerStatuses": [container]}}
+    plane.kubectl("patch", "pod", pod, "-n", NAMESPACE, "--subresource=status",
+                  "--type=merge", "-p", json.dumps(patch))  # fmt: skip
+
+
+def outage(plane: Plane, op: Operator, component: str) -> int:
+    """``component`` stopped for OUTAGE seconds and started again; returns the operator's
+    log's length in lines when it was stopped."""
+    before = len(op.log.read_text().splitlines())
+    argv = plane.stop(component)
+    time.sleep(OUTAGE)
+    assert op.proc.poll() is None, op.log.read_text()[-3000:]
+    plane.start(component, argv)
+    return before
+
+
+def test_the_operator_rides_out_an_apiserver_and_an_etcd_restart(operator):
+    plane, op = operator.plane, operator
+    pid = op.proc.pid
+    for name in ("steady", "oom", "done"):
+        plane.apply(tiny_job(name))
+    steady = gang(plane, "steady", 0)
+    first_oom = gang(plane, "oom", 0)
+    done = gang(plane, "done", 0)
+
+    api_down = outage(plane, op, "kube-apiserver")
+    terminate(plane, "oom-node-1", 137, "OOMKilled")  # a gang that fails: replaced once
+    second_oom = gang(plane, "oom", 1, None)
+    etcd_down = outage(plane, op, "etcd")
+    for rank in (0, 1):  # a gang that ends: its status follows, no new gang
+        terminate(plane, f"done-node-{rank}", 0, "Completed")
+    assert gang(plane, "done", 0, "Succeeded") == done
+    assert gang(plane, "oom", 1, None) == second_oom and not set(first_oom.values()) & set(
+        second_oom.values()
+    )
+    assert gang(plane, "steady", 0) == steady  # the same pods (UIDs): never made again
+    status = (plane.get("ftj", "oom", NAMESPACE) or {}).get("status") or {}
+    assert status["restarts"] == 1 and status["failure"]["reason"] == "OOMKilled", status
+    # The same process throughout, healthy.
+    assert op.proc.pid == pid and op.proc.poll() is None and op.healthy()
+    # What the log says of each outage: from its stop to the next one, and to the end.
+    log = op.log.read_text().splitlines()
+    said = {"kube-apiserver": log[api_down:etcd_down], "etcd": log[etcd_down:]}
+    assert any("the API server did not answer" in line for line in said["kube-apiserver"])
+    for component, lines in said.items():
+        noise = [line for line in lines if "ftjob.operator: outage/" not in line]  # decisions
+        print(f"{component} outage: {len(noise)} log lines besides the jobs' decisions")
+        assert len(noise) <= LINES_PER_OUTAGE, "\n".join(noise[-40:])
+        assert not [line for line in noise if "Traceback" in line], "\n".join(noise[-40:])
