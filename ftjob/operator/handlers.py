@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -69,6 +70,10 @@ class Settings:
     # those copies (the allocator keeps a burst's high-water mark for the operator's life),
     # and a job waiting for a worker is one key in the queue.
     concurrency: int = 8
+    # FTJOB_API_THREADS: the synchronous API client's calls run in this many threads (and
+    # as many pooled connections); asyncio's default, min(32, CPUs + 4), was 6 on 2 cores
+    # and made a burst's creates wait for each other (bench/RESULTS.md, fleet).
+    api_threads: int = 16
     metrics_port: int = 0  # FTJOB_METRICS_PORT: 0 serves no /metrics
     # FTJOB_DEFAULT_IMAGE (ftjob operator --default-image): the trainer image of jobs that
     # name none in spec.image.
@@ -83,6 +88,7 @@ class Settings:
             resync=float(env.get("FTJOB_RESYNC_SECONDS", cls.resync)),
             progress_every=float(env.get("FTJOB_PROGRESS_SECONDS", cls.progress_every)),
             concurrency=int(env.get("FTJOB_RECONCILE_CONCURRENCY", cls.concurrency)),
+            api_threads=int(env.get("FTJOB_API_THREADS", cls.api_threads)),
             metrics_port=int(env.get("FTJOB_METRICS_PORT") or 0),
             default_image=env.get(render.DEFAULT_IMAGE_ENV) or None,
             default_tracking=render.default_tracking(env.get(render.DEFAULT_TRACKING_ENV)),
@@ -146,7 +152,7 @@ PROGRESS_FETCHES = 32
 def kube() -> Kube:
     global _kube
     if _kube is None:
-        _kube = Kube()
+        _kube = Kube(connections=SETTINGS.api_threads)
     return _kube
 
 
@@ -162,6 +168,9 @@ async def configure(
     global QUEUE, SETTINGS
     SETTINGS = Settings.from_env()
     QUEUE = workqueue.WorkQueue()
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(SETTINGS.api_threads, thread_name_prefix="ftjob-api")
+    )
     # kopf's own bookkeeping goes to annotations; .status belongs to the FineTuneJob API.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -483,18 +492,18 @@ async def _create_gang(name, namespace, body, seen: Seen, spec, decision, state:
     if await asyncio.to_thread(kube().job_uid, namespace, name) != uid:
         raise Gone(f"{namespace}/{name} is no longer object {uid}: nothing is created")
     attempt = new["attempt"]
-    children = [
-        render.config_map(name, namespace, spec, uid),
-        render.service(name, namespace, spec, uid),
-    ]
     image, avoid = SETTINGS.default_image, lifecycle.bad_nodes(new)
-    children += [
-        render.pod(name, namespace, spec, r, attempt, uid, image, avoid) for r in decision.create
+    # Two rounds of creates at once, not one create after another: a burst of 16-node gangs
+    # would otherwise wait for a round trip per pod. The ConfigMap and Service go first (the
+    # pods mount the one and resolve the other).
+    rounds = [
+        [render.config_map(name, namespace, spec, uid), render.service(name, namespace, spec, uid)],
+        [render.pod(name, namespace, spec, r, attempt, uid, image, avoid) for r in decision.create],
     ]
     requeue = None
     try:
-        for child in children:
-            if not await _create(child, uid):
+        for children in rounds:
+            if not all(await asyncio.gather(*(_create(c, uid) for c in children))):
                 requeue = 0.5  # a dead job's child was in the way: create again once gone
     except Refused as e:
         await _record_refusal(body, namespace, name, seen, state, str(e))
