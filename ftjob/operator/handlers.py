@@ -320,11 +320,13 @@ def _drop(watch: Watch) -> None:
 async def _work(queue: workqueue.WorkQueue, views: Indexes, paused) -> None:
     """One of the pool's workers: takes a key, reconciles its job, schedules its next look."""
     while True:
-        await pause.resumed(paused)
         key = await queue.get()
         try:
+            # Held while paused, never dropped: the re-listing after the pause queues it
+            # again, and that waits for this worker.
+            await pause.resumed(paused)
             watch = JOBS.get(key)
-            if watch is not None and not paused.is_on():
+            if watch is not None:
                 delay = await _reconcile_logged(watch, views)
                 if JOBS.get(key) is watch and delay is not None:
                     queue.add_after(key, delay)
