@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import hangs
 import pytest
-from conftest import CRD, INSTALL
+from conftest import CRDS, INSTALL
 from plane import ROOT, Plane, build, shared_volume, token_kubeconfig
 from test_real_operator import NAMESPACE, gang_running, gpu_job, status_of, terminate
 
@@ -129,7 +129,10 @@ def own(tmp_path_factory):
     op = relay = None
     try:
         plane.kubectl("apply", "--server-side", "-f", str(INSTALL))
-        plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD}")
+        # Both CRDs, as conftest's installed: the profiles' admission policy refuses jobs
+        # until its FineTuneProfile kind is served.
+        crds = [f"crd/{name}" for name in CRDS]
+        plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crds)
         plane.kubectl("create", "namespace", NAMESPACE)
         plane.wait(lambda: plane.get("sa", "default", NAMESPACE), hangs.FLOOR, "the default SA")
         plane.apply(shared_volume(NAMESPACE))
