@@ -136,6 +136,13 @@ def own(tmp_path_factory):
         plane.kubectl("create", "namespace", NAMESPACE)
         plane.wait(lambda: plane.get("sa", "default", NAMESPACE), hangs.FLOOR, "the default SA")
         plane.apply(shared_volume(NAMESPACE))
+        # The profiles' admission policy refuses every job until the API server's view of
+        # its FineTuneProfile kind catches up with the CRD (seconds after Established).
+        plane.wait(
+            lambda: plane.apply(gpu_job("probe"), "--dry-run=server", ok=False).returncode == 0,
+            hangs.FLOOR,
+            "a job admitted (the profiles' admission policy ready)",
+        )
         kubeconfig = token_kubeconfig(plane, "ftjob-system", "ftjob", work / "sa.kubeconfig")
         config = json.loads(kubeconfig.read_text())
         server = config["clusters"][0]["cluster"]["server"]
