@@ -1,18 +1,21 @@
 """Thin kopf handlers: read -> decide (pure) -> write status -> change children.
 
-One daemon per FineTuneJob reconciles it whenever one of its pods changes (a kopf index
-holds the pods; a pod event wakes the job's daemon), when its spec changes or it is being
-deleted (a job event wakes it), when rank 0's progress changed (one timer polls every
-running job's rank 0 every ``FTJOB_PROGRESS_SECONDS``: no task per job), when a deadline
-the decision asked for comes due, and at least every ``FTJOB_RESYNC_SECONDS``. Status is
-written *before* pods are created or deleted, so a crash between the two repeats the same
-step instead of counting a restart twice. At most ``FTJOB_RECONCILE_CONCURRENCY``
-reconciles run at once.
+No task per job: as controller-runtime does, events put a job's key in one work queue
+(operator/workqueue.py: a key queued twice is reconciled once) and a fixed pool of
+``FTJOB_RECONCILE_CONCURRENCY`` workers reconciles. A job is queued when it appears, when its
+spec changes, when one of its pods changes (a kopf index holds the pods), when rank 0's
+progress changed (one timer polls every running job's rank 0 every
+``FTJOB_PROGRESS_SECONDS``), when a deadline the decision asked for comes due, and at least
+every ``FTJOB_RESYNC_SECONDS`` (one timer heap for every job's next look). Status is written
+*before* pods are created or deleted, so a crash between the two repeats the same step
+instead of counting a restart twice. While kopf's peering pauses this replica the workers
+take nothing, and what it knew is dropped: it acts again only on what kopf's re-listing
+brings (operator/pause.py).
 
-A daemon serves one object, the UID it was started for, not a name: every status write is
-a JSON patch that tests that UID, children carry it as owner, and once the object is gone
-(404) or replaced by a new one of the same name, the daemon stops. A child of the same name
-owned by another UID (left by a deleted job) is removed, never adopted.
+A key names a job; its :class:`Watch` serves one object, the UID last seen under that name:
+every status write is a JSON patch that tests that UID, children carry it as owner, and once
+the object is deleted, or replaced by a new one of the same name, its watch is dropped. A
+child of the same name owned by another UID (left by a deleted job) is removed, never adopted.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -38,11 +42,13 @@ from ftjob.operator import (
     cost,
     lifecycle,
     metrics,
+    pause,
     profiles,
     queueing,
     render,
     startup,
     status,
+    workqueue,
 )
 from ftjob.operator.kube import ApiException, Gone, Kube, Refused, Unreachable, error_text
 
@@ -58,12 +64,16 @@ class Settings:
 
     resync: float = 30.0  # FTJOB_RESYNC_SECONDS: reconcile at least this often
     progress_every: float = 15.0  # FTJOB_PROGRESS_SECONDS: poll rank 0's /progress
-    # FTJOB_RECONCILE_CONCURRENCY: a reconcile in flight holds a copy of its job, the parsed
-    # spec and the rendered children while its API calls queue for a thread of asyncio's
-    # default pool (min(32, CPUs + 4) threads). Unbounded, a burst of N new jobs holds N such
-    # sets at once, and the allocator keeps that high-water mark for the operator's life;
-    # bounded, a daemon waiting for a slot holds only itself.
+    # FTJOB_RECONCILE_CONCURRENCY: the work queue's workers. A reconcile in flight holds a
+    # copy of its job, the parsed spec and the rendered children while its API calls queue
+    # for a thread of asyncio's default pool (min(32, CPUs + 4) threads); a fixed pool bounds
+    # those copies (the allocator keeps a burst's high-water mark for the operator's life),
+    # and a job waiting for a worker is one key in the queue.
     concurrency: int = 8
+    # FTJOB_API_THREADS: the synchronous API client's calls run in this many threads (and
+    # as many pooled connections); asyncio's default, min(32, CPUs + 4), was 6 on 2 cores
+    # and made a burst's creates wait for each other (bench/RESULTS.md, fleet).
+    api_threads: int = 16
     metrics_port: int = 0  # FTJOB_METRICS_PORT: 0 serves no /metrics
     # FTJOB_DEFAULT_IMAGE (ftjob operator --default-image): the trainer image of jobs that
     # name none in spec.image.
@@ -78,6 +88,7 @@ class Settings:
             resync=float(env.get("FTJOB_RESYNC_SECONDS", cls.resync)),
             progress_every=float(env.get("FTJOB_PROGRESS_SECONDS", cls.progress_every)),
             concurrency=int(env.get("FTJOB_RECONCILE_CONCURRENCY", cls.concurrency)),
+            api_threads=int(env.get("FTJOB_API_THREADS", cls.api_threads)),
             metrics_port=int(env.get("FTJOB_METRICS_PORT") or 0),
             default_image=env.get(render.DEFAULT_IMAGE_ENV) or None,
             default_tracking=render.default_tracking(env.get(render.DEFAULT_TRACKING_ENV)),
@@ -86,7 +97,7 @@ class Settings:
 
 @dataclass
 class JobState:
-    """What one job's daemon remembers from one reconcile to the next."""
+    """What the operator remembers of one job from one reconcile to the next."""
 
     # (the job's resourceVersion before our last status write, the status written)
     written: tuple[str | None, dict] | None = None
@@ -103,15 +114,17 @@ class JobState:
 
 @dataclass
 class Watch:
-    """What the handlers and the progress timer share with one running daemon."""
+    """One job object as the watch last brought it, and what the workers remember of it."""
 
     uid: str
     namespace: str
     name: str
+    body: dict  # the job as the last watch event brought it (no managedFields)
     state: JobState = field(default_factory=JobState)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    generation: int | None = None  # the spec generation last reconciled
-    gone: bool = False
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.name)
 
 
 @dataclass
@@ -131,11 +144,11 @@ class Seen:
         return self.doc["metadata"]
 
 
-WATCHES: dict[str, Watch] = {}  # by job UID
-LATEST: dict[tuple[str, str], Watch] = {}  # by (namespace, name): the newest object's
+JOBS: dict[tuple[str, str], Watch] = {}  # by (namespace, name): the newest object's
 SETTINGS = Settings()
+QUEUE: workqueue.WorkQueue | None = None  # keys of JOBS, made in the operator's event loop
 _kube: Kube | None = None
-_slots: asyncio.Semaphore | None = None
+_pool: list = []  # (the indexes, kopf's pause) once started; then a second entry, the workers
 _loops: set[asyncio.Task] = set()  # the operator's own loops (asyncio holds tasks weakly)
 # Rank 0 fetches in flight at once (each waits at most 2 s for a pod that does not answer).
 PROGRESS_FETCHES = 32
@@ -144,17 +157,25 @@ PROGRESS_FETCHES = 32
 def kube() -> Kube:
     global _kube
     if _kube is None:
-        _kube = Kube()
+        _kube = Kube(connections=SETTINGS.api_threads)
     return _kube
 
 
 @kopf.on.startup()
 async def configure(
-    settings: kopf.OperatorSettings, memo: kopf.Memo, job_pods: kopf.Index, **_
+    settings: kopf.OperatorSettings,
+    memo: kopf.Memo,
+    job_pods: kopf.Index,
+    job_profiles: kopf.Index,
+    namespace_labels: kopf.Index,
+    **_,
 ) -> None:
-    global _slots, SETTINGS
+    global QUEUE, SETTINGS
     SETTINGS = Settings.from_env()
-    _slots = asyncio.Semaphore(SETTINGS.concurrency)  # in the operator's own event loop
+    QUEUE = workqueue.WorkQueue()
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(SETTINGS.api_threads, thread_name_prefix="ftjob-api")
+    )
     # kopf's own bookkeeping goes to annotations; .status belongs to the FineTuneJob API.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -162,13 +183,34 @@ async def configure(
     )
     # Only warnings from kopf itself become Events; lifecycle Events are posted explicitly.
     settings.posting.level = logging.WARNING
-    # The daemons' finalizer (it lets kopf stop a job's daemon before the job is gone).
+    # No handler needs a finalizer now (children go with their owner, by the garbage
+    # collector); kopf removes this one, which the per-job daemons of older versions set,
+    # from every job it sees.
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.watching.server_timeout = 300  # re-list now and then: watches can drop silently
     await _check_access(memo.get("namespaces") or [])
     if SETTINGS.metrics_port:
         await _serve_metrics_on(SETTINGS.metrics_port)
+    paused = pause.find()
+    if paused is None:
+        raise startup.StartupError(
+            "kopf's pause toggle was not found, so peering could not stop the work queue: this "
+            "kopf is not the one pinned in constraints.txt"
+        )
+    _pool.append((Indexes(job_pods, job_profiles, namespace_labels), paused))
     _loops.add(asyncio.create_task(_poll_progress(job_pods)))
+    _loops.add(asyncio.create_task(_forget_when_paused(paused)))
+
+
+def _start_workers() -> None:
+    """The pool, started by the first watch event: its tasks inherit the event handler's
+    context, where kopf keeps the queue that :func:`kopf.event` posts to (kopf sets it for
+    its own per-object tasks only; a task made at start-up could post no Event)."""
+    if len(_pool) == 1:
+        views, paused = _pool[0]
+        _pool.append(None)
+        for _ in range(SETTINGS.concurrency):
+            _loops.add(asyncio.create_task(_work(QUEUE, views, paused)))
 
 
 async def _check_access(namespaces: list[str]) -> None:
@@ -236,91 +278,104 @@ class Indexes:
         return next(iter(self.namespaces.get(namespace, [])), {})
 
 
+# The event handlers are coroutines: kopf runs a plain function in a thread, and the queue
+# (like any asyncio object) belongs to the event loop's thread.
 @kopf.on.event("pods", labels=POD_SELECTOR)
-def pod_changed(namespace, labels, body, **_) -> None:
-    watch = LATEST.get((namespace, labels.get(render.LABEL_JOB)))
+async def pod_changed(namespace, labels, body, **_) -> None:
+    _start_workers()
+    watch = JOBS.get((namespace, labels.get(render.LABEL_JOB)))
     if watch is not None:
         pod = status.observed_pod(body)
         if status.record(pod) is not None:
             watch.state.ended[pod["metadata"]["name"]] = pod
-        watch.wake.set()
+        QUEUE.add(watch.key)
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def job_changed(type, body, **_) -> None:  # noqa: A002 - kopf's argument name
-    """Spec changes (suspend, resume) and deletion act now, not at the next resync. Our own
-    status writes come back here too; they change no generation and wake nothing."""
+async def job_changed(type, body, **_) -> None:  # noqa: A002 - kopf's argument name
+    """The job as the watch brings it. A new object, a spec change (suspend, resume) and
+    deletion act now, not at the next resync; our own status writes come back here too, and
+    only refresh what the next reconcile reads."""
+    _start_workers()
     meta = body.get("metadata", {})
-    watch = WATCHES.get(meta.get("uid"))
-    if watch is None:
+    key, uid = (meta.get("namespace"), meta.get("name")), meta.get("uid")
+    watch = JOBS.get(key)
+    if type == "DELETED" or meta.get("deletionTimestamp"):
+        if watch is not None and watch.uid == uid:
+            _drop(watch)
         return
-    if type == "DELETED":
-        watch.gone = True
-    if (
-        type == "DELETED"
-        or meta.get("deletionTimestamp")
-        or (meta.get("generation") != watch.generation)
-    ):
-        watch.wake.set()
+    doc = json.loads(json.dumps(body, default=dict))
+    doc["metadata"].pop("managedFields", None)  # never read; a few KiB a job
+    if watch is None or watch.uid != uid:  # new, or a new object of a deleted one's name
+        if watch is not None:  # its deletion was not seen (the watch was re-opened since)
+            _drop(watch)
+        JOBS[key] = Watch(uid, key[0], key[1], doc)
+        QUEUE.add(key)
+        return
+    old, watch.body = watch.body, doc
+    if meta.get("generation") != old["metadata"].get("generation"):
+        QUEUE.add(key)
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0)
-async def job_daemon(
-    name,
-    namespace,
-    body,
-    stopped,
-    job_pods: kopf.Index,
-    job_profiles: kopf.Index,
-    namespace_labels: kopf.Index,
-    logger,
-    **_,
-) -> None:
-    uid = body["metadata"]["uid"]
-    views = Indexes(job_pods, job_profiles, namespace_labels)
-    watch = WATCHES[uid] = LATEST[(namespace, name)] = Watch(uid, namespace, name)
-    state = watch.state
+def _drop(watch: Watch) -> None:
+    """The job is gone (or going): no more reconciles; its children go with it (owner refs)."""
+    LOG.info(f"stopping: {watch.namespace}/{watch.name} (object {watch.uid}) was deleted")
+    del JOBS[watch.key]
+    QUEUE.forget(watch.key)
+    metrics.forget(watch.namespace, watch.name)
+    metrics.job_phase(watch.uid, None)
+
+
+async def _work(queue: workqueue.WorkQueue, views: Indexes, paused) -> None:
+    """One of the pool's workers: takes a key, reconciles its job, schedules its next look."""
+    while True:
+        key = await queue.get()
+        try:
+            # Held while paused, never dropped: the re-listing after the pause queues it
+            # again, and that waits for this worker.
+            await pause.resumed(paused)
+            watch = JOBS.get(key)
+            if watch is not None:
+                delay = await _reconcile_logged(watch, views)
+                if JOBS.get(key) is watch and delay is not None:
+                    queue.add_after(key, delay)
+        finally:
+            queue.done(key)
+
+
+async def _reconcile_logged(watch: Watch, views: Indexes) -> float | None:
+    """One reconcile; returns when to look again: when the decision asked, or at the next
+    resync, whichever comes first (None: never, the object is gone)."""
+    resync = SETTINGS.resync
     try:
-        while not stopped and not watch.gone:
-            watch.wake.clear()
-            try:
-                async with _slots:
-                    delay = await _reconcile(name, namespace, body, views, state, watch)
-            except Gone as e:
-                LOG.info(f"stopping: {e}")  # e names the job
-                return
-            except Exception as e:  # noqa: BLE001 - a failed reconcile is retried, not fatal
-                metrics.RECONCILE_ERRORS.inc()
-                # kopf's logger: a Warning Event on the job as well.
-                logger.warning(f"reconcile failed, retrying: {error_text(e)}")
-                delay = 1.0
-            resync = SETTINGS.resync
-            await _sleep(watch.wake, max(min(delay or resync, resync), 0.05))
-        if watch.gone:
-            LOG.info(f"stopping: {namespace}/{name} (object {uid}) was deleted")
-    finally:
-        WATCHES.pop(uid, None)
-        if LATEST.get((namespace, name)) is watch:
-            del LATEST[(namespace, name)]
-            metrics.forget(namespace, name)
-        metrics.job_phase(uid, None)
+        return max(min(await _reconcile(watch, views) or resync, resync), 0.05)
+    except Gone as e:
+        # e names the job; the watch event that shows what became of it acts on it
+        LOG.info(f"not acting: {e}")
+        return None
+    except Exception as e:  # noqa: BLE001 - a failed reconcile is retried, not fatal
+        metrics.RECONCILE_ERRORS.inc()
+        LOG.warning(f"{watch.namespace}/{watch.name}: reconcile failed, retrying: {error_text(e)}")
+        kopf.warn(watch.body, reason="ReconcileFailed", message=error_text(e))
+        return 1.0
 
 
-async def _sleep(wake: asyncio.Event, seconds: float) -> None:
-    """Until a pod event or ``seconds`` pass. A timer that sets the same event, rather than
-    ``asyncio.wait_for``: that would keep a task (and its coroutine) per sleeping job."""
-    timer = asyncio.get_running_loop().call_later(seconds, wake.set)
-    try:
-        await wake.wait()
-    finally:
-        timer.cancel()
+async def _forget_when_paused(paused) -> None:
+    """A paused replica drops what it knew: when it resumes, the watch re-lists every job and
+    it acts on that, never on a copy from before another replica acted."""
+    while True:
+        await paused.wait_for(True)
+        LOG.info(f"paused by peering: {len(JOBS)} jobs left to the acting replica")
+        JOBS.clear()
+        QUEUE.clear()
+        await paused.wait_for(False)
+        LOG.info("resumed: acting on the jobs the watch lists")
 
 
-async def _reconcile(
-    name, namespace, body, views: Indexes, state: JobState, watch: Watch
-) -> float | None:
+async def _reconcile(watch: Watch, views: Indexes) -> float | None:
     started = time.monotonic()
-    seen = _observe(name, namespace, body, views.pods, state, watch)
+    name, namespace, body, state = watch.name, watch.namespace, watch.body, watch.state
+    seen = _observe(watch, views.pods)
     _take_profile(namespace, seen, views)
     queue = ((seen.doc.get("spec") or {}).get("scheduling") or {}).get("queue")
     wanted = queueing.workload_to_read(queue, name, seen.old_status, seen.pods)
@@ -359,14 +414,10 @@ async def _pods_from_the_api(namespace: str, name: str, seen: Seen) -> bool:
     return True
 
 
-def _observe(name, namespace, body, job_pods, state: JobState, watch: Watch) -> Seen:
+def _observe(watch: Watch, job_pods) -> Seen:
     """The job as it is now, and the status to decide from."""
-    doc = json.loads(json.dumps(body, default=dict))
-    meta = doc["metadata"]
-    uid = watch.uid
-    if meta.get("uid") != uid:
-        raise Gone(f"{namespace}/{name} is now object {meta.get('uid')}, not {uid}")
-    watch.generation = meta.get("generation")
+    doc = json.loads(json.dumps(watch.body))  # decisions change their copy, not the watch's
+    meta, state = doc["metadata"], watch.state
     old_status = doc.get("status") or {}
     written = state.written
     if written and written[0] == meta.get("resourceVersion"):
@@ -376,7 +427,7 @@ def _observe(name, namespace, body, job_pods, state: JobState, watch: Watch) -> 
         old_status = written[1]
     elif written:
         state.written = None  # the watch brought a newer job: that copy is never read again
-    pods = _own_pods(job_pods, namespace, name, uid)
+    pods = _own_pods(job_pods, watch.namespace, watch.name, watch.uid)
     return Seen(doc, old_status, pods, datetime.now(timezone.utc))
 
 
@@ -486,18 +537,18 @@ async def _create_gang(name, namespace, body, seen: Seen, spec, decision, state:
     if await asyncio.to_thread(kube().job_uid, namespace, name) != uid:
         raise Gone(f"{namespace}/{name} is no longer object {uid}: nothing is created")
     attempt = new["attempt"]
-    children = [
-        render.config_map(name, namespace, spec, uid),
-        render.service(name, namespace, spec, uid),
-    ]
     image, avoid = SETTINGS.default_image, lifecycle.bad_nodes(new)
-    children += [
-        render.pod(name, namespace, spec, r, attempt, uid, image, avoid) for r in decision.create
+    # Two rounds of creates at once, not one create after another: a burst of 16-node gangs
+    # would otherwise wait for a round trip per pod. The ConfigMap and Service go first (the
+    # pods mount the one and resolve the other).
+    rounds = [
+        [render.config_map(name, namespace, spec, uid), render.service(name, namespace, spec, uid)],
+        [render.pod(name, namespace, spec, r, attempt, uid, image, avoid) for r in decision.create],
     ]
     requeue = None
     try:
-        for child in children:
-            if not await _create(child, uid):
+        for children in rounds:
+            if not all(await asyncio.gather(*(_create(c, uid) for c in children))):
                 requeue = 0.5  # a dead job's child was in the way: create again once gone
     except Refused as e:
         await _record_refusal(body, namespace, name, seen, state, str(e))
@@ -572,7 +623,7 @@ async def _poll_progress(job_pods) -> None:
     async with aiohttp.ClientSession(timeout=timeout) as session:
         while True:
             await asyncio.sleep(SETTINGS.progress_every)
-            due = [(w, *at) for w in list(WATCHES.values()) if (at := _rank0(job_pods, w))]
+            due = [(w, *at) for w in list(JOBS.values()) if (at := _rank0(job_pods, w))]
             await asyncio.gather(*(_fetch(session, fetches, *d) for d in due))
 
 
@@ -601,7 +652,8 @@ async def _fetch(session, fetches: asyncio.Semaphore, watch: Watch, attempt, url
         held = (attempt, snapshot)
         if held != watch.state.snapshot:
             watch.state.snapshot = held
-            watch.wake.set()
+            if JOBS.get(watch.key) is watch:
+                QUEUE.add(watch.key)
 
 
 async def _serve_metrics(request: web.Request) -> web.Response:

@@ -39,13 +39,16 @@ class Unreachable(Exception):
 
 
 class Kube:
-    def __init__(self, api: client.ApiClient | None = None):
+    def __init__(self, api: client.ApiClient | None = None, connections: int | None = None):
         if api is None:
             if os.environ.get("KUBERNETES_SERVICE_HOST"):
                 config.load_incluster_config()
             else:
                 config.load_kube_config()
-            api = client.ApiClient()
+            configuration = client.Configuration.get_default_copy()
+            if connections:  # one per thread that calls (the default is CPUs x 5)
+                configuration.connection_pool_maxsize = connections
+            api = client.ApiClient(configuration)
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         # SelfSubjectAccessReview: every authenticated user may ask (system:basic-user), so

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import hangs
 import pytest
-from conftest import CRD, INSTALL
+from conftest import CRDS, INSTALL
 from plane import ROOT, Plane, build, shared_volume, token_kubeconfig
 from test_real_operator import NAMESPACE, gang_running, gpu_job, status_of, terminate
 
@@ -129,10 +129,20 @@ def own(tmp_path_factory):
     op = relay = None
     try:
         plane.kubectl("apply", "--server-side", "-f", str(INSTALL))
-        plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD}")
+        # Both CRDs, as conftest's installed: the profiles' admission policy refuses jobs
+        # until its FineTuneProfile kind is served.
+        crds = [f"crd/{name}" for name in CRDS]
+        plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crds)
         plane.kubectl("create", "namespace", NAMESPACE)
         plane.wait(lambda: plane.get("sa", "default", NAMESPACE), hangs.FLOOR, "the default SA")
         plane.apply(shared_volume(NAMESPACE))
+        # The profiles' admission policy refuses every job until the API server's view of
+        # its FineTuneProfile kind catches up with the CRD (seconds after Established).
+        plane.wait(
+            lambda: plane.apply(gpu_job("probe"), "--dry-run=server", ok=False).returncode == 0,
+            hangs.FLOOR,
+            "a job admitted (the profiles' admission policy ready)",
+        )
         kubeconfig = token_kubeconfig(plane, "ftjob-system", "ftjob", work / "sa.kubeconfig")
         config = json.loads(kubeconfig.read_text())
         server = config["clusters"][0]["cluster"]["server"]
@@ -218,15 +228,15 @@ def test_a_watch_that_expired_resumes_and_every_job_converges(own):
     plane.kubectl("delete", "ftj", "--all", "-n", NAMESPACE, "--timeout=120s")
 
 
-def test_a_write_from_a_stale_view_is_refused_and_retried(own):
+def test_a_write_from_a_stale_view_clobbers_nothing(own):
     """The trigger, deterministic: the operator is frozen while a job is created, so the job's
     ADDED event waits in its socket; the relay then holds back what the server sends it, and
     another client changes the job (a new resourceVersion the operator cannot see). Resumed,
-    the operator acts on the stale copy: kopf's finalizer write is a JSON patch that tests
-    metadata.resourceVersion, and the real apiserver refuses it (422: a failed test; no write
-    of the operator carries a resourceVersion precondition a 409 could answer). Once the relay
-    lets the newer event through, the write is retried and lands, and the job converges. The
-    status write made from the same stale view tests only the UID, so it is accepted."""
+    the operator acts on the stale copy. It writes only the status subresource (no handler
+    needs kopf's finalizer, which was a resourceVersion-tested patch of the job itself that
+    the server refused with 422 here), as a JSON patch that tests only the UID: accepted, and
+    the other client's change stays. Once the relay lets the newer event through, the job
+    converges."""
     plane, op, relay, audit, _ = own
     frozen(op)
     try:
@@ -257,14 +267,11 @@ def test_a_write_from_a_stale_view_is_refused_and_retried(own):
     gang_running(plane, "stale", 0)
     plane.wait(lambda: status_of(plane, "stale").get("phase") == "Running", 60, "stale Running")
     job = plane.get("ftj", "stale", NAMESPACE)
-    assert job["metadata"]["finalizers"] == ["ftjob.dev/finalizer"]
+    assert "finalizers" not in job["metadata"]
     assert job["metadata"]["annotations"]["example.com/touched"] == "1"
     writes = [
         (e["objectRef"].get("subresource", ""), e["responseStatus"]["code"])
         for e in audited(audit, "stale")
         if e["verb"] == "patch"
     ]
-    body = [code for sub, code in writes if sub == ""]
-    assert 422 in body and body[-1] == 200 and body.index(200) > body.index(422), writes
-    assert all(code == 200 for sub, code in writes if sub == "status"), writes
-    assert "Could not apply the patch in full due to conflicts" in op.log.read_text()
+    assert writes and all(w == ("status", 200) for w in writes), writes

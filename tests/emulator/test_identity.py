@@ -54,11 +54,11 @@ def own_gang(cluster, name: str, uid: str) -> list[dict]:
 def test_a_job_deleted_before_its_finalizer_and_recreated_is_run_for_the_new_uid(slow_resync):
     cluster, op = slow_resync
     old = cluster.create_job(tiny_job("race"))
-    # Its daemon runs; then the job is gone without its finalizer having run (as when
+    # It is reconciled; then the job is gone without a finalizer having run (as when
     # kopf's finalizer patch lost the race to the first status write).
     gang_running(cluster, "race", 0)
     cluster.call(lambda: cluster.api.remove("finetunejobs", "default", "race"))
-    time.sleep(1.5)  # the old job's daemon, if any, has had time to act
+    time.sleep(1.5)  # the old job, if still known, has had time to be acted on
     new = cluster.create_job(tiny_job("race"))
     old_uid, new_uid = old["metadata"]["uid"], new["metadata"]["uid"]
     assert old_uid != new_uid
@@ -73,12 +73,12 @@ def test_a_job_deleted_before_its_finalizer_and_recreated_is_run_for_the_new_uid
     status = wait_phase(cluster, "race", "Running")
     assert status["attempt"] == 0 and status["restarts"] == 0
 
-    # The old job's daemon stopped (a line the operator writes when it does: wait for it);
+    # The old object was dropped (a line the operator writes when it is: wait for it);
     # nothing is written for the dead UID any more.
     def stops():
         return [x for x in op.log.read_text().splitlines() if "stopping: default/race" in x]
 
-    cluster.wait(stops, FLOOR, "the old job's daemon to stop")
+    cluster.wait(stops, FLOOR, "the old object to be dropped")
     assert len(stops()) == 1 and old_uid in stops()[0], stops()
     time.sleep(2)
     leftovers = [o for plural in ("pods", "services", "configmaps") for o in cluster.list(plural)]
