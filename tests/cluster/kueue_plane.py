@@ -22,7 +22,6 @@ from plane import KUBECTL, ROOT, Plane, shared_volume, token_kubeconfig
 
 from ftjob.api import manifest
 
-INSTALL = ROOT / "manifests" / "install.yaml"
 TEAM = "team-a"
 GPU_PRODUCT = "NVIDIA-A100-SXM4-80GB"
 ADMISSION_GATE = "kueue.x-k8s.io/admission"
@@ -86,10 +85,7 @@ def _free_port() -> int:
 
 
 def install(plane: KueuePlane) -> None:
-    plane.kubectl("apply", "--server-side", "-f", str(INSTALL))
-    plane.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", "crd/finetunejobs.ftjob.dev"
-    )
+    plane.install()
 
 
 def docs_kueue_yaml() -> str:

@@ -14,7 +14,11 @@ import envs
 import hangs
 import prebuilds
 
+from ftjob.api import manifest
+
 ROOT = Path(__file__).resolve().parents[2]
+INSTALL = ROOT / "manifests" / "install.yaml"
+CRDS = ("finetunejobs.ftjob.dev", "finetuneprofiles.ftjob.dev")
 K8S_SH = ROOT / "scripts" / "k8s.sh"
 KUBECTL = prebuilds.KUBECTL
 
@@ -47,6 +51,26 @@ class Plane:
         argv = ["bash", str(K8S_SH), "up", str(self.dir), *self.options]
         done = subprocess.run(argv, capture_output=True, text=True, env=env)
         assert done.returncode == 0, done.stdout + done.stderr
+        return self
+
+    def install(self) -> Plane:
+        """manifests/install.yaml (the chart as the real Helm engine renders it, kept equal by
+        scripts/manifests.py --check) applied server-side, and waited for until a job is
+        admitted: the CRDs Established (both: a group's discovery changes again when its
+        second kind is served), then the profiles' ValidatingAdmissionPolicy, which refuses
+        every job ("failed to find resource referenced by paramKind") for seconds after its
+        FineTuneProfile CRD is Established, until the API server's view of the kind catches
+        up. A user who applies a job right after installing sees the same (docs/platform.md)."""
+        self.kubectl("apply", "--server-side", "-f", str(INSTALL))
+        crds = [f"crd/{name}" for name in CRDS]
+        self.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crds)
+        probe = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
+        probe["metadata"] = {"name": "admission-probe", "namespace": "default"}
+        self.wait(
+            lambda: self.apply(probe, "--dry-run=server", ok=False).returncode == 0,
+            hangs.FLOOR,
+            "a job admitted (the profiles' admission policy ready)",
+        )
         return self
 
     def down(self) -> None:

@@ -52,9 +52,7 @@ def plane(images, tmp_path_factory):
               "--node-image", images.trainer)  # fmt: skip
     p.up()
     try:
-        p.kubectl("apply", "--server-side", "-f", str(ROOT / "manifests" / "install.yaml"))
-        p.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                  "crd/finetunejobs.ftjob.dev", "crd/finetuneprofiles.ftjob.dev")  # fmt: skip
+        p.install()
         yield p
     finally:
         p.down()

@@ -26,7 +26,6 @@ from types import SimpleNamespace
 
 import hangs
 import pytest
-from conftest import CRDS, INSTALL
 from plane import ROOT, Plane, build, shared_volume, token_kubeconfig
 from test_real_operator import NAMESPACE, gang_running, gpu_job, status_of, terminate
 
@@ -128,21 +127,10 @@ def own(tmp_path_factory):
     plane = Plane(work / "k8s", *[x for a in args for x in ("--apiserver-arg", a)]).up()
     op = relay = None
     try:
-        plane.kubectl("apply", "--server-side", "-f", str(INSTALL))
-        # Both CRDs, as conftest's installed: the profiles' admission policy refuses jobs
-        # until its FineTuneProfile kind is served.
-        crds = [f"crd/{name}" for name in CRDS]
-        plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crds)
+        plane.install()
         plane.kubectl("create", "namespace", NAMESPACE)
         plane.wait(lambda: plane.get("sa", "default", NAMESPACE), hangs.FLOOR, "the default SA")
         plane.apply(shared_volume(NAMESPACE))
-        # The profiles' admission policy refuses every job until the API server's view of
-        # its FineTuneProfile kind catches up with the CRD (seconds after Established).
-        plane.wait(
-            lambda: plane.apply(gpu_job("probe"), "--dry-run=server", ok=False).returncode == 0,
-            hangs.FLOOR,
-            "a job admitted (the profiles' admission policy ready)",
-        )
         kubeconfig = token_kubeconfig(plane, "ftjob-system", "ftjob", work / "sa.kubeconfig")
         config = json.loads(kubeconfig.read_text())
         server = config["clusters"][0]["cluster"]["server"]
