@@ -735,6 +735,10 @@ def kopf_permissions() -> set[tuple[str, str, str]]:
             # finalizers (daemons/timers are stopped before deletion) and kopf's
             # progress/diff-base annotations
             perms.add((group, resource, "patch"))
+    if re.search(r"persistence\.finalizer\s*=", source):
+        # A finalizer no handler needs: kopf takes it off every job it sees that carries it
+        # (jobs from before an upgrade, when per-job daemons set it). Only jobs ever had it.
+        perms.add((spec.GROUP, spec.PLURAL, "patch"))
     posts = re.search(r"kopf\.(event|info|warn|exception)\(", source)
     posting_off = re.search(r"settings\.posting\.enabled\s*=\s*False", source)
     if posts or not posting_off:  # kopf also posts its own log records as Events
