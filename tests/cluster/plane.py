@@ -19,6 +19,7 @@ from ftjob.api import manifest
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = ROOT / "manifests" / "install.yaml"
 CRDS = ("finetunejobs.ftjob.dev", "finetuneprofiles.ftjob.dev")
+SHARED = "/srv/ftjob-shared"  # the shared volume's host folder, where no test names one
 K8S_SH = ROOT / "scripts" / "k8s.sh"
 KUBECTL = prebuilds.KUBECTL
 
@@ -72,6 +73,17 @@ class Plane:
             "a job admitted (the profiles' admission policy ready)",
         )
         return self
+
+    def namespace(self, name: str, *labels: str, volume: str | None = SHARED) -> None:
+        """A namespace for jobs: created (with ``labels``, k=v), its default ServiceAccount
+        waited for (pods need it: the real ServiceAccount controller makes it), and, unless
+        ``volume`` is None, the shared claim over that host folder (:func:`shared_volume`)."""
+        self.kubectl("create", "namespace", name)
+        if labels:
+            self.kubectl("label", "namespace", name, *labels)
+        self.wait(lambda: self.get("sa", "default", name), hangs.FLOOR, f"{name}'s default SA")
+        if volume is not None:
+            self.apply(shared_volume(name, volume))
 
     def down(self) -> None:
         subprocess.run(["bash", str(K8S_SH), "down", str(self.dir)], check=True)
@@ -182,7 +194,7 @@ def token_kubeconfig(plane: Plane, namespace: str, account: str, path: Path) -> 
     return path
 
 
-def shared_volume(namespace: str, path: str = "/srv/ftjob-shared") -> str:
+def shared_volume(namespace: str, path: str = SHARED) -> str:
     """The ReadWriteMany claim examples/tiny.yaml names, bound to a PersistentVolume up
     front: the real scheduler does not place a pod whose claim is missing or unbound.
     ``path``: the host folder behind it (what a podman node mounts; kwok's pods never do)."""

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import hangs
 import pytest
-from plane import ROOT, Plane, shared_volume, token_kubeconfig
+from plane import ROOT, Plane, token_kubeconfig
 from podman_node import LABEL, NODE_LABEL
 from s3server import S3Server
 
@@ -102,9 +102,7 @@ def volume(installed: Plane, tmp_path_factory) -> Path:
     shutil.copytree(ROOT / "examples" / "tiny-model", shared / "tiny-model")
     shutil.copytree(ROOT / "examples" / "data", shared / "data")
     fs_group(shared, render.RUN_AS)
-    installed.kubectl("create", "namespace", NAMESPACE)
-    installed.wait(lambda: installed.get("sa", "default", NAMESPACE), hangs.FLOOR, "default SA")
-    installed.apply(shared_volume(NAMESPACE, str(shared)))
+    installed.namespace(NAMESPACE, volume=str(shared))
     return shared
 
 

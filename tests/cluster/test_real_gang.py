@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import envs
 import hangs
 import pytest
-from plane import ROOT, Plane, build, shared_volume, token_kubeconfig
+from plane import ROOT, Plane, build, token_kubeconfig
 
 sys.path.append(str(ROOT / "tests" / "emulator"))
 sys.path.append(str(ROOT / "tests" / "images"))
@@ -66,9 +66,7 @@ def volume(plane: Plane, tmp_path_factory) -> Path:
     shutil.copytree(ROOT / "examples" / "tiny-model", shared / "tiny-model")
     shutil.copytree(ROOT / "examples" / "data", shared / "data")
     fs_group(shared, render.RUN_AS)
-    plane.kubectl("create", "namespace", NAMESPACE)
-    plane.wait(lambda: plane.get("sa", "default", NAMESPACE), hangs.FLOOR, "the default SA")
-    plane.apply(shared_volume(NAMESPACE, str(shared)))
+    plane.namespace(NAMESPACE, volume=str(shared))
     return shared
 
 

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import hangs
 import pytest
 import yaml
-from plane import KUBECTL, ROOT, Plane, shared_volume, token_kubeconfig
+from plane import KUBECTL, ROOT, Plane, token_kubeconfig
 
 sys.path.append(str(ROOT / "tests" / "emulator"))
 from support import Operator  # noqa: E402  (the emulator tests' launcher, reused)
@@ -103,10 +103,8 @@ def replicas(installed: Plane, tmp_path_factory):
     keep = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering")
     applied = [d for d in docs if d["kind"] in keep]
     plane.kubectl("create", "namespace", SYSTEM)
-    plane.kubectl("create", "namespace", NAMESPACE)
+    plane.namespace(NAMESPACE)
     plane.apply({"apiVersion": "v1", "kind": "List", "items": applied})
-    plane.wait(lambda: plane.get("sa", "default", NAMESPACE), hangs.FLOOR, "the default SA")
-    plane.apply(shared_volume(NAMESPACE))
     work = tmp_path_factory.mktemp("handover")
     kubeconfig = token_kubeconfig(plane, SYSTEM, f"{RELEASE}-ftjob", work / "sa.kubeconfig")
     [deployment] = [d for d in docs if d["kind"] == "Deployment"]

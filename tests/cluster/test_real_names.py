@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import json
 
-import hangs
 import pytest
 from plane import ROOT
 
@@ -33,9 +32,7 @@ def job(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def names(installed):
-    installed.kubectl("create", "namespace", NAMESPACE)
-    # Pods need the namespace's default ServiceAccount (the real ServiceAccount controller).
-    installed.wait(lambda: installed.get("sa", "default", NAMESPACE), hangs.FLOOR, "the default SA")
+    installed.namespace(NAMESPACE, volume=None)
     return installed
 
 

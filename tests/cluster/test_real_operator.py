@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import hangs
 import pytest
-from plane import ROOT, Plane, shared_volume, token_kubeconfig
+from plane import ROOT, Plane, token_kubeconfig
 
 sys.path.append(str(ROOT / "tests" / "emulator"))
 from support import Operator  # noqa: E402  (the emulator tests' launcher, reused)
@@ -37,9 +37,7 @@ def gpu_job(name: str, nodes: int = 2, **spec) -> dict:
 
 @pytest.fixture(scope="module")
 def operator(installed: Plane, tmp_path_factory):
-    installed.kubectl("create", "namespace", NAMESPACE)
-    installed.wait(lambda: installed.get("sa", "default", NAMESPACE), hangs.FLOOR, "the default SA")
-    installed.apply(shared_volume(NAMESPACE))
+    installed.namespace(NAMESPACE)
     installed.wait(
         lambda: (
             (installed.get("pvc", "ftjob-shared", NAMESPACE) or {}).get("status", {}).get("phase")
@@ -258,10 +256,7 @@ def test_pod_security_admits_tcp_and_efa_under_restricted_and_a_refusal_reaches_
     the job's status, not only in the operator's log."""
     plane = operator.plane
     for ns in ("strict", "full"):
-        plane.kubectl("create", "namespace", ns)
-        plane.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted")
-        plane.wait(lambda ns=ns: plane.get("sa", "default", ns), hangs.FLOOR, "the default SA")
-        plane.apply(shared_volume(ns))
+        plane.namespace(ns, "pod-security.kubernetes.io/enforce=restricted")
     plane.apply({"apiVersion": "v1", "kind": "ResourceQuota",
                  "metadata": {"name": "no-pods", "namespace": "full"},
                  "spec": {"hard": {"pods": "0"}}})  # fmt: skip

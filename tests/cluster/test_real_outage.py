@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import hangs
 import pytest
-from plane import ROOT, Plane, shared_volume, token_kubeconfig
+from plane import ROOT, Plane, token_kubeconfig
 
 sys.path.append(str(ROOT / "tests" / "emulator"))
 from support import Operator  # noqa: E402  (the emulator tests' launcher, reused)
@@ -38,9 +38,7 @@ def operator(tmp_path_factory):
     plane = Plane(work / "k8s").up()
     try:
         plane.install()
-        plane.kubectl("create", "namespace", NAMESPACE)
-        plane.wait(lambda: plane.get("sa", "default", NAMESPACE), hangs.FLOOR, "the default SA")
-        plane.apply(shared_volume(NAMESPACE))
+        plane.namespace(NAMESPACE)
         kubeconfig = token_kubeconfig(plane, "ftjob-system", "ftjob", work / "sa.kubeconfig")
         op = Operator(SimpleNamespace(kubeconfig=kubeconfig, wait=Plane.wait), work / "op.log")
         op.plane = plane

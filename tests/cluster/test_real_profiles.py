@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import hangs
 import pytest
-from plane import ROOT, Plane, shared_volume, token_kubeconfig
+from plane import ROOT, Plane, token_kubeconfig
 
 sys.path.append(str(ROOT / "tests" / "emulator"))
 from support import Operator  # noqa: E402  (the emulator tests' launcher, reused)
@@ -64,10 +64,7 @@ def job(name: str, namespace: str, nodes: int = 2, profile: str | None = None) -
 @pytest.fixture(scope="module")
 def operator(installed: Plane, tmp_path_factory):
     for ns, labels in NAMESPACES.items():
-        installed.kubectl("create", "namespace", ns)
-        installed.kubectl("label", "namespace", ns, *(f"{k}={v}" for k, v in labels.items()))
-        installed.apply(shared_volume(ns))
-        installed.wait(lambda ns=ns: installed.get("sa", "default", ns), hangs.FLOOR, "the SA")
+        installed.namespace(ns, *(f"{k}={v}" for k, v in labels.items()))
     installed.apply(
         profile("team-a", "registry.example.com/ml/a:1", maxNodes=2, maxGpuHoursPerJob=50)
     )

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import hangs
 import pytest
-from plane import ROOT, Plane, build, shared_volume, token_kubeconfig
+from plane import ROOT, Plane, build, token_kubeconfig
 from test_real_operator import NAMESPACE, gang_running, gpu_job, status_of, terminate
 
 sys.path.append(str(ROOT / "tests" / "emulator"))
@@ -128,9 +128,7 @@ def own(tmp_path_factory):
     op = relay = None
     try:
         plane.install()
-        plane.kubectl("create", "namespace", NAMESPACE)
-        plane.wait(lambda: plane.get("sa", "default", NAMESPACE), hangs.FLOOR, "the default SA")
-        plane.apply(shared_volume(NAMESPACE))
+        plane.namespace(NAMESPACE)
         kubeconfig = token_kubeconfig(plane, "ftjob-system", "ftjob", work / "sa.kubeconfig")
         config = json.loads(kubeconfig.read_text())
         server = config["clusters"][0]["cluster"]["server"]
