@@ -40,6 +40,11 @@ AUDIT_POLICY = {
     "omitStages": ["RequestReceived"],
     "rules": [
         {"level": "Metadata", "resources": [{"group": "ftjob.dev", "resources": ["*"]}]},
+        {
+            "level": "Metadata",
+            "verbs": ["list"],
+            "resources": [{"group": "", "resources": ["pods"]}],
+        },
         {"level": "None"},
     ],
 }
@@ -182,6 +187,21 @@ def audited(audit: Path, name: str) -> list[dict]:
     ]
 
 
+def asked(audit: Path, name: str) -> list[dict]:
+    """The operator's first requests for the job ``name``: a write to it, or the read of its
+    pods from the API server that comes before any gang is made (handlers._pods_from_the_api)."""
+    events = [json.loads(line) for line in audit.read_text().splitlines() if line]
+    selector = f"job-name%3D{name}"
+    return [e for e in audited(audit, name) if e["verb"] == "patch"] + [
+        e
+        for e in events
+        if e["stage"] == "ResponseComplete"
+        and e["user"]["username"] == OPERATOR
+        and e["verb"] == "list"
+        and selector in e["requestURI"]
+    ]
+
+
 def frozen(op: Operator):
     """SIGSTOP the operator: it neither reads what arrives nor sends (SIGCONT resumes it)."""
     os.kill(op.proc.pid, signal.SIGSTOP)
@@ -218,11 +238,13 @@ def test_a_write_from_a_stale_view_clobbers_nothing(own):
     """The trigger, deterministic: the operator is frozen while a job is created, so the job's
     ADDED event waits in its socket; the relay then holds back what the server sends it, and
     another client changes the job (a new resourceVersion the operator cannot see). Resumed,
-    the operator acts on the stale copy. It writes only the status subresource (no handler
-    needs kopf's finalizer, which was a resourceVersion-tested patch of the job itself that
-    the server refused with 422 here), as a JSON patch that tests only the UID: accepted, and
-    the other client's change stays. Once the relay lets the newer event through, the job
-    converges."""
+    the operator acts on the stale copy: it asks the API server for the job's pods before it
+    makes a gang (an answer the relay holds back too, so the test lets everything through once
+    that request is seen; the reconcile already decided from the stale job). It writes only
+    the status subresource (no handler needs kopf's finalizer, which was a
+    resourceVersion-tested patch of the job itself that the server refused with 422 here), as
+    a JSON patch that tests only the UID: accepted, and the other client's change stays. Once
+    the relay lets the newer event through, the job converges."""
     plane, op, relay, audit, _ = own
     frozen(op)
     try:
@@ -242,11 +264,7 @@ def test_a_write_from_a_stale_view_clobbers_nothing(own):
     finally:
         os.kill(op.proc.pid, signal.SIGCONT)
     try:
-        hangs.poll(
-            lambda: [e for e in audited(audit, "stale") if e["verb"] == "patch"],
-            60,
-            "the operator's first write to the job",
-        )
+        hangs.poll(lambda: asked(audit, "stale"), 60, "the operator's first request for the job")
         time.sleep(1)  # not a hang guard: lets a write sent beside the first reach the log too
     finally:
         relay.release()
