@@ -252,8 +252,9 @@ def job_pods(namespace, labels, body, **_):
 def job_profiles(name, body, **_):
     """Every FineTuneProfile (cluster-scoped), kept current by kopf's watch: each reconcile
     reads the profiles from here, not from the API (a list per job per look, at a thousand
-    jobs, was thousands of requests a resync). kopf fills every index before it starts any
-    daemon, so no job is judged against profiles not yet seen."""
+    jobs, was thousands of requests a resync). kopf fills every index before it calls any
+    other handler (the job watch that queues the jobs), so no job is judged against profiles
+    not yet seen."""
     return {name: json.loads(json.dumps(body, default=dict))}
 
 

@@ -150,10 +150,15 @@ def reference(volume: Path, tmp_path_factory) -> SimpleNamespace:
 
 
 def losses(job_dir: Path) -> list[tuple[int, float]]:
-    """Every step's logged loss, in order (a resumed run logs the steps after its
-    checkpoint again)."""
+    """Every logged step's loss, in step order. A gang that resumes from a checkpoint older
+    than the last logged step (a SIGKILL lands a few steps after the save) logs those steps
+    again: each such step must log the very loss it logged before (asserted here)."""
     rows = [json.loads(x) for x in (job_dir / "progress.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows if r["event"] == "step"]
+    logged: dict[int, float] = {}
+    for r in (r for r in rows if r["event"] == "step"):
+        first = logged.setdefault(r["step"], r["loss"])
+        assert first == r["loss"], f"step {r['step']} logged {first}, then {r['loss']}"
+    return sorted(logged.items())
 
 
 def status_of(plane: Plane, name: str) -> dict:
