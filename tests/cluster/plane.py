@@ -85,6 +85,23 @@ class Plane:
         if volume is not None:
             self.apply(shared_volume(name, volume))
 
+    def example_volume(self, namespace: str, shared: Path) -> Path:
+        """A namespace whose shared claim is the host folder ``shared`` holding the example's
+        model and data, writable by the pods' user (a kubelet applies no fsGroup to a
+        hostPath volume): what the podman and the real nodes mount."""
+        import sys
+
+        sys.path.append(str(ROOT / "tests" / "images"))
+        from podrun import fs_group
+
+        from ftjob.operator import render
+
+        shutil.copytree(ROOT / "examples" / "tiny-model", shared / "tiny-model")
+        shutil.copytree(ROOT / "examples" / "data", shared / "data")
+        fs_group(shared, render.RUN_AS)
+        self.namespace(namespace, volume=str(shared))
+        return shared
+
     def down(self) -> None:
         subprocess.run(["bash", str(K8S_SH), "down", str(self.dir)], check=True)
 

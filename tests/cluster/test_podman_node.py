@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from podman_node import LABEL, NODE_LABEL
 from s3server import S3Server
 
 sys.path.append(str(ROOT / "tests" / "emulator"))
-from podrun import PODMAN, fs_group  # noqa: E402  (podman_node put tests/images on the path)
+from podrun import PODMAN  # noqa: E402  (podman_node put tests/images on the path)
 from support import Operator  # noqa: E402  (the emulator tests' launcher, reused)
 
 from ftjob.api import manifest  # noqa: E402
@@ -96,14 +95,7 @@ def nodes(installed: Plane, images, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def volume(installed: Plane, tmp_path_factory) -> Path:
-    """The claim's host folder (a hostPath PersistentVolume): the example's model and data,
-    writable by the pods' user (a kubelet applies no fsGroup to a hostPath volume)."""
-    shared = tmp_path_factory.mktemp("podman-volume")
-    shutil.copytree(ROOT / "examples" / "tiny-model", shared / "tiny-model")
-    shutil.copytree(ROOT / "examples" / "data", shared / "data")
-    fs_group(shared, render.RUN_AS)
-    installed.namespace(NAMESPACE, volume=str(shared))
-    return shared
+    return installed.example_volume(NAMESPACE, tmp_path_factory.mktemp("podman-volume"))
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ from plane import ROOT, Plane, build, token_kubeconfig
 
 sys.path.append(str(ROOT / "tests" / "emulator"))
 sys.path.append(str(ROOT / "tests" / "images"))
-from podrun import fs_group  # noqa: E402
 from support import Operator  # noqa: E402  (the emulator tests' launcher, reused)
 
 from ftjob.api import manifest  # noqa: E402
@@ -60,14 +59,7 @@ def plane(images, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def volume(plane: Plane, tmp_path_factory) -> Path:
-    """The claim's host folder: the example's model and data, writable by the pods' user (a
-    kubelet applies no fsGroup to a hostPath volume)."""
-    shared = tmp_path_factory.mktemp("real-gang-volume")
-    shutil.copytree(ROOT / "examples" / "tiny-model", shared / "tiny-model")
-    shutil.copytree(ROOT / "examples" / "data", shared / "data")
-    fs_group(shared, render.RUN_AS)
-    plane.namespace(NAMESPACE, volume=str(shared))
-    return shared
+    return plane.example_volume(NAMESPACE, tmp_path_factory.mktemp("real-gang-volume"))
 
 
 @pytest.fixture(scope="module")
