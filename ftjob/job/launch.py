@@ -2,9 +2,10 @@
 
 Every node runs the same command::
 
-    python -m ftjob.trainer.agent -m ftjob.trainer --spec /etc/ftjob/spec.json
+    python -m ftjob.trainer.node -m ftjob.trainer --spec /etc/ftjob/spec.json
 
-(torchrun's elastic agent with ftjob's restart rules, :mod:`ftjob.trainer.agent`) and differs
+(:mod:`ftjob.trainer.node`, which takes SIGTERM first and then runs torchrun's elastic agent
+with ftjob's restart rules, :mod:`ftjob.trainer.agent`) and differs
 only in its environment: the agent reads torchrun's options from ``PET_*`` variables
 (``PET_NODE_RANK=1`` is ``--node-rank 1``), the trainer reads ``FTJOB_*``. The operator puts
 :func:`node_command`'s result into each pod; ``ftjob run`` runs it as local processes.
@@ -26,7 +27,7 @@ from ftjob.api.spec import FineTuneJobSpec, SecretKeyRef
 VOLUME_MOUNT = "/ftjob"  # where pods mount checkpoint.volume
 # NCCL's bootstrap traffic: any interface but loopback and container bridges.
 DEFAULT_SOCKET_IFNAME = "^lo,docker"
-TRAINER = ["python", "-m", "ftjob.trainer.agent", "-m", "ftjob.trainer", "--spec"]
+TRAINER = ["python", "-m", "ftjob.trainer.node", "-m", "ftjob.trainer", "--spec"]
 
 
 @dataclass(frozen=True)

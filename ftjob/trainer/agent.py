@@ -1,8 +1,9 @@
 """Each node's agent: torchrun's elastic agent, with ftjob's rules for restarting in place.
 
-    python -m ftjob.trainer.agent -m ftjob.trainer --spec job.yaml   # torchrun's options
+    python -m ftjob.trainer.node -m ftjob.trainer --spec job.yaml   # torchrun's options
 
-Every node (a pod, or a node process of ``ftjob run``) runs this instead of
+Every node (a pod, or a node process of ``ftjob run``) runs this (through
+:mod:`ftjob.trainer.node`, which holds SIGTERM while it is imported) instead of
 ``torch.distributed.run``; it reads the same options and ``PET_*`` environment, and runs
 torch's own agent (:class:`LocalElasticAgent`) with three differences:
 
@@ -35,7 +36,6 @@ import inspect
 import math
 import os
 import signal
-import sys
 import uuid
 from pathlib import Path
 
@@ -355,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     # From the first moment, not only once torch starts the workers (its PContext installs
     # this same handler then): in a container this agent is PID 1, and the kernel drops a
     # signal whose action is the default for PID 1. Without it, a SIGTERM during the
-    # rendezvous was ignored and the pod held its nodes for the whole grace period.
+    # rendezvous was ignored and the pod held its nodes for the whole grace period. (While
+    # this module was imported, ftjob.trainer.node's handler held it.)
     signal.signal(signal.SIGTERM, _terminate)
     args = torchrun.parse_args(argv)
     node_rank = args.node_rank
@@ -381,7 +382,3 @@ def main(argv: list[str] | None = None) -> int:
             # The gang is over on node 0 (its workers released the folder on success; a
             # failure keeps it for restarts in place until now).
             lease.release(Path(job_dir), run)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -54,7 +54,7 @@ def agent_pid(workdir: Path, node: int) -> int:
     for pid, env, cmdline in job_processes(workdir):
         if (
             env.get("PET_NODE_RANK") == str(node)
-            and "ftjob.trainer.agent" in cmdline
+            and "ftjob.trainer.node" in cmdline
             and "RANK" not in env
         ):
             return pid

@@ -35,6 +35,20 @@ pytestmark = pytest.mark.timeout(240)
 # not a hang guard: the product's promised bound under test ("within seconds"; grace is 60)
 PROMPT = 5.0
 
+# The node's first import of torch, held (a cold node's page cache makes it seconds), after
+# a mark that says it began.
+SLOW_TORCH = """
+import os, sys, time
+class SlowTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            open(os.environ["SLOW_TORCH_MARK"], "w").close()
+            time.sleep(float(os.environ["SLOW_TORCH_SECONDS"]))
+        return None
+sys.meta_path.insert(0, SlowTorch())
+"""
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -99,6 +113,29 @@ def stopped_within(proc, agent: int) -> tuple[float, int, str]:
     return took, proc.returncode, out
 
 
+def _site(tmp_path: Path, code: str, **env: str) -> dict:
+    """The environment that runs ``code`` as the node's sitecustomize, with ``env``."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(code)
+    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]), **env}
+
+
+@needs_pid_namespace
+def test_a_sigterm_while_torch_is_imported_ends_the_node_at_once(tmp_path):
+    """The node's first seconds: torch still importing, the agent not yet running."""
+    mark = tmp_path / "importing-torch"
+    env = _site(tmp_path, SLOW_TORCH, SLOW_TORCH_MARK=str(mark), SLOW_TORCH_SECONDS="120")
+    proc, agent, _, record = start_node_zero(tmp_path, nodes=1, env=env)
+    hangs.poll(lambda: mark.exists() or proc.poll() is not None, hangs.FLOOR, "torch's import")
+    assert proc.poll() is None, proc.communicate()[0]
+    took, code, out = stopped_within(proc, agent)
+    assert took < PROMPT, f"took {took:.1f} s\n{out}"
+    assert code == contract.EXIT_PREEMPTED, out
+    rec = json.loads(record.read_text())
+    assert rec["outcome"] == "preempted" and "before the agent ran" in rec["message"], rec
+
+
 @needs_pid_namespace
 def test_a_sigterm_in_the_rendezvous_ends_the_node_at_once(tmp_path):
     # Node 1 never comes: node 0's agent waits in the rendezvous (its workers not started).
@@ -114,11 +151,7 @@ def test_a_sigterm_in_the_rendezvous_ends_the_node_at_once(tmp_path):
 
 @needs_pid_namespace
 def test_a_sigterm_while_loading_ends_the_node_at_once_saving_nothing(tmp_path):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SLOW_LOAD)
-    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
-           "SLOW_LOAD_SECONDS": "120"}  # fmt: skip
+    env = _site(tmp_path, SLOW_LOAD, SLOW_LOAD_SECONDS="120")
     proc, agent, folder, record = start_node_zero(tmp_path, nodes=1, env=env)
     wait_for_phase(folder, ("loading",), proc)
     took, code, out = stopped_within(proc, agent)

@@ -45,7 +45,7 @@ def test_every_node_runs_the_same_command_through_the_agent():
         == [
             "python",
             "-m",
-            "ftjob.trainer.agent",
+            "ftjob.trainer.node",
             "-m",
             "ftjob.trainer",
             "--spec",

@@ -16,9 +16,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from ftjob.api import contract
 from ftjob.trainer.gang import heartbeat
 
@@ -47,6 +44,11 @@ def classify(exc: BaseException) -> tuple[str, str, str | None]:
 
 
 def _name(e: BaseException) -> tuple[str, str | None] | None:
+    # torch here, not at the top: a node's first moments (ftjob.trainer.node) write records
+    # before torch is loaded, and only an exception raised after it loaded can be torch's.
+    import torch
+    import torch.distributed as dist
+
     if isinstance(e, contract.TrainerError):
         return e.reason, e.where
     if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and _HOST_ALLOC in str(e)):
