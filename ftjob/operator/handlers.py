@@ -293,7 +293,7 @@ async def pod_changed(namespace, labels, body, **_) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def job_changed(type, body, **_) -> None:  # noqa: A002 - kopf's argument name
+async def job_changed(type, body, job_pods, **_) -> None:  # noqa: A002 - kopf's argument name
     """The job as the watch brings it. A new object, a spec change (suspend, resume) and
     deletion act now, not at the next resync; our own status writes come back here too, and
     only refresh what the next reconcile reads."""
@@ -303,13 +303,13 @@ async def job_changed(type, body, **_) -> None:  # noqa: A002 - kopf's argument 
     watch = JOBS.get(key)
     if type == "DELETED" or meta.get("deletionTimestamp"):
         if watch is not None and watch.uid == uid:
-            _drop(watch)
+            await _drop(watch, job_pods)
         return
     doc = json.loads(json.dumps(body, default=dict))
     doc["metadata"].pop("managedFields", None)  # never read; a few KiB a job
     if watch is None or watch.uid != uid:  # new, or a new object of a deleted one's name
         if watch is not None:  # its deletion was not seen (the watch was re-opened since)
-            _drop(watch)
+            await _drop(watch, job_pods)
         JOBS[key] = Watch(uid, key[0], key[1], doc)
         QUEUE.add(key)
         return
@@ -318,13 +318,28 @@ async def job_changed(type, body, **_) -> None:  # noqa: A002 - kopf's argument 
         QUEUE.add(key)
 
 
-def _drop(watch: Watch) -> None:
-    """The job is gone (or going): no more reconciles; its children go with it (owner refs)."""
-    LOG.info(f"stopping: {watch.namespace}/{watch.name} (object {watch.uid}) was deleted")
+async def _drop(watch: Watch, job_pods) -> None:
+    """The job is gone (or going): no more reconciles, and its pods are deleted now, each
+    with its grace period (a SIGTERM is a checkpoint), so that its nodes are free in seconds.
+    Kubernetes' garbage collector deletes them too, by owner reference, but after a delay of
+    its own (on the test plane the pods were gone 10-70 s after the delete; 1.4 s with this);
+    it still deletes the other children, and the pods of a job deleted while no operator
+    runs."""
+    namespace, name = watch.key
     del JOBS[watch.key]
     QUEUE.forget(watch.key)
-    metrics.forget(watch.namespace, watch.name)
+    metrics.forget(namespace, name)
     metrics.job_phase(watch.uid, None)
+    pods = [p["metadata"] for p in _own_pods(job_pods, namespace, name, watch.uid)]
+    pods = [m for m in pods if not m.get("deletionTimestamp")]
+    LOG.info(f"stopping: {namespace}/{name} (object {watch.uid}) was deleted; deleting its "
+             f"{len(pods)} pods")  # fmt: skip
+    delete = kube().delete
+    deletes = [asyncio.to_thread(delete, "Pod", namespace, m["name"], m["uid"]) for m in pods]
+    for m, e in zip(pods, await asyncio.gather(*deletes, return_exceptions=True), strict=True):
+        if isinstance(e, Exception):
+            LOG.warning(f"{namespace}/{m['name']}: not deleted ({error_text(e)}); the garbage "
+                        "collector will delete it")  # fmt: skip
 
 
 async def _work(queue: workqueue.WorkQueue, views: Indexes, paused) -> None:

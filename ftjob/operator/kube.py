@@ -114,13 +114,15 @@ class Kube:
         return {r.get("uid") for r in meta.get("ownerReferences") or []}
 
     @metrics.timed("delete")
-    def delete(self, kind: str, namespace: str, name: str) -> bool:
-        """Delete a child (graceful); False if it was already gone."""
+    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
+        """Delete a child (graceful; object ``uid`` only, if given); False if it was already
+        gone (or is another object now)."""
         delete = getattr(self.core, f"delete_namespaced_{_KINDS[kind]}")
+        this = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
         try:
-            delete(name, namespace, _preload_content=False)
+            delete(name, namespace, body=this if uid else None, _preload_content=False)
         except client.ApiException as e:
-            if e.status == 404:
+            if e.status == 404 or (uid and e.status == 409):
                 return False
             raise
         return True

@@ -155,7 +155,7 @@ def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
     The operator holds every pod it manages in memory for as long as the pod exists (kopf's
     pod index), and a whole pod -- containers with their env, volumes, managedFields -- is
     10-20 KiB of Python objects or more, of which the decisions read a few fields. This keeps
-    exactly what this module, :mod:`lifecycle` and the handlers read: name, the ftjob
+    exactly what this module, :mod:`lifecycle` and the handlers read: name, uid, the ftjob
     labels, the template annotation (what the pod was made of), owner uids,
     deletionTimestamp, node name, Kueue's admission gate, phase/reason/message, pod IP, the
     scheduler's Unschedulable condition and the trainer container's state (its termination
@@ -168,6 +168,7 @@ def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
     labels = meta.get("labels") or {}
     view_meta: dict[str, Any] = {
         "name": meta.get("name"),
+        "uid": meta.get("uid"),
         "labels": {k: labels[k] for k in (LABEL_JOB, LABEL_RANK, LABEL_ATTEMPT) if k in labels},
         "ownerReferences": [{"uid": r.get("uid")} for r in meta.get("ownerReferences") or []],
     }

@@ -65,13 +65,15 @@ def test_a_paused_pool_reconciles_nothing_forgets_its_jobs_and_acts_again_once_r
         tasks = [asyncio.create_task(handlers._forget_when_paused(paused))]
         tasks += [asyncio.create_task(handlers._work(queue, None, paused)) for _ in range(2)]
         try:
-            await handlers.job_changed(type=None, body={"metadata": meta})
+            await handlers.job_changed(type=None, body={"metadata": meta}, job_pods={})
             await asyncio.sleep(0.1)
             first = list(reconciled)
             await peer.turn_to(True)  # a replica of higher priority appeared
             await asyncio.sleep(0.1)
             forgotten = not handlers.JOBS and not len(queue)
-            await handlers.job_changed(type=None, body={"metadata": {**meta, "name": "b"}})
+            await handlers.job_changed(
+                type=None, body={"metadata": {**meta, "name": "b"}}, job_pods={}
+            )
             await asyncio.sleep(0.2)
             while_paused = list(reconciled)
             await peer.turn_to(False)
