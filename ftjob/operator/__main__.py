@@ -100,26 +100,32 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     except Exception as e:  # noqa: BLE001 - the cause, said once, is the exit status's reason
-        cause = _startup_cause(e)
+        cause = _cause(e)
         if cause is None:
             raise
-        raise SystemExit(f"ftjob operator: cannot start: {cause}") from None
+        raise SystemExit(f"ftjob operator: {cause}") from None
     return 0
 
 
-def _startup_cause(error: BaseException | None) -> str | None:
-    """The line that says why the operator could not start: a :class:`StartupError` that kopf
-    wraps (in its ActivityError), or a port kopf's liveness endpoint could not take."""
+def _cause(error: BaseException | None) -> str | None:
+    """The line that says why the operator ended: it could not start (a
+    :class:`StartupError` that kopf wraps in its ActivityError, a port kopf's liveness
+    endpoint could not take), or kopf gave up on a watch (operator/watches.py)."""
+    from kopf._cogs.clients.errors import APIError  # pinned kopf (constraints.txt)
+
+    from ftjob.operator import watches
     from ftjob.operator.startup import StartupError
 
     while error is not None:
         if isinstance(error, StartupError):
-            return str(error)
+            return f"cannot start: {error}"
         if isinstance(error, OSError) and error.errno == errno.EADDRINUSE:
             return (
-                f"the liveness endpoint's port is taken ({error.strerror}): free it, or "
-                "choose another with --liveness (the chart's operator.healthPort)"
+                f"cannot start: the liveness endpoint's port is taken ({error.strerror}): free "
+                "it, or choose another with --liveness (the chart's operator.healthPort)"
             )
+        if isinstance(error, APIError):
+            return watches.gave_up(error)
         error = error.__cause__ or error.__context__
     return None
 

@@ -48,6 +48,7 @@ from ftjob.operator import (
     render,
     startup,
     status,
+    watches,
     workqueue,
 )
 from ftjob.operator.kube import ApiException, Gone, Kube, Refused, Unreachable, error_text
@@ -75,6 +76,9 @@ class Settings:
     # and made a burst's creates wait for each other (bench/RESULTS.md, fleet).
     api_threads: int = 16
     metrics_port: int = 0  # FTJOB_METRICS_PORT: 0 serves no /metrics
+    # FTJOB_API_RETRY_SECONDS: how long a failing API request of kopf's (its watches) is
+    # retried before the operator ends (operator/watches.py): the API trouble it rides out.
+    api_retry: float = 300.0
     # FTJOB_DEFAULT_IMAGE (ftjob operator --default-image): the trainer image of jobs that
     # name none in spec.image.
     default_image: str | None = None
@@ -90,6 +94,7 @@ class Settings:
             concurrency=int(env.get("FTJOB_RECONCILE_CONCURRENCY", cls.concurrency)),
             api_threads=int(env.get("FTJOB_API_THREADS", cls.api_threads)),
             metrics_port=int(env.get("FTJOB_METRICS_PORT") or 0),
+            api_retry=float(env.get("FTJOB_API_RETRY_SECONDS", cls.api_retry)),
             default_image=env.get(render.DEFAULT_IMAGE_ENV) or None,
             default_tracking=render.default_tracking(env.get(render.DEFAULT_TRACKING_ENV)),
         )
@@ -188,6 +193,7 @@ async def configure(
     # from every job it sees.
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.watching.server_timeout = 300  # re-list now and then: watches can drop silently
+    settings.networking.error_backoffs = watches.backoffs(SETTINGS.api_retry)
     await _check_access(memo.get("namespaces") or [])
     if SETTINGS.metrics_port:
         await _serve_metrics_on(SETTINGS.metrics_port)

@@ -2,7 +2,8 @@
 kube-apiserver stopped for 30 s and started again, then etcd likewise, while gangs run on kwok's
 nodes and pods change. The operator rides it out as the same process, every job converges to
 what its pods say, no gang that did not fail is made again, and its log names the outage a
-bounded number of times (not a line per job per second)."""
+bounded number of times (not a line per job per second). A watch refused for longer than the
+operator retries (FTJOB_API_RETRY_SECONDS) ends it, saying why."""
 
 from __future__ import annotations
 
@@ -139,3 +140,36 @@ def test_the_operator_rides_out_an_apiserver_and_an_etcd_restart(operator):
         print(f"{component} outage: {len(noise)} log lines besides the jobs' decisions")
         assert len(noise) <= LINES_PER_OUTAGE, "\n".join(noise[-40:])
         assert not [line for line in noise if "Traceback" in line], "\n".join(noise[-40:])
+
+
+def test_a_watch_refused_past_the_retries_ends_the_operator_saying_why(operator, tmp_path):
+    """A request of kopf's watches that keeps failing (a 403 while RBAC is edited, a 503 of a
+    load balancer in front of restarting API servers) is retried for FTJOB_API_RETRY_SECONDS
+    (10 s here, 300 by default; kopf's own span is 54 s). Past that the operator ends, so that
+    its pod restarts and lists everything afresh, and its last line says why: not a
+    traceback. Here the ClusterRole loses the pods' list and watch and the API server
+    restarts, so every watch lists again and the pods' is refused."""
+    plane = operator.plane
+    operator.stop()  # the other test's: one operator on the plane at a time
+    cluster = SimpleNamespace(kubeconfig=operator.cluster.kubeconfig, wait=Plane.wait)
+    short = Operator(cluster, tmp_path / "op.log", env={"FTJOB_API_RETRY_SECONDS": "10"}).start()
+    role = plane.get("clusterrole", "ftjob")
+    edited = copy.deepcopy(role)
+    for rule in edited["rules"]:
+        if "pods" in rule.get("resources", []):
+            rule["verbs"] = [v for v in rule["verbs"] if v not in ("list", "watch")]
+    plane.apply(edited)
+    plane.start("kube-apiserver", plane.stop("kube-apiserver"))
+    refused = time.monotonic()
+    try:
+        hangs.poll(lambda: short.proc.poll() is not None, hangs.FLOOR, "the operator to end")
+        took = time.monotonic() - refused
+    finally:
+        short.stop()
+        plane.apply(role | {"metadata": {"name": "ftjob", "labels": role["metadata"]["labels"]}})
+    last = short.log.read_text().strip().splitlines()[-1]
+    print(f"the operator ended {took:.1f} s after the API server came back, exit "
+          f"{short.proc.returncode}: {last}")  # fmt: skip
+    assert short.proc.returncode == 1, last
+    assert last.startswith("ftjob operator: a watch failed past FTJOB_API_RETRY_SECONDS"), last
+    assert "HTTP 403" in last and 'cannot watch resource "pods"' in last, last
