@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -132,3 +133,33 @@ def test_a_pod_over_its_memory_limit_is_diagnosed_oomkilled_in_the_jobs_status(o
     assert "raise resources.memory" in failure["message"], failure
     pod = plane.get("pod", failure["pod"], NAMESPACE)
     assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] == "OOMKilled"
+
+
+def test_a_pod_deleted_mid_run_saves_at_the_sigterm_and_the_next_gang_resumes_there(operator):
+    """`kubectl delete pod` while the gang trains: the real kubelet's SIGTERM reaches the
+    node's process (PID 1 of its container), the trainer saves at the next step boundary and
+    says so in its termination record, the operator calls it Preempted (no restart budget
+    spent), and the next gang resumes from that very step to Succeeded."""
+    plane = operator.plane
+    plane.apply(tiny("deleted"))
+
+    def checkpointed():
+        s = status_of(plane, "deleted")
+        return s.get("phase") == "Running" and (s.get("lastCheckpoint") or {}).get("step", 0) > 0
+
+    plane.wait(checkpointed, hangs.RUN, "deleted's first checkpoint")
+    plane.kubectl("delete", "pod", "deleted-node-0", "-n", NAMESPACE, "--wait=false")
+
+    def done():
+        s = status_of(plane, "deleted")
+        return s.get("phase") in ("Succeeded", "Failed") and s
+
+    status = plane.wait(done, hangs.RUN, "deleted to finish")
+    logs = plane.kubectl("logs", "-n", NAMESPACE, "deleted-node-0", ok=False).stdout
+    assert status["phase"] == "Succeeded", (status, logs[-3000:])
+    failure = status["failure"]
+    print(f"\ndeleted pod on a real node: {failure['message']}")
+    assert failure["reason"] == "Preempted" and "the pod was deleted" in failure["message"]
+    assert (status["attempt"], status["restarts"]) == (1, 0), status
+    saved = int(re.search(r"after step (\d+)", failure["message"]).group(1))
+    assert f"(step {saved})" in logs and "resuming from checkpoint" in logs, logs[-3000:]
