@@ -2,10 +2,10 @@
 
 kopf retries a failed API request (a 5xx, a timeout, a 403) on the backoffs of
 ``settings.networking.error_backoffs``; when they run out, the watch that made the request
-fails and kopf stops the operator with a traceback. Its own backoffs span 54 s: a control
-plane upgrade whose load balancer answers 503 for a minute, or a ClusterRole replaced in two
-steps, restarted the operator. (A refused connection is different: kopf's watches retry it
-for as long as it lasts, the API server stopped for minutes included.) So:
+fails and kopf stops the operator with a traceback. Its own backoffs span 54 s, so a load
+balancer that answers 503 for a minute while the API servers behind it are upgraded, or a
+ClusterRole replaced in two steps, would restart the operator. (A refused connection is
+different: kopf's watches retry it for as long as it lasts.) So:
 
 * the backoffs span ``FTJOB_API_RETRY_SECONDS`` (:func:`backoffs`; 300 s by default);
 * past them the operator still ends, so that its pod restarts and lists everything afresh,

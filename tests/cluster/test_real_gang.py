@@ -14,6 +14,7 @@ process of this one machine, so one folder is what a ReadWriteMany volume would 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import shutil
@@ -135,31 +136,57 @@ def test_a_pod_over_its_memory_limit_is_diagnosed_oomkilled_in_the_jobs_status(o
     assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] == "OOMKilled"
 
 
-def test_a_pod_deleted_mid_run_saves_at_the_sigterm_and_the_next_gang_resumes_there(operator):
-    """`kubectl delete pod` while the gang trains: the real kubelet's SIGTERM reaches the
-    node's process (PID 1 of its container), the trainer saves at the next step boundary and
-    says so in its termination record, the operator calls it Preempted (no restart budget
-    spent), and the next gang resumes from that very step to Succeeded."""
-    plane = operator.plane
-    plane.apply(tiny("deleted"))
+def stop_from_outside(plane: Plane, how: str, pod: str, tmp_path: Path) -> None:
+    """What stops a pod from outside the job: ``delete`` (`kubectl delete pod`), or ``evict``
+    through the Eviction API (what `kubectl drain` and the descheduler call)."""
+    if how == "delete":
+        plane.kubectl("delete", "pod", pod, "-n", NAMESPACE, "--wait=false")
+        return
+    eviction = tmp_path / "eviction.json"
+    body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod}}
+    eviction.write_text(json.dumps(body))
+    plane.kubectl("create", "--raw", f"/api/v1/namespaces/{NAMESPACE}/pods/{pod}/eviction",
+                  "-f", str(eviction))  # fmt: skip
+
+
+# What the job's status says stopped the pod: its deletion, with the step its trainer saved at
+# the SIGTERM (the operator waits for the record of a deleted pod), or the DisruptionTarget
+# condition the API server sets on an evicted pod (taken at once: its node may be gone).
+SAID = {"delete": "the pod was deleted; stopped for a SIGTERM after step",
+        "evict": "EvictionByEvictionAPI"}  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["delete", "evict"])
+def test_a_pod_stopped_mid_run_saves_at_the_sigterm_and_the_next_gang_resumes_there(
+    operator, how, tmp_path
+):
+    """A running gang's pod deleted, or evicted through the Eviction API: the real kubelet's
+    SIGTERM reaches the node's process (PID 1 of its container), the trainer saves at the
+    next step boundary, the operator calls it Preempted (no restart budget spent), and the
+    next gang resumes from that step, past the last periodic checkpoint, to Succeeded."""
+    plane, name = operator.plane, {"delete": "deleted", "evict": "evicted"}[how]
+    plane.apply(tiny(name))
 
     def checkpointed():
-        s = status_of(plane, "deleted")
-        return s.get("phase") == "Running" and (s.get("lastCheckpoint") or {}).get("step", 0) > 0
+        s = status_of(plane, name)
+        step = (s.get("lastCheckpoint") or {}).get("step", 0)
+        return s.get("phase") == "Running" and step > 0 and step
 
-    plane.wait(checkpointed, hangs.RUN, "deleted's first checkpoint")
-    plane.kubectl("delete", "pod", "deleted-node-0", "-n", NAMESPACE, "--wait=false")
+    periodic = plane.wait(checkpointed, hangs.RUN, f"{name}'s first checkpoint")
+    stop_from_outside(plane, how, f"{name}-node-0", tmp_path)
 
     def done():
-        s = status_of(plane, "deleted")
+        s = status_of(plane, name)
         return s.get("phase") in ("Succeeded", "Failed") and s
 
-    status = plane.wait(done, hangs.RUN, "deleted to finish")
-    logs = plane.kubectl("logs", "-n", NAMESPACE, "deleted-node-0", ok=False).stdout
+    status = plane.wait(done, hangs.RUN, f"{name} to finish")
+    logs = plane.kubectl("logs", "-n", NAMESPACE, f"{name}-node-0", ok=False).stdout
     assert status["phase"] == "Succeeded", (status, logs[-3000:])
     failure = status["failure"]
-    print(f"\ndeleted pod on a real node: {failure['message']}")
-    assert failure["reason"] == "Preempted" and "the pod was deleted" in failure["message"]
+    print(f"\n{name} pod on a real node: {failure['message']}")
+    assert failure["reason"] == "Preempted" and SAID[how] in failure["message"], failure
     assert (status["attempt"], status["restarts"]) == (1, 0), status
-    saved = int(re.search(r"after step (\d+)", failure["message"]).group(1))
-    assert f"(step {saved})" in logs and "resuming from checkpoint" in logs, logs[-3000:]
+    resumed = re.search(r"resuming from checkpoint \S+ \(step (\d+)\)", logs)
+    assert resumed and int(resumed.group(1)) > periodic, (periodic, logs[-3000:])
+    if how == "delete":
+        assert f"after step {resumed.group(1)};" in failure["message"], failure
