@@ -333,15 +333,20 @@ def launch(config, entrypoint, args: list[str], node_rank: int) -> int:
 def _stopped_outside_loop(path: Path | None, node_rank: int) -> int:
     """A SIGTERM reached this node outside the training loop (rendezvous, data, loading, or
     after the last save): its workers ended at once, with nothing new to save (a checkpoint
-    is written only in the loop, the export only whole). A finished node stays finished; any
-    other ends as stopped, not failed: the next gang resumes from the newest checkpoint."""
-    rec = read_record(path)
-    if rec is not None and rec.get("outcome") == "succeeded":
+    is written only in the loop, the export only whole). A finished node stays finished, and
+    a failed one failed: the SIGTERM is often the gang stopping for that very failure (ftjob
+    run stops every node when one fails), and "stopped" would hide it. Any other ends as
+    stopped, not failed: the next gang resumes from the newest checkpoint."""
+    outcome = (read_record(path) or {}).get("outcome")
+    if outcome == "succeeded":
         say(f"node {node_rank}: stopped by a SIGTERM after its workers finished")
         return 0
+    if outcome == "failed":
+        say(f"node {node_rank}: stopped by a SIGTERM after a worker failed (its record says why)")
+        return 1
     message = "stopped for a SIGTERM outside the training loop; nothing new to save"
     say(f"node {node_rank}: {message}")
-    with contextlib.suppress(OSError):  # a failure a worker wrote first stays (termination.keep)
+    with contextlib.suppress(OSError):  # a failure a worker writes meanwhile stays (keep)
         termination.write(contract.preempted_record(None, None, message))
     return contract.EXIT_PREEMPTED
 

@@ -361,3 +361,22 @@ def test_a_released_folder_is_not_written_back_by_a_last_refresh(tmp_path, monke
     finish.set()
     releasing.join(hangs.FLOOR)
     assert not JobFolder(tmp_path).owner.exists()
+
+
+@pytest.mark.parametrize(
+    ("written", "code", "kept"),
+    [(None, contract.EXIT_PREEMPTED, "preempted"), ("failed", 1, "failed"),
+     ("succeeded", 0, "succeeded")],
+)  # fmt: skip
+def test_a_sigterm_outside_the_loop_stops_a_node_but_never_hides_how_its_workers_ended(
+    tmp_path, monkeypatch, written, code, kept
+):
+    """The agent's SIGTERM outside the training loop (ftjob run stops every node once one
+    fails; a pod deleted while its gang starts): a node whose worker failed first ends failed
+    (exit 1, the failure's record kept), one that finished ends 0, any other stopped (75)."""
+    record = tmp_path / "node-0.termination"
+    monkeypatch.setenv("FTJOB_TERMINATION_LOG", str(record))
+    if written is not None:
+        record.write_text(json.dumps({"outcome": written, "reason": "BadSpec", "rank": 1}))
+    assert agent._stopped_outside_loop(record, 0) == code
+    assert json.loads(record.read_text())["outcome"] == kept
