@@ -12,7 +12,10 @@ run that is over:
   gone: the one that took the folder and the one that carries it on (each recorded as the
   process that lives as long as the run there: ``ftjob run``, or the node's agent, which
   outlives workers restarted in place). Both, because either may die alone: an ``ftjob
-  run`` killed outright leaves its gang's agents running, and their rank 0 still writes;
+  run`` killed outright leaves its gang's agents running, and their rank 0 still writes.
+  A process is its pid and its start time: on a real kubelet the pod that replaces a
+  SIGKILLed one has the same hostname (the pod's name), often the same PID namespace
+  inode (the kernel reuses it), and its agent is PID 1 again, as the dead owner's was;
 * it ran elsewhere and its heartbeat is older than ``LEASE_SECONDS`` (killed, or its node
   lost).
 
@@ -63,22 +66,29 @@ class Owner:
     # The process that carries the lease on (a trainer's agent, once rank 0 took the folder
     # its `ftjob run` holds) and refreshes it from then on; 0 in files from before it was kept.
     carrier: int = 0
+    # When each started (processes.started); 0 in files from before they were kept.
+    pid_started: int = 0
+    carrier_started: int = 0
 
     @classmethod
     def me(cls, run: str | None = None) -> Owner:
+        holder = _holder_pid()
         return cls(
             run=run or os.environ.get(RUN_ENV, f"pid-{os.getpid()}"),
             machine=_machine(),
             host=socket.gethostname(),
-            pid=_holder_pid(),
+            pid=holder,
             since=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             heartbeat=time.time(),
-            carrier=_holder_pid(),
+            carrier=holder,
+            pid_started=processes.started(holder),
+            carrier_started=processes.started(holder),
         )
 
     def alive(self, now: float) -> bool:
         if self.machine == _machine():  # its processes tell, however old the heartbeat
-            return any(processes.alive(p) for p in (self.pid, self.carrier) if p > 0)
+            held = ((self.pid, self.pid_started), (self.carrier, self.carrier_started))
+            return any(processes.alive(pid, since) for pid, since in held if pid > 0)
         return now - self.heartbeat <= LEASE_SECONDS
 
     def carried_by_another(self, me: Owner) -> bool:
@@ -87,7 +97,7 @@ class Owner:
             self.run == me.run
             and self.machine == me.machine
             and self.carrier not in (0, me.carrier)
-            and processes.alive(self.carrier)
+            and processes.alive(self.carrier, self.carrier_started)
         )
 
     def describe(self, now: float) -> str:
@@ -131,7 +141,11 @@ class Lease:
             if current.run == self.me.run:
                 # Already this run's: taken by its `ftjob run`, or by this gang before its
                 # workers restarted in place. The holder recorded there lives longer than us.
-                self.me = dataclasses.replace(current, heartbeat=now, carrier=_holder_pid())
+                holder = _holder_pid()
+                started = processes.started(holder)
+                self.me = dataclasses.replace(
+                    current, heartbeat=now, carrier=holder, carrier_started=started
+                )
                 self._write()
                 break
             if not current.alive(now):

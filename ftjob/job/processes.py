@@ -38,11 +38,7 @@ def _parents() -> dict[int, int]:
     """pid -> parent pid of every process visible in /proc."""
     out = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            # The command name may hold spaces and parentheses: fields follow the last ")".
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        if entry.name.isdigit() and len(fields := _stat(int(entry.name))) > 1:
             out[int(entry.name)] = int(fields[1])
     return out
 
@@ -61,13 +57,29 @@ def descendants(root: int | None = None) -> list[int]:
     return found
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+def _stat(pid: int) -> list[str]:
+    """``/proc/<pid>/stat``'s fields from the state on (the command name, which may hold
+    spaces and parentheses, ends at the last ")"), or [] if there is no such process."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
+        return []
+
+
+def started(pid: int) -> int:
+    """When ``pid`` started, in clock ticks after boot (0 if there is no such process). With
+    its pid it names one process: pids are reused (PID 1 by every container), starts are not."""
+    fields = _stat(pid)
+    return int(fields[19]) if len(fields) > 19 else 0
+
+
+def alive(pid: int, since: int = 0) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has) and, given ``since``
+    (:func:`started`), the very one that started then rather than a later holder of its pid."""
+    fields = _stat(pid)
+    if not fields or fields[0] == "Z":
         return False
-    return state != "Z"
+    return not since or (len(fields) > 19 and int(fields[19]) == since)
 
 
 def _send(pids: list[int], sig: int) -> None:

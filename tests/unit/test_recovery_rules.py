@@ -281,7 +281,9 @@ def test_a_live_owner_is_seen_whatever_its_command_name(tmp_path):
         assert f"({'x) Z (y'})" in Path(f"/proc/{proc.pid}/stat").read_text()
         assert processes.alive(proc.pid)
         # An `ftjob run` on this machine, which carries its lease on itself.
-        held = replace(lease.Owner.me("job-1"), pid=proc.pid, carrier=proc.pid)
+        start = processes.started(proc.pid)
+        held = replace(lease.Owner.me("job-1"), pid=proc.pid, carrier=proc.pid,
+                       pid_started=start, carrier_started=start)  # fmt: skip
         JobFolder(tmp_path).owner.write_text(json.dumps(asdict(held)))
         with pytest.raises(contract.TrainerError) as refused:
             lease.Lease(tmp_path, run="job-2").take(0)
@@ -291,6 +293,29 @@ def test_a_live_owner_is_seen_whatever_its_command_name(tmp_path):
         proc.wait()
     assert not processes.alive(proc.pid)
     lease.Lease(tmp_path, run="job-2").take(0)  # its process is gone: the folder is free
+
+
+def test_an_owner_whose_pid_a_later_process_holds_frees_the_folder(tmp_path):
+    """The pod that replaces a SIGKILLed one on a real kubelet has the same hostname, often the
+    same PID namespace inode, and its agent is PID 1 again: the dead owner's pid is alive, but
+    a later process holds it. Seen on a real node: the new gang was refused (JobFolderBusy)
+    until the job failed. A process is its pid and its start time."""
+    proc = named_process("later")
+    try:
+        start = processes.started(proc.pid)
+        live = replace(lease.Owner.me("job-1"), pid=proc.pid, carrier=proc.pid,
+                       pid_started=start, carrier_started=start)  # fmt: skip
+        JobFolder(tmp_path).owner.write_text(json.dumps(asdict(live)))
+        with pytest.raises(contract.TrainerError):
+            lease.Lease(tmp_path, run="job-2").take(0)
+        earlier = live.pid_started - 1  # the dead owner's process started before this one
+        dead = replace(live, pid_started=earlier, carrier_started=earlier)
+        JobFolder(tmp_path).owner.write_text(json.dumps(asdict(dead)))
+        lease.Lease(tmp_path, run="job-2").take(0)
+        assert lease.Lease(tmp_path, run="job-3").read().run == "job-2"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 GANG = """
