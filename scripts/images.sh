@@ -96,10 +96,17 @@ if ! have "$TR_REAL"; then
 fi
 
 build() {  # target tag base-arg
+  local before
+  before=$(podman image inspect --format '{{.Id}}' "$2" 2>/dev/null || true)
   say "building target $1 -> $2"
   podman build --isolation chroot --network host --pull=never "${mounts[@]}" \
     --target "$1" --build-arg "$3" -t "$2" . >"$work/$1.log" 2>&1 \
     || { tail -40 "$work/$1.log"; exit 1; }
+  # The image the tag named before, untagged now: every build of changed code left one behind
+  # (~1 GB for the trainer's top layers), until a machine's disk was full.
+  if [[ -n "$before" && "$before" != "$(podman image inspect --format '{{.Id}}' "$2")" ]]; then
+    podman rmi "$before" >/dev/null 2>&1 || true
+  fi
 }
 build operator "$OPERATOR" "PYTHON_IMAGE=$py_base"
 build trainer "$TRAINER" "TRAINER_IMAGE=$tr_base"

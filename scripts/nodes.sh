@@ -15,7 +15,7 @@
 #                     process); returns when every node is Ready
 #   down DIR          every container killed and removed, then kubelet, containerd and CoreDNS
 #                     stopped, mounts, network namespaces, bridges and cgroups removed, and
-#                     containerd's root (the imported images: ~1 GB a node)
+#                     containerd's root (the imported images: ~6 GB a node)
 #
 # Containerd and runc are Debian's (scripts/podman-host.sh installs them with apt-get); the
 # CNI plugins are Debian's containernetworking-plugins.
@@ -237,7 +237,11 @@ nodes_free_subnet() {
   die "no free 10.214.K.0/24 for a node's pods"
 }
 
-# nodes_import NODEDIR: the pause image and the test images into the node's containerd.
+# nodes_import NODEDIR: the pause image and the test images into the node's containerd, then
+# the archive's layer blobs dropped (the blobs labelled with their uncompressed digest, which
+# only layers carry). Containers run from the unpacked snapshots, and the kubelet reads only
+# an image's manifest and config, which stay (a pod ran with the blobs gone): a node then holds
+# one copy of the trainer image, not two (5.6 GB of blobs beside its 5.7 GB snapshot).
 nodes_import() {
   local ctr=(ctr -a "$1/containerd.sock" -n k8s.io) ref
   "${ctr[@]}" images import "$CACHE/pause.tar" >/dev/null
@@ -245,6 +249,23 @@ nodes_import() {
     podman image exists "$ref" || die "image $ref is not in podman (bash scripts/images.sh)"
     podman save "$ref" | "${ctr[@]}" images import - >/dev/null
   done
+  "${ctr[@]}" content ls | awk '/containerd.io\/uncompressed=/ {print $1}' |
+    xargs -r "${ctr[@]}" content rm >/dev/null
+}
+
+# nodes_disk N: refuse to start N nodes where DIR's disk cannot take their images: each node
+# keeps one unpacked copy, and the one importing holds the archive's blobs beside it until
+# they are dropped. A full disk would otherwise surface as pods that never start.
+nodes_disk() {
+  local n=$1 ref size=0 need free
+  for ref in "${NODE_IMAGES[@]}"; do
+    podman image exists "$ref" || die "image $ref is not in podman (bash scripts/images.sh)"
+    size=$((size + $(podman image inspect --format '{{.Size}}' "$ref")))
+  done
+  need=$(((n + 1) * size / 1000000000 + 2)) # and 2 GB for the pods' writes and the logs
+  free=$(($(df --output=avail -B1 "$DIR" | tail -1) / 1000000000))
+  ((free >= need)) || die "$n real node(s) need ~$need GB free under $DIR for their images" \
+    "(${#NODE_IMAGES[@]} image(s), $((size / 1000000000)) GB unpacked a node); $free GB free"
 }
 
 # nodes_net_one NAME: the node's /24 and its bridge, made before any node starts: node 0's
@@ -336,6 +357,7 @@ nodes_up() {
   fi
   [[ "$(cat /proc/sys/net/ipv4/ip_forward)" == 1 ]] ||
     die "pods of two nodes need this host to route: sysctl -w net.ipv4.ip_forward=1"
+  nodes_disk "$n"
   for ((i = 0; i < n; i++)); do nodes_net_one "real-node-$i"; done
   NODES_DNS_IP="10.214.$(cat "$DIR/nodes/real-node-0/subnet").1"
   nodes_dns
@@ -392,7 +414,7 @@ nodes_down_rest() {
     for m in $(awk '{print $5}' /proc/self/mountinfo | grep "^${d%/}/" | sort -r); do
       umount "$m" 2>/dev/null || umount -l "$m"
     done
-    # containerd's root and state (~1 GB a node with the operator image): `up` imports again.
+    # containerd's root and state (the unpacked images, ~6 GB a node): `up` imports again.
     grep -q " ${d%/}/" /proc/self/mountinfo || rm -rf "$d/containerd"
     if [[ -s "$d/subnet" ]]; then
       k=$(cat "$d/subnet")

@@ -12,8 +12,8 @@
 #
 # Needs root, podman and containerd (scripts/podman-host.sh), Go for the first plane build, a
 # Python with ftjob installed (pip install -e '.[test]'; PYTHON=... picks it; kubectl beside it
-# or on PATH), and ~25 GB of disk: each node's containerd holds its own copy of the ~6 GB
-# trainer image (its layers and their unpacked snapshot).
+# or on PATH), and ~20 GB of disk: each node's containerd holds its own unpacked copy of the
+# ~6 GB trainer image, and the node importing it holds the archive's layers beside it for a while.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
