@@ -6,6 +6,7 @@ import os
 import signal
 from pathlib import Path
 
+import deadline
 import envs
 import prebuilds
 import pytest
@@ -51,9 +52,15 @@ def pytest_collection_finish(session):
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
     """A test that needs a build still running waits for it here, outside pytest-timeout's
-    limit (its wrapper is inside this one): a hang guard sized for the test is not a build's."""
+    limit (its wrapper is inside this one): a hang guard sized for the test is not a build's.
+    Then that limit is kept short of the run's deadline (tests/deadline.py)."""
     prebuilds.wait_needed(*_needs(item))
+    deadline.shorten(item)
     yield
+
+
+def pytest_runtest_setup(item):
+    deadline.refuse(item)
 
 
 def pytest_sessionfinish(session):

@@ -137,6 +137,20 @@ class Plane:
         text = doc if isinstance(doc, str) else json.dumps(doc)
         return self.kubectl("apply", "-f", "-", *args, input=text, ok=ok)
 
+    def describe(self, namespace: str) -> str:
+        """What a wait that timed out shows: the namespace's pods and latest events, each
+        node's conditions, and the free disk under the plane's folder (the real nodes' images
+        and volumes live there)."""
+        conditions = "CONDITION:.status.conditions[*].type,IS:.status.conditions[*].status"
+        reads = [
+            ("get", "pods", "-n", namespace, "-o", "wide"),
+            ("get", "events", "-n", namespace, "--sort-by=.lastTimestamp"),
+            ("get", "nodes", "-o", f"custom-columns=NODE:.metadata.name,{conditions}"),
+        ]
+        parts = [self.kubectl(*read, ok=False).stdout[-3000:] for read in reads]
+        df = subprocess.run(["df", "-h", str(self.dir)], capture_output=True, text=True)
+        return "\n".join([*parts, df.stdout])
+
     def delete_every_job(self) -> None:
         """Every FineTuneJob deleted, and waited for until none of their pods is left."""
         self.kubectl("delete", "ftj", "--all", "-A", "--wait=false")

@@ -3,7 +3,9 @@ of its own with the chart installed, real nodes whose containerds hold the built
 ``ftjob operator`` as the chart's ServiceAccount. examples/tiny.yaml, applied with kubectl, is
 placed by the real scheduler on the real nodes, trained by the real kubelets' containers (which
 find each other through the cluster's DNS), and ends Succeeded with an export that
-``from_pretrained`` loads; ``kubectl logs`` shows a rank's output.
+``from_pretrained`` loads; ``kubectl logs`` shows a rank's output. Then what the kubelet does
+to a job: an image it cannot pull, a memory limit, a pod deleted or evicted (SIGTERM), and the
+node's process SIGKILLed.
 
 The shared volume is a hostPath PersistentVolume on this machine's folder: every node is a
 process of this one machine, so one folder is what a ReadWriteMany volume would be.
@@ -18,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,7 +39,7 @@ from ftjob.operator import render  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1800)  # the first test also waits for the image build
 NAMESPACE = "gang"
-# Each node's containerd holds its own ~12 GB of the trainer image (docs/testing.md): one node
+# Each node's containerd holds its own ~6 GB of the trainer image (docs/testing.md): one node
 # unless the machine has the disk for more (FTJOB_REAL_GANG_NODES=2: one rank on each).
 NODES = int(os.environ.get("FTJOB_REAL_GANG_NODES", "1"))
 TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
@@ -70,7 +73,7 @@ def operator(plane: Plane, volume, tmp_path_factory):
     kubeconfig = token_kubeconfig(plane, "ftjob-system", "ftjob", work / "sa.kubeconfig")
     op = Operator(SimpleNamespace(kubeconfig=kubeconfig, wait=Plane.wait), work / "op.log")
     op.start()
-    op.plane = plane
+    op.plane, op.stuck = plane, None
     yield op
     plane.kubectl("delete", "ftj", "--all", "-n", NAMESPACE, "--timeout=120s", ok=False)
     op.stop()
@@ -89,17 +92,41 @@ def status_of(plane: Plane, name: str) -> dict:
     return (plane.get("ftj", name, NAMESPACE) or {}).get("status") or {}
 
 
+def wait_for(operator, name: str, until, what: str):
+    """``until(status)`` of job ``name``, waited for; past hangs.RUN, fail showing the plane's
+    pods, events, nodes and disk. A job that never got there means this plane cannot run one:
+    the module's later tests then fail at once, naming it, instead of waiting as long again."""
+    if operator.stuck:
+        pytest.fail(f"not tried: {operator.stuck} on this plane (see that test's failure)")
+    try:
+        return operator.plane.wait(lambda: until(status_of(operator.plane, name)), hangs.RUN, what)
+    except AssertionError as timeout:
+        operator.stuck = f"waiting for {what} timed out"
+        raise AssertionError(f"{timeout}\n{operator.plane.describe(NAMESPACE)}") from None
+
+
+def ended(status: dict):
+    return status.get("phase") in ("Succeeded", "Failed") and status
+
+
+def checkpointed(status: dict):
+    """The step of the running gang's newest checkpoint, once it has one."""
+    step = (status.get("lastCheckpoint") or {}).get("step", 0)
+    return status.get("phase") == "Running" and step > 0 and step
+
+
+def resumed_at(logs: str) -> int:
+    found = re.search(r"resuming from checkpoint \S+ \(step (\d+)\)", logs)
+    assert found, logs[-3000:]
+    return int(found.group(1))
+
+
 def test_tiny_trains_on_real_nodes_to_an_export_that_loads(operator, volume):
     from transformers import AutoModelForCausalLM
 
     plane = operator.plane
     plane.apply(tiny("tiny"))
-
-    def done():
-        s = status_of(plane, "tiny")
-        return s.get("phase") in ("Succeeded", "Failed") and s
-
-    status = plane.wait(done, hangs.RUN, "tiny to finish")
+    status = wait_for(operator, "tiny", ended, "tiny to finish")
     pods = [p for p in plane.get("pods", namespace=NAMESPACE) or []
             if p["metadata"]["labels"].get(render.LABEL_JOB) == "tiny"]  # fmt: skip
     assert status["phase"] == "Succeeded", (status, plane.kubectl(
@@ -110,6 +137,29 @@ def test_tiny_trains_on_real_nodes_to_an_export_that_loads(operator, volume):
     # The kubelet keeps a finished container's log: `kubectl logs` of rank 0 shows its steps.
     logs = plane.kubectl("logs", "-n", NAMESPACE, "tiny-node-0").stdout
     assert "step" in logs, logs[-3000:]
+    # What the kubelet mounted, in its own report: no ServiceAccount token (the trainer never
+    # calls the API, and a token there would be a credential in every rank of every job).
+    for pod in pods:
+        mounts = [m["mountPath"] for m in pod["status"]["containerStatuses"][0]["volumeMounts"]]
+        assert render.SHARED_DIR in mounts and not any("serviceaccount" in m for m in mounts)
+
+
+def test_an_image_the_node_cannot_pull_fails_the_job_in_the_kubelets_words(operator):
+    """A job whose image no node has (and no registry serves): containerd's pull error reaches
+    the job's status through the kubelet's waiting reason while it waits, and the job fails at
+    runPolicy.startTimeoutSeconds, naming the image, with no restart spent on it."""
+    plane = operator.plane
+    job = tiny("unpulled")
+    job["spec"]["image"] = "localhost/ftjob-trainer:missing"
+    job["spec"]["runPolicy"] = {"startTimeoutSeconds": 20}
+    plane.apply(job)
+    status = wait_for(operator, "unpulled", ended, "unpulled to end")
+    failure = status["failure"]
+    assert status["phase"] == "Failed" and status["restarts"] == 0, status
+    assert failure["reason"] == "StartTimeout", failure
+    print(f"\nunpulled image on a real node: {failure['message']}")
+    assert "ImagePullBackOff" in failure["message"] or "ErrImagePull" in failure["message"]
+    assert "ftjob-trainer" in failure["message"] and "missing" in failure["message"], failure
 
 
 def test_a_pod_over_its_memory_limit_is_diagnosed_oomkilled_in_the_jobs_status(operator):
@@ -121,12 +171,7 @@ def test_a_pod_over_its_memory_limit_is_diagnosed_oomkilled_in_the_jobs_status(o
     job["spec"]["resources"]["memory"] = "128Mi"
     job["spec"]["runPolicy"] = {"backoffLimit": 0}
     plane.apply(job)
-
-    def ended():
-        s = status_of(plane, "small")
-        return s.get("phase") in ("Succeeded", "Failed") and s
-
-    status = plane.wait(ended, hangs.RUN, "small to end")
+    status = wait_for(operator, "small", ended, "small to end")
     failure = status["failure"]
     assert (status["phase"], failure["reason"], failure["exitCode"]) == ("Failed", "OOMKilled", 137)
     # Every rank outgrows the limit: the failure names whichever the operator saw first.
@@ -166,27 +211,39 @@ def test_a_pod_stopped_mid_run_saves_at_the_sigterm_and_the_next_gang_resumes_th
     next gang resumes from that step, past the last periodic checkpoint, to Succeeded."""
     plane, name = operator.plane, {"delete": "deleted", "evict": "evicted"}[how]
     plane.apply(tiny(name))
-
-    def checkpointed():
-        s = status_of(plane, name)
-        step = (s.get("lastCheckpoint") or {}).get("step", 0)
-        return s.get("phase") == "Running" and step > 0 and step
-
-    periodic = plane.wait(checkpointed, hangs.RUN, f"{name}'s first checkpoint")
+    periodic = wait_for(operator, name, checkpointed, f"{name}'s first checkpoint")
     stop_from_outside(plane, how, f"{name}-node-0", tmp_path)
-
-    def done():
-        s = status_of(plane, name)
-        return s.get("phase") in ("Succeeded", "Failed") and s
-
-    status = plane.wait(done, hangs.RUN, f"{name} to finish")
+    status = wait_for(operator, name, ended, f"{name} to finish")
     logs = plane.kubectl("logs", "-n", NAMESPACE, f"{name}-node-0", ok=False).stdout
     assert status["phase"] == "Succeeded", (status, logs[-3000:])
     failure = status["failure"]
     print(f"\n{name} pod on a real node: {failure['message']}")
     assert failure["reason"] == "Preempted" and SAID[how] in failure["message"], failure
     assert (status["attempt"], status["restarts"]) == (1, 0), status
-    resumed = re.search(r"resuming from checkpoint \S+ \(step (\d+)\)", logs)
-    assert resumed and int(resumed.group(1)) > periodic, (periodic, logs[-3000:])
+    resumed = resumed_at(logs)
+    assert resumed > periodic, (periodic, logs[-3000:])
     if how == "delete":
-        assert f"after step {resumed.group(1)};" in failure["message"], failure
+        assert f"after step {resumed};" in failure["message"], failure
+
+
+def test_a_node_process_killed_with_sigkill_restarts_the_gang_from_its_last_checkpoint(operator):
+    """The node's process (PID 1 of its container) SIGKILLed, as `kill -9`, a crashed runtime
+    or an OOM kill outside the pod's cgroup does: nothing is saved at the end, the kubelet
+    reports exit 137, the operator spends one restart, and the next gang resumes from the last
+    periodic checkpoint to Succeeded."""
+    plane, name = operator.plane, "killed"
+    plane.apply(tiny(name))
+    periodic = wait_for(operator, name, checkpointed, f"{name}'s first checkpoint")
+    pod = plane.get("pod", f"{name}-node-0", NAMESPACE)
+    container = pod["status"]["containerStatuses"][0]["containerID"].split("://")[-1]
+    socket = plane.dir / "nodes" / pod["spec"]["nodeName"] / "containerd.sock"
+    ctr = ["ctr", "-a", str(socket), "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", container]
+    subprocess.run(ctr, check=True, timeout=hangs.FLOOR)
+    status = wait_for(operator, name, ended, f"{name} to finish")
+    logs = plane.kubectl("logs", "-n", NAMESPACE, f"{name}-node-0", ok=False).stdout
+    assert status["phase"] == "Succeeded", (status, logs[-3000:])
+    failure = status["failure"]
+    print(f"\n{name} pod on a real node: {failure['reason']}: {failure['message']}")
+    assert failure["exitCode"] == 137 and failure["reason"] != "OOMKilled", failure
+    assert (status["attempt"], status["restarts"]) == (1, 1), status
+    assert resumed_at(logs) >= periodic, (periodic, logs[-3000:])
