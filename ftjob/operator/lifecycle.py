@@ -420,7 +420,34 @@ def _gang_failures(s: _Step) -> Decision | None:
             }
             for r in s.missing
         ]
-    return _gang_failed(s, st.root_cause(failures)) if failures else None
+    if not failures:
+        return None
+    cause = st.root_cause(failures)
+    if wait := _peers_may_say_more(s, cause):
+        s.decision.requeue_after = min(wait, s.decision.requeue_after or wait)
+        said = f"waiting up to {PEERS_GRACE:.0f} s for the other pods to say why"
+        return s.set("Running", "GangEnding", f"{cause['pod']} ended ({cause['reason']}); {said}")
+    return _gang_failed(s, cause)
+
+
+# A gang ends together: once a node's process fails, the other nodes' agents stop within
+# seconds, and the pod that ends first is not always the one that failed first (a node whose
+# rendezvous store went down with the failing node crashes at once, with no record). Seen on a
+# two-node job whose rank 0 was refused its model: rank 1's bare Error came first, and a restart
+# was spent on it before BadModel was seen. A bare Error waits this long for a telling peer.
+PEERS_GRACE = 15.0
+
+
+def _peers_may_say_more(s: _Step, cause: dict) -> float:
+    """Seconds to wait before acting on ``cause``: only a bare Error, while another pod of the
+    gang still runs, within PEERS_GRACE of its pod's end; else 0."""
+    pod = next((p for p in s.current.values() if p["metadata"]["name"] == cause.get("pod")), None)
+    others_run = any(st.running(p) for p in s.current.values() if p is not pod)
+    if cause["reason"] != "Error" or pod is None or not others_run:
+        return 0.0
+    ended = st.parse_time((st.terminated(pod) or {}).get("finishedAt"))
+    left = PEERS_GRACE - ((s.now - ended).total_seconds() if ended else PEERS_GRACE)
+    return max(left, 0.0)
 
 
 def _gang_done(s: _Step) -> Decision | None:

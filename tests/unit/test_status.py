@@ -364,6 +364,27 @@ def test_a_failed_pod_restarts_the_whole_gang_as_the_next_attempt():
     assert nxt.create == [0, 1] and nxt.status["attempt"] == 1
 
 
+def test_a_bare_error_waits_briefly_for_a_peer_that_says_why(trainer_runs):
+    """Seen on podman nodes: rank 0 refused its model, and rank 1 (its rendezvous store gone
+    with rank 0's agent) ended first, a bare Error with no record. A bare Error waits up to
+    PEERS_GRACE for the running peers' records; the telling one then decides."""
+    d = run_to([pod(0), pod(1)])
+    bare = pod(1, phase="Failed", exit_code=1)
+    bare["status"]["containerStatuses"][0]["state"]["terminated"]["finishedAt"] = st.now_iso(T0)
+    waiting = decide(d.status, [pod(0), bare], T0 + timedelta(seconds=2))
+    assert (waiting.phase, waiting.status["restarts"], waiting.delete) == ("Running", 0, [])
+    assert st.condition(waiting.status["conditions"], "Running")["reason"] == "GangEnding"
+    assert waiting.requeue_after == pytest.approx(lifecycle.PEERS_GRACE - 2)
+    # Rank 0 ends with its record: the job fails on it, not retried, no restart spent.
+    told = decide(waiting.status, [pod(0, real=trainer_runs.get("bad-data")), bare],
+                  T0 + timedelta(seconds=3))  # fmt: skip
+    assert (told.phase, told.status["failure"]["reason"]) == ("Failed", contract.BAD_DATA)
+    assert told.status["restarts"] == 0
+    # No peer says more within the grace: the bare Error restarts the gang, as before.
+    late = decide(waiting.status, [pod(0), bare], T0 + timedelta(seconds=16))
+    assert (late.phase, late.status["failure"]["reason"]) == ("Restarting", "Error")
+
+
 def test_backoff_limit_fails_the_job():
     d = run_to([pod(0), pod(1)], backoffLimit=0)
     f = decide(d.status, [pod(0), pod(1, phase="Failed", exit_code=1)], backoffLimit=0)
