@@ -26,6 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import hangs
+import losses
 import pytest
 from plane import ROOT, Plane, token_kubeconfig
 from podman_node import LABEL, NODE_LABEL
@@ -128,29 +129,8 @@ def tiny(name: str = "tiny") -> dict:
 
 @pytest.fixture(scope="module")
 def reference(volume: Path, tmp_path_factory) -> SimpleNamespace:
-    """`ftjob run` of the same job file (on the volume's host folder, where its relative
-    model and data sources are): the losses to equal, and the time to compare with."""
-    job_file = volume / "tiny.yaml"
-    job_file.write_text(json.dumps(tiny()))
-    work = tmp_path_factory.mktemp("ftjob-run") / "tiny"
-    argv = [sys.executable, "-m", "ftjob", "run", str(job_file), "--workdir", str(work)]
-    env = dict(os.environ, TERM="dumb", OMP_NUM_THREADS="1")
-    start = time.monotonic()
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=hangs.RUN, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return SimpleNamespace(seconds=time.monotonic() - start, losses=losses(work), file=job_file)
-
-
-def losses(job_dir: Path) -> list[tuple[int, float]]:
-    """Every logged step's loss, in step order. A gang that resumes from a checkpoint older
-    than the last logged step (a SIGKILL lands a few steps after the save) logs those steps
-    again: each such step must log the very loss it logged before (asserted here)."""
-    rows = [json.loads(x) for x in (job_dir / "progress.jsonl").read_text().splitlines()]
-    logged: dict[int, float] = {}
-    for r in (r for r in rows if r["event"] == "step"):
-        first = logged.setdefault(r["step"], r["loss"])
-        assert first == r["loss"], f"step {r['step']} logged {first}, then {r['loss']}"
-    return sorted(logged.items())
+    """`ftjob run` of the same job file: the losses to equal, and the time to compare with."""
+    return losses.reference(tiny(), volume, tmp_path_factory.mktemp("ftjob-run") / "tiny")
 
 
 def status_of(plane: Plane, name: str) -> dict:
@@ -158,9 +138,7 @@ def status_of(plane: Plane, name: str) -> dict:
 
 
 def host_dir(volume: Path, plane: Plane, name: str) -> Path:
-    """The job's folder on the volume's host side."""
-    uid = plane.get("ftj", name, NAMESPACE)["metadata"]["uid"]
-    return volume / f"{name}-{uid[:8]}"
+    return losses.host_dir(volume, plane, NAMESPACE, name)
 
 
 def finished(plane: Plane, name: str) -> dict:
@@ -205,7 +183,7 @@ def test_apply_trains_on_podman_nodes_to_an_export_that_loads(operator, volume, 
     export = volume / status["modelPath"].removeprefix(render.SHARED_DIR + "/")
     model = AutoModelForCausalLM.from_pretrained(export)
     assert model.num_parameters() > 0
-    assert losses(host_dir(volume, plane, "tiny")) == reference.losses
+    assert losses.losses(host_dir(volume, plane, "tiny")) == reference.losses
     print(f"apply -> Succeeded {seconds:.1f} s; ftjob run {reference.seconds:.1f} s")
 
 
@@ -285,7 +263,7 @@ def test_a_killed_container_then_an_evicted_pod_each_get_a_gang_that_resumes_exa
         f"restarts {status['restarts']}, the eviction called {status['failure']['reason']}"
     )
     assert resumed_step(folder) >= 40, progress(folder)
-    assert losses(folder) == reference.losses
+    assert losses.losses(folder) == reference.losses
 
 
 def test_a_job_deleted_in_start_up_frees_its_nodes_in_seconds(operator, volume):
@@ -370,7 +348,7 @@ def test_a_pod_deleted_mid_run_is_preempted_naming_the_step_it_saved(operator, v
     message = event["message"]
     assert f"after step {saved}" in message and "Lost" not in message, message
     print(f"\ndeleted pod: {message}")
-    assert losses(folder) == reference.losses
+    assert losses.losses(folder) == reference.losses
 
 
 def test_a_budget_reached_stops_at_a_checkpoint_and_raised_resumes_to_the_same_losses(
@@ -421,7 +399,7 @@ def test_a_budget_reached_stops_at_a_checkpoint_and_raised_resumes_to_the_same_l
     assert resumed_step(folder) == newest, progress(folder)
     assert [a["attempt"] for a in status["cost"]["attempts"]] == [0, 1], status["cost"]
     print(f"\nbudget reached: stopped at step {step}, checkpoint {newest}; resumed from it")
-    assert losses(folder) == reference.losses
+    assert losses.losses(folder) == reference.losses
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 import envs
 import hangs
+import losses
 import pytest
 from plane import ROOT, Plane, build, token_kubeconfig
 
@@ -88,6 +89,17 @@ def tiny(name: str) -> dict:
     return doc
 
 
+@pytest.fixture(scope="module")
+def reference(volume: Path, tmp_path_factory) -> SimpleNamespace:
+    """`ftjob run` of the same job: the losses every job here must log, faults or not."""
+    return losses.reference(tiny("tiny"), volume, tmp_path_factory.mktemp("ftjob-run") / "tiny")
+
+
+def same_losses(plane: Plane, volume: Path, name: str, reference: SimpleNamespace) -> None:
+    logged = losses.losses(losses.host_dir(volume, plane, NAMESPACE, name))
+    assert logged == reference.losses, (logged, reference.losses)
+
+
 def status_of(plane: Plane, name: str) -> dict:
     return (plane.get("ftj", name, NAMESPACE) or {}).get("status") or {}
 
@@ -121,7 +133,7 @@ def resumed_at(logs: str) -> int:
     return int(found.group(1))
 
 
-def test_tiny_trains_on_real_nodes_to_an_export_that_loads(operator, volume):
+def test_tiny_trains_on_real_nodes_to_an_export_that_loads(operator, volume, reference):
     from transformers import AutoModelForCausalLM
 
     plane = operator.plane
@@ -134,6 +146,7 @@ def test_tiny_trains_on_real_nodes_to_an_export_that_loads(operator, volume):
     assert {p["spec"]["nodeName"] for p in pods} == {f"real-node-{i}" for i in range(NODES)}
     export = volume / status["modelPath"].removeprefix(render.SHARED_DIR + "/")
     assert AutoModelForCausalLM.from_pretrained(export).num_parameters() > 0
+    same_losses(plane, volume, "tiny", reference)  # to the last bit: `ftjob run`'s
     # The kubelet keeps a finished container's log: `kubectl logs` of rank 0 shows its steps.
     logs = plane.kubectl("logs", "-n", NAMESPACE, "tiny-node-0").stdout
     assert "step" in logs, logs[-3000:]
@@ -203,12 +216,13 @@ SAID = {"delete": "the pod was deleted; stopped for a SIGTERM after step",
 
 @pytest.mark.parametrize("how", ["delete", "evict"])
 def test_a_pod_stopped_mid_run_saves_at_the_sigterm_and_the_next_gang_resumes_there(
-    operator, how, tmp_path
+    operator, volume, reference, how, tmp_path
 ):
     """A running gang's pod deleted, or evicted through the Eviction API: the real kubelet's
     SIGTERM reaches the node's process (PID 1 of its container), the trainer saves at the
     next step boundary, the operator calls it Preempted (no restart budget spent), and the
-    next gang resumes from that step, past the last periodic checkpoint, to Succeeded."""
+    next gang resumes from that step, past the last periodic checkpoint, to Succeeded, every
+    logged loss equal to `ftjob run`'s."""
     plane, name = operator.plane, {"delete": "deleted", "evict": "evicted"}[how]
     plane.apply(tiny(name))
     periodic = wait_for(operator, name, checkpointed, f"{name}'s first checkpoint")
@@ -224,13 +238,16 @@ def test_a_pod_stopped_mid_run_saves_at_the_sigterm_and_the_next_gang_resumes_th
     assert resumed > periodic, (periodic, logs[-3000:])
     if how == "delete":
         assert f"after step {resumed};" in failure["message"], failure
+    same_losses(plane, volume, name, reference)
 
 
-def test_a_node_process_killed_with_sigkill_restarts_the_gang_from_its_last_checkpoint(operator):
+def test_a_node_process_killed_with_sigkill_restarts_the_gang_from_its_last_checkpoint(
+    operator, volume, reference
+):
     """The node's process (PID 1 of its container) SIGKILLed, as `kill -9`, a crashed runtime
     or an OOM kill outside the pod's cgroup does: nothing is saved at the end, the kubelet
     reports exit 137, the operator spends one restart, and the next gang resumes from the last
-    periodic checkpoint to Succeeded."""
+    periodic checkpoint to Succeeded, every logged loss equal to `ftjob run`'s."""
     plane, name = operator.plane, "killed"
     plane.apply(tiny(name))
     periodic = wait_for(operator, name, checkpointed, f"{name}'s first checkpoint")
@@ -247,3 +264,4 @@ def test_a_node_process_killed_with_sigkill_restarts_the_gang_from_its_last_chec
     assert failure["exitCode"] == 137 and failure["reason"] != "OOMKilled", failure
     assert (status["attempt"], status["restarts"]) == (1, 1), status
     assert resumed_at(logs) >= periodic, (periodic, logs[-3000:])
+    same_losses(plane, volume, name, reference)  # the steps logged twice, each the same
