@@ -73,6 +73,7 @@ class Owner:
     @classmethod
     def me(cls, run: str | None = None) -> Owner:
         holder = _holder_pid()
+        started = processes.started(holder)
         return cls(
             run=run or os.environ.get(RUN_ENV, f"pid-{os.getpid()}"),
             machine=_machine(),
@@ -81,8 +82,8 @@ class Owner:
             since=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             heartbeat=time.time(),
             carrier=holder,
-            pid_started=processes.started(holder),
-            carrier_started=processes.started(holder),
+            pid_started=started,
+            carrier_started=started,
         )
 
     def alive(self, now: float) -> bool:
