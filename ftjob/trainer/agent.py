@@ -36,6 +36,7 @@ import inspect
 import math
 import os
 import signal
+import sys
 import uuid
 from pathlib import Path
 
@@ -54,7 +55,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from ftjob.api import contract
 from ftjob.job import lease
-from ftjob.trainer.gang import preempt, termination
+from ftjob.trainer.gang import preempt, signal_watch, termination
 
 TERMINATION_ENV = "FTJOB_TERMINATION_LOG"
 
@@ -106,9 +107,16 @@ class Agent(LocalElasticAgent):
     """torch's local agent that will not restart a permanent failure, clears the record of a
     failure it restarts from, and says in the log what it does."""
 
-    def __init__(self, *args, node_rank: int, termination: Path | None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        node_rank: int,
+        termination: Path | None,
+        watch: signal_watch.Watch | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
-        self.node_rank, self.termination = node_rank, termination
+        self.node_rank, self.termination, self.watch = node_rank, termination, watch
         self.restarts, self._restarting, self._ending = 0, False, False
         # The workers' environment (ftjob.trainer.model.parallel, progress, __main__).
         os.environ[contract.RESTARTS_IN_PLACE_ENV] = "0"
@@ -168,6 +176,15 @@ class Agent(LocalElasticAgent):
             super()._restart_workers(worker_group)  # stop, rendezvous, start
         finally:
             self._restarting = False
+
+    def _start_workers(self, worker_group):
+        try:
+            return super()._start_workers(worker_group)
+        finally:
+            # torch's process context put its own SIGTERM handler in place (one that raises
+            # SignalException, as ours does): ours again, so the signal watch sees it run.
+            if self.watch is not None:
+                self.watch.install()
 
     def _stop_workers(self, worker_group) -> None:
         # A stopped process ignores SIGTERM until continued: wake it so it ends now, not at
@@ -229,6 +246,11 @@ def describe(failed: dict | None, result: RunResult) -> str:
     return f"the workers are {result.state.name.lower()}"
 
 
+def _termination_path() -> Path | None:
+    path = os.environ.get(TERMINATION_ENV)
+    return Path(path) if path else None
+
+
 def say(message: str) -> None:
     print(f"ftjob agent: {message}", flush=True)
 
@@ -260,12 +282,18 @@ def optional_agent_options(config, agent_class: type = LocalElasticAgent) -> dic
         if name in accepted and hasattr(config, name)
     }
     if "shutdown_timeout" in accepted:
-        grace = max(preempt.grace_seconds(), preempt.DEFAULT_GRACE_SECONDS)
-        options["shutdown_timeout"] = math.ceil(grace)
+        options["shutdown_timeout"] = _shutdown_seconds()
     return options
 
 
-def launch(config, entrypoint, args: list[str], node_rank: int) -> int:
+def _shutdown_seconds() -> int:
+    """How long the workers are given to stop after this agent's SIGTERM before SIGKILL."""
+    return math.ceil(max(preempt.grace_seconds(), preempt.DEFAULT_GRACE_SECONDS))
+
+
+def launch(
+    config, entrypoint, args: list[str], node_rank: int, watch: signal_watch.Watch | None = None
+) -> int:
     """torch's ``launch_agent`` (torch.distributed.launcher.api) with :class:`Agent` and
     :class:`NodeRanks`. Left out of it, as ftjob does not use them: the launch-config log
     line, a generated run id (ours always has one), the early health-check server
@@ -299,16 +327,19 @@ def launch(config, entrypoint, args: list[str], node_rank: int) -> int:
         monitor_interval=config.monitor_interval,
         local_addr=config.local_addr,
     )
-    termination = os.environ.get(TERMINATION_ENV)
+    termination = _termination_path()
     agent = Agent(
         spec=spec,
         logs_specs=config.logs_specs,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
         node_rank=node_rank,
-        termination=Path(termination) if termination else None,
+        termination=termination,
+        watch=watch,
         **optional_agent_options(config),
     )
+    if watch is not None:
+        watch.on_stuck = lambda: _end_held(node_rank, config.run_id, agent)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     close = True
     try:
@@ -361,8 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     # this same handler then): in a container this agent is PID 1, and the kernel drops a
     # signal whose action is the default for PID 1. Without it, a SIGTERM during the
     # rendezvous was ignored and the pod held its nodes for the whole grace period. (While
-    # this module was imported, ftjob.trainer.node's handler held it.)
-    signal.signal(signal.SIGTERM, _terminate)
+    # this module was imported, ftjob.trainer.node's handler held it.) Watched: a main
+    # thread held in a store call cannot run it (ftjob.trainer.gang.signal_watch).
+    watch = signal_watch.Watch(_terminate)
     args = torchrun.parse_args(argv)
     node_rank = args.node_rank
     if args.standalone:
@@ -379,11 +411,32 @@ def main(argv: list[str] | None = None) -> int:
             args.rdzv_conf = f"{args.rdzv_conf},{host}" if args.rdzv_conf else host
         args.node_rank = 0  # torchrun warns that c10d ignores it; NodeRanks does not
     config, cmd, cmd_args = torchrun.config_from_args(args)
+    watch.on_stuck = lambda: _end_held(node_rank, config.run_id, None)  # launch: the agent
     try:
-        return launch(config, cmd, cmd_args, node_rank)
+        return launch(config, cmd, cmd_args, node_rank, watch)
     finally:
-        job_dir, run = os.environ.get("FTJOB_JOB_DIR"), config.run_id
-        if node_rank == 0 and job_dir:
-            # The gang is over on node 0 (its workers released the folder on success; a
-            # failure keeps it for restarts in place until now).
-            lease.release(Path(job_dir), run)
+        _release(node_rank, config.run_id)
+
+
+def _release(node_rank: int, run: str) -> None:
+    """The gang is over on node 0: the job folder is free (its workers released it on
+    success; a failure keeps it for restarts in place until now)."""
+    job_dir = os.environ.get("FTJOB_JOB_DIR")
+    if node_rank == 0 and job_dir:
+        lease.release(Path(job_dir), run)
+
+
+def _end_held(node_rank: int, run: str, agent: Agent | None) -> None:
+    """A SIGTERM the main thread could not take (held in a store call whose host is gone):
+    end the node from the signal watch's thread as the handler would have, at once."""
+    say(f"node {node_rank}: a SIGTERM found the agent held in a call (the rendezvous store's "
+        "host gone?); ending the node without it")  # fmt: skip
+    pcontext = agent._pcontext if agent is not None else None
+    if pcontext is not None:  # the workers save at their next step boundary, as on any SIGTERM
+        pcontext.close(signal.SIGTERM, _shutdown_seconds())
+    path = agent.termination if agent is not None else _termination_path()
+    ended = read_preempted(path) is not None
+    code = contract.EXIT_PREEMPTED if ended else _stopped_outside_loop(path, node_rank)
+    _release(node_rank, run)
+    sys.stdout.flush()
+    os._exit(code)  # the main thread stays held: only this ends the process now

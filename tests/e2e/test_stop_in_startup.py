@@ -68,16 +68,20 @@ needs_pid_namespace = pytest.mark.skipif(
 )
 
 
-def start_node_zero(tmp_path: Path, nodes: int, env: dict | None = None):
-    """Node 0 of a ``nodes``-node job, its agent PID 1 of a new PID namespace; returns the
-    (unshare process, the agent's pid outside, the job folder, the termination record)."""
+def start_node(
+    tmp_path: Path, nodes: int, env: dict | None = None, rank: int = 0, port: int | None = None
+):
+    """Node ``rank`` of a ``nodes``-node job (its rendezvous on node 0's ``port``), its agent
+    PID 1 of a new PID namespace; returns the (unshare process, the agent's pid outside, the
+    job folder, the termination record)."""
     doc = job("stop", resources={"nodes": nodes, "gpusPerNode": 0})
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text(yaml.safe_dump(doc))
     _, spec = parse_resource(doc)
-    folder, record = tmp_path / "job", tmp_path / "termination-log"
-    node = launch.node_command(spec, "stop", 0, "127.0.0.1", "rdzv-stop", str(spec_file),
-                               master_port=_free_port(), job_folder=str(folder))  # fmt: skip
+    folder, record = tmp_path / "job", tmp_path / f"termination-log-{rank}"
+    port = port or _free_port()
+    node = launch.node_command(spec, "stop", rank, "127.0.0.1", "rdzv-stop", str(spec_file),
+                               master_port=port, job_folder=str(folder))  # fmt: skip
     argv = [sys.executable, *node.argv[1:]]  # argv[0] is the image's python
     env = {**os.environ, **node.env, **(env or {}), "OMP_NUM_THREADS": "1",
            "FTJOB_PROGRESS_PORT": "0", "FTJOB_TERMINATION_LOG": str(record)}  # fmt: skip
@@ -126,7 +130,7 @@ def test_a_sigterm_while_torch_is_imported_ends_the_node_at_once(tmp_path):
     """The node's first seconds: torch still importing, the agent not yet running."""
     mark = tmp_path / "importing-torch"
     env = _site(tmp_path, SLOW_TORCH, SLOW_TORCH_MARK=str(mark), SLOW_TORCH_SECONDS="120")
-    proc, agent, _, record = start_node_zero(tmp_path, nodes=1, env=env)
+    proc, agent, _, record = start_node(tmp_path, nodes=1, env=env)
     hangs.poll(lambda: mark.exists() or proc.poll() is not None, hangs.FLOOR, "torch's import")
     assert proc.poll() is None, proc.communicate()[0]
     took, code, out = stopped_within(proc, agent)
@@ -139,7 +143,7 @@ def test_a_sigterm_while_torch_is_imported_ends_the_node_at_once(tmp_path):
 @needs_pid_namespace
 def test_a_sigterm_in_the_rendezvous_ends_the_node_at_once(tmp_path):
     # Node 1 never comes: node 0's agent waits in the rendezvous (its workers not started).
-    proc, agent, _, record = start_node_zero(tmp_path, nodes=2)
+    proc, agent, _, record = start_node(tmp_path, nodes=2)
     time.sleep(8)  # imports done, waiting for the other node
     assert proc.poll() is None, proc.communicate()[0]
     took, code, out = stopped_within(proc, agent)
@@ -152,10 +156,34 @@ def test_a_sigterm_in_the_rendezvous_ends_the_node_at_once(tmp_path):
 @needs_pid_namespace
 def test_a_sigterm_while_loading_ends_the_node_at_once_saving_nothing(tmp_path):
     env = _site(tmp_path, SLOW_LOAD, SLOW_LOAD_SECONDS="120")
-    proc, agent, folder, record = start_node_zero(tmp_path, nodes=1, env=env)
+    proc, agent, folder, record = start_node(tmp_path, nodes=1, env=env)
     wait_for_phase(folder, ("loading",), proc)
     took, code, out = stopped_within(proc, agent)
     assert took < PROMPT, f"took {took:.1f} s\n{out}"
     assert code == contract.EXIT_PREEMPTED, out
     assert json.loads(record.read_text())["outcome"] == "preempted"
     assert not list(folder.glob("checkpoints/step-*"))  # nothing half-written
+
+
+@needs_pid_namespace
+def test_a_sigterm_while_the_rendezvous_host_is_gone_ends_the_node_at_once(tmp_path):
+    """Node 0 hosts the rendezvous store. When its pod goes first (its IP gone, its packets
+    unanswered: here, its agent stopped with SIGSTOP), node 1's agent is blocked in a store call
+    that only the store's 60 s timeout ends, and a Python signal handler runs only between
+    bytecodes: its SIGTERM must still end it within seconds."""
+    port = _free_port()
+    host, host_agent, _, _ = start_node(tmp_path, nodes=3, port=port)
+    proc, agent, _, record = start_node(tmp_path, nodes=3, rank=1, port=port)
+    try:
+        time.sleep(8)  # both past their imports, waiting in the rendezvous for node 2
+        assert proc.poll() is None and host.poll() is None, proc.communicate()[0]
+        os.kill(host_agent, signal.SIGSTOP)
+        time.sleep(3)  # node 1's next look at the rendezvous state waits on the stopped host
+        took, code, out = stopped_within(proc, agent)
+    finally:
+        os.kill(host_agent, signal.SIGKILL)
+        host.communicate()
+    assert took < PROMPT, f"took {took:.1f} s\n{out}"
+    assert code == contract.EXIT_PREEMPTED, out
+    rec = json.loads(record.read_text())
+    assert rec["outcome"] == "preempted" and "outside the training loop" in rec["message"]
