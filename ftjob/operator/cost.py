@@ -19,10 +19,13 @@ from typing import Any
 from ftjob.operator import status as st
 
 MAX_ATTEMPTS = 64  # status.cost.attempts is bounded (the CRD's maxItems)
-# Alone, a running gang's growing cost is written once per this many seconds of its running:
-# a write at every look would be a write per running job per resync where nothing else
-# changed (a thousand jobs: tens of writes a second at rest). With any other change of status
-# (progress, phase) it is written as it is; the budget is judged on the cost counted now.
+# Alone, a running gang's growing cost is written once per this many seconds of each node's
+# running: a write at every look would be a write per running job per resync where nothing
+# else changed (a thousand jobs: tens of writes a second at rest). The one exception is its
+# first running seconds, written at the first look that counts any: a cost last written
+# before the containers started would otherwise show nothing spent for ten minutes. With any
+# other change of status (progress, phase) it is written as it is; the budget is judged on
+# the cost counted now.
 REFRESH_SECONDS = 600
 
 
@@ -88,16 +91,18 @@ def node_seconds(cost: dict | None) -> float:
 
 def to_write(old_status: dict, new_status: dict, resources) -> dict:
     """The ``status.cost`` to write: ``new_status``'s (counted now), unless nothing else in
-    status changed, no attempt began and the running gang has run under REFRESH_SECONDS since
-    the cost last written; then that one, and the status need not be written at all."""
+    status changed, no attempt began, and the running gang has run under REFRESH_SECONDS a
+    node since the cost last written (which counted some running already); then that one,
+    and the status need not be written at all."""
     fresh, old = new_status["cost"], old_status.get("cost")
     others = {k: v for k, v in new_status.items() if k != "cost"}
     if old is None or others != {k: v for k, v in old_status.items() if k != "cost"}:
         return fresh
     if [a["attempt"] for a in fresh["attempts"]] != [a["attempt"] for a in old["attempts"]]:
         return fresh
-    grown = node_seconds(fresh) - node_seconds(old)
-    return fresh if grown >= REFRESH_SECONDS * resources.nodes else old
+    before = node_seconds(old)
+    grown = node_seconds(fresh) - before
+    return fresh if grown >= (REFRESH_SECONDS * resources.nodes if before else 1.0) else old
 
 
 def display(cost: dict[str, Any], gpus: bool = True) -> str:

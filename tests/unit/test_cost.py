@@ -78,7 +78,8 @@ def test_an_attempt_whose_pods_are_gone_stays_counted_and_is_never_lowered():
 
 def test_a_running_gangs_cost_alone_is_written_once_per_refresh_not_at_every_look():
     """At rest (nothing else in status moves) a status write per look per running job would
-    be a write per job per resync; the cost alone is written every REFRESH_SECONDS of running."""
+    be a write per job per resync; the cost alone is written every REFRESH_SECONDS of running
+    (and once when its first running seconds are counted)."""
     from types import SimpleNamespace
 
     gang = SimpleNamespace(nodes=2)
@@ -90,9 +91,14 @@ def test_a_running_gangs_cost_alone_is_written_once_per_refresh_not_at_every_loo
         fresh = cost.update(written["cost"], pods, 4, later)
         return cost.to_write(written, written | changed | {"cost": fresh}, gang), fresh
 
-    kept, fresh = look(30)
+    kept, fresh = look(30)  # 120 node-seconds written, 60 more since
     assert kept is written["cost"] and fresh["gpuHours"] > kept["gpuHours"]  # no write
     assert look(cost.REFRESH_SECONDS)[0]["gpuHours"] > written["cost"]["gpuHours"]
+    # A gang written before its containers started shows its first seconds at the next look.
+    unstarted = written | {"cost": cost.update(None, [pod(0, 0, None), pod(0, 1, None)], 4, NOW)}
+    assert unstarted["cost"]["gpuHours"] == 0
+    started = cost.update(unstarted["cost"], pods, 4, NOW)
+    assert cost.to_write(unstarted, unstarted | {"cost": started}, gang) is started
     # With any other change of status the cost counted now goes with it.
     assert look(30, phase="Suspended")[0] == look(30)[1]
     # A new attempt is written at once.
