@@ -376,22 +376,21 @@ class Grpo:
 
 
 def _fail_together(error: BaseException | None, first: int, d) -> None:
-    """Every rank raises the error of the first rank whose reward failed (its message names
-    the file, the line and the fix): whichever rank's record the summary shows, it says why."""
+    """Every rank raises one error, the first failed rank's (its message names the file, the
+    line and the fix), in the same words: whichever rank's record the summary shows, and
+    whichever rank ends first, it says the same (that rank's own chained for its log)."""
     said = [None] * d.world_size
     mine = None
     if error is not None:
         mine = (str(error), getattr(error, "fix", None), getattr(error, "reason", None))
     dist.all_gather_object(said, mine)  # only on failure: every rank knows it failed
-    if error is not None and d.rank == first:
-        raise error
     message, fix, reason = said[first]
     raise TrainerError(
         f"a reward failed on rank {first}: {message}",
         reason=reason or BAD_SPEC,
         fix=fix,
         where="spec.training.grpo.rewards",
-    )
+    ) from (error if d.rank == first else None)
 
 
 def _function_sums(scores: torch.Tensor) -> torch.Tensor:
