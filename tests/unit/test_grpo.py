@@ -8,20 +8,24 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from example_jobs import example
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ftjob.api.contract import TrainerError
 from ftjob.api.spec import DatasetSpec
 from ftjob.plan import estimate, layout
 from ftjob.plan.modelshape import known_model
 from ftjob.trainer.data import records
 from ftjob.trainer.data.records import DataError
+from ftjob.trainer.gang import termination
 from ftjob.trainer.model import attention
 from ftjob.trainer.objectives import grpo, loss
 from ftjob.trainer.objectives.generate import KvSampling
+from ftjob.trainer.rewards.errors import RewardError
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-model"
 
@@ -192,3 +196,31 @@ def test_a_completion_ends_at_the_first_of_the_models_stop_tokens(tiny):
     finally:
         net.generation_config.eos_token_id = tok.eos_token_id
     assert generate._trimmed([[5, 7, 9, 2], [5, 6]], (2, 7)) == [[5, 7], [5, 6]]
+
+
+@pytest.mark.parametrize(
+    "error, reason",
+    [
+        (RewardError("reward 'f' raised ValueError: broken (f.py:3)", fix="fix f.py"), "BadSpec"),
+        (ValueError("score() needs one prompt per completion"), "Internal"),
+        (MemoryError(), "HostOOM"),
+    ],
+)
+def test_a_failed_reward_is_raised_in_one_form_with_the_reason_its_own_record_names(
+    tmp_path, error, reason
+):
+    """Every rank raises the failed rank's error in the same words and with the reason that
+    rank's own record would name (a bug of ours is not the user's spec)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        with pytest.raises(TrainerError) as raised:
+            grpo._fail_together(error, 0, SimpleNamespace(world_size=1, rank=0))
+    finally:
+        dist.destroy_process_group()
+    assert str(raised.value).startswith(f"a reward failed on rank 0: {error}")
+    assert raised.value.reason == reason and raised.value.__cause__ is error
+    assert termination.classify(raised.value)[0] == reason  # what the record says
+    assert raised.value.fix == getattr(error, "fix", None)

@@ -35,6 +35,7 @@ from ftjob.api.spec import FineTuneJobSpec, GrpoSpec
 from ftjob.job.folder import JobFolder
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.data.tokenize import IGNORE
+from ftjob.trainer.gang import termination
 from ftjob.trainer.objectives import grpo_loss
 from ftjob.trainer.objectives.generate import KvSampling, Sampling, stop_tokens
 from ftjob.trainer.objectives.loss import model_inputs, token_logps
@@ -377,17 +378,19 @@ class Grpo:
 
 def _fail_together(error: BaseException | None, first: int, d) -> None:
     """Every rank raises one error, the first failed rank's (its message names the file, the
-    line and the fix), in the same words: whichever rank's record the summary shows, and
-    whichever rank ends first, it says the same (that rank's own chained for its log)."""
+    line and the fix), in the same words and with the reason its record would have named (a
+    user's reward: BadSpec; a bug of ours: Internal): whichever rank's record the summary
+    shows, and whichever rank ends first, it says the same (that rank's own chained for its
+    log)."""
     said = [None] * d.world_size
     mine = None
     if error is not None:
-        mine = (str(error), getattr(error, "fix", None), getattr(error, "reason", None))
+        mine = (str(error), getattr(error, "fix", None), termination.classify(error)[0])
     dist.all_gather_object(said, mine)  # only on failure: every rank knows it failed
     message, fix, reason = said[first]
     raise TrainerError(
         f"a reward failed on rank {first}: {message}",
-        reason=reason or BAD_SPEC,
+        reason=reason,
         fix=fix,
         where="spec.training.grpo.rewards",
     ) from (error if d.rank == first else None)
