@@ -321,7 +321,9 @@ cmd_up() {
   # --gpu-nodes 0: no kwok nodes (scripts/try-operator.sh brings podman nodes instead).
   if ((nodes > 0)); then
     gpu_nodes "$nodes" | kubectl_ apply -f - >/dev/null
-    kubectl_ wait --for=condition=Ready node --all --timeout=60s >/dev/null
+    # kwok readies a few tens of nodes a second here: the fleet's 1,000 jobs bring ~1,100 nodes,
+    # which a fixed 60 s did not cover.
+    kubectl_ wait --for=condition=Ready node --all --timeout=$((60 + nodes / 5))s >/dev/null
   fi
   # The default ServiceAccount (the ServiceAccount controller) is what pods of tests need.
   for _ in $(seq 300); do kubectl_ get sa default >/dev/null 2>&1 && break; sleep 0.2; done
