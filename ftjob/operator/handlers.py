@@ -36,7 +36,7 @@ from aiohttp import web
 
 from ftjob.api.profile import PLURAL as PROFILES
 from ftjob.api.schema import SpecError
-from ftjob.api.spec import GROUP, PLURAL, VERSION, FineTuneJobSpec, TrackingSpec
+from ftjob.api.spec import GROUP, KIND, PLURAL, VERSION, FineTuneJobSpec, TrackingSpec
 from ftjob.operator import (
     admit,
     cost,
@@ -124,12 +124,28 @@ class Watch:
     uid: str
     namespace: str
     name: str
-    body: dict  # the job as the last watch event brought it (no managedFields)
+    # The job as the last watch event brought it (no managedFields), as compact JSON: parsed,
+    # a job is several times larger (a dict and a str per field), and every reconcile parses
+    # a copy of its own anyway (its decision changes that copy, never the watch's).
+    text: str
+    generation: int | None
     state: JobState = field(default_factory=JobState)
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.namespace, self.name)
+
+    @property
+    def ref(self) -> dict:
+        """What an Event needs of the job (kopf.event's involvedObject)."""
+        meta = {"name": self.name, "namespace": self.namespace, "uid": self.uid}
+        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": meta}
+
+
+def _compact(body) -> str:
+    """The job as Watch.text keeps it."""
+    meta = {k: v for k, v in body["metadata"].items() if k != "managedFields"}  # never read
+    return json.dumps({**body, "metadata": meta}, default=dict, separators=(",", ":"))
 
 
 @dataclass
@@ -311,16 +327,16 @@ async def job_changed(type, body, job_pods, **_) -> None:  # noqa: A002 - kopf's
         if watch is not None and watch.uid == uid:
             await _drop(watch, job_pods)
         return
-    doc = json.loads(json.dumps(body, default=dict))
-    doc["metadata"].pop("managedFields", None)  # never read; a few KiB a job
+    text, generation = _compact(body), meta.get("generation")
     if watch is None or watch.uid != uid:  # new, or a new object of a deleted one's name
         if watch is not None:  # its deletion was not seen (the watch was re-opened since)
             await _drop(watch, job_pods)
-        JOBS[key] = Watch(uid, key[0], key[1], doc)
+        JOBS[key] = Watch(uid, key[0], key[1], text, generation)
         QUEUE.add(key)
         return
-    old, watch.body = watch.body, doc
-    if meta.get("generation") != old["metadata"].get("generation"):
+    watch.text = text
+    if generation != watch.generation:
+        watch.generation = generation
         QUEUE.add(key)
 
 
@@ -378,7 +394,7 @@ async def _reconcile_logged(watch: Watch, views: Indexes) -> float | None:
     except Exception as e:  # noqa: BLE001 - a failed reconcile is retried, not fatal
         metrics.RECONCILE_ERRORS.inc()
         LOG.warning(f"{watch.namespace}/{watch.name}: reconcile failed, retrying: {error_text(e)}")
-        kopf.warn(watch.body, reason="ReconcileFailed", message=error_text(e))
+        kopf.warn(watch.ref, reason="ReconcileFailed", message=error_text(e))
         return 1.0
 
 
@@ -396,7 +412,7 @@ async def _forget_when_paused(paused) -> None:
 
 async def _reconcile(watch: Watch, views: Indexes) -> float | None:
     started = time.monotonic()
-    name, namespace, body, state = watch.name, watch.namespace, watch.body, watch.state
+    name, namespace, ref, state = watch.name, watch.namespace, watch.ref, watch.state
     seen = _observe(watch, views.pods)
     _take_profile(namespace, seen, views)
     queue = ((seen.doc.get("spec") or {}).get("scheduling") or {}).get("queue")
@@ -406,7 +422,7 @@ async def _reconcile(watch: Watch, views: Indexes) -> float | None:
     spec, decision = _decide(name, seen, state)
     if _makes_a_gang(seen, decision) and await _pods_from_the_api(namespace, name, seen):
         spec, decision = _decide(name, seen, state)  # the index was behind: decide again
-    requeue = await _apply(name, namespace, body, seen, spec, decision, state)
+    requeue = await _apply(name, namespace, ref, seen, spec, decision, state)
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
     return requeue
 
@@ -438,7 +454,7 @@ async def _pods_from_the_api(namespace: str, name: str, seen: Seen) -> bool:
 
 def _observe(watch: Watch, job_pods) -> Seen:
     """The job as it is now, and the status to decide from."""
-    doc = json.loads(json.dumps(watch.body))  # decisions change their copy, not the watch's
+    doc = json.loads(watch.text)  # decisions change their copy, not the watch's
     meta, state = doc["metadata"], watch.state
     old_status = doc.get("status") or {}
     written = state.written
@@ -527,7 +543,7 @@ def _count_cost(spec, seen: Seen, snapshot: dict | None, counted: dict | None) -
     )
 
 
-async def _apply(name, namespace, body, seen: Seen, spec, decision, state: JobState):
+async def _apply(name, namespace, ref, seen: Seen, spec, decision, state: JobState):
     """Make it so: the status first, then events and metrics, the pods to create and those
     to delete. Returns when to look again (None: at the next resync)."""
     meta, old_status, uid = seen.meta, seen.old_status, seen.meta["uid"]
@@ -537,13 +553,13 @@ async def _apply(name, namespace, body, seen: Seen, spec, decision, state: JobSt
         await asyncio.to_thread(kube().patch_status, namespace, name, uid, new)
         state.written = (meta.get("resourceVersion"), new)
     for kind, reason, message in decision.events:
-        _say(body, namespace, name, kind, reason, message)
+        _say(ref, namespace, name, kind, reason, message)
     metrics.observed(namespace, name, old_status, new)
     metrics.job_phase(uid, decision.phase)
 
     requeue = decision.requeue_after
     if decision.create and spec is not None:
-        requeue = await _create_gang(name, namespace, body, seen, spec, decision, state) or requeue
+        requeue = await _create_gang(name, namespace, ref, seen, spec, decision, state) or requeue
     for pod_name in decision.delete:
         await asyncio.to_thread(kube().delete, "Pod", namespace, pod_name)
     if decision.delete_job:
@@ -552,7 +568,7 @@ async def _apply(name, namespace, body, seen: Seen, spec, decision, state: JobSt
     return requeue
 
 
-async def _create_gang(name, namespace, body, seen: Seen, spec, decision, state: JobState):
+async def _create_gang(name, namespace, ref, seen: Seen, spec, decision, state: JobState):
     """The attempt's ConfigMap, Service and pods. Returns when to look again: soon when a dead
     job's child was in the way, later when the API server refused a child (recorded)."""
     uid, new = seen.meta["uid"], decision.status
@@ -573,7 +589,7 @@ async def _create_gang(name, namespace, body, seen: Seen, spec, decision, state:
             if not all(await asyncio.gather(*(_create(c, uid) for c in children))):
                 requeue = 0.5  # a dead job's child was in the way: create again once gone
     except Refused as e:
-        await _record_refusal(body, namespace, name, seen, state, str(e))
+        await _record_refusal(ref, namespace, name, seen, state, str(e))
         requeue = REFUSED_RETRY_SECONDS
     return requeue
 
@@ -582,11 +598,11 @@ async def _create_gang(name, namespace, body, seen: Seen, spec, decision, state:
 REFUSED_RETRY_SECONDS = 10.0
 
 
-async def _record_refusal(body, namespace, name, seen: Seen, state: JobState, message) -> None:
+async def _record_refusal(ref, namespace, name, seen: Seen, state: JobState, message) -> None:
     """The API server's refusal (PodSecurity, quota, RBAC) into the job's Created condition
     (status.conditions keeps it until the pods exist) and a Warning Event."""
     meta, uid = seen.meta, seen.meta["uid"]
-    old = state.written[1] if state.written else (body.get("status") or {})
+    old = state.written[1] if state.written else seen.old_status
     new = dict(old)
     new["conditions"] = status.set_condition(
         old.get("conditions") or [],
@@ -600,14 +616,14 @@ async def _record_refusal(body, namespace, name, seen: Seen, state: JobState, me
     if new != old:
         await asyncio.to_thread(kube().patch_status, namespace, name, uid, new)
         state.written = (meta.get("resourceVersion"), new)
-    _say(body, namespace, name, "Warning", status.REFUSED, message)
+    _say(ref, namespace, name, "Warning", status.REFUSED, message)
 
 
-def _say(body, namespace: str, name: str, kind: str, reason: str, message: str) -> None:
+def _say(ref, namespace: str, name: str, kind: str, reason: str, message: str) -> None:
     """A decision, said twice: as an Event on the job (one line, bounded: kubectl describe
     shows one per line) and as one line of the operator's log naming the job."""
     line = status.event_message(message)
-    kopf.event(body, type=kind, reason=reason, message=line)
+    kopf.event(ref, type=kind, reason=reason, message=line)
     LOG.log(logging.WARNING if kind == "Warning" else logging.INFO,
             f"{namespace}/{name}: {reason}: {line}")  # fmt: skip
 
