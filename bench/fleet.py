@@ -277,9 +277,14 @@ def at_rest(fleet: Fleet, seconds: float) -> dict:
 
 def restart(fleet: Fleet) -> dict:
     """SIGKILL the operator, delete every pod, start it again: until every gang is back."""
+    from kubernetes import client, config
+
     fleet.stop_operator(signal.SIGKILL)
-    fleet.plane.kubectl("delete", "pods", "-n", NAMESPACE, "-l", "ftjob.dev/job-name",
-                        "--wait=false")  # fmt: skip
+    # One deletecollection, not kubectl's delete per pod: 4,375 deletes one after another
+    # outlasted kubectl's 120 s at 1,000 jobs.
+    api = client.CoreV1Api(config.new_client_from_config(str(fleet.plane.kubeconfig)))
+    api.delete_collection_namespaced_pod(NAMESPACE, label_selector="ftjob.dev/job-name",
+                                         _request_timeout=600)  # fmt: skip
     fleet.plane.wait(lambda: not fleet.clock.seen, 900, "every pod gone")
     start = time.monotonic()
     fleet.start_operator()
@@ -291,6 +296,30 @@ def restart(fleet: Fleet) -> dict:
     return {"resynced": resynced, "gangsBack": back, "allBound": bound}
 
 
+def _restart_or_error(fleet: Fleet) -> dict:
+    """restart(), or what stopped it: the burst's and rest's rows are kept either way."""
+    try:
+        return restart(fleet)
+    except Exception as e:  # noqa: BLE001 - recorded in its rows
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _restart_rows(again: dict, jobs: int) -> list[dict]:
+    if "error" in again:
+        return [row(f"resync after SIGKILL + every pod deleted ({jobs} jobs): failed: "
+                    f"{again['error']}", None)]  # fmt: skip
+    return [
+        row(
+            f"resync after SIGKILL + every pod deleted: every job reconciled s ({jobs} jobs)",
+            again["resynced"],
+            goal="<= 60 s",
+            met=again["resynced"] <= 60,
+        ),
+        row("resync: every gang back (a lost gang's next attempt) s", again["gangsBack"]),
+        row("resync: every pod bound again s", again["allBound"]),
+    ]
+
+
 def run(work: Path, quick: bool, jobs: int | None = None) -> dict:
     jobs = jobs or (100 if quick else 1000)
     fleet = Fleet(work / "fleet", jobs)
@@ -300,7 +329,7 @@ def run(work: Path, quick: bool, jobs: int | None = None) -> dict:
         time.sleep(10)  # start-up, the first lists and watches
         b = burst(fleet)
         rest = at_rest(fleet, REST_SECONDS)
-        again = restart(fleet)
+        again = _restart_or_error(fleet)
     finally:
         fleet.down()
     rss, first = b["rssKiB"], min(100, jobs)
@@ -319,10 +348,7 @@ def run(work: Path, quick: bool, jobs: int | None = None) -> dict:
             rest["perSecond"]),
         row("operator requests per job per 5 minutes at rest", rest["perJobPer5Min"],
             goal="<= 1", met=rest["perJobPer5Min"] <= 1),
-        row(f"resync after SIGKILL + every pod deleted: every job reconciled s ({jobs} jobs)",
-            again["resynced"], goal="<= 60 s", met=again["resynced"] <= 60),
-        row("resync: every gang back (a lost gang's next attempt) s", again["gangsBack"]),
-        row("resync: every pod bound again s", again["allBound"]),
+        *_restart_rows(again, jobs),
     ]  # fmt: skip
     return {"jobs": jobs, "nodes": fleet.nodes, "burst": b, "rest": rest, "restart": again,
             "rows": rows}  # fmt: skip
