@@ -10,12 +10,13 @@
 #                     a containerd (root, state, socket, CNI bridge and /24) and a kubelet
 #                     (root dir, pod logs, ports, cgroup root /ftjob-ID-NAME) as the node itself
 #                     (system:node:NAME); the images named by --node-image (repeatable; default
-#                     scripts/images.sh's two at FTJOB_IMAGE_TAG, else dev) imported into each
-#                     containerd (`podman save | ctr import`); the cluster's DNS (CoreDNS, a
-#                     process); returns when every node is Ready
+#                     scripts/images.sh's two at FTJOB_IMAGE_TAG, else dev) imported into node
+#                     0's containerd (`podman save | ctr import`) and given to the others as
+#                     hard links (nodes_share_images); the cluster's DNS (CoreDNS, a process);
+#                     returns when every node is Ready
 #   down DIR          every container killed and removed, then kubelet, containerd and CoreDNS
 #                     stopped, mounts, network namespaces, bridges and cgroups removed, and
-#                     containerd's root (the imported images: ~6 GB a node)
+#                     containerd's root (the imported images: ~6 GB, one copy for every node)
 #
 # Containerd and runc are Debian's (scripts/podman-host.sh installs them with apt-get); the
 # CNI plugins are Debian's containernetworking-plugins.
@@ -253,19 +254,47 @@ nodes_import() {
     xargs -r "${ctr[@]}" content rm >/dev/null
 }
 
-# nodes_disk N: refuse to start N nodes where DIR's disk cannot take their images: each node
-# keeps one unpacked copy, and the one importing holds the archive's blobs beside it until
+# nodes_has_images NODEDIR: whether the node's containerd lists every image of NODE_IMAGES.
+nodes_has_images() {
+  local listed ref
+  listed=$(ctr -a "$1/containerd.sock" -n k8s.io images ls -q) || return 1
+  for ref in "${NODE_IMAGES[@]}"; do
+    grep -qx "$ref" <<<"$listed" || return 1
+  done
+}
+
+# nodes_share_images FROM TO: node FROM's imported images given to node TO before TO's
+# containerd starts. The unpacked layers (committed snapshots) are hard links: no container
+# writes them (each writes its own upper directory, and overlayfs copies a file up before
+# changing it), so the nodes share one copy on disk and one import. The two metadata
+# databases (containerd's and the snapshotter's) are copies: each containerd writes its own.
+# A real cluster's nodes each pull their own copy; on one machine that was 6 GB and minutes a
+# node for bytes that are the same.
+nodes_share_images() {
+  local from=$1/containerd/root to=$2/containerd/root plugin
+  mkdir -p "$to/io.containerd.metadata.v1.bolt"
+  for plugin in io.containerd.snapshotter.v1.overlayfs io.containerd.content.v1.content; do
+    cp -al "$from/$plugin" "$to/" || die "cannot link $from/$plugin into $to"
+  done
+  rm "$to/io.containerd.snapshotter.v1.overlayfs/metadata.db"
+  cp "$from/io.containerd.snapshotter.v1.overlayfs/metadata.db" \
+    "$to/io.containerd.snapshotter.v1.overlayfs/"
+  cp "$from/io.containerd.metadata.v1.bolt/meta.db" "$to/io.containerd.metadata.v1.bolt/"
+}
+
+# nodes_disk: refuse to start nodes where DIR's disk cannot take their images: one unpacked
+# copy (shared by the nodes), and the archive's blobs beside it while node 0 imports, until
 # they are dropped. A full disk would otherwise surface as pods that never start.
 nodes_disk() {
-  local n=$1 ref size=0 need free
+  local ref size=0 need free
   for ref in "${NODE_IMAGES[@]}"; do
     podman image exists "$ref" || die "image $ref is not in podman (bash scripts/images.sh)"
     size=$((size + $(podman image inspect --format '{{.Size}}' "$ref")))
   done
-  need=$(((n + 1) * size / 1000000000 + 2)) # and 2 GB for the pods' writes and the logs
+  need=$((2 * size / 1000000000 + 2)) # and 2 GB for the pods' writes and the logs
   free=$(($(df --output=avail -B1 "$DIR" | tail -1) / 1000000000))
-  ((free >= need)) || die "$n real node(s) need ~$need GB free under $DIR for their images" \
-    "(${#NODE_IMAGES[@]} image(s), $((size / 1000000000)) GB unpacked a node); $free GB free"
+  ((free >= need)) || die "real nodes need ~$need GB free under $DIR for their images" \
+    "(${#NODE_IMAGES[@]} image(s), $((size / 1000000000)) GB unpacked); $free GB free"
 }
 
 # nodes_net_one NAME: the node's /24 and its bridge, made before any node starts: node 0's
@@ -287,10 +316,15 @@ nodes_start_one() {
   mkdir -p "$d/pod-logs" "$d/kubelet" "$d/volume-plugins"
   k=$(cat "$d/subnet")
   nodes_containerd_config "$d" >"$d/containerd.toml"
+  [[ "$name" == real-node-0 ]] || nodes_share_images "$DIR/nodes/real-node-0" "$d"
   start "containerd" containerd --config "$d/containerd.toml"
   for _ in $(seq 300); do [[ -S "$d/containerd.sock" ]] && break; sleep 0.1; done
   ctr -a "$d/containerd.sock" version >/dev/null || die "containerd of $name did not start"
-  nodes_import "$d"
+  if [[ "$name" == real-node-0 ]]; then
+    nodes_import "$d"
+  else
+    nodes_has_images "$d" || die "$name's containerd does not list the images node 0 imported"
+  fi
   # The node's identity: the Node authorizer gives system:node:NAME what a kubelet needs.
   cert "$name" "/O=system:nodes/CN=system:node:$name" \
     "subjectAltName=IP:10.214.$k.1,DNS:$name"$'\n'"extendedKeyUsage=clientAuth,serverAuth"
@@ -356,8 +390,9 @@ nodes_up() {
       "localhost/ftjob-trainer:${FTJOB_IMAGE_TAG:-dev}")
   fi
   [[ "$(cat /proc/sys/net/ipv4/ip_forward)" == 1 ]] ||
-    die "pods of two nodes need this host to route: sysctl -w net.ipv4.ip_forward=1"
-  nodes_disk "$n"
+    die "pods of two nodes need this host to route: sysctl -w net.ipv4.ip_forward=1" \
+      "(scripts/podman-host.sh does)"
+  nodes_disk
   for ((i = 0; i < n; i++)); do nodes_net_one "real-node-$i"; done
   NODES_DNS_IP="10.214.$(cat "$DIR/nodes/real-node-0/subnet").1"
   nodes_dns

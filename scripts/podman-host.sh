@@ -13,6 +13,9 @@
 # - cgroup_manager "cgroupfs": there is no systemd to ask for cgroups;
 # - default_ulimits = []: containers may not set RLIMIT_NPROC/NOFILE there, and podman's
 #   defaults do.
+# And it turns on net.ipv4.ip_forward: the real nodes' pods reach each other through this host,
+# which routes between the nodes' bridges (podman turns it on too, but only once it starts a
+# container on its own bridge, which no test may have done before the real nodes come up).
 set -euo pipefail
 
 export PATH="$PATH:/usr/sbin:/sbin"  # runc and debootstrap live in sbin
@@ -53,5 +56,11 @@ EOF
 elif ! grep -Eq '^[[:space:]]*default_ulimits[[:space:]]*=[[:space:]]*\[[[:space:]]*\]' "$conf"; then
   echo "podman-host: $conf exists without 'default_ulimits = []' in [containers];" \
     "containers may fail to start where setting RLIMIT_NPROC/NOFILE is refused" >&2
+fi
+if [ "$(cat /proc/sys/net/ipv4/ip_forward)" != 1 ]; then
+  sudo=()
+  [ "$(id -u)" -eq 0 ] || sudo=(sudo)
+  "${sudo[@]}" sysctl -q -w net.ipv4.ip_forward=1
+  echo "podman-host: net.ipv4.ip_forward=1 (the real nodes route between their bridges)"
 fi
 podman --version

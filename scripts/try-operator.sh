@@ -12,8 +12,8 @@
 #
 # Needs root, podman and containerd (scripts/podman-host.sh), Go for the first plane build, a
 # Python with ftjob installed (pip install -e '.[test]'; PYTHON=... picks it; kubectl beside it
-# or on PATH), and ~20 GB of disk: each node's containerd holds its own unpacked copy of the
-# ~6 GB trainer image, and the node importing it holds the archive's layers beside it for a while.
+# or on PATH), and ~14 GB of disk: one unpacked copy of the ~6 GB trainer image that both nodes'
+# containerds share (hard links), and the archive's layers beside it while node 0 imports it.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
