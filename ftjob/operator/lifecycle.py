@@ -434,16 +434,20 @@ def _gang_failures(s: _Step) -> Decision | None:
 # seconds, and the pod that ends first is not always the one that failed first (a node whose
 # rendezvous store went down with the failing node crashes at once, with no record). Seen on a
 # two-node job whose rank 0 was refused its model: rank 1's bare Error came first, and a restart
-# was spent on it before BadModel was seen. A bare Error waits this long for a telling peer.
+# was spent on it before BadModel was seen; and on two real nodes, rank 1's collective error
+# ("Connection closed by peer") beside rank 0's SIGKILL. A failure that may be another's
+# consequence (status.CONSEQUENCES) waits this long for a telling peer.
 PEERS_GRACE = 15.0
 
 
 def _peers_may_say_more(s: _Step, cause: dict) -> float:
-    """Seconds to wait before acting on ``cause``: only a bare Error, while another pod of the
-    gang still runs, within PEERS_GRACE of its pod's end; else 0."""
+    """Seconds to wait before acting on ``cause``: only a possible consequence of a peer's
+    failure, while another pod of the gang still runs, within PEERS_GRACE of its pod's end;
+    else 0. A killed process is a cause of its own."""
     pod = next((p for p in s.current.values() if p["metadata"]["name"] == cause.get("pod")), None)
     others_run = any(st.running(p) for p in s.current.values() if p is not pod)
-    if cause["reason"] != "Error" or pod is None or not others_run:
+    maybe_a_consequence = cause["reason"] in st.CONSEQUENCES and not st.killed(cause)
+    if not maybe_a_consequence or pod is None or not others_run:
         return 0.0
     ended = st.parse_time((st.terminated(pod) or {}).get("finishedAt"))
     left = PEERS_GRACE - ((s.now - ended).total_seconds() if ended else PEERS_GRACE)

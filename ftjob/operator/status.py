@@ -412,9 +412,30 @@ def _record_detail(rec: dict) -> str:
     return f"{rec.get('message', '')}" + (f" ({context})" if context else "")
 
 
+# What a rank reports when another rank went first: its collective failed or timed out waiting
+# for the peer. A pod that ends with one of these may be followed by a peer that says why.
+CONSEQUENCES = frozenset({contract.NCCL_ERROR, contract.COLLECTIVE_TIMEOUT,
+                          contract.NCCL_TIMEOUT, "Error"})  # fmt: skip
+
+
+def killed(failure: dict) -> bool:
+    """A process killed by a signal with no record of its own (exit 128 + N: SIGKILL's 137,
+    an OOM kill outside the pod's cgroup)."""
+    return failure["reason"] == "Error" and (failure.get("exitCode") or 0) > 128
+
+
+def specificity(failure: dict) -> float:
+    """Where a failure stands in SPECIFICITY (lower: more telling). A killed process explains
+    what its peers then saw, so it stands just before the collectives' errors (seen on two real
+    nodes: rank 0 SIGKILLed, rank 1's gloo "Connection closed by peer")."""
+    if killed(failure):
+        return SPECIFICITY.index(contract.NCCL_ERROR) - 0.5
+    return SPECIFICITY.index(failure["reason"])
+
+
 def root_cause(failures: list[dict]) -> dict:
     """The most telling failure of several (lowest rank among equally specific ones)."""
-    return min(failures, key=lambda f: (SPECIFICITY.index(f["reason"]), f.get("rank", 0)))
+    return min(failures, key=lambda f: (specificity(f), f.get("rank", 0)))
 
 
 # An Event is one line of `kubectl describe`, and kopf cuts a longer message in its middle at

@@ -156,6 +156,45 @@ def test_the_most_specific_failure_is_the_root_cause(trainer_runs):
     assert st.root_cause([killed, oom, bad])["reason"] == contract.BAD_DATA
 
 
+def collective_error(rank: int) -> dict:
+    """A pod whose trainer's collective failed because a peer went away (its record)."""
+    record = contract.Failure(
+        contract.NCCL_ERROR,
+        "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.214.1.9]:682",
+        rank=rank,
+    ).record()
+    return pod(rank, phase="Failed", exit_code=1, message=contract.dumps(record))  # fmt: skip
+
+
+def test_a_killed_process_explains_its_peers_collective_error():
+    """Seen on two real nodes: rank 0's process SIGKILLed (137, no record), rank 1's gloo
+    "Connection closed by peer". The kill is the cause; a peer's real error still outranks it."""
+    sigkilled = st.diagnose(pod(0, phase="Failed", exit_code=137))
+    peer = st.diagnose(collective_error(1))
+    assert (sigkilled["reason"], peer["reason"]) == ("Error", contract.NCCL_ERROR)
+    assert st.root_cause([peer, sigkilled])["rank"] == 0
+    record = contract.Failure(contract.INTERNAL, "KeyError: 'x'", rank=1).record()
+    bug = st.diagnose(pod(1, phase="Failed", exit_code=1, message=contract.dumps(record)))
+    assert st.root_cause([bug, sigkilled])["reason"] == contract.INTERNAL
+    crashed = st.diagnose(pod(0, phase="Failed", exit_code=1))  # exit 1, no record: not a kill
+    assert st.root_cause([peer, crashed])["rank"] == 1
+
+
+def test_a_collective_error_waits_for_the_peer_that_was_killed():
+    """Rank 1's collective error is seen first, rank 0 still running in the operator's view:
+    it waits (GangEnding); rank 0 then shows its SIGKILL, which is the failure named."""
+    d = run_to([pod(0), pod(1)])
+    peer = collective_error(1)
+    peer["status"]["containerStatuses"][0]["state"]["terminated"]["finishedAt"] = st.now_iso(T0)
+    waiting = decide(d.status, [pod(0), peer], T0 + timedelta(seconds=1))
+    assert (waiting.phase, waiting.status["restarts"]) == ("Running", 0)
+    assert st.condition(waiting.status["conditions"], "Running")["reason"] == "GangEnding"
+    told = decide(waiting.status, [pod(0, phase="Failed", exit_code=137), peer],
+                  T0 + timedelta(seconds=2))  # fmt: skip
+    assert told.phase == "Restarting" and told.status["restarts"] == 1
+    assert (told.status["failure"]["rank"], told.status["failure"]["exitCode"]) == (0, 137)
+
+
 def test_long_termination_messages_are_cut_to_their_tail():
     failure = st.diagnose(pod(0, phase="Failed", exit_code=1, message="x" * 5000 + "THE END"))
     assert failure["message"].endswith("THE END") and len(failure["message"]) < 2000

@@ -23,6 +23,11 @@ from ftjob.trainer.gang import heartbeat
 # RuntimeError for it, where Python's own allocations raise MemoryError).
 _HOST_ALLOC = "DefaultCPUAllocator: can't allocate memory"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# A collective whose peer went away: gloo's transport raises a plain RuntimeError for it
+# ("Connection closed by peer", "Connection reset by peer"). It is what this rank saw of
+# another's failure, not a failure of its own, so it is a collective's error (NCCLError), which
+# a peer's own cause outranks (contract.SPECIFICITY); Internal would call it a bug of ours.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 
 
@@ -61,7 +66,9 @@ def _name(e: BaseException) -> tuple[str, str | None] | None:
     # watchdog, gloo's transport, the store's wait.
     if contract.reason_in_log(f"{type(e).__name__}: {e}") == contract.COLLECTIVE_TIMEOUT:
         return contract.COLLECTIVE_TIMEOUT, None
-    if isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "NCCL" in str(e)):
+    if isinstance(e, dist.DistError) or (
+        isinstance(e, RuntimeError) and ("NCCL" in str(e) or any(p in str(e) for p in _PEER_GONE))
+    ):
         return contract.NCCL_ERROR, None
     if "No space left on device" in str(e):
         return contract.DISK_FULL, None  # torch.save's and dcp's writers report it as text
