@@ -157,13 +157,17 @@ def test_the_most_specific_failure_is_the_root_cause(trainer_runs):
 
 
 def collective_error(rank: int) -> dict:
-    """A pod whose trainer's collective failed because a peer went away (its record)."""
-    record = contract.Failure(
-        contract.NCCL_ERROR,
-        "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.214.1.9]:682",
-        rank=rank,
-    ).record()
-    return pod(rank, phase="Failed", exit_code=1, message=contract.dumps(record))  # fmt: skip
+    """A pod whose trainer's collective failed because a peer went away: the record the
+    trainer's own classifier (termination.classify) makes of gloo's words for it."""
+    from ftjob.trainer.gang import termination
+
+    try:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                           "[10.214.1.9]:682")  # fmt: skip
+    except RuntimeError as e:
+        reason, message, where = termination.classify(e)
+    record = contract.Failure(reason, message, rank=rank, where=where).record()
+    return pod(rank, phase="Failed", exit_code=1, message=contract.dumps(record))
 
 
 def test_a_killed_process_explains_its_peers_collective_error():
