@@ -221,7 +221,10 @@ def test_a_lora_head_takes_the_chunked_loss_with_equal_values_and_gradients():
     for (name, p), q in zip(fused.named_parameters(), plain.parameters(), strict=True):
         if p.requires_grad:
             trained += "lm_head" in name
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6, msg=name)
+            # Back through every layer, fp32 sums in another order (the head's chunks) differ
+            # by ~1e-5 of a gradient, as in the full model's test above; a wrong gradient is
+            # off by far more.
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert trained == 2  # the head's A and B
 
 
