@@ -422,7 +422,10 @@ def _gang_failures(s: _Step) -> Decision | None:
         ]
     if not failures:
         return None
-    cause = st.root_cause(failures)
+    stopped = frozenset(
+        p["metadata"]["name"] for p in current.values() if st.stopped_from_outside(p)
+    )
+    cause = st.root_cause(failures, stopped)
     if wait := _peers_may_say_more(s, cause):
         s.decision.requeue_after = min(wait, s.decision.requeue_after or wait)
         said = f"waiting up to {PEERS_GRACE:.0f} s for the other pods to say why"

@@ -433,9 +433,17 @@ def specificity(failure: dict) -> float:
     return SPECIFICITY.index(failure["reason"])
 
 
-def root_cause(failures: list[dict]) -> dict:
-    """The most telling failure of several (lowest rank among equally specific ones)."""
-    return min(failures, key=lambda f: (specificity(f), f.get("rank", 0)))
+def root_cause(failures: list[dict], stopped: frozenset[str] = frozenset()) -> dict:
+    """The most telling failure of several. Among equally specific ones, a pod the cluster
+    stopped (``stopped``: their names) explains its peers, which stop with the gang (seen on
+    a deleted rank 1: rank 0 saved at the same SIGTERM); then the lowest rank."""
+    return min(failures, key=lambda f: (specificity(f), f.get("pod") not in stopped,
+                                        f.get("rank", 0)))  # fmt: skip
+
+
+def stopped_from_outside(pod: dict) -> bool:
+    """The cluster stopped or deleted this pod: not the job's doing, nor its gang's."""
+    return bool(stopped_by_cluster(pod) or pod["metadata"].get("deletionTimestamp"))
 
 
 # An Event is one line of `kubectl describe`, and kopf cuts a longer message in its middle at

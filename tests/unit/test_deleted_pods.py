@@ -45,6 +45,18 @@ def test_the_gangs_other_pods_ending_with_the_same_save_are_preempted_too(traine
     assert r.status["failure"]["reason"] == "Preempted" and r.status["restarts"] == 0
 
 
+def test_the_deleted_pod_not_its_peer_that_saved_with_it_is_the_cause(trainer_runs):
+    """Seen on the podman node: tiny-node-1 deleted, both trainers saved at the SIGTERM and
+    ended before the operator looked. Equally telling records: the pod the cluster stopped
+    explains its peer's, whatever their ranks."""
+    run = trainer_runs.get("sigterm")
+    running = run_to([pod(0), pod(1)], backoffLimit=3)
+    r = decide(running.status, [pod(0, real=run), deleted(pod(1, real=run))], backoffLimit=3)
+    failure = r.status["failure"]
+    assert failure["reason"] == "Preempted" and failure["pod"] == "tiny-node-1", failure
+    assert "the pod was deleted" in failure["message"]
+
+
 def test_a_deleted_pod_that_ends_without_a_record_is_lost():
     running = run_to([pod(0), pod(1)], backoffLimit=3)
     killed = deleted(pod(1, phase="Failed", exit_code=137, reason="Error"))
