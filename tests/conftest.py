@@ -60,8 +60,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that wait for no build run first (tests/prebuilds.py); on an xdist worker, last:
-    the worker that takes them then starts the builds at once (tests/workers.py)."""
+    """Tests that wait for no build run first (tests/prebuilds.py); on an xdist worker, those
+    that need one: the worker that takes them starts the builds at once (tests/workers.py)."""
     first = workers.worker_id(config) is not None
     order = prebuilds.builds_last([_needs(item) for item in items], first=first)
     items[:] = [items[k] for k in order]
