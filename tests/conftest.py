@@ -90,10 +90,11 @@ def pytest_runtest_protocol(item, nextitem):
     """A test that needs a build still running waits for it here, outside pytest-timeout's
     limit (its wrapper is inside this one): a hang guard sized for the test is not a build's.
     Then that limit is kept short of the run's deadline (tests/deadline.py)."""
-    if _LATER and prebuilds.needs_any(*_needs(item)):
+    needs = _needs(item)
+    if _LATER and prebuilds.needs_any(*needs):
         prebuilds.start_needed(_LATER, prebuilds.left_out())
         _LATER.clear()
-    prebuilds.wait_needed(*_needs(item))
+    prebuilds.wait_needed(*needs)
     deadline.shorten(item)
     yield
 
