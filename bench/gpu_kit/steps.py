@@ -103,21 +103,28 @@ def attention_kernel(stdout: str) -> str | None:
     return found[-1].strip() if found else None
 
 
-def planned_mib(doc: dict, model: Path) -> float:
-    """`ftjob plan`'s per-device estimate less its fixed CUDA/NCCL reserve (which
+def planned_mib(doc: dict, model: Path, settings: dict) -> float:
+    """`ftjob plan`'s per-device estimate, at the sharding and activation checkpointing the
+    trainer chose (``settings``: :func:`chosen`; auto resolves by the GPU's memory, which a
+    plan of the bare spec does not know), less its fixed CUDA/NCCL reserve (which
     torch.cuda.max_memory_allocated does not count)."""
     from ftjob.api.spec import parse_spec
     from ftjob.plan.layout import estimate
     from ftjob.plan.modelshape import ModelShape
 
+    spec = json.loads(json.dumps(doc["spec"]))
+    if settings.get("sharding"):
+        spec.setdefault("parallelism", {})["sharding"] = settings["sharding"]
+    if settings.get("activationCheckpointing"):
+        spec["training"]["activationCheckpointing"] = settings["activationCheckpointing"]
     shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
-    e = estimate(parse_spec(doc["spec"]), shape)
+    e = estimate(parse_spec(spec), shape)
     return (e.per_device - e.reserved) / 2**20
 
 
 def peak_fields(run: common.Run, doc: dict, model: Path) -> dict:
     peaks = run.progress.get("trainPeakGpuMiB")  # per rank; absent on CPU
-    planned = planned_mib(doc, model)
+    planned = planned_mib(doc, model, chosen(run))
     measured = max(peaks) if peaks else None
     return {"peakGpuMiB": peaks, "plannedMiB": round(planned),
             "peakOverPlan": round(measured / planned, 3) if measured else None}  # fmt: skip

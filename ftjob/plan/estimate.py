@@ -350,7 +350,10 @@ def estimate_at(
     problem = qlora_problem(spec, shape.linear_shapes(), group)
     problem = problem or fp8_problem(spec, shape.linear_shapes())
     states_on_device = 0.0 if offload else 1.0
-    weights = sharded_weights / group * states_on_device
+    # A group of one leaves the frozen base whole (trainer/model/load.py left_whole), and on
+    # the device even under cpuOffload (load.py home): FSDP offloads only what it shards.
+    whole_base = base_bytes if group == 1 else 0.0
+    weights = whole_base + (sharded_weights - whole_base) / group * states_on_device
     gradients = trainable * FP32 / group * states_on_device
     optimizer = 2 * trainable * FP32 / group * states_on_device
 

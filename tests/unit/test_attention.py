@@ -137,6 +137,43 @@ def test_the_varlen_kernel_path_flattens_and_restores_the_batch(models, alone, m
     assert seen == [((4 * width, 4, 16), 30)] * 2  # both layers, the whole micro-batch at once
 
 
+def test_a_plain_modules_bf16_compute_reaches_the_kernel_in_bf16(monkeypatch):
+    """One process trains a plain module: fp32 weights under autocast (parallel.plain). Its
+    fp32 rotary tables turn q and k back into fp32 after their bf16 projections; attention
+    must still compute in bf16, else the flash kernel is missed (an H200 ran per-document
+    SDPA, 30x slower). A stand-in kernel that runs where the real one does (half precision)
+    records what reaches it."""
+    seen = []
+
+    def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                    scale=None, window_size=(-1, -1)):  # fmt: skip
+        seen.append({query.dtype, key.dtype, value.dtype})
+        return attention.per_document(query, key, value, cu_seq_q, scale)
+
+    monkeypatch.setattr(attention, "_VARLEN", attention.adapt_varlen(varlen_2_11))
+    monkeypatch.setattr(attention, "_varlen_runs", lambda device, dtype: dtype == torch.bfloat16)
+    spec = parse_spec(
+        {
+            "model": {"source": str(TINY)},
+            "dataset": {"source": "unused.jsonl"},
+            "method": {"type": "full"},
+            "training": {"maxSteps": 1, "precision": "bf16"},
+            "resources": {"gpusPerNode": 0},
+        }
+    )
+    net = parallel.plain(tiny(attention.NAME), spec, torch.device("cpu"))
+    losses = per_token_losses(net, ROWS, lambda b: attention.model_kwargs(b, attention.NAME))
+    assert seen == [{torch.bfloat16}] * 2  # both layers, in bf16
+    assert losses.isfinite().all()
+    # The residual stream is bf16 from the embeddings on, as under FSDP's bf16 policy.
+    batch = data.collate(ROWS, PAD)
+    extra = attention.model_kwargs(batch, attention.NAME)
+    with torch.no_grad():
+        out = net(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                  output_hidden_states=True, **extra)  # fmt: skip
+    assert {h.dtype for h in out.hidden_states[:-1]} == {torch.bfloat16}
+
+
 def test_without_boundaries_the_position_ids_delimit_documents(models, alone):
     """A caller that passes only position ids (transformers' convention) is still exact."""
     close(packed(get(models, attention.NAME), 4, {}), alone)

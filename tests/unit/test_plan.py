@@ -178,6 +178,22 @@ def test_llama3_8b_lora_fits_one_24gb_gpu_with_a_bf16_base():
     assert e.fits is True
 
 
+def test_cpu_offload_on_one_gpu_keeps_the_whole_frozen_base_on_it():
+    """A group of one leaves the frozen base whole, and FSDP offloads only what it shards:
+    cpuOffload takes the adapters' states off the GPU, never the base (the trainer's
+    load.home; an H200 run with the base in CPU memory failed at the embedding)."""
+    lora = {"type": "lora", "lora": {"r": 16, "targetModules": ["q_proj", "v_proj"]}}
+    edits = {"resources.nodes": 1, "resources.gpusPerNode": 1, "method": lora}
+    shape = known_model("hf://meta-llama/Meta-Llama-3-8B")
+    kept = layout.estimate(example("llama3-8b-full-40gb.yaml", **edits), shape)
+    offloaded = layout.estimate(
+        example("llama3-8b-full-40gb.yaml", **edits, **{"parallelism.cpuOffload": True}), shape
+    )
+    assert offloaded.weights == pytest.approx(shape.params * 2)  # the bf16 base, on the GPU
+    assert offloaded.weights == pytest.approx(kept.weights - kept.trainable * 4)
+    assert offloaded.gradients == offloaded.optimizer == 0
+
+
 def test_llama3_8b_full_on_one_80gb_gpu_without_offload_does_not_fit():
     spec = example("llama3-8b-full-40gb.yaml", **ONE_80GB)
     e = layout.estimate(spec, known_model(spec.model.source))

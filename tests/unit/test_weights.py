@@ -147,3 +147,22 @@ def test_a_shard_stays_where_it_was_read_when_the_mesh_is_on_another_device():
         assert torch.equal(placed.to_local(), own)
     finally:
         dist.destroy_process_group()
+
+
+def test_under_cpu_offload_only_fsdps_shards_live_in_cpu_memory():
+    """cpuOffload: FSDP moves its shards (DTensors) to the GPU a layer at a time, so they are
+    read into CPU memory; a weight it leaves whole (the frozen base of a group of one) is never
+    moved by it and must be read onto the GPU. An H200 ran QLoRA with cpuOffload on one GPU
+    with the whole base in CPU memory: the embedding's lookup failed on the device mix."""
+    gpu = torch.device("cuda", 0)  # only named: nothing is allocated
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)
+        with torch.device("meta"):
+            shard = DTensor.from_local(torch.empty(4, 3), mesh, [Shard(0)], run_check=False)
+            whole = torch.empty(4, 3)
+        assert model.home(shard, gpu, cpu_offload=True) == torch.device("cpu")
+        assert model.home(whole, gpu, cpu_offload=True) == gpu
+        assert model.home(shard, gpu, cpu_offload=False) == gpu
+    finally:
+        dist.destroy_process_group()

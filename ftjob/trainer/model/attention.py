@@ -130,11 +130,17 @@ def packed_attention(
             f"packed document ({longest}); use model.attention: flash_attention_2 (GPUs) or "
             "eager, or a dataset.maxSeqLength within the window"
         )
-    # [B, H, S, D] -> [B*S, H, D]: one row of tokens, documents delimited by cu.
+    # [B, H, S, D] -> [B*S, H, D]: one row of tokens, documents delimited by cu; in the
+    # autocast dtype where autocast is on, as SDPA computes under it. A plain module's bf16
+    # compute is autocast over fp32 weights, whose fp32 rotary tables turn q and k back into
+    # fp32: they would miss the flash kernel and take per-document SDPA, 30x slower (an H200,
+    # bench/RESULTS.md).
+    dtype = compute_dtype(query)
     q, k, v = (
-        t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[3]) for t in (query, key, value)
+        t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[3]).to(dtype)
+        for t in (query, key, value)
     )
-    kernel = _kernel(query)
+    kernel = _kernel(q)
     if kernel is not None:
         out = kernel(q, k, v, cu, longest, scaling)
     else:
@@ -206,6 +212,12 @@ def per_document(
             out = F.scaled_dot_product_attention(*doc, is_causal=True, scale=scale, enable_gqa=gqa)
             outs.append(out.transpose(0, 1))
     return torch.cat(outs)
+
+
+def compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in: autocast's on the query's device where it is on."""
+    kind = query.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else query.dtype
 
 
 def _kernel(query: torch.Tensor) -> Varlen | None:

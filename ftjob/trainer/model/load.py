@@ -209,8 +209,6 @@ def materialize(built: Built, d: Dist, cpu_offload: bool = False) -> None:
     """
     model = built.model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    # Offloaded shards live in CPU memory; FSDP moves them to the GPU one layer at a time.
-    home = torch.device("cpu") if cpu_offload else d.device
     source = resolve(built.spec.model.source)
     ckpt = weights.Checkpoint(Path(source), built.spec.model.source, base)
     slots = _slots(model)
@@ -233,15 +231,25 @@ def materialize(built: Built, d: Dist, cpu_offload: bool = False) -> None:
         )
     for name, part in ckpt.tensors(found):
         slot = found[name]
+        at = home(slot.like, d.device, cpu_offload)
         if any(n in built.quantized for n in slot.names):
             whole = ckpt.read(part, (), slot.like.dtype, d.device)
-            slot.fill(_nf4_shard(whole, slot.like, home))
+            slot.fill(_nf4_shard(whole, slot.like, at))
         else:
-            own = ckpt.read(part, _rows(slot.like), slot.like.dtype, home)
+            own = ckpt.read(part, _rows(slot.like), slot.like.dtype, at)
             slot.fill(_placed(own, slot.like))
-    _init_adapters(model, adapters, built.spec.training.seed, home)
+    _init_adapters(model, adapters, built.spec.training.seed, d.device, cpu_offload)
     _buffers(buffers, base, ckpt, d.device)  # FSDP offloads parameters, never buffers
     built.read_bytes = ckpt.read_bytes  # the weights' and the buffers' bytes
+
+
+def home(like: torch.Tensor, device: torch.device, cpu_offload: bool) -> torch.device:
+    """Where the parameter ``like`` (sharded, on meta) lives: with cpuOffload, FSDP's shards
+    (DTensors) in CPU memory, moved to the GPU a layer at a time; a weight FSDP leaves whole
+    (:func:`left_whole`) is never moved by it, so it stays on the device (left in CPU memory,
+    an H200 found the embedding's lookup on the wrong device: bench/RESULTS.md)."""
+    offloaded = cpu_offload and isinstance(like, DTensor)
+    return torch.device("cpu") if offloaded else device
 
 
 def _slots(model: nn.Module) -> list[_Slot]:
@@ -284,7 +292,9 @@ def _placed(own: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return DTensor(own, like._spec, requires_grad=False)
 
 
-def _init_adapters(model: nn.Module, adapters: list[_Slot], seed: int, home) -> None:
+def _init_adapters(
+    model: nn.Module, adapters: list[_Slot], seed: int, device: torch.device, cpu_offload: bool
+) -> None:
     """The adapters' initial values, the same on every rank with no collective: peft's own
     initialisation of each LoRA layer, in module order, from one generator seeded with the
     job's seed, on CPU copies of the whole adapter; each rank keeps its shard."""
@@ -306,7 +316,7 @@ def _init_adapters(model: nn.Module, adapters: list[_Slot], seed: int, home) -> 
                 layer.reset_lora_parameters(name, model.peft_config[name].init_lora_weights)
             for slot in own:
                 whole = slot.owners[0][0]._parameters[slot.owners[0][1]].detach()
-                slot.fill(_own_shard(whole, slot.like, home))
+                slot.fill(_own_shard(whole, slot.like, home(slot.like, device, cpu_offload)))
     if pending:  # an adapter kind whose values peft's reset_lora_parameters does not draw
         names = [s.names[0] for s in pending.values()]
         raise SourceError(f"peft drew no initial value for the adapters {names[:3]}")

@@ -201,7 +201,14 @@ def plain(
         # Autocast casts the weights for each op as FSDP casts them for each layer; the
         # gradients land on the fp32 weights in fp32, as FSDP's fp32 reduce gives them.
         model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)
+        # An embedding lookup is no autocast op: its fp32 rows would carry the residual
+        # stream (and the rotary tables cast to its dtype) in fp32, twice FSDP's bf16 bytes.
+        model.get_input_embeddings().register_forward_hook(_to_bf16)
     return model
+
+
+def _to_bf16(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+    return out.to(torch.bfloat16)
 
 
 def shard(
