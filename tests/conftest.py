@@ -11,7 +11,6 @@ import deadline
 import envs
 import prebuilds
 import pytest
-import workers
 from built_images import images  # noqa: F401  (the session's image build, a fixture)
 from trainer_outputs import Runs
 
@@ -48,41 +47,15 @@ def _needs(item) -> tuple[set[str], Path]:
     return set(getattr(item, "fixturenames", ())), Path(item.path)
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):
-    """xdist's controller: where this worker writes its tests' groups (tests/workers.py)."""
-    node.workerinput[workers.KEY] = str(workers.folder(node.config))
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    return workers.Scheduling(config, log)
-
-
-def pytest_collection_modifyitems(config, items):
-    """Tests that wait for no build run first (tests/prebuilds.py); on an xdist worker, those
-    that need one: the worker that takes them starts the builds at once (tests/workers.py)."""
-    first = workers.worker_id(config) is not None
-    order = prebuilds.builds_last([_needs(item) for item in items], first=first)
+def pytest_collection_modifyitems(items):
+    """Tests that wait for no build run first (tests/prebuilds.py)."""
+    order = prebuilds.builds_last([_needs(item) for item in items])
     items[:] = [items[k] for k in order]
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist sends the collection to its scheduler
 def pytest_collection_finish(session):
-    """The slow builds the collected tests need start now, side by side (tests/prebuilds.py);
-    on an xdist worker, at its first test that needs one, and each test's group is written
-    for the scheduler (tests/workers.py)."""
-    needs = [_needs(item) for item in session.items]
-    if workers.worker_id(session.config) is None:
-        prebuilds.start_needed(needs, prebuilds.left_out())
-        return
-    _LATER[:] = needs
-    groups = {item.nodeid: workers.group(prebuilds.needs_any(*need), item.nodeid)
-              for item, need in zip(session.items, needs, strict=True)}  # fmt: skip
-    workers.write(session.config, groups)
-
-
-_LATER: list[tuple[set[str], Path]] = []  # an xdist worker's collection, until a build is needed
+    """The slow builds the collected tests need start now, side by side (tests/prebuilds.py)."""
+    prebuilds.start_needed([_needs(item) for item in session.items], prebuilds.left_out())
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -90,11 +63,7 @@ def pytest_runtest_protocol(item, nextitem):
     """A test that needs a build still running waits for it here, outside pytest-timeout's
     limit (its wrapper is inside this one): a hang guard sized for the test is not a build's.
     Then that limit is kept short of the run's deadline (tests/deadline.py)."""
-    needs = _needs(item)
-    if _LATER and prebuilds.needs_any(*needs):
-        prebuilds.start_needed(_LATER, prebuilds.left_out())
-        _LATER.clear()
-    prebuilds.wait_needed(*needs)
+    prebuilds.wait_needed(*_needs(item))
     deadline.shorten(item)
     yield
 
@@ -105,10 +74,6 @@ def pytest_runtest_setup(item):
 
 def pytest_sessionfinish(session):
     prebuilds.stop_all()
-
-
-def pytest_unconfigure(config):
-    workers.remove(config)
 
 
 @pytest.fixture(scope="session")

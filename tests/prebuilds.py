@@ -129,17 +129,12 @@ def start_needed(items: list[tuple[set[str], Path]], skipped: set[str], builds=A
     return started
 
 
-def needs_any(fixtures: set[str], path: Path, builds=ALL) -> bool:
-    return any(b.needed_by(fixtures, path) for b in builds)
-
-
-def builds_last(items: list[tuple[set[str], Path]], builds=ALL, first=False) -> list[int]:
+def builds_last(items: list[tuple[set[str], Path]], builds=ALL) -> list[int]:
     """The order to run ``items`` (each test's fixtures and file) in: those that need no build
     first, then those that do, each group in its own order. On a fresh machine the suite then
     runs beside the builds instead of waiting for them at its first test (tests/cluster sorts
-    first by name); on a warm one the order changes nothing else. ``first``: those that need
-    a build first instead (under xdist their worker waits for the builds while others run)."""
-    needs = [needs_any(fixtures, path, builds) != first for fixtures, path in items]
+    first by name); on a warm one the order changes nothing else."""
+    needs = [any(b.needed_by(fixtures, path) for b in builds) for fixtures, path in items]
     return sorted(range(len(items)), key=lambda k: needs[k])  # sorted() is stable
 
 

@@ -426,7 +426,7 @@ def _gang_failures(s: _Step) -> Decision | None:
         p["metadata"]["name"] for p in current.values() if st.stopped_from_outside(p)
     )
     cause = st.root_cause(failures, stopped)
-    if wait := _peers_may_say_more(s, cause):
+    if wait := _peers_may_say_more(s, cause, stopped):
         s.decision.requeue_after = min(wait, s.decision.requeue_after or wait)
         said = f"waiting up to {PEERS_GRACE:.0f} s for the other pods to say why"
         return s.set("Running", "GangEnding", f"{cause['pod']} ended ({cause['reason']}); {said}")
@@ -437,20 +437,20 @@ def _gang_failures(s: _Step) -> Decision | None:
 # seconds, and the pod that ends first is not always the one that failed first (a node whose
 # rendezvous store went down with the failing node crashes at once, with no record). Seen on a
 # two-node job whose rank 0 was refused its model: rank 1's bare Error came first, and a restart
-# was spent on it before BadModel was seen; and on two real nodes, rank 1's collective error
-# ("Connection closed by peer") beside rank 0's SIGKILL. A failure that may be another's
-# consequence (status.CONSEQUENCES) waits this long for a telling peer.
+# was spent on it before BadModel was seen; on two real nodes, rank 1's collective error
+# ("Connection closed by peer") beside rank 0's SIGKILL; and on the podman node, rank 0's save
+# at rank 1's SIGTERM (rank 1's pod deleted) ending before rank 1's own. A failure that may be
+# another's consequence (status.consequence) waits this long for a telling peer.
 PEERS_GRACE = 15.0
 
 
-def _peers_may_say_more(s: _Step, cause: dict) -> float:
+def _peers_may_say_more(s: _Step, cause: dict, stopped: frozenset[str]) -> float:
     """Seconds to wait before acting on ``cause``: only a possible consequence of a peer's
-    failure, while another pod of the gang still runs, within PEERS_GRACE of its pod's end;
-    else 0. A killed process is a cause of its own."""
+    (status.consequence), while another pod of the gang still runs, within PEERS_GRACE of its
+    pod's end; else 0."""
     pod = next((p for p in s.current.values() if p["metadata"]["name"] == cause.get("pod")), None)
     others_run = any(st.running(p) for p in s.current.values() if p is not pod)
-    maybe_a_consequence = cause["reason"] in st.CONSEQUENCES and not st.killed(cause)
-    if not maybe_a_consequence or pod is None or not others_run:
+    if not st.consequence(cause, stopped) or pod is None or not others_run:
         return 0.0
     ended = st.parse_time((st.terminated(pod) or {}).get("finishedAt"))
     left = PEERS_GRACE - ((s.now - ended).total_seconds() if ended else PEERS_GRACE)

@@ -441,6 +441,16 @@ def root_cause(failures: list[dict], stopped: frozenset[str] = frozenset()) -> d
                                         f.get("rank", 0)))  # fmt: skip
 
 
+def consequence(failure: dict, stopped: frozenset[str]) -> bool:
+    """Whether ``failure`` may be what a peer's failure caused: a collective's error or a bare
+    Error (not a killed process, a cause of its own), or a save at a SIGTERM on a pod nobody
+    stopped (``stopped``: the names of those the cluster did), which its gang agreed to when
+    a peer got the signal."""
+    if failure["reason"] == "Preempted":
+        return failure.get("pod") not in stopped
+    return failure["reason"] in CONSEQUENCES and not killed(failure)
+
+
 def stopped_from_outside(pod: dict) -> bool:
     """The cluster stopped or deleted this pod: not the job's doing, nor its gang's."""
     return bool(stopped_by_cluster(pod) or pod["metadata"].get("deletionTimestamp"))

@@ -3,6 +3,8 @@ operator waits for the trainer to end, and one that saved at the SIGTERM (the re
 "preempted" record) is Preempted, not Lost: no restart budget spent, and the Event names the
 step saved. A deleted pod that ends without a record is still Lost."""
 
+from datetime import timedelta
+
 from test_status import T0, decide, pod, run_to
 
 from ftjob.api import contract
@@ -37,12 +39,31 @@ def test_a_deleted_pod_that_saved_is_preempted_and_the_event_names_the_step(trai
     assert r.status["lastCheckpoint"] == {"step": record["step"], "path": record["checkpoint"]}
 
 
-def test_the_gangs_other_pods_ending_with_the_same_save_are_preempted_too(trainer_runs):
-    """The gang stops together: a pod not deleted ends with a "preempted" record as well."""
+def ended_at(p: dict, at) -> dict:
+    p["status"]["containerStatuses"][0]["state"]["terminated"]["finishedAt"] = st.now_iso(at)
+    return p
+
+
+def test_a_peer_that_saved_first_waits_for_the_deleted_pod_to_say_it_was_deleted(trainer_runs):
+    """The gang stops together: a pod nobody deleted ends with a "preempted" record as well,
+    and may end first (seen on the podman node: rank 0's record named, not the deleted rank
+    1). Its save is a consequence: the operator waits up to PEERS_GRACE for the pod that was
+    stopped, which is then named; without it, the peer's save is still Preempted, free."""
     run = trainer_runs.get("sigterm")
     running = run_to([pod(0), pod(1)], backoffLimit=3)
-    r = decide(running.status, [pod(0, real=run), deleted(pod(1))], backoffLimit=3)
-    assert r.status["failure"]["reason"] == "Preempted" and r.status["restarts"] == 0
+    peer = ended_at(pod(0, real=run), T0)
+    waiting = decide(running.status, [peer, deleted(pod(1))], T0 + timedelta(seconds=1),
+                     backoffLimit=3)  # fmt: skip
+    assert (waiting.phase, waiting.delete) == ("Running", []) and "failure" not in waiting.status
+    assert st.condition(waiting.status["conditions"], "Running")["reason"] == "GangEnding"
+    told = decide(waiting.status, [peer, deleted(pod(1, real=run))], T0 + timedelta(seconds=2),
+                  backoffLimit=3)  # fmt: skip
+    failure = told.status["failure"]
+    assert failure["pod"] == "tiny-node-1" and "the pod was deleted" in failure["message"]
+    assert (told.phase, told.status["restarts"]) == ("Restarting", 0)
+    late = decide(waiting.status, [peer, deleted(pod(1))], T0 + timedelta(seconds=16),
+                  backoffLimit=3)  # fmt: skip
+    assert late.status["failure"]["reason"] == "Preempted" and late.status["restarts"] == 0
 
 
 def test_the_deleted_pod_not_its_peer_that_saved_with_it_is_the_cause(trainer_runs):
