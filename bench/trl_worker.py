@@ -92,8 +92,7 @@ def main() -> None:
     # model would train its bf16 weights themselves (no fp32 masters; an H200's trl-same did,
     # 2026-11-30): ftjob's one-process precision is fp32 weights under bf16 autocast, which
     # bf16=True gives an fp32 model. TRL's defaults keep the checkpoint's bf16.
-    masters = a.bf16 and not a.fsdp and not a.trl_defaults
-    dtype = torch.bfloat16 if a.bf16 and not masters else torch.float32
+    dtype = torch.bfloat16 if a.bf16 and (a.fsdp or a.trl_defaults) else torch.float32
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype, attn_implementation=attn)
     peft_config = None
     if a.method == "lora":
