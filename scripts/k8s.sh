@@ -318,7 +318,7 @@ cmd_up() {
   start_apiserver
   start_controllers
   start_kwok
-  # --gpu-nodes 0: no kwok nodes (scripts/try-operator.sh brings podman nodes instead).
+  # --gpu-nodes 0: no kwok nodes (scripts/try-operator.sh brings real nodes instead).
   if ((nodes > 0)); then
     gpu_nodes "$nodes" | kubectl_ apply -f - >/dev/null
     # kwok readies a few tens of nodes a second here: the fleet's 1,000 jobs bring ~1,100 nodes,

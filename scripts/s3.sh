@@ -7,8 +7,8 @@
 #                                one process) on 127.0.0.1, all state in DIR; writes DIR/env (the
 #                                endpoint and the identities' keys, shell syntax); returns when
 #                                the S3 gateway answers. BIND (default 127.0.0.1): the address
-#                                it listens on; 0.0.0.0 lets containers on podman's bridge reach
-#                                it at the bridge's gateway (tests/cluster/test_podman_node.py)
+#                                it listens on; 0.0.0.0 lets pods on a real node's bridge reach
+#                                it at the bridge's address (tests/cluster/test_real_gang.py)
 #   scripts/s3.sh down DIR       stop what `up` started (by pid)
 #   scripts/s3.sh bin            print the folder holding weed
 #

@@ -1,6 +1,6 @@
 """The real images, built once per session by scripts/images.sh (which keeps its stand-in
 bases between runs, so only the Dockerfile's own steps run again): the ``images`` fixture,
-for the image tests (tests/images) and the podman nodes' cluster test (tests/cluster), which
+for the image tests (tests/images) and the real nodes' cluster tests (tests/cluster), which
 share one build. tests/conftest.py makes it every folder's fixture.
 
 These tests need podman (root, as in CI: `bash scripts/podman-host.sh`, which the README's test

@@ -1,5 +1,5 @@
 """The losses a job on a cluster logged, against `ftjob run`'s of the same job file: what the
-tests of real pods (podman nodes, real nodes) compare bit for bit after every fault."""
+tests of real pods (on real nodes) compare bit for bit after every fault."""
 
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ class Plane:
     def example_volume(self, namespace: str, shared: Path) -> Path:
         """A namespace whose shared claim is the host folder ``shared`` holding the example's
         model and data, writable by the pods' user (a kubelet applies no fsGroup to a
-        hostPath volume): what the podman and the real nodes mount."""
+        hostPath volume): what the real nodes mount."""
         import sys
 
         sys.path.append(str(ROOT / "tests" / "images"))
@@ -228,7 +228,7 @@ def token_kubeconfig(plane: Plane, namespace: str, account: str, path: Path) -> 
 def shared_volume(namespace: str, path: str = SHARED) -> str:
     """The ReadWriteMany claim examples/tiny.yaml names, bound to a PersistentVolume up
     front: the real scheduler does not place a pod whose claim is missing or unbound.
-    ``path``: the host folder behind it (what a podman node mounts; kwok's pods never do)."""
+    ``path``: the host folder behind it (what a real node mounts; kwok's pods never do)."""
     pv = {
         "apiVersion": "v1",
         "kind": "PersistentVolume",

@@ -4,8 +4,10 @@ of its own with the chart installed, real nodes whose containerds hold the built
 placed by the real scheduler on the real nodes, trained by the real kubelets' containers (which
 find each other through the cluster's DNS), and ends Succeeded with an export that
 ``from_pretrained`` loads; ``kubectl logs`` shows a rank's output. Then what the kubelet does
-to a job: an image it cannot pull, a memory limit, a pod deleted or evicted (SIGTERM), and the
-node's process SIGKILLed.
+to a job: an image it cannot pull (and the job edited to one it has), a memory limit, a pod
+deleted or evicted (SIGTERM), the node's process SIGKILLed, the job deleted while its gang
+starts, and a budget that stops the gang; and a job whose model, data and export are on a real
+S3 server, with the key pair from a Secret.
 
 The shared volume is a hostPath PersistentVolume on this machine's folder: every node is a
 process of this one machine, so one folder is what a ReadWriteMany volume would be.
@@ -22,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,9 +43,10 @@ from ftjob.operator import render  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1800)  # the first test also waits for the image build
 NAMESPACE = "gang"
-# Each node's containerd holds its own ~6 GB of the trainer image (docs/testing.md): one node
-# unless the machine has the disk for more (FTJOB_REAL_GANG_NODES=2: one rank on each).
-NODES = int(os.environ.get("FTJOB_REAL_GANG_NODES", "1"))
+# Two nodes, one rank on each: the gang's rendezvous and gloo traffic cross from one node's
+# bridge to the other's. The nodes share one unpacked copy of the trainer image (scripts/
+# nodes.sh); FTJOB_REAL_GANG_NODES=1 runs the same tests on one node.
+NODES = int(os.environ.get("FTJOB_REAL_GANG_NODES", "2"))
 TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
 
 
@@ -265,3 +269,207 @@ def test_a_node_process_killed_with_sigkill_restarts_the_gang_from_its_last_chec
     assert (status["attempt"], status["restarts"]) == (1, 1), status
     assert resumed_at(logs) >= periodic, (periodic, logs[-3000:])
     same_losses(plane, volume, name, reference)  # the steps logged twice, each the same
+
+
+def own_pods(plane: Plane, name: str) -> list[dict]:
+    return [p for p in plane.get("pods", namespace=NAMESPACE) or []
+            if p["metadata"]["labels"].get(render.LABEL_JOB) == name]  # fmt: skip
+
+
+def test_a_job_deleted_in_start_up_frees_its_nodes_in_seconds(operator):
+    """Deleted while its trainers start (each agent, PID 1 of its container, in the
+    rendezvous): the pods end within seconds of the kubelet's SIGTERM, not at the end of the
+    60 s grace period (issue 52, point 5; the agent's side: tests/e2e/test_stop_in_startup)."""
+    plane = operator.plane
+    job = tiny("gone")
+    # One node more than the plane has: the last pod stays Pending (one pod a node), so the
+    # agents that run wait in the rendezvous, workers not started, as a gang whose last pod is
+    # still pulling its image does.
+    job["spec"]["resources"]["nodes"] = NODES + 1
+    plane.apply(job)
+
+    def waiting():
+        return sum(p["status"].get("phase") == "Running" for p in own_pods(plane, "gone")) == NODES
+
+    plane.wait(waiting, hangs.RUN, f"{NODES} trainer pod(s) running")
+    time.sleep(10)  # not a hang guard: the agents get past their imports, into the rendezvous
+    started = time.monotonic()
+    plane.kubectl("delete", "ftj", "gone", "-n", NAMESPACE, "--wait=false")
+    plane.wait(lambda: not own_pods(plane, "gone"), 90, "the deleted job's pods to go")
+    took = time.monotonic() - started
+    print(f"\ndeleted in start-up: pods gone {took:.1f} s after the delete (grace 60 s)")
+    assert took < 30, took
+
+
+def events_of(plane: Plane, name: str, reason: str) -> list[dict]:
+    found = json.loads(plane.kubectl("get", "events", "-n", NAMESPACE, "-o", "json").stdout)
+    return [e for e in found["items"]
+            if e["involvedObject"].get("name") == name and e["reason"] == reason]  # fmt: skip
+
+
+def test_an_image_that_cannot_be_pulled_edited_to_the_built_one_trains_as_a_new_gang(operator):
+    """The kubelet cannot pull an image no registry serves: the job says so in the kubelet's
+    words while it waits, and `kubectl apply` of the job with the right image replaces that
+    gang, which never ran, by one that trains to the end; no restart budget is spent (issue
+    52, point 1)."""
+    plane = operator.plane
+    job = tiny("retag")
+    job["spec"]["training"] |= {"maxSteps": 10, "evalEvery": 10}  # the replacing is the test
+    good = job["spec"]["image"]
+    job["spec"]["image"] = good.rsplit(":", 1)[0] + ":no-such-tag"
+    plane.apply(job)
+
+    def cannot_start(s):
+        cond = next((c for c in s.get("conditions", []) if c["type"] == "Running"), {})
+        return cond.get("reason") in ("ErrImagePull", "ImagePullBackOff") and cond
+
+    cond = wait_for(operator, "retag", cannot_start, "the gang to say ErrImagePull")
+    assert "no-such-tag" in cond["message"], cond
+    job["spec"]["image"] = good
+    plane.apply(job)
+    status = wait_for(operator, "retag", ended, "retag to finish")
+    assert status["phase"] == "Succeeded", status
+    assert status["attempt"] == 1 and status["restarts"] == 0, status
+    assert status["image"] == good, status
+    [event] = events_of(plane, "retag", "SpecChanged")
+    assert event["type"] == "Normal", event
+    assert f"(image {good.rsplit(':', 1)[0]}:no-such-tag -> {good})" in event["message"], event
+
+
+def test_a_budget_reached_stops_at_a_checkpoint_and_raised_resumes_to_the_same_losses(
+    operator, volume, reference
+):
+    """A real run stopped by its budget (issue 56, point 5): the CPU job spends node-hours
+    (its pods' running time; it has no GPU-hours), and a budget below what it has spent, set
+    once it passed its first checkpoint, stops the gang as a preemption does: the kubelet's
+    SIGTERM, a checkpoint at the next step boundary (no step lost), phase Stopped with reason
+    BudgetReached and the step. The budget raised, the next gang resumes from that checkpoint
+    and ends Succeeded with every logged loss equal to `ftjob run`'s."""
+    plane = operator.plane
+    job = tiny("budget")
+    job["spec"]["budget"] = {"nodeHours": 1}
+    plane.apply(job)
+    periodic = wait_for(operator, "budget", checkpointed, "budget's first checkpoint")
+    plane.kubectl("patch", "ftj", "budget", "-n", NAMESPACE, "--type=merge",
+                  "-p", json.dumps({"spec": {"budget": {"nodeHours": 0.0001}}}))  # fmt: skip
+
+    def stopped(s):
+        return s.get("phase") == "Stopped" and not own_pods(plane, "budget") and s
+
+    wait_for(operator, "budget", stopped, "the budget to stop the gang")
+    folder = losses.host_dir(volume, plane, NAMESPACE, "budget")
+    newest = max(int(p.name.rsplit("-", 1)[1]) for p in (folder / "checkpoints").iterdir())
+
+    def told(s):  # the stopped pods' termination records, read though the pods are gone
+        return (s.get("lastCheckpoint") or {}).get("step") == newest and s
+
+    status = wait_for(operator, "budget", told, f"status.lastCheckpoint at step {newest}")
+    reason = {c["type"]: c for c in status["conditions"]}["Running"]
+    assert reason["reason"] == "BudgetReached", status["conditions"]
+    step = int(reason["message"].split(" reached at step ")[1].split(":")[0])
+    # The SIGTERM's checkpoint, past the periodic one, before the end: the step it reached.
+    assert periodic < newest < 60 and step == newest == status["progress"]["step"], status
+    assert status["cost"]["nodeHours"] >= 0.0001 and status["cost"]["gpuHours"] == 0
+    row = plane.kubectl("get", "ftj", "budget", "-n", NAMESPACE).stdout.splitlines()[1].split()
+    assert row[1:3] == ["Stopped", "BudgetReached"], row
+    plane.kubectl("patch", "ftj", "budget", "-n", NAMESPACE, "--type=merge",
+                  "-p", json.dumps({"spec": {"budget": {"nodeHours": 1}}}))  # fmt: skip
+    status = wait_for(operator, "budget", ended, "budget to finish")
+    logs = plane.kubectl("logs", "-n", NAMESPACE, "budget-node-0", ok=False).stdout
+    assert status["phase"] == "Succeeded", (status, logs[-3000:])
+    assert status["attempt"] == 1 and status["restarts"] == 0, status
+    assert resumed_at(logs) == newest, logs[-3000:]
+    assert [a["attempt"] for a in status["cost"]["attempts"]] == [0, 1], status["cost"]
+    print(f"\nbudget reached: stopped at step {step}, checkpoint {newest}; resumed from it")
+    same_losses(plane, volume, "budget", reference)
+
+
+@pytest.fixture(scope="module")
+def pod_store(plane: Plane, tmp_path_factory) -> SimpleNamespace:
+    """A real S3 server the pods reach: weed listens on every address, and a pod reaches this
+    host at its node's bridge address (node 0's: the host routes between the nodes' bridges;
+    127.0.0.1 in a pod is the pod itself). The example's model and chat data are uploaded to
+    buckets models and data."""
+    import s3server
+    from s3server import S3Server
+
+    s3server.build()
+    server = S3Server(tmp_path_factory.mktemp("s3"), bind="0.0.0.0").up()
+    try:
+        server.upload("models", ROOT / "examples" / "tiny-model", "tiny-model")
+        server.upload("data", ROOT / "examples" / "data" / "tiny-chat.jsonl", "tiny-chat.jsonl")
+        host = f"10.214.{(plane.dir / 'nodes' / 'real-node-0' / 'subnet').read_text().strip()}.1"
+        yield SimpleNamespace(server=server, endpoint=f"http://{host}:{server.vars['S3_PORT']}")
+    finally:
+        server.down()
+
+
+def s3_job(plane: Plane, store: SimpleNamespace, name: str, keys: tuple[str, str]) -> dict:
+    """tiny() with its model and data on the store, the key pair in a Secret it names, the
+    export pushed to s3://exports/<name>; a short run (the download and the upload are what
+    it tests)."""
+    secret = {"apiVersion": "v1", "kind": "Secret",
+              "metadata": {"name": f"{name}-s3", "namespace": NAMESPACE},
+              "stringData": {"id": keys[0], "secret": keys[1]}}  # fmt: skip
+    plane.apply(secret)
+    job = tiny(name)
+    job["spec"]["model"]["source"] = "s3://models/tiny-model"
+    job["spec"]["dataset"]["source"] = "s3://data/tiny-chat.jsonl"
+    job["spec"]["training"] |= {"maxSteps": 10, "evalEvery": 10}
+    job["spec"]["output"] = {"push": [f"s3://exports/{name}"]}
+    job["spec"]["storage"] = {"s3": {
+        "endpoint": store.endpoint, "region": "us-east-1",
+        "accessKeyId": {"name": f"{name}-s3", "key": "id"},
+        "secretAccessKey": {"name": f"{name}-s3", "key": "secret"}}}  # fmt: skip
+    return job
+
+
+def test_a_job_from_s3_through_the_operator_exports_to_s3_and_the_export_loads(
+    operator, volume, pod_store, tmp_path
+):
+    """The pods get the job's endpoint and region as env and the Secret's keys as
+    secretKeyRefs (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, as the SDKs read them), which the
+    real kubelet resolves; rank 0 downloads the model and data into the volume's cache, the
+    gang trains, the export goes up to the bucket, and what is there loads with
+    from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    from ftjob.trainer.data import s3
+
+    plane, server = operator.plane, pod_store.server
+    admin = server.env("admin")
+    plane.apply(s3_job(plane, pod_store, "s3job", (admin["AWS_ACCESS_KEY_ID"],
+                                                   admin["AWS_SECRET_ACCESS_KEY"])))  # fmt: skip
+    status = wait_for(operator, "s3job", ended, "s3job to finish")
+    logs = plane.kubectl("logs", "-n", NAMESPACE, "s3job-node-0", ok=False).stdout
+    assert status["phase"] == "Succeeded", (status, logs[-3000:])
+    pod = own_pods(plane, "s3job")[0]
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert env["AWS_ENDPOINT_URL"]["value"] == pod_store.endpoint
+    assert env["AWS_REGION"]["value"] == "us-east-1"
+    ref = env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "s3job-s3", "key": "secret"}, ref  # the secret never in the pod spec
+    assert status["progress"]["pushedTo"] == ["s3://exports/s3job"], status["progress"]
+    assert list((volume / "s3-cache").glob("*/.complete")), "the download is not in the cache"
+    # What the bucket holds, fetched from it as any reader would, loads.
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in admin.items():
+            mp.setenv(k, v)
+        export, objects = s3.download("s3://exports/s3job", tmp_path, lambda m: None)
+    assert {"config.json", "model.safetensors", "README.md", "ftjob-upload.json"} <= {
+        o.name for o in objects
+    }
+    assert AutoModelForCausalLM.from_pretrained(export).num_parameters() > 0
+
+
+def test_a_key_pair_the_store_refuses_fails_the_job_once_as_bad_model(operator, pod_store):
+    """The same job with a key pair the store does not know: rank 0's download is refused,
+    the job fails as BadModel naming the source and the cause, and no second gang starts."""
+    plane = operator.plane
+    plane.apply(s3_job(plane, pod_store, "s3refused", ("AKIAFTJOBSTRANGER", "not-known")))
+    status = wait_for(operator, "s3refused", ended, "s3refused to end")
+    failure = status["failure"]
+    assert status["phase"] == "Failed" and failure["reason"] == "BadModel", status
+    assert "s3://models/tiny-model" in failure["message"], failure
+    assert "refused the credentials" in failure["message"], failure
+    assert status["restarts"] == 0 and status["attempt"] == 0, status

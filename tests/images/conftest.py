@@ -1,5 +1,5 @@
 """The image tests: the images come from the session's ``images`` fixture (tests/built_images.py,
-shared with tests/cluster's podman nodes, so one build serves both)."""
+shared with tests/cluster's real nodes, so one build serves both)."""
 
 from __future__ import annotations
 

@@ -119,14 +119,11 @@ def run_argv(
     network: str = "none",
     secrets: dict | None = None,
     extra_env: dict | None = None,
-    etc_hosts: Path | None = None,
 ) -> tuple[list[str], Path]:
     """``podman run -d`` arguments for ``pod``'s first container, and the host file standing
     in for its termination message. ``folder`` (new, empty) holds what the pod's volumes need.
     ``extra_env`` is what a node would add (the tests keep it to thread counts). ``network``
-    ``pod:NAME`` joins a podman pod's network namespace (its sandbox). ``etc_hosts``: a hosts
-    file kept by the caller (tests/cluster/podman_node.py rewrites it as peers get addresses,
-    as cluster DNS would answer) instead of one written here from ``hosts``."""
+    ``pod:NAME`` joins a podman pod's network namespace (its sandbox)."""
     spec = pod["spec"]
     container = spec["containers"][0]
     folder.mkdir(parents=True)
@@ -138,13 +135,12 @@ def run_argv(
     argv += ["--pod", network[4:]] if network.startswith("pod:") else ["--network", network]
     # /etc/hosts as the kubelet writes it (its own file, bind-mounted; also in containers that
     # join another's network namespace, where podman refuses --add-host).
-    if etc_hosts is None:
-        etc_hosts = folder / "hosts"
-        lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
-        lines += [f"{ip}\t{host}" for host, ip in (hosts or {}).items()]
-        if spec.get("hostname"):
-            lines.append(f"127.0.0.1\t{spec['hostname']}")
-        etc_hosts.write_text("\n".join(lines) + "\n")
+    etc_hosts = folder / "hosts"
+    lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+    lines += [f"{ip}\t{host}" for host, ip in (hosts or {}).items()]
+    if spec.get("hostname"):
+        lines.append(f"127.0.0.1\t{spec['hostname']}")
+    etc_hosts.write_text("\n".join(lines) + "\n")
     argv += ["--no-hosts", "-v", f"{etc_hosts}:/etc/hosts:ro"]
     argv += _security(spec.get("securityContext", {}), container.get("securityContext", {}),
                       image_user.strip())  # fmt: skip

@@ -5,7 +5,7 @@ its spec, and an Event says so once and how to apply it.
     python -m pytest tests/unit/test_edits.py -q
 
 The same on the real control plane: tests/cluster/test_real_operator.py (a nodeSelector no
-node has, edited away) and tests/cluster/test_podman_node.py (an image that does not exist,
+node has, edited away) and tests/cluster/test_real_gang.py (an image no registry serves,
 edited to the built one).
 """
 
