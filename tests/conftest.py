@@ -48,9 +48,12 @@ def _needs(item) -> tuple[set[str], Path]:
 
 
 def pytest_collection_modifyitems(items):
-    """Tests that wait for no build run first (tests/prebuilds.py)."""
+    """Tests that wait for no build run first (tests/prebuilds.py), the slow tier last
+    (tests/deadline.py)."""
     order = prebuilds.builds_last([_needs(item) for item in items])
-    items[:] = [items[k] for k in order]
+    items[:] = sorted(
+        (items[k] for k in order), key=lambda item: bool(item.get_closest_marker("slow"))
+    )
 
 
 def pytest_collection_finish(session):

@@ -3,7 +3,13 @@ summary: nothing says which test used the time, or why the others failed. `.ci/r
 FTJOB_TEST_DEADLINE (seconds since the epoch, minutes short of that limit). A test that would
 run past it is cut there by pytest-timeout (its own limit shortened to what is left), and a test
 that starts after it fails at once, saying so; the run then ends with its summary. Without the
-variable nothing changes. tests/conftest.py calls :func:`shorten` and :func:`refuse`."""
+variable nothing changes. tests/conftest.py calls :func:`shorten` and :func:`refuse`.
+
+The slow tier (tests marked ``slow``: costlier variants of what faster tests show) runs last,
+and CI starts a slow test only while the deadline leaves :data:`SLOW_ROOM`: on a fast machine
+the whole suite runs, on a slow one the tier stops early and says so in the summary (skipped,
+with the seconds left), instead of failing at the deadline. ``python -m pytest -m slow`` runs
+the tier whole."""
 
 from __future__ import annotations
 
@@ -13,6 +19,9 @@ import time
 import pytest
 
 VARIABLE = "FTJOB_TEST_DEADLINE"
+# The slowest slow test took 110 s on a loaded CI machine, and a slow machine is ~2.5x that:
+# a slow test starts only with this much of the run left, so that it ends before the deadline.
+SLOW_ROOM = 600
 
 
 def at() -> float | None:
@@ -43,8 +52,13 @@ def shorten(item) -> None:
 
 
 def refuse(item) -> None:
-    """At the test's setup: past the deadline, fail it, naming the deadline."""
+    """At the test's setup: past the deadline, fail it, naming the deadline; a slow test
+    without :data:`SLOW_ROOM` left is skipped, saying how to run it."""
     end = at()
+    if end is not None and item.get_closest_marker("slow") and end - time.time() < SLOW_ROOM:
+        pytest.skip(f"the slow tier is not started with {end - time.time():.0f} s left before "
+                    f"the run's deadline ({VARIABLE}; it needs {SLOW_ROOM} s): "
+                    "python -m pytest -m slow runs it")  # fmt: skip
     if end is not None and time.time() >= end:
         pytest.fail(f"not run: the run's deadline ({VARIABLE}, set by .ci/run short of CI's "
                     f"hard limit) passed {time.time() - end:.0f} s ago", pytrace=False)  # fmt: skip

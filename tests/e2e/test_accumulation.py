@@ -32,7 +32,9 @@ def split(name: str, micro: int, accumulation: int, **resources) -> dict:
     )
 
 
-@pytest.mark.parametrize("sharding", ["full", "hybrid"])
+# Hybrid shards within a node and replicates across: both reductions. Full sharding alone is
+# the slow tier's (tests/deadline.py).
+@pytest.mark.parametrize("sharding", [pytest.param("full", marks=pytest.mark.slow), "hybrid"])
 def test_accumulated_micro_batches_train_like_one_batch(tmp_path, sharding):
     curves = {}
     for micro, accumulation in ((4, 1), (1, 4)):

@@ -1,7 +1,10 @@
 """The GPU suite's code, run on CPU: bench/gpu.py's ``compare`` with ``SMOKE`` (the tiny
 model, 2 CPU processes, fp32) instead of the ~1B model on GPUs.
 
-    python -m pytest tests/e2e/test_bench_gpu_suite.py -q
+    python -m pytest tests/e2e/test_bench_gpu_suite.py -q -m kit
+
+Every test here is marked ``kit``: the GPU kit's own tests, run before a device call, not in
+CI (pyproject's addopts leave them out; bench/README.md).
 
 It checks the plumbing a GPU session relies on (the generated job, ``ftjob run``, the TRL
 worker with the same packing and attention as ftjob, reading both sides' numbers into rows),
@@ -29,6 +32,7 @@ from bench import gpu  # noqa: E402
 from ftjob.trainer.model import attention  # noqa: E402
 
 
+@pytest.mark.kit
 def test_gpu_suite_compares_ftjob_and_trl_for_full_and_lora(tmp_path):
     result = gpu.compare(tmp_path, gpu.SMOKE, ["full", "lora"])
     assert [c["method"] for c in result["cases"]] == ["full", "lora"]
@@ -82,6 +86,7 @@ def steps_ok(out: Path, names: list[str]) -> None:
 
 # The kit's own limits (420 s in all) times the suite's margin for a shared machine, with the
 # test's own setup (the venv, the wheels) beside it.
+@pytest.mark.kit
 @pytest.mark.timeout(hangs.after(420) + hangs.RUN)
 def test_the_main_call_rehearsed_on_cpu_profiles_first_then_measures_ftjob_against_trl(
     tmp_path, torch_floor
@@ -126,6 +131,7 @@ def test_the_main_call_rehearsed_on_cpu_profiles_first_then_measures_ftjob_again
     assert re.search(r"^ +transformers +\S+ +\S+/site$", (out / "env.log").read_text(), re.M)
 
 
+@pytest.mark.kit
 @pytest.mark.timeout(hangs.after(420) + hangs.RUN)
 def test_the_second_call_rehearsed_on_cpu_measures_compile_offload_the_stall_and_8b_lora(
     tmp_path, torch_floor
@@ -149,6 +155,7 @@ def test_the_second_call_rehearsed_on_cpu_measures_compile_offload_the_stall_and
         assert len(by[name]["losses"]) == gpu.REHEARSAL.steps
 
 
+@pytest.mark.kit
 @pytest.mark.timeout(hangs.after(420) + hangs.RUN)
 def test_the_fp8_call_rehearsed_on_cpu_runs_bf16_then_fp8_compiled_at_both_shapes(
     tmp_path, torch_floor

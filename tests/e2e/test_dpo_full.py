@@ -16,6 +16,9 @@ import torch
 from test_dpo_run import EXAMPLES, beside_the_examples, tiny_dpo
 from test_trainer_run import history, killed_mid_run, losses, run
 
+# The slow tier (tests/deadline.py): a full fine-tune's DPO, after LoRA's (test_dpo_run.py).
+pytestmark = pytest.mark.slow
+
 
 def full_dpo() -> dict:
     doc = tiny_dpo()

@@ -173,6 +173,7 @@ def qlora_killed(runs, qlora) -> tuple[Path, int, int, str]:
     return workdir, killed_at, code, out
 
 
+@pytest.mark.slow  # tests/deadline.py: the QLoRA DPO runs, after the LoRA one's
 def test_qlora_dpo_learns_the_preference_and_checkpoints_every_adapter(qlora):
     import torch.distributed.checkpoint as dcp
 
@@ -189,6 +190,7 @@ def test_qlora_dpo_learns_the_preference_and_checkpoints_every_adapter(qlora):
     assert len(adapters) == 30 and sum("lm_head" in k for k in adapters) == 2
 
 
+@pytest.mark.slow  # tests/deadline.py: the QLoRA DPO runs, after the LoRA one's
 def test_a_killed_qlora_dpo_run_resumes_to_the_same_losses(qlora_killed, qlora):
     workdir, killed_at, code, out = qlora_killed
     assert code == 0, out
@@ -200,6 +202,7 @@ def test_a_killed_qlora_dpo_run_resumes_to_the_same_losses(qlora_killed, qlora):
     assert final == {k: history(qlora, "eval")[-1][k] for k in final}
 
 
+@pytest.mark.slow  # tests/deadline.py: the QLoRA DPO runs, after the LoRA one's
 def test_the_qlora_adapter_loads_with_peft_on_the_4bit_base_and_ranks_as_trained(qlora, runs):
     """On the base quantized to NF4 as the trainer did (fp32 on CPU), the adapter and its
     adapter-off reference give the reported eval metrics."""

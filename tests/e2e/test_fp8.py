@@ -148,6 +148,7 @@ def test_an_fp32_checkpoint_resumes_in_fp8(runs, fp8, fp32):
     assert near(curve, losses(fp32), after) < TOLERANCE
 
 
+@pytest.mark.slow  # tests/deadline.py: two more runs; the fp8 linears are the full fine-tune's
 def test_lora_trains_on_a_float8_base_like_on_an_fp32_one(runs):
     """The frozen base's linears in float8, the adapters (and the head's) in high precision."""
     training = {"learningRate": 1e-2}

@@ -128,6 +128,7 @@ def qlora(runs) -> tuple[Path, str]:
     return runs / "qlora-grpo", out
 
 
+@pytest.mark.slow  # tests/deadline.py: the QLoRA GRPO runs, after the full one's
 def test_qlora_sharded_grpo_with_the_kl_term_and_two_steps_per_generation(qlora):
     workdir, out = qlora
     assert "full sharding over 2 ranks" in out
@@ -163,6 +164,7 @@ def same_steps(workdir: Path, uninterrupted: Path) -> bool:
     return resumed == {s["step"]: {k: s[k] for k in keys} for s in history(uninterrupted)}
 
 
+@pytest.mark.slow  # tests/deadline.py: the QLoRA GRPO runs, after the full one's
 def test_a_killed_sharded_qlora_grpo_run_resumes_to_the_same_rewards_and_losses(runs, qlora):
     """Killed after step 3, resumed from step 2's checkpoint: a generation batch's first step
     (numIterations 2), so the resumed run samples what the first one did."""
@@ -171,6 +173,7 @@ def test_a_killed_sharded_qlora_grpo_run_resumes_to_the_same_rewards_and_losses(
     assert same_steps(workdir, qlora[0])
 
 
+@pytest.mark.slow  # tests/deadline.py: the QLoRA GRPO runs, after the full one's
 def test_a_run_killed_inside_a_generation_batch_resumes_to_its_completions(runs, qlora):
     """Saved after step 3, the first of generation batch 1's two steps: the checkpoint keeps
     the batch's completions, advantages and old log-probabilities (what each rank holds), so

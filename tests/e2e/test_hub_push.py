@@ -271,6 +271,7 @@ def test_lora_push_uploads_adapter_and_merged_model_that_load(runs, server, tmp_
 # ----------------------------------------------- a restart in place, then a long upload
 
 
+@pytest.mark.slow  # tests/deadline.py: a retry in place; a failed push's record is the core's
 def test_a_failed_push_is_retried_in_place_and_the_others_wait_out_a_long_upload(runs, server):
     """The first rung of recovery: the node's agent restarts the workers in place, which find
     the job trained and only push. That commit is answered after 35 s, beyond

@@ -91,7 +91,10 @@ def saved_step(out: str) -> int:
     return int(line.split("after step ")[1].split(";")[0].split()[0])
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+# A background save at the signal: the slow tier's (tests/deadline.py); sync is the core's.
+@pytest.mark.parametrize(
+    "async_save", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sync", "async"]
+)
 def test_sigterm_to_one_node_saves_the_step_reached_and_resumes_bit_for_bit(
     reference, tmp_path, monkeypatch, async_save
 ):
@@ -179,6 +182,7 @@ def test_sigterm_during_a_periodic_checkpoints_write(reference, tmp_path, monkey
     same_export(workdir, reference)
 
 
+@pytest.mark.slow  # tests/deadline.py: a signal's save cut short; a crash's is test_recovery's
 def test_a_grace_period_too_short_for_the_save_keeps_the_previous_checkpoint(
     reference, tmp_path, monkeypatch
 ):

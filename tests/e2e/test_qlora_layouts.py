@@ -26,6 +26,9 @@ LAYOUTS = {
     "hybrid-offload": {"sharding": "hybrid", "cpuOffload": True},
 }
 
+# The slow tier (tests/deadline.py): QLoRA's other layouts, after full sharding's (test_qlora.py).
+pytestmark = pytest.mark.slow
+
 
 def probe(base: Path, out: Path) -> None:
     import torch.distributed as dist

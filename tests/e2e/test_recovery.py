@@ -140,6 +140,8 @@ def test_two_runs_started_together_exactly_one_trains(tmp_path):
     assert not (workdir / "owner").exists()
 
 
+# The slow tier (tests/deadline.py): the rule is test_recovery_rules.py's; this, a real run of it.
+@pytest.mark.slow
 def test_a_slow_rank_is_named_a_straggler(tmp_path, monkeypatch):
     workdir = tmp_path / "slow"
     injected(monkeypatch, "slow:1:0.3")  # rank 1's data takes 0.3 s longer every step

@@ -132,6 +132,7 @@ def test_a_terminal_gets_a_live_bar_and_a_line_per_checkpoint(tmp_path):
     assert (logs / "node-1.log").exists()
 
 
+@pytest.mark.slow  # tests/deadline.py: a terminal's run is the core's
 def test_a_pipe_gets_plain_lines_and_a_rerun_says_it_resumes(tmp_path):
     job = tiny_job(tmp_path, "plain", maxSteps=40)
     workdir = tmp_path / "plain"

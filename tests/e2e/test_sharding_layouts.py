@@ -20,6 +20,9 @@ ONE_NODE = {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2}
 # The same sums in another order: fp32 rounding, growing a little with every step trained.
 FP32_NOISE = dict(rel=2e-5, abs=2e-6)
 
+# The slow tier (tests/deadline.py): each layout's run is the default layout's again.
+pytestmark = pytest.mark.slow
+
 
 def sft(name: str, method: str, sharding: str) -> dict:
     return job(

@@ -20,6 +20,10 @@ from tests.e2e.test_trainer_run import job, losses, run
 
 STEPS = 3
 
+# The slow tier (tests/deadline.py): compile and recomputation on CPU, each setting's run the
+# default's again.
+pytestmark = pytest.mark.slow
+
 
 def settings_run(tmp_path, name: str, **training) -> tuple[dict, dict]:
     doc = job(name, training={"maxSteps": STEPS, **training}, dataset={"evalFraction": None})

@@ -82,6 +82,7 @@ def test_the_tiny_example_trains_as_on_ci_torch_and_its_export_loads(floor, tmp_
     assert loads(floor, tmp_path / "floor" / "model").startswith("LlamaForCausalLM ")
 
 
+@pytest.mark.slow  # tests/deadline.py: the tiny example is the core's check of torch 2.11
 def test_the_dpo_example_trains_as_on_ci_torch_and_its_adapter_loads(floor, tmp_path):
     old, new = both(floor, EXAMPLES / "tiny-dpo.yaml", tmp_path)
     assert_same_losses(old, new)
@@ -94,6 +95,7 @@ def write(doc: dict, path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # tests/deadline.py: the tiny example is the core's check of torch 2.11
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_lora_and_qlora_train_as_on_ci_torch_and_their_exports_load(floor, tmp_path, method):
     """test_qlora's jobs: a bf16 base whose weights split into whole NF4 blocks over 2 ranks,

@@ -223,6 +223,8 @@ def test_wandb_offline_writes_each_attempts_run_files_under_the_one_run_id(kille
     assert config["training.learningRate"] == "0.003"
 
 
+# The slow tier (tests/deadline.py): a hanging tracker is test_trackers.py's; this, a real run.
+@pytest.mark.slow
 def test_a_tracker_that_is_down_never_fails_training_and_is_said_once(tmp_path):
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     doc = tracked("down", {"mlflow": {"trackingUri": closed}})

@@ -186,7 +186,14 @@ def unicode_and_long_records(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("fmt", ["chat", "instruction", "unicode-long-text"])
+# chat in the core; the other formats in the slow tier (tests/deadline.py)
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        "chat",
+        *(pytest.param(f, marks=pytest.mark.slow) for f in ("instruction", "unicode-long-text")),
+    ],
+)
 def test_every_usual_format_trains(runs, fmt):
     """Chat (system prompts, multi-turn, assistant turns only), prompt/completion and unicode
     text with records longer than a sequence: each trains, and its loss drops."""
