@@ -15,6 +15,7 @@ import hangs
 import prebuilds
 
 from ftjob.api import manifest
+from ftjob.operator import render
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = ROOT / "manifests" / "install.yaml"
@@ -132,6 +133,20 @@ class Plane:
             return None
         out = json.loads(result.stdout)
         return out if name else out["items"]
+
+    def job_pods(self, name: str, namespace: str) -> list[dict]:
+        """The pods of FineTuneJob ``name`` (its job-name label), every attempt's."""
+        pods = self.get("pods", namespace=namespace, ok=False) or []
+        return [p for p in pods if p["metadata"]["labels"].get(render.LABEL_JOB) == name]
+
+    def job_status(self, name: str, namespace: str) -> dict:
+        return (self.get("ftj", name, namespace) or {}).get("status") or {}
+
+    def events(self, name: str, reason: str, namespace: str) -> list[dict]:
+        """The Events of object ``name`` with ``reason``."""
+        found = json.loads(self.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)
+        return [e for e in found["items"]
+                if e["involvedObject"].get("name") == name and e["reason"] == reason]  # fmt: skip
 
     def apply(self, doc: dict | str, *args: str, ok: bool = True):
         text = doc if isinstance(doc, str) else json.dumps(doc)

@@ -105,7 +105,7 @@ def same_losses(plane: Plane, volume: Path, name: str, reference: SimpleNamespac
 
 
 def status_of(plane: Plane, name: str) -> dict:
-    return (plane.get("ftj", name, NAMESPACE) or {}).get("status") or {}
+    return plane.job_status(name, NAMESPACE)
 
 
 def wait_for(operator, name: str, until, what: str):
@@ -143,8 +143,7 @@ def test_tiny_trains_on_real_nodes_to_an_export_that_loads(operator, volume, ref
     plane = operator.plane
     plane.apply(tiny("tiny"))
     status = wait_for(operator, "tiny", ended, "tiny to finish")
-    pods = [p for p in plane.get("pods", namespace=NAMESPACE) or []
-            if p["metadata"]["labels"].get(render.LABEL_JOB) == "tiny"]  # fmt: skip
+    pods = plane.job_pods("tiny", NAMESPACE)
     assert status["phase"] == "Succeeded", (status, plane.kubectl(
         "logs", "-n", NAMESPACE, "tiny-node-0", ok=False).stdout[-3000:])  # fmt: skip
     assert {p["spec"]["nodeName"] for p in pods} == {f"real-node-{i}" for i in range(NODES)}
@@ -271,11 +270,6 @@ def test_a_node_process_killed_with_sigkill_restarts_the_gang_from_its_last_chec
     same_losses(plane, volume, name, reference)  # the steps logged twice, each the same
 
 
-def own_pods(plane: Plane, name: str) -> list[dict]:
-    return [p for p in plane.get("pods", namespace=NAMESPACE) or []
-            if p["metadata"]["labels"].get(render.LABEL_JOB) == name]  # fmt: skip
-
-
 def test_a_job_deleted_in_start_up_frees_its_nodes_in_seconds(operator):
     """Deleted while its trainers start (each agent, PID 1 of its container, in the
     rendezvous): the pods end within seconds of the kubelet's SIGTERM, not at the end of the
@@ -289,22 +283,19 @@ def test_a_job_deleted_in_start_up_frees_its_nodes_in_seconds(operator):
     plane.apply(job)
 
     def waiting():
-        return sum(p["status"].get("phase") == "Running" for p in own_pods(plane, "gone")) == NODES
+        return (
+            sum(p["status"].get("phase") == "Running" for p in plane.job_pods("gone", NAMESPACE))
+            == NODES
+        )
 
     plane.wait(waiting, hangs.RUN, f"{NODES} trainer pod(s) running")
     time.sleep(10)  # not a hang guard: the agents get past their imports, into the rendezvous
     started = time.monotonic()
     plane.kubectl("delete", "ftj", "gone", "-n", NAMESPACE, "--wait=false")
-    plane.wait(lambda: not own_pods(plane, "gone"), 90, "the deleted job's pods to go")
+    plane.wait(lambda: not plane.job_pods("gone", NAMESPACE), 90, "the deleted job's pods to go")
     took = time.monotonic() - started
     print(f"\ndeleted in start-up: pods gone {took:.1f} s after the delete (grace 60 s)")
     assert took < 30, took
-
-
-def events_of(plane: Plane, name: str, reason: str) -> list[dict]:
-    found = json.loads(plane.kubectl("get", "events", "-n", NAMESPACE, "-o", "json").stdout)
-    return [e for e in found["items"]
-            if e["involvedObject"].get("name") == name and e["reason"] == reason]  # fmt: skip
 
 
 def test_an_image_that_cannot_be_pulled_edited_to_the_built_one_trains_as_a_new_gang(operator):
@@ -331,7 +322,7 @@ def test_an_image_that_cannot_be_pulled_edited_to_the_built_one_trains_as_a_new_
     assert status["phase"] == "Succeeded", status
     assert status["attempt"] == 1 and status["restarts"] == 0, status
     assert status["image"] == good, status
-    [event] = events_of(plane, "retag", "SpecChanged")
+    [event] = plane.events("retag", "SpecChanged", NAMESPACE)
     assert event["type"] == "Normal", event
     assert f"(image {good.rsplit(':', 1)[0]}:no-such-tag -> {good})" in event["message"], event
 
@@ -354,7 +345,7 @@ def test_a_budget_reached_stops_at_a_checkpoint_and_raised_resumes_to_the_same_l
                   "-p", json.dumps({"spec": {"budget": {"nodeHours": 0.0001}}}))  # fmt: skip
 
     def stopped(s):
-        return s.get("phase") == "Stopped" and not own_pods(plane, "budget") and s
+        return s.get("phase") == "Stopped" and not plane.job_pods("budget", NAMESPACE) and s
 
     wait_for(operator, "budget", stopped, "the budget to stop the gang")
     folder = losses.host_dir(volume, plane, NAMESPACE, "budget")
@@ -443,7 +434,7 @@ def test_a_job_from_s3_through_the_operator_exports_to_s3_and_the_export_loads(
     status = wait_for(operator, "s3job", ended, "s3job to finish")
     logs = plane.kubectl("logs", "-n", NAMESPACE, "s3job-node-0", ok=False).stdout
     assert status["phase"] == "Succeeded", (status, logs[-3000:])
-    pod = own_pods(plane, "s3job")[0]
+    pod = plane.job_pods("s3job", NAMESPACE)[0]
     env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
     assert env["AWS_ENDPOINT_URL"]["value"] == pod_store.endpoint
     assert env["AWS_REGION"]["value"] == "us-east-1"

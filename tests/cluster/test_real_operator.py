@@ -63,12 +63,11 @@ def one_job_at_a_time(operator):
 
 
 def pods_of(plane: Plane, name: str) -> list[dict]:
-    pods = plane.get("pods", namespace=NAMESPACE, ok=False) or []
-    return [p for p in pods if p["metadata"]["labels"].get("ftjob.dev/job-name") == name]
+    return plane.job_pods(name, NAMESPACE)
 
 
 def status_of(plane: Plane, name: str) -> dict:
-    return (plane.get("ftj", name, NAMESPACE) or {}).get("status") or {}
+    return plane.job_status(name, NAMESPACE)
 
 
 def gang_running(plane: Plane, name: str, attempt: int, nodes: int = 2) -> list[dict]:
@@ -383,12 +382,7 @@ def test_every_node_exiting_zero_with_the_trainers_record_succeeds(operator, tra
 
 
 def events_of(plane: Plane, name: str, reason: str) -> list[dict]:
-    found = json.loads(plane.kubectl("get", "events", "-n", NAMESPACE, "-o", "json").stdout)
-    return [
-        e
-        for e in found["items"]
-        if e["involvedObject"].get("name") == name and e["reason"] == reason
-    ]
+    return plane.events(name, reason, NAMESPACE)
 
 
 @pytest.mark.timeout(600)  # the first test to ask waits for the real trainer's outputs
