@@ -12,11 +12,12 @@
 #                     (system:node:NAME); the images named by --node-image (repeatable; default
 #                     scripts/images.sh's two at FTJOB_IMAGE_TAG, else dev) imported into node
 #                     0's containerd (`podman save | ctr import`) and given to the others as
-#                     hard links (nodes_share_images); the cluster's DNS (CoreDNS, a process);
+#                     hard links (nodes_share_images), node 0 too when the images' cache holds
+#                     these images (nodes_cached); the cluster's DNS (CoreDNS, a process);
 #                     returns when every node is Ready
 #   down DIR          every container killed and removed, then kubelet, containerd and CoreDNS
 #                     stopped, mounts, network namespaces, bridges and cgroups removed, and
-#                     containerd's root (the imported images: ~6 GB, one copy for every node)
+#                     containerd's root (the images' cache keeps its own links to them)
 #
 # Containerd and runc are Debian's (scripts/podman-host.sh installs them with apt-get); the
 # CNI plugins are Debian's containernetworking-plugins.
@@ -60,6 +61,9 @@ NODES_DNS_VERSION=1.15.0
 NODES_DNS_BIN="${FTJOB_K8S_CACHE:-$HOME/.cache/ftjob/k8s}/coredns-v$NODES_DNS_VERSION/bin"
 NODES_DOMAIN=cluster.local
 NODES_NET_LOCK="${TMPDIR:-/tmp}/ftjob-nodes-net.lock"
+# Node 0's imported images, kept between runs (nodes_cached), one entry per set of images.
+NODES_IMAGE_CACHE="${FTJOB_K8S_CACHE:-$HOME/.cache/ftjob/k8s}/node-images"
+NODES_IMAGE_CACHE_KEEP=2 # the tests' two sets: the operator image, the trainer image
 export PATH="$PATH:/usr/sbin:/sbin"
 
 # The apiserver's flags for real nodes (see the header), appended to k8s.sh's APISERVER_ARGS.
@@ -282,6 +286,46 @@ nodes_share_images() {
   cp "$from/io.containerd.metadata.v1.bolt/meta.db" "$to/io.containerd.metadata.v1.bolt/"
 }
 
+# nodes_images_key: what names the images a node gets: each --node-image's name and podman ID,
+# and the pause archive's checksum. The same key is the same bytes, unpacked alike.
+nodes_images_key() {
+  local ref
+  {
+    for ref in "${NODE_IMAGES[@]}"; do
+      echo "$ref $(podman image inspect --format '{{.Id}}' "$ref")"
+    done
+    cksum <"$CACHE/pause.tar"
+  } | sha256sum | cut -c1-16
+}
+
+# nodes_cached NODEDIR: node 0 given the cache's copy of these images (hard links, as
+# nodes_share_images gives node 0's to the others) before its containerd starts; fails when
+# the cache has none. `podman save | ctr import` of the 6 GB trainer image took 150-190 s
+# here, its layers already unpacked or not: it is the stream, not the unpacking.
+nodes_cached() {
+  local entry
+  entry="$NODES_IMAGE_CACHE/$(nodes_images_key)"
+  [[ -s "$entry/complete" ]] || return 1
+  touch "$entry/complete" # the newest used are kept (nodes_cache_save)
+  nodes_share_images "$entry" "$1"
+}
+
+# nodes_cache_save NODEDIR: node 0's images, just imported, into the cache (hard links and the
+# two metadata databases, as nodes_share_images takes them); only the newest
+# NODES_IMAGE_CACHE_KEEP entries stay: an entry is ~6 GB that the nodes' own copies share.
+nodes_cache_save() {
+  local key new old
+  key=$(nodes_images_key)
+  new="$NODES_IMAGE_CACHE/.$key.$$"
+  mkdir -p "$NODES_IMAGE_CACHE"
+  rm -rf "$new"
+  nodes_share_images "$1" "$new" && echo "${NODE_IMAGES[*]}" >"$new/complete" &&
+    { mv -T "$new" "$NODES_IMAGE_CACHE/$key" 2>/dev/null || rm -rf "$new"; }
+  rm -rf "$new"
+  ls -1t "$NODES_IMAGE_CACHE"/*/complete 2>/dev/null | tail -n +$((NODES_IMAGE_CACHE_KEEP + 1)) |
+    while read -r old; do rm -rf "$(dirname "$old")"; done
+}
+
 # nodes_disk: refuse to start nodes where DIR's disk cannot take their images: one unpacked
 # copy (shared by the nodes), and the archive's blobs beside it while node 0 imports, until
 # they are dropped. A full disk would otherwise surface as pods that never start.
@@ -316,14 +360,20 @@ nodes_start_one() {
   mkdir -p "$d/pod-logs" "$d/kubelet" "$d/volume-plugins"
   k=$(cat "$d/subnet")
   nodes_containerd_config "$d" >"$d/containerd.toml"
-  [[ "$name" == real-node-0 ]] || nodes_share_images "$DIR/nodes/real-node-0" "$d"
+  local imported=false
+  if [[ "$name" != real-node-0 ]]; then
+    nodes_share_images "$DIR/nodes/real-node-0" "$d"
+  elif ! nodes_cached "$d"; then
+    imported=true
+  fi
   start "containerd" containerd --config "$d/containerd.toml"
   for _ in $(seq 300); do [[ -S "$d/containerd.sock" ]] && break; sleep 0.1; done
   ctr -a "$d/containerd.sock" version >/dev/null || die "containerd of $name did not start"
-  if [[ "$name" == real-node-0 ]]; then
+  if $imported; then
     nodes_import "$d"
+    nodes_cache_save "$d"
   else
-    nodes_has_images "$d" || die "$name's containerd does not list the images node 0 imported"
+    nodes_has_images "$d" || die "$name's containerd does not list the images it was given"
   fi
   # The node's identity: the Node authorizer gives system:node:NAME what a kubelet needs.
   cert "$name" "/O=system:nodes/CN=system:node:$name" \
@@ -449,7 +499,7 @@ nodes_down_rest() {
     for m in $(awk '{print $5}' /proc/self/mountinfo | grep "^${d%/}/" | sort -r); do
       umount "$m" 2>/dev/null || umount -l "$m"
     done
-    # containerd's root and state (the unpacked images, ~6 GB a node): `up` imports again.
+    # containerd's root and state (links to the images' cache, and what the pods wrote).
     grep -q " ${d%/}/" /proc/self/mountinfo || rm -rf "$d/containerd"
     if [[ -s "$d/subnet" ]]; then
       k=$(cat "$d/subnet")

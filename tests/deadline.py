@@ -7,7 +7,7 @@ variable nothing changes. tests/conftest.py calls :func:`shorten` and :func:`ref
 
 The slow tier (tests marked ``slow``: costlier variants of what faster tests show) runs last,
 and CI starts a slow test only while the deadline leaves :data:`SLOW_ROOM`: on a fast machine
-the whole suite runs, on a slow one the tier stops early and says so in the summary (skipped,
+the whole suite runs, on a slower one the tier stops early and says so in the summary (skipped,
 with the seconds left), instead of failing at the deadline. ``python -m pytest -m slow`` runs
 the tier whole."""
 
@@ -19,9 +19,11 @@ import time
 import pytest
 
 VARIABLE = "FTJOB_TEST_DEADLINE"
-# The slowest slow test took 110 s on a loaded CI machine, and a slow machine is ~2.5x that:
-# a slow test starts only with this much of the run left, so that it ends before the deadline.
-SLOW_ROOM = 600
+# A slow test starts only with this much of the run left before the deadline: its own 10
+# minutes (the slowest took 110 s on a loaded CI machine, and a slow machine is ~2.5x that),
+# and the 8 minutes between the deadline (83 minutes into CI's run, .ci/run) and the 75 a CI
+# run is kept under. The tier fills what time the core leaves up to that mark, no further.
+SLOW_ROOM = 600 + 480
 
 
 def at() -> float | None:

@@ -21,3 +21,15 @@ def plane(tmp_path_factory):
 def installed(plane):
     """The chart installed on the session's plane, ready to admit jobs (Plane.install)."""
     return plane.install()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_job_left_on_the_session_plane(request):
+    """A module's jobs on the session's plane go with the module. A job left there is the
+    next module's operator's to reconcile first: test_real_names' 1,024-node job, left
+    applied, had test_real_operator's first gang wait 46 s for phase Running, and past its
+    60 s once in CI."""
+    yield
+    ours = [i for i in request.session.items if i.getparent(pytest.Module) is request.node]
+    if any("installed" in item.fixturenames for item in ours):
+        request.getfixturevalue("installed").delete_every_job()

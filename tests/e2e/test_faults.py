@@ -37,7 +37,8 @@ def faults_job(**changes) -> dict:
     return doc
 
 
-@pytest.fixture(scope="module")
+# Session-wide: the slow tier runs last, after this module, and reuses it (tests/deadline.py).
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> Path:
     workdir = tmp_path_factory.mktemp("faults") / "reference"
     code, out = run(faults_job(), workdir)
@@ -149,6 +150,7 @@ def test_a_full_volume_is_named_and_the_run_resumes_exactly_with_room_again(
     assert_same_losses(workdir, reference, first=1)
 
 
+@pytest.mark.slow  # tests/deadline.py: a full volume named and rerun is the checkpoint's test
 def test_a_full_volume_during_the_export_is_named_and_the_rerun_exports(reference, tmpfs, tmp_path):
     workdir = tmp_path / "exporting"
     export = tmpfs(workdir / "export", "256k")  # the tiny model's export takes about 1 MiB

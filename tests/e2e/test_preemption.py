@@ -29,7 +29,6 @@ from test_trainer_run import (
     injected,
     job_processes,
     losses,
-    run,
     start,
 )
 
@@ -41,12 +40,9 @@ STEPS = 12  # test_recovery.SPEC: checkpoint.every 4, keep 3
 EVERY = 4
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    workdir = tmp_path_factory.mktemp("preemption") / "reference"
-    code, out = run(recovery_job("reference"), workdir)
-    assert code == 0, out
-    return workdir
+@pytest.fixture
+def reference(recovery_reference) -> Path:
+    return recovery_reference  # tests/e2e/conftest.py: one uninterrupted run for both modules
 
 
 def agent_pid(workdir: Path, node: int) -> int:
@@ -151,6 +147,7 @@ def operator_sees(record: dict) -> dict:
     return status.diagnose(pod)
 
 
+@pytest.mark.slow  # tests/deadline.py: the save at a SIGTERM is the one-node test's
 def test_sigterm_to_every_node_at_once(reference, tmp_path, monkeypatch):
     workdir = tmp_path / "drained"
     hold_after(monkeypatch, 5, tmp_path / "gate")

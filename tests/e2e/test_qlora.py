@@ -101,20 +101,22 @@ def nf4_reference(base: Path, dtype: torch.dtype):
     return model
 
 
-@pytest.fixture(scope="module")
+# Session-wide, these three: the slow tier runs last, after this module, and reuses them
+# (tests/deadline.py).
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("qlora")
     make_base(folder / "base")
     return folder
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def qlora(runs):
     out = run(job("qlora", runs / "base", "qlora"), runs / "qlora")
     return runs / "qlora", out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def lora(runs):
     run(job("lora", runs / "base", "lora"), runs / "lora")
     return runs / "lora"
@@ -154,6 +156,8 @@ def test_qlora_export_reloads_with_the_trained_eval_loss(qlora, runs):
     assert eval_loss_of(merged.float(), workdir) == pytest.approx(trained, abs=2 * gap + 5e-3)
 
 
+@pytest.mark.slow  # tests/deadline.py: an exact resume after a kill is the full, LoRA, DPO and
+# GRPO runs' tests
 def test_qlora_resumes_exactly_after_a_rank_is_killed(qlora, runs):
     # No restart in place (tests/e2e/test_recovery.py has those): the ladder's last rung, then
     # a rerun resumes from the checkpoint.

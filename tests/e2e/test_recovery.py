@@ -72,12 +72,9 @@ def wait_for_step(proc, workdir: Path, step: int) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    workdir = tmp_path_factory.mktemp("recovery") / "reference"
-    code, out = run(recovery_job("reference"), workdir)
-    assert code == 0, out
-    return workdir
+@pytest.fixture
+def reference(recovery_reference) -> Path:
+    return recovery_reference  # tests/e2e/conftest.py: one uninterrupted run for both modules
 
 
 def test_a_worker_that_raises_restarts_every_node_in_place_and_resumes_exactly(
@@ -187,6 +184,8 @@ def test_a_stopped_rank_is_named_and_no_process_of_the_run_survives(tmp_path):
     assert not run_processes(workdir)
 
 
+@pytest.mark.slow  # tests/deadline.py: the restart in place and its exact resume are the raised
+# worker's test; the hang named, the stopped rank's without restarts
 def test_a_stopped_rank_is_restarted_in_place_with_the_gang_which_resumes_exactly(
     reference, tmp_path, monkeypatch
 ):

@@ -114,12 +114,6 @@ class Gang:
     def record(self, rank: int) -> dict | None:
         return contract.parse(self.terminations[rank].read_text())
 
-    def progress(self) -> dict:
-        try:
-            return json.loads((self.job_dir / "progress.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
     def losses(self) -> dict[int, float]:
         rows = [json.loads(x) for x in (self.job_dir / "progress.jsonl").read_text().splitlines()]
         return {r["step"]: r["loss"] for r in rows if r["event"] == "step"}
@@ -183,42 +177,3 @@ def test_the_containers_wrote_nothing_outside_their_volumes(reference):
         assert inspect["HostConfig"]["ReadonlyRootfs"] is True
         assert inspect["Config"]["User"] == f"{render.RUN_AS}:{render.RUN_AS}"
         assert layer_writes(name) == [], name
-
-
-def test_a_sigkilled_container_and_a_new_gang_resume_exactly(images, volume, gangs, reference,
-                                                             tmp_path_factory):  # fmt: skip
-    workdir, uid = tmp_path_factory.mktemp("killed"), "0b0b0b0b-kill"
-    first = Gang(images.trainer, uid, 0, volume, workdir)
-    gangs.append(first.start())
-    deadline = time.monotonic() + GANG_TIMEOUT
-    # After the first checkpoint (step 20) and before the end: SIGKILL node 1's container,
-    # as a node dying under it would.
-    while (first.progress().get("lastCheckpointStep") or 0) < 20:
-        assert time.monotonic() < deadline and state(first.names[0])[0] == "running", first.logs()
-        time.sleep(0.1)
-    podman("kill", "--signal", "KILL", first.names[1])
-    # Node 0's agent sees its workers fail and re-forms the rendezvous for a restart in
-    # place, which needs every node: it waits for node 1. On a cluster the operator sees pod 1
-    # failed (137) and deletes the gang; here the test does what that deletion does.
-    while "restarting the workers of every node in place" not in logs(first.names[0]):
-        assert time.monotonic() < deadline, f"node 0 did not restart in place:\n{first.logs()}"
-        time.sleep(0.5)
-    assert state(first.names[1]) == ("exited", 137)
-    assert state(first.names[0])[0] == "running", f"node 0 went on alone:\n{first.logs()}"
-    podman("stop", "--time", "10", first.names[0])  # a pod deletion: SIGTERM, grace, SIGKILL
-    codes = first.wait()
-    assert codes[1] == 137 and codes[0] != 0, codes
-    killed_at = first.progress().get("step")
-    assert killed_at < 60, "the run ended before the kill: nothing to resume"
-    resumed_from = first.progress()["lastCheckpointStep"]
-
-    # The operator's answer: a new gang (attempt 1, a new rendezvous id) on the same folder.
-    second = Gang(images.trainer, uid, 1, volume, workdir)
-    gangs.append(second.start())
-    assert second.wait() == [0, 0], second.logs()
-    assert second.record(0)["outcome"] == "succeeded"
-    log = logs(second.names[0])
-    assert "resuming from checkpoint" in log and f"(step {resumed_from})" in log, log[-3000:]
-    got, expected = second.losses(), reference.losses()
-    assert sorted(got) == sorted(expected)
-    assert max(abs(got[s] - expected[s]) for s in expected) == 0.0
