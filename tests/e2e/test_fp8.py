@@ -53,17 +53,19 @@ def near(curve: dict[int, float], reference: dict[int, float], steps) -> float:
     return max(abs(curve[s] - reference[s]) / reference[s] for s in steps)
 
 
-@pytest.fixture(scope="module")
+# Session-wide, these fixtures: the slow tier runs last, after this module, and reuses them
+# (tests/deadline.py).
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("fp8")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fp32(runs) -> Path:
     return trained(fp("fp32", "fp32"), runs / "fp32")[0]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fp8(runs) -> tuple[Path, str]:
     return trained(fp("fp8", "fp8"), runs / "fp8")
 
@@ -110,7 +112,7 @@ def test_the_fp8_export_is_an_ordinary_model_with_the_trained_eval_loss(fp8):
     assert eval_loss_of(model, workdir) == pytest.approx(final(workdir)["evalLoss"], rel=TOLERANCE)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fp8_killed(runs) -> tuple[Path, int, Path, int]:
     """An fp8 run killed after step 5, resumed in fp8, and (a copy of the killed folder)
     in fp32."""
@@ -136,6 +138,7 @@ def test_an_fp8_checkpoint_resumes_in_fp32(fp8_killed, fp32):
     assert near(losses(workdir), losses(fp32), range(resumed + 1, STEPS + 1)) < TOLERANCE
 
 
+@pytest.mark.slow  # tests/deadline.py: a checkpoint across precisions is the fp8-to-fp32 test's
 def test_an_fp32_checkpoint_resumes_in_fp8(runs, fp8, fp32):
     workdir = runs / "fp32-then-fp8"
     killed(fp("fp32-killed", "fp32"), workdir)

@@ -73,14 +73,16 @@ def download(server: HubServer, repo: str, cache: Path) -> Path:
         mirror.close()
 
 
-@pytest.fixture(scope="module")
+# Session-wide, these two: the slow tier runs last, after this module, and reuses them
+# (tests/deadline.py).
+@pytest.fixture(scope="session")
 def server(tmp_path_factory):
     hub = HubServer(tmp_path_factory.mktemp("hub"), TOKEN)
     yield hub
     hub.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("runs")
 
@@ -237,6 +239,8 @@ def test_the_rerun_pushes_without_training_again(failed, server):
 # ------------------------------------------------------------------------- a LoRA adapter
 
 
+@pytest.mark.slow  # tests/deadline.py: the push is the full model's tests; the LoRA export's
+# files are test_trainer_run's
 def test_lora_push_uploads_adapter_and_merged_model_that_load(runs, server, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -177,6 +177,7 @@ def assert_start_up_said_and_kept(stdout: str, workdir: Path) -> None:
     assert all(kept["phases"][p] > 0 for p in ("imports", "data", "shard", "first step")), kept
 
 
+@pytest.mark.slow  # tests/deadline.py: Ctrl-C is test_trainer_run's and test_recovery's too
 def test_ctrl_c_stops_quietly_and_says_how_to_resume(tmp_path):
     job = tiny_job(tmp_path, "stopped", maxSteps=3000, logEvery=50)
     workdir = tmp_path / "stopped"
