@@ -216,10 +216,17 @@ def _run(doc: dict, runs: Path, env: dict) -> tuple[int, str]:
 
 
 def _objects(store, bucket: str, prefix: str) -> dict[str, bytes]:
+    """What the bucket holds under the prefix: nothing where the bucket is not there yet (the
+    server makes one with its first object; a job that pushed nothing made none)."""
     import obstore
 
     s = store.store(bucket)
-    keys = [m["path"] for chunk in obstore.list(s, prefix=prefix) for m in chunk]
+    try:
+        keys = [m["path"] for chunk in obstore.list(s, prefix=prefix) for m in chunk]
+    except obstore.exceptions.GenericError as error:
+        if "NoSuchBucket" not in str(error):
+            raise
+        return {}
     return {k[len(prefix) + 1 :]: obstore.get(s, k).bytes().to_bytes() for k in keys}
 
 
