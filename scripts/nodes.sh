@@ -318,9 +318,9 @@ nodes_cache_save() {
   key=$(nodes_images_key)
   new="$NODES_IMAGE_CACHE/.$key.$$"
   mkdir -p "$NODES_IMAGE_CACHE"
-  rm -rf "$new"
+  # Another run may have saved the same key first: then mv refuses, and this copy goes.
   nodes_share_images "$1" "$new" && echo "${NODE_IMAGES[*]}" >"$new/complete" &&
-    { mv -T "$new" "$NODES_IMAGE_CACHE/$key" 2>/dev/null || rm -rf "$new"; }
+    mv -T "$new" "$NODES_IMAGE_CACHE/$key" 2>/dev/null
   rm -rf "$new"
   ls -1t "$NODES_IMAGE_CACHE"/*/complete 2>/dev/null | tail -n +$((NODES_IMAGE_CACHE_KEEP + 1)) |
     while read -r old; do rm -rf "$(dirname "$old")"; done

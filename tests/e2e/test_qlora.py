@@ -156,8 +156,8 @@ def test_qlora_export_reloads_with_the_trained_eval_loss(qlora, runs):
     assert eval_loss_of(merged.float(), workdir) == pytest.approx(trained, abs=2 * gap + 5e-3)
 
 
-@pytest.mark.slow  # tests/deadline.py: an exact resume after a kill is the full, LoRA, DPO and
-# GRPO runs' tests
+@pytest.mark.slow  # tests/deadline.py: an exact resume after a kill is the full SFT run's, LoRA
+# DPO's (adapters) and GRPO's tests
 def test_qlora_resumes_exactly_after_a_rank_is_killed(qlora, runs):
     # No restart in place (tests/e2e/test_recovery.py has those): the ladder's last rung, then
     # a rerun resumes from the checkpoint.
