@@ -237,3 +237,26 @@ def test_tagged_records_are_read_where_ranks_share_a_line():
     # The result line glued to a rank's (seen from the GRPO worker): still found.
     glued = 'TRL-RANK {"rank": 1}TRL {"stepsPerSecond": 0.15}\n'
     assert common.last_json(glued, "TRL") == {"stepsPerSecond": 0.15}
+
+
+def _grow(held: list, jobs: int) -> None:
+    held.extend(bytearray(10_240) for _ in range(jobs))  # 10 KiB a job
+
+
+def test_the_fleet_trace_names_the_line_that_holds_each_jobs_memory(tmp_path):
+    import tracemalloc
+
+    from bench.fleet import held_by
+
+    held: list = []
+    tracemalloc.start(4)
+    try:
+        tracemalloc.take_snapshot().dump(str(tmp_path / "1.snap"))
+        _grow(held, 50)
+        tracemalloc.take_snapshot().dump(str(tmp_path / "2.snap"))
+    finally:
+        tracemalloc.stop()
+    lines = held_by([tmp_path / "1.snap", tmp_path / "2.snap"], 50)
+    top = lines[1].split()
+    assert float(top[0]) == pytest.approx(10.0, abs=0.2) and top[1] == "KiB/job"
+    assert top[3].startswith("test_bench.py:") and "test_bench.py" in lines[1].split("<-")[1]
