@@ -1,9 +1,9 @@
 """``python -m bench.traced_operator DIR ARGS...``: ``ftjob ARGS...`` with tracemalloc on.
 
-The fleet suite's memory profile (``--trace``): each SIGUSR1 writes the live allocations as
-DIR/<n>.snap (tracemalloc's own format, 8 frames each), so that the suite can say which
-lines hold the memory a job adds, not only the RSS. tracemalloc slows the operator several
-times over: a traced run's latencies are not the suite's numbers.
+The fleet suite's memory profile (``FTJOB_BENCH_TRACE=DIR``): each SIGUSR1 writes the live
+allocations as DIR/<n>.snap (tracemalloc's own format, 8 frames each), so that the suite can
+say which lines hold the memory a job adds, not only the RSS. tracemalloc slows the operator
+several times over: a traced run's latencies are not the suite's numbers.
 """
 
 from __future__ import annotations
