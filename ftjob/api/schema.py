@@ -143,6 +143,7 @@ def api_field(
     return dataclasses.field(default=default, metadata=meta)
 
 
+@functools.cache  # a field's name, asked on every parse of every spec (issue 55's reconciles)
 def camel(name: str) -> str:
     head, *rest = name.rstrip("_").split("_")
     return head + "".join(part.title() for part in rest)
@@ -153,6 +154,7 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+@functools.cache
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]

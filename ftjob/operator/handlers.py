@@ -41,6 +41,7 @@ from ftjob.api.spec import GROUP, KIND, PLURAL, VERSION, FineTuneJobSpec, Tracki
 from ftjob.operator import (
     admit,
     cost,
+    essence,
     lifecycle,
     metrics,
     pause,
@@ -111,6 +112,7 @@ class JobState:
     port: int | None = None  # where rank 0 serves progress, once the spec parsed
     attempt: int | None = None  # the current gang's
     cost: dict | None = None  # status.cost as last counted (written at most every so often)
+    admitted: str | None = None  # admit.digest of the last document whose children passed
     # The last copy of each pod that ended with a termination record, by name: a pod the
     # operator (or anyone) deleted is gone from the index a moment after its record is written,
     # often before the next reconcile runs, and its record says where the gang stopped (the
@@ -206,9 +208,9 @@ async def configure(
     )
     # kopf's own bookkeeping goes to annotations; .status belongs to the FineTuneJob API.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration"
-    )
+    settings.persistence.diffbase_storage = essence.Unused()  # no handler reads a diff
+    if readers := essence.readers(kopf.get_default_registry()):
+        raise startup.StartupError(f"handlers that need kopf's diff base: {readers}")
     # Only warnings from kopf itself become Events; lifecycle Events are posted explicitly.
     settings.posting.level = logging.WARNING
     # No handler needs a finalizer now (children go with their owner, by the garbage
@@ -492,9 +494,12 @@ def _decide(name, seen: Seen, state: JobState) -> tuple[FineTuneJobSpec | None, 
     if taken and taken.refused:  # over a limit of its profile, or no such profile
         gen = meta.get("generation")
         return None, lifecycle.invalid(taken.refused, gen, old_status, seen.now, taken.reason)
+    admitted = admit.digest(seen.doc)
     try:
-        _, spec = admit.parse_job(seen.doc)  # the job and every child it would create
+        # The job and every child it would create; the children once per content of the job.
+        _, spec = admit.parse_job(seen.doc, children=admitted != state.admitted)
         spec = render.with_tracking(spec, SETTINGS.default_tracking)
+        state.admitted = admitted
     except SpecError as e:
         decision = lifecycle.invalid(
             [str(x) for x in e.errors], meta.get("generation"), old_status, seen.now
@@ -590,7 +595,7 @@ async def _create_gang(name, namespace, ref, seen: Seen, spec, decision, state: 
     # pods mount the one and resolve the other).
     rounds = [
         [render.config_map(name, namespace, spec, uid), render.service(name, namespace, spec, uid)],
-        [render.pod(name, namespace, spec, r, attempt, uid, image, avoid) for r in decision.create],
+        render.pods(name, namespace, spec, attempt, uid, image, decision.create, avoid),
     ]
     requeue = None
     try:

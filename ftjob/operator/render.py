@@ -360,8 +360,14 @@ def pod(
     avoid: list[str] | tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Node ``rank`` of gang ``attempt``, kept off the nodes in ``avoid`` (status.badNodes)."""
+    return pods(job, namespace, spec, attempt, uid, default_image, [rank], avoid)[0]
+
+
+def _pod(job, namespace, spec: FineTuneJobSpec, rank: int, attempt: int, uid: str,
+         default_image: str | None, avoid, made_of: str) -> dict[str, Any]:  # fmt: skip
+    """:func:`pod`, given what every pod of the gang shares (``made_of``: its template)."""
     lbls = labels(job, rank, attempt)
-    annotations = {TEMPLATE: json.dumps(template(spec, default_image), sort_keys=True)}
+    annotations = {TEMPLATE: made_of}
     sched = spec.scheduling
     if sched.queue:
         lbls[KUEUE_QUEUE] = sched.queue
@@ -450,10 +456,16 @@ def pods(
     attempt: int,
     uid: str = "",
     default_image: str | None = None,
-) -> list:
+    ranks: list[int] | range | None = None,
+    avoid: list[str] | tuple[str, ...] = (),
+) -> list[dict[str, Any]]:
+    """The pods of ``ranks`` (default: every node) of gang ``attempt``. What they share is
+    made once: the template's digests were most of a pod's rendering, 16 times over for a
+    16-node gang that the operator renders to admit it and again to create it."""
+    made_of = json.dumps(template(spec, default_image), sort_keys=True)
+    ranks = range(spec.resources.nodes) if ranks is None else ranks
     return [
-        pod(job, namespace, spec, i, attempt, uid, default_image)
-        for i in range(spec.resources.nodes)
+        _pod(job, namespace, spec, r, attempt, uid, default_image, avoid, made_of) for r in ranks
     ]
 
 

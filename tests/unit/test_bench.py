@@ -260,3 +260,19 @@ def test_the_fleet_trace_names_the_line_that_holds_each_jobs_memory(tmp_path):
     top = lines[1].split()
     assert float(top[0]) == pytest.approx(10.0, abs=0.2) and top[1] == "KiB/job"
     assert top[3].startswith("test_bench.py:") and "test_bench.py" in lines[1].split("<-")[1]
+
+
+def test_the_fleet_says_who_spent_the_cpu_in_a_window_the_most_first():
+    import os
+    import time
+
+    from bench.fleet import cpu_seconds, cpu_spent
+
+    before = cpu_seconds(os.getpid())
+    end = time.process_time() + 0.3
+    while time.process_time() < end:  # this process busy for 0.3 s of CPU
+        pass
+    spent = cpu_seconds(os.getpid()) - before
+    assert 0.25 <= spent <= 2.0, spent
+    said = cpu_spent({"etcd": 5.0, "operator": 1.0}, {"etcd": 6.0, "operator": 31.0, "new": 2.0})
+    assert said == "operator 30, new 2, etcd 1"

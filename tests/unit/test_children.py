@@ -314,3 +314,36 @@ def test_a_job_document_too_large_for_its_config_map_is_refused_naming_the_spec(
     checked = validate.check(doc)
     assert [e.split(":")[0] for e in checked.errors] == ["spec"], checked.errors
     assert "ConfigMap job-spec" in checked.errors[0]
+
+
+def test_the_operator_checks_a_jobs_children_once_per_content_and_again_after_an_edit(
+    monkeypatch,
+):
+    from datetime import datetime, timezone
+
+    from ftjob.operator import handlers
+
+    checked = []
+    real = admit.children_errors
+    monkeypatch.setattr(admit, "children_errors", lambda *a: checked.append(a) or real(*a))
+    state, doc = handlers.JobState(), job({"namespace": "team-a", "uid": "u-1"})
+
+    def decide(d):
+        seen = handlers.Seen(copy.deepcopy(d), {}, [], datetime.now(timezone.utc))
+        return handlers._decide("job", seen, state)[1]
+
+    assert decide(doc).phase != "Failed" and len(checked) == 1
+    # A reconcile of the same job (a resync; status and resourceVersion are not its content).
+    again = copy.deepcopy(doc) | {"status": {"phase": "Running"}}
+    again["metadata"]["resourceVersion"] = "7"
+    assert decide(again).phase != "Failed" and len(checked) == 1
+    # An edit whose ConfigMap would be over 1 MiB: the children are checked again, and refused.
+    edited = copy.deepcopy(doc)
+    edited["spec"]["scheduling"] = {"affinity": {"nodeAffinity": {"note": "x" * 2**20}}}
+    refused = decide(edited)
+    assert len(checked) == 2 and refused.phase == "Failed", refused.status
+    assert "ConfigMap job-spec" in str(refused.status), refused.status
+    # Back to the content that passed: still known, and a new edit is checked again.
+    assert decide(doc).phase != "Failed" and len(checked) == 2
+    edited["spec"]["scheduling"] = {"nodeSelector": {"gpu": "h100"}}
+    assert decide(edited).phase != "Failed" and len(checked) == 3
