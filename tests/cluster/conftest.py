@@ -1,8 +1,16 @@
-"""The session's real control plane (scripts/k8s.sh): built once (cached outside the
-repository), brought up in a temporary folder, torn down at the end."""
+"""The session's real control planes (scripts/k8s.sh): built once (cached outside the
+repository), each brought up in a temporary folder when a test first asks, torn down at the end.
+
+``plane``: the API server, controllers, scheduler and kwok's fake GPU nodes. ``real_nodes``: a
+plane with two real nodes (kubelet + containerd) holding both images, shared by every module
+that runs pods on real nodes (test_real_gang.py, then test_real_nodes.py, whose last test takes
+it down and checks nothing is left): one plane up and one image import a run, not one a module."""
 
 from __future__ import annotations
 
+import shutil
+
+import envs
 import pytest
 from plane import Plane, build
 
@@ -33,3 +41,20 @@ def no_job_left_on_the_session_plane(request):
     ours = [i for i in request.session.items if i.getparent(pytest.Module) is request.node]
     if any("installed" in item.fixturenames for item in ours):
         request.getfixturevalue("installed").delete_every_job()
+
+
+@pytest.fixture(scope="session")
+def real_nodes(images, tmp_path_factory):
+    """A plane with two real nodes (no kwok nodes) whose containerds hold the trainer image (the
+    operator's gangs) and the operator image (a shell and Python: enough for plain pods)."""
+    build()
+    for tool in ("containerd", "ctr"):
+        if not shutil.which(tool):
+            envs.unavailable(f"{tool} is not installed: bash scripts/podman-host.sh")
+    p = Plane(tmp_path_factory.mktemp("real-nodes"), "--gpu-nodes", "0", "--nodes", "2",
+              "--node-image", images.trainer, "--node-image", images.operator)  # fmt: skip
+    p.up()
+    try:
+        yield p
+    finally:
+        p.down()

@@ -46,6 +46,7 @@ class Plane:
         self.options = options  # of `up`: --kueue, --gpu-nodes N
         self.kubeconfig = workdir / "admin.kubeconfig"
         self.cache = workdir / "kubecache"
+        self.running = False
 
     def up(self) -> Plane:
         assert KUBECTL, "kubectl is not installed: pip install -e '.[test]'"
@@ -53,6 +54,7 @@ class Plane:
         argv = ["bash", str(K8S_SH), "up", str(self.dir), *self.options]
         done = subprocess.run(argv, capture_output=True, text=True, env=env)
         assert done.returncode == 0, done.stdout + done.stderr
+        self.running = True
         return self
 
     def install(self) -> Plane:
@@ -104,7 +106,11 @@ class Plane:
         return shared
 
     def down(self) -> None:
-        subprocess.run(["bash", str(K8S_SH), "down", str(self.dir)], check=True)
+        """Once: a test that checks what `down` leaves (test_real_nodes.py) takes a shared
+        plane down before the session's teardown would."""
+        if self.running:
+            subprocess.run(["bash", str(K8S_SH), "down", str(self.dir)], check=True)
+            self.running = False
 
     def kubectl(self, *args: str, ok: bool = True, input: str | None = None, kubeconfig=None):
         env = dict(os.environ, KUBECONFIG=str(kubeconfig or self.kubeconfig))

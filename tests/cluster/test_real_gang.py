@@ -1,5 +1,6 @@
-"""The operator's gang on real nodes (scripts/k8s.sh up DIR --nodes N, scripts/nodes.sh): a plane
-of its own with the chart installed, real nodes whose containerds hold the built trainer image,
+"""The operator's gang on real nodes (scripts/k8s.sh up DIR --nodes N, scripts/nodes.sh): the
+session's two-node plane (tests/cluster/conftest.py) with the chart installed, real nodes whose
+containerds hold the built trainer image,
 ``ftjob operator`` as the chart's ServiceAccount. examples/tiny.yaml, applied with kubectl, is
 placed by the real scheduler on the real nodes, trained by the real kubelets' containers (which
 find each other through the cluster's DNS), and ends Succeeded with an export that
@@ -19,20 +20,17 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import envs
 import hangs
 import losses
 import pytest
-from plane import ROOT, Plane, build, token_kubeconfig
+from plane import ROOT, Plane, token_kubeconfig
 
 sys.path.append(str(ROOT / "tests" / "emulator"))
 sys.path.append(str(ROOT / "tests" / "images"))
@@ -45,26 +43,15 @@ pytestmark = pytest.mark.timeout(1800)  # the first test also waits for the imag
 NAMESPACE = "gang"
 # Two nodes, one rank on each: the gang's rendezvous and gloo traffic cross from one node's
 # bridge to the other's. The nodes share one unpacked copy of the trainer image (scripts/
-# nodes.sh); FTJOB_REAL_GANG_NODES=1 runs the same tests on one node.
-NODES = int(os.environ.get("FTJOB_REAL_GANG_NODES", "2"))
+# nodes.sh).
+NODES = 2
 TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
 
 
 @pytest.fixture(scope="module")
-def plane(images, tmp_path_factory):
-    """A plane with the chart installed and real nodes holding the trainer image."""
-    build()
-    for tool in ("containerd", "ctr"):
-        if not shutil.which(tool):
-            envs.unavailable(f"{tool} is not installed: bash scripts/podman-host.sh")
-    p = Plane(tmp_path_factory.mktemp("real-gang"), "--gpu-nodes", "0", "--nodes", str(NODES),
-              "--node-image", images.trainer)  # fmt: skip
-    p.up()
-    try:
-        p.install()
-        yield p
-    finally:
-        p.down()
+def plane(real_nodes: Plane) -> Plane:
+    """The session's real nodes (tests/cluster/conftest.py) with the chart installed."""
+    return real_nodes.install()
 
 
 @pytest.fixture(scope="module")

@@ -14,34 +14,22 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
-import envs
 import hangs
 import pytest
-from plane import Plane, build
+from plane import Plane
 
 pytestmark = pytest.mark.timeout(1800)  # the first test also waits for the image build
 NODE, OTHER = "real-node-0", "real-node-1"
 
 
 @pytest.fixture(scope="module")
-def real(images, tmp_path_factory):
-    """A plane of its own with two real nodes whose containerds hold the operator image (it has
-    a shell and Python: enough for these pods)."""
-    build()
-    for tool in ("containerd", "ctr"):
-        if not shutil.which(tool):
-            envs.unavailable(f"{tool} is not installed: bash scripts/podman-host.sh")
-    p = Plane(tmp_path_factory.mktemp("real-nodes"), "--gpu-nodes", "0", "--nodes", "2",
-              "--node-image", images.operator)  # fmt: skip
-    p.up()
-    try:
-        yield p, images.operator
-    finally:
-        p.down()
+def real(real_nodes, images):
+    """The session's two real nodes (tests/cluster/conftest.py; test_real_gang.py ran its gangs
+    there first) and the operator image, which has a shell and Python: enough for these pods."""
+    return real_nodes, images.operator
 
 
 def pod(name: str, image: str, command: list[str], memory: str = "128Mi", **spec) -> dict:
@@ -239,6 +227,7 @@ def traces(root: Path, netns: list[str], bridges: list[str], cgroup: str) -> dic
 
 
 def test_down_leaves_nothing_of_the_node(real):
+    """Last of the session's real-node tests: the plane they share goes down here."""
     plane, image = real
     plane.apply(pod("sleeper", image, ["sleep", "3600"], nodeName=NODE))
     plane.kubectl("wait", "--for=condition=Ready", "pod/sleeper", "--timeout=120s")
