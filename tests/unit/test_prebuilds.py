@@ -7,8 +7,10 @@ control plane's build, and a test that needs one gets its result; nothing else s
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
+import deadline
 import hangs
 import prebuilds
 
@@ -59,9 +61,22 @@ def test_a_session_that_ends_first_stops_a_build_still_running(tmp_path):
 def test_a_build_past_its_limit_is_stopped_and_reported(tmp_path):
     hung = build(tmp_path, "hung", seconds=60)
     hung.timeout = 1
-    code, out, _ = hung.result()
+    code, out, err = hung.result()
     assert code == -1 and out == ""
+    assert "past its limit of 1 s" in err
     assert hung._proc.poll() is not None
+
+
+def test_the_wait_for_a_build_ends_at_the_runs_deadline_saying_so(tmp_path, monkeypatch):
+    """A build that cannot end before the run's deadline is stopped there, not at its own
+    limit: the run keeps its summary, and the test that waited says why."""
+    slow = build(tmp_path, "slow", seconds=60)
+    monkeypatch.setenv(deadline.VARIABLE, str(time.time() + 2))
+    started = time.monotonic()
+    code, _, err = slow.result()
+    assert code == -1 and time.monotonic() - started < 10
+    assert f"unfinished at the run's deadline ({deadline.VARIABLE})" in err
+    assert slow._proc.poll() is not None
 
 
 def test_every_test_of_a_folder_needs_its_folders_build_and_waits_for_it_first(tmp_path):
