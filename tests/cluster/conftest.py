@@ -1,10 +1,12 @@
 """The session's real control planes (scripts/k8s.sh): built once (cached outside the
 repository), each brought up in a temporary folder when a test first asks, torn down at the end.
 
-``plane``: the API server, controllers, scheduler and kwok's fake GPU nodes. ``real_nodes``: a
-plane with two real nodes (kubelet + containerd) holding both images, shared by every module
-that runs pods on real nodes (test_real_gang.py, then test_real_nodes.py, whose last test takes
-it down and checks nothing is left): one plane up and one image import a run, not one a module."""
+``plane``: the API server, controllers, scheduler, kwok's fake GPU nodes and Kueue (which acts
+only on pods that name a queue, test_kueue.py's; every other module's pods pass its webhook).
+``real_nodes``: a plane with two real nodes (kubelet + containerd) holding both images, shared
+by every module that runs pods on real nodes (test_real_gang.py, then test_real_nodes.py, whose
+last test takes it down and checks nothing is left): one plane up and one image import a run,
+not one a module."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from plane import Plane, build
 @pytest.fixture(scope="session")
 def plane(tmp_path_factory):
     build()
-    p = Plane(tmp_path_factory.mktemp("k8s")).up()
+    p = Plane(tmp_path_factory.mktemp("k8s"), "--kueue").up()
     try:
         yield p
     finally:

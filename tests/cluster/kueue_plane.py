@@ -1,4 +1,5 @@
-"""The real control plane with Kueue (``scripts/k8s.sh up DIR --kueue``), ftjob installed from
+"""Kueue on the session's real control plane (``scripts/k8s.sh up DIR --kueue``: every
+tests/cluster module that asks for ``plane`` shares it), ftjob installed from
 manifests/install.yaml and its operator running as the chart's ServiceAccount, and a team's
 namespace set up as docs/install.md's "Queues with Kueue" says."""
 
@@ -16,7 +17,6 @@ import urllib.request
 from pathlib import Path
 
 import hangs
-import plane
 import yaml
 from plane import KUBECTL, ROOT, Plane, shared_volume, token_kubeconfig
 
@@ -28,21 +28,10 @@ ADMISSION_GATE = "kueue.x-k8s.io/admission"
 TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
 
 
-def build() -> None:
-    plane.build()  # the session's one build has Kueue's binaries too
-
-
-class KueuePlane(Plane):
-    """``scripts/k8s.sh up DIR --kueue``'s plane."""
-
-    def __init__(self, workdir: Path):
-        super().__init__(workdir, "--kueue")
-
-
 class Operator:
     """``ftjob operator`` as a process, authenticated as the chart's ServiceAccount."""
 
-    def __init__(self, plane: KueuePlane, log: Path):
+    def __init__(self, plane: Plane, log: Path):
         self.plane, self.log = plane, log
         self.health = _free_port()
         self.proc: subprocess.Popen | None = None
@@ -84,10 +73,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def install(plane: KueuePlane) -> None:
-    plane.install()
-
-
 def docs_kueue_yaml() -> str:
     """The first yaml block of docs/install.md's "Queues with Kueue" section (the objects a
     platform team applies); the second is Kueue's Configuration."""
@@ -109,7 +94,7 @@ def docs_kueue_configuration() -> dict:
     return yaml.safe_load(re.findall(r"```yaml\n(.*?)```", section, re.DOTALL)[1])
 
 
-def setup_team(plane: KueuePlane) -> None:
+def setup_team(plane: Plane) -> None:
     """What a platform team has before its users submit jobs: the team's namespace, GPU nodes
     labelled with their product (as GPU feature discovery labels them), a shared volume for
     checkpoints (a PersistentVolume bound to the claim the jobs name) and the docs' queues."""
@@ -134,7 +119,7 @@ class PodWatch:
     """Every version of a job's pods, in order, from a watch started before the job: what was
     true of each pod at each change, not only at the end."""
 
-    def __init__(self, plane: KueuePlane, job: str, path: Path):
+    def __init__(self, plane: Plane, job: str, path: Path):
         self.path = path
         env = dict(os.environ, KUBECONFIG=str(plane.kubeconfig))
         argv = [
@@ -175,12 +160,12 @@ def gates(pod: dict) -> list[str]:
     return [g["name"] for g in pod["spec"].get("schedulingGates") or []]
 
 
-def job_pods(plane: KueuePlane, job: str) -> list[dict]:
+def job_pods(plane: Plane, job: str) -> list[dict]:
     pods = plane.get("pods", namespace=TEAM, ok=False) or []
     return [p for p in pods if p["metadata"]["labels"].get("ftjob.dev/job-name") == job]
 
 
-def workload(plane: KueuePlane, name: str) -> dict | None:
+def workload(plane: Plane, name: str) -> dict | None:
     return plane.get("workloads.kueue.x-k8s.io", name, TEAM, ok=False)
 
 
@@ -190,12 +175,12 @@ def condition(obj: dict | None, kind: str) -> dict:
     )
 
 
-def admitted(plane: KueuePlane, name: str) -> dict | None:
+def admitted(plane: Plane, name: str) -> dict | None:
     w = workload(plane, name)
     return w if condition(w, "Admitted").get("status") == "True" else None
 
 
-def placed(plane: KueuePlane, job: str, attempt: int = 0, nodes: int = 2) -> list[dict]:
+def placed(plane: Plane, job: str, attempt: int = 0, nodes: int = 2) -> list[dict]:
     """The job's pods of ``attempt`` once all ``nodes`` of them are ungated and on a node."""
     pods = [
         p
@@ -206,7 +191,7 @@ def placed(plane: KueuePlane, job: str, attempt: int = 0, nodes: int = 2) -> lis
     return pods if ok else []
 
 
-def delete_job(plane: KueuePlane, job: str) -> None:
+def delete_job(plane: Plane, job: str) -> None:
     """Delete the job and wait until nothing of it is left: pods (Kueue's finalizers released),
     Workloads, the ConfigMap and Service."""
     plane.kubectl("delete", "ftj", job, "-n", TEAM, "--ignore-not-found", "--wait=false")
@@ -225,7 +210,7 @@ def delete_job(plane: KueuePlane, job: str) -> None:
         raise AssertionError(f"{e}: {leftovers(plane, job)} {state}") from None
 
 
-def leftovers(plane: KueuePlane, job: str) -> list[str]:
+def leftovers(plane: Plane, job: str) -> list[str]:
     out = [f"pod/{p['metadata']['name']}" for p in job_pods(plane, job)]
     out += [
         f"workload/{w['metadata']['name']}"

@@ -1,6 +1,6 @@
-"""Kueue v0.17 on the real control plane, driven as a platform team drives it: docs/install.md's
-"Queues with Kueue" applied verbatim, the operator running as the chart's ServiceAccount, and
-FineTuneJobs naming the LocalQueue. Kueue admits a gang whole or not at all."""
+"""Kueue v0.17 on the session's real control plane, driven as a platform team drives it:
+docs/install.md's "Queues with Kueue" applied verbatim, the operator running as the chart's
+ServiceAccount, and FineTuneJobs naming the LocalQueue. Kueue admits a gang whole or not at all."""
 
 from __future__ import annotations
 
@@ -13,54 +13,47 @@ from kueue_plane import (
     ADMISSION_GATE,
     GPU_PRODUCT,
     TEAM,
-    KueuePlane,
     Operator,
     PodWatch,
     admitted,
-    build,
     condition,
     delete_job,
     docs_kueue_configuration,
     docs_kueue_topology_yaml,
     gates,
     gpu_job,
-    install,
     job_pods,
     leftovers,
     placed,
     setup_team,
     workload,
 )
+from plane import Plane
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def team(tmp_path_factory):
-    """The plane with Kueue, ftjob installed and its operator running, team-a's queues."""
-    build()
-    plane = KueuePlane(tmp_path_factory.mktemp("k8s-kueue")).up()
-    operator = None
+def team(installed: Plane):
+    """The session's plane (Kueue's on it), ftjob installed and its operator running, team-a's
+    queues. The team's jobs go with the module (tests/cluster/conftest.py)."""
+    setup_team(installed)
+    operator = Operator(installed, installed.dir / "operator.log").start()
     try:
-        install(plane)
-        setup_team(plane)
-        operator = Operator(plane, plane.dir / "operator.log").start()
-        yield plane
+        yield installed
     finally:
-        if operator:
-            operator.stop()
-        plane.down()
+        operator.stop()
 
 
-def submit(plane: KueuePlane, name: str, **spec_changes) -> None:
+def submit(plane: Plane, name: str, **spec_changes) -> None:
     plane.apply(gpu_job(name, **spec_changes))
 
 
-def job_condition(plane: KueuePlane, name: str, kind: str) -> dict:
+def job_condition(plane: Plane, name: str, kind: str) -> dict:
     return condition({"status": plane.get("ftj", name, TEAM)["status"]}, kind)
 
 
-def short_of_quota(plane: KueuePlane, name: str) -> dict:
+def short_of_quota(plane: Plane, name: str) -> dict:
     """The Workload's QuotaReserved condition once Kueue says the quota is short."""
     reserved = condition(workload(plane, name), "QuotaReserved")
     ok = reserved.get("status") == "False" and "insufficient unused quota" in reserved.get(
