@@ -207,7 +207,10 @@ def test_the_standby_replica_takes_over_a_burst_without_a_second_gang(replicas, 
 
 def test_a_drained_acting_replica_hands_over_at_once(replicas, tmp_path):
     """SIGTERM (what a node drain does to the acting replica's pod): kopf removes its
-    keep-alive as it exits, so the other acts without waiting out the lifetime."""
+    keep-alive as it exits, so the other acts without waiting out the lifetime. Also carries
+    what tests/emulator/test_resilience.py::test_two_replicas_peer_and_only_the_leader_acts
+    showed: the standby decides nothing while the acting replica lives, resumes once it has
+    gone, and then acts on the jobs' pods."""
     for pod in ("replica-c", "replica-d")[: 2 - len(replicas.running)]:
         replicas.start(pod)
     hand_over(replicas, tmp_path, [f"drain-{i:02d}" for i in range(JOBS // 2)], Operator.stop)

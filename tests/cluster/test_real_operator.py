@@ -10,6 +10,7 @@ import copy
 import json
 import re
 import sys
+import time
 from types import SimpleNamespace
 
 import hangs
@@ -151,6 +152,10 @@ def test_a_gpu_job_is_reconciled_with_only_the_charts_token(operator):
 
 
 def test_a_failed_pod_replaces_the_gang_and_the_budget_fails_the_job(operator):
+    """Also carries what tests/emulator/test_lifecycle.py::
+    test_backoff_limit_fails_the_job_and_stops_the_gang showed: the spent budget fails the job,
+    the surviving rank is stopped and the failed pod stays (the log tail read when a pod left
+    no record: tests/unit/test_status.py)."""
     plane = operator.plane
     plane.apply(gpu_job("oom", runPolicy={"backoffLimit": 1}))
     first = gang_running(plane, "oom", 0)
@@ -173,6 +178,13 @@ def test_a_failed_pod_replaces_the_gang_and_the_budget_fails_the_job(operator):
         e["reason"] for e in json.loads(events)["items"] if e["involvedObject"].get("name") == "oom"
     }
     assert "OOMKilled" in reasons
+    # The surviving rank is stopped; the failed pod stays for `kubectl logs`.
+    plane.wait(
+        lambda: [p["metadata"]["name"] for p in pods_of(plane, "oom")
+                 if not p["metadata"].get("deletionTimestamp")] == ["oom-node-0"],
+        60,
+        "the survivor to go and the failed pod to stay",
+    )  # fmt: skip
 
 
 def rdzv_id(pod: dict) -> str:
@@ -199,6 +211,9 @@ def test_deleting_a_job_leaves_no_child(operator):
 
 
 def test_the_operator_killed_mid_job_converges_after_restart(operator):
+    """Also carries what tests/emulator/test_resilience.py::
+    test_restarting_the_operator_changes_nothing_that_is_right showed: stopped and started
+    again with nothing changed, the operator keeps the same pods and the same status."""
     plane = operator.plane
     plane.apply(gpu_job("survive", runPolicy={"backoffLimit": 2}))
     first = {p["metadata"]["uid"] for p in gang_running(plane, "survive", 0)}
@@ -209,6 +224,21 @@ def test_the_operator_killed_mid_job_converges_after_restart(operator):
     assert not first & second
     status = status_of(plane, "survive")
     assert status["restarts"] == 1 and status["failure"]["reason"] == "OOMKilled"
+    # Stopped and started again with nothing changed: the same pods, the same status (the
+    # cost aside: a gang's first running seconds are written at a next look, whoever makes it).
+    before = plane.wait(
+        lambda: (s := status_of(plane, "survive")).get("phase") == "Running" and s,
+        hangs.FLOOR,
+        "phase Running",
+    )
+    operator.stop()
+    operator.start()
+    time.sleep(2.5)  # more than a resync
+    assert {p["metadata"]["uid"] for p in pods_of(plane, "survive")} == second
+    after = status_of(plane, "survive")
+    after.pop("cost", None)
+    before.pop("cost", None)
+    assert after == before, (before, after)
 
 
 def can_i(plane: Plane, user: str) -> set[tuple[str, str]]:
@@ -296,7 +326,12 @@ def test_pod_security_admits_tcp_and_efa_under_restricted_and_a_refusal_reaches_
 def test_the_scheduler_keeps_the_next_gang_off_a_bad_node(operator):
     """A hardware failure (an Xid in the trainer's log) puts its node on status.badNodes;
     the real scheduler then never places the next gang's pods there: a 4-node job on the 4
-    GPU nodes gets 3 pods placed on the others and 1 left Pending by its node affinity."""
+    GPU nodes gets 3 pods placed on the others and 1 left Pending by its node affinity.
+
+    Also carries what tests/emulator/test_operator_recovery.py::
+    test_a_failure_on_a_node_keeps_the_next_gang_off_it showed: the BadNode Event, the list in
+    what kubectl prints, and the list cleared by a status patch frees the node for the gang
+    after next."""
     plane = operator.plane
     plane.apply(gpu_job("xid", nodes=4, runPolicy={"backoffLimit": 2}))
     first = gang_running(plane, "xid", 0, nodes=4)
@@ -307,6 +342,30 @@ def test_the_scheduler_keeps_the_next_gang_off_a_bad_node(operator):
     assert bad not in {p["spec"].get("nodeName") for p in pods}
     assert bad in [b["node"] for b in status_of(plane, "xid")["badNodes"]]
     assert "affinity" in unschedulable["message"], unschedulable
+    status = status_of(plane, "xid")
+    (entry,) = status["badNodes"]
+    assert entry["node"] == bad and entry["count"] == 1, entry
+    assert status["restarts"] == 1 and status["failure"]["nodeFault"] is True, status
+    [event] = plane.wait(lambda: events_of(plane, "xid", "BadNode"), hangs.FLOOR, "BadNode")
+    assert event["type"] == "Warning" and f"node {bad} is kept away" in event["message"]
+    shown = plane.kubectl("get", "ftj", "xid", "-n", NAMESPACE, "-o",
+                          "jsonpath={.status.badNodes}").stdout  # fmt: skip
+    assert json.loads(shown)[0]["node"] == bad
+
+    # Cleared (docs/operator.md): the gang after next may use the node again.
+    plane.kubectl("patch", "ftj", "xid", "-n", NAMESPACE, "--subresource=status",
+                  "--type=merge", "-p", '{"status": {"badNodes": null}}')  # fmt: skip
+    plane.wait(lambda: "badNodes" not in status_of(plane, "xid"), hangs.FLOOR, "the list cleared")
+    placed = plane.wait(
+        lambda: next((p["metadata"]["name"] for p in pods_of(plane, "xid")
+                      if p["status"].get("phase") == "Running"), None),
+        hangs.FLOOR,
+        "a running pod of attempt 1",
+    )  # fmt: skip
+    terminate(plane, placed, 1, "Error")  # a failure that is not the node's
+    third = gang_running(plane, "xid", 2, nodes=4)
+    assert bad in {p["spec"]["nodeName"] for p in third}  # one pod a node: the bad one too
+    assert "badNodes" not in status_of(plane, "xid")
 
 
 def placed_but_one(plane: Plane, name: str, attempt: int, nodes: int) -> tuple[list, dict]:
@@ -350,7 +409,11 @@ def test_a_gang_puts_one_pod_on_each_node_and_waits_for_a_free_one(operator):
 @pytest.mark.timeout(600)  # the first test to ask waits for the real trainer's outputs
 def test_every_node_exiting_zero_with_the_trainers_record_succeeds(operator, trainer_runs):
     """Success through the real lifecycle: the termination record is the real trainer's
-    (tests/trainer_outputs.py), written into the pod's status as a kubelet would."""
+    (tests/trainer_outputs.py), written into the pod's status as a kubelet would. Also
+    carries what tests/emulator/test_lifecycle.py::
+    test_a_job_whose_model_was_already_trained_succeeds showed: completionTime, the record's
+    modelPath and a Completed Event (an already-trained run's record succeeds the same way:
+    tests/unit/test_status.py)."""
     plane = operator.plane
     run = trainer_runs.get("succeeded")
     plane.apply(gpu_job("done"))
@@ -379,6 +442,7 @@ def test_every_node_exiting_zero_with_the_trainers_record_succeeds(operator, tra
     ], row
     # The operator's log says the decision, naming the job (point 6).
     assert operator.logged(f"{NAMESPACE}/done: Completed: training finished; model at ")
+    plane.wait(lambda: events_of(plane, "done", "Completed"), hangs.FLOOR, "a Completed Event")
 
 
 def events_of(plane: Plane, name: str, reason: str) -> list[dict]:
@@ -440,6 +504,24 @@ def test_a_gang_that_cannot_be_scheduled_says_why_and_fails_at_its_start_limit(o
     assert failed["failure"]["reason"] == "StartTimeout", failed["failure"]
     assert "Insufficient nvidia.com/gpu" in failed["failure"]["message"]
     assert not [p for p in pods_of(plane, "toobig") if not p["metadata"].get("deletionTimestamp")]
+
+
+def test_a_job_the_plan_says_will_not_fit_fails_before_any_pod(operator):
+    """examples/llama3-8b-full-1gpu.yaml (a full 8B fine-tune on one A100-40GB) under
+    spec.plan.enforce, on by default: Failed as WillNotFit with the plan's figures, and no pod
+    and no start time. Carries what tests/emulator/test_lifecycle.py::
+    test_a_job_that_will_not_fit_fails_before_any_pod showed (the verdict itself:
+    tests/unit/test_status.py)."""
+    plane = operator.plane
+    job = manifest.load(ROOT / "examples" / "llama3-8b-full-1gpu.yaml")[0]
+    job["metadata"]["namespace"] = NAMESPACE
+    name = job["metadata"]["name"]
+    plane.apply(job)
+    status = plane.wait(
+        lambda: (s := status_of(plane, name)).get("phase") == "Failed" and s, 60, "Failed"
+    )
+    assert status["failure"]["reason"] == "WillNotFit" and "GiB" in status["failure"]["message"]
+    assert not pods_of(plane, name) and "startTime" not in status, status
 
 
 def test_an_edit_of_a_gang_that_never_ran_makes_a_new_gang_and_a_running_one_says_how(

@@ -10,7 +10,6 @@ import pytest
 from dashboard_queries import exported_series, unexported
 from hangs import FLOOR
 from support import (
-    ROOT,
     events_of,
     gang_running,
     job_pods,
@@ -20,8 +19,7 @@ from support import (
     wait_phase,
 )
 
-from ftjob.api import manifest
-from ftjob.operator.status import NO_RECORD, format_eta
+from ftjob.operator.status import format_eta
 from ftjob.trainer.report import metrics as trainer_metrics
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,21 +31,6 @@ def env_of(pod: dict) -> dict:
     return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
 
 
-@REAL_RUNS
-def test_a_job_whose_model_was_already_trained_succeeds(cluster, operator, trainer_runs):
-    """The real trainer's record when the export already existed (a fresh run's record is
-    tests/cluster/test_real_operator.py's, on the real control plane)."""
-    run = trainer_runs.get("already-trained")
-    name = "ok-already-trained"
-    cluster.create_job(tiny_job(name))
-    gang_running(cluster, name, 0)
-    cluster.terminate(f"{name}-node-1", 0)
-    cluster.terminate(f"{name}-node-0", 0, message=run.message)
-    status = wait_phase(cluster, name, "Succeeded")
-    assert status["completionTime"] and status["modelPath"] == str(run.job_dir / "model")
-    cluster.wait(lambda: "Completed" in events_of(cluster, name), FLOOR, "a Completed event")
-
-
 def test_exit_zero_without_an_exported_model_is_not_success(cluster, operator):
     cluster.create_job(tiny_job("hollow"))
     gang_running(cluster, "hollow", 0)
@@ -56,21 +39,6 @@ def test_exit_zero_without_an_exported_model_is_not_success(cluster, operator):
     status = wait_phase(cluster, "hollow", "Failed")
     assert "named no exported model" in status["failure"]["message"]
     assert status["restarts"] == 0
-
-
-@REAL_RUNS
-def test_backoff_limit_fails_the_job_and_stops_the_gang(cluster, operator, trainer_runs):
-    killed = trainer_runs.get("killed")  # no record: its log tail is the message
-    cluster.create_job(tiny_job("limit", runPolicy={"backoffLimit": 0}))
-    gang_running(cluster, "limit", 0)
-    cluster.terminate("limit-node-0", 137, message=killed.message)
-    status = wait_phase(cluster, "limit", "Failed")
-    assert status["failure"]["reason"] == "Error" and NO_RECORD in status["failure"]["message"]
-    assert killed.log.strip().splitlines()[-1] in status["failure"]["message"]
-    failed = {c["type"]: c for c in status["conditions"]}["Failed"]
-    assert "backoffLimit (0) reached" in failed["message"]
-    # The surviving rank is stopped; the failed pod stays for `kubectl logs`.
-    cluster.wait(lambda: len(job_pods(cluster, "limit")) == 1, FLOOR, "the survivor to go")
 
 
 @REAL_RUNS
@@ -209,14 +177,6 @@ def test_the_charts_dashboard_queries_only_what_the_operator_and_trainer_export(
     assert ("ftjob_mfu_ratio", "mfu") in [(name, key) for name, key, _ in trainer_metrics.GAUGES]
     assert "ftjob_loss" in exported and "ftjob_reconcile_seconds_bucket" in exported
     assert unexported(dashboard_queries.load(), exported | {"ftjob_mfu_ratio"}) == {}
-
-
-def test_a_job_that_will_not_fit_fails_before_any_pod(cluster, operator):
-    doc = manifest.load(ROOT / "examples" / "llama3-8b-full-1gpu.yaml")[0]
-    cluster.create_job(doc)
-    status = wait_phase(cluster, doc["metadata"]["name"], "Failed")
-    assert status["failure"]["reason"] == "WillNotFit" and "GiB" in status["failure"]["message"]
-    assert not job_pods(cluster, doc["metadata"]["name"]) and "startTime" not in status
 
 
 def test_a_job_the_crd_takes_but_whose_children_cannot_exist_fails_clearly(cluster, operator):
