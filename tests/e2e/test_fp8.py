@@ -3,9 +3,10 @@
     python -m pytest tests/e2e/test_fp8.py -q
 
 `ftjob run` trains the tiny model (full fine-tune, sharded over both ranks, float8
-all-gathers) in fp8 and in fp32 over the same 12 steps, kills fp8 and fp32 runs mid-way and
-resumes them, each in its own precision and in the other's, and trains LoRA on a float8
-base. On CPU float8 is emulated: values are rounded and scaled as on a GPU, then multiplied in
+all-gathers) in fp8 and in fp32 over the same 12 steps, kills an fp8 run mid-way and resumes
+it in fp8 and in bf16 (the same compute but for float8's rounding: the curves must differ),
+and in the slow tier resumes a killed fp32 run in fp8 and trains LoRA on a float8 base. On
+CPU float8 is emulated: values are rounded and scaled as on a GPU, then multiplied in
 high precision, so these runs test the numerics and the plumbing, not the speed.
 """
 
@@ -77,8 +78,6 @@ def test_fp8_lowers_the_loss_and_stays_within_tolerance_of_fp32(fp8, fp32):
     gap = near(low, high, range(1, STEPS + 1))
     print(f"fp8 vs fp32: max relative loss gap {gap:.5f}")
     assert gap < TOLERANCE, (low, high)
-    # Float8 rounding happened: the curves are close, not equal.
-    assert low != high
 
 
 def test_fp8_says_what_it_converted_and_that_it_is_emulated(fp8):
@@ -115,12 +114,12 @@ def test_the_fp8_export_is_an_ordinary_model_with_the_trained_eval_loss(fp8):
 @pytest.fixture(scope="session")
 def fp8_killed(runs) -> tuple[Path, int, Path, int]:
     """An fp8 run killed after step 5, resumed in fp8, and (a copy of the killed folder)
-    in fp32."""
-    workdir, aside = runs / "fp8-killed", runs / "fp8-then-fp32"
+    in bf16."""
+    workdir, aside = runs / "fp8-killed", runs / "fp8-then-bf16"
     killed(fp("fp8-killed", "fp8"), workdir)
     shutil.copytree(workdir, aside, symlinks=True)
     _, out = trained(fp("fp8-killed", "fp8"), workdir)
-    _, crossed = trained(fp("fp8-killed", "fp32"), aside)
+    _, crossed = trained(fp("fp8-killed", "bf16"), aside)
     return workdir, resumed_from(out), aside, resumed_from(crossed)
 
 
@@ -132,13 +131,21 @@ def test_a_killed_fp8_run_resumes_to_the_same_losses(fp8_killed, fp8):
     assert [again[s] for s in after] == [first[s] for s in after]
 
 
-def test_an_fp8_checkpoint_resumes_in_fp32(fp8_killed, fp32):
+def test_an_fp8_checkpoint_resumes_in_bf16_which_differs_from_fp8_by_float8_rounding(
+    fp8_killed, fp8, fp32
+):
     _, _, workdir, resumed = fp8_killed
     assert 4 <= resumed < STEPS
-    assert near(losses(workdir), losses(fp32), range(resumed + 1, STEPS + 1)) < TOLERANCE
+    crossed, float8, after = losses(workdir), losses(fp8[0]), range(resumed + 1, STEPS + 1)
+    assert near(crossed, losses(fp32), after) < TOLERANCE
+    assert near(crossed, float8, after) < TOLERANCE
+    # Float8 rounding happened: from the same checkpoint, with the same bf16 compute and the
+    # same batches, the fp8 run differs from this one only where its linear layers round to
+    # float8, at every step. (Against fp32, as this once was, bf16 alone made them differ.)
+    assert all(crossed[s] != float8[s] for s in after), (crossed, float8)
 
 
-@pytest.mark.slow  # tests/deadline.py: a checkpoint across precisions is the fp8-to-fp32 test's
+@pytest.mark.slow  # tests/deadline.py: a checkpoint across precisions is the fp8-to-bf16 test's
 def test_an_fp32_checkpoint_resumes_in_fp8(runs, fp8, fp32):
     workdir = runs / "fp32-then-fp8"
     killed(fp("fp32-killed", "fp32"), workdir)
