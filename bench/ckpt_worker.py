@@ -89,7 +89,7 @@ def steps_alone(model, optimizer, vocab: int) -> float:
 def raw_write(model, optimizer, out: Path, rank: int) -> None:
     """The floor under any sharded save here: each rank torch.save()s the same local tensors
     (weights and moments) to one file and fsyncs it, with no planning or metadata."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=checkpoint.OPTIONS)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=checkpoint.options())
     local = [v.to_local() for v in model_sd.values()]
     local += [v.to_local() for s in optim_sd["state"].values() for v in s.values() if v.dim()]
     out.mkdir(parents=True, exist_ok=True)

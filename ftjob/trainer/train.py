@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers.utils import logging as hf_logging
+from huggingface_hub.utils import disable_progress_bars
 
 from ftjob.api import contract
 from ftjob.api.contract import BAD_SPEC, EXPORT_FAILED, TrainerError
@@ -105,9 +105,7 @@ class Job:
 def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progress) -> Path:
     d, beat = _join(spec, job_dir, report)
     out = jobfolder.export_path(job_dir, spec)
-    hf_logging.disable_progress_bar()  # pod logs are not terminals
-    if not d.is_main:
-        hf_logging.set_verbosity_error()  # one copy of each warning is enough
+    disable_progress_bars()  # pod logs are not terminals (a download's; transformers' too)
     lease, recorded = _take(spec, name, job_dir, out, d, report)
     report.startup.mark("rendezvous")
     if jobfolder.finished(spec, recorded, out):
@@ -209,12 +207,22 @@ def _data(job: Job):
     """The tokenizer, the prepared data, its sampler and the number of steps to train."""
     spec, d, t = job.spec, job.d, job.spec.training
     job.report.phase("preparing-data")
+    _quiet_transformers(d.is_main)
     tok = model.load_tokenizer(spec)
     # Rank 0 prepares (or reuses) the data on the volume; the others wait, then memory-map it.
     ds = data.load(spec, tok, job.folder, is_main=d.is_main, log=job.say,
                    on_progress=lambda p: job.report.update(preparing=p))  # fmt: skip
     sampler = job.goal.sampler(len(ds.train), spec, d.world_size)
     return tok, ds, sampler, t.max_steps or sampler.steps_for(t.epochs)
+
+
+def _quiet_transformers(is_main: bool) -> None:
+    """transformers' logging, set where this phase first imports transformers (the tokenizer's)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # pod logs are not terminals
+    if not is_main:
+        hf_logging.set_verbosity_error()  # one copy of each warning is enough
 
 
 def _join(spec: FineTuneJobSpec, job_dir: Path, report: progress.Progress):

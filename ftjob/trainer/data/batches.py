@@ -19,17 +19,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job.folder import JobFolder
-from ftjob.trainer.data import prepare
 from ftjob.trainer.data.records import DataError
 from ftjob.trainer.data.tokenize import IGNORE
 
 if TYPE_CHECKING:  # imported by the phase that uses it: see ftjob/trainer/report/startup.py
+    import pyarrow as pa
     from transformers import PreTrainedTokenizerBase
+
+    from ftjob.trainer.data import prepare  # load()'s: pyarrow (and datasets) come with it
 
 __all__ = [
     "IGNORE",
@@ -63,6 +64,8 @@ class Sequences:
 
     @classmethod
     def open(cls, folder: Path) -> Sequences:
+        import pyarrow as pa
+
         maps, tables = [], []
         for path in sorted(folder.glob("*.arrow")):
             with path.open("rb") as f:
@@ -117,6 +120,8 @@ def load(
     on_progress: prepare.Progress | None = None,
 ) -> Data:
     """The job's prepared train (and eval) sequences, memory-mapped; prepared if missing."""
+    from ftjob.trainer.data import prepare
+
     folder = prepare.prepare(
         spec, tok, JobFolder(job_dir).data, is_main=is_main, log=log, on_progress=on_progress
     )

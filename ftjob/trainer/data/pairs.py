@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
 
 from ftjob.api.spec import DatasetSpec
 from ftjob.trainer.data.records import DataError
 from ftjob.trainer.data.tokenize import IGNORE
 
 if TYPE_CHECKING:  # imported by the phase that uses it: see ftjob/trainer/report/startup.py
+    import pyarrow as pa  # by batch() alone: DPO's objective imports this module at start
     from transformers import PreTrainedTokenizerBase
 
 COLUMNS = ("line", "prompt_ids", "chosen_ids", "rejected_ids")
@@ -49,6 +49,8 @@ def batch(
 ) -> pa.Table:
     """``datasets.map(batched=True)`` over normalized preference records -> tokenized pairs,
     each fitted into ``limit`` tokens per sequence (:func:`fit`), with what the fit cut."""
+    import pyarrow as pa
+
     out: dict[str, list] = {c: [] for c in COLUMNS}
     out.update(cut_prompt=[], cut_response=[])
     table = rows.to_pydict()

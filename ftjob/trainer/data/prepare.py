@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
+import pyarrow as pa  # at this module's import: the data phase's (batches.load), not start-up's
 import pyarrow.compute as pc
 
 from ftjob.api.spec import FineTuneJobSpec

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import pyarrow as pa
-
 from ftjob.trainer.data.pairs import _where
 from ftjob.trainer.data.records import DataError
 
 if TYPE_CHECKING:  # imported by the phase that uses it: see ftjob/trainer/report/startup.py
+    import pyarrow as pa  # by batch() alone, as pairs.py and tokenize.py do
     from transformers import PreTrainedTokenizerBase
 
 COLUMNS = ("line", "prompt_ids", "record")
@@ -37,6 +36,8 @@ def batch(
 ) -> pa.Table:
     """``datasets.map(batched=True)`` over normalized prompts records -> their token ids, each
     cut to its last ``limit`` tokens, with the count cut."""
+    import pyarrow as pa
+
     table = rows.to_pydict()
     out: dict[str, list] = {"line": [], "prompt_ids": [], "record": [], "cut_prompt": []}
     for i, line in enumerate(table["line"]):

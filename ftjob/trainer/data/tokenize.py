@@ -12,14 +12,16 @@ from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from ftjob.api.spec import DatasetSpec
 from ftjob.trainer.data.records import DataError
 
 if TYPE_CHECKING:  # imported by the phase that uses it: see ftjob/trainer/report/startup.py
+    import pyarrow as pa
     from transformers import PreTrainedTokenizerBase
+
+# pyarrow only where a function builds Arrow (the data phase): the loss and the objectives
+# import IGNORE from here at the trainer's start.
 
 IGNORE = -100  # label of tokens that are context only (prompts, user turns, padding)
 
@@ -81,6 +83,8 @@ def batch(
     Python ints to an int32 Arrow column (and copying them again for the labels) cost as much
     as the tokenizer itself.
     """
+    import pyarrow as pa
+
     eos = tok.eos_token_id
     if ds.format == "chat":
         pairs = [
@@ -117,6 +121,9 @@ def batch(
 
 def learnable(table: pa.Table, limit: int | None = None) -> pa.Array:
     """Which rows have a label to learn within their first ``limit`` tokens (any, if None)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     labels = table.column("labels").combine_chunks()
     if limit is not None:
         labels = pc.list_slice(labels, 0, limit)

@@ -85,8 +85,22 @@ def register() -> None:
     """Make :data:`NAME` known to transformers (idempotent; :func:`implementation` does)."""
     from transformers import AttentionInterface  # with the model classes: when they are built
 
+    _prepare()
     if NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(NAME, packed_attention)
+
+
+def _prepare() -> None:
+    """What a forward calls, settled at the model's build: not at this module's import (the
+    trainer's start; torch._dynamo, and the varlen kernel's FSDP, are seconds of it), and not
+    inside a forward that torch.compile may trace. The eager :func:`per_document`, and torch's
+    varlen kernel where a GPU could run it (:func:`_varlen` settles it elsewhere)."""
+    global _eager_per_document
+    if _eager_per_document is None:
+        # transformers' model loading imports torch._dynamo anyway: this costs nothing more.
+        _eager_per_document = torch.compiler.disable(per_document)
+    if torch.cuda.is_available():
+        _varlen()
 
 
 def packed_attention(
@@ -144,7 +158,7 @@ def packed_attention(
     if kernel is not None:
         out = kernel(q, k, v, cu, longest, scaling)
     else:
-        out = per_document(q, k, v, cu, scaling)
+        out = (_eager_per_document or per_document)(q, k, v, cu, scaling)
     return out.view(b, s, heads, out.shape[-1]), None
 
 
@@ -180,8 +194,11 @@ def _refuse_unsupported(module, query, key, attention_mask, dropout, is_causal, 
 # and a traced loop over them would be specialised to each batch's lengths, so every step
 # compiled its layers again (a layer compiled once per new layout until dynamo's limit of 8;
 # measured on CPU, tiny model). SDPA per document has nothing for inductor to fuse; the layer
-# around it stays compiled, once.
-@torch.compiler.disable
+# around it stays compiled, once. packed_attention calls this wrapped in
+# torch.compiler.disable (:func:`_prepare`, at the model's build).
+_eager_per_document: Callable | None = None
+
+
 def per_document(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
@@ -222,7 +239,7 @@ def compute_dtype(query: torch.Tensor) -> torch.dtype:
 
 def _kernel(query: torch.Tensor) -> Varlen | None:
     """torch's varlen flash kernel where it runs (CUDA, half precision), else None."""
-    return _VARLEN if _varlen_runs(query.device, query.dtype) else None
+    return _varlen() if _varlen_runs(query.device, query.dtype) else None
 
 
 def _varlen_runs(device: torch.device, dtype: torch.dtype) -> bool:
@@ -234,7 +251,7 @@ def kernel_name(attn_implementation: str, device: torch.device, dtype: torch.dty
     ``dtype`` (the trainer logs it: a GPU run says which kernel its figures come from)."""
     if attn_implementation != NAME:
         return f"transformers' {attn_implementation}"
-    if _VARLEN is not None and _varlen_runs(device, dtype):
+    if _varlen_runs(device, dtype) and _varlen() is not None:
         return f"{NAME}: torch varlen_attn (flash)"
     return f"{NAME}: scaled_dot_product_attention per document"
 
@@ -318,6 +335,15 @@ def _torch_varlen() -> Varlen | None:
     return adapt_varlen(varlen_attn)
 
 
-# Resolved once at import, not inside a forward that torch.compile may trace. Registering
-# with transformers waits for implementation(): the model's build (start-up: its import).
-_VARLEN = _torch_varlen()
+_UNSETTLED = object()
+# torch's varlen kernel, adapted, or None: settled once, by the model's build where a GPU is
+# visible (:func:`_prepare`), not inside a forward that torch.compile may trace. Its module
+# imports FSDP and torch._dynamo: never at this module's import.
+_VARLEN: Varlen | None | object = _UNSETTLED
+
+
+def _varlen() -> Varlen | None:
+    global _VARLEN
+    if _VARLEN is _UNSETTLED:
+        _VARLEN = _torch_varlen()
+    return _VARLEN  # type: ignore[return-value]

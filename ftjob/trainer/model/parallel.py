@@ -17,12 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
 
 from ftjob.api import contract
 from ftjob.api.spec import FineTuneJobSpec
@@ -31,6 +25,9 @@ from ftjob.plan import layout as plan_layout
 from ftjob.plan import limits
 from ftjob.plan.estimate import checkpoint_stride, checkpointed
 from ftjob.plan.modelshape import ModelShape
+
+# FSDP (with DTensor and sympy: a second of CPU) is imported when a model is sharded
+# (:func:`shard`), not at the trainer's start; a job of one rank (:func:`plain`) needs none.
 
 
 @dataclass(frozen=True)
@@ -225,6 +222,8 @@ def shard(
     ``whole``: parameters FSDP leaves alone (each rank holds them whole); ``speed``:
     what activationCheckpointing and compile resolve to on a CPU (no device memory to fit)
     when not given; the trainer passes its :func:`layout`'s."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
     layers = _speed_up(model, _resolved(model, spec, sharding, speed))
     if spec.bf16_compute():
         # Gradients are reduced in fp32 so that averaging across ranks loses nothing.
@@ -245,3 +244,10 @@ def shard(
     # keeping it gathered after forward saves one all-gather per step.
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
+
+
+def fully_shard(module: nn.Module, **kwargs) -> nn.Module:
+    """torch's FSDP2 ``fully_shard``, imported at the first call."""
+    from torch.distributed.fsdp import fully_shard as fsdp_shard
+
+    return fsdp_shard(module, **kwargs)

@@ -7,8 +7,11 @@ of its first optimizer step, said once in the log and kept in progress (``startu
 (the tiny example on a 2-core machine under a load average of 13).
 
 The phases follow one another, so they add up to the total: each is the time since the one
-before it ended. What a phase imports when it needs it (transformers' model classes in
-``shard``, the datasets library in ``data``) is counted in that phase, not in ``imports``.
+before it ended. The trainer's modules import at their top only what start-up itself runs
+(torch, the process group); a library a later phase needs is imported where it is first used
+and counted in that phase, not in ``imports`` (tests/unit/test_startup_imports.py keeps it
+so). In the tiny example ``data`` imports transformers (and through it torch._dynamo and
+FSDP), pyarrow, datasets and trl; ``shard`` the model classes.
 """
 
 from __future__ import annotations

@@ -33,19 +33,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 
 from ftjob.api.contract import CHECKPOINT_UNREADABLE, INTERNAL, TrainerError
 from ftjob.job.folder import BEING_WRITTEN, STEP, step_folder, writing
 from ftjob.trainer.state import integrity, volume
 from ftjob.trainer.state.integrity import COMMITTED
+
+# torch.distributed.checkpoint (DCP: FSDP, DTensor and sympy come with it, a second of CPU)
+# is imported where a checkpoint is made, saved or loaded, not at the trainer's start; the
+# folders' listing and checks below need none of it.
 
 STEP_DIR = STEP  # the job folder names its checkpoints (ftjob.job.folder)
 
@@ -97,15 +93,22 @@ def step_of(path: Path) -> int:
     return int(STEP_DIR.match(path.name).group(1))
 
 
-# Frozen weights (the base under LoRA/QLoRA) are re-read from model.source on every start:
-# checkpoints hold only what training changes, a few MB of adapters instead of the base.
-# strict=False lets those frozen keys be absent; dcp.load still fails on any missing key of
-# the state requested, which is every trainable one.
-OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+def options():
+    """The state-dict options of every save and load.
+
+    Frozen weights (the base under LoRA/QLoRA) are re-read from model.source on every start:
+    checkpoints hold only what training changes, a few MB of adapters instead of the base.
+    strict=False lets those frozen keys be absent; dcp.load still fails on any missing key of
+    the state requested, which is every trainable one."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def _state(model, optimizer, scheduler, step: int) -> dict:
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options())
     return {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": step}
 
 
@@ -141,6 +144,8 @@ class Checkpointer:
             # interleave with training's collectives (and work with NCCL training too).
             self._group = dist.new_group(backend="gloo")
             self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ftjob-checksums")
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
             # Pinned buffers and non-blocking copies on a side stream where there is a GPU.
             self._stager = DefaultStager(
                 StagingOptions(
@@ -154,6 +159,9 @@ class Checkpointer:
     def save(self, model, optimizer, scheduler, step: int, own: dict | None = None) -> None:
         """``own``: what this rank holds that no other does and the next run needs (the
         objective's, e.g. GRPO's generation batch), kept beside its RNG streams."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
         self.wait()
         self._began = time.monotonic()
         final = folder(self.root, step)
@@ -224,6 +232,8 @@ class Checkpointer:
         self.before_update()
         if self._pending is None:
             return
+        from torch.distributed.checkpoint.api import CheckpointException
+
         future, tmp, final = self._pending
         self._pending = None
         error, sums = None, {}
@@ -306,6 +316,10 @@ class Checkpointer:
 
         The files were verified (:func:`choose`); what fails now does not fit this job (a
         changed model or method) and is named as such rather than as a traceback."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         state = _state(model, optimizer, scheduler, 0)
         try:
             dcp.load(state, checkpoint_id=str(path))
@@ -314,7 +328,7 @@ class Checkpointer:
                 optimizer,
                 model_state_dict=state["model"],
                 optim_state_dict=state["optim"],
-                options=OPTIONS,
+                options=options(),
             )
             scheduler.load_state_dict(state["scheduler"])
         except (Exception, CheckpointException) as e:  # dcp's is a BaseException

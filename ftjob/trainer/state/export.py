@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from ftjob.api.spec import FineTuneJobSpec, ModelSpec
 from ftjob.job import folder as jobfolder
@@ -53,6 +52,9 @@ def export(
     ``asked`` is the spec as the job gave it (``spec`` may name a downloaded copy): its model
     source is the base an adapter names."""
     if spec.method.type == "full":
+        # DCP's gather (FSDP and DTensor come with it): the export's, not start-up's
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(model, options=options)
     else:
