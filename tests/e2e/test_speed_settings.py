@@ -4,8 +4,9 @@
 
 `ftjob run` with 2 real processes: activation checkpointing of no layer, of every other layer
 and of every layer, and each decoder layer compiled (torch.compile with inductor, on CPU),
-train to the same losses; the progress document says which setting ran. A compiled run
-leaves its compiled graphs in the job folder's compile cache, and the resumed run loads them.
+train to the same losses; the progress document says which setting ran. The compiled run
+leaves its compiled graphs in the job folder's compile cache, and the same run resumed for a
+step more loads them.
 """
 
 from __future__ import annotations
@@ -24,32 +25,21 @@ STEPS = 3
 # default's again.
 pytestmark = pytest.mark.slow
 
+COMPILED = "every-2nd-compiled"
+
+
+def settings_job(name: str, steps: int = STEPS, **training) -> dict:
+    # The compiled run keeps a checkpoint (step 2) for its resumed run; no setting saves more.
+    every = 2 if training.get("compile") else 4
+    return job(name, training={"maxSteps": steps, **training}, dataset={"evalFraction": None},
+               checkpoint={"every": every})  # fmt: skip
+
 
 def settings_run(tmp_path, name: str, **training) -> tuple[dict, dict]:
-    doc = job(name, training={"maxSteps": STEPS, **training}, dataset={"evalFraction": None})
     workdir = tmp_path / name
-    code, out = run(doc, workdir)
+    code, out = run(settings_job(name, **training), workdir)
     assert code == 0, out[-3000:]
     return losses(workdir), json.loads((workdir / "progress.json").read_text())
-
-
-# The outer hang guard of three runs (each guarded by hangs.RUN): pyproject's 1800 s is below
-# three runs' guards, and would end the test before a run's own guard could name the hang.
-@pytest.mark.timeout(3 * hangs.RUN)
-def test_checkpointing_and_compile_settings_train_to_the_same_losses(tmp_path):
-    reference, snap = settings_run(tmp_path, "every-layer", activationCheckpointing="all")
-    assert snap["activationCheckpointing"] == 1 and snap["compiled"] is False
-    assert sorted(reference) == list(range(1, STEPS + 1))
-    cases = {
-        "no-layer": ({"activationCheckpointing": "none"}, 0, False),
-        "every-2nd-compiled": ({"activationCheckpointing": "every-2", "compile": True}, 2, True),
-    }
-    for name, (training, every, compiled) in cases.items():
-        curve, snap = settings_run(tmp_path, name, **training)
-        assert (snap["activationCheckpointing"], snap["compiled"]) == (every, compiled), name
-        for step, loss in reference.items():
-            # inductor fuses and reorders fp32 arithmetic: equal to rounding, not bit for bit
-            assert curve[step] == pytest.approx(loss, rel=1e-4), (name, step)
 
 
 def compile_notes(workdir) -> list[str]:
@@ -58,13 +48,29 @@ def compile_notes(workdir) -> list[str]:
     return [line for line in log.splitlines() if line.startswith("compiled layers:")]
 
 
-@pytest.mark.timeout(2 * hangs.RUN)  # two runs, each guarded by hangs.RUN
-def test_a_resumed_compiled_run_loads_its_layers_from_the_compile_cache(tmp_path):
-    training = {"maxSteps": 2, "compile": True, "activationCheckpointing": "none"}
-    doc = job("cached", training=training, dataset={"evalFraction": None}, checkpoint={"every": 1})
-    workdir = tmp_path / "cached"
-    code, out = run(doc, workdir)
-    assert code == 0, out[-3000:]
+# The outer hang guard of four runs (each guarded by hangs.RUN): pyproject's 1800 s is below
+# four runs' guards, and would end the test before a run's own guard could name the hang.
+@pytest.mark.timeout(4 * hangs.RUN)
+def test_the_settings_train_alike_and_the_compiled_run_resumes_from_its_compile_cache(tmp_path):
+    reference, snap = settings_run(tmp_path, "every-layer", activationCheckpointing="all")
+    assert snap["activationCheckpointing"] == 1 and snap["compiled"] is False
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    cases = {
+        "no-layer": ({"activationCheckpointing": "none"}, 0, False),
+        COMPILED: ({"activationCheckpointing": "every-2", "compile": True}, 2, True),
+    }
+    for name, (training, every, compiled) in cases.items():
+        curve, snap = settings_run(tmp_path, name, **training)
+        assert (snap["activationCheckpointing"], snap["compiled"]) == (every, compiled), name
+        for step, loss in reference.items():
+            # inductor fuses and reorders fp32 arithmetic: equal to rounding, not bit for bit
+            assert curve[step] == pytest.approx(loss, rel=1e-4), (name, step)
+    resumes_from_the_compile_cache(tmp_path / COMPILED, cases[COMPILED][0])
+
+
+def resumes_from_the_compile_cache(workdir, training: dict) -> None:
+    """The compiled run saved its graphs in the job folder's compile cache; resumed from its
+    checkpoint for a step more, it loads every graph from there and compiles none."""
     # On the job's volume (shared by the gang's nodes, kept across restarts), not in /tmp.
     cache = workdir / "compile-cache"
     assert [p for p in cache.rglob("*") if p.is_file()], f"nothing cached in {cache}"
@@ -72,10 +78,10 @@ def test_a_resumed_compiled_run_loads_its_layers_from_the_compile_cache(tmp_path
     assert "compiled now and saved there for a restart" in first, first
     assert str(cache) in first
 
-    doc["spec"]["training"]["maxSteps"] = 3  # trains on from the step-2 checkpoint
-    code, out = run(doc, workdir)
+    code, out = run(settings_job(workdir.name, STEPS + 1, **training), workdir)
     assert code == 0, out[-3000:]
     assert "resuming from checkpoint" in (workdir / "logs" / "node-0.log").read_text()
+    assert max(losses(workdir)) == STEPS + 1
     second = compile_notes(workdir)[-1]
     hits, graphs = re.search(r"(\d+) of (\d+) graphs from the compile cache", second).groups()
     assert int(graphs) > 0 and hits == graphs, second

@@ -7,7 +7,8 @@ the same losses as the same jobs on CI's torch (this process's).
 scripts/torch-floor.sh builds that venv once per machine (a cache folder outside the checkout;
 tests/envs.py runs it); a build that fails fails these tests under CI (CI=true) and skips them
 elsewhere: the GPU path must not go untested there.
-Every torch and transformers call the trainer and its agent make runs here on torch 2.11.
+Every torch and transformers call the trainer and its agent make runs here on torch 2.11. The
+DPO, LoRA and QLoRA jobs share one test, whose exports one process on torch 2.11 loads.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from test_qlora import make_base
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 RUN_TIMEOUT = 300
+LOAD_TIMEOUT = 120
 # Both torches run the same float32 CPU kernels here; the losses agree to the printed digits.
 TOLERANCE = 1e-3
 
@@ -54,40 +56,35 @@ def both(floor: Path, job_file: Path, tmp: Path) -> tuple[dict, dict]:
     )
 
 
-def assert_same_losses(old: dict[int, float], new: dict[int, float]) -> None:
-    assert old and old.keys() == new.keys()
+def assert_same_losses(old: dict[int, float], new: dict[int, float], job: str) -> None:
+    assert old and old.keys() == new.keys(), (job, old, new)
     for step in old:
-        assert abs(old[step] - new[step]) <= TOLERANCE * abs(new[step]), (step, old, new)
+        assert abs(old[step] - new[step]) <= TOLERANCE * abs(new[step]), (job, step, old, new)
 
 
-def loads(python: Path, export: Path, adapter_base: Path | None = None) -> str:
-    """Load the export with transformers (peft for an adapter) on torch 2.11; its summary."""
+def loads(python: Path, *exports: tuple[Path, Path | None]) -> list[str]:
+    """Load each (export, base) with transformers on torch 2.11, an adapter with peft on its
+    base, all in one process: a summary of each model."""
     script = (
-        "import sys, transformers as t\n"
-        "m = t.AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
-        "if len(sys.argv) > 2:\n"
-        "    import peft\n"
-        "    m = peft.PeftModel.from_pretrained(m, sys.argv[2])\n"
-        "print(type(m).__name__, sum(p.numel() for p in m.parameters()))\n"
+        "import json, sys, transformers as t\n"
+        "for export, base in json.loads(sys.argv[1]):\n"
+        "    m = t.AutoModelForCausalLM.from_pretrained(base or export)\n"
+        "    if base:\n"
+        "        import peft\n"
+        "        m = peft.PeftModel.from_pretrained(m, export)\n"
+        "    print(type(m).__name__, sum(p.numel() for p in m.parameters()))\n"
     )
-    args = [str(adapter_base), str(export)] if adapter_base else [str(export)]
-    return subprocess.run([python, "-c", script, *args], capture_output=True, text=True,
-                          check=True, timeout=120).stdout.strip()  # fmt: skip
+    pairs = json.dumps([[str(e), str(b) if b else None] for e, b in exports])
+    return subprocess.run([python, "-c", script, pairs], capture_output=True, text=True,
+                          check=True, timeout=LOAD_TIMEOUT).stdout.splitlines()  # fmt: skip
 
 
 def test_the_tiny_example_trains_as_on_ci_torch_and_its_export_loads(floor, tmp_path):
     old, new = both(floor, EXAMPLES / "tiny.yaml", tmp_path)
-    assert_same_losses(old, new)
+    assert_same_losses(old, new, "tiny")
     assert len(old) == 12 and old[60] < old[5]  # logEvery 5 of 60 steps, learning
-    assert loads(floor, tmp_path / "floor" / "model").startswith("LlamaForCausalLM ")
-
-
-@pytest.mark.slow  # tests/deadline.py: the tiny example is the core's check of torch 2.11
-def test_the_dpo_example_trains_as_on_ci_torch_and_its_adapter_loads(floor, tmp_path):
-    old, new = both(floor, EXAMPLES / "tiny-dpo.yaml", tmp_path)
-    assert_same_losses(old, new)
-    summary = loads(floor, tmp_path / "floor" / "model", EXAMPLES / "tiny-model")
-    assert summary.startswith("PeftModelForCausalLM ")
+    (summary,) = loads(floor, (tmp_path / "floor" / "model", None))
+    assert summary.startswith("LlamaForCausalLM ")
 
 
 def write(doc: dict, path: Path) -> Path:
@@ -95,16 +92,24 @@ def write(doc: dict, path: Path) -> Path:
     return path
 
 
+# Six runs, each guarded by RUN_TIMEOUT, and the load: above pyproject's 1800 s.
 @pytest.mark.slow  # tests/deadline.py: the tiny example is the core's check of torch 2.11
-@pytest.mark.parametrize("method", ["lora", "qlora"])
-def test_lora_and_qlora_train_as_on_ci_torch_and_their_exports_load(floor, tmp_path, method):
-    """test_qlora's jobs: a bf16 base whose weights split into whole NF4 blocks over 2 ranks,
+@pytest.mark.timeout(6 * RUN_TIMEOUT + LOAD_TIMEOUT)
+def test_dpo_lora_and_qlora_train_as_on_ci_torch_and_their_exports_load(floor, tmp_path):
+    """The DPO example (LoRA adapters, the reference their network with adapters off), and
+    test_qlora's jobs: a bf16 base whose weights split into whole NF4 blocks over 2 ranks,
     FSDP2-sharded (NF4 by torchao for QLoRA), the adapter merged into a second export."""
+    old, new = both(floor, EXAMPLES / "tiny-dpo.yaml", tmp_path / "dpo")
+    assert_same_losses(old, new, "dpo")
+    exports = [(tmp_path / "dpo" / "floor" / "model", EXAMPLES / "tiny-model")]
     base = tmp_path / "base"
     make_base(base)
-    job = write(qlora_job(f"floor-{method}", base, method), tmp_path / "job.yaml")
-    old, new = both(floor, job, tmp_path)
-    assert_same_losses(old, new)
-    export = tmp_path / "floor" / "model"
-    assert loads(floor, export, base).startswith("PeftModelForCausalLM ")
-    assert loads(floor, export / "merged").startswith("LlamaForCausalLM ")
+    for method in ("lora", "qlora"):
+        job = write(qlora_job(f"floor-{method}", base, method), tmp_path / f"{method}.yaml")
+        old, new = both(floor, job, tmp_path / method)
+        assert_same_losses(old, new, method)
+        export = tmp_path / method / "floor" / "model"
+        exports += [(export, base), (export / "merged", None)]
+    summaries = loads(floor, *exports)
+    kinds = [s.split()[0] for s in summaries]
+    assert kinds == ["PeftModelForCausalLM"] + ["PeftModelForCausalLM", "LlamaForCausalLM"] * 2
