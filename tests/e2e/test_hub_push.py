@@ -6,10 +6,10 @@ The Hub is a local server that speaks its upload API as huggingface_hub calls it
 (tests/e2e/hubserver.py: repository creation, preupload, Git LFS batch and basic transfer,
 NDJSON commit); what it stores is downloaded back with huggingface_hub's own
 snapshot_download from the local mirror (tests/e2e/hubmirror.py) and loaded. A full
-fine-tune is pushed; another job's push fails at the commit (PushFailed naming the Hub
-repository, the export kept) and is run again with the server healthy (pushes, trains nothing);
-a third fails once and is retried by the restart in place, its commit answered after the
-collective timeout; a LoRA job pushes its merged model and adapter.
+fine-tune's push fails at the commit (PushFailed naming the Hub repository, the export kept);
+run again with the server healthy it pushes, training nothing, and a third run pushes nothing.
+Another job fails once and is retried by the restart in place, its commit answered after the
+collective timeout; a LoRA job trains and pushes its merged model and adapter in one run.
 """
 
 from __future__ import annotations
@@ -87,81 +87,14 @@ def runs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("runs")
 
 
-# --------------------------------------------------------------------------- a full model
-
-
-@pytest.fixture(scope="module")
-def pushed(runs, server):
-    code, out = ftjob_run(doc("pushed", "ftjob-test/full"), runs / "pushed", server)
-    assert code == 0, out
-    return runs / "pushed", out
-
-
-def test_push_uploads_the_export_byte_for_byte_in_one_private_commit(pushed, server):
-    workdir, out = pushed
-    stored, export = files(server.folder("ftjob-test/full")), files(workdir / "model")
-    assert "model.safetensors" in export and "README.md" not in export
-    assert {k: v for k, v in stored.items() if k != "README.md"} == export
-    assert "README.md" in stored
-    repo = server.repos["ftjob-test/full"]
-    assert repo["private"] is True  # output.private defaults to true
-    assert len(repo["commits"]) == 1
-    assert server.requests["lfs upload"] >= 1  # the weights went through LFS, not inline
-    assert server.requests["unauthorized"] == 0  # every call carried HF_TOKEN
-    # Recorded in the job folder and progress, and said in the log.
-    url = f"{server.url}/ftjob-test/full/commit/{repo['commits'][0]['oid']}"
-    record = json.loads((workdir / "pushed.json").read_text())["pushes"]["hf://ftjob-test/full"]
-    assert record["commitUrl"] == url and record["revision"] == repo["commits"][0]["oid"]
-    assert record["repo"] == "hf://ftjob-test/full" and record["trainedSteps"] == 6
-    assert final(workdir)["pushedTo"] == [url] and final(workdir)["phase"] == "succeeded"
-    assert "pushed the export to hf://ftjob-test/full in" in out and url in out, out
-    # The operator shows it in status.progress, read from the trainer's real snapshot.
-    from ftjob.operator import status
-
-    assert status.progress(final(workdir))["pushedTo"] == [url]
-
-
-def test_pushed_model_downloads_and_loads_as_the_export(pushed, server, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    workdir, _ = pushed
-    got = AutoModelForCausalLM.from_pretrained(download(server, "ftjob-test/full", tmp_path))
-    want = AutoModelForCausalLM.from_pretrained(workdir / "model")
-    for (name, a), (_, b) in zip(got.state_dict().items(), want.state_dict().items(), strict=True):
-        assert torch.equal(a, b), name
-
-
-def test_model_card_names_base_model_data_method_hyper_parameters_and_losses(pushed, server):
-    from huggingface_hub import ModelCard
-
-    workdir, _ = pushed
-    card = ModelCard.load(server.folder("ftjob-test/full") / "README.md")
-    snap = final(workdir)
-    assert f"**Base model:** `{EXAMPLES / 'tiny-model'}`" in card.text
-    assert f"**Data:** `{EXAMPLES / 'data' / 'tiny-text.jsonl'}`" in card.text
-    assert "**Method:** full fine-tune" in card.text
-    assert f"**Final train loss:** {snap['loss']:.4f}" in card.text
-    assert f"**Final eval loss:** {snap['evalLoss']:.4f}" in card.text
-    assert "| training.learningRate | 0.003 |" in card.text
-    assert card.data.library_name == "transformers" and "ftjob" in card.data.tags
-    assert card.data.base_model is None  # a local path is no Hub id
-
-
-def test_a_pushed_job_run_again_pushes_nothing(pushed, server):
-    workdir, _ = pushed
-    code, out = ftjob_run(doc("pushed", "ftjob-test/full"), workdir, server)
-    assert code == 0, out
-    assert "already trained" in out
-    assert len(server.commits("ftjob-test/full")) == 1
-
-
-# ------------------------------------------------------------ a failed push, then a retry
+# ------------------------------------------------- a full model: a failed push, then a retry
 
 
 @pytest.fixture(scope="module")
 def failed(runs, server):
     """The commit fails (500) and the run ends (no restart in place); then the same command
-    again with the server healthy."""
+    again with the server healthy. Returns the job folder, what the first run left, and the
+    second run's exit code and output."""
     d = doc("retried", "ftjob-test/retried", runPolicy={"inPlaceRestarts": 0})
     workdir = runs / "retried"
     server.fail_commits = 1
@@ -177,6 +110,14 @@ def failed(runs, server):
     }
     code, out = ftjob_run(d, workdir, server)
     return workdir, first, code, out
+
+
+@pytest.fixture(scope="module")
+def pushed(failed):
+    """The job folder and output of the run that pushed: the retry, which trained nothing."""
+    workdir, _, code, out = failed
+    assert code == 0, out
+    return workdir, out
 
 
 def test_a_failed_push_fails_the_job_as_push_failed_and_keeps_the_export(failed, server):
@@ -221,19 +162,73 @@ def test_the_operator_restarts_the_gang_on_the_real_record(failed):
     assert first["record"]["fix"] in decision.status["failure"]["message"]
 
 
-def test_the_rerun_pushes_without_training_again(failed, server):
-    workdir, first, code, out = failed
-    assert code == 0, out
+def test_the_rerun_pushes_without_training_again(failed, pushed):
+    workdir, first, _, out = failed
     assert "already trained" in out
     assert len(history(workdir)) == first["steps"]  # not one more training step
     assert files(workdir / "model") == first["export"]
-    stored = files(server.folder("ftjob-test/retried"))
-    assert {k: v for k, v in stored.items() if k != "README.md"} == first["export"]
+
+
+def test_push_uploads_the_export_byte_for_byte_in_one_private_commit(pushed, server):
+    workdir, out = pushed
+    stored, export = files(server.folder("ftjob-test/retried")), files(workdir / "model")
+    assert "model.safetensors" in export and "README.md" not in export
+    assert {k: v for k, v in stored.items() if k != "README.md"} == export
+    assert "README.md" in stored
+    repo = server.repos["ftjob-test/retried"]
+    assert repo["private"] is True  # output.private defaults to true
+    assert len(repo["commits"]) == 1  # the failed one left none
+    assert server.requests["lfs upload"] >= 1  # the weights went through LFS, not inline
+    assert server.requests["unauthorized"] == 0  # every call carried HF_TOKEN
+    # Recorded in the job folder and progress, and said in the log.
+    url = f"{server.url}/ftjob-test/retried/commit/{repo['commits'][0]['oid']}"
+    pushes = json.loads((workdir / "pushed.json").read_text())["pushes"]
+    record = pushes["hf://ftjob-test/retried"]
+    assert record["commitUrl"] == url and record["revision"] == repo["commits"][0]["oid"]
+    assert record["repo"] == "hf://ftjob-test/retried" and record["trainedSteps"] == 6
+    assert final(workdir)["pushedTo"] == [url] and final(workdir)["phase"] == "succeeded"
+    assert "pushed the export to hf://ftjob-test/retried in" in out and url in out, out
+    # The operator shows it in status.progress, read from the trainer's real snapshot.
+    from ftjob.operator import status
+
+    assert status.progress(final(workdir))["pushedTo"] == [url]
+
+
+def test_pushed_model_downloads_and_loads_as_the_export(pushed, server, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    workdir, _ = pushed
+    got = AutoModelForCausalLM.from_pretrained(download(server, "ftjob-test/retried", tmp_path))
+    want = AutoModelForCausalLM.from_pretrained(workdir / "model")
+    for (name, a), (_, b) in zip(got.state_dict().items(), want.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_model_card_names_base_model_data_method_hyper_parameters_and_losses(pushed, server):
+    """The card of a push that trained nothing still carries the losses of the run that
+    trained (progress.json kept them)."""
+    from huggingface_hub import ModelCard
+
+    workdir, _ = pushed
+    card = ModelCard.load(server.folder("ftjob-test/retried") / "README.md")
+    snap = final(workdir)
+    assert f"**Base model:** `{EXAMPLES / 'tiny-model'}`" in card.text
+    assert f"**Data:** `{EXAMPLES / 'data' / 'tiny-text.jsonl'}`" in card.text
+    assert "**Method:** full fine-tune" in card.text
+    assert f"**Final train loss:** {snap['loss']:.4f}" in card.text
+    assert f"**Final eval loss:** {snap['evalLoss']:.4f}" in card.text
+    assert "| training.learningRate | 0.003 |" in card.text
+    assert card.data.library_name == "transformers" and "ftjob" in card.data.tags
+    assert card.data.base_model is None  # a local path is no Hub id
+
+
+def test_a_pushed_job_run_again_pushes_nothing(pushed, server):
+    workdir, _ = pushed
+    d = doc("retried", "ftjob-test/retried", runPolicy={"inPlaceRestarts": 0})
+    code, out = ftjob_run(d, workdir, server)
+    assert code == 0, out
+    assert "already trained" in out
     assert len(server.commits("ftjob-test/retried")) == 1
-    [url] = final(workdir)["pushedTo"]
-    assert url.startswith(f"{server.url}/ftjob-test/retried/commit/")
-    # The card still carries the losses of the run that trained (progress.json kept them).
-    assert f"{final(workdir)['loss']:.4f}" in stored["README.md"].decode()
 
 
 # ------------------------------------------------------------------------- a LoRA adapter
@@ -278,12 +273,13 @@ def test_lora_push_uploads_adapter_and_merged_model_that_load(runs, server, tmp_
 @pytest.mark.slow  # tests/deadline.py: a retry in place; a failed push's record is the core's
 def test_a_failed_push_is_retried_in_place_and_the_others_wait_out_a_long_upload(runs, server):
     """The first rung of recovery: the node's agent restarts the workers in place, which find
-    the job trained and only push. That commit is answered after 35 s, beyond
-    network.collectiveTimeoutSeconds (30, its minimum): rank 1 waits for rank 0's upload in a
-    group of its own, so it is no collective timeout (which would take another restart)."""
+    the job trained and only push. That commit is answered after 31 s, beyond
+    network.collectiveTimeoutSeconds (30, its minimum; rank 1 waits for the upload before the
+    commit too): rank 1 waits for rank 0's upload in a group of its own, so it is no
+    collective timeout (which would take another restart)."""
     d = doc("in-place", "ftjob-test/in-place", training={"maxSteps": 2},
             network={"collectiveTimeoutSeconds": 30})  # fmt: skip
-    server.fail_commits, server.commit_delay = 1, 35.0
+    server.fail_commits, server.commit_delay = 1, 31.0
     try:
         code, out = ftjob_run(d, runs / "in-place", server)
     finally:

@@ -1,6 +1,7 @@
 """Recovery with real processes: `ftjob run` (2 nodes x 1 CPU process) restarting workers in
-place, refusing to restart a permanent failure, naming a slow rank and a stopped one, one
-winner of two simultaneous starts, and nothing left behind.
+place, naming a slow rank and a stopped one, one winner of two simultaneous starts, and
+nothing left behind. (A permanent failure, not restarted in place: test_run_display.py's
+failure summary.)
 
     python -m pytest tests/e2e/test_recovery.py -q
 
@@ -21,13 +22,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import hangs
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch.distributed as dist
 from safetensors.torch import load_file
 from test_trainer_run import (
     RUN_TIMEOUT,
+    history,
     hold_after,
     injected,
     job,
@@ -108,42 +108,102 @@ def test_a_worker_that_raises_restarts_every_node_in_place_and_resumes_exactly(
     assert all(exported[k].equal(uninterrupted[k]) for k in exported)
 
 
-def test_a_permanent_failure_is_not_restarted_in_place(tmp_path):
-    # Parquet: read by the trainer itself (ftjob run reads JSON lines, JSON and CSV first)
-    bad = tmp_path / "bad.parquet"
-    pq.write_table(pa.table({"text": ["fine", None]}), bad)
-    workdir = tmp_path / "permanent"
-    code, out = run(recovery_job("permanent", dataset={"source": str(bad)}), workdir)
-    assert code == 1
-    assert "BadData" in out and f"{bad} record 2: field 'text' must be a str" in out
-    logs = "".join(p.read_text() for p in (workdir / "logs").glob("node-*.log"))
-    assert "retrying on these nodes cannot help, so no restart in place" in logs
-    assert "restarting the workers" not in logs and "restart 1 of" not in logs
+def stop_rank_1(workdir: Path, step: int) -> int:
+    """SIGSTOP rank 1 once its heartbeat says it trained step ``step``, and return its pid.
+    Steps can come faster than beats (at most one a second): stopped before, its last beat
+    would be an older step's."""
+    stopped = rank_pid(workdir, 1)
+    beats = gang_store(workdir, stopped)
+    hangs.poll(lambda: heartbeat.read(beats, 2).get(1, {}).get("step", 0) >= step, hangs.RUN,
+               f"rank 1's heartbeat after step {step}")  # fmt: skip
+    os.kill(stopped, signal.SIGSTOP)
+    return stopped
 
 
-def test_two_runs_started_together_exactly_one_trains(tmp_path):
-    workdir = tmp_path / "together"
-    doc = recovery_job("together", training={"maxSteps": 4})
-    first, second = start(doc, workdir), start(doc, workdir)
-    outs = [p.communicate(timeout=RUN_TIMEOUT)[0] for p in (first, second)]
-    codes = sorted(p.returncode for p in (first, second))
-    assert codes == [0, 1], outs
-    won = outs[[first.returncode, second.returncode].index(0)]
-    lost = outs[[first.returncode, second.returncode].index(1)]
-    assert "done; the exported model is in" in won
-    assert f"ftjob run: job folder {workdir} is in use by run together-" in lost
-    assert "Traceback" not in lost and "taken over" not in won + lost
-    assert sorted(losses(workdir)) == [1, 2, 3, 4]  # one run's steps, once each
+def test_a_stopped_rank_is_restarted_in_place_then_named_and_no_process_survives(
+    reference, tmp_path, monkeypatch
+):
+    """A hang costs one collective timeout per rung of the ladder, both on one run. With a
+    restart in place left, the stopped worker's agent continues it (SIGCONT) before ending it,
+    and every node resumes exactly; stopped again with none left (the last rung), the run
+    fails naming the stopped rank, and no process of the run survives, the stopped one
+    included."""
+    workdir = tmp_path / "hang"
+    # The gate is never made: each gang's rank 1 waits before its 6th step (step 6; step 10
+    # after the resume from step 4), so each stop comes while the gang cannot finish.
+    hold_after(monkeypatch, 5, tmp_path / "gate")
+    doc = recovery_job("hang", network={"collectiveTimeoutSeconds": 30},  # the least allowed
+                       runPolicy={"inPlaceRestarts": 1})  # fmt: skip
+    proc = start(doc, workdir)
+    wait_for_step(proc, workdir, 5)
+    first = stop_rank_1(workdir, 5)
+    wait_for_step(proc, workdir, 9)  # the gang restarted in place trains again
+    everyone = run_processes(workdir)
+    assert first not in everyone and len(everyone) == 4  # 2 agents, 2 new workers
+    second = stop_rank_1(workdir, 9)
+    out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    assert proc.returncode == 1, out
+    notice = next(x for x in out.splitlines() if x.startswith("ftjob agent: node 0: rank 0"))
+    assert "CollectiveTimeout" in notice and "stopped answering: rank 1 (node " in notice
+    assert "(restart 1 of 1)" in notice
+    headline = next(x for x in out.splitlines() if x.startswith("ftjob run: node"))
+    print(headline)
+    assert "CollectiveTimeout" in headline, headline
+    assert "stopped answering: rank 1 (node " in headline and f"pid {second})" in headline
+    # Its last heartbeat came from training after the resume.
+    assert int(re.search(r"last heartbeat \d+ s ago, at step (\d+)", headline)[1]) >= 9
+    assert not [p for p in everyone | {first} if alive(p)] and not run_processes(workdir)
+    resumed, expected = losses(workdir), losses(reference)
+    assert sorted(resumed) == list(range(1, 10))
+    assert max(abs(resumed[s] - expected[s]) for s in resumed) == 0.0
+
+
+@pytest.fixture(scope="module")
+def slowed_then_interrupted(tmp_path_factory) -> dict:
+    """One run watched by three tests. Two `ftjob run`s of one job start together in one
+    folder; the one that wins it trains with rank 1's data 0.3 s slower every step, and once
+    rank 0 has named rank 1 a straggler, gets two Ctrl-Cs 0.1 s apart. Returns the job folder,
+    each run's output and exit code, and the winner's processes before the Ctrl-Cs."""
+    workdir = tmp_path_factory.mktemp("recovery") / "slow"
+    with pytest.MonkeyPatch.context() as patch:
+        injected(patch, "slow:1:0.3")
+        doc = recovery_job("slow", training={"maxSteps": 500})
+        procs = [start(doc, workdir), start(doc, workdir)]
+    lost = hangs.poll(lambda: next((p for p in procs if p.poll() is not None), None),
+                      hangs.RUN, "one of two starts ended")  # fmt: skip
+    won = procs[1 - procs.index(lost)]
+
+    def named() -> bool:
+        assert won.poll() is None, won.communicate()[0]
+        try:
+            return bool(json.loads((workdir / "progress.json").read_text()).get("stragglers"))
+        except (OSError, ValueError):  # not written yet, or being written
+            return False
+
+    hangs.poll(named, hangs.RUN, "a straggler named")
+    everyone = run_processes(workdir)
+    won.send_signal(signal.SIGINT)
+    time.sleep(0.1)  # not a hang guard: the second Ctrl-C comes while the first is handled
+    won.send_signal(signal.SIGINT)
+    out, _ = won.communicate(timeout=hangs.FLOOR)
+    return {"workdir": workdir, "out": out, "code": won.returncode, "everyone": everyone,
+            "lost": lost.communicate()[0], "lost code": lost.returncode}  # fmt: skip
+
+
+def test_two_runs_started_together_exactly_one_trains(slowed_then_interrupted):
+    workdir, lost = slowed_then_interrupted["workdir"], slowed_then_interrupted["lost"]
+    assert slowed_then_interrupted["lost code"] == 1, lost
+    assert slowed_then_interrupted["code"] == 130, slowed_then_interrupted["out"]
+    assert f"ftjob run: job folder {workdir} is in use by run slow-" in lost
+    assert "Traceback" not in lost and "taken over" not in slowed_then_interrupted["out"] + lost
+    steps = [r["step"] for r in history(workdir)]
+    assert steps == list(range(1, len(steps) + 1)), steps  # one run's steps, once each
     assert not (workdir / "owner").exists()
 
 
-# The slow tier (tests/deadline.py): the rule is test_recovery_rules.py's; this, a real run of it.
-@pytest.mark.slow
-def test_a_slow_rank_is_named_a_straggler(tmp_path, monkeypatch):
-    workdir = tmp_path / "slow"
-    injected(monkeypatch, "slow:1:0.3")  # rank 1's data takes 0.3 s longer every step
-    code, out = run(recovery_job("slow"), workdir)
-    assert code == 0, out
+# The rule is test_recovery_rules.py's; this, a real run of it.
+def test_a_slow_rank_is_named_a_straggler(slowed_then_interrupted):
+    workdir, out = slowed_then_interrupted["workdir"], slowed_then_interrupted["out"]
     line = next(x for x in out.splitlines() if x.startswith("straggler: "))
     print(line)
     assert line.startswith("straggler: rank 1 (node ") and "x the median" in line, line
@@ -153,76 +213,13 @@ def test_a_slow_rank_is_named_a_straggler(tmp_path, monkeypatch):
     assert "rank 0 (node" not in out
 
 
-def test_a_stopped_rank_is_named_and_no_process_of_the_run_survives(tmp_path):
-    workdir = tmp_path / "stopped"
-    doc = recovery_job(
-        "stopped",
-        training={"maxSteps": 500},
-        network={"collectiveTimeoutSeconds": 30},  # the least the spec allows
-        runPolicy={"inPlaceRestarts": 0},  # the ladder's last rung: the run fails
-    )
-    proc = start(doc, workdir)
-    wait_for_step(proc, workdir, 3)
-    everyone = run_processes(workdir)
-    stopped = rank_pid(workdir, 1)
-    assert stopped in everyone and len(everyone) == 4  # 2 agents, 2 workers
-    # Three steps can take less than the second between beats: stop it once it has beaten
-    # from training, or its last beat is the one from before step 1.
-    beats = gang_store(workdir, stopped)
-    hangs.poll(lambda: heartbeat.read(beats, 2).get(1, {}).get("step", 0) >= 1, hangs.RUN,
-               "rank 1's heartbeat after a step")  # fmt: skip
-    os.kill(stopped, signal.SIGSTOP)
-    out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    assert proc.returncode == 1, out
-    headline = next(x for x in out.splitlines() if x.startswith("ftjob run: node"))
-    print(headline)
-    assert "CollectiveTimeout" in headline, headline
-    assert "stopped answering: rank 1 (node " in headline and f"pid {stopped})" in headline
-    # Its last heartbeat came from training (it beats after steps, at most once a second).
-    assert int(re.search(r"last heartbeat \d+ s ago, at step (\d+)", headline)[1]) >= 1
-    assert not [p for p in everyone if alive(p)]  # the stopped one included
-    assert not run_processes(workdir)
-
-
-@pytest.mark.slow  # tests/deadline.py: the restart in place and its exact resume are the raised
-# worker's test; the hang named, the stopped rank's without restarts
-def test_a_stopped_rank_is_restarted_in_place_with_the_gang_which_resumes_exactly(
-    reference, tmp_path, monkeypatch
-):
-    """The rung before: with restarts left, the hang costs one collective timeout. The
-    stopped worker's agent continues it (SIGCONT) before ending it, and every node resumes."""
-    workdir = tmp_path / "hang"
-    gate = tmp_path / "gate"
-    hold_after(monkeypatch, 5, gate)
-    proc = start(recovery_job("hang", network={"collectiveTimeoutSeconds": 30}), workdir)
-    wait_for_step(proc, workdir, 5)
-    stopped = rank_pid(workdir, 1)
-    os.kill(stopped, signal.SIGSTOP)
-    gate.touch()
-    out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    assert proc.returncode == 0, out
-    notice = next(x for x in out.splitlines() if x.startswith("ftjob agent: node 0: rank 0"))
-    assert "CollectiveTimeout" in notice and "stopped answering: rank 1 (node " in notice
-    assert "(restart 1 of 3)" in notice and "done (after 1 restart in place)" in out
-    assert not alive(stopped)
-    resumed, expected = losses(workdir), losses(reference)
-    assert sorted(resumed) == list(range(1, STEPS + 1))
-    assert max(abs(resumed[s] - expected[s]) for s in resumed) == 0.0
-
-
-def test_a_second_ctrl_c_still_says_what_happened_and_leaves_nothing(tmp_path):
-    workdir = tmp_path / "twice"
-    proc = start(recovery_job("twice", training={"maxSteps": 500}), workdir)
-    wait_for_step(proc, workdir, 2)
-    everyone = run_processes(workdir)
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130, out
+def test_a_second_ctrl_c_still_says_what_happened_and_leaves_nothing(slowed_then_interrupted):
+    workdir, out = slowed_then_interrupted["workdir"], slowed_then_interrupted["out"]
+    assert slowed_then_interrupted["code"] == 130, out
     assert "ftjob run: interrupted; every process stopped" in out
     assert "Run the same command again to resume from" in out
-    assert not [p for p in everyone if alive(p)] and not run_processes(workdir)
+    assert not [p for p in slowed_then_interrupted["everyone"] if alive(p)]
+    assert not run_processes(workdir)
 
 
 def test_processes_ends_a_stopped_process_and_an_orphan(tmp_path):

@@ -122,7 +122,9 @@ def test_a_terminal_gets_a_live_bar_and_a_line_per_checkpoint(tmp_path):
     assert re.search(r"starting .*importing torch and the trainer \(\d+ s\)", screen), screen
     assert re.search(r"(preparing-data|loading) .*(data: \w+|loading the model)", screen), screen
     # Checkpoint and evaluation lines stay on screen above the bar.
-    assert "checkpoint saved: step 20 in " in screen and "checkpoint saved: step 40 in " in screen
+    checkpoints = tmp_path / "shown" / "checkpoints"
+    assert f"checkpoint saved: step 20 in {checkpoints / 'step-00000020'}" in screen, screen
+    assert "checkpoint saved: step 40 in " in screen
     assert "eval  step 60/60" in screen
     assert f"the exported model is in {tmp_path / 'shown' / 'model'}" in screen
     # Warnings and the other node's output go to the logs, not to the screen.
@@ -130,30 +132,6 @@ def test_a_terminal_gets_a_live_bar_and_a_line_per_checkpoint(tmp_path):
     logs = tmp_path / "shown" / "logs"
     assert "step 60/60" in (logs / "node-0.log").read_text()
     assert (logs / "node-1.log").exists()
-
-
-@pytest.mark.slow  # tests/deadline.py: a terminal's run is the core's
-def test_a_pipe_gets_plain_lines_and_a_rerun_says_it_resumes(tmp_path):
-    job = tiny_job(tmp_path, "plain", maxSteps=40)
-    workdir = tmp_path / "plain"
-    cmd = [sys.executable, "-m", "ftjob", "run", str(job), "--workdir", str(workdir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FTJOB_PROGRESS_PORT": "0"}
-    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=hangs.RUN)
-    assert first.returncode == 0, first.stdout + first.stderr
-    assert "\x1b[" not in first.stdout and "\r" not in first.stdout  # no bar in a pipe
-    assert "step 40/40" in first.stdout
-    assert_start_up_said_and_kept(first.stdout, workdir)
-    assert f"checkpoint saved: step 20 in {workdir / 'checkpoints' / 'step-00000020'}" in (
-        first.stdout
-    )
-    # As if the export had been lost: the rerun resumes from the checkpoint and says so.
-    subprocess.run(["rm", "-r", str(workdir / "model")], check=True)
-    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=hangs.RUN)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert f"resuming from checkpoint {workdir / 'checkpoints' / 'step-00000020'} (step 20)" in (
-        again.stdout
-    )
-    assert "step 40/40" in again.stdout and "step  5/40" not in again.stdout
 
 
 def assert_start_up_said_and_kept(stdout: str, workdir: Path) -> None:
@@ -177,26 +155,47 @@ def assert_start_up_said_and_kept(stdout: str, workdir: Path) -> None:
     assert all(kept["phases"][p] > 0 for p in ("imports", "data", "shard", "first step")), kept
 
 
-@pytest.mark.slow  # tests/deadline.py: Ctrl-C is test_trainer_run's and test_recovery's too
-def test_ctrl_c_stops_quietly_and_says_how_to_resume(tmp_path):
+@pytest.mark.slow  # tests/deadline.py: a terminal's run is the core's; Ctrl-C is
+# test_trainer_run's and test_recovery's too
+def test_ctrl_c_stops_quietly_and_the_command_again_in_a_pipe_resumes_where_it_said(tmp_path):
+    """^C at the terminal stops the run quietly and names the checkpoint to resume from; the
+    same command again, in a pipe, gets plain lines and resumes from that checkpoint."""
     job = tiny_job(tmp_path, "stopped", maxSteps=3000, logEvery=50)
     workdir = tmp_path / "stopped"
     term = Terminal("run", str(job), "--workdir", str(workdir))
-    term.read(until="checkpoint saved: step 40 in", timeout=hangs.RUN)
-    assert "checkpoint saved: step 40 in" in term.text(), term.text()[-3000:]
+    term.read(until="checkpoint saved: step 20 in", timeout=hangs.RUN)
+    assert "checkpoint saved: step 20 in" in term.text(), term.text()[-3000:]
     assert trainer_pids(workdir)
     term.type(b"\x03")  # ^C at the terminal: SIGINT to the foreground process group
     code = term.wait(timeout=60)
     screen = term.text()
-    after = screen[screen.index("checkpoint saved: step 40 in") :]
+    after = screen[screen.index("checkpoint saved: step 20 in") :]
     assert code == 130, screen[-3000:]
     assert "interrupted; every process stopped" in after
     hint = re.search(r"Run the same command again to resume from the newest checkpoint in "
                      r"(\S+) \(step (\d+)\)", after)  # fmt: skip
-    assert hint and hint[1] == str(workdir / "checkpoints") and int(hint[2]) >= 40, after
+    assert hint and hint[1] == str(workdir / "checkpoints") and int(hint[2]) >= 20, after
     for noise in ("Traceback", "death signal", "SIGTERM", "KeyboardInterrupt", "W1"):
         assert noise not in after, after
     assert trainer_pids(workdir) == []
+    resumed_in_a_pipe(tmp_path, workdir, int(hint[2]))
+
+
+def resumed_in_a_pipe(tmp_path: Path, workdir: Path, saved: int) -> None:
+    """The command again, in a pipe, told to stop 20 steps after the checkpoint ``saved``
+    (training.maxSteps may change between runs of a job)."""
+    total = saved + 20
+    job = tiny_job(tmp_path, "stopped", maxSteps=total)
+    cmd = [sys.executable, "-m", "ftjob", "run", str(job), "--workdir", str(workdir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FTJOB_PROGRESS_PORT": "0"}
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=hangs.RUN)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "\x1b[" not in again.stdout and "\r" not in again.stdout  # no bar in a pipe
+    checkpoint = workdir / "checkpoints" / f"step-{saved:08d}"
+    assert f"resuming from checkpoint {checkpoint} (step {saved})" in again.stdout
+    assert f"step {total}/{total}" in again.stdout
+    assert f"step {5:>{len(str(total))}}/{total}" not in again.stdout  # nothing trained twice
+    assert_start_up_said_and_kept(again.stdout, workdir)
 
 
 def test_a_gpu_job_on_a_machine_without_enough_gpus_is_refused_at_once(tmp_path):
@@ -220,6 +219,7 @@ def test_a_gpu_job_on_a_machine_without_enough_gpus_is_refused_at_once(tmp_path)
 
 
 def test_a_failure_is_summarised_first_with_node_rank_cause_fix_and_log(tmp_path):
+    """Bad data, a permanent failure: summarised first, and not restarted in place."""
     # Parquet: read by the trainer itself (ftjob run reads JSON lines, JSON and CSV first)
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"messages": [[{"role": "user", "content": "hi"}], None]}), bad)
@@ -247,3 +247,7 @@ def test_a_failure_is_summarised_first_with_node_rank_cause_fix_and_log(tmp_path
     assert "record 2" in Path(log).read_text()
     # Before the summary: only the start line and rank 0's own lines, no traceback.
     assert "Traceback" not in result.stdout and summary <= 4, result.stdout
+    # Retrying on the same nodes cannot fix the data: the agents say so and restart nothing.
+    logs = "".join(p.read_text() for p in (workdir / "logs").glob("node-*.log"))
+    assert "retrying on these nodes cannot help, so no restart in place" in logs
+    assert "restarting the workers" not in logs and "restart 1 of" not in logs
