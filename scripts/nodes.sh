@@ -13,7 +13,10 @@
 #                     scripts/images.sh's two at FTJOB_IMAGE_TAG, else dev) imported into node
 #                     0's containerd (`podman save | ctr import`) and given to the others as
 #                     hard links (nodes_share_images), node 0 too when the images' cache holds
-#                     these images (nodes_cached); the cluster's DNS (CoreDNS, a process);
+#                     these images (nodes_cached); when it holds older ones, node 0 gets those
+#                     and is sent only the layers it lacks (nodes_import_delta: a change to
+#                     ftjob/ sends the trainer image's top layers, not 6 GB); the cluster's
+#                     DNS (CoreDNS, a process);
 #                     returns when every node is Ready
 #   down DIR          every container killed and removed, then kubelet, containerd and CoreDNS
 #                     stopped, mounts, network namespaces, bridges and cgroups removed, and
@@ -252,10 +255,37 @@ nodes_import() {
   "${ctr[@]}" images import "$CACHE/pause.tar" >/dev/null
   for ref in "${NODE_IMAGES[@]}"; do
     podman image exists "$ref" || die "image $ref is not in podman (bash scripts/images.sh)"
+    if $NODES_BASED; then
+      nodes_import_delta "$1" "$ref" && continue
+      echo "nodes.sh: sending only $ref's new layers failed; importing all of it" >&2
+    fi
     podman save "$ref" | "${ctr[@]}" images import - >/dev/null
   done
   "${ctr[@]}" content ls | awk '/containerd.io\/uncompressed=/ {print $1}' |
     xargs -r "${ctr[@]}" content rm >/dev/null
+}
+
+# nodes_import_delta NODEDIR REF: REF into the node's containerd, sending only the layers it
+# has no snapshot of (scripts/oci_delta.py: the image kept as an OCI folder in the cache,
+# podman writing only the blobs that folder lacks). Given an earlier run's images
+# (nodes_cache_base), a change to ftjob/ sends the trainer image's few top layers, not 6 GB.
+nodes_import_delta() {
+  local d=$1 ref=$2 ctr=(ctr -a "$1/containerd.sock" -n k8s.io) oci stale
+  local delta snaps="$1/snapshots.ls"
+  delta="$(dirname "${BASH_SOURCE[0]}")/oci_delta.py"
+  oci="$NODES_IMAGE_CACHE/oci/${ref//[\/:]/_}"
+  mkdir -p "$oci" && "${ctr[@]}" snapshots ls >"$snaps" || return 1
+  # One image a folder: an index listing earlier saves would have containerd import them too.
+  rm -f "$oci/index.json"
+  podman save -q --format oci-dir --uncompressed -o "$oci" "$ref" || return 1
+  # A blob made hollow by an earlier import that this node lacks: written again.
+  stale=$(python3 "$delta" needs "$oci" "$snaps") || return 1
+  if [[ -n "$stale" ]]; then
+    xargs rm -f <<<"$stale"
+    podman save -q --format oci-dir --uncompressed -o "$oci" "$ref" || return 1
+  fi
+  python3 "$delta" tar "$oci" "$snaps" | "${ctr[@]}" images import - >/dev/null &&
+    python3 "$delta" hollow "$oci"
 }
 
 # nodes_has_images NODEDIR: whether the node's containerd lists every image of NODE_IMAGES.
@@ -310,6 +340,14 @@ nodes_cached() {
   nodes_share_images "$entry" "$1"
 }
 
+# nodes_cache_base NODEDIR: node 0 given the newest images the cache holds (as nodes_cached
+# does), when none is these images: their layers are snapshots nodes_import_delta sends no more.
+nodes_cache_base() {
+  local newest
+  newest=$(ls -1t "$NODES_IMAGE_CACHE"/*/complete 2>/dev/null | head -1)
+  [[ -n "$newest" ]] && nodes_share_images "$(dirname "$newest")" "$1"
+}
+
 # nodes_cache_save NODEDIR: node 0's images, just imported, into the cache (hard links and the
 # two metadata databases, as nodes_share_images takes them); only the newest
 # NODES_IMAGE_CACHE_KEEP entries stay: an entry is ~6 GB that the nodes' own copies share.
@@ -361,10 +399,12 @@ nodes_start_one() {
   k=$(cat "$d/subnet")
   nodes_containerd_config "$d" >"$d/containerd.toml"
   local imported=false
+  NODES_BASED=false
   if [[ "$name" != real-node-0 ]]; then
     nodes_share_images "$DIR/nodes/real-node-0" "$d"
   elif ! nodes_cached "$d"; then
     imported=true
+    if nodes_cache_base "$d"; then NODES_BASED=true; fi
   fi
   start "containerd" containerd --config "$d/containerd.toml"
   for _ in $(seq 300); do [[ -S "$d/containerd.sock" ]] && break; sleep 0.1; done
