@@ -1,6 +1,8 @@
 """DPO end to end: `ftjob run` of examples/tiny-dpo.yaml (LoRA, 2 processes on CPU) on the
 tiny model and its synthetic preference pairs, whose preference is learnable; then the same
-pairs with QLoRA on a base that splits into NF4 blocks. Each is SIGKILLed once and resumed.
+pairs with QLoRA on a base that splits into NF4 blocks. Each also trains in this process as a
+gang of one and resumes from a checkpoint to the uninterrupted run's losses and eval metrics
+(what a method restores is one rank's; tests/e2e/test_recovery.py kills and restarts gangs).
 
     python -m pytest tests/e2e/test_dpo_run.py -q
 """
@@ -13,10 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_qlora import make_base, nf4_reference
-from test_trainer_run import history, killed_mid_run, losses, run
-
-from ftjob.trainer.state.integrity import COMMITTED
+from test_qlora import make_base, nf4_reference, resumed_in_process
+from test_trainer_run import history, losses, run
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -47,15 +47,6 @@ def dpo(runs) -> tuple[Path, str, dict]:
     code, out = run(doc, runs / "tiny-dpo")
     assert code == 0, out
     return runs / "tiny-dpo", out, doc
-
-
-@pytest.fixture(scope="module")
-def killed(runs) -> tuple[Path, int, int, str]:
-    """The same job with rank 1 SIGKILLed mid-run, then `ftjob run` once more."""
-    workdir = runs / "killed"
-    _, _, killed_at = killed_mid_run(tiny_dpo(), workdir, 10)
-    code, out = run(tiny_dpo(), workdir)
-    return workdir, killed_at, code, out
 
 
 def test_reward_accuracy_rises_well_above_chance_and_the_eval_margin_grows(dpo):
@@ -126,15 +117,26 @@ def test_the_exported_adapter_loads_with_peft_and_ranks_the_eval_pairs_as_traine
     assert all(saved[k].abs().max() > 0 for k in heads), [k for k in heads if not saved[k].any()]
 
 
-def test_a_killed_dpo_run_resumes_to_the_same_losses(killed, dpo):
-    workdir, killed_at, code, out = killed
-    assert code == 0, out
-    assert killed_at < 40 and "resuming from checkpoint" in out
-    resumed, reference = losses(workdir), losses(dpo[0])
-    assert sorted(resumed) == list(range(1, 41))
-    assert max(abs(resumed[s] - reference[s]) for s in resumed) == 0.0
-    final = {k: history(workdir, "eval")[-1][k] for k in ("evalRewardAccuracy", "evalLoss")}
-    assert final == {k: history(dpo[0], "eval")[-1][k] for k in final}
+def assert_resumes_exactly(doc: dict, root: Path, at: int, sources: Path = EXAMPLES) -> str:
+    """``doc`` resumed in this process from its step-``at`` checkpoint logs the uninterrupted
+    run's losses and ends with its eval reward accuracy and loss, exactly; what the rerun
+    printed."""
+    first, again, out = resumed_in_process(doc, root, at, sources)
+    assert f"(step {at})" in out, out
+    resumed, uninterrupted = losses(again), losses(first)
+    assert sorted(resumed) == list(range(at + 1, doc["spec"]["training"]["maxSteps"] + 1))
+    assert max(abs(resumed[s] - uninterrupted[s]) for s in resumed) == 0.0
+    final = {k: history(again, "eval")[-1][k] for k in ("evalRewardAccuracy", "evalLoss")}
+    assert final == {k: history(first, "eval")[-1][k] for k in final}
+    return out
+
+
+def test_a_dpo_run_resumes_from_its_checkpoint_to_the_same_losses(tmp_path):
+    """The adapters and their optimizer state restored; the reference, the adapters off, is
+    the restored network's own."""
+    doc = tiny_dpo()
+    doc["spec"]["training"].update(maxSteps=16, evalEvery=8)
+    assert_resumes_exactly(doc, tmp_path, 8)
 
 
 def qlora_dpo() -> dict:
@@ -151,26 +153,16 @@ def qlora_dpo() -> dict:
 
 
 @pytest.fixture(scope="module")
-def qlora(runs) -> Path:
+def base(runs) -> Path:
     make_base(runs / "base")
-    code, out = run(qlora_dpo(), runs / "qlora-dpo")
-    assert code == 0, out
-    return runs / "qlora-dpo"
+    return runs / "base"
 
 
 @pytest.fixture(scope="module")
-def qlora_killed(runs, qlora) -> tuple[Path, int, int, str]:
-    """The QLoRA job with rank 1 SIGKILLed once its step-10 checkpoint is committed and a later
-    step has been logged, then `ftjob run` once more."""
-    workdir = runs / "qlora-killed"
-    committed = workdir / "checkpoints" / "step-00000010" / COMMITTED
-
-    def ready(workdir: Path) -> bool:
-        return committed.is_file() and max(losses(workdir), default=0) > 10
-
-    _, _, killed_at = killed_mid_run(qlora_dpo(), workdir, 12, ready)
-    code, out = run(qlora_dpo(), workdir)
-    return workdir, killed_at, code, out
+def qlora(runs, base) -> Path:
+    code, out = run(qlora_dpo(), runs / "qlora-dpo")
+    assert code == 0, out
+    return runs / "qlora-dpo"
 
 
 @pytest.mark.slow  # tests/deadline.py: the QLoRA DPO runs, after the LoRA one's
@@ -191,15 +183,11 @@ def test_qlora_dpo_learns_the_preference_and_checkpoints_every_adapter(qlora):
 
 
 @pytest.mark.slow  # tests/deadline.py: the QLoRA DPO runs, after the LoRA one's
-def test_a_killed_qlora_dpo_run_resumes_to_the_same_losses(qlora_killed, qlora):
-    workdir, killed_at, code, out = qlora_killed
-    assert code == 0, out
-    assert 10 < killed_at < 20 and "(step 10)" in out, (killed_at, out)
-    resumed, uninterrupted = losses(workdir), losses(qlora)
-    assert sorted(resumed) == list(range(1, 21))
-    assert max(abs(resumed[s] - uninterrupted[s]) for s in resumed) == 0.0
-    final = {k: history(workdir, "eval")[-1][k] for k in ("evalRewardAccuracy", "evalLoss")}
-    assert final == {k: history(qlora, "eval")[-1][k] for k in final}
+def test_a_qlora_dpo_run_resumes_from_its_checkpoint_to_the_same_losses(runs, base, tmp_path):
+    """The adapters over the 4-bit base, its reference the adapters off."""
+    doc = qlora_dpo()
+    doc["spec"]["training"].update(maxSteps=12, evalEvery=6)
+    assert_resumes_exactly(doc, tmp_path, 6, sources=runs)
 
 
 @pytest.mark.slow  # tests/deadline.py: the QLoRA DPO runs, after the LoRA one's

@@ -1,7 +1,9 @@
 """GRPO end to end: `ftjob run` of examples/tiny-grpo.yaml (LoRA, 2 processes on CPU): the tiny
 model samples completions of arithmetic prompts, a user's reward function with partial credit
-scores them, and the mean reward rises; the same job SIGKILLed mid-way resumes to the same
-completions, rewards and losses, bit for bit.
+scores them, and the mean reward rises; the same job trained in this process as a gang of one
+resumes from a checkpoint to the same completions, rewards and losses, bit for bit. The QLoRA
+variant, sharded over both ranks, resumes from its checkpoints' shards as `ftjob run` of a copy
+of its folder stopped after a generation batch and inside one.
 
     python -m pytest tests/e2e/test_grpo_run.py -q
 """
@@ -13,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_trainer_run import history, killed_mid_run, run
+from test_qlora import resumed_in_process, stopped_after
+from test_trainer_run import history, run
 
 from ftjob.trainer.objectives.grpo import SAMPLES_PER_LOG
 
@@ -43,16 +46,6 @@ def grpo(runs) -> tuple[Path, str]:
     code, out = run(tiny_grpo(), runs / "tiny-grpo")
     assert code == 0, out
     return runs / "tiny-grpo", out
-
-
-@pytest.fixture(scope="module")
-def killed(runs, grpo) -> tuple[Path, int, int, str]:
-    """The same job with rank 1 SIGKILLed after step 25 (its step-20 checkpoint committed),
-    then `ftjob run` once more."""
-    workdir = runs / "killed"
-    _, _, killed_at = killed_mid_run(tiny_grpo(), workdir, 25)
-    code, out = run(tiny_grpo(), workdir)
-    return workdir, killed_at, code, out
 
 
 def completions(workdir: Path) -> dict[tuple[int, int], dict]:
@@ -91,15 +84,21 @@ def test_completions_are_written_to_the_job_folder_with_their_rewards(grpo):
     assert row["reward"] == row["rewards"]["answer"]
 
 
-def test_a_killed_grpo_run_resumes_to_the_same_completions_rewards_and_losses(killed, grpo):
-    workdir, killed_at, code, out = killed
-    assert code == 0, out
-    assert 20 < killed_at < STEPS and "resuming from checkpoint" in out, (killed_at, out)
+def test_a_grpo_run_resumes_to_the_same_completions_rewards_and_losses(runs):
+    """Resumed from step 4's checkpoint (the adapters, the optimizer, the prompts' order; the
+    sampler seeded by generation batch): steps 5-12 sample the uninterrupted run's
+    completions and score and train on them alike."""
+    doc = tiny_grpo()
+    doc["spec"]["training"]["maxSteps"] = 8
+    first, again, out = resumed_in_process(doc, runs / "resumed", 4)
+    assert "(step 4)" in out, out
     keys = ("loss", "reward", "rewardStd", "completionLength", "clipRatio")
-    resumed = {s["step"]: {k: s[k] for k in keys} for s in history(workdir)}
-    uninterrupted = {s["step"]: {k: s[k] for k in keys} for s in history(grpo[0])}
-    assert resumed == uninterrupted
-    assert completions(workdir) == completions(grpo[0])
+    resumed = {s["step"]: {k: s[k] for k in keys} for s in history(again)}
+    uninterrupted = {s["step"]: {k: s[k] for k in keys} for s in history(first)}
+    assert sorted(resumed) == list(range(5, 9))
+    assert resumed == {step: uninterrupted[step] for step in resumed}
+    written = completions(first)
+    assert completions(again) == {key: written[key] for key in written if key[0] > 4}
 
 
 def qlora_kl() -> dict:
@@ -122,8 +121,11 @@ def qlora_kl() -> dict:
 
 @pytest.fixture(scope="module")
 def qlora(runs) -> tuple[Path, str]:
+    """The QLoRA job, saving after every step: the resume tests' checkpoints."""
     (runs / "tiny-qlora-model").symlink_to(EXAMPLES / "tiny-qlora-model")
-    code, out = run(qlora_kl(), runs / "qlora-grpo")
+    doc = qlora_kl()
+    doc["spec"]["checkpoint"].update(every=1, keep=6)
+    code, out = run(doc, runs / "qlora-grpo")
     assert code == 0, out
     return runs / "qlora-grpo", out
 
@@ -144,42 +146,41 @@ def test_qlora_sharded_grpo_with_the_kl_term_and_two_steps_per_generation(qlora)
     assert (workdir / "model" / "adapter_model.safetensors").is_file()
 
 
-def killed_qlora(runs: Path, every: int, after: int) -> tuple[Path, int, str]:
-    """qlora_kl saving every ``every`` steps, killed once step ``after`` is logged, run again:
-    (its folder, the last step the killed run logged, the rerun's output)."""
-    doc = qlora_kl()
-    doc["spec"]["checkpoint"]["every"] = every
-    workdir = runs / f"qlora-killed-{every}"
-    _, _, killed_at = killed_mid_run(doc, workdir, after)
-    code, out = run(qlora_kl() | {"spec": doc["spec"]}, workdir)
+def resumed_qlora(runs: Path, uninterrupted: Path, at: int) -> tuple[Path, str]:
+    """A copy of the uninterrupted QLoRA run's folder stopped after step ``at`` (its sharded
+    checkpoints up to that step), `ftjob run` again: its folder, its output."""
+    workdir = runs / f"qlora-from-{at}"
+    stopped_after(uninterrupted, workdir, at)
+    code, out = run(qlora_kl(), workdir)
     assert code == 0, out
-    return workdir, killed_at, out
+    return workdir, out
 
 
-def same_steps(workdir: Path, uninterrupted: Path) -> bool:
-    """Every step's loss, reward, KL and clip ratio as the uninterrupted run logged them (a
-    step the killed run logged and the rerun logged again: the rerun's)."""
+def same_steps(workdir: Path, uninterrupted: Path, at: int) -> bool:
+    """Steps ``at`` + 1 to 6 with the loss, reward, KL and clip ratio the uninterrupted run
+    logged."""
     keys = ("loss", "reward", "kl", "clipRatio")
     resumed = {s["step"]: {k: s[k] for k in keys} for s in history(workdir)}
-    return resumed == {s["step"]: {k: s[k] for k in keys} for s in history(uninterrupted)}
+    first = {s["step"]: {k: s[k] for k in keys} for s in history(uninterrupted)}
+    return resumed == {step: first[step] for step in range(at + 1, 7)}
 
 
 @pytest.mark.slow  # tests/deadline.py: the QLoRA GRPO runs, after the full one's
-def test_a_killed_sharded_qlora_grpo_run_resumes_to_the_same_rewards_and_losses(runs, qlora):
-    """Killed after step 3, resumed from step 2's checkpoint: a generation batch's first step
-    (numIterations 2), so the resumed run samples what the first one did."""
-    workdir, killed_at, out = killed_qlora(runs, every=2, after=3)
-    assert 2 < killed_at < 6 and "resuming from checkpoint" in out, (killed_at, out)
-    assert same_steps(workdir, qlora[0])
+def test_a_sharded_qlora_grpo_run_resumes_to_the_same_rewards_and_losses(runs, qlora):
+    """Resumed from step 2's checkpoint: a generation batch's first step (numIterations 2),
+    so the resumed run samples what the first one did."""
+    workdir, out = resumed_qlora(runs, qlora[0], 2)
+    assert "resuming from checkpoint" in out and "(step 2)" in out, out
+    assert same_steps(workdir, qlora[0], 2)
 
 
 @pytest.mark.slow  # tests/deadline.py: the QLoRA GRPO runs, after the full one's
-def test_a_run_killed_inside_a_generation_batch_resumes_to_its_completions(runs, qlora):
+def test_a_run_stopped_inside_a_generation_batch_resumes_to_its_completions(runs, qlora):
     """Saved after step 3, the first of generation batch 1's two steps: the checkpoint keeps
     the batch's completions, advantages and old log-probabilities (what each rank holds), so
     step 4 trains on them as the run that was not stopped did, not on a new sampling from the
     weights step 3 left."""
-    workdir, killed_at, out = killed_qlora(runs, every=3, after=4)
-    assert killed_at == 4 and "resuming from checkpoint" in out and "(step 3)" in out, out
+    workdir, out = resumed_qlora(runs, qlora[0], 3)
+    assert "resuming from checkpoint" in out and "(step 3)" in out, out
     assert "sampled again" not in out
-    assert same_steps(workdir, qlora[0])
+    assert same_steps(workdir, qlora[0], 3)
