@@ -204,31 +204,51 @@ SAID = {"delete": "the pod was deleted; stopped for a SIGTERM after step",
         "evict": "EvictionByEvictionAPI"}  # fmt: skip
 
 
-@pytest.mark.parametrize("how", ["delete", "evict"])
-def test_a_pod_stopped_mid_run_saves_at_the_sigterm_and_the_next_gang_resumes_there(
-    operator, volume, reference, how, tmp_path
+def test_a_pod_deleted_then_one_evicted_mid_run_each_save_at_the_sigterm_and_resume_there(
+    operator, volume, reference, tmp_path
 ):
-    """A running gang's pod deleted, or evicted through the Eviction API: the real kubelet's
-    SIGTERM reaches the node's process (PID 1 of its container), the trainer saves at the
-    next step boundary, the operator calls it Preempted (no restart budget spent), and the
-    next gang resumes from that step, past the last periodic checkpoint, to Succeeded, every
-    logged loss equal to `ftjob run`'s."""
-    plane, name = operator.plane, {"delete": "deleted", "evict": "evicted"}[how]
+    """A running gang's pod deleted, then the next gang's evicted through the Eviction API:
+    each time the real kubelet's SIGTERM reaches the node's process (PID 1 of its container),
+    the trainer saves at the next step boundary, the operator calls it Preempted (no restart
+    budget spent), and the next gang resumes from that step, past where the stopped gang
+    started, to Succeeded, every logged loss equal to `ftjob run`'s. One job, two stops: a
+    gang start on real nodes is most of what each costs."""
+    plane, name = operator.plane, "stopped"
     plane.apply(tiny(name))
-    periodic = wait_for(operator, name, checkpointed, f"{name}'s first checkpoint")
-    stop_from_outside(plane, how, f"{name}-node-0", tmp_path)
+    began = wait_for(operator, name, checkpointed, f"{name}'s first checkpoint")
+    for attempt, how in enumerate(("delete", "evict")):
+        stop_from_outside(plane, how, f"{name}-node-0", tmp_path)
+        status = wait_for(operator, name, lambda s, a=attempt + 1: s.get("attempt") == a and s,
+                          f"{name}'s gang after the {how}")  # fmt: skip
+        failure = status["failure"]
+        print(f"\n{how}, a pod on a real node: {failure['message']}")
+        assert failure["reason"] == "Preempted" and SAID[how] in failure["message"], failure
+        assert status["restarts"] == 0, status
+        logs = training_again(plane, f"{name}-node-0", attempt + 1)
+        resumed = resumed_at(logs)
+        assert resumed > began, (began, logs[-3000:])
+        if how == "delete":
+            assert f"after step {resumed};" in failure["message"], failure
+        began = resumed  # the next stop comes once this gang trains past here
     status = wait_for(operator, name, ended, f"{name} to finish")
-    logs = plane.kubectl("logs", "-n", NAMESPACE, f"{name}-node-0", ok=False).stdout
-    assert status["phase"] == "Succeeded", (status, logs[-3000:])
-    failure = status["failure"]
-    print(f"\n{name} pod on a real node: {failure['message']}")
-    assert failure["reason"] == "Preempted" and SAID[how] in failure["message"], failure
-    assert (status["attempt"], status["restarts"]) == (1, 0), status
-    resumed = resumed_at(logs)
-    assert resumed > periodic, (periodic, logs[-3000:])
-    if how == "delete":
-        assert f"after step {resumed};" in failure["message"], failure
+    assert status["phase"] == "Succeeded", status
+    assert (status["attempt"], status["restarts"]) == (2, 0), status
     same_losses(plane, volume, name, reference)
+
+
+def training_again(plane: Plane, pod: str, attempt: int) -> str:
+    """The log of gang ``attempt``'s pod once its trainer has resumed and logged a step after
+    that (the stopped gang's pod, of the same name, may still be ending)."""
+
+    def stepped():
+        meta = (plane.get("pod", pod, NAMESPACE) or {}).get("metadata") or {}
+        if meta.get("labels", {}).get(render.LABEL_ATTEMPT) != str(attempt):
+            return False
+        logs = plane.kubectl("logs", "-n", NAMESPACE, pod, ok=False).stdout
+        after = logs.split("resuming from checkpoint", 1)
+        return len(after) == 2 and re.search(r"^step +\d+/", after[1], re.MULTILINE) and logs
+
+    return plane.wait(stepped, hangs.RUN, f"{pod} to resume and train")
 
 
 def test_a_node_process_killed_with_sigkill_restarts_the_gang_from_its_last_checkpoint(

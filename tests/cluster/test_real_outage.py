@@ -23,10 +23,11 @@ from support import Operator  # noqa: E402  (the emulator tests' launcher, reuse
 from ftjob.api import manifest  # noqa: E402
 
 NAMESPACE = "outage"
-OUTAGE = 30  # seconds each component stays down: not a wait, the outage itself
+OUTAGE = 15  # seconds each component stays down: not a wait, the outage itself (past
+# kopf's first retries, well short of FTJOB_API_RETRY_SECONDS' 300)
 TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
 # The log may name an outage this often in all: a few lines each (kopf's watch retries, a
-# reconcile that failed), never a line per job per second (~30 s x 3 jobs here).
+# reconcile that failed), never a line per job per second (~15 s x 3 jobs here).
 LINES_PER_OUTAGE = 12
 pytestmark = pytest.mark.timeout(2 * OUTAGE + 6 * hangs.FLOOR + 300)
 
