@@ -2,23 +2,27 @@
 
     python -m pytest tests/e2e/test_accumulation.py -q
 
-`ftjob run` with 2 real processes. FSDP reduce-scatters every micro-batch (sharded gradients
-accumulate) and, with replicas (hybrid), defers only the all-reduce across them to the last
-micro-batch: a step of 4 micro-batches of 1 sequence must train exactly like a step of one
-micro-batch of 4. Memory at accumulation 4 vs 1 (a 190M model) is a benchmark:
-`python -m bench --suite accumulation`.
+`ftjob run` with 4 real processes, hybrid sharding (2 nodes x 2: shards within a node,
+replicas across): FSDP reduce-scatters every micro-batch (sharded gradients accumulate) and
+defers only the all-reduce across replicas to the last micro-batch. A step of 4 micro-batches
+of 1 sequence on each of the 4 ranks must train exactly like one micro-batch of all 16
+sequences, which the trainer computes here in this process as a gang of one
+(tests/in_process.py): the step's rows are the same whatever the split (data.Sampler), and
+the one-batch step is one rank's arithmetic. Full sharding with accumulation is compared with
+the unaccumulated layouts in test_sharding_layouts.py. Memory at accumulation 4 vs 1 (a 190M
+model) is a benchmark: `python -m bench --suite accumulation`.
 """
 
 from __future__ import annotations
 
+import in_process
 import pytest
-
-from tests.e2e.test_trainer_run import job, losses, run
+from test_trainer_run import job, losses, run
 
 STEPS = 4
 
 
-def split(name: str, micro: int, accumulation: int, **resources) -> dict:
+def split(name: str, micro: int, accumulation: int, resources: dict) -> dict:
     return job(
         name,
         training={
@@ -28,25 +32,19 @@ def split(name: str, micro: int, accumulation: int, **resources) -> dict:
             "learningRate": 1e-3,
         },  # fmt: skip
         dataset={"evalFraction": None},
-        resources={"nodes": 2, "gpusPerNode": 0, **resources},
+        resources={"gpusPerNode": 0, **resources},
     )
 
 
-# Hybrid shards within a node and replicates across: both reductions. Full sharding alone is
-# the slow tier's (tests/deadline.py).
-@pytest.mark.parametrize("sharding", [pytest.param("full", marks=pytest.mark.slow), "hybrid"])
-def test_accumulated_micro_batches_train_like_one_batch(tmp_path, sharding):
-    curves = {}
-    for micro, accumulation in ((4, 1), (1, 4)):
-        doc = split(f"acc-{sharding}-{accumulation}", micro, accumulation)
-        doc["spec"]["parallelism"] = {"sharding": sharding}
-        if sharding == "hybrid":  # 2 nodes x 2 processes: shards within, replicas across
-            doc["spec"]["resources"]["processesPerNode"] = 2
-        workdir = tmp_path / f"{micro}x{accumulation}"
-        code, out = run(doc, workdir)
-        assert code == 0, out[-3000:]
-        curves[accumulation] = losses(workdir)
-    assert sorted(curves[1]) == list(range(1, STEPS + 1))
-    for step, reference in curves[1].items():
-        assert curves[4][step] == pytest.approx(reference, rel=1e-5, abs=1e-5), step
-    assert curves[1][STEPS] < curves[1][1]  # it trains at all
+def test_hybrid_accumulated_micro_batches_train_like_one_batch(tmp_path, monkeypatch):
+    doc = split("acc-hybrid", 1, 4, {"nodes": 2, "processesPerNode": 2})
+    doc["spec"]["parallelism"] = {"sharding": "hybrid"}
+    code, out = run(doc, tmp_path / "hybrid-1x4")
+    assert code == 0, out[-3000:]
+    accumulated = losses(tmp_path / "hybrid-1x4")
+    in_process.train(split("acc-one", 16, 1, {"nodes": 1}), tmp_path / "one-16x1", monkeypatch)
+    one_batch = losses(tmp_path / "one-16x1")
+    assert sorted(one_batch) == list(range(1, STEPS + 1))
+    for step, reference in one_batch.items():
+        assert accumulated[step] == pytest.approx(reference, rel=1e-5, abs=1e-5), step
+    assert one_batch[STEPS] < one_batch[1]  # it trains at all

@@ -4,9 +4,12 @@ which collectives run, and the arithmetic only in its order (fp32 noise).
     python -m pytest tests/e2e/test_sharding_layouts.py -q
 
 `ftjob run`, 1 node x 2 real processes, the tiny model: a full fine-tune under none, grad-op
-and full; LoRA with the frozen base left whole (none, and auto, which picks it here and says
-so in its first lines) against it sharded (full, grad-op); DPO with LoRA, whose reference
-forward gathers nothing with the base whole and shares the policy's gather under grad-op.
+and full, the last with its micro-batches of 2 split in 2 accumulated ones of 1 (sharded
+gradients reduce-scattered every micro-batch: the same losses; hybrid's accumulation is
+test_accumulation.py's); DPO with LoRA, the frozen base left whole (auto, which picks none
+here and says so in its first lines) against it sharded (full, grad-op): the policy is the
+adapted network of any LoRA run, and its reference forward (the adapters off) gathers nothing
+with the base whole and shares the policy's gather under grad-op.
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ FP32_NOISE = dict(rel=2e-5, abs=2e-6)
 pytestmark = pytest.mark.slow
 
 
-def sft(name: str, method: str, sharding: str) -> dict:
+def sft(name: str, method: str, sharding: str, **training) -> dict:
     return job(
         name,
         method={"type": method},
-        training={"maxSteps": STEPS, "activationCheckpointing": "none"},
+        training={"maxSteps": STEPS, "activationCheckpointing": "none", **training},
         dataset={"evalFraction": None},
         resources=ONE_NODE,
         parallelism={"sharding": sharding},
@@ -66,25 +69,21 @@ def assert_equal_curves(found: dict[str, dict[int, float]], reference: str) -> N
 
 
 def test_a_full_fine_tune_trains_alike_under_every_layout(tmp_path):
-    docs = {s: sft(f"layout-full-{s}", "full", s) for s in ("none", "grad-op", "full")}
+    docs = {s: sft(f"layout-full-{s}", "full", s) for s in ("none", "grad-op")}
+    # The same global batch of 4 (2 ranks x 2 sequences), as 2 accumulated micro-batches of 1.
+    docs["full"] = sft("layout-full-full", "full", "full", microBatchSize=1, gradientAccumulation=2)
     found, _ = curves(tmp_path, docs)
     assert_equal_curves(found, "none")
     assert found["none"][STEPS] < found["none"][1]  # it trains at all
 
 
-def test_lora_with_the_base_whole_trains_like_the_base_sharded(tmp_path):
-    docs = {s: sft(f"layout-lora-{s}", "lora", s) for s in ("none", "auto", "grad-op", "full")}
-    found, out = curves(tmp_path, docs)
-    assert_equal_curves(found, "full")
-    # auto chose the base whole here, and said why in the run's first lines.
-    assert "sharding auto -> none: " in out["auto"]
-    assert "frozen base whole" in out["auto"]
-    assert "none sharding over 2 ranks" in out["auto"]
-
-
 def test_dpo_reference_trains_alike_whether_the_base_is_whole_or_sharded(tmp_path):
     (tmp_path / "jobs").mkdir()
     folder = beside_the_examples(tmp_path / "jobs")
-    docs = {s: dpo(f"layout-dpo-{s}", s) for s in ("none", "grad-op", "full")}
-    found, _ = curves(folder, docs)
+    # auto's run is the base-whole one: it resolves to none, and says why.
+    docs = {s: dpo(f"layout-dpo-{s}", s) for s in ("auto", "grad-op", "full")}
+    found, out = curves(folder, docs)
     assert_equal_curves(found, "full")
+    assert "sharding auto -> none: " in out["auto"]
+    assert "frozen base whole" in out["auto"]
+    assert "none sharding over 2 ranks" in out["auto"]
