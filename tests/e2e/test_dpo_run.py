@@ -41,14 +41,6 @@ def runs(tmp_path_factory) -> Path:
     return beside_the_examples(tmp_path_factory.mktemp("dpo"))
 
 
-@pytest.fixture(scope="module")
-def dpo(runs) -> tuple[Path, str, dict]:
-    doc = tiny_dpo()
-    code, out = run(doc, runs / "tiny-dpo")
-    assert code == 0, out
-    return runs / "tiny-dpo", out, doc
-
-
 def test_reward_accuracy_rises_well_above_chance_and_the_eval_margin_grows(dpo):
     workdir, out, _ = dpo
     steps = history(workdir)

@@ -155,27 +155,6 @@ def nf4_reference(base: Path, dtype: torch.dtype):
     return model
 
 
-# Session-wide, these three: the slow tier runs last, after this module, and reuses them
-# (tests/deadline.py).
-@pytest.fixture(scope="session")
-def runs(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("qlora")
-    make_base(folder / "base")
-    return folder
-
-
-@pytest.fixture(scope="session")
-def qlora(runs):
-    out = run(job("qlora", runs / "base", "qlora"), runs / "qlora")
-    return runs / "qlora", out
-
-
-@pytest.fixture(scope="session")
-def lora(runs):
-    run(job("lora", runs / "base", "lora"), runs / "lora")
-    return runs / "lora"
-
-
 def test_qlora_lowers_the_loss_and_tracks_lora_on_the_same_base(qlora, lora):
     q, ref = losses(qlora[0]), losses(lora)
     assert sorted(q) == list(range(1, 13))
@@ -185,7 +164,7 @@ def test_qlora_lowers_the_loss_and_tracks_lora_on_the_same_base(qlora, lora):
     assert max(gaps) < 0.05, (q, ref)
 
 
-def test_qlora_export_reloads_with_the_trained_eval_loss(qlora, runs):
+def test_qlora_export_reloads_with_the_trained_eval_loss(qlora, qlora_runs):
     """The adapter on the base as published, and the merged model in the base's dtype (bf16).
 
     Training evaluated on the NF4 base; the export is used on the original bf16 base (the merge
@@ -197,7 +176,7 @@ def test_qlora_export_reloads_with_the_trained_eval_loss(qlora, runs):
     from transformers import AutoModelForCausalLM
 
     workdir, _ = qlora
-    export, base = workdir / "model", runs / "base"
+    export, base = workdir / "model", qlora_runs / "base"
     trained = json.loads((workdir / "progress.json").read_text())["evalLoss"]
     plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     gap = abs(
@@ -211,11 +190,11 @@ def test_qlora_export_reloads_with_the_trained_eval_loss(qlora, runs):
 
 
 @pytest.mark.slow  # tests/deadline.py: an exact resume is also LoRA DPO's (adapters) and GRPO's
-def test_qlora_resumes_exactly_from_a_checkpoint(runs, tmp_path):
+def test_qlora_resumes_exactly_from_a_checkpoint(qlora_runs, tmp_path):
     """The adapters and their optimizer state over the 4-bit base: resumed from step 4's
     checkpoint, steps 5-8 log the uninterrupted run's losses exactly. (No eval and no merged
     export: neither is what a resume restores, and each costs both runs seconds.)"""
-    doc = job("qlora", runs / "base", "qlora", training={"maxSteps": 8},
+    doc = job("qlora", qlora_runs / "base", "qlora", training={"maxSteps": 8},
               dataset={"evalFraction": None}, output={"mergeAdapter": False})  # fmt: skip
     first, again, out = resumed_in_process(doc, tmp_path, 4)
     assert "(step 4)" in out, out
@@ -361,18 +340,18 @@ def probe(base: Path, out: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def ranks(runs) -> list[dict]:
-    out = runs / "probe"
+def ranks(qlora_runs) -> list[dict]:
+    out = qlora_runs / "probe"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", __file__, str(runs / "base"), str(out)]  # fmt: skip
+           "2", __file__, str(qlora_runs / "base"), str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def test_each_rank_holds_half_of_every_4bit_weight(ranks, runs):
+def test_each_rank_holds_half_of_every_4bit_weight(ranks, qlora_runs):
     from safetensors.torch import load_file
 
     for rank in ranks:
@@ -383,7 +362,7 @@ def test_each_rank_holds_half_of_every_4bit_weight(ranks, runs):
         assert case["nf4_shares"] == [0.5] * 14
     # Both ranks read the files: the 4-bit weights whole (each one's NF4 scales span all of
     # it), and their own half of the rest.
-    tensors = load_file(runs / "base" / "model.safetensors")
+    tensors = load_file(qlora_runs / "base" / "model.safetensors")
     names = [n.removeprefix("base_model.model.").replace(".base_layer", "")
              for n in ranks[0]["fp32"]["quantized"]]  # the files' names  # fmt: skip
     whole = sum(t.nbytes for k, t in tensors.items() if k in names)

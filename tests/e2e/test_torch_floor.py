@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_dpo_run import beside_the_examples
 from test_qlora import job as qlora_job
-from test_qlora import make_base
+from test_trainer_run import losses
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -92,24 +93,31 @@ def write(doc: dict, path: Path) -> Path:
     return path
 
 
-# Six runs, each guarded by RUN_TIMEOUT, and the load: above pyproject's 1800 s.
+# Three runs, each guarded by RUN_TIMEOUT, and the load; CI torch's three are the session's.
 @pytest.mark.slow  # tests/deadline.py: the tiny example is the core's check of torch 2.11
-@pytest.mark.timeout(6 * RUN_TIMEOUT + LOAD_TIMEOUT)
-def test_dpo_lora_and_qlora_train_as_on_ci_torch_and_their_exports_load(floor, tmp_path):
+@pytest.mark.timeout(3 * RUN_TIMEOUT + LOAD_TIMEOUT)
+def test_dpo_lora_and_qlora_train_as_on_ci_torch_and_their_exports_load(
+    floor, tmp_path, dpo, qlora_runs, qlora, lora
+):
     """The DPO example (LoRA adapters, the reference their network with adapters off), and
     test_qlora's jobs: a bf16 base whose weights split into whole NF4 blocks over 2 ranks,
-    FSDP2-sharded (NF4 by torchao for QLoRA), the adapter merged into a second export."""
-    old, new = both(floor, EXAMPLES / "tiny-dpo.yaml", tmp_path / "dpo")
-    assert_same_losses(old, new, "dpo")
-    exports = [(tmp_path / "dpo" / "floor" / "model", EXAMPLES / "tiny-model")]
-    base = tmp_path / "base"
-    make_base(base)
-    for method in ("lora", "qlora"):
+    FSDP2-sharded (NF4 by torchao for QLoRA), the adapter merged into a second export. CI
+    torch's side of each is the run test_dpo_run and test_qlora made of the same job
+    (tests/e2e/conftest.py): the job's name is all that differs, and it is in no loss."""
+    dpo_dir, _, dpo_doc = dpo
+    folder = beside_the_examples(tmp_path)
+    old = ftjob_run(floor, write(dpo_doc, folder / "dpo.yaml"), folder / "dpo")
+    assert_same_losses(old, losses(dpo_dir), "dpo")
+    exports = [(folder / "dpo" / "model", EXAMPLES / "tiny-model")]
+    base = qlora_runs / "base"
+    for method, ci in (("lora", lora), ("qlora", qlora[0])):
         job = write(qlora_job(f"floor-{method}", base, method), tmp_path / f"{method}.yaml")
-        old, new = both(floor, job, tmp_path / method)
-        assert_same_losses(old, new, method)
-        export = tmp_path / method / "floor" / "model"
-        exports += [(export, base), (export / "merged", None)]
+        old = ftjob_run(floor, job, tmp_path / method)
+        assert_same_losses(old, losses(ci), method)
+        exports += [
+            (tmp_path / method / "model", base),
+            (tmp_path / method / "model" / "merged", None),
+        ]
     summaries = loads(floor, *exports)
     kinds = [s.split()[0] for s in summaries]
     assert kinds == ["PeftModelForCausalLM"] + ["PeftModelForCausalLM", "LlamaForCausalLM"] * 2
