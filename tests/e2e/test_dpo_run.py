@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_qlora import make_base, nf4_reference, resumed_in_process
+from in_process import resumed_in_process
+from test_qlora import make_base, nf4_reference
 from test_trainer_run import history, losses, run
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_qlora import resumed_in_process, stopped_after
+from in_process import resumed_in_process, stopped_after
 from test_trainer_run import history, run
 
 from ftjob.trainer.objectives.grpo import SAMPLES_PER_LOG

@@ -6,26 +6,23 @@ The base is a small Llama built here in bf16 (the committed tiny model's weights
 to split into whole NF4 blocks over two ranks). `ftjob run` trains it with QLoRA and with
 LoRA; a probe under torchrun (this file's ``__main__``) builds the QLoRA model the trainer's
 way and records what each rank holds. In the slow tier the QLoRA job, trained in this process
-as a gang of one, resumes from a checkpoint to the same losses (:func:`resumed_in_process`,
-which the other methods' resume tests share).
+as a gang of one, resumes from a checkpoint to the same losses (tests/in_process.py's
+``resumed_in_process``, which the other methods' resume tests share).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import in_process
 import pytest
 import torch
 import yaml
+from in_process import resumed_in_process
 from test_trainer_run import (
     RUN_TIMEOUT,
     eval_loss_of,
@@ -91,55 +88,6 @@ def run(doc: dict, workdir: Path) -> str:
     out, _ = proc.communicate(timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, out
     return out
-
-
-def one_rank(doc: dict, every: int) -> dict:
-    """``doc`` for a gang of one (tests/in_process.py) saving every ``every`` steps, keeping
-    them all, read as `ftjob run` reads a job file (``5e-3`` a number)."""
-    from ftjob.api import manifest
-
-    doc = copy.deepcopy(doc)
-    doc["spec"]["resources"] = {"nodes": 1, "gpusPerNode": 0}
-    steps = doc["spec"]["training"]["maxSteps"]
-    doc["spec"]["checkpoint"].update(every=every, keep=steps // every)
-    return manifest.loads(yaml.safe_dump(doc))[0]
-
-
-def train_here(doc: dict, folder: Path, sources: Path = EXAMPLES) -> str:
-    """Train ``doc`` in this process with ``folder`` as its job folder and relative sources
-    under ``sources`` (the job file's folder): what it printed."""
-    printed = io.StringIO()
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
-        patch.setenv("FTJOB_SOURCE_ROOT", str(sources))
-        in_process.train(doc, folder, patch)
-    return printed.getvalue()
-
-
-def stopped_after(folder: Path, copy_to: Path, step: int) -> None:
-    """A copy of a finished job folder as a run stopped after ``step`` leaves it: that step's
-    checkpoint and the earlier ones, the prepared data; no later checkpoint, log or export."""
-    shutil.copytree(folder, copy_to, symlinks=True)
-    for saved in (copy_to / "checkpoints").iterdir():
-        if int(saved.name.removeprefix("step-")) > step:
-            shutil.rmtree(saved)
-    shutil.rmtree(copy_to / "model")
-    for name in ("progress.json", "progress.jsonl", "completions.jsonl"):
-        (copy_to / name).unlink(missing_ok=True)
-
-
-def resumed_in_process(
-    doc: dict, root: Path, at: int, sources: Path = EXAMPLES
-) -> tuple[Path, Path, str]:
-    """``doc`` trained in this process as a gang of one in ``root/uninterrupted``, saving
-    every ``at`` steps, then run again to the end from a copy stopped after step ``at``: (the
-    uninterrupted folder, the resumed one, what the rerun printed). What a method restores
-    from a checkpoint is one rank's state; a killed gang's exact resume is
-    test_trainer_run.py's and test_recovery.py's."""
-    doc = one_rank(doc, at)
-    first, again = root / "uninterrupted", root / "resumed"
-    train_here(doc, first, sources)
-    stopped_after(first, again, at)
-    return first, again, train_here(doc, again, sources)
 
 
 def nf4_reference(base: Path, dtype: torch.dtype):
