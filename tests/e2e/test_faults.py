@@ -1,5 +1,6 @@
 """Faults a cluster will produce, on `ftjob run` with 2 real processes: damaged checkpoints, a
-full volume, two writers on one job folder, a gang killed after its export.
+full volume, two writers on one job folder, a gang killed after its export; and a checkpoint
+another method wrote, named by the trainer in this process (a gang of one).
 
     python -m pytest tests/e2e/test_faults.py -q
 
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_trainer_run import RUN_TIMEOUT, job, losses, rank_pid, run, start
+from test_trainer_run import RUN_TIMEOUT, failed_in_process, job, losses, rank_pid, run, start
 
 STEPS = 20
 # Checkpoints at 4, 8, 12 and 16, all kept: room to damage three and resume from the fourth.
@@ -89,17 +90,26 @@ def test_damaged_checkpoints_are_moved_aside_and_the_newest_intact_one_resumed(r
     assert_same_losses(workdir, reference, first=5)
 
 
-def test_a_checkpoint_that_does_not_fit_the_job_is_named_not_a_traceback(reference, tmp_path):
+def test_a_checkpoint_that_does_not_fit_the_job_is_named_not_a_traceback(
+    reference, tmp_path, monkeypatch
+):
+    """Whether a checkpoint fits is each rank's own load: the trainer runs here as a gang of
+    one (tests/in_process.py). Its record names the checkpoint, which is what `ftjob run` and
+    the operator show (a named error shown without a traceback: the full volume's test)."""
     old = rerun_copy(reference, tmp_path / "full")
-    # A LoRA job told to start from a full fine-tune's checkpoints (the job file sits in
-    # tmp_path, so relative paths are read there, as from the volume on a cluster).
+    # A LoRA job told to start from a full fine-tune's checkpoints, by a path relative to the
+    # volume (FTJOB_SOURCE_ROOT, as a pod reads it).
     lora = {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}}
-    code, out = run(faults_job(method=lora, checkpoint={"resumeFrom": "full"}), tmp_path / "lora")
-    assert code == 1
-    error = next(x for x in out.splitlines() if x.startswith("ftjob run: node"))
-    assert "CheckpointUnreadable" in error
-    assert f"checkpoint {old / 'checkpoints'}/step-00000016 is intact but cannot" in error
-    assert "Traceback" not in out.split("ftjob run: node", 1)[1]
+    doc = faults_job(method=lora, checkpoint={"resumeFrom": "full"})
+    doc["spec"]["resources"] = {"nodes": 1, "gpusPerNode": 0}
+    monkeypatch.setenv("FTJOB_SOURCE_ROOT", str(tmp_path))
+    monkeypatch.setenv("FTJOB_TERMINATION_LOG", str(tmp_path / "termination-log"))
+    failed = failed_in_process(doc, tmp_path / "lora", monkeypatch)
+    record = json.loads((tmp_path / "termination-log").read_text())
+    assert failed.reason == record["reason"] == "CheckpointUnreadable", record
+    said = f"checkpoint {old / 'checkpoints'}/step-00000016 is intact but cannot"
+    assert said in str(failed) and said in record["message"], record
+    assert "Traceback" not in record["message"]
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """`ftjob run` about its inputs, as a person sees it: data left out of training counted and
-shown, fix lines that fit the cause, missing paths named before torch starts, a finished job
-answered at once, and node logs free of torchao's optional-kernel noise.
+shown, fix lines that fit the cause, missing paths named before torch starts, a data error
+fixed and run again without --restart, a finished job answered at once, and node logs free of
+torchao's optional-kernel noise.
 
 python -m pytest tests/e2e/test_run_inputs.py -q
 """
@@ -46,20 +47,31 @@ def ftjob_run(job: Path, workdir: Path, timeout: float = hangs.RUN) -> tuple[int
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started
 
 
-# ------------------------------------------------------- truncation, rerun, node logs
+# ------------------------------------------ a data error fixed, truncation, rerun, node logs
 
 
-def test_cut_records_are_counted_shown_and_a_finished_rerun_is_answered_at_once(tmp_path):
+def test_a_fixed_data_error_runs_its_cut_records_are_shown_and_a_rerun_is_answered_at_once(
+    tmp_path,
+):
+    """A run that fails on its data trains nothing: pointing dataset.source at fixed data and
+    running the same command again trains, with no refusal, no --restart, no .old-* folder.
+    That run's records cut at maxSeqLength are counted and shown; the same command once more
+    is answered from the folder without starting torch."""
     workdir = tmp_path / "short"
-    job = tiny_job(
-        tmp_path,
-        "short",
-        dataset={"maxSeqLength": 16},
-        training={"maxSteps": 4, "logEvery": 2, "evalEvery": 0},
-        checkpoint={"every": 4},
-    )
+    bad = tmp_path / "bad.jsonl"
+    good = (ROOT / "examples" / "data" / "tiny-chat.jsonl").read_text().splitlines()
+    bad.write_text("\n".join([good[0], '{"conversation": []}', *good[2:40]]) + "\n")
+    sections = {"dataset": {"maxSeqLength": 16}, "checkpoint": {"every": 4},
+                "training": {"maxSteps": 4, "logEvery": 2, "evalEvery": 0}}  # fmt: skip
+    refused = tiny_job(tmp_path, "short", **{**sections, "dataset": {"source": str(bad)}})
+    code, out, _ = ftjob_run(refused, workdir)
+    assert code == 1 and "line 2: has no field 'messages'" in out, out[-3000:]
+    assert not workdir.exists()  # refused before any folder was made
+    job = tiny_job(tmp_path, "short", **sections)  # the bundled, valid data
     code, out, _ = ftjob_run(job, workdir)
     assert code == 0, out[-3000:]
+    assert "another spec" not in out and "exported model" in out
+    assert [p.name for p in tmp_path.iterdir() if ".old-" in p.name] == []
     # On screen: how many records were cut, the tokens lost, and what to change.
     cut = re.search(r"data: \S+: ([\d,]+) of ([\d,]+) records cut at dataset.maxSeqLength=16: "
                     r"([\d,]+) tokens not trained on", out)  # fmt: skip
@@ -213,27 +225,6 @@ def test_a_pods_trainer_names_a_missing_data_file_with_the_source_fix(tmp_path):
     for rec in (contract.parse(record.read_text()), None):
         s = failure.summarize([failure.NodeOutcome(0, 1, rec, lines, "node-0.log")])
         assert s.fix.startswith(fix) and "record" not in s.fix
-
-
-# ------------------------------------------------------------ a fix after a failed start
-
-
-def test_a_spec_fixed_after_a_data_error_runs_without_restart(tmp_path):
-    """A run that fails on its data trains nothing: pointing dataset.source at fixed data and
-    running the same command again trains, with no refusal, no --restart, no .old-* folder."""
-    bad = tmp_path / "bad.jsonl"
-    good = (ROOT / "examples" / "data" / "tiny-chat.jsonl").read_text().splitlines()
-    bad.write_text("\n".join([good[0], '{"conversation": []}', *good[2:40]]) + "\n")
-    steps = {"maxSteps": 2, "evalEvery": 0, "logEvery": 1}
-    job = tiny_job(tmp_path, "fixed", dataset={"source": str(bad)}, training=steps)
-    code, out, _ = ftjob_run(job, tmp_path / "fixed")
-    assert code == 1 and "line 2: has no field 'messages'" in out, out[-3000:]
-    assert not (tmp_path / "fixed").exists()  # refused before any folder was made
-    job = tiny_job(tmp_path, "fixed", training=steps)  # the bundled, valid data
-    code, out, _ = ftjob_run(job, tmp_path / "fixed")
-    assert code == 0, out[-3000:]
-    assert "another spec" not in out and "exported model" in out
-    assert [p.name for p in tmp_path.iterdir() if ".old-" in p.name] == []
 
 
 def without(tmp_path: Path, module: str) -> dict[str, str]:

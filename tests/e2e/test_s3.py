@@ -10,12 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import hangs
+import psutil
 import pytest
 import yaml
 from hubserver import HubServer
@@ -105,11 +107,12 @@ def test_an_endpoint_that_does_not_answer_is_transient(store, tmp_path, monkeypa
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
     for k, v in {**store.env("admin"), "AWS_ENDPOINT_URL": closed}.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setenv("FTJOB_S3_RETRY_SECONDS", "3")
+    monkeypatch.setenv("FTJOB_S3_RETRY_SECONDS", "2")
     started = time.monotonic()
     e = _fetch("s3://models/tiny-model", tmp_path / "job")
     assert e.reason == STORE_UNREACHABLE and "did not answer" in str(e), str(e)
-    assert time.monotonic() - started >= 2  # retried before it gave up
+    # A refused connection takes a millisecond: a second of them is retries (0.2 s, 0.4 s...).
+    assert time.monotonic() - started >= 1  # retried before it gave up
     assert STORE_UNREACHABLE not in {BAD_DATA, BAD_MODEL}
 
 
@@ -143,6 +146,22 @@ def _wait_for(check, limit: float) -> None:
         time.sleep(0.05)
 
 
+def _crash(store) -> None:
+    """The server killed (SIGKILL), as a lost node takes it: stopped with SIGTERM, SeaweedFS
+    takes the 10 s scripts/s3.sh down waits before its SIGKILL. Its state stays for store.up()."""
+    pid = int((store.dir / "pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+
+    def gone() -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    _wait_for(gone, hangs.FLOOR)
+    store.down()  # forgets the pid (no weed runs there now)
+
+
 def test_resumes_after_a_kill_and_a_server_restart(store, tmp_path):
     blob = tmp_path / "weights.bin"
     blob.write_bytes(os.urandom(48 * 2**20))
@@ -155,10 +174,10 @@ def test_resumes_after_a_kill_and_a_server_restart(store, tmp_path):
     first.wait()
     kept = _recorded_offset(cache)
     assert 0 < kept < blob.stat().st_size
-    # 2. The next one starts while the server is down (stopped under it: waiting for the
+    # 2. The next one starts while the server is down (killed under it: waiting for the
     # rest to be under way raced a quiet machine, where 44 MiB from loopback come between two
     # looks), retries until it is back, and resumes there.
-    store.down()
+    _crash(store)
     second = _downloader("s3://models/big", cache, env)
     try:
         time.sleep(3)
@@ -174,34 +193,37 @@ def test_resumes_after_a_kill_and_a_server_restart(store, tmp_path):
     assert not list(cache.rglob("*.part*"))  # nothing half-written left behind
 
 
-def test_a_job_runs_from_s3(store, tmp_path):
-    """`ftjob run` of a two-node job whose model and data are s3:// sources: rank 0 downloads
-    into the volume's shared cache while the other waits; a second job reads the same copy."""
+@pytest.fixture(scope="module")
+def from_s3(store, tmp_path_factory) -> tuple[Path, str]:
+    """`ftjob run` of a two-node job whose model and data are s3:// sources, in a folder of
+    job folders (a volume): the folder and the run's output."""
     env = {**os.environ, **store.env("admin"), "OMP_NUM_THREADS": "1",
            "FTJOB_PROGRESS_PORT": "0"}  # fmt: skip
     env.pop("AWS_ENDPOINT_URL")  # the job says where the store is (storage.s3.endpoint)
-    runs = tmp_path / "runs"
-    outs = []
-    for name in ("s3-first", "s3-second"):
-        doc = job(name, model={"source": "s3://models/tiny-model"},
-                  dataset={"source": "s3://data/tiny-text.jsonl"}, training={"maxSteps": 4},
-                  storage={"s3": {"endpoint": store.endpoint}})  # fmt: skip
-        workdir = runs / name
-        job_file = runs / f"{name}.yaml"
-        runs.mkdir(exist_ok=True)
-        job_file.write_text(yaml.safe_dump(doc, sort_keys=False))
-        cmd = [sys.executable, "-m", "ftjob", "run", str(job_file), "--workdir", str(workdir)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT)
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, out[-4000:]
-        assert final(workdir)["phase"] == "succeeded", final(workdir)
-        assert (workdir / "model" / "config.json").is_file()
-        outs.append(out)
-    assert "downloaded s3://models/tiny-model" in outs[0], outs[0][-3000:]
+    runs = tmp_path_factory.mktemp("runs")
+    doc = job("s3-first", model={"source": "s3://models/tiny-model"},
+              dataset={"source": "s3://data/tiny-text.jsonl"}, training={"maxSteps": 4},
+              storage={"s3": {"endpoint": store.endpoint}})  # fmt: skip
+    job_file = runs / "s3-first.yaml"
+    job_file.write_text(yaml.safe_dump(doc, sort_keys=False))
+    cmd = [sys.executable, "-m", "ftjob", "run", str(job_file), "--workdir", str(runs / "s3-first")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return runs, out
+
+
+def test_a_job_runs_from_s3(from_s3):
+    """Rank 0 downloads into the volume's shared cache while the other waits (a second job
+    reads the same copy: the promoted push's job, below)."""
+    runs, out = from_s3
+    workdir = runs / "s3-first"
+    assert final(workdir)["phase"] == "succeeded", final(workdir)
+    assert (workdir / "model" / "config.json").is_file()
+    assert "downloaded s3://models/tiny-model" in out, out[-3000:]
     # Progress (status.progress.download) counted the bytes; the data set came last.
-    first = final(runs / "s3-first")
+    first = final(workdir)
     assert first["downloadedBytes"] == first["downloadBytes"] == DATA.stat().st_size
-    assert "downloaded s3://" not in outs[1], outs[1][-3000:]  # the shared copy
 
 
 def _run(doc: dict, runs: Path, env: dict) -> tuple[int, str]:
@@ -303,13 +325,16 @@ def test_an_upload_complete_there_is_not_repeated(store, tmp_path, monkeypatch):
     [(100.0, True), pytest.param(0.001, False, marks=pytest.mark.slow)],
 )
 def test_the_push_to_the_hub_and_s3_waits_for_its_condition_on_the_final_evaluation(
-    store, tmp_path, bound, promoted
+    store, tmp_path, bound, promoted, request
 ):
     """output.push to a Hub repository (the local server speaking the Hub's upload API,
     tests/e2e/hubserver.py) and an S3 prefix in one job, output.promoteWhen: evalLoss < bound:
     both get the export when the final evaluation's loss is under it, neither when not, and
     the job succeeds either way; progress (status.progress.promotion, pushedTo) says which,
-    with the number, and where."""
+    with the number, and where. The promoted job runs beside test_a_job_runs_from_s3's
+    (the same volume) and reads its copy of the model and data: nothing downloaded again."""
+    # The slow tier runs apart from this module's other tests: its own folder, not a run more.
+    runs = request.getfixturevalue("from_s3")[0] if promoted else tmp_path / "runs"
     name, prefix, repo = f"promote-{int(promoted)}", f"promoted/{int(promoted)}", "ftjob-test/p"
     doc = job(name, model={"source": "s3://models/tiny-model"},
               dataset={"source": "s3://data/tiny-text.jsonl", "evalFraction": 0.05},
@@ -320,11 +345,11 @@ def test_the_push_to_the_hub_and_s3_waits_for_its_condition_on_the_final_evaluat
               storage={"s3": {"endpoint": store.endpoint}})  # fmt: skip
     hub = HubServer(tmp_path / "hub", HF_TOKEN)
     try:
-        code, out = _run(doc, tmp_path / "runs", {**store.env("admin"), **_hub_env(hub)})
+        code, out = _run(doc, runs, {**store.env("admin"), **_hub_env(hub)})
     finally:
         hub.close()
     assert code == 0, out[-3000:]
-    progress = final(tmp_path / "runs" / name)
+    progress = final(runs / name)
     loss = progress["evalLoss"]
     assert progress["phase"] == "succeeded"
     if promoted:
@@ -333,10 +358,11 @@ def test_the_push_to_the_hub_and_s3_waits_for_its_condition_on_the_final_evaluat
         hub_url = f"{hub.url}/{repo}/commit/{commit['oid']}"
         assert progress["pushedTo"] == [hub_url, f"s3://exports/{prefix}"]
         # The same export in both places, each with its card.
-        export = files(tmp_path / "runs" / name / "model")
+        export = files(runs / name / "model")
         in_s3, in_hub = _objects(store, "exports", prefix), files(hub.folder(repo))
         assert {k: in_s3[k] for k in export} == export == {k: in_hub[k] for k in export}
         assert "README.md" in in_hub and "ftjob-upload.json" in in_s3
+        assert "downloaded s3://" not in out, out[-3000:]  # the shared copy
     else:
         assert progress["promotion"] == f"not promoted: evalLoss {loss:.4g} < 0.001 does not hold"
         assert progress.get("pushedTo") is None

@@ -1,7 +1,8 @@
 """Experiment trackers end to end: `ftjob run` (2 processes) reporting to a real MLflow tracking
 server on loopback (its own SQLite store), W&B in offline mode and TensorBoard event files, each
 read back with the tracker's own client or reader; killed mid-run and rerun, the job stays one
-run in each.
+run in each. A job that fails ends its MLflow run failed (the trainer in this process, as a
+gang of one: tests/in_process.py).
 
     python -m pytest tests/e2e/test_tracking.py -q
 """
@@ -19,6 +20,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from unittest import mock
 
 import hangs
 import mlflow
@@ -27,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from test_trainer_run import RUN_TIMEOUT, final, history, job, losses
+from test_trainer_run import RUN_TIMEOUT, failed_in_process, final, history, job, losses
 
 STEPS, EVERY = 16, 4
 
@@ -59,12 +61,10 @@ def mlflow_server(tmp_path_factory):
         assert time.monotonic() < deadline, (folder / "server.log").read_text()
         time.sleep(0.5)
     yield url
-    os.killpg(server.pid, signal.SIGTERM)
-    try:
-        server.wait(5)  # not a hang guard: the grace before SIGKILL
-    except subprocess.TimeoutExpired:  # its workers' graceful shutdown takes ~20 s
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait(hangs.FLOOR)
+    # SIGKILL at once: its workers' graceful shutdown takes ~20 s, and the store (SQLite,
+    # committed per request) and the tests' reads are done.
+    os.killpg(server.pid, signal.SIGKILL)
+    server.wait(hangs.FLOOR)
     log.close()
 
 
@@ -238,15 +238,20 @@ def test_a_tracker_that_is_down_never_fails_training_and_is_said_once(tmp_path):
     assert (tmp_path / "down" / "model" / "config.json").is_file()
 
 
-def test_a_failed_job_ends_its_run_failed(tmp_path, mlflow_server):
+def test_a_failed_job_ends_its_run_failed(tmp_path, mlflow_server, monkeypatch):
+    """How a failure ends the tracker's run is rank 0's alone: the trainer runs here as a
+    gang of one (tests/in_process.py), no process start."""
     # Parquet: read by the trainer itself (ftjob run reads JSON lines, JSON and CSV first)
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"text": ["fine", None]}), bad)
     doc = tracked("failing", {"mlflow": {"trackingUri": mlflow_server, "experiment": "fails"}})
     doc["spec"]["dataset"]["source"] = str(bad)
-    proc = start(doc, tmp_path / "failing")
-    out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    assert proc.returncode == 1 and "record 2: field 'text' must be a str" in out, out
+    doc["spec"]["resources"] = {"nodes": 1, "gpusPerNode": 0}
+    # The tracker sets MLflow's retry variables where unset: in this process, for this test.
+    with mock.patch.dict(os.environ):
+        failed = failed_in_process(doc, tmp_path / "failing", monkeypatch)
+    assert "record 2: field 'text' must be a str" in str(failed), failed
+    assert final(tmp_path / "failing")["phase"] == "failed"
     client = mlflow.MlflowClient(mlflow_server)
     (run,) = client.search_runs([client.get_experiment_by_name("fails").experiment_id])
     assert run.info.status == "FAILED" and "ftjob.export" not in run.data.tags

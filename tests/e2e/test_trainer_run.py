@@ -166,6 +166,21 @@ def eval_loss_of(model, workdir: Path) -> float:
     return total / count
 
 
+def failed_in_process(doc: dict, folder: Path, monkeypatch) -> contract.TrainerError:
+    """Train ``doc`` in this process (tests/in_process.py) and return the TrainerError it
+    fails with. A failed run leaves its process group to the process's exit, which here is
+    pytest's: it is destroyed here, so that the next run in this process can make its own."""
+    import torch.distributed as dist
+
+    try:
+        with pytest.raises(contract.TrainerError) as failed:
+            in_process.train(doc, folder, monkeypatch)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return failed.value
+
+
 def final(workdir: Path) -> dict:
     return json.loads((workdir / "progress.json").read_text())
 
@@ -450,9 +465,10 @@ def test_lora_adapter_names_the_jobs_model_source_and_is_readable(lora, tmp_path
 # ---------------------------------------------------------------------------------- errors
 
 
-def test_bad_data_fails_at_once_naming_file_and_line(runs, tmp_path):
+def test_bad_data_fails_at_once_naming_file_and_line(runs, tmp_path, monkeypatch):
     """`ftjob run` reads the records before it starts any process; a pod's trainer, which no
-    `ftjob run` checked for, names the same line in its termination record."""
+    `ftjob run` checked for, names the same line in its termination record (reading data is
+    one rank's: the trainer in this process, as a gang of one, tests/in_process.py)."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": "fine too"}\n{"text": oops}\n')
     doc = job("bad-data", dataset={"source": str(bad)})
@@ -460,14 +476,10 @@ def test_bad_data_fails_at_once_naming_file_and_line(runs, tmp_path):
     assert code == 1
     assert f"BadData: {bad} line 3: not valid JSON" in out, out
     assert not (runs / "bad-data" / "logs").exists()  # no node was started
-    spec_file = tmp_path / "bad-data.yaml"
-    spec_file.write_text(yaml.safe_dump(doc))
+    doc["spec"]["resources"] = {"nodes": 1, "gpusPerNode": 0}
     record = tmp_path / "termination-log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FTJOB_PROGRESS_PORT": "0"}
-    env.update(FTJOB_JOB_DIR=str(tmp_path / "job"), FTJOB_TERMINATION_LOG=str(record))
-    cmd = [sys.executable, "-m", "ftjob.trainer", "--spec", str(spec_file)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT)
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    monkeypatch.setenv("FTJOB_TERMINATION_LOG", str(record))
+    failed_in_process(doc, tmp_path / "job", monkeypatch)
     written = json.loads(record.read_text())
     assert written["reason"] == "BadData" and f"{bad} line 3" in written["message"], written
 
