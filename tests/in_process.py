@@ -35,12 +35,29 @@ def train(doc: dict, folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     name, spec = parse_resource(doc)
-    return trainer.run(spec, name)
+    try:
+        return trainer.run(spec, name)
+    finally:
+        # A failed run leaves its process group to the process's exit, which here is
+        # pytest's: destroyed here, so that the next run in this process can make its own.
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def fails(doc: dict, folder: Path, monkeypatch: pytest.MonkeyPatch):
+    """Train ``doc`` as :func:`train` does; the TrainerError it must fail with."""
+    from ftjob.api import contract
+
+    with pytest.raises(contract.TrainerError) as failed:
+        train(doc, folder, monkeypatch)
+    return failed.value
 
 
 def one_rank(doc: dict, every: int) -> dict:
-    """``doc`` for a gang of one  saving every ``every`` steps, keeping
-    them all, read as `ftjob run` reads a job file (``5e-3`` a number)."""
+    """``doc`` for a gang of one saving every ``every`` steps, keeping them all, read as
+    `ftjob run` reads a job file (``5e-3`` a number)."""
     from ftjob.api import manifest
 
     doc = copy.deepcopy(doc)

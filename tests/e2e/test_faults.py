@@ -18,8 +18,9 @@ import sys
 import time
 from pathlib import Path
 
+import in_process
 import pytest
-from test_trainer_run import RUN_TIMEOUT, failed_in_process, job, losses, rank_pid, run, start
+from test_trainer_run import RUN_TIMEOUT, job, losses, rank_pid, run, start
 
 STEPS = 20
 # Checkpoints at 4, 8, 12 and 16, all kept: room to damage three and resume from the fourth.
@@ -104,7 +105,7 @@ def test_a_checkpoint_that_does_not_fit_the_job_is_named_not_a_traceback(
     doc["spec"]["resources"] = {"nodes": 1, "gpusPerNode": 0}
     monkeypatch.setenv("FTJOB_SOURCE_ROOT", str(tmp_path))
     monkeypatch.setenv("FTJOB_TERMINATION_LOG", str(tmp_path / "termination-log"))
-    failed = failed_in_process(doc, tmp_path / "lora", monkeypatch)
+    failed = in_process.fails(doc, tmp_path / "lora", monkeypatch)
     record = json.loads((tmp_path / "termination-log").read_text())
     assert failed.reason == record["reason"] == "CheckpointUnreadable", record
     said = f"checkpoint {old / 'checkpoints'}/step-00000016 is intact but cannot"

@@ -23,13 +23,14 @@ from pathlib import Path
 from unittest import mock
 
 import hangs
+import in_process
 import mlflow
 import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from test_trainer_run import RUN_TIMEOUT, failed_in_process, final, history, job, losses
+from test_trainer_run import RUN_TIMEOUT, final, history, job, losses
 
 STEPS, EVERY = 16, 4
 
@@ -249,7 +250,7 @@ def test_a_failed_job_ends_its_run_failed(tmp_path, mlflow_server, monkeypatch):
     doc["spec"]["resources"] = {"nodes": 1, "gpusPerNode": 0}
     # The tracker sets MLflow's retry variables where unset: in this process, for this test.
     with mock.patch.dict(os.environ):
-        failed = failed_in_process(doc, tmp_path / "failing", monkeypatch)
+        failed = in_process.fails(doc, tmp_path / "failing", monkeypatch)
     assert "record 2: field 'text' must be a str" in str(failed), failed
     assert final(tmp_path / "failing")["phase"] == "failed"
     client = mlflow.MlflowClient(mlflow_server)

@@ -166,21 +166,6 @@ def eval_loss_of(model, workdir: Path) -> float:
     return total / count
 
 
-def failed_in_process(doc: dict, folder: Path, monkeypatch) -> contract.TrainerError:
-    """Train ``doc`` in this process (tests/in_process.py) and return the TrainerError it
-    fails with. A failed run leaves its process group to the process's exit, which here is
-    pytest's: it is destroyed here, so that the next run in this process can make its own."""
-    import torch.distributed as dist
-
-    try:
-        with pytest.raises(contract.TrainerError) as failed:
-            in_process.train(doc, folder, monkeypatch)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return failed.value
-
-
 def final(workdir: Path) -> dict:
     return json.loads((workdir / "progress.json").read_text())
 
@@ -479,7 +464,7 @@ def test_bad_data_fails_at_once_naming_file_and_line(runs, tmp_path, monkeypatch
     doc["spec"]["resources"] = {"nodes": 1, "gpusPerNode": 0}
     record = tmp_path / "termination-log"
     monkeypatch.setenv("FTJOB_TERMINATION_LOG", str(record))
-    failed_in_process(doc, tmp_path / "job", monkeypatch)
+    in_process.fails(doc, tmp_path / "job", monkeypatch)
     written = json.loads(record.read_text())
     assert written["reason"] == "BadData" and f"{bad} line 3" in written["message"], written
 
