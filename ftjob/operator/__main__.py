@@ -51,8 +51,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="peering priority of this replica (default: random, so replicas never tie)",
     )
+    p.add_argument(
+        "--peering-lifetime",
+        type=_lifetime,
+        default=None,
+        help="seconds a replica's peering keep-alive holds: a standby acts this long after the "
+        "acting replica was lost without a goodbye (SIGKILL, a node gone); a drained one hands "
+        "over at once. Default: kopf's 60. Keep it well above the API server's worst delay: a "
+        "keep-alive that arrives later lets two replicas act",
+    )
     p.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
     p.add_argument("--verbose", "-v", action="store_true")
+
+
+PEERING_LIFETIME_MIN = 10  # kopf renews a keep-alive 5-10 s before its lifetime ends
+
+
+def _lifetime(text: str) -> int:
+    seconds = int(text)
+    if seconds < PEERING_LIFETIME_MIN:
+        raise argparse.ArgumentTypeError(
+            f"{seconds} is under {PEERING_LIFETIME_MIN} s: kopf renews a keep-alive 5-10 s "
+            "before it ends, so a shorter one lapses between renewals (the chart's "
+            "peering.lifetime)"
+        )
+    return seconds
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("ftjob operator: give --namespace NS (repeatable) or --all-namespaces")
     # The handlers read their settings from the environment when the operator starts.
     os.environ.setdefault("FTJOB_METRICS_PORT", str(args.metrics_port))
+    if args.peering_lifetime is not None:
+        os.environ["FTJOB_PEERING_LIFETIME"] = str(args.peering_lifetime)
     if args.default_image is not None:  # the flag wins over the variable
         os.environ[render.DEFAULT_IMAGE_ENV] = args.default_image
     # Checked however it was set (the chart and `kubectl set env` set the variable).

@@ -81,6 +81,9 @@ class Settings:
     # FTJOB_API_RETRY_SECONDS: how long a failing API request of kopf's (its watches) is
     # retried before the operator ends (operator/watches.py): the API trouble it rides out.
     api_retry: float = 300.0
+    # FTJOB_PEERING_LIFETIME (ftjob operator --peering-lifetime): kopf's peering keep-alive,
+    # how long a standby waits for a replica that vanished without saying goodbye.
+    peering_lifetime: int = 60
     # FTJOB_DEFAULT_IMAGE (ftjob operator --default-image): the trainer image of jobs that
     # name none in spec.image.
     default_image: str | None = None
@@ -97,6 +100,7 @@ class Settings:
             api_threads=int(env.get("FTJOB_API_THREADS", cls.api_threads)),
             metrics_port=int(env.get("FTJOB_METRICS_PORT") or 0),
             api_retry=float(env.get("FTJOB_API_RETRY_SECONDS", cls.api_retry)),
+            peering_lifetime=int(env.get("FTJOB_PEERING_LIFETIME", cls.peering_lifetime)),
             default_image=env.get(render.DEFAULT_IMAGE_ENV) or None,
             default_tracking=render.default_tracking(env.get(render.DEFAULT_TRACKING_ENV)),
         )
@@ -219,6 +223,8 @@ async def configure(
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.watching.server_timeout = 300  # re-list now and then: watches can drop silently
     settings.networking.error_backoffs = watches.backoffs(SETTINGS.api_retry)
+    # kopf's peering starts after the start-up handlers: its first keep-alive carries this.
+    settings.peering.lifetime = SETTINGS.peering_lifetime
     await _check_access(memo.get("namespaces") or [])
     if SETTINGS.metrics_port:
         await _serve_metrics_on(SETTINGS.metrics_port)

@@ -30,7 +30,9 @@ from ftjob.api import manifest  # noqa: E402
 NAMESPACE = "handover"
 RELEASE, SYSTEM = "fleet", "fleet-system"  # not the installed release: its ClusterRole stays
 PEERING = "ftjob"
-LIFETIME = 60  # kopf's settings.peering.lifetime, which the operator leaves at its default
+# The chart's peering.lifetime (kopf's keep-alive): the standby's wait for a killed replica
+# (the default 60 s, all of it waiting, was this module's largest cost).
+LIFETIME = 15
 JOBS = 50
 TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
 pytestmark = pytest.mark.timeout(hangs.after(LIFETIME) + 600)
@@ -40,7 +42,10 @@ def chart_with_peering() -> list[dict]:
     """The chart rendered by the real Helm engine with two peering replicas."""
     import helm_python as helm
 
-    values = {"replicaCount": 2, "peering": {"enabled": True, "name": PEERING}}
+    values = {
+        "replicaCount": 2,
+        "peering": {"enabled": True, "name": PEERING, "lifetime": LIFETIME},
+    }
     with helm.Chart.load(str(ROOT / "charts" / "ftjob")) as chart:
         rendered = chart.render(values, name=RELEASE, namespace=SYSTEM, is_install=True)
     docs = [d for p, t in rendered.items() if p.endswith(".yaml") for d in yaml.safe_load_all(t)]
@@ -202,6 +207,9 @@ def test_the_standby_replica_takes_over_a_burst_without_a_second_gang(replicas, 
     replicas.start("replica-a", "--priority", "1")
     assert replicas.acting() == "replica-a"
     replicas.start("replica-b", "--priority", "2")
+    # Each keep-alive carries the chart's lifetime (the operator hands it to kopf).
+    assert replicas.acting() == "replica-b"
+    assert {p["lifetime"] for p in replicas.peers().values()} == {LIFETIME}
     hand_over(replicas, tmp_path, [f"burst-{i:02d}" for i in range(JOBS)], Operator.kill)
 
 

@@ -38,6 +38,19 @@ HANDLERS_PY = ROOT / "ftjob" / "operator" / "handlers.py"
 KUBE_VERSIONS = ["1.30.0", "1.37.0"]
 NAMESPACE = "ftjob-system"
 
+
+def test_a_peering_lifetime_kopf_cannot_renew_in_time_is_refused_by_the_operator_too():
+    """The schema's minimum, for an operator started without the chart."""
+    import argparse
+
+    with pytest.raises(argparse.ArgumentError, match="under 10 s.*peering.lifetime"):
+        operator_parser().parse_args(["operator", "-A", "--peering-lifetime=9"])
+    assert (
+        operator_parser().parse_args(["operator", "-A", "--peering-lifetime=10"]).peering_lifetime
+        == 10
+    )
+
+
 COMBOS = {
     "defaults": {},
     "namespaced": {"watchNamespaces": ["team-a", "team-b"]},
@@ -51,7 +64,10 @@ COMBOS = {
             ],
         }
     },
-    "ha-peering": {"replicaCount": 2, "peering": {"enabled": True, "name": "ftjob-ha"}},
+    "ha-peering": {
+        "replicaCount": 2,
+        "peering": {"enabled": True, "name": "ftjob-ha", "lifetime": 20},
+    },
     "ha-namespaced": {
         "replicaCount": 3,
         "peering": {"enabled": True},
@@ -296,6 +312,7 @@ def test_schema_and_values_agree():
     "values, message",
     [
         ({"replicaCount": 2}, "/peering/enabled"),  # two operators acting at once
+        ({"peering": {"enabled": True, "lifetime": 5}}, "/peering/lifetime"),  # lapses
         ({"watchNamespaces": ["Team_A"]}, "/watchNamespaces/0"),
         ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
         ({"metrics": {"port": 80}}, "/metrics/port"),  # the pod runs non-root: no port < 1024
@@ -348,6 +365,7 @@ def test_operator_args_parse_with_the_operators_own_flags(combo, rendered):
     peering = values.get("peering", {}).get("enabled", False)
     assert args.standalone == (not peering)
     assert args.peering == (values["peering"].get("name", "ftjob") if peering else None)
+    assert args.peering_lifetime == (values["peering"].get("lifetime", 60) if peering else None)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert args.liveness == f"http://0.0.0.0:{ports['health']}/healthz"
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):

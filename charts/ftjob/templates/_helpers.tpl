@@ -67,6 +67,7 @@ them with the operator's own argparse definition):
 {{- end }}
 {{- if .Values.peering.enabled }}
 - --peering={{ .Values.peering.name }}
+- --peering-lifetime={{ .Values.peering.lifetime }}
 {{- else }}
 - --standalone
 {{- end }}
