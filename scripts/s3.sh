@@ -111,7 +111,7 @@ cmd_up() {
   "$BIN/weed" server -ip=127.0.0.1 -ip.bind="$bind" -dir="$DIR/data" \
     -master.port="$MASTER_PORT" -volume.port="$VOLUME_PORT" -filer -filer.port="$FILER_PORT" \
     -s3 -s3.port="$S3_PORT" -s3.config="$DIR/s3.json" -master.volumeSizeLimitMB=256 \
-    -volume.max=0 >"$DIR/weed.log" 2>&1 &
+    -volume.max=0 -volume.preStopSeconds=0 >"$DIR/weed.log" 2>&1 &
   echo $! >"$DIR/pid"
   for _ in $(seq 600); do
     kill -0 "$(cat "$DIR/pid")" 2>/dev/null || { tail -30 "$DIR/weed.log" >&2; rm -f "$DIR/pid"; die "weed exited"; }
@@ -134,7 +134,16 @@ cmd_down() {
   # A pid that no longer runs weed (the process ended, the pid was reused) is left alone.
   if [[ "$(readlink "/proc/$pid/exe" 2>/dev/null)" == */weed ]]; then
     kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    # weed's volume server and filer close their stores within a moment of SIGTERM (up's
+    # -volume.preStopSeconds=0: no 10 s wait for a master that stops with them), but the
+    # process itself then hangs in the rest of its shutdown (weed of 2026-11): once both have
+    # said so it is killed, as it is after 10 s in any case.
+    for _ in $(seq 100); do
+      kill -0 "$pid" 2>/dev/null || break
+      grep -q "Shutting down filer" "$dir/weed.log" 2>/dev/null \
+        && grep -q "Shut down successfully" "$dir/weed.log" && break
+      sleep 0.1
+    done
     kill -KILL "$pid" 2>/dev/null || true
     echo "s3.sh: stopped weed ($pid)"
   fi

@@ -147,8 +147,8 @@ def _wait_for(check, limit: float) -> None:
 
 
 def _crash(store) -> None:
-    """The server killed (SIGKILL), as a lost node takes it: stopped with SIGTERM, SeaweedFS
-    takes the 10 s scripts/s3.sh down waits before its SIGKILL. Its state stays for store.up()."""
+    """The server killed (SIGKILL), as a lost node takes it, not stopped as scripts/s3.sh down
+    stops it. Its state stays for store.up()."""
     pid = int((store.dir / "pid").read_text())
     os.kill(pid, signal.SIGKILL)
 
