@@ -12,8 +12,8 @@ on both sides, and MFU = that x flops/token / (peak x GPUs), both sides with ftj
 count (docs/progress.md), its attention term from the documents' real lengths.
 
 ``compare`` takes the sizes and the device as a ``Setup``: the GPU suite is ``gpu_setup()``;
-tests/e2e/test_bench_gpu_suite.py runs the very same code with ``SMOKE`` (the tiny model on 2
-CPU processes), so that the suite's plumbing is exercised on every CI run, not only on a GPU.
+``python -m bench.gpu_kit.rehearse compare`` runs the very same code with ``SMOKE`` (the tiny
+model on 2 CPU processes), so that the suite's plumbing is exercised before a GPU session.
 """
 
 from __future__ import annotations

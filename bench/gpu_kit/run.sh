@@ -15,7 +15,7 @@
 #   fp8       a call of its own (issue 58): env, fp8-1b (the 1B full fine-tune) and fp8-8b
 #             (8B-shaped LoRA, seq 4096), each bf16 then fp8, compiled: tokens/s, peak, losses.
 #   rehearse  the chosen call on CPU with tiny sizes: the same install, steps, caps and files.
-#             The image's role is played by PYTHON (tests/e2e/test_bench_gpu_suite.py uses the
+#             The image's role is played by PYTHON (python -m bench.gpu_kit.rehearse uses the
 #             torch 2.11 venv of scripts/torch-floor.sh), the wheels come from KIT_WHEELS.
 #
 # It installs the wheels in KIT_WHEELS (default .whl/, from python -m bench.gpu_kit.gather,
