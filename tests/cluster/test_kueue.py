@@ -116,7 +116,7 @@ def test_quota_for_one_gang_keeps_the_second_gated_until_the_first_goes(team, tm
     team.wait(lambda: placed(team, "first"), 60, "the first gang placed")
     watch = PodWatch(team, "second", tmp_path / "watch.json")
     # A start limit shorter than its time in the queue: waiting for quota is not being stuck.
-    submit(team, "second", runPolicy={"startTimeoutSeconds": 20})
+    submit(team, "second", runPolicy={"startTimeoutSeconds": 5})
     team.wait(lambda: len(job_pods(team, "second")) == 2, hangs.FLOOR, "the second gang's 2 pods")
 
     def short():
@@ -129,7 +129,7 @@ def test_quota_for_one_gang_keeps_the_second_gated_until_the_first_goes(team, tm
 
     reserved = team.wait(short, hangs.FLOOR, "second-a0 waiting for quota")
     assert "nvidia.com/gpu" in reserved["message"], reserved
-    time.sleep(25)  # some reconciles and the start limit later, still all gated, none placed
+    time.sleep(8)  # reconciles and the start limit later, still all gated, none placed
     for pod in job_pods(team, "second"):
         assert ADMISSION_GATE in gates(pod) and not pod["spec"].get("nodeName")
     local = team.get("localqueue.kueue.x-k8s.io", "research", TEAM)

@@ -466,7 +466,9 @@ def test_a_gang_that_cannot_be_scheduled_says_why_and_fails_at_its_start_limit(o
     Warning Event carry the real scheduler's words, and runPolicy.startTimeoutSeconds fails it
     with them (issue 52, point 1)."""
     plane = operator.plane
-    job = gpu_job("toobig", runPolicy={"startTimeoutSeconds": 30})
+    # The scheduler's verdict reaches the status in a few seconds: 15 s leaves the test room
+    # to read it while Pending (it waits the whole limit).
+    job = gpu_job("toobig", runPolicy={"startTimeoutSeconds": 15})
     job["spec"]["resources"]["gpusPerNode"] = 16  # kwok's GPU nodes have 8
     job["spec"]["plan"] = {"enforce": False}
     plane.apply(job)
