@@ -7,9 +7,16 @@ order of api/profile.py's :func:`~ftjob.api.profile.choose`). The limits are tho
 :func:`~ftjob.api.profile.limit_violations`, with the same words; the operator checks them
 again on the merged job (it also knows its own default image, and selector ambiguity).
 
-On create every limit; on update only the budget, and only when the edit changes it: a profile
-tightened later must not refuse the edits (a suspend, a new image) of jobs it let in, but a
-budget raised to resume a stopped job is held to the cap as a new job's is.
+A job may name (``spec.profile``) only a profile that serves its namespace (selects it, is
+named by its label, or is ``nameableFrom: Anywhere``): else a team could take any profile's
+limits by naming it.
+
+Each check runs on create, and on an update that changes a field it reads (the one rule,
+:func:`_edited`): every check reads ``spec.profile`` (which profile applies), and each its
+own fields besides (an image check the image, a budget check the budget). An edit that would
+break a limit is so refused with the words of a create; a limit tightened later refuses no
+edit that leaves its fields alone (a suspend, of a job it let in). The operator checks again
+before each gang (operator/profiles.py).
 charts/ftjob/templates/profile-policy.yaml is :func:`render_yaml`'s output.
 """
 
@@ -54,20 +61,43 @@ _METHOD = (
     "has(object.spec.method) && has(object.spec.method.type) ? object.spec.method.type : 'lora'"
 )
 _OF = "' of FineTuneProfile ' + params.metadata.name"
+_GPU_TYPE = (
+    "has(object.spec.resources) && has(object.spec.resources.gpuType) ? "
+    "object.spec.resources.gpuType : (has(params.spec.defaults) && "
+    "has(params.spec.defaults.resources) && has(params.spec.defaults.resources.gpuType) ? "
+    "params.spec.defaults.resources.gpuType : '')"
+)
 _CREATE = "request.operation == 'CREATE'"
-# An update that leaves the budget as it was is not held to the cap (lowered since, perhaps).
-_BUDGET_EDITED = (
-    f"{_CREATE} || !has(oldObject.spec.budget) || !has(object.spec.budget) || "
-    "oldObject.spec.budget != object.spec.budget"
+_SERVES = (
+    "has(params.spec.nameableFrom) && params.spec.nameableFrom == 'Anywhere' || "
+    f"{_LABELLED} && namespaceObject.metadata.labels['{LABEL}'] == params.metadata.name || "
+    f"{_SELECTED}"
+)
+# profile.under_prefix in CEL: a prefix ending in / or : as written, any other on a boundary.
+_UNDER = (
+    "variables.image == p || ((p.endsWith('/') || p.endsWith(':')) ? "
+    "variables.image.startsWith(p) : ['/', ':', '@'].exists(s, variables.image.startsWith(p + s)))"
 )
 
 
-def _check(limit: str, ok: str, message: str, when: str = _CREATE) -> dict[str, Any]:
-    """One limit: passes when the profile is not the job's, has no such limit, or holds;
-    checked only ``when`` (on create, unless said)."""
-    has = f"{_LIMITS} && has(params.spec.limits.{limit})"
+def _changed(field: str) -> str:
+    """Whether an update sets, unsets or changes ``spec.<field>``."""
+    old, new = f"oldObject.spec.{field}", f"object.spec.{field}"
+    return f"has({old}) != has({new}) || has({new}) && {old} != {new}"
+
+
+def _edited(*fields: str) -> str:
+    """When a check reading ``fields`` runs: on create, or an update changing one of them or
+    ``spec.profile`` (which profile applies is read by every check)."""
+    return " || ".join([_CREATE, *(f"({_changed(f)})" for f in ("profile", *fields))])
+
+
+def _check(ok: str, message: str, fields: tuple[str, ...], limit: str | None = None) -> dict:
+    """One check: passes when the profile is not the job's, has no such ``limit``, or holds;
+    run only when :func:`_edited` says ``fields`` changed."""
+    has = f"{_LIMITS} && has(params.spec.limits.{limit})" if limit else "true"
     return {
-        "expression": f"!({when}) || !variables.applies || !({has}) || ({ok})",
+        "expression": f"!({_edited(*fields)}) || !variables.applies || !({has}) || ({ok})",
         "messageExpression": message,
         "reason": "Forbidden",
     }
@@ -77,44 +107,77 @@ def validations() -> list[dict[str, Any]]:
     lim = "params.spec.limits"
     return [
         _check(
-            "maxNodes",
+            f"!has(object.spec.profile) || {_SERVES}",
+            "'spec.profile: FineTuneProfile ' + params.metadata.name + ' does not serve "
+            "namespace ' + namespaceObject.metadata.name + ' (neither its namespaceSelector "
+            f"nor the namespace\\'s label {LABEL} selects it); fix: name the namespace\\'s own "
+            "profile or none, or ask the platform team to label namespace ' + "
+            f"namespaceObject.metadata.name + ' {LABEL}=' + params.metadata.name + ' or to set "
+            "nameableFrom: Anywhere on FineTuneProfile ' + params.metadata.name",
+            (),
+        ),
+        _check(
             f"variables.nodes <= {lim}.maxNodes",
             f"'spec.resources.nodes: ' + string(variables.nodes) + ' nodes exceed "
             f"limits.maxNodes ' + string({lim}.maxNodes) + {_OF} + '; fix: set "
             f"resources.nodes to at most ' + string({lim}.maxNodes) + ', or ask the platform "
             "team for a profile that allows more'",
+            ("resources",),
+            "maxNodes",
         ),
         _check(
-            "maxGpusPerJob",
             f"variables.nodes * variables.perNode <= {lim}.maxGpusPerJob",
             f"'spec.resources.gpusPerNode: ' + string(variables.nodes * variables.perNode) + "
             f"' GPUs (' + string(variables.nodes) + ' nodes x ' + string(variables.perNode) + "
             f"') exceed limits.maxGpusPerJob ' + string({lim}.maxGpusPerJob) + {_OF} + "
             f"'; fix: ask for at most ' + string({lim}.maxGpusPerJob) + ' GPUs (nodes x "
             "gpusPerNode)'",
+            ("resources",),
+            "maxGpusPerJob",
         ),
         _check(
-            "allowedImagePrefixes",
             f"size({lim}.allowedImagePrefixes) == 0 || variables.image == '' || "
-            f"{lim}.allowedImagePrefixes.exists(p, variables.image.startsWith(p))",
+            f"{lim}.allowedImagePrefixes.exists(p, {_UNDER})",
             f"'spec.image: ' + variables.image + ' is not under limits.allowedImagePrefixes'"
             f" + {_OF} + '; fix: use an image starting with ' + "
             f"{lim}.allowedImagePrefixes.join(' or ')",
+            ("image",),
+            "allowedImagePrefixes",
         ),
+        *_budget_checks(lim),
         _check(
-            "maxGpuHoursPerJob",
+            f"size({lim}.allowedMethods) == 0 || variables.method in {lim}.allowedMethods",
+            f"'spec.method.type: ' + variables.method + ' is not in limits.allowedMethods'"
+            f" + {_OF} + '; fix: use method.type ' + {lim}.allowedMethods.join(' or ')",
+            ("method",),
+            "allowedMethods",
+        ),
+    ]
+
+
+def _budget_checks(lim: str) -> list[dict[str, Any]]:
+    """The cap on GPU-hours, and a price for a budget in money (unpriced, it never stops)."""
+    priced = (
+        "has(params.spec.prices) && params.spec.prices.exists(p, p.gpuType == variables.gpuType)"
+    )
+    return [
+        _check(
             "!has(object.spec.budget) || !has(object.spec.budget.gpuHours) || "
             f"object.spec.budget.gpuHours <= {lim}.maxGpuHoursPerJob",
             "'spec.budget.gpuHours: ' + string(object.spec.budget.gpuHours) + ' GPU-hours "
             f"exceed limits.maxGpuHoursPerJob ' + string({lim}.maxGpuHoursPerJob) + {_OF} + "
             f"'; fix: set budget.gpuHours to at most ' + string({lim}.maxGpuHoursPerJob)",
-            _BUDGET_EDITED,
+            ("budget",),
+            "maxGpuHoursPerJob",
         ),
         _check(
-            "allowedMethods",
-            f"size({lim}.allowedMethods) == 0 || variables.method in {lim}.allowedMethods",
-            f"'spec.method.type: ' + variables.method + ' is not in limits.allowedMethods'"
-            f" + {_OF} + '; fix: use method.type ' + {lim}.allowedMethods.join(' or ')",
+            f"!has(object.spec.budget) || !has(object.spec.budget.amount) || {priced}",
+            "'spec.budget.amount: a budget in money needs a price, and FineTuneProfile ' + "
+            "params.metadata.name + ' has no price for gpuType ' + (variables.gpuType == '' ? "
+            "'(none set)' : variables.gpuType) + '; fix: set budget.gpuHours instead, or ask "
+            "the platform team to add that gpuType to prices of FineTuneProfile ' + "
+            "params.metadata.name",
+            ("budget", "resources"),
         ),
     ]
 
@@ -143,6 +206,7 @@ def policy() -> dict[str, Any]:
                 {"name": "perNode", "expression": _PER_NODE},
                 {"name": "image", "expression": _IMAGE},
                 {"name": "method", "expression": _METHOD},
+                {"name": "gpuType", "expression": _GPU_TYPE},
             ],
             "validations": validations(),
         },

@@ -46,6 +46,8 @@ API_VERSION = f"{GROUP}/{VERSION}"
 # The namespace label naming the profile of the namespace's jobs that name none.
 NAMESPACE_LABEL = f"{GROUP}/profile"
 METHODS = ("full", "lora", "qlora")
+# Who may name a profile (spec.nameableFrom): the namespaces it serves, or any.
+NAMEABLE = ("Selected", "Anywhere")
 
 
 @dataclass(kw_only=True)
@@ -116,8 +118,11 @@ class ProfileLimits:
         exclusive_minimum=True,
     )
     allowed_image_prefixes: list[str] = api_field(
-        "allowedImagePrefixes: a job's trainer image must start with one of these (e.g. "
-        "registry.example.com/ml/); empty allows any.",
+        "allowedImagePrefixes: a job's trainer image must start with one of these, on a "
+        "boundary: a prefix ending in / or : matches as written (registry.example.com/ml/); "
+        "any other must be the whole image or be followed by /, : or @ (registry.example.com "
+        "allows registry.example.com/x and registry.example.com:5000/x, never "
+        "registry.example.com.evil.io/x); empty allows any.",
         factory=list,
         max_items=32,
         min_length=1,
@@ -169,6 +174,12 @@ class FineTuneProfileSpec:
         f"namespace's label {NAMESPACE_LABEL} wins over any selector).",
         None,
     )
+    nameable_from: Literal[NAMEABLE] = api_field(  # type: ignore[valid-type]
+        "nameableFrom: which namespaces' jobs may name this profile in spec.profile: Selected "
+        f"(those its namespaceSelector matches or whose label {NAMESPACE_LABEL} names it) or "
+        "Anywhere (every namespace: for a profile as strict as the tightest it could replace).",
+        "Selected",
+    )
 
 
 @dataclass(frozen=True)
@@ -206,6 +217,11 @@ def parse_profile(doc: Any) -> Profile:
 
 class NoProfile(ValueError):
     """The profile a job should take cannot be told: its message says which and what to do."""
+
+
+class NotServed(NoProfile):
+    """The job names a profile that does not serve its namespace: a team could otherwise take
+    any profile's (looser) limits by naming it. Its message names both and the fix."""
 
 
 class InvalidProfile(NoProfile):
@@ -261,6 +277,8 @@ def choose(
                 f"{where} names FineTuneProfile {wanted}, which does not exist; create it, or "
                 f"name one of: {', '.join(sorted(by_name)) or '(none exist)'}"
             )
+        if named is not None and not serves(by_name[wanted], namespace, labels):
+            raise NotServed(not_served(wanted, namespace))
         return by_name[wanted]
     for u in sorted(broken.values(), key=lambda u: u.name):
         if u.match_labels and all(labels.get(k) == v for k, v in u.match_labels.items()):
@@ -275,6 +293,29 @@ def choose(
             f"({names}); label the namespace {NAMESPACE_LABEL}=<name> to choose one"
         )
     return matching[0] if matching else None
+
+
+def serves(profile: Profile, namespace: str, labels: dict[str, str]) -> bool:
+    """Whether a job in ``namespace`` (with ``labels``) may name ``profile``: its selector
+    matches the namespace, the namespace's label names it, or it is nameable from anywhere.
+    Who may label namespaces and edit profiles is the platform team's RBAC, not a team's."""
+    return (
+        profile.spec.nameable_from == "Anywhere"
+        or labels.get(NAMESPACE_LABEL) == profile.name
+        or _selects(profile.spec.namespace_selector, labels)
+    )
+
+
+def not_served(name: str, namespace: str) -> str:
+    """The refusal of a job naming a profile that does not serve its namespace (policy.py's
+    CEL says the same words at the door)."""
+    return (
+        f"spec.profile: FineTuneProfile {name} does not serve namespace {namespace} (neither "
+        f"its namespaceSelector nor the namespace's label {NAMESPACE_LABEL} selects it); fix: "
+        f"name the namespace's own profile or none, or ask the platform team to label "
+        f"namespace {namespace} {NAMESPACE_LABEL}={name} or to set nameableFrom: Anywhere on "
+        f"FineTuneProfile {name}"
+    )
 
 
 def _selects(selector: NamespaceSelector | None, labels: dict[str, str]) -> bool:
@@ -411,9 +452,27 @@ def limit_violations(
 ) -> list[FieldError]:
     """Each limit of ``profile`` that ``spec`` (merged) breaks, naming the limit, the profile
     and the fix."""
-    limits, r = profile.spec.limits, spec.resources
     of = f"of FineTuneProfile {profile.name}"
-    out = []
+    return [
+        *_size_violations(spec, profile.spec.limits, of),
+        *_image_violations(spec.image or default_image, profile.spec.limits, of),
+        *_budget_violations(spec, profile, of),
+        *_method_violations(spec, profile.spec.limits, of),
+    ]
+
+
+def under_prefix(image: str, prefix: str) -> bool:
+    """Whether ``image`` is under ``prefix`` on a registry or path boundary: a prefix ending
+    in / or : matches as written; any other must be the whole image or be followed by /, :
+    (a port or a tag) or @ (a digest), so registry.example.com never allows
+    registry.example.com.evil.io/x. policy.py's CEL says the same."""
+    if prefix.endswith(("/", ":")):
+        return image.startswith(prefix)
+    return image == prefix or image.startswith(tuple(prefix + s for s in "/:@"))
+
+
+def _size_violations(spec: FineTuneJobSpec, limits: ProfileLimits, of: str) -> list[FieldError]:
+    r, out = spec.resources, []
     if r.nodes > 1 and spec.checkpoint.volume is None:  # the CRD let it in for its profile
         out.append(
             FieldError(
@@ -442,32 +501,56 @@ def limit_violations(
                 fix=f"ask for at most {limits.max_gpus_per_job} GPUs (nodes x gpusPerNode)",
             )
         )
-    image = spec.image or default_image
+    return out
+
+
+def _image_violations(image: str | None, limits: ProfileLimits, of: str) -> list[FieldError]:
     prefixes = limits.allowed_image_prefixes
-    if prefixes and image is not None and not image.startswith(tuple(prefixes)):
-        out.append(
-            FieldError(
-                "spec.image",
-                f"{image} is not under limits.allowedImagePrefixes {of}",
-                fix=f"use an image starting with {' or '.join(prefixes)}",
-            )
+    if not prefixes or image is None or any(under_prefix(image, p) for p in prefixes):
+        return []
+    return [
+        FieldError(
+            "spec.image",
+            f"{image} is not under limits.allowedImagePrefixes {of}",
+            fix=f"use an image starting with {' or '.join(prefixes)}",
         )
-    budget, cap = spec.budget.gpu_hours, limits.max_gpu_hours_per_job
-    if cap is not None and budget is not None and budget > cap:
+    ]
+
+
+def _budget_violations(spec: FineTuneJobSpec, profile: Profile, of: str) -> list[FieldError]:
+    budget, cap, out = spec.budget, profile.spec.limits.max_gpu_hours_per_job, []
+    if cap is not None and budget.gpu_hours is not None and budget.gpu_hours > cap:
         out.append(
             FieldError(
                 "spec.budget.gpuHours",
-                f"{budget:g} GPU-hours exceed limits.maxGpuHoursPerJob {cap:g} {of}",
+                f"{budget.gpu_hours:g} GPU-hours exceed limits.maxGpuHoursPerJob {cap:g} {of}",
                 fix=f"set budget.gpuHours to at most {cap:g}",
             )
         )
-    methods = limits.allowed_methods
-    if methods and spec.method.type not in methods:
+    gpu_type = spec.resources.gpu_type or ""
+    priced = {p.gpu_type for p in profile.spec.prices}
+    # Money is counted only at a price: unpriced, the spend stays 0 and the budget never stops.
+    if budget.amount is not None and gpu_type not in priced:
         out.append(
             FieldError(
-                "spec.method.type",
-                f"{spec.method.type} is not in limits.allowedMethods {of}",
-                fix=f"use method.type {' or '.join(methods)}",
+                "spec.budget.amount",
+                f"a budget in money needs a price, and FineTuneProfile {profile.name} has no "
+                f"price for gpuType {gpu_type or '(none set)'}",
+                fix="set budget.gpuHours instead, or ask the platform team to add that gpuType "
+                f"to prices of FineTuneProfile {profile.name}",
             )
         )
     return out
+
+
+def _method_violations(spec: FineTuneJobSpec, limits: ProfileLimits, of: str) -> list[FieldError]:
+    methods = limits.allowed_methods
+    if not methods or spec.method.type in methods:
+        return []
+    return [
+        FieldError(
+            "spec.method.type",
+            f"{spec.method.type} is not in limits.allowedMethods {of}",
+            fix=f"use method.type {' or '.join(methods)}",
+        )
+    ]

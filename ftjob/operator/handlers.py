@@ -527,6 +527,11 @@ def _decide(name, seen: Seen, state: JobState) -> tuple[FineTuneJobSpec | None, 
         render.template(spec, SETTINGS.default_image),
         _ended(state, old_status.get("attempt", 0)),
     )
+    if _new_gang(decision, old_status) and taken and taken.over:
+        # A limit lowered (or the namespace relabelled) since the last gang: the running gang
+        # was left alone; the next one is not made.
+        gen = meta.get("generation")
+        return None, lifecycle.invalid(taken.over, gen, old_status, seen.now, taken.reason)
     decision.status["jobFolder"] = render.job_dir(name, spec, meta["uid"])
     if spent:
         decision.status["cost"] = cost.to_write(old_status, decision.status, spec.resources)
@@ -537,6 +542,12 @@ def _decide(name, seen: Seen, state: JobState) -> tuple[FineTuneJobSpec | None, 
         if taken and taken.record:  # ... and the profile generation they were made with
             decision.status["profile"] = taken.record | {"attempt": decision.status["attempt"]}
     return spec, decision
+
+
+def _new_gang(decision: lifecycle.Decision, old_status: dict) -> bool:
+    """Whether ``decision`` makes a new gang (not a pod of the one status.profile records)."""
+    made = (old_status.get("profile") or {}).get("attempt")
+    return bool(decision.create) and decision.status.get("attempt") != made
 
 
 def _ended(state: JobState, attempt: int) -> list[dict]:

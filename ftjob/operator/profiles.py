@@ -2,11 +2,12 @@
 
 The profiles and the namespace's labels come from the handlers' kopf indexes (watches, no
 read per job); this decides which profile the job takes, the merged job the rest of the
-reconcile sees, what the status records, and what refuses the job. Limits are held when the
-job is first taken (no gang made yet): a profile edited later changes no running gang and
-fails no job that was let in; the next gang takes the edited defaults (lifecycle treats that
-as any edit of what pods are made of), except the pinned immutable sections (api/profile.py
-PINNED), kept as first applied.
+reconcile sees, what the status records, and what refuses the job. Limits are held before
+every gang: a job over them is refused before its first (``refused``), and a job over a limit
+lowered since (or whose namespace its named profile no longer serves) fails when its next
+gang would be made (``over``, handlers._decide), never while a gang runs. The next gang takes
+the edited defaults (lifecycle treats that as any edit of what pods are made of), except the
+pinned immutable sections (api/profile.py PINNED), kept as first applied.
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftjob.api.profile import NoProfile, Profile, Unreadable, apply, choose, merge, parse_profile
+from ftjob.api.profile import (
+    NoProfile,
+    NotServed,
+    Profile,
+    Unreadable,
+    apply,
+    choose,
+    merge,
+    parse_profile,
+)
 from ftjob.api.schema import SpecError
 
 
@@ -25,7 +35,8 @@ class Taken:
     doc: dict[str, Any]
     record: dict[str, Any] | None = None  # status.profile for the gang made from ``doc``
     refused: list[str] = field(default_factory=list)
-    reason: str = "OverLimit"  # the failure reason of ``refused``
+    reason: str = "OverLimit"  # the failure reason of ``refused`` or ``over``
+    over: list[str] = field(default_factory=list)  # what refuses the next gang (a gang ran)
     price: float | None = None  # of a GPU-hour of the job's GPU type (the profile's prices)
     currency: str = "USD"
 
@@ -41,20 +52,31 @@ def take(
     namespace = doc["metadata"].get("namespace") or "default"
     before = (old_status or {}).get("profile") or {}
     named = (doc.get("spec") or {}).get("profile")
+    over, reason = [], "OverLimit"
     try:
         chosen = choose(named, namespace, labels, *_parsed(profile_docs))
-    except NoProfile as e:  # InvalidProfile too: refused by its class's name
+    except NoProfile as e:  # InvalidProfile, NotServed too: refused by its class's name
         if not before:
             return Taken(doc, None, [str(e)], type(e).__name__)
-        chosen = None
-    if chosen is None:  # gone since a gang was made with it: the job keeps what it pinned
+        # A profile that no longer serves the namespace gives no next gang (a namespace
+        # relabelled); one gone leaves the job with what it pinned.
+        chosen, reason = None, type(e).__name__
+        over = [str(e)] if isinstance(e, NotServed) else []
+    if chosen is None:
         pinned = before.get("pinned") or {}
-        return Taken(doc | {"spec": merge(pinned, dict(doc.get("spec") or {}))}, before or None)
+        kept = doc | {"spec": merge(pinned, dict(doc.get("spec") or {}))}
+        return Taken(kept, before or None, reason=reason, over=over)
     pinned = before.get("pinned") if before.get("name") == chosen.name else None
     applied = apply(doc, chosen, default_image, pinned or ({} if before else None))
-    refused = [] if before else [str(v) for v in applied.violations]
+    found = [str(v) for v in applied.violations]
+    refused, over = ([], found) if before else (found, [])
     return Taken(
-        applied.doc, applied.record, refused, price=applied.price, currency=applied.currency
+        applied.doc,
+        applied.record,
+        refused,
+        over=over,
+        price=applied.price,
+        currency=applied.currency,
     )
 
 

@@ -93,6 +93,9 @@ def test_a_profile_edited_later_fails_no_job_taken_and_keeps_its_volume():
     edited["spec"]["limits"]["maxNodes"] = 1  # tiny has 2 nodes: over it now
     later = take(job(), {"team": "a"}, [edited], status)
     assert later.refused == []  # let in under generation 1: not failed by generation 2
+    # ... but its next gang is not made: handlers._decide fails it with these, then.
+    assert later.reason == "OverLimit" and len(later.over) == 1
+    assert "2 nodes exceed limits.maxNodes 1 of FineTuneProfile team-a" in later.over[0]
     assert later.doc["spec"]["checkpoint"]["volume"] == {"claimName": "ftjob-shared"}  # pinned
     assert later.doc["spec"]["image"] == "registry.example.com/ml/t:2"  # the next gang's
     assert later.record["generation"] == 2
@@ -101,3 +104,18 @@ def test_a_profile_edited_later_fails_no_job_taken_and_keeps_its_volume():
     assert gone.refused == [] and gone.doc["spec"]["checkpoint"]["volume"]["claimName"] == (
         "ftjob-shared"
     )
+
+
+def test_a_named_profile_that_stops_serving_the_namespace_refuses_the_next_gang_only():
+    """Named from a namespace its selector matched; the namespace relabelled since: the
+    running gang is left alone, the next one is refused saying why and what to do."""
+    first = take(job(profile="team-a"), {"team": "a"}, [profile()], None)
+    assert first.refused == [] and first.over == []
+    status = {"profile": first.record | {"attempt": 0}, "phase": "Running"}
+    later = take(job(profile="team-a"), {"team": "b"}, [profile()], status)
+    assert later.refused == [] and later.reason == "NotServed"
+    [said] = later.over
+    assert "FineTuneProfile team-a does not serve namespace team-a-ns" in said
+    assert "ftjob.dev/profile=team-a or to set nameableFrom: Anywhere" in said
+    never = take(job(profile="team-a"), {"team": "b"}, [profile()], None)
+    assert never.refused == [said] and never.reason == "NotServed"

@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 
 from ftjob.api import admission, crd, manifest, profile
-from ftjob.api.profile import NAMESPACE_LABEL, NoProfile, apply, choose, parse_profile
+from ftjob.api.profile import NAMESPACE_LABEL, NoProfile, NotServed, apply, choose, parse_profile
 from ftjob.api.schema import SpecError
 from ftjob.api.spec import parse_resource
 from ftjob.cli import validate
@@ -125,7 +125,10 @@ def test_spec_profile_then_the_namespace_label_then_a_selector():
     a, b = team_a(), parse_profile(load(TEAM_A) | {"metadata": {"name": "team-b"}})
     both = [a, b]
     b.spec.namespace_selector.match_labels.clear()
-    assert choose("team-b", "ns", {"team": "a"}, both) is b
+    assert choose("team-b", "ns", {"team": "a", NAMESPACE_LABEL: "team-b"}, both) is b
+    # Named from a namespace it does not serve (no selector matches, no label names it).
+    with pytest.raises(NotServed, match="FineTuneProfile team-b does not serve namespace ns"):
+        choose("team-b", "ns", {"team": "a"}, both)
     assert choose(None, "ns", {"team": "a", NAMESPACE_LABEL: "team-b"}, both) is b
     assert choose(None, "ns", {"team": "a"}, both) is a
     assert choose(None, "ns", {"team": "c"}, both) is None
