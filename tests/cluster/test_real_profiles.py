@@ -3,7 +3,11 @@ ServiceAccount token: two namespaces taking different default profiles (one by t
 label, one by a profile's namespaceSelector), a job over a limit refused at kubectl apply by the
 ValidatingAdmissionPolicy (and what the door cannot see, by the operator before any pod) with
 the limit, the profile and the fix, and a profile edited while a job runs (the running gang
-keeps its generation; the next gang takes the new one and says so in status)."""
+keeps its generation; the next gang takes the new one and says so in status). A team member
+(a ServiceAccount that may only edit FineTuneJobs in its own namespace) cannot widen its limits:
+not by naming another namespace's profile, not by an edit (image, profile, budget), not by an
+image under a longer registry name; a limit lowered under a running job stops only its next
+gang."""
 
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ sys.path.append(str(ROOT / "tests" / "emulator"))
 from support import Operator  # noqa: E402  (the emulator tests' launcher, reused)
 
 from ftjob.api import manifest  # noqa: E402
-from ftjob.api.profile import NAMESPACE_LABEL  # noqa: E402
+from ftjob.api.profile import NAMESPACE_LABEL, not_served, parse_profile  # noqa: E402
+from ftjob.cli import validate  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 TINY = manifest.load(ROOT / "examples" / "tiny.yaml")[0]
@@ -44,7 +49,15 @@ def profile(name: str, image: str, **limits) -> dict:
         doc["spec"].pop("namespaceSelector")
     if name == "team-b":
         doc["spec"]["limits"] = {}
+    if name in ("team-c", "team-d"):  # named by jobs of ns-a, which they do not select
+        doc["spec"]["nameableFrom"] = "Anywhere"
     return doc
+
+
+# team-a's images: under registry.example.com on a boundary (a path or a port), never under a
+# longer registry name (registry.example.com.evil.io).
+TEAM_A_LIMITS = {"maxNodes": 2, "maxGpuHoursPerJob": 50}
+TEAM_A_LIMITS |= {"allowedImagePrefixes": ["registry.example.com"]}
 
 
 def job(name: str, namespace: str, nodes: int = 2, profile: str | None = None) -> dict:
@@ -65,10 +78,9 @@ def job(name: str, namespace: str, nodes: int = 2, profile: str | None = None) -
 def operator(installed: Plane, tmp_path_factory):
     for ns, labels in NAMESPACES.items():
         installed.namespace(ns, *(f"{k}={v}" for k, v in labels.items()))
-    installed.apply(
-        profile("team-a", "registry.example.com/ml/a:1", maxNodes=2, maxGpuHoursPerJob=50)
-    )
+    installed.apply(profile("team-a", "registry.example.com/ml/a:1", **TEAM_A_LIMITS))
     installed.apply(profile("team-b", "registry.example.com/ml/b:1"))
+    installed.apply(profile("team-d", "registry.example.com/ml/d:1", maxNodes=2))
     no_volume = profile("team-c", "registry.example.com/ml/c:1")
     del no_volume["spec"]["defaults"]["checkpoint"]
     installed.apply(no_volume)
@@ -78,6 +90,31 @@ def operator(installed: Plane, tmp_path_factory):
     op.plane = installed
     yield op
     op.stop()
+
+
+@pytest.fixture(scope="module")
+def member(operator, tmp_path_factory):
+    """kubectl as a team member of ns-a: a ServiceAccount whose Role lets it edit FineTuneJobs
+    in ns-a and nothing else (what docs/platform.md has a platform team grant a team)."""
+    plane = operator.plane
+    plane.kubectl("create", "serviceaccount", "dev", "-n", "ns-a")
+    plane.kubectl(
+        "create", "role", "ftj-editor", "-n", "ns-a", "--resource=finetunejobs.ftjob.dev",
+        "--verb=get,list,watch,create,update,patch,delete",
+    )  # fmt: skip
+    plane.kubectl(
+        "create", "rolebinding", "dev", "-n", "ns-a", "--role=ftj-editor",
+        "--serviceaccount=ns-a:dev",
+    )  # fmt: skip
+    path = token_kubeconfig(plane, "ns-a", "dev", tmp_path_factory.mktemp("dev") / "kubeconfig")
+    return lambda *args, **kw: plane.kubectl(*args, kubeconfig=path, **kw)
+
+
+def denied(result) -> str:
+    """The policy's words in kubectl's refusal (the same whatever the job's name)."""
+    assert result.returncode != 0, result.stdout
+    assert "ValidatingAdmissionPolicy" in result.stderr, result.stderr
+    return result.stderr.split("denied request: ", 1)[1].strip()
 
 
 @pytest.fixture(autouse=True)
@@ -285,3 +322,110 @@ def test_a_budget_reached_stops_the_gang_and_raising_it_resumes(operator):
     )  # fmt: skip
     running(plane, "budget", "ns-a", 1)
     assert status_of(plane, "budget", "ns-a")["phase"] in ("Pending", "Running")
+
+
+def test_a_team_member_cannot_widen_their_limits_by_naming_or_editing(operator, member):
+    """As the member of ns-a: team-b (no limits, ns-b's) cannot be named; every edit that would
+    break a limit of team-a is refused at kubectl with the words a create gets, and the job
+    is left as it was; validate --profile refuses what the door refuses, in its words."""
+    plane = operator.plane
+    for verb, what in (("patch", "namespaces/ns-a"), ("update", "finetuneprofiles/team-a")):
+        said = member("auth", "can-i", verb, what, "-n", "ns-a", ok=False).stdout.strip()
+        assert said == "no", (verb, what)  # the platform team's rights, not a team's
+    wide = job("wide", "ns-a", nodes=3, profile="team-b")
+    refused = member("apply", "-f", "-", input=json.dumps(wide), ok=False)
+    assert denied(refused) == not_served("team-b", "ns-a")
+    assert plane.get("ftj", "wide", "ns-a") is None
+    # Let in within team-a's limits; then each edit that would break one.
+    member("apply", "-f", "-", input=json.dumps(job("tenant", "ns-a")))
+    team_a = parse_profile(plane.get("ftp", "team-a"))
+    edits = {
+        "image": {"image": "docker.io/evil/miner"},
+        "boundary": {"image": "registry.example.com.evil.io/x:1"},
+        "profile": {"profile": "team-b"},
+        "budget": {"budget": {"gpuHours": 60}},
+    }
+    for field, edit in edits.items():
+        fresh = job("fresh", "ns-a")
+        fresh["spec"].update(edit)
+        created = member("create", "--dry-run=server", "-f", "-", input=json.dumps(fresh), ok=False)
+        patched = member(
+            "patch", "ftj", "tenant", "-n", "ns-a", "--type=merge",
+            "-p", json.dumps({"spec": edit}), ok=False,
+        )  # fmt: skip
+        assert denied(patched) == denied(created), field
+        if field in ("image", "boundary"):
+            assert denied(created) in validate.check(fresh, profile=team_a).errors, field
+    assert plane.get("ftj", "tenant", "ns-a")["spec"].get("image") is None
+    # On a boundary: a port or a path of registry.example.com is under it, at both doors.
+    port = job("port", "ns-a")
+    port["spec"]["image"] = "registry.example.com:5000/ml/x:1"
+    member("create", "--dry-run=server", "-f", "-", input=json.dumps(port))
+    said = validate.check(port, profile=team_a).errors
+    assert not [e for e in said if e.startswith("spec.image")], said
+
+
+def test_a_money_budget_needs_a_price_for_the_jobs_gpu_type(operator, member):
+    """team-a prices H100s only: an A100 job's money budget is refused on create and when an
+    edit adds it, naming the profile and the fix; validate --profile says the same."""
+    unpriced = job("unpriced", "ns-a")
+    unpriced["spec"]["resources"]["gpuType"] = "A100-80GB"
+    money = copy.deepcopy(unpriced)
+    money["spec"]["budget"] = {"amount": 100}
+    created = member("apply", "-f", "-", input=json.dumps(money), ok=False)
+    said = denied(created)
+    assert said == (
+        "spec.budget.amount: a budget in money needs a price, and FineTuneProfile team-a has no "
+        "price for gpuType A100-80GB; fix: set budget.gpuHours instead, or ask the platform "
+        "team to add that gpuType to prices of FineTuneProfile team-a"
+    )
+    team_a = parse_profile(operator.plane.get("ftp", "team-a"))
+    assert said in validate.check(money, profile=team_a).errors
+    member("apply", "-f", "-", input=json.dumps(unpriced))
+    patched = member(
+        "patch", "ftj", "unpriced", "-n", "ns-a", "--type=merge",
+        "-p", json.dumps({"spec": {"budget": {"amount": 100}}}), ok=False,
+    )  # fmt: skip
+    assert denied(patched) == said
+    # Priced (the profile's H100 default): let in.
+    priced = job("priced", "ns-a")
+    priced["spec"]["budget"] = {"amount": 100}
+    member("create", "--dry-run=server", "-f", "-", input=json.dumps(priced))
+
+
+def test_a_limit_lowered_under_a_running_job_stops_only_its_next_gang(operator, member):
+    """team-d (nameable from anywhere) allows 2 nodes; lowered to 1 under a running 2-node
+    job: the gang runs on, a suspend passes the door, and the resume makes no gang: Failed,
+    OverLimit, with the limit and the fix."""
+    plane = operator.plane
+    member("apply", "-f", "-", input=json.dumps(job("lowered", "ns-a", profile="team-d")))
+    first = running(plane, "lowered", "ns-a", 0)
+    plane.apply(profile("team-d", "registry.example.com/ml/d:1", maxNodes=1))
+    time.sleep(3)  # several resyncs: the gang is the same one
+    now = pods_of(plane, "lowered", "ns-a")
+    assert {p["metadata"]["uid"] for p in now} == {p["metadata"]["uid"] for p in first}
+    assert status_of(plane, "lowered", "ns-a")["phase"] == "Running"
+    for suspend in (True, False):
+        member(
+            "patch", "ftj", "lowered", "-n", "ns-a", "--type=merge",
+            "-p", json.dumps({"spec": {"runPolicy": {"suspend": suspend}}}),
+        )  # fmt: skip
+        if suspend:
+            plane.wait(
+                lambda: (
+                    status_of(plane, "lowered", "ns-a").get("phase") == "Suspended"
+                    and not pods_of(plane, "lowered", "ns-a")
+                ),
+                hangs.after(30),
+                "the job suspended",
+            )
+    failure = plane.wait(
+        lambda: status_of(plane, "lowered", "ns-a").get("failure"),
+        hangs.after(30),
+        "the resumed job refused",
+    )
+    assert failure["reason"] == "OverLimit", failure
+    assert "2 nodes exceed limits.maxNodes 1 of FineTuneProfile team-d" in failure["message"]
+    assert "fix: set resources.nodes to at most 1" in failure["message"]
+    assert status_of(plane, "lowered", "ns-a")["phase"] == "Failed"
+    assert pods_of(plane, "lowered", "ns-a") == []
