@@ -13,7 +13,10 @@ a default; a limit is never overridden (a violation names the limit, the profile
 Which profile: ``spec.profile`` names one; else the namespace's label ``ftjob.dev/profile``;
 else the one profile whose ``namespaceSelector`` matches the namespace's labels. The label wins
 over a selector because a namespace owner chose it for that namespace, where a selector is a
-cluster-wide rule that may match more namespaces than meant (:func:`choose`).
+cluster-wide rule that may match more namespaces than meant (:func:`choose`). A job may name
+only a profile that serves its namespace (selects it, is named by its label, or is
+``nameableFrom: Anywhere``): else naming a looser profile would widen a team's limits
+(:func:`serves`).
 """
 
 from __future__ import annotations
