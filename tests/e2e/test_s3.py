@@ -296,6 +296,47 @@ def test_the_export_is_uploaded_once_and_a_refused_upload_keeps_it(store, tmp_pa
     assert code == 0 and "already trained" in out and "pushing" not in out, out[-3000:]
 
 
+def test_an_export_pushed_over_another_is_complete_or_absent(store, tmp_path, monkeypatch):
+    """The push itself (one rank's, in this process): a second export pushed under a prefix
+    that holds one takes the older manifest away before its first file, with the files only
+    that manifest listed, so a push cut half-way leaves nothing that says complete; once whole,
+    the prefix holds the new export, and an object no export listed is left where it was."""
+    import obstore
+
+    from ftjob.trainer.state import s3upload
+
+    for name, value in store.env("admin").items():
+        monkeypatch.setenv(name, value)
+    url, here = "s3://exports/replaced", tmp_path / "files"
+    here.mkdir()
+
+    def written(name: str, body: bytes) -> Path:
+        (here / name).write_bytes(body)
+        return here / name
+
+    s3upload.upload(url, {"a.bin": written("a", b"old a"), "b.bin": written("b", b"old b")}, "#")
+    store.upload("exports", written("notes", b"the team's"), "replaced/notes.txt")
+    new = {"a.bin": written("a2", b"new a"), "c.bin": written("c", b"new c")}
+    put = obstore.put
+
+    def cut_at_c(s, key, *args, **kwargs):  # the connection lost at the second file
+        if key.endswith("c.bin"):
+            raise ConnectionResetError(f"lost while putting {key}")
+        return put(s, key, *args, **kwargs)
+
+    with monkeypatch.context() as lost:
+        lost.setattr(obstore, "put", cut_at_c)
+        with pytest.raises(ConnectionResetError):
+            s3upload.upload(url, new, "# new")
+    cut = _objects(store, "exports", "replaced")
+    assert s3upload.MANIFEST not in cut and "b.bin" not in cut and cut["a.bin"] == b"new a"
+    s3upload.upload(url, new, "# new")
+    whole = _objects(store, "exports", "replaced")
+    assert set(whole) == {"a.bin", "c.bin", "README.md", s3upload.MANIFEST, "notes.txt"}
+    assert set(json.loads(whole[s3upload.MANIFEST])["files"]) == {"a.bin", "c.bin", "README.md"}
+    assert whole["notes.txt"] == b"the team's"
+
+
 def _hub_env(hub: HubServer) -> dict[str, str]:
     """The local Hub server, as huggingface_hub is pointed at it (Git LFS's basic transfer:
     Xet off) with the token it takes."""

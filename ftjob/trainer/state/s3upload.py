@@ -6,13 +6,16 @@ object is whole or absent (an aborted multipart upload leaves no object). The mo
 (README.md) follows, and last ``ftjob-upload.json``, the manifest: every file's size and
 SHA-256. Its presence says the upload under the prefix is complete, and a run that finds the
 same manifest there uploads nothing (a rerun after the job folder's record was lost, or a
-second job that exported the same bytes).
+second job that exported the same bytes). An export pushed where another is: the older
+manifest goes first (until the new one is whole, nothing there says complete), with the files
+only it listed; nothing else under the prefix is touched.
 
     python -c "from ftjob.trainer.state import s3upload; help(s3upload)"
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -51,14 +54,28 @@ def upload(url: str, files: dict[str, Path], card: str, say=print) -> dict:
     text = json.dumps(want, indent=1, sort_keys=True).encode()
     revision = hashlib.sha256(text).hexdigest()[:16]
     found = {"commitUrl": url, "revision": revision}
-    if _remote_manifest(s, f"{prefix}/{MANIFEST}") == want:
+    key = f"{prefix}/{MANIFEST}"
+    older = _remote_manifest(s, key)
+    if older == want:
         say(f"{url} already holds this export (its {MANIFEST} lists the same files)")
         return found
+    # First, in one request: the older manifest (a half-replaced export must not look
+    # complete) and the files only it listed (it alone knew them).
+    gone = [n for n in ((older or {}).get("files") or {}) if n not in want["files"]]
+    _delete(s, [key, *(f"{prefix}/{name}" for name in gone)])
     for name, path in files.items():
         obstore.put(s, f"{prefix}/{name}", path, chunk_size=PART_BYTES, max_concurrency=PARALLEL)
     obstore.put(s, f"{prefix}/README.md", body)
-    obstore.put(s, f"{prefix}/{MANIFEST}", text)  # last: the upload is complete
+    obstore.put(s, key, text)  # last: the upload is complete
     return found
+
+
+def _delete(s, keys: list[str]) -> None:
+    import obstore
+
+    # Not there (a missing key, a bucket the store makes with its first object): done.
+    with contextlib.suppress(FileNotFoundError):
+        obstore.delete(s, keys)
 
 
 def _remote_manifest(s, key: str) -> dict | None:
