@@ -8,8 +8,9 @@ the TRL worker side by side, read into rows. Each other mode is the call itself,
 bench/gpu_kit/run.sh MODE rehearse``, on the torch 2.11 venv of scripts/torch-floor.sh (the GPU
 image's torch) with the kit's wheels installed offline, the tiny model on one CPU process; every
 step must end ok and every figure be there. It checks the plumbing a GPU session relies on, not
-speed. A call takes 2-3 minutes on 2 cores: a tool's dress rehearsal, which is why it is a
-command of the kit and not a test of the suite (tests/ is what CI runs, whole).
+speed. All four took 218 s on an idle 2-core machine (2026-12-05: compare 43 s, main 58 s,
+rest and fp8 117 s), minutes CI's 40 have no room for: a tool's dress rehearsal, a command of
+the kit and not a test of the suite (tests/ is what CI runs, whole).
 """
 
 from __future__ import annotations

@@ -81,8 +81,9 @@ class Settings:
     # FTJOB_API_RETRY_SECONDS: how long a failing API request of kopf's (its watches) is
     # retried before the operator ends (operator/watches.py): the API trouble it rides out.
     api_retry: float = 300.0
-    # FTJOB_PEERING_LIFETIME (ftjob operator --peering-lifetime): kopf's peering keep-alive,
-    # how long a standby waits for a replica that vanished without saying goodbye.
+    # FTJOB_PEERING_LIFETIME, set from ftjob operator --peering-lifetime (which holds it to
+    # at least 10 s): kopf's peering keep-alive, how long a standby waits for a replica that
+    # vanished without saying goodbye.
     peering_lifetime: int = 60
     # FTJOB_DEFAULT_IMAGE (ftjob operator --default-image): the trainer image of jobs that
     # name none in spec.image.

@@ -401,7 +401,9 @@ def test_a_limit_lowered_under_a_running_job_stops_only_its_next_gang(operator, 
     member("apply", "-f", "-", input=json.dumps(job("lowered", "ns-a", profile="team-d")))
     first = running(plane, "lowered", "ns-a", 0)
     plane.apply(profile("team-d", "registry.example.com/ml/d:1", maxNodes=1))
-    time.sleep(3)  # several resyncs: the gang is the same one
+    # Not a hang guard: three resyncs of the tests' operator (FTJOB_RESYNC_SECONDS=1), each of
+    # which reads the lowered limit; the gang is still the same one.
+    time.sleep(3)
     now = pods_of(plane, "lowered", "ns-a")
     assert {p["metadata"]["uid"] for p in now} == {p["metadata"]["uid"] for p in first}
     assert status_of(plane, "lowered", "ns-a")["phase"] == "Running"

@@ -174,7 +174,7 @@ def test_a_steps_leftover_processes_are_ended_by_their_tag_and_no_other():
 
 def test_the_rehearsal_names_each_call_of_the_kit_and_refuses_another(capsys):
     """``python -m bench.gpu_kit.rehearse``: the kit's own check before a device call (its
-    calls take minutes each on CPU, so it is a command, not one of CI's tests)."""
+    calls take 218 s on CPU in all, so it is a command, not one of CI's tests)."""
     from bench.gpu_kit import rehearse
 
     usage = (ROOT / "bench" / "gpu_kit" / "run.sh").read_text()
