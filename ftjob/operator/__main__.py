@@ -101,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
             f"ftjob operator: ${render.DEFAULT_TRACKING_ENV} is not a spec.tracking section: "
             f"{e} (the chart's trainer.tracking; docs/progress.md, Experiment trackers)"
         ) from None
+    from ftjob.operator import pause
+
+    if why := pause.version_error():  # before kopf is imported or logs in: nothing ran yet
+        raise SystemExit(f"ftjob operator: cannot start: {why}")
     import kopf
 
     from ftjob.operator import handlers  # noqa: F401 - registers the handlers

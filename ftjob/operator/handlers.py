@@ -16,6 +16,9 @@ A key names a job; its :class:`Watch` serves one object, the UID last seen under
 every status write is a JSON patch that tests that UID, children carry it as owner, and once
 the object is deleted, or replaced by a new one of the same name, its watch is dropped. A
 child of the same name owned by another UID (left by a deleted job) is removed, never adopted.
+A status write also carries the resourceVersion its decision read, and the API server refuses
+it (409) if the job moved on since: the job is read again and decided again, never
+overwritten, so a replica that peering is pausing loses no other replica's write.
 """
 
 from __future__ import annotations
@@ -53,7 +56,15 @@ from ftjob.operator import (
     watches,
     workqueue,
 )
-from ftjob.operator.kube import ApiException, Gone, Kube, Refused, Unreachable, error_text
+from ftjob.operator.kube import (
+    ApiException,
+    Conflict,
+    Gone,
+    Kube,
+    Refused,
+    Unreachable,
+    error_text,
+)
 
 POD_SELECTOR = {"app.kubernetes.io/managed-by": render.MANAGER}
 # The operator's own log: one line per decision, naming the job (kopf's per-event lines are
@@ -111,8 +122,14 @@ class Settings:
 class JobState:
     """What the operator remembers of one job from one reconcile to the next."""
 
-    # (the job's resourceVersion before our last status write, the status written)
-    written: tuple[str | None, dict] | None = None
+    # (the job's resourceVersions our status writes went over since the watch's copy, the
+    # status last written, the resourceVersion that write made: the next write's precondition).
+    # Each write was conditional on the one before, so a watch copy at any of the first is older
+    # than our last write, and what we wrote is the truth until the watch brings a newer job.
+    written: tuple[frozenset[str | None], dict, str | None] | None = None
+    # A status write met a newer job (kube.Conflict): the next look reads it from the API
+    # server first, not from the watch's copy, which may still be the one that lost.
+    reread: bool = False
     snapshot: tuple[int | None, dict] | None = None  # rank 0's progress, with its gang's attempt
     port: int | None = None  # where rank 0 serves progress, once the spec parsed
     attempt: int | None = None  # the current gang's
@@ -233,7 +250,7 @@ async def configure(
     if paused is None:
         raise startup.StartupError(
             "kopf's pause toggle was not found, so peering could not stop the work queue: this "
-            "kopf is not the one pinned in constraints.txt"
+            f"kopf is not {pause.KOPF_VERSION}, the one pinned in constraints.txt"
         )
     _pool.append((Indexes(job_pods, job_profiles, namespace_labels), paused))
     _loops.add(asyncio.create_task(_poll_progress(job_pods)))
@@ -410,6 +427,12 @@ async def _reconcile_logged(watch: Watch, views: Indexes) -> float | None:
         # e names the job; the watch event that shows what became of it acts on it
         LOG.info(f"not acting: {e}")
         return None
+    except Conflict as e:
+        # Nothing more was written from the stale copy (no Event, no pod); what we wrote last
+        # may be what the other writer replaced.
+        LOG.info(f"not acting: {e}; deciding again from the job as the API server has it")
+        watch.state.written, watch.state.reread = None, True
+        return CONFLICT_RETRY_SECONDS
     except Exception as e:  # noqa: BLE001 - a failed reconcile is retried, not fatal
         metrics.RECONCILE_ERRORS.inc()
         LOG.warning(f"{watch.namespace}/{watch.name}: reconcile failed, retrying: {error_text(e)}")
@@ -429,9 +452,15 @@ async def _forget_when_paused(paused) -> None:
         LOG.info("resumed: acting on the jobs the watch lists")
 
 
+# A job whose status write met a newer one (kube.Conflict) is looked at again this soon.
+CONFLICT_RETRY_SECONDS = 0.5
+
+
 async def _reconcile(watch: Watch, views: Indexes) -> float | None:
     started = time.monotonic()
     name, namespace, ref, state = watch.name, watch.namespace, watch.ref, watch.state
+    if state.reread:
+        await _read_again(watch)
     seen = _observe(watch, views.pods)
     _take_profile(namespace, seen, views)
     queue = ((seen.doc.get("spec") or {}).get("scheduling") or {}).get("queue")
@@ -444,6 +473,18 @@ async def _reconcile(watch: Watch, views: Indexes) -> float | None:
     requeue = await _apply(name, namespace, ref, seen, spec, decision, state)
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
     return requeue
+
+
+async def _read_again(watch: Watch) -> None:
+    """The job as the API server has it now, as the watch's copy: after a Conflict the watch
+    may not have brought the write that won yet, and a decision from the copy that lost would
+    only conflict again (or, writing nothing, act on children from it). A watch event that
+    comes later replaces it, as any does; an older one at worst costs one more Conflict."""
+    fresh = await asyncio.to_thread(kube().job, watch.namespace, watch.name)
+    if fresh is None or fresh["metadata"].get("uid") != watch.uid:
+        raise Gone(f"{watch.namespace}/{watch.name} is no longer object {watch.uid}")
+    watch.packed = _pack(fresh)
+    watch.state.reread = False
 
 
 def _as_set(pods: list[dict]) -> set[str]:
@@ -476,10 +517,10 @@ def _observe(watch: Watch, job_pods) -> Seen:
     meta, state = doc["metadata"], watch.state
     old_status = doc.get("status") or {}
     written = state.written
-    if written and written[0] == meta.get("resourceVersion"):
-        # The job has not changed since before our last write: the watch has not brought that
-        # write back yet, so what we wrote is the truth (deciding again from the older status
-        # could count one failure twice).
+    if written and meta.get("resourceVersion") in written[0]:
+        # The watch's copy is one our writes went over: it has not brought our last write
+        # back yet, so what we wrote is the truth (deciding again from the older status could
+        # count one failure twice, and its write would be refused as stale).
         old_status = written[1]
     elif written:
         state.written = None  # the watch brought a newer job: that copy is never read again
@@ -578,12 +619,11 @@ def _count_cost(spec, seen: Seen, snapshot: dict | None, counted: dict | None) -
 async def _apply(name, namespace, ref, seen: Seen, spec, decision, state: JobState):
     """Make it so: the status first, then events and metrics, the pods to create and those
     to delete. Returns when to look again (None: at the next resync)."""
-    meta, old_status, uid = seen.meta, seen.old_status, seen.meta["uid"]
+    old_status, uid = seen.old_status, seen.meta["uid"]
     new = decision.status
+    if new != old_status:  # a Conflict here ends the pass: nothing acts on a stale decision
+        await _write_status(namespace, name, seen, state, new)
     state.attempt = new.get("attempt")
-    if new != old_status:
-        await asyncio.to_thread(kube().patch_status, namespace, name, uid, new)
-        state.written = (meta.get("resourceVersion"), new)
     for kind, reason, message in decision.events:
         _say(ref, namespace, name, kind, reason, message)
     metrics.observed(namespace, name, old_status, new)
@@ -633,7 +673,7 @@ REFUSED_RETRY_SECONDS = 10.0
 async def _record_refusal(ref, namespace, name, seen: Seen, state: JobState, message) -> None:
     """The API server's refusal (PodSecurity, quota, RBAC) into the job's Created condition
     (status.conditions keeps it until the pods exist) and a Warning Event."""
-    meta, uid = seen.meta, seen.meta["uid"]
+    meta = seen.meta
     old = state.written[1] if state.written else seen.old_status
     new = dict(old)
     new["conditions"] = status.set_condition(
@@ -646,9 +686,21 @@ async def _record_refusal(ref, namespace, name, seen: Seen, state: JobState, mes
         meta.get("generation"),
     )
     if new != old:
-        await asyncio.to_thread(kube().patch_status, namespace, name, uid, new)
-        state.written = (meta.get("resourceVersion"), new)
+        await _write_status(namespace, name, seen, state, new)
     _say(ref, namespace, name, "Warning", status.REFUSED, message)
+
+
+async def _write_status(namespace, name, seen: Seen, state: JobState, new: dict) -> None:
+    """``new`` as the job's status, if the job is still the copy the decision read: the watch's
+    (``seen``), or the one our last write made while the watch has not brought it back
+    (JobState.written; :func:`_observe` keeps it only while the watch's copy is older than
+    that write). Raises :class:`Conflict` when the job moved on."""
+    written = state.written
+    older = written[0] if written else frozenset()
+    over = written[2] if written else seen.meta.get("resourceVersion")
+    uid = seen.meta["uid"]
+    done = await asyncio.to_thread(kube().patch_status, namespace, name, uid, over, new)
+    state.written = (older | {over}, new, done["metadata"].get("resourceVersion"))
 
 
 def _say(ref, namespace: str, name: str, kind: str, reason: str, message: str) -> None:

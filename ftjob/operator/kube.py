@@ -28,6 +28,13 @@ class Gone(Exception):
     object of the same name (its UID differs: the JSON patch's ``test`` answers 422)."""
 
 
+class Conflict(Exception):
+    """The job moved on since the copy a status write was decided from (409: its
+    resourceVersion differs from the one the write carried): another writer, perhaps a replica
+    that has not yet seen that peering paused it, wrote in between. Nothing was written; the
+    writer reads the job again before it decides anything."""
+
+
 class Refused(Exception):
     """The API server refused to create a child for good reasons of its own: admission
     (PodSecurity, a quota, a webhook: 403 or 422) or RBAC (403). Retrying the same object
@@ -138,14 +145,18 @@ class Kube:
         return json.loads(response.data).get("items") or []
 
     @metrics.timed("read_job")
-    def job_uid(self, namespace: str, name: str) -> str | None:
+    def job(self, namespace: str, name: str) -> dict | None:
+        """The job as the API server has it now (not a watch's copy); None if it is gone."""
         try:
-            job = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
         except client.ApiException as e:
             if e.status == 404:
                 return None
             raise
-        return job["metadata"].get("uid")
+
+    def job_uid(self, namespace: str, name: str) -> str | None:
+        job = self.job(namespace, name)
+        return job["metadata"].get("uid") if job else None
 
     @metrics.timed("read_workload")
     def workload(self, namespace: str, name: str) -> dict | None:
@@ -161,12 +172,20 @@ class Kube:
             raise
 
     @metrics.timed("patch_status")
-    def patch_status(self, namespace: str, name: str, uid: str, status: dict[str, Any]) -> dict:
-        """Replace ``.status`` of the job ``name`` if it still is object ``uid``; raise
-        :class:`Gone` otherwise. A JSON patch whose ``test`` on metadata.uid fails as a whole:
-        a status meant for a deleted job never lands on a new job of the same name."""
+    def patch_status(
+        self, namespace: str, name: str, uid: str, version: str, status: dict[str, Any]
+    ) -> dict:
+        """Replace ``.status`` of the job ``name`` if it still is object ``uid`` at
+        resourceVersion ``version`` (the copy the caller decided from); returns the job as
+        written. One JSON patch, applied as a whole or not at all: its ``test`` on metadata.uid
+        fails with 422 (:class:`Gone`: a status meant for a deleted job never lands on a new
+        job of the same name); the resourceVersion it sets is the apiserver's optimistic-
+        concurrency precondition, answered 409 (:class:`Conflict`) when the job moved on, so a
+        write never overwrites one it did not read. Not a ``test`` on the resourceVersion: that
+        fails with 422 too, and a moved job would read as a deleted one."""
         patch = [
             {"op": "test", "path": "/metadata/uid", "value": uid},
+            {"op": "replace", "path": "/metadata/resourceVersion", "value": version},
             {"op": "add", "path": "/status", "value": status},
         ]
         try:
@@ -183,6 +202,11 @@ class Kube:
         except client.ApiException as e:
             if e.status in (404, 422):
                 raise Gone(f"{namespace}/{name} is no longer object {uid}") from e
+            if e.status == 409:
+                raise Conflict(
+                    f"{namespace}/{name} changed after resourceVersion {version}, which its "
+                    "status was decided from"
+                ) from e
             raise
 
     @metrics.timed("delete_job")

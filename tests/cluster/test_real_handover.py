@@ -210,7 +210,9 @@ def test_the_standby_replica_takes_over_a_burst_without_a_second_gang(replicas, 
     # Each keep-alive carries the chart's lifetime (the operator hands it to kopf).
     assert replicas.acting() == "replica-b"
     assert {p["lifetime"] for p in replicas.peers().values()} == {LIFETIME}
-    hand_over(replicas, tmp_path, [f"burst-{i:02d}" for i in range(JOBS)], Operator.kill)
+    names = [f"burst-{i:02d}" for i in range(JOBS)]
+    complete = hand_over(replicas, tmp_path, names, Operator.kill)
+    no_write_over_a_newer_status(replicas.plane, complete[0])
 
 
 def test_a_drained_acting_replica_hands_over_at_once(replicas, tmp_path):
@@ -224,10 +226,11 @@ def test_a_drained_acting_replica_hands_over_at_once(replicas, tmp_path):
     hand_over(replicas, tmp_path, [f"drain-{i:02d}" for i in range(JOBS // 2)], Operator.stop)
 
 
-def hand_over(replicas: Replicas, tmp_path: Path, names: list[str], end) -> None:
+def hand_over(replicas: Replicas, tmp_path: Path, names: list[str], end) -> list[str]:
     """The jobs ``names`` applied in two halves, the acting replica ended by ``end`` between
     them, three finished gangs' pods changed while none acts; then every job has one gang
-    and a status that says what its pods say, and only the acting replica ever decided."""
+    and a status that says what its pods say, and only the acting replica ever decided.
+    Returns the three finished jobs' names."""
     plane, acting = replicas.plane, replicas.acting()
     [standby] = [pod for pod in replicas.running if pod != acting]
     watch = PodLog(plane, tmp_path / "pods.json")
@@ -253,7 +256,11 @@ def hand_over(replicas: Replicas, tmp_path: Path, names: list[str], end) -> None
         took, uids = time.monotonic() - ended, watch.uids()
     finally:
         watch.close()
-    print(f"hand-over: {acting} ended, {standby} converged {len(names)} jobs in {took:.0f} s")
+    # Status writes refused for a job that moved on (kube.Conflict), then decided again.
+    said = replicas.running[standby].log.read_text()
+    refused = sum(said.count(f"{NAMESPACE}/{n} changed after resourceVersion") for n in names)
+    print(f"hand-over: {acting} ended, {standby} converged {len(names)} jobs in {took:.0f} s "
+          f"({refused} status writes refused as stale, each decided again)")  # fmt: skip
     assert replicas.acting() == standby
     assert not meddled, meddled[:5]  # two acting replicas both decide (and create) every job
     # No pod name was ever created twice, and every pod there at the end is the same pod.
@@ -267,6 +274,36 @@ def hand_over(replicas: Replicas, tmp_path: Path, names: list[str], end) -> None
         assert "every node exited 0" in every[name][0]["failure"]["message"], every[name]
     # The survivor says it resumed (kopf's peering log).
     assert acts(replicas.running[standby])
+    return complete
+
+
+def no_write_over_a_newer_status(plane: Plane, name: str) -> None:
+    """The operator's status write (kube.Kube.patch_status, as a replica that peering is
+    pausing sends it) against the real apiserver: carrying the resourceVersion it read, it
+    lands; carrying one the job has since left, it is refused with Conflict (409) and the
+    newer status stays; for another object of the name it is Gone (422), never confused with
+    a Conflict. A finished job, so the acting replica's own looks change no failure message."""
+    from kubernetes import config
+
+    from ftjob.operator.kube import Conflict, Gone, Kube
+
+    kube = Kube(config.new_client_from_config(config_file=str(plane.kubeconfig)))
+    job = plane.get("ftj", name, NAMESPACE)
+    read, uid, status = job["metadata"]["resourceVersion"], job["metadata"]["uid"], job["status"]
+
+    def saying(mark: str) -> dict:
+        failure = {**status["failure"], "message": f"{status['failure']['message']} [{mark}]"}
+        return {**status, "failure": failure}
+
+    newer = kube.patch_status(NAMESPACE, name, uid, read, saying("newer"))
+    assert newer["metadata"]["resourceVersion"] != read
+    with pytest.raises(Conflict):  # a replica that read the job before the newer write
+        kube.patch_status(NAMESPACE, name, uid, read, saying("stale"))
+    with pytest.raises(Gone):
+        kube.patch_status(NAMESPACE, name, "another-uid", newer["metadata"]["resourceVersion"],
+                          saying("gone"))  # fmt: skip
+    kept = plane.get("ftj", name, NAMESPACE)["status"]["failure"]["message"]
+    assert kept.endswith("[newer]"), kept
 
 
 def converged(plane: Plane, names: list[str], complete: list[str], timeout: float) -> dict:

@@ -243,8 +243,10 @@ def test_a_write_from_a_stale_view_clobbers_nothing(own):
     that request is seen; the reconcile already decided from the stale job). It writes only
     the status subresource (no handler needs kopf's finalizer, which was a
     resourceVersion-tested patch of the job itself that the server refused with 422 here), as
-    a JSON patch that tests only the UID: accepted, and the other client's change stays. Once
-    the relay lets the newer event through, the job converges."""
+    a JSON patch that tests the UID and carries the resourceVersion the decision read: the
+    server refuses the write from the stale copy (409), the operator then makes no gang from
+    it, reads the job again and writes from the fresh copy (200), and the other client's
+    change stays. The job converges with one gang."""
     plane, op, relay, audit, _ = own
     frozen(op)
     try:
@@ -273,9 +275,14 @@ def test_a_write_from_a_stale_view_clobbers_nothing(own):
     job = plane.get("ftj", "stale", NAMESPACE)
     assert "finalizers" not in job["metadata"]
     assert job["metadata"]["annotations"]["example.com/touched"] == "1"
-    writes = [
-        (e["objectRef"].get("subresource", ""), e["responseStatus"]["code"])
+    requests = [
+        (e["verb"], e["objectRef"].get("subresource", ""), e["responseStatus"]["code"])
         for e in audited(audit, "stale")
-        if e["verb"] == "patch"
     ]
-    assert writes and all(w == ("status", 200) for w in writes), writes
+    writes = [r[1:] for r in requests if r[0] == "patch"]
+    # The stale decision's write refused, then only accepted writes from fresh copies: the
+    # job read again first (handlers._read_again), not the watch's copy that lost.
+    assert writes[0] == ("status", 409), writes
+    assert len(writes) > 1 and all(w == ("status", 200) for w in writes[1:]), writes
+    refused = requests.index(("patch", "status", 409))
+    assert requests[refused + 1 : refused + 3] == [("get", "", 200), ("patch", "status", 200)]

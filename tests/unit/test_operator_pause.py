@@ -1,14 +1,20 @@
 """kopf's peering pause stops the operator's work queue (operator/pause.py, handlers._work):
 the pause toggle is found in a real kopf operator's tasks, a paused pool reconciles nothing,
-a paused replica forgets what it knew, and a resumed one reconciles again."""
+a paused replica forgets what it knew, and a resumed one reconciles again. The kopf it reads is
+the one installed, pinned and installed in the images, and the operator starts on no other."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
+from importlib import metadata
 
 import hangs
 import kopf
+import pytest
+import tomllib
+from dependencies import ROOT, pins
 from kopf._cogs.aiokits.aiotoggles import ToggleSet
 
 from ftjob.operator import handlers, pause, workqueue
@@ -89,3 +95,29 @@ def test_a_paused_pool_reconciles_nothing_forgets_its_jobs_and_acts_again_once_r
     assert forgotten
     assert while_paused == ["a"]  # "b" is queued (the watch re-lists) but not acted on
     assert after == ["a", "b"]
+
+
+def test_kopf_is_pinned_to_the_version_whose_internals_pause_reads():
+    """pause.find() reads kopf's private tasks: the kopf installed, the operator extra's pin
+    and constraints.txt's (what the images install: tests/unit/test_dockerfile.py) are all
+    pause.KOPF_VERSION. A kopf upgrade changes the four together, after this module's first
+    test passes on it."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    [kopf_req] = [r for r in extra["optional-dependencies"]["operator"] if r.startswith("kopf")]
+    assert kopf_req == f"kopf=={pause.KOPF_VERSION}"
+    assert pins()["kopf"] == pause.KOPF_VERSION
+    assert metadata.version("kopf") == pause.KOPF_VERSION
+    assert pause.version_error() is None
+
+
+@pytest.mark.parametrize("other", ["1.45.1", "1.46.0", "2.0.0"])
+def test_the_operator_refuses_to_start_on_another_kopf(monkeypatch, other):
+    from ftjob.operator.__main__ import main
+
+    monkeypatch.setenv("FTJOB_METRICS_PORT", "0")  # run() sets it where unset
+    monkeypatch.setattr(metadata, "version", lambda name: other)
+    with pytest.raises(SystemExit) as ended:
+        main(["-A", "--standalone"])
+    said = str(ended.value.code)
+    assert said.startswith("ftjob operator: cannot start: kopf " + other + " is installed")
+    assert re.search(rf"kopf=={re.escape(pause.KOPF_VERSION)}\b", said), said
