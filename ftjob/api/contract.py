@@ -259,6 +259,10 @@ def final_progress(snapshot: dict[str, Any]) -> dict[str, Any]:
 # Set by the operator from the pod's terminationGracePeriodSeconds (and by `ftjob run`): the
 # seconds between SIGTERM and SIGKILL, which the save must fit in.
 GRACE_ENV = "FTJOB_GRACE_SECONDS"
+# The variables whose values come from Secrets (spec.env's valueFrom, spec.secrets, trackers'
+# and the object store's keys), comma-separated names: the trainer masks their values in all
+# it prints, logs and records (ftjob.trainer.secrecy). Set by ftjob.job.launch.
+SECRET_ENV = "FTJOB_SECRET_ENV"
 # A profile of N training steps on rank 0 (ftjob.trainer.report.profile): set by `ftjob run
 # --profile-steps N`, or in a job's spec.env.
 PROFILE_STEPS_ENV = "FTJOB_PROFILE_STEPS"

@@ -152,6 +152,17 @@ def validations() -> list[dict[str, Any]]:
             ("method",),
             "allowedMethods",
         ),
+        _check(  # an identity: an empty (or no) list allows none
+            "!has(object.spec.serviceAccountName) || "
+            f"{_LIMITS} && has({lim}.allowedServiceAccounts) && "
+            f"object.spec.serviceAccountName in {lim}.allowedServiceAccounts",
+            "'spec.serviceAccountName: ' + object.spec.serviceAccountName + ' is not in "
+            f"limits.allowedServiceAccounts' + {_OF} + '; fix: ' + ({_LIMITS} && "
+            f"has({lim}.allowedServiceAccounts) && size({lim}.allowedServiceAccounts) > 0 ? "
+            f"'use serviceAccountName ' + {lim}.allowedServiceAccounts.join(' or ') + ', or ' "
+            ": '') + 'ask the platform team to add it to limits.allowedServiceAccounts'",
+            ("serviceAccountName",),
+        ),
     ]
 
 

@@ -136,6 +136,17 @@ class ProfileLimits:
         factory=list,
         max_items=3,
     )
+    allowed_service_accounts: list[str] = api_field(
+        "allowedServiceAccounts: the ServiceAccounts (of the job's namespace) a job may run as "
+        "(spec.serviceAccountName); empty allows none: the pods run as the namespace's default. "
+        "A ServiceAccount is an identity (a cloud role, by workload identity), so unlike the "
+        "other limits an empty list allows nothing.",
+        factory=list,
+        max_items=32,
+        pattern=kv.DNS_SUBDOMAIN,
+        pattern_hint=DNS_SUBDOMAIN_HINT,
+        max_length=253,
+    )
 
 
 @dataclass(kw_only=True)
@@ -461,6 +472,7 @@ def limit_violations(
         *_image_violations(spec.image or default_image, profile.spec.limits, of),
         *_budget_violations(spec, profile, of),
         *_method_violations(spec, profile.spec.limits, of),
+        *_identity_violations(spec, profile.spec.limits, of),
     ]
 
 
@@ -555,5 +567,19 @@ def _method_violations(spec: FineTuneJobSpec, limits: ProfileLimits, of: str) ->
             "spec.method.type",
             f"{spec.method.type} is not in limits.allowedMethods {of}",
             fix=f"use method.type {' or '.join(methods)}",
+        )
+    ]
+
+
+def _identity_violations(spec: FineTuneJobSpec, limits: ProfileLimits, of: str) -> list[FieldError]:
+    allowed, name = limits.allowed_service_accounts, spec.service_account_name
+    if name is None or name in allowed:
+        return []
+    return [
+        FieldError(
+            "spec.serviceAccountName",
+            f"{name} is not in limits.allowedServiceAccounts {of}",
+            fix=(f"use serviceAccountName {' or '.join(allowed)}, or " if allowed else "")
+            + "ask the platform team to add it to limits.allowedServiceAccounts",
         )
     ]

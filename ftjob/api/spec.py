@@ -1287,13 +1287,43 @@ class PullSecret:
 
 
 @dataclass(kw_only=True)
+class EnvSource:
+    """valueFrom: where a variable's value is kept, so that it is never written in the job."""
+
+    secret_key_ref: SecretKeyRef = api_field(
+        "secretKeyRef: a key of a Secret in the job's namespace. On a cluster the pods read it "
+        "(the job, its ConfigMap and its pods hold only the reference); `ftjob run` takes the "
+        "variable from its own environment."
+    )
+
+
+@dataclass(kw_only=True)
 class EnvVar:
-    """An environment variable set on every training process."""
+    """An environment variable set on every training process: a value, or a Secret's key.
+    The values of variables reach no tracker, status, Event or log (a value from a Secret is
+    masked in what the trainer prints and records)."""
 
     name: str = api_field(
         "name of the variable.", pattern=ENV_NAME, pattern_hint="be an identifier", max_length=128
     )
-    value: str = api_field("value of the variable.", "", max_length=4096)
+    value: str = api_field(
+        "value of the variable, written in the job as it is: a credential goes in valueFrom.",
+        "",
+        max_length=4096,
+    )
+    value_from: EnvSource | None = api_field(
+        "valueFrom: the variable's value from a Secret (valueFrom.secretKeyRef.name and .key).",
+        None,
+    )
+
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "!has(self.valueFrom) || !has(self.value) || self.value == ''",
+            lambda e: e.value_from is None or e.value == "",
+            "set value or valueFrom, not both",
+            ".valueFrom",
+        ),
+    )
 
 
 def _reserved(name: str) -> bool:
@@ -1372,6 +1402,16 @@ class FineTuneJobSpec:
         "imagePullSecrets: Secrets the pods pull the trainer image with (a private registry).",
         factory=list,
         max_items=16,
+    )
+    service_account_name: str | None = api_field(
+        "serviceAccountName: the ServiceAccount of the job's namespace its pods run as, for "
+        "workload identity (IRSA, GKE or Azure workload identity); its API token is not "
+        "mounted. Under a FineTuneProfile only a name its limits.allowedServiceAccounts lists "
+        "(default: the namespace's default ServiceAccount).",
+        None,
+        pattern=kv.DNS_SUBDOMAIN,
+        pattern_hint=DNS_SUBDOMAIN_HINT,
+        max_length=253,
     )
     budget: BudgetSpec = api_field("budget: a spend that stops the job.", factory=BudgetSpec)
     profile: str | None = api_field(

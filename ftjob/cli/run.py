@@ -61,7 +61,7 @@ def run(
         for err in e.errors:
             print(f"  {err}", file=sys.stderr)
         return EXIT_FAILED
-    for warning in ineffective(spec, doc.get("spec") or {}):
+    for warning in ineffective(spec, doc.get("spec") or {}) + _unset_secrets(spec):
         print(f"ftjob run: warning: {warning}", file=out, flush=True)
     job_dir = Path(workdir or Path.cwd() / "runs" / name).resolve()
     source_root = Path(job_file).resolve().parent
@@ -332,3 +332,15 @@ def _export_path(job_dir: Path) -> str:
         return json.loads(JobFolder(job_dir).progress.read_text())["exportPath"]
     except (OSError, ValueError, KeyError):
         return str(job_dir)
+
+
+def _unset_secrets(spec) -> list[str]:
+    """A variable a cluster takes from a Secret (env's valueFrom) comes from this machine's
+    environment under ``ftjob run``: one it lacks is said, not guessed."""
+    return [
+        f"spec.env[{i}]: {e.name} comes from Secret {e.value_from.secret_key_ref.name} on a "
+        f"cluster; ftjob run takes it from this environment, where it is not set (export "
+        f"{e.name}=...)"
+        for i, e in enumerate(spec.env)
+        if e.value_from is not None and e.name not in os.environ
+    ]

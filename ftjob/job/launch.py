@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ftjob.api.contract import COMPILE_CACHE, DOWNLOADS
+from ftjob.api.contract import COMPILE_CACHE, DOWNLOADS, SECRET_ENV
 from ftjob.api.schema import quantity
 from ftjob.api.spec import FineTuneJobSpec, SecretKeyRef
 
@@ -124,13 +124,15 @@ def node_command(
         if cpus:
             env["OMP_NUM_THREADS"] = str(max(1, cpus // r.nproc_per_node))
         env.update(net.nccl_env)  # said explicitly: passed on, though gloo ignores NCCL_*
-    env.update({e.name: e.value for e in spec.env})
-    secrets = {}
+    env.update({e.name: e.value for e in spec.env if e.value_from is None})
+    secrets = {e.name: e.value_from.secret_key_ref for e in spec.env if e.value_from}
     if spec.secrets.hugging_face_token is not None:
         secrets["HF_TOKEN"] = spec.secrets.hugging_face_token
     secrets.update(tracking_secrets(spec))
     env.update(s3_env(spec))
     secrets.update(s3_secrets(spec))
+    # Names only: the trainer masks these variables' values in all it prints and records.
+    env[SECRET_ENV] = ",".join(sorted(secrets))
     return NodeCommand([*TRAINER, spec_path], env, secrets)
 
 

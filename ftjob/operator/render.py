@@ -102,7 +102,15 @@ def with_tracking(spec: FineTuneJobSpec, default: TrackingSpec | None) -> FineTu
 # The sections of a spec that a user may edit (the others are immutable: the CRD) and that the
 # pods are made of (the trainer's own settings stay those of the ConfigMap written with the
 # first gang); runPolicy only through the in-place restarts torchrun is given.
-EDITABLE = ("env", "secrets", "scheduling", "network", "tracking", "image_pull_secrets")
+EDITABLE = (
+    "env",
+    "secrets",
+    "scheduling",
+    "network",
+    "tracking",
+    "image_pull_secrets",
+    "service_account_name",
+)
 
 
 def template(spec: FineTuneJobSpec, default_image: str | None = None) -> dict[str, str]:
@@ -412,6 +420,10 @@ def _pod(job, namespace, spec: FineTuneJobSpec, rank: int, attempt: int, uid: st
         pod_spec["schedulerName"] = sched.scheduler_name
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = to_dict(spec.image_pull_secrets)
+    if spec.service_account_name:
+        # Workload identity (IRSA, GKE's, Azure's) keys on the pod's ServiceAccount and brings
+        # its own token; the Kubernetes API token stays unmounted (above).
+        pod_spec["serviceAccountName"] = spec.service_account_name
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 

@@ -26,6 +26,7 @@ from ftjob.api.contract import (
 from ftjob.api.schema import SpecError
 from ftjob.api.spec import KIND, parse_resource
 from ftjob.trainer.gang import termination
+from ftjob.trainer.report import secrecy
 
 EXIT_FAILED = 1
 
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ftjob.trainer", description=__doc__)
     parser.add_argument("--spec", required=True, metavar="FILE", help="FineTuneJob YAML/JSON")
     args = parser.parse_args(argv)
+    secrecy.install()  # before any logger takes hold of stderr
     try:
         name, spec = load_spec(args.spec)
     except (SpecError, manifest.ManifestError) as e:

@@ -21,6 +21,7 @@ import sys
 
 from ftjob.api import contract
 from ftjob.trainer.gang import termination
+from ftjob.trainer.report import secrecy
 
 STOPPED = "stopped for a SIGTERM while starting, before the agent ran; nothing to save"
 
@@ -34,6 +35,7 @@ def _stopped_before_the_agent(signum: int, frame) -> None:
 
 def main() -> int:
     signal.signal(signal.SIGTERM, _stopped_before_the_agent)
+    secrecy.install()  # before the agent's loggers take hold of stderr
     from ftjob.trainer import agent  # torch: the seconds the handler above covers
 
     return agent.main()  # which puts its own SIGTERM handler in place first

@@ -404,15 +404,21 @@ def pod_store(plane: Plane, tmp_path_factory) -> SimpleNamespace:
         server.down()
 
 
+# A team's token in the jobs' Secret: every process has it; nothing the job writes may hold it.
+PLANTED = "team-token-planted-7f3a9c"
+
+
 def s3_job(plane: Plane, store: SimpleNamespace, name: str, keys: tuple[str, str]) -> dict:
     """tiny() with its model and data on the store, the key pair in a Secret it names, the
     export pushed to s3://exports/<name>; a short run (the download and the upload are what
-    it tests)."""
+    it tests). The same Secret holds a team token the job takes in env by valueFrom."""
     secret = {"apiVersion": "v1", "kind": "Secret",
               "metadata": {"name": f"{name}-s3", "namespace": NAMESPACE},
-              "stringData": {"id": keys[0], "secret": keys[1]}}  # fmt: skip
+              "stringData": {"id": keys[0], "secret": keys[1], "token": PLANTED}}  # fmt: skip
     plane.apply(secret)
     job = tiny(name)
+    token = {"secretKeyRef": {"name": f"{name}-s3", "key": "token"}}
+    job["spec"]["env"] = [{"name": "TEAM_API_TOKEN", "valueFrom": token}]
     job["spec"]["model"]["source"] = "s3://models/tiny-model"
     job["spec"]["dataset"]["source"] = "s3://data/tiny-chat.jsonl"
     job["spec"]["training"] |= {"maxSteps": 10, "evalEvery": 10}
@@ -460,6 +466,31 @@ def test_a_job_from_s3_through_the_operator_exports_to_s3_and_the_export_loads(
         o.name for o in objects
     }
     assert AutoModelForCausalLM.from_pretrained(export).num_parameters() > 0
+    assert env["TEAM_API_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "token", env
+    # The Secret's values, which every process had, are nowhere the job wrote.
+    for value in (PLANTED, admin["AWS_SECRET_ACCESS_KEY"], admin["AWS_ACCESS_KEY_ID"]):
+        assert not holding(written_by(plane, "s3job") + [volume, export], value), value
+
+
+def written_by(plane: Plane, name: str) -> list[str]:
+    """What the cluster holds of job ``name``: the job (spec and status), the namespace's
+    Events and ConfigMaps, its pods and each pod's log."""
+    objects = [("ftj", name), ("events", ""), ("configmaps", ""), ("pods", "")]
+    out = [plane.kubectl("get", kind, *([n] if n else []), "-n", NAMESPACE, "-o", "json").stdout
+           for kind, n in objects]  # fmt: skip
+    for pod in plane.job_pods(name, NAMESPACE):
+        log = plane.kubectl("logs", "-n", NAMESPACE, pod["metadata"]["name"], ok=False)
+        out.append(log.stdout + log.stderr)
+    return out
+
+
+def holding(where: list, value: str) -> list[str]:
+    """Which of ``where`` (texts, and folders searched file by file) hold ``value``."""
+    found = [f"text {i}" for i, text in enumerate(where) if isinstance(text, str) and value in text]
+    for folder in (Path(p) for p in where if not isinstance(p, str)):
+        files = (f for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+        found += [str(f) for f in files if value.encode() in f.read_bytes()]
+    return found
 
 
 def test_a_key_pair_the_store_refuses_fails_the_job_once_as_bad_model(operator, pod_store):
@@ -473,3 +504,4 @@ def test_a_key_pair_the_store_refuses_fails_the_job_once_as_bad_model(operator, 
     assert "s3://models/tiny-model" in failure["message"], failure
     assert "refused the credentials" in failure["message"], failure
     assert status["restarts"] == 0 and status["attempt"] == 0, status
+    assert not holding(written_by(plane, "s3refused"), PLANTED)

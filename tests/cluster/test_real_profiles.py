@@ -344,6 +344,8 @@ def test_a_team_member_cannot_widen_their_limits_by_naming_or_editing(operator, 
         "boundary": {"image": "registry.example.com.evil.io/x:1"},
         "profile": {"profile": "team-b"},
         "budget": {"budget": {"gpuHours": 60}},
+        # An identity team-a does not list: the namespace's default ServiceAccount only.
+        "identity": {"serviceAccountName": "dev"},
     }
     for field, edit in edits.items():
         fresh = job("fresh", "ns-a")
@@ -354,7 +356,7 @@ def test_a_team_member_cannot_widen_their_limits_by_naming_or_editing(operator, 
             "-p", json.dumps({"spec": edit}), ok=False,
         )  # fmt: skip
         assert denied(patched) == denied(created), field
-        if field in ("image", "boundary"):
+        if field in ("image", "boundary", "identity"):
             assert denied(created) in validate.check(fresh, profile=team_a).errors, field
     assert plane.get("ftj", "tenant", "ns-a")["spec"].get("image") is None
     # On a boundary: a port or a path of registry.example.com is under it, at both doors.

@@ -88,6 +88,7 @@ PROFILES = [
         maxGpusPerJob=16,
         maxGpuHoursPerJob=100.5,
         allowedMethods=["lora"],
+        allowedServiceAccounts=["trainer-irsa"],
         prices=("A100-80GB",),
     ),
     team("team-b", None, allowedImagePrefixes=["registry.example.com/b/", "quay.io/b"]),
@@ -115,6 +116,9 @@ JOBS = {
     "image-digest": {"image": "quay.io/b@sha256:" + "0" * 64},
     "image-longer": {"image": "quay.io/b.evil.io/trainer:1"},
     "image-longer-slash": {"image": "registry.example.com/bb/trainer:1"},
+    # An identity: team-a allows one by name; team-b lists none, so allows none.
+    "identity-allowed": {"serviceAccountName": "trainer-irsa"},
+    "identity-other": {"serviceAccountName": "platform-admin"},
 }
 LABELS = {
     "selected": {"team": "a"},
@@ -221,7 +225,24 @@ EDITS = {
     "budget": ({"budget": {"gpuHours": 250}}, "spec.budget.gpuHours: 250 GPU-hours exceed"),
     "amount": (JOBS["money-unpriced"], "spec.budget.amount: a budget in money needs a price"),
     "profile": ({"profile": "team-b"}, "spec.profile: FineTuneProfile team-b does not serve"),
+    "identity": (JOBS["identity-other"], "spec.serviceAccountName: platform-admin is not in"),
 }
+
+
+def test_a_job_runs_as_a_service_account_only_where_its_profile_names_it():
+    selected, labelled_b = LABELS["selected"], LABELS["labelled-b"]
+    assert door(gpu_job(**JOBS["identity-allowed"]), PROFILES, selected) == []
+    assert door(gpu_job(**JOBS["identity-other"]), PROFILES, selected) == [
+        "spec.serviceAccountName: platform-admin is not in limits.allowedServiceAccounts of "
+        "FineTuneProfile team-a; fix: use serviceAccountName trainer-irsa, or ask the platform "
+        "team to add it to limits.allowedServiceAccounts"
+    ]
+    b_job = gpu_job(**JOBS["identity-allowed"], image="quay.io/b/trainer:1")
+    assert door(b_job, PROFILES, labelled_b) == [
+        "spec.serviceAccountName: trainer-irsa is not in limits.allowedServiceAccounts of "
+        "FineTuneProfile team-b; fix: ask the platform team to add it to "
+        "limits.allowedServiceAccounts"
+    ]
 
 
 @pytest.mark.parametrize("field", EDITS)

@@ -177,6 +177,30 @@ def test_pods_are_locked_down_and_secrets_travel_only_as_references():
     assert shared["persistentVolumeClaim"] == {"claimName": "shared-fs"}
 
 
+def test_a_variable_from_a_secret_and_a_service_account_reach_the_pod_as_names():
+    ref = {"secretKeyRef": {"name": "team-tokens", "key": "api"}}
+    name, spec = load(
+        "tiny.yaml",
+        env=[{"name": "TEAM_API_TOKEN", "valueFrom": ref}, {"name": "MODE", "value": "x"}],
+        serviceAccountName="trainer-irsa",
+    )
+    pod = render.pod(name, "ns", spec, 0, 0, UID)
+    env = env_of(pod)
+    assert env["TEAM_API_TOKEN"] == ref and env["MODE"] == "x"
+    # The trainer masks these values: told the names, never the values.
+    assert env["FTJOB_SECRET_ENV"] == "TEAM_API_TOKEN"
+    assert pod["spec"]["serviceAccountName"] == "trainer-irsa"
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    config = render.config_map(name, "ns", spec, UID)
+    assert "team-tokens" in json.dumps(config) and "valueFrom" in json.dumps(config)
+
+
+def test_a_variable_has_a_value_or_a_secret_not_both():
+    both = {"name": "T", "value": "v", "valueFrom": {"secretKeyRef": {"name": "s"}}}
+    with pytest.raises(ValueError, match=r"spec.env\[0\].valueFrom: set value or valueFrom"):
+        load("tiny.yaml", env=[both])
+
+
 def test_kueue_admits_each_attempt_as_one_pod_group():
     name, spec = load("llama2-70b-full.yaml")
     a0 = render.pods(name, "ns", spec, 0, UID)

@@ -17,6 +17,7 @@ retries it with a new gang, and what was downloaded is kept (the download resume
 from __future__ import annotations
 
 from ftjob.api.contract import BAD_DATA, BAD_MODEL, STORE_UNREACHABLE, TrainerError
+from ftjob.trainer.report import secrecy
 
 CREDENTIALS_HINT = (
     "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_WEB_IDENTITY_TOKEN_FILE with "
@@ -79,7 +80,7 @@ def refused(field: str, source: str, e: BaseException) -> TrainerError | None:
     if found == "other":
         return None
     bucket = source.removeprefix("s3://").partition("/")[0]
-    short = " ".join(str(e).split())[:300]
+    short = secrecy.mask(" ".join(str(e).split()))[:300]  # masked before it is cut
     where, reason = f"spec.{field}.source", (BAD_MODEL if field == "model" else BAD_DATA)
     what, fix = {
         "bucket": (

@@ -18,6 +18,7 @@ from typing import Any
 
 from ftjob.api import contract
 from ftjob.trainer.gang import heartbeat
+from ftjob.trainer.report import secrecy
 
 # The CPU allocator's message when a tensor cannot get host memory (torch raises a plain
 # RuntimeError for it, where Python's own allocations raise MemoryError).
@@ -155,7 +156,8 @@ def write(record: dict[str, Any]) -> None:
     with open(path, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
         f.seek(0)
-        chosen = contract.keep(contract.parse(f.read()), record)
+        # Masked: the record becomes the pod's termination message, then status and Events.
+        chosen = contract.keep(contract.parse(f.read()), secrecy.masked(record))
         f.seek(0)
         f.truncate()
         f.write(contract.dumps(chosen))

@@ -130,7 +130,8 @@ def attach(report, spec: FineTuneJobSpec, name: str, job_dir: Path) -> None:
 
 def parameters(spec: FineTuneJobSpec) -> dict[str, str]:
     """The spec, flat (``training.learningRate``: "0.003"): what a tracker shows as the run's
-    parameters. Lists and maps are JSON."""
+    parameters. Lists and maps are JSON. Of ``env`` only the names: a value may be a
+    credential written in the job, and a tracker's parameters are read by more people."""
     out: dict[str, str] = {"ftjob.version": __version__}
 
     def flat(value: Any, prefix: str) -> None:
@@ -141,7 +142,9 @@ def parameters(spec: FineTuneJobSpec) -> dict[str, str]:
             text = value if isinstance(value, str) else json.dumps(value)
             out[prefix] = text[:500]  # MLflow's limit is higher; a long value is a list
 
-    flat(to_dict(spec), "")
+    doc = to_dict(spec)
+    doc["env"] = [e["name"] for e in doc.get("env", [])]
+    flat(doc, "")
     return out
 
 
