@@ -185,6 +185,11 @@ def bad_spec(runs: Runs) -> Outcome:
     return runs.run("bad-spec", job("bad-spec", method={"type": "sideways"}))
 
 
+def will_not_fit(runs: Runs) -> Outcome:
+    """resources.memory far below the plan's peak: refused before the data or the model."""
+    return runs.run("will-not-fit", job("will-not-fit", resources={"memory": "300Mi"}))
+
+
 def trained_then_restarted(runs: Runs) -> tuple[Outcome, Outcome, Outcome]:
     """A run that succeeds; the same job started again (already trained); then a LoRA job
     told to start from the full fine-tune's checkpoints (checkpoint.resumeFrom), which cannot
@@ -285,6 +290,7 @@ SCENARIOS = {
     ("bad-data",): bad_data,
     ("bad-model",): bad_model,
     ("bad-spec",): bad_spec,
+    ("will-not-fit",): will_not_fit,
     ("succeeded", "already-trained", "checkpoint-unreadable"): trained_then_restarted,
     ("disk-full",): disk_full,
     ("host-oom",): host_oom,

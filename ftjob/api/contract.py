@@ -80,6 +80,10 @@ HUB_UNREACHABLE = "HubUnreachable"
 # An s3:// endpoint did not answer after the client's retries: transient, as HubUnreachable.
 STORE_UNREACHABLE = "StoreUnreachable"
 BAD_SPEC = "BadSpec"  # the job document itself is invalid
+# The plan, computed by each training process from the model's own config.json before any
+# data is prepared or weight read, says the job will not fit its memory (spec.plan.enforce
+# on): the same inputs would run out of memory again, so no door retries it.
+WILL_NOT_FIT = "WillNotFit"
 CUDA_OOM = "CudaOOM"
 HOST_OOM = "HostOOM"
 # A collective (NCCL or gloo) that waited longer than network.collectiveTimeoutSeconds; the
@@ -139,6 +143,7 @@ REASONS = (
     BAD_DATA,
     BAD_MODEL,
     BAD_SPEC,
+    WILL_NOT_FIT,
     HUB_UNREACHABLE,
     STORE_UNREACHABLE,
     CUDA_OOM,
@@ -158,7 +163,7 @@ REASONS = (
     INTERNAL,
 )
 # Retrying the same inputs cannot help: the operator fails the job at once.
-PERMANENT = frozenset({BAD_DATA, BAD_MODEL, BAD_SPEC})
+PERMANENT = frozenset({BAD_DATA, BAD_MODEL, BAD_SPEC, WILL_NOT_FIT})
 # Restarting the workers in place on the same nodes cannot help either: the preflight found
 # these nodes, their fabric or their volume unfit. A new gang (elsewhere, the bad nodes kept
 # away) may succeed, so the node agent leaves them to the operator's ladder.
@@ -168,6 +173,7 @@ NOT_IN_PLACE = PERMANENT | {NODE_UNHEALTHY, FABRIC_MISCONFIGURED, VOLUME_UNUSABL
 # Earlier in this tuple is more telling.
 SPECIFICITY = (
     BAD_SPEC,
+    WILL_NOT_FIT,
     BAD_DATA,
     BAD_MODEL,
     HUB_UNREACHABLE,

@@ -28,7 +28,6 @@ FAILURE_REASONS = (
     "StartupTimeout",
     "StartTimeout",
     "DeadlineExceeded",
-    "WillNotFit",
     "OverLimit",
     "NoProfile",
     "InvalidProfile",

@@ -21,6 +21,7 @@ FIXES = {
     contract.BAD_DATA: "fix spec.dataset as the message above says",
     contract.BAD_MODEL: "check spec.model.source: a folder with config.json, or hf://org/name",
     contract.BAD_SPEC: "`ftjob validate FILE` names every invalid field",
+    contract.WILL_NOT_FIT: "`ftjob plan FILE` shows the memory the job needs and what fits",
     contract.HUB_UNREACHABLE: "check this machine's network (proxy, DNS, HF_ENDPOINT), then "
     "run it again: nothing is wrong with the job, and what was downloaded is kept",
     contract.STORE_UNREACHABLE: "check AWS_ENDPOINT_URL and this machine's network, then run it "

@@ -275,7 +275,7 @@ def _will_fit(s: _Step) -> Decision | None:
         s.generation,
     )
     if not planned["allowed"] and not s.new.get("startTime"):
-        failure = {"reason": "WillNotFit", "message": planned["message"]}
+        failure = {"reason": contract.WILL_NOT_FIT, "message": planned["message"]}
         return s.fail(failure, "spec.plan.enforce is on: no pod was started")
     return None
 

@@ -57,6 +57,8 @@ ADVICE = {
     contract.BAD_DATA: f"the data cannot be trained on; {_RETRY_CANNOT_HELP}",
     contract.BAD_MODEL: f"the model source cannot be read; {_RETRY_CANNOT_HELP}",
     contract.BAD_SPEC: f"the trainer cannot read the job's spec; {_RETRY_CANNOT_HELP}",
+    contract.WILL_NOT_FIT: "the plan, made from the model's config.json before anything was "
+    f"loaded, says the job will not fit its memory (figures below); {_RETRY_CANNOT_HELP}",
     contract.HUB_UNREACHABLE: "the Hugging Face Hub could not be reached for a download (the "
     "network, DNS, a timeout, or the Hub busy): transient, the next gang downloads again",
     contract.STORE_UNREACHABLE: "an s3:// endpoint did not answer for a download (the network, "
@@ -108,6 +110,7 @@ PERMANENT = contract.PERMANENT | {"BadInput"}
 # out of memory, not the ranks whose collectives then failed.
 SPECIFICITY = (
     contract.BAD_SPEC,
+    contract.WILL_NOT_FIT,
     contract.BAD_DATA,
     contract.BAD_MODEL,
     "BadInput",

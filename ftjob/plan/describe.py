@@ -257,26 +257,45 @@ def verdict_text(result: Plan) -> str:
     return "WILL NOT FIT: " + ", ".join(found) + f"; fits with: {options}"
 
 
-def planned_condition(spec: FineTuneJobSpec, config: dict | None = None) -> dict:
+def fits_with(result: Plan) -> str | None:
+    """The plan's "fits with" advice as the fix of a job refused for it: the changes that fit,
+    or None where no single change does (``ftjob plan`` then says what would not suffice)."""
+    changes = [o.change.split(" (")[0] for o in result.options]
+    if not changes:
+        return None
+    said = changes[0] if len(changes) == 1 else "one of: " + " | ".join(changes)
+    return f"set {said} (what the plan says fits)"
+
+
+def planned_condition(
+    spec: FineTuneJobSpec, config: dict | None = None, machine_bytes: float | None = None
+) -> dict:
     """The ``Planned`` condition the operator records before it creates any pod: its reason,
     message (the verdict) and whether the job may start. Not admission: the API server admits
-    a job (:mod:`ftjob.api.admission`) before the operator ever plans it.
+    a job (:mod:`ftjob.api.admission`) before the operator ever plans it. Every door asks this
+    one function: the operator, validate, and each training process before it loads anything.
 
-    ``config`` is the model's config.json when the operator can read it; hf:// sources of
-    well-known models are planned from the table. ``allowed`` is False only when the job will
-    not fit and ``spec.plan.enforce`` is on.
+    ``config`` is the model's config.json when the caller can read it; hf:// sources of
+    well-known models are planned from the table. ``machine_bytes``: the memory a CPU job
+    without resources.memory runs in (``ftjob run``: this machine's, as ``ftjob plan`` counts).
+    ``allowed`` is False only when the job will not fit and ``spec.plan.enforce`` is on;
+    ``fix`` is the plan's fits-with advice (None where nothing fits or it fits), ``tight``
+    whether a fit is within the estimate's error.
     """
     try:
         shape = shape_for(spec.model.source, config)
     except ValueError as e:
-        return {"reason": "Unknown", "message": f"not planned: {e}", "allowed": True}
-    result = plan(spec, shape)
+        return {"reason": "Unknown", "message": f"not planned: {e}", "allowed": True,
+                "fix": None, "tight": False}  # fmt: skip
+    result = plan(spec, shape, machine_bytes=machine_bytes)
+    said = {"message": verdict_text(result), "fix": None, "tight": False}
     if result.estimate.problem:  # the trainer would refuse it: no enforce can let it through
-        return {"reason": "CannotRun", "message": verdict_text(result), "allowed": False}
+        return {"reason": "CannotRun", **said, "allowed": False}
     if result.fits is None:
-        return {"reason": "Unknown", "message": verdict_text(result), "allowed": True}
+        return {"reason": "Unknown", **said, "allowed": True}
     if result.fits:
-        return {"reason": "Fits", "message": verdict_text(result), "allowed": True}
+        return {"reason": "Fits", **said, "allowed": True, "tight": _tight(result.estimate)}
     enforce = spec.plan.enforce
     tail = "" if enforce else " (spec.plan.enforce is false: starting anyway)"
-    return {"reason": "WillNotFit", "message": verdict_text(result) + tail, "allowed": not enforce}
+    return {"reason": "WillNotFit", "message": said["message"] + tail, "allowed": not enforce,
+            "fix": fits_with(result), "tight": False}  # fmt: skip

@@ -34,7 +34,7 @@ from ftjob.trainer.data import batches as data
 from ftjob.trainer.data import sources
 from ftjob.trainer.gang import heartbeat, preempt, preflight, stragglers, termination
 from ftjob.trainer.gang.owner import take_folder
-from ftjob.trainer.model import attention, compile_cache, float8, parallel
+from ftjob.trainer.model import attention, compile_cache, float8, parallel, planned
 from ftjob.trainer.model import load as model
 from ftjob.trainer.objectives import loss, objective
 from ftjob.trainer.report import profile, progress, trackers
@@ -130,6 +130,10 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
 def _train_and_export(job: Job) -> Path:
     """Data, model, resume, the steps, the last evaluation, the export."""
     torch.manual_seed(job.spec.training.seed)
+    # The plan first, from the model's own config.json: a job that cannot fit its memory ends
+    # now (WillNotFit, permanent) rather than out of memory in the data's preparation or the
+    # load, once per restart. Every rank decides alike from the same inputs.
+    job.report.log(planned.keep(job.spec))
     # Data first: a bad record fails the job in seconds, before any weights are read.
     tok, ds, sampler, total = _data(job)
     job.report.startup.mark("data")

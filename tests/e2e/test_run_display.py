@@ -251,3 +251,34 @@ def test_a_failure_is_summarised_first_with_node_rank_cause_fix_and_log(tmp_path
     logs = "".join(p.read_text() for p in (workdir / "logs").glob("node-*.log"))
     assert "retrying on these nodes cannot help, so no restart in place" in logs
     assert "restarting the workers" not in logs and "restart 1 of" not in logs
+
+
+def test_a_job_the_plan_says_will_not_fit_ends_at_once_in_one_attempt_with_the_figures(tmp_path):
+    """resources.memory far below the plan's peak (issue 73): every rank plans the job from the
+    model's config.json before the data or the weights and refuses it as WillNotFit, a
+    permanent failure: the plan's figures and fits-with first, nothing prepared, no restart."""
+    job = tiny_job(tmp_path, "small")
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"]["resources"]["memory"] = "300Mi"
+    job.write_text(yaml.safe_dump(doc))
+    workdir = tmp_path / "small"
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "ftjob", "run", str(job), "--workdir", str(workdir)],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=hangs.RUN,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    summary = next(i for i, x in enumerate(lines) if x.startswith("ftjob run: node "))
+    assert re.match(
+        r"ftjob run: node \d \(rank \d\) failed: WillNotFit: WILL NOT FIT: 2\.5 GiB "
+        r"of 300\.0 MiB CPU memory per pod \(peak while preparing",
+        lines[summary],
+    )
+    assert lines[summary + 1].startswith("  fix: set resources.memory: 3Gi "), lines[summary + 1]
+    logs = "".join(p.read_text() for p in (workdir / "logs").glob("node-*.log"))
+    assert "retrying on these nodes cannot help, so no restart in place" in logs
+    assert "restarting the workers" not in logs
+    assert not (workdir / "data").exists()  # refused before the data was prepared
+    assert time.monotonic() - started < 60

@@ -89,6 +89,7 @@ def test_diagnosis_from_what_the_kubelet_reports(kwargs, reason):
         ("bad-data", contract.BAD_DATA, True, "line 2: has no field 'text'"),
         ("bad-model", contract.BAD_MODEL, True, "no-such-model"),
         ("bad-spec", contract.BAD_SPEC, True, "spec.method.type"),
+        ("will-not-fit", contract.WILL_NOT_FIT, True, "2.5 GiB of 300.0 MiB CPU memory per pod"),
         ("checkpoint-unreadable", contract.CHECKPOINT_UNREADABLE, False, "step-00000001"),
         ("disk-full", contract.DISK_FULL, False, "No space left on device"),
         ("host-oom", contract.HOST_OOM, False, "can't allocate memory"),

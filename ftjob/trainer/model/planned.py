@@ -1,0 +1,55 @@
+"""The plan, kept by the trainer: before any data is prepared or weight read, each training
+process plans its job from the model's own config.json, as ``ftjob plan`` does, and ends a
+job the plan says will not fit its memory (spec.plan.enforce) as a permanent failure,
+WillNotFit, with the plan's figures and its fits-with advice.
+
+The operator plans at its door only what it can read (hf:// models it knows offline); a model
+on the volume is first read here. Every rank computes the same pure verdict from the same
+inputs, so all ranks fail alike and no collective is needed to agree.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ftjob.api.contract import WILL_NOT_FIT, TrainerError
+from ftjob.api.spec import FineTuneJobSpec
+from ftjob.job import machine
+from ftjob.job.inputs import resolve
+from ftjob.plan.describe import planned_condition
+
+
+def model_config(source: str) -> dict | None:
+    """The model's config.json (``source`` a local folder by now: sources.fetch pinned an
+    hf:// or s3:// one), or None where it cannot be read: loading names that cause itself."""
+    try:
+        config = json.loads((Path(resolve(source)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def check(spec: FineTuneJobSpec, config: dict | None, machine_bytes: float | None) -> str:
+    """The plan's verdict as one log line, or :class:`TrainerError` (WillNotFit) for a job
+    the plan says will not fit while spec.plan.enforce is on. ``machine_bytes``: the memory a
+    CPU job without resources.memory runs in (this machine's, as ``ftjob plan`` counts it).
+
+    A tight fit and an unenforced misfit run, said as a warning; a spec the trainer cannot run
+    at all (CannotRun) is left to the check that names its field (ftjob.plan.limits)."""
+    if config is None:
+        return "plan: not checked (the model's config.json could not be read)"
+    planned = planned_condition(spec, config, machine_bytes)
+    if planned["reason"] == WILL_NOT_FIT and not planned["allowed"]:
+        raise TrainerError(planned["message"], reason=WILL_NOT_FIT, fix=planned["fix"])
+    if planned["tight"]:
+        return f"warning: the plan's margin is tight (its error could tip it): {planned['message']}"
+    if planned["reason"] == WILL_NOT_FIT:
+        return f"warning: plan: {planned['message']}"
+    return f"plan: {planned['message']}"
+
+
+def keep(spec: FineTuneJobSpec) -> str:
+    """:func:`check` of the job as this process runs it: its model's config.json read, and
+    this machine's memory for a CPU job without resources.memory."""
+    return check(spec, model_config(spec.model.source), machine.memory_bytes())

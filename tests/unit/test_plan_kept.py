@@ -1,0 +1,84 @@
+"""The plan kept by the trainer (issue 73): each training process plans its job from the
+model's own config.json before anything is prepared or loaded, as `ftjob plan` does, and a
+job that will not fit ends as a permanent WillNotFit with the plan's figures and fix.
+
+In-process, on the real check and the bundled tiny model's config; the real process's record
+is tests/unit/test_status.py's "will-not-fit" scenario, `ftjob run`'s tests/e2e/test_run_display.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from example_jobs import example
+
+from ftjob.api import contract
+from ftjob.api.contract import TrainerError
+from ftjob.job import machine
+from ftjob.trainer.model import planned
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+CONFIG = json.loads((EXAMPLES / "tiny-model" / "config.json").read_text())
+
+
+def test_a_job_the_plan_says_will_not_fit_is_refused_with_the_figures_and_the_fix():
+    with pytest.raises(TrainerError) as refused:
+        planned.check(example("tiny.yaml", **{"resources.memory": "300Mi"}), CONFIG, None)
+    e = refused.value
+    assert e.reason == contract.WILL_NOT_FIT and e.reason in contract.PERMANENT
+    assert e.reason in contract.NOT_IN_PLACE  # the node agent restarts nothing in place either
+    assert str(e).startswith("WILL NOT FIT: 2.5 GiB of 300.0 MiB CPU memory per pod (peak while "
+                             "preparing"), str(e)  # fmt: skip
+    assert e.fix.startswith("set resources.memory: 3Gi "), e.fix
+    # What `ftjob run` and the operator read: the record carries the verdict and the fix.
+    assert contract.rank_of(e.reason) < contract.rank_of(contract.COLLECTIVE_TIMEOUT)
+
+
+def test_a_job_that_fits_runs_and_says_the_verdict():
+    said = planned.check(example("tiny.yaml", **{"resources.memory": "3Gi"}), CONFIG, None)
+    assert said.startswith("plan: FITS: ") and "of 3.0 GiB CPU memory per pod" in said, said
+
+
+def test_unenforced_unknown_and_unread_run_with_a_line_that_says_so():
+    relaxed = example("tiny.yaml", **{"resources.memory": "300Mi", "plan.enforce": False})
+    said = planned.check(relaxed, CONFIG, None)
+    assert said.startswith("warning: plan: WILL NOT FIT: ") and "starting anyway" in said
+    # No resources.memory on CPU: the machine's memory sets the layout, not a verdict.
+    said = planned.check(example("tiny.yaml"), CONFIG, 8 * 2**30)
+    assert said == "plan: not checked: set resources.memory to check the CPU memory"
+    assert planned.check(example("tiny.yaml"), None, None).startswith("plan: not checked (")
+
+
+def test_a_tight_gpu_fit_runs_with_a_warning():
+    """Llama-3-8B LoRA on one 80 GB GPU, sequences long enough that the plan calls it tight
+    (75.2 of 80 GiB): it runs, with the margin said as a warning; one step longer is refused."""
+    tight = planned.check(_one_gpu(5120), LLAMA3_8B, None)
+    assert tight.startswith("warning: the plan's margin is tight"), tight
+    assert "FITS (tight): 75.2 GiB of 80.0 GiB per GPU (94%)" in tight
+    with pytest.raises(TrainerError, match=r"WILL NOT FIT: 80.9 GiB of 80.0 GiB per GPU"):
+        planned.check(_one_gpu(5632), LLAMA3_8B, None)
+
+
+LLAMA3_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+             "dtype": "bfloat16"}  # fmt: skip
+
+
+def _one_gpu(seq: int):
+    return example(
+        "llama3-8b-lora-efa.yaml",
+        **{"resources.nodes": 1, "resources.gpusPerNode": 1, "resources.gpuType": "H100-80GB",
+           "training.microBatchSize": 1, "training.activationCheckpointing": "none",
+           "dataset.maxSeqLength": seq},
+    )  # fmt: skip
+
+
+def test_keep_reads_the_models_config_beside_the_job_and_this_machines_memory(monkeypatch):
+    monkeypatch.setenv("FTJOB_SOURCE_ROOT", str(EXAMPLES))  # relative sources, as the pods'
+    assert planned.model_config("tiny-model") == CONFIG
+    assert planned.model_config("no-such-model") is None
+    monkeypatch.setattr(machine, "memory_bytes", lambda: 1.0 * 2**30)
+    with pytest.raises(TrainerError, match="of 300.0 MiB"):
+        planned.keep(example("tiny.yaml", **{"resources.memory": "300Mi"}))
