@@ -79,6 +79,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for path in args.files:
         for doc in _jobs(path):
             checked = validate.check(doc, old, job_file=path, profile=profile)
+            validate.memory_verdict(checked, strict=args.strict)
             if args.check_sources and checked.ok:
                 checked.errors.extend(sources.problems(checked.spec))
             results.append(output.validation_result(path, checked))
@@ -257,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also ask the store whether each s3:// source is there and readable, with this "
         "machine's AWS credentials (the bucket, the key, the key pair, the permission)",
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="a job the plan says will not fit its memory (spec.plan.enforce on) is invalid, "
+        "not only warned of: what the operator and the trainer will refuse",
     )
     _output_option(p)
     _profile_option(p)

@@ -42,6 +42,7 @@ from ftjob.api.spec import (
 from ftjob.job import inputs
 from ftjob.operator import render  # pure: no kopf or kubernetes needed
 from ftjob.operator.admit import parse_job
+from ftjob.plan.describe import condition_of
 from ftjob.plan.layout import estimate
 from ftjob.plan.modelshape import ModelShape, shape_for
 
@@ -118,6 +119,45 @@ def check(
         checked.spec = None
     _, checked.server_errors = admission.admit(crd_schema(), doc, old)
     return checked
+
+
+# Where validate cannot read the model's shape (a path not on this machine, an s3:// source, an
+# hf:// model not in the table), the trainer still plans the job before it loads anything.
+MEMORY_UNCHECKED = (
+    "not checked: memory: the model's config.json cannot be read here (the trainer plans the "
+    "job from it before loading anything, and refuses one that will not fit)"
+)
+
+
+def memory_verdict(checked: CheckedJob, strict: bool = False) -> None:
+    """The plan's memory verdict on a valid job, as each trainer will apply it, said where
+    validate says things: a job that will not fit (or fits tightly) is warned of, an error
+    with ``strict`` where spec.plan.enforce would refuse it; one the plan cannot tell about
+    gets one note (not a CPU job without resources.memory: what ``ftjob run`` runs here). A
+    job that fits adds nothing. ``ftjob plan`` shows the figures."""
+    if not checked.ok:
+        return
+    if checked.shape is None:
+        checked.notes.append(MEMORY_UNCHECKED)
+        return
+    # No machine's memory: a cluster's job; it changes only a CPU job's layout, not a verdict.
+    planned = condition_of(checked.spec, checked.shape, None)
+    if planned["reason"] == "Unknown" and not checked.spec.resources.gpus_per_node:
+        return  # a CPU job without resources.memory: `ftjob run`'s, in this machine's memory
+    if planned["reason"] == "Unknown":
+        checked.notes.append(
+            "not checked: memory: " + planned["message"].removeprefix("not checked: ")
+        )
+    elif planned["reason"] == "WillNotFit":
+        line = f"the plan says it will not fit: {planned['message']}"
+        if strict and not planned["allowed"]:
+            checked.errors.append(f"spec.resources: {line}")  # errors name their field
+        else:
+            checked.warnings.append(line)
+    elif planned["tight"]:
+        checked.warnings.append(
+            f"the plan's margin is tight (its error could tip it): {planned['message']}"
+        )
 
 
 def with_profile(

@@ -287,6 +287,11 @@ def planned_condition(
     except ValueError as e:
         return {"reason": "Unknown", "message": f"not planned: {e}", "allowed": True,
                 "fix": None, "tight": False}  # fmt: skip
+    return condition_of(spec, shape, machine_bytes)
+
+
+def condition_of(spec: FineTuneJobSpec, shape: ModelShape, machine_bytes: float | None) -> dict:
+    """:func:`planned_condition` of a model whose shape is known (validate reads it itself)."""
     result = plan(spec, shape, machine_bytes=machine_bytes)
     said = {"message": verdict_text(result), "fix": None, "tight": False}
     if result.estimate.problem:  # the trainer would refuse it: no enforce can let it through

@@ -11,6 +11,7 @@ import tomllib
 import yaml
 
 from ftjob.api import manifest
+from ftjob.cli import validate as validate_cli
 from ftjob.job import inputs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -212,10 +213,15 @@ def test_validate_json_says_what_the_text_says(tmp_path):
     assert text.returncode == 0, text.stdout
     note = DATA_NOTE.format(tmp_path / "data/none.jsonl")
     (warning,) = [line for line in text.stdout.splitlines() if "spec.image is unset" in line]
-    assert text.stdout.endswith(warning + "\n")
+    (misfit,) = [line for line in text.stdout.splitlines() if "will not fit" in line]
+    # After every job: the image's warning once, then the plan's on the job that will not fit.
+    assert text.stdout.endswith(warning + "\n" + misfit + "\n")
     assert warning.startswith("warning (llama3-8b-full-1gpu, llama31-70b-qlora): spec.image")
+    assert misfit.startswith("warning (llama3-8b-full-1gpu): the plan says it will not fit: "
+                             "WILL NOT FIT: 141.7 GiB of 40.0 GiB per GPU (354%)")  # fmt: skip
     items = json.loads(ftjob("validate", "-o", "json", path, *gpu_jobs).stdout)["items"]
-    assert [(i["notes"], len(i["warnings"])) for i in items] == [([note], 0), ([], 1), ([], 1)]
+    found = [(i["notes"], len(i["warnings"])) for i in items]
+    assert found == [([note], 0), ([], 2), ([], 1)]
     assert f"  {note}" in text.stdout.splitlines()
     assert warning.endswith(items[1]["warnings"][0])
 
@@ -439,6 +445,7 @@ def test_plan_names_a_missing_model_once_with_the_fix_and_notes_missing_data(tmp
         f"{tmp_path / 'no-model'}) on this machine (a cluster reads the path from the "
         "checkpoint volume)",
         DATA_NOTE.format(tmp_path / "data/none.jsonl"),
+        validate_cli.MEMORY_UNCHECKED,  # the plan's memory verdict needs the model's shape
     ]
 
 

@@ -1,6 +1,7 @@
 """The plan kept by the trainer (issue 73): each training process plans its job from the
 model's own config.json before anything is prepared or loaded, as `ftjob plan` does, and a
-job that will not fit ends as a permanent WillNotFit with the plan's figures and fix.
+job that will not fit ends as a permanent WillNotFit with the plan's figures and fix; and
+`ftjob validate` says the same verdict (a warning, an error with --strict).
 
 In-process, on the real check and the bundled tiny model's config; the real process's record
 is tests/unit/test_status.py's "will-not-fit" scenario, `ftjob run`'s tests/e2e/test_run_display.py.
@@ -12,10 +13,13 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from example_jobs import example
 
-from ftjob.api import contract
+from ftjob.api import contract, manifest
 from ftjob.api.contract import TrainerError
+from ftjob.cli import validate
+from ftjob.cli.commands import main
 from ftjob.job import machine
 from ftjob.trainer.model import planned
 
@@ -82,3 +86,63 @@ def test_keep_reads_the_models_config_beside_the_job_and_this_machines_memory(mo
     monkeypatch.setattr(machine, "memory_bytes", lambda: 1.0 * 2**30)
     with pytest.raises(TrainerError, match="of 300.0 MiB"):
         planned.keep(example("tiny.yaml", **{"resources.memory": "300Mi"}))
+
+
+# ------------------------------------------------------------ validate says it too (item 2)
+
+
+def tiny_file(tmp_path: Path, **resources) -> Path:
+    """examples/tiny.yaml with absolute sources and ``resources`` (plan.enforce: enforce)."""
+    doc = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())
+    for key in ("model", "dataset"):
+        doc["spec"][key]["source"] = str(EXAMPLES / doc["spec"][key]["source"])
+    if "enforce" in resources:
+        doc["spec"]["plan"] = {"enforce": resources.pop("enforce")}
+    doc["spec"]["resources"].update(resources)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def checked(path: Path, strict: bool = False) -> validate.CheckedJob:
+    (doc,) = manifest.load(path)
+    job = validate.check(doc, job_file=str(path))
+    validate.memory_verdict(job, strict)
+    return job
+
+
+def test_validate_warns_of_a_job_that_will_not_fit_and_strict_refuses_it(tmp_path, capsys):
+    path = tiny_file(tmp_path, memory="300Mi")
+    job = checked(path)
+    assert job.ok and job.notes == []
+    (warning,) = job.warnings
+    assert warning.startswith("the plan says it will not fit: WILL NOT FIT: 2.5 GiB of 300.0 MiB")
+    assert warning.endswith("fits with: resources.memory: 3Gi")
+    strict = checked(path, strict=True)
+    assert not strict.ok and strict.errors == [f"spec.resources: {warning}"]
+    # The command: exit 0 with the warning; --strict, exit 1 with the job INVALID.
+    assert main(["validate", str(path)]) == 0
+    assert f"warning (tiny): {warning}" in capsys.readouterr().out.splitlines()
+    assert main(["validate", "--strict", str(path)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("INVALID") and out[1] == f"  spec.resources: {warning}"
+
+
+def test_validate_says_nothing_of_a_fit_a_note_where_it_cannot_tell(tmp_path):
+    fits = checked(tiny_file(tmp_path, memory="3Gi"), strict=True)
+    assert fits.ok and fits.warnings == [] and fits.notes == []
+    # spec.plan.enforce false: the trainer would start it, so --strict only warns.
+    relaxed = checked(tiny_file(tmp_path, memory="300Mi", enforce=False), strict=True)
+    assert relaxed.ok and "starting anyway" in relaxed.warnings[0]
+    # No resources.memory on CPU: what `ftjob run` runs here, left alone; a GPU job without
+    # gpuType has no figure to hold it to, and says so.
+    assert checked(tiny_file(tmp_path)).notes == []
+    gpu = tiny_file(tmp_path, gpusPerNode=1, memory="64Gi")
+    assert checked(gpu).notes == [
+        "not checked: memory: set resources.gpuType (and resources.memory) to check the fit"
+    ]
+    doc = yaml.safe_load(tiny_file(tmp_path).read_text())
+    doc["spec"]["model"]["source"] = "on-the-volume"  # not on this machine
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(doc))
+    away = checked(tmp_path / "tiny.yaml")
+    assert away.ok and away.notes[-1] == validate.MEMORY_UNCHECKED and away.warnings == []
