@@ -27,7 +27,7 @@ from typing import Any
 
 from ftjob.api import contract
 from ftjob.api.spec import FineTuneJobSpec
-from ftjob.operator import queueing
+from ftjob.operator import foreseen, queueing
 from ftjob.operator import status as st
 from ftjob.plan.describe import planned_condition
 
@@ -64,6 +64,7 @@ class _Step:
         self.old, self.spec, self.generation, self.now, self.name = old, spec, generation, now, name
         self.workload: tuple[str, dict | None] | None = None  # Kueue's, when one was read
         self.template: dict[str, str] | None = None  # render.template of the spec, when given
+        self.snapshot: dict | None = None  # rank 0's progress, when held (its plan, its phase)
         self.new = copy.deepcopy(old)
         self.new["observedGeneration"] = generation
         self.new.setdefault("attempt", 0)
@@ -151,7 +152,7 @@ def decide(
     steps below run in order; the first that decides ends the reconcile.
     """
     s = _Step(old_status or {}, spec, generation, pods, now, name)
-    s.workload, s.template = workload, template
+    s.workload, s.template, s.snapshot = workload, template, snapshot
     _observe(s, snapshot, ended or [])
     if s.old.get("phase") in TERMINAL:
         return _finished(s)
@@ -590,6 +591,13 @@ def _gang_failed(s: _Step, failure: dict) -> Decision:
     previous = (s.old.get("failure") or {}).get("reason")
     if failure["reason"] == "Preempted":
         return _preempted(s, failure)
+    if failure["reason"] == "OOMKilled":  # held to the plan: its figure, foreseen or a miss
+        failure, held = foreseen.judged(failure, s.spec, s.snapshot)
+        if held == foreseen.FORESEEN:
+            return s.fail(failure, "not retried: the plan foresaw it (spec.plan.enforce false)")
+        if held == foreseen.MISS:  # the operator's log says it too (every Event is logged)
+            miss = st.event_message(failure["message"])
+            s.decision.events.append(("Warning", "PlannerMiss", miss))
     if failure["reason"] in st.PERMANENT:
         return s.fail(failure, "not retried")
     if failure["reason"] == "CudaOOM" and previous == "CudaOOM":

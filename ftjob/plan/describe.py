@@ -280,20 +280,23 @@ def planned_condition(
     without resources.memory runs in (``ftjob run``: this machine's, as ``ftjob plan`` counts).
     ``allowed`` is False only when the job will not fit and ``spec.plan.enforce`` is on;
     ``fix`` is the plan's fits-with advice (None where nothing fits or it fits), ``tight``
-    whether a fit is within the estimate's error.
+    whether a fit is within the estimate's error, ``cpuPhases`` a pod's CPU memory by phase
+    (estimate.PHASES, bytes; empty where not planned).
     """
     try:
         shape = shape_for(spec.model.source, config)
     except ValueError as e:
         return {"reason": "Unknown", "message": f"not planned: {e}", "allowed": True,
-                "fix": None, "tight": False}  # fmt: skip
+                "fix": None, "tight": False, "cpuPhases": {}}  # fmt: skip
     return condition_of(spec, shape, machine_bytes)
 
 
 def condition_of(spec: FineTuneJobSpec, shape: ModelShape, machine_bytes: float | None) -> dict:
     """:func:`planned_condition` of a model whose shape is known (validate reads it itself)."""
     result = plan(spec, shape, machine_bytes=machine_bytes)
-    said = {"message": verdict_text(result), "fix": None, "tight": False}
+    # The pods' CPU memory by phase: what an OOMKilled pod is held to (ftjob.operator.foreseen).
+    phases = {phase: round(b) for phase, b in result.estimate.cpu_phases.items()}
+    said = {"message": verdict_text(result), "fix": None, "tight": False, "cpuPhases": phases}
     if result.estimate.problem:  # the trainer would refuse it: no enforce can let it through
         return {"reason": "CannotRun", **said, "allowed": False}
     if result.fits is None:
@@ -302,5 +305,5 @@ def condition_of(spec: FineTuneJobSpec, shape: ModelShape, machine_bytes: float 
         return {"reason": "Fits", **said, "allowed": True, "tight": _tight(result.estimate)}
     enforce = spec.plan.enforce
     tail = "" if enforce else " (spec.plan.enforce is false: starting anyway)"
-    return {"reason": "WillNotFit", "message": said["message"] + tail, "allowed": not enforce,
-            "fix": fits_with(result), "tight": False}  # fmt: skip
+    return {**said, "reason": "WillNotFit", "message": said["message"] + tail,
+            "allowed": not enforce, "fix": fits_with(result)}  # fmt: skip

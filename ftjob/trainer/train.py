@@ -133,7 +133,9 @@ def _train_and_export(job: Job) -> Path:
     # The plan first, from the model's own config.json: a job that cannot fit its memory ends
     # now (WillNotFit, permanent) rather than out of memory in the data's preparation or the
     # load, once per restart. Every rank decides alike from the same inputs.
-    job.report.log(planned.keep(job.spec))
+    said, plan = planned.keep(job.spec)  # raises WillNotFit
+    job.report.update(plan=plan)  # an OOMKilled pod is held to it (ftjob.operator.foreseen)
+    job.report.log(said)
     # Data first: a bad record fails the job in seconds, before any weights are read.
     tok, ds, sampler, total = _data(job)
     job.report.startup.mark("data")

@@ -10,6 +10,7 @@ is tests/unit/test_status.py's "will-not-fit" scenario, `ftjob run`'s tests/e2e/
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,13 @@ from example_jobs import example
 
 from ftjob.api import contract, manifest
 from ftjob.api.contract import TrainerError
+from ftjob.api.spec import parse_resource
 from ftjob.cli import validate
 from ftjob.cli.commands import main
 from ftjob.job import machine
+from ftjob.operator import lifecycle, render
+from ftjob.operator import status as st
+from ftjob.plan.describe import planned_condition
 from ftjob.trainer.model import planned
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -86,6 +91,13 @@ def test_keep_reads_the_models_config_beside_the_job_and_this_machines_memory(mo
     monkeypatch.setattr(machine, "memory_bytes", lambda: 1.0 * 2**30)
     with pytest.raises(TrainerError, match="of 300.0 MiB"):
         planned.keep(example("tiny.yaml", **{"resources.memory": "300Mi"}))
+    # What rank 0's progress serves (key "plan"): the verdict and each phase's figure.
+    said, plan = planned.keep(example("tiny.yaml", **{"resources.memory": "3Gi"}))
+    assert said.startswith("plan: FITS") and plan["reason"] == "Fits"
+    assert plan["verdict"] == said.removeprefix("plan: ")
+    phases = plan["cpuPhaseBytes"]
+    assert list(phases) == ["preparing", "loading", "training", "saving", "exporting"]
+    assert phases["preparing"] == max(phases.values()) and phases["preparing"] > 2.4 * 2**30
 
 
 # ------------------------------------------------------------ validate says it too (item 2)
@@ -146,3 +158,64 @@ def test_validate_says_nothing_of_a_fit_a_note_where_it_cannot_tell(tmp_path):
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(doc))
     away = checked(tmp_path / "tiny.yaml")
     assert away.ok and away.notes[-1] == validate.MEMORY_UNCHECKED and away.warnings == []
+
+
+# ------------------------------------- an OOMKilled pod held to the plan (item 3, the operator)
+
+T0 = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
+
+
+def tiny_spec(memory: str, enforce: bool = False):
+    doc = manifest.load(EXAMPLES / "tiny.yaml")[0]
+    doc["spec"]["resources"]["memory"] = memory
+    doc["spec"]["plan"] = {"enforce": enforce}
+    doc["spec"]["runPolicy"] = {"backoffLimit": 3}
+    return parse_resource(doc)
+
+
+def gang_pod(name, spec, rank: int, oom: bool = False) -> dict:
+    p = render.pod(name, "ns", spec, rank, 0, "uid")
+    state = {"terminated": {"exitCode": 137, "reason": "OOMKilled"}} if oom else {"running": {}}
+    p["status"] = {"phase": "Failed" if oom else "Running",
+                   "containerStatuses": [{"name": "trainer", "state": state}]}  # fmt: skip
+    p["spec"]["nodeName"] = f"node-{rank}"
+    return p
+
+
+def oom_killed(memory: str, snapshot: dict | None) -> lifecycle.Decision:
+    """Rank 1's pod OOMKilled while rank 0's progress said ``snapshot``."""
+    name, spec = tiny_spec(memory)
+    started = lifecycle.decide(spec, name, 1, None, [], T0)
+    pods = [gang_pod(name, spec, 0), gang_pod(name, spec, 1, oom=True)]
+    return lifecycle.decide(spec, name, 1, started.status, pods, T0, snapshot)
+
+
+def served(memory: str, phase: str) -> dict:
+    """Rank 0's progress as the trainer serves it: its phase and its plan (planned.published)."""
+    _, spec = tiny_spec(memory)
+    return {"phase": phase, "plan": planned.published(planned_condition(spec, CONFIG))}
+
+
+def test_an_oom_the_plan_foresaw_is_not_retried_and_names_the_figure_beside_the_limit():
+    d = oom_killed("300Mi", served("300Mi", "preparing-data"))
+    assert d.phase == "Failed" and d.status["restarts"] == 0, d.status
+    failure = d.status["failure"]
+    assert failure["reason"] == "OOMKilled" and "raise resources.memory" in failure["message"]
+    assert ("\nforeseen by the plan (2.5 GiB while preparing, last seen, against the limit "
+            "300Mi): WILL NOT FIT: 2.5 GiB of 300.0 MiB") in failure["message"]  # fmt: skip
+    running = st.condition(d.status["conditions"], "Running")
+    assert running["message"].startswith("not retried: the plan foresaw it")
+
+
+def test_an_oom_the_plan_did_not_foresee_is_retried_and_said_a_planner_miss():
+    d = oom_killed("3Gi", served("3Gi", "training"))
+    assert d.phase == "Restarting" and d.status["restarts"] == 1, d.status
+    message = d.status["failure"]["message"]
+    assert ("\nplanner miss: the plan said it fits (900.2 MiB while training, last seen, against "
+            "the limit 3Gi): FITS: 2.5 GiB of 3.0 GiB") in message, message  # fmt: skip
+    (miss,) = [e for e in d.events if e[1] == "PlannerMiss"]
+    assert miss[0] == "Warning" and "planner miss: the plan said it fits" in miss[2]
+    # No plan known (a model folder the operator cannot read, no progress served): as before.
+    d = oom_killed("3Gi", None)
+    assert d.phase == "Restarting" and "plan" not in d.status["failure"]["message"]
+    assert not [e for e in d.events if e[1] == "PlannerMiss"]

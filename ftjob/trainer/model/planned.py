@@ -37,9 +37,16 @@ def check(spec: FineTuneJobSpec, config: dict | None, machine_bytes: float | Non
 
     A tight fit and an unenforced misfit run, said as a warning; a spec the trainer cannot run
     at all (CannotRun) is left to the check that names its field (ftjob.plan.limits)."""
-    if config is None:
+    return _said(_planned(spec, config, machine_bytes))
+
+
+def _planned(spec: FineTuneJobSpec, config: dict | None, machine_bytes: float | None):
+    return planned_condition(spec, config, machine_bytes) if config is not None else None
+
+
+def _said(planned: dict | None) -> str:
+    if planned is None:
         return "plan: not checked (the model's config.json could not be read)"
-    planned = planned_condition(spec, config, machine_bytes)
     if planned["reason"] == WILL_NOT_FIT and not planned["allowed"]:
         raise TrainerError(planned["message"], reason=WILL_NOT_FIT, fix=planned["fix"])
     if planned["tight"]:
@@ -49,7 +56,17 @@ def check(spec: FineTuneJobSpec, config: dict | None, machine_bytes: float | Non
     return f"plan: {planned['message']}"
 
 
-def keep(spec: FineTuneJobSpec) -> str:
-    """:func:`check` of the job as this process runs it: its model's config.json read, and
-    this machine's memory for a CPU job without resources.memory."""
-    return check(spec, model_config(spec.model.source), machine.memory_bytes())
+def published(planned: dict | None) -> dict:
+    """The plan as rank 0's progress serves it (key ``plan``): the verdict and a pod's CPU
+    memory by phase, which the operator holds an OOMKilled pod to (ftjob.operator.foreseen)."""
+    if planned is None:
+        return {"reason": "Unknown", "verdict": "not checked: the model's config.json unread"}
+    return {"reason": planned["reason"], "verdict": planned["message"],
+            "cpuPhaseBytes": planned["cpuPhases"]}  # fmt: skip
+
+
+def keep(spec: FineTuneJobSpec) -> tuple[str, dict]:
+    """:func:`check` of the job as this process runs it (its model's config.json read, and
+    this machine's memory for a CPU job without resources.memory), and :func:`published`."""
+    planned = _planned(spec, model_config(spec.model.source), machine.memory_bytes())
+    return _said(planned), published(planned)
