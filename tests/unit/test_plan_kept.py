@@ -58,6 +58,10 @@ def test_unenforced_unknown_and_unread_run_with_a_line_that_says_so():
     said = planned.check(example("tiny.yaml"), CONFIG, 8 * 2**30)
     assert said == "plan: not checked: set resources.memory to check the CPU memory"
     assert planned.check(example("tiny.yaml"), None, None).startswith("plan: not checked (")
+    # A config the planner misreads (a count given as text) is said, not a failed job.
+    odd = {**CONFIG, "num_hidden_layers": "two"}
+    said = planned.check(example("tiny.yaml", **{"resources.memory": "3Gi"}), odd, None)
+    assert said.startswith("plan: not checked: the planner failed: TypeError("), said
 
 
 def test_a_tight_gpu_fit_runs_with_a_warning():

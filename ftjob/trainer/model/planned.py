@@ -41,7 +41,15 @@ def check(spec: FineTuneJobSpec, config: dict | None, machine_bytes: float | Non
 
 
 def _planned(spec: FineTuneJobSpec, config: dict | None, machine_bytes: float | None):
-    return planned_condition(spec, config, machine_bytes) if config is not None else None
+    """The plan's condition, None without a config, or the planner's own error: a plan that
+    cannot be made must not stop a job the planner has no verdict on (it is said, not raised)."""
+    if config is None:
+        return None
+    try:
+        return planned_condition(spec, config, machine_bytes)
+    except (ArithmeticError, LookupError, TypeError, ValueError) as e:  # a config it misreads
+        return {"reason": "Unknown", "message": f"not checked: the planner failed: {e!r}",
+                "allowed": True, "fix": None, "tight": False, "cpuPhases": {}}  # fmt: skip
 
 
 def _said(planned: dict | None) -> str:
