@@ -28,6 +28,12 @@ ETCD_VERSION=3.7.3
 KWOK_VERSION=0.8.0
 GO_DIRECTIVE=1.26.0
 KEY="kube-v${KUBE_VERSION}_etcd-v${ETCD_VERSION}_kwok-v${KWOK_VERSION}"
+# Kubernetes 1.37's Workload and PodGroup API (scheduling.k8s.io/v1beta1, KEP-4671; beta, off by
+# default): the scheduler places a PodGroup's pods all together or none (its GangScheduling
+# plugin), which the operator's gangs use where the API is served. The API server serves it,
+# the scheduler acts on it; the controller manager takes the same gate.
+WORKLOAD_GATE=GenericWorkload=true
+WORKLOAD_API=scheduling.k8s.io/v1beta1=true
 CACHE="${FTJOB_K8S_CACHE:-$HOME/.cache/ftjob/k8s}/$KEY"
 BIN="$CACHE/bin"
 BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
@@ -223,7 +229,8 @@ start_apiserver() {
     --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
     --authorization-mode Node,RBAC --enable-admission-plugins OwnerReferencesPermissionEnforcement \
     --service-cluster-ip-range 10.0.0.0/24 --endpoint-reconciler-type none \
-    --enable-aggregator-routing=true --allow-privileged=true "${APISERVER_ARGS[@]}"
+    --enable-aggregator-routing=true --allow-privileged=true \
+    --feature-gates "$WORKLOAD_GATE" --runtime-config "$WORKLOAD_API" "${APISERVER_ARGS[@]}"
   wait_healthy kube-apiserver "https://127.0.0.1:$API_PORT/readyz" --cacert "$pki/ca.crt" \
     --cert "$pki/admin.crt" --key "$pki/admin.key"
 }
@@ -235,9 +242,11 @@ start_controllers() {
     --kubeconfig "$DIR/controller-manager.kubeconfig" --leader-elect=false \
     --bind-address 127.0.0.1 --secure-port "$kcm" --use-service-account-credentials \
     --service-account-private-key-file "$DIR/pki/sa.key" --root-ca-file "$DIR/pki/ca.crt" \
-    --cluster-signing-cert-file "$DIR/pki/ca.crt" --cluster-signing-key-file "$DIR/pki/ca.key"
+    --cluster-signing-cert-file "$DIR/pki/ca.crt" --cluster-signing-key-file "$DIR/pki/ca.key" \
+    --feature-gates "$WORKLOAD_GATE"
   start kube-scheduler "$BIN/kube-scheduler" --kubeconfig "$DIR/scheduler.kubeconfig" \
-    --leader-elect=false --bind-address 127.0.0.1 --secure-port "$sched"
+    --leader-elect=false --bind-address 127.0.0.1 --secure-port "$sched" \
+    --feature-gates "$WORKLOAD_GATE"
   wait_healthy kube-controller-manager "https://127.0.0.1:$kcm/healthz" -k
   wait_healthy kube-scheduler "https://127.0.0.1:$sched/healthz" -k
 }

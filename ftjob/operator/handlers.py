@@ -648,12 +648,15 @@ async def _create_gang(name, namespace, ref, seen: Seen, spec, decision, state: 
         raise Gone(f"{namespace}/{name} is no longer object {uid}: nothing is created")
     attempt = new["attempt"]
     image, avoid = SETTINGS.default_image, lifecycle.bad_nodes(new)
+    grouped = render.in_pod_group(spec) and await _gangs_served()
     # Two rounds of creates at once, not one create after another: a burst of 16-node gangs
-    # would otherwise wait for a round trip per pod. The ConfigMap and Service go first (the
-    # pods mount the one and resolve the other).
+    # would otherwise wait for a round trip per pod. The ConfigMap, Service and PodGroup go
+    # first (the pods mount the one, resolve the other, and name the third).
+    first = [make(name, namespace, spec, uid) for make in (render.config_map, render.service)]
+    first += [render.pod_group(name, namespace, spec, attempt, uid)] if grouped else []
     rounds = [
-        [render.config_map(name, namespace, spec, uid), render.service(name, namespace, spec, uid)],
-        render.pods(name, namespace, spec, attempt, uid, image, decision.create, avoid),
+        first,
+        render.pods(name, namespace, spec, attempt, uid, image, decision.create, avoid, grouped),
     ]
     requeue = None
     try:
@@ -668,6 +671,23 @@ async def _create_gang(name, namespace, ref, seen: Seen, spec, decision, state: 
 
 # A refused child is tried again this often: the namespace's label or quota may change.
 REFUSED_RETRY_SECONDS = 10.0
+# Whether the API server serves Kubernetes 1.37's PodGroup API is asked again at most this
+# often (discovery): a cluster that turns it on, or off, is followed within a minute.
+GANG_API_SECONDS = 60.0
+_gang_api: list[tuple[float, bool]] = []  # (when asked, served)
+
+
+async def _gangs_served() -> bool:
+    """Whether gangs are PodGroups, which the scheduler binds whole (KEP-4671): where the API
+    is served. Elsewhere the pods are created on their own, as before 1.37."""
+    now = time.monotonic()
+    if not _gang_api or now - _gang_api[0][0] > GANG_API_SECONDS:
+        served = await asyncio.to_thread(kube().serves_pod_groups)
+        if not _gang_api or _gang_api[0][1] != served:
+            how = "placed whole by the scheduler" if served else "pods on their own"
+            LOG.info(f"the PodGroup API is {'' if served else 'not '}served: gangs are {how}")
+        _gang_api[:] = [(now, served)]
+    return _gang_api[0][1]
 
 
 async def _record_refusal(ref, namespace, name, seen: Seen, state: JobState, message) -> None:

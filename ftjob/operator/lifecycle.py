@@ -496,8 +496,9 @@ def _create_or_wait(s: _Step) -> Decision:
         s.new.pop(WAITING_SINCE, None)  # waiting for quota is not being stuck
         return s.set("Pending", "Queued", _queued_message(s, gated), True)
     waiting = sorted({w for p in current.values() if (w := st.waiting_reason(p))})
-    message = f"waiting for {sum(not st.running(p) for p in current.values())} pod(s) to run"
+    message = _waiting_for(list(current.values()))
     causes = [c for p in current.values() if not st.running(p) and (c := st.not_starting(p))]
+    causes.sort(key=st.gang_echo)  # the scheduler's verdict on the nodes first
     reason, message = (
         (causes[0][0], f"{message}: {causes[0][1]}")
         if causes
@@ -507,6 +508,13 @@ def _create_or_wait(s: _Step) -> Decision:
 
 
 WAITING_SINCE = "waitingSince"
+
+
+def _waiting_for(pods: list[dict]) -> str:
+    pending = sum(not st.running(p) for p in pods)
+    if any(st.grouped(p) for p in pods):  # a PodGroup: the scheduler binds all or none
+        return f"waiting for the whole gang to be placed ({pending} pod(s), all or none)"
+    return f"waiting for {pending} pod(s) to run"
 
 
 def _start_limit(s: _Step, reason: str, message: str) -> Decision | None:

@@ -40,6 +40,9 @@ NEEDED: tuple[tuple[str, str, str], ...] = (
     ("", "configmaps", "delete"),
     ("", "events", "create"),
     ("kueue.x-k8s.io", "workloads", "get"),  # kube.workload: a queued gang's admission
+    ("scheduling.k8s.io", "podgroups", "get"),  # a gang's PodGroup, where the API is served
+    ("scheduling.k8s.io", "podgroups", "create"),
+    ("scheduling.k8s.io", "podgroups", "delete"),
     (GROUP, PROFILES, "list"),  # the profiles' index (handlers.job_profiles)
     (GROUP, PROFILES, "watch"),
     ("", "namespaces", "list"),  # their labels' index (handlers.namespace_labels)

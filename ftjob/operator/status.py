@@ -160,7 +160,8 @@ def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
     10-20 KiB of Python objects or more, of which the decisions read a few fields. This keeps
     exactly what this module, :mod:`lifecycle` and the handlers read: name, uid, the ftjob
     labels, the template annotation (what the pod was made of), owner uids,
-    deletionTimestamp, node name, Kueue's admission gate, phase/reason/message, pod IP, the
+    deletionTimestamp, node name, Kueue's admission gate, the PodGroup it is in,
+    phase/reason/message, pod IP, the
     scheduler's Unschedulable condition and the trainer container's state (its termination
     message included). A new reader of another field must add it here;
     tests/unit/test_status.py checks that decisions made from these views equal those made
@@ -193,6 +194,8 @@ def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
     view_spec = {"nodeName": spec["nodeName"]} if spec.get("nodeName") else {}
     if queued(pod):  # only Kueue's gate: the one a decision reads
         view_spec["schedulingGates"] = [{"name": KUEUE_ADMISSION_GATE}]
+    if grouped(pod):
+        view_spec["schedulingGroup"] = dict(spec["schedulingGroup"])
     if view_spec:
         view["spec"] = view_spec
     return view
@@ -262,6 +265,18 @@ def not_starting(pod: dict) -> tuple[str, str] | None:
         said = waiting.get("message") or "(the kubelet gave no message)"
         return waiting["reason"], f"pod {name}: {waiting['reason']}: {said}"
     return None
+
+
+def grouped(pod: dict) -> bool:
+    """Whether the pod is in a PodGroup (Kubernetes 1.37's gang: placed all or none)."""
+    return bool((pod.get("spec") or {}).get("schedulingGroup"))
+
+
+def gang_echo(cause: tuple[str, str]) -> bool:
+    """Whether a :func:`not_starting` cause only repeats the gang's verdict: of a PodGroup's
+    unplaced pods the scheduler tells one why no node fits it, the others that the group's
+    minCount cannot be satisfied."""
+    return "minCount (" in cause[1]
 
 
 def waiting_reason(pod: dict) -> str | None:

@@ -326,7 +326,8 @@ def test_pod_security_admits_tcp_and_efa_under_restricted_and_a_refusal_reaches_
 def test_the_scheduler_keeps_the_next_gang_off_a_bad_node(operator):
     """A hardware failure (an Xid in the trainer's log) puts its node on status.badNodes;
     the real scheduler then never places the next gang's pods there: a 4-node job on the 4
-    GPU nodes gets 3 pods placed on the others and 1 left Pending by its node affinity.
+    GPU nodes has 3 nodes left, and its PodGroup (placed whole or not at all) binds none of
+    its pods; one says its node affinity kept it off the bad node.
 
     Also carries what tests/emulator/test_operator_recovery.py::
     test_a_failure_on_a_node_keeps_the_next_gang_off_it showed: the BadNode Event and the list
@@ -339,8 +340,7 @@ def test_the_scheduler_keeps_the_next_gang_off_a_bad_node(operator):
     bad = next(p["spec"]["nodeName"] for p in first if p["metadata"]["name"] == "xid-node-0")
     terminate(plane, "xid-node-0", 1, "Error", "NVRM: Xid 79, GPU has fallen off the bus")
 
-    pods, unschedulable = placed_but_one(plane, "xid", 1, 4)
-    assert bad not in {p["spec"].get("nodeName") for p in pods}
+    pods, unschedulable = placed_none(plane, "xid", 1, 4)
     assert bad in [b["node"] for b in status_of(plane, "xid")["badNodes"]]
     assert "affinity" in unschedulable["message"], unschedulable
     status = status_of(plane, "xid")
@@ -354,42 +354,52 @@ def test_the_scheduler_keeps_the_next_gang_off_a_bad_node(operator):
     assert json.loads(shown)[0]["node"] == bad
 
 
-def placed_but_one(plane: Plane, name: str, attempt: int, nodes: int) -> tuple[list, dict]:
-    """The gang's pods once all but one are placed, and the scheduler's verdict on that one
-    (its PodScheduled False condition)."""
+def placed_none(plane: Plane, name: str, attempt: int, nodes: int) -> tuple[list, dict]:
+    """The gang's pods once the scheduler has judged each (a PodGroup's: none is bound while
+    one cannot be), and its verdict on the nodes (the others repeat the group's minCount)."""
 
-    def all_but_one():
+    def judged():
         pods = pods_of(plane, name) or []
         pods = [p for p in pods if p["metadata"]["labels"]["ftjob.dev/attempt"] == str(attempt)]
-        placed = [p for p in pods if p["spec"].get("nodeName")]
-        return len(pods) == nodes and len(placed) == nodes - 1 and pods
+        said = [c for p in pods for c in p["status"].get("conditions", [])
+                if c["type"] == "PodScheduled" and c["status"] == "False"]  # fmt: skip
+        return len(pods) == nodes and len(said) == nodes and (pods, said)
 
-    pods = plane.wait(all_but_one, 90, f"attempt {attempt}: {nodes - 1} of {nodes} pods placed")
-    pending = next(p for p in pods if not p["spec"].get("nodeName"))["metadata"]["name"]
-
-    def verdict():
-        status = (plane.get("pod", pending, NAMESPACE) or {}).get("status", {})
-        conditions = status.get("conditions", [])
-        return next(
-            (c for c in conditions if c["type"] == "PodScheduled" and c["status"] == "False"),
-            None,
-        )
-
-    return pods, plane.wait(verdict, hangs.FLOOR, f"the scheduler's verdict on {pending}")
+    pods, said = plane.wait(judged, 90, f"attempt {attempt}: the scheduler's verdict on each pod")
+    assert not [p["spec"]["nodeName"] for p in pods if p["spec"].get("nodeName")], pods
+    return pods, next(c for c in said if "minCount (" not in c["message"])
 
 
-def test_a_gang_puts_one_pod_on_each_node_and_waits_for_a_free_one(operator):
-    """resources.nodes counts nodes: 5 pods of one GPU each on the 4 GPU nodes (32 GPUs, room
-    for all 5 by count) are placed on 4 different nodes, and the real scheduler leaves the
-    fifth Pending for the gang's pod anti-affinity."""
+def test_a_gang_that_cannot_be_placed_whole_binds_no_pod_and_a_smaller_job_runs(operator):
+    """resources.nodes counts nodes: 5 pods of one GPU each need 5 of the 4 GPU nodes (32
+    GPUs, room for all 5 by count). Each gang is a PodGroup (Kubernetes 1.37: minCount 5), so
+    the real scheduler binds none of them, where it bound 4 and held every node before; a
+    1-node job applied after it runs at once, and the big one says it waits for the whole
+    gang. Then two gangs of 3 nodes, each fitting alone but not together: one runs whole, the
+    other binds nothing until the first is gone, then runs whole."""
     plane = operator.plane
     job = gpu_job("spread", nodes=5)
     job["spec"]["resources"]["gpusPerNode"] = 1
     plane.apply(job)
-
-    pods, verdict = placed_but_one(plane, "spread", 0, 5)
-    assert len({p["spec"]["nodeName"] for p in pods if p["spec"].get("nodeName")}) == 4
+    group = plane.wait(lambda: plane.get("podgroup", "spread-a0", NAMESPACE), 30, "the PodGroup")
+    assert group["spec"]["schedulingPolicy"]["gang"]["minCount"] == 5, group
+    _, verdict = placed_none(plane, "spread", 0, 5)
     assert "anti-affinity" in verdict["message"], verdict
+    plane.apply(gpu_job("small", nodes=1))
+    gang_running(plane, "small", 0, nodes=1)
+    assert not [p for p in pods_of(plane, "spread") if p["spec"].get("nodeName")]
+    said = status_of(plane, "spread")["conditions"]
+    running = next(c for c in said if c["type"] == "Running")
+    assert "waiting for the whole gang to be placed" in running["message"], running
+    assert "anti-affinity" in running["message"], running
+    plane.delete_every_job()
+
+    plane.apply(gpu_job("first", nodes=3))
+    gang_running(plane, "first", 0, nodes=3)
+    plane.apply(gpu_job("second", nodes=3))
+    placed_none(plane, "second", 0, 3)
+    plane.kubectl("delete", "ftj", "first", "-n", NAMESPACE, "--wait=false")
+    gang_running(plane, "second", 0, nodes=3)
 
 
 @pytest.mark.timeout(600)  # the first test to ask waits for the real trainer's outputs

@@ -65,7 +65,7 @@ def test_the_image_runs_as_uid_1000_and_a_pod_with_home_tmp_on_a_read_only_root(
 
 
 def tiny_pods(image: str, uid: str, attempt: int = 0) -> list[dict]:
-    """examples/tiny.yaml rendered for the cluster: [ConfigMap, Service, Pod, Pod]."""
+    """examples/tiny.yaml rendered for the cluster: [ConfigMap, Service, PodGroup, Pod, Pod]."""
     doc = copy.deepcopy(TINY)
     doc["spec"]["image"] = image
     name, spec = parse_resource(doc)

@@ -112,6 +112,9 @@ class Api:
     def workload(self, namespace, name):
         return None
 
+    def serves_pod_groups(self):
+        return False  # an API server before Kubernetes 1.37's PodGroup
+
     def pods_of(self, who: str) -> list[str]:
         return sorted(n for n, p in self.made.items() if p["by"] == who)
 

@@ -16,10 +16,10 @@ from ftjob.operator import status as st
 GATE = {"schedulingGates": [{"name": "kueue.x-k8s.io/admission"}]}
 
 
-def unschedulable(message):
+def unschedulable(message, rank=1):
     cond = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
             "message": message, "lastTransitionTime": "2026-01-01T12:00:00Z"}  # fmt: skip
-    p = pod(1, phase="Pending", extra={"conditions": [cond]})
+    p = pod(rank, phase="Pending", extra={"conditions": [cond]})
     del p["spec"]["nodeName"]
     return p
 
@@ -96,6 +96,21 @@ def test_a_pod_that_cannot_start_names_the_cause_in_the_condition_and_a_warning(
     # Level-triggered: the same cause again says nothing new.
     again = decide(d.status, pods, now=T0 + timedelta(seconds=30))
     assert not [e for e in again.events if e[0] == "Warning"]
+
+
+def test_a_gang_in_a_pod_group_waits_whole_and_names_the_nodes_verdict():
+    """Kubernetes 1.37's PodGroup: the scheduler binds none of a gang it cannot place whole;
+    one pod carries why no node fits it, the others repeat the group's minCount."""
+    created = decide(None, [])
+    echo = unschedulable("minCount (2) cannot be satisfied: 0 scheduled, 1 remaining", rank=0)
+    verdict = unschedulable("0/4 nodes are available: 4 Insufficient nvidia.com/gpu.")
+    for p in (echo, verdict):
+        p["spec"]["schedulingGroup"] = {"podGroupName": "tiny-a0"}
+    pods = [st.observed_pod(p) for p in (echo, verdict)]
+    cond = st.condition(decide(created.status, pods).status["conditions"], "Running")
+    assert cond["reason"] == "Unschedulable", cond
+    assert cond["message"].startswith("waiting for the whole gang to be placed (2 pod(s), all")
+    assert "Insufficient nvidia.com/gpu" in cond["message"], cond
 
 
 def test_a_pod_being_scheduled_or_pulled_is_not_stuck():

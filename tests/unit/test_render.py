@@ -40,9 +40,24 @@ def env_of(pod: dict) -> dict:
 def test_every_child_of_every_example_is_valid_strictly(path, version):
     name, spec = parse_resource(manifest.load(path)[0])
     objs = render.children(name, "team-a", spec, attempt=2, uid=UID)
-    assert [o["kind"] for o in objs] == ["ConfigMap", "Service"] + ["Pod"] * spec.resources.nodes
+    group = ["PodGroup"] if not spec.scheduling.queue else []  # Kueue's alone (in_pod_group)
+    nodes = spec.resources.nodes
+    assert [o["kind"] for o in objs] == ["ConfigMap", "Service", *group] + ["Pod"] * nodes
+    if version < "1.37":  # no PodGroup API: the operator renders the pods on their own
+        objs = objs[:2] + render.pods(name, "team-a", spec, 2, UID)
     for obj in objs:
         kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_a_gang_is_one_pod_group_its_pods_name():
+    name, spec = load("llama2-70b-full.yaml")
+    group = render.pod_group(name, "ns", spec, 3, UID)
+    assert group["metadata"]["name"] == f"{name}-a3"
+    assert group["metadata"]["ownerReferences"][0]["uid"] == UID  # goes with the job
+    assert group["spec"] == {"schedulingPolicy": {"gang": {"minCount": spec.resources.nodes}}}
+    pods = render.pods(name, "ns", spec, 3, UID, grouped=True)
+    assert {p["spec"]["schedulingGroup"]["podGroupName"] for p in pods} == {f"{name}-a3"}
+    assert all("schedulingGroup" not in p["spec"] for p in render.pods(name, "ns", spec, 3, UID))
 
 
 def test_strict_validation_catches_a_misspelt_field():
@@ -58,14 +73,14 @@ def test_names_labels_and_owner_references_are_deterministic():
     first = render.children(name, "ns", spec, attempt=1, uid=UID)
     assert first == render.children(name, "ns", spec, attempt=1, uid=UID)
     names = [o["metadata"]["name"] for o in first]
-    assert names == [f"{name}-spec", name, f"{name}-node-0", f"{name}-node-1"]
+    assert names == [f"{name}-spec", name, f"{name}-a1", f"{name}-node-0", f"{name}-node-1"]
     for obj in first:
         meta = obj["metadata"]
         assert all(meta["labels"][k] for k in DESIGN_LABELS)
         assert meta["labels"]["ftjob.dev/job-name"] == name
         (ref,) = meta["ownerReferences"]
         assert ref["uid"] == UID and ref["controller"] and ref["kind"] == "FineTuneJob"
-    for rank, pod in enumerate(first[2:]):
+    for rank, pod in enumerate(first[3:]):
         assert pod["metadata"]["labels"]["ftjob.dev/node-rank"] == str(rank)
         assert pod["metadata"]["labels"]["ftjob.dev/attempt"] == "1"
 
@@ -268,7 +283,8 @@ def test_cpu_job_requests_no_gpus():
 def test_ftjob_render_children_prints_the_objects(capsys):
     assert cli.main(["render", "--children", "-n", "ml", str(ROOT / "examples" / "tiny.yaml")]) == 0
     docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
-    assert [d["kind"] for d in docs] == ["FineTuneJob", "ConfigMap", "Service", "Pod", "Pod"]
+    kinds = ["FineTuneJob", "ConfigMap", "Service", "PodGroup", "Pod", "Pod"]
+    assert [d["kind"] for d in docs] == kinds
     assert {d["metadata"]["namespace"] for d in docs} == {"ml"}
 
 

@@ -122,6 +122,11 @@ ftjob/operator/kube.py or one need of kopf for the handlers in ftjob/operator/ha
 - apiGroups: [kueue.x-k8s.io]
   resources: [workloads]
   verbs: [get]
+# Each gang attempt's PodGroup (Kubernetes 1.37, scheduling.k8s.io/v1beta1, where served): the
+# scheduler binds its pods all together or none. Made and replaced like the ConfigMap.
+- apiGroups: [scheduling.k8s.io]
+  resources: [podgroups]
+  verbs: [get, create, delete]
 {{- if and .Values.peering.enabled .Values.watchNamespaces }}
 # kopf peering in namespaced mode: watch every KopfPeering, write keep-alives only to ours.
 - apiGroups: [kopf.dev]
