@@ -42,7 +42,7 @@ from ftjob.api.spec import (
 from ftjob.job import inputs
 from ftjob.operator import render  # pure: no kopf or kubernetes needed
 from ftjob.operator.admit import parse_job
-from ftjob.plan.describe import condition_of
+from ftjob.plan.describe import below_any_model, condition_of
 from ftjob.plan.layout import estimate
 from ftjob.plan.modelshape import ModelShape, shape_for
 
@@ -137,11 +137,13 @@ def memory_verdict(checked: CheckedJob, strict: bool = False) -> None:
     job that fits adds nothing. ``ftjob plan`` shows the figures."""
     if not checked.ok:
         return
-    if checked.shape is None:
-        checked.notes.append(MEMORY_UNCHECKED)
-        return
-    # No machine's memory: a cluster's job; it changes only a CPU job's layout, not a verdict.
-    planned = condition_of(checked.spec, checked.shape, None)
+    if checked.shape is None:  # a limit below any model's is still refused (the floor)
+        planned = below_any_model(checked.spec)
+        if planned is None:
+            checked.notes.append(MEMORY_UNCHECKED)
+            return
+    else:  # no machine's memory: a cluster's job; it changes a CPU job's layout, not a verdict
+        planned = condition_of(checked.spec, checked.shape, None)
     if planned["reason"] == "Unknown" and not checked.spec.resources.gpus_per_node:
         return  # a CPU job without resources.memory: `ftjob run`'s, in this machine's memory
     if planned["reason"] == "Unknown":

@@ -4,10 +4,11 @@ fit, not checked, cannot run), and the ``Planned`` condition the operator record
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
-from ftjob.api.hardware import GPUS, node_bandwidth
+from ftjob.api.hardware import GIB, GPUS, node_bandwidth
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.plan import datasize, quota
 from ftjob.plan.estimate import (
@@ -20,6 +21,7 @@ from ftjob.plan.estimate import (
     reference_pass,
     stride_name,
 )
+from ftjob.plan.layout import estimate
 from ftjob.plan.modelshape import ModelShape, shape_for
 from ftjob.plan.options import Plan, plan
 
@@ -286,9 +288,37 @@ def planned_condition(
     try:
         shape = shape_for(spec.model.source, config)
     except ValueError as e:
-        return {"reason": "Unknown", "message": f"not planned: {e}", "allowed": True,
-                "fix": None, "tight": False, "cpuPhases": {}}  # fmt: skip
+        return below_any_model(spec) or {"reason": "Unknown", "message": f"not planned: {e}",
+            "allowed": True, "fix": None, "tight": False, "cpuPhases": {}}  # fmt: skip
     return condition_of(spec, shape, machine_bytes)
+
+
+# A model smaller than any that is trained: what a pod needs with it is what it needs whatever
+# the model (the processes, rank 0's data preparation: the plan's model-independent parts).
+SMALLEST = ModelShape("any model", hidden=8, layers=1, heads=1, kv_heads=1, intermediate=8, vocab=8)
+
+
+def below_any_model(spec: FineTuneJobSpec) -> dict | None:
+    """The WillNotFit condition of a job whose resources.memory is below what a pod needs
+    whatever its model (the model's shape unknown: a folder on the volume), else None.
+
+    A pod that small can be OOMKilled before its trainer has read the model's config.json
+    (seen on real nodes: examples/tiny.yaml at 300Mi, three gangs OOMKilled, no plan check
+    reached), so the door refuses it, and can: the least of every model is a floor."""
+    e = estimate(spec, SMALLEST)
+    if e.fits_pod is not False:
+        return None
+    phase, need = e.cpu_peak_phase, math.ceil(e.cpu_peak_per_node / GIB)
+    message = (
+        f"WILL NOT FIT whatever the model: at least {gib(e.cpu_peak_per_node)} of "
+        f"{gib(e.pod_memory)} CPU memory per pod (peak while {phase}: {phase_why(spec, phase)}), "
+        f"before the model's own share; fits with: resources.memory: {need}Gi at least"
+    )
+    enforce = spec.plan.enforce
+    tail = "" if enforce else " (spec.plan.enforce is false: starting anyway)"
+    fix = f"set resources.memory: {need}Gi or more (`ftjob plan` with the model gives the figure)"
+    return {"reason": "WillNotFit", "message": message + tail, "allowed": not enforce,
+            "fix": fix, "tight": False, "cpuPhases": {}}  # fmt: skip
 
 
 def condition_of(spec: FineTuneJobSpec, shape: ModelShape, machine_bytes: float | None) -> dict:

@@ -189,6 +189,28 @@ def test_a_pod_over_its_memory_limit_is_diagnosed_oomkilled_in_the_jobs_status(o
     assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] == "OOMKilled"
 
 
+def test_a_job_below_what_any_model_needs_fails_at_the_door_with_the_plans_figures(operator):
+    """The same small limit with the plan enforced (the default, issue 73). Run before the
+    door refused it, each 300Mi pod was OOMKilled before its trainer could read the model's
+    config.json, three gangs in a row. The operator cannot read a model on the volume, but a
+    limit below what a pod needs whatever the model is refused: Failed, no pod, no restart,
+    the plan's figure and what fits in the job's status."""
+    plane = operator.plane
+    job = tiny("unfit")
+    job["spec"]["resources"]["memory"] = "300Mi"
+    plane.apply(job)
+    status = wait_for(operator, "unfit", ended, "unfit to end")
+    failure = status["failure"]
+    assert (status["phase"], status["restarts"], failure["reason"]) == ("Failed", 0, "WillNotFit")
+    print(f"\nwill not fit, on real nodes: {failure['message']}")
+    # One core a pod (tiny()): rank 0 prepares with 2 processes, the plan's 1.7 GiB at least.
+    assert "WILL NOT FIT whatever the model: at least 1.7 GiB of 300.0 MiB" in failure["message"]
+    assert "fits with: resources.memory: 2Gi at least" in failure["message"], failure
+    running = [c for c in status["conditions"] if c["type"] == "Running"][0]
+    assert running["message"].startswith("spec.plan.enforce is on: no pod was started"), running
+    assert "unfit-node-" not in plane.kubectl("get", "pods", "-n", NAMESPACE, "-o", "name").stdout
+
+
 def stop_from_outside(plane: Plane, how: str, pod: str, tmp_path: Path) -> None:
     """What stops a pod from outside the job: ``delete`` (`kubectl delete pod`), or ``evict``
     through the Eviction API (what `kubectl drain` and the descheduler call)."""

@@ -25,7 +25,9 @@ from ftjob.cli.commands import main
 from ftjob.job import machine
 from ftjob.operator import lifecycle, render
 from ftjob.operator import status as st
+from ftjob.plan import describe
 from ftjob.plan.describe import planned_condition
+from ftjob.plan.layout import estimate
 from ftjob.trainer.model import planned
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -223,3 +225,43 @@ def test_an_oom_the_plan_did_not_foresee_is_retried_and_said_a_planner_miss():
     d = oom_killed("3Gi", None)
     assert d.phase == "Restarting" and "plan" not in d.status["failure"]["message"]
     assert not [e for e in d.events if e[1] == "PlannerMiss"]
+
+
+# ------------------------------------------- below any model: the door refuses what no pod holds
+
+
+def test_a_limit_below_what_any_model_needs_is_refused_at_the_door_before_any_pod(tmp_path):
+    """On real nodes a 300Mi pod of examples/tiny.yaml was OOMKilled before its trainer read the
+    model's config.json, three gangs in a row: so where the operator cannot read the model, a
+    limit below what a pod needs whatever the model (the plan of a smallest model) is refused."""
+    name, spec = tiny_spec("300Mi", enforce=True)
+    refused = planned_condition(spec)  # the model a folder on the volume: no shape
+    assert refused["reason"] == "WillNotFit" and refused["allowed"] is False
+    assert refused["message"].startswith(
+        "WILL NOT FIT whatever the model: at least 2.5 GiB of 300.0 MiB CPU memory per pod"
+    )
+    assert refused["fix"].startswith("set resources.memory: 3Gi or more")
+    d = lifecycle.decide(spec, name, 1, None, [], T0)
+    assert d.phase == "Failed" and d.create == [] and d.status["failure"]["reason"] == "WillNotFit"
+    assert planned_condition(tiny_spec("3Gi", enforce=True)[1])["reason"] == "Unknown"
+    # validate says so too where the model is not on this machine.
+    doc = yaml.safe_load(tiny_file(tmp_path, memory="300Mi").read_text())
+    doc["spec"]["model"]["source"] = "on-the-volume"
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(doc))
+    away = checked(tmp_path / "tiny.yaml")
+    assert away.warnings[0].startswith("the plan says it will not fit: WILL NOT FIT whatever")
+
+
+@pytest.mark.parametrize(
+    "name, edits",
+    [("tiny.yaml", {"resources.memory": "300Mi"}), ("tiny.yaml", {"resources.cpu": 1}),
+     ("llama3-8b-lora-efa.yaml", {}), ("llama3-8b-full-1gpu.yaml", {}),
+     ("llama31-70b-qlora.yaml", {})],
+)  # fmt: skip
+def test_the_smallest_model_needs_no_more_in_any_phase_than_a_real_one(name, edits):
+    spec = example(name, **edits)
+    real = CONFIG if name == "tiny.yaml" else None
+    shape = describe.shape_for(spec.model.source, real)
+    least, actual = estimate(spec, describe.SMALLEST), estimate(spec, shape)
+    for phase, need in least.cpu_phases.items():
+        assert need <= actual.cpu_phases[phase], phase
