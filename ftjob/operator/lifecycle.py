@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from ftjob.api import contract
@@ -483,6 +483,8 @@ def _gang_done(s: _Step) -> Decision | None:
 def _create_or_wait(s: _Step) -> Decision:
     """Create what is missing; wait for the rest; watch a running gang for a stall."""
     current = s.current
+    if s.missing and (held := _held_back(s)):
+        return held
     if s.missing:
         s.decision.create = s.missing
         s.new.setdefault("startTime", st.now_iso(s.now))
@@ -495,6 +497,8 @@ def _create_or_wait(s: _Step) -> Decision:
     if gated:
         s.new.pop(WAITING_SINCE, None)  # waiting for quota is not being stuck
         return s.set("Pending", "Queued", _queued_message(s, gated), True)
+    if split := _split(s):
+        return split
     waiting = sorted({w for p in current.values() if (w := st.waiting_reason(p))})
     message = _waiting_for(list(current.values()))
     causes = [c for p in current.values() if not st.running(p) and (c := st.not_starting(p))]
@@ -508,6 +512,62 @@ def _create_or_wait(s: _Step) -> Decision:
 
 
 WAITING_SINCE = "waitingSince"
+# Where the cluster does not serve the PodGroup API, a gang partly bound this long gives its
+# bound pods back and is made again, whole, this much later (no restart budget spent): a gang
+# never holds nodes while it waits for others (render.in_pod_group: a queued gang is Kueue's).
+PARTLY_PLACED, PARTLY_SINCE, WHOLE_AFTER = "PartlyPlaced", "partlyPlacedSince", "wholeAfter"
+SPLIT_GRACE_SECONDS, SPLIT_BACKOFF_SECONDS = 60.0, 30.0
+SPLIT_FIX = (
+    "serve Kubernetes 1.37's PodGroup API (feature gate GenericWorkload and "
+    "scheduling.k8s.io/v1beta1 on the API server, scheduler and controller manager), which "
+    "places a gang whole, or queue the job with Kueue (spec.scheduling.queue)"
+)
+
+
+def _split(s: _Step) -> Decision | None:
+    """A gang some of whose pods are bound while another cannot be placed, without a PodGroup
+    (a cluster before 1.37, or the API off): after :data:`SPLIT_GRACE_SECONDS` its pods are
+    given back, so that the nodes they held serve other jobs, and the gang waits whole."""
+    pods = list(s.current.values())
+    placed = [p for p in pods if (p.get("spec") or {}).get("nodeName")]
+    stuck = [p for p in pods if (st.not_starting(p) or ("",))[0] == "Unschedulable"]
+    if any(st.grouped(p) for p in pods) or s.spec.scheduling.queue or not placed or not stuck:
+        s.new.pop(PARTLY_SINCE, None)
+        return None
+    waited = s.new.get(WAITING_SINCE)
+    if waited and _since(waited, s.now) >= s.spec.run_policy.start_timeout_seconds:
+        return None  # the start limit is reached: it fails the job (_start_limit)
+    left = SPLIT_GRACE_SECONDS - _since(s.new.setdefault(PARTLY_SINCE, st.now_iso(s.now)), s.now)
+    if left > 0:
+        s.decision.requeue_after = min(left, s.decision.requeue_after or left)
+        return None
+    s.new.pop(PARTLY_SINCE)
+    old_attempt, cause = s.attempt, st.not_starting(stuck[0])[1]
+    waiting = s.new.get(WAITING_SINCE)
+    _next_gang(s)
+    if waiting:  # the start limit counts from the first gang that waited, over every split
+        s.new[WAITING_SINCE] = waiting
+    s.new[WHOLE_AFTER] = st.now_iso(s.now + timedelta(seconds=SPLIT_BACKOFF_SECONDS))
+    message = (
+        f"attempt {old_attempt} was partly placed for {SPLIT_GRACE_SECONDS:.0f} s ({len(placed)} "
+        f"of {len(pods)} pods bound; {cause}): its bound pods were given back, and the gang is "
+        f"made again whole as attempt {s.attempt} in {SPLIT_BACKOFF_SECONDS:.0f} s, no restart "
+        f"budget spent; fix: {SPLIT_FIX}"
+    )
+    s.decision.events.append(("Warning", PARTLY_PLACED, message))
+    return s.set("Pending", PARTLY_PLACED, message)
+
+
+def _held_back(s: _Step) -> Decision | None:
+    """The next gang of a split one waits out its backoff before it is made (:func:`_split`)."""
+    after = st.parse_time(s.new.get(WHOLE_AFTER))
+    if after is None or after <= s.now:
+        s.new.pop(WHOLE_AFTER, None)
+        return None
+    left = (after - s.now).total_seconds()
+    s.decision.requeue_after = min(left, s.decision.requeue_after or left)
+    cond = st.condition(s.new.get("conditions") or [], "Running") or {}
+    return s.set("Pending", PARTLY_PLACED, cond.get("message") or f"waiting {left:.0f} s")
 
 
 def _waiting_for(pods: list[dict]) -> str:

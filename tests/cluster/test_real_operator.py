@@ -381,7 +381,9 @@ def test_a_gang_that_cannot_be_placed_whole_binds_no_pod_and_a_smaller_job_runs(
     job = gpu_job("spread", nodes=5)
     job["spec"]["resources"]["gpusPerNode"] = 1
     plane.apply(job)
-    group = plane.wait(lambda: plane.get("podgroup", "spread-a0", NAMESPACE), 30, "the PodGroup")
+    group = plane.wait(
+        lambda: plane.get("podgroup", "spread-a0", NAMESPACE), hangs.FLOOR, "the PodGroup"
+    )
     assert group["spec"]["schedulingPolicy"]["gang"]["minCount"] == 5, group
     _, verdict = placed_none(plane, "spread", 0, 5)
     assert "anti-affinity" in verdict["message"], verdict

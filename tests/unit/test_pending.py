@@ -11,6 +11,7 @@ from datetime import timedelta
 import pytest
 from test_status import T0, decide, pod
 
+from ftjob.operator import lifecycle
 from ftjob.operator import status as st
 
 GATE = {"schedulingGates": [{"name": "kueue.x-k8s.io/admission"}]}
@@ -113,6 +114,30 @@ def test_a_gang_in_a_pod_group_waits_whole_and_names_the_nodes_verdict():
     assert "Insufficient nvidia.com/gpu" in cond["message"], cond
 
 
+def test_a_gang_partly_placed_without_a_pod_group_gives_its_nodes_back_and_waits_whole():
+    """A cluster that does not serve the PodGroup API: node 0 bound, node 1 unschedulable.
+    After the grace the bound pod is given back (no restart budget spent) with a Warning
+    naming the fix, and the next gang is made whole only after the backoff."""
+    grace, backoff = lifecycle.SPLIT_GRACE_SECONDS, lifecycle.SPLIT_BACKOFF_SECONDS
+    pods = [pod(0, phase="Pending"), unschedulable("0/4 nodes are available: 4 Insufficient")]
+    d = decide(decide(None, []).status, pods)
+    assert d.phase == "Pending" and not d.delete and d.requeue_after <= grace
+    waited = decide(d.status, pods, now=T0 + timedelta(seconds=grace - 1))
+    assert not waited.delete and waited.requeue_after <= 1
+    split = decide(waited.status, pods, now=T0 + timedelta(seconds=grace))
+    cond = st.condition(split.status["conditions"], "Running")
+    assert cond["reason"] == "PartlyPlaced" and "1 of 2 pods bound" in cond["message"]
+    assert "PodGroup API" in cond["message"] and "Insufficient" in cond["message"]
+    assert sorted(split.delete) == ["tiny-node-0", "tiny-node-1"]
+    assert split.status["attempt"] == 1 and split.status["restarts"] == 0
+    assert [r for k, r, _ in split.events if k == "Warning"] == ["PartlyPlaced"]
+    later = T0 + timedelta(seconds=grace + 1)
+    held = decide(split.status, [], now=later)
+    assert not held.create and held.requeue_after == pytest.approx(backoff - 1)
+    made = decide(held.status, [], now=later + timedelta(seconds=backoff))
+    assert made.create == [0, 1] and made.status["attempt"] == 1
+
+
 def test_a_pod_being_scheduled_or_pulled_is_not_stuck():
     created = decide(None, [])
     d = decide(created.status, [pod(0), pod(1, phase="Pending")])  # ContainerCreating
@@ -122,7 +147,8 @@ def test_a_pod_being_scheduled_or_pulled_is_not_stuck():
 
 def test_a_gang_that_cannot_start_fails_at_the_start_limit_with_the_cause():
     created = decide(None, [], startTimeoutSeconds=120)
-    pods = [pod(0), unschedulable("0/2 nodes are available: 2 Insufficient nvidia.com/gpu.")]
+    why = "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
+    pods = [unschedulable(why, rank=0), unschedulable(why)]  # none bound: nothing to give back
     d = decide(created.status, pods, startTimeoutSeconds=120)
     assert d.phase == "Pending" and d.requeue_after == 120
     d = decide(d.status, pods, now=T0 + timedelta(seconds=119), startTimeoutSeconds=120)
@@ -136,8 +162,8 @@ def test_a_gang_that_cannot_start_fails_at_the_start_limit_with_the_cause():
 
 def test_the_default_start_limit_is_half_an_hour():
     created = decide(None, [])
-    pods = [pod(0), unschedulable("0/2 nodes are available: 2 Insufficient nvidia.com/gpu.")]
-    d = decide(created.status, pods)
+    why = "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
+    d = decide(created.status, [unschedulable(why, rank=0), unschedulable(why)])
     assert d.requeue_after == 1800
 
 

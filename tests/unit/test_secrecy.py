@@ -13,7 +13,10 @@ import logging
 import sys
 
 from ftjob.api import contract
+from ftjob.api.profile import apply, parse_profile
 from ftjob.api.spec import parse_resource
+from ftjob.cli.run import _unset_secrets
+from ftjob.operator import render
 from ftjob.trainer.data import storeerrors
 from ftjob.trainer.gang import termination
 from ftjob.trainer.report import secrecy, trackers
@@ -23,6 +26,20 @@ SIGNED_URL = (
     "https://bucket.s3.example.com/key?X-Amz-Credential=AKIAIOSFODNN7EXAMPLE%2F20261205"
     "&X-Amz-Signature=0f9e8d7c6b5a"
 )
+
+
+def job_doc(**spec) -> dict:
+    return {
+        "apiVersion": "ftjob.dev/v1alpha1",
+        "kind": "FineTuneJob",
+        "metadata": {"name": "j"},
+        "spec": {
+            "model": {"source": "hf://org/m"},
+            "dataset": {"source": "hf://org/d"},
+            "training": {"maxSteps": 1},
+            **spec,
+        },
+    }
 
 
 def secret_env(monkeypatch) -> None:
@@ -83,29 +100,14 @@ def test_a_url_password_an_authorization_header_and_a_key_id_are_masked():
 
 def test_a_trackers_parameters_name_the_variables_and_hold_no_value():
     ref = {"secretKeyRef": {"name": "team-tokens", "key": "api"}}
-    _, spec = parse_resource(
-        {
-            "apiVersion": "ftjob.dev/v1alpha1",
-            "kind": "FineTuneJob",
-            "metadata": {"name": "j"},
-            "spec": {
-                "model": {"source": "hf://org/m"},
-                "dataset": {"source": "hf://org/d"},
-                "training": {"maxSteps": 1},
-                "env": [{"name": "PLAIN", "value": PLANTED}, {"name": "T", "valueFrom": ref}],
-            },
-        }
-    )
+    env = [{"name": "PLAIN", "value": PLANTED}, {"name": "T", "valueFrom": ref}]
+    _, spec = parse_resource(job_doc(env=env))
     params = trackers.parameters(spec)
     assert params["env"] == '["PLAIN", "T"]'
     assert PLANTED not in json.dumps(params)
 
 
 def test_a_profiles_default_from_a_secret_reaches_the_pod_as_a_reference(monkeypatch):
-    from ftjob.api.profile import apply, parse_profile
-    from ftjob.cli.run import _unset_secrets
-    from ftjob.operator import render
-
     ref = {"secretKeyRef": {"name": "platform-tokens", "key": "hub"}}
     team = parse_profile(
         {
@@ -115,18 +117,7 @@ def test_a_profiles_default_from_a_secret_reaches_the_pod_as_a_reference(monkeyp
             "spec": {"defaults": {"env": [{"name": "HUB_TOKEN", "valueFrom": ref}]}},
         }
     )
-    job = {
-        "apiVersion": "ftjob.dev/v1alpha1",
-        "kind": "FineTuneJob",
-        "metadata": {"name": "j"},
-        "spec": {
-            "model": {"source": "hf://org/m"},
-            "dataset": {"source": "hf://org/d"},
-            "training": {"maxSteps": 1},
-            "resources": {"gpusPerNode": 0},
-        },
-    }
-    name, spec = parse_resource(apply(job, team).doc)
+    name, spec = parse_resource(apply(job_doc(resources={"gpusPerNode": 0}), team).doc)
     env = render.pod(name, "ns", spec, 0, 0)["spec"]["containers"][0]["env"]
     assert {"name": "HUB_TOKEN", "valueFrom": ref} in env
     monkeypatch.delenv("HUB_TOKEN", raising=False)
