@@ -312,8 +312,11 @@ def test_a_job_deleted_in_start_up_frees_its_nodes_in_seconds(operator):
     job = tiny("gone")
     # One node more than the plane has: the last pod stays Pending (one pod a node), so the
     # agents that run wait in the rendezvous, workers not started, as a gang whose last pod is
-    # still pulling its image does.
+    # still pulling its image does. Its pods are placed one by one, as on a cluster without
+    # the PodGroup API: a queued job's gang is no PodGroup (render.in_pod_group), and this
+    # plane runs no Kueue to gate it.
     job["spec"]["resources"]["nodes"] = NODES + 1
+    job["spec"]["scheduling"] = {"queue": "none-on-this-plane"}
     plane.apply(job)
 
     def waiting():

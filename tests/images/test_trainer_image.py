@@ -46,7 +46,7 @@ def test_the_image_runs_as_uid_1000_and_a_pod_with_home_tmp_on_a_read_only_root(
     # As `docker run` would: the image's own user.
     assert podman("run", "--rm", "--network", "none", images.trainer, "id", "-u").strip() == "1000"
     # As a rendered pod runs it: its env (HOME=/tmp), user, read-only root, /tmp a tmpfs.
-    pod = tiny_pods(images.trainer, "checks")[2]
+    pod = next(c for c in tiny_pods(images.trainer, "checks") if c["kind"] == "Pod")
     container = pod["spec"]["containers"][0]
     env = [a for e in container["env"] if "value" in e  # the downward API's are not needed
            for a in ("--env", f"{e['name']}={e['value']}")]  # fmt: skip
