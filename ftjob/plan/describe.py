@@ -288,9 +288,22 @@ def planned_condition(
     try:
         shape = shape_for(spec.model.source, config)
     except ValueError as e:
-        return below_any_model(spec) or {"reason": "Unknown", "message": f"not planned: {e}",
-            "allowed": True, "fix": None, "tight": False, "cpuPhases": {}}  # fmt: skip
+        return below_any_model(spec) or not_planned(f"not planned: {e}")
     return condition_of(spec, shape, machine_bytes)
+
+
+def not_planned(message: str) -> dict:
+    """The condition of a job the plan cannot tell about: it may start."""
+    return {"reason": "Unknown", "message": message, "allowed": True, "fix": None,
+            "tight": False, "cpuPhases": {}}  # fmt: skip
+
+
+def _will_not_fit(spec: FineTuneJobSpec, message: str, fix: str | None, phases: dict) -> dict:
+    """The WillNotFit condition: refused unless spec.plan.enforce is false (then said)."""
+    enforce = spec.plan.enforce
+    tail = "" if enforce else " (spec.plan.enforce is false: starting anyway)"
+    return {"reason": "WillNotFit", "message": message + tail, "allowed": not enforce,
+            "fix": fix, "tight": False, "cpuPhases": phases}  # fmt: skip
 
 
 # A model smaller than any that is trained: what a pod needs with it is what it needs whatever
@@ -314,11 +327,8 @@ def below_any_model(spec: FineTuneJobSpec) -> dict | None:
         f"{gib(e.pod_memory)} CPU memory per pod (peak while {phase}: {phase_why(spec, phase)}), "
         f"before the model's own share; fits with: resources.memory: {need}Gi at least"
     )
-    enforce = spec.plan.enforce
-    tail = "" if enforce else " (spec.plan.enforce is false: starting anyway)"
     fix = f"set resources.memory: {need}Gi or more (`ftjob plan` with the model gives the figure)"
-    return {"reason": "WillNotFit", "message": message + tail, "allowed": not enforce,
-            "fix": fix, "tight": False, "cpuPhases": {}}  # fmt: skip
+    return _will_not_fit(spec, message, fix, {})
 
 
 def condition_of(spec: FineTuneJobSpec, shape: ModelShape, machine_bytes: float | None) -> dict:
@@ -333,7 +343,4 @@ def condition_of(spec: FineTuneJobSpec, shape: ModelShape, machine_bytes: float 
         return {"reason": "Unknown", **said, "allowed": True}
     if result.fits:
         return {"reason": "Fits", **said, "allowed": True, "tight": _tight(result.estimate)}
-    enforce = spec.plan.enforce
-    tail = "" if enforce else " (spec.plan.enforce is false: starting anyway)"
-    return {**said, "reason": "WillNotFit", "message": said["message"] + tail,
-            "allowed": not enforce, "fix": fits_with(result)}  # fmt: skip
+    return _will_not_fit(spec, said["message"], fits_with(result), phases)

@@ -7,14 +7,9 @@ the connections the real kubernetes client and urllib3 open."""
 from __future__ import annotations
 
 import http.server
-import json
-import socketserver
-import threading
 
+import local_api
 import pytest
-from kubernetes import client
-
-from ftjob.operator.kube import Kube
 
 POD = {
     "apiVersion": "v1",
@@ -34,36 +29,25 @@ def server(request):
         protocol_version = "HTTP/1.1"  # keep-alive, as the API server's
 
         def setup(self):
-            srv.connections += 1
+            self.server.connections += 1
             super().setup()
 
         def _answer(self):
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
             code = status if self.command == "POST" else 200
-            body = json.dumps(POD if code < 300 else {"kind": "Status", "code": code}).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            local_api.answer(self, code, POD if code < 300 else {"kind": "Status", "code": code})
 
         do_POST = do_DELETE = do_GET = _answer
 
         def log_message(self, *args):
             pass
 
-    srv = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
-    srv.daemon_threads, srv.connections = True, 0
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+    with local_api.serving(Handler, connections=0) as srv:
+        yield srv
 
 
 def test_one_call_after_another_uses_one_connection(server):
-    config = client.Configuration()
-    config.host = f"http://127.0.0.1:{server.server_address[1]}"
-    kube = Kube(client.ApiClient(config))
+    kube = local_api.kube_at(server)
     for _ in range(4):
         kube.create(POD)
         kube.delete("Pod", "ns", "p")

@@ -16,18 +16,16 @@ import asyncio
 import copy
 import http.server
 import json
-import socketserver
-import threading
 
 import hangs
 import kopf
+import local_api
 import pytest
-from kubernetes import client
 from test_status import ROOT
 
 from ftjob.api import manifest
 from ftjob.operator import handlers
-from ftjob.operator.kube import Conflict, Gone, Kube
+from ftjob.operator.kube import Conflict, Gone
 
 UID = "u-1"
 
@@ -41,30 +39,22 @@ def server():
         protocol_version = "HTTP/1.1"
 
         def do_PATCH(self):
+            srv = self.server
             srv.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
             job = {"metadata": {"uid": UID, "resourceVersion": "8"}}
-            body = json.dumps(job if srv.code == 200 else {"kind": "Status", "code": srv.code})
-            self.send_response(srv.code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body.encode())
+            local_api.answer(
+                self, srv.code, job if srv.code == 200 else {"kind": "Status", "code": srv.code}
+            )
 
         def log_message(self, *args):
             pass
 
-    srv = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
-    srv.daemon_threads, srv.bodies, srv.code = True, [], 200
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+    with local_api.serving(Handler, bodies=[], code=200) as srv:
+        yield srv
 
 
 def test_a_status_write_is_conditional_on_what_was_read_and_a_conflict_is_not_gone(server):
-    config = client.Configuration()
-    config.host = f"http://127.0.0.1:{server.server_address[1]}"
-    kube = Kube(client.ApiClient(config))
+    kube = local_api.kube_at(server)
     written = kube.patch_status("ns", "j", UID, "7", {"phase": "Running"})
     assert written["metadata"]["resourceVersion"] == "8"
     # The UID tested (422 if another object), the resourceVersion set: the apiserver's

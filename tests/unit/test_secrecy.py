@@ -12,6 +12,8 @@ import json
 import logging
 import sys
 
+from test_children import job as job_doc
+
 from ftjob.api import contract
 from ftjob.api.profile import apply, parse_profile
 from ftjob.api.spec import parse_resource
@@ -26,20 +28,6 @@ SIGNED_URL = (
     "https://bucket.s3.example.com/key?X-Amz-Credential=AKIAIOSFODNN7EXAMPLE%2F20261205"
     "&X-Amz-Signature=0f9e8d7c6b5a"
 )
-
-
-def job_doc(**spec) -> dict:
-    return {
-        "apiVersion": "ftjob.dev/v1alpha1",
-        "kind": "FineTuneJob",
-        "metadata": {"name": "j"},
-        "spec": {
-            "model": {"source": "hf://org/m"},
-            "dataset": {"source": "hf://org/d"},
-            "training": {"maxSteps": 1},
-            **spec,
-        },
-    }
 
 
 def secret_env(monkeypatch) -> None:

@@ -17,7 +17,7 @@ from ftjob.api.contract import WILL_NOT_FIT, TrainerError
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import machine
 from ftjob.job.inputs import resolve
-from ftjob.plan.describe import planned_condition
+from ftjob.plan.describe import not_planned, planned_condition
 
 
 def model_config(source: str) -> dict | None:
@@ -48,8 +48,7 @@ def _planned(spec: FineTuneJobSpec, config: dict | None, machine_bytes: float | 
     try:
         return planned_condition(spec, config, machine_bytes)
     except (ArithmeticError, LookupError, TypeError, ValueError) as e:  # a config it misreads
-        return {"reason": "Unknown", "message": f"not checked: the planner failed: {e!r}",
-                "allowed": True, "fix": None, "tight": False, "cpuPhases": {}}  # fmt: skip
+        return not_planned(f"not checked: the planner failed: {e!r}")
 
 
 def _said(planned: dict | None) -> str:
