@@ -278,6 +278,17 @@ class FineTuneJobStatus:
         None,
         fmt="date-time",
     )
+    partly_placed_since: str | None = api_field(
+        "partlyPlacedSince: when the current gang, no PodGroup, had some pods bound while "
+        "another could not be placed; past a grace period its pods are given back.",
+        None,
+        fmt="date-time",
+    )
+    whole_after: str | None = api_field(
+        "wholeAfter: when the gang given back (reason PartlyPlaced) is made again, whole.",
+        None,
+        fmt="date-time",
+    )
     completion_time: str | None = api_field(
         "completionTime: when the job succeeded or failed.", None, fmt="date-time"
     )

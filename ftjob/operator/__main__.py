@@ -60,6 +60,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "over at once. Default: kopf's 60. Keep it well above the API server's worst delay: a "
         "keep-alive that arrives later lets two replicas act",
     )
+    p.add_argument(
+        "--pod-groups",
+        choices=("auto", "off"),
+        default=None,
+        help="auto (default: $FTJOB_POD_GROUPS, else auto): each gang is a PodGroup, which "
+        "kube-scheduler binds whole, where the API server serves Kubernetes 1.37's "
+        "scheduling.k8s.io/v1beta1; off: never (another gang scheduler places the pods), and a "
+        "gang partly placed for 30 s gives its pods back and waits whole",
+    )
     p.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
     p.add_argument("--verbose", "-v", action="store_true")
 
@@ -85,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("FTJOB_METRICS_PORT", str(args.metrics_port))
     if args.peering_lifetime is not None:
         os.environ["FTJOB_PEERING_LIFETIME"] = str(args.peering_lifetime)
+    if args.pod_groups is not None:
+        os.environ[render.POD_GROUPS_ENV] = args.pod_groups
     if args.default_image is not None:  # the flag wins over the variable
         os.environ[render.DEFAULT_IMAGE_ENV] = args.default_image
     # Checked however it was set (the chart and `kubectl set env` set the variable).

@@ -96,6 +96,9 @@ class Settings:
     # at least 10 s): kopf's peering keep-alive, how long a standby waits for a replica that
     # vanished without saying goodbye.
     peering_lifetime: int = 60
+    # FTJOB_POD_GROUPS (ftjob operator --pod-groups): "off" makes no PodGroups where the API
+    # is served (a cluster whose gangs another scheduler places); "auto" asks discovery.
+    pod_groups: bool = True
     # FTJOB_DEFAULT_IMAGE (ftjob operator --default-image): the trainer image of jobs that
     # name none in spec.image.
     default_image: str | None = None
@@ -113,6 +116,7 @@ class Settings:
             metrics_port=int(env.get("FTJOB_METRICS_PORT") or 0),
             api_retry=float(env.get("FTJOB_API_RETRY_SECONDS", cls.api_retry)),
             peering_lifetime=int(env.get("FTJOB_PEERING_LIFETIME", cls.peering_lifetime)),
+            pod_groups=env.get(render.POD_GROUPS_ENV, "auto") != "off",
             default_image=env.get(render.DEFAULT_IMAGE_ENV) or None,
             default_tracking=render.default_tracking(env.get(render.DEFAULT_TRACKING_ENV)),
         )
@@ -648,7 +652,7 @@ async def _create_gang(name, namespace, ref, seen: Seen, spec, decision, state: 
         raise Gone(f"{namespace}/{name} is no longer object {uid}: nothing is created")
     attempt = new["attempt"]
     image, avoid = SETTINGS.default_image, lifecycle.bad_nodes(new)
-    grouped = render.in_pod_group(spec) and await _gangs_served()
+    grouped = await _gangs_served()
     # Two rounds of creates at once, not one create after another: a burst of 16-node gangs
     # would otherwise wait for a round trip per pod. The ConfigMap, Service and PodGroup go
     # first (the pods mount the one, resolve the other, and name the third).
@@ -679,13 +683,15 @@ _gang_api: list[tuple[float, bool]] = []  # (when asked, served)
 
 async def _gangs_served() -> bool:
     """Whether gangs are PodGroups, which the scheduler binds whole (KEP-4671): where the API
-    is served. Elsewhere the pods are created on their own, as before 1.37."""
+    is served and --pod-groups is not off. Elsewhere the pods are created on their own, as
+    before 1.37 (lifecycle gives back a gang partly placed)."""
     now = time.monotonic()
     if not _gang_api or now - _gang_api[0][0] > GANG_API_SECONDS:
-        served = await asyncio.to_thread(kube().serves_pod_groups)
+        served = SETTINGS.pod_groups and await asyncio.to_thread(kube().serves_pod_groups)
         if not _gang_api or _gang_api[0][1] != served:
             how = "placed whole by the scheduler" if served else "pods on their own"
-            LOG.info(f"the PodGroup API is {'' if served else 'not '}served: gangs are {how}")
+            why = "" if SETTINGS.pod_groups else " (--pod-groups off)"
+            LOG.info(f"the PodGroup API is {'' if served else 'not '}used{why}: gangs are {how}")
         _gang_api[:] = [(now, served)]
     return _gang_api[0][1]
 

@@ -254,31 +254,47 @@ def _finished(s: _Step) -> Decision:
 
 
 # The Planned condition's status for each verdict of ftjob.plan.describe; any other
-# (its "Unknown") is status Unknown, reason NOT_PLANNED.
+# (its "Unknown") is status Unknown, reason NOT_PLANNED. A fit within the plan's error is
+# FITS_TIGHT, said once by a Warning Event (TIGHT_MARGIN).
 PLANNED = {"Fits": True, "WillNotFit": False, "CannotRun": False}
-NOT_PLANNED = "NotPlanned"
+NOT_PLANNED, FITS_TIGHT, TIGHT_MARGIN = "NotPlanned", "FitsTight", "TightMargin"
 
 
 def _will_fit(s: _Step) -> Decision | None:
     """The plan's Planned condition, before the first pod (resources are immutable)."""
     planned = planned_condition(s.spec)
-    # True only for a verdict that it fits; Unknown where the plan could not tell (the model's
-    # shape unread, or no figure for its GPU), under a reason that says so.
-    fits = PLANNED.get(planned["reason"])
-    reason = planned["reason"] if fits is not None else NOT_PLANNED
-    s.new["conditions"] = st.set_condition(
-        s.new.get("conditions", []),
-        "Planned",
-        fits,
-        reason,
-        planned["message"],
-        s.now,
-        s.generation,
-    )
+    _record_plan(s, _best_plan(planned, s.snapshot))
     if not planned["allowed"] and not s.new.get("startTime"):
         failure = {"reason": contract.WILL_NOT_FIT, "message": planned["message"]}
         return s.fail(failure, "spec.plan.enforce is on: no pod was started")
     return None
+
+
+def _best_plan(planned: dict, snapshot: dict | None) -> tuple[str, str, bool]:
+    """(reason, message, tight) of the best plan known: the operator's own, or where it could
+    not tell (a model on the volume), the one rank 0 made from the model's config.json and
+    serves in its progress (ftjob.trainer.model.planned.published)."""
+    served = (snapshot or {}).get("plan")
+    if planned["reason"] not in PLANNED and isinstance(served, dict) and served.get("reason"):
+        return served["reason"], str(served.get("verdict", "")), bool(served.get("tight"))
+    return planned["reason"], planned["message"], bool(planned["tight"])
+
+
+def _record_plan(s: _Step, plan: tuple[str, str, bool]) -> None:
+    """The plan into the Planned condition. A verdict, once known, stays: the door's "not
+    planned" of a model on the volume does not hide what a gang's rank 0 found."""
+    reason, message, tight = plan
+    old = st.condition(s.new.get("conditions") or [], "Planned") or {}
+    fits = PLANNED.get(reason)
+    if fits is None and old.get("status") in ("True", "False"):
+        return
+    reason = FITS_TIGHT if tight else reason if fits is not None else NOT_PLANNED
+    s.new["conditions"] = st.set_condition(
+        s.new.get("conditions", []), "Planned", fits, reason, message, s.now, s.generation
+    )
+    if reason == FITS_TIGHT and old.get("reason") != FITS_TIGHT:
+        said = f"the plan's margin is tight (its error could tip it): {message}"
+        s.decision.events.append(("Warning", TIGHT_MARGIN, said))
 
 
 def _suspension(s: _Step) -> Decision | None:
@@ -512,11 +528,15 @@ def _create_or_wait(s: _Step) -> Decision:
 
 
 WAITING_SINCE = "waitingSince"
-# Where the cluster does not serve the PodGroup API, a gang partly bound this long gives its
-# bound pods back and is made again, whole, this much later (no restart budget spent): a gang
-# never holds nodes while it waits for others (render.in_pod_group: a queued gang is Kueue's).
+# Where gangs are no PodGroups (the API not served, or --pod-groups off), a gang partly bound
+# this long gives its bound pods back and is made again, whole, this much later (no restart
+# budget spent): a gang never holds nodes while it waits for others (a queued one is Kueue's,
+# which admits it whole).
+# The grace is shorter than torch's 60 s for connecting to node 0's rendezvous store: where
+# node 0's pod is the one not placed, the others' agents fail then (on real nodes, ~70 s after
+# their pods were made), which would cost a restart for what is no failure.
 PARTLY_PLACED, PARTLY_SINCE, WHOLE_AFTER = "PartlyPlaced", "partlyPlacedSince", "wholeAfter"
-SPLIT_GRACE_SECONDS, SPLIT_BACKOFF_SECONDS = 60.0, 30.0
+SPLIT_GRACE_SECONDS, SPLIT_BACKOFF_SECONDS = 30.0, 30.0
 SPLIT_FIX = (
     "serve Kubernetes 1.37's PodGroup API (feature gate GenericWorkload and "
     "scheduling.k8s.io/v1beta1 on the API server, scheduler and controller manager), which "

@@ -67,6 +67,8 @@ EFA_RESOURCE = quota.EFA_RESOURCE
 # The operator's cluster-wide trainer image (ftjob operator --default-image, the chart's
 # trainer.defaultImage); platform teams set it once instead of in every job.
 DEFAULT_IMAGE_ENV = "FTJOB_DEFAULT_IMAGE"
+# Whether gangs are PodGroups where the API is served (ftjob operator --pod-groups auto|off).
+POD_GROUPS_ENV = "FTJOB_POD_GROUPS"
 
 
 def trainer_image(spec: FineTuneJobSpec, default_image: str | None = None) -> str:
@@ -486,13 +488,6 @@ def pods(
     return out
 
 
-def in_pod_group(spec: FineTuneJobSpec) -> bool:
-    """Whether the job's gangs are PodGroups (where the API is served). Not a queued one: Kueue
-    gates its pods and admits it whole, and with a PodGroup besides 2 of tests/cluster/
-    test_kueue.py's 8 gangs once stayed unplaced for 60 s (2026-12-05): not both, yet."""
-    return not spec.scheduling.queue
-
-
 def gang_name(job: str, attempt: int) -> str:
     """The name of gang ``attempt`` as a group: its PodGroup's, and Kueue's pod group's."""
     return f"{job}-a{attempt}"
@@ -505,9 +500,13 @@ def pod_group(
     scheduler binds its pods all together or none (minCount: every node's pod), so a gang
     never holds some nodes while it waits for the rest. Owned by the job, it goes with it."""
     meta = _meta(gang_name(job, attempt), namespace, labels(job, attempt=attempt), uid)
-    policy = {"gang": {"minCount": spec.resources.nodes}}
-    return {"apiVersion": POD_GROUP_API, "kind": "PodGroup", "metadata": meta,
-            "spec": {"schedulingPolicy": policy}}  # fmt: skip
+    group = {"schedulingPolicy": {"gang": {"minCount": spec.resources.nodes}}}
+    # The scheduler places a group only when its priority is its pods' (without it a job
+    # naming a class waited forever: "all pods in a single pod group should have the same
+    # priority as the pod group's priority, got 100 and 0").
+    if spec.scheduling.priority_class_name:
+        group["priorityClassName"] = spec.scheduling.priority_class_name
+    return {"apiVersion": POD_GROUP_API, "kind": "PodGroup", "metadata": meta, "spec": group}
 
 
 def children(
@@ -519,10 +518,9 @@ def children(
 ) -> list[dict[str, Any]]:
     """Everything one attempt of the job needs, in the order to create it, as on a cluster
     that serves the PodGroup API."""
-    grouped = in_pod_group(spec)
     return [
         config_map(job, namespace, spec, uid),
         service(job, namespace, spec, uid),
-        *([pod_group(job, namespace, spec, attempt, uid)] if grouped else []),
-        *pods(job, namespace, spec, attempt, uid, grouped=grouped),
+        pod_group(job, namespace, spec, attempt, uid),
+        *pods(job, namespace, spec, attempt, uid, grouped=True),
     ]

@@ -97,6 +97,10 @@ def test_a_gang_is_gated_until_kueue_admits_it_whole_then_placed_on_gpu_nodes(te
     assert sorted(first) == ["whole-node-0", "whole-node-1"]
     for pod in first.values():
         assert ADMISSION_GATE in gates(pod) and not pod["spec"].get("nodeName")
+    # Kueue admits the gang whole, and the scheduler places it whole: it is a PodGroup too.
+    group = team.get("podgroup", "whole-a0", TEAM)
+    assert group["spec"]["schedulingPolicy"]["gang"]["minCount"] == 2, group
+    assert {p["spec"]["schedulingGroup"]["podGroupName"] for p in pods} == {"whole-a0"}
     # Placed on kwok's GPU nodes of the flavor: Kueue added the flavor's node label.
     for pod in pods:
         assert pod["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == GPU_PRODUCT
@@ -225,6 +229,8 @@ def test_kueue_preempts_a_lower_priority_gang_and_no_restart_budget_is_spent(tea
     submit(team, "low", scheduling={"queue": "research", "priorityClassName": "ftjob-test-low"},
            runPolicy={"backoffLimit": 1})  # fmt: skip
     team.wait(lambda: placed(team, "low"), 60, "the low-priority gang placed")
+    # A PodGroup is placed only at its pods' priority: the job's class is the group's too.
+    assert team.get("podgroup", "low-a0", TEAM)["spec"]["priority"] == 100
     submit(team, "high", scheduling={"queue": "research", "priorityClassName": "ftjob-test-high"})
     team.wait(lambda: placed(team, "high"), 90, "the high-priority gang admitted and placed")
     assert admitted(team, "high-a0")

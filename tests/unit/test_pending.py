@@ -95,7 +95,7 @@ def test_a_pod_that_cannot_start_names_the_cause_in_the_condition_and_a_warning(
     warnings = [e for e in d.events if e[0] == "Warning"]
     assert [(r, words in m) for _, r, m in warnings] == [(reason, True)]
     # Level-triggered: the same cause again says nothing new.
-    again = decide(d.status, pods, now=T0 + timedelta(seconds=30))
+    again = decide(d.status, pods, now=T0 + timedelta(seconds=20))
     assert not [e for e in again.events if e[0] == "Warning"]
 
 
@@ -180,6 +180,8 @@ def test_waiting_for_kueue_quota_does_not_count_against_the_start_limit():
     assert st.condition(d.status["conditions"], "Running")["reason"] == "Queued"
     # Admitted at T0+1h, then unschedulable: the limit counts from the admission.
     stuck = [pod(0), unschedulable("0/2 nodes are available: 2 Insufficient nvidia.com/gpu.")]
+    for p in stuck:  # Kueue's gang is a PodGroup too (1.37): never given back, only limited
+        p["spec"]["schedulingGroup"] = {"podGroupName": "tiny-a0"}
     later = T0 + timedelta(hours=1, seconds=30)
     d = decide(d.status, stuck, now=later, startTimeoutSeconds=60)
     assert d.phase == "Pending" and d.requeue_after == 60

@@ -76,6 +76,27 @@ def test_a_tight_gpu_fit_runs_with_a_warning():
         planned.check(_one_gpu(5632), LLAMA3_8B, None)
 
 
+def test_a_tight_fit_rank_0_found_is_the_jobs_planned_condition_and_one_warning_event():
+    """The operator cannot read a model on the volume (NotPlanned at the door); the gang's
+    rank 0 plans it from its config.json and serves the plan in its progress. The job's
+    Planned condition then says the trainer's verdict, tight, with one Warning Event, and
+    keeps it when no snapshot is held (a new gang starting)."""
+    spec = _one_gpu(5120)
+    spec.model.source = "models/llama3-8b"  # on the volume: the operator cannot read it
+    assert planned_condition(spec)["reason"] == "Unknown"
+    snapshot = {"plan": planned.published(planned_condition(spec, LLAMA3_8B))}
+    first = lifecycle.decide(spec, "tight", 1, None, [], T0, snapshot=snapshot)
+    cond = st.condition(first.status["conditions"], "Planned")
+    assert (cond["status"], cond["reason"]) == ("True", lifecycle.FITS_TIGHT), cond
+    assert cond["message"].startswith("FITS (tight): 75.2 GiB of 80.0 GiB per GPU"), cond
+    warned = [(kind, m) for kind, r, m in first.events if r == lifecycle.TIGHT_MARGIN]
+    assert len(warned) == 1 and warned[0][0] == "Warning" and "75.2 GiB" in warned[0][1], warned
+    for held in (snapshot, None):
+        again = lifecycle.decide(spec, "tight", 1, first.status, [], T0, snapshot=held)
+        assert st.condition(again.status["conditions"], "Planned") == cond
+        assert not [r for _, r, _ in again.events if r == lifecycle.TIGHT_MARGIN]
+
+
 LLAMA3_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
              "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
              "dtype": "bfloat16"}  # fmt: skip

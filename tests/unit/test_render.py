@@ -40,9 +40,8 @@ def env_of(pod: dict) -> dict:
 def test_every_child_of_every_example_is_valid_strictly(path, version):
     name, spec = parse_resource(manifest.load(path)[0])
     objs = render.children(name, "team-a", spec, attempt=2, uid=UID)
-    group = ["PodGroup"] if not spec.scheduling.queue else []  # Kueue's alone (in_pod_group)
     nodes = spec.resources.nodes
-    assert [o["kind"] for o in objs] == ["ConfigMap", "Service", *group] + ["Pod"] * nodes
+    assert [o["kind"] for o in objs] == ["ConfigMap", "Service", "PodGroup"] + ["Pod"] * nodes
     if version < "1.37":  # no PodGroup API: the operator renders the pods on their own
         objs = objs[:2] + render.pods(name, "team-a", spec, 2, UID)
     for obj in objs:
@@ -58,6 +57,11 @@ def test_a_gang_is_one_pod_group_its_pods_name():
     pods = render.pods(name, "ns", spec, 3, UID, grouped=True)
     assert {p["spec"]["schedulingGroup"]["podGroupName"] for p in pods} == {f"{name}-a3"}
     assert all("schedulingGroup" not in p["spec"] for p in render.pods(name, "ns", spec, 3, UID))
+    # Placed only when the group's priority is its pods' (the scheduler refuses a mismatch).
+    name, spec = load("llama3-8b-lora-dpo.yaml")
+    spec.scheduling.priority_class_name = "research-high"
+    group, pod = render.pod_group(name, "ns", spec, 0), render.pods(name, "ns", spec, 0)[0]
+    assert group["spec"]["priorityClassName"] == pod["spec"]["priorityClassName"] == "research-high"
 
 
 def test_strict_validation_catches_a_misspelt_field():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ftjob.api import contract, manifest
+from ftjob.api import contract, crd, manifest
 from ftjob.api.spec import parse_resource
 from ftjob.api.status import FAILURE_REASONS, PHASES
 from ftjob.operator import lifecycle, render
@@ -50,8 +50,29 @@ def pod(rank, attempt=0, phase="Running", exit_code=None, reason=None, message=N
 
 
 def decide(status, pods, now=T0, snapshot=None, **policy):
+    """The lifecycle's decision, whose status the API server keeps whole: a field the CRD's
+    status schema lacks is pruned by the server (not by an emulator), and what the operator
+    remembered there is lost (a gang's partlyPlacedSince once was, so it never split)."""
     name, spec = job(**policy)
-    return lifecycle.decide(spec, name, 1, status, pods, now, snapshot)
+    decision = lifecycle.decide(spec, name, 1, status, pods, now, snapshot)
+    assert not unknown_to_the_server(decision.status, STATUS_SCHEMA), decision.status
+    return decision
+
+
+STATUS_SCHEMA = crd.schema()["properties"]["status"]
+
+
+def unknown_to_the_server(value, schema: dict, path: str = ".status") -> list[str]:
+    """The paths in ``value`` that structural pruning drops: object keys the schema has no
+    property for (where it does not preserve unknown fields)."""
+    unknown, inner = [], []
+    if isinstance(value, list) and "items" in schema:
+        inner = [(f"{path}[{i}]", item, schema["items"]) for i, item in enumerate(value)]
+    elif isinstance(value, dict) and "properties" in schema:
+        props = schema["properties"]
+        unknown = [f"{path}.{key}" for key in value if key not in props]
+        inner = [(f"{path}.{k}", item, props[k]) for k, item in value.items() if k in props]
+    return unknown + [p for at, item, sub in inner for p in unknown_to_the_server(item, sub, at)]
 
 
 def run_to(phase_pods, **policy):

@@ -69,7 +69,7 @@ def published(planned: dict | None) -> dict:
     if planned is None:
         return {"reason": "Unknown", "verdict": "not checked: the model's config.json unread"}
     return {"reason": planned["reason"], "verdict": planned["message"],
-            "cpuPhaseBytes": planned["cpuPhases"]}  # fmt: skip
+            "tight": planned["tight"], "cpuPhaseBytes": planned["cpuPhases"]}  # fmt: skip
 
 
 def keep(spec: FineTuneJobSpec) -> tuple[str, dict]:
