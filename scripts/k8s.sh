@@ -343,7 +343,11 @@ cmd_up() {
 
 # ------------------------------------------------------------------------------------ down
 
-stop() {  # name pid [name pid]...: SIGTERM to all at once, SIGKILL to any left after 10 s
+# name pid [name pid]...: SIGTERM to all at once, SIGKILL to any left after 2 s. The plane is
+# thrown away (etcd, stopped last, keeps what try-operator's would start again from): nothing
+# waits on a graceful drain, and kube-apiserver's took 4-12 s (10 s and a kill after an
+# outage, tests/cluster/test_real_outage.py).
+stop() {
   local name pid left=() alive
   while (($#)); do
     name=$1 pid=$2
@@ -352,7 +356,7 @@ stop() {  # name pid [name pid]...: SIGTERM to all at once, SIGKILL to any left 
     [[ "$(readlink "/proc/$pid/exe" 2>/dev/null)" == */"$name" ]] || continue
     kill -TERM "$pid" 2>/dev/null && left+=("$pid") && echo "k8s.sh: stopping $name ($pid)"
   done
-  for _ in $(seq 100); do
+  for _ in $(seq 20); do
     alive=()
     for pid in "${left[@]}"; do kill -0 "$pid" 2>/dev/null && alive+=("$pid"); done
     ((${#alive[@]})) || return 0

@@ -1,6 +1,7 @@
-"""The GPU image's torch (2.11) on CPU: the tiny example, the DPO example, a LoRA and a QLoRA
-job run to their exports in a venv with torch 2.11 and the project's other pins, and train to
-the same losses as the same jobs on CI's torch (this process's).
+"""The GPU image's torch (2.11) on CPU: the tiny model's full fine-tune, the DPO example, a LoRA
+and a QLoRA job run to their exports in a venv with torch 2.11 and the project's other pins,
+and train to the same losses as the same jobs on CI's torch (this process's: each the run
+another e2e module made of the same job, so that CI torch trains each job once).
 
     python -m pytest tests/e2e/test_torch_floor.py -q
 
@@ -16,13 +17,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from test_dpo_run import beside_the_examples
 from test_qlora import job as qlora_job
+from test_recovery import STEPS, recovery_job
 from test_trainer_run import losses
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,13 +51,6 @@ def ftjob_run(python: Path | str, job_file: Path, workdir: Path) -> dict[int, fl
     return {e["step"]: e["loss"] for e in steps if e.get("event") == "step"}
 
 
-def both(floor: Path, job_file: Path, tmp: Path) -> tuple[dict, dict]:
-    """The job's losses on torch 2.11 and on this process's torch."""
-    return ftjob_run(floor, job_file, tmp / "floor"), ftjob_run(
-        sys.executable, job_file, tmp / "ci"
-    )
-
-
 def assert_same_losses(old: dict[int, float], new: dict[int, float], job: str) -> None:
     assert old and old.keys() == new.keys(), (job, old, new)
     for step in old:
@@ -80,10 +74,15 @@ def loads(python: Path, *exports: tuple[Path, Path | None]) -> list[str]:
                           check=True, timeout=LOAD_TIMEOUT).stdout.splitlines()  # fmt: skip
 
 
-def test_the_tiny_example_trains_as_on_ci_torch_and_its_export_loads(floor, tmp_path):
-    old, new = both(floor, EXAMPLES / "tiny.yaml", tmp_path)
-    assert_same_losses(old, new, "tiny")
-    assert len(old) == 12 and old[60] < old[5]  # logEvery 5 of 60 steps, learning
+def test_the_tiny_job_trains_as_on_ci_torch_and_its_export_loads(
+    floor, tmp_path, recovery_reference
+):
+    """The tiny model's full fine-tune of test_recovery (2 nodes, 12 steps, checkpoints):
+    CI torch's side is the session's uninterrupted run of it (tests/e2e/conftest.py)."""
+    doc = recovery_job("floor")
+    old = ftjob_run(floor, write(doc, tmp_path / "floor.yaml"), tmp_path / "floor")
+    assert_same_losses(old, losses(recovery_reference), "tiny")
+    assert sorted(old) == list(range(1, STEPS + 1)) and old[STEPS] < old[1]  # learning
     (summary,) = loads(floor, (tmp_path / "floor" / "model", None))
     assert summary.startswith("LlamaForCausalLM ")
 
@@ -94,7 +93,7 @@ def write(doc: dict, path: Path) -> Path:
 
 
 # Three runs, each guarded by RUN_TIMEOUT, and the load; CI torch's three are the session's.
-@pytest.mark.slow  # tests/deadline.py: the tiny example is the core's check of torch 2.11
+@pytest.mark.slow  # tests/deadline.py: the tiny job is the core's check of torch 2.11
 @pytest.mark.timeout(3 * RUN_TIMEOUT + LOAD_TIMEOUT)
 def test_dpo_lora_and_qlora_train_as_on_ci_torch_and_their_exports_load(
     floor, tmp_path, dpo, qlora_runs, qlora, lora
