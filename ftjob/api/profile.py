@@ -33,6 +33,7 @@ from ftjob.api.spec import (
     DNS_SUBDOMAIN_HINT,
     GPU_TYPES,
     GROUP,
+    METHODS,
     VERSION,
     EnvVar,
     FineTuneJobSpec,
@@ -48,7 +49,6 @@ KIND, PLURAL, SINGULAR = "FineTuneProfile", "finetuneprofiles", "finetuneprofile
 API_VERSION = f"{GROUP}/{VERSION}"
 # The namespace label naming the profile of the namespace's jobs that name none.
 NAMESPACE_LABEL = f"{GROUP}/profile"
-METHODS = ("full", "lora", "qlora")
 # Who may name a profile (spec.nameableFrom): the namespaces it serves, or any.
 NAMEABLE = ("Selected", "Anywhere")
 

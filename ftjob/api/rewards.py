@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from ftjob.api.schema import Rule, api_field
 
-TYPES = ("exactMatch", "numeric", "regex", "length", "function")
+TYPES = ("exactMatch", "numeric", "regex", "length", "function")  # spec.rewards[].type
 DEFAULT_FIELD = "answer"
 # A reward's name is a metric's middle (rewards/<name>/mean), so it stays a plain word.
 NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_-]*$"
@@ -51,7 +51,7 @@ class RewardSpec:
         pattern_hint=NAME_HINT,
         max_length=63,
     )
-    type: Literal["exactMatch", "numeric", "regex", "length", "function"] = api_field(
+    type: Literal[TYPES] = api_field(  # type: ignore[valid-type]
         "type: exactMatch (1 if the completion's answer equals the record's field after "
         "normalising both, else 0), numeric (1 if the completion's answer number equals the "
         "field's within tolerance, else 0), regex (1 if pattern matches the completion, else "

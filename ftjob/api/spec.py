@@ -321,11 +321,14 @@ class QuantizationSpec:
     )
 
 
+METHODS = ("full", "lora", "qlora")  # method.type (and a profile's limits.allowedMethods)
+
+
 @dataclass(kw_only=True)
 class MethodSpec:
     """method: full fine-tune, LoRA or QLoRA."""
 
-    type: Literal["full", "lora", "qlora"] = api_field(
+    type: Literal[METHODS] = api_field(  # type: ignore[valid-type]
         "type: full trains every weight; lora trains adapters on a frozen base; qlora trains "
         "adapters on a 4-bit base.",
         "lora",

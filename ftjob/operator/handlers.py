@@ -303,9 +303,9 @@ async def _serve_metrics_on(port: int) -> None:
 def job_pods(namespace, labels, body, **_):
     """Pods by (namespace, job), kept current by kopf's watch. The index holds every managed
     pod for as long as it exists, so it keeps only what the decisions read, as compact JSON
-    that :func:`_own_pods` parses when a decision reads a job's pods: of the fleet suite's
-    pods, 0.8 KiB each, where the parsed view was 2.8 KiB (a dict and a str per field) and
-    the whole pod 23 KiB (tracemalloc; bench/RESULTS.md)."""
+    that :func:`_own_pods` parses when a decision reads a job's pods: a fraction of the
+    parsed view (a dict and a str per field) and of the whole pod (the fleet suite's figures,
+    measured with tracemalloc: bench/RESULTS.md)."""
     view = status.observed_pod(body)
     return {(namespace, labels.get(render.LABEL_JOB)): json.dumps(view, separators=(",", ":"))}
 
