@@ -192,7 +192,7 @@ def adapted(dropout: float):
 def test_a_lora_head_takes_the_chunked_loss_with_equal_values_and_gradients():
     """SFT's loss and DPO's log-probabilities, policy and adapter-off reference, through a
     LoRA-adapted head (no dropout): equal to peft's own logits, gradients of the adapters too."""
-    from ftjob.trainer.objectives import dpo, preference
+    from ftjob.trainer.objectives import preference, reference
 
     plain = adapted(dropout=0.0)
     fused = copy.deepcopy(plain)
@@ -203,7 +203,7 @@ def test_a_lora_head_takes_the_chunked_loss_with_equal_values_and_gradients():
     want, _ = loss.token_loss(plain, b, torch.device("cpu"))  # peft's head: whole logits
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     inputs = loss.model_inputs(fused, b)
-    with torch.no_grad(), dpo.adapters_off(fused), dpo.adapters_off(plain):
+    with torch.no_grad(), reference.adapters_off(fused), reference.adapters_off(plain):
         torch.testing.assert_close(
             loss.sequence_logps(fused, inputs, b.labels),
             preference.response_logps(plain(**inputs).logits, b.labels),

@@ -11,7 +11,6 @@ memory either way.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -20,44 +19,13 @@ import torch
 import torch.distributed as dist
 
 from ftjob.api import objectives
-from ftjob.api.contract import BAD_SPEC, TrainerError
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.data import pairs
 from ftjob.trainer.objectives import preference, reference
 from ftjob.trainer.objectives.loss import model_inputs, sequence_logps
 from ftjob.trainer.objectives.offline import Offline
-
-
-@contextlib.contextmanager
-def adapters_off(net):
-    """The network without its adapters, for the reference forward.
-
-    Not peft's ``disable_adapter``: it also sets requires_grad off and on again, on whatever
-    parameter objects the modules hold at that moment. Under FSDP2 the root group's (the
-    adapted output head's) are the unsharded ones after the reference forward, so the sharded
-    adapters of the head were left marked frozen: they still trained, but checkpoints, which
-    leave frozen parameters out, lacked them and resuming failed on a missing key (seen with
-    the tiny model; tests/e2e/test_dpo_run.py resumes). Only the flag peft's layers read in
-    their forward is set here.
-    """
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in net.modules() if isinstance(m, BaseTunerLayer)]
-    if not layers:
-        raise TrainerError(
-            "DPO's reference is the network without its adapters, and this one has none",
-            reason=BAD_SPEC,
-            fix="set spec.method.type: lora (or qlora)",
-            where="spec.method.type",
-        )
-    for layer in layers:
-        layer._disable_adapters = True
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer._disable_adapters = False
+from ftjob.trainer.objectives.reference import adapters_off
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,10 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,12 @@ from ftjob.trainer.gang import termination
 from ftjob.trainer.objectives import grpo_loss
 from ftjob.trainer.objectives.generate import KvSampling, Sampling, stop_tokens
 from ftjob.trainer.objectives.loss import model_inputs, token_logps
+from ftjob.trainer.objectives.reference import adapters_off
+
+if TYPE_CHECKING:  # imported where used: rewards start processes, transformers is heavy
+    from transformers import PreTrainedTokenizerBase
+
+    from ftjob.trainer.rewards import Rewards
 
 # The metric sums of a micro-batch, in this order (step_metrics reads them), then each reward
 # function's sum, sum of squares and count of the completions it applied to.
@@ -118,11 +125,11 @@ class Grpo:
     method: str
     unit: str = "prompts"
     declared: ClassVar[objectives.Objective] = objectives.GRPO
-    rewards: object = None  # ftjob.trainer.rewards.Rewards
+    rewards: Rewards | None = None  # built by attach(), with the tokenizer
     samples: Path | None = None  # the job folder's completions.jsonl (rank 0)
     engine: Sampling | None = None
-    tokenizer: object = None
-    log: object = print
+    tokenizer: PreTrainedTokenizerBase | None = None
+    log: Callable[[str], None] = print
     _held: tuple[int, list[Rolled]] | None = field(default=None, repr=False)
     _restored: dict | None = field(default=None, repr=False)  # held(), read from a checkpoint
 
@@ -296,8 +303,6 @@ class Grpo:
             if self.settings.num_iterations > 1:
                 old = self.logps(net, rolled, d.device)
             if self.settings.beta:
-                from ftjob.trainer.objectives.dpo import adapters_off
-
                 with adapters_off(net):
                     ref = self.logps(net, rolled, d.device)
         return replace(rolled, old=old, ref=ref)

@@ -1,8 +1,7 @@
-"""A full fine-tune's DPO reference: the initial model's response log-probabilities, once.
-
-With adapters the reference is the same network with them off (trainer/objectives/dpo.py). A
-full
-fine-tune changes every weight, so the reference is what the model computed *before* training:
+"""The reference model of DPO and of GRPO's KL term. With adapters (LoRA and QLoRA) it is the
+same network with its adapters off (:func:`adapters_off`). A full fine-tune's DPO reference is
+the initial model's response log-probabilities, once (:func:`attach`): a full fine-tune changes
+every weight, so the reference is what the model computed *before* training:
 every rank runs its share of the pairs through the sharded network it has just loaded (no
 second copy of the model, ever), rank 0 writes the chosen and rejected log-probability of each
 pair (2 x fp32: 8 bytes a pair) into the prepared data's folder on the volume, atomically, and
@@ -16,6 +15,7 @@ reuses them instead of running the pass again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ftjob.api.contract import BAD_SPEC, TrainerError
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import atomic
 from ftjob.trainer.data import batches as data
@@ -35,6 +36,38 @@ from ftjob.trainer.model import parallel
 
 LAYOUT = 1  # bump when what is stored, or how it is computed, changes
 FILES = ("*.safetensors", "*.bin", "*.json")  # what names a model's version
+
+
+@contextlib.contextmanager
+def adapters_off(net):
+    """The network without its adapters, for the reference forward.
+
+    Not peft's ``disable_adapter``: it also sets requires_grad off and on again, on whatever
+    parameter objects the modules hold at that moment. Under FSDP2 the root group's (the
+    adapted output head's) are the unsharded ones after the reference forward, so the sharded
+    adapters of the head were left marked frozen: they still trained, but checkpoints, which
+    leave frozen parameters out, lacked them and resuming failed on a missing key (seen with
+    the tiny model; tests/e2e/test_dpo_run.py resumes). Only the flag peft's layers read in
+    their forward is set here.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in net.modules() if isinstance(m, BaseTunerLayer)]
+    if not layers:
+        raise TrainerError(
+            "the reference model (DPO's, GRPO's KL term) is the network without its "
+            "adapters, and this one has none",
+            reason=BAD_SPEC,
+            fix="set spec.method.type: lora (or qlora)",
+            where="spec.method.type",
+        )
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False
 
 
 def key(spec: FineTuneJobSpec, data_folder: Path, counts: dict[str, int]) -> str:
