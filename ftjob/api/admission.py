@@ -120,6 +120,21 @@ def type_name(value: Any) -> str:
     return "null"
 
 
+# The other bounds in the API server's words: validator -> message of (path, value, bound).
+_BOUNDS = {
+    "pattern": lambda p, v, r: f"Invalid value: {_quote(v)}: {p} in body should match '{r}'",
+    "minLength": lambda p, v, r: (
+        f"Invalid value: {_quote(v)}: {p} in body should be at least {r} chars long"
+    ),
+    "minItems": lambda p, v, r: (
+        f"Invalid value: {len(v)}: {p} in body should have at least {r} items"
+    ),
+    "maxLength": lambda p, v, r: f"Too long: may not be more than {r} bytes",
+    "maxItems": lambda p, v, r: f"Too many: {len(v)}: must have at most {r} items",
+    "maxProperties": lambda p, v, r: f"Too many: {len(v)}: must have at most {r} items",
+}
+
+
 def _schema_message(err: jsonschema.ValidationError) -> tuple[str, str]:
     """(field path, message) in the API server's words for one schema error."""
     path = _path(err.absolute_path)
@@ -145,32 +160,13 @@ def _schema_message(err: jsonschema.ValidationError) -> tuple[str, str]:
             f'Invalid value: "{type_name(value)}": {path} in body must be of type {want}: '
             f'"{type_name(value)}"'
         )
-    if kind == "minimum":
-        exclusive = err.schema.get("exclusiveMinimum")
-        cmp = "greater than" if exclusive else "greater than or equal to"
+    if kind in ("minimum", "maximum"):
+        exclusive = err.schema.get("exclusiveMinimum" if kind == "minimum" else "exclusiveMaximum")
+        side = "greater than" if kind == "minimum" else "less than"
+        cmp = side if exclusive else f"{side} or equal to"
         return path, f"Invalid value: {_quote(value)}: {path} in body should be {cmp} {rule}"
-    if kind == "maximum":
-        exclusive = err.schema.get("exclusiveMaximum")
-        cmp = "less than" if exclusive else "less than or equal to"
-        return path, f"Invalid value: {_quote(value)}: {path} in body should be {cmp} {rule}"
-    if kind == "pattern":
-        return path, f"Invalid value: {_quote(value)}: {path} in body should match '{rule}'"
-    if kind == "minLength":
-        return (
-            path,
-            f"Invalid value: {_quote(value)}: {path} in body should be at least {rule} chars long",
-        )
-    if kind == "minItems":
-        return (
-            path,
-            f"Invalid value: {len(value)}: {path} in body should have at least {rule} items",
-        )
-    if kind == "maxLength":
-        return path, f"Too long: may not be more than {rule} bytes"
-    if kind == "maxItems":
-        return path, f"Too many: {len(value)}: must have at most {rule} items"
-    if kind == "maxProperties":
-        return path, f"Too many: {len(value)}: must have at most {rule} items"
+    if kind in _BOUNDS:
+        return path, _BOUNDS[kind](path, value, rule)
     return path, err.message
 
 
