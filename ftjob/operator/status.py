@@ -376,18 +376,22 @@ def diagnose(pod: dict) -> dict[str, Any] | None:
         reason, detail = "Error", st.get("message", "")
     if reason is None:
         return None
-    # The trainer's fix for this very cause (a field to set) before the reason's general advice.
-    message = f"{where['pod']} (node rank {where['rank']}): {fix or ADVICE[reason]}"
-    if code is not None:
-        message += f" (exit code {code})"
-    if note:
-        message += f"; {note}"
-    if detail:
-        message += f"\n{_tail(detail)}"
+    message = _failure_message(where, fix or ADVICE[reason], code, note, detail)
     failure = {"reason": reason, "message": message, **where, "exitCode": code}
     if node_fault and where["node"]:
         failure["nodeFault"] = True
     return {k: v for k, v in failure.items() if v is not None}
+
+
+def _failure_message(where: dict, fix: str, code: int | None, note: str, detail: str) -> str:
+    """The pod and its rank, then the fix (the trainer's for this very cause, a field to set,
+    else the reason's general advice), the exit code, a note and the detail's tail."""
+    message = f"{where['pod']} (node rank {where['rank']}): {fix}"
+    if code is not None:
+        message += f" (exit code {code})"
+    if note:
+        message += f"; {note}"
+    return message + (f"\n{_tail(detail)}" if detail else "")
 
 
 def _from_container(term: dict, rec: dict) -> tuple[str, str, str, str | None]:
