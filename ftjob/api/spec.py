@@ -30,6 +30,7 @@ from ftjob.api.schema import (
     parse,
     unknown_field,
 )
+from ftjob.api.source import is_hub
 
 GROUP, VERSION, KIND, PLURAL = "ftjob.dev", "v1alpha1", "FineTuneJob", "finetunejobs"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -74,16 +75,6 @@ SOURCE_PATTERN = (
     r"^(hf://[A-Za-z0-9][\w.-]*(/[\w.-]+)?|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/\S*)?|[^:\s]+)$"
 )
 SOURCE_HINT = "be hf://org/name, s3://bucket/prefix or a path (absolute on a volume, or relative)"
-# Sources the trainer fetches (into the volume) rather than reads where they are.
-REMOTE_SOURCES = ("hf://", "s3://")
-
-
-def is_remote(source: str) -> bool:
-    """PURE: whether ``source`` is fetched by the trainer (the Hub, an object store), not a
-    path on this machine or the volume."""
-    return source.startswith(REMOTE_SOURCES)
-
-
 # output.push: destinations, each a Hub model repository, always with its namespace (a user or
 # an organization), or an s3:// prefix (a bucket name as for sources, and a prefix: never a
 # bucket's root).
@@ -1694,7 +1685,7 @@ class FineTuneJobSpec:
             "!has(self.output.push) || !self.output.push.exists(p, p.startsWith('hf://')) "
             "|| has(self.secrets.huggingFaceToken)",
             lambda s: (
-                not any(p.startswith("hf://") for p in s.output.push or [])
+                not any(is_hub(p) for p in s.output.push or [])
                 or s.secrets.hugging_face_token is not None
             ),
             "output.push to the Hub needs secrets.huggingFaceToken: a Secret key holding a Hub "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from ftjob.api.source import is_s3
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job.launch import s3_env
 
@@ -28,7 +29,7 @@ def problems(spec: FineTuneJobSpec) -> list[str]:
     try:
         for field in ("model", "dataset"):
             source = getattr(spec, field).source
-            if not source.startswith("s3://"):
+            if not is_s3(source):
                 continue
             bucket, prefix = s3.split(source)
             try:

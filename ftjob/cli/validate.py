@@ -32,6 +32,7 @@ from typing import Any
 from ftjob.api import admission, crd
 from ftjob.api.profile import Profile, apply
 from ftjob.api.schema import FieldError, SpecError
+from ftjob.api.source import is_hub, is_s3
 from ftjob.api.spec import (
     DEFAULT_IMAGE,
     FineTuneJobSpec,
@@ -196,9 +197,9 @@ def _model_shape(spec: FineTuneJobSpec, root: Path | None) -> ModelShape | None:
     table's entry for an hf:// model (None: not known here; the trainer checks it)."""
     source = spec.model.source
     config = None
-    if source.startswith("s3://"):
+    if is_s3(source):
         return None  # read by the trainer, once downloaded
-    if not source.startswith("hf://"):
+    if not is_hub(source):
         folder = Path(source) if Path(source).is_absolute() or root is None else root / source
         if not (folder / "config.json").is_file():
             return None

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ftjob.api.schema import FieldError
-from ftjob.api.spec import FineTuneJobSpec, is_remote
+from ftjob.api.source import hub_repo, is_remote
+from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import folder as jobfolder
 from ftjob.job import modelfiles
 from ftjob.job.folder import JobFolder
@@ -31,8 +32,8 @@ DATA_FIX = (
 def resolve(source: str, root: Path | None = None) -> str:
     """hf://org/name -> org/name for the Hub; a relative path -> beside ``root``, the job
     file's folder (default FTJOB_SOURCE_ROOT: what the trainer is told it is; else here)."""
-    if source.startswith("hf://"):
-        return source[len("hf://") :]
+    if (repo := hub_repo(source)) is not None:
+        return repo
     path = Path(source)
     if not path.is_absolute():
         path = Path(root or os.environ.get("FTJOB_SOURCE_ROOT", ".")) / path

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ftjob.api.source import hub_repo
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -147,9 +149,9 @@ def shape_for(source: str, config: dict | None) -> ModelShape:
 
 def known_model(source: str) -> ModelShape | None:
     """The shape of a well-known hf:// model, or None."""
-    if not source.startswith("hf://"):
+    repo = (hub_repo(source) or "").lower()
+    if not repo:
         return None
-    repo = source[len("hf://") :].lower()
     for pattern, shape in KNOWN_MODELS:
         if re.search(rf"(^|/)(meta-)?{pattern}($|[-_/])", repo):
             return shape

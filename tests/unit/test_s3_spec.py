@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from ftjob.api.schema import SpecError
-from ftjob.api.spec import is_remote, parse_spec
+from ftjob.api.source import hub_repo, is_remote
+from ftjob.api.spec import parse_spec
 from ftjob.operator import render, status
 from ftjob.trainer.data import s3, storeerrors
 
@@ -29,6 +30,9 @@ def test_s3_sources_are_accepted_and_remote():
     spec = parse_spec(raw())
     assert is_remote(spec.model.source) and is_remote(spec.dataset.source)
     assert not is_remote("data/train.jsonl") and is_remote("hf://org/name")
+    # One owner of the schemes (ftjob/api/source.py): the Hub's repository, or none.
+    assert hub_repo("hf://org/name") == "org/name"
+    assert hub_repo("s3://bucket/hf://x") is None and hub_repo("models/hf") is None
 
 
 @pytest.mark.parametrize("bad", ["s3://My_Bucket/x", "s3://ab/x", "s3:///x", "s3://b c/x"])

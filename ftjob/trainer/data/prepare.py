@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa  # at this module's import: the data phase's (batches.load), not start-up's
 import pyarrow.compute as pc
 
+from ftjob.api.source import is_hub
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import atomic
 from ftjob.trainer.data import pairs, prompts, records, tokenize
@@ -87,7 +88,7 @@ def _source_identity(source: str) -> list:
     # Size and modification time name a file's version without reading gigabytes; a
     # rewritten file gets a new mtime. Hub sources are keyed by the commit sources.fetch
     # pinned (dataset.revision).
-    if source.startswith("hf://"):
+    if is_hub(source):
         return []
     path = Path(records.resolve(source))
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]

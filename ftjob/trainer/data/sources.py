@@ -38,13 +38,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ftjob.api.contract import BAD_DATA, BAD_MODEL, HUB_UNREACHABLE, TrainerError
+from ftjob.api.source import HUB, is_hub
 from ftjob.api.spec import DatasetSpec, FineTuneJobSpec
 from ftjob.job import atomic
 from ftjob.job.folder import JobFolder
 from ftjob.trainer.data import s3, storeerrors
 from ftjob.trainer.state.objectstore import S3
 
-HF = "hf://"
 # What loading a model reads; not the repositories' other formats (e.g. Llama's original/
 # folder of consolidated .pth weights, as large again as the safetensors).
 WEIGHTS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -71,12 +71,12 @@ def fetch(
     far, total)`` while an s3:// source downloads."""
     record = JobFolder(job_dir).sources
     m, ds = spec.model, spec.dataset
-    if m.source.startswith(HF):
+    if is_hub(m.source):
         key = f"{m.source}@{m.revision or 'main'}"
         download = lambda: _download(spec, key, say)  # noqa: E731
         folder = _once(record, key, is_main, download, downloading, lambda v: Path(v).is_dir())
         spec = dataclasses.replace(spec, model=dataclasses.replace(m, source=folder, revision=None))
-    if ds.source.startswith(HF):
+    if is_hub(ds.source):
         key = f"dataset {ds.source}@{ds.revision or 'main'}"
         commit = _once(record, key, is_main, lambda: _commit(ds, say), lambda: None, _is_commit)
         spec = dataclasses.replace(spec, dataset=dataclasses.replace(ds, revision=commit))
@@ -129,7 +129,7 @@ def _commit(ds: DatasetSpec, say: Callable[[str], None]) -> str:
         return ds.revision
     from huggingface_hub import HfApi
 
-    repo, token = ds.source[len(HF) :], os.environ.get("HF_TOKEN")
+    repo, token = ds.source.removeprefix(HUB), os.environ.get("HF_TOKEN")
     ask = lambda: HfApi().dataset_info(repo, revision=ds.revision, token=token)  # noqa: E731
     return _from_hub("dataset", ds.source, ask, say).sha
 
@@ -137,7 +137,7 @@ def _commit(ds: DatasetSpec, say: Callable[[str], None]) -> str:
 def _download(spec: FineTuneJobSpec, key: str, say: Callable[[str], None]) -> str:
     from huggingface_hub import snapshot_download
 
-    repo = spec.model.source[len(HF) :]
+    repo = spec.model.source.removeprefix(HUB)
     patterns = WEIGHTS + (["*.py"] if spec.model.trust_remote_code else [])
     say(f"downloading {key} into {os.environ.get('HF_HOME', 'the Hugging Face cache')}")
     started = time.monotonic()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from ftjob.api.contract import BAD_DATA, BAD_MODEL, STORE_UNREACHABLE, TrainerError
 from ftjob.trainer.report import secrecy
+from ftjob.trainer.state.objectstore import split
 
 CREDENTIALS_HINT = (
     "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_WEB_IDENTITY_TOKEN_FILE with "
@@ -79,7 +80,7 @@ def refused(field: str, source: str, e: BaseException) -> TrainerError | None:
     found = kind(e)
     if found == "other":
         return None
-    bucket = source.removeprefix("s3://").partition("/")[0]
+    bucket = split(source)[0]
     short = secrecy.mask(" ".join(str(e).split()))[:300]  # masked before it is cut
     where, reason = f"spec.{field}.source", (BAD_MODEL if field == "model" else BAD_DATA)
     what, fix = {

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ftjob.api.contract import BAD_SPEC, TrainerError
+from ftjob.api.source import is_hub
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import installed, modelfiles
 from ftjob.job.inputs import resolve  # here too: the trainer's modules call model.resolve
@@ -50,7 +51,7 @@ def source_options(spec: FineTuneJobSpec) -> dict:
     hf:// source the pinned revision and the token."""
     m = spec.model
     kwargs = {"trust_remote_code": m.trust_remote_code}
-    if m.source.startswith("hf://"):
+    if is_hub(m.source):
         kwargs.update(revision=m.revision, token=os.environ.get("HF_TOKEN"))
     return kwargs
 
@@ -59,7 +60,7 @@ def load_tokenizer(spec: FineTuneJobSpec) -> PreTrainedTokenizerBase:
     path = resolve(spec.model.source)
     # Checked before the data is prepared, as the weights are read only after it. An hf://
     # source is a local folder by now (sources.fetch), pickled weights left undownloaded.
-    if not spec.model.source.startswith("hf://"):
+    if not is_hub(spec.model.source):
         found = modelfiles.folder_problem(Path(path), spec.model.source)
         if found:
             raise SourceError(found[0], where="spec.model.source", fix=found[1])

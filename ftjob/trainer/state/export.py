@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ftjob.api.source import hub_repo, is_hub, is_s3
 from ftjob.api.spec import FineTuneJobSpec, ModelSpec
 from ftjob.job import folder as jobfolder
 from ftjob.trainer.model.load import resolve, source_options
@@ -132,9 +133,9 @@ def _save_merged(spec: FineTuneJobSpec, adapter: Path, tmp: Path) -> None:
 def base_name(source: str) -> str:
     """The base an adapter names: the Hub id of ``hf://org/name``, else the absolute path of
     the source (beside the job file under ``ftjob run``, on the volume in a pod)."""
-    if source.startswith("hf://"):
-        return source.removeprefix("hf://")
-    if source.startswith("s3://"):
+    if (repo := hub_repo(source)) is not None:
+        return repo
+    if is_s3(source):
         return source  # where the base lives for everyone, not this volume's cached copy
     return os.path.abspath(resolve(source))
 
@@ -144,7 +145,7 @@ def _name_base(adapter: Path, model: ModelSpec) -> None:
     path = adapter / "adapter_config.json"
     config = json.loads(path.read_text())
     config["base_model_name_or_path"] = base_name(model.source)
-    if model.source.startswith("hf://") and model.revision:
+    if is_hub(model.source) and model.revision:
         config["revision"] = model.revision
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _name_card_base(adapter / "README.md", model)
@@ -158,7 +159,7 @@ def _name_card_base(card_file: Path, model: ModelSpec) -> None:
     from huggingface_hub import ModelCard
 
     card = ModelCard.load(card_file)
-    hub = model.source.startswith("hf://")
+    hub = is_hub(model.source)
     card.data.base_model = base_name(model.source) if hub else None
     # ... and tags it "base_model:adapter:<that folder>".
     tags = [t for t in card.data.tags or [] if not str(t).startswith("base_model:")]

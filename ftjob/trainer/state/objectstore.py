@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-S3 = "s3://"
+from ftjob.api.source import S3
+
 # How long obstore keeps retrying a transient failure of one request (no answer, 429, 5xx)
 # before it gives up (StoreUnreachable); FTJOB_S3_RETRY_SECONDS overrides it.
 RETRY_SECONDS = 120.0

@@ -35,6 +35,7 @@ from ftjob import __version__
 from ftjob.api import objectives, promotion
 from ftjob.api.contract import PUSH_FAILED, TrainerError
 from ftjob.api.schema import to_dict
+from ftjob.api.source import hub_repo, is_hub
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import folder as jobfolder
 from ftjob.trainer.state import s3upload
@@ -59,13 +60,13 @@ S3_FIX = (
 
 
 def repo_id(push: str) -> str:
-    return push.removeprefix("hf://")
+    return hub_repo(push) or push
 
 
 def destination(push: str) -> str:
     """PURE: the destination as a failure names it: "the Hub repository hf://org/name", "the
     S3 prefix s3://bucket/prefix"."""
-    kind = "the Hub repository" if push.startswith("hf://") else "the S3 prefix"
+    kind = "the Hub repository" if is_hub(push) else "the S3 prefix"
     return f"{kind} {push}"
 
 
@@ -86,7 +87,7 @@ def push(spec: FineTuneJobSpec, job_dir: Path, out: Path, d, report) -> None:
         dist.destroy_process_group(group)
     if failed is not None:
         message, where = failed
-        fix = FIX if where.startswith("hf://") else S3_FIX
+        fix = FIX if is_hub(where) else S3_FIX
         raise TrainerError(message, reason=PUSH_FAILED, where="spec.output.push", fix=fix)
 
 
@@ -134,7 +135,7 @@ def _push_one(spec, job_dir, out, report, where: str, recorded, promoted) -> Non
 
     huggingface_hub.utils.disable_progress_bars()  # pod logs are not terminals: ours say it
 
-    hub = where.startswith("hf://")
+    hub = is_hub(where)
     if hub and huggingface_hub.get_token() is None:
         raise RuntimeError("no Hub token: HF_TOKEN is not set (spec.secrets.huggingFaceToken)")
     report.log(f"pushing {out} to {where} ...")
@@ -253,8 +254,8 @@ def model_card(
     adapter = spec.method.type != "full"
     merged = adapter and spec.output.merge_adapter
     data = ModelCardData(
-        base_model=model_src.removeprefix("hf://") if model_src.startswith("hf://") else None,
-        datasets=[data_src.removeprefix("hf://")] if data_src.startswith("hf://") else None,
+        base_model=hub_repo(model_src),
+        datasets=[repo] if (repo := hub_repo(data_src)) else None,
         library_name="peft" if adapter and not merged else "transformers",
         pipeline_tag="text-generation",
         tags=["ftjob", spec.method.type, *(["lora"] if adapter else []), *_objective_tags(spec)],
