@@ -667,6 +667,9 @@ async def _create_gang(name, namespace, ref, seen: Seen, spec, decision, state: 
         for children in rounds:
             if not all(await asyncio.gather(*(_create(c, uid) for c in children))):
                 requeue = 0.5  # a dead job's child was in the way: create again once gone
+        if grouped and attempt:  # the gang before's group (its pods gone or going): one a job
+            old = render.gang_name(name, attempt - 1)
+            await asyncio.to_thread(kube().delete, "PodGroup", namespace, old)
     except Refused as e:
         await _record_refusal(ref, namespace, name, seen, state, str(e))
         requeue = REFUSED_RETRY_SECONDS

@@ -369,9 +369,13 @@ def _previous_gang(s: _Step) -> Decision | None:
     message = (
         f"waiting for {len(stale)} pod(s) of the previous gang to go before attempt {s.attempt}"
     )
-    if _cond_reason(s.old, "Running") == EDITED:
-        # A gang replaced for an edit was never running: still Pending, and no Warning.
+    # A gang replaced for an edit, or given back partly placed, never ran: still Pending, and
+    # no Warning. The give-back's message says all while its pods go (the next gang's time).
+    running = st.condition(s.old.get("conditions") or [], "Running") or {}
+    if running.get("reason") == EDITED:
         return s.set("Pending", EDITED, f"{message} (made from the edited spec)")
+    if running.get("reason") == PARTLY_PLACED:
+        return s.set("Pending", PARTLY_PLACED, running.get("message") or message)
     return s.set("Restarting", failure.get("reason", "Restarting"), message)
 
 

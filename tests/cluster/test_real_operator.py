@@ -167,6 +167,9 @@ def test_a_failed_pod_replaces_the_gang_and_the_budget_fails_the_job(operator):
     status = status_of(plane, "oom")
     assert status["restarts"] == 1 and status["attempt"] == 1
     assert status["failure"]["reason"] == "OOMKilled" and status["failure"]["rank"] == 1
+    # One PodGroup a job: the new gang's; the old one's went when it was made.
+    groups = [g["metadata"]["name"] for g in plane.get("podgroups", namespace=NAMESPACE) or []]
+    assert [g for g in groups if g.startswith("oom-")] == ["oom-a1"], groups
     terminate(plane, "oom-node-0", 137, "OOMKilled")
     status = plane.wait(
         lambda: (s := status_of(plane, "oom")).get("phase") == "Failed" and s, 60, "Failed"

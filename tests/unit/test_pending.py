@@ -132,7 +132,12 @@ def test_a_gang_partly_placed_without_a_pod_group_gives_its_nodes_back_and_waits
     assert split.status["attempt"] == 1 and split.status["restarts"] == 0
     assert [r for k, r, _ in split.events if k == "Warning"] == ["PartlyPlaced"]
     later = T0 + timedelta(seconds=grace + 1)
-    held = decide(split.status, [], now=later)
+    # Its pods take a moment to go: the job still says why, and warns no more.
+    going = decide(split.status, pods, now=later)
+    cond = st.condition(going.status["conditions"], "Running")
+    assert going.phase == "Pending" and cond["reason"] == "PartlyPlaced", cond
+    assert "1 of 2 pods bound" in cond["message"] and not going.events, going.events
+    held = decide(going.status, [], now=later)
     assert not held.create and held.requeue_after == pytest.approx(backoff - 1)
     made = decide(held.status, [], now=later + timedelta(seconds=backoff))
     assert made.create == [0, 1] and made.status["attempt"] == 1
