@@ -26,6 +26,14 @@ def write_json(path: Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
+def discard(path: Path) -> None:
+    """Remove ``path`` and what its writers left when killed mid-write (:func:`write_json`'s
+    temporary files beside it): once ``path`` is no longer wanted, none of them is either."""
+    path.unlink(missing_ok=True)
+    for tmp in path.parent.glob(f".{path.name}.tmp-*"):
+        tmp.unlink(missing_ok=True)
+
+
 def create_json(path: Path, value: Any) -> bool:
     """Write ``value`` to ``path`` only if no file is there: True if this call made it.
 

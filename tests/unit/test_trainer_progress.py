@@ -12,6 +12,7 @@ import urllib.request
 import hangs
 import pytest
 
+from ftjob.job import atomic
 from ftjob.plan.modelshape import flops_per_token
 from ftjob.trainer.report import metrics, progress
 from ftjob.trainer.state import checkpoint
@@ -216,3 +217,16 @@ def test_the_process_age_counts_this_interpreters_start():
 
     # This pytest process started before the test ran, and not days ago.
     assert 0.05 < startup.process_age() < 86400
+
+
+def test_a_record_discarded_takes_what_a_killed_writer_left_beside_it(tmp_path):
+    """A writer killed between its temporary file and the rename leaves the temporary file;
+    discarding the record (a download finished: tests/e2e/test_s3.py's killed downloader)
+    removes it too, and nothing of another file's."""
+    record, other = tmp_path / "w.bin.part.json", tmp_path / "other.json"
+    atomic.write_json(record, {"done": 1})
+    atomic.write_json(other, {"x": 1})
+    left = tmp_path / ".w.bin.part.json.tmp-4242-1"
+    left.write_text('{"do')  # killed mid-write
+    atomic.discard(record)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.json"]

@@ -142,7 +142,7 @@ def _fetch_one(bucket_store, o: Obj, dest: Path, meter: _Meter) -> None:
         _write_ranges(f, pool, bucket_store, o, start, state, meter)
     _verify(part, o)
     os.replace(part, dest)
-    state.unlink(missing_ok=True)
+    atomic.discard(state)  # with a killed download's half-written record, if any
 
 
 def _write_ranges(f, pool, bucket_store, o: Obj, start: int, state: Path, meter) -> None:
