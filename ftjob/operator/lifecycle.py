@@ -271,11 +271,12 @@ def _will_fit(s: _Step) -> Decision | None:
 
 
 def _best_plan(planned: dict, snapshot: dict | None) -> tuple[str, str, bool]:
-    """(reason, message, tight) of the best plan known: the operator's own, or where it could
-    not tell (a model on the volume), the one rank 0 made from the model's config.json and
-    serves in its progress (ftjob.trainer.model.planned.published)."""
+    """(reason, message, tight) of the best plan known, in the order ftjob.operator.foreseen
+    judges an OOM by: the one rank 0 made from the model's own config.json and serves in its
+    progress (ftjob.trainer.model.planned.published) where it has a verdict, else the
+    operator's own (which cannot read a model on the volume)."""
     served = (snapshot or {}).get("plan")
-    if planned["reason"] not in PLANNED and isinstance(served, dict) and served.get("reason"):
+    if isinstance(served, dict) and served.get("reason") in PLANNED:
         return served["reason"], str(served.get("verdict", "")), bool(served.get("tight"))
     return planned["reason"], planned["message"], bool(planned["tight"])
 
