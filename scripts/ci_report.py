@@ -1,9 +1,10 @@
 """What a test run spent, from its JUnit XML: the slowest tests and the time by folder.
 
-`.ci/run` prints this after pytest (``python scripts/ci_report.py ci-junit.xml``), so every CI
-run says where its minutes went and a cut is chosen from figures, not guesses. A test's time is
-pytest's whole-test figure (setup, call and teardown: a fixture's cost lands on the test that
-built it)."""
+scripts/tests.py prints this after its lanes (``python scripts/ci_report.py
+test-results/*.xml``), so every CI run says where its minutes went and a cut is chosen from
+figures, not guesses. A test's time is pytest's whole-test figure (setup, call and teardown:
+a fixture's cost lands on the test that built it). Two lanes run side by side, so the figures
+add up to more than the run's wall time, which scripts/tests.py prints per lane."""
 
 from __future__ import annotations
 
@@ -46,10 +47,10 @@ def report(rows: list[tuple[str, str, float, str]], slowest: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("junit", help="pytest's --junitxml file")
+    parser.add_argument("junit", nargs="+", help="pytest's --junitxml files (one a lane)")
     parser.add_argument("--slowest", type=int, default=30)
     args = parser.parse_args(argv)
-    print(report(cases(args.junit), args.slowest))
+    print(report([row for path in args.junit for row in cases(path)], args.slowest))
     return 0
 
 

@@ -30,6 +30,6 @@ def test_the_test_command_installs_podman_before_the_tests():
     first, *rest = readme_commands()[1].split(" && ")
     assert first == "bash scripts/podman-host.sh"
     assert (ROOT / "scripts" / "podman-host.sh").is_file()
-    assert rest[-1].endswith("python -m pytest")
+    assert rest[-1].endswith("python scripts/tests.py")
     # The venv: cached by its pins outside the checkout, the project installed from it.
     assert rest[0] == "bash scripts/venv.sh" and (ROOT / "scripts" / "venv.sh").is_file()
