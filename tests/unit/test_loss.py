@@ -124,7 +124,10 @@ def test_chunked_log_probabilities_and_their_gradients_equal_the_plain_ones():
     torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-6)
     assert (chunked[::7] == 0).all()  # an ignored target adds nothing
     torch.testing.assert_close(grads[0], hidden.grad, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(grads[1], weight.grad, rtol=1e-6, atol=1e-6)
+    # The weight's gradient sums 300 tokens' terms, in 5 chunks here and in one matmul there:
+    # the order alone moves an element by ~sqrt(300) x fp32's 6e-8 x the terms' size (~1e-6),
+    # and the BLAS kernels, which pick the order, differ by CPU (one machine's was 1.5e-6 off).
+    torch.testing.assert_close(grads[1], weight.grad, rtol=1e-6, atol=1e-5)
 
 
 def test_log_probabilities_keep_no_logits_for_backward_and_make_one_chunk_at_a_time(

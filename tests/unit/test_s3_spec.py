@@ -97,6 +97,19 @@ def test_the_cache_is_keyed_by_content_not_by_spelling():
         ("403 Forbidden: <Error><Code>AccessDenied</Code>", "denied"),
         ("no object at s3://b/x or under s3://b/x/", "missing"),
         ("error sending request for url (http://127.0.0.1:1/b): Connection refused", "unreachable"),
+        # A retry's duration holds "404" (CI read it as a missing key): a number, no code.
+        (
+            "Generic S3 error: Error performing HEAD http://127.0.0.1:36307/models/tiny-model in "
+            "2.871140436s, after 6 retries, max_retries: 50, retry_timeout: 2s - HTTP error: "
+            "error sending request",
+            "unreachable",
+        ),
+        # The key is echoed in the URL: its words are no answer of the store's.
+        (
+            "Error performing GET http://s3.local/b/AccessDenied-timed-out-403/x in 0.1s - "
+            "Server returned non-2XX status code: 404 Not Found: <Code>NoSuchKey</Code>",
+            "missing",
+        ),
         ("the disk is full", "other"),
     ],
 )
