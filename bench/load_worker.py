@@ -60,10 +60,9 @@ def main(spec_file: str, out: str) -> None:
     params, trainable = model.count_parameters(built.model)
     # The loading suite measures the sharded layout (auto would replicate these on one node).
     sharding = "full" if spec.parallelism.sharding == "auto" else spec.parallelism.sharding
-    mesh = parallel.mesh(spec, d, sharding)
-    shards = parallel.shard_group_size(mesh)
+    shards = parallel.shard_group(spec, d, sharding)
     model.check_shardable(built, shards)
-    net = parallel.shard(built.model, spec, mesh, sharding, model.left_whole(built, shards))
+    net, _ = parallel.wrap(built.model, spec, d, sharding, model.left_whole(built, shards))
     largest = max(p.numel() * p.element_size() for p in net.parameters())
     model.materialize(built, d, spec.parallelism.cpu_offload)
     finished = time.time()

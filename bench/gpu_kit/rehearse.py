@@ -1,6 +1,6 @@
 """The GPU kit's calls rehearsed on CPU: run before a device call (bench/README.md).
 
-    python -m bench.gpu_kit.rehearse                 # compare, main, rest and fp8
+    python -m bench.gpu_kit.rehearse                 # compare, main, rest, tests and fp8
     python -m bench.gpu_kit.rehearse main --keep DIR # one call, its files kept in DIR
 
 ``compare`` is bench/gpu.py's ``compare`` on the tiny model (2 CPU processes, fp32): ftjob and
@@ -29,7 +29,7 @@ from bench import gpu
 from ftjob.trainer.model import attention
 
 ROOT = Path(__file__).resolve().parents[2]
-MODES = ("compare", "main", "rest", "fp8")
+MODES = ("compare", "main", "rest", "tests", "fp8")
 # Each step's cap and the budget are the device call's times this (KIT_CAP_SCALE): a loaded
 # 2-core machine timed out honest steps at the device's own caps (env 60 s, ftjob-full 90 s).
 CAP_SCALE = 5
@@ -136,7 +136,7 @@ def main_call(out: Path) -> None:
     for r in (theirs, same):
         expect(r["tokensPerSecond"] > 0 and len(r["losses"]) == gpu.REHEARSAL.steps, r)
     # The trainer's transformers and peft came from the carried wheels, not the venv's own.
-    env_log = (out / "env.log").read_text()
+    env_log = (out / "steps.log").read_text().split("\n== ")[0]
     expect(re.search(r"^ +transformers +\S+ +\S+/site$", env_log, re.M), env_log)
 
 
@@ -157,6 +157,19 @@ def rest_call(out: Path) -> None:
         expect(len(by[name]["losses"]) == gpu.REHEARSAL.steps, by[name])
 
 
+def tests_call(out: Path) -> None:
+    """The GPU tests (skipped on CPU), LoRA's and QLoRA's peaks, DDP against full sharding."""
+    steps_ok(out, ["env", "gpu-tests", "memory", "ddp"])
+    memory = [r for r in results(out) if r["step"] == "memory"]
+    expect([r["method"] for r in memory] == ["lora", "qlora"], memory)
+    # DDP and FSDP on 2 CPU processes: the same job, the same losses to rounding.
+    ddp = [r for r in results(out) if r["step"] == "ddp"]
+    expect([(r["sharding"], r["processes"]) for r in ddp] == [("none", 2), ("full", 2)], ddp)
+    expect(all(r["tokensPerSecond"] > 0 for r in ddp), ddp)
+    for a, b in zip(ddp[0]["losses"], ddp[1]["losses"], strict=True):
+        expect(math.isclose(a, b, rel_tol=1e-3), ddp)
+
+
 def fp8_call(out: Path) -> None:
     """bf16 then fp8, compiled, at the 1B full and the 8B-shaped LoRA's shapes (issue 58)."""
     steps_ok(out, ["env", "fp8-1b", "fp8-8b"])
@@ -173,7 +186,7 @@ def fp8_call(out: Path) -> None:
     expect(found[5]["losses"] != found[4]["losses"], found)
 
 
-CHECKS = {"main": main_call, "rest": rest_call, "fp8": fp8_call}
+CHECKS = {"main": main_call, "rest": rest_call, "tests": tests_call, "fp8": fp8_call}
 
 
 def rehearse(mode: str, work: Path) -> None:

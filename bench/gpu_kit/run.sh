@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The call on a lent GPU machine (no package registry there), from the repo root:
 #
-#   bash bench/gpu_kit/run.sh [main|rest|tests|fp8] [rehearse] [--dry-run]
+#   bash bench/gpu_kit/run.sh [CALL|STEP ...] [rehearse] [--dry-run]
 #
 #   main      (default) the one call, most valuable first: env, then profile (ftjob's default
 #             job under torch.profiler: the device's busy fraction, longest kernels, host
@@ -11,9 +11,14 @@
 #   rest      a second call, only when 6 minutes of device time are left: env, compile-3b
 #             (compiled peak at a second size against the plan), offload (QLoRA + cpuOffload),
 #             ckpt-stall (asyncSave), lora-8b (Llama-3-8B-shaped LoRA at seq 4096).
-#   tests     a call only when time is left after both: env, tests/gpu, memory (LoRA, QLoRA).
+#   tests     a call only when time is left after both: env, tests/gpu, memory (LoRA, QLoRA),
+#             ddp (the 1B LoRA replicated as DDP, then fully sharded: on a machine of 2+ GPUs).
 #   fp8       a call of its own (issue 58): env, fp8-1b (the 1B full fine-tune) and fp8-8b
 #             (8B-shaped LoRA, seq 4096), each bf16 then fp8, compiled: tokens/s, peak, losses.
+#   STEP      any one step of the calls above by its name (profile, lora-8b, fp8-8b, ...).
+#             Several calls and steps make one call, env once, in the order given, under one
+#             budget: `KIT_BUDGET_S=540 bash bench/gpu_kit/run.sh main fp8-8b compile-3b` is the
+#             one long call a lease with no room for a second gets.
 #   rehearse  the chosen call on CPU with tiny sizes: the same install, steps, caps and files.
 #             The image's role is played by PYTHON (python -m bench.gpu_kit.rehearse uses the
 #             torch 2.11 venv of scripts/torch-floor.sh), the wheels come from KIT_WHEELS.
@@ -21,21 +26,33 @@
 # It installs the wheels in KIT_WHEELS (default .whl/, from python -m bench.gpu_kit.gather,
 # carried with the call) offline into a fresh folder, then runs each step with its own limit;
 # a step that fails or times out does not stop the next, and after each its leftover processes
-# are ended by pid (bench/gpu_kit/reap.py). $OUT gets at most 8 files: summary.txt (a line per
-# step), results.jsonl (each figure the moment it exists: bench/gpu_kit/steps.py), profile.json
-# (main) and a log per step, written as the output comes. See bench/README.md and docs/gpu.md.
+# are ended by pid (bench/gpu_kit/reap.py). $OUT gets four files: summary.txt (a line per
+# step), results.jsonl (each figure the moment it exists: bench/gpu_kit/steps.py),
+# profile.json (profile) and steps.log (every step's output as it comes, each after a line
+# "== NAME"). See bench/README.md and docs/gpu.md.
 set -u -o pipefail
 
-mode=main dry= rehearse=
+# Each step's limit in seconds on the device, and each call's steps in order.
+declare -A CAP=([profile]=90 [versus-trl]=190 [compile-3b]=80 [offload]=60 [ckpt-stall]=60
+  [lora-8b]=90 [gpu-tests]=120 [memory]=90 [ddp]=80 [fp8-1b]=120 [fp8-8b]=170)
+declare -A CALL=([main]="profile versus-trl" [rest]="compile-3b offload ckpt-stall lora-8b"
+  [tests]="gpu-tests memory ddp" [fp8]="fp8-1b fp8-8b")
+usage="usage: bash bench/gpu_kit/run.sh [main|rest|tests|fp8|STEP ...] [rehearse] [--dry-run]"
+names=() steps=() dry= rehearse=
 for arg in "$@"; do
-  case $arg in
-    main | rest | tests | fp8) mode=$arg ;;
-    rehearse) rehearse=1 ;;
-    --dry-run) dry=1 ;;
-    *) echo "usage: bash bench/gpu_kit/run.sh [main|rest|tests|fp8] [rehearse] [--dry-run]" >&2
-      exit 2 ;;
-  esac
+  if [[ -n ${CALL[$arg]:-} ]]; then
+    names+=("$arg") && read -ra more <<<"${CALL[$arg]}" && steps+=("${more[@]}")
+  elif [[ -n ${CAP[$arg]:-} ]]; then
+    names+=("$arg") && steps+=("$arg")
+  elif [[ $arg == rehearse ]]; then
+    rehearse=1
+  elif [[ $arg == --dry-run ]]; then
+    dry=1
+  else
+    echo "$usage" >&2 && exit 2
+  fi
 done
+((${#names[@]})) || { names=(main) && read -ra steps <<<"${CALL[main]}"; }
 out=${OUT:-$PWD/gpu-out}
 py=${PYTHON:-python3}
 # KIT_CAP_SCALE multiplies each step's cap and the budget: a rehearsal on a CPU machine that
@@ -55,11 +72,9 @@ if [[ -n $rehearse ]]; then
   export TORCH_COMPILE_OVERRIDE_BACKENDS=">=0:aot_eager"
 fi
 mkdir -p "$out" "$work"
-# Where a step the budget could not hold runs: main's in rest, the others' in a later call.
-again="bash bench/gpu_kit/run.sh rest"
-[[ $mode == main ]] || again="a later call of bash bench/gpu_kit/run.sh $mode"
-summary=$out/summary.txt
+summary=$out/summary.txt log=$out/steps.log
 : >"$summary"
+: >"$log"
 start=$SECONDS
 spent=0  # a dry run counts each step as taking its whole limit
 
@@ -70,7 +85,9 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISA
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 # step NAME CAP_SECONDS COMMAND...: at most CAP seconds and never past the budget; output
-# tee'd to $out/NAME.log as it comes; the outcome appended to summary.txt; leftovers reaped.
+# appended to $out/steps.log as it comes, after a line "== NAME"; the outcome appended to
+# summary.txt; leftovers reaped. One log for every step: a device call returns at most 8
+# files, and a call of several calls' steps once lost its results.jsonl to that count.
 step() {
   local name=$1 cap=$(($2 * scale))
   shift 2
@@ -81,21 +98,23 @@ step() {
   local left=$((budget - elapsed - spent - 10 * scale))
   local limit=$((cap < left ? cap : left))
   if ((limit < 20)); then
+    # The step by itself is the call that runs it later.
     echo "$name: not run, $((left + 10 * scale))s of the ${budget}s budget left; it runs again in:" \
-      "$again" | tee -a "$summary"
+      "bash bench/gpu_kit/run.sh $name" | tee -a "$summary"
     return
   fi
   echo "== $name (at most ${limit}s): $*"
   if [[ -n $dry ]]; then
-    echo "$name: dry run, limit ${limit}s, log $out/$name.log" | tee -a "$summary"
+    echo "$name: dry run, limit ${limit}s, log $log" | tee -a "$summary"
     spent=$((spent + limit))
     return
   fi
   local t0=$SECONDS rc tag="$name-$$-$RANDOM"
   # timeout signals the step's process group; reap.py ends what escaped it (own sessions).
-  KIT_STEP=$tag timeout -k 10 "$limit" "$@" 2>&1 | tee "$out/$name.log"
+  echo "== $name" >>"$log"
+  KIT_STEP=$tag timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
-  "$py" -m bench.gpu_kit.reap "$tag" | tee -a "$out/$name.log"
+  "$py" -m bench.gpu_kit.reap "$tag" | tee -a "$log"
   local verdict="ok"
   if ((rc == 124 || rc == 137)); then
     verdict="TIMED OUT after ${limit}s"
@@ -128,36 +147,18 @@ else
   fi
 fi
 
-measure() {  # measure STEP CAP: bench/gpu_kit/steps.py STEP
-  step "$1" "$2" "$py" -m bench.gpu_kit.steps "$1" --out "$out" --work "$work" --sizes "$sizes"
-}
-gpu_tests() {  # no -x: every test runs, each at most 60 s, its outcome printed as it ends
-  step gpu-tests 120 "$py" -m pytest tests/gpu -v -rA -p no:cacheprovider --timeout 60
-}
 # nvidia-smi, versions and where each package comes from, the attention kernels that run.
 step env 60 bash -c 'nvidia-smi || echo "nvidia-smi: not found"; "$0" -m bench.gpu_kit.env \
   --out "$1"; echo "pip check (the image with the carried wheels):"; "$0" -m pip check' \
   "$py" "$out"
 # A call's caps sum to its budget less the 10 s kept back: every step gets its whole cap, and
 # what does not fit goes to the next call, not to the end of this one.
-case $mode in
-  main)
-    measure profile 90      # first: a number without a profile does not say what to fix
-    measure versus-trl 190  # ftjob-default, trl-defaults, trl-same: one model build, 3 runs
-    ;;
-  rest)
-    measure compile-3b 80
-    measure offload 60
-    measure ckpt-stall 60
-    measure lora-8b 90
-    ;;
-  tests)
-    gpu_tests
-    measure memory 90
-    ;;
-  fp8)
-    measure fp8-1b 120  # two compiled runs of the 1B model
-    measure fp8-8b 170  # two compiled runs of the 8B-shaped LoRA (its base built once)
-    ;;
-esac
-echo "run.sh $mode: $((SECONDS - start))s; output in $out" | tee -a "$summary"
+for name in "${steps[@]}"; do
+  if [[ $name == gpu-tests ]]; then  # no -x: every test runs, each at most 60 s, as it ends
+    step gpu-tests "${CAP[$name]}" "$py" -m pytest tests/gpu -v -rA -p no:cacheprovider --timeout 60
+  else
+    step "$name" "${CAP[$name]}" "$py" -m bench.gpu_kit.steps "$name" --out "$out" \
+      --work "$work" --sizes "$sizes"
+  fi
+done
+echo "run.sh ${names[*]}: $((SECONDS - start))s; output in $out" | tee -a "$summary"

@@ -13,10 +13,14 @@ checkpointing and compile left to auto):
                  packing, attention, recomputation and FSDP as ftjob ran them (trl-same)
 The second call (rest):
     compile-3b   the default job compiled at a second size (Llama-3.2-3B's shape): peak against
-                 `ftjob plan`, which counts compiled activations x4.31 on GPUs
+                 `ftjob plan`, which counts a compiled step as the eager one
     offload      QLoRA with cpuOffload: peak against `ftjob plan`
     ckpt-stall   a step after an asyncSave checkpoint against the steps without one
     lora-8b      Llama-3-8B-shaped LoRA at seq 4096: tokens/s (NeMo: 12,473 on one H100)
+    ddp          the ~1B LoRA job on every GPU, replicated (sharding none: DDP) then fully
+                 sharded: tokens/s each, the plan's step time for each. NCCL puts no two
+                 ranks of one communicator on one GPU (tests/gpu), so a one-GPU machine
+                 records that it has one GPU and measures nothing
 And (a call of its own, when time is left): memory, LoRA and QLoRA peaks against the plan.
 The fp8 call (issue 58; `run.sh fp8`), bf16 then fp8, both compiled, 12 steps each:
     fp8-1b       the ~1B Llama full fine-tune (float8 all-gathers): tokens/s, peak against
@@ -47,8 +51,8 @@ import yaml
 
 from bench import common, gpu
 
-STEPS = ("profile", "versus-trl", "compile-3b", "offload", "ckpt-stall", "lora-8b", "memory",
-         "fp8-1b", "fp8-8b")  # fmt: skip
+STEPS = ("profile", "versus-trl", "compile-3b", "offload", "ckpt-stall", "lora-8b", "ddp",
+         "memory", "fp8-1b", "fp8-8b")  # fmt: skip
 PROFILED = 3  # steps under the profiler, after ftjob.trainer.report.profile.WARMUP
 NEMO_8B_LORA = 12473  # tok/s, Llama-3-8B LoRA seq 4096 on one H100 (NeMo's published table)
 
@@ -261,6 +265,36 @@ def lora_8b_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
            wallSeconds=round(run.wall, 1), setup=big.__dict__)  # fmt: skip
 
 
+def ddp_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
+    """The default LoRA job replicated (DDP) and fully sharded, one result each. The
+    rehearsal runs it as 2 CPU processes (gloo), the plumbing the GPUs' call takes."""
+    s = s if s.gpu else dataclasses.replace(s, processes=2)
+    if s.processes < 2:
+        record(out, step, skipped=f"{s.processes} GPU: DDP needs 2 ranks, and NCCL puts no two "
+               "ranks of one communicator on one GPU")  # fmt: skip
+        return
+    for sharding in ("none", "full"):
+        doc = default_job(s, work, method="lora", tag=f"ddp-{sharding}")
+        doc["spec"]["parallelism"] = {"sharding": sharding}
+        run, stdout = ftjob(doc, work)
+        model = Path(doc["spec"]["model"]["source"])
+        record(out, step, processes=s.processes,
+               **rate_fields(run, doc, s, work, stdout), **chosen(run),
+               **peak_fields(run, doc, model), plannedStepSeconds=planned_step(doc, model),
+               losses=run.losses(), wallSeconds=round(run.wall, 1))  # fmt: skip
+
+
+def planned_step(doc: dict, model: Path) -> float | None:
+    """`ftjob plan`'s step time for ``doc`` (None without a GPU type)."""
+    from ftjob.api.spec import parse_spec
+    from ftjob.plan.layout import estimate
+    from ftjob.plan.modelshape import ModelShape
+
+    shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
+    seconds = estimate(parse_spec(doc["spec"]), shape).step_seconds
+    return None if seconds is None else round(seconds, 4)
+
+
 def memory_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
     """LoRA and QLoRA (memory), or QLoRA with cpuOffload (offload): one result each."""
     model, chat = gpu.model_folder(s, work), gpu.data(work, s)
@@ -310,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
 
 STEP_FUNCTIONS = {"profile": profile_step, "versus-trl": versus_trl_step,
                   "compile-3b": compile_step, "offload": memory_step, "ckpt-stall": stall_step,
-                  "lora-8b": lora_8b_step, "memory": memory_step, "fp8-1b": fp8_step,
+                  "lora-8b": lora_8b_step, "ddp": ddp_step, "memory": memory_step,
+                  "fp8-1b": fp8_step,
                   "fp8-8b": fp8_step}  # fmt: skip
 
 

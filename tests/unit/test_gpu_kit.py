@@ -62,7 +62,8 @@ def plan(tmp_path: Path, *args: str, scale: int = 1, budget: int = 360) -> list[
            "KIT_CAP_SCALE": str(scale)}  # fmt: skip
     done = subprocess.run(["bash", "bench/gpu_kit/run.sh", *args, "--dry-run"], cwd=ROOT,
                           env=env, capture_output=True, text=True, check=True)  # fmt: skip
-    assert done.stdout.splitlines()[-1].startswith(f"run.sh {args[0] if args else 'main'}: ")
+    named = " ".join(a for a in args if a not in ("rehearse",)) or "main"
+    assert done.stdout.splitlines()[-1].startswith(f"run.sh {named}: ")
     return (tmp_path / "summary.txt").read_text().splitlines()
 
 
@@ -70,6 +71,8 @@ def plan(tmp_path: Path, *args: str, scale: int = 1, budget: int = 360) -> list[
 # compile's peak at a second size, QLoRA with cpuOffload, the checkpoint stall, 8B LoRA (rest).
 MAIN = ["env", "profile", "versus-trl"]
 REST = ["env", "compile-3b", "offload", "ckpt-stall", "lora-8b"]
+# When time is left: the GPU tests, the LoRA and QLoRA peaks, DDP against FSDP (2+ GPUs).
+TESTS = ["env", "gpu-tests", "memory", "ddp"]
 # Issue 58's call: float8 against bf16, compiled, at the 1B and an 8B shape.
 FP8 = ["env", "fp8-1b", "fp8-8b"]
 
@@ -80,7 +83,9 @@ def limits_of(lines: list[str]) -> list[int]:
     ]
 
 
-@pytest.mark.parametrize(("mode", "steps"), [("main", MAIN), ("rest", REST), ("fp8", FP8)])
+@pytest.mark.parametrize(
+    ("mode", "steps"), [("main", MAIN), ("rest", REST), ("tests", TESTS), ("fp8", FP8)]
+)
 def test_each_call_runs_its_steps_in_order_each_at_its_whole_limit(tmp_path, mode, steps):
     """Counting every step at its whole limit, the 360 s budget (the call's 420 s limit less a
     margin) reaches every step of the call: none is cut to less than its cap, none left out."""
@@ -93,13 +98,29 @@ def test_each_call_runs_its_steps_in_order_each_at_its_whole_limit(tmp_path, mod
 def test_a_step_the_budget_cannot_hold_is_named_with_the_call_that_runs_it(tmp_path):
     lines = plan(tmp_path, "rest", budget=280)
     assert lines[-2] == "lora-8b: not run, 20s of the 280s budget left; it runs again in: " \
-        "a later call of bash bench/gpu_kit/run.sh rest"  # fmt: skip
+        "bash bench/gpu_kit/run.sh lora-8b"  # fmt: skip
     cut = plan(tmp_path, "main", budget=170)
     assert cut[-2] == "versus-trl: not run, 20s of the 170s budget left; it runs again in: " \
-        "bash bench/gpu_kit/run.sh rest"  # fmt: skip
+        "bash bench/gpu_kit/run.sh versus-trl"  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", ["main", "rest", "fp8"])
+def test_calls_and_steps_given_together_make_one_call_in_their_order_env_once(tmp_path):
+    """A lease with room for one call only runs main and then the steps it names, under one
+    budget: env once, each step at its whole limit while the budget holds."""
+    lines = plan(tmp_path, "main", "fp8-8b", "compile-3b", budget=540)
+    assert [line.split(":")[0] for line in lines[1:-1]] == MAIN + ["fp8-8b", "compile-3b"]
+    assert lines[-1].startswith("run.sh main fp8-8b compile-3b: ")
+    assert limits_of(lines) == [60, 90, 190, 170, 540 - 10 - 510]  # the last one cut to fit
+
+
+def test_an_unknown_call_or_step_is_refused_with_the_usage(tmp_path):
+    done = subprocess.run(["bash", "bench/gpu_kit/run.sh", "lora-9b", "--dry-run"], cwd=ROOT,
+                          env={**os.environ, "OUT": str(tmp_path)}, capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode == 2 and "usage: bash bench/gpu_kit/run.sh [main|rest" in done.stderr
+
+
+@pytest.mark.parametrize("mode", ["main", "rest", "tests", "fp8"])
 def test_the_rehearsal_is_the_same_call(tmp_path, mode):
     device = [line.split(",")[0] for line in plan(tmp_path, mode)[1:-1]]
     assert [line.split(",")[0] for line in plan(tmp_path, mode, "rehearse")[1:-1]] == device
@@ -108,7 +129,7 @@ def test_the_rehearsal_is_the_same_call(tmp_path, mode):
 def test_every_step_the_calls_run_is_one_the_steps_module_has():
     from bench.gpu_kit import steps
 
-    measured = [s for s in MAIN + REST + FP8 + ["memory"] if s not in ("env",)]
+    measured = [s for s in MAIN + REST + TESTS + FP8 if s not in ("env", "gpu-tests")]
     assert set(measured) == set(steps.STEPS) == set(steps.STEP_FUNCTIONS)
 
 
@@ -129,17 +150,16 @@ def test_a_rehearsal_on_a_shared_machine_scales_every_limit_and_keeps_the_plan(t
     assert [x.split(":")[0] for x in device] == [x.split(":")[0] for x in scaled]
 
 
-def test_a_call_when_time_is_left_runs_the_gpu_tests_and_memory(tmp_path):
-    steps = [line.split(":")[0] for line in plan(tmp_path, "tests")[1:-1]]
-    assert steps == ["env", "gpu-tests", "memory"]
-
-
 def test_no_more_files_than_a_device_call_returns(tmp_path):
-    """$OUT comes back with at most 8 files: the summary, the results, the profile's summary
-    and a log per step."""
-    for mode in ("main", "rest", "tests", "fp8"):
-        logs = {line.split(":")[0] for line in plan(tmp_path, mode)[1:-1]}
-        assert len({"summary.txt", "results.jsonl", "profile.json", *logs}) <= 8
+    """A device call returns at most 8 files: whatever calls and steps run together, $OUT
+    holds the summary, the results, the profile's summary and one log of every step (a
+    call of 7 steps with a log each once lost its results.jsonl to that count)."""
+    every = ["main", "rest", "tests", "fp8"]
+    lines = plan(tmp_path, *every, budget=3600)
+    assert all("dry run, limit" in x for x in lines[1:-1]) and len(lines) > 12
+    assert {x.split(", log ")[1] for x in lines[1:-1]} == {str(tmp_path / "steps.log")}
+    assert {p.name for p in tmp_path.iterdir()} <= {"summary.txt", "results.jsonl",
+                                                     "profile.json", "steps.log"}  # fmt: skip
 
 
 def test_the_gpu_tests_run_on_without_x_each_with_a_limit():

@@ -149,6 +149,24 @@ def test_a_shard_stays_where_it_was_read_when_the_mesh_is_on_another_device():
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_every_parameter_and_buffer_lands_on_the_ranks_device(method):
+    """One process trains a plain module, DDP a replicated one: nothing moves the parameters
+    after loading, so each must be made on the rank's device, adapters too (drawn on CPU for
+    the same values on every rank). The meta device stands in for a GPU here: a tensor left in
+    CPU memory shows as cpu. An H100 ran LoRA on one GPU with the adapters in CPU memory:
+    the first LoRA matmul failed on the device mix."""
+    job = spec(TINY, method, ["q_proj", "v_proj"] if method == "lora" else None)
+    built = model.build(job, model.load_tokenizer(job))
+    gpu = parallel.Dist(rank=0, local_rank=0, world_size=1, local_world_size=1,
+                        device=torch.device("meta"))  # fmt: skip
+    model.materialize(built, gpu)
+    where = {n: t.device.type for n, t in built.model.state_dict(keep_vars=True).items()}
+    assert set(where.values()) == {"meta"}, {n: w for n, w in where.items() if w != "meta"}
+    if method == "lora":
+        assert any("lora_A" in n for n in where)
+
+
 def test_under_cpu_offload_only_fsdps_shards_live_in_cpu_memory():
     """cpuOffload: FSDP moves its shards (DTensors) to the GPU a layer at a time, so they are
     read into CPU memory; a weight it leaves whole (the frozen base of a group of one) is never

@@ -414,9 +414,12 @@ def _nf4_shard(whole: torch.Tensor, like: torch.Tensor, home: torch.device) -> t
 
 
 def _own_shard(full: torch.Tensor, like: torch.Tensor, home: torch.device) -> torch.Tensor:
-    """This rank's piece of ``full`` laid out as the sharded (meta) parameter ``like``."""
+    """This rank's piece of ``full`` laid out as the sharded (meta) parameter ``like``, on
+    ``home``: a parameter left whole (one process, DDP, a group of one) goes there whole, as
+    FSDP moves no parameter it does not manage (an H100 found LoRA's adapters, drawn on CPU,
+    left there by one GPU's plain module)."""
     if not _sharded(like):
-        return full  # left whole by FSDP: it stays on the compute device
+        return full.to(home)
     return _kept(full[_rows(like)], like, home)
 
 
