@@ -160,6 +160,34 @@ GRPO = Objective(
             "was clipped in the latest logged step.",
         ),
         Metric(
+            key="clipRatioLow",
+            fmt=".3f",
+            tracker="train/clip_ratio/low_mean",
+            status="clipRatioLow (GRPO jobs): share of completion tokens clipped at 1 - "
+            "epsilon (ratio below it, advantage negative) in the latest logged step.",
+        ),
+        Metric(
+            key="clipRatioHigh",
+            fmt=".3f",
+            tracker="train/clip_ratio/high_mean",
+            status="clipRatioHigh (GRPO jobs): share of completion tokens clipped at 1 + "
+            "epsilonHigh (ratio above it, advantage positive) in the latest logged step.",
+        ),
+        Metric(
+            key="zeroStdRatio",
+            fmt=".3f",
+            tracker="train/frac_reward_zero_std",
+            status="zeroStdRatio (GRPO jobs): share of the latest trained generation batch's "
+            "completions in groups whose rewards do not spread (they teach nothing).",
+        ),
+        Metric(
+            key="truncatedRatio",
+            fmt=".3f",
+            tracker="train/completions/clipped_ratio",
+            status="truncatedRatio (GRPO jobs): share of the latest logged step's completions "
+            "cut at maxCompletionLength before a stop token.",
+        ),
+        Metric(
             key="kl",
             fmt=".4f",
             tracker="train/kl",

@@ -106,10 +106,9 @@ GPU_TYPES = tuple(GPUS)
 _FP8_CEL = "[" + ", ".join(f"'{name}'" for name in FP8_GPU_TYPES) + "]"
 # activationCheckpointing: auto, all, none or every-N (N >= 2; N = 1 is all).
 CHECKPOINTING_PATTERN = r"^(auto|all|none|every-([2-9]|[1-9][0-9]{1,2}))$"
-# Whether compile: unset turns torch.compile on for GPU jobs. A GPU run has shown compiled layers
-# train to the same losses, 1.74x faster (bench/RESULTS.md, H200); `ftjob plan` counts their
-# memory from that one measurement (COMPILED_EXTRA_ACTIVATIONS): on once the GPU kit has found
-# the plan within 15% of the compiled peak at a second size (bench/gpu_kit, compile-3b).
+# Whether compile: unset turns torch.compile on for GPU jobs. GPU runs have shown compiled layers
+# train to the same losses, 1.34-1.74x faster (bench/RESULTS.md); `ftjob plan` counts them as
+# eager, 1.2-1.6x their measured peaks (an H100, 2026-12-05): on once the plan is within 15%.
 COMPILE_VERIFIED_ON_GPU = False
 RESERVED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "HF_TOKEN")
 
@@ -393,7 +392,7 @@ class GrpoSpec:
     max_completion_length: int = api_field(
         "maxCompletionLength: tokens a completion may have at most; the prompt keeps at most "
         "dataset.maxSeqLength minus this many of its last tokens.",
-        256,
+        512,
         minimum=1,
         maximum=131072,
     )
@@ -449,6 +448,31 @@ class GrpoSpec:
         "scaleRewards: divide advantages by the standard deviation of rewards in the group "
         "(group), in the whole batch (batch), or not at all (none), as TRL.",
         "group",
+    )
+    mask_truncated_completions: bool = api_field(
+        "maskTruncatedCompletions: leave completions cut at maxCompletionLength (no stop "
+        "token) out of the loss and its token count, as TRL's mask_truncated_completions; "
+        "their rewards still count in their group's advantages.",
+        False,
+    )
+    importance_sampling_level: Literal["token", "sequence"] = api_field(
+        "importanceSamplingLevel: token (each token's own probability ratio, GRPO's) or "
+        "sequence (one ratio per completion, the geometric mean of its tokens', GSPO's), as "
+        "TRL's importance_sampling_level.",
+        "token",
+    )
+    top_k: int = api_field(
+        "topK: sample from the k most likely tokens only; 0 keeps every token (TRL's top_k).",
+        0,
+        minimum=0,
+        maximum=1000000,
+    )
+    min_p: float | None = api_field(
+        "minP: drop the tokens whose probability is below minP times the most likely one's "
+        "(TRL's min_p); unset keeps them.",
+        None,
+        minimum=0,
+        maximum=1,
     )
 
     __rules__: ClassVar[tuple[Rule, ...]] = (
@@ -517,8 +541,13 @@ class TrainingSpec:
         minimum=1,
         maximum=1024,
     )
-    gradient_accumulation: int = api_field(
-        "gradientAccumulation: micro-batches per optimizer step.", 1, minimum=1, maximum=4096
+    gradient_accumulation: int | None = api_field(
+        "gradientAccumulation: micro-batches per optimizer step. Unset is 1, and for "
+        "objective grpo the fewest that make a step's completions whole groups: "
+        "numGenerations / gcd(microBatchSize x processes, numGenerations).",
+        None,
+        minimum=1,
+        maximum=4096,
     )
     max_grad_norm: float = api_field(
         "maxGradNorm clips the gradient norm; 0 turns clipping off.", 1.0, minimum=0
@@ -552,11 +581,11 @@ class TrainingSpec:
     )
     compile: bool | None = api_field(
         "compile each decoder layer with torch.compile before sharding (faster steps after "
-        "a slower first one; more GPU memory, which ftjob plan counts as measured at one "
-        "size). The compiled layers are cached in the job's folder (compile-cache/): a "
+        "a slower first one; ftjob plan counts its memory as the eager step's, an upper "
+        "bound). The compiled layers are cached in the job's folder (compile-cache/): a "
         "restart loads them. Unset, ftjob decides: off on CPU; on GPUs on for precision fp8 "
-        "(float8 is fast only compiled), else off until compile's memory is measured at a "
-        "second size.",
+        "(float8 is fast only compiled), else off until the plan counts compile's memory "
+        "within 15%.",
         None,
     )
     seed: int = api_field("seed for initialisation and data order.", 42, minimum=0)
@@ -1500,15 +1529,18 @@ class FineTuneJobSpec:
             ".training.grpo.rewards",
         ),
         Rule(
-            f"!has(self.training.grpo) || ({_COMPLETIONS_CEL}) % "
-            "self.training.grpo.numGenerations == 0",
+            # Unset, gradientAccumulation is derived to hold whole groups (accumulation).
+            "!has(self.training.grpo) || !has(self.training.gradientAccumulation) || "
+            f"({_COMPLETIONS_CEL}) % self.training.grpo.numGenerations == 0",
             lambda s: (
                 s.training.grpo is None
+                or s.training.gradient_accumulation is None
                 or s.global_batch_size % s.training.grpo.num_generations == 0
             ),
             "the completions of a step (microBatchSize x gradientAccumulation x processes) "
             "must divide by training.grpo.numGenerations, so each prompt's whole group trains "
-            "in the same step; change numGenerations or the batch",
+            "in the same step; change numGenerations or the batch, or leave "
+            "gradientAccumulation unset to have it derived",
             ".training.grpo.numGenerations",
         ),
         Rule(
@@ -1705,9 +1737,21 @@ class FineTuneJobSpec:
     # ------------------------------------------------------------------ derived values
 
     @property
-    def global_batch_size(self) -> int:
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step: training.gradientAccumulation where it is set;
+        unset, 1, and for GRPO the fewest that make the step's completions whole groups (so
+        TRL's defaults, 8 completions a prompt, run as they are on one GPU)."""
         t = self.training
-        return t.micro_batch_size * t.gradient_accumulation * self.resources.world_size
+        if t.gradient_accumulation is not None:
+            return t.gradient_accumulation
+        if t.grpo is None:
+            return 1
+        per_micro = t.micro_batch_size * self.resources.world_size
+        return t.grpo.num_generations // math.gcd(per_micro, t.grpo.num_generations)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.training.micro_batch_size * self.accumulation * self.resources.world_size
 
     @property
     def sequences_per_example(self) -> int:

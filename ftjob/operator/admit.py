@@ -41,9 +41,9 @@ def parse_job(
 
 def digest(doc: dict[str, Any]) -> str:
     """What the children's validity depends on (the name, the namespace, the spec), hashed:
-    the operator reconciles an unchanged job every resync, and rendering and checking a
-    16-node gang's children took ~15 ms of the ~18 of a reconcile's decision (bench/RESULTS.md,
-    fleet), where the digest takes tens of microseconds."""
+    the operator reconciles an unchanged job every resync, and rendering and checking a big
+    gang's children was most of a reconcile's decision, where the digest is a hash of the
+    spec (the fleet suite's figures: bench/RESULTS.md)."""
     meta = doc.get("metadata") or {}
     which = [meta.get("name"), meta.get("namespace"), doc.get("spec")]
     text = json.dumps(which, sort_keys=True, separators=(",", ":"), default=str)

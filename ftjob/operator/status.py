@@ -157,15 +157,14 @@ def observed_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
 
     The operator holds every pod it manages in memory for as long as the pod exists (kopf's
     pod index), and a whole pod -- containers with their env, volumes, managedFields -- is
-    10-20 KiB of Python objects or more, of which the decisions read a few fields. This keeps
-    exactly what this module, :mod:`lifecycle` and the handlers read: name, uid, the ftjob
-    labels, the template annotation (what the pod was made of), owner uids,
-    deletionTimestamp, node name, Kueue's admission gate, the PodGroup it is in,
-    phase/reason/message, pod IP, the
-    scheduler's Unschedulable condition and the trainer container's state (its termination
-    message included). A new reader of another field must add it here;
-    tests/unit/test_status.py checks that decisions made from these views equal those made
-    from whole pods.
+    many times the few fields the decisions read (the fleet suite measures the operator's
+    memory per job: bench/RESULTS.md). This keeps exactly what this module, :mod:`lifecycle`
+    and the handlers read: name, uid, the ftjob labels, the template annotation (what the pod
+    was made of), owner uids, deletionTimestamp, node name, Kueue's admission gate, the
+    PodGroup it is in, phase/reason/message, pod IP, the scheduler's Unschedulable condition
+    and the trainer container's state (its termination message included). A new reader of
+    another field must add it here; tests/unit/test_status.py checks that decisions made
+    from these views equal those made from whole pods.
     """
     meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
     status = pod.get("status") or {}

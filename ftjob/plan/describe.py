@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ftjob.api.hardware import GIB, GPUS, node_bandwidth
 from ftjob.api.spec import FineTuneJobSpec
-from ftjob.plan import datasize, quota
+from ftjob.plan import datasize, limits, quota
 from ftjob.plan.estimate import (
     PHASES,
     TIGHT,
@@ -94,7 +94,8 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
         total, steps = "", spec.training.max_steps
         if steps:
             total = f", {steps} steps ~ {_duration(e.step_seconds * steps)}"
-        rows.append(("throughput", _throughput_text(e, tokens) + total + _assumed_peak(r.gpu_type)))
+        text = _throughput_text(e, tokens, ddp=limits.ddp(spec, e.sharding))
+        rows.append(("throughput", text + total + _assumed_peak(r.gpu_type)))
     elif r.gpus_per_node:
         rows.append(("throughput", f"{tokens:,} tokens/step (set resources.gpuType for time)"))
     else:
@@ -126,10 +127,13 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
     return [f"{label:<{width}}{text}" for label, text in rows]
 
 
-def _throughput_text(e: Estimate, tokens: int) -> str:
+def _throughput_text(e: Estimate, tokens: int, ddp: bool) -> str:
     """The step time, the one every line quotes, and what it is made of."""
     parts = f"compute {_duration(e.compute_seconds)} at {e.hardware_utilisation:.0%} of peak"
-    if e.collective_seconds:
+    if e.collective_seconds and ddp:
+        parts += f" + collectives {_duration(e.collective_seconds)} (what DDP's all-reduce "
+        parts += "does not overlap with the backward)"
+    elif e.collective_seconds:
         parts += f" + collectives {_duration(e.collective_seconds)}, not overlapped"
     if e.generation_seconds:
         parts += f" + sampling {_duration(e.generation_seconds)} (GRPO, assumed ~3% of peak)"

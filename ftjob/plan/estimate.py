@@ -52,6 +52,7 @@ from ftjob.api.schema import FieldError, quantity
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.plan import datasize
 from ftjob.plan.limits import (
+    ddp,
     float8_all_gather,
     fp8_problem,
     plain_module,
@@ -59,7 +60,7 @@ from ftjob.plan.limits import (
     shard_group,
 )
 from ftjob.plan.modelshape import LOSS_CHUNK_TOKENS, ModelShape, flops_per_token
-from ftjob.plan.traffic import traffic
+from ftjob.plan.traffic import exposed, traffic
 
 FP32 = 4
 # Measured on the GPUs we have run: CUDA context, NCCL buffers and the caching allocator.
@@ -87,14 +88,11 @@ LOAD_SLACK_BYTES = 64 * 2**20
 # one such tensor, 101.5 MiB. The plan is then 1.10-1.21x the loading peak of every case of
 # that run (1.21x: 1B QLoRA, which grew 50-51 MiB): an upper bound.
 NF4_SEARCH_VALUES = 2**20 * 16
-# training.compile on a GPU: what the compiled step holds beyond the eager one, as a multiple
-# of the eager activations. Measured once (bench/RESULTS.md, 2026-11-27, one H200, the 1.1B
-# full fine-tune, bf16, seq 2048 x 4, every layer recomputed): compiled peak 25,345 MiB, eager
-# 17,813 MiB, the plan's eager activations 2,273 MiB: 7,532 MiB more, 3.31x those activations.
-# (The peaks' ratio, 1.42x, applied to the activations alone would plan 20,350 MiB, 0.80x the
-# compiled peak.) One size only: the GPU kit measures a second (bench/gpu_kit, compile-3b)
-# before compile may become the default (COMPILE_VERIFIED_ON_GPU in ftjob/api/spec.py).
-COMPILED_EXTRA_ACTIVATIONS = 7532 / 2273
+# training.compile on a GPU is counted as the eager step: an upper bound. On one H100
+# (bench/RESULTS.md, 2026-12-05) compiled peaks were 0.61-0.85x that count (1.1B every-2 in
+# bf16 and fp8, 3.2B all recomputed): the fused layers keep less for backward and no
+# autocast copy of the weights. The factor of 4.31x fitted to one H200 run before the bf16
+# residual fix planned those peaks 1.5-3.7x too high, and auto recomputed layers it need not.
 # Share of the peak the GPUs are assumed to spend on matmuls, recomputed ones included
 # (hardware FLOPs utilisation): the step time divides model + recomputed FLOPs by it. Without
 # recomputation it equals MFU; the plan's MFU is it x model / (model + recomputed) FLOPs.
@@ -196,8 +194,9 @@ class Estimate:
     reference_flops_per_token: float = 0.0
     sharding: str = "full"  # parallelism.sharding in force (auto resolved)
     sharding_reason: str = ""  # what auto chose and why, in one line ("" when set explicitly)
-    # The step's collectives (gathers, reduce-scatters, all-reduces) if none overlapped compute:
-    # what sets the layouts apart (ftjob.plan.traffic).
+    # The step's collectives (gathers, reduce-scatters, all-reduces) as if none overlapped
+    # compute, but for DDP's all-reduce, which overlaps the backward (its exposed part): what
+    # sets the layouts apart (ftjob.plan.traffic).
     collective_seconds: float = 0.0
     # GRPO: the step's share of sampling its completions (generation_seconds; 0 otherwise).
     generation_seconds: float = 0.0
@@ -217,7 +216,8 @@ class Estimate:
     def step_seconds(self) -> float | None:
         """The one step time every line quotes (the throughput, the sharding, the options,
         auto's comparison): compute plus the step's collectives, counted as not overlapped
-        (an upper bound: FSDP overlaps much of them). None without a GPU type."""
+        (an upper bound: FSDP overlaps much of them; DDP's are its exposed part). None
+        without a GPU type."""
         if self.compute_seconds is None:
             return None
         return self.compute_seconds + self.collective_seconds + self.generation_seconds
@@ -335,13 +335,9 @@ def estimate_at(
     lora = spec.method.lora_settings()
     adapter = shape.lora_params(lora.r, lora.target_modules) if lora else 0
     trainable = shape.params if method == "full" else adapter
-    # Bytes of what FSDP shards: the base (4-bit linear weights under QLoRA, the rest in the
-    # frozen dtype), then the trained weights with their gradients and two AdamW moments.
-    frozen_bytes = FP32 if method == "full" or act_bytes == FP32 else 2
-    quantized = shape.linear_params if method == "qlora" else 0
-    base_bytes = (shape.params - quantized) * frozen_bytes + quantized * NF4_BITS_PER_PARAM / 8
-    if method == "full":
-        base_bytes = 0.0  # every weight trains: counted below
+    # Bytes of what FSDP shards: the base, then the trained weights with their gradients and
+    # two AdamW moments.
+    base_bytes, frozen_bytes = _frozen_base(spec, shape, act_bytes)
     sharded_weights = base_bytes + trainable * FP32
     state_bytes = sharded_weights + 3 * trainable * FP32
     group = shard_group(spec, sharding)
@@ -402,6 +398,19 @@ def estimate_at(
     )
 
 
+def _frozen_base(spec: FineTuneJobSpec, shape: ModelShape, act_bytes: int) -> tuple[float, int]:
+    """The frozen base's bytes (4-bit linear weights under QLoRA, the rest in the frozen
+    dtype; 0 for a full fine-tune, where every weight trains), and a frozen weight's dtype
+    size."""
+    method = spec.method.type
+    frozen_bytes = FP32 if method == "full" or act_bytes == FP32 else 2
+    if method == "full":
+        return 0.0, frozen_bytes
+    quantized = shape.linear_params if method == "qlora" else 0
+    stored = (shape.params - quantized) * frozen_bytes + quantized * NF4_BITS_PER_PARAM / 8
+    return stored, frozen_bytes
+
+
 def _speed(
     spec: FineTuneJobSpec,
     shape: ModelShape,
@@ -427,19 +436,28 @@ def _speed(
         compute = work / (r.world_size * gpu.peak_bf16_flops * hfu)
         sampling = generation_seconds(spec, shape, gpu.peak_bf16_flops)
     moved = traffic(spec, shape.layers, sharding, gathered, trainable)
+    collectives = waited = moved.seconds(spec)
+    if compute is not None and ddp(spec, sharding):
+        # DDP: only the last micro-batch's backward all-reduces (model FLOPs' backward is 4
+        # of their 6 per parameter; the recomputed forwards run in the backward too).
+        backward = (2 / 3 * flops + recomputed) / (flops + recomputed + reference)
+        window = compute * backward / spec.accumulation
+        waited = exposed(collectives, window, shape.layers + 1)
     net = moved.node_bytes
     bandwidth = node_bandwidth(
         spec.network.fabric, r.gpus_per_node, spec.network.efa_devices_per_node
     )
+    # The nodes' share of the collectives the step waits for.
+    between = net / bandwidth * (waited / collectives if collectives else 1.0)
     return dict(
         flops_per_token=flops,
         recomputed_flops_per_token=recomputed,
         reference_flops_per_token=reference,
         compute_seconds=compute,
         network_bytes_per_node=net,
-        network_seconds=net / bandwidth if r.nodes > 1 else 0.0,
+        network_seconds=between if r.nodes > 1 else 0.0,
         hardware_utilisation=hfu,
-        collective_seconds=moved.seconds(spec),
+        collective_seconds=waited,
         generation_seconds=sampling,
     )
 
@@ -636,9 +654,7 @@ def _activations(
         loss += tokens * FP32
     if spec.method.type == "full":
         loss += s.vocab * h * FP32
-    # A compiled step keeps more for backward than the eager one (COMPILED_EXTRA_ACTIVATIONS).
-    compiled = 1 + COMPILED_EXTRA_ACTIVATIONS if _compiled_on_gpu(spec) else 1
-    return (stored + loss) * compiled
+    return stored + loss
 
 
 def _flops_per_token(
@@ -692,7 +708,7 @@ def generation_seconds(spec: FineTuneJobSpec, s: ModelShape, peak: float) -> flo
     if grpo is None:
         return 0.0
     t = spec.training
-    tokens = t.micro_batch_size * t.gradient_accumulation * grpo.max_completion_length
+    tokens = t.micro_batch_size * spec.accumulation * grpo.max_completion_length
     forward = 2 * s.matmul_params + 4 * s.hidden * spec.dataset.max_seq_length * s.layers
     return tokens * forward / (peak * GENERATION_HFU) / grpo.num_iterations
 
@@ -715,7 +731,10 @@ def _notes(
 ) -> list[str]:
     """The shape row's words: the layout, how the base is held, what adds memory."""
     method = spec.method.type
-    notes = [f"sharding {sharding} over {group} process{'es' if group > 1 else ''}"]
+    if ddp(spec, sharding):
+        notes = [f"replicated (DDP) on {spec.resources.world_size} processes"]
+    else:
+        notes = [f"sharding {sharding} over {group} process{'es' if group > 1 else ''}"]
     if method == "qlora":
         notes.append("4-bit base sharded" if group > 1 else "4-bit base")
     elif method == "lora" and frozen_bytes == 2:
@@ -727,10 +746,7 @@ def _notes(
             f"peak x{FP8_EFFICIENCY}{gathers}; their float8 copies and scales counted"
         )
     if _compiled_on_gpu(spec):
-        notes.append(
-            f"compiled: activations x{1 + COMPILED_EXTRA_ACTIVATIONS:.2f} (measured at one "
-            "size, 1.1B on an H200)"
-        )
+        notes.append("compiled: counted as eager, an upper bound (0.61-0.85x measured)")
     if staging:
         notes.append(f"asyncSave keeps a {gib(staging)} CPU copy per process")
     if spec.training.objective == "dpo":

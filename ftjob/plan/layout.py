@@ -1,8 +1,8 @@
 """parallelism.sharding: auto, resolved: the fastest layout whose states fit. Pure.
 
-The candidates are ``none`` (every process holds the model whole; with adapters the frozen
-base is left out of FSDP altogether, so nothing is gathered and only the adapters' gradients
-are all-reduced), ``grad-op`` (sharded, each layer gathered once a micro-batch), ``hybrid``
+The candidates are ``none`` (every process holds the model whole and trains it as DDP:
+nothing is gathered, and only what trains has its gradients all-reduced, overlapping the
+backward), ``grad-op`` (sharded, each layer gathered once a micro-batch), ``hybrid``
 (sharded within a node, replicated across nodes; only with more than one node) and ``full``.
 Each is estimated (:func:`ftjob.plan.estimate.estimate_at`, with activationCheckpointing's
 own auto resolved for that layout on GPUs) and timed: its compute on GPUs (FLOPs at the
@@ -30,7 +30,7 @@ from ftjob.plan.modelshape import ModelShape
 CANDIDATES = ("none", "grad-op", "hybrid", "full")  # ties: the earlier, fewer collectives
 # Why a layout is faster, in the words the log and the plan use.
 _WHAT = {
-    "none": "replicated (no gathers{base})",
+    "none": "replicated as DDP (no gathers{base})",
     "grad-op": "each layer gathered once a micro-batch",
     "hybrid": "sharded within a node, replicated across nodes",
     "full": "fully sharded",
@@ -141,13 +141,17 @@ def _fits(e: Estimate, limit: float) -> bool:
 
 def _reason(spec, chosen: str, e: Estimate, seconds: float, timed, b: Budget) -> str:
     """One line: the chosen layout's memory against the budget, and the next fastest."""
+    fits = (
+        f"sharding auto -> {chosen}: {gib(e.per_device)}/process fits in {TIGHT:.0%} of {b.source}"
+    )
+    if spec.resources.world_size == 1:  # no layout to choose between: nothing is shared
+        return f"{fits}; one process trains a plain module (no gathers, no all-reduce)"
     base = ", frozen base whole" if spec.method.type != "full" else ""
     what = _WHAT[chosen].format(base=base)
     slower = sorted((t for t in timed if t[0] != chosen), key=lambda t: t[2])
     versus = f" vs {slower[0][0]} {_ms(slower[0][2])}" if slower else ""
     return (
-        f"sharding auto -> {chosen}: {gib(e.per_device)}/process fits in {TIGHT:.0%} of "
-        f"{b.source}; {what} is the fastest that fits ({_ms(seconds)} of collectives"
+        f"{fits}; {what} is the fastest that fits ({_ms(seconds)} of collectives"
         f"{' and compute' if e.step_seconds else ''} a step{versus})"
     )
 

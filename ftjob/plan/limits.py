@@ -30,6 +30,12 @@ def plain_module(spec: FineTuneJobSpec) -> bool:
     return spec.resources.world_size == 1 and not spec.parallelism.cpu_offload
 
 
+def ddp(spec: FineTuneJobSpec, sharding: str) -> bool:
+    """Whether the job trains replicated as DDP (trainer/model/parallel.py ``wrap``): ``none``
+    over more than one process (the spec refuses none with cpuOffload)."""
+    return sharding == "none" and not plain_module(spec)
+
+
 def float8_all_gather(spec: FineTuneJobSpec) -> bool:
     """Whether FSDP2 gathers the float8 linear layers' weights in float8 (trainer/model/float8.py):
     tensorwise scaling (one scale a weight: torchao's only float8 all-gather), a full

@@ -86,7 +86,7 @@ def _candidates(spec: FineTuneJobSpec, shape: ModelShape, base: Estimate):
             )
     if t.micro_batch_size > 1:
         mb = max(1, t.micro_batch_size // 2)
-        ga = t.gradient_accumulation * t.micro_batch_size // mb
+        ga = spec.accumulation * t.micro_batch_size // mb
         yield (
             f"microBatchSize: {mb}, gradientAccumulation: {ga} (same global batch)",
             {

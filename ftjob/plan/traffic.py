@@ -7,11 +7,12 @@ Per micro-batch, ``full`` gathers each layer for forward and again for backward 
 adapters: once more for the reference forward), ``grad-op`` once (the layers stay gathered
 until backward, so the reference forward shares the policy's gather), and both
 reduce-scatter the trained weights' fp32 gradients. ``hybrid`` does the same within a node
-and all-reduces its gradient shards across nodes once per step; ``none`` gathers nothing
-(frozen weights are left whole, trained ones replicated) and all-reduces the gradients once
-per step. A collective costs a fixed time (:func:`ftjob.api.hardware.collective_seconds`)
-plus its bytes over the link it crosses (ring collectives: each process sends (n-1)/n of the
-data, twice for an all-reduce).
+and all-reduces its gradient shards across nodes once per step; ``none`` (DDP) gathers
+nothing (every process holds the model whole) and all-reduces the gradients once per step, in
+buckets sent while the last micro-batch's backward still runs (:func:`exposed`). A collective
+costs a fixed time (:func:`ftjob.api.hardware.collective_seconds`) plus its bytes over the
+link it crosses (ring collectives: each process sends (n-1)/n of the data, twice for an
+all-reduce).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def traffic(
     FSDP gathers for one forward (every sharded weight in the dtype it computes in: 0 where
     all of them are left whole); ``trainable``: the parameters that get gradients."""
     r = spec.resources
-    micro = spec.training.gradient_accumulation
+    micro = spec.accumulation
     units = layers + 1
     grads = trainable * FP32
     if r.world_size == 1:
@@ -72,6 +73,14 @@ def traffic(
     # full and grad-op span the nodes: every gather and reduce-scatter crosses them.
     node = micro * (gathers * gathered + grads) * _across(spec)
     return Traffic(process, node, micro * per_micro)
+
+
+def exposed(seconds: float, backward: float, units: int) -> float:
+    """The part of DDP's all-reduce (``seconds`` in all) the step waits for: its buckets go out
+    as the backward (``backward`` seconds) makes their gradients, so only what outlasts the
+    backward waits, and at least the last bucket (the last of ``units`` to get its
+    gradients, at the backward's very end)."""
+    return max(seconds - backward, seconds / units)
 
 
 def _gathers(spec: FineTuneJobSpec, sharding: str) -> int:

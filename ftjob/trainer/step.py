@@ -9,7 +9,8 @@ Three things used to stall a GPU step and are kept off it here:
   (:meth:`Tally.reduce`, one collective); ``tests/e2e/test_host_reads.py`` counts the reads;
 * gradients: FSDP reduce-scatters every micro-batch, so what accumulates is each rank's shard
   of the gradients (4·N/world bytes), never the whole unsharded gradient; with replicas
-  (hybrid, none) only the all-reduce across replicas waits for the last micro-batch.
+  (hybrid) only the all-reduce across replicas waits for the last micro-batch. DDP (none)
+  all-reduces only in the last micro-batch's backward, bucket by bucket as it runs.
 
     python -m pytest tests/e2e/test_accumulation.py -q
 """
@@ -46,7 +47,7 @@ class Run:
     params: int
     trainable: int
     sharding: str
-    replicated: bool  # a mesh with replicas (hybrid, none): their all-reduce can wait
+    reduce_last: parallel.ReduceLast  # keeps the gradients' reduction to the last micro-batch
     speed: parallel.Speed
     flops: Callable[[int, int], float]
     read_bytes: int  # what this rank read from the weight files
@@ -178,11 +179,8 @@ def train_step(
     total = torch.zeros((), device=device)
     sums = None
     for m, batch in enumerate(micro):
-        if run.replicated:
-            # Shards accumulate locally; the all-reduce across replicas (across nodes under
-            # hybrid) runs once, after the last micro-batch. The reduce-scatter within the
-            # shard group still runs every micro-batch: that is what keeps gradients sharded.
-            net.set_requires_all_reduce(m == len(micro) - 1)
+        if run.reduce_last:
+            run.reduce_last(m == len(micro) - 1)
         loss, part = objective.loss(net, batch, device)
         (loss * scale).backward()
         total += loss.detach()

@@ -186,6 +186,8 @@ def _describe(job: Job, run: step.Run, ds: data.Data, total: int) -> None:
 def _layout_words(job: Job, run: step.Run) -> str:
     if parallel.plain_enough(job.spec, job.d):
         return "one process: a plain module (no FSDP)"
+    if parallel.ddp(job.spec, job.d, run.sharding):
+        return f"replicated (DDP) over {job.d.world_size} ranks"
     return f"{run.sharding} sharding over {job.d.world_size} ranks"
 
 
@@ -304,15 +306,10 @@ def _load(job: Job, tok, total: int) -> step.Run:
         job.report.log(chosen.reason)  # what sharding auto chose, and why
     sharding = chosen.sharding
     speed = parallel.Speed(chosen.stride, spec.compile_enabled(d.device.type == "cuda"))
-    # One rank: nothing to shard, gather or reduce; the model trains as it is.
-    mesh = None if parallel.plain_enough(spec, d) else parallel.mesh(spec, d, sharding)
-    shards = 1 if mesh is None else parallel.shard_group_size(mesh)
+    shards = parallel.shard_group(spec, d, sharding)
     model.check_shardable(built, shards)  # before any weight is read
-    if mesh is None:
-        net = parallel.plain(built.model, spec, d.device, speed)
-    else:
-        whole = model.left_whole(built, shards)
-        net = parallel.shard(built.model, spec, mesh, sharding, whole, speed)
+    whole = model.left_whole(built, shards)
+    net, reduce_last = parallel.wrap(built.model, spec, d, sharding, whole, speed)
     began = time.monotonic()
     model.materialize(built, d, spec.parallelism.cpu_offload)
     load_seconds = time.monotonic() - began
@@ -335,10 +332,9 @@ def _load(job: Job, tok, total: int) -> step.Run:
         spec.checkpoint.async_save,
         fence=job.lease.check if job.lease else None,
     )
-    replicated = mesh is not None and mesh.ndim == 2 and mesh["replicate"].size() > 1
     flops = _flops_counter(spec, net, params, trainable)
     return step.Run(net, weights, optimizer, scheduler, ckpt, params, trainable, sharding,
-                    replicated, speed, flops, built.read_bytes, load_seconds)  # fmt: skip
+                    reduce_last, speed, flops, built.read_bytes, load_seconds)  # fmt: skip
 
 
 def get_scheduler(*args, **kwargs):

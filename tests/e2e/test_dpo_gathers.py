@@ -62,9 +62,8 @@ def probe(out: Path) -> None:
         spec = spec_for(sharding)
         d = d or parallel.init(spec)
         built = model.build(spec, model.load_tokenizer(spec))
-        mesh = parallel.mesh(spec, d, sharding)
-        whole = model.left_whole(built, parallel.shard_group_size(mesh))
-        net = parallel.shard(built.model, spec, mesh, sharding, whole)
+        whole = model.left_whole(built, parallel.shard_group(spec, d, sharding))
+        net, _ = parallel.wrap(built.model, spec, d, sharding, whole)  # none: DDP
         model.materialize(built, d)
         objective = Dpo.of(spec)
         batch = objective.collate([pair], 0)

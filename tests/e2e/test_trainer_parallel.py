@@ -126,7 +126,8 @@ def probe(out: Path, models: Path, cases: list) -> None:
         tok = model.load_tokenizer(spec)
         built = model.build(spec, tok)
         sharding = spec.parallelism.sharding
-        net = parallel.shard(built.model, spec, parallel.mesh(spec, d, sharding), sharding)
+        whole = model.left_whole(built, parallel.shard_group(spec, d, sharding))
+        net, _ = parallel.wrap(built.model, spec, d, sharding, whole)  # the trainer's layouts
         model.materialize(built, d, spec.parallelism.cpu_offload)
         net.eval()
         # The adapters an unsharded build draws with the same seed: what every rank's shards

@@ -6,6 +6,7 @@ records, the completion layout the loss reads, and what the planner counts.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +24,7 @@ from ftjob.trainer.data import records
 from ftjob.trainer.data.records import DataError
 from ftjob.trainer.gang import termination
 from ftjob.trainer.model import attention
-from ftjob.trainer.objectives import grpo, loss
+from ftjob.trainer.objectives import grpo, grpo_loss, loss
 from ftjob.trainer.objectives.generate import KvSampling
 from ftjob.trainer.rewards.errors import RewardError
 
@@ -173,14 +174,22 @@ def test_each_reward_has_its_mean_and_spread_under_trls_tracker_names():
     scores = torch.tensor([[1.0, nan], [0.0, 2.0], [0.5, 4.0]])
     goal = grpo.Grpo(GrpoSpec(), seed=0, prompt_field="prompt", log_every=1, method="lora")
     goal.rewards = type("R", (), {"names": ["right", "steps"]})()
-    sums = [1.5, 1.25, 3, 12, 3, 0, 0, *grpo._function_sums(scores).tolist()]
+    # 3 completions of 12 tokens, all trained: 3 clipped, 1 low and 2 high; one cut at the limit.
+    sums = [1.5, 1.25, 3, 12, 3, 3, 0, 1, 2, 1, 12, *grpo._function_sums(scores).tolist()]
+    assert "zeroStdRatio" not in goal.step_metrics(sums)  # no generation batch sampled yet
+    goal._zero_spread = 0.5  # what the step's rollout found
     got = goal.step_metrics(sums)
     assert got["reward"] == 0.5 and got["completionLength"] == 4.0
+    assert (got["clipRatio"], got["clipRatioLow"], got["clipRatioHigh"]) == (0.25, 1 / 12, 1 / 6)
+    assert got["truncatedRatio"] == pytest.approx(1 / 3)
     assert got["rewards"]["right"] == {"mean": 0.5, "std": pytest.approx(0.5)}
     assert got["rewards"]["steps"] == {"mean": 3.0, "std": pytest.approx(2**0.5)}  # NaN left out
     snap = {"step": 7, "loss": 0.0, **got}
     step, values = trackers.measured("step", snap)
     assert step == 7 and values["train/reward"] == 0.5
+    assert values["train/completions/clipped_ratio"] == pytest.approx(1 / 3)
+    assert values["train/clip_ratio/low_mean"] == 1 / 12
+    assert values["train/frac_reward_zero_std"] == 0.5
     assert values["train/rewards/steps/mean"] == 3.0
     assert values["train/rewards/right/std"] == pytest.approx(0.5)
 
@@ -224,3 +233,104 @@ def test_a_failed_reward_is_raised_in_one_form_with_the_reason_its_own_record_na
     assert raised.value.reason == reason and raised.value.__cause__ is error
     assert termination.classify(raised.value)[0] == reason  # what the record says
     assert raised.value.fix == getattr(error, "fix", None)
+
+
+@pytest.mark.parametrize(
+    ("shape", "micro", "accumulation"),
+    [
+        ({"gpusPerNode": 1}, 1, 8),  # one GPU: a step is one group, a completion at a time
+        ({"gpusPerNode": 1}, 2, 4),
+        ({"gpusPerNode": 8}, 1, 1),  # 8 GPUs: one completion each, one group a step
+        ({"nodes": 2, "gpusPerNode": 8}, 1, 1),
+        ({"gpusPerNode": 0, "processesPerNode": 3}, 1, 8),  # 3 x 8 = 24: 3 whole groups
+    ],
+)
+def test_unset_accumulation_is_derived_so_a_step_holds_whole_groups(shape, micro, accumulation):
+    """A GRPO job that sets only its objective, prompts and rewards runs as TRL's defaults do
+    (8 completions a prompt) on any shape: gradientAccumulation, unset, is the fewest
+    micro-batches that make the step's completions whole groups. Set, it is the user's, and
+    one that splits a group is refused, naming the way out."""
+    from ftjob.api.spec import SpecError, parse_spec
+
+    raw = {"model": {"source": "hf://org/m"},
+           "dataset": {"source": "p.jsonl", "format": "prompts"},
+           "resources": shape,
+           "checkpoint": {"volume": {"claimName": "shared"}},
+           "training": {"objective": "grpo", "maxSteps": 100, "microBatchSize": micro,
+                        "grpo": {"rewards": [{"type": "exactMatch"}]}}}  # fmt: skip
+    spec = parse_spec(raw)
+    assert spec.training.gradient_accumulation is None and spec.accumulation == accumulation
+    assert spec.global_batch_size % spec.training.grpo.num_generations == 0
+    world = spec.resources.world_size
+    r = grpo.Rollouts(64, 0, world, micro, spec.accumulation, 8, 1)
+    step = Counter(i for k in range(world) for m in range(accumulation) for i in r.indices(0, m, k))
+    assert set(step.values()) == {8}  # every prompt of the step: its whole group
+    if accumulation > 1:  # here one micro-batch of every process splits a group
+        raw["training"]["gradientAccumulation"] = 1  # set: the user's, and checked
+        with pytest.raises(SpecError, match="leave gradientAccumulation unset"):
+            parse_spec(raw)
+
+
+def test_sampling_reads_the_device_once_every_check_every_tokens_and_samples_the_same(
+    tiny, monkeypatch
+):
+    """Whether every completion has ended is read from the device every CHECK_EVERY tokens,
+    not after each one (on a GPU each read waits for the queued kernels and idles the device
+    between tokens); the completions are those of a check after every token."""
+    from ftjob.trainer.objectives import generate
+
+    tok, net = tiny
+    prompts = [tok("Question: What is 3 * 8?\nAnswer:")["input_ids"]] * 4
+    engine = KvSampling(40, 1.0, 1.0, (tok.eos_token_id,), tok.pad_token_id, synced=False)
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(1) or item(t))
+    got = engine.complete(net, prompts, torch.Generator().manual_seed(3))
+    longest = max(len(c) for c in got)
+    assert len(reads) == math.ceil(longest / generate.CHECK_EVERY) <= 40 // generate.CHECK_EVERY
+    monkeypatch.setattr(generate, "CHECK_EVERY", 1)
+    reads.clear()
+    assert engine.complete(net, prompts, torch.Generator().manual_seed(3)) == got
+    assert len(reads) == longest
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "min_p"),
+    [(1.0, 5, 1.0, None), (0.7, 0, 0.9, None), (1.0, 0, 1.0, 0.05), (0.8, 20, 0.95, 0.02)],
+)
+def test_top_k_top_p_and_min_p_keep_what_transformers_warpers_keep(
+    temperature, top_k, top_p, min_p
+):
+    """The sampling distribution equals the one transformers' own warpers (TRL's generation)
+    give, in their order: temperature, top-k, top-p, min-p."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    engine = KvSampling(1, temperature, top_p, eos=(0,), pad=0, synced=False, top_k=top_k,
+                        min_p=min_p)  # fmt: skip
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    warpers += [TopKLogitsWarper(top_k)] if top_k else []
+    warpers += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+    warpers += [MinPLogitsWarper(min_p)] if min_p else []
+    want = torch.softmax(warpers(None, logits.clone()), dim=-1)
+    got = engine.probabilities(logits)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got / got.sum(-1, keepdim=True), want, rtol=0, atol=1e-6)
+    assert (got > 0).sum() < got.numel()  # something was left out
+
+
+def test_the_share_of_completions_whose_group_does_not_spread_is_trls():
+    """TRL's frac_reward_zero_std: completions in groups (or, under scaleRewards batch, a
+    batch) whose rewards are all alike; a NaN (no reward applied) is left out of the spread."""
+    nan = float("nan")
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.5, 2.0, nan, 2.0])
+    assert grpo_loss.zero_spread(rewards, 3, "group") == pytest.approx(2 / 3)
+    assert grpo_loss.zero_spread(rewards, 3, "none") == pytest.approx(2 / 3)
+    assert grpo_loss.zero_spread(rewards, 3, "batch") == 0.0
+    assert grpo_loss.zero_spread(torch.ones(6), 3, "batch") == 1.0

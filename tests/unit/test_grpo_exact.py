@@ -49,15 +49,21 @@ def completions(tok) -> list[list[int]]:
     return out
 
 
-def perturbed(model):
-    g = torch.Generator().manual_seed(0)
+def perturbed(model, seed: int = 0, scale: float = 0.05):
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            p.add_(torch.randn(p.shape, generator=g) * scale)
     return model
 
 
-def trl_side(tok, done, settings: GrpoSpec, tmp_path) -> tuple[float, dict, torch.Tensor]:
+# Between sampling and the loss, a change of the weights as an optimizer step makes one: the
+# second iteration of numIterations 2 takes the ratio to the sampling-time log-probabilities
+# away from 1, far enough that both clipping bounds bind on some tokens.
+STEP = 0.1
+
+
+def trl_side(tok, done, settings: GrpoSpec, tmp_path, step: bool = False):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -79,6 +85,8 @@ def trl_side(tok, done, settings: GrpoSpec, tmp_path) -> tuple[float, dict, torc
         loss_type=settings.loss_type, beta=settings.beta, epsilon=settings.epsilon,
         epsilon_high=settings.epsilon_high, num_iterations=settings.num_iterations,
         scale_rewards=settings.scale_rewards, reward_weights=WEIGHTS, report_to="none",
+        mask_truncated_completions=settings.mask_truncated_completions,
+        importance_sampling_level=settings.importance_sampling_level,
         use_cpu=True, bf16=False, gradient_checkpointing=False,
     )  # fmt: skip
     trainer = GRPOTrainer(
@@ -96,13 +104,21 @@ def trl_side(tok, done, settings: GrpoSpec, tmp_path) -> tuple[float, dict, torc
         [{"prompt": p} for p in PROMPTS for _ in range(G)]
     )
     trainer.current_gradient_accumulation_steps = 1
+    summed = grpo_loss.advantages(torch.tensor(SCORES), torch.tensor(WEIGHTS), G,
+                                  settings.scale_rewards)[1]  # fmt: skip
+    zero = grpo_loss.zero_spread(summed, G, settings.scale_rewards)
+    assert zero == trainer._metrics["train"]["frac_reward_zero_std"][-1]
+    if step:
+        perturbed(trainer.model, seed=1, scale=STEP)
     value = trainer._compute_loss(trainer.model, inputs)
     value.backward()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
-    return value.item(), grads, inputs["advantages"]
+    clip = {k.split("/")[1]: v[-1] for k, v in trainer._metrics["train"].items()
+            if k.startswith("clip_ratio/")}  # fmt: skip
+    return value.item(), grads, inputs["advantages"], clip
 
 
-def ftjob_side(tok, done, settings: GrpoSpec) -> tuple[float, dict, torch.Tensor]:
+def ftjob_side(tok, done, settings: GrpoSpec, step: bool = False):
     impl = attention.implementation("sdpa")  # the trainer's packed attention
     policy = perturbed(AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32,
                                                             attn_implementation=impl))  # fmt: skip
@@ -125,11 +141,16 @@ def ftjob_side(tok, done, settings: GrpoSpec) -> tuple[float, dict, torch.Tensor
         with torch.no_grad():
             rolled = grpo.replace(rolled, ref=goal.logps(reference, rolled, torch.device("cpu")))
     policy.train()
-    total, _ = goal.loss(policy, rolled, torch.device("cpu"))
+    if step:
+        perturbed(policy, seed=1, scale=STEP)
+    total, sums = goal.loss(policy, rolled, torch.device("cpu"))
     value = total / goal.count(rolled)
     value.backward()
     grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
-    return value.item(), grads, adv
+    goal.rewards = type("Rewards", (), {"names": ["r0", "r1"]})()  # what step_metrics reads
+    got = goal.step_metrics(sums.tolist())
+    names = {"region_mean": "clipRatio", "low_mean": "clipRatioLow", "high_mean": "clipRatioHigh"}
+    return value.item(), grads, adv, {k: got[name] for k, name in names.items()}
 
 
 @pytest.mark.parametrize(
@@ -141,15 +162,30 @@ def ftjob_side(tok, done, settings: GrpoSpec) -> tuple[float, dict, torch.Tensor
         GrpoSpec(loss_type="dapo", temperature=0.7),
         GrpoSpec(loss_type="grpo", beta=0.04, scale_rewards="batch"),
         GrpoSpec(loss_type="dr_grpo", num_iterations=2, scale_rewards="none"),
+        GrpoSpec(loss_type="dapo", mask_truncated_completions=True),
+        GrpoSpec(loss_type="grpo", importance_sampling_level="sequence"),
     ],
-    ids=["dapo", "grpo", "dapo-beta", "dapo-temperature", "grpo-beta-batch", "dr_grpo-iterations"],
+    ids=[
+        "dapo",
+        "grpo",
+        "dapo-beta",
+        "dapo-temperature",
+        "grpo-beta-batch",
+        "dr_grpo-iterations",
+        "dapo-masked",
+        "grpo-sequence",
+    ],  # fmt: skip
 )
 def test_loss_and_gradients_equal_trl_grpo_trainer(tmp_path, settings):
     settings = GrpoSpec(**{**settings.__dict__, "max_completion_length": 8})
     tok = AutoTokenizer.from_pretrained(TINY)
     done = completions(tok)
-    ours, our_grads, our_adv = ftjob_side(tok, done, settings)
-    theirs, their_grads, their_adv = trl_side(tok, done, settings, tmp_path)
+    ours, our_grads, our_adv, _ = ftjob_side(tok, done, settings)
+    theirs, their_grads, their_adv, _ = trl_side(tok, done, settings, tmp_path)
+    same(ours, our_grads, our_adv, theirs, their_grads, their_adv)
+
+
+def same(ours, our_grads, our_adv, theirs, their_grads, their_adv) -> None:
     torch.testing.assert_close(our_adv, their_adv, rtol=0, atol=1e-6)
     assert abs(ours - theirs) <= 1e-6, (ours, theirs)
     assert ours != 0.0  # a loss that says something: the rewards differ within groups
@@ -157,3 +193,31 @@ def test_loss_and_gradients_equal_trl_grpo_trainer(tmp_path, settings):
         torch.testing.assert_close(
             our_grads[name], g, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        GrpoSpec(loss_type="dapo", epsilon_high=0.28),
+        GrpoSpec(loss_type="grpo", epsilon=0.1),
+        GrpoSpec(loss_type="dr_grpo", beta=0.04, epsilon=0.15, epsilon_high=0.2),
+        GrpoSpec(loss_type="dapo", epsilon=0.05, epsilon_high=0.1, mask_truncated_completions=True),
+        GrpoSpec(loss_type="grpo", epsilon=0.01, importance_sampling_level="sequence"),
+    ],
+    ids=["dapo-clip-higher", "grpo", "dr_grpo-beta", "dapo-masked", "grpo-sequence"],
+)
+def test_with_the_ratio_away_from_1_both_bounds_clip_as_trls(tmp_path, settings):
+    """The second iteration of numIterations 2, after the weights moved: ratios leave
+    [1 - epsilon, 1 + epsilonHigh] both ways, on tokens whose advantage makes each bound bind
+    (TRL's own low and high clip ratios say so), and the loss, its gradients and the clipped
+    shares (all, low and high: TRL's region, low and high means) still equal TRL's. With the
+    ratio at 1, min and max, or the two epsilons, are indistinguishable; here each is."""
+    settings = GrpoSpec(**{**settings.__dict__, "max_completion_length": 8, "num_iterations": 2})
+    tok = AutoTokenizer.from_pretrained(TINY)
+    done = completions(tok)
+    ours, our_grads, our_adv, our_clipped = ftjob_side(tok, done, settings, step=True)
+    theirs, their_grads, their_adv, clip = trl_side(tok, done, settings, tmp_path, step=True)
+    assert clip["low_mean"] > 0 and clip["high_mean"] > 0, clip
+    same(ours, our_grads, our_adv, theirs, their_grads, their_adv)
+    for k, share in our_clipped.items():  # clipRatio, clipRatioLow, clipRatioHigh
+        assert share == pytest.approx(clip[k], abs=1e-6), (k, our_clipped, clip)

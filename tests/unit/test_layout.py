@@ -154,3 +154,41 @@ def test_any_group_of_one_plans_the_frozen_base_whole_as_the_trainer_leaves_it()
     for sharding in ("none", "hybrid"):
         assert estimate.estimate_at(spec, TINY, 0, None, sharding).temporaries == 0.0
     assert estimate.estimate_at(spec, TINY, 0, None, "full").temporaries > 0.0
+
+
+def test_ddps_all_reduce_waits_only_for_what_outlasts_the_backward():
+    # 10 s of all-reduce over 4 buckets' units: a 4 s backward hides 4 s of it; a 20 s
+    # backward all but the last unit's share, which starts when the backward ends.
+    assert traffic.exposed(10.0, 4.0, 4) == 6.0
+    assert traffic.exposed(10.0, 20.0, 4) == 2.5
+
+
+def test_a_replicated_gpu_job_is_ddp_and_its_plan_counts_the_overlap():
+    """8 GPUs, LoRA on the 8B: auto picks none, which the plan names as DDP on 8 processes
+    (not "over 1 process", as if one GPU ran), with only the exposed part of its all-reduce
+    in the step time."""
+    from ftjob.plan import describe, options
+
+    spec = example("llama3-8b-lora-dpo.yaml", **{"parallelism.sharding": "none"})
+    assert spec.resources.world_size == 8
+    stride = estimate.checkpoint_stride(spec, LLAMA_8B, None, "none")
+    e = estimate.estimate_at(spec, LLAMA_8B, stride, None, "none")
+    r = spec.resources
+    whole = traffic.traffic(spec, LLAMA_8B.layers, "none", 0.0, e.trainable).seconds(spec)
+    assert whole / (LLAMA_8B.layers + 1) <= e.collective_seconds < whole
+    lines = describe.describe(spec, options.plan(spec, LLAMA_8B))
+    shape = next(line for line in lines if line.lstrip().startswith("shape"))
+    assert f"replicated (DDP) on {r.world_size} processes" in shape, shape
+    throughput = next(line for line in lines if line.lstrip().startswith("throughput"))
+    assert "what DDP's all-reduce does not overlap with the backward" in throughput, throughput
+
+
+def test_one_process_is_said_to_train_a_plain_module_not_ddp():
+    """One process has no layout to choose: the line says what runs (the trainer's plain
+    module), not a replicated layout that would be 'fastest' against others it cannot be."""
+    spec = example("tiny.yaml", **{"resources.nodes": 1})
+    chosen = layout.choose(spec, TINY, layout.budget(spec, None, machine_bytes=24 * GIB))
+    assert chosen.sharding == "none"
+    assert chosen.reason.endswith("; one process trains a plain module (no gathers, no all-reduce)")
+    two = layout.choose(example("tiny.yaml"), TINY, layout.budget(spec, None, 24 * GIB))
+    assert "replicated as DDP (no gathers) is the fastest that fits" in two.reason

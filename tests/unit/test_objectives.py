@@ -65,6 +65,10 @@ def test_grpo_declares_trls_tracker_names_and_a_reward_column():
         "rewardStd": "train/reward_std",
         "completionLength": "train/completions/mean_length",
         "clipRatio": "train/clip_ratio/region_mean",
+        "clipRatioLow": "train/clip_ratio/low_mean",
+        "clipRatioHigh": "train/clip_ratio/high_mean",
+        "zeroStdRatio": "train/frac_reward_zero_std",
+        "truncatedRatio": "train/completions/clipped_ratio",
         "kl": "train/kl",
     }
     assert grpo["reward"].column == "Reward" and grpo["reward"].card == "mean reward"

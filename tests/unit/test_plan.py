@@ -760,20 +760,18 @@ def test_the_plan_says_a_gang_takes_one_node_per_pod():
         assert ("one pod per node (required pod anti-affinity)" in text) == (nodes > 1), text
 
 
-def test_a_compiled_step_is_planned_with_the_memory_compile_was_measured_to_add():
-    """training.compile on a GPU: the activations times the factor fitted to the first GPU
-    call (bench/RESULTS.md: 1.1B full on an H200, compiled peak 25,345 MiB against eager's
-    17,813 with 2,273 MiB of planned activations). A CPU job's plan is left as it was. (That
-    run's one-GPU layout was FSDP over one rank; the plain module's peak is the GPU kit's to
-    measure, bench/gpu_kit.)"""
-    edits = {"training.activationCheckpointing": "all"}
+def test_a_compiled_step_is_planned_as_the_eager_one_and_says_so():
+    """training.compile on a GPU is counted as the eager step, an upper bound: an H100
+    measured compiled peaks at 0.61-0.85x that count (bench/RESULTS.md, 2026-12-05), where
+    the factor fitted to one earlier run planned them 1.5-3.7x too high. The plan says so."""
+    edits = {"training.activationCheckpointing": "every-2"}
     spec = example("llama3-8b-lora-efa.yaml", **edits)
     compiled = example("llama3-8b-lora-efa.yaml", **edits, **{"training.compile": True})
     shape = known_model(spec.model.source)
     a, b = layout.estimate(spec, shape), layout.estimate(compiled, shape)
-    factor = 1 + estimate.COMPILED_EXTRA_ACTIVATIONS
-    assert b.activations == pytest.approx(a.activations * factor)
-    assert any(n.startswith("compiled: activations x4.31") for n in b.notes)
+    assert b.activations == a.activations
+    assert "compiled: counted as eager, an upper bound (0.61-0.85x measured)" in b.notes
+    assert not any(n.startswith("compiled") for n in a.notes)
     cpu = example("tiny.yaml", **{"training.compile": True})
     eager = example("tiny.yaml", **{"training.compile": False})
     assert (

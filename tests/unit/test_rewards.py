@@ -463,3 +463,24 @@ def test_a_function_that_ends_its_process_is_named_with_the_exit_code(tmp_path):
     exits = "import os\n\ndef score(completions, **kwargs):\n    os._exit(3)\n"
     with pytest.raises(RewardError, match=r"its process ended \(exit code 3\) while returning"):
         score([function(tmp_path, exits)], ["a"], [{}], root=tmp_path)
+
+
+def test_signs_before_currency_mixed_numbers_and_space_grouped_thousands():
+    """Answers that once read as another number (issue 75): "-$5" as 5, "5 1/2" as 0.5,
+    "10 000" as 0."""
+    assert number("She owes -$5 now") == -5
+    assert number("It costs $5.") == 5
+    assert number("5 1/2 cups") == 5.5
+    assert number("-2 3/4") == -2.75
+    assert number("about 10 000 people") == 10000
+    assert number("#### 1 234 567.5") == 1234567.5
+    assert number("3 and 4") == 4  # two numbers, not a thousands group
+    assert number("from 3-4 apples") == 4
+    assert number("10 - 4") == 4  # an operator between terms
+
+
+def test_exact_match_of_a_number_field_matches_the_numeral_a_completion_writes():
+    """A JSON gold answer 72.0 (or 72) is the numeral "72" or "72.0", not "72.0" alone."""
+    completions = ["#### 72", "#### 72.0", "#### 72.5", "#### 0.5"]
+    records = [{"answer": 72.0}, {"answer": 72}, {"answer": 72.0}, {"answer": 0.5}]
+    assert column([{"type": "exactMatch"}], completions, records) == [1.0, 1.0, 0.0, 1.0]

@@ -52,11 +52,9 @@ class Sequences:
     A rank reads a few rows per step, at random, and copies them into Python lists, so after
     each read it hands the mapped pages back (MADV_DONTNEED; they stay in the node's page
     cache for the next read). Otherwise every row read leaves its pages, and the kernel's
-    neighbours of them (fault-around, readahead), in the rank's RSS: measured here, 800
-    random rows made 184 MiB of the 189 MiB prepared from 20k records resident in each rank
-    (972 MiB of 1.1 GB at the 200k-record size). The madvise costs ~0.1 ms per read of 4
-    sequences of 2,048 tokens, next to ~4.5 ms to read and collate them (bench/RESULTS.md,
-    measured when collate took ~1.5 ms of it; collate in numpy now takes ~0.3 ms).
+    neighbours of them (fault-around, readahead), in the rank's RSS: a few hundred random
+    rows made nearly the whole prepared set resident in each rank, and the madvise costs a
+    small part of a read and collate (the data suite's figures: bench/RESULTS.md).
     """
 
     def __init__(self, table: pa.Table, maps: tuple[mmap.mmap, ...] = ()):

@@ -1,16 +1,20 @@
-"""Process group, device mesh and FSDP2 sharding: the only place that knows about parallelism.
+"""Process group, device mesh, FSDP2 sharding and DDP: the only place that knows about
+parallelism.
 
-The model code knows nothing of this (torchtitan's rule): :func:`shard` takes a plain Hugging
-Face model, turns on activation checkpointing, then applies ``fully_shard`` to every decoder
-layer and finally to the root. The same calls run on CPU (gloo) and GPUs (NCCL). A job of one
-rank has nothing to shard or reduce: :func:`plain` trains it as the module it is (no DTensor,
-no FSDP hooks), as torchtitan does where the data-parallel degree is 1.
+The model code knows nothing of this (torchtitan's rule). :func:`wrap` gives the model as
+the gang trains it: :func:`shard` takes a plain Hugging Face model, turns on activation
+checkpointing, then applies ``fully_shard`` to every decoder layer and finally to the root;
+``none`` (every rank holds the whole model) is torch's DDP (:func:`replicate`); a job of one
+rank has nothing to shard or reduce, and :func:`plain` trains it as the module it is (no
+DTensor, no hooks), as torchtitan does where the data-parallel degree is 1. The same calls
+run on CPU (gloo) and GPUs (NCCL).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,23 +101,59 @@ def _device_id(device: torch.device) -> torch.device | None:
 
 
 def mesh(spec: FineTuneJobSpec, d: Dist, sharding: str) -> DeviceMesh:
-    """1-D mesh for full / grad-op; 2-D (replicate, shard) for hybrid and none.
-
-    ``none`` is the 2-D mesh with a shard group of one: every rank holds everything and
-    gradients are all-reduced, DDP's behaviour through the same FSDP2 code.
-    """
-    if sharding == "hybrid":
-        shape = (spec.resources.nodes, d.world_size // spec.resources.nodes)
-    elif sharding == "none":
-        shape = (d.world_size, 1)
-    else:
+    """FSDP's mesh: 1-D for full and grad-op; 2-D (replicate, shard) for hybrid."""
+    if sharding != "hybrid":
         return init_device_mesh(d.device.type, (d.world_size,), mesh_dim_names=("shard",))
+    shape = (spec.resources.nodes, d.world_size // spec.resources.nodes)
     return init_device_mesh(d.device.type, shape, mesh_dim_names=("replicate", "shard"))
 
 
 def shard_group_size(device_mesh: DeviceMesh) -> int:
     """How many ranks split each parameter (the mesh's shard dimension)."""
     return device_mesh["shard"].size()
+
+
+def ddp(spec: FineTuneJobSpec, d: Dist, sharding: str) -> bool:
+    """Whether the gang trains replicated as DDP: ``none`` over more than one rank (the spec
+    refuses none with cpuOffload, which is FSDP's)."""
+    return sharding == "none" and not plain_enough(spec, d)
+
+
+def shard_group(spec: FineTuneJobSpec, d: Dist, sharding: str) -> int:
+    """How many ranks split each parameter: the planner's group (:func:`ftjob.plan.limits.
+    shard_group`: one for none, which is DDP), and one for a plain module."""
+    return 1 if plain_enough(spec, d) else limits.shard_group(spec, sharding)
+
+
+# How a layout keeps a step's gradient reduction to its last micro-batch (given whether this
+# micro-batch is the last); None where nothing waits (one rank; FSDP without replicas, whose
+# reduce-scatter every micro-batch is what keeps the gradients sharded).
+ReduceLast = Callable[[bool], None] | None
+
+
+def wrap(
+    model: nn.Module,
+    spec: FineTuneJobSpec,
+    d: Dist,
+    sharding: str,
+    whole: set[nn.Parameter] | None = None,
+    speed: Speed | None = None,
+) -> tuple[nn.Module, ReduceLast]:
+    """The model as this gang trains it under ``sharding`` (auto resolved), and its
+    :data:`ReduceLast`. ``whole`` and ``speed`` as :func:`shard` takes them."""
+    if plain_enough(spec, d):
+        return plain(model, spec, d.device, speed), None
+    if ddp(spec, d, sharding):
+        net = replicate(model, spec, d, speed)
+        # DDP all-reduces nothing until the last micro-batch, whose backward then overlaps it.
+        return net, net.set_requires_gradient_sync
+    device_mesh = mesh(spec, d, sharding)
+    net = shard(model, spec, device_mesh, sharding, whole, speed)
+    if device_mesh.ndim == 2 and device_mesh["replicate"].size() > 1:
+        # The reduce-scatter within a node runs every micro-batch; the all-reduce across the
+        # replicas (the nodes) waits for the last.
+        return net, net.set_requires_all_reduce
+    return net, None
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -206,6 +246,28 @@ def plain(
 
 def _to_bf16(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
     return out.to(torch.bfloat16)
+
+
+def replicate(
+    model: nn.Module, spec: FineTuneJobSpec, d: Dist, speed: Speed | None = None
+) -> nn.Module:
+    """:func:`plain`'s module under torch's DDP (the composable ``replicate``, which keeps the
+    parameters' names: checkpoints and exports are those of the sharded layouts, and DCP
+    reshards between them). DDP all-reduces the gradients in buckets while the backward is
+    still running. Every rank read the same weights and drew the same adapters (from
+    training.seed), so nothing is broadcast at the start (QLoRA's 4-bit weights could not
+    be), nor are the buffers at each forward (the rotary tables: computed alike)."""
+    from torch.distributed._composable.replicate import replicate as ddp_replicate
+
+    net = plain(model, spec, d.device, speed)
+    return ddp_replicate(
+        net,
+        device_id=d.device,
+        init_sync=False,
+        broadcast_buffers=False,
+        # The gradients are views into DDP's buckets: no second copy of them per rank.
+        gradient_as_bucket_view=True,
+    )
 
 
 def shard(

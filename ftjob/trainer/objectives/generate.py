@@ -26,6 +26,13 @@ import torch.distributed as dist
 
 from ftjob.trainer.model import attention
 
+# Tokens drawn between two checks of whether every completion has ended: the check reads the
+# device from the host (and under FSDP all-reduces across ranks), which on a GPU waits for
+# every queued kernel; once a token, it left the device idle between tokens. Checking every
+# CHECK_EVERY tokens costs at most CHECK_EVERY - 1 forwards of a batch already done, whose
+# draws are padding and cut (the completions are the same for any value).
+CHECK_EVERY = 8
+
 
 class Sampling(Protocol):
     """An engine that completes prompts."""
@@ -39,8 +46,9 @@ class Sampling(Protocol):
 
 @dataclass(frozen=True)
 class KvSampling:
-    """Token by token with a KV cache: temperature and nucleus (top-p) sampling, as TRL's
-    generation settings name them; stops at end-of-sequence or ``max_new`` tokens."""
+    """Token by token with a KV cache: temperature, top-k, nucleus (top-p) and min-p
+    sampling, as TRL's generation settings name them; stops at end-of-sequence or
+    ``max_new`` tokens."""
 
     max_new: int
     temperature: float
@@ -48,6 +56,8 @@ class KvSampling:
     eos: tuple[int, ...]  # the tokens that end a completion (TRL's eos_token_ids)
     pad: int
     synced: bool  # FSDP: every rank runs forward as often as the longest rank does
+    top_k: int = 0  # 0: every token
+    min_p: float | None = None
 
     @torch.no_grad()
     def complete(
@@ -67,7 +77,7 @@ class KvSampling:
         try:
             with _cached_attention(net), _gathered_once(net):
                 step_ids = ids
-                for _ in range(self.max_new):
+                for n in range(1, self.max_new + 1):
                     logits = net(
                         input_ids=step_ids, attention_mask=mask, position_ids=positions,
                         past_key_values=cache, use_cache=True, logits_to_keep=1,
@@ -76,7 +86,7 @@ class KvSampling:
                     token = torch.where(done, torch.full_like(token, self.pad), token)
                     out.append(token)
                     done |= torch.isin(token, ends)
-                    if self._finished(done):
+                    if n % CHECK_EVERY == 0 and self._finished(done):
                         break
                     step_ids = token.unsqueeze(1)
                     mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -86,14 +96,26 @@ class KvSampling:
         return _trimmed(torch.stack(out, dim=1).tolist() if out else [[]] * len(prompts), self.eos)
 
     def _draw(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """One token a row, from :meth:`probabilities`."""
+        return torch.multinomial(self.probabilities(logits), 1, generator=generator).squeeze(1)
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """What each row samples from (unnormalised): temperature, then top-k, top-p and
+        min-p, in the order of transformers' sampling warpers (what TRL's generation applies)."""
         probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        if 0 < self.top_k < probs.shape[-1]:
+            kth = probs.topk(self.top_k, dim=-1).values[..., -1:]
+            probs = probs.masked_fill(probs < kth, 0.0)
+            probs = probs / probs.sum(-1, keepdim=True)
         if self.top_p < 1.0:
             # Keep the most likely tokens whose mass reaches top_p (at least the first one).
             ordered, order = probs.sort(dim=-1, descending=True)
             before = ordered.cumsum(-1) - ordered
             ordered = ordered.masked_fill(before >= self.top_p, 0.0)
             probs = torch.zeros_like(probs).scatter(-1, order, ordered)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        if self.min_p:  # relative to the most likely token left
+            probs = probs.masked_fill(probs < self.min_p * probs.amax(-1, keepdim=True), 0.0)
+        return probs
 
     def _finished(self, done: torch.Tensor) -> bool:
         # Under FSDP a rank that stopped early would leave the others waiting in their next

@@ -49,7 +49,8 @@ if TYPE_CHECKING:  # imported where used: rewards start processes, transformers 
 
 # The metric sums of a micro-batch, in this order (step_metrics reads them), then each reward
 # function's sum, sum of squares and count of the completions it applied to.
-SUMS = ("reward", "rewardSquares", "scored", "tokens", "completions", "clipped", "kl")
+SUMS = ("reward", "rewardSquares", "scored", "tokens", "completions", "clipped", "kl",
+        "clippedLow", "clippedHigh", "truncated", "trained")  # fmt: skip
 SAMPLES_PER_LOG = 4  # completions written to the job folder's completions.jsonl per log step
 
 
@@ -131,6 +132,9 @@ class Grpo:
     tokenizer: PreTrainedTokenizerBase | None = None
     log: Callable[[str], None] = print
     _held: tuple[int, list[Rolled]] | None = field(default=None, repr=False)
+    # Of the generation batch trained on: its share of completions in groups whose rewards
+    # do not spread (None after a resume inside it, until the next one is sampled).
+    _zero_spread: float | None = field(default=None, repr=False)
     _restored: dict | None = field(default=None, repr=False)  # held(), read from a checkpoint
 
     @classmethod
@@ -146,19 +150,32 @@ class Grpo:
     @property
     def clip(self) -> grpo_loss.Clip:
         s = self.settings
-        return grpo_loss.Clip(s.loss_type, s.epsilon, s.upper, s.beta, s.max_completion_length)
+        return grpo_loss.Clip(s.loss_type, s.epsilon, s.upper, s.beta, s.max_completion_length,
+                              sequence=s.importance_sampling_level == "sequence")  # fmt: skip
 
     def sampler(self, n: int, spec: FineTuneJobSpec, world: int) -> Rollouts:
         t, s = spec.training, self.settings
-        return Rollouts(n, t.seed, world, t.micro_batch_size, t.gradient_accumulation,
+        return Rollouts(n, t.seed, world, t.micro_batch_size, spec.accumulation,
                         s.num_generations, s.num_iterations)  # fmt: skip
 
     def collate(self, rows: list[dict], pad_id: int) -> Prompts:
         return Prompts(rows)
 
     def count(self, batch: Rolled) -> int:
-        return grpo_loss.count(self.settings.loss_type, batch.lengths,
+        return grpo_loss.count(self.settings.loss_type, self._trained(batch),
                                self.settings.max_completion_length)  # fmt: skip
+
+    def _trained(self, batch: Rolled) -> list[int]:
+        """Each completion's tokens the loss takes: all of them, or none of one cut at the
+        length limit under maskTruncatedCompletions (TRL zeroes its completion mask)."""
+        if not self.settings.mask_truncated_completions:
+            return batch.lengths
+        return [0 if cut else n for n, cut in zip(batch.lengths, self._cut(batch), strict=True)]
+
+    def _cut(self, batch: Rolled) -> list[bool]:
+        """Which completions were cut at maxCompletionLength: no stop token at their end
+        (a completion ends at its first)."""
+        return [not c or c[-1] not in self.engine.eos for c in batch.completions]
 
     def before_training(self, spec, net, ds: data.Data, d, log, folder: Path) -> None:
         """The rewards (a user's function is imported here: a bad one fails before any step),
@@ -197,6 +214,8 @@ class Grpo:
             eos=ends,
             pad=ds.pad_id,
             synced=d.world_size > 1,
+            top_k=self.settings.top_k,
+            min_p=self.settings.min_p,
         )
         self.log = log
         if d.is_main:
@@ -264,6 +283,9 @@ class Grpo:
         every = self._gathered(prompts, texts, records, done, d)
         adv, summed = grpo_loss.advantages(
             every, self.rewards.weights, self.settings.num_generations, self.settings.scale_rewards
+        )
+        self._zero_spread = grpo_loss.zero_spread(
+            summed, self.settings.num_generations, self.settings.scale_rewards
         )
         mine = slice(d.rank * len(rows), (d.rank + 1) * len(rows))
         adv, summed, scores = adv[mine], summed[mine], every[mine]
@@ -334,7 +356,7 @@ class Grpo:
 
     def loss(self, net, batch: Rolled, device) -> tuple[torch.Tensor, torch.Tensor]:
         logps = self.logps(net, batch, device)
-        mask = completion_mask(batch.lengths, device)
+        mask = completion_mask(self._trained(batch), device, width=logps.shape[1])
         old = None if batch.old is None else batch.old.to(device)
         ref = None if batch.ref is None else batch.ref.to(device)
         terms = grpo_loss.token_terms(logps, old, ref, batch.advantages.to(device), mask,
@@ -343,23 +365,33 @@ class Grpo:
         scored = ~torch.isnan(r)
         sums = torch.tensor(
             [r[scored].sum(), (r[scored] ** 2).sum(), scored.sum(), sum(batch.lengths),
-             len(batch.lengths), 0.0, 0.0], dtype=torch.float32
+             len(batch.lengths), 0.0, 0.0, 0.0, 0.0, sum(self._cut(batch)),
+             sum(self._trained(batch))], dtype=torch.float32
         ).to(device)  # fmt: skip
-        sums[5], sums[6] = terms.clipped, terms.kl
+        sums[5], sums[6], sums[7], sums[8] = terms.clipped, terms.kl, terms.low, terms.high
         return terms.loss, torch.cat([sums, _function_sums(batch.scores).to(device)])
 
     def step_metrics(self, sums: list[float]) -> dict[str, float]:
         """The step's mean reward and its spread (TRL's reward and reward_std: over every
-        completion of the step), mean completion length, clipped share and KL."""
-        total, squares, n, tokens, completions, clipped, kl = sums[: len(SUMS)]
+        completion of the step), mean completion length, clipped shares (all, at the lower
+        and at the upper bound), the share of completions cut at the length limit, and KL."""
+        got = dict(zip(SUMS, sums, strict=False))
+        n, completions, trained = got["scored"], got["completions"], got["trained"]
+        # Shares of the tokens the loss took, or of the completions where each has one ratio.
+        per = completions if self.settings.importance_sampling_level == "sequence" else trained
         out = {
-            "reward": total / max(n, 1.0),
-            "rewardStd": _std(total, squares, n) or 0.0,
-            "completionLength": tokens / max(completions, 1.0),
-            "clipRatio": clipped / max(tokens, 1.0),
+            "reward": got["reward"] / max(n, 1.0),
+            "rewardStd": _std(got["reward"], got["rewardSquares"], n) or 0.0,
+            "completionLength": got["tokens"] / max(completions, 1.0),
+            "clipRatio": got["clipped"] / max(per, 1.0),
+            "clipRatioLow": got["clippedLow"] / max(per, 1.0),
+            "clipRatioHigh": got["clippedHigh"] / max(per, 1.0),
+            "truncatedRatio": got["truncated"] / max(completions, 1.0),
         }
         if self.settings.beta:
-            out["kl"] = kl / max(tokens, 1.0)
+            out["kl"] = got["kl"] / max(trained, 1.0)
+        if self._zero_spread is not None:
+            out["zeroStdRatio"] = self._zero_spread
         out["rewards"] = _by_function(self.rewards.names, sums[len(SUMS) :])
         return out
 
@@ -430,8 +462,9 @@ def _number(x: torch.Tensor) -> float | None:
     return None if math.isnan(v) else v
 
 
-def completion_mask(lengths: list[int], device) -> torch.Tensor:
-    width = max(lengths) if lengths else 0
+def completion_mask(lengths: list[int], device, width: int | None = None) -> torch.Tensor:
+    """[B, width] True on each row's first lengths[i] positions (width: the longest row)."""
+    width = (max(lengths) if lengths else 0) if width is None else width
     return (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).to(device)
 
 

@@ -48,6 +48,17 @@ def advantages(
     return torch.nan_to_num(out, nan=0.0), rewards
 
 
+def zero_spread(rewards: torch.Tensor, generations: int, scale: str) -> float:
+    """The share of a generation batch's completions whose rewards' spread is 0, the one
+    advantages divide by (the group's, or the batch's under ``batch``): they teach nothing
+    (TRL's frac_reward_zero_std)."""
+    if scale == "batch":
+        std = nanstd(rewards).expand_as(rewards)
+    else:
+        std = nanstd(rewards.view(-1, generations), dim=1).repeat_interleave(generations)
+    return float(torch.isclose(std, torch.zeros_like(std)).float().mean())
+
+
 @dataclass(frozen=True)
 class Clip:
     """The settings of the per-token loss."""
@@ -57,6 +68,7 @@ class Clip:
     epsilon_high: float
     beta: float
     max_completion_length: int
+    sequence: bool = False  # one importance ratio per completion (GSPO), not per token
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,8 @@ class Terms:
     loss: torch.Tensor
     clipped: torch.Tensor  # tokens whose ratio was clipped (TRL's region clip)
     kl: torch.Tensor  # summed per-token KL (0 when beta is 0)
+    low: torch.Tensor  # of them, tokens clipped at 1 - epsilon (advantage negative)
+    high: torch.Tensor  # and at 1 + epsilonHigh (advantage positive)
 
 
 def token_terms(
@@ -82,7 +96,11 @@ def token_terms(
     the ratio is 1 with the gradient of ``logps`` (TRL's ``per_token_logps.detach()``)."""
     adv = adv.unsqueeze(1)
     old = logps.detach() if old is None else old
-    ratio = torch.exp(logps - old)
+    log_ratio = logps - old
+    if clip.sequence:  # [B, 1]: the mean of a completion's token log-ratios (TRL's, GSPO's)
+        weights = mask.to(log_ratio.dtype)
+        log_ratio = ((log_ratio * weights).sum(-1) / weights.sum(-1).clamp(min=1.0)).unsqueeze(1)
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - clip.epsilon_low, 1 + clip.epsilon_high)
     per_token = -torch.min(ratio * adv, clipped * adv)
     kl = torch.zeros((), device=logps.device)
@@ -100,8 +118,12 @@ def token_terms(
         loss = (per_token * mask).sum()
     low = (ratio < 1 - clip.epsilon_low) & (adv < 0)
     high = (ratio > 1 + clip.epsilon_high) & (adv > 0)
-    region = ((low | high).to(mask.dtype) * mask).sum().detach()
-    return Terms(loss, region, kl)
+
+    def counted(flags: torch.Tensor) -> torch.Tensor:
+        # Per completion at the sequence level (TRL counts [B, 1] flags a row each).
+        return (flags.to(mask.dtype) if clip.sequence else flags * mask).sum().detach()
+
+    return Terms(loss, counted(low | high), kl, counted(low), counted(high))
 
 
 def count(loss_type: str, lengths: list[int], max_completion_length: int) -> int:

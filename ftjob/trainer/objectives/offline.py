@@ -14,7 +14,7 @@ class Offline:
 
     def sampler(self, n: int, spec: FineTuneJobSpec, world: int) -> data.Sampler:
         t = spec.training
-        return data.Sampler(n, t.seed, world, t.micro_batch_size, t.gradient_accumulation)
+        return data.Sampler(n, t.seed, world, t.micro_batch_size, spec.accumulation)
 
     def rollout(self, net, micro: list[data.Batch], step: int, d) -> list[data.Batch]:
         return micro

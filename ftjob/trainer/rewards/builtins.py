@@ -22,11 +22,16 @@ _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S | re.I)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _HASHES = re.compile(r"####\s*([^\n]*)")
 _FRAC = re.compile(r"\\[dt]?frac\s*\{\s*([^{}]*?)\s*\}\s*\{\s*([^{}]*?)\s*\}")
-# A number: 1,234.5 (thousands commas), -3, 0.25, .5, 1e-3, 3/4. A minus counts as a sign only
-# where it cannot be a hyphen or an operator between terms: "x = -4" is -4, "3-4" is 3 and 4.
+# A number: 1,234.5 or 10 000 (thousands commas or spaces), -3, 0.25, .5, 1e-3, 3/4, 5 1/2 (a
+# whole and a fraction). A minus counts as a sign only where it cannot be a hyphen or an
+# operator between terms: "x = -4" is -4, "3-4" is 3 and 4; a currency sign may follow it
+# ("-$5" is -5).
+_CURRENCY = "$€£¥"
 _NUMBER = re.compile(
-    r"(?:(?<![\w)\]])-)?(?<![\d.])"
-    r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|\.\d+)"
+    rf"(?:(?<![\w)\]])-[{_CURRENCY}]?)?(?<![\d.])"
+    r"(?:\d+[ \u00a0]+\d+\s*/\s*\d+"  # a whole and a fraction
+    r"|\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d{1,3}(?:[ \u00a0\u202f]\d{3})+(?![\d/])(?:\.\d+)?"
+    r"|\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|\.\d+)"
     r"(?:\s*/\s*\d+(?:\.\d+)?)?"
 )
 # What exact match drops from the end of an answer: a sentence's closing punctuation.
@@ -70,11 +75,17 @@ def normalise(text: str) -> str:
 
 
 def _as_number(token: str) -> float | None:
-    token = re.sub(r"\s+", "", token).replace(",", "")
+    sign = -1.0 if token.startswith("-") else 1.0
+    token = token.lstrip("-" + _CURRENCY).replace(",", "")
+    whole = 0.0
+    if "/" in token and re.match(r"\d+[ \u00a0]+\d", token):  # 5 1/2
+        first, token = token.split(maxsplit=1)
+        whole = float(first)
+    token = re.sub(r"\s+", "", token)
     if "/" in token:
         top, bottom = token.split("/", 1)
-        return float(top) / float(bottom) if float(bottom) != 0 else None
-    return float(token)
+        return sign * (whole + float(top) / float(bottom)) if float(bottom) != 0 else None
+    return sign * float(token)
 
 
 def number(value: Any) -> float | None:
@@ -120,12 +131,22 @@ def field_values(records: list[dict], field: str, reward: str) -> list[Any]:
     return out
 
 
+def _texts(value: Any) -> set[str]:
+    """A reference's normal forms: its answer text, and a number field (JSON's 72.0 for a
+    gold answer of 72) as the numeral a completion writes ("72", "72.0")."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        numeral = float(value)
+        return {f"{int(numeral)}", f"{numeral}"} if numeral.is_integer() else {f"{numeral}"}
+    return {normalise(answer_text(str(value)))}
+
+
 def exact_match(completions: list[str], references: list[Any]) -> list[float | None]:
     """1.0 where the completion's answer text (:func:`answer_text`) equals a reference's after
-    :func:`normalise`, else 0.0; None where the record has no reference."""
+    :func:`normalise` (a number field as its numeral), else 0.0; None where the record has no
+    reference."""
     out: list[float | None] = []
     for completion, value in zip(completions, references, strict=True):
-        wanted = {normalise(answer_text(str(v))) for v in _references(value)}
+        wanted = {text for v in _references(value) for text in _texts(v)}
         if not wanted:
             out.append(None)
             continue
