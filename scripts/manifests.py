@@ -1,13 +1,13 @@
 """Generate every derived file: the CRD copies, manifests/install.yaml and manifests/samples/.
 
-    python scripts/manifests.py            # rewrite them (from spec.py, the chart, examples/)
+    python scripts/manifests.py            # rewrite them (from api/spec/, the chart, examples/)
     python scripts/manifests.py --check    # exit 1 if any is stale (tests check the same)
 
 manifests/crd.yaml and charts/ftjob/crds/finetunejobs.ftjob.dev.yaml are `ftjob crd`'s output,
 manifests/profile-crd.yaml and charts/ftjob/crds/finetuneprofiles.ftjob.dev.yaml `ftjob crd
 --profile`'s; charts/ftjob/templates/profile-policy.yaml the profiles' ValidatingAdmissionPolicy
 (ftjob/api/policy.py);
-charts/ftjob/values.schema.json's trainer.tracking is spec.tracking's schema (spec.py), its
+charts/ftjob/values.schema.json's trainer.tracking is spec.tracking's schema (spec/tracking.py), its
 profile.spec a FineTuneProfile's (api/profile.py).
 
 install.yaml is what `helm install ftjob charts/ftjob -n ftjob-system --create-namespace`
@@ -109,12 +109,12 @@ def install_yaml() -> str:
 
 
 def values_schema() -> str:
-    """values.schema.json with trainer.tracking's schema from spec.py's TrackingSpec and
+    """values.schema.json with trainer.tracking's schema from spec/tracking.py's TrackingSpec and
     profile.spec's from api/profile.py (the rest of the file is written by hand): the chart
     refuses what a job's spec.tracking, or a FineTuneProfile, would. The CEL rules are not
     JSON Schema; the operator checks them when it starts."""
     from ftjob.api.schema import openapi
-    from ftjob.api.spec import TrackingSpec
+    from ftjob.api.spec.tracking import TrackingSpec
 
     def chart_form(node):
         if isinstance(node, list):

@@ -1,4 +1,4 @@
-"""Render the FineTuneJob CustomResourceDefinition from ``spec.py`` and ``status.py``, and the
+"""Render the FineTuneJob CustomResourceDefinition from ``spec/`` and ``status.py``, and the
 FineTuneProfile's from ``profile.py``.
 
 ``ftjob crd`` (``--profile``) prints them; manifests/crd.yaml (profile-crd.yaml) and the Helm

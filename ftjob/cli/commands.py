@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
         "crd",
         help="print the FineTuneJob CustomResourceDefinition",
         description=(
-            "Print the CRD generated from ftjob/api/spec.py (what manifests/crd.yaml holds)."
+            "Print the CRD generated from ftjob/api/spec/ (what manifests/crd.yaml holds)."
         ),
     )
     p.add_argument(

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 from ftjob.api.contract import COMPILE_CACHE, DOWNLOADS, SECRET_ENV
 from ftjob.api.schema import quantity
-from ftjob.api.spec import FineTuneJobSpec, SecretKeyRef
+from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.spec.fields import SecretKeyRef
 
 VOLUME_MOUNT = "/ftjob"  # where pods mount checkpoint.volume
 # NCCL's bootstrap traffic: any interface but loopback and container bridges.

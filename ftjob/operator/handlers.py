@@ -40,7 +40,8 @@ from aiohttp import web
 
 from ftjob.api.profile import PLURAL as PROFILES
 from ftjob.api.schema import SpecError
-from ftjob.api.spec import GROUP, KIND, PLURAL, VERSION, FineTuneJobSpec, TrackingSpec
+from ftjob.api.spec import GROUP, KIND, PLURAL, VERSION, FineTuneJobSpec
+from ftjob.api.spec.tracking import TrackingSpec
 from ftjob.operator import (
     admit,
     cost,

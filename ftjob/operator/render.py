@@ -22,7 +22,8 @@ from typing import Any
 
 from ftjob.api import contract
 from ftjob.api.schema import camel, parse, to_dict
-from ftjob.api.spec import API_VERSION, DEFAULT_IMAGE, KIND, FineTuneJobSpec, TrackingSpec
+from ftjob.api.spec import API_VERSION, DEFAULT_IMAGE, KIND, FineTuneJobSpec
+from ftjob.api.spec.tracking import TrackingSpec
 from ftjob.job import launch
 from ftjob.plan import quota
 from ftjob.plan.estimate import grace_period_seconds

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ftjob.api.contract import BAD_DATA, TrainerError
 from ftjob.api.source import is_remote
-from ftjob.api.spec import DatasetSpec
+from ftjob.api.spec.data import DatasetSpec
 from ftjob.job.inputs import DATA_FIX, resolve
 
 # No torch, transformers or pyarrow at import (pyarrow only where a function builds Arrow):

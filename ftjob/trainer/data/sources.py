@@ -39,7 +39,8 @@ from pathlib import Path
 
 from ftjob.api.contract import BAD_DATA, BAD_MODEL, HUB_UNREACHABLE, TrainerError
 from ftjob.api.source import HUB, is_hub
-from ftjob.api.spec import DatasetSpec, FineTuneJobSpec
+from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.spec.data import DatasetSpec
 from ftjob.job import atomic
 from ftjob.job.folder import JobFolder
 from ftjob.trainer.data import s3, storeerrors

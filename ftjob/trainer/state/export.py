@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ftjob.api.source import hub_repo, is_hub, is_s3
-from ftjob.api.spec import FineTuneJobSpec, ModelSpec
+from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.spec.model import ModelSpec
 from ftjob.job import folder as jobfolder
 from ftjob.trainer.model.load import resolve, source_options
 

@@ -1,0 +1,597 @@
+"""The FineTuneJob: its spec (every concern's block, and the rules across them), and the
+parsing of a spec and of a whole document.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ftjob import __version__
+from ftjob.api import kubevalidation as kv
+from ftjob.api import promotion
+from ftjob.api.hardware import FP8_GPU_TYPES
+from ftjob.api.objectives import OBJECTIVES
+from ftjob.api.schema import (
+    FieldError,
+    Rule,
+    SpecError,
+    api_field,
+    check_update,
+    parse,
+    unknown_field,
+)
+from ftjob.api.source import is_hub
+from ftjob.api.spec.checkpoint import CheckpointSpec
+from ftjob.api.spec.data import DatasetSpec
+from ftjob.api.spec.env import RESERVED_ENV, RESERVED_ENV_PREFIXES, EnvVar, PullSecret, SecretsSpec
+from ftjob.api.spec.fields import (
+    DNS_LABEL_HINT,
+    DNS_SUBDOMAIN_HINT,
+    LABEL_KEY_HINT,
+    LABEL_VALUE_HINT,
+)
+from ftjob.api.spec.method import MethodSpec
+from ftjob.api.spec.model import ModelSpec
+from ftjob.api.spec.output import OutputSpec
+from ftjob.api.spec.resources import NetworkSpec, ParallelismSpec, ResourcesSpec
+from ftjob.api.spec.run_policy import BudgetSpec, PlanSpec, PreflightSpec, RunPolicySpec
+from ftjob.api.spec.scheduling import SchedulingSpec
+from ftjob.api.spec.storage import StorageSpec
+from ftjob.api.spec.tracking import TrackingSpec
+from ftjob.api.spec.training import TrainingSpec
+
+GROUP, VERSION, KIND, PLURAL = "ftjob.dev", "v1alpha1", "FineTuneJob", "finetunejobs"
+API_VERSION = f"{GROUP}/{VERSION}"
+# What a FineTuneJob document holds at its top (a status is allowed and ignored, as by kubectl).
+DOCUMENT_KEYS = ("apiVersion", "kind", "metadata", "spec", "status")
+# The release's trainer image name: a placeholder (nothing is published under it), used only
+# when neither spec.image nor the operator's --default-image names one.
+DEFAULT_IMAGE = f"ghcr.io/ftjob/trainer:{__version__}"
+_FP8_CEL = "[" + ", ".join(f"'{name}'" for name in FP8_GPU_TYPES) + "]"
+# Whether compile: unset turns torch.compile on for GPU jobs. GPU runs have shown compiled layers
+# train to the same losses, 1.34-1.74x faster (bench/RESULTS.md); `ftjob plan` counts them as
+# eager, 1.2-1.6x their measured peaks (an H100, 2026-12-05): on once the plan is within 15%.
+COMPILE_VERIFIED_ON_GPU = False
+
+
+def _reserved(name: str) -> bool:
+    return name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES)
+
+
+_RESERVED_CEL = " || ".join(
+    [f"e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES]
+    + [f"e.name == '{n}'" for n in RESERVED_ENV]
+)
+
+# The processes of a job, in CEL (ResourcesSpec.world_size), and a step's completions (GRPO).
+_WORLD_CEL = (
+    "self.resources.nodes * (self.resources.gpusPerNode > 0 ? self.resources.gpusPerNode : "
+    "(has(self.resources.processesPerNode) ? self.resources.processesPerNode : 1))"
+)
+_COMPLETIONS_CEL = (
+    f"self.training.microBatchSize * self.training.gradientAccumulation * {_WORLD_CEL}"
+)
+
+
+@dataclass(kw_only=True)
+class FineTuneJobSpec:
+    """FineTuneJob fine-tunes a language model with FSDP on a gang of torchrun pods."""
+
+    model: ModelSpec = api_field("model to fine-tune.", immutable=True)
+    dataset: DatasetSpec = api_field("dataset to train on.", immutable=True)
+    method: MethodSpec = api_field("method of fine-tuning.", factory=MethodSpec, immutable=True)
+    training: TrainingSpec = api_field(
+        "training loop settings.", factory=TrainingSpec, immutable=True
+    )
+    resources: ResourcesSpec = api_field(
+        "resources of each pod and the number of nodes.", factory=ResourcesSpec, immutable=True
+    )
+    parallelism: ParallelismSpec = api_field(
+        "parallelism: FSDP sharding.", factory=ParallelismSpec, immutable=True
+    )
+    network: NetworkSpec = api_field("network fabric and NCCL settings.", factory=NetworkSpec)
+    checkpoint: CheckpointSpec = api_field(
+        "checkpoint location and cadence.", factory=CheckpointSpec, immutable=True
+    )
+    output: OutputSpec = api_field("output: the exported model.", factory=OutputSpec)
+    secrets: SecretsSpec = api_field("secrets the pods may read.", factory=SecretsSpec)
+    storage: StorageSpec = api_field(
+        "storage: the object store of s3:// sources.", factory=StorageSpec
+    )
+    tracking: TrackingSpec = api_field(
+        "tracking: experiment trackers (MLflow, Weights & Biases, TensorBoard).",
+        factory=TrackingSpec,
+    )
+    run_policy: RunPolicySpec = api_field(
+        "runPolicy: retries, timeouts, suspension.", factory=RunPolicySpec
+    )
+    scheduling: SchedulingSpec = api_field(
+        "scheduling constraints of the pods.", factory=SchedulingSpec
+    )
+    plan: PlanSpec = api_field("plan: the fit check before launch.", factory=PlanSpec)
+    preflight: PreflightSpec = api_field(
+        "preflight: node, fabric and volume checks before loading.", factory=PreflightSpec
+    )
+    # No schema default: an unset image stays unset in the stored job, so the operator's
+    # cluster-wide default (ftjob operator --default-image) can fill it in.
+    image: str | None = api_field(
+        "image of the trainer (default: the operator's --default-image, the chart's "
+        "trainer.defaultImage); an edit applies at once to a gang that never ran (a new gang), "
+        "else to the next gang attempt.",
+        None,
+        pattern=kv.IMAGE,
+        pattern_hint="be an image reference without spaces, e.g. ghcr.io/org/trainer:1.0",
+        max_length=512,
+    )
+    env: list[EnvVar] = api_field(
+        "env: extra environment variables of the training processes.", factory=list, max_items=64
+    )
+    image_pull_secrets: list[PullSecret] = api_field(
+        "imagePullSecrets: Secrets the pods pull the trainer image with (a private registry).",
+        factory=list,
+        max_items=16,
+    )
+    service_account_name: str | None = api_field(
+        "serviceAccountName: the ServiceAccount of the job's namespace its pods run as, for "
+        "workload identity (IRSA, GKE or Azure workload identity); its API token is not "
+        "mounted. Under a FineTuneProfile only a name its limits.allowedServiceAccounts lists "
+        "(default: the namespace's default ServiceAccount).",
+        None,
+        pattern=kv.DNS_SUBDOMAIN,
+        pattern_hint=DNS_SUBDOMAIN_HINT,
+        max_length=253,
+    )
+    budget: BudgetSpec = api_field("budget: a spend that stops the job.", factory=BudgetSpec)
+    profile: str | None = api_field(
+        "profile: the FineTuneProfile whose defaults fill what this job leaves unset and whose "
+        "limits it must keep (default: the namespace's, by its label ftjob.dev/profile or a "
+        "profile's namespaceSelector; docs/platform.md).",
+        None,
+        pattern=kv.DNS_SUBDOMAIN,
+        pattern_hint=DNS_SUBDOMAIN_HINT,
+        max_length=253,
+    )
+
+    __rules__: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "self.method.type != 'full' || !has(self.method.lora)",
+            lambda s: s.method.type != "full" or s.method.lora is None,
+            "lora settings need method.type lora or qlora; remove method.lora for a full fine-tune",
+            ".method.lora",
+        ),
+        Rule(
+            "self.method.type == 'qlora' || !has(self.method.quantization)",
+            lambda s: s.method.type == "qlora" or s.method.quantization is None,
+            "quantization is only for method.type qlora; remove it or set type qlora",
+            ".method.quantization",
+        ),
+        Rule(
+            "!self.output.mergeAdapter || self.method.type != 'full'",
+            lambda s: not s.output.merge_adapter or s.method.type != "full",
+            "mergeAdapter needs an adapter (method.type lora or qlora); remove it for a full "
+            "fine-tune",
+            ".output.mergeAdapter",
+        ),
+        Rule(
+            "self.training.objective != 'dpo' || self.dataset.format == 'preference'",
+            lambda s: s.training.objective != "dpo" or s.dataset.format == "preference",
+            "objective dpo trains on preference pairs: set dataset.format: preference (with "
+            "prompt, chosen and rejected fields), or objective sft",
+            ".dataset.format",
+        ),
+        Rule(
+            "self.dataset.format != 'preference' || self.training.objective == 'dpo'",
+            lambda s: s.dataset.format != "preference" or s.training.objective == "dpo",
+            "preference data trains with training.objective: dpo; set it, or use a format for "
+            "next-token training (text, chat or instruction)",
+            ".training.objective",
+        ),
+        Rule(
+            "!has(self.training.dpo) || !has(self.training.dpo.labelSmoothing) || "
+            "!has(self.training.dpo.lossType) || self.training.dpo.lossType == 'sigmoid'",
+            lambda s: (
+                s.training.dpo is None
+                or s.training.dpo.label_smoothing is None
+                or s.training.dpo.loss_type == "sigmoid"
+            ),
+            "labelSmoothing applies to lossType sigmoid only; remove it, or set lossType: sigmoid",
+            ".training.dpo.labelSmoothing",
+        ),
+        Rule(
+            "self.training.objective == 'dpo' || !has(self.training.dpo)",
+            lambda s: s.training.objective == "dpo" or s.training.dpo is None,
+            "dpo settings need training.objective: dpo; set it, or remove training.dpo",
+            ".training.dpo",
+        ),
+        Rule(
+            "self.training.objective != 'grpo' || self.dataset.format == 'prompts'",
+            lambda s: s.training.objective != "grpo" or s.dataset.format == "prompts",
+            "objective grpo samples completions of prompts: set dataset.format: prompts (a "
+            "prompt field, text or messages, plus what the rewards read)",
+            ".dataset.format",
+        ),
+        Rule(
+            "self.dataset.format != 'prompts' || self.training.objective == 'grpo'",
+            lambda s: s.dataset.format != "prompts" or s.training.objective == "grpo",
+            "prompts data trains with training.objective: grpo; set it (with training.grpo."
+            "rewards), or use a format for next-token training (text, chat or instruction)",
+            ".training.objective",
+        ),
+        Rule(
+            "self.training.objective == 'grpo' || !has(self.training.grpo)",
+            lambda s: s.training.objective == "grpo" or s.training.grpo is None,
+            "grpo settings need training.objective: grpo; set it, or remove training.grpo",
+            ".training.grpo",
+        ),
+        Rule(
+            "self.training.objective != 'grpo' || (has(self.training.grpo) && "
+            "has(self.training.grpo.rewards) && size(self.training.grpo.rewards) > 0)",
+            lambda s: (
+                s.training.objective != "grpo" or bool(s.training.grpo and s.training.grpo.rewards)
+            ),
+            "objective grpo learns from rewards: list at least one in training.grpo.rewards "
+            "(e.g. {type: exactMatch, field: answer})",
+            ".training.grpo.rewards",
+        ),
+        Rule(
+            # Unset, gradientAccumulation is derived to hold whole groups (accumulation).
+            "!has(self.training.grpo) || !has(self.training.gradientAccumulation) || "
+            f"({_COMPLETIONS_CEL}) % self.training.grpo.numGenerations == 0",
+            lambda s: (
+                s.training.grpo is None
+                or s.training.gradient_accumulation is None
+                or s.global_batch_size % s.training.grpo.num_generations == 0
+            ),
+            "the completions of a step (microBatchSize x gradientAccumulation x processes) "
+            "must divide by training.grpo.numGenerations, so each prompt's whole group trains "
+            "in the same step; change numGenerations or the batch, or leave "
+            "gradientAccumulation unset to have it derived",
+            ".training.grpo.numGenerations",
+        ),
+        Rule(
+            "!has(self.training.grpo) || self.training.grpo.maxCompletionLength < "
+            "self.dataset.maxSeqLength",
+            lambda s: (
+                s.training.grpo is None
+                or s.training.grpo.max_completion_length < s.dataset.max_seq_length
+            ),
+            "a sequence is the prompt and its completion: training.grpo.maxCompletionLength "
+            "must be below dataset.maxSeqLength; raise maxSeqLength or lower the completion",
+            ".training.grpo.maxCompletionLength",
+        ),
+        Rule(
+            "!has(self.training.grpo) || !has(self.training.grpo.beta) || "
+            "self.training.grpo.beta == 0.0 || self.method.type != 'full'",
+            lambda s: (
+                s.training.grpo is None or s.training.grpo.beta == 0 or s.method.type != "full"
+            ),
+            "training.grpo.beta > 0 needs a reference model: with method.type lora or qlora it "
+            "is the network with its adapters off; a full fine-tune holds none, so set beta: 0 "
+            "or use lora",
+            ".training.grpo.beta",
+        ),
+        Rule(
+            "self.training.objective != 'grpo' || !(has(self.dataset.evalFraction) || "
+            "has(self.dataset.evalSplit))",
+            lambda s: (
+                s.training.objective != "grpo"
+                or (s.dataset.eval_fraction is None and s.dataset.eval_split is None)
+            ),
+            "objective grpo does not evaluate yet (its training log reports the rewards); "
+            "remove dataset.evalFraction and dataset.evalSplit",
+            ".dataset",
+        ),
+        Rule(
+            "has(self.training.maxSteps) != has(self.training.epochs)",
+            lambda s: (s.training.max_steps is None) != (s.training.epochs is None),
+            "set exactly one of training.maxSteps and training.epochs",
+            ".training",
+        ),
+        Rule(
+            "!(has(self.dataset.evalFraction) && has(self.dataset.evalSplit))",
+            lambda s: s.dataset.eval_fraction is None or s.dataset.eval_split is None,
+            "set evalFraction or evalSplit, not both",
+            ".dataset.evalSplit",
+        ),
+        Rule(
+            "self.parallelism.sharding != 'hybrid' || self.resources.nodes >= 2",
+            lambda s: s.parallelism.sharding != "hybrid" or s.resources.nodes >= 2,
+            "hybrid sharding needs resources.nodes >= 2; use full on one node",
+            ".parallelism.sharding",
+        ),
+        Rule(
+            "!self.parallelism.cpuOffload || self.parallelism.sharding != 'none'",
+            lambda s: not s.parallelism.cpu_offload or s.parallelism.sharding != "none",
+            "cpuOffload needs sharding (auto, full, hybrid or grad-op), not none",
+            ".parallelism.cpuOffload",
+        ),
+        Rule(
+            "self.network.fabric == 'tcp' || self.resources.gpusPerNode > 0",
+            lambda s: s.network.fabric == "tcp" or s.resources.gpus_per_node > 0,
+            "fabric efa and infiniband need GPUs (resources.gpusPerNode > 0); use tcp on CPU",
+            ".network.fabric",
+        ),
+        Rule(
+            "(self.network.fabric == 'efa') == has(self.network.efaDevicesPerNode)",
+            lambda s: (s.network.fabric == "efa") == (s.network.efa_devices_per_node is not None),
+            "fabric efa needs network.efaDevicesPerNode (p4d: 4, p5: 32), and only efa takes it",
+            ".network.efaDevicesPerNode",
+        ),
+        Rule(
+            "self.resources.gpusPerNode == 0 || !has(self.resources.processesPerNode)",
+            lambda s: s.resources.gpus_per_node == 0 or s.resources.processes_per_node is None,
+            "processesPerNode is for CPU jobs; GPU jobs run one process per GPU",
+            ".resources.processesPerNode",
+        ),
+        Rule(
+            "self.resources.gpusPerNode > 0 || !self.model.attention.startsWith('flash')",
+            lambda s: s.resources.gpus_per_node > 0 or not s.model.attention.startswith("flash"),
+            "flash attention needs GPUs; use sdpa on CPU",
+            ".model.attention",
+        ),
+        Rule(
+            "self.training.precision != 'fp8' || self.method.type != 'qlora'",
+            lambda s: s.training.precision != "fp8" or s.method.type != "qlora",
+            "precision fp8 casts each high-precision weight to float8 for its matmul; QLoRA's "
+            "base is 4-bit NF4, so every step would dequantize it to bf16 and quantize again "
+            "to float8 (slower than bf16, and rounded twice): use precision bf16 with qlora, or "
+            "fp8 with method.type lora or full",
+            ".training.precision",
+        ),
+        Rule(
+            "self.training.precision == 'fp8' || !has(self.training.fp8Recipe)",
+            lambda s: s.training.precision == "fp8" or s.training.fp8_recipe is None,
+            "fp8Recipe is for precision fp8; remove it or set precision fp8",
+            ".training.fp8Recipe",
+        ),
+        Rule(
+            f"self.training.precision != 'fp8' || !has(self.resources.gpuType) || "
+            f"self.resources.gpuType in {_FP8_CEL}",
+            lambda s: (
+                s.training.precision != "fp8" or s.resources.gpu_type in (None, *FP8_GPU_TYPES)
+            ),
+            "precision fp8 needs float8 tensor cores (CUDA capability 8.9: Ada, Hopper, "
+            f"Blackwell), which resources.gpuType lacks; use precision bf16, or a gpuType of "
+            f"{', '.join(FP8_GPU_TYPES)}",
+            ".training.precision",
+        ),
+        Rule(
+            "self.resources.gpusPerNode > 0 || !has(self.resources.gpuType)",
+            lambda s: s.resources.gpus_per_node > 0 or s.resources.gpu_type is None,
+            "gpuType names the GPU of a GPU job; remove it when gpusPerNode is 0",
+            ".resources.gpuType",
+        ),
+        Rule(
+            # A CPU job spends node time only (operator/cost.py): a GPU-hour or money budget
+            # would never be reached, and so never stop it.
+            "self.resources.gpusPerNode > 0 || "
+            "(!has(self.budget.gpuHours) && !has(self.budget.amount))",
+            lambda s: (
+                s.resources.gpus_per_node > 0
+                or (s.budget.gpu_hours is None and s.budget.amount is None)
+            ),
+            "a CPU job (gpusPerNode 0) spends no GPU-hours or money, so a budget in gpuHours or "
+            "amount would never stop it; set budget.nodeHours instead",
+            ".budget",
+        ),
+        Rule(
+            "self.network.collectiveTimeoutSeconds < self.runPolicy.stallTimeoutSeconds",
+            lambda s: s.network.collective_timeout_seconds < s.run_policy.stall_timeout_seconds,
+            "collectiveTimeoutSeconds must be shorter than runPolicy.stallTimeoutSeconds, so a "
+            "hung collective fails before the job is declared stalled",
+            ".network.collectiveTimeoutSeconds",
+        ),
+        Rule(
+            # A job naming its profile may take the volume from it: the door sees the job
+            # before the merge, and the merge checks the volume is then there (api/profile.py).
+            "self.resources.nodes == 1 || has(self.checkpoint.volume) || has(self.profile)",
+            lambda s: (
+                s.resources.nodes == 1 or s.checkpoint.volume is not None or s.profile is not None
+            ),
+            "more than one node needs a shared checkpoint.volume (a ReadWriteMany claim) so "
+            "that every node writes its shards to one place; set it, or name a spec.profile "
+            "whose defaults give one",
+            ".checkpoint.volume",
+        ),
+        Rule(
+            promotion.cel_rule(),
+            lambda s: (
+                s.output.promote_when is None
+                or promotion.valid(s.output.promote_when, s.training.objective)
+            ),
+            "output.promoteWhen must be METRIC OP NUMBER clauses joined by ' and ', e.g. "
+            "'evalLoss < 1.8', with metrics that training.objective evaluates: "
+            + "; ".join(f"{o}: {', '.join(promotion.eval_metrics(o))}" for o in OBJECTIVES),
+            ".output.promoteWhen",
+        ),
+        Rule(
+            "!has(self.output.promoteWhen) || (has(self.output.push) && "
+            "(has(self.dataset.evalFraction) || has(self.dataset.evalSplit)))",
+            lambda s: (
+                s.output.promote_when is None
+                or (
+                    s.output.push is not None
+                    and (s.dataset.eval_fraction is not None or s.dataset.eval_split is not None)
+                )
+            ),
+            "output.promoteWhen gates output.push on the final evaluation: set output.push and "
+            "dataset.evalFraction or dataset.evalSplit",
+            ".output.promoteWhen",
+        ),
+        Rule(
+            "!has(self.output.push) || !self.output.push.exists(p, p.startsWith('hf://')) "
+            "|| has(self.secrets.huggingFaceToken)",
+            lambda s: (
+                not any(is_hub(p) for p in s.output.push or [])
+                or s.secrets.hugging_face_token is not None
+            ),
+            "output.push to the Hub needs secrets.huggingFaceToken: a Secret key holding a Hub "
+            "token that may write to the repository (ftjob run reads HF_TOKEN from its "
+            "environment)",
+            ".output.push",
+        ),
+        Rule(
+            f"!self.env.exists(e, {_RESERVED_CEL})",
+            lambda s: not any(_reserved(e.name) for e in s.env),
+            "env may not set variables ftjob manages (PET_*, FTJOB_*, TORCHELASTIC_*, "
+            "MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, HF_TOKEN)",
+            ".env",
+        ),
+    )
+
+    # ------------------------------------------------------------------ derived values
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step: training.gradientAccumulation where it is set;
+        unset, 1, and for GRPO the fewest that make the step's completions whole groups (so
+        TRL's defaults, 8 completions a prompt, run as they are on one GPU)."""
+        t = self.training
+        if t.gradient_accumulation is not None:
+            return t.gradient_accumulation
+        if t.grpo is None:
+            return 1
+        per_micro = t.micro_batch_size * self.resources.world_size
+        return t.grpo.num_generations // math.gcd(per_micro, t.grpo.num_generations)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.training.micro_batch_size * self.accumulation * self.resources.world_size
+
+    @property
+    def sequences_per_example(self) -> int:
+        """Sequences one example of microBatchSize is: 2 for a DPO pair (chosen and rejected
+        run in the same forward), else 1."""
+        return 2 if self.training.objective == "dpo" else 1
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step, every sequence maxSeqLength long."""
+        return self.global_batch_size * self.sequences_per_example * self.dataset.max_seq_length
+
+    def compile_enabled(self, on_gpu: bool) -> bool:
+        """Whether the trainer compiles the decoder layers: training.compile when set; unset,
+        off on CPU, and on GPUs only once compile has been verified there."""
+        if self.training.compile is not None:
+            return self.training.compile
+        # float8's casts and scales are fast only fused into the matmuls around them: torchao
+        # and torchtitan train fp8 compiled (eager fp8 can be slower than bf16).
+        return on_gpu and (COMPILE_VERIFIED_ON_GPU or self.training.precision == "fp8")
+
+    def compute_precision(self) -> str:
+        """bf16, fp32 or fp8 (auto resolved; auto never picks fp8: it changes numerics)."""
+        if self.training.precision != "auto":
+            return self.training.precision
+        return "bf16" if self.resources.gpus_per_node > 0 else "fp32"
+
+    def bf16_compute(self) -> bool:
+        """Whether the ops outside float8 matmuls compute in bf16 (precision bf16 and fp8)."""
+        return self.compute_precision() in ("bf16", "fp8")
+
+
+def parse_spec(data: Any, path: str = "spec") -> FineTuneJobSpec:
+    return parse(FineTuneJobSpec, data, path)
+
+
+def validate_update(old: FineTuneJobSpec, new: FineTuneJobSpec) -> None:
+    errors = check_update(old, new)
+    if errors:
+        raise SpecError(errors)
+
+
+# The headless Service takes the job's name, so it is a DNS-1035 label (it starts with a
+# letter); pod names add "-node-<rank>" (up to 10 characters): 52 leaves room for both.
+NAME_PATTERN = kv.DNS_1035_LABEL
+NAME_MAX = 52
+NAME_HINT = (
+    f"must be at most {NAME_MAX} lowercase letters, digits and '-', starting with a letter and "
+    "ending with a letter or digit (it names the job's Service and pods)"
+)
+
+
+def _metadata_errors(meta: Any) -> list[FieldError]:
+    """What the API server checks of the job's own metadata: name, namespace, labels."""
+    if not isinstance(meta, dict):
+        return [FieldError("metadata", f"must be an object with a name, got {meta!r}")]
+    errors = []
+    name = meta.get("name", "")
+    if not isinstance(name, str) or not re.match(NAME_PATTERN, name) or len(name) > NAME_MAX:
+        errors.append(FieldError("metadata.name", f"{NAME_HINT}; got {name!r}"))
+    namespace = meta.get("namespace")
+    if namespace is not None and not (isinstance(namespace, str) and kv.is_dns_label(namespace)):
+        errors.append(FieldError("metadata.namespace", f"must {DNS_LABEL_HINT}; got {namespace!r}"))
+    labels = meta.get("labels") or {}
+    if not isinstance(labels, dict):
+        errors.append(FieldError("metadata.labels", "must be a map of label keys to values"))
+        labels = {}
+    for key, value in labels.items():
+        if not kv.is_qualified_name(str(key)):
+            errors.append(FieldError(f"metadata.labels.{key}", f"key must {LABEL_KEY_HINT}"))
+        if not isinstance(value, str) or not kv.is_label_value(value):
+            errors.append(
+                FieldError(f"metadata.labels.{key}", f"must {LABEL_VALUE_HINT}, got {value!r}")
+            )
+    return errors
+
+
+def parse_resource(doc: Any, strict: bool = False) -> tuple[str, FineTuneJobSpec]:
+    """Check a whole FineTuneJob document (kind, metadata, spec); return its name and spec.
+
+    ``strict``: a job file as a person wrote it, whose every top-level key must be known (a
+    record that adds keys of its own, as the job folder's spec.json does, is read without)."""
+    errors = []
+    if not isinstance(doc, dict):
+        raise SpecError([FieldError("(document)", "must be a FineTuneJob object")])
+    if doc.get("apiVersion") != API_VERSION:
+        errors.append(
+            FieldError("apiVersion", f"must be {API_VERSION}, got {doc.get('apiVersion')!r}")
+        )
+    if doc.get("kind") != KIND:
+        errors.append(FieldError("kind", f"must be {KIND}, got {doc.get('kind')!r}"))
+    errors.extend(_metadata_errors(doc.get("metadata") or {}))
+    # Every key the document cannot hold, each named: kubectl's strict decoder names them all.
+    errors.extend(
+        FieldError(str(key), unknown_field(str(key), list(DOCUMENT_KEYS)), unknown=True)
+        for key in doc
+        if strict and key not in DOCUMENT_KEYS
+    )
+    if doc.get("spec") is None:  # a null spec is pruned by the API server: missing
+        errors.append(FieldError("spec", "is required"))
+    try:
+        spec = parse_spec(doc.get("spec"))
+    except SpecError as e:
+        errors.extend(e.errors)
+        spec = None
+    if errors:
+        raise SpecError(errors)
+    return doc["metadata"]["name"], spec
+
+
+def ineffective(spec: FineTuneJobSpec, raw: dict[str, Any]) -> list[str]:
+    """PURE: settings that are valid but cannot do what they say, as warnings (``raw``: the
+    spec as written, to tell a field the job sets from its default)."""
+    out = []
+    t, ds = spec.training, spec.dataset
+    steps = t.max_steps
+    if steps is not None and t.warmup_steps(steps) >= steps:
+        out.append(
+            f"spec.training.warmup: {t.warmup} is {t.warmup_steps(steps)} steps of warmup with "
+            f"maxSteps {steps}: the learning rate never reaches its peak; lower warmup (e.g. "
+            '"3%") or raise maxSteps'
+        )
+    if t.precision == "fp8" and spec.resources.gpus_per_node == 0:
+        out.append(
+            "spec.training.precision: fp8 on CPU is emulated (float8 rounding without float8 "
+            "speed): it tests what fp8 does to a job's numerics; train with fp32 or bf16"
+        )
+    written = (raw.get("training") or {}) if isinstance(raw, dict) else {}
+    held_out = ds.eval_fraction is not None or ds.eval_split is not None
+    if written.get("evalEvery") is not None and t.eval_every > 0 and not held_out:
+        out.append(
+            f"spec.training.evalEvery: {t.eval_every}, but no eval data is held out: the job "
+            "never evaluates; set dataset.evalFraction (e.g. 0.05) or dataset.evalSplit"
+        )
+    return out
