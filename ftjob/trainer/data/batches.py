@@ -42,6 +42,7 @@ __all__ = [
     "collate",
     "eval_batches",
     "load",
+    "next_tokens",
 ]
 
 
@@ -165,8 +166,12 @@ class Batch:
     # The documents' lengths over the flattened batch (cu_seqlens' steps), as host ints:
     # attention that splits by document reads them here, not from the device.
     lengths: tuple[int, ...] = ()
+    # A context-parallel slice's next-token targets [B, S/N], shifted over the whole sequence
+    # before it was cut (trainer/data/context_slice.py): a slice's last token predicts the
+    # next slice's first. None: :func:`next_tokens` of ``labels``.
+    targets: torch.Tensor | None = None
 
-    _TENSORS = ("input_ids", "labels", "position_ids", "cu_seqlens", "reference")
+    _TENSORS = ("input_ids", "labels", "position_ids", "cu_seqlens", "reference", "targets")
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {k: getattr(self, k) for k in self._TENSORS if getattr(self, k) is not None}
@@ -227,6 +232,13 @@ def collate(rows: list[dict], pad_id: int) -> Batch:
         attention_sq=attention_sq,
         lengths=tuple(lengths),
     )
+
+
+def next_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Each position's target: the next token's label; a row's last position predicts nothing."""
+    targets = torch.full_like(labels, IGNORE)
+    targets[:, :-1] = labels[:, 1:]
+    return targets
 
 
 class Sampler:

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ftjob.trainer.model import context
+
 NAME = "ftjob_packed"  # the attn_implementation the default (sdpa) builds with
 SPEC_CHOICES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
@@ -125,8 +127,15 @@ def packed_attention(
     """transformers' attention-function interface: q/k/v [B, H, S, D] -> ([B, S, H, D], None).
 
     Boundaries come from ``cu_seq_lens_q`` (ftjob's and TRL's padding-free batches), else from
-    ``position_ids`` restarting at 0, else each row is one document.
+    ``position_ids`` restarting at 0, else each row is one document. Inside a context-parallel
+    group (:func:`context.parallel`), q/k/v hold this rank's slice of the sequence: all-to-alls
+    give it all of the sequence for its share of the heads, and give the output back.
     """
+    cp = context.active()
+    if cp is not None:
+        if cu_seq_lens_q is None:
+            raise ValueError(f"{NAME}: context parallel needs the whole sequence's cu_seq_lens_q")
+        query, key, value = context.heads_to_sequence(cp, query, key, value)
     b, heads, s, _ = query.shape
     _refuse_unsupported(module, query, key, attention_mask, dropout, is_causal, softcap, s_aux)
     if cu_seq_lens_k is not None and cu_seq_lens_k.shape != getattr(cu_seq_lens_q, "shape", None):
@@ -159,7 +168,8 @@ def packed_attention(
         out = kernel(q, k, v, cu, longest, scaling)
     else:
         out = (_eager_per_document or per_document)(q, k, v, cu, scaling)
-    return out.view(b, s, heads, out.shape[-1]), None
+    out = out.view(b, s, heads, out.shape[-1])
+    return (out if cp is None else context.sequence_to_heads(cp, out)), None
 
 
 def _refuse_unsupported(module, query, key, attention_mask, dropout, is_causal, softcap, s_aux):

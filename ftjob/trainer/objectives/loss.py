@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ftjob.plan.modelshape import LOSS_CHUNK_TOKENS
+from ftjob.trainer.data.batches import next_tokens
 from ftjob.trainer.data.tokenize import IGNORE
 from ftjob.trainer.model import attention
 from ftjob.trainer.objectives import preference
@@ -247,13 +248,6 @@ def _targets(head: nn.Module, targets: torch.Tensor, per_token: bool = False, te
         head.targets, head.per_token, head.temperature = None, False, 1.0
 
 
-def next_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """Each position's target: the next token's label; a row's last position predicts nothing."""
-    targets = torch.full_like(labels, IGNORE)
-    targets[:, :-1] = labels[:, 1:]
-    return targets
-
-
 def model_inputs(net: nn.Module, on) -> dict:
     """The forward's arguments for a ``data.Batch`` already on the device."""
     # No attention mask: the documents' boundaries travel as cu_seqlens
@@ -265,9 +259,10 @@ def model_inputs(net: nn.Module, on) -> dict:
 
 def token_loss(net: nn.Module, batch, device: torch.device) -> tuple[torch.Tensor, int]:
     """Sum of next-token losses over the batch's labelled tokens, and their count (a host
-    number from collate: reading it never waits for the device)."""
+    number from collate: reading it never waits for the device). A context-parallel slice
+    brings its targets, shifted over the whole sequence (trainer/data/context_slice.py)."""
     on = batch.to(device)
-    targets = next_tokens(on.labels)
+    targets = next_tokens(on.labels) if on.targets is None else on.targets
     inputs = model_inputs(net, on)
     head = net.get_output_embeddings()
     if isinstance(head, _Asked):
