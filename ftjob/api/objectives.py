@@ -188,6 +188,50 @@ GRPO = Objective(
             "cut at maxCompletionLength before a stop token.",
         ),
         Metric(
+            key="completionMinLength",
+            fmt=".0f",
+            tracker="train/completions/min_length",
+            status="completionMinLength (GRPO jobs): tokens of the shortest completion of the "
+            "latest trained generation batch.",
+        ),
+        Metric(
+            key="completionMaxLength",
+            fmt=".0f",
+            tracker="train/completions/max_length",
+            status="completionMaxLength (GRPO jobs): tokens of the longest completion of the "
+            "latest trained generation batch.",
+        ),
+        Metric(
+            key="terminatedLength",
+            fmt=".1f",
+            tracker="train/completions/mean_terminated_length",
+            status="terminatedLength (GRPO jobs): mean tokens of the latest trained generation "
+            "batch's completions that ended with a stop token (0 when none did).",
+        ),
+        Metric(
+            key="terminatedMinLength",
+            fmt=".0f",
+            tracker="train/completions/min_terminated_length",
+            status="terminatedMinLength (GRPO jobs): tokens of the shortest of them.",
+        ),
+        Metric(
+            key="terminatedMaxLength",
+            fmt=".0f",
+            tracker="train/completions/max_terminated_length",
+            status="terminatedMaxLength (GRPO jobs): tokens of the longest of them.",
+        ),
+        Metric(
+            key="entropy",
+            fmt=".3f",
+            tracker="train/entropy",
+            gauge=Gauge(
+                "ftjob_entropy", "GRPO: mean entropy (nats) of the trained tokens, last step."
+            ),
+            status="entropy (GRPO jobs): mean entropy, in nats, of the policy's next-token "
+            "distribution at the completion tokens the latest logged step trained on (at the "
+            "sampling temperature; falling towards 0: the policy stops exploring).",
+        ),
+        Metric(
             key="kl",
             fmt=".4f",
             tracker="train/kl",

@@ -67,7 +67,9 @@ def test_the_mean_reward_rises(grpo):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     # Partial credit for digits: the model learns to write numbers (a rise, not a value).
     assert last > first + 0.15, rewards
-    assert all(s["completionLength"] > 0 for s in steps)
+    for s in steps:  # the lengths over both ranks' completions of the generation batch
+        assert 0 < s["completionMinLength"] <= s["completionLength"] <= s["completionMaxLength"]
+        assert s["terminatedMaxLength"] <= s["completionMaxLength"] and s["entropy"] > 0
     assert all(0 <= s["clipRatio"] <= 1 for s in steps)
     # One reward of weight 1: its own mean is the step's reward.
     assert all(s["rewards"]["answer"]["mean"] == pytest.approx(s["reward"]) for s in steps)
@@ -92,7 +94,7 @@ def test_a_grpo_run_resumes_to_the_same_completions_rewards_and_losses(runs):
     doc["spec"]["training"]["maxSteps"] = 8
     first, again, out = resumed_in_process(doc, runs / "resumed", 4)
     assert "(step 4)" in out, out
-    keys = ("loss", "reward", "rewardStd", "completionLength", "clipRatio")
+    keys = ("loss", "reward", "rewardStd", "completionLength", "clipRatio", "entropy")
     resumed = {s["step"]: {k: s[k] for k in keys} for s in history(again)}
     uninterrupted = {s["step"]: {k: s[k] for k in keys} for s in history(first)}
     assert sorted(resumed) == list(range(5, 9))

@@ -17,7 +17,7 @@ from example_jobs import example
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ftjob.api.contract import TrainerError
-from ftjob.api.spec import DatasetSpec
+from ftjob.api.spec.data import DatasetSpec
 from ftjob.plan import estimate, layout
 from ftjob.plan.modelshape import known_model
 from ftjob.trainer.data import records
@@ -167,7 +167,7 @@ def test_the_model_card_says_grpo_its_rewards_and_the_final_mean_reward():
 
 
 def test_each_reward_has_its_mean_and_spread_under_trls_tracker_names():
-    from ftjob.api.spec import GrpoSpec
+    from ftjob.api.spec.training import GrpoSpec
     from ftjob.trainer.report import trackers
 
     nan = float("nan")
@@ -175,11 +175,16 @@ def test_each_reward_has_its_mean_and_spread_under_trls_tracker_names():
     goal = grpo.Grpo(GrpoSpec(), seed=0, prompt_field="prompt", log_every=1, method="lora")
     goal.rewards = type("R", (), {"names": ["right", "steps"]})()
     # 3 completions of 12 tokens, all trained: 3 clipped, 1 low and 2 high; one cut at the limit.
-    sums = [1.5, 1.25, 3, 12, 3, 3, 0, 1, 2, 1, 12, *grpo._function_sums(scores).tolist()]
+    named = {"reward": 1.5, "rewardSquares": 1.25, "scored": 3, "tokens": 12, "completions": 3,
+             "clipped": 3, "kl": 0, "clippedLow": 1, "clippedHigh": 2, "truncated": 1,
+             "trained": 12, "entropy": 30.0}  # fmt: skip
+    sums = [named[k] for k in grpo.SUMS] + grpo._function_sums(scores).tolist()
     assert "zeroStdRatio" not in goal.step_metrics(sums)  # no generation batch sampled yet
-    goal._zero_spread = 0.5  # what the step's rollout found
+    # What the step's rollout found over every rank's completions: 3, 12 (cut) and 6 tokens.
+    tokens, cut = torch.tensor([3.0, 12.0, 6.0]), torch.tensor([False, True, False])
+    goal._generated = {"zeroStdRatio": 0.5, **grpo_loss.lengths(tokens, cut)}
     got = goal.step_metrics(sums)
-    assert got["reward"] == 0.5 and got["completionLength"] == 4.0
+    assert got["reward"] == 0.5 and got["completionLength"] == 4.0 and got["entropy"] == 2.5
     assert (got["clipRatio"], got["clipRatioLow"], got["clipRatioHigh"]) == (0.25, 1 / 12, 1 / 6)
     assert got["truncatedRatio"] == pytest.approx(1 / 3)
     assert got["rewards"]["right"] == {"mean": 0.5, "std": pytest.approx(0.5)}
@@ -190,6 +195,14 @@ def test_each_reward_has_its_mean_and_spread_under_trls_tracker_names():
     assert values["train/completions/clipped_ratio"] == pytest.approx(1 / 3)
     assert values["train/clip_ratio/low_mean"] == 1 / 12
     assert values["train/frac_reward_zero_std"] == 0.5
+    assert values["train/entropy"] == 2.5
+    assert values["train/completions/min_length"] == 3
+    assert values["train/completions/max_length"] == 12
+    assert values["train/completions/mean_terminated_length"] == 4.5
+    assert values["train/completions/min_terminated_length"] == 3
+    assert values["train/completions/max_terminated_length"] == 6
+    # None ended with a stop token: TRL's zeros, not NaN.
+    assert set(grpo_loss.lengths(tokens, torch.ones(3, dtype=torch.bool)).values()) == {0.0, 3, 12}
     assert values["train/rewards/steps/mean"] == 3.0
     assert values["train/rewards/right/std"] == pytest.approx(0.5)
 
@@ -250,7 +263,8 @@ def test_unset_accumulation_is_derived_so_a_step_holds_whole_groups(shape, micro
     (8 completions a prompt) on any shape: gradientAccumulation, unset, is the fewest
     micro-batches that make the step's completions whole groups. Set, it is the user's, and
     one that splits a group is refused, naming the way out."""
-    from ftjob.api.spec import SpecError, parse_spec
+    from ftjob.api.schema import SpecError
+    from ftjob.api.spec import parse_spec
 
     raw = {"model": {"source": "hf://org/m"},
            "dataset": {"source": "p.jsonl", "format": "prompts"},

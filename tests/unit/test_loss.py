@@ -130,6 +130,29 @@ def test_chunked_log_probabilities_and_their_gradients_equal_the_plain_ones():
     torch.testing.assert_close(grads[1], weight.grad, rtol=1e-6, atol=1e-5)
 
 
+def test_chunked_entropy_is_each_distributions_own_and_leaves_the_gradients_alone():
+    """GRPO's entropy metric, taken chunk by chunk beside the log-probabilities: each labelled
+    position's entropy of the softmax over the whole vocabulary (torch's Categorical), 0
+    where nothing is labelled; asking for it changes neither the values nor the gradients."""
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 16, requires_grad=True)
+    weight = (0.5 * torch.randn(50, 16)).requires_grad_()
+    targets = torch.randint(0, 50, (300,))
+    targets[::7] = IGNORE
+    entropy = torch.zeros(300)
+    with_it = loss.linear_logprobs(hidden, weight, targets, chunk=64, entropy=entropy)
+    with_it.sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    without = loss.linear_logprobs(hidden, weight, targets, chunk=64)
+    without.sum().backward()
+    assert torch.equal(with_it, without)
+    assert torch.equal(grads[0], hidden.grad) and torch.equal(grads[1], weight.grad)
+    expected = torch.distributions.Categorical(logits=(hidden @ weight.t()).detach()).entropy()
+    torch.testing.assert_close(entropy, expected * (targets != IGNORE), rtol=1e-5, atol=1e-5)
+    assert (entropy[::7] == 0).all() and (entropy[1::7] > 0).all()
+
+
 def test_log_probabilities_keep_no_logits_for_backward_and_make_one_chunk_at_a_time(
     monkeypatch,
 ):

@@ -69,6 +69,12 @@ def test_grpo_declares_trls_tracker_names_and_a_reward_column():
         "clipRatioHigh": "train/clip_ratio/high_mean",
         "zeroStdRatio": "train/frac_reward_zero_std",
         "truncatedRatio": "train/completions/clipped_ratio",
+        "completionMinLength": "train/completions/min_length",
+        "completionMaxLength": "train/completions/max_length",
+        "terminatedLength": "train/completions/mean_terminated_length",
+        "terminatedMinLength": "train/completions/min_terminated_length",
+        "terminatedMaxLength": "train/completions/max_terminated_length",
+        "entropy": "train/entropy",
         "kl": "train/kl",
     }
     assert grpo["reward"].column == "Reward" and grpo["reward"].card == "mean reward"

@@ -13,7 +13,6 @@ package names the job-level API: import a concern's classes from its module.
 """
 
 from ftjob.api.schema import SpecError
-from ftjob.api.spec.data import DatasetSpec
 from ftjob.api.spec.job import (
     API_VERSION,
     DEFAULT_IMAGE,
@@ -31,7 +30,6 @@ from ftjob.api.spec.job import (
     parse_spec,
     validate_update,
 )
-from ftjob.api.spec.training import GrpoSpec
 
 __all__ = [
     "API_VERSION",
@@ -50,9 +48,4 @@ __all__ = [
     "parse_resource",
     "parse_spec",
     "validate_update",
-    # Still imported from here by the GRPO objective and its tests (ftjob/trainer/objectives/
-    # grpo.py, tests/unit/test_grpo*.py), edited elsewhere as this package was made; their
-    # modules are data and training.
-    "DatasetSpec",
-    "GrpoSpec",
 ]

@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from ftjob.api import objectives
 from ftjob.api.contract import BAD_SPEC, TrainerError
-from ftjob.api.spec import FineTuneJobSpec, GrpoSpec
+from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.spec.training import GrpoSpec
 from ftjob.job.folder import JobFolder
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.data.tokenize import IGNORE
@@ -50,7 +51,7 @@ if TYPE_CHECKING:  # imported where used: rewards start processes, transformers 
 # The metric sums of a micro-batch, in this order (step_metrics reads them), then each reward
 # function's sum, sum of squares and count of the completions it applied to.
 SUMS = ("reward", "rewardSquares", "scored", "tokens", "completions", "clipped", "kl",
-        "clippedLow", "clippedHigh", "truncated", "trained")  # fmt: skip
+        "clippedLow", "clippedHigh", "truncated", "trained", "entropy")  # fmt: skip
 SAMPLES_PER_LOG = 4  # completions written to the job folder's completions.jsonl per log step
 
 
@@ -132,9 +133,10 @@ class Grpo:
     tokenizer: PreTrainedTokenizerBase | None = None
     log: Callable[[str], None] = print
     _held: tuple[int, list[Rolled]] | None = field(default=None, repr=False)
-    # Of the generation batch trained on: its share of completions in groups whose rewards
-    # do not spread (None after a resume inside it, until the next one is sampled).
-    _zero_spread: float | None = field(default=None, repr=False)
+    # Of the generation batch trained on, over every rank's completions: its share in groups
+    # whose rewards do not spread and its lengths (grpo_loss.lengths), as TRL logs them at
+    # generation ({} after a resume inside it, until the next one is sampled).
+    _generated: dict[str, float] = field(default_factory=dict, repr=False)
     _restored: dict | None = field(default=None, repr=False)  # held(), read from a checkpoint
 
     @classmethod
@@ -170,12 +172,13 @@ class Grpo:
         length limit under maskTruncatedCompletions (TRL zeroes its completion mask)."""
         if not self.settings.mask_truncated_completions:
             return batch.lengths
-        return [0 if cut else n for n, cut in zip(batch.lengths, self._cut(batch), strict=True)]
+        cut = self._cut(batch.completions)
+        return [0 if c else n for n, c in zip(batch.lengths, cut, strict=True)]
 
-    def _cut(self, batch: Rolled) -> list[bool]:
+    def _cut(self, completions: list[list[int]]) -> list[bool]:
         """Which completions were cut at maxCompletionLength: no stop token at their end
         (a completion ends at its first)."""
-        return [not c or c[-1] not in self.engine.eos for c in batch.completions]
+        return [not c or c[-1] not in self.engine.eos for c in completions]
 
     def before_training(self, spec, net, ds: data.Data, d, log, folder: Path) -> None:
         """The rewards (a user's function is imported here: a bad one fails before any step),
@@ -280,13 +283,13 @@ class Grpo:
         texts = self.tokenizer.batch_decode(done, skip_special_tokens=True)
         records = [json.loads(r["record"]) for r in rows]
         prompts = [rec.get(self.prompt_field) for rec in records]
-        every = self._gathered(prompts, texts, records, done, d)
-        adv, summed = grpo_loss.advantages(
-            every, self.rewards.weights, self.settings.num_generations, self.settings.scale_rewards
-        )
-        self._zero_spread = grpo_loss.zero_spread(
-            summed, self.settings.num_generations, self.settings.scale_rewards
-        )
+        every, lengths = self._gathered(prompts, texts, records, done, d)
+        generations, scale = self.settings.num_generations, self.settings.scale_rewards
+        adv, summed = grpo_loss.advantages(every, self.rewards.weights, generations, scale)
+        self._generated = {
+            "zeroStdRatio": grpo_loss.zero_spread(summed, generations, scale),
+            **grpo_loss.lengths(lengths[:, 0], lengths[:, 1].bool()),
+        }
         mine = slice(d.rank * len(rows), (d.rank + 1) * len(rows))
         adv, summed, scores = adv[mine], summed[mine], every[mine]
         if self.samples is not None and (step + 1) % self.log_every == 0:
@@ -299,24 +302,29 @@ class Grpo:
             at += n
         return out
 
-    def _gathered(self, prompts, texts, records, done, d) -> torch.Tensor:
-        """Every rank's scores [N, F], in rank order: groups span ranks, and every rank
-        normalises each group alike. A reward that fails on one rank fails the step on all of
-        them at once (a last column says which failed), instead of leaving the others waiting
-        in the next collective until it times out."""
+    def _gathered(self, prompts, texts, records, done, d) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's scores [N, F] and completions' (tokens, cut at the limit) [N, 2], in
+        rank order: groups span ranks, and every rank normalises each group alike. A reward
+        that fails on one rank fails the step on all of them at once (a last column says
+        which failed), instead of leaving the others waiting in the next collective until it
+        times out."""
         error = None
         try:
             scores = self.rewards.score(prompts, texts, records, done).to(torch.float32)
         except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
             error, scores = e, torch.zeros((len(texts), len(self.rewards.names)))
-        flagged = torch.cat([scores, torch.full((len(texts), 1), float(error is not None))], 1)
+        ends = zip(done, self._cut(done), strict=True)
+        lengths = torch.tensor([[len(c), cut] for c, cut in ends], dtype=torch.float32)
+        lengths = lengths.view(-1, 2)  # [N, 2] also where this rank has no completion
+        failed = torch.full((len(texts), 1), float(error is not None))
+        flagged = torch.cat([scores, lengths, failed], 1)
         gathered = [torch.empty_like(flagged, device=d.device) for _ in range(d.world_size)]
         dist.all_gather(gathered, flagged.to(d.device))
         every = torch.cat(gathered).cpu()
         failed = every[:, -1].view(d.world_size, -1)[:, 0].nonzero().flatten().tolist()
         if failed:
             _fail_together(error, failed[0], d)
-        return every[:, :-1]
+        return every[:, :-3], every[:, -3:-1]
 
     def _rolled(self, net, rows, completions, adv, rewards, scores, d) -> Rolled:
         rolled = self._assembled(rows, completions, adv, rewards, scores)
@@ -347,34 +355,46 @@ class Grpo:
 
     # ------------------------------------------------------------------ the loss
 
-    def logps(self, net, b: Rolled, device) -> torch.Tensor:
+    def logps(self, net, b: Rolled, device, entropy: bool = False):
         """[B, C] each completion token's log-probability under ``net`` as it is, at the
-        sampling temperature (0 past a completion's end)."""
+        sampling temperature (0 past a completion's end); with ``entropy``, also [B, C] each
+        token's entropy of the distribution it was drawn from (no gradient)."""
         on = b.batch.to(device)
-        every = token_logps(net, model_inputs(net, on), on.labels, self.settings.temperature)
-        return completion_view(every, b.prompt_lengths, b.lengths)
+        spread = torch.zeros(on.labels.shape, device=device) if entropy else None
+        every = token_logps(net, model_inputs(net, on), on.labels, self.settings.temperature,
+                            entropy=spread)  # fmt: skip
+        logps = completion_view(every, b.prompt_lengths, b.lengths)
+        if not entropy:
+            return logps
+        return logps, completion_view(spread, b.prompt_lengths, b.lengths)
 
     def loss(self, net, batch: Rolled, device) -> tuple[torch.Tensor, torch.Tensor]:
-        logps = self.logps(net, batch, device)
+        logps, entropy = self.logps(net, batch, device, entropy=True)
         mask = completion_mask(self._trained(batch), device, width=logps.shape[1])
         old = None if batch.old is None else batch.old.to(device)
         ref = None if batch.ref is None else batch.ref.to(device)
         terms = grpo_loss.token_terms(logps, old, ref, batch.advantages.to(device), mask,
                                       self.clip)  # fmt: skip
-        r = batch.rewards
+        r = batch.rewards.to(device)
         scored = ~torch.isnan(r)
-        sums = torch.tensor(
-            [r[scored].sum(), (r[scored] ** 2).sum(), scored.sum(), sum(batch.lengths),
-             len(batch.lengths), 0.0, 0.0, 0.0, 0.0, sum(self._cut(batch)),
-             sum(self._trained(batch))], dtype=torch.float32
-        ).to(device)  # fmt: skip
-        sums[5], sums[6], sums[7], sums[8] = terms.clipped, terms.kl, terms.low, terms.high
+        named = {
+            "reward": r[scored].sum(), "rewardSquares": (r[scored] ** 2).sum(),
+            "scored": scored.sum(), "tokens": sum(batch.lengths),
+            "completions": len(batch.lengths), "clipped": terms.clipped, "kl": terms.kl,
+            "clippedLow": terms.low, "clippedHigh": terms.high,
+            "truncated": sum(self._cut(batch.completions)),
+            "trained": sum(self._trained(batch)),
+            "entropy": (entropy * mask).sum(),
+        }  # fmt: skip
+        sums = torch.stack([torch.as_tensor(named[k], dtype=torch.float32, device=device)
+                            for k in SUMS])  # fmt: skip
         return terms.loss, torch.cat([sums, _function_sums(batch.scores).to(device)])
 
     def step_metrics(self, sums: list[float]) -> dict[str, float]:
         """The step's mean reward and its spread (TRL's reward and reward_std: over every
         completion of the step), mean completion length, clipped shares (all, at the lower
-        and at the upper bound), the share of completions cut at the length limit, and KL."""
+        and at the upper bound), the share of completions cut at the length limit, KL, and the
+        mean entropy of the next-token distributions over the tokens the loss took."""
         got = dict(zip(SUMS, sums, strict=False))
         n, completions, trained = got["scored"], got["completions"], got["trained"]
         # Shares of the tokens the loss took, or of the completions where each has one ratio.
@@ -387,11 +407,11 @@ class Grpo:
             "clipRatioLow": got["clippedLow"] / max(per, 1.0),
             "clipRatioHigh": got["clippedHigh"] / max(per, 1.0),
             "truncatedRatio": got["truncated"] / max(completions, 1.0),
+            "entropy": got["entropy"] / max(trained, 1.0),
         }
         if self.settings.beta:
             out["kl"] = got["kl"] / max(trained, 1.0)
-        if self._zero_spread is not None:
-            out["zeroStdRatio"] = self._zero_spread
+        out.update(self._generated)
         out["rewards"] = _by_function(self.rewards.names, sums[len(SUMS) :])
         return out
 

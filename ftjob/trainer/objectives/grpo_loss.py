@@ -59,6 +59,22 @@ def zero_spread(rewards: torch.Tensor, generations: int, scale: str) -> float:
     return float(torch.isclose(std, torch.zeros_like(std)).float().mean())
 
 
+def lengths(tokens: torch.Tensor, cut: torch.Tensor) -> dict[str, float]:
+    """A generation batch's completion lengths as TRL logs them: the shortest and longest of
+    all, and the mean, shortest and longest of those that ended with a stop token (not
+    ``cut`` at the length limit; 0 where none did, as TRL's)."""
+    ended = tokens[~cut].float()
+    if ended.numel() == 0:
+        ended = torch.zeros(1)
+    return {
+        "completionMinLength": float(tokens.min()),
+        "completionMaxLength": float(tokens.max()),
+        "terminatedLength": float(ended.mean()),
+        "terminatedMinLength": float(ended.min()),
+        "terminatedMaxLength": float(ended.max()),
+    }
+
+
 @dataclass(frozen=True)
 class Clip:
     """The settings of the per-token loss."""

@@ -104,7 +104,7 @@ class _LinearLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int):  # noqa: D102
+    def forward(ctx, hidden, weight, targets, chunk: int, entropy):  # noqa: D102
         logps = torch.zeros(hidden.size(0), dtype=torch.float32, device=hidden.device)
         norms = torch.zeros_like(logps)
         for start in range(0, hidden.size(0), chunk):
@@ -113,6 +113,9 @@ class _LinearLogProbs(torch.autograd.Function):
             picked = logits.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
             logps[start : start + chunk] = (picked - norm) * (t != IGNORE)
             norms[start : start + chunk] = norm
+            if entropy is not None:  # H = log Z - sum p z, from the logits already at hand
+                mean = (torch.softmax(logits, dim=-1) * logits).sum(-1)
+                entropy[start : start + chunk] = (norm - mean) * (t != IGNORE)
         ctx.save_for_backward(hidden, weight, targets, norms)
         ctx.chunk = chunk
         # Backward recomputes under the precision forward ran in (autocast on one process).
@@ -144,7 +147,7 @@ class _LinearLogProbs(torch.autograd.Function):
                     grad_weight += (grad.t() @ h).float()
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def _chunk_logits(hidden, weight, start: int, chunk: int) -> torch.Tensor:
@@ -157,10 +160,13 @@ def linear_logprobs(
     weight: torch.Tensor,
     targets: torch.Tensor,
     chunk: int = LOSS_CHUNK_TOKENS,
+    entropy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[N] fp32: each token's log-probability of its target through a head ``weight`` [V, h]
-    (0 where the target is IGNORE); the full [N, V] logits never exist."""
-    return _LinearLogProbs.apply(hidden, weight, targets, chunk)
+    (0 where the target is IGNORE); the full [N, V] logits never exist. ``entropy`` [N] fp32,
+    if given, is filled with each labelled position's entropy of the whole distribution (no
+    gradient flows through it)."""
+    return _LinearLogProbs.apply(hidden, weight, targets, chunk, entropy)
 
 
 class _Asked:
@@ -170,13 +176,15 @@ class _Asked:
     targets: torch.Tensor | None = None
     per_token: bool = False
     temperature: float = 1.0  # GRPO's log-probabilities are those of the sampling temperature
+    entropy: torch.Tensor | None = None  # per_token: filled with each position's entropy
 
     def _loss(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         flat, targets = hidden.flatten(0, -2), self.targets.flatten()
         if self.temperature != 1.0:
             weight = weight / self.temperature  # logits / T, the logits never whole
         if self.per_token:
-            return linear_logprobs(flat, weight, targets).view(self.targets.shape)
+            ent = None if self.entropy is None else self.entropy.view(-1)
+            return linear_logprobs(flat, weight, targets, entropy=ent).view(self.targets.shape)
         return linear_cross_entropy(flat, weight, targets)
 
 
@@ -240,12 +248,14 @@ def install(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _targets(head: nn.Module, targets: torch.Tensor, per_token: bool = False, temperature=1.0):
+def _targets(head: nn.Module, targets: torch.Tensor, per_token: bool = False, temperature=1.0,
+             entropy: torch.Tensor | None = None):  # fmt: skip
     head.targets, head.per_token, head.temperature = targets, per_token, temperature
+    head.entropy = entropy
     try:
         yield
     finally:
-        head.targets, head.per_token, head.temperature = None, False, 1.0
+        head.targets, head.per_token, head.temperature, head.entropy = None, False, 1.0, None
 
 
 def model_inputs(net: nn.Module, on) -> dict:
@@ -287,16 +297,22 @@ def sequence_logps(net: nn.Module, inputs: dict, labels: torch.Tensor) -> torch.
 
 
 def token_logps(
-    net: nn.Module, inputs: dict, labels: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
+    net: nn.Module, inputs: dict, labels: torch.Tensor, temperature: float = 1.0,
+    entropy: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """[B, S] fp32: at each position, the log-probability of the next labelled token under
     logits / ``temperature`` (GRPO's), 0 where the next token is not labelled; through the
-    installed head chunk by chunk, or the model's whole logits where it has none."""
+    installed head chunk by chunk, or the model's whole logits where it has none. ``entropy``
+    [B, S] fp32, if given, is filled with each such position's entropy of the next-token
+    distribution (TRL's ``entropy``; no gradient)."""
     head = net.get_output_embeddings()
     targets = next_tokens(labels)
     if isinstance(head, _Asked):
-        with _targets(head, targets, per_token=True, temperature=temperature):
+        with _targets(head, targets, per_token=True, temperature=temperature, entropy=entropy):
             return net(**inputs).logits
     logits = net(**inputs).logits.float() / temperature
-    picked = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0).unsqueeze(-1))
-    return picked.squeeze(-1) * (targets != IGNORE)
+    every = torch.log_softmax(logits, dim=-1)
+    labelled = targets != IGNORE
+    if entropy is not None:
+        entropy.copy_(-(every.exp() * every).sum(-1).detach() * labelled)
+    return every.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * labelled
