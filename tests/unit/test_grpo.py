@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -92,6 +93,29 @@ def test_a_seeded_generator_samples_the_same_completions_and_another_seed_others
     assert len({tuple(c) for c in first}) > 1  # a group's completions differ
     for c in first:  # ended by end-of-sequence, or cut at the limit
         assert (c[-1] == tok.eos_token_id and tok.eos_token_id not in c[:-1]) or len(c) == 12
+
+
+def test_a_penalised_greedy_completion_is_transformers_generate_s(tiny):
+    """The penalty looks back on the prompt and on every token drawn so far: at top-k 1 the
+    completions equal transformers' greedy generate with the same repetition_penalty
+    (TRL's generation), which differ from the unpenalised ones."""
+    tok, net = tiny
+    prompts = [tok(p)["input_ids"] for p in ("Question: What is 3 * 8?\nAnswer:", "Say 7 7 7:")]
+    engine = KvSampling(10, 1.0, 1.0, (tok.eos_token_id,), tok.pad_token_id, synced=False,
+                        top_k=1, repetition_penalty=4.0)  # fmt: skip
+    got = engine.complete(net, prompts, torch.Generator().manual_seed(0))
+    from ftjob.trainer.objectives import generate
+
+    for prompt, ours in zip(prompts, got, strict=True):
+        ids = torch.tensor([prompt])
+        with generate._cached_attention(net):  # transformers' sdpa, which takes a KV cache
+            out = net.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               repetition_penalty=4.0, max_new_tokens=10,
+                               pad_token_id=tok.pad_token_id)  # fmt: skip
+        want = out[0, len(prompt) :].tolist()
+        assert ours == want[: len(ours)] and len(ours) in (len(want), 10)
+    plain = replace(engine, repetition_penalty=1.0)
+    assert plain.complete(net, prompts, torch.Generator().manual_seed(0)) != got
 
 
 def test_top_p_keeps_the_most_likely_tokens_that_reach_it():
@@ -309,34 +333,44 @@ def test_sampling_reads_the_device_once_every_check_every_tokens_and_samples_the
 
 
 @pytest.mark.parametrize(
-    ("temperature", "top_k", "top_p", "min_p"),
-    [(1.0, 5, 1.0, None), (0.7, 0, 0.9, None), (1.0, 0, 1.0, 0.05), (0.8, 20, 0.95, 0.02)],
-)
-def test_top_k_top_p_and_min_p_keep_what_transformers_warpers_keep(
-    temperature, top_k, top_p, min_p
+    ("temperature", "top_k", "top_p", "min_p", "penalty"),
+    [(1.0, 5, 1.0, None, 1.0), (0.7, 0, 0.9, None, 1.0), (1.0, 0, 1.0, 0.05, 1.0),
+     (0.8, 20, 0.95, 0.02, 1.0), (1.0, 0, 1.0, None, 1.3), (0.7, 10, 0.9, None, 0.8)],
+)  # fmt: skip
+def test_top_k_top_p_min_p_and_the_repetition_penalty_keep_what_transformers_keeps(
+    temperature, top_k, top_p, min_p, penalty
 ):
-    """The sampling distribution equals the one transformers' own warpers (TRL's generation)
-    give, in their order: temperature, top-k, top-p, min-p."""
+    """The sampling distribution equals the one transformers' own processors and warpers
+    (TRL's generation) give, in their order: the repetition penalty on the tokens seen so far
+    (prompt and completion, repeats among them), temperature, top-k, top-p, min-p."""
     from transformers.generation.logits_process import (
         LogitsProcessorList,
         MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
         TemperatureLogitsWarper,
         TopKLogitsWarper,
         TopPLogitsWarper,
     )
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    seen = torch.randint(0, 50, (3, 12), generator=torch.Generator().manual_seed(1))
     engine = KvSampling(1, temperature, top_p, eos=(0,), pad=0, synced=False, top_k=top_k,
-                        min_p=min_p)  # fmt: skip
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+                        min_p=min_p, repetition_penalty=penalty)  # fmt: skip
+    warpers = LogitsProcessorList(
+        [RepetitionPenaltyLogitsProcessor(penalty)] if penalty != 1 else []
+    )
+    warpers += [TemperatureLogitsWarper(temperature)]
     warpers += [TopKLogitsWarper(top_k)] if top_k else []
     warpers += [TopPLogitsWarper(top_p)] if top_p < 1 else []
     warpers += [MinPLogitsWarper(min_p)] if min_p else []
-    want = torch.softmax(warpers(None, logits.clone()), dim=-1)
-    got = engine.probabilities(logits)
+    want = torch.softmax(warpers(seen, logits.clone()), dim=-1)
+    got = engine.probabilities(logits, seen)
+    if penalty != 1:  # the penalty moved what the seen tokens are drawn with
+        assert not torch.allclose(engine.probabilities(logits), got)
     assert torch.equal(got > 0, want > 0)
     torch.testing.assert_close(got / got.sum(-1, keepdim=True), want, rtol=0, atol=1e-6)
-    assert (got > 0).sum() < got.numel()  # something was left out
+    if (top_k, top_p, min_p) != (0, 1.0, None):
+        assert (got > 0).sum() < got.numel()  # something was left out
 
 
 def test_the_share_of_completions_whose_group_does_not_spread_is_trls():

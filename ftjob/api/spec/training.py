@@ -146,6 +146,16 @@ class GrpoSpec:
         minimum=0,
         maximum=1,
     )
+    repetition_penalty: float = api_field(
+        "repetitionPenalty: divide the logit of every token already in the prompt or the "
+        "completion by it (multiply where negative) before sampling, as TRL's "
+        "repetition_penalty (transformers' CTRL penalty); above 1 discourages repeats, 1 "
+        "keeps the logits as they are.",
+        1.0,
+        minimum=0,
+        exclusive_minimum=True,
+        maximum=10,
+    )
 
     __rules__: ClassVar[tuple[Rule, ...]] = (
         Rule(

@@ -46,9 +46,9 @@ class Sampling(Protocol):
 
 @dataclass(frozen=True)
 class KvSampling:
-    """Token by token with a KV cache: temperature, top-k, nucleus (top-p) and min-p
-    sampling, as TRL's generation settings name them; stops at end-of-sequence or
-    ``max_new`` tokens."""
+    """Token by token with a KV cache: a repetition penalty, temperature, top-k, nucleus
+    (top-p) and min-p sampling, as TRL's generation settings name them; stops at
+    end-of-sequence or ``max_new`` tokens."""
 
     max_new: int
     temperature: float
@@ -58,6 +58,7 @@ class KvSampling:
     synced: bool  # FSDP: every rank runs forward as often as the longest rank does
     top_k: int = 0  # 0: every token
     min_p: float | None = None
+    repetition_penalty: float = 1.0  # 1: none
 
     @torch.no_grad()
     def complete(
@@ -82,9 +83,11 @@ class KvSampling:
                         input_ids=step_ids, attention_mask=mask, position_ids=positions,
                         past_key_values=cache, use_cache=True, logits_to_keep=1,
                     ).logits  # fmt: skip
-                    token = self._draw(logits[:, -1], generator)
+                    token = self._draw(logits[:, -1], generator, ids)
                     token = torch.where(done, torch.full_like(token, self.pad), token)
                     out.append(token)
+                    if self.repetition_penalty != 1.0:  # what the penalty looks back on
+                        ids = torch.cat([ids, token.unsqueeze(1)], dim=1)
                     done |= torch.isin(token, ends)
                     if n % CHECK_EVERY == 0 and self._finished(done):
                         break
@@ -95,14 +98,24 @@ class KvSampling:
             net.train(was_training)
         return _trimmed(torch.stack(out, dim=1).tolist() if out else [[]] * len(prompts), self.eos)
 
-    def _draw(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, generator: torch.Generator, seen=None):
         """One token a row, from :meth:`probabilities`."""
-        return torch.multinomial(self.probabilities(logits), 1, generator=generator).squeeze(1)
+        probs = self.probabilities(logits, seen)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
-    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        """What each row samples from (unnormalised): temperature, then top-k, top-p and
-        min-p, in the order of transformers' sampling warpers (what TRL's generation applies)."""
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+    def probabilities(self, logits: torch.Tensor, seen: torch.Tensor | None = None):
+        """What each row samples from (unnormalised): the repetition penalty on the tokens
+        ``seen`` [B, T] (the left-padded prompt and the completion so far, as transformers'
+        processor reads its input ids), then temperature, top-k, top-p and min-p, in the order
+        of transformers' logits processors and sampling warpers (what TRL's generation
+        applies)."""
+        logits = logits.float()
+        if self.repetition_penalty != 1.0 and seen is not None:
+            picked = logits.gather(-1, seen)
+            picked = torch.where(picked < 0, picked * self.repetition_penalty,
+                                 picked / self.repetition_penalty)  # fmt: skip
+            logits = logits.scatter(-1, seen, picked)
+        probs = torch.softmax(logits / self.temperature, dim=-1)
         if 0 < self.top_k < probs.shape[-1]:
             kth = probs.topk(self.top_k, dim=-1).values[..., -1:]
             probs = probs.masked_fill(probs < kth, 0.0)

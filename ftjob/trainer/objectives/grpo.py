@@ -219,6 +219,7 @@ class Grpo:
             synced=d.world_size > 1,
             top_k=self.settings.top_k,
             min_p=self.settings.min_p,
+            repetition_penalty=self.settings.repetition_penalty,
         )
         self.log = log
         if d.is_main:
