@@ -128,6 +128,12 @@ GRPO = Objective(
             ),
             status="reward (GRPO jobs): mean weighted reward of the latest logged step's "
             "completions.",
+            eval_log="reward",
+            eval_gauge=Gauge(
+                "ftjob_eval_reward", "GRPO: mean weighted reward on the held-out prompts."
+            ),
+            eval_status="evalReward (GRPO jobs with held-out prompts): mean weighted reward of "
+            "the latest evaluation's completions, numGenerations a held-out prompt.",
             column="Reward",
             headline=True,
         ),
@@ -136,11 +142,12 @@ GRPO = Objective(
             fmt=".4f",
             tracker="train/reward_std",
             log="±",
-            gauge=Gauge(
-                "ftjob_reward_std", "GRPO: mean over groups of the rewards' standard deviation."
-            ),
-            status="rewardStd (GRPO jobs): mean over the latest logged step's prompts of the "
-            "standard deviation of their completions' rewards (0: nothing to learn from).",
+            eval_log="±",
+            gauge=Gauge("ftjob_reward_std", "GRPO: standard deviation of the last step's rewards."),
+            status="rewardStd (GRPO jobs): standard deviation of the latest logged step's "
+            "completions' rewards (TRL's reward_std; 0: nothing to learn from).",
+            eval_status="evalRewardStd (GRPO jobs with held-out prompts): standard deviation "
+            "of the latest evaluation's rewards.",
         ),
         Metric(
             key="completionLength",
@@ -150,6 +157,8 @@ GRPO = Objective(
             gauge=Gauge("ftjob_completion_length", "GRPO: mean completion tokens, last step."),
             status="completionLength (GRPO jobs): mean tokens of the latest logged step's "
             "completions.",
+            eval_status="evalCompletionLength (GRPO jobs with held-out prompts): mean tokens "
+            "of the latest evaluation's completions.",
         ),
         Metric(
             key="clipRatio",
@@ -186,6 +195,8 @@ GRPO = Objective(
             tracker="train/completions/clipped_ratio",
             status="truncatedRatio (GRPO jobs): share of the latest logged step's completions "
             "cut at maxCompletionLength before a stop token.",
+            eval_status="evalTruncatedRatio (GRPO jobs with held-out prompts): share of the "
+            "latest evaluation's completions cut at maxCompletionLength.",
         ),
         Metric(
             key="completionMinLength",

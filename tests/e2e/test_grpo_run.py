@@ -43,7 +43,11 @@ def runs(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def grpo(runs) -> tuple[Path, str]:
-    code, out = run(tiny_grpo(), runs / "tiny-grpo")
+    """The example with 15 of its prompts held out, evaluated every 10 steps."""
+    doc = tiny_grpo()
+    doc["spec"]["dataset"]["evalFraction"] = 0.05
+    doc["spec"]["training"]["evalEvery"] = 10
+    code, out = run(doc, runs / "tiny-grpo")
     assert code == 0, out
     return runs / "tiny-grpo", out
 
@@ -73,7 +77,22 @@ def test_the_mean_reward_rises(grpo):
     assert all(0 <= s["clipRatio"] <= 1 for s in steps)
     # One reward of weight 1: its own mean is the step's reward.
     assert all(s["rewards"]["answer"]["mean"] == pytest.approx(s["reward"]) for s in steps)
-    assert "reward" in out and "300 train / 0 eval prompts" in out
+    assert "reward" in out and "285 train / 15 eval prompts" in out
+
+
+def test_the_held_out_prompts_mean_reward_rises_too(grpo):
+    """Each evaluation samples numGenerations completions of every held-out prompt from the
+    policy as it is (the same draws each time) and scores them: the reward rises on prompts
+    the run never trained on, and the loss and lengths are reported beside it."""
+    workdir, out = grpo
+    evals = history(workdir, "eval")
+    assert [e["evalStep"] for e in evals] == [10, 20, 30, 40, 50, 60]
+    rewards = [e["evalReward"] for e in evals]
+    assert rewards[-1] > rewards[0] + 0.15 and all(0 <= r <= 1 for r in rewards), rewards
+    assert all(e["evalCompletionLength"] > 0 and e["evalRewardStd"] >= 0 for e in evals)
+    # One reward of weight 1: its own mean is the reward.
+    assert all(e["evalRewards"]["answer"]["mean"] == pytest.approx(e["evalReward"]) for e in evals)
+    assert "eval  step 60/60" in out and "reward" in out.split("eval  step 60/60")[1]
 
 
 def test_completions_are_written_to_the_job_folder_with_their_rewards(grpo):

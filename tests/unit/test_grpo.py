@@ -229,6 +229,9 @@ def test_each_reward_has_its_mean_and_spread_under_trls_tracker_names():
     assert set(grpo_loss.lengths(tokens, torch.ones(3, dtype=torch.bool)).values()) == {0.0, 3, 12}
     assert values["train/rewards/steps/mean"] == 3.0
     assert values["train/rewards/right/std"] == pytest.approx(0.5)
+    # An evaluation's, under eval/ (progress.evaluated keeps them as evalRewards).
+    step, values = trackers.measured("eval", {"evalStep": 9, "evalRewards": got["rewards"]})
+    assert step == 9 and values["eval/rewards/steps/mean"] == 3.0
 
 
 def test_a_completion_ends_at_the_first_of_the_models_stop_tokens(tiny):

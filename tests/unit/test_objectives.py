@@ -34,10 +34,11 @@ def made_up(monkeypatch):
 
 def test_dpo_declares_what_each_reader_showed_before():
     dpo = {m.key for m in objectives.DPO.metrics}
+    dpo_eval = {m.eval_key for m in objectives.DPO.metrics}
     assert [m.key for m in objectives.metrics() if m.key in dpo] == [
         "chosenReward", "rejectedReward", "rewardAccuracy", "rewardMargin",
     ]  # fmt: skip
-    assert [(g.name, key) for g, key in objectives.gauges() if key.startswith("evalR")] == [
+    assert [(g.name, key) for g, key in objectives.gauges() if key in dpo_eval] == [
         ("ftjob_eval_reward_accuracy", "evalRewardAccuracy"),
         ("ftjob_eval_reward_margin", "evalRewardMargin"),
     ]
@@ -49,7 +50,7 @@ def test_dpo_declares_what_each_reader_showed_before():
         "evalRewardAccuracy": "eval/rewards/accuracies",
         "evalRewardMargin": "eval/rewards/margins",
     }
-    assert [k for k in objectives.status() if k in dpo or k.startswith("evalR")] == [
+    assert [k for k in objectives.status() if k in dpo or k in dpo_eval] == [
         "rewardAccuracy", "rewardMargin", "evalRewardAccuracy",
     ]  # fmt: skip
     values = {"rewardAccuracy": 0.75, "rewardMargin": 0.3, "chosenReward": 0.2}
@@ -78,7 +79,8 @@ def test_grpo_declares_trls_tracker_names_and_a_reward_column():
         "kl": "train/kl",
     }
     assert grpo["reward"].column == "Reward" and grpo["reward"].card == "mean reward"
-    assert ("ftjob_reward", "reward") in [(g.name, key) for g, key in objectives.gauges()]
+    gauges = [(g.name, key) for g, key in objectives.gauges()]
+    assert ("ftjob_reward", "reward") in gauges and ("ftjob_eval_reward", "evalReward") in gauges
     values = {"reward": 0.25, "rewardStd": 0.1, "completionLength": 12.0, "clipRatio": 0.0}
     assert objectives.labelled(values, "log") == [
         "reward 0.2500",

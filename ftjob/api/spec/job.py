@@ -274,17 +274,6 @@ class FineTuneJobSpec:
             ".training.grpo.beta",
         ),
         Rule(
-            "self.training.objective != 'grpo' || !(has(self.dataset.evalFraction) || "
-            "has(self.dataset.evalSplit))",
-            lambda s: (
-                s.training.objective != "grpo"
-                or (s.dataset.eval_fraction is None and s.dataset.eval_split is None)
-            ),
-            "objective grpo does not evaluate yet (its training log reports the rewards); "
-            "remove dataset.evalFraction and dataset.evalSplit",
-            ".dataset",
-        ),
-        Rule(
             "has(self.training.maxSteps) != has(self.training.epochs)",
             lambda s: (s.training.max_steps is None) != (s.training.epochs is None),
             "set exactly one of training.maxSteps and training.epochs",

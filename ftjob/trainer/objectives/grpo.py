@@ -245,7 +245,7 @@ class Grpo:
                     "completions (another gang size): they are sampled again from the resumed "
                     "weights, not the ones they were first sampled from"
                 )
-            rolled = self._scored(net, micro, self._sample(net, micro, g, d), step, d)
+            rolled = self._scored(net, micro, self._sample(net, micro, g, d), d, step)
         self._held = (g, rolled)
         return rolled
 
@@ -272,13 +272,19 @@ class Grpo:
         return replace(rolled, old=part["old"], ref=part["ref"])
 
     def _sample(self, net, micro: list[Prompts], g: int, d) -> list[list[list[int]]]:
+        """Each micro-batch's completions, from a generator seeded by (seed, generation batch
+        g, rank); g = -1: the evaluation's, the same at every evaluation."""
         generator = torch.Generator(device=d.device)
-        generator.manual_seed((self.seed * 1_000_003 + g) * 4099 + d.rank)
+        generator.manual_seed(((self.seed * 1_000_003 + g) * 4099 + d.rank) % 2**63)
         return [
             self.engine.complete(net, [r["prompt_ids"] for r in m.rows], generator) for m in micro
         ]
 
-    def _scored(self, net, micro, completions, step: int, d) -> list[Rolled]:
+    def _scored(self, net, micro, completions, d, step: int | None = None) -> list[Rolled]:
+        """Micro-batches ready for the loss: scored, their advantages among every rank's
+        completions. A training step's (``step``) also sets what the generation batch logs
+        (:attr:`_generated`) and writes a few completions to the job folder; an
+        evaluation's (None) does neither."""
         rows = [r for m in micro for r in m.rows]
         done = [c for part in completions for c in part]
         texts = self.tokenizer.batch_decode(done, skip_special_tokens=True)
@@ -287,14 +293,15 @@ class Grpo:
         every, lengths = self._gathered(prompts, texts, records, done, d)
         generations, scale = self.settings.num_generations, self.settings.scale_rewards
         adv, summed = grpo_loss.advantages(every, self.rewards.weights, generations, scale)
-        self._generated = {
-            "zeroStdRatio": grpo_loss.zero_spread(summed, generations, scale),
-            **grpo_loss.lengths(lengths[:, 0], lengths[:, 1].bool()),
-        }
         mine = slice(d.rank * len(rows), (d.rank + 1) * len(rows))
+        if step is not None:
+            self._generated = {
+                "zeroStdRatio": grpo_loss.zero_spread(summed, generations, scale),
+                **grpo_loss.lengths(lengths[:, 0], lengths[:, 1].bool()),
+            }
+            if self.samples is not None and (step + 1) % self.log_every == 0:
+                self._write_samples(step + 1, prompts, texts, every[mine], summed[mine])
         adv, summed, scores = adv[mine], summed[mine], every[mine]
-        if self.samples is not None and (step + 1) % self.log_every == 0:
-            self._write_samples(step + 1, prompts, texts, scores, summed)
         out, at = [], 0
         for m, part in zip(micro, completions, strict=True):
             n = len(part)
@@ -391,7 +398,7 @@ class Grpo:
                             for k in SUMS])  # fmt: skip
         return terms.loss, torch.cat([sums, _function_sums(batch.scores).to(device)])
 
-    def step_metrics(self, sums: list[float]) -> dict[str, float]:
+    def step_metrics(self, sums: list[float], generation: bool = True) -> dict[str, float]:
         """The step's mean reward and its spread (TRL's reward and reward_std: over every
         completion of the step), mean completion length, clipped shares (all, at the lower
         and at the upper bound), the share of completions cut at the length limit, KL, and the
@@ -412,17 +419,40 @@ class Grpo:
         }
         if self.settings.beta:
             out["kl"] = got["kl"] / max(trained, 1.0)
-        out.update(self._generated)
+        if generation:  # the generation batch's, not an evaluation's
+            out.update(self._generated)
         out["rewards"] = _by_function(self.rewards.names, sums[len(SUMS) :])
         return out
 
     def evaluate(self, net, ds: data.Data, d, micro_batch: int) -> tuple[float, dict]:
-        raise TrainerError(
-            "objective grpo does not evaluate yet",
-            reason=BAD_SPEC,
-            fix="remove dataset.evalFraction and dataset.evalSplit",
-            where="spec.dataset",
-        )
+        """The held-out prompts' mean reward, its spread, each reward's and the completions'
+        mean length (TRL's eval_reward & co.), and the GRPO loss of those completions: each
+        prompt's group of numGenerations completions sampled from the policy as it is, in
+        micro-batches of ``micro_batch``, with the evaluation's own seed (the same draws at
+        every evaluation: what changes is the weights). Every rank takes as many whole
+        groups, ``eval prompts // ranks`` (at least one; a remainder is left out), so that
+        groups and the ranks' sampling stay in step."""
+        n, generations = len(ds.eval), self.settings.num_generations
+        each = max(1, n // d.world_size)
+        prompts = [(d.rank * each + i) % n for i in range(each)]
+        rows = [r for r in ds.rows(prompts, "eval") for _ in range(generations)]
+        micro = [Prompts(rows[i : i + micro_batch]) for i in range(0, len(rows), micro_batch)]
+        rolled = self._scored(net, micro, self._sample(net, micro, -1, d), d)
+        total, count = torch.zeros((), device=d.device), 0
+        sums = None
+        net.eval()
+        with torch.no_grad():
+            for r in rolled:
+                value, part = self.loss(net, r, d.device)
+                total, count = total + value, count + self.count(r)
+                sums = part if sums is None else sums + part
+        net.train()
+        both = torch.cat([torch.stack([total, torch.tensor(float(count), device=d.device)]), sums])
+        dist.all_reduce(both)
+        got = both.tolist()
+        metrics = self.step_metrics(got[2:], generation=False)
+        kept = ("reward", "rewardStd", "completionLength", "truncatedRatio", "rewards")
+        return got[0] / max(got[1], 1.0), {k: metrics[k] for k in kept}
 
     def _write_samples(self, step, prompts, texts, scores, summed) -> None:
         names = self.rewards.names

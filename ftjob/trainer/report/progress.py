@@ -316,6 +316,7 @@ KEPT = (
     "tokensPerSecond", "tokensSeen", "mfu", "lastCheckpointStep", "lastCheckpoint",
     "loadPeakRssMiB", "trainPeakRssMiB", "trainPeakGpuMiB",
     "rewards",  # GRPO: each reward function's mean and std (api/objectives.py: its names vary)
+    "evalRewards",  # and on the held-out prompts
 )  # fmt: skip
 
 

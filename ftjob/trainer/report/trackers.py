@@ -156,16 +156,19 @@ def measured(event: str, snap: dict) -> tuple[int, dict[str, float]]:
     out = {fields[k]: snap[k] for k in fields if snap.get(k) is not None}
     if event == "step":
         out.update(per_reward(snap.get("rewards")))
+    else:
+        out.update(per_reward(snap.get("evalRewards"), "eval"))
     return step, out
 
 
-def per_reward(rewards) -> dict[str, float]:
-    """GRPO's rewards by function (progress key ``rewards``: name -> mean and std) under TRL's
-    tracker names, train/rewards/<name>/mean and /std."""
+def per_reward(rewards, prefix: str = "train") -> dict[str, float]:
+    """GRPO's rewards by function (progress key ``rewards``, ``evalRewards``: name -> mean and
+    std) under TRL's tracker names, train/rewards/<name>/mean and /std (eval/... for the
+    held-out prompts)."""
     if not isinstance(rewards, dict):
         return {}
     return {
-        f"train/rewards/{name}/{what}": value
+        f"{prefix}/rewards/{name}/{what}": value
         for name, both in rewards.items()
         for what, value in both.items()
         if value is not None
