@@ -19,7 +19,7 @@ from ftjob.api.spec.env import SecretsSpec
 from ftjob.api.spec.fields import SecretKeyRef
 from ftjob.api.spec.scheduling import Toleration
 from ftjob.cli import validate
-from ftjob.operator import admit, render
+from ftjob.operator import admit, render, watched
 
 ROOT = Path(__file__).resolve().parents[2]
 VALID_FILES = sorted((ROOT / "examples").glob("*.yaml")) + sorted(
@@ -329,10 +329,10 @@ def test_the_operator_checks_a_jobs_children_once_per_content_and_again_after_an
     checked = []
     real = admit.children_errors
     monkeypatch.setattr(admit, "children_errors", lambda *a: checked.append(a) or real(*a))
-    state, doc = handlers.JobState(), job({"namespace": "team-a", "uid": "u-1"})
+    state, doc = watched.JobState(), job({"namespace": "team-a", "uid": "u-1"})
 
     def decide(d):
-        seen = handlers.Seen(copy.deepcopy(d), {}, [], datetime.now(timezone.utc))
+        seen = watched.Seen(copy.deepcopy(d), {}, [], datetime.now(timezone.utc))
         return handlers._decide("job", seen, state)[1]
 
     assert decide(doc).phase != "Failed" and len(checked) == 1

@@ -24,7 +24,7 @@ import pytest
 from test_status import ROOT
 
 from ftjob.api import manifest
-from ftjob.operator import handlers
+from ftjob.operator import handlers, watched
 from ftjob.operator.kube import Conflict, Gone
 
 UID = "u-1"
@@ -133,8 +133,8 @@ def job() -> dict:
     return doc
 
 
-def watch_of(doc: dict) -> handlers.Watch:
-    return handlers.Watch(UID, "ns", "tiny", handlers._pack(doc), 1)
+def watch_of(doc: dict) -> watched.Watch:
+    return watched.Watch(UID, "ns", "tiny", watched.pack(doc), 1)
 
 
 def test_a_replica_that_lost_the_race_writes_and_creates_nothing_then_decides_from_the_winner(
@@ -197,10 +197,10 @@ def test_our_own_writes_not_yet_back_from_the_watch_are_not_taken_for_another_wr
     assert watch.state.written == (frozenset({"1", "2"}), {"phase": "Running"}, "3")
     first = copy.deepcopy(api.doc) | {"status": {"phase": "Pending"}}
     first["metadata"]["resourceVersion"] = "2"
-    watch.packed = handlers._pack(first)  # the watch brings our first write, not our second
+    watch.packed = watched.pack(first)  # the watch brings our first write, not our second
     assert handlers._observe(watch, {}).old_status == {"phase": "Running"}
     write({"phase": "Running", "restarts": 0})  # 3 -> 4
-    watch.packed = handlers._pack(api.job("ns", "tiny"))  # the watch catches up: rv 4
+    watch.packed = watched.pack(api.job("ns", "tiny"))  # the watch catches up: rv 4
     seen = handlers._observe(watch, {})
     assert watch.state.written is None and seen.old_status == {"phase": "Running", "restarts": 0}
     api.doc["metadata"]["resourceVersion"] = "5"  # another writer, unseen
