@@ -64,6 +64,7 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
             + checkpointing_text(spec, e),
         ),
         ("sharding", _sharding_text(spec, e)),
+        *_context_rows(spec, e),
         (
             "per GPU" if r.gpus_per_node else "per process",
             f"weights {gib(e.weights)} + gradients {gib(e.gradients)} + optimizer "
@@ -89,7 +90,7 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
     ]
     if spec.training.objective == "dpo":
         rows.append(("reference", _reference_text(spec, s, e)))
-    tokens = spec.tokens_per_step
+    tokens = result.spec.tokens_per_step  # contextParallel auto resolved
     if e.step_seconds is not None:
         total, steps = "", spec.training.max_steps
         if steps:
@@ -190,6 +191,25 @@ def _more_cpu(base: Estimate, option: Estimate) -> str:
     if option.cpu_peak_per_node <= base.cpu_peak_per_node:
         return ""
     return f", {gib(option.cpu_peak_per_node)} CPU memory per pod"
+
+
+def _context_rows(spec: FineTuneJobSpec, e: Estimate) -> list[tuple[str, str]]:
+    """contextParallel in force, where it splits: the tokens each process holds and the
+    all-to-alls that buys (none for a job at 1: its plan reads as before)."""
+    n = e.context_parallel
+    if n == 1:
+        return []
+    chosen = e.context_reason or f"{n} (parallelism.contextParallel)"
+    length = -(-spec.dataset.max_seq_length // n)
+    return [
+        (
+            "context parallel",
+            f"{chosen}; each process holds {length:,} tokens of each sequence (Ulysses "
+            f"all-to-all over heads); +{gib(e.context_layer_bytes)} sent per process per layer "
+            f"each way (forward, backward; again where recomputed), inside a node: "
+            f"{_duration(e.context_seconds)} a step",
+        )
+    ]
 
 
 def _sharding_text(spec: FineTuneJobSpec, e: Estimate) -> str:

@@ -60,7 +60,7 @@ from ftjob.plan.limits import (
     shard_group,
 )
 from ftjob.plan.modelshape import LOSS_CHUNK_TOKENS, ModelShape, flops_per_token
-from ftjob.plan.traffic import exposed, traffic
+from ftjob.plan.traffic import context_layer_bytes, context_traffic, exposed, traffic
 
 FP32 = 4
 # Measured on the GPUs we have run: CUDA context, NCCL buffers and the caching allocator.
@@ -194,6 +194,10 @@ class Estimate:
     reference_flops_per_token: float = 0.0
     sharding: str = "full"  # parallelism.sharding in force (auto resolved)
     sharding_reason: str = ""  # what auto chose and why, in one line ("" when set explicitly)
+    context_parallel: int = 1  # processes that split each sequence (contextParallel, resolved)
+    context_reason: str = ""  # what contextParallel auto chose and why ("" when it stayed 1)
+    context_layer_bytes: float = 0.0  # one layer's forward all-to-alls, sent per process
+    context_seconds: float = 0.0  # the step's all-to-alls (in collective_seconds)
     # The step's collectives (gathers, reduce-scatters, all-reduces) as if none overlapped
     # compute, but for DDP's all-reduce, which overlaps the backward (its exposed part): what
     # sets the layouts apart (ftjob.plan.traffic).
@@ -353,7 +357,10 @@ def estimate_at(
     gradients = trainable * FP32 / group * states_on_device
     optimizer = 2 * trainable * FP32 / group * states_on_device
 
-    tokens = t.micro_batch_size * spec.sequences_per_example * spec.dataset.max_seq_length
+    # A context-parallel group's ranks hold S/N tokens each of every sequence (padded to a
+    # multiple of N); attention's all-to-alls give each all S tokens of heads/N: the same bytes.
+    length = -(-spec.dataset.max_seq_length // spec.context_parallel)
+    tokens = t.micro_batch_size * spec.sequences_per_example * length
     activations = _activations(spec, shape, tokens, act_bytes, stride) * FRAGMENTATION
     temporaries = _temporaries(spec, shape, sharding, group, act_bytes)
     temporaries += float8_copies(spec, shape, tokens)
@@ -394,6 +401,7 @@ def estimate_at(
         problem=problem,
         on_gpu=on_gpu,
         sharding=sharding,
+        context_parallel=spec.context_parallel,
         **_speed(spec, shape, adapter, stride, sharding, trainable, gathered),
     )
 
@@ -443,6 +451,15 @@ def _speed(
         backward = (2 / 3 * flops + recomputed) / (flops + recomputed + reference)
         window = compute * backward / spec.accumulation
         waited = exposed(collectives, window, shape.layers + 1)
+    # Context parallelism's all-to-alls sit between a layer's projections and its attention:
+    # nothing overlaps them.
+    act_bytes = 2 if spec.bf16_compute() else FP32
+    layer = context_layer_bytes(
+        spec, shape.heads, shape.kv_heads, shape.hidden // shape.heads, act_bytes
+    )
+    passes = 2 * shape.layers + sum(checkpointed(n, stride) for n in range(shape.layers))
+    split = context_traffic(spec, layer, passes).seconds(spec) if layer else 0.0
+    waited += split
     net = moved.node_bytes
     bandwidth = node_bandwidth(
         spec.network.fabric, r.gpus_per_node, spec.network.efa_devices_per_node
@@ -459,6 +476,8 @@ def _speed(
         hardware_utilisation=hfu,
         collective_seconds=waited,
         generation_seconds=sampling,
+        context_layer_bytes=layer,
+        context_seconds=split,
     )
 
 

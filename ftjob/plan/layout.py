@@ -19,7 +19,7 @@ This module sits above :mod:`ftjob.plan.estimate`, which estimates one given lay
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ftjob.api.hardware import GPUS
 from ftjob.api.schema import quantity
@@ -27,6 +27,7 @@ from ftjob.api.spec import FineTuneJobSpec
 from ftjob.plan.estimate import TIGHT, Estimate, checkpoint_stride, estimate_at, gib
 from ftjob.plan.modelshape import ModelShape
 
+CONTEXT_SPLITS = (2, 4, 8, 16, 32, 64)  # contextParallel auto's tries, smallest first
 CANDIDATES = ("none", "grad-op", "hybrid", "full")  # ties: the earlier, fewer collectives
 # Why a layout is faster, in the words the log and the plan use.
 _WHAT = {
@@ -169,7 +170,55 @@ def estimate(
     job without resources.memory runs on (``ftjob run``), which auto fits against."""
     gpu = GPUS.get(spec.resources.gpu_type) if spec.resources.gpu_type else None
     device_bytes = gpu.memory_bytes if gpu else None
-    chosen = choose(spec, shape, budget(spec, device_bytes, machine_bytes))
+    b = budget(spec, device_bytes, machine_bytes)
+    spec, split = resolve_context(spec, shape, b)
+    chosen = choose(spec, shape, b)
     e = estimate_at(spec, shape, chosen.stride, device_bytes, chosen.sharding)
     e.sharding_reason = chosen.reason
+    e.context_reason = split
     return e
+
+
+def with_context(spec: FineTuneJobSpec, n: int) -> FineTuneJobSpec:
+    """``spec`` with parallelism.contextParallel ``n``."""
+    return replace(spec, parallelism=replace(spec.parallelism, context_parallel=str(n)))
+
+
+def context_splits(spec: FineTuneJobSpec, shape: ModelShape) -> list[int]:
+    """The contextParallel values above 1 this job could run: each divides the processes of
+    a node (a group stays inside one) and the attention heads (each rank attends with
+    heads/N); none for an objective other than sft or an attention other than sdpa."""
+    if spec.training.objective != "sft" or spec.model.attention != "sdpa":
+        return []
+    per_node = spec.resources.nproc_per_node
+    return [n for n in CONTEXT_SPLITS if per_node % n == 0 and shape.heads % n == 0]
+
+
+def resolve_context(
+    spec: FineTuneJobSpec, shape: ModelShape, b: Budget
+) -> tuple[FineTuneJobSpec, str]:
+    """parallelism.contextParallel auto resolved, and why in one line ("" where it stays 1 or
+    is set): 1 where the job fits without a split (a split only adds all-to-alls), else the
+    smallest of :func:`context_splits` whose layout fits ``b`` within TIGHT; where none
+    does, 1 (the plan then says what does not fit)."""
+    if spec.parallelism.context_split() is not None:
+        return spec, ""
+    one = with_context(spec, 1)
+    if b.per_process is None or fits_budget(one, shape, b):
+        return one, ""
+    for n in context_splits(spec, shape):
+        split = with_context(spec, n)
+        if fits_budget(split, shape, b):
+            words = f"sequences of {spec.dataset.max_seq_length:,} tokens"
+            return split, f"contextParallel auto -> {n}: {words} fit only split over {n} processes"
+    return one, ""
+
+
+def fits_budget(spec: FineTuneJobSpec, shape: ModelShape, b: Budget) -> bool:
+    """Whether the layout :func:`choose` takes for ``spec`` fits ``b`` within TIGHT."""
+    if b.per_process is None:
+        return False
+    chosen = choose(spec, shape, b)
+    device = b.per_process if spec.resources.gpus_per_node else None
+    e = estimate_at(spec, shape, chosen.stride, device, chosen.sharding)
+    return _fits(e, TIGHT * b.per_process)

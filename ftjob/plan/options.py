@@ -20,7 +20,7 @@ from ftjob.plan.estimate import (
     stride_name,
     stride_of,
 )
-from ftjob.plan.layout import estimate
+from ftjob.plan.layout import context_splits, estimate, with_context
 from ftjob.plan.modelshape import ModelShape
 
 
@@ -58,7 +58,9 @@ def _with(spec: FineTuneJobSpec, **changes) -> FineTuneJobSpec:
     return dataclasses.replace(spec, **replaced)
 
 
-def _candidates(spec: FineTuneJobSpec, shape: ModelShape, base: Estimate):
+def _candidates(
+    spec: FineTuneJobSpec, shape: ModelShape, base: Estimate, machine_bytes: float | None = None
+):
     """Single changes that lower memory (or raise the pods' where theirs binds), cheapest
     first (what each costs the user); ``base``: the job's own estimate."""
     t, r, p, m = spec.training, spec.resources, spec.parallelism, spec.method
@@ -94,6 +96,13 @@ def _candidates(spec: FineTuneJobSpec, shape: ModelShape, base: Estimate):
                 "training__gradient_accumulation": ga,
             },
         )
+    split = _context_split(spec, shape, base, machine_bytes)
+    if split:
+        yield (
+            f"parallelism.contextParallel: {split} (each sequence split over {split} "
+            "processes of a node: all-to-alls in every layer)",
+            {"parallelism__context_parallel": str(split)},
+        )
     if p.sharding not in ("full", "auto") or (p.sharding == "auto" and r.nodes > 1):
         yield "sharding: full (more traffic between nodes)", {"parallelism__sharding": "full"}
     volume = "" if spec.checkpoint.volume else "; needs a shared checkpoint.volume"
@@ -121,6 +130,20 @@ def _candidates(spec: FineTuneJobSpec, shape: ModelShape, base: Estimate):
             yield f"gpuType: {gpu.name} (GPUs with more memory)", {"resources__gpu_type": gpu.name}
 
 
+def _context_split(
+    spec: FineTuneJobSpec, shape: ModelShape, base: Estimate, machine_bytes: float | None
+) -> int | None:
+    """For a job at contextParallel 1: the smallest split that fits on its own, else the
+    largest (to stack with other changes); None where none can run (auto tried them all)."""
+    if spec.parallelism.context_parallel != "1":
+        return None
+    splits = context_splits(spec, shape)
+    for n in splits:
+        if option_fits(base, estimate(with_context(spec, n), shape, machine_bytes)):
+            return n
+    return splits[-1] if splits else None
+
+
 def option_fits(base: Estimate, option: Estimate) -> bool:
     """Whether a suggested change fits by the job's own standard: no check fails, the GPUs
     were checked, and the pods' CPU memory was checked against resources.memory, or, where
@@ -144,12 +167,14 @@ def plan(
     """The estimate and, if it does not fit, up to ``max_options`` changes that would;
     ``machine_bytes``: the memory a CPU job without resources.memory runs in (``ftjob run``)."""
     base = estimate(spec, shape, machine_bytes)
+    if spec.parallelism.context_parallel == "auto":  # what the trainer will run
+        spec = with_context(spec, base.context_parallel)
     options: list[Option] = []
     if base.fits is False:
         cumulative: dict = {}
         labels: list[str] = []
         stacked_fits = False
-        for label, change in _candidates(spec, shape, base):
+        for label, change in _candidates(spec, shape, base, machine_bytes):
             single = _with(spec, **change)
             if check_rules(single, "spec"):
                 continue  # advice must be a job the API server accepts

@@ -17,6 +17,7 @@ all-reduce).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ftjob.api.hardware import collective_seconds, intra_node_bandwidth, node_bandwidth
@@ -95,3 +96,29 @@ def _across(spec: FineTuneJobSpec) -> float:
     """The share of a ring collective's data that crosses between nodes (0 on one node)."""
     n = spec.resources.nodes
     return (n - 1) / n
+
+
+def context_layer_bytes(
+    spec: FineTuneJobSpec, heads: int, kv_heads: int, head_dim: int, act_bytes: int
+) -> float:
+    """What one process sends in one decoder layer's forward under contextParallel N
+    (trainer/model/context.py): four all-to-alls, q, k, v to the sequence and the output
+    back, each sending (N-1)/N of its local [S/N tokens, heads] tensor; K/V heads repeated to
+    lcm(Hkv, N) first where N does not divide them. The backward sends as much again."""
+    n = spec.context_parallel
+    if n == 1:
+        return 0.0
+    tokens = spec.training.micro_batch_size * spec.sequences_per_example
+    tokens *= -(-spec.dataset.max_seq_length // n)
+    kv = kv_heads * (n // math.gcd(kv_heads, n))
+    return (n - 1) / n * tokens * (2 * heads + 2 * kv) * head_dim * act_bytes
+
+
+def context_traffic(spec: FineTuneJobSpec, layer_bytes: float, passes: int) -> Traffic:
+    """A step's all-to-alls: ``passes`` layer passes a micro-batch (forward, backward and the
+    recomputed forwards), four collectives each, all inside a node (the group's ranks are
+    consecutive, and the spec keeps a group within one)."""
+    if not layer_bytes:
+        return Traffic(0.0, 0.0, 0)
+    micro = spec.accumulation
+    return Traffic(micro * passes * layer_bytes, 0.0, micro * passes * 4)

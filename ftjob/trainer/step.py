@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.gang import preempt
-from ftjob.trainer.model import parallel
+from ftjob.trainer.model import context, parallel
 from ftjob.trainer.objectives.objective import Objective
 from ftjob.trainer.state import checkpoint
 
@@ -52,6 +52,7 @@ class Run:
     flops: Callable[[int, int], float]
     read_bytes: int  # what this rank read from the weight files
     load_seconds: float  # how long this rank took to read them
+    context: context.Group | None = None  # this rank's context-parallel group (None: 1)
 
 
 class Prefetch:

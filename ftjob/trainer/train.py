@@ -31,10 +31,10 @@ from ftjob.plan.estimate import checkpoint_bytes, save_seconds, stride_name
 from ftjob.plan.modelshape import model_flops
 from ftjob.trainer import step
 from ftjob.trainer.data import batches as data
-from ftjob.trainer.data import sources
+from ftjob.trainer.data import context_slice, sources
 from ftjob.trainer.gang import heartbeat, preempt, preflight, stragglers, termination
 from ftjob.trainer.gang.owner import take_folder
-from ftjob.trainer.model import attention, compile_cache, float8, parallel, planned
+from ftjob.trainer.model import attention, compile_cache, context, float8, parallel, planned
 from ftjob.trainer.model import load as model
 from ftjob.trainer.objectives import loss, objective
 from ftjob.trainer.report import profile, progress, trackers
@@ -130,6 +130,9 @@ def _run(spec: FineTuneJobSpec, name: str, job_dir: Path, report: progress.Progr
 def _train_and_export(job: Job) -> Path:
     """Data, model, resume, the steps, the last evaluation, the export."""
     torch.manual_seed(job.spec.training.seed)
+    job.spec, split = planned.resolved(job.spec)  # contextParallel auto: the plan's number
+    if split:
+        job.report.log(split)
     # The plan first, from the model's own config.json: a job that cannot fit its memory ends
     # now (WillNotFit, permanent) rather than out of memory in the data's preparation or the
     # load, once per restart. Every rank decides alike from the same inputs.
@@ -186,9 +189,14 @@ def _describe(job: Job, run: step.Run, ds: data.Data, total: int) -> None:
 def _layout_words(job: Job, run: step.Run) -> str:
     if parallel.plain_enough(job.spec, job.d):
         return "one process: a plain module (no FSDP)"
+    split = ""
+    if run.context:
+        n = run.context.size
+        split = (f"context parallel {n} (Ulysses all-to-all over heads) x data parallel "
+                 f"{job.d.world_size // n}, ")  # fmt: skip
     if parallel.ddp(job.spec, job.d, run.sharding):
-        return f"replicated (DDP) over {job.d.world_size} ranks"
-    return f"{run.sharding} sharding over {job.d.world_size} ranks"
+        return f"{split}replicated (DDP) over {job.d.world_size} ranks"
+    return f"{split}{run.sharding} sharding over {job.d.world_size} ranks"
 
 
 def _speed_note(speed: parallel.Speed) -> str:
@@ -220,7 +228,8 @@ def _data(job: Job):
     # Rank 0 prepares (or reuses) the data on the volume; the others wait, then memory-map it.
     ds = data.load(spec, tok, job.folder, is_main=d.is_main, log=job.say,
                    on_progress=lambda p: job.report.update(preparing=p))  # fmt: skip
-    sampler = job.goal.sampler(len(ds.train), spec, d.world_size)
+    # A context-parallel group reads one micro-batch: the data is split over the groups.
+    sampler = job.goal.sampler(len(ds.train), spec, d.world_size // spec.context_parallel)
     return tok, ds, sampler, t.max_steps or sampler.steps_for(t.epochs)
 
 
@@ -297,6 +306,7 @@ def _load(job: Job, tok, total: int) -> step.Run:
     and checkpointer beside them."""
     spec, d, t = job.spec, job.d, job.spec.training
     built = model.build(spec, tok)
+    parallel.check_context_heads(spec, built.model.config)  # before any weight is read
     loss.install(built.model)  # before sharding: the head's forward computes the loss
     params, trainable = model.count_parameters(built.model)
     if built.converted:
@@ -334,7 +344,8 @@ def _load(job: Job, tok, total: int) -> step.Run:
     )
     flops = _flops_counter(spec, net, params, trainable)
     return step.Run(net, weights, optimizer, scheduler, ckpt, params, trainable, sharding,
-                    reduce_last, speed, flops, built.read_bytes, load_seconds)  # fmt: skip
+                    reduce_last, speed, flops, built.read_bytes, load_seconds,
+                    parallel.context_group(spec, d))  # fmt: skip
 
 
 def get_scheduler(*args, **kwargs):
@@ -353,7 +364,8 @@ def _train(job: Job, run: step.Run, ds, sampler, steps: range, nodes: list[str])
     slow = stragglers.Stragglers(spec.run_policy.straggler_margin, nodes)
     report.begin(steps.start)
     tally, evaluated_at = step.Tally(run.flops), None
-    batches = step.Prefetch(ds, sampler, d.rank, steps, goal.collate)
+    reader, collate = _reads(run, d, goal.collate)
+    batches = step.Prefetch(ds, sampler, reader, steps, collate)
     request = preempt.Request(preempt.grace_seconds())
     vote = preempt.Vote(request)
     request.arm()  # from here a SIGTERM is a checkpoint at the next step boundary
@@ -362,7 +374,8 @@ def _train(job: Job, run: step.Run, ds, sampler, steps: range, nodes: list[str])
         for n in profile.steps(steps, job.folder, d.is_main, d.device, report.log):
             began = time.perf_counter()
             micro = goal.rollout(run.net, batches.next(n), n, d)  # GRPO samples here
-            share, waited, sums = step.train_step(run, micro, d, t.max_grad_norm, goal, vote)
+            with _split(run):
+                share, waited, sums = step.train_step(run, micro, d, t.max_grad_norm, goal, vote)
             run.scheduler.step()
             wall = time.perf_counter() - began
             tally.add(share, micro, own_seconds=wall - waited, sums=sums)
@@ -389,6 +402,22 @@ def _train(job: Job, run: step.Run, ds, sampler, steps: range, nodes: list[str])
         request.disarm()
         batches.close()
     return evaluated_at
+
+
+def _reads(run: step.Run, d: parallel.Dist, collate):
+    """Which of the sampler's readers this rank is, and its collate: with context parallelism
+    a group's ranks read the same micro-batch, each keeping its own slice of the sequence."""
+    cp = run.context
+    if cp is None:
+        return d.rank, collate
+    return d.rank // cp.size, lambda rows, pad: context_slice.cut(
+        collate(rows, pad), cp.rank, cp.size, pad
+    )
+
+
+def _split(run: step.Run):
+    """Attention over the group's whole sequence (forward and backward), where there is one."""
+    return context.parallel(run.context) if run.context else contextlib.nullcontext()
 
 
 def _preempted(job: Job, run: step.Run, done: int, request: preempt.Request) -> None:
@@ -505,7 +534,8 @@ def _export(job: Job, net, tok) -> None:
 
 
 def _evaluated(job: Job, run: step.Run, ds: data.Data, done: int) -> None:
-    loss_, metrics = job.goal.evaluate(run.net, ds, job.d, job.spec.training.micro_batch_size)
+    with _split(run):  # the objective cuts its batches as the group's (context.active)
+        loss_, metrics = job.goal.evaluate(run.net, ds, job.d, job.spec.training.micro_batch_size)
     job.report.evaluated(done, loss_, **metrics)
 
 

@@ -71,9 +71,20 @@ _WORLD_CEL = (
     "self.resources.nodes * (self.resources.gpusPerNode > 0 ? self.resources.gpusPerNode : "
     "(has(self.resources.processesPerNode) ? self.resources.processesPerNode : 1))"
 )
+# Processes per node (ResourcesSpec.nproc_per_node) and contextParallel (an int or a string).
+_NPROC_CEL = (
+    "self.resources.gpusPerNode > 0 ? self.resources.gpusPerNode : "
+    "(has(self.resources.processesPerNode) ? self.resources.processesPerNode : 1)"
+)
+_CP_CEL = "self.parallelism.contextParallel"
 _COMPLETIONS_CEL = (
     f"self.training.microBatchSize * self.training.gradientAccumulation * {_WORLD_CEL}"
 )
+
+
+def _cp_within_node(s: FineTuneJobSpec) -> bool:
+    n = s.parallelism.context_split()
+    return n is None or s.resources.nproc_per_node % n == 0
 
 
 @dataclass(kw_only=True)
@@ -298,6 +309,36 @@ class FineTuneJobSpec:
             ".parallelism.cpuOffload",
         ),
         Rule(
+            # A group's all-to-alls run in every layer: inside a node (NVLink), never across.
+            f"string({_CP_CEL}) == 'auto' || (int(string({_CP_CEL})) >= 1 && "
+            f"({_NPROC_CEL}) % int(string({_CP_CEL})) == 0)",
+            lambda s: _cp_within_node(s),
+            "contextParallel must divide the processes of a node (resources.gpusPerNode, or "
+            "processesPerNode on CPU), so that each group's all-to-alls stay inside a node; "
+            "use a divisor of it (1, 2, 4, 8 on 8 GPUs), or auto",
+            ".parallelism.contextParallel",
+        ),
+        Rule(
+            f"string({_CP_CEL}) in ['1', 'auto'] || self.model.attention == 'sdpa'",
+            lambda s: (
+                s.parallelism.context_parallel in ("1", "auto") or s.model.attention == "sdpa"
+            ),
+            "contextParallel > 1 runs ftjob's packed attention over the whole sequence after an "
+            "all-to-all over heads; only model.attention sdpa has it: set attention sdpa, or "
+            "contextParallel 1",
+            ".parallelism.contextParallel",
+        ),
+        Rule(
+            f"string({_CP_CEL}) in ['1', 'auto'] || self.training.objective == 'sft'",
+            lambda s: (
+                s.parallelism.context_parallel in ("1", "auto") or s.training.objective == "sft"
+            ),
+            "contextParallel > 1 trains objective sft only: dpo and grpo sum each sequence's "
+            "log-probabilities (a pair's, a completion's), which a split sequence would need "
+            "reduced over its group; use contextParallel 1, or objective sft",
+            ".parallelism.contextParallel",
+        ),
+        Rule(
             "self.network.fabric == 'tcp' || self.resources.gpusPerNode > 0",
             lambda s: s.network.fabric == "tcp" or s.resources.gpus_per_node > 0,
             "fabric efa and infiniband need GPUs (resources.gpusPerNode > 0); use tcp on CPU",
@@ -447,8 +488,19 @@ class FineTuneJobSpec:
         return t.grpo.num_generations // math.gcd(per_micro, t.grpo.num_generations)
 
     @property
+    def context_parallel(self) -> int:
+        """Processes that split each sequence: parallelism.contextParallel, auto read as 1
+        until resolved (ftjob.plan.layout.resolve_context writes the number it chose)."""
+        return self.parallelism.context_split() or 1
+
+    @property
+    def data_parallel(self) -> int:
+        """Processes, or context-parallel groups of them, that train different sequences."""
+        return self.resources.world_size // self.context_parallel
+
+    @property
     def global_batch_size(self) -> int:
-        return self.training.micro_batch_size * self.accumulation * self.resources.world_size
+        return self.training.micro_batch_size * self.accumulation * self.data_parallel
 
     @property
     def sequences_per_example(self) -> int:

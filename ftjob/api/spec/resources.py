@@ -11,6 +11,8 @@ from ftjob.api.hardware import GPUS, RETIRED_GPU_TYPES
 from ftjob.api.schema import QUANTITY_PATTERN, IntOrString, Rule, api_field
 
 GPU_TYPES = tuple(GPUS)
+# parallelism.contextParallel: auto or a number of processes, 1 to 256 (processesPerNode's most).
+CONTEXT_PARALLEL = r"^(auto|[1-9][0-9]{0,2})$"
 
 
 @dataclass(kw_only=True)
@@ -86,6 +88,22 @@ class ParallelismSpec:
     cpu_offload: bool = api_field(
         "cpuOffload keeps parameters, gradients and optimizer states in CPU memory.", False
     )
+    context_parallel: IntOrString = api_field(
+        "contextParallel: how many processes of a node split each micro-batch's sequence "
+        "(context parallelism: DeepSpeed-Ulysses' all-to-all over attention heads, for long "
+        "sequences whose activations do not fit one GPU); sharding stays over every process. "
+        "It must divide the processes per node and the model's attention heads; model."
+        "attention sdpa and training.objective sft only. auto: 1 unless the job fits only "
+        "with a split, then the smallest that fits, as ftjob plan shows (docs/long-context.md).",
+        "1",
+        pattern=CONTEXT_PARALLEL,
+        pattern_hint='be a number of processes (1, 2, 4, 8) or "auto"',
+        max_length=4,
+    )
+
+    def context_split(self) -> int | None:
+        """contextParallel as a number of processes; None for auto (the planner decides)."""
+        return None if self.context_parallel == "auto" else int(self.context_parallel)
 
 
 @dataclass(kw_only=True)

@@ -23,12 +23,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ftjob.api import contract
+from ftjob.api.contract import BAD_SPEC, TrainerError
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import machine
 from ftjob.plan import layout as plan_layout
 from ftjob.plan import limits
 from ftjob.plan.estimate import checkpoint_stride, checkpointed
 from ftjob.plan.modelshape import ModelShape
+from ftjob.trainer.model import context
 
 # FSDP (with DTensor and sympy: a second of CPU) is imported when a model is sharded
 # (:func:`shard`), not at the trainer's start; a job of one rank (:func:`plain`) needs none.
@@ -106,6 +108,37 @@ def mesh(spec: FineTuneJobSpec, d: Dist, sharding: str) -> DeviceMesh:
         return init_device_mesh(d.device.type, (d.world_size,), mesh_dim_names=("shard",))
     shape = (spec.resources.nodes, d.world_size // spec.resources.nodes)
     return init_device_mesh(d.device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def context_group(spec: FineTuneJobSpec, d: Dist) -> context.Group | None:
+    """This rank's context-parallel group (parallelism.contextParallel N, auto resolved), or
+    None at 1: N consecutive ranks, so a group stays inside a node (the spec's rule: N divides
+    the processes per node). FSDP and DDP stay over every rank: the group's ranks hold other
+    tokens, as data-parallel ranks do, and the gang's one gradient reduction sums them."""
+    n = spec.context_parallel
+    if n == 1:
+        return None
+    mine = None
+    for first in range(0, d.world_size, n):
+        group = dist.new_group(list(range(first, first + n)))  # every rank makes every group
+        if first <= d.rank < first + n:
+            mine = group
+    return context.Group(mine, d.rank % n, n)
+
+
+def check_context_heads(spec: FineTuneJobSpec, config) -> None:
+    """Refuse, before any weight is read, a contextParallel that does not divide the model's
+    attention heads (each rank of a group attends with heads/N of them)."""
+    n, heads = spec.context_parallel, config.num_attention_heads
+    if heads % n:
+        fits = [k for k in range(1, n) if heads % k == 0 and spec.resources.nproc_per_node % k == 0]
+        raise TrainerError(
+            f"parallelism.contextParallel {n} does not divide the model's {heads} attention "
+            "heads: each rank of a group attends with heads/N of them",
+            reason=BAD_SPEC,
+            where=".parallelism.contextParallel",
+            fix=f"set parallelism.contextParallel to a divisor of {heads} (e.g. {fits[-1]})",
+        )
 
 
 def shard_group_size(device_mesh: DeviceMesh) -> int:

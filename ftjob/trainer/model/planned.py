@@ -14,10 +14,13 @@ import json
 from pathlib import Path
 
 from ftjob.api.contract import WILL_NOT_FIT, TrainerError
+from ftjob.api.hardware import GPUS
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import machine
 from ftjob.job.inputs import resolve
 from ftjob.plan.describe import not_planned, planned_condition
+from ftjob.plan.layout import budget, resolve_context, with_context
+from ftjob.plan.modelshape import ModelShape
 
 
 def model_config(source: str) -> dict | None:
@@ -77,3 +80,18 @@ def keep(spec: FineTuneJobSpec) -> tuple[str, dict]:
     this machine's memory for a CPU job without resources.memory), and :func:`published`."""
     planned = _planned(spec, model_config(spec.model.source), machine.memory_bytes())
     return _said(planned), published(planned)
+
+
+def resolved(spec: FineTuneJobSpec) -> tuple[FineTuneJobSpec, str]:
+    """``spec`` with parallelism.contextParallel auto resolved as ``ftjob plan`` resolves it
+    (the model's config.json, resources.gpuType's memory, this machine's for a CPU job), and
+    the choice in words ("" where it stays 1). Every rank decides alike from the same inputs.
+    Without a config.json the split stays 1: nothing says it is needed."""
+    if spec.parallelism.context_split() is not None:
+        return spec, ""
+    config = model_config(spec.model.source)
+    if config is None:
+        return with_context(spec, 1), ""
+    gpu = GPUS.get(spec.resources.gpu_type) if spec.resources.gpu_type else None
+    b = budget(spec, gpu.memory_bytes if gpu else None, machine.memory_bytes())
+    return resolve_context(spec, ModelShape.from_config(config), b)

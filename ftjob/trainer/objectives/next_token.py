@@ -12,6 +12,8 @@ import torch.distributed as dist
 from ftjob.api import objectives
 from ftjob.api.spec import FineTuneJobSpec
 from ftjob.trainer.data import batches as data
+from ftjob.trainer.data import context_slice
+from ftjob.trainer.model import context
 from ftjob.trainer.objectives.loss import token_loss
 from ftjob.trainer.objectives.offline import Offline
 
@@ -50,7 +52,7 @@ class NextToken(Offline):
         net.eval()
         total = torch.zeros((), dtype=torch.float64, device=d.device)
         labelled = 0
-        for batch in data.eval_batches(ds, d.rank, d.world_size, micro_batch):
+        for batch in _eval_batches(ds, d, micro_batch):
             part, count = token_loss(net, batch, d.device)
             total += part
             labelled += count  # a host count: the loop never waits for the device
@@ -61,3 +63,13 @@ class NextToken(Offline):
         dist.all_reduce(sums)
         net.train()
         return float(sums[0] / sums[1]), {}
+
+
+def _eval_batches(ds: data.Data, d, micro_batch: int) -> list[data.Batch]:
+    """This rank's eval batches: with context parallelism (:func:`context.active`) its group
+    reads one share of the eval set, and each rank keeps its slice of every sequence."""
+    cp = context.active()
+    if cp is None:
+        return data.eval_batches(ds, d.rank, d.world_size, micro_batch)
+    batches = data.eval_batches(ds, d.rank // cp.size, d.world_size // cp.size, micro_batch)
+    return [context_slice.cut(b, cp.rank, cp.size, ds.pad_id) for b in batches]
