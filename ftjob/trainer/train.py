@@ -364,8 +364,7 @@ def _train(job: Job, run: step.Run, ds, sampler, steps: range, nodes: list[str])
     slow = stragglers.Stragglers(spec.run_policy.straggler_margin, nodes)
     report.begin(steps.start)
     tally, evaluated_at = step.Tally(run.flops), None
-    reader, collate = _reads(run, d, goal.collate)
-    batches = step.Prefetch(ds, sampler, reader, steps, collate)
+    batches = _prefetch(run, d, ds, sampler, steps, goal.collate)
     request = preempt.Request(preempt.grace_seconds())
     vote = preempt.Vote(request)
     request.arm()  # from here a SIGTERM is a checkpoint at the next step boundary
@@ -404,14 +403,18 @@ def _train(job: Job, run: step.Run, ds, sampler, steps: range, nodes: list[str])
     return evaluated_at
 
 
-def _reads(run: step.Run, d: parallel.Dist, collate):
-    """Which of the sampler's readers this rank is, and its collate: with context parallelism
-    a group's ranks read the same micro-batch, each keeping its own slice of the sequence."""
+def _prefetch(run: step.Run, d: parallel.Dist, ds, sampler, steps: range, collate):
+    """This rank's micro-batches, read ahead: with context parallelism a group's ranks are one
+    reader of the sampler's (the same micro-batch), each keeping its own slice of the sequence."""
     cp = run.context
     if cp is None:
-        return d.rank, collate
-    return d.rank // cp.size, lambda rows, pad: context_slice.cut(
-        collate(rows, pad), cp.rank, cp.size, pad
+        return step.Prefetch(ds, sampler, d.rank, steps, collate)
+    return step.Prefetch(
+        ds,
+        sampler,
+        d.rank // cp.size,
+        steps,
+        lambda rows, pad: context_slice.cut(collate(rows, pad), cp.rank, cp.size, pad),
     )
 
 
