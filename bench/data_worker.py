@@ -78,7 +78,7 @@ def workers_peak_mib() -> float:
 
 
 def spec_for(source: Path):
-    from ftjob.api.spec import parse_spec
+    from ftjob.api.jobspec import parse_spec
 
     return parse_spec(
         {

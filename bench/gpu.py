@@ -230,7 +230,7 @@ def memory(work: Path, s: Setup) -> dict:
     """LoRA (bf16 frozen base) and QLoRA (NF4 base sharded under NCCL) on the GPUs: peak GPU
     memory per rank against `ftjob plan`'s estimate (less its fixed CUDA/NCCL reserve, which
     the allocator does not count), and the QLoRA loss curve next to LoRA's."""
-    from ftjob.api.spec import parse_spec
+    from ftjob.api.jobspec import parse_spec
     from ftjob.plan.layout import estimate
     from ftjob.plan.modelshape import ModelShape
 

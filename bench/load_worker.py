@@ -43,7 +43,7 @@ def main(spec_file: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from ftjob.api.spec import parse_spec
+    from ftjob.api.jobspec import parse_spec
     from ftjob.trainer.model import load as model
     from ftjob.trainer.model import parallel
 

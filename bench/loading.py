@@ -194,7 +194,7 @@ def config(size: str) -> dict:
 def plan_row(c: dict, label: str) -> dict:
     """`ftjob plan`'s loading per process against the measured one: the process before loading
     (the plan's baseline) plus its anonymous growth (the weight files' pages are page cache)."""
-    from ftjob.api.spec import parse_spec
+    from ftjob.api.jobspec import parse_spec
     from ftjob.plan.layout import estimate
     from ftjob.plan.modelshape import ModelShape
 

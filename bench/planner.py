@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench import common
 from bench.report import row
-from ftjob.api.spec import parse_resource
+from ftjob.api.jobspec import parse_resource
 from ftjob.job import machine
 from ftjob.plan.estimate import Estimate
 from ftjob.plan.layout import estimate

@@ -1,6 +1,6 @@
 """Generate every derived file: the CRD copies, manifests/install.yaml and manifests/samples/.
 
-    python scripts/manifests.py            # rewrite them (from api/spec/, the chart, examples/)
+    python scripts/manifests.py            # rewrite them (from api/jobspec/, the chart, examples/)
     python scripts/manifests.py --check    # exit 1 if any is stale (tests check the same)
 
 manifests/crd.yaml and charts/ftjob/crds/finetunejobs.ftjob.dev.yaml are `ftjob crd`'s output,
@@ -113,8 +113,8 @@ def values_schema() -> str:
     profile.spec's from api/profile.py (the rest of the file is written by hand): the chart
     refuses what a job's spec.tracking, or a FineTuneProfile, would. The CEL rules are not
     JSON Schema; the operator checks them when it starts."""
+    from ftjob.api.jobspec.tracking import TrackingSpec
     from ftjob.api.schema import openapi
-    from ftjob.api.spec.tracking import TrackingSpec
 
     def chart_form(node):
         if isinstance(node, list):

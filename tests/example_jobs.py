@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ftjob.api import manifest
-from ftjob.api.spec import FineTuneJobSpec, parse_resource
+from ftjob.api.jobspec import FineTuneJobSpec, parse_resource
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ftjob.api.spec import parse_resource
+from ftjob.api.jobspec import parse_resource
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

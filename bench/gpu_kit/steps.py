@@ -112,7 +112,7 @@ def planned_mib(doc: dict, model: Path, settings: dict) -> float:
     trainer chose (``settings``: :func:`chosen`; auto resolves by the GPU's memory, which a
     plan of the bare spec does not know), less its fixed CUDA/NCCL reserve (which
     torch.cuda.max_memory_allocated does not count)."""
-    from ftjob.api.spec import parse_spec
+    from ftjob.api.jobspec import parse_spec
     from ftjob.plan.layout import estimate
     from ftjob.plan.modelshape import ModelShape
 
@@ -286,7 +286,7 @@ def ddp_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
 
 def planned_step(doc: dict, model: Path) -> float | None:
     """`ftjob plan`'s step time for ``doc`` (None without a GPU type)."""
-    from ftjob.api.spec import parse_spec
+    from ftjob.api.jobspec import parse_spec
     from ftjob.plan.layout import estimate
     from ftjob.plan.modelshape import ModelShape
 

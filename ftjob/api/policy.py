@@ -26,9 +26,9 @@ from typing import Any
 
 import yaml
 
-from ftjob.api import profile, spec
+from ftjob.api import jobspec, profile
 
-NAME = f"{profile.PLURAL}.{spec.GROUP}"
+NAME = f"{profile.PLURAL}.{jobspec.GROUP}"
 LABEL = profile.NAMESPACE_LABEL
 
 # Whether the param (a profile) is the job's, as profile.choose decides (an ambiguous
@@ -204,10 +204,10 @@ def policy() -> dict[str, Any]:
             "matchConstraints": {
                 "resourceRules": [
                     {
-                        "apiGroups": [spec.GROUP],
-                        "apiVersions": [spec.VERSION],
+                        "apiGroups": [jobspec.GROUP],
+                        "apiVersions": [jobspec.VERSION],
                         "operations": ["CREATE", "UPDATE"],
-                        "resources": [spec.PLURAL],
+                        "resources": [jobspec.PLURAL],
                     }
                 ]
             },

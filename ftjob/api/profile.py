@@ -28,15 +28,15 @@ from typing import Any, Literal
 
 from ftjob.api import admission
 from ftjob.api import kubevalidation as kv
+from ftjob.api.jobspec import GROUP, VERSION, FineTuneJobSpec
+from ftjob.api.jobspec.checkpoint import VolumeRef
+from ftjob.api.jobspec.env import EnvVar, PullSecret, SecretsSpec
+from ftjob.api.jobspec.fields import DNS_SUBDOMAIN_HINT, label_map
+from ftjob.api.jobspec.method import METHODS
+from ftjob.api.jobspec.resources import GPU_TYPES
+from ftjob.api.jobspec.scheduling import SchedulingSpec
+from ftjob.api.jobspec.tracking import TrackingSpec
 from ftjob.api.schema import FieldError, SpecError, api_field, openapi, parse, to_dict
-from ftjob.api.spec import GROUP, VERSION, FineTuneJobSpec
-from ftjob.api.spec.checkpoint import VolumeRef
-from ftjob.api.spec.env import EnvVar, PullSecret, SecretsSpec
-from ftjob.api.spec.fields import DNS_SUBDOMAIN_HINT, label_map
-from ftjob.api.spec.method import METHODS
-from ftjob.api.spec.resources import GPU_TYPES
-from ftjob.api.spec.scheduling import SchedulingSpec
-from ftjob.api.spec.tracking import TrackingSpec
 
 KIND, PLURAL, SINGULAR = "FineTuneProfile", "finetuneprofiles", "finetuneprofile"
 API_VERSION = f"{GROUP}/{VERSION}"

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from ftjob import __version__
 from ftjob.api import contract, crd, manifest
+from ftjob.api.jobspec import API_VERSION, KIND
 from ftjob.api.profile import KIND as PROFILE_KIND
 from ftjob.api.profile import Profile, parse_profile
 from ftjob.api.schema import SpecError, to_dict
-from ftjob.api.spec import API_VERSION, KIND
 from ftjob.cli import extras, output, sources, validate
 from ftjob.job import machine
 from ftjob.plan import modelshape
@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
         "crd",
         help="print the FineTuneJob CustomResourceDefinition",
         description=(
-            "Print the CRD generated from ftjob/api/spec/ (what manifests/crd.yaml holds)."
+            "Print the CRD generated from ftjob/api/jobspec/ (what manifests/crd.yaml holds)."
         ),
     )
     p.add_argument(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from ftjob.api import manifest
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.cli import validate
 from ftjob.plan import quota
 from ftjob.plan.describe import pod_grace, verdict_text

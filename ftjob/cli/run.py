@@ -25,9 +25,9 @@ from pathlib import Path
 
 from ftjob.api import manifest
 from ftjob.api.contract import EXIT_PREEMPTED, TrainerError
+from ftjob.api.jobspec import KIND, ineffective, parse_resource
 from ftjob.api.profile import Profile
 from ftjob.api.schema import SpecError, check_rules
-from ftjob.api.spec import KIND, ineffective, parse_resource
 from ftjob.cli import failure
 from ftjob.cli.nodes import Node, free_port, interrupt, start_node, stop_all, wait_first
 from ftjob.cli.screen import Screen

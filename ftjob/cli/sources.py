@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.source import is_s3
-from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job.launch import s3_env
 
 CHECK_RETRY_SECONDS = "10"

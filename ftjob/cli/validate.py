@@ -30,16 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from ftjob.api import admission, crd
-from ftjob.api.profile import Profile, apply
-from ftjob.api.schema import FieldError, SpecError
-from ftjob.api.source import is_hub, is_s3
-from ftjob.api.spec import (
+from ftjob.api.jobspec import (
     DEFAULT_IMAGE,
     FineTuneJobSpec,
     ineffective,
     parse_resource,
     validate_update,
 )
+from ftjob.api.profile import Profile, apply
+from ftjob.api.schema import FieldError, SpecError
+from ftjob.api.source import is_hub, is_s3
 from ftjob.job import inputs
 from ftjob.operator import render  # pure: no kopf or kubernetes needed
 from ftjob.operator.admit import parse_job

@@ -62,8 +62,8 @@ from ftjob.api.contract import (
     TMP,
     TRACKING,
 )
+from ftjob.api.jobspec import API_VERSION, KIND, FineTuneJobSpec
 from ftjob.api.schema import to_dict
-from ftjob.api.spec import API_VERSION, KIND, FineTuneJobSpec
 from ftjob.job import atomic
 
 STEP = re.compile(r"^step-(\d{8})$")  # a checkpoint's folder, by its step
@@ -253,7 +253,7 @@ def changes(recorded: dict[str, Any], spec: FineTuneJobSpec) -> list[str]:
     """``spec.X: old -> new`` for each training field that differs from the record."""
     old = recorded.get("training")
     if not isinstance(old, dict):  # a record older than fingerprints: derive from its spec
-        from ftjob.api.spec import parse_spec
+        from ftjob.api.jobspec import parse_spec
 
         old = training_fields(parse_spec(recorded.get("spec") or {}))
     # A record written before a field became safe to change still lists it.
@@ -307,7 +307,7 @@ def trained(folder: Path, recorded: dict[str, Any], spec: FineTuneJobSpec) -> li
     held = [f"checkpoints up to step {steps[-1]}"] if steps else []
     outs = {jf.export(spec)}
     try:
-        from ftjob.api.spec import parse_spec
+        from ftjob.api.jobspec import parse_spec
 
         outs.add(jf.export(parse_spec(recorded.get("spec") or {})))
     except (ValueError, TypeError, AttributeError):  # an odd record names no other export

@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.schema import FieldError
 from ftjob.api.source import hub_repo, is_remote
-from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import folder as jobfolder
 from ftjob.job import modelfiles
 from ftjob.job.folder import JobFolder

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.schema import FieldError
-from ftjob.api.spec import FineTuneJobSpec
 
 # The qlora extra's modules (pyproject.toml; ftjob.cli.extras.MODULES names them from here).
 # Its own extra: transformers imports torchao whenever it is installed, and torchao's import

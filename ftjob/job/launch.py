@@ -10,9 +10,9 @@ only in its environment: the agent reads torchrun's options from ``PET_*`` varia
 (``PET_NODE_RANK=1`` is ``--node-rank 1``), the trainer reads ``FTJOB_*``. The operator puts
 :func:`node_command`'s result into each pod; ``ftjob run`` runs it as local processes.
 
-    python -c "from ftjob.api import spec; from ftjob.job import launch; print(launch.node_command(
-        spec.parse_spec({'model': {'source': 'm'}, 'dataset': {'source': 'd.jsonl'},
-                         'training': {'maxSteps': 1}}), 'demo', 0, 'demo-node-0.demo',
+    python -c "from ftjob.api import jobspec as s; from ftjob.job import launch as l; print(
+        l.node_command(s.parse_spec({'model': {'source': 'm'}, 'dataset': {'source': 'd.jsonl'},
+                      'training': {'maxSteps': 1}}), 'demo', 0, 'demo-node-0.demo',
         'demo-1', '/etc/ftjob/spec.json'))"
 """
 
@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ftjob.api.contract import COMPILE_CACHE, DOWNLOADS, SECRET_ENV
+from ftjob.api.jobspec import FineTuneJobSpec
+from ftjob.api.jobspec.fields import SecretKeyRef
 from ftjob.api.schema import quantity
-from ftjob.api.spec import FineTuneJobSpec
-from ftjob.api.spec.fields import SecretKeyRef
 
 VOLUME_MOUNT = "/ftjob"  # where pods mount checkpoint.volume
 # NCCL's bootstrap traffic: any interface but loopback and container bridges.

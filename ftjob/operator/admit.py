@@ -15,8 +15,8 @@ import re
 from typing import Any
 
 from ftjob.api import kubevalidation
+from ftjob.api.jobspec import FineTuneJobSpec, parse_resource
 from ftjob.api.schema import FieldError, SpecError
-from ftjob.api.spec import FineTuneJobSpec, parse_resource
 from ftjob.operator import render
 
 # A stand-in for the UID the API server assigns: same shape, so names and labels are as long.
@@ -28,7 +28,7 @@ def parse_job(
 ) -> tuple[str, FineTuneJobSpec]:
     """The job's name and spec, if the job and every child it would have are valid; else
     :class:`SpecError` naming every field at fault. The operator and ``ftjob validate`` share it
-    (``strict``: see :func:`ftjob.api.spec.parse_resource`). ``children=False``: the caller
+    (``strict``: see :func:`ftjob.api.jobspec.parse_resource`). ``children=False``: the caller
     knows that the children of a document of this very :func:`digest` passed; they are not
     rendered and checked again (the spec itself always is).
     """

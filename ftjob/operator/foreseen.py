@@ -15,7 +15,7 @@ offline (:func:`ftjob.plan.describe.planned_condition`).
 
 from __future__ import annotations
 
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.plan.describe import planned_condition
 from ftjob.plan.estimate import gib
 

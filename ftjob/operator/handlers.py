@@ -37,10 +37,10 @@ import aiohttp
 import kopf
 from aiohttp import web
 
+from ftjob.api.jobspec import GROUP, PLURAL, VERSION, FineTuneJobSpec
+from ftjob.api.jobspec.tracking import TrackingSpec
 from ftjob.api.profile import PLURAL as PROFILES
 from ftjob.api.schema import SpecError
-from ftjob.api.spec import GROUP, PLURAL, VERSION, FineTuneJobSpec
-from ftjob.api.spec.tracking import TrackingSpec
 from ftjob.operator import (
     admit,
     cost,

@@ -15,7 +15,7 @@ from typing import Any
 import urllib3
 from kubernetes import client, config
 
-from ftjob.api.spec import GROUP, PLURAL, VERSION
+from ftjob.api.jobspec import GROUP, PLURAL, VERSION
 from ftjob.operator import metrics
 
 FIELD_MANAGER = "ftjob-operator"

@@ -26,7 +26,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from ftjob.api import contract
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.operator import foreseen, queueing
 from ftjob.operator import status as st
 from ftjob.plan.describe import planned_condition

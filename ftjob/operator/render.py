@@ -21,14 +21,14 @@ import json
 from typing import Any
 
 from ftjob.api import contract
+from ftjob.api.jobspec import API_VERSION, DEFAULT_IMAGE, KIND, FineTuneJobSpec
+from ftjob.api.jobspec.tracking import TrackingSpec
 from ftjob.api.schema import camel, parse, to_dict
-from ftjob.api.spec import API_VERSION, DEFAULT_IMAGE, KIND, FineTuneJobSpec
-from ftjob.api.spec.tracking import TrackingSpec
 from ftjob.job import launch
 from ftjob.plan import quota
-from ftjob.plan.estimate import grace_period_seconds
 from ftjob.plan.layout import estimate
 from ftjob.plan.modelshape import shape_for
+from ftjob.plan.saving import grace_period_seconds
 
 MANAGER = "ftjob-operator"
 GROUP_PREFIX = "ftjob.dev"

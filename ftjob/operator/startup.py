@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 
 import kopf
 
+from ftjob.api.jobspec import GROUP, PLURAL
 from ftjob.api.profile import PLURAL as PROFILES
-from ftjob.api.spec import GROUP, PLURAL
 
 # (apiGroup, resource, verb): what kopf's watches and kube.py's calls need, the chart's
 # ClusterRole in other words (tests/unit/test_chart.py keeps the three equal).

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from ftjob.api.spec import GROUP, KIND, VERSION
+from ftjob.api.jobspec import GROUP, KIND, VERSION
 
 if TYPE_CHECKING:
     from ftjob.operator import profiles

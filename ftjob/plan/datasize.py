@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.schema import quantity
 from ftjob.api.source import is_remote
-from ftjob.api.spec import FineTuneJobSpec
 
 TEXT_BYTES_PER_TOKEN = 4.0  # JSONL bytes per token for English with a 32k-150k BPE vocabulary
 STORED_BYTES_PER_TOKEN = 8  # input_ids + labels, int32 each (Arrow; offsets are negligible)

@@ -9,14 +9,13 @@ import os
 from pathlib import Path
 
 from ftjob.api.hardware import GIB, GPUS, node_bandwidth
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.plan import datasize, limits, quota
 from ftjob.plan.estimate import (
     PHASES,
     TIGHT,
     Estimate,
     gib,
-    grace_period,
     phase_why,
     reference_pass,
     stride_name,
@@ -24,6 +23,7 @@ from ftjob.plan.estimate import (
 from ftjob.plan.layout import estimate
 from ftjob.plan.modelshape import ModelShape, shape_for
 from ftjob.plan.options import Plan, plan
+from ftjob.plan.saving import grace_period
 
 
 def _source_root() -> Path | None:

@@ -44,12 +44,11 @@ figure does; the step time also counts the recomputed forward.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from ftjob.api.hardware import GIB, GPUS, Gpu, node_bandwidth
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.schema import FieldError, quantity
-from ftjob.api.spec import FineTuneJobSpec
 from ftjob.plan import datasize
 from ftjob.plan.limits import (
     ddp,
@@ -60,6 +59,7 @@ from ftjob.plan.limits import (
     shard_group,
 )
 from ftjob.plan.modelshape import LOSS_CHUNK_TOKENS, ModelShape, flops_per_token
+from ftjob.plan.saving import checkpoint_bytes
 from ftjob.plan.traffic import context_layer_bytes, context_traffic, exposed, traffic
 
 FP32 = 4
@@ -105,55 +105,6 @@ ASSUMED_HFU = {"full": 0.40, "lora": 0.35, "qlora": 0.25}
 # linear layers at seq 8192 (fp8_speedup's count), 8,532/6,667 = 1 / (0.28 + 0.72 / (2 x 0.72))
 # on the H100 SXM's peaks. The GPU kit's fp8 rows measure ftjob's own (bench/gpu_kit).
 FP8_EFFICIENCY = 0.72
-
-# A save to the shared volume, for the grace period a SIGTERM leaves (ftjob.trainer.gang.preempt,
-# the operator's terminationGracePeriodSeconds): what a node's client of a network file system
-# (NFS, EFS, FSx for Lustre at its smaller sizes) writes at least, and the fixed part (the
-# collectives, the checksums' manifest, fsync and the commit's rename). The trainer prefers
-# the time it measured on its own last save. An assumption, not a measurement of a network
-# volume (none here): a local disk took 884 MiB from 2 ranks in 1.28 s, ~690 MB/s
-# (bench/RESULTS.md, the checkpoint suite), so this errs towards a longer grace period.
-SAVE_BYTES_PER_SECOND_PER_NODE = 200e6
-SAVE_FIXED_SECONDS = 2.0
-
-
-def checkpoint_bytes(trainable: int) -> float:
-    """What a checkpoint holds: the trained weights and their two AdamW moments, fp32."""
-    return 3 * trainable * FP32
-
-
-# terminationGracePeriodSeconds: Kubernetes' default of 30 s twice over at least, as before the
-# save on SIGTERM existed; otherwise the planner's save time with a margin of GRACE_MARGIN (a
-# busy volume, a slow step still to finish: the gang stops at a step boundary first).
-MIN_GRACE_SECONDS = 60
-GRACE_MARGIN = 2.0
-
-
-def grace_period_seconds(saved_bytes: float, nodes: int, given: int | None = None) -> int:
-    """PURE: the pods' grace period: ``given`` (spec.checkpoint.gracePeriodSeconds) when set,
-    else the planner's save time of a ``saved_bytes`` checkpoint, with the margin."""
-    return grace_period(saved_bytes, nodes, given)[0]
-
-
-def grace_period(saved_bytes: float, nodes: int, given: int | None = None) -> tuple[int, str]:
-    """PURE: the grace period (:func:`grace_period_seconds`) and why, in words: the time a
-    SIGTERM in the training loop needs for its save (start-up and export end at once)."""
-    save = save_seconds(saved_bytes, nodes)
-    if given is not None:
-        return given, f"checkpoint.gracePeriodSeconds (the planned save takes ~{save:.0f} s)"
-    planned = math.ceil(GRACE_MARGIN * save)
-    if planned <= MIN_GRACE_SECONDS:
-        return MIN_GRACE_SECONDS, (
-            f"the floor: a save takes ~{save:.0f} s, x{GRACE_MARGIN:g} margin = {planned} s"
-        )
-    return planned, f"a save takes ~{save:.0f} s, x{GRACE_MARGIN:g} margin"
-
-
-def save_seconds(saved_bytes: float, nodes: int) -> float:
-    """About how long a checkpoint of ``saved_bytes`` takes to write: every node writes its
-    ranks' shares at once."""
-    return SAVE_FIXED_SECONDS + saved_bytes / (max(nodes, 1) * SAVE_BYTES_PER_SECOND_PER_NODE)
-
 
 # activationCheckpointing: auto tries these strides, fastest first (0: none, 1: every layer).
 AUTO_STRIDES = (0, 4, 3, 2, 1)

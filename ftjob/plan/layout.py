@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ftjob.api.hardware import GPUS
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.schema import quantity
-from ftjob.api.spec import FineTuneJobSpec
 from ftjob.plan.estimate import TIGHT, Estimate, checkpoint_stride, estimate_at, gib
 from ftjob.plan.modelshape import ModelShape
 

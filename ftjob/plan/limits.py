@@ -9,8 +9,8 @@ a job one of them refuses is refused by all with the same field and words. Pure:
 
 from __future__ import annotations
 
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.schema import FieldError
-from ftjob.api.spec import FineTuneJobSpec
 from ftjob.plan.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK, nf4_splits
 
 # The shard group FSDP splits every parameter over, by sharding (as trainer/model/parallel.py

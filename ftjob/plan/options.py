@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 
 from ftjob.api.hardware import GIB, GPUS
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.schema import check_rules
-from ftjob.api.spec import FineTuneJobSpec
 from ftjob.plan.estimate import (
     Estimate,
     checkpoint_stride,

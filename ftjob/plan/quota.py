@@ -11,8 +11,8 @@ resources and its quota (``nominalQuota``, plus what it may borrow) holds the wh
 
 from __future__ import annotations
 
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.schema import quantity
-from ftjob.api.spec import FineTuneJobSpec
 
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 _GI = 2**30

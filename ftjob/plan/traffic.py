@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from ftjob.api.hardware import collective_seconds, intra_node_bandwidth, node_bandwidth
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.jobspec import FineTuneJobSpec
 
 FP32 = 4
 

@@ -23,8 +23,8 @@ from ftjob.api.contract import (
     TrainerError,
     preempted_record,
 )
+from ftjob.api.jobspec import KIND, parse_resource
 from ftjob.api.schema import SpecError
-from ftjob.api.spec import KIND, parse_resource
 from ftjob.trainer.gang import termination
 from ftjob.trainer.report import secrecy
 

@@ -23,12 +23,13 @@ from huggingface_hub.utils import disable_progress_bars
 
 from ftjob.api import contract
 from ftjob.api.contract import BAD_SPEC, EXPORT_FAILED, TrainerError
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.job import folder as jobfolder
 from ftjob.job.folder import JobFolder
 from ftjob.job.lease import LEASE_SECONDS, Lease
-from ftjob.plan.estimate import checkpoint_bytes, save_seconds, stride_name
+from ftjob.plan.estimate import stride_name
 from ftjob.plan.modelshape import model_flops
+from ftjob.plan.saving import checkpoint_bytes, save_seconds
 from ftjob.trainer import step
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.data import context_slice, sources

@@ -27,7 +27,7 @@ LAYERS = 2  # the tiny model's decoder layers
 
 
 def spec_for(sharding: str):
-    from ftjob.api.spec import parse_spec
+    from ftjob.api.jobspec import parse_spec
 
     return parse_spec({
         "model": {"source": str(EXAMPLES / "tiny-model")},

@@ -137,7 +137,7 @@ def test_the_operator_restarts_the_gang_on_the_real_record(failed):
     """The record the failed push left, as a trainer container's termination message: the
     operator names PushFailed with its fix and replaces the gang (it is not permanent)."""
     from ftjob.api import manifest
-    from ftjob.api.spec import parse_resource
+    from ftjob.api.jobspec import parse_resource
     from ftjob.operator import lifecycle, render
 
     _, first, _, _ = failed

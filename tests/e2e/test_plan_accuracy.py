@@ -28,7 +28,7 @@ import pytest
 import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ftjob.api.spec import parse_resource
+from ftjob.api.jobspec import parse_resource
 from ftjob.plan.layout import estimate
 from ftjob.plan.modelshape import ModelShape
 

@@ -33,7 +33,7 @@ from test_trainer_run import (
 )
 
 from ftjob.api import contract
-from ftjob.api.spec import parse_resource
+from ftjob.api.jobspec import parse_resource
 from ftjob.operator import render, status
 
 STEPS = 12  # test_recovery.SPEC: checkpoint.every 4, keep 3

@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from test_trainer_run import injected, job, run
 
 from ftjob.api import contract, manifest
-from ftjob.api.spec import parse_resource
+from ftjob.api.jobspec import parse_resource
 from ftjob.operator import lifecycle, render
 from ftjob.operator import status as st
 

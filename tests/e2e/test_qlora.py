@@ -192,7 +192,7 @@ def probe(base: Path, out: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torchao.quantization import NF4Tensor
 
-    from ftjob.api.spec import parse_spec
+    from ftjob.api.jobspec import parse_spec
     from ftjob.trainer.data import batches as data
     from ftjob.trainer.model import load as model
     from ftjob.trainer.model import parallel

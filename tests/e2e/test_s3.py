@@ -24,7 +24,7 @@ from hubserver import HubServer
 from test_trainer_run import EXAMPLES, RUN_TIMEOUT, final, job
 
 from ftjob.api.contract import BAD_DATA, BAD_MODEL, STORE_UNREACHABLE, TrainerError
-from ftjob.api.spec import parse_resource
+from ftjob.api.jobspec import parse_resource
 from ftjob.trainer.data import s3, sources
 
 MODEL = EXAMPLES / "tiny-model"

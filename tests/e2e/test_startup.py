@@ -15,7 +15,7 @@ import hangs
 import pytest
 from trainer_outputs import Runs, job, wait_for_phase
 
-from ftjob.api.spec import parse_resource
+from ftjob.api.jobspec import parse_resource
 from ftjob.operator import lifecycle, render
 from ftjob.operator import status as st
 

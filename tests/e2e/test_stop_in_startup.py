@@ -27,7 +27,7 @@ from test_trainer_run import job
 from trainer_outputs import wait_for_phase
 
 from ftjob.api import contract
-from ftjob.api.spec import parse_resource
+from ftjob.api.jobspec import parse_resource
 from ftjob.job import launch
 
 pytestmark = pytest.mark.timeout(240)

@@ -101,7 +101,7 @@ def probe(out: Path, models: Path, cases: list) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from ftjob.api.spec import parse_spec
+    from ftjob.api.jobspec import parse_spec
     from ftjob.job import modelfiles
     from ftjob.trainer.data import batches as data
     from ftjob.trainer.model import load as model

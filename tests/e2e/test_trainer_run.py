@@ -148,7 +148,7 @@ def losses(workdir: Path) -> dict[int, float]:
 
 def eval_loss_of(model, workdir: Path) -> float:
     """Eval loss of a reloaded model, on the eval set the trainer used (one process)."""
-    from ftjob.api.spec import parse_resource
+    from ftjob.api.jobspec import parse_resource
     from ftjob.trainer.data import batches as data
     from ftjob.trainer.model.load import load_tokenizer
     from ftjob.trainer.objectives.loss import token_loss

@@ -9,7 +9,7 @@ from hangs import FLOOR
 from support import gang_running, job_pods
 
 from ftjob.api import manifest
-from ftjob.api.spec import DEFAULT_IMAGE
+from ftjob.api.jobspec import DEFAULT_IMAGE
 
 ROOT = Path(__file__).resolve().parents[2]
 

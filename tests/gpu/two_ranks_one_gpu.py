@@ -26,7 +26,7 @@ STEPS = 10
 
 
 def spec():
-    from ftjob.api.spec import parse_spec
+    from ftjob.api.jobspec import parse_spec
 
     return parse_spec({
         "model": {"source": str(ROOT / "examples" / "tiny-model")},

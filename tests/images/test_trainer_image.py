@@ -23,7 +23,7 @@ from contents import assert_extra_installed
 from podrun import fs_group, hosts_of, layer_writes, logs, podman, remove, run_argv, state
 
 from ftjob.api import contract, manifest
-from ftjob.api.spec import parse_resource
+from ftjob.api.jobspec import parse_resource
 from ftjob.operator import render
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import transformers.modeling_flash_attention_utils as flash_utils
 from transformers import AutoModelForCausalLM
 
-from ftjob.api.spec import parse_spec
+from ftjob.api.jobspec import parse_spec
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.data.batches import IGNORE
 from ftjob.trainer.model import attention, parallel

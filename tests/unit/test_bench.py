@@ -14,7 +14,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # bench/ is a folder of the repo, not an installed package
 
 from bench import common, report  # noqa: E402
-from ftjob.api.spec import parse_resource  # noqa: E402
+from ftjob.api.jobspec import parse_resource  # noqa: E402
 
 
 def results(**suites) -> dict:

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from ftjob import __version__
-from ftjob.api import crd, profile, spec
+from ftjob.api import crd, jobspec, profile
 from ftjob.api.profile import parse_profile
 from ftjob.operator import startup
 from ftjob.operator.__main__ import add_arguments
@@ -259,7 +259,7 @@ def test_chart_crds_are_valid_kubernetes(kube):
 
 
 def test_chart_crd_equals_generator():
-    copy = CHART / "crds" / f"{spec.PLURAL}.{spec.GROUP}.yaml"
+    copy = CHART / "crds" / f"{jobspec.PLURAL}.{jobspec.GROUP}.yaml"
     assert copy.read_text() == crd.render_yaml(), "regenerate: python scripts/manifests.py"
 
 
@@ -268,7 +268,9 @@ def test_chart_version_is_ftjobs_and_so_is_the_image_tag(rendered):
     assert meta["appVersion"] == __version__
     image = the(rendered["defaults"], "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert image["image"] == f"ghcr.io/ftjob/operator:{__version__}"
-    assert spec.DEFAULT_IMAGE.endswith(f":{__version__}")  # the trainer image of the same release
+    assert jobspec.DEFAULT_IMAGE.endswith(
+        f":{__version__}"
+    )  # the trainer image of the same release
 
 
 # -- values --------------------------------------------------------------------------------
@@ -424,7 +426,7 @@ def test_trainer_default_image_reaches_the_operator_and_its_pods(rendered):
     assert job_spec.image is None
     for combo, want in [
         ("private-registry-gpu-cluster", "registry.example.com/ml/ftjob-trainer:0.1.0-efa"),
-        ("defaults", spec.DEFAULT_IMAGE),
+        ("defaults", jobspec.DEFAULT_IMAGE),
     ]:
         container = the(rendered[combo], "Deployment")["spec"]["template"]["spec"]
         env = {e["name"]: e.get("value") for e in container["containers"][0]["env"]}
@@ -650,7 +652,7 @@ CLUSTER_SCOPED = {
     ("apiextensions.k8s.io", "customresourcedefinitions"),
     ("kopf.dev", "clusterkopfpeerings"),
     ("", "namespaces"),
-    (spec.GROUP, "finetuneprofiles"),
+    (jobspec.GROUP, "finetuneprofiles"),
 }
 KUBE_METHOD = re.compile(
     r"^(?P<verb>create|delete|get|list|patch|read|replace)_(?P<scope>namespaced_|cluster_)?"
@@ -663,14 +665,14 @@ HANDLERS_THAT_WATCH = HANDLERS_THAT_PATCH | {"index", "event"}
 
 
 def _constant(node: ast.expr) -> str:
-    """A string literal, or a name imported from ftjob.api.spec (GROUP, PLURAL, ...) or, as
+    """A string literal, or a name imported from ftjob.api.jobspec (GROUP, PLURAL, ...) or, as
     kube.py names it, ftjob.api.profile's PLURAL (PROFILES)."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     if isinstance(node, ast.Name) and node.id == "PROFILES":
         return profile.PLURAL
-    if isinstance(node, ast.Name) and hasattr(spec, node.id):
-        return getattr(spec, node.id)
+    if isinstance(node, ast.Name) and hasattr(jobspec, node.id):
+        return getattr(jobspec, node.id)
     raise AssertionError(f"cannot resolve {ast.unparse(node)} at line {node.lineno}")
 
 
@@ -758,7 +760,7 @@ def kopf_permissions() -> set[tuple[str, str, str]]:
     if re.search(r"persistence\.finalizer\s*=", source):
         # A finalizer no handler needs: kopf takes it off every job it sees that carries it
         # (jobs from before an upgrade, when per-job daemons set it). Only jobs ever had it.
-        perms.add((spec.GROUP, spec.PLURAL, "patch"))
+        perms.add((jobspec.GROUP, jobspec.PLURAL, "patch"))
     posts = re.search(r"kopf\.(event|info|warn|exception)\(", source)
     posting_off = re.search(r"settings\.posting\.enabled\s*=\s*False", source)
     if posts or not posting_off:  # kopf also posts its own log records as Events
@@ -825,9 +827,9 @@ def test_code_reading_finds_the_operators_calls():
     """The readers above see what the operator does today (guards the readers themselves)."""
     kube = kube_py_permissions()
     assert ("", "pods", "create") in kube and ("", "pods", "delete") in kube
-    assert (spec.GROUP, f"{spec.PLURAL}/status", "patch") in kube
+    assert (jobspec.GROUP, f"{jobspec.PLURAL}/status", "patch") in kube
     kopf_ = kopf_permissions()
-    assert {(spec.GROUP, spec.PLURAL, "watch"), ("", "pods", "watch")} <= kopf_
+    assert {(jobspec.GROUP, jobspec.PLURAL, "watch"), ("", "pods", "watch")} <= kopf_
 
 
 @pytest.mark.parametrize(
@@ -916,7 +918,7 @@ def test_install_yaml_holds_crds_namespace_and_operator():
         kubernetes_validate.validate(namespace, kube, strict=True)
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     assert all(d["metadata"].get("namespace", NAMESPACE) == NAMESPACE for d in docs)
-    ftj = next(d for d in docs if d["metadata"]["name"] == f"{spec.PLURAL}.{spec.GROUP}")
+    ftj = next(d for d in docs if d["metadata"]["name"] == f"{jobspec.PLURAL}.{jobspec.GROUP}")
     assert ftj == crd.crd()
 
 

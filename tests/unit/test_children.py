@@ -14,10 +14,10 @@ import kubernetes_validate
 import pytest
 
 from ftjob.api import kubevalidation, manifest
-from ftjob.api.spec import parse_resource
-from ftjob.api.spec.env import SecretsSpec
-from ftjob.api.spec.fields import SecretKeyRef
-from ftjob.api.spec.scheduling import Toleration
+from ftjob.api.jobspec import parse_resource
+from ftjob.api.jobspec.env import SecretsSpec
+from ftjob.api.jobspec.fields import SecretKeyRef
+from ftjob.api.jobspec.scheduling import Toleration
 from ftjob.cli import validate
 from ftjob.operator import admit, render, watched
 

@@ -148,7 +148,7 @@ def test_a_trainer_started_without_torchao_refuses_qlora_before_reading_weights(
     """A trainer started otherwise than by `ftjob run` (torchrun, a pod) names the extra too,
     not an import error halfway through reading the weights."""
     from ftjob.api.contract import BAD_SPEC, TrainerError
-    from ftjob.api.spec import parse_resource
+    from ftjob.api.jobspec import parse_resource
     from ftjob.trainer.model import load as model
 
     (doc,) = manifest.load(ROOT / "examples" / "tiny-qlora.yaml")
@@ -323,7 +323,7 @@ def test_qlora_on_the_tiny_model_is_refused_alike_by_validate_plan_and_the_train
     assert planned.returncode == 1 and planned.stderr == f"{path}: {TINY_QLORA}\n"
 
     from ftjob.api.contract import BAD_SPEC, TrainerError
-    from ftjob.api.spec import parse_resource
+    from ftjob.api.jobspec import parse_resource
     from ftjob.trainer.model import load as model
 
     monkeypatch.chdir(tmp_path)

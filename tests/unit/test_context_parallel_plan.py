@@ -44,7 +44,7 @@ def _doc(**edits) -> dict:
 
 def _refusals(doc: dict) -> tuple[list[str], list[str]]:
     """What Python's parse and the API server's schema + CEL say of ``doc``: the fields."""
-    from ftjob.api.spec import parse_resource
+    from ftjob.api.jobspec import parse_resource
 
     try:
         parse_resource(doc)
@@ -100,7 +100,7 @@ def test_the_door_takes_a_split_within_a_node_only(edits, refused):
 
 
 def test_dpo_and_grpo_are_refused_with_the_reason():
-    from ftjob.api.spec import parse_resource
+    from ftjob.api.jobspec import parse_resource
 
     doc = _doc(**{"resources.nodes": 1, "resources.processesPerNode": 2,
                   "parallelism.contextParallel": 2})  # fmt: skip

@@ -11,9 +11,9 @@ from test_status import T0, run_to
 from test_status import pod as pod_of
 
 from ftjob.api import manifest
+from ftjob.api.jobspec import parse_resource
 from ftjob.api.profile import apply, parse_profile
 from ftjob.api.schema import SpecError
-from ftjob.api.spec import parse_resource
 from ftjob.operator import cost, lifecycle
 from ftjob.operator.status import observed_pod
 

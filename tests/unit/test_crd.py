@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from ftjob.api import contract, crd
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.schema import openapi
-from ftjob.api.spec import FineTuneJobSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED_COPIES = [ROOT / "manifests" / "crd.yaml"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ftjob.api import manifest
-from ftjob.api.spec import parse_resource
+from ftjob.api.jobspec import parse_resource
 from ftjob.trainer.data import records
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,8 +16,8 @@ from test_pending import unschedulable
 from test_status import ROOT, T0, pod
 
 from ftjob.api import manifest
+from ftjob.api.jobspec import parse_resource
 from ftjob.api.schema import camel
-from ftjob.api.spec import parse_resource
 from ftjob.operator import lifecycle, render
 from ftjob.operator import status as st
 

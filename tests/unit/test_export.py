@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from ftjob.api.spec import parse_spec
+from ftjob.api.jobspec import parse_spec
 from ftjob.trainer.report import progress
 from ftjob.trainer.state import export
 

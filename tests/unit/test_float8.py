@@ -18,8 +18,8 @@ import torch
 
 from ftjob.api.contract import TrainerError
 from ftjob.api.hardware import FP8_GPU_TYPES, GPUS
+from ftjob.api.jobspec import parse_spec
 from ftjob.api.schema import SpecError
-from ftjob.api.spec import parse_spec
 from ftjob.plan.limits import float8_all_gather
 from ftjob.trainer.model import float8, parallel
 from ftjob.trainer.model import load as model
@@ -263,7 +263,7 @@ def test_the_plan_refuses_fp8_on_a_model_whose_shapes_float8_cannot_take():
 
 
 def test_fp8_on_cpu_is_taken_with_a_warning_that_it_is_emulated():
-    from ftjob.api.spec import ineffective
+    from ftjob.api.jobspec import ineffective
 
     job = spec(precision="fp8")
     assert any("fp8 on CPU is emulated" in w for w in ineffective(job, {}))

@@ -18,7 +18,7 @@ from example_jobs import example
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ftjob.api.contract import TrainerError
-from ftjob.api.spec.data import DatasetSpec
+from ftjob.api.jobspec.data import DatasetSpec
 from ftjob.plan import estimate, layout
 from ftjob.plan.modelshape import known_model
 from ftjob.trainer.data import records
@@ -191,7 +191,7 @@ def test_the_model_card_says_grpo_its_rewards_and_the_final_mean_reward():
 
 
 def test_each_reward_has_its_mean_and_spread_under_trls_tracker_names():
-    from ftjob.api.spec.training import GrpoSpec
+    from ftjob.api.jobspec.training import GrpoSpec
     from ftjob.trainer.report import trackers
 
     nan = float("nan")
@@ -290,8 +290,8 @@ def test_unset_accumulation_is_derived_so_a_step_holds_whole_groups(shape, micro
     (8 completions a prompt) on any shape: gradientAccumulation, unset, is the fewest
     micro-batches that make the step's completions whole groups. Set, it is the user's, and
     one that splits a group is refused, naming the way out."""
+    from ftjob.api.jobspec import parse_spec
     from ftjob.api.schema import SpecError
-    from ftjob.api.spec import parse_spec
 
     raw = {"model": {"source": "hf://org/m"},
            "dataset": {"source": "p.jsonl", "format": "prompts"},

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ftjob.api import objectives
-from ftjob.api.spec.training import GrpoSpec
+from ftjob.api.jobspec.training import GrpoSpec
 from ftjob.trainer.model import attention
 from ftjob.trainer.objectives import grpo, grpo_loss, loss
 from ftjob.trainer.objectives.generate import KvSampling

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from ftjob.api import contract
+from ftjob.api.jobspec import parse_spec
 from ftjob.api.schema import SpecError
-from ftjob.api.spec import parse_spec
 from ftjob.cli import failure
 from ftjob.job import folder as jobfolder
 from ftjob.job import inputs

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from ftjob.api.contract import BAD_SPEC, TrainerError
-from ftjob.api.spec import parse_spec
+from ftjob.api.jobspec import parse_spec
 from ftjob.job import folder as jobfolder
 from ftjob.job.folder import BEING_WRITTEN, STEP, JobFolder, writing
 

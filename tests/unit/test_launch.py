@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ftjob.api.spec import parse_spec
+from ftjob.api.jobspec import parse_spec
 from ftjob.job import launch
 
 

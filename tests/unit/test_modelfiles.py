@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ftjob.api.spec import parse_spec
+from ftjob.api.jobspec import parse_spec
 from ftjob.job import modelfiles
 
 ROOT = Path(__file__).resolve().parents[2]

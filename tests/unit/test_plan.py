@@ -11,8 +11,8 @@ from example_jobs import example
 
 from ftjob.api import manifest
 from ftjob.api.hardware import GIB
+from ftjob.api.jobspec import parse_resource
 from ftjob.api.schema import check_rules, quantity
-from ftjob.api.spec import parse_resource
 from ftjob.plan import describe, estimate, layout, options
 from ftjob.plan.modelshape import ModelShape, known_model, shape_for
 
@@ -368,7 +368,7 @@ def test_a_cpu_plan_never_advises_gpu_type():
 
 
 def test_plan_counts_the_prepared_data_on_the_volume(tmp_path):
-    from ftjob.api.spec import parse_spec
+    from ftjob.api.jobspec import parse_spec
     from ftjob.plan import datasize
 
     source = tmp_path / "d.jsonl"

@@ -19,7 +19,7 @@ from example_jobs import example
 
 from ftjob.api import contract, manifest
 from ftjob.api.contract import TrainerError
-from ftjob.api.spec import parse_resource
+from ftjob.api.jobspec import parse_resource
 from ftjob.cli import validate
 from ftjob.cli.commands import main
 from ftjob.job import machine

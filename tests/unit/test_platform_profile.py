@@ -11,9 +11,9 @@ import kubernetes_validate
 import pytest
 
 from ftjob.api import admission, crd, manifest, profile
+from ftjob.api.jobspec import parse_resource
 from ftjob.api.profile import NAMESPACE_LABEL, NoProfile, NotServed, apply, choose, parse_profile
 from ftjob.api.schema import SpecError
-from ftjob.api.spec import parse_resource
 from ftjob.cli import validate
 from ftjob.cli.commands import main
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ftjob.api import manifest
-from ftjob.api.spec import parse_resource
+from ftjob.api.jobspec import parse_resource
 from ftjob.operator import render
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,9 +8,9 @@ import signal
 from pathlib import Path
 
 from ftjob.api import contract, manifest
-from ftjob.api.spec import parse_resource
+from ftjob.api.jobspec import parse_resource
 from ftjob.operator import render
-from ftjob.plan import estimate
+from ftjob.plan import saving
 from ftjob.trainer.gang import preempt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,12 +36,12 @@ def test_the_grace_period_comes_from_the_environment_or_kubernetes_default():
 
 
 def test_the_pods_grace_period_is_the_planners_save_time_with_a_margin_or_the_spec():
-    assert estimate.grace_period_seconds(0, 2) == estimate.MIN_GRACE_SECONDS
+    assert saving.grace_period_seconds(0, 2) == saving.MIN_GRACE_SECONDS
     big = 3 * 8e9 * 4  # an 8B full fine-tune's weights and moments
-    assert estimate.grace_period_seconds(big, 2) == 2 * int(
-        estimate.SAVE_FIXED_SECONDS + big / (2 * estimate.SAVE_BYTES_PER_SECOND_PER_NODE)
+    assert saving.grace_period_seconds(big, 2) == 2 * int(
+        saving.SAVE_FIXED_SECONDS + big / (2 * saving.SAVE_BYTES_PER_SECOND_PER_NODE)
     )
-    assert estimate.grace_period_seconds(big, 2, given=90) == 90
+    assert saving.grace_period_seconds(big, 2, given=90) == 90
 
 
 def test_the_pod_and_its_trainer_are_told_the_same_grace_period():
@@ -54,7 +54,7 @@ def test_the_pod_and_its_trainer_are_told_the_same_grace_period():
     known = tiny()[1]
     known.model.source = "hf://meta-llama/Meta-Llama-3-8B"
     known.method.type = "full"
-    assert render.grace_seconds(known) > estimate.MIN_GRACE_SECONDS
+    assert render.grace_seconds(known) > saving.MIN_GRACE_SECONDS
 
 
 def test_the_vote_is_the_gangs_sum_and_stays_agreed():
@@ -109,4 +109,4 @@ def test_the_plan_states_the_grace_period_the_pods_get_and_why():
         assert stated["seconds"] == rendered and why in stated["why"]
         line = next(x for x in describe.describe(spec, result) if x.startswith("grace"))
         assert f"terminationGracePeriodSeconds {rendered} (" in line and why in line
-    assert rendered > estimate.MIN_GRACE_SECONDS  # the 70B job: the save, not the floor
+    assert rendered > saving.MIN_GRACE_SECONDS  # the 70B job: the save, not the floor

@@ -2,7 +2,7 @@
 ftjob's validator and the CRD (schema + CEL); the refusals are corpus cases
 (tests/corpus/rule-*dpo*, rule-preference-*, enum-dpo-*, range-dpo-*)."""
 
-from ftjob.api.spec import API_VERSION, KIND, parse_spec
+from ftjob.api.jobspec import API_VERSION, KIND, parse_spec
 from ftjob.cli import validate
 
 DPO = {

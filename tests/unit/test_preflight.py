@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ftjob.api import contract, manifest
-from ftjob.api.spec import parse_resource
+from ftjob.api.jobspec import parse_resource
 from ftjob.trainer.gang import preflight, termination
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from ftjob.api import promotion
+from ftjob.api.jobspec import parse_spec
 from ftjob.api.schema import SpecError
-from ftjob.api.spec import parse_spec
 
 
 def spec(objective: str, when: str, **output):

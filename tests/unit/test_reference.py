@@ -6,7 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ftjob.api.spec import parse_spec
+from ftjob.api.jobspec import parse_spec
 from ftjob.trainer.objectives import reference
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-model"

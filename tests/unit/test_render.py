@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from ftjob.api import manifest
-from ftjob.api.spec import parse_resource
+from ftjob.api.jobspec import parse_resource
 from ftjob.cli import commands as cli
 from ftjob.operator import render
 

@@ -10,7 +10,7 @@ import pytest
 from test_status import T0, decide, pod, run_to
 
 from ftjob.api import contract, kubevalidation, manifest
-from ftjob.api.spec import parse_resource
+from ftjob.api.jobspec import parse_resource
 from ftjob.operator import lifecycle, render
 from ftjob.operator import status as st
 from ftjob.trainer.gang import preflight

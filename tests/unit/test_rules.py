@@ -2,8 +2,8 @@
 
 import itertools
 
+from ftjob.api.jobspec import parse_resource
 from ftjob.api.schema import SpecError
-from ftjob.api.spec import parse_resource
 from ftjob.cli import validate
 
 AXES = {

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from ftjob.api.jobspec import parse_spec
 from ftjob.api.schema import SpecError
 from ftjob.api.source import hub_repo, is_remote
-from ftjob.api.spec import parse_spec
 from ftjob.operator import render, status
 from ftjob.trainer.data import s3, storeerrors
 

@@ -15,8 +15,8 @@ import sys
 from test_children import job as job_doc
 
 from ftjob.api import contract
+from ftjob.api.jobspec import parse_resource
 from ftjob.api.profile import apply, parse_profile
-from ftjob.api.spec import parse_resource
 from ftjob.cli.run import _unset_secrets
 from ftjob.operator import render
 from ftjob.trainer.data import storeerrors

@@ -37,7 +37,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchao.quantization import NF4Tensor
 from transformers import LlamaConfig
 
-from ftjob.api.spec import parse_spec
+from ftjob.api.jobspec import parse_spec
 from ftjob.plan.layout import estimate
 from ftjob.plan.modelshape import known_model
 from ftjob.trainer.model import load as model

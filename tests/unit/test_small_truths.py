@@ -8,8 +8,8 @@ from test_crd import walk
 from test_status import T0
 
 from ftjob.api import crd, manifest
+from ftjob.api.jobspec import parse_resource
 from ftjob.api.schema import _show
-from ftjob.api.spec import parse_resource
 from ftjob.operator import lifecycle
 from ftjob.operator import status as st
 

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from ftjob.api import contract
 from ftjob.api.contract import BAD_DATA, BAD_MODEL, HUB_UNREACHABLE, TrainerError
-from ftjob.api.spec import parse_spec
+from ftjob.api.jobspec import parse_spec
 from ftjob.cli import failure
 from ftjob.job.folder import JobFolder
 from ftjob.operator import status

@@ -3,8 +3,8 @@
 import pytest
 
 from ftjob.api import manifest
+from ftjob.api.jobspec import parse_spec
 from ftjob.api.schema import SpecError, to_dict
-from ftjob.api.spec import parse_spec
 
 MINIMAL = {"model": {"source": "hf://org/m"}, "dataset": {"source": "d.jsonl"}}
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ftjob.api import contract, crd, manifest
-from ftjob.api.spec import parse_resource
+from ftjob.api.jobspec import parse_resource
 from ftjob.api.status import FAILURE_REASONS, PHASES
 from ftjob.operator import lifecycle, render
 from ftjob.operator import status as st

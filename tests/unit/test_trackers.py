@@ -185,7 +185,7 @@ def test_a_tracker_whose_client_is_missing_is_said_at_the_start_with_the_install
 ):
     """In a pod whose image lacks the tracking extra: said on rank 0's screen and in progress
     when the trainer starts, not found by an import at the first step."""
-    from ftjob.api.spec import parse_spec
+    from ftjob.api.jobspec import parse_spec
 
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     raw = {"model": {"source": "m"}, "dataset": {"source": "d.jsonl"}}

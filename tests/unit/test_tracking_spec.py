@@ -9,8 +9,8 @@ import kubernetes_validate
 import pytest
 from test_jobfolder import RAW
 
+from ftjob.api.jobspec import parse_spec
 from ftjob.api.schema import SpecError
-from ftjob.api.spec import parse_spec
 from ftjob.job import folder as jobfolder
 from ftjob.job import launch
 from ftjob.operator import render, status

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from ftjob.api.spec import parse_spec
+from ftjob.api.jobspec import parse_spec
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.data import pairs, prepare
 from ftjob.trainer.data.batches import IGNORE, DataError

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ftjob.api.spec import parse_spec
+from ftjob.api.jobspec import parse_spec
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.data import prepare, tokenize
 from ftjob.trainer.data.batches import IGNORE, DataError

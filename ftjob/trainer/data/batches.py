@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.job.folder import JobFolder
 from ftjob.trainer.data.records import DataError
 from ftjob.trainer.data.tokenize import IGNORE

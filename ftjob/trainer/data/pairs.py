@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ftjob.api.spec.data import DatasetSpec
+from ftjob.api.jobspec.data import DatasetSpec
 from ftjob.trainer.data.records import DataError
 from ftjob.trainer.data.tokenize import IGNORE
 

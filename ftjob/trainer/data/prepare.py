@@ -26,8 +26,8 @@ import numpy as np
 import pyarrow as pa  # at this module's import: the data phase's (batches.load), not start-up's
 import pyarrow.compute as pc
 
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.source import is_hub
-from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import atomic
 from ftjob.trainer.data import pairs, prompts, records, tokenize
 from ftjob.trainer.data.records import DataError

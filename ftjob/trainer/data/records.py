@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ftjob.api.contract import BAD_DATA, TrainerError
+from ftjob.api.jobspec.data import DatasetSpec
 from ftjob.api.source import is_remote
-from ftjob.api.spec.data import DatasetSpec
 from ftjob.job.inputs import DATA_FIX, resolve
 
 # No torch, transformers or pyarrow at import (pyarrow only where a function builds Arrow):

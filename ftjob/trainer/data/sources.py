@@ -38,9 +38,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ftjob.api.contract import BAD_DATA, BAD_MODEL, HUB_UNREACHABLE, TrainerError
+from ftjob.api.jobspec import FineTuneJobSpec
+from ftjob.api.jobspec.data import DatasetSpec
 from ftjob.api.source import HUB, is_hub
-from ftjob.api.spec import FineTuneJobSpec
-from ftjob.api.spec.data import DatasetSpec
 from ftjob.job import atomic
 from ftjob.job.folder import JobFolder
 from ftjob.trainer.data import s3, storeerrors

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ftjob.api.spec.data import DatasetSpec
+from ftjob.api.jobspec.data import DatasetSpec
 from ftjob.trainer.data.records import DataError
 
 if TYPE_CHECKING:  # imported by the phase that uses it: see ftjob/trainer/report/startup.py

@@ -41,7 +41,7 @@ from ftjob.api.contract import (
     VOLUME_UNUSABLE,
     TrainerError,
 )
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.job.folder import JobFolder
 from ftjob.trainer.state import volume
 

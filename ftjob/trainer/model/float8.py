@@ -27,7 +27,7 @@ from torch import nn
 
 from ftjob.api.contract import BAD_SPEC, TrainerError
 from ftjob.api.hardware import FP8_MIN_CAPABILITY
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.plan.limits import float8_all_gather, fp8_problem
 
 

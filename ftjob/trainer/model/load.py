@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from ftjob.api.contract import BAD_SPEC, TrainerError
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.source import is_hub
-from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import installed, modelfiles
 from ftjob.job.inputs import resolve  # here too: the trainer's modules call model.resolve
 from ftjob.plan.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ftjob.api import contract
 from ftjob.api.contract import BAD_SPEC, TrainerError
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.job import machine
 from ftjob.plan import layout as plan_layout
 from ftjob.plan import limits

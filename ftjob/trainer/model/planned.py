@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ftjob.api.contract import WILL_NOT_FIT, TrainerError
 from ftjob.api.hardware import GPUS
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.job import machine
 from ftjob.job.inputs import resolve
 from ftjob.plan.describe import not_planned, planned_condition

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ftjob.api import objectives
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.data import pairs
 from ftjob.trainer.objectives import preference, reference

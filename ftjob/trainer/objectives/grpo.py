@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from ftjob.api import objectives
 from ftjob.api.contract import BAD_SPEC, TrainerError
-from ftjob.api.spec import FineTuneJobSpec
-from ftjob.api.spec.training import GrpoSpec
+from ftjob.api.jobspec import FineTuneJobSpec
+from ftjob.api.jobspec.training import GrpoSpec
 from ftjob.job.folder import JobFolder
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.data.tokenize import IGNORE

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ftjob.api import objectives
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.data import context_slice
 from ftjob.trainer.model import context

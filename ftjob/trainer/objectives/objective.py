@@ -14,7 +14,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from ftjob.api import objectives
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.objectives.dpo import Dpo
 from ftjob.trainer.objectives.grpo import Grpo

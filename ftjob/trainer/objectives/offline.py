@@ -5,7 +5,7 @@ holds for numIterations steps)."""
 
 from __future__ import annotations
 
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.trainer.data import batches as data
 
 

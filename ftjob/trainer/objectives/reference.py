@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ftjob.api.contract import BAD_SPEC, TrainerError
-from ftjob.api.spec import FineTuneJobSpec
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.job import atomic
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.model import load as model

@@ -35,9 +35,9 @@ from typing import Any
 
 from ftjob import __version__
 from ftjob.api import objectives
+from ftjob.api.jobspec import FineTuneJobSpec
+from ftjob.api.jobspec.tracking import MlflowSpec, WandbSpec
 from ftjob.api.schema import FieldError, to_dict
-from ftjob.api.spec import FineTuneJobSpec
-from ftjob.api.spec.tracking import MlflowSpec, WandbSpec
 from ftjob.job import atomic
 from ftjob.job.folder import JobFolder
 

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ftjob.api.jobspec import FineTuneJobSpec
+from ftjob.api.jobspec.model import ModelSpec
 from ftjob.api.source import hub_repo, is_hub, is_s3
-from ftjob.api.spec import FineTuneJobSpec
-from ftjob.api.spec.model import ModelSpec
 from ftjob.job import folder as jobfolder
 from ftjob.trainer.model.load import resolve, source_options
 

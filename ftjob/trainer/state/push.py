@@ -34,9 +34,9 @@ import torch.distributed as dist
 from ftjob import __version__
 from ftjob.api import objectives, promotion
 from ftjob.api.contract import PUSH_FAILED, TrainerError
+from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.schema import to_dict
 from ftjob.api.source import hub_repo, is_hub
-from ftjob.api.spec import FineTuneJobSpec
 from ftjob.job import folder as jobfolder
 from ftjob.trainer.state import s3upload
 from ftjob.trainer.state.export import base_name

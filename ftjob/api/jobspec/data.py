@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ftjob.api.jobspec.fields import SOURCE_HINT, SOURCE_PATTERN
 from ftjob.api.schema import api_field
-from ftjob.api.spec.fields import SOURCE_HINT, SOURCE_PATTERN
 
 
 @dataclass(kw_only=True)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ftjob.api import contract
+from ftjob.api.jobspec.fields import RELATIVE_PATH, RELATIVE_PATH_HINT
 from ftjob.api.schema import Rule, api_field
-from ftjob.api.spec.fields import RELATIVE_PATH, RELATIVE_PATH_HINT
 
 # output.push: destinations, each a Hub model repository, always with its namespace (a user or
 # an organization), or an s3:// prefix (a bucket name as for sources, and a prefix: never a

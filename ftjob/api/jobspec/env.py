@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ftjob.api import kubevalidation as kv
+from ftjob.api.jobspec.fields import DNS_SUBDOMAIN_HINT, SecretKeyRef
 from ftjob.api.schema import Rule, api_field
-from ftjob.api.spec.fields import DNS_SUBDOMAIN_HINT, SecretKeyRef
 
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 # Variables ftjob sets itself for torchrun and the trainer; a user value would break wiring.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ftjob.api.jobspec.fields import RELATIVE_PATH, RELATIVE_PATH_HINT
 from ftjob.api.schema import api_field
-from ftjob.api.spec.fields import RELATIVE_PATH, RELATIVE_PATH_HINT
 
 
 @dataclass(kw_only=True)

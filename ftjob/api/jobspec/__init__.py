@@ -12,8 +12,7 @@ FineTuneJobSpec that gathers them, with the rules across them and the parse func
 package names the job-level API: import a concern's classes from its module.
 """
 
-from ftjob.api.schema import SpecError
-from ftjob.api.spec.job import (
+from ftjob.api.jobspec.job import (
     API_VERSION,
     DEFAULT_IMAGE,
     DOCUMENT_KEYS,
@@ -30,6 +29,7 @@ from ftjob.api.spec.job import (
     parse_spec,
     validate_update,
 )
+from ftjob.api.schema import SpecError
 
 __all__ = [
     "API_VERSION",

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ftjob.api.jobspec.fields import SecretKeyRef
 from ftjob.api.schema import Rule, api_field
-from ftjob.api.spec.fields import SecretKeyRef
 
 
 @dataclass(kw_only=True)

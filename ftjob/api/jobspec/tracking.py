@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from ftjob.api.jobspec.fields import SecretKeyRef
 from ftjob.api.schema import Rule, api_field
-from ftjob.api.spec.fields import SecretKeyRef
 
 # An MLflow tracking server over HTTP(S), or Databricks' (databricks, databricks://profile).
 MLFLOW_URI = r"^(https?://[^\s/]+(/[^\s]*)?|databricks(://[^\s]*)?)$"

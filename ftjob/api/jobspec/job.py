@@ -13,6 +13,30 @@ from ftjob import __version__
 from ftjob.api import kubevalidation as kv
 from ftjob.api import promotion
 from ftjob.api.hardware import FP8_GPU_TYPES
+from ftjob.api.jobspec.checkpoint import CheckpointSpec
+from ftjob.api.jobspec.data import DatasetSpec
+from ftjob.api.jobspec.env import (
+    RESERVED_ENV,
+    RESERVED_ENV_PREFIXES,
+    EnvVar,
+    PullSecret,
+    SecretsSpec,
+)
+from ftjob.api.jobspec.fields import (
+    DNS_LABEL_HINT,
+    DNS_SUBDOMAIN_HINT,
+    LABEL_KEY_HINT,
+    LABEL_VALUE_HINT,
+)
+from ftjob.api.jobspec.method import MethodSpec
+from ftjob.api.jobspec.model import ModelSpec
+from ftjob.api.jobspec.output import OutputSpec
+from ftjob.api.jobspec.resources import NetworkSpec, ParallelismSpec, ResourcesSpec
+from ftjob.api.jobspec.run_policy import BudgetSpec, PlanSpec, PreflightSpec, RunPolicySpec
+from ftjob.api.jobspec.scheduling import SchedulingSpec
+from ftjob.api.jobspec.storage import StorageSpec
+from ftjob.api.jobspec.tracking import TrackingSpec
+from ftjob.api.jobspec.training import TrainingSpec
 from ftjob.api.objectives import OBJECTIVES
 from ftjob.api.schema import (
     FieldError,
@@ -24,24 +48,6 @@ from ftjob.api.schema import (
     unknown_field,
 )
 from ftjob.api.source import is_hub
-from ftjob.api.spec.checkpoint import CheckpointSpec
-from ftjob.api.spec.data import DatasetSpec
-from ftjob.api.spec.env import RESERVED_ENV, RESERVED_ENV_PREFIXES, EnvVar, PullSecret, SecretsSpec
-from ftjob.api.spec.fields import (
-    DNS_LABEL_HINT,
-    DNS_SUBDOMAIN_HINT,
-    LABEL_KEY_HINT,
-    LABEL_VALUE_HINT,
-)
-from ftjob.api.spec.method import MethodSpec
-from ftjob.api.spec.model import ModelSpec
-from ftjob.api.spec.output import OutputSpec
-from ftjob.api.spec.resources import NetworkSpec, ParallelismSpec, ResourcesSpec
-from ftjob.api.spec.run_policy import BudgetSpec, PlanSpec, PreflightSpec, RunPolicySpec
-from ftjob.api.spec.scheduling import SchedulingSpec
-from ftjob.api.spec.storage import StorageSpec
-from ftjob.api.spec.tracking import TrackingSpec
-from ftjob.api.spec.training import TrainingSpec
 
 GROUP, VERSION, KIND, PLURAL = "ftjob.dev", "v1alpha1", "FineTuneJob", "finetunejobs"
 API_VERSION = f"{GROUP}/{VERSION}"

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from ftjob.api import kubevalidation as kv
-from ftjob.api.schema import FreeForm, Rule, api_field
-from ftjob.api.spec.fields import (
+from ftjob.api.jobspec.fields import (
     DNS_LABEL,
     DNS_LABEL_HINT,
     DNS_SUBDOMAIN_HINT,
@@ -17,6 +16,7 @@ from ftjob.api.spec.fields import (
     LABEL_VALUE_HINT,
     label_map,
 )
+from ftjob.api.schema import FreeForm, Rule, api_field
 
 
 @dataclass(kw_only=True)
