@@ -39,7 +39,7 @@ def _env(folder: Path) -> dict[str, str]:
 
 
 def _ftjob(url: str, dest: Path) -> Path:
-    from ftjob.trainer.data import s3
+    from ftjob.trainer.fetch import s3
 
     local, _ = s3.download(url, dest, lambda m: None)
     return local

@@ -20,7 +20,7 @@ CHECK_RETRY_SECONDS = "10"
 
 def problems(spec: FineTuneJobSpec) -> list[str]:
     """Each s3:// source of ``spec`` the store refuses, as validate prints an error."""
-    from ftjob.trainer.data import s3, storeerrors
+    from ftjob.trainer.fetch import s3, storeerrors
 
     saved = dict(os.environ)
     os.environ.update(s3_env(spec))

@@ -4,8 +4,8 @@ spec it trains (``<job folder>/spec.json``).
     owner                 who writes here now (ftjob.job.lease)
     spec.json             the spec this folder was trained with (+ its hash)
     hub/                  the Hugging Face cache: model and dataset downloads, fetched once
-    sources.json          which downloads the run reads (ftjob.trainer.data.sources)
-    ../s3-cache/<key>/    s3:// downloads, shared by the volume's jobs (ftjob.trainer.data.s3)
+    sources.json          which downloads the run reads (ftjob.trainer.fetch.sources)
+    ../s3-cache/<key>/    s3:// downloads, shared by the volume's jobs (ftjob.trainer.fetch.s3)
     data/<key>/           tokenized, packed, memory-mapped sequences
     compile-cache/        torch.compile's caches (TORCHINDUCTOR_CACHE_DIR): compiled once
     checkpoints/step-N/   committed checkpoints (ftjob.trainer.state.checkpoint)
@@ -98,7 +98,7 @@ class JobFolder:
     @property
     def s3_cache(self) -> Path:
         """s3:// downloads, beside the job folders on the volume, so jobs that read the same
-        objects share one copy (ftjob.trainer.data.s3: one folder per content)."""
+        objects share one copy (ftjob.trainer.fetch.s3: one folder per content)."""
         return self.root.parent / S3_CACHE
 
     @property

@@ -32,7 +32,8 @@ from ftjob.plan.modelshape import model_flops
 from ftjob.plan.saving import checkpoint_bytes, save_seconds
 from ftjob.trainer import step
 from ftjob.trainer.data import batches as data
-from ftjob.trainer.data import context_slice, sources
+from ftjob.trainer.data import context_slice
+from ftjob.trainer.fetch import sources
 from ftjob.trainer.gang import heartbeat, preempt, preflight, stragglers, termination
 from ftjob.trainer.gang.owner import take_folder
 from ftjob.trainer.model import attention, compile_cache, context, float8, parallel, planned
@@ -79,7 +80,7 @@ class Job:
     """The job as this rank runs it once the gang formed and the folder is this run's: what
     every phase reads. Two specs, named for what each is: ``asked`` is the one the folder
     records and the export's card names; ``spec`` reads downloads from the volume instead
-    (ftjob.trainer.data.sources)."""
+    (ftjob.trainer.fetch.sources)."""
 
     asked: FineTuneJobSpec
     spec: FineTuneJobSpec

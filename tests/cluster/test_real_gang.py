@@ -494,7 +494,7 @@ def test_a_job_from_s3_through_the_operator_exports_to_s3_and_the_export_loads(
     from_pretrained."""
     from transformers import AutoModelForCausalLM
 
-    from ftjob.trainer.data import s3
+    from ftjob.trainer.fetch import s3
 
     plane, server = operator.plane, pod_store.server
     admin = server.env("admin")

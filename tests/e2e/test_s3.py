@@ -25,7 +25,7 @@ from test_trainer_run import EXAMPLES, RUN_TIMEOUT, final, job
 
 from ftjob.api.contract import BAD_DATA, BAD_MODEL, STORE_UNREACHABLE, TrainerError
 from ftjob.api.jobspec import parse_resource
-from ftjob.trainer.data import s3, sources
+from ftjob.trainer.fetch import s3, sources
 
 MODEL = EXAMPLES / "tiny-model"
 DATA = EXAMPLES / "data" / "tiny-text.jsonl"
@@ -121,7 +121,7 @@ def test_an_endpoint_that_does_not_answer_is_transient(store, tmp_path, monkeypa
 DOWNLOADER = """
 import sys
 from pathlib import Path
-from ftjob.trainer.data import s3
+from ftjob.trainer.fetch import s3
 s3.PART_BYTES, s3.PARALLEL, s3.RECORD_BYTES, s3.SAY_EVERY_SECONDS = 2**20, 2, 2**21, 0.5
 path, _ = s3.download(sys.argv[1], Path(sys.argv[2]), lambda m: print(m, flush=True))
 print("LOCAL", path, flush=True)

@@ -106,14 +106,21 @@ def plain_logprobs(hidden, weight, targets) -> torch.Tensor:
     return picked.squeeze(1) * (targets != IGNORE)
 
 
+def head_case(scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """300 tokens' hidden states, a 50-token head at ``scale`` and targets, every 7th
+    ignored; hidden states and head take gradients."""
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 16, requires_grad=True)
+    weight = (scale * torch.randn(50, 16)).requires_grad_()
+    targets = torch.randint(0, 50, (300,))
+    targets[::7] = IGNORE
+    return hidden, weight, targets
+
+
 def test_chunked_log_probabilities_and_their_gradients_equal_the_plain_ones():
     """Per token, with any gradient from above (DPO weighs each row by its pair's loss); at a
     trained model's scale (logits of order 1), where fp32 holds 1e-6."""
-    torch.manual_seed(0)
-    hidden = torch.randn(300, 16, requires_grad=True)
-    weight = (0.1 * torch.randn(50, 16)).requires_grad_()
-    targets = torch.randint(0, 50, (300,))
-    targets[::7] = IGNORE
+    hidden, weight, targets = head_case(0.1)
     above = torch.randn(300)
     chunked = loss.linear_logprobs(hidden, weight, targets, chunk=64)
     (chunked * above).sum().backward()
@@ -134,11 +141,7 @@ def test_chunked_entropy_is_each_distributions_own_and_leaves_the_gradients_alon
     """GRPO's entropy metric, taken chunk by chunk beside the log-probabilities: each labelled
     position's entropy of the softmax over the whole vocabulary (torch's Categorical), 0
     where nothing is labelled; asking for it changes neither the values nor the gradients."""
-    torch.manual_seed(0)
-    hidden = torch.randn(300, 16, requires_grad=True)
-    weight = (0.5 * torch.randn(50, 16)).requires_grad_()
-    targets = torch.randint(0, 50, (300,))
-    targets[::7] = IGNORE
+    hidden, weight, targets = head_case(0.5)
     entropy = torch.zeros(300)
     with_it = loss.linear_logprobs(hidden, weight, targets, chunk=64, entropy=entropy)
     with_it.sum().backward()

@@ -12,7 +12,7 @@ from ftjob.api.jobspec import parse_spec
 from ftjob.api.schema import SpecError
 from ftjob.api.source import hub_repo, is_remote
 from ftjob.operator import render, status
-from ftjob.trainer.data import s3, storeerrors
+from ftjob.trainer.fetch import s3, storeerrors
 
 UID = "0123456789abcdef"
 

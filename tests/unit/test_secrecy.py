@@ -19,7 +19,7 @@ from ftjob.api.jobspec import parse_resource
 from ftjob.api.profile import apply, parse_profile
 from ftjob.cli.run import _unset_secrets
 from ftjob.operator import render
-from ftjob.trainer.data import storeerrors
+from ftjob.trainer.fetch import storeerrors
 from ftjob.trainer.gang import termination
 from ftjob.trainer.report import secrecy, trackers
 

@@ -1,4 +1,4 @@
-"""trainer/data/sources.py: an hf:// dataset is pinned to one commit for the job's life.
+"""trainer/fetch/sources.py: an hf:// dataset is pinned to one commit for the job's life.
 
 python -m pytest tests/unit/test_sources.py -q
 """
@@ -20,7 +20,8 @@ from ftjob.api.jobspec import parse_spec
 from ftjob.cli import failure
 from ftjob.job.folder import JobFolder
 from ftjob.operator import status
-from ftjob.trainer.data import prepare, sources
+from ftjob.trainer.data import prepare
+from ftjob.trainer.fetch import sources
 from tests.e2e.hubmirror import COMMIT, HubMirror
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -1,2 +1,2 @@
-"""The trainer's data: sources (downloads), records, tokenize, pairs, prepare (once, on the
-volume) and batches."""
+"""The trainer's data: records, tokenize, pairs, prepare (once, on the volume) and batches;
+what they read is fetched first (trainer/fetch)."""

@@ -15,7 +15,7 @@ resumes there, and only while the object's ETag is still the one it started with
 object is checked against its size, and against its MD5 where the ETag is one (a single-part
 upload's), before it takes its name.
 
-    python -c "from ftjob.trainer.data import s3; help(s3)"
+    python -c "from ftjob.trainer.fetch import s3; help(s3)"
 """
 
 from __future__ import annotations

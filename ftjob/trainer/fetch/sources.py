@@ -1,7 +1,7 @@
 """Hub and object store sources, pinned once per job: an hf:// model fetched into the shared
 volume, an hf:// dataset's revision resolved to a commit, an s3:// model or dataset downloaded
-into the volume's shared cache (:mod:`ftjob.trainer.data.s3`; its failures named by
-:mod:`ftjob.trainer.data.storeerrors`), by the same one-rank-downloads, others-wait record.
+into the volume's shared cache (:mod:`ftjob.trainer.fetch.s3`; its failures named by
+:mod:`ftjob.trainer.fetch.storeerrors`), by the same one-rank-downloads, others-wait record.
 
 Pods set ``HF_HOME`` to ``<job folder>/hub`` (:mod:`ftjob.job.launch`), so the Hugging Face cache
 lives on the shared volume, not in a pod's emptyDir: a restarted gang finds the weights there.
@@ -24,7 +24,7 @@ with its fix. No answer (the network down, DNS, a timeout) or a busy Hub (429, 5
 transient: retried here with growing waits, then HubUnreachable, which names the network and
 which the operator retries with a new gang (never a job failed for good over a blip).
 
-    python -c "from ftjob.trainer.data import sources; help(sources)"
+    python -c "from ftjob.trainer.fetch import sources; help(sources)"
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from ftjob.api.jobspec.data import DatasetSpec
 from ftjob.api.source import HUB, is_hub
 from ftjob.job import atomic
 from ftjob.job.folder import JobFolder
-from ftjob.trainer.data import s3, storeerrors
+from ftjob.trainer.fetch import s3, storeerrors
 from ftjob.trainer.state.objectstore import S3
 
 # What loading a model reads; not the repositories' other formats (e.g. Llama's original/

@@ -1,7 +1,7 @@
 """What a failed s3:// request means, named with the source, the cause and the fix.
 
 The client (obstore) has already retried what may pass (no answer, 429, 5xx: the retry
-settings in :mod:`ftjob.trainer.data.s3`), so a failure here is one of:
+settings in :mod:`ftjob.trainer.fetch.s3`), so a failure here is one of:
 
     bucket        the bucket does not exist (NoSuchBucket)         BadModel / BadData
     missing       no object at or under the prefix                 BadModel / BadData
