@@ -29,7 +29,7 @@ from bench import gpu
 from ftjob.trainer.model import attention
 
 ROOT = Path(__file__).resolve().parents[2]
-MODES = ("compare", "main", "rest", "tests", "fp8")
+MODES = ("compare", "main", "rest", "tests", "fp8", "long")
 # Each step's cap and the budget are the device call's times this (KIT_CAP_SCALE): a loaded
 # 2-core machine timed out honest steps at the device's own caps (env 60 s, ftjob-full 90 s).
 CAP_SCALE = 5
@@ -170,6 +170,14 @@ def tests_call(out: Path) -> None:
         expect(math.isclose(a, b, rel_tol=1e-3), ddp)
 
 
+def long_call(out: Path) -> None:
+    """The LoRA job unsplit and with each sequence split over the 2 processes: both trained."""
+    steps_ok(out, ["env", "context"])
+    split = [r for r in results(out) if r["step"] == "context"]
+    expect([r["contextParallel"] for r in split] == [1, 2], split)
+    expect(all(r["tokensPerSecond"] > 0 and len(r["losses"]) > 0 for r in split), split)
+
+
 def fp8_call(out: Path) -> None:
     """bf16 then fp8, compiled, at the 1B full and the 8B-shaped LoRA's shapes (issue 58)."""
     steps_ok(out, ["env", "fp8-1b", "fp8-8b"])
@@ -186,7 +194,8 @@ def fp8_call(out: Path) -> None:
     expect(found[5]["losses"] != found[4]["losses"], found)
 
 
-CHECKS = {"main": main_call, "rest": rest_call, "tests": tests_call, "fp8": fp8_call}
+CHECKS = {"main": main_call, "rest": rest_call, "tests": tests_call, "fp8": fp8_call,
+          "long": long_call}  # fmt: skip
 
 
 def rehearse(mode: str, work: Path) -> None:

@@ -34,10 +34,10 @@ set -u -o pipefail
 
 # Each step's limit in seconds on the device, and each call's steps in order.
 declare -A CAP=([profile]=90 [versus-trl]=190 [compile-3b]=80 [offload]=60 [ckpt-stall]=60
-  [lora-8b]=90 [gpu-tests]=120 [memory]=90 [ddp]=80 [fp8-1b]=120 [fp8-8b]=170)
+  [lora-8b]=90 [gpu-tests]=120 [memory]=90 [ddp]=80 [context]=50 [fp8-1b]=120 [fp8-8b]=170)
 declare -A CALL=([main]="profile versus-trl" [rest]="compile-3b offload ckpt-stall lora-8b"
-  [tests]="gpu-tests memory ddp" [fp8]="fp8-1b fp8-8b")
-usage="usage: bash bench/gpu_kit/run.sh [main|rest|tests|fp8|STEP ...] [rehearse] [--dry-run]"
+  [tests]="gpu-tests memory ddp" [fp8]="fp8-1b fp8-8b" [long]="context")
+usage="usage: bash bench/gpu_kit/run.sh [main|rest|tests|fp8|long|STEP ...] [rehearse] [--dry-run]"
 names=() steps=() dry= rehearse=
 for arg in "$@"; do
   if [[ -n ${CALL[$arg]:-} ]]; then

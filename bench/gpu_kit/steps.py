@@ -21,6 +21,8 @@ The second call (rest):
                  sharded: tokens/s each, the plan's step time for each. NCCL puts no two
                  ranks of one communicator on one GPU (tests/gpu), so a one-GPU machine
                  records that it has one GPU and measures nothing
+    context      the same LoRA job with each sequence split over 2 GPUs (contextParallel 2)
+                 and unsplit: tokens/s, peak and the plan's of each (2+ GPUs, as ddp)
 And (a call of its own, when time is left): memory, LoRA and QLoRA peaks against the plan.
 The fp8 call (issue 58; `run.sh fp8`), bf16 then fp8, both compiled, 12 steps each:
     fp8-1b       the ~1B Llama full fine-tune (float8 all-gathers): tokens/s, peak against
@@ -52,7 +54,7 @@ import yaml
 from bench import common, gpu
 
 STEPS = ("profile", "versus-trl", "compile-3b", "offload", "ckpt-stall", "lora-8b", "ddp",
-         "memory", "fp8-1b", "fp8-8b")  # fmt: skip
+         "context", "memory", "fp8-1b", "fp8-8b")  # fmt: skip
 PROFILED = 3  # steps under the profiler, after ftjob.trainer.report.profile.WARMUP
 NEMO_8B_LORA = 12473  # tok/s, Llama-3-8B LoRA seq 4096 on one H100 (NeMo's published table)
 
@@ -284,6 +286,27 @@ def ddp_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
                losses=run.losses(), wallSeconds=round(run.wall, 1))  # fmt: skip
 
 
+def context_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
+    """The default LoRA job with each sequence split over 2 processes (parallelism.
+    contextParallel 2, Ulysses all-to-alls) and unsplit on the same processes: tokens/s, peak
+    and the plan's step time and peak of each (what the all-to-alls cost, what the split
+    saves). The rehearsal runs it as 2 CPU processes (gloo)."""
+    s = s if s.gpu else dataclasses.replace(s, processes=2)
+    if s.processes < 2:
+        record(out, step, skipped=f"{s.processes} GPU: a split needs 2 ranks, and NCCL puts no "
+               "two ranks of one communicator on one GPU")  # fmt: skip
+        return
+    for split in (1, 2):
+        doc = default_job(s, work, method="lora", tag=f"context-{split}")
+        doc["spec"]["parallelism"] = {"contextParallel": split}
+        run, stdout = ftjob(doc, work)
+        model = Path(doc["spec"]["model"]["source"])
+        record(out, step, contextParallel=split, processes=s.processes,
+               **rate_fields(run, doc, s, work, stdout), **peak_fields(run, doc, model),
+               plannedStepSeconds=planned_step(doc, model), losses=run.losses(),
+               wallSeconds=round(run.wall, 1))  # fmt: skip
+
+
 def planned_step(doc: dict, model: Path) -> float | None:
     """`ftjob plan`'s step time for ``doc`` (None without a GPU type)."""
     from ftjob.api.jobspec import parse_spec
@@ -344,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
 
 STEP_FUNCTIONS = {"profile": profile_step, "versus-trl": versus_trl_step,
                   "compile-3b": compile_step, "offload": memory_step, "ckpt-stall": stall_step,
-                  "lora-8b": lora_8b_step, "ddp": ddp_step, "memory": memory_step,
+                  "lora-8b": lora_8b_step, "ddp": ddp_step, "context": context_step,
+                  "memory": memory_step,
                   "fp8-1b": fp8_step,
                   "fp8-8b": fp8_step}  # fmt: skip
 

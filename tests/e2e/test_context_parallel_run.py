@@ -27,13 +27,22 @@ def _job(name: str, resources: dict, split: int) -> dict:
         training={"maxSteps": STEPS, "learningRate": 1e-3, "microBatchSize": 2},
         resources={"nodes": 1, "gpusPerNode": 0, **resources},
         parallelism={"sharding": "full", "contextParallel": split},
+        checkpoint={"every": 2, "keep": 3},
     )
 
 
-def test_a_split_sequence_trains_to_one_process_losses(tmp_path, monkeypatch):
-    code, out = run(_job("cp-two", {"processesPerNode": 2}, 2), tmp_path / "cp2")
+@pytest.fixture(scope="module")
+def split_run(tmp_path_factory):
+    """The job at contextParallel 2 on 2 processes, saving every 2 steps: its folder."""
+    folder = tmp_path_factory.mktemp("cp") / "cp2"
+    code, out = run(_job("cp-two", {"processesPerNode": 2}, 2), folder)
     assert code == 0, out[-3000:]
     assert "context parallel 2 (Ulysses all-to-all over heads) x data parallel 1" in out
+    return folder
+
+
+def test_a_split_sequence_trains_to_one_process_losses(split_run, tmp_path, monkeypatch):
+    (tmp_path / "cp2").symlink_to(split_run)
     in_process.train(_job("cp-one", {}, 1), tmp_path / "one", monkeypatch)
     split, whole = losses(tmp_path / "cp2"), losses(tmp_path / "one")
     assert sorted(whole) == list(range(1, STEPS + 1))
@@ -47,3 +56,17 @@ def test_a_split_sequence_trains_to_one_process_losses(tmp_path, monkeypatch):
     evaluated = [final(tmp_path / w)["evalLoss"] for w in ("cp2", "one")]
     assert evaluated[0] == pytest.approx(evaluated[1], rel=1e-5)
     assert (tmp_path / "cp2" / "model" / "config.json").is_file()  # exported as any job
+
+
+def test_a_split_run_resumes_from_its_checkpoint_to_the_same_losses(split_run, tmp_path):
+    """Stopped after step 2's checkpoint (the groups' shards, the data order by step and by
+    group), `ftjob run` again at contextParallel 2: steps 3-5 with the uninterrupted run's
+    losses."""
+    again = tmp_path / "resumed"
+    in_process.stopped_after(split_run, again, 2)
+    code, out = run(_job("cp-two", {"processesPerNode": 2}, 2), again)
+    assert code == 0, out[-3000:]
+    assert "(step 2)" in out, out[-3000:]
+    first, resumed = losses(split_run), losses(again)
+    assert sorted(resumed) == [3, 4, 5]
+    assert resumed == {step: first[step] for step in resumed}
