@@ -114,7 +114,7 @@ class _LinearLogProbs(torch.autograd.Function):
             logps[start : start + chunk] = (picked - norm) * (t != IGNORE)
             norms[start : start + chunk] = norm
             if entropy is not None:  # H = log Z - sum p z, from the logits already at hand
-                mean = (torch.softmax(logits, dim=-1) * logits).sum(-1)
+                mean = ((logits - norm.unsqueeze(1)).exp_() * logits).sum(-1)  # p from log Z
                 entropy[start : start + chunk] = (norm - mean) * (t != IGNORE)
         ctx.save_for_backward(hidden, weight, targets, norms)
         ctx.chunk = chunk
