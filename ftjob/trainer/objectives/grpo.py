@@ -383,19 +383,19 @@ class Grpo:
         ref = None if batch.ref is None else batch.ref.to(device)
         terms = grpo_loss.token_terms(logps, old, ref, batch.advantages.to(device), mask,
                                       self.clip)  # fmt: skip
-        r = batch.rewards.to(device)
+        r = batch.rewards  # host numbers (the rewards, the lengths): one copy to the device
         scored = ~torch.isnan(r)
-        named = {
-            "reward": r[scored].sum(), "rewardSquares": (r[scored] ** 2).sum(),
-            "scored": scored.sum(), "tokens": sum(batch.lengths),
-            "completions": len(batch.lengths), "clipped": terms.clipped, "kl": terms.kl,
-            "clippedLow": terms.low, "clippedHigh": terms.high,
-            "truncated": sum(self._cut(batch.completions)),
+        host = {
+            "reward": float(r[scored].sum()), "rewardSquares": float((r[scored] ** 2).sum()),
+            "scored": float(scored.sum()), "tokens": sum(batch.lengths),
+            "completions": len(batch.lengths), "truncated": sum(self._cut(batch.completions)),
             "trained": sum(self._trained(batch)),
-            "entropy": (entropy * mask).sum(),
         }  # fmt: skip
-        sums = torch.stack([torch.as_tensor(named[k], dtype=torch.float32, device=device)
-                            for k in SUMS])  # fmt: skip
+        sums = torch.tensor([host.get(k, 0.0) for k in SUMS], dtype=torch.float32).to(device)
+        on_device = {"clipped": terms.clipped, "kl": terms.kl, "clippedLow": terms.low,
+                     "clippedHigh": terms.high, "entropy": (entropy * mask).sum()}  # fmt: skip
+        for k, value in on_device.items():  # written on the device: nothing waits for them
+            sums[SUMS.index(k)] = value
         return terms.loss, torch.cat([sums, _function_sums(batch.scores).to(device)])
 
     def step_metrics(self, sums: list[float], generation: bool = True) -> dict[str, float]:
