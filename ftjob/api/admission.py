@@ -16,13 +16,11 @@ import copy
 import json
 import math
 import re
-from functools import lru_cache
 from typing import Any
 
-import cel
 import jsonschema
 
-from ftjob.api import kubevalidation
+from ftjob.api import celexpr, kubevalidation
 
 _KEYWORDS_DROPPED = ("description", "default", "format", "example")
 
@@ -170,31 +168,18 @@ def _schema_message(err: jsonschema.ValidationError) -> tuple[str, str]:
     return path, err.message
 
 
-@lru_cache(maxsize=1024)
-def _program(expr: str) -> Any:
-    return cel.compile(expr)
-
-
 def _cel_errors(schema: dict, obj: Any, old: Any, path: str) -> list[tuple[str, str]]:
     errors = []
-    # One context per object: its values are converted to CEL once, not once per rule.
-    env, env_with_old = cel.Context(variables={"self": obj}), None
+    scope = celexpr.Scope(obj, old)
     for rule in schema.get("x-kubernetes-validations", []):
         expr = rule["rule"]
-        uses_old = "oldSelf" in expr
-        if uses_old and old is None:
+        if celexpr.uses_old(expr) and old is None:
             continue  # transition rules only run on updates where the old value exists
-        if uses_old and env_with_old is None:
-            env_with_old = cel.Context(variables={"self": obj, "oldSelf": old})
-        where = (path + rule.get("fieldPath", "")).lstrip(".") or "(object)"
-        try:
-            ok = _program(expr).execute(env_with_old if uses_old else env)
-        except Exception as e:  # noqa: BLE001 - any evaluation error rejects, as in the API server
-            errors.append((where, f"Invalid value: rule evaluation failed: {e}"))
-            continue
-        if ok is not True:
+        failure = scope.failure(expr)
+        if failure is not None:
+            where = (path + rule.get("fieldPath", "")).lstrip(".") or "(object)"
             # The API server names no value in a rule's refusal ("Invalid value: <message>").
-            errors.append((where, f"Invalid value: {rule.get('message', expr)}"))
+            errors.append((where, f"Invalid value: {failure or rule.get('message', expr)}"))
     if isinstance(obj, dict) and "properties" in schema:
         for key, sub in schema["properties"].items():
             if key in obj:

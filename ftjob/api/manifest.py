@@ -8,6 +8,8 @@ as the float64 1000 and Go's encoding/json writes a float64 without a fraction a
 (it switches to exponent form only from 1e21), which the API server decodes as the integer
 1000. The loader does the same, so an integer field takes ``1e3`` as kubectl makes it do.
 
+A value that looks like a date (``2024-01-01``) stays the string written, as kubectl sends it.
+
 Bounds, so that no file makes validation hang: a file's size and the number of values in a
 document are bounded, counting what aliases repeat (kubectl refuses a file whose aliases
 multiply it as "excessive aliasing"; a few nested aliases can expand to billions of values).
@@ -44,6 +46,13 @@ _Loader.add_implicit_resolver(
     ),
     list("-+0123456789."),
 )
+# kubectl's YAML reader (go-yaml v2 into interface{}) keeps a value that looks like a timestamp
+# as the string written, for "backward compatibility"; PyYAML would make it a date. So
+# `name: 2024-01-01` is the string "2024-01-01" here too, as the API server receives it.
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regex) for tag, regex in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in _Loader.yaml_implicit_resolvers.items()
+}
 
 
 # Bounds on what one job file may make ftjob read. The largest useful job (64 environment

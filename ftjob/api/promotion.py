@@ -64,10 +64,6 @@ def parse(text: str) -> list[Clause]:
     return out
 
 
-def valid(text: str, objective: str) -> bool:
-    return re.match(pattern(objective), text) is not None
-
-
 def decide(text: str, final: dict) -> tuple[bool, str]:
     """Whether ``text`` holds of the final evaluation's numbers (``final``: progress keys ->
     values), and the words that say so with the numbers: "evalLoss 1.62 < 1.8"."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from ftjob.api.schema import Rule, api_field
 
@@ -134,14 +134,12 @@ class RewardSpec:
     __rules__: ClassVar[tuple[Rule, ...]] = (
         Rule(
             "self.type != 'regex' || has(self.pattern)",
-            lambda r: r.type != "regex" or r.pattern is not None,
             "type regex needs pattern, the regular expression a completion must match (e.g. "
             "'<answer>.*</answer>'); add it",
             ".pattern",
         ),
         Rule(
             "!has(self.pattern) || self.type == 'regex'",
-            lambda r: r.pattern is None or r.type == "regex",
             "pattern is for type regex; remove it, or set type: regex",
             ".pattern",
         ),
@@ -150,49 +148,41 @@ class RewardSpec:
         # the operator and the trainer refuse one that Python's re cannot compile.
         Rule(
             "true",
-            lambda r: _compiles(r.pattern),
             "pattern is not a valid Python regular expression; check it with python -c "
             "\"import re; re.compile(r'...')\", which names the position of the mistake",
             ".pattern",
+            beyond_cel=lambda r: _compiles(r.pattern),
         ),
         Rule(
             "self.type != 'function' || has(self.function)",
-            lambda r: r.type != "function" or r.function is not None,
             "type function needs function: path/to/file.py:function_name or "
             "package.module:function_name; add it",
             ".function",
         ),
         Rule(
             "!has(self.function) || self.type == 'function'",
-            lambda r: r.function is None or r.type == "function",
             "function is for type function; remove it, or set type: function",
             ".function",
         ),
         Rule(
             "self.type != 'length' || has(self.maxLength)",
-            lambda r: r.type != "length" or r.max_length is not None,
             "type length needs maxLength, the length (in unit, tokens by default) that gets "
             "the full penalty; add it",
             ".maxLength",
         ),
         Rule(
             "!has(self.maxLength) || self.type == 'length'",
-            lambda r: r.max_length is None or r.type == "length",
             "maxLength is for type length; remove it, or set type: length",
             ".maxLength",
         ),
         Rule(
             "!has(self.bufferLength) || self.type == 'length'",
-            lambda r: r.buffer_length is None or r.type == "length",
             "bufferLength is for type length; remove it, or set type: length",
             ".bufferLength",
         ),
         Rule(
             "!has(self.bufferLength) || !has(self.maxLength) || "
             "self.bufferLength <= self.maxLength",
-            lambda r: (
-                r.buffer_length is None or r.max_length is None or r.buffer_length <= r.max_length
-            ),
             "bufferLength may not exceed maxLength (the penalty starts at maxLength - "
             "bufferLength); lower it",
             ".bufferLength",
@@ -234,17 +224,11 @@ def metric_names(specs: list[RewardSpec]) -> list[str]:
     return [f"rewards/{n}/{what}" for n in reward_names(specs) for what in ("mean", "std")]
 
 
-def _unique(rewards: list[Any]) -> bool:
-    names = [r.name for r in rewards if getattr(r, "name", None)]
-    return len(names) == len(set(names))
-
-
 # For the object holding ``rewards: list[RewardSpec]`` (training.grpo): put it in that
 # class's __rules__. Only names the job gives can clash; derived ones step aside.
 UNIQUE_NAMES = Rule(
     "self.rewards.all(r, !has(r.name) || "
     "self.rewards.filter(s, has(s.name) && s.name == r.name).size() == 1)",
-    lambda g: _unique(g.rewards),
     "every reward's name must be unique among rewards (it names the reward's metrics); rename one",
     ".rewards",
 )

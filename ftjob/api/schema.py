@@ -9,9 +9,9 @@ From that one declaration:
 * :func:`openapi` renders the structural OpenAPI v3 schema that goes into the CRD, with the
   same descriptions, bounds, enums and defaults, plus the CEL rules of each class.
 
-Cross-field rules are :class:`Rule` objects listed in a class's ``__rules__``: a CEL
-expression for the API server and a Python predicate for ``ftjob validate`` and the operator,
-side by side so that a test can hold them equal.
+Cross-field rules are :class:`Rule` objects listed in a class's ``__rules__``, each a CEL
+expression: the CRD carries it to the API server, and :func:`parse` evaluates the same text on
+the parsed object, so every door refuses a spec with the same words.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import typing
 from collections.abc import Callable
 from dataclasses import MISSING
 from typing import Any, Literal
+
+from ftjob.api import celexpr
 
 # A Kubernetes quantity ("16Gi", "500m", "2") as the API server accepts it.
 QUANTITY_PATTERN = r"^[+]?[0-9.]+([eE][-+]?[0-9]+|[numkKMGTP]i?)?$"
@@ -73,17 +75,19 @@ class SpecError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """A cross-field rule: CEL for the API server, a Python predicate for everyone else.
+    """A cross-field rule, written once in CEL: the API server evaluates it from the CRD, every
+    other door (``ftjob validate``, the operator, ``ftjob run``, the trainer) on the parsed
+    spec through :mod:`ftjob.api.celexpr` (:func:`check_rules`).
 
-    ``cel`` and ``check`` see the same object (``self``) at the class where the rule is
-    listed; ``field`` is the path, relative to that object, that the error points at.
+    ``cel`` sees the object (``self``) at the class where the rule is listed; ``field`` is the
+    path, relative to that object, that the error points at. ``beyond_cel``: a check CEL cannot
+    say (the reason beside the rule), which ftjob's doors run on the parsed object too.
     """
 
     cel: str
-    check: Callable[[Any], bool]
     message: str
     field: str = ""
-    transition: bool = False  # uses oldSelf: only evaluated on updates
+    beyond_cel: Callable[[Any], bool] | None = None
 
 
 def api_field(
@@ -522,32 +526,36 @@ def _overlaps(a: str, b: str) -> bool:
     return a == b or a.startswith((b + ".", b + "[")) or b.startswith((a + ".", a + "["))
 
 
-def check_rules(obj: Any, path: str, old: Any = None, bad: list[str] = ()) -> list[FieldError]:
-    """Evaluate the Python side of every ``__rules__`` in ``obj`` and its nested objects,
-    leaving out rules that read a field listed in ``bad``."""
-    errors = []
+def check_rules(obj: Any, path: str, bad: list[str] = ()) -> list[FieldError]:
+    """Evaluate the CEL of every ``__rules__`` in ``obj`` and its nested objects, as the API
+    server would on the object ``obj`` is parsed from (its defaults filled in), leaving out
+    rules that read a field listed in ``bad``."""
+    return _check_rules(obj, to_dict(obj), path, bad)
+
+
+def _check_rules(obj: Any, data: dict, path: str, bad: list[str]) -> list[FieldError]:
+    errors, scope = [], celexpr.Scope(data)
     for rule in getattr(type(obj), "__rules__", ()):
-        if rule.transition and old is None:
-            continue
         if any(_overlaps(path + read, b) for read in _reads(rule) for b in bad):
             continue
-        ok = rule.check(obj, old) if rule.transition else rule.check(obj)
-        if not ok:
-            errors.append(FieldError(path + rule.field, rule.message))
+        failure = scope.failure(rule.cel)
+        if failure is None and rule.beyond_cel is not None and not rule.beyond_cel(obj):
+            failure = ""
+        if failure is not None:
+            errors.append(FieldError(path + rule.field, failure or rule.message))
     for f in dataclasses.fields(obj):
-        value, sub = getattr(obj, f.name), f"{path}.{camel(f.name)}"
+        value, key = getattr(obj, f.name), camel(f.name)
         if dataclasses.is_dataclass(value):
-            old_value = getattr(old, f.name, None) if old is not None else None
-            errors.extend(check_rules(value, sub, old_value, bad))
+            errors.extend(_check_rules(value, data[key], f"{path}.{key}", bad))
         elif isinstance(value, list):
             for i, item in enumerate(value):
                 if dataclasses.is_dataclass(item):
-                    errors.extend(check_rules(item, f"{sub}[{i}]", None, bad))
+                    errors.extend(_check_rules(item, data[key][i], f"{path}.{key}[{i}]", bad))
     return errors
 
 
 def check_update(old: Any, new: Any, path: str = "spec") -> list[FieldError]:
-    """Problems with changing ``old`` into ``new``: immutable fields and transition rules."""
+    """Problems with changing ``old`` into ``new``: its immutable fields."""
     errors = []
     for f in dataclasses.fields(new):
         sub = f"{path}.{camel(f.name)}"

@@ -132,6 +132,18 @@ def test_scientific_notation_is_read_as_kubectl_sends_it():
     assert checked.spec.training.max_steps == 1000
 
 
+def test_a_date_is_read_as_the_string_kubectl_sends():
+    # go-yaml v2 (kubectl's reader) keeps a timestamp-like scalar as written when it decodes
+    # into interface{}; PyYAML's default would make it a datetime.date, which no field takes.
+    text = job().replace("data/train.jsonl", "2024-01-01")
+    doc = manifest.loads(text + "  env:\n  - name: SINCE\n    value: 2024-01-01T10:00:00Z\n")[0]
+    assert doc["spec"]["dataset"]["source"] == "2024-01-01"
+    assert doc["spec"]["env"][0]["value"] == "2024-01-01T10:00:00Z"
+    checked = validate.check(doc)
+    assert checked.ok, checked.errors + checked.server_errors
+    assert checked.spec.dataset.source == "2024-01-01"
+
+
 def test_not_a_number_is_refused_by_kubectl_and_by_validate_naming_the_field(tmp_path):
     path = tmp_path / "nan.yaml"
     path.write_text(job("    maxSteps: 100\n    learningRate: .nan"))

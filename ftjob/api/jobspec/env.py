@@ -71,7 +71,6 @@ class EnvVar:
     __rules__: ClassVar[tuple[Rule, ...]] = (
         Rule(
             "!has(self.valueFrom) || !has(self.value) || self.value == ''",
-            lambda e: e.value_from is None or e.value == "",
             "set value or valueFrom, not both",
             ".valueFrom",
         ),

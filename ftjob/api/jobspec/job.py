@@ -47,7 +47,6 @@ from ftjob.api.schema import (
     parse,
     unknown_field,
 )
-from ftjob.api.source import is_hub
 
 GROUP, VERSION, KIND, PLURAL = "ftjob.dev", "v1alpha1", "FineTuneJob", "finetunejobs"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -61,10 +60,6 @@ _FP8_CEL = "[" + ", ".join(f"'{name}'" for name in FP8_GPU_TYPES) + "]"
 # train to the same losses, 1.34-1.74x faster (bench/RESULTS.md); `ftjob plan` counts them as
 # eager, 1.2-1.6x their measured peaks (an H100, 2026-12-05): on once the plan is within 15%.
 COMPILE_VERIFIED_ON_GPU = False
-
-
-def _reserved(name: str) -> bool:
-    return name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES)
 
 
 _RESERVED_CEL = " || ".join(
@@ -86,11 +81,6 @@ _CP_CEL = "self.parallelism.contextParallel"
 _COMPLETIONS_CEL = (
     f"self.training.microBatchSize * self.training.gradientAccumulation * {_WORLD_CEL}"
 )
-
-
-def _cp_within_node(s: FineTuneJobSpec) -> bool:
-    n = s.parallelism.context_split()
-    return n is None or s.resources.nproc_per_node % n == 0
 
 
 @dataclass(kw_only=True)
@@ -175,33 +165,28 @@ class FineTuneJobSpec:
     __rules__: ClassVar[tuple[Rule, ...]] = (
         Rule(
             "self.method.type != 'full' || !has(self.method.lora)",
-            lambda s: s.method.type != "full" or s.method.lora is None,
             "lora settings need method.type lora or qlora; remove method.lora for a full fine-tune",
             ".method.lora",
         ),
         Rule(
             "self.method.type == 'qlora' || !has(self.method.quantization)",
-            lambda s: s.method.type == "qlora" or s.method.quantization is None,
             "quantization is only for method.type qlora; remove it or set type qlora",
             ".method.quantization",
         ),
         Rule(
             "!self.output.mergeAdapter || self.method.type != 'full'",
-            lambda s: not s.output.merge_adapter or s.method.type != "full",
             "mergeAdapter needs an adapter (method.type lora or qlora); remove it for a full "
             "fine-tune",
             ".output.mergeAdapter",
         ),
         Rule(
             "self.training.objective != 'dpo' || self.dataset.format == 'preference'",
-            lambda s: s.training.objective != "dpo" or s.dataset.format == "preference",
             "objective dpo trains on preference pairs: set dataset.format: preference (with "
             "prompt, chosen and rejected fields), or objective sft",
             ".dataset.format",
         ),
         Rule(
             "self.dataset.format != 'preference' || self.training.objective == 'dpo'",
-            lambda s: s.dataset.format != "preference" or s.training.objective == "dpo",
             "preference data trains with training.objective: dpo; set it, or use a format for "
             "next-token training (text, chat or instruction)",
             ".training.objective",
@@ -209,46 +194,34 @@ class FineTuneJobSpec:
         Rule(
             "!has(self.training.dpo) || !has(self.training.dpo.labelSmoothing) || "
             "!has(self.training.dpo.lossType) || self.training.dpo.lossType == 'sigmoid'",
-            lambda s: (
-                s.training.dpo is None
-                or s.training.dpo.label_smoothing is None
-                or s.training.dpo.loss_type == "sigmoid"
-            ),
             "labelSmoothing applies to lossType sigmoid only; remove it, or set lossType: sigmoid",
             ".training.dpo.labelSmoothing",
         ),
         Rule(
             "self.training.objective == 'dpo' || !has(self.training.dpo)",
-            lambda s: s.training.objective == "dpo" or s.training.dpo is None,
             "dpo settings need training.objective: dpo; set it, or remove training.dpo",
             ".training.dpo",
         ),
         Rule(
             "self.training.objective != 'grpo' || self.dataset.format == 'prompts'",
-            lambda s: s.training.objective != "grpo" or s.dataset.format == "prompts",
             "objective grpo samples completions of prompts: set dataset.format: prompts (a "
             "prompt field, text or messages, plus what the rewards read)",
             ".dataset.format",
         ),
         Rule(
             "self.dataset.format != 'prompts' || self.training.objective == 'grpo'",
-            lambda s: s.dataset.format != "prompts" or s.training.objective == "grpo",
             "prompts data trains with training.objective: grpo; set it (with training.grpo."
             "rewards), or use a format for next-token training (text, chat or instruction)",
             ".training.objective",
         ),
         Rule(
             "self.training.objective == 'grpo' || !has(self.training.grpo)",
-            lambda s: s.training.objective == "grpo" or s.training.grpo is None,
             "grpo settings need training.objective: grpo; set it, or remove training.grpo",
             ".training.grpo",
         ),
         Rule(
             "self.training.objective != 'grpo' || (has(self.training.grpo) && "
             "has(self.training.grpo.rewards) && size(self.training.grpo.rewards) > 0)",
-            lambda s: (
-                s.training.objective != "grpo" or bool(s.training.grpo and s.training.grpo.rewards)
-            ),
             "objective grpo learns from rewards: list at least one in training.grpo.rewards "
             "(e.g. {type: exactMatch, field: answer})",
             ".training.grpo.rewards",
@@ -257,11 +230,6 @@ class FineTuneJobSpec:
             # Unset, gradientAccumulation is derived to hold whole groups (accumulation).
             "!has(self.training.grpo) || !has(self.training.gradientAccumulation) || "
             f"({_COMPLETIONS_CEL}) % self.training.grpo.numGenerations == 0",
-            lambda s: (
-                s.training.grpo is None
-                or s.training.gradient_accumulation is None
-                or s.global_batch_size % s.training.grpo.num_generations == 0
-            ),
             "the completions of a step (microBatchSize x gradientAccumulation x processes) "
             "must divide by training.grpo.numGenerations, so each prompt's whole group trains "
             "in the same step; change numGenerations or the batch, or leave "
@@ -271,10 +239,6 @@ class FineTuneJobSpec:
         Rule(
             "!has(self.training.grpo) || self.training.grpo.maxCompletionLength < "
             "self.dataset.maxSeqLength",
-            lambda s: (
-                s.training.grpo is None
-                or s.training.grpo.max_completion_length < s.dataset.max_seq_length
-            ),
             "a sequence is the prompt and its completion: training.grpo.maxCompletionLength "
             "must be below dataset.maxSeqLength; raise maxSeqLength or lower the completion",
             ".training.grpo.maxCompletionLength",
@@ -282,9 +246,6 @@ class FineTuneJobSpec:
         Rule(
             "!has(self.training.grpo) || !has(self.training.grpo.beta) || "
             "self.training.grpo.beta == 0.0 || self.method.type != 'full'",
-            lambda s: (
-                s.training.grpo is None or s.training.grpo.beta == 0 or s.method.type != "full"
-            ),
             "training.grpo.beta > 0 needs a reference model: with method.type lora or qlora it "
             "is the network with its adapters off; a full fine-tune holds none, so set beta: 0 "
             "or use lora",
@@ -292,25 +253,21 @@ class FineTuneJobSpec:
         ),
         Rule(
             "has(self.training.maxSteps) != has(self.training.epochs)",
-            lambda s: (s.training.max_steps is None) != (s.training.epochs is None),
             "set exactly one of training.maxSteps and training.epochs",
             ".training",
         ),
         Rule(
             "!(has(self.dataset.evalFraction) && has(self.dataset.evalSplit))",
-            lambda s: s.dataset.eval_fraction is None or s.dataset.eval_split is None,
             "set evalFraction or evalSplit, not both",
             ".dataset.evalSplit",
         ),
         Rule(
             "self.parallelism.sharding != 'hybrid' || self.resources.nodes >= 2",
-            lambda s: s.parallelism.sharding != "hybrid" or s.resources.nodes >= 2,
             "hybrid sharding needs resources.nodes >= 2; use full on one node",
             ".parallelism.sharding",
         ),
         Rule(
             "!self.parallelism.cpuOffload || self.parallelism.sharding != 'none'",
-            lambda s: not s.parallelism.cpu_offload or s.parallelism.sharding != "none",
             "cpuOffload needs sharding (auto, full, hybrid or grad-op), not none",
             ".parallelism.cpuOffload",
         ),
@@ -318,7 +275,6 @@ class FineTuneJobSpec:
             # A group's all-to-alls run in every layer: inside a node (NVLink), never across.
             f"string({_CP_CEL}) == 'auto' || (int(string({_CP_CEL})) >= 1 && "
             f"({_NPROC_CEL}) % int(string({_CP_CEL})) == 0)",
-            lambda s: _cp_within_node(s),
             "contextParallel must divide the processes of a node (resources.gpusPerNode, or "
             "processesPerNode on CPU), so that each group's all-to-alls stay inside a node; "
             "use a divisor of it (1, 2, 4, 8 on 8 GPUs), or auto",
@@ -326,9 +282,6 @@ class FineTuneJobSpec:
         ),
         Rule(
             f"string({_CP_CEL}) in ['1', 'auto'] || self.model.attention == 'sdpa'",
-            lambda s: (
-                s.parallelism.context_parallel in ("1", "auto") or s.model.attention == "sdpa"
-            ),
             "contextParallel > 1 runs ftjob's packed attention over the whole sequence after an "
             "all-to-all over heads; only model.attention sdpa has it: set attention sdpa, or "
             "contextParallel 1",
@@ -336,9 +289,6 @@ class FineTuneJobSpec:
         ),
         Rule(
             f"string({_CP_CEL}) in ['1', 'auto'] || self.training.objective == 'sft'",
-            lambda s: (
-                s.parallelism.context_parallel in ("1", "auto") or s.training.objective == "sft"
-            ),
             "contextParallel > 1 trains objective sft only: dpo and grpo sum each sequence's "
             "log-probabilities (a pair's, a completion's), which a split sequence would need "
             "reduced over its group; use contextParallel 1, or objective sft",
@@ -346,31 +296,26 @@ class FineTuneJobSpec:
         ),
         Rule(
             "self.network.fabric == 'tcp' || self.resources.gpusPerNode > 0",
-            lambda s: s.network.fabric == "tcp" or s.resources.gpus_per_node > 0,
             "fabric efa and infiniband need GPUs (resources.gpusPerNode > 0); use tcp on CPU",
             ".network.fabric",
         ),
         Rule(
             "(self.network.fabric == 'efa') == has(self.network.efaDevicesPerNode)",
-            lambda s: (s.network.fabric == "efa") == (s.network.efa_devices_per_node is not None),
             "fabric efa needs network.efaDevicesPerNode (p4d: 4, p5: 32), and only efa takes it",
             ".network.efaDevicesPerNode",
         ),
         Rule(
             "self.resources.gpusPerNode == 0 || !has(self.resources.processesPerNode)",
-            lambda s: s.resources.gpus_per_node == 0 or s.resources.processes_per_node is None,
             "processesPerNode is for CPU jobs; GPU jobs run one process per GPU",
             ".resources.processesPerNode",
         ),
         Rule(
             "self.resources.gpusPerNode > 0 || !self.model.attention.startsWith('flash')",
-            lambda s: s.resources.gpus_per_node > 0 or not s.model.attention.startswith("flash"),
             "flash attention needs GPUs; use sdpa on CPU",
             ".model.attention",
         ),
         Rule(
             "self.training.precision != 'fp8' || self.method.type != 'qlora'",
-            lambda s: s.training.precision != "fp8" or s.method.type != "qlora",
             "precision fp8 casts each high-precision weight to float8 for its matmul; QLoRA's "
             "base is 4-bit NF4, so every step would dequantize it to bf16 and quantize again "
             "to float8 (slower than bf16, and rounded twice): use precision bf16 with qlora, or "
@@ -379,16 +324,12 @@ class FineTuneJobSpec:
         ),
         Rule(
             "self.training.precision == 'fp8' || !has(self.training.fp8Recipe)",
-            lambda s: s.training.precision == "fp8" or s.training.fp8_recipe is None,
             "fp8Recipe is for precision fp8; remove it or set precision fp8",
             ".training.fp8Recipe",
         ),
         Rule(
             f"self.training.precision != 'fp8' || !has(self.resources.gpuType) || "
             f"self.resources.gpuType in {_FP8_CEL}",
-            lambda s: (
-                s.training.precision != "fp8" or s.resources.gpu_type in (None, *FP8_GPU_TYPES)
-            ),
             "precision fp8 needs float8 tensor cores (CUDA capability 8.9: Ada, Hopper, "
             f"Blackwell), which resources.gpuType lacks; use precision bf16, or a gpuType of "
             f"{', '.join(FP8_GPU_TYPES)}",
@@ -396,7 +337,6 @@ class FineTuneJobSpec:
         ),
         Rule(
             "self.resources.gpusPerNode > 0 || !has(self.resources.gpuType)",
-            lambda s: s.resources.gpus_per_node > 0 or s.resources.gpu_type is None,
             "gpuType names the GPU of a GPU job; remove it when gpusPerNode is 0",
             ".resources.gpuType",
         ),
@@ -405,17 +345,12 @@ class FineTuneJobSpec:
             # would never be reached, and so never stop it.
             "self.resources.gpusPerNode > 0 || "
             "(!has(self.budget.gpuHours) && !has(self.budget.amount))",
-            lambda s: (
-                s.resources.gpus_per_node > 0
-                or (s.budget.gpu_hours is None and s.budget.amount is None)
-            ),
             "a CPU job (gpusPerNode 0) spends no GPU-hours or money, so a budget in gpuHours or "
             "amount would never stop it; set budget.nodeHours instead",
             ".budget",
         ),
         Rule(
             "self.network.collectiveTimeoutSeconds < self.runPolicy.stallTimeoutSeconds",
-            lambda s: s.network.collective_timeout_seconds < s.run_policy.stall_timeout_seconds,
             "collectiveTimeoutSeconds must be shorter than runPolicy.stallTimeoutSeconds, so a "
             "hung collective fails before the job is declared stalled",
             ".network.collectiveTimeoutSeconds",
@@ -424,9 +359,6 @@ class FineTuneJobSpec:
             # A job naming its profile may take the volume from it: the door sees the job
             # before the merge, and the merge checks the volume is then there (api/profile.py).
             "self.resources.nodes == 1 || has(self.checkpoint.volume) || has(self.profile)",
-            lambda s: (
-                s.resources.nodes == 1 or s.checkpoint.volume is not None or s.profile is not None
-            ),
             "more than one node needs a shared checkpoint.volume (a ReadWriteMany claim) so "
             "that every node writes its shards to one place; set it, or name a spec.profile "
             "whose defaults give one",
@@ -434,10 +366,6 @@ class FineTuneJobSpec:
         ),
         Rule(
             promotion.cel_rule(),
-            lambda s: (
-                s.output.promote_when is None
-                or promotion.valid(s.output.promote_when, s.training.objective)
-            ),
             "output.promoteWhen must be METRIC OP NUMBER clauses joined by ' and ', e.g. "
             "'evalLoss < 1.8', with metrics that training.objective evaluates: "
             + "; ".join(f"{o}: {', '.join(promotion.eval_metrics(o))}" for o in OBJECTIVES),
@@ -446,13 +374,6 @@ class FineTuneJobSpec:
         Rule(
             "!has(self.output.promoteWhen) || (has(self.output.push) && "
             "(has(self.dataset.evalFraction) || has(self.dataset.evalSplit)))",
-            lambda s: (
-                s.output.promote_when is None
-                or (
-                    s.output.push is not None
-                    and (s.dataset.eval_fraction is not None or s.dataset.eval_split is not None)
-                )
-            ),
             "output.promoteWhen gates output.push on the final evaluation: set output.push and "
             "dataset.evalFraction or dataset.evalSplit",
             ".output.promoteWhen",
@@ -460,10 +381,6 @@ class FineTuneJobSpec:
         Rule(
             "!has(self.output.push) || !self.output.push.exists(p, p.startsWith('hf://')) "
             "|| has(self.secrets.huggingFaceToken)",
-            lambda s: (
-                not any(is_hub(p) for p in s.output.push or [])
-                or s.secrets.hugging_face_token is not None
-            ),
             "output.push to the Hub needs secrets.huggingFaceToken: a Secret key holding a Hub "
             "token that may write to the repository (ftjob run reads HF_TOKEN from its "
             "environment)",
@@ -471,7 +388,6 @@ class FineTuneJobSpec:
         ),
         Rule(
             f"!self.env.exists(e, {_RESERVED_CEL})",
-            lambda s: not any(_reserved(e.name) for e in s.env),
             "env may not set variables ftjob manages (PET_*, FTJOB_*, TORCHELASTIC_*, "
             "MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, HF_TOKEN)",
             ".env",

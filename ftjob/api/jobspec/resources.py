@@ -153,7 +153,6 @@ class NetworkSpec:
     __rules__: ClassVar[tuple[Rule, ...]] = (
         Rule(
             "self.progressPort != self.rendezvousPort",
-            lambda n: n.progress_port != n.rendezvous_port,
             "progressPort must differ from rendezvousPort (both listen on node 0)",
             ".progressPort",
         ),

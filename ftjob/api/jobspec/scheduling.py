@@ -49,20 +49,17 @@ class Toleration:
     __rules__: ClassVar[tuple[Rule, ...]] = (
         Rule(
             "has(self.key) || self.operator == 'Exists'",
-            lambda t: t.key is not None or t.operator == "Exists",
             "a toleration without a key must have operator Exists (it then tolerates every "
             "taint); add a key or set operator: Exists",
             ".operator",
         ),
         Rule(
             "self.operator != 'Exists' || !has(self.value)",
-            lambda t: t.operator != "Exists" or t.value is None,
             "operator Exists takes no value; remove value or use operator Equal",
             ".value",
         ),
         Rule(
             "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
-            lambda t: t.toleration_seconds is None or t.effect == "NoExecute",
             "tolerationSeconds needs effect NoExecute; remove it or set effect: NoExecute",
             ".tolerationSeconds",
         ),
@@ -115,7 +112,6 @@ class SchedulingSpec:
     __rules__: ClassVar[tuple[Rule, ...]] = (
         Rule(
             "!has(self.topology) || has(self.queue)",
-            lambda s: s.topology is None or s.queue is not None,
             "topology is Kueue's Topology-Aware Scheduling: set queue (a LocalQueue) too, or "
             "remove topology",
             ".topology",

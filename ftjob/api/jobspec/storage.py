@@ -42,7 +42,6 @@ class S3Spec:
     __rules__: ClassVar[tuple[Rule, ...]] = (
         Rule(
             "has(self.accessKeyId) == has(self.secretAccessKey)",
-            lambda s: (s.access_key_id is None) == (s.secret_access_key is None),
             "accessKeyId and secretAccessKey come together: set both (a key pair) or neither",
             ".accessKeyId",
         ),

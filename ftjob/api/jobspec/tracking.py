@@ -50,13 +50,11 @@ class MlflowSpec:
     __rules__: ClassVar[tuple[Rule, ...]] = (
         Rule(
             "has(self.username) == has(self.password)",
-            lambda m: (m.username is None) == (m.password is None),
             "username and password go together: set both (basic auth), or neither",
             ".password",
         ),
         Rule(
             "!has(self.token) || !has(self.username)",
-            lambda m: m.token is None or m.username is None,
             "set token or username and password, not both",
             ".token",
         ),
@@ -92,7 +90,6 @@ class WandbSpec:
     __rules__: ClassVar[tuple[Rule, ...]] = (
         Rule(
             "self.mode == 'offline' || has(self.apiKey)",
-            lambda w: w.mode == "offline" or w.api_key is not None,
             "online mode needs apiKey, a Secret key holding the W&B API key; add it, or set "
             "mode: offline",
             ".apiKey",

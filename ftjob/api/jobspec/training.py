@@ -160,7 +160,6 @@ class GrpoSpec:
     __rules__: ClassVar[tuple[Rule, ...]] = (
         Rule(
             "!has(self.epsilonHigh) || self.epsilonHigh >= self.epsilon",
-            lambda s: s.epsilon_high is None or s.epsilon_high >= s.epsilon,
             "epsilonHigh is the upper clipping range and may not be below epsilon; raise it, "
             "or remove it to use epsilon on both sides",
             ".epsilonHigh",
