@@ -554,24 +554,28 @@ def _check_rules(obj: Any, data: dict, path: str, bad: list[str]) -> list[FieldE
     return errors
 
 
+IMMUTABLE_MESSAGE = (
+    "is immutable once the job exists (its checkpoints belong to this value); "
+    "create a new FineTuneJob instead"
+)
+# The transition rule of every field declared immutable: the CRD carries it at the field, and
+# check_update evaluates it on the parsed old and new values.
+IMMUTABLE = Rule("self == oldSelf", IMMUTABLE_MESSAGE)
+
+
 def check_update(old: Any, new: Any, path: str = "spec") -> list[FieldError]:
-    """Problems with changing ``old`` into ``new``: its immutable fields."""
+    """Problems with changing ``old`` into ``new``: its immutable fields' rule, evaluated as the
+    API server does where the field is set on both sides."""
     errors = []
     for f in dataclasses.fields(new):
         sub = f"{path}.{camel(f.name)}"
         before, after = getattr(old, f.name), getattr(new, f.name)
         if f.metadata.get("immutable") and before is not None and after is not None:
-            if before != after:
-                errors.append(FieldError(sub, IMMUTABLE_MESSAGE))
+            if celexpr.Scope(to_dict(after), to_dict(before)).failure(IMMUTABLE.cel) is not None:
+                errors.append(FieldError(sub, IMMUTABLE.message))
         elif dataclasses.is_dataclass(after) and dataclasses.is_dataclass(before):
             errors.extend(check_update(before, after, sub))
     return errors
-
-
-IMMUTABLE_MESSAGE = (
-    "is immutable once the job exists (its checkpoints belong to this value); "
-    "create a new FineTuneJob instead"
-)
 
 
 def to_dict(obj: Any) -> Any:
@@ -605,9 +609,7 @@ def openapi(cls: type, doc: str | None = None) -> dict:
             schema = {"description": None} | schema
             schema["description"] = _clean(f.metadata["doc"])
         if f.metadata.get("immutable"):
-            schema.setdefault("x-kubernetes-validations", []).append(
-                {"rule": "self == oldSelf", "message": IMMUTABLE_MESSAGE}
-            )
+            schema.setdefault("x-kubernetes-validations", []).append(_cel_rule(IMMUTABLE))
         if f.default is not MISSING and f.default is not None:
             schema["default"] = f.default
         elif f.default_factory is not MISSING:
