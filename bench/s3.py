@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ftjob.api.source import parse
+
 ROOT = Path(__file__).resolve().parents[1]
 S3_SH = ROOT / "scripts" / "s3.sh"
 PART = 16 * 2**20
@@ -41,7 +43,7 @@ def _env(folder: Path) -> dict[str, str]:
 def _ftjob(url: str, dest: Path) -> Path:
     from ftjob.trainer.fetch import s3
 
-    local, _ = s3.download(url, dest, lambda m: None)
+    local, _ = s3.download(parse(url), dest, lambda m: None)
     return local
 
 
@@ -49,11 +51,11 @@ def _boto3(url: str, dest: Path) -> Path:
     import boto3
     from boto3.s3.transfer import TransferConfig
 
-    bucket, key = url.removeprefix("s3://").split("/", 1)
+    where = parse(url)
     client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
     out = dest / "blob"
     config = TransferConfig(multipart_chunksize=PART, max_concurrency=PARALLEL)
-    client.download_file(bucket, key, str(out), Config=config)
+    client.download_file(where.bucket, where.key, str(out), Config=config)
     return out
 
 

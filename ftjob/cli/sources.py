@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from ftjob.api.jobspec import FineTuneJobSpec
-from ftjob.api.source import is_s3
+from ftjob.api.source import S3, parse
 from ftjob.job.launch import s3_env
 
 CHECK_RETRY_SECONDS = "10"
@@ -28,12 +28,11 @@ def problems(spec: FineTuneJobSpec) -> list[str]:
     out = []
     try:
         for field in ("model", "dataset"):
-            source = getattr(spec, field).source
-            if not is_s3(source):
+            source = parse(getattr(spec, field).source)
+            if not isinstance(source, S3):
                 continue
-            bucket, prefix = s3.split(source)
             try:
-                if not s3.listing(s3.store(bucket), prefix):
+                if not s3.listing(s3.store(source.bucket), source.key):
                     raise ValueError(f"no object at {source} or under it")
             except Exception as e:  # noqa: BLE001 - storeerrors names them; the rest raise
                 named = storeerrors.refused(field, source, e)

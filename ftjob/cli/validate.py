@@ -39,7 +39,7 @@ from ftjob.api.jobspec import (
 )
 from ftjob.api.profile import Profile, apply
 from ftjob.api.schema import FieldError, SpecError
-from ftjob.api.source import is_hub, is_s3
+from ftjob.api.source import S3, Local, parse
 from ftjob.job import inputs
 from ftjob.operator import render  # pure: no kopf or kubernetes needed
 from ftjob.operator.admit import parse_job
@@ -195,12 +195,11 @@ def warnings(spec: FineTuneJobSpec) -> list[str]:
 def _model_shape(spec: FineTuneJobSpec, root: Path | None) -> ModelShape | None:
     """The model's shape where it can be read: the config.json of a local folder, or the
     table's entry for an hf:// model (None: not known here; the trainer checks it)."""
-    source = spec.model.source
-    config = None
-    if is_s3(source):
+    source, config = parse(spec.model.source), None
+    if isinstance(source, S3):
         return None  # read by the trainer, once downloaded
-    if not is_hub(source):
-        folder = Path(source) if Path(source).is_absolute() or root is None else root / source
+    if isinstance(source, Local):
+        folder = source.at(root or ".")
         if not (folder / "config.json").is_file():
             return None
         try:
@@ -208,7 +207,7 @@ def _model_shape(spec: FineTuneJobSpec, root: Path | None) -> ModelShape | None:
         except (OSError, ValueError) as e:
             raise ValueError(f"{folder / 'config.json'} cannot be read as JSON: {e}") from None
     try:
-        return shape_for(source, config)
+        return shape_for(spec.model.source, config)
     except ValueError:
         if config is not None:
             raise  # a config.json without the fields a decoder has

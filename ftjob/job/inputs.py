@@ -16,7 +16,7 @@ from typing import Any
 
 from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.schema import FieldError
-from ftjob.api.source import hub_repo, is_remote
+from ftjob.api.source import Hub, Local, parse
 from ftjob.job import folder as jobfolder
 from ftjob.job import modelfiles
 from ftjob.job.folder import JobFolder
@@ -31,21 +31,20 @@ DATA_FIX = (
 
 def resolve(source: str, root: Path | None = None) -> str:
     """hf://org/name -> org/name for the Hub; a relative path -> beside ``root``, the job
-    file's folder (default FTJOB_SOURCE_ROOT: what the trainer is told it is; else here)."""
-    if (repo := hub_repo(source)) is not None:
-        return repo
-    path = Path(source)
-    if not path.is_absolute():
-        path = Path(root or os.environ.get("FTJOB_SOURCE_ROOT", ".")) / path
-    return str(path)
+    file's folder (default FTJOB_SOURCE_ROOT: what the trainer is told it is; else here); an
+    s3:// URL as it is (sources.fetch puts a local copy in its place before anything reads)."""
+    found = parse(source)
+    if isinstance(found, Hub):
+        return found.repo
+    if isinstance(found, Local):
+        return str(found.at(root or os.environ.get("FTJOB_SOURCE_ROOT", ".")))
+    return source
 
 
 def _local(source: str, root: Path) -> Path | None:
     """The path a local source names (None for a Hub or object store source)."""
-    if is_remote(source):
-        return None
-    path = Path(source)
-    return path if path.is_absolute() else root / path
+    found = parse(source)
+    return found.at(root) if isinstance(found, Local) else None
 
 
 def missing(spec: FineTuneJobSpec, root: Path, job_dir: Path | None) -> list[FieldError]:

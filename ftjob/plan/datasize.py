@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.schema import quantity
-from ftjob.api.source import is_remote
+from ftjob.api.source import Local, parse
 
 TEXT_BYTES_PER_TOKEN = 4.0  # JSONL bytes per token for English with a 32k-150k BPE vocabulary
 STORED_BYTES_PER_TOKEN = 8  # input_ids + labels, int32 each (Arrow; offsets are negligible)
@@ -35,12 +35,9 @@ class DataEstimate:
 
 
 def estimate(spec: FineTuneJobSpec, source_root: Path | None = None) -> DataEstimate:
-    ds = spec.dataset
-    size = None
-    if not is_remote(ds.source):
-        path = Path(ds.source)
-        if not path.is_absolute() and source_root is not None:
-            path = source_root / path
+    found, size = parse(spec.dataset.source), None
+    if isinstance(found, Local):
+        path = found.at(source_root or ".")
         if path.is_file():
             size = path.stat().st_size
         elif path.is_dir():
@@ -62,7 +59,7 @@ def describe(spec: FineTuneJobSpec, source_root: Path | None = None) -> str:
     e = estimate(spec, source_root)
     memory = (f"memory-mapped, ~{_size(e.rank_bytes)} per rank; rank 0 prepares with "
               f"~{_size(e.prepare_memory)} once")  # fmt: skip
-    if e.prepared_bytes is None and not is_remote(spec.dataset.source):
+    if e.prepared_bytes is None and not parse(spec.dataset.source).remote:
         # A cluster job's data lives on the checkpoint volume: not an error, only unsized here.
         return (
             f"data not checked here ({spec.dataset.source} is not on this machine; a cluster "

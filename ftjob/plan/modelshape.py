@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ftjob.api.source import hub_repo
+from ftjob.api.source import Hub, parse
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -137,7 +137,7 @@ KNOWN_MODELS = [
 def shape_for(source: str, config: dict | None) -> ModelShape:
     """The model's shape from its config.json, or from the table for hf:// sources."""
     if config is not None:
-        return ModelShape.from_config(config, source.rsplit("/", 1)[-1])
+        return ModelShape.from_config(config, parse(source).name)
     shape = known_model(source)
     if shape is None:
         raise ValueError(
@@ -149,9 +149,10 @@ def shape_for(source: str, config: dict | None) -> ModelShape:
 
 def known_model(source: str) -> ModelShape | None:
     """The shape of a well-known hf:// model, or None."""
-    repo = (hub_repo(source) or "").lower()
-    if not repo:
+    found = parse(source)
+    if not isinstance(found, Hub):
         return None
+    repo = found.repo.lower()
     for pattern, shape in KNOWN_MODELS:
         if re.search(rf"(^|/)(meta-)?{pattern}($|[-_/])", repo):
             return shape

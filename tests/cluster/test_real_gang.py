@@ -494,6 +494,7 @@ def test_a_job_from_s3_through_the_operator_exports_to_s3_and_the_export_loads(
     from_pretrained."""
     from transformers import AutoModelForCausalLM
 
+    from ftjob.api.source import parse
     from ftjob.trainer.fetch import s3
 
     plane, server = operator.plane, pod_store.server
@@ -515,7 +516,7 @@ def test_a_job_from_s3_through_the_operator_exports_to_s3_and_the_export_loads(
     with pytest.MonkeyPatch.context() as mp:
         for k, v in admin.items():
             mp.setenv(k, v)
-        export, objects = s3.download("s3://exports/s3job", tmp_path, lambda m: None)
+        export, objects = s3.download(parse("s3://exports/s3job"), tmp_path, lambda m: None)
     assert {"config.json", "model.safetensors", "README.md", "ftjob-upload.json"} <= {
         o.name for o in objects
     }

@@ -25,6 +25,7 @@ from test_trainer_run import EXAMPLES, RUN_TIMEOUT, final, job
 
 from ftjob.api.contract import BAD_DATA, BAD_MODEL, STORE_UNREACHABLE, TrainerError
 from ftjob.api.jobspec import parse_resource
+from ftjob.api.source import parse
 from ftjob.trainer.fetch import s3, sources
 
 MODEL = EXAMPLES / "tiny-model"
@@ -50,20 +51,20 @@ def test_downloaded_once_per_content_and_verified(store, tmp_path, monkeypatch):
     for k, v in store.env("admin").items():
         monkeypatch.setenv(k, v)
     said: list[str] = []
-    folder, objects = s3.download("s3://models/tiny-model", tmp_path, said.append)
+    folder, objects = s3.download(parse("s3://models/tiny-model"), tmp_path, said.append)
     assert files(folder) == files(MODEL)  # every byte, at the same relative paths
     assert any("downloaded s3://models/tiny-model" in m for m in said), said
     # A second job asking for the same content reads the same copy and downloads nothing.
     said.clear()
-    again, _ = s3.download("s3://models/tiny-model/", tmp_path, said.append)
+    again, _ = s3.download(parse("s3://models/tiny-model/"), tmp_path, said.append)
     assert again == folder and said == []
     # One object is a file of its own name (a data set); a changed object is a new copy.
-    data, _ = s3.download("s3://data/tiny-text.jsonl", tmp_path, said.append)
+    data, _ = s3.download(parse("s3://data/tiny-text.jsonl"), tmp_path, said.append)
     assert data.name == "tiny-text.jsonl" and data.read_bytes() == DATA.read_bytes()
     store.upload("data", DATA.with_name("tiny-pairs.jsonl"), "changed.jsonl")
-    first, _ = s3.download("s3://data/changed.jsonl", tmp_path, said.append)
+    first, _ = s3.download(parse("s3://data/changed.jsonl"), tmp_path, said.append)
     store.upload("data", DATA, "changed.jsonl")
-    second, _ = s3.download("s3://data/changed.jsonl", tmp_path, said.append)
+    second, _ = s3.download(parse("s3://data/changed.jsonl"), tmp_path, said.append)
     assert first.parent != second.parent and second.read_bytes() == DATA.read_bytes()
     assert first.read_bytes() == DATA.with_name("tiny-pairs.jsonl").read_bytes()
 
@@ -121,9 +122,10 @@ def test_an_endpoint_that_does_not_answer_is_transient(store, tmp_path, monkeypa
 DOWNLOADER = """
 import sys
 from pathlib import Path
+from ftjob.api.source import parse
 from ftjob.trainer.fetch import s3
 s3.PART_BYTES, s3.PARALLEL, s3.RECORD_BYTES, s3.SAY_EVERY_SECONDS = 2**20, 2, 2**21, 0.5
-path, _ = s3.download(sys.argv[1], Path(sys.argv[2]), lambda m: print(m, flush=True))
+path, _ = s3.download(parse(sys.argv[1]), Path(sys.argv[2]), lambda m: print(m, flush=True))
 print("LOCAL", path, flush=True)
 """
 
@@ -307,7 +309,7 @@ def test_an_export_pushed_over_another_is_complete_or_absent(store, tmp_path, mo
 
     for name, value in store.env("admin").items():
         monkeypatch.setenv(name, value)
-    url, here = "s3://exports/replaced", tmp_path / "files"
+    url, here = parse("s3://exports/replaced"), tmp_path / "files"
     here.mkdir()
 
     def written(name: str, body: bytes) -> Path:
@@ -352,11 +354,12 @@ def test_an_upload_complete_there_is_not_repeated(store, tmp_path, monkeypatch):
     big = tmp_path / "model.safetensors"
     big.write_bytes(os.urandom(70 * 2**20))  # over one part: a multipart upload
     said: list[str] = []
-    first = s3upload.upload("s3://exports/again", {"model.safetensors": big}, "card", said.append)
+    where = parse("s3://exports/again")
+    first = s3upload.upload(where, {"model.safetensors": big}, "card", said.append)
     assert (
         said == [] and _objects(store, "exports", "again")["model.safetensors"] == big.read_bytes()
     )
-    second = s3upload.upload("s3://exports/again", {"model.safetensors": big}, "card", said.append)
+    second = s3upload.upload(where, {"model.safetensors": big}, "card", said.append)
     assert second == first and "already holds this export" in said[0]
 
 

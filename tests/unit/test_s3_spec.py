@@ -10,7 +10,7 @@ import pytest
 
 from ftjob.api.jobspec import parse_spec
 from ftjob.api.schema import SpecError
-from ftjob.api.source import hub_repo, is_remote
+from ftjob.api.source import S3, Hub, Local, parse
 from ftjob.operator import render, status
 from ftjob.trainer.fetch import s3, storeerrors
 
@@ -28,11 +28,13 @@ def raw(**sections) -> dict:
 
 def test_s3_sources_are_accepted_and_remote():
     spec = parse_spec(raw())
-    assert is_remote(spec.model.source) and is_remote(spec.dataset.source)
-    assert not is_remote("data/train.jsonl") and is_remote("hf://org/name")
-    # One owner of the schemes (ftjob/api/source.py): the Hub's repository, or none.
-    assert hub_repo("hf://org/name") == "org/name"
-    assert hub_repo("s3://bucket/hf://x") is None and hub_repo("models/hf") is None
+    model, data = parse(spec.model.source), parse(spec.dataset.source)
+    assert model == S3("s3://models/llama/8b", "models", "llama/8b") and model.remote
+    assert data == S3(spec.dataset.source, "data-2026.team", "sets/train.jsonl") and data.remote
+    # One owner of the schemes (ftjob/api/source.py): the scheme at the start, nowhere else.
+    assert parse("s3://bucket/hf://x") == S3("s3://bucket/hf://x", "bucket", "hf://x")
+    assert parse("models/hf") == Local("models/hf") and not parse("models/hf").remote
+    assert isinstance(parse("hf://org/name"), Hub) and parse("hf://org/name").remote
 
 
 @pytest.mark.parametrize("bad", ["s3://My_Bucket/x", "s3://ab/x", "s3:///x", "s3://b c/x"])
@@ -79,13 +81,13 @@ def test_status_says_how_much_is_downloaded():
 
 def test_the_cache_is_keyed_by_content_not_by_spelling():
     objs = [s3.Obj("m/config.json", "config.json", 10, '"aa"')]
-    assert s3.split("s3://b/m/") == ("b", "m") and s3.split("s3://b") == ("b", "")
-    assert s3.content_key("s3://b/m", objs) == s3.content_key("s3://b/m/", objs)
+    m, slashed = parse("s3://b/m"), parse("s3://b/m/")
+    assert s3.content_key(m, objs) == s3.content_key(slashed, objs)
     changed = [s3.Obj("m/config.json", "config.json", 10, '"bb"')]
-    assert s3.content_key("s3://b/m", objs) != s3.content_key("s3://b/m", changed)
+    assert s3.content_key(m, objs) != s3.content_key(m, changed)
     one = [s3.Obj("m/train.jsonl", "train.jsonl", 5, '"cc"')]
-    assert s3.local_path(s3.Path("/c/k"), "s3://b/m/train.jsonl", one).name == "train.jsonl"
-    assert s3.local_path(s3.Path("/c/k"), "s3://b/m", objs) == s3.Path("/c/k")
+    assert s3.local_path(s3.Path("/c/k"), parse("s3://b/m/train.jsonl"), one).name == "train.jsonl"
+    assert s3.local_path(s3.Path("/c/k"), m, objs) == s3.Path("/c/k")
 
 
 @pytest.mark.parametrize(

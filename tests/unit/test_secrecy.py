@@ -17,6 +17,7 @@ from test_children import job as job_doc
 from ftjob.api import contract
 from ftjob.api.jobspec import parse_resource
 from ftjob.api.profile import apply, parse_profile
+from ftjob.api.source import parse
 from ftjob.cli.run import _unset_secrets
 from ftjob.operator import render
 from ftjob.trainer.fetch import storeerrors
@@ -69,7 +70,7 @@ def test_a_termination_record_carries_no_secret_value(monkeypatch, tmp_path):
 def test_an_object_stores_reply_is_masked_before_it_is_quoted(monkeypatch):
     secret_env(monkeypatch)
     reply = PermissionError(f"SignatureDoesNotMatch for GET {SIGNED_URL} secret {PLANTED}")
-    said = storeerrors.refused("model", "s3://bucket/key", reply)
+    said = storeerrors.refused("model", parse("s3://bucket/key"), reply)
     assert said is not None and PLANTED not in str(said) and "0f9e8d7c6b5a" not in str(said)
     assert "X-Amz-Credential=[masked]" in str(said) and "[TEAM_TOKEN]" in str(said)
 

@@ -27,7 +27,7 @@ import pyarrow as pa  # at this module's import: the data phase's (batches.load)
 import pyarrow.compute as pc
 
 from ftjob.api.jobspec import FineTuneJobSpec
-from ftjob.api.source import is_hub
+from ftjob.api.source import Hub, parse
 from ftjob.job import atomic
 from ftjob.trainer.data import pairs, prompts, records, tokenize
 from ftjob.trainer.data.records import DataError
@@ -88,7 +88,7 @@ def _source_identity(source: str) -> list:
     # Size and modification time name a file's version without reading gigabytes; a
     # rewritten file gets a new mtime. Hub sources are keyed by the commit sources.fetch
     # pinned (dataset.revision).
-    if is_hub(source):
+    if isinstance(parse(source), Hub):
         return []
     path = Path(records.resolve(source))
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ftjob.api.contract import BAD_DATA, TrainerError
 from ftjob.api.jobspec.data import DatasetSpec
-from ftjob.api.source import is_remote
+from ftjob.api.source import parse
 from ftjob.job.inputs import DATA_FIX, resolve
 
 # No torch, transformers or pyarrow at import (pyarrow only where a function builds Arrow):
@@ -45,14 +45,14 @@ PARTS = ("prompt", "chosen", "rejected")
 
 def origin(ds: DatasetSpec, split: str, root: Path | None = None) -> str:
     """How errors name the source of one split (``root``: see :func:`resolve`)."""
-    if is_remote(ds.source) or Path(resolve(ds.source, root)).is_dir():
+    if parse(ds.source).remote or Path(resolve(ds.source, root)).is_dir():
         return f"{ds.source} split {split}"
     return ds.source
 
 
 def check_source(ds: DatasetSpec, split: str, root: Path | None = None) -> Path | None:
     """Refuse a source that cannot hold the split; the local file or folder, if any."""
-    if is_remote(ds.source):
+    if parse(ds.source).remote:
         return None
     path = Path(resolve(ds.source, root))
     if path.is_dir():

@@ -32,8 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from ftjob.api.source import S3
 from ftjob.job import atomic
-from ftjob.trainer.state.objectstore import split, store
+from ftjob.trainer.state.objectstore import store
 
 COMPLETE = ".complete"
 PART_BYTES = 16 * 2**20  # one ranged GET
@@ -76,35 +77,34 @@ def listing(bucket_store, prefix: str) -> list[Obj]:
     return sorted(found, key=lambda o: o.key)
 
 
-def content_key(url: str, objects: list[Obj]) -> str:
+def content_key(where: S3, objects: list[Obj]) -> str:
     """PURE: the cache folder's name: the bucket and every object's key, local name, size and
     ETag (not the URL's spelling: s3://b/p and s3://b/p/ share a copy)."""
-    text = json.dumps([split(url)[0], [[o.key, o.name, o.size, o.etag] for o in objects]])
+    text = json.dumps([where.bucket, [[o.key, o.name, o.size, o.etag] for o in objects]])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def local_path(folder: Path, url: str, objects: list[Obj]) -> Path:
+def local_path(folder: Path, where: S3, objects: list[Obj]) -> Path:
     """PURE: what a job reads: the one object's file, or the folder of a prefix's objects."""
-    one = len(objects) == 1 and objects[0].key == split(url)[1]
+    one = len(objects) == 1 and objects[0].key == where.key
     return folder / objects[0].name if one else folder
 
 
 def download(
-    url: str,
+    where: S3,
     cache_root: Path,
     say: Callable[[str], None] = print,
     progress: Callable[[int, int], None] = lambda got, total: None,
 ) -> tuple[Path, list[Obj]]:
-    """The local copy of ``url`` in ``cache_root`` (fetched unless a complete copy is there),
+    """The local copy of ``where`` in ``cache_root`` (fetched unless a complete copy is there),
     and the objects it holds; ``progress(bytes so far, total)`` as ``say`` is told. Raises
     ValueError when the prefix names no object, and the client's errors as they come
     (sources.py names them)."""
-    bucket, prefix = split(url)
-    bucket_store = store(bucket)
-    objects = listing(bucket_store, prefix)
+    bucket_store = store(where.bucket)
+    objects = listing(bucket_store, where.key)
     if not objects:
-        raise ValueError(f"no object at {url} or under {url.rstrip('/')}/")
-    folder = cache_root / content_key(url, objects)
+        raise ValueError(f"no object at {where} or under {where.under}")
+    folder = cache_root / content_key(where, objects)
     if not (folder / COMPLETE).exists():
         folder.mkdir(parents=True, exist_ok=True)
         # Two jobs (or two attempts) that want the same content: one downloads, the other
@@ -112,8 +112,9 @@ def download(
         with open(folder.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not (folder / COMPLETE).exists():
-                _fetch_all(bucket_store, url, objects, folder, _Meter(url, objects, say, progress))
-    return local_path(folder, url, objects), objects
+                meter = _Meter(where.url, objects, say, progress)
+                _fetch_all(bucket_store, where.url, objects, folder, meter)
+    return local_path(folder, where, objects), objects
 
 
 def _fetch_all(bucket_store, url: str, objects: list[Obj], folder: Path, meter: _Meter) -> None:

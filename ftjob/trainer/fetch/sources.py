@@ -40,11 +40,10 @@ from pathlib import Path
 from ftjob.api.contract import BAD_DATA, BAD_MODEL, HUB_UNREACHABLE, TrainerError
 from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.jobspec.data import DatasetSpec
-from ftjob.api.source import HUB, is_hub
+from ftjob.api.source import S3, Hub, parse
 from ftjob.job import atomic
 from ftjob.job.folder import JobFolder
 from ftjob.trainer.fetch import s3, storeerrors
-from ftjob.trainer.state.objectstore import S3
 
 # What loading a model reads; not the repositories' other formats (e.g. Llama's original/
 # folder of consolidated .pth weights, as large again as the safetensors).
@@ -72,19 +71,20 @@ def fetch(
     far, total)`` while an s3:// source downloads."""
     record = JobFolder(job_dir).sources
     m, ds = spec.model, spec.dataset
-    if is_hub(m.source):
+    if isinstance(model := parse(m.source), Hub):
         key = f"{m.source}@{m.revision or 'main'}"
-        download = lambda: _download(spec, key, say)  # noqa: E731
+        download = lambda: _download(spec, model.repo, key, say)  # noqa: E731
         folder = _once(record, key, is_main, download, downloading, lambda v: Path(v).is_dir())
         spec = dataclasses.replace(spec, model=dataclasses.replace(m, source=folder, revision=None))
-    if is_hub(ds.source):
+    if isinstance(data := parse(ds.source), Hub):
         key = f"dataset {ds.source}@{ds.revision or 'main'}"
-        commit = _once(record, key, is_main, lambda: _commit(ds, say), lambda: None, _is_commit)
+        get = lambda: _commit(ds, data.repo, say)  # noqa: E731
+        commit = _once(record, key, is_main, get, lambda: None, _is_commit)
         spec = dataclasses.replace(spec, dataset=dataclasses.replace(ds, revision=commit))
     for field in ("model", "dataset"):
         part = getattr(spec, field)
-        if part.source.startswith(S3):
-            get = lambda p=part, f=field: _from_store(f, p.source, job_dir, say, progress)  # noqa: E731
+        if isinstance(where := parse(part.source), S3):
+            get = lambda w=where, f=field: _from_store(f, w, job_dir, say, progress)  # noqa: E731
             local = _once(record, part.source, is_main, get, downloading, _exists)
             spec = dataclasses.replace(spec, **{field: dataclasses.replace(part, source=local)})
     return spec
@@ -94,12 +94,12 @@ def _exists(value: str) -> bool:
     return Path(value).exists()
 
 
-def _from_store(field: str, source: str, job_dir: Path, say, progress) -> str:
+def _from_store(field: str, where: S3, job_dir: Path, say, progress) -> str:
     """The local copy of an s3:// source in the volume's shared cache; a failure named."""
     try:
-        local, _ = s3.download(source, JobFolder(job_dir).s3_cache, say, progress)
+        local, _ = s3.download(where, JobFolder(job_dir).s3_cache, say, progress)
     except Exception as e:  # noqa: BLE001 - storeerrors sorts them; the rest raise as they came
-        named = storeerrors.refused(field, source, e)
+        named = storeerrors.refused(field, where, e)
         if named is None:
             raise
         raise named from e
@@ -124,21 +124,21 @@ def _is_commit(value: str) -> bool:
     return len(value) == 40 and all(c in "0123456789abcdef" for c in value)
 
 
-def _commit(ds: DatasetSpec, say: Callable[[str], None]) -> str:
-    """The commit an hf:// dataset's revision names now (a commit names itself)."""
+def _commit(ds: DatasetSpec, repo: str, say: Callable[[str], None]) -> str:
+    """The commit an hf:// dataset's revision names now (a commit names itself); ``repo``:
+    its repository."""
     if ds.revision and _is_commit(ds.revision):
         return ds.revision
     from huggingface_hub import HfApi
 
-    repo, token = ds.source.removeprefix(HUB), os.environ.get("HF_TOKEN")
+    token = os.environ.get("HF_TOKEN")
     ask = lambda: HfApi().dataset_info(repo, revision=ds.revision, token=token)  # noqa: E731
     return _from_hub("dataset", ds.source, ask, say).sha
 
 
-def _download(spec: FineTuneJobSpec, key: str, say: Callable[[str], None]) -> str:
+def _download(spec: FineTuneJobSpec, repo: str, key: str, say: Callable[[str], None]) -> str:
     from huggingface_hub import snapshot_download
 
-    repo = spec.model.source.removeprefix(HUB)
     patterns = WEIGHTS + (["*.py"] if spec.model.trust_remote_code else [])
     say(f"downloading {key} into {os.environ.get('HF_HOME', 'the Hugging Face cache')}")
     started = time.monotonic()

@@ -19,8 +19,8 @@ from __future__ import annotations
 import re
 
 from ftjob.api.contract import BAD_DATA, BAD_MODEL, STORE_UNREACHABLE, TrainerError
+from ftjob.api.source import S3
 from ftjob.trainer.report import secrecy
-from ftjob.trainer.state.objectstore import split
 
 CREDENTIALS_HINT = (
     "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_WEB_IDENTITY_TOKEN_FILE with "
@@ -84,13 +84,13 @@ def _sign(word: str) -> str:
     return rf"(?<![\d.]){re.escape(word)}(?!\d)" if word[0].isdigit() else re.escape(word)
 
 
-def refused(field: str, source: str, e: BaseException) -> TrainerError | None:
+def refused(field: str, source: S3, e: BaseException) -> TrainerError | None:
     """The TrainerError a failed download of ``source`` (``spec.<field>.source``) is, or None
     when it is none of the causes this module knows (it then raises as it came)."""
     found = kind(e)
     if found == "other":
         return None
-    bucket = split(source)[0]
+    bucket = source.bucket
     short = secrecy.mask(" ".join(str(e).split()))[:300]  # masked before it is cut
     where, reason = f"spec.{field}.source", (BAD_MODEL if field == "model" else BAD_DATA)
     what, fix = {
@@ -101,7 +101,7 @@ def refused(field: str, source: str, e: BaseException) -> TrainerError | None:
         ),
         "missing": (
             "no object at this key or under it as a prefix",
-            f"check the key: list it with `aws s3 ls {source.rstrip('/')}/` (a model is a "
+            f"check the key: list it with `aws s3 ls {source.under}` (a model is a "
             "prefix holding config.json and *.safetensors; a data set one file or a prefix)",
         ),
         "credentials": (

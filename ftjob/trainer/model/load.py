@@ -29,7 +29,7 @@ from torch import nn
 
 from ftjob.api.contract import BAD_SPEC, TrainerError
 from ftjob.api.jobspec import FineTuneJobSpec
-from ftjob.api.source import is_hub
+from ftjob.api.source import Hub, parse
 from ftjob.job import installed, modelfiles
 from ftjob.job.inputs import resolve  # here too: the trainer's modules call model.resolve
 from ftjob.plan.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK
@@ -51,7 +51,7 @@ def source_options(spec: FineTuneJobSpec) -> dict:
     hf:// source the pinned revision and the token."""
     m = spec.model
     kwargs = {"trust_remote_code": m.trust_remote_code}
-    if is_hub(m.source):
+    if isinstance(parse(m.source), Hub):
         kwargs.update(revision=m.revision, token=os.environ.get("HF_TOKEN"))
     return kwargs
 
@@ -60,7 +60,7 @@ def load_tokenizer(spec: FineTuneJobSpec) -> PreTrainedTokenizerBase:
     path = resolve(spec.model.source)
     # Checked before the data is prepared, as the weights are read only after it. An hf://
     # source is a local folder by now (sources.fetch), pickled weights left undownloaded.
-    if not is_hub(spec.model.source):
+    if not isinstance(parse(spec.model.source), Hub):
         found = modelfiles.folder_problem(Path(path), spec.model.source)
         if found:
             raise SourceError(found[0], where="spec.model.source", fix=found[1])

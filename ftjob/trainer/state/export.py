@@ -34,7 +34,7 @@ from torch import nn
 
 from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.jobspec.model import ModelSpec
-from ftjob.api.source import hub_repo, is_hub, is_s3
+from ftjob.api.source import S3, Hub, parse
 from ftjob.job import folder as jobfolder
 from ftjob.trainer.model.load import resolve, source_options
 
@@ -134,9 +134,10 @@ def _save_merged(spec: FineTuneJobSpec, adapter: Path, tmp: Path) -> None:
 def base_name(source: str) -> str:
     """The base an adapter names: the Hub id of ``hf://org/name``, else the absolute path of
     the source (beside the job file under ``ftjob run``, on the volume in a pod)."""
-    if (repo := hub_repo(source)) is not None:
-        return repo
-    if is_s3(source):
+    found = parse(source)
+    if isinstance(found, Hub):
+        return found.repo
+    if isinstance(found, S3):
         return source  # where the base lives for everyone, not this volume's cached copy
     return os.path.abspath(resolve(source))
 
@@ -146,7 +147,7 @@ def _name_base(adapter: Path, model: ModelSpec) -> None:
     path = adapter / "adapter_config.json"
     config = json.loads(path.read_text())
     config["base_model_name_or_path"] = base_name(model.source)
-    if is_hub(model.source) and model.revision:
+    if isinstance(parse(model.source), Hub) and model.revision:
         config["revision"] = model.revision
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _name_card_base(adapter / "README.md", model)
@@ -160,7 +161,7 @@ def _name_card_base(card_file: Path, model: ModelSpec) -> None:
     from huggingface_hub import ModelCard
 
     card = ModelCard.load(card_file)
-    hub = is_hub(model.source)
+    hub = isinstance(parse(model.source), Hub)
     card.data.base_model = base_name(model.source) if hub else None
     # ... and tags it "base_model:adapter:<that folder>".
     tags = [t for t in card.data.tags or [] if not str(t).startswith("base_model:")]

@@ -13,17 +13,9 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-from ftjob.api.source import S3
-
 # How long obstore keeps retrying a transient failure of one request (no answer, 429, 5xx)
 # before it gives up (StoreUnreachable); FTJOB_S3_RETRY_SECONDS overrides it.
 RETRY_SECONDS = 120.0
-
-
-def split(url: str) -> tuple[str, str]:
-    """PURE: s3://bucket/some/prefix -> ("bucket", "some/prefix")."""
-    bucket, _, prefix = url.removeprefix(S3).partition("/")
-    return bucket, prefix.strip("/")
 
 
 def store(bucket: str, checksums: bool = False):

@@ -36,7 +36,7 @@ from ftjob.api import objectives, promotion
 from ftjob.api.contract import PUSH_FAILED, TrainerError
 from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.schema import to_dict
-from ftjob.api.source import hub_repo, is_hub
+from ftjob.api.source import Hub, parse
 from ftjob.job import folder as jobfolder
 from ftjob.trainer.state import s3upload
 from ftjob.trainer.state.export import base_name
@@ -60,13 +60,15 @@ S3_FIX = (
 
 
 def repo_id(push: str) -> str:
-    return hub_repo(push) or push
+    """What a reader loads the export by: the Hub's org/name, else the destination itself."""
+    found = parse(push)
+    return found.repo if isinstance(found, Hub) else push
 
 
 def destination(push: str) -> str:
     """PURE: the destination as a failure names it: "the Hub repository hf://org/name", "the
     S3 prefix s3://bucket/prefix"."""
-    kind = "the Hub repository" if is_hub(push) else "the S3 prefix"
+    kind = "the Hub repository" if isinstance(parse(push), Hub) else "the S3 prefix"
     return f"{kind} {push}"
 
 
@@ -87,7 +89,7 @@ def push(spec: FineTuneJobSpec, job_dir: Path, out: Path, d, report) -> None:
         dist.destroy_process_group(group)
     if failed is not None:
         message, where = failed
-        fix = FIX if is_hub(where) else S3_FIX
+        fix = FIX if isinstance(parse(where), Hub) else S3_FIX
         raise TrainerError(message, reason=PUSH_FAILED, where="spec.output.push", fix=fix)
 
 
@@ -135,18 +137,18 @@ def _push_one(spec, job_dir, out, report, where: str, recorded, promoted) -> Non
 
     huggingface_hub.utils.disable_progress_bars()  # pod logs are not terminals: ours say it
 
-    hub = is_hub(where)
-    if hub and huggingface_hub.get_token() is None:
+    dest = parse(where)
+    if isinstance(dest, Hub) and huggingface_hub.get_token() is None:
         raise RuntimeError("no Hub token: HF_TOKEN is not set (spec.secrets.huggingFaceToken)")
     report.log(f"pushing {out} to {where} ...")
     began = time.monotonic()
     card = model_card(spec, recorded, report.snapshot, where)
     with _alive(report, began):
-        if hub:
-            commit = upload(spec, where, out, card, _message(spec, recorded))
+        if isinstance(dest, Hub):
+            commit = upload(spec, dest.repo, out, card, _message(spec, recorded))
             found = {"commitUrl": commit.commit_url, "revision": commit.oid}
-        else:
-            found = s3upload.upload(where, layout(spec, out), card, report.log)
+        else:  # an S3 prefix: the spec's pattern lets no other destination in
+            found = s3upload.upload(dest, layout(spec, out), card, report.log)
     jobfolder.record_push(job_dir, spec, recorded, where, **found, promotion=promoted)
     report.log(
         f"pushed the export to {where} in {time.monotonic() - began:.0f} s: {found['commitUrl']}"
@@ -182,12 +184,12 @@ def final_evaluation(job_dir: Path) -> dict[str, Any]:
     return {}
 
 
-def upload(spec: FineTuneJobSpec, where: str, out: Path, card: str, message: str):
-    """Create the repository ``where`` (if missing) and commit the export (:func:`layout`) and
-    the card in one commit; the CommitInfo (commit_url, oid)."""
+def upload(spec: FineTuneJobSpec, repo: str, out: Path, card: str, message: str):
+    """Create the Hub repository ``repo`` (org/name; if missing) and commit the export
+    (:func:`layout`) and the card in one commit; the CommitInfo (commit_url, oid)."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    api, repo = HfApi(), repo_id(where)
+    api = HfApi()
     api.create_repo(repo, repo_type="model", private=spec.output.private, exist_ok=True)
     ops = [
         CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path))
@@ -254,16 +256,16 @@ def model_card(
     adapter = spec.method.type != "full"
     merged = adapter and spec.output.merge_adapter
     data = ModelCardData(
-        base_model=hub_repo(model_src),
-        datasets=[repo] if (repo := hub_repo(data_src)) else None,
+        base_model=base.repo if isinstance(base := parse(model_src), Hub) else None,
+        datasets=[ds.repo] if isinstance(ds := parse(data_src), Hub) else None,
         library_name="peft" if adapter and not merged else "transformers",
         pipeline_tag="text-generation",
         tags=["ftjob", spec.method.type, *(["lora"] if adapter else []), *_objective_tags(spec)],
     )
-    repo = repo_id(where or (spec.output.push or [""])[0])
-    steps = recorded.get("trainedSteps")
+    target = where or (spec.output.push or [""])[0]
+    repo, steps = repo_id(target), recorded.get("trainedSteps")
     lines = [
-        f"# {repo.split('/')[-1]}",
+        f"# {parse(target).name}",
         "",
         f"Fine-tuned with [ftjob](https://github.com/ftjob/ftjob) {__version__}.",
         "",

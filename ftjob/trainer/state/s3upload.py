@@ -20,7 +20,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from ftjob.trainer.state.objectstore import split, store
+from ftjob.api.source import S3
+from ftjob.trainer.state.objectstore import store
 
 MANIFEST = "ftjob-upload.json"
 PART_BYTES = 64 * 2**20  # one part of a multipart upload
@@ -42,13 +43,13 @@ def manifest(files: dict[str, Path], card: bytes) -> dict:
     return {"files": dict(sorted(out.items()))}
 
 
-def upload(url: str, files: dict[str, Path], card: str, say=print) -> dict:
-    """Upload ``files`` (name under the prefix -> local file) and ``card`` under ``url``,
+def upload(where: S3, files: dict[str, Path], card: str, say=print) -> dict:
+    """Upload ``files`` (name under the prefix -> local file) and ``card`` under ``where``,
     unless the same upload is complete there; what the job folder records of it."""
     import obstore
 
-    bucket, prefix = split(url)
-    s = store(bucket, checksums=True)
+    url, prefix = where.url, where.key
+    s = store(where.bucket, checksums=True)
     body = card.encode()
     want = manifest(files, body)
     text = json.dumps(want, indent=1, sort_keys=True).encode()
