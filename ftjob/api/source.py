@@ -97,9 +97,3 @@ def parse(text: str) -> Source:
             raise ValueError(f"{text!r} names no bucket: write {_S3}bucket/prefix")
         return S3(text, bucket, key.strip("/"))
     return Local(text)
-
-
-def is_hub(text: str) -> bool:
-    """Whether ``text`` is a Hub URL: only for jobspec's Rule on output.push, until another
-    change rewrites its lambda. Never raises, whatever a Rule is handed."""
-    return text.startswith(_HUB)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ftjob.api.jobspec import parse_spec
-from ftjob.api.source import S3, Hub, Local, is_hub, parse
+from ftjob.api.source import S3, Hub, Local, parse
 
 
 def test_a_hub_url_names_its_repository():
@@ -79,8 +79,3 @@ def test_the_spec_refuses_an_s3_url_without_a_bucket_with_its_field():
     with pytest.raises(ValueError) as e:
         parse_spec({"model": {"source": "s3:///models"}, "dataset": {"source": "d.jsonl"}})
     assert "spec.model.source" in str(e.value) and "s3://bucket/prefix" in str(e.value)
-
-
-def test_the_rules_hub_test_never_raises():
-    assert is_hub("hf://org/name") and is_hub("hf://")
-    assert not is_hub("s3://b/k") and not is_hub("org/name")
