@@ -280,17 +280,6 @@ class FineTuneJobSpec:
             ".training.grpo.maxCompletionLength",
         ),
         Rule(
-            "!has(self.training.grpo) || !has(self.training.grpo.beta) || "
-            "self.training.grpo.beta == 0.0 || self.method.type != 'full'",
-            lambda s: (
-                s.training.grpo is None or s.training.grpo.beta == 0 or s.method.type != "full"
-            ),
-            "training.grpo.beta > 0 needs a reference model: with method.type lora or qlora it "
-            "is the network with its adapters off; a full fine-tune holds none, so set beta: 0 "
-            "or use lora",
-            ".training.grpo.beta",
-        ),
-        Rule(
             "has(self.training.maxSteps) != has(self.training.epochs)",
             lambda s: (s.training.max_steps is None) != (s.training.epochs is None),
             "set exactly one of training.maxSteps and training.epochs",
