@@ -67,7 +67,9 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
         *_context_rows(spec, e),
         (
             "per GPU" if r.gpus_per_node else "per process",
-            f"weights {gib(e.weights)} + gradients {gib(e.gradients)} + optimizer "
+            f"weights {gib(e.weights)}"
+            + (f" + reference {gib(e.reference)}" if e.reference else "")
+            + f" + gradients {gib(e.gradients)} + optimizer "
             f"{gib(e.optimizer)} + activations {gib(e.activations)} + temporaries "
             f"{gib(e.temporaries)} + reserved {gib(e.reserved)} = {gib(e.per_device)}"
             + (f" of {gib(e.device_bytes)}" if e.device_bytes else "")
@@ -90,6 +92,9 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
     ]
     if spec.training.objective == "dpo":
         rows.append(("reference", _reference_text(spec, s, e)))
+    grpo = spec.training.grpo_settings()
+    if grpo is not None and grpo.beta:
+        rows.append(("reference", _kl_reference_text(spec, e)))
     tokens = result.spec.tokens_per_step  # contextParallel auto resolved
     if e.step_seconds is not None:
         total, steps = "", spec.training.max_steps
@@ -166,6 +171,24 @@ def _reference_text(spec: FineTuneJobSpec, s: ModelShape, e: Estimate) -> str:
         "the initial model's log-probabilities, one forward over every pair before training"
         f"{when}; stored on the volume beside the prepared data, {stored:.0f} bytes a pair "
         f"({gib(stored * 1e6)} per million pairs), reused by restarts"
+    )
+
+
+def _kl_reference_text(spec: FineTuneJobSpec, e: Estimate) -> str:
+    """GRPO's reference row (beta > 0): what the KL term's reference costs for this method."""
+    forward = "one forward per micro-batch of each generation batch (counted in the step time)"
+    if spec.method.type != "full":
+        return f"the same network with its adapters off: {forward}, no extra weights"
+    unit = "GPU" if spec.resources.gpus_per_node else "process"
+    where = (
+        "in CPU memory (cpuOffload)"
+        if spec.parallelism.cpu_offload
+        else f"{gib(e.reference)} per {unit}"
+    )
+    return (
+        f"a frozen copy of the starting model in {spec.compute_precision()}, laid out as the "
+        f"policy ({where}, counted above); {forward}; never checkpointed: a resume reads it "
+        "again from model.source"
     )
 
 

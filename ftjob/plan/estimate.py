@@ -37,6 +37,9 @@ It models what ftjob's trainer does, not an ideal FSDP:
   forward with the adapters off each micro-batch (time, no weights, no kept activations); a
   full fine-tune runs one forward over every pair before training and stores 8 bytes a pair
   (two fp32 log-probabilities) on the volume.
+* GRPO's KL term (beta > 0): LoRA and QLoRA run the reference forward with the adapters off;
+  a full fine-tune holds a frozen copy of the starting model in the compute precision, laid
+  out as the policy (sharded over its group, or whole), counted as :attr:`Estimate.reference`.
 
 MFU counts model FLOPs only (:func:`ftjob.plan.modelshape.model_flops`), as the trainer's live
 figure does; the step time also counts the recomputed forward.
@@ -155,11 +158,15 @@ class Estimate:
     collective_seconds: float = 0.0
     # GRPO: the step's share of sampling its completions (generation_seconds; 0 otherwise).
     generation_seconds: float = 0.0
+    # GRPO's frozen reference of a full fine-tune (beta > 0): its weights on a device (0
+    # otherwise, and where cpuOffload keeps its shards in CPU memory).
+    reference: float = 0.0
 
     @property
     def per_device(self) -> float:
         return (
             self.weights
+            + self.reference
             + self.gradients
             + self.optimizer
             + self.activations
@@ -305,6 +312,8 @@ def estimate_at(
     # the device even under cpuOffload (load.py home): FSDP offloads only what it shards.
     whole_base = base_bytes if group == 1 else 0.0
     weights = whole_base + (sharded_weights - whole_base) / group * states_on_device
+    held = frozen_copy_bytes(spec, shape, act_bytes)
+    reference = held / group * states_on_device
     gradients = trainable * FP32 / group * states_on_device
     optimizer = 2 * trainable * FP32 / group * states_on_device
 
@@ -328,8 +337,10 @@ def estimate_at(
         activations = max(activations, (sampling + gathered) * FRAGMENTATION)
     reserved = GPU_RESERVED_BYTES if on_gpu else PROCESS_BASELINE_BYTES
 
-    device_total = weights + gradients + optimizer + activations + temporaries + reserved
-    shards = (state_bytes / group, sharded_weights / group)
+    device_total = weights + reference + gradients + optimizer + activations + temporaries
+    device_total += reserved
+    # The reference's shards are read and kept beside the policy's (in CPU memory offloaded).
+    shards = ((state_bytes + held) / group, (sharded_weights + held) / group)
     cpu = _cpu_memory(spec, shape, group, trainable, shards, device_total, frozen_bytes)
     saved = checkpoint_bytes(trainable)
     notes = _notes(spec, sharding, group, frozen_bytes, cpu.staging)
@@ -353,8 +364,18 @@ def estimate_at(
         on_gpu=on_gpu,
         sharding=sharding,
         context_parallel=spec.context_parallel,
+        reference=reference,
         **_speed(spec, shape, adapter, stride, sharding, trainable, gathered),
     )
+
+
+def frozen_copy_bytes(spec: FineTuneJobSpec, s: ModelShape, act_bytes: int) -> float:
+    """GRPO's frozen reference of a full fine-tune with beta > 0 (trainer/objectives/
+    kl_reference.py): every weight once more, in the compute precision; 0 otherwise."""
+    grpo = spec.training.grpo_settings()
+    if grpo is None or not grpo.beta or spec.method.type != "full":
+        return 0.0
+    return s.params * act_bytes
 
 
 def _frozen_base(spec: FineTuneJobSpec, shape: ModelShape, act_bytes: int) -> tuple[float, int]:
@@ -385,7 +406,7 @@ def _speed(
     r, method = spec.resources, spec.method.type
     gpu = GPUS.get(r.gpu_type) if r.gpu_type else None
     flops, recomputed = _flops_per_token(spec, shape, adapter, stride)
-    reference = _reference_flops_per_token(spec, shape) if method != "full" else 0.0
+    reference = _reference_flops_per_token(spec, shape)
     compute = hfu = None
     sampling = 0.0
     if gpu:
@@ -645,15 +666,16 @@ def _reference_flops_per_token(spec: FineTuneJobSpec, s: ModelShape) -> float:
     """Forwards beside the model FLOPs, per token (weights 2 FLOPs each, attention
     4·hidden·seq per layer): DPO's adapter-free reference; GRPO's reference when beta > 0 and
     its log-probabilities at sampling time when numIterations > 1 (once per generation
-    batch); 0 for other objectives."""
+    batch); 0 for other objectives, and for DPO's full fine-tune (its reference is stored)."""
     forward = 2 * s.matmul_params + 4 * s.hidden * spec.dataset.max_seq_length * s.layers
     if spec.training.objective == "dpo":
-        return forward
+        return forward if spec.method.type != "full" else 0.0
     grpo = spec.training.grpo_settings()
     if grpo is None:
         return 0.0
-    old = 1 / grpo.num_iterations if grpo.num_iterations > 1 else 0.0
-    return forward * ((1.0 if grpo.beta else 0.0) + old)
+    # Both at sampling time: once a generation batch, numIterations steps.
+    forwards = (1.0 if grpo.beta else 0.0) + (1.0 if grpo.num_iterations > 1 else 0.0)
+    return forward * forwards / grpo.num_iterations
 
 
 # Sampling one token at a time reads every weight for a few rows' worth of FLOPs: far below
@@ -738,7 +760,11 @@ def _dpo_note(spec: FineTuneJobSpec) -> str:
 
 def _grpo_note(spec: FineTuneJobSpec) -> str:
     grpo = spec.training.grpo_settings()
-    reference = ", reference forward with adapters off" if grpo.beta else ""
+    reference = ""
+    if grpo.beta:
+        reference = ", reference forward with adapters off"
+        if spec.method.type == "full":
+            reference = ", a frozen reference copy laid out as the policy"
     return (
         f"GRPO: {grpo.num_generations} completions a prompt sampled with a KV cache of "
         f"microBatchSize rows and the model gathered whole (the larger of them and the "

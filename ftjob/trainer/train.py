@@ -151,7 +151,8 @@ def _train_and_export(job: Job) -> Path:
     # _load times its weights' reading; the rest builds, shards, makes the optimizer, and waits
     # in _loaded's gather for the gang's slowest rank to have loaded too.
     job.report.startup.mark("shard", within=("load", run.load_seconds))
-    # Before resuming: a full fine-tune's DPO reference is the loaded model's.
+    # Before resuming: a full fine-tune's DPO reference is the loaded model's (GRPO's frozen
+    # reference is read from model.source here too, the starting weights whatever the resume).
     job.goal.before_training(job.spec, run.net, ds, job.d, job.report.log, job.folder)
     start = _resume(job, run)
     # Only now: loading a checkpoint takes an optimizer step of its own (torch initialises

@@ -179,10 +179,10 @@ def resumed_qlora(runs: Path, uninterrupted: Path, at: int) -> tuple[Path, str]:
 
 def same_steps(workdir: Path, uninterrupted: Path, at: int) -> bool:
     """Steps ``at`` + 1 to 6 with the loss, reward, KL and clip ratio the uninterrupted run
-    logged."""
+    logged (the reward on the steps that sampled: one point a generation batch)."""
     keys = ("loss", "reward", "kl", "clipRatio")
-    resumed = {s["step"]: {k: s[k] for k in keys} for s in history(workdir)}
-    first = {s["step"]: {k: s[k] for k in keys} for s in history(uninterrupted)}
+    resumed = {s["step"]: {k: s.get(k) for k in keys} for s in history(workdir)}
+    first = {s["step"]: {k: s.get(k) for k in keys} for s in history(uninterrupted)}
     return resumed == {step: first[step] for step in range(at + 1, 7)}
 
 

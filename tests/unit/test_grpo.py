@@ -179,6 +179,46 @@ def test_the_plan_counts_the_kv_cache_of_a_sampled_micro_batch_and_the_sampling_
     assert any("GRPO" in note for note in layout.estimate(spec, shape).notes)
 
 
+def full_grpo(beta: float, **edits):
+    """A full fine-tune of the 8B model with GRPO, recomputation pinned (auto would trade it
+    against memory): with ``beta``, the KL term's reference."""
+    grpo = {"maxCompletionLength": 512, "rewards": [{"type": "exactMatch"}], "beta": beta}
+    full = {"method.type": "full", "method.lora": None, "output.mergeAdapter": None,
+            "training.activationCheckpointing": "all", "training.grpo": grpo}  # fmt: skip
+    return grpo_job(**{**full, **edits})
+
+
+def test_the_plan_counts_a_full_fine_tunes_frozen_reference_laid_out_as_the_policy():
+    """beta > 0 under a full fine-tune holds a frozen copy of the starting model in the
+    compute precision (trainer/objectives/kl_reference.py): each GPU holds its shard where the
+    policy is sharded, all of it where the policy is whole (DDP), none of it on the GPU under
+    cpuOffload (its shards in CPU memory). A LoRA job's reference holds nothing."""
+    from ftjob.plan import describe, options
+
+    shape = known_model(grpo_job().model.source)
+    held = shape.params * 2  # bf16
+    for sharding, on_gpu in (("full", held / 8), ("none", held)):
+        edits = {"parallelism.sharding": sharding}
+        without = layout.estimate(full_grpo(0.0, **edits), shape)
+        kl = layout.estimate(full_grpo(0.04, **edits), shape)
+        assert (without.reference, kl.reference) == (0.0, on_gpu)
+        assert kl.per_device - without.per_device == pytest.approx(on_gpu)
+    edits = {"parallelism.sharding": "full", "parallelism.cpuOffload": True}
+    without = layout.estimate(full_grpo(0.0, **edits), shape)
+    offloaded = layout.estimate(full_grpo(0.04, **edits), shape)
+    assert offloaded.reference == 0.0 and offloaded.per_device == without.per_device
+    # Each of the node's 8 processes keeps its shard in CPU memory beside the policy's.
+    grown = offloaded.cpu_phases["training"] - without.cpu_phases["training"]
+    assert grown == pytest.approx(held)
+    lora = grpo_job(**{"training.grpo": {"maxCompletionLength": 512, "beta": 0.04,
+                                         "rewards": [{"type": "exactMatch"}]}})  # fmt: skip
+    assert lora.training.grpo.beta and layout.estimate(lora, shape).reference == 0.0
+    spec = full_grpo(0.04, **{"parallelism.sharding": "full"})
+    text = "\n".join(describe.describe(spec, options.plan(spec, shape)))
+    assert "weights 3.7 GiB + reference 1.9 GiB + gradients" in text
+    assert "reference   a frozen copy of the starting model in bf16" in text
+
+
 def test_the_model_card_says_grpo_its_rewards_and_the_final_mean_reward():
     from ftjob.trainer.state import push
 
@@ -196,7 +236,7 @@ def test_each_reward_has_its_mean_and_spread_under_trls_tracker_names():
 
     nan = float("nan")
     scores = torch.tensor([[1.0, nan], [0.0, 2.0], [0.5, 4.0]])
-    goal = grpo.Grpo(GrpoSpec(), seed=0, prompt_field="prompt", log_every=1, method="lora")
+    goal = grpo.Grpo(GrpoSpec(), seed=0, prompt_field="prompt", log_every=1)
     goal.rewards = type("R", (), {"names": ["right", "steps"]})()
     # 3 completions of 12 tokens, all trained: 3 clipped, 1 low and 2 high; one cut at the limit.
     named = {"reward": 1.5, "rewardSquares": 1.25, "scored": 3, "tokens": 12, "completions": 3,
@@ -209,6 +249,10 @@ def test_each_reward_has_its_mean_and_spread_under_trls_tracker_names():
     goal._generated = {"zeroStdRatio": 0.5, **grpo_loss.lengths(tokens, cut)}
     got = goal.step_metrics(sums)
     assert got["reward"] == 0.5 and got["completionLength"] == 4.0 and got["entropy"] == 2.5
+    # A later log step on the same generation batch (numIterations > 1): its loss-time
+    # figures only; the batch's were reported once.
+    again = goal.step_metrics(sums)
+    assert set(again) == {"clipRatio", "clipRatioLow", "clipRatioHigh", "entropy"}
     assert (got["clipRatio"], got["clipRatioLow"], got["clipRatioHigh"]) == (0.25, 1 / 12, 1 / 6)
     assert got["truncatedRatio"] == pytest.approx(1 / 3)
     assert got["rewards"]["right"] == {"mean": 0.5, "std": pytest.approx(0.5)}

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ftjob.api import objectives
 from ftjob.api.jobspec.training import GrpoSpec
 from ftjob.trainer.model import attention
-from ftjob.trainer.objectives import grpo, grpo_loss, loss
+from ftjob.trainer.objectives import grpo, grpo_loss, kl_reference, loss
 from ftjob.trainer.objectives.generate import KvSampling
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-model"
@@ -135,7 +135,7 @@ def ftjob_policy(tok, settings: GrpoSpec):
     policy = perturbed(AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32,
                                                             attn_implementation=impl))  # fmt: skip
     loss.install(policy)
-    goal = grpo.Grpo(settings, seed=0, prompt_field="prompt", log_every=1, method="full")
+    goal = grpo.Grpo(settings, seed=0, prompt_field="prompt", log_every=1)
     goal.engine = KvSampling(
         8, settings.temperature, 1.0, (tok.eos_token_id,), tok.pad_token_id, False
     )
@@ -145,23 +145,20 @@ def ftjob_policy(tok, settings: GrpoSpec):
 def rolled(tok, policy, goal, done, at: slice) -> grpo.Rolled:
     """The completions ``done[at]`` as a micro-batch: their advantages among all six, their
     sampling-time log-probabilities (numIterations > 1) and, for beta > 0, their
-    log-probabilities under TRL's reference: the tiny model as loaded (a full fine-tune)."""
+    log-probabilities under TRL's reference, the tiny model as loaded: through the trainer's
+    seam, a full fine-tune's frozen copy (kl_reference.FrozenCopy)."""
     settings = goal.settings
     adv, summed = grpo_loss.advantages(torch.tensor(SCORES), torch.tensor(WEIGHTS), G,
                                        settings.scale_rewards)  # fmt: skip
     rows = [{"prompt_ids": tok(p)["input_ids"]} for p in PROMPTS for _ in range(G)]
-    goal.settings = GrpoSpec(**{**settings.__dict__, "beta": 0.0})  # the reference comes below
-    out = goal._rolled(policy, rows[at], done[at], adv[at], summed[at], torch.tensor(SCORES)[at],
-                       _Dist())  # fmt: skip
-    goal.settings = settings
-    if settings.beta:
+    if settings.beta:  # the trainer's seam, with its full fine-tune's frozen copy
         reference = AutoModelForCausalLM.from_pretrained(
             TINY, dtype=torch.float32, attn_implementation=attention.implementation("sdpa")
         )
         loss.install(reference)
-        with torch.no_grad():
-            out = grpo.replace(out, ref=goal.logps(reference, out, torch.device("cpu")))
-    return out
+        goal.reference = kl_reference.FrozenCopy(reference.eval().requires_grad_(False))
+    return goal._rolled(policy, rows[at], done[at], adv[at], summed[at],
+                        torch.tensor(SCORES)[at], _Dist())  # fmt: skip
 
 
 def ftjob_side(tok, done, settings: GrpoSpec, step: bool = False):

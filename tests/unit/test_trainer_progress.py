@@ -14,7 +14,7 @@ import pytest
 
 from ftjob.job import atomic
 from ftjob.plan.modelshape import flops_per_token
-from ftjob.trainer.report import metrics, progress
+from ftjob.trainer.report import metrics, progress, trackers
 from ftjob.trainer.state import checkpoint
 
 
@@ -113,6 +113,35 @@ def test_dpo_metrics_reach_json_prometheus_the_log_line_and_the_bar(report, caps
     assert "acc 0.75  margin 0.3000" in said
     assert "eval loss 0.6500  reward accuracy 0.50  margin 0.3000" in said
     assert "reward acc 0.75" in screen.bar_fields(served)["info"]
+
+
+def test_a_figure_reported_once_is_one_point_and_the_snapshot_keeps_it(report, tmp_path, capsys):
+    """GRPO with numIterations 2: step 2 trains on step 1's completions and reports only its
+    loss-time figures. Its progress.jsonl line, its log line and the trackers' event leave the
+    reward out (one point a generation batch); the snapshot (/progress, /metrics, status)
+    keeps step 1's."""
+    heard = []
+    told = {"event": lambda _, kind, snap: heard.append((kind, snap)), "close": lambda _: None}
+    report.listeners.append(type("Listener", (), told)())
+    report.begin(0)
+    rewards = {"answer": {"mean": 0.5, "std": 0.1}}
+    report.step(1, lr=1e-3, epoch=0.1)
+    report.logged(1, loss=0.0, tokens=10, flops=0.0, reward=0.5, rewards=rewards, kl=0.0)
+    report.step(2, lr=1e-3, epoch=0.1)
+    report.logged(2, loss=0.0, tokens=10, flops=0.0, kl=0.01)
+    report.flush()
+    lines = [json.loads(line) for line in (tmp_path / "progress.jsonl").open()]
+    assert [("reward" in e, "rewards" in e, e["kl"]) for e in lines] == [
+        (True, True, 0.0),
+        (False, False, 0.01),
+    ]
+    steps = [snap for kind, snap in heard if kind == "step"]
+    assert [trackers.measured("step", snap)[1].get("train/reward") for snap in steps] == [0.5, None]
+    said = capsys.readouterr().out.splitlines()
+    assert "reward 0.5000" in said[-2] and "reward" not in said[-1] and "kl 0.0100" in said[-1]
+    served = json.loads(get(report, "/progress"))
+    assert (served["step"], served["reward"], served["kl"]) == (2, 0.5, 0.01)
+    assert "ftjob_reward 0.5" in get(report, "/metrics")
 
 
 def test_files_are_written_by_their_own_thread_and_nothing_is_lost(tmp_path, monkeypatch):

@@ -244,14 +244,6 @@ class FineTuneJobSpec:
             ".training.grpo.maxCompletionLength",
         ),
         Rule(
-            "!has(self.training.grpo) || !has(self.training.grpo.beta) || "
-            "self.training.grpo.beta == 0.0 || self.method.type != 'full'",
-            "training.grpo.beta > 0 needs a reference model: with method.type lora or qlora it "
-            "is the network with its adapters off; a full fine-tune holds none, so set beta: 0 "
-            "or use lora",
-            ".training.grpo.beta",
-        ),
-        Rule(
             "has(self.training.maxSteps) != has(self.training.epochs)",
             "set exactly one of training.maxSteps and training.epochs",
             ".training",

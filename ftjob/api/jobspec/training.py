@@ -105,7 +105,9 @@ class GrpoSpec:
     )
     beta: float = api_field(
         "beta: weight of the KL term to the starting model; 0 (the default) holds no "
-        "reference model.",
+        "reference model. Above 0 the reference is the network with its adapters off "
+        "(lora, qlora) or, for a full fine-tune, a frozen copy of the starting model held "
+        "in the compute precision and laid out as the policy (ftjob plan counts it).",
         0.0,
         minimum=0,
         maximum=100,

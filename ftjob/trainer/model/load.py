@@ -78,9 +78,12 @@ def load_tokenizer(spec: FineTuneJobSpec) -> PreTrainedTokenizerBase:
 
 def frozen_dtype(spec: FineTuneJobSpec) -> torch.dtype:
     """The dtype of weights that do not train: the compute precision (full: fp32 masters)."""
-    if spec.method.type != "full" and spec.bf16_compute():
-        return torch.bfloat16
-    return torch.float32
+    return compute_dtype(spec) if spec.method.type != "full" else torch.float32
+
+
+def compute_dtype(spec: FineTuneJobSpec) -> torch.dtype:
+    """The dtype a forward computes in: bf16 where the job computes in it, else fp32."""
+    return torch.bfloat16 if spec.bf16_compute() else torch.float32
 
 
 @dataclass
@@ -95,8 +98,10 @@ class Built:
     converted: list[str] = field(default_factory=list)  # linear layers in float8 (fp8)
 
 
-def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase) -> Built:
-    """The model with adapters applied, on the meta device: no weight is read yet."""
+def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase, frozen: bool = False) -> Built:
+    """The model with adapters applied, on the meta device: no weight is read yet.
+    ``frozen``: a copy that never trains (GRPO's reference of a full fine-tune), every weight
+    in the compute precision (a forward's casts give the policy's own) and none trained."""
     # transformers' model classes (and through them torchao, where installed): seconds, paid
     # here, once the data is known to be good, not before every rank's first line.
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -106,7 +111,7 @@ def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase) -> Built:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config,
-            dtype=frozen_dtype(spec),
+            dtype=compute_dtype(spec) if frozen else frozen_dtype(spec),
             attn_implementation=attention.implementation(spec.model.attention),
             trust_remote_code=spec.model.trust_remote_code,
         )
@@ -114,6 +119,8 @@ def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase) -> Built:
     model = _adapters(model, spec)
     # precision fp8: before sharding, so FSDP sees Float8Linear (and gathers float8 weights).
     converted = float8.convert(model, spec)
+    if frozen:
+        model.requires_grad_(False)
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()  # what trains keeps fp32 weights, gradients and moments

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -317,9 +318,22 @@ def shard(
     ``whole``: parameters FSDP leaves alone (each rank holds them whole); ``speed``:
     what activationCheckpointing and compile resolve to on a CPU (no device memory to fit)
     when not given; the trainer passes its :func:`layout`'s."""
+    layers = _speed_up(model, _resolved(model, spec, sharding, speed))
+    # grad-op keeps each layer's gathered parameters from forward until backward (ZeRO-2).
+    reshard = sharding != "grad-op"
+    kwargs = dict(mesh=device_mesh, ignored_params=whole, **_policies(spec))
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard, **kwargs)
+    # The root (embeddings, final norm, head) is gathered last and used first in backward:
+    # keeping it gathered after forward saves one all-gather per step.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model
+
+
+def _policies(spec: FineTuneJobSpec) -> dict:
+    """FSDP's precision and offload policies for the job."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-    layers = _speed_up(model, _resolved(model, spec, sharding, speed))
     if spec.bf16_compute():
         # Gradients are reduced in fp32 so that averaging across ranks loses nothing.
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -330,15 +344,31 @@ def shard(
         if spec.parallelism.cpu_offload
         else OffloadPolicy()
     )
-    # grad-op keeps each layer's gathered parameters from forward until backward (ZeRO-2).
-    reshard = sharding != "grad-op"
-    kwargs = dict(mesh=device_mesh, mp_policy=mp, offload_policy=offload, ignored_params=whole)
-    for layer in layers:
-        fully_shard(layer, reshard_after_forward=reshard, **kwargs)
-    # The root (embeddings, final norm, head) is gathered last and used first in backward:
-    # keeping it gathered after forward saves one all-gather per step.
-    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return dict(mp_policy=mp, offload_policy=offload)
+
+
+def frozen(model: nn.Module, spec: FineTuneJobSpec, d: Dist, policy: nn.Module) -> nn.Module:
+    """A model that never trains (GRPO's reference of a full fine-tune), laid out as the
+    trained ``policy`` is: sharded on the policy's own mesh, with its precision and offload,
+    where the policy's parameters are sharded; whole on every rank where they are not (a
+    plain module, or DDP, which would have no gradient to all-reduce for it). Every layer,
+    the root too, is freed again after its forward: no backward ever comes for it. Neither
+    recomputed nor compiled: it only runs forwards without gradients."""
+    model.requires_grad_(False)
+    device_mesh = sharded_on(policy)
+    if device_mesh is None:
+        return plain(model, spec, d.device, Speed(0, False))
+    for module in [*decoder_layers(model), model]:
+        fully_shard(module, mesh=device_mesh, reshard_after_forward=True, **_policies(spec))
     return model
+
+
+def sharded_on(net: nn.Module) -> DeviceMesh | None:
+    """The mesh FSDP sharded ``net``'s parameters on; None where it holds them whole."""
+    # A sharded parameter is a DTensor, whose module exists once FSDP sharded something.
+    tensor = sys.modules.get("torch.distributed.tensor")
+    found = [p for p in net.parameters() if tensor and isinstance(p, tensor.DTensor)]
+    return found[0].device_mesh if found else None
 
 
 def fully_shard(module: nn.Module, **kwargs) -> nn.Module:

@@ -14,7 +14,8 @@ keeps the batch itself, per rank (:meth:`Grpo.held`), and the resumed run trains
 
 A step's micro-batches (:class:`Rolled`) are prompt + completion rows, packed as any batch
 (data.collate), with each completion's advantage, and its log-probabilities when sampled
-(numIterations > 1) and under the reference (beta > 0: the network with its adapters off).
+(numIterations > 1) and under the reference (beta > 0: trainer/objectives/kl_reference.py, the
+network with its adapters off or, for a full fine-tune, a frozen copy of the starting model).
 """
 
 from __future__ import annotations
@@ -38,10 +39,9 @@ from ftjob.job.folder import JobFolder
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.data.tokenize import IGNORE
 from ftjob.trainer.gang import termination
-from ftjob.trainer.objectives import grpo_loss
+from ftjob.trainer.objectives import grpo_loss, kl_reference
 from ftjob.trainer.objectives.generate import KvSampling, Sampling, stop_tokens
 from ftjob.trainer.objectives.loss import model_inputs, token_logps
-from ftjob.trainer.objectives.reference import adapters_off
 
 if TYPE_CHECKING:  # imported where used: rewards start processes, transformers is heavy
     from transformers import PreTrainedTokenizerBase
@@ -124,7 +124,6 @@ class Grpo:
     seed: int
     prompt_field: str
     log_every: int
-    method: str
     unit: str = "prompts"
     declared: ClassVar[objectives.Objective] = objectives.GRPO
     rewards: Rewards | None = None  # built by attach(), with the tokenizer
@@ -132,10 +131,12 @@ class Grpo:
     engine: Sampling | None = None
     tokenizer: PreTrainedTokenizerBase | None = None
     log: Callable[[str], None] = print
+    reference: kl_reference.Reference | None = None  # beta > 0: set by before_training
     _held: tuple[int, list[Rolled]] | None = field(default=None, repr=False)
-    # Of the generation batch trained on, over every rank's completions: its share in groups
-    # whose rewards do not spread and its lengths (grpo_loss.lengths), as TRL logs them at
-    # generation ({} after a resume inside it, until the next one is sampled).
+    # Of the newest generation batch, over every rank's completions, until a log step reports
+    # it (then {}): its share in groups whose rewards do not spread and its lengths
+    # (grpo_loss.lengths), as TRL logs them at generation ({} after a resume inside a batch,
+    # until the next one is sampled).
     _generated: dict[str, float] = field(default_factory=dict, repr=False)
     _restored: dict | None = field(default=None, repr=False)  # held(), read from a checkpoint
 
@@ -146,7 +147,6 @@ class Grpo:
             seed=spec.training.seed,
             prompt_field=spec.dataset.prompt_field,
             log_every=spec.training.log_every,
-            method=spec.method.type,
         )
 
     @property
@@ -182,18 +182,11 @@ class Grpo:
 
     def before_training(self, spec, net, ds: data.Data, d, log, folder: Path) -> None:
         """The rewards (a user's function is imported here: a bad one fails before any step),
-        the sampling engine and, on rank 0, where sampled completions go."""
+        the sampling engine, the reference (beta > 0) and, on rank 0, where sampled
+        completions go."""
         from ftjob.trainer.model import load as model
         from ftjob.trainer.rewards import Rewards
 
-        if self.settings.beta and self.method == "full":
-            raise TrainerError(
-                "GRPO's KL term needs a reference model, and a full fine-tune holds none",
-                reason=BAD_SPEC,
-                fix="set spec.method.type: lora (the reference is the network with its "
-                "adapters off), or training.grpo.beta: 0",
-                where="spec.training.grpo.beta",
-            )
         self.rewards = Rewards(
             self.settings.rewards, Path(os.environ.get("FTJOB_SOURCE_ROOT", "."))
         )
@@ -222,6 +215,8 @@ class Grpo:
             repetition_penalty=self.settings.repetition_penalty,
         )
         self.log = log
+        if self.settings.beta:
+            self.reference = kl_reference.of(spec, net, d, self.tokenizer, log)
         if d.is_main:
             self.samples = JobFolder(folder).completions
 
@@ -341,8 +336,8 @@ class Grpo:
             if self.settings.num_iterations > 1:
                 old = self.logps(net, rolled, d.device)
             if self.settings.beta:
-                with adapters_off(net):
-                    ref = self.logps(net, rolled, d.device)
+                with self.reference.network(net) as reference:
+                    ref = self.logps(reference, rolled, d.device)
         return replace(rolled, old=old, ref=ref)
 
     def _assembled(self, rows, completions, adv, rewards, scores) -> Rolled:
@@ -398,31 +393,42 @@ class Grpo:
             sums[SUMS.index(k)] = value
         return terms.loss, torch.cat([sums, _function_sums(batch.scores).to(device)])
 
-    def step_metrics(self, sums: list[float], generation: bool = True) -> dict[str, float]:
-        """The step's mean reward and its spread (TRL's reward and reward_std: over every
-        completion of the step), mean completion length, clipped shares (all, at the lower
-        and at the upper bound), the share of completions cut at the length limit, KL, and the
-        mean entropy of the next-token distributions over the tokens the loss took."""
+    def step_metrics(self, sums: list[float]) -> dict[str, float]:
+        """The step's clipped shares (all, at the lower and at the upper bound), KL, and the
+        mean entropy of the next-token distributions over the tokens the loss took; and its
+        completions' figures (:meth:`sampled`) once a generation batch: on the first log step
+        after it was sampled (TRL logs them at generation), not again on the steps that reuse
+        it (numIterations > 1), which would log one batch's figures as several points."""
         got = dict(zip(SUMS, sums, strict=False))
-        n, completions, trained = got["scored"], got["completions"], got["trained"]
+        completions, trained = got["completions"], got["trained"]
         # Shares of the tokens the loss took, or of the completions where each has one ratio.
         per = completions if self.settings.importance_sampling_level == "sequence" else trained
         out = {
-            "reward": got["reward"] / max(n, 1.0),
-            "rewardStd": _std(got["reward"], got["rewardSquares"], n) or 0.0,
-            "completionLength": got["tokens"] / max(completions, 1.0),
             "clipRatio": got["clipped"] / max(per, 1.0),
             "clipRatioLow": got["clippedLow"] / max(per, 1.0),
             "clipRatioHigh": got["clippedHigh"] / max(per, 1.0),
-            "truncatedRatio": got["truncated"] / max(completions, 1.0),
             "entropy": got["entropy"] / max(trained, 1.0),
         }
         if self.settings.beta:
             out["kl"] = got["kl"] / max(trained, 1.0)
-        if generation:  # the generation batch's, not an evaluation's
-            out.update(self._generated)
-        out["rewards"] = _by_function(self.rewards.names, sums[len(SUMS) :])
+        if self._generated:  # sampled since the last log step: its batch's figures, once
+            out.update(self.sampled(sums), **self._generated)
+            self._generated = {}
         return out
+
+    def sampled(self, sums: list[float]) -> dict:
+        """The completions' figures from a step's sums: their mean reward and its spread
+        (TRL's reward and reward_std: over every completion of the step), mean length, the
+        share cut at the length limit, and each reward's mean and spread."""
+        got = dict(zip(SUMS, sums, strict=False))
+        n, completions = got["scored"], got["completions"]
+        return {
+            "reward": got["reward"] / max(n, 1.0),
+            "rewardStd": _std(got["reward"], got["rewardSquares"], n) or 0.0,
+            "completionLength": got["tokens"] / max(completions, 1.0),
+            "truncatedRatio": got["truncated"] / max(completions, 1.0),
+            "rewards": _by_function(self.rewards.names, sums[len(SUMS) :]),
+        }
 
     def evaluate(self, net, ds: data.Data, d, micro_batch: int) -> tuple[float, dict]:
         """The held-out prompts' mean reward, its spread, each reward's and the completions'
@@ -450,9 +456,7 @@ class Grpo:
         both = torch.cat([torch.stack([total, torch.tensor(float(count), device=d.device)]), sums])
         dist.all_reduce(both)
         got = both.tolist()
-        metrics = self.step_metrics(got[2:], generation=False)
-        kept = ("reward", "rewardStd", "completionLength", "truncatedRatio", "rewards")
-        return got[0] / max(got[1], 1.0), {k: metrics[k] for k in kept}
+        return got[0] / max(got[1], 1.0), self.sampled(got[2:])
 
     def _write_samples(self, step, prompts, texts, scores, summed) -> None:
         names = self.rewards.names

@@ -64,7 +64,7 @@ def adapters_off(net):
     for layer in layers:
         layer._disable_adapters = True
     try:
-        yield
+        yield net
     finally:
         for layer in layers:
             layer._disable_adapters = False

@@ -160,9 +160,10 @@ class Progress:
                 fields["phaseStartedAt"] = _now()
             self.snapshot.update(fields, updatedAt=_now())
             snap = dict(self.snapshot)
+        told = measured(snap, fields) if history == "step" else snap
         if self.writes_files:
-            self._files.write(snap, history)
-        self._tell(history or ("phase" if changed else None), snap)
+            self._files.write(snap, history and {"event": history, **told})
+        self._tell(history or ("phase" if changed else None), told)
 
     def _tell(self, event: str | None, snap: dict) -> None:
         """Listeners hear "owned", "begin", "step", "eval" and "phase" (a new phase)."""
@@ -269,16 +270,17 @@ class Progress:
             fields["mfu"] = round(flops / (elapsed * self.peak * self.world), 4)
         self._window = (now, step)
         self.update(history="step", **fields)
-        self.log(self.line())
+        self.log(self.line(metrics=fields))  # the step's own: a figure reported once shows once
 
-    def line(self, bar: bool = False) -> str:
+    def line(self, bar: bool = False, metrics: dict | None = None) -> str:
+        """The step in words; ``metrics``: the objective's to show (the newest of each)."""
         s = self.snapshot
         width = len(str(self.total))
         parts = [f"step {s['step']:>{width}}/{self.total}", f"loss {s['loss']:.4f}"]
         if bar:
             done = int(20 * s["step"] / max(self.total, 1))
             parts.insert(0, "[" + "#" * done + "." * (20 - done) + "]")
-        parts += objectives.labelled(s, "log")
+        parts += objectives.labelled(s if metrics is None else metrics, "log")
         if s["evalLoss"] is not None:
             parts.append(f"eval {s['evalLoss']:.4f}")
         parts.append(f"lr {s['learningRate']:.2e}")
@@ -318,6 +320,16 @@ KEPT = (
     "rewards",  # GRPO: each reward function's mean and std (api/objectives.py: its names vary)
     "evalRewards",  # and on the held-out prompts
 )  # fmt: skip
+
+
+def measured(snap: dict, fields: dict) -> dict:
+    """A log step as its progress.jsonl line and the trackers' event have it: the snapshot
+    without the objective's metrics that this step did not report (``fields``), so that a
+    figure reported once (GRPO's completions' figures, once a generation batch) is one point
+    of its series, not one a step. The snapshot keeps them: /progress, /metrics and the
+    status show the newest of each."""
+    unreported = {m.key for m in objectives.metrics()} | {"rewards"}
+    return {k: v for k, v in snap.items() if k not in unreported or k in fields}
 
 
 def kept_keys() -> tuple[str, ...]:
@@ -364,11 +376,12 @@ class _FileWriter:
         self._busy = self._closed = False
         threading.Thread(target=self._run, daemon=True, name="progress-files").start()
 
-    def write(self, snapshot: dict, history: str | None) -> None:
+    def write(self, snapshot: dict, history: dict | None) -> None:
+        """The newest snapshot, and a line to append to progress.jsonl (None: none)."""
         with self._wake:
             self._snapshot = snapshot
             if history:
-                self._history.append(json.dumps({"event": history, **snapshot}))
+                self._history.append(json.dumps(history))
             self._wake.notify_all()
 
     def _run(self) -> None:
