@@ -55,7 +55,7 @@ class KvSampling:
     top_p: float
     eos: tuple[int, ...]  # the tokens that end a completion (TRL's eos_token_ids)
     pad: int
-    synced: bool  # FSDP: every rank runs forward as often as the longest rank does
+    synced: bool  # FSDP: every rank runs forward as often as the longest rank does (not DDP)
     top_k: int = 0  # 0: every token
     min_p: float | None = None
     repetition_penalty: float = 1.0  # 1: none

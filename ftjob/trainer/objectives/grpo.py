@@ -39,6 +39,7 @@ from ftjob.job.folder import JobFolder
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.data.tokenize import IGNORE
 from ftjob.trainer.gang import termination
+from ftjob.trainer.model.parallel import sharded_on
 from ftjob.trainer.objectives import grpo_loss, kl_reference
 from ftjob.trainer.objectives.generate import KvSampling, Sampling, stop_tokens
 from ftjob.trainer.objectives.loss import model_inputs, token_logps
@@ -209,7 +210,8 @@ class Grpo:
             top_p=self.settings.top_p,
             eos=ends,
             pad=ds.pad_id,
-            synced=d.world_size > 1,
+            # Only shards gather in a forward; DDP's replicas sample without waiting on others.
+            synced=sharded_on(net) is not None,
             top_k=self.settings.top_k,
             min_p=self.settings.min_p,
             repetition_penalty=self.settings.repetition_penalty,
