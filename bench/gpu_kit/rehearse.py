@@ -29,7 +29,7 @@ from bench import gpu
 from ftjob.trainer.model import attention
 
 ROOT = Path(__file__).resolve().parents[2]
-MODES = ("compare", "main", "rest", "tests", "fp8", "long")
+MODES = ("compare", "main", "rest", "tests", "fp8", "long", "grpo")
 # Each step's cap and the budget are the device call's times this (KIT_CAP_SCALE): a loaded
 # 2-core machine timed out honest steps at the device's own caps (env 60 s, ftjob-full 90 s).
 CAP_SCALE = 5
@@ -178,6 +178,14 @@ def long_call(out: Path) -> None:
     expect(all(r["tokensPerSecond"] > 0 and len(r["losses"]) > 0 for r in split), split)
 
 
+def grpo_call(out: Path) -> None:
+    """GRPO's sampling engine timed on the model (2 rows on CPU: no peak, so no share of it)."""
+    steps_ok(out, ["env", "grpo-sampling"])
+    found = [r for r in results(out) if r["step"] == "grpo-sampling"]
+    expect([r["rows"] for r in found] == [2] and found[0]["tokensPerSecond"] > 0, found)
+    expect(found[0]["hfu"] is None and found[0]["plannedHfu"] > 0, found)
+
+
 def fp8_call(out: Path) -> None:
     """bf16 then fp8, compiled, at the 1B full and the 8B-shaped LoRA's shapes (issue 58)."""
     steps_ok(out, ["env", "fp8-1b", "fp8-8b"])
@@ -195,7 +203,7 @@ def fp8_call(out: Path) -> None:
 
 
 CHECKS = {"main": main_call, "rest": rest_call, "tests": tests_call, "fp8": fp8_call,
-          "long": long_call}  # fmt: skip
+          "long": long_call, "grpo": grpo_call}  # fmt: skip
 
 
 def rehearse(mode: str, work: Path) -> None:

@@ -13,6 +13,8 @@
 #             ckpt-stall (asyncSave), lora-8b (Llama-3-8B-shaped LoRA at seq 4096).
 #   tests     a call only when time is left after both: env, tests/gpu, memory (LoRA, QLoRA),
 #             ddp (the 1B LoRA replicated as DDP, then fully sharded: on a machine of 2+ GPUs).
+#   grpo      grpo-sampling: GRPO's sampling engine on the 1B model, its tokens/s and share of
+#             the device's peak against the share the planner assumes (issue 75).
 #   fp8       a call of its own (issue 58): env, fp8-1b (the 1B full fine-tune) and fp8-8b
 #             (8B-shaped LoRA, seq 4096), each bf16 then fp8, compiled: tokens/s, peak, losses.
 #   STEP      any one step of the calls above by its name (profile, lora-8b, fp8-8b, ...).
@@ -34,10 +36,12 @@ set -u -o pipefail
 
 # Each step's limit in seconds on the device, and each call's steps in order.
 declare -A CAP=([profile]=90 [versus-trl]=190 [compile-3b]=80 [offload]=60 [ckpt-stall]=60
-  [lora-8b]=90 [gpu-tests]=120 [memory]=90 [ddp]=80 [context]=50 [fp8-1b]=120 [fp8-8b]=170)
+  [lora-8b]=90 [gpu-tests]=120 [memory]=90 [ddp]=80 [grpo-sampling]=60 [context]=50
+  [fp8-1b]=120 [fp8-8b]=170)
 declare -A CALL=([main]="profile versus-trl" [rest]="compile-3b offload ckpt-stall lora-8b"
-  [tests]="gpu-tests memory ddp" [fp8]="fp8-1b fp8-8b" [long]="context")
-usage="usage: bash bench/gpu_kit/run.sh [main|rest|tests|fp8|long|STEP ...] [rehearse] [--dry-run]"
+  [tests]="gpu-tests memory ddp" [fp8]="fp8-1b fp8-8b" [long]="context"
+  [grpo]="grpo-sampling")
+usage="usage: bash bench/gpu_kit/run.sh [main|rest|tests|fp8|long|grpo|STEP ...] [rehearse] [--dry-run]"
 names=() steps=() dry= rehearse=
 for arg in "$@"; do
   if [[ -n ${CALL[$arg]:-} ]]; then

@@ -24,6 +24,9 @@ The second call (rest):
     context      the same LoRA job with each sequence split over 2 GPUs (contextParallel 2)
                  and unsplit: tokens/s, peak and the plan's of each (2+ GPUs, as ddp)
 And (a call of its own, when time is left): memory, LoRA and QLoRA peaks against the plan.
+The grpo call (issue 75; `run.sh grpo`):
+    grpo-sampling GRPO's sampling engine on the ~1B model: tokens/s at 8 and 32 rows, and the
+                 share of the peak it reaches against the one the planner assumes
 The fp8 call (issue 58; `run.sh fp8`), bf16 then fp8, both compiled, 12 steps each:
     fp8-1b       the ~1B Llama full fine-tune (float8 all-gathers): tokens/s, peak against
                  `ftjob plan`, the losses
@@ -54,7 +57,7 @@ import yaml
 from bench import common, gpu
 
 STEPS = ("profile", "versus-trl", "compile-3b", "offload", "ckpt-stall", "lora-8b", "ddp",
-         "context", "memory", "fp8-1b", "fp8-8b")  # fmt: skip
+         "context", "memory", "grpo-sampling", "fp8-1b", "fp8-8b")  # fmt: skip
 PROFILED = 3  # steps under the profiler, after ftjob.trainer.report.profile.WARMUP
 NEMO_8B_LORA = 12473  # tok/s, Llama-3-8B LoRA seq 4096 on one H100 (NeMo's published table)
 
@@ -307,6 +310,44 @@ def context_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
                wallSeconds=round(run.wall, 1))  # fmt: skip
 
 
+def sampling_step(step: str, s: gpu.Setup, work: Path, out: Path) -> None:
+    """GRPO's sampling engine alone (trainer/objectives/generate.py KvSampling, as the trainer
+    runs it on one rank) on the ~1B model in bf16: tokens/s at 8 and at 32 rows of 256 new
+    tokens after 128-token prompts, and the share of the device's peak that is (the planner's
+    FLOPs a token: plan/estimate.py generation_seconds), against the share the planner
+    assumes (GENERATION_HFU), which GRPO's planned step time rests on. The rehearsal: the tiny
+    model on CPU, 2 rows of 8 tokens, no peak."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ftjob.plan.estimate import GENERATION_HFU
+    from ftjob.plan.modelshape import ModelShape
+    from ftjob.trainer.objectives.generate import KvSampling
+    from ftjob.trainer.report import progress
+
+    model = gpu.model_folder(s, work)
+    device = torch.device("cuda" if s.gpu else "cpu")
+    dtype = torch.bfloat16 if s.gpu else torch.float32
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device)
+    shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
+    prompt, new, sizes = (128, 256, (8, 32)) if s.gpu else (16, 8, (2,))
+    peak = progress.peak_flops(torch.cuda.get_device_name(0)) if s.gpu else None
+    # No end-of-sequence token: every row draws all its tokens, the planner's worst case.
+    engine = KvSampling(max_new=new, temperature=1.0, top_p=1.0, eos=(), pad=0, synced=False)
+    forward = 2 * shape.matmul_params + 4 * shape.hidden * (prompt + new) * shape.layers
+    for rows in sizes:
+        g = torch.Generator(device=device).manual_seed(rows)
+        prompts = torch.randint(1, shape.vocab, (rows, prompt)).tolist()
+        engine.complete(net, prompts, g)  # warm-up: the allocator's and kernels' first calls
+        began = time.perf_counter()
+        tokens = sum(len(c) for c in engine.complete(net, prompts, g))  # ends in host reads
+        rate = tokens / (time.perf_counter() - began)
+        record(out, step, rows=rows, promptTokens=prompt, newTokens=new,
+               tokensPerSecond=round(rate, 1),
+               hfu=round(rate * forward / peak, 4) if peak else None,
+               plannedHfu=GENERATION_HFU)  # fmt: skip
+
+
 def planned_step(doc: dict, model: Path) -> float | None:
     """`ftjob plan`'s step time for ``doc`` (None without a GPU type)."""
     from ftjob.api.jobspec import parse_spec
@@ -369,6 +410,7 @@ STEP_FUNCTIONS = {"profile": profile_step, "versus-trl": versus_trl_step,
                   "compile-3b": compile_step, "offload": memory_step, "ckpt-stall": stall_step,
                   "lora-8b": lora_8b_step, "ddp": ddp_step, "context": context_step,
                   "memory": memory_step,
+                  "grpo-sampling": sampling_step,
                   "fp8-1b": fp8_step,
                   "fp8-8b": fp8_step}  # fmt: skip
 

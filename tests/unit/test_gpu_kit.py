@@ -77,6 +77,8 @@ TESTS = ["env", "gpu-tests", "memory", "ddp"]
 FP8 = ["env", "fp8-1b", "fp8-8b"]
 # Issue 76's: a sequence split over 2 GPUs against unsplit (2+ GPUs).
 LONG = ["env", "context"]
+# Issue 75's: GRPO's sampling speed, the figure the planner assumes.
+GRPO = ["env", "grpo-sampling"]
 
 
 def limits_of(lines: list[str]) -> list[int]:
@@ -87,7 +89,14 @@ def limits_of(lines: list[str]) -> list[int]:
 
 @pytest.mark.parametrize(
     ("mode", "steps"),
-    [("main", MAIN), ("rest", REST), ("tests", TESTS), ("fp8", FP8), ("long", LONG)],
+    [
+        ("main", MAIN),
+        ("rest", REST),
+        ("tests", TESTS),
+        ("fp8", FP8),
+        ("long", LONG),
+        ("grpo", GRPO),
+    ],
 )
 def test_each_call_runs_its_steps_in_order_each_at_its_whole_limit(tmp_path, mode, steps):
     """Counting every step at its whole limit, the 360 s budget (the call's 420 s limit less a
@@ -132,7 +141,7 @@ def test_the_rehearsal_is_the_same_call(tmp_path, mode):
 def test_every_step_the_calls_run_is_one_the_steps_module_has():
     from bench.gpu_kit import steps
 
-    measured = [s for s in MAIN + REST + TESTS + FP8 + LONG if s not in ("env", "gpu-tests")]
+    measured = [s for s in MAIN + REST + TESTS + FP8 + LONG + GRPO if s not in ("env", "gpu-tests")]
     assert set(measured) == set(steps.STEPS) == set(steps.STEP_FUNCTIONS)
 
 
