@@ -554,13 +554,13 @@ def _check_rules(obj: Any, data: dict, path: str, bad: list[str]) -> list[FieldE
     return errors
 
 
-IMMUTABLE_MESSAGE = (
-    "is immutable once the job exists (its checkpoints belong to this value); "
-    "create a new FineTuneJob instead"
-)
 # The transition rule of every field declared immutable: the CRD carries it at the field, and
 # check_update evaluates it on the parsed old and new values.
-IMMUTABLE = Rule("self == oldSelf", IMMUTABLE_MESSAGE)
+IMMUTABLE = Rule(
+    "self == oldSelf",
+    "is immutable once the job exists (its checkpoints belong to this value); "
+    "create a new FineTuneJob instead",
+)
 
 
 def check_update(old: Any, new: Any, path: str = "spec") -> list[FieldError]:
