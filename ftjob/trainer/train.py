@@ -183,7 +183,7 @@ def _describe(job: Job, run: step.Run, ds: data.Data, total: int) -> None:
         f"{len(ds.train)} train / {len(ds.eval or [])} eval "
         f"{job.goal.unit}, {total} steps" + _speed_note(run.speed)
     )
-    compute = torch.bfloat16 if spec.bf16_compute() else torch.float32
+    compute = model.compute_dtype(spec)
     implementation = run.net.config._attn_implementation  # the GPU kit records the kernel
     job.report.log(f"attention: {attention.kernel_name(implementation, d.device, compute)}")
     _plan_progress(job.report, spec, d, total, run)

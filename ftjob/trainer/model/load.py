@@ -34,13 +34,10 @@ from ftjob.job import installed, modelfiles
 from ftjob.job.inputs import resolve  # here too: the trainer's modules call model.resolve
 from ftjob.plan.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK
 from ftjob.trainer.model import attention, float8, weights
-from ftjob.trainer.model.parallel import Dist
+from ftjob.trainer.model.parallel import Dist, is_sharded
 
 if TYPE_CHECKING:  # imported by the phase that uses it: see ftjob/trainer/report/startup.py
     from transformers import PreTrainedTokenizerBase
-
-# A sharded parameter is a DTensor, and one exists only once FSDP imported DTensor's module
-# (parallel.shard): :func:`_sharded` asks sys.modules instead of importing it at start-up.
 
 # The model cannot be read: one error for the folder, the weights and the tensors.
 SourceError = weights.SourceError
@@ -257,14 +254,8 @@ def home(like: torch.Tensor, device: torch.device, cpu_offload: bool) -> torch.d
     (DTensors) in CPU memory, moved to the GPU a layer at a time; a weight FSDP leaves whole
     (:func:`left_whole`) is never moved by it, so it stays on the device (left in CPU memory,
     an H200 found the embedding's lookup on the wrong device: bench/RESULTS.md)."""
-    offloaded = cpu_offload and _sharded(like)
+    offloaded = cpu_offload and is_sharded(like)
     return torch.device("cpu") if offloaded else device
-
-
-def _sharded(like: torch.Tensor) -> bool:
-    """Whether ``like`` is a parameter FSDP sharded (a DTensor)."""
-    tensor = sys.modules.get("torch.distributed.tensor")
-    return tensor is not None and isinstance(like, tensor.DTensor)
 
 
 def _slots(model: nn.Module) -> list[_Slot]:
@@ -286,7 +277,7 @@ def _rows(like: torch.Tensor) -> tuple[slice, ...]:
     """The part of the whole tensor this rank keeps of the sharded parameter ``like``, as
     torch's DTensor computes it (DCP's reads use the same function): FSDP2's ``torch.chunk``
     split, a shorter last chunk, and nothing for a rank past the last."""
-    if not _sharded(like):
+    if not is_sharded(like):
         return tuple(slice(0, n) for n in like.shape)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -303,7 +294,7 @@ def _placed(own: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     Built from ``like``'s own spec, as FSDP2 builds its sharded parameters: ``DTensor.from_local``
     moves a tensor to the mesh's device, and with cpuOffload that put every offloaded shard on
     the GPU, which FSDP then refused (first seen on an H200: bench/RESULTS.md)."""
-    if not _sharded(like):
+    if not is_sharded(like):
         return own
     own = float8.like(own, like._local_tensor)  # fp8: FSDP gathers it in float8
     from torch.distributed.tensor import DTensor
@@ -403,7 +394,7 @@ def _nf4_shard(whole: torch.Tensor, like: torch.Tensor, home: torch.device) -> t
     computed for this rank's rows alone (whole scale blocks: :func:`check_shardable`)."""
     from torchao.quantization import NF4Tensor, to_nf4  # QLoRA's only
 
-    if not _sharded(like):
+    if not is_sharded(like):
         return to_nf4(whole, NF4_BLOCK, NF4_SCALE_BLOCK)  # left whole by FSDP
     rows = _rows(like)[0]
     # A copy of its rows: an NF4 tensor records its storage offset, a shard's is 0.
@@ -425,7 +416,7 @@ def _own_shard(full: torch.Tensor, like: torch.Tensor, home: torch.device) -> to
     ``home``: a parameter left whole (one process, DDP, a group of one) goes there whole, as
     FSDP moves no parameter it does not manage (an H100 found LoRA's adapters, drawn on CPU,
     left there by one GPU's plain module)."""
-    if not _sharded(like):
+    if not is_sharded(like):
         return full.to(home)
     return _kept(full[_rows(like)], like, home)
 

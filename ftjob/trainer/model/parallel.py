@@ -363,12 +363,17 @@ def frozen(model: nn.Module, spec: FineTuneJobSpec, d: Dist, policy: nn.Module) 
     return model
 
 
+def is_sharded(like: torch.Tensor) -> bool:
+    """Whether ``like`` is a parameter FSDP sharded (a DTensor). Its module exists once FSDP
+    sharded something, so this asks sys.modules instead of importing it at start-up."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return tensor is not None and isinstance(like, tensor.DTensor)
+
+
 def sharded_on(net: nn.Module) -> DeviceMesh | None:
     """The mesh FSDP sharded ``net``'s parameters on; None where it holds them whole."""
-    # A sharded parameter is a DTensor, whose module exists once FSDP sharded something.
-    tensor = sys.modules.get("torch.distributed.tensor")
-    found = [p for p in net.parameters() if tensor and isinstance(p, tensor.DTensor)]
-    return found[0].device_mesh if found else None
+    found = next((p for p in net.parameters() if is_sharded(p)), None)
+    return None if found is None else found.device_mesh
 
 
 def fully_shard(module: nn.Module, **kwargs) -> nn.Module:
