@@ -67,8 +67,6 @@ class KvSampling:
         from transformers import DynamicCache
 
         device = next(net.parameters()).device
-        ids, mask = _left_padded(prompts, self.pad, device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
         ends = torch.tensor(self.eos, device=device)
         out: list[torch.Tensor] = []
@@ -77,23 +75,22 @@ class KvSampling:
         net.eval()  # no dropout while sampling
         try:
             with _cached_attention(net), _gathered_once(net):
-                step_ids = ids
+                ids, mask, positions, logits = _prefilled(net, prompts, self.pad, cache, device)
                 for n in range(1, self.max_new + 1):
-                    logits = net(
-                        input_ids=step_ids, attention_mask=mask, position_ids=positions,
-                        past_key_values=cache, use_cache=True, logits_to_keep=1,
-                    ).logits  # fmt: skip
                     token = self._draw(logits[:, -1], generator, ids)
                     token = torch.where(done, torch.full_like(token, self.pad), token)
                     out.append(token)
                     if self.repetition_penalty != 1.0:  # what the penalty looks back on
                         ids = torch.cat([ids, token.unsqueeze(1)], dim=1)
                     done |= torch.isin(token, ends)
-                    if n % CHECK_EVERY == 0 and self._finished(done):
+                    if (n % CHECK_EVERY == 0 and self._finished(done)) or n == self.max_new:
                         break
-                    step_ids = token.unsqueeze(1)
                     mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
                     positions = positions[:, -1:] + 1
+                    logits = net(
+                        input_ids=token.unsqueeze(1), attention_mask=mask, position_ids=positions,
+                        past_key_values=cache, use_cache=True,
+                    ).logits  # fmt: skip
         finally:
             net.train(was_training)
         return _trimmed(torch.stack(out, dim=1).tolist() if out else [[]] * len(prompts), self.eos)
@@ -139,7 +136,26 @@ class KvSampling:
         return left.item() == 0
 
 
-def _left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _prefilled(net, prompts: list[list[int]], pad: int, cache, device):
+    """The prompts' first forward, each distinct prompt once (a GRPO group's completions share
+    theirs), then its cache rows and last logits repeated for each of its completions: the
+    left-padded (ids, mask, positions) of every prompt, and [B, 1, V] logits."""
+    distinct = list(dict.fromkeys(tuple(p) for p in prompts))
+    ids, mask = _left_padded(distinct, pad, device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = net(
+        input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        use_cache=True, logits_to_keep=1,
+    ).logits  # fmt: skip
+    if len(distinct) < len(prompts):
+        where = {p: i for i, p in enumerate(distinct)}
+        rows = torch.tensor([where[tuple(p)] for p in prompts], device=device)
+        cache.reorder_cache(rows)
+        ids, mask, positions, logits = ids[rows], mask[rows], positions[rows], logits[rows]
+    return ids, mask, positions, logits
+
+
+def _left_padded(prompts, pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
