@@ -30,7 +30,9 @@ It models what ftjob's trainer does, not an ideal FSDP:
   memory grows by its shards plus the tensor being read (measured: bench --suite loading); the
   files' pages pass through the page cache, which is reclaimable and not counted;
 * checkpoints hold the trainable parameters' weights and AdamW moments (fp32).
-* DPO (training.objective dpo): a pair is two sequences in one forward, and its
+* DPO (training.objective dpo): a pair is two sequences in one forward (with the trainer's
+  packed attention their prompt runs once: planned as two whole sequences all the same, the
+  case of a one-token prompt; GRPO's completions of a prompt share it likewise), and its
   log-probabilities go through the head LOSS_CHUNK_TOKENS tokens at a time too (each chunk's
   logits recomputed in the backward; each token's fp32 log-normaliser kept); LoRA and QLoRA
   run a reference

@@ -130,7 +130,9 @@ class Tally:
         self.own_seconds += own_seconds
         self.steps += 1
         for b in micro:
-            self.tokens += b.tokens
+            # tokens/s counts the sequences as written; the FLOPs are those run (a shared
+            # prompt once).
+            self.tokens += b.tokens + b.shared
             self.model_flops += self.flops(b.tokens, b.attention_sq)
 
     def reduce(

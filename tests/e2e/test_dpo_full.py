@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import whole_logits
 from test_dpo_run import EXAMPLES, assert_resumes_exactly, beside_the_examples, tiny_dpo
 from test_trainer_run import history, run
 
@@ -65,15 +66,14 @@ def _pairs_batch(folder: Path, pad_id: int):
     from ftjob.trainer.data import pairs
 
     held = data.Sequences.open(folder)
-    return data.collate(pairs.sides(held.rows(range(len(held)))).rows(), pad_id)
+    return data.collate(pairs.rows(held.rows(range(len(held))), shared=False), pad_id)
 
 
 def _logps(model, batch) -> torch.Tensor:
-    from ftjob.trainer.objectives import preference
 
     with torch.no_grad():
         out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
-    return preference.response_logps(out.logits, batch.labels)
+    return whole_logits.response_logps(out.logits, batch.labels)
 
 
 def test_stored_reference_equals_the_initial_models_log_probs(full):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import whole_logits
 import yaml
 from in_process import resumed_in_process
 from test_qlora import make_base, nf4_reference
@@ -79,11 +80,13 @@ def assert_ranks_as_reported(base, workdir: Path, beta: float) -> None:
     tok = AutoTokenizer.from_pretrained(workdir / "model")
     (folder,) = (workdir / "data").glob("*/eval")
     held_out = data.Sequences.open(folder)
-    batch = data.collate(pairs.sides(held_out.rows(range(len(held_out)))).rows(), tok.pad_token_id)
+    batch = data.collate(
+        pairs.rows(held_out.rows(range(len(held_out))), shared=False), tok.pad_token_id
+    )
 
     def logps():
         out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
-        return preference.response_logps(out.logits, batch.labels)
+        return whole_logits.response_logps(out.logits, batch.labels)
 
     with torch.no_grad():
         policy = logps()

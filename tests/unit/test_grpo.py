@@ -21,6 +21,7 @@ from ftjob.api.contract import TrainerError
 from ftjob.api.jobspec.data import DatasetSpec
 from ftjob.plan import estimate, layout
 from ftjob.plan.modelshape import known_model
+from ftjob.trainer.data import batches as data
 from ftjob.trainer.data import records
 from ftjob.trainer.data.records import DataError
 from ftjob.trainer.gang import termination
@@ -72,13 +73,15 @@ def greedy_without_cache(net, prompt: list[int], n: int, eos: int) -> list[int]:
 
 def test_sampling_with_the_kv_cache_on_left_padded_prompts_equals_a_plain_forward(tiny):
     tok, net = tiny
-    prompts = [tok("Question: What is 3 * 8?\nAnswer:")["input_ids"], tok("Hi")["input_ids"]]
+    long, short = tok("Question: What is 3 * 8?\nAnswer:")["input_ids"], tok("Hi")["input_ids"]
     # A temperature this low makes each draw the argmax: the cached, padded, batched path
-    # must pick what a forward of each prompt alone, without a cache, picks.
+    # must pick what a forward of each prompt alone, without a cache, picks; a prompt that
+    # repeats (a GRPO group) is run once and its cache shared by its rows.
     engine = KvSampling(10, 1e-4, 1.0, (tok.eos_token_id,), tok.pad_token_id, synced=False)
-    got = engine.complete(net, prompts, torch.Generator().manual_seed(0))
-    want = [greedy_without_cache(net, p, 10, tok.eos_token_id) for p in prompts]
-    assert got == want
+    for prompts in ([long, short], [short, long, short, short]):
+        got = engine.complete(net, prompts, torch.Generator().manual_seed(0))
+        want = [greedy_without_cache(net, p, 10, tok.eos_token_id) for p in prompts]
+        assert got == want
     # The packed attention is back for training.
     assert net.config._attn_implementation == attention.NAME
 
@@ -125,11 +128,18 @@ def test_top_p_keeps_the_most_likely_tokens_that_reach_it():
     assert draws == {1}
 
 
-def test_the_loss_reads_each_completion_token_where_it_is_predicted():
-    every = torch.arange(20.0).view(2, 10)  # position p holds p (row 1: 10 + p)
-    view = grpo.completion_view(every, prompts=[3, 5], lengths=[4, 2])
-    # Row 0's completion starts at position 3, predicted from position 2 onward.
-    assert view.tolist() == [[2.0, 3.0, 4.0, 5.0], [14.0, 15.0, 0.0, 0.0]]
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_loss_reads_each_completion_token_where_it_is_predicted(shared):
+    # Two completions of prompt [7, 8, 9], one of prompt [5, 6].
+    prompts, completions = [[7, 8, 9], [7, 8, 9], [5, 6]], [[1, 2], [3, 4, 4], [1]]
+    b = data.collate(grpo.sequences(prompts, completions, shared), pad_id=0)
+    every = torch.arange(float(b.input_ids.numel())).view(b.input_ids.shape)  # flat position
+    view = grpo.span_view(every, b.spans)
+    ids = b.input_ids.reshape(-1)
+    for i, c in enumerate(completions):  # each token is the one after where it is predicted
+        at = view[i, : len(c)].long()
+        assert ids[at + 1].tolist() == c and view[i, len(c) :].eq(0).all()
+    assert b.tokens == (12 if shared else 14) and b.tokens + b.shared == 14
 
 
 def test_a_prompts_record_keeps_its_fields_for_the_rewards_and_refuses_an_empty_prompt():

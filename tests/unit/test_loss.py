@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import whole_logits
 from transformers import AutoModelForCausalLM
 
 from ftjob.trainer.data import batches as data
@@ -180,25 +181,25 @@ def pair_batch(pad_id: int) -> data.Batch:
     prompt's labels masked."""
     g = torch.Generator().manual_seed(2)
     rows = []
-    for length in (24, 40, 31, 17):
+    for i, length in enumerate((24, 40, 31, 17)):
         ids = torch.randint(5, 200, (length,), generator=g).tolist()
         labels = [IGNORE] * 6 + ids[6:]
-        rows.append({"input_ids": ids, "labels": labels, "seq_lengths": [length]})
+        rows.append({"input_ids": ids, "labels": labels, "seq_lengths": [length],
+                     "spans": [(i, 5, length - 6)]})  # fmt: skip
     return data.collate(rows, pad_id)
 
 
 def test_dpo_log_probabilities_through_the_installed_head_equal_plain_logits():
     """DPO's per-row log-probabilities (policy and reference) and their gradients, chunked
-    through the head, equal preference.response_logps of the model's whole logits."""
-    from ftjob.trainer.objectives import preference
+    through the head, equal whole_logits.response_logps of the model's whole logits."""
 
     plain = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
     fused = copy.deepcopy(plain)
     assert loss.install(fused)
     b = pair_batch(plain.config.pad_token_id or 0)
     inputs = loss.model_inputs(fused, b)
-    got = loss.sequence_logps(fused, inputs, b.labels)
-    want = preference.response_logps(plain(**loss.model_inputs(plain, b)).logits, b.labels)
+    got = loss.sequence_logps(fused, inputs, b.labels, b.spans)
+    want = whole_logits.response_logps(plain(**loss.model_inputs(plain, b)).logits, b.labels)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     weights = torch.tensor([0.5, -1.0, 2.0, 0.25])  # a pair loss's gradient, row by row
     (got * weights).sum().backward()
@@ -221,7 +222,7 @@ def adapted(dropout: float):
 def test_a_lora_head_takes_the_chunked_loss_with_equal_values_and_gradients():
     """SFT's loss and DPO's log-probabilities, policy and adapter-off reference, through a
     LoRA-adapted head (no dropout): equal to peft's own logits, gradients of the adapters too."""
-    from ftjob.trainer.objectives import preference, reference
+    from ftjob.trainer.objectives import reference
 
     plain = adapted(dropout=0.0)
     fused = copy.deepcopy(plain)
@@ -234,12 +235,12 @@ def test_a_lora_head_takes_the_chunked_loss_with_equal_values_and_gradients():
     inputs = loss.model_inputs(fused, b)
     with torch.no_grad(), reference.adapters_off(fused), reference.adapters_off(plain):
         torch.testing.assert_close(
-            loss.sequence_logps(fused, inputs, b.labels),
-            preference.response_logps(plain(**inputs).logits, b.labels),
+            loss.sequence_logps(fused, inputs, b.labels, b.spans),
+            whole_logits.response_logps(plain(**inputs).logits, b.labels),
             rtol=1e-6, atol=1e-6,
         )  # fmt: skip
-    policy = loss.sequence_logps(fused, inputs, b.labels)
-    reference = preference.response_logps(plain(**inputs).logits, b.labels)
+    policy = loss.sequence_logps(fused, inputs, b.labels, b.spans)
+    reference = whole_logits.response_logps(plain(**inputs).logits, b.labels)
     torch.testing.assert_close(policy, reference, rtol=1e-6, atol=1e-6)
     # As a step weighs them: the mean over labelled tokens; a DPO pair loss's gradient per
     # row, beta (0.1) x a sigmoid at most.

@@ -9,10 +9,12 @@ python -m pytest tests/unit/test_preference.py -q
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+import whole_logits
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ftjob.api.jobspec import parse_spec
@@ -103,11 +105,11 @@ def trl_metrics(policy, reference, tok, prepared, beta, loss_type, tmp_path) -> 
 
 
 def ftjob_metrics(policy, reference, tok, prepared, beta, loss_type) -> dict:
-    batch = data.collate(pairs.sides(prepared).rows(), tok.pad_token_id)
+    batch = data.collate(pairs.rows(prepared, shared=False), tok.pad_token_id)
 
     def logps(net):
         out = net(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
-        return preference.response_logps(out.logits, batch.labels)
+        return whole_logits.response_logps(out.logits, batch.labels)
 
     ours = logps(policy)
     with torch.no_grad():
@@ -117,7 +119,7 @@ def ftjob_metrics(policy, reference, tok, prepared, beta, loss_type) -> dict:
         ref,
         beta=beta,
         loss_type=loss_type,
-        tokens=preference.response_tokens(batch.labels),
+        tokens=whole_logits.response_tokens(batch.labels),
     )
     metrics = preference.means(result.sums())
     chosen, rejected = ours.detach().chunk(2)
@@ -168,10 +170,14 @@ def test_a_full_fine_tune_dpo_job_trains_against_stored_reference_log_probs():
             "training": {"objective": "dpo", "maxSteps": 1},
         }
     )
-    assert objective.of(spec) == objective.Dpo(beta=0.1, loss_type="sigmoid", stored=True)
+    dpo = objective.Dpo(beta=0.1, loss_type="sigmoid", shared=True)
+    assert objective.of(spec) == replace(dpo, stored=True)
     for method in ("lora", "qlora"):
         adapted = parse_spec({**spec_dict(spec), "method": {"type": method}})
-        assert objective.of(adapted) == objective.Dpo(beta=0.1, loss_type="sigmoid")
+        assert objective.of(adapted) == dpo
+    # Only the trainer's packed attention reads a shared prompt.
+    eager = parse_spec({**spec_dict(spec), "model": {"source": str(TINY), "attention": "eager"}})
+    assert objective.of(eager) == replace(dpo, stored=True, shared=False)
 
 
 def spec_dict(spec) -> dict:
@@ -194,11 +200,11 @@ def test_label_smoothing_equals_trls_conservative_loss_pair_by_pair(
 
     policy, reference = models()
     beta = 0.5
-    batch = data.collate(pairs.sides(prepared).rows(), tok.pad_token_id)
+    batch = data.collate(pairs.rows(prepared, shared=False), tok.pad_token_id)
 
     def logps(net):
         out = net(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
-        return preference.response_logps(out.logits, batch.labels)
+        return whole_logits.response_logps(out.logits, batch.labels)
 
     with torch.no_grad():
         ours = preference.dpo(logps(policy), logps(reference), beta=beta,

@@ -196,7 +196,7 @@ def test_a_micro_batch_holds_whole_pairs_chosen_rows_then_rejected_rows(tok, tmp
         {"prompt": "Q: ok? A:", "chosen": " yes", "rejected": " no"},
     ]
     got = prepared(tok, tmp_path, rows)
-    batch = data.collate(pairs.sides(got).rows(), tok.pad_token_id)
+    batch = data.collate(pairs.rows(got, shared=False), tok.pad_token_id)
     assert batch.input_ids.shape[0] == 4
     for i, pair in enumerate(got):
         for row, side in ((i, "chosen_ids"), (2 + i, "rejected_ids")):

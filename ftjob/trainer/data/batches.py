@@ -151,6 +151,12 @@ class Batch:
     micro-batch flattened to one row of B x S tokens, as varlen attention kernels take them
     (trainer/model/attention.py); ``max_seqlen`` is the longest of those documents. The counts are
     host ints, computed from the rows' lengths, so reading them never waits for a device.
+
+    A document may be a *branch* of a shared prefix (``stems``): it attends to the first
+    ``stem`` tokens of the nearest plain document before it in its row, then causally to
+    itself, its positions continuing from ``stem``. A DPO pair's rejected response, and GRPO's
+    second and later completions of a prompt, are such branches: their prompt runs once
+    (trainer/data/pairs.py, trainer/objectives/grpo.py).
     """
 
     input_ids: torch.Tensor  # [B, S] long
@@ -158,7 +164,7 @@ class Batch:
     position_ids: torch.Tensor  # [B, S] long
     cu_seqlens: torch.Tensor  # [documents + 1] int32; cu_seqlens[-1] == B * S
     max_seqlen: int
-    tokens: int  # real tokens (no padding)
+    tokens: int  # real tokens run (no padding; a shared prefix once)
     labelled: int  # next-token targets: (labels[:, 1:] != IGNORE).sum()
     attention_sq: int  # sum of the real documents' length^2 (attention FLOPs)
     # DPO with stored reference log-probabilities (full fine-tune): [rows] fp32, row by row.
@@ -170,6 +176,16 @@ class Batch:
     # before it was cut (trainer/data/context_slice.py): a slice's last token predicts the
     # next slice's first. None: :func:`next_tokens` of ``labels``.
     targets: torch.Tensor | None = None
+    # Each document's shared-prefix length (``lengths``' order; 0: a plain document). Empty:
+    # every document is plain.
+    stems: tuple[int, ...] = ()
+    # Prefix tokens the branches read instead of running them again: tokens + shared are the
+    # tokens of the sequences as written (what tokens/s counts, on every layout alike).
+    shared: int = 0
+    # The objective's sequences (a DPO pair's two, a GRPO completion), in the objective's order:
+    # each one's first response token is predicted at flattened position ``start``, the next
+    # at start + 1, and so on for ``length`` tokens (trainer/objectives/loss.py span_logps).
+    spans: tuple[tuple[int, int], ...] = ()
 
     _TENSORS = ("input_ids", "labels", "position_ids", "cu_seqlens", "reference", "targets")
 
@@ -190,48 +206,77 @@ class Batch:
 
 
 def collate(rows: list[dict], pad_id: int) -> Batch:
-    """Rows of prepared sequences (input_ids, labels, seq_lengths) -> a right-padded Batch.
+    """Rows of prepared sequences (input_ids, labels, seq_lengths; optionally stems and
+    spans, see :class:`Batch`) -> a right-padded Batch.
 
     Built in numpy from the rows' Python lists (np.full plus slice assignment is ~6x faster
     than ``torch.as_tensor`` of each list): this runs once per micro-batch on every rank.
+    A row's ``spans`` are (sequence index, start within the row, length); the batch's are
+    flattened and in index order.
     """
     width = max(len(r["input_ids"]) for r in rows)
     ids = np.full((len(rows), width), pad_id, dtype=np.int64)
     labels = np.full((len(rows), width), IGNORE, dtype=np.int64)
-    lengths: list[int] = []  # every document of the flattened batch, padding runs included
-    tokens = attention_sq = 0
+    spans: dict[int, tuple[int, int]] = {}
     for row, r in enumerate(rows):
         n = len(r["input_ids"])
         ids[row, :n] = r["input_ids"]
         labels[row, :n] = r["labels"]
+        for index, start, length in r.get("spans", ()):
+            spans[index] = (row * width + start, length)
+    docs = _documents(rows, width)
+    cu = np.zeros(len(docs.lengths) + 1, dtype=np.int64)
+    np.cumsum(docs.lengths, out=cu[1:])
+    # Each token's position in its document: its index minus its document's start, plus
+    # the shared prefix a branch continues from.
+    positions = np.arange(ids.size) - np.repeat(cu[:-1] - docs.stems, docs.lengths)
+    return Batch(
+        input_ids=torch.from_numpy(ids),
+        labels=torch.from_numpy(labels),
+        position_ids=torch.from_numpy(positions.reshape(ids.shape)),
+        cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
+        max_seqlen=max(docs.lengths),
+        tokens=docs.tokens,
+        labelled=int((labels[:, 1:] != IGNORE).sum()),  # a row's first label predicts nothing
+        attention_sq=docs.attention_sq,
+        lengths=tuple(docs.lengths),
+        stems=tuple(docs.stems) if any(docs.stems) else (),
+        shared=int(sum(docs.stems)),
+        spans=tuple(spans[i] for i in sorted(spans)),
+    )
+
+
+@dataclass(frozen=True)
+class _Documents:
+    lengths: list[int]  # every document of the flattened batch, padding runs included
+    stems: np.ndarray  # each one's shared prefix (0: plain)
+    tokens: int  # real tokens run
+    attention_sq: int  # in length^2 units: a branch's queries also see its stem
+
+
+def _documents(rows: list[dict], width: int) -> _Documents:
+    lengths: list[int] = []
+    stems: list[int] = []
+    tokens = attention_sq = 0
+    for r in rows:
+        n = len(r["input_ids"])
         if sum(r["seq_lengths"]) != n:
             raise DataError(
                 f"a sequence's seq_lengths {r['seq_lengths']} do not add up to its {n} "
                 "tokens: the prepared data is inconsistent; delete the job's data/ folder to "
                 "prepare it again"
             )
-        for k in r["seq_lengths"]:
+        for k, stem in zip(r["seq_lengths"], r.get("stems") or [0] * len(r["seq_lengths"]),
+                           strict=True):  # fmt: skip
             if k:
                 lengths.append(k)
-                attention_sq += k * k
+                stems.append(stem)
+                attention_sq += k * k + 2 * k * stem
         if width > n:
             lengths.append(width - n)
+            stems.append(0)
         tokens += n
-    cu = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=cu[1:])
-    # Each token's position in its document: its index minus its document's start.
-    positions = np.arange(ids.size) - np.repeat(cu[:-1], lengths)
-    return Batch(
-        input_ids=torch.from_numpy(ids),
-        labels=torch.from_numpy(labels),
-        position_ids=torch.from_numpy(positions.reshape(ids.shape)),
-        cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
-        max_seqlen=max(lengths),
-        tokens=tokens,
-        labelled=int((labels[:, 1:] != IGNORE).sum()),  # a row's first label predicts nothing
-        attention_sq=attention_sq,
-        lengths=tuple(lengths),
-    )
+    return _Documents(lengths, np.asarray(stems, dtype=np.int64), tokens, attention_sq)
 
 
 def next_tokens(labels: torch.Tensor) -> torch.Tensor:

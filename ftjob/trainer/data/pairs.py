@@ -2,9 +2,9 @@
 
 A pair is stored as three token lists: the prompt, the chosen and the rejected response.
 Training runs both sequences of a pair, prompt + chosen and prompt + rejected, in one
-forward: a micro-batch of B pairs is 2B rows, the B chosen rows first and the B rejected
-rows after them in the same order (TRL's layout), so a pair never spans micro-batches or
-ranks. The labels are the response tokens; the prompt is context only.
+forward, and a pair never spans micro-batches or ranks: with the trainer's packed attention
+the two share one row and the prompt runs once (:func:`rows`), otherwise they are two rows
+(TRL's layout). The labels are the response tokens; the prompt is context only.
 
 Tokenized as TRL's DPO trainer does: the prompt alone (with the chat template's generation
 prompt for conversations) and the whole prompt + response; the response starts where the two
@@ -14,7 +14,6 @@ prompt's last tokens. Text responses end with the tokenizer's end-of-sequence to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -164,30 +163,44 @@ def _where(name: str, line: int) -> str:
 # ------------------------------------------------------------------------------ batches
 
 
-@dataclass(frozen=True)
-class Sides:
-    """The two sequences of each pair as rows for :func:`ftjob.trainer.data.batches.collate`."""
+def rows(pairs: list[dict], shared: bool) -> list[dict]:
+    """Prepared pairs -> rows for :func:`ftjob.trainer.data.batches.collate` whose labels are
+    the responses; sequence i is pair i's chosen response, B + i its rejected one.
 
-    chosen: list[dict]
-    rejected: list[dict]
+    Unshared: 2B rows, prompt + chosen then prompt + rejected (TRL's layout). ``shared`` (the
+    trainer's packed attention): one row a pair, prompt + chosen, then the rejected response
+    as a branch that reads the prompt's keys and values instead of running the prompt again.
+    The branch starts with a copy of the prompt's last token, at its position and seeing
+    what it sees, so that the branch's own first position predicts the rejected response's
+    first token (and the chosen response's last position predicts nothing).
+    """
+    b = len(pairs)
+    # An empty prompt (a tokenizer without BOS) has no last token to branch from.
+    if not shared or not all(len(p["prompt_ids"]) for p in pairs):
+        chosen = [_row(p["prompt_ids"], p["chosen_ids"], i) for i, p in enumerate(pairs)]
+        rejected = [_row(p["prompt_ids"], p["rejected_ids"], b + i) for i, p in enumerate(pairs)]
+        return chosen + rejected
+    out = []
+    for i, p in enumerate(pairs):
+        prompt, chosen, rejected = (list(p[k]) for k in COLUMNS[1:])
+        stem = len(prompt) - 1  # the branch's own first token is the prompt's last
+        out.append({
+            "input_ids": prompt + chosen + prompt[-1:] + rejected,
+            "labels": [IGNORE] * len(prompt) + chosen + [IGNORE] + rejected,
+            "seq_lengths": [len(prompt) + len(chosen), 1 + len(rejected)],
+            "stems": [0, stem],
+            "spans": [(i, stem, len(chosen)), (b + i, len(prompt) + len(chosen), len(rejected))],
+        })  # fmt: skip
+    return out
 
-    def rows(self) -> list[dict]:
-        """Chosen rows then rejected rows: row i and row B + i are one pair."""
-        return self.chosen + self.rejected
 
-
-def sides(pairs: list[dict]) -> Sides:
-    """Prepared pairs -> prompt + response rows whose labels are the response only."""
-
-    def row(prompt, response):
-        ids = list(prompt) + list(response)
-        return {
-            "input_ids": ids,
-            "labels": [IGNORE] * len(prompt) + list(response),
-            "seq_lengths": [len(ids)],
-        }
-
-    return Sides(
-        chosen=[row(p["prompt_ids"], p["chosen_ids"]) for p in pairs],
-        rejected=[row(p["prompt_ids"], p["rejected_ids"]) for p in pairs],
-    )
+def _row(prompt, response, index: int) -> dict:
+    ids = list(prompt) + list(response)
+    # Without a prompt the response's first token has no position to be predicted from.
+    start, unseen = (len(prompt) - 1, 0) if len(prompt) else (0, 1)
+    return {
+        "input_ids": ids,
+        "labels": [IGNORE] * len(prompt) + list(response),
+        "seq_lengths": [len(ids)],
+        "spans": [(index, start, len(response) - unseen)],
+    }

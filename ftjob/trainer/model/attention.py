@@ -68,7 +68,7 @@ def model_kwargs(batch, implementation: str) -> dict:
     if implementation == "eager":
         return {}
     if batch.lengths:
-        _lengths[batch.cu_seqlens] = batch.lengths
+        _lengths[batch.cu_seqlens] = (batch.lengths, batch.stems)
     return {
         "cu_seq_lens_q": batch.cu_seqlens,
         "cu_seq_lens_k": batch.cu_seqlens,
@@ -77,9 +77,10 @@ def model_kwargs(batch, implementation: str) -> dict:
     }
 
 
-# Each batch's documents' lengths as host ints (data.Batch.lengths), by its cu_seqlens tensor:
-# what :func:`per_document` splits by, without reading the device (transformers passes only
-# tensors through the model to the attention). Entries go with their tensors.
+# Each batch's documents' lengths and shared prefixes as host ints (data.Batch.lengths and
+# .stems), by its cu_seqlens tensor: what :func:`per_document` splits by, without reading the
+# device (transformers passes only tensors through the model to the attention). Entries go
+# with their tensors.
 _lengths: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -164,7 +165,7 @@ def packed_attention(
         for t in (query, key, value)
     )
     kernel = _kernel(q)
-    if kernel is not None:
+    if kernel is not None and not _branched(cu):
         out = kernel(q, k, v, cu, longest, scaling)
     else:
         out = (_eager_per_document or per_document)(q, k, v, cu, scaling)
@@ -212,17 +213,13 @@ _eager_per_document: Callable | None = None
 def per_document(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
-    """Exact causal attention inside each document: one SDPA call per document, no mask.
+    """Exact causal attention inside each document: one SDPA call per document, no mask;
+    a branch (data.Batch.stems) also attends to its stem's shared prefix, through a mask.
 
     q [T, Hq, D], k/v [T, Hkv, D]; ``cu`` [N+1] with cu[-1] == T. The lengths come from the
     host (ftjob's batches, :func:`model_kwargs`), else from reading ``cu`` (a device wait).
     """
-    lengths = _lengths.get(cu)
-    if lengths is None:
-        bounds = cu.tolist()
-        if bounds[0] != 0:
-            raise ValueError(f"{NAME}: cu_seqlens start at {bounds[0]}, not 0")
-        lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    lengths, stems = _documents(cu)
     if sum(lengths) != q.shape[0]:
         raise ValueError(
             f"{NAME}: cu_seqlens cover {sum(lengths)} tokens; the batch has "
@@ -230,15 +227,47 @@ def per_document(
         )
     gqa = k.shape[1] != q.shape[1]
     outs = []
+    prefix = None  # the last plain document's keys and values: what a branch reads first
     # split, not a slice per document: split's backward is one cat, where each slice's would
     # write its gradient into a zeroed copy of the whole tensor (measured: 2x the time).
-    for doc in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
-        if doc[0].shape[0]:
-            # [L, H, D] -> [H, L, D]: SDPA's (heads, length, dim) layout.
-            doc = (t.transpose(0, 1) for t in doc)
-            out = F.scaled_dot_product_attention(*doc, is_causal=True, scale=scale, enable_gqa=gqa)
-            outs.append(out.transpose(0, 1))
+    docs = zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True)
+    for (dq, dk, dv), stem in zip(docs, stems or [0] * len(lengths), strict=True):
+        if not dq.shape[0]:
+            continue
+        mask = None
+        if stem:
+            dk, dv = torch.cat([prefix[0][:stem], dk]), torch.cat([prefix[1][:stem], dv])
+            # Every prefix key, then causal over the branch: the lower-right triangle.
+            mask = torch.ones(dq.shape[0], dk.shape[0], dtype=torch.bool, device=dq.device)
+            mask = mask.tril(stem)
+        else:
+            prefix = (dk, dv)
+        # [L, H, D] -> [H, L, D]: SDPA's (heads, length, dim) layout.
+        out = F.scaled_dot_product_attention(
+            dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1), attn_mask=mask,
+            is_causal=mask is None, scale=scale, enable_gqa=gqa,
+        )  # fmt: skip
+        outs.append(out.transpose(0, 1))
     return torch.cat(outs)
+
+
+def _documents(cu: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The documents' lengths and stems for ``cu``: the batch's host ints, else read from
+    ``cu`` itself (no branches)."""
+    known = _lengths.get(cu)
+    if known is not None:
+        return known
+    bounds = cu.tolist()
+    if bounds[0] != 0:
+        raise ValueError(f"{NAME}: cu_seqlens start at {bounds[0]}, not 0")
+    return tuple(end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)), ()
+
+
+def _branched(cu: torch.Tensor) -> bool:
+    """Whether the batch of ``cu`` has branches: the flash kernel has no shared prefix, so
+    those run per document (SDPA with a mask on GPUs too)."""
+    known = _lengths.get(cu)
+    return known is not None and bool(known[1])
 
 
 def compute_dtype(query: torch.Tensor) -> torch.dtype:

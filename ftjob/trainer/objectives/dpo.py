@@ -1,12 +1,13 @@
 """Direct preference optimization (training.objective dpo).
 
-A micro-batch is whole preference pairs, chosen and rejected rows in one forward
-(trainer/data/pairs.py); the loss is trainer/objectives/preference.py's, the mean over the
-step's pairs, and its metrics are the ones api/objectives.py declares for DPO. The reference
-(LoRA and QLoRA) is the same network with its adapters disabled (:func:`adapters_off`); a full
-fine-tune's is the initial model's log-probabilities, computed once before training and stored
-with the data (trainer/objectives/reference.py), which each batch carries. No second model in
-memory either way.
+A micro-batch is whole preference pairs, chosen and rejected in one forward, the prompt run
+once a pair where the trainer's packed attention runs (trainer/data/pairs.py); the loss is
+trainer/objectives/preference.py's, the mean over the step's pairs, and its metrics are the
+ones api/objectives.py declares for DPO. The reference (LoRA and QLoRA) is the same network
+with its adapters disabled (:func:`adapters_off`); a full fine-tune's is the initial model's
+log-probabilities, computed once before training and stored with the data
+(trainer/objectives/reference.py), which each batch carries. No second model in memory either
+way.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class Dpo(Offline):
     loss_type: str
     stored: bool = False
     label_smoothing: float = 0.0
+    # A pair's rejected response branches off its prompt (model.attention sdpa: the trainer's
+    # packed attention, which alone reads shared prefixes).
+    shared: bool = False
     unit: str = "preference pairs"
     declared: ClassVar[objectives.Objective] = objectives.DPO
 
@@ -50,24 +54,25 @@ class Dpo(Offline):
             loss_type=settings.loss_type,
             stored=spec.method.type == "full",
             label_smoothing=settings.label_smoothing or 0.0,
+            shared=spec.model.attention == "sdpa",
         )
 
     def collate(self, rows: list[dict], pad_id: int) -> data.Batch:
-        batch = data.collate(pairs.sides(rows).rows(), pad_id)
+        batch = data.collate(pairs.rows(rows, self.shared), pad_id)
         if "reference" not in rows[0]:
             return batch
-        # Chosen rows then rejected rows, as the sequences are (pairs.Sides).
+        # The chosen responses then the rejected ones, as the sequences are (pairs.rows).
         chosen, rejected = zip(*(r["reference"] for r in rows), strict=True)
         return replace(batch, reference=torch.tensor(chosen + rejected, dtype=torch.float32))
 
     def policy_logps(self, net, batch: data.Batch, device) -> torch.Tensor:
-        """[2B] response log-probabilities of the batch's rows under ``net`` as it is."""
+        """[2B] response log-probabilities of the batch's pairs under ``net`` as it is."""
         on = batch.to(device)
-        return sequence_logps(net, model_inputs(net, on), on.labels)
+        return sequence_logps(net, model_inputs(net, on), on.labels, on.spans)
 
     def count(self, batch: data.Batch) -> int:
-        """What the step's loss is a mean over: pairs (half the rows)."""
-        return batch.input_ids.shape[0] // 2
+        """What the step's loss is a mean over: pairs (half the sequences)."""
+        return len(batch.spans) // 2
 
     def pairs(self, net, batch: data.Batch, device) -> preference.Pairs:
         on = batch.to(device)
@@ -79,14 +84,14 @@ class Dpo(Offline):
         else:
             # The reference first, under no_grad: nothing of it waits for the policy's backward.
             with torch.no_grad(), adapters_off(net):
-                reference = sequence_logps(net, inputs, on.labels)
-        policy = sequence_logps(net, inputs, on.labels)
+                reference = sequence_logps(net, inputs, on.labels, on.spans)
+        policy = sequence_logps(net, inputs, on.labels, on.spans)
         return preference.dpo(
             policy,
             reference,
             beta=self.beta,
             loss_type=self.loss_type,
-            tokens=preference.response_tokens(on.labels),
+            tokens=torch.tensor([n for _, n in on.spans], device=policy.device),
             label_smoothing=self.label_smoothing,
         )
 

@@ -42,7 +42,7 @@ from ftjob.trainer.gang import termination
 from ftjob.trainer.model.parallel import sharded_on
 from ftjob.trainer.objectives import grpo_loss, kl_reference
 from ftjob.trainer.objectives.generate import KvSampling, Sampling, stop_tokens
-from ftjob.trainer.objectives.loss import model_inputs, token_logps
+from ftjob.trainer.objectives.loss import model_inputs, span_view, token_logps
 
 if TYPE_CHECKING:  # imported where used: rewards start processes, transformers is heavy
     from transformers import PreTrainedTokenizerBase
@@ -98,10 +98,11 @@ class Prompts:
 class Rolled:
     """A micro-batch of sampled completions, ready for the loss."""
 
-    batch: data.Batch  # prompt + completion rows; labels: the completion's tokens
-    completions: list[list[int]]  # each row's completion ids (what a checkpoint keeps)
+    # Prompt + completion sequences (a prompt's later completions may branch off its first:
+    # sequences()); labels: the completions' tokens; spans: completion i is sequence i.
+    batch: data.Batch
+    completions: list[list[int]]  # each completion's ids (what a checkpoint keeps)
     lengths: list[int]  # each completion's tokens (host ints)
-    prompt_lengths: list[int]
     advantages: torch.Tensor  # [B]
     rewards: torch.Tensor  # [B] weighted sums (NaN where no reward applied)
     scores: torch.Tensor  # [B, F] each reward function's (NaN where it does not apply)
@@ -116,6 +117,10 @@ class Rolled:
     def attention_sq(self) -> int:
         return self.batch.attention_sq
 
+    @property
+    def shared(self) -> int:
+        return self.batch.shared
+
 
 @dataclass
 class Grpo:
@@ -126,6 +131,9 @@ class Grpo:
     prompt_field: str
     log_every: int
     unit: str = "prompts"
+    # A prompt's completions share its row, its tokens run once (model.attention sdpa: the
+    # trainer's packed attention, which alone reads shared prefixes).
+    shared: bool = False
     declared: ClassVar[objectives.Objective] = objectives.GRPO
     rewards: Rewards | None = None  # built by attach(), with the tokenizer
     samples: Path | None = None  # the job folder's completions.jsonl (rank 0)
@@ -148,6 +156,7 @@ class Grpo:
             seed=spec.training.seed,
             prompt_field=spec.dataset.prompt_field,
             log_every=spec.training.log_every,
+            shared=spec.model.attention == "sdpa",
         )
 
     @property
@@ -343,16 +352,11 @@ class Grpo:
         return replace(rolled, old=old, ref=ref)
 
     def _assembled(self, rows, completions, adv, rewards, scores) -> Rolled:
-        seqs = []
-        for r, c in zip(rows, completions, strict=True):
-            p = list(r["prompt_ids"])
-            seqs.append({"input_ids": p + c, "labels": [IGNORE] * len(p) + c,
-                         "seq_lengths": [len(p) + len(c)]})  # fmt: skip
+        prompts = [list(r["prompt_ids"]) for r in rows]
         return Rolled(
-            batch=data.collate(seqs, self.engine.pad),
+            batch=data.collate(sequences(prompts, completions, self.shared), self.engine.pad),
             completions=[list(c) for c in completions],
             lengths=[len(c) for c in completions],
-            prompt_lengths=[len(r["prompt_ids"]) for r in rows],
             advantages=adv,
             rewards=rewards,
             scores=scores,
@@ -368,10 +372,10 @@ class Grpo:
         spread = torch.zeros(on.labels.shape, device=device) if entropy else None
         every = token_logps(net, model_inputs(net, on), on.labels, self.settings.temperature,
                             entropy=spread)  # fmt: skip
-        logps = completion_view(every, b.prompt_lengths, b.lengths)
+        logps = span_view(every, on.spans)
         if not entropy:
             return logps
-        return logps, completion_view(spread, b.prompt_lengths, b.lengths)
+        return logps, span_view(spread, on.spans)
 
     def loss(self, net, batch: Rolled, device) -> tuple[torch.Tensor, torch.Tensor]:
         logps, entropy = self.logps(net, batch, device, entropy=True)
@@ -525,12 +529,26 @@ def completion_mask(lengths: list[int], device, width: int | None = None) -> tor
     return (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).to(device)
 
 
-def completion_view(every: torch.Tensor, prompts: list[int], lengths: list[int]) -> torch.Tensor:
-    """[B, S] per-position log-probabilities of the next token -> [B, C]: row i's completion
-    token j, predicted at position prompts[i] + j - 1 (0 past the completion's end)."""
-    width = max(lengths) if lengths else 0
-    j = torch.arange(width).unsqueeze(0)
-    at = torch.tensor(prompts).unsqueeze(1) + j - 1
-    at = torch.minimum(at, torch.tensor(every.shape[1] - 1)).to(every.device)
-    picked = every.gather(1, at)
-    return picked * completion_mask(lengths, every.device)
+def sequences(prompts: list[list[int]], completions: list[list[int]], shared: bool) -> list[dict]:
+    """Prompt + completion rows for data.collate; completion i is sequence i.
+
+    ``shared``: a run of completions of the same prompt (a group, as sampled) is one row, the
+    prompt with the first completion, then each later completion as a branch that reads the
+    prompt's keys and values (data.Batch.stems). A branch starts with a copy of the prompt's
+    last token, at its position, so its own first position predicts the completion's first
+    token. Otherwise each completion is a row of its own."""
+    rows: list[dict] = []
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        stem = len(p) - 1
+        if shared and rows and stem > 0 and prompts[i - 1] == p:
+            row = rows[-1]
+            row["spans"].append((i, len(row["input_ids"]), len(c)))
+            row["input_ids"] += p[-1:] + c
+            row["labels"] += [IGNORE] + c
+            row["seq_lengths"].append(1 + len(c))
+            row["stems"].append(stem)
+            continue
+        rows.append({"input_ids": p + c, "labels": [IGNORE] * len(p) + c,
+                     "seq_lengths": [len(p) + len(c)], "stems": [0],
+                     "spans": [(i, max(stem, 0), len(c))]})  # fmt: skip
+    return rows

@@ -8,7 +8,7 @@ gradients* (with respect to the hidden states and the head's weight) at once, ke
 those gradients for the backward pass: Liger's fused linear cross-entropy, in plain torch, so
 the same code runs on CPU and GPU.
 
-DPO asks for each token's log-probability instead of a sum (:func:`sequence_logps`); its
+DPO and GRPO ask for each token's log-probability instead of a sum (:func:`token_logps`); its
 gradient comes from above, so that path keeps one log-normaliser a token and computes each
 chunk's logits again in backward (one more matmul a chunk, still never the whole logits). A head
 adapted by peft's LoRA (``lm_head`` in targetModules) computes the same way from its merged
@@ -34,7 +34,6 @@ from ftjob.plan.modelshape import LOSS_CHUNK_TOKENS
 from ftjob.trainer.data.batches import next_tokens
 from ftjob.trainer.data.tokenize import IGNORE
 from ftjob.trainer.model import attention
-from ftjob.trainer.objectives import preference
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -285,15 +284,24 @@ def token_loss(net: nn.Module, batch, device: torch.device) -> tuple[torch.Tenso
     return loss, batch.labelled
 
 
-def sequence_logps(net: nn.Module, inputs: dict, labels: torch.Tensor) -> torch.Tensor:
-    """[N] fp32: each row's summed log-probability of its labelled tokens, each predicted from
-    the position before it (DPO's), through the installed head chunk by chunk; from the
-    model's whole logits only where its head is not a plain linear layer (adapted by peft)."""
-    head = net.get_output_embeddings()
-    if not isinstance(head, _Asked):
-        return preference.response_logps(net(**inputs).logits, labels)
-    with _targets(head, next_tokens(labels), per_token=True):
-        return net(**inputs).logits.sum(dim=1)
+def sequence_logps(
+    net: nn.Module, inputs: dict, labels: torch.Tensor, spans: tuple[tuple[int, int], ...]
+) -> torch.Tensor:
+    """[N] fp32: each of the batch's sequences' (data.Batch.spans) summed log-probability of
+    its response tokens (DPO's), through the installed head chunk by chunk."""
+    return span_view(token_logps(net, inputs, labels), spans).sum(dim=1)
+
+
+def span_view(every: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """[B, S] per-position log-probabilities of the next token -> [N, C]: sequence i's
+    response token j, predicted at flattened position spans[i][0] + j (0 past its length).
+    One gather whatever the layout: rows of their own, or branches of a shared prompt."""
+    starts = torch.tensor([start for start, _ in spans], dtype=torch.long)
+    lengths = torch.tensor([n for _, n in spans], dtype=torch.long)
+    j = torch.arange(max((n for _, n in spans), default=0))
+    at = (starts.unsqueeze(1) + j).clamp(max=every.numel() - 1)
+    kept = j < lengths.unsqueeze(1)
+    return every.reshape(-1)[at.to(every.device)] * kept.to(every.device)
 
 
 def token_logps(

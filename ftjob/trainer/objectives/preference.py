@@ -1,10 +1,10 @@
 """The DPO objective in plain torch: response log-probabilities, the loss and its rewards.
 
-A micro-batch of B pairs is 2B rows, chosen rows then rejected rows (trainer/data/pairs.py), and
-its labels are the response tokens. The policy and the reference each give every row the sum
-of its response tokens' log-probabilities; a pair's implicit rewards are beta times the
-policy's log-ratio to the reference, and the loss pushes the chosen reward above the
-rejected one:
+A micro-batch of B pairs is 2B sequences, the chosen ones then the rejected
+(trainer/data/pairs.py), and its labels are the response tokens. The policy and the reference
+each give every sequence the sum of its response tokens' log-probabilities; a pair's implicit
+rewards are beta times the policy's log-ratio to the reference, and the loss pushes the chosen
+reward above the rejected one:
 
 * sigmoid (the DPO paper): -log sigmoid(beta * ((c - c_ref) - (r - r_ref))); with label
   smoothing e (conservative DPO, for labels wrong with probability e), the mix
@@ -25,29 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from ftjob.api.objectives import DPO
-from ftjob.trainer.data.tokenize import IGNORE
 
 LOSS_TYPES = ("sigmoid", "ipo")
 # The sums a step adds over micro-batches and ranks, in this order (see Pairs.sums): the
 # loss, then each metric api/objectives.py declares for DPO (chosen and rejected rewards,
 # correct pairs, margins), then the pairs; divided by the pairs, they are the metrics.
 SUMS = ("loss", *(m.key for m in DPO.metrics), "pairs")
-
-
-def response_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each row's summed log-probability of its labelled tokens, each predicted from the
-    position before it: [N, S, V] logits and [N, S] labels -> [N] (fp32)."""
-    targets = labels[:, 1:]
-    learn = targets != IGNORE
-    scores = logits[:, :-1].float()
-    picked = scores.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    logp = picked - torch.logsumexp(scores, dim=-1)
-    return (logp * learn).sum(dim=1)
-
-
-def response_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """Each row's number of response tokens: [N, S] labels -> [N]."""
-    return (labels != IGNORE).sum(dim=1)
 
 
 @dataclass(frozen=True)
@@ -105,7 +88,7 @@ def dpo(
     label_smoothing: float = 0.0,
 ) -> Pairs:
     """DPO over a micro-batch: ``policy`` and ``reference`` are [2B] response log-probs
-    (chosen rows then rejected rows); ``tokens`` [2B] response lengths (ipo only);
+    (the chosen responses then the rejected); ``tokens`` [2B] response lengths (ipo only);
     ``label_smoothing`` (sigmoid only) the share of pairs taken as mislabelled."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss type {loss_type!r}: ftjob computes {LOSS_TYPES}")
