@@ -129,3 +129,28 @@ def test_two_ranks_share_one_gpu_over_nccl_or_nccl_says_why_not(runs):
     report("two ranks on one GPU", **outcome)
     curve = outcome["losses"]
     assert outcome["ranksAgree"] and curve[-1] < curve[0] - 1.0, outcome
+
+
+def test_a_shared_prompt_gives_two_rows_log_probabilities_on_the_gpu():
+    """A DPO pair's prompt run once (trainer/data/pairs.py rows, shared) in bf16 on CUDA: the
+    branched batch runs SDPA per document with a mask where the two-row batch runs the varlen
+    flash kernel; the sequences' log-probabilities agree to bf16's precision."""
+    sys.path.insert(0, str(HERE.parent / "unit"))
+    from test_shared_prefix import PAD, PAIRS, TINY
+    from transformers import AutoModelForCausalLM
+
+    from ftjob.trainer.data import batches as data
+    from ftjob.trainer.data import pairs
+    from ftjob.trainer.model import attention
+    from ftjob.trainer.objectives.loss import model_inputs, sequence_logps
+
+    net = AutoModelForCausalLM.from_pretrained(
+        TINY, dtype=torch.bfloat16, attn_implementation=attention.implementation("sdpa")
+    ).cuda()
+    got = {}
+    for shared in (True, False):
+        batch = data.collate(pairs.rows(PAIRS, shared=shared), PAD).to("cuda")
+        with torch.no_grad():
+            got[shared] = sequence_logps(net, model_inputs(net, batch), batch.labels, batch.spans)
+    report("shared-prompt", shared=got[True].tolist(), rows=got[False].tolist())
+    torch.testing.assert_close(got[True].float(), got[False].float(), rtol=2e-2, atol=5e-2)
