@@ -100,6 +100,33 @@ def test_token_loss_through_the_installed_head_equals_plain_logits():
         )
 
 
+def test_a_flat_micro_batch_trains_as_the_padded_one():
+    """SFT's one row of real tokens (collate flat=True): the padded rows' loss, count and
+    gradients, under ftjob's packed attention (documents stay apart in either layout)."""
+    from ftjob.trainer.model import attention
+
+    net = AutoModelForCausalLM.from_pretrained(
+        TINY, dtype=torch.float32, attn_implementation=attention.implementation("sdpa")
+    )
+    assert loss.install(net)
+    pad = net.config.pad_token_id or 0
+    rows = []
+    for lengths, first in (([20, 30, 14], IGNORE), ([64], 7), ([10, 5], IGNORE)):
+        ids = list(range(5, 5 + sum(lengths)))
+        rows.append({"input_ids": ids, "labels": [first, *ids[1:]], "seq_lengths": lengths})
+    results = []
+    for flat in (False, True):
+        b = data.collate(rows, pad, flat=flat)
+        got, count = loss.token_loss(net, b, torch.device("cpu"))
+        got.backward()
+        results.append((got.item(), count, [p.grad.clone() for p in net.parameters()]))
+        net.zero_grad(set_to_none=True)
+    (padded, n, grads), (flat, m, flat_grads) = results
+    assert m == n > 0 and flat == pytest.approx(padded, rel=1e-5)
+    for g, h in zip(grads, flat_grads, strict=True):
+        torch.testing.assert_close(h, g, rtol=1e-4, atol=1e-6)
+
+
 def plain_logprobs(hidden, weight, targets) -> torch.Tensor:
     picked = torch.log_softmax(hidden @ weight.t(), dim=-1).gather(
         1, targets.clamp(min=0).unsqueeze(1)

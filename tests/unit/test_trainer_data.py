@@ -229,6 +229,22 @@ def test_collate_pads_and_masks(tok):
     assert (batch.tokens, batch.labelled, batch.attention_sq) == (4, 2, 1 + 4 + 1)
 
 
+def test_flat_collate_runs_the_real_tokens_as_one_row(tok):
+    rows = [
+        {"input_ids": [5, 6, 7], "labels": [IGNORE, 6, 7], "seq_lengths": [1, 2]},
+        {"input_ids": [8, 9], "labels": [8, 9], "seq_lengths": [2]},  # first label not masked
+    ]
+    batch = data.collate(rows, tok.pad_token_id, flat=True)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9]]  # no padding
+    # A row's first label is never a target, as in the padded layout: 7 predicts nothing.
+    assert batch.labels.tolist() == [[IGNORE, 6, 7, IGNORE, 9]]
+    assert batch.position_ids.tolist() == [[0, 0, 1, 0, 1]]
+    assert batch.cu_seqlens.tolist() == [0, 1, 3, 5] and batch.max_seqlen == 2
+    padded = data.collate(rows, tok.pad_token_id)
+    assert (batch.tokens, batch.labelled, batch.attention_sq) == (
+        padded.tokens, padded.labelled, padded.attention_sq) == (5, 3, 1 + 4 + 4)  # fmt: skip
+
+
 def test_collate_counts_match_the_tensors_on_a_real_packed_batch(tok, tmp_path):
     texts = [{"text": f"Doc {n}: " + "the cat sat. " * (n % 7 + 1)} for n in range(40)]
     ds = load(spec(write_jsonl(tmp_path / "d.jsonl", texts), maxSeqLength=64), tok, tmp_path / "j")

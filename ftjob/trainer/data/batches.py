@@ -144,7 +144,8 @@ def load(
 
 @dataclass(frozen=True)
 class Batch:
-    """One micro-batch: right-padded rows whose packed documents never see each other.
+    """One micro-batch: right-padded rows whose packed documents never see each other (or,
+    collated ``flat``, as SFT trains, one row of the rows' real tokens back to back).
 
     ``position_ids`` restart at 0 for every packed document and for each row's padding (a
     document of its own, with no labels). ``cu_seqlens`` are the same boundaries over the
@@ -205,26 +206,37 @@ class Batch:
         return replace(self, **moved)
 
 
-def collate(rows: list[dict], pad_id: int) -> Batch:
+def collate(rows: list[dict], pad_id: int, flat: bool = False) -> Batch:
     """Rows of prepared sequences (input_ids, labels, seq_lengths; optionally stems and
     spans, see :class:`Batch`) -> a right-padded Batch.
+
+    ``flat``: the rows back to back as one row of their real tokens, no padding (TRL's
+    padding-free layout): every layer, attention aside, costs per token, and the padding
+    was a document of its own that every layer ran. Next-token loss is the same: each row
+    starts a document, whose first label is IGNORE (tokenize.py), and a row's first label is
+    forced to IGNORE here too, so a row's last token still predicts nothing.
 
     Built in numpy from the rows' Python lists (np.full plus slice assignment is ~6x faster
     than ``torch.as_tensor`` of each list): this runs once per micro-batch on every rank.
     A row's ``spans`` are (sequence index, start within the row, length); the batch's are
     flattened and in index order.
     """
-    width = max(len(r["input_ids"]) for r in rows)
-    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
-    labels = np.full((len(rows), width), IGNORE, dtype=np.int64)
+    sizes = [len(r["input_ids"]) for r in rows]
+    shape = (1, sum(sizes)) if flat else (len(rows), max(sizes))
+    # Where each row begins in the flattened batch.
+    starts = np.cumsum([0, *sizes[:-1]]) if flat else np.arange(len(rows)) * shape[1]
+    ids = np.full(shape, pad_id, dtype=np.int64)
+    labels = np.full(shape, IGNORE, dtype=np.int64)
+    flat_ids, flat_labels = ids.reshape(-1), labels.reshape(-1)  # views
     spans: dict[int, tuple[int, int]] = {}
-    for row, r in enumerate(rows):
-        n = len(r["input_ids"])
-        ids[row, :n] = r["input_ids"]
-        labels[row, :n] = r["labels"]
+    for r, n, at in zip(rows, sizes, starts.tolist(), strict=True):
+        flat_ids[at : at + n] = r["input_ids"]
+        flat_labels[at : at + n] = r["labels"]
+        if flat and at and n:
+            flat_labels[at] = IGNORE  # predicted by the previous row's last token: never
         for index, start, length in r.get("spans", ()):
-            spans[index] = (row * width + start, length)
-    docs = _documents(rows, width)
+            spans[index] = (at + start, length)
+    docs = _documents(rows, None if flat else shape[1])
     cu = np.zeros(len(docs.lengths) + 1, dtype=np.int64)
     np.cumsum(docs.lengths, out=cu[1:])
     # Each token's position in its document: its index minus its document's start, plus
@@ -233,7 +245,7 @@ def collate(rows: list[dict], pad_id: int) -> Batch:
     return Batch(
         input_ids=torch.from_numpy(ids),
         labels=torch.from_numpy(labels),
-        position_ids=torch.from_numpy(positions.reshape(ids.shape)),
+        position_ids=torch.from_numpy(positions.reshape(shape)),
         cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
         max_seqlen=max(docs.lengths),
         tokens=docs.tokens,
@@ -254,7 +266,8 @@ class _Documents:
     attention_sq: int  # in length^2 units: a branch's queries also see its stem
 
 
-def _documents(rows: list[dict], width: int) -> _Documents:
+def _documents(rows: list[dict], width: int | None) -> _Documents:
+    """The flattened batch's documents; ``width``: each row's padded length (None: flat)."""
     lengths: list[int] = []
     stems: list[int] = []
     tokens = attention_sq = 0
@@ -272,7 +285,7 @@ def _documents(rows: list[dict], width: int) -> _Documents:
                 lengths.append(k)
                 stems.append(stem)
                 attention_sq += k * k + 2 * k * stem
-        if width > n:
+        if width is not None and width > n:  # the row's padding, a document of its own
             lengths.append(width - n)
             stems.append(0)
         tokens += n

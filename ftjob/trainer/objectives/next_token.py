@@ -30,7 +30,11 @@ class NextToken(Offline):
         return cls()
 
     def collate(self, rows: list[dict], pad_id: int) -> data.Batch:
-        return data.collate(rows, pad_id)
+        # One row of the micro-batch's real tokens: no padding runs through the model, for
+        # the same loss (measured: 1.2% of the tokens the packed bench jobs ran were padding,
+        # 29% of an unpacked micro-batch of 4 of the same data). Its length varies from step
+        # to step: under training.compile the layers recompile once, with a dynamic length.
+        return data.collate(rows, pad_id, flat=True)
 
     def count(self, batch: data.Batch) -> int:
         """What the step's loss is a mean over: labelled tokens (a host number)."""
