@@ -185,7 +185,7 @@ class Batch:
     shared: int = 0
     # The objective's sequences (a DPO pair's two, a GRPO completion), in the objective's order:
     # each one's first response token is predicted at flattened position ``start``, the next
-    # at start + 1, and so on for ``length`` tokens (trainer/objectives/loss.py span_logps).
+    # at start + 1, and so on for ``length`` tokens (trainer/objectives/loss.py span_view).
     spans: tuple[tuple[int, int], ...] = ()
 
     _TENSORS = ("input_ids", "labels", "position_ids", "cu_seqlens", "reference", "targets")
