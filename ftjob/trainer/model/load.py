@@ -34,6 +34,7 @@ from ftjob.job import installed, modelfiles
 from ftjob.job.inputs import resolve  # here too: the trainer's modules call model.resolve
 from ftjob.plan.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK
 from ftjob.trainer.model import attention, float8, weights
+from ftjob.trainer.model.lora import fuse
 from ftjob.trainer.model.parallel import Dist, is_sharded
 
 if TYPE_CHECKING:  # imported by the phase that uses it: see ftjob/trainer/report/startup.py
@@ -170,7 +171,9 @@ def _adapters(model: nn.Module, spec: FineTuneJobSpec) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     # On the meta device: materialize draws the adapters' values, the same on every rank.
-    return get_peft_model(model, config)
+    adapted = get_peft_model(model, config)
+    fuse(adapted)  # the adapters' output added inside their second matmul
+    return adapted
 
 
 def left_whole(built: Built, shards: int) -> set[nn.Parameter]:
