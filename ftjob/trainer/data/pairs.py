@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ftjob.api.jobspec.data import DatasetSpec
+from ftjob.trainer.data.batches import branched
 from ftjob.trainer.data.records import DataError
-from ftjob.trainer.data.tokenize import IGNORE
 
 if TYPE_CHECKING:  # imported by the phase that uses it: see ftjob/trainer/report/startup.py
     import pyarrow as pa  # by batch() alone: DPO's objective imports this module at start
@@ -168,39 +168,12 @@ def rows(pairs: list[dict], shared: bool) -> list[dict]:
     the responses; sequence i is pair i's chosen response, B + i its rejected one.
 
     Unshared: 2B rows, prompt + chosen then prompt + rejected (TRL's layout). ``shared`` (the
-    trainer's packed attention): one row a pair, prompt + chosen, then the rejected response
-    as a branch that reads the prompt's keys and values instead of running the prompt again.
-    The branch starts with a copy of the prompt's last token, at its position and seeing
-    what it sees, so that the branch's own first position predicts the rejected response's
-    first token (and the chosen response's last position predicts nothing).
+    trainer's packed attention): one row a pair, the rejected response a branch that reads
+    the prompt's keys and values instead of running the prompt again (batches.branched).
     """
     b = len(pairs)
-    # An empty prompt (a tokenizer without BOS) has no last token to branch from.
-    if not shared or not all(len(p["prompt_ids"]) for p in pairs):
-        chosen = [_row(p["prompt_ids"], p["chosen_ids"], i) for i, p in enumerate(pairs)]
-        rejected = [_row(p["prompt_ids"], p["rejected_ids"], b + i) for i, p in enumerate(pairs)]
-        return chosen + rejected
-    out = []
-    for i, p in enumerate(pairs):
-        prompt, chosen, rejected = (list(p[k]) for k in COLUMNS[1:])
-        stem = len(prompt) - 1  # the branch's own first token is the prompt's last
-        out.append({
-            "input_ids": prompt + chosen + prompt[-1:] + rejected,
-            "labels": [IGNORE] * len(prompt) + chosen + [IGNORE] + rejected,
-            "seq_lengths": [len(prompt) + len(chosen), 1 + len(rejected)],
-            "stems": [0, stem],
-            "spans": [(i, stem, len(chosen)), (b + i, len(prompt) + len(chosen), len(rejected))],
-        })  # fmt: skip
-    return out
-
-
-def _row(prompt, response, index: int) -> dict:
-    ids = list(prompt) + list(response)
-    # Without a prompt the response's first token has no position to be predicted from.
-    start, unseen = (len(prompt) - 1, 0) if len(prompt) else (0, 1)
-    return {
-        "input_ids": ids,
-        "labels": [IGNORE] * len(prompt) + list(response),
-        "seq_lengths": [len(ids)],
-        "spans": [(index, start, len(response) - unseen)],
-    }
+    parts = [(list(p["prompt_ids"]), list(p["chosen_ids"]), list(p["rejected_ids"])) for p in pairs]
+    if shared and all(prompt for prompt, _, _ in parts):  # an empty one has no token to branch at
+        return [branched(p, [c, r], [i, b + i]) for i, (p, c, r) in enumerate(parts)]
+    chosen = [branched(p, [c], [i]) for i, (p, c, _) in enumerate(parts)]
+    return chosen + [branched(p, [r], [b + i]) for i, (p, _, r) in enumerate(parts)]

@@ -37,7 +37,6 @@ from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.jobspec.training import GrpoSpec
 from ftjob.job.folder import JobFolder
 from ftjob.trainer.data import batches as data
-from ftjob.trainer.data.tokenize import IGNORE
 from ftjob.trainer.gang import termination
 from ftjob.trainer.model.parallel import sharded_on
 from ftjob.trainer.objectives import grpo_loss, kl_reference
@@ -533,22 +532,13 @@ def sequences(prompts: list[list[int]], completions: list[list[int]], shared: bo
     """Prompt + completion rows for data.collate; completion i is sequence i.
 
     ``shared``: a run of completions of the same prompt (a group, as sampled) is one row, the
-    prompt with the first completion, then each later completion as a branch that reads the
-    prompt's keys and values (data.Batch.stems). A branch starts with a copy of the prompt's
-    last token, at its position, so its own first position predicts the completion's first
-    token. Otherwise each completion is a row of its own."""
+    later completions branches that read the prompt's keys and values (data.branched);
+    otherwise each completion is a row of its own."""
     rows: list[dict] = []
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        stem = len(p) - 1
-        if shared and rows and stem > 0 and prompts[i - 1] == p:
-            row = rows[-1]
-            row["spans"].append((i, len(row["input_ids"]), len(c)))
-            row["input_ids"] += p[-1:] + c
-            row["labels"] += [IGNORE] + c
-            row["seq_lengths"].append(1 + len(c))
-            row["stems"].append(stem)
-            continue
-        rows.append({"input_ids": p + c, "labels": [IGNORE] * len(p) + c,
-                     "seq_lengths": [len(p) + len(c)], "stems": [0],
-                     "spans": [(i, max(stem, 0), len(c))]})  # fmt: skip
+    start = 0
+    for i in range(1, len(prompts) + 1):
+        if i < len(prompts) and shared and prompts[i] == prompts[start]:
+            continue  # the group goes on
+        rows.append(data.branched(prompts[start], completions[start:i], list(range(start, i))))
+        start = i
     return rows
