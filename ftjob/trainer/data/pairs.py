@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ftjob.api.jobspec.data import DatasetSpec
-from ftjob.trainer.data.batches import branched
+from ftjob.trainer.data.branches import branched
 from ftjob.trainer.data.records import DataError
 
 if TYPE_CHECKING:  # imported by the phase that uses it: see ftjob/trainer/report/startup.py
@@ -169,7 +169,7 @@ def rows(pairs: list[dict], shared: bool) -> list[dict]:
 
     Unshared: 2B rows, prompt + chosen then prompt + rejected (TRL's layout). ``shared`` (the
     trainer's packed attention): one row a pair, the rejected response a branch that reads
-    the prompt's keys and values instead of running the prompt again (batches.branched).
+    the prompt's keys and values instead of running the prompt again (branches.branched).
     """
     b = len(pairs)
     parts = [(list(p["prompt_ids"]), list(p["chosen_ids"]), list(p["rejected_ids"])) for p in pairs]

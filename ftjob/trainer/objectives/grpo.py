@@ -37,6 +37,7 @@ from ftjob.api.jobspec import FineTuneJobSpec
 from ftjob.api.jobspec.training import GrpoSpec
 from ftjob.job.folder import JobFolder
 from ftjob.trainer.data import batches as data
+from ftjob.trainer.data.branches import branched
 from ftjob.trainer.gang import termination
 from ftjob.trainer.model.parallel import sharded_on
 from ftjob.trainer.objectives import grpo_loss, kl_reference
@@ -532,13 +533,13 @@ def sequences(prompts: list[list[int]], completions: list[list[int]], shared: bo
     """Prompt + completion rows for data.collate; completion i is sequence i.
 
     ``shared``: a run of completions of the same prompt (a group, as sampled) is one row, the
-    later completions branches that read the prompt's keys and values (data.branched);
+    later completions branches that read the prompt's keys and values (data.branches);
     otherwise each completion is a row of its own."""
     rows: list[dict] = []
     start = 0
     for i in range(1, len(prompts) + 1):
         if i < len(prompts) and shared and prompts[i] == prompts[start]:
             continue  # the group goes on
-        rows.append(data.branched(prompts[start], completions[start:i], list(range(start, i))))
+        rows.append(branched(prompts[start], completions[start:i], list(range(start, i))))
         start = i
     return rows
