@@ -1,18 +1,21 @@
-"""peft's LoRA linear layers with the adapter's output added inside a GEMM.
+"""peft's LoRA linear layers as one autograd function that writes the adapter into the base's
+GEMMs.
 
-peft's vanilla LoRA forward is ``base(x) + lora_B(lora_A(dropout(x))) * scaling``: besides
-its three matmuls, a multiply and an add over the whole [tokens, out] output, and that
-multiply again in the backward, memory-bound passes over the largest tensors a LoRA layer
-makes. ``torch.addmm(base(x), A(x), B.T, alpha=scaling)`` does the scaling and the add in the
-second matmul's own write (BLAS's alpha and beta), in the same order: the same values
-(tests/unit/test_lora.py, bit for bit in fp32 on CPU) for two fewer passes forward and one
-backward (measured: 3.6% of a 190M LoRA step's CPU time, seq 512, one thread).
+peft's vanilla LoRA forward is ``base(x) + lora_B(lora_A(dropout(x))) * scaling``: besides its
+three matmuls, a multiply and an add over the whole [tokens, out] output forward, and in the
+backward an add of the input's two gradients (the base's and the adapter's) over the whole
+[tokens, in] input: memory-bound passes over the largest tensors a LoRA layer makes.
+:class:`LoraMatmuls` adds the adapter's product inside the GEMM that already writes each of
+those tensors (BLAS's alpha and beta: ``y.addmm_(h, B.T, alpha=scaling)`` forward,
+``dx.addmm_(dh, A)`` backward), with the products peft's autograd computes, in the same order
+(tests/unit/test_lora.py: values bit for bit, gradients to float32's rounding, on CPU).
 
 The layer stays peft's (:func:`fuse` changes only its class's forward): the same parameters
-and names for checkpoints, FSDP and the export. Anything but one plain adapter (disabled or
-merged adapters, DoRA and other variants, a bias on lora_B, mixed dtypes without autocast)
-takes peft's own forward. The output head is left to trainer/objectives/loss.py, which gives
-an adapted head its chunked loss.
+and names for checkpoints, FSDP and the export. The function needs one plain adapter on a plain
+``nn.Linear`` with plain tensors (not QLoRA's NF4, not a DTensor) in one dtype and no
+autocast; anything else (disabled or merged adapters, DoRA and other variants, a bias on
+lora_B, a quantized or float8 base, mixed dtypes) takes peft's own forward. The output head
+is left to trainer/objectives/loss.py, which gives an adapted head its chunked loss.
 """
 
 from __future__ import annotations
@@ -44,26 +47,73 @@ def _fused(lora_linear: type) -> type:
             name = None if args or kwargs else _plain_adapter(self, x)
             if name is None:
                 return super().forward(x, *args, **kwargs)
-            result = self.base_layer(x)
-            h = self.lora_A[name](self.lora_dropout[name](x))
-            b, scaling = self.lora_B[name].weight, self.scaling[name]
-            if result.dtype != h.dtype and not torch.is_autocast_enabled(x.device.type):
-                return result + (h @ b.t()) * scaling  # peft's sum, in its dtypes
-            out = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]),
-                              b.t(), alpha=scaling)  # fmt: skip
-            return out.view(result.shape)
+            base = self.base_layer
+            a, b = self.lora_A[name].weight, self.lora_B[name].weight
+            dropped = self.lora_dropout[name](x)  # x itself where the dropout is nn.Identity
+            return LoraMatmuls.apply(x, dropped, base.weight, base.bias, a, b, self.scaling[name])
 
     return FusedLoraLinear
 
 
 def _plain_adapter(layer, x: torch.Tensor) -> str | None:
-    """The one active adapter's name where peft's forward would be the plain sum, else None."""
+    """The one active adapter's name where peft's forward would be the plain sum on a plain
+    linear base, every operand in x's dtype and no autocast to change it; else None."""
     if layer.disable_adapters or layer.merged or len(layer.active_adapters) != 1:
         return None
     name = layer.active_adapters[0]
     if name not in layer.lora_A or name in layer.lora_variant:
         return None
-    if layer.lora_B[name].bias is not None:
+    if layer.lora_B[name].bias is not None or type(layer.base_layer) is not nn.Linear:
         return None
-    same = x.dtype == layer.lora_A[name].weight.dtype
-    return name if same or torch.is_autocast_enabled(x.device.type) else None
+    if torch.is_autocast_enabled(x.device.type):
+        return None
+    weights = (layer.base_layer.weight, layer.lora_A[name].weight, layer.lora_B[name].weight)
+    # A tensor subclass (QLoRA's NF4, a DTensor) has its own matmuls: F.linear dispatches them.
+    plain = all(type(w) in (nn.Parameter, torch.Tensor) for w in weights)
+    return name if plain and all(w.dtype == x.dtype for w in weights) else None
+
+
+class LoraMatmuls(torch.autograd.Function):
+    """``x W^T + bias + scaling * (dropped A^T) B^T``, dropped being x after the adapter's
+    dropout (x itself without one), in autograd's own products (torch's mm_mat1_backward and
+    mm_mat2_backward for row-major inputs and transposed weights)."""
+
+    @staticmethod
+    def forward(ctx, x, dropped, weight, bias, a, b, scaling):
+        x2 = x.reshape(-1, x.shape[-1])
+        d2 = x2 if dropped is x else dropped.reshape(-1, dropped.shape[-1])
+        y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+        h = torch.mm(d2, a.t())
+        y.addmm_(h, b.t(), alpha=scaling)
+        ctx.save_for_backward(x2, d2, weight, a, b, h)
+        ctx.scaling, ctx.shared, ctx.shape = scaling, dropped is x, x.shape
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, d2, weight, a, b, h = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dh = _scaled(dy2.mm(b), ctx.scaling)
+        dx = dx_dropped = None
+        if need[0] or need[1]:
+            dx = dy2.mm(weight)
+            if ctx.shared:
+                dx.addmm_(dh, a)  # the adapter's share, in the GEMM that writes the base's
+            else:
+                dx_dropped = dh.mm(a).view(ctx.shape)
+            dx = dx.view(ctx.shape)
+        return (
+            dx,
+            dx_dropped,
+            dy2.t().mm(x2) if need[2] else None,
+            dy2.sum(0) if need[3] else None,
+            dh.t().mm(d2) if need[4] else None,
+            _scaled(dy2.t().mm(h), ctx.scaling) if need[5] else None,
+            None,
+        )
+
+
+def _scaled(t: torch.Tensor, scaling: float) -> torch.Tensor:
+    """autograd's maybe_multiply: no pass over t where the factor is one."""
+    return t if scaling == 1 else t * scaling
