@@ -33,6 +33,7 @@ CPU_SUITES = [
     "accumulation",
     "dpo",
     "chunkedloss",
+    "kernels",
     "grpo",
     "startup",
 ]

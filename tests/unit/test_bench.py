@@ -276,3 +276,27 @@ def test_the_fleet_says_who_spent_the_cpu_in_a_window_the_most_first():
     assert 0.25 <= spent <= 2.0, spent
     said = cpu_spent({"etcd": 5.0, "operator": 1.0}, {"etcd": 6.0, "operator": 31.0, "new": 2.0})
     assert said == "operator 30, new 2, etcd 1"
+
+
+def test_the_kernels_suite_switches_each_layer_between_its_two_classes():
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from bench import kernels
+
+    tiny = AutoModelForCausalLM.from_pretrained(common.TINY_MODEL)
+    net = get_peft_model(tiny, LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
+    switch = kernels.Switch(net)
+    assert len(switch.classes) == 2 * 2 + 2 * 2 + 1  # adapted layers, norms, the final norm
+
+    def names() -> set[str]:
+        return {type(m).__name__ for m in switch.classes}
+
+    switch.use(kernels.VARIANTS[0])
+    assert names() == {"Linear", "LlamaRMSNorm"}
+    switch.use(kernels.VARIANTS[1])
+    assert names() == {"FusedLoraLinear", "LlamaRMSNorm"}
+    switch.use(kernels.VARIANTS[2])
+    assert names() == {"FusedLoraLinear", "FusedLlamaRMSNorm"}
+    ids, kwargs = kernels.batch(tokens=64)
+    assert ids.shape == (1, 64) and int(kwargs["cu_seq_lens_q"][-1]) == 64

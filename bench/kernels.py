@@ -1,0 +1,111 @@
+"""Suite kernels: what ftjob's written-out backwards (trainer/model/lora.py's LoRA layers,
+trainer/model/norms.py's RMSNorm) save in a step, against peft's and transformers' own forward.
+
+One process, one thread: the 190M Llama (--quick: the 24M one) with LoRA r16 on every linear
+layer, ftjob's packed attention, one micro-batch of 512 tokens in 15 documents of 20-49
+tokens (the chat data's lengths), forward, loss and backward. The variants alternate round by
+round in the same process (round k runs them in turn, the order flipped every other round), so
+that a busy machine slows each alike; each variant's best and median CPU time count.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench import common
+from bench.report import row
+
+ROUNDS = 12
+VARIANTS = ("peft and transformers", "written-out LoRA", "written-out LoRA and RMSNorm")
+
+
+def model(size: str, work: Path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ftjob.trainer.model import attention
+
+    net = AutoModelForCausalLM.from_pretrained(
+        common.model_dir(size, work), dtype=torch.float32,
+        attn_implementation=attention.implementation("sdpa"),
+    )  # fmt: skip
+    config = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
+    return get_peft_model(net, config)
+
+
+def batch(tokens: int = 512, seed: int = 1) -> tuple[torch.Tensor, dict]:
+    """Input ids and the packed-attention kwargs of one flattened micro-batch."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(int(torch.randint(20, 50, (1,), generator=g)))
+    lengths[-1] -= sum(lengths) - tokens
+    ids = torch.randint(3, 1024, (1, tokens), generator=g)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    return ids, {"position_ids": positions, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+                 "max_length_q": max(lengths), "max_length_k": max(lengths)}  # fmt: skip
+
+
+class Switch:
+    """Each LoRA layer's and RMSNorm's class, as peft and transformers build them and as
+    ftjob's fuse() leaves them, to set by variant."""
+
+    def __init__(self, net):
+        from ftjob.trainer.model import lora, norms
+
+        before = {m: type(m) for m in net.modules()}
+        lora.fuse(net)
+        norms.fuse(net)
+        self.classes = {m: (before[m], type(m)) for m in net.modules() if type(m) is not before[m]}
+
+    def use(self, variant: str) -> None:
+        for module, (plain, fused) in self.classes.items():
+            written = "RMSNorm" in variant if "Norm" in plain.__name__ else "LoRA" in variant
+            module.__class__ = fused if written else plain
+
+
+def measure(size: str, work: Path) -> dict:
+    torch.set_num_threads(1)
+    net, (ids, kwargs) = model(size, work), batch()
+    switch = Switch(net)
+
+    def step() -> float:
+        start = time.process_time()
+        logits = net(input_ids=ids, **kwargs).logits
+        F.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+        return time.process_time() - start
+
+    times = {v: [] for v in VARIANTS}
+    for k in range(ROUNDS):
+        for variant in VARIANTS if k % 2 else VARIANTS[::-1]:
+            switch.use(variant)
+            step()  # the first after a switch: its allocations settle
+            times[variant].append(step())
+    return {"size": size, "params": common.param_count(common.model_dir(size, work)),
+            "swapped": len(switch.classes), "times": times,
+            "best": {v: min(t) for v, t in times.items()},
+            "median": {v: sorted(t)[len(t) // 2] for v, t in times.items()}}  # fmt: skip
+
+
+def run(work: Path, quick: bool) -> dict:
+    c = measure("medium" if quick else "190m", work)
+    base = VARIANTS[0]
+    what = (f"{c['size']} ({c['params'] / 1e6:.0f}M) LoRA r16 forward + backward, 512 tokens, "
+            f"1 thread, {ROUNDS} rounds")  # fmt: skip
+    rows = [
+        row(
+            f"CPU s a step ({kind}), {variant} vs {base}, {what}",
+            c[kind][variant],
+            c[kind][base],
+            base,
+            c[kind][base] / c[kind][variant],
+        )  # fmt: skip
+        for kind in ("best", "median")
+        for variant in VARIANTS[1:]
+    ]
+    return {"cases": [c], "rows": rows}
