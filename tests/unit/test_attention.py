@@ -326,6 +326,20 @@ def test_the_default_path_runs_per_document_sdpa_without_a_mask(job, alone, monk
     assert [length for length, _, _ in calls] == docs * 2
 
 
+def test_each_documents_sdpa_runs_a_fused_kernel_forward_and_backward():
+    """per_document gives SDPA 4-D inputs, which its fused kernels need (3-D ones take the
+    math path): on CPU the flash kernel runs forward and backward, grouped-query heads too."""
+    q = torch.randn(40, 4, 8, requires_grad=True)
+    k, v = (torch.randn(40, 2, 8, requires_grad=True) for _ in range(2))
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    with torch.profiler.profile() as prof:
+        attention.per_document(q, k, v, cu, None).sum().backward()
+    names = {e.name for e in prof.events()}
+    assert {"aten::_scaled_dot_product_flash_attention_for_cpu",
+            "aten::_scaled_dot_product_flash_attention_for_cpu_backward"} <= names  # fmt: skip
+    assert "aten::_scaled_dot_product_attention_math" not in names
+
+
 def test_the_export_does_not_name_ftjobs_attention(job, tmp_path):
     spec, tok, net = job
     export.export(net, spec, tok, tmp_path / "model", rank=0)

@@ -242,12 +242,14 @@ def per_document(
             mask = mask.tril(stem)
         else:
             prefix = (dk, dv)
-        # [L, H, D] -> [H, L, D]: SDPA's (heads, length, dim) layout.
+        # [L, H, D] -> [1, H, L, D]: SDPA's (batch, heads, length, dim) layout. Its fused
+        # kernels take only 4-D inputs: 3-D ones fall back to the math path (on CPU, the flash
+        # kernel's forward and backward are ~25% faster than it over a packed 512-token row).
         out = F.scaled_dot_product_attention(
-            dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1), attn_mask=mask,
+            *(t.transpose(0, 1).unsqueeze(0) for t in (dq, dk, dv)), attn_mask=mask,
             is_causal=mask is None, scale=scale, enable_gqa=gqa,
         )  # fmt: skip
-        outs.append(out.transpose(0, 1))
+        outs.append(out.squeeze(0).transpose(0, 1))
     return torch.cat(outs)
 
 
