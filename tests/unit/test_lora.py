@@ -60,6 +60,9 @@ def test_the_fused_forward_gives_peft_s_values_and_gradients(dropout, bias):
         # of the largest entry, no more.
         error = (grad - want_grads[name]).abs().max()
         assert error <= 1e-6 * want_grads[name].abs().max(), name
+    torch.manual_seed(1)  # forward_backward's dropout masks
+    with torch.no_grad():  # outside autograd: the same products without the function
+        torch.testing.assert_close(fused_net(input_ids=ids).logits, want, rtol=0, atol=0)
     with fused_net.disable_adapter(), peft_net.disable_adapter(), torch.no_grad():
         base = fused_net(input_ids=ids).logits
         assert torch.equal(base, peft_net(input_ids=ids).logits) and not torch.equal(base, got)
@@ -68,6 +71,7 @@ def test_the_fused_forward_gives_peft_s_values_and_gradients(dropout, bias):
 def test_what_it_does_not_fuse_takes_peft_s_forward(monkeypatch):
     calls = []
     monkeypatch.setattr(lora.LoraMatmuls, "apply", lambda *a: calls.append(1))
+    monkeypatch.setattr(lora, "_adapted", lambda *a: calls.append(2))
     ids = torch.randint(3, 1000, (1, 8))
     net = adapted(use_dora=True)  # a variant: peft's forward owns it
     lora.fuse(net)
@@ -81,7 +85,10 @@ def test_what_it_does_not_fuse_takes_peft_s_forward(monkeypatch):
     assert not calls
     with pytest.raises(AttributeError):  # the fused path calls it: the stand-in returns None
         net(input_ids=ids)
-    assert calls
+    assert calls == [1]
+    with pytest.raises(AttributeError), torch.no_grad():  # and outside autograd, its products
+        net(input_ids=ids)
+    assert calls == [1, 2]
 
 
 def test_the_trainer_builds_its_lora_layers_fused():

@@ -50,6 +50,8 @@ def _fused(lora_linear: type) -> type:
             base = self.base_layer
             a, b = self.lora_A[name].weight, self.lora_B[name].weight
             dropped = self.lora_dropout[name](x)  # x itself where the dropout is nn.Identity
+            if not torch.is_grad_enabled():  # sampling, evaluation: the products, no function
+                return _adapted(base(x), dropped, a, b, self.scaling[name])
             return LoraMatmuls.apply(x, dropped, base.weight, base.bias, a, b, self.scaling[name])
 
     return FusedLoraLinear
@@ -112,6 +114,15 @@ class LoraMatmuls(torch.autograd.Function):
             _scaled(dy2.t().mm(h), ctx.scaling) if need[5] else None,
             None,
         )
+
+
+def _adapted(y: torch.Tensor, dropped: torch.Tensor, a, b, scaling: float) -> torch.Tensor:
+    """The base layer's output ``y`` with the adapter's product added in the GEMM, as
+    :class:`LoraMatmuls` forward; the base's own forward wrote ``y`` (while sampling, the
+    weight-on-the-left GEMM of trainer/model/thin.py)."""
+    h = torch.mm(dropped.reshape(-1, dropped.shape[-1]), a.t())
+    y.view(-1, y.shape[-1]).addmm_(h, b.t(), alpha=scaling)
+    return y
 
 
 def _scaled(t: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from ftjob.trainer.model import attention
+from ftjob.trainer.model import attention, thin
 
 # Tokens drawn between two checks of whether every completion has ended: the check reads the
 # device from the host (and under FSDP all-reduces across ranks), which on a GPU waits for
@@ -74,7 +74,7 @@ class KvSampling:
         was_training = net.training
         net.eval()  # no dropout while sampling
         try:
-            with _cached_attention(net), _gathered_once(net):
+            with _cached_attention(net), _gathered_once(net), thin.linears(net):
                 ids, mask, positions, logits = _prefilled(net, prompts, self.pad, cache, device)
                 for n in range(1, self.max_new + 1):
                     token = self._draw(logits[:, -1], generator, ids)
