@@ -144,9 +144,10 @@ class Run:
     log: list[dict]
     output: str
 
-    def steady_tokens_per_second(self, skip: int = 1) -> float:
+    def steady_tokens_per_second(self, skip: int) -> float:
         """Tokens/s over the logged steps after the first ``skip`` (warm-up: allocation,
-        first-touch page faults), from the trainer's own per-interval numbers."""
+        first-touch page faults), from the trainer's own per-interval numbers: the mean of
+        the per-step rates, as the TRL workers' clocks take theirs."""
         steps = [e for e in self.log if e.get("event") == "step"]
         rates = [e["tokensPerSecond"] for e in steps[skip:] if e.get("tokensPerSecond")]
         return sum(rates) / len(rates) if rates else self.progress.get("tokensPerSecond") or 0.0

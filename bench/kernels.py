@@ -1,5 +1,8 @@
 """Suite kernels: what ftjob's written-out backwards (trainer/model/lora.py's LoRA layers,
-trainer/model/norms.py's RMSNorm) save in a step, against peft's and transformers' own forward.
+trainer/model/norms.py's RMSNorm) save in a step, against peft's and transformers' own forward;
+and what sampling's weight-on-the-left products (trainer/model/thin.py) save in a GRPO
+sampling (8 completions of one prompt, 16 tokens: the grpo suite's shape), against torch's
+linear.
 
 One process, one thread: the 190M Llama (--quick: the 24M one) with LoRA r16 on every linear
 layer, ftjob's packed attention, one micro-batch of 512 tokens in 15 documents of 20-49
@@ -10,6 +13,7 @@ that a busy machine slows each alike; each variant's best and median CPU time co
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -21,6 +25,7 @@ from bench.report import row
 
 ROUNDS = 12
 VARIANTS = ("peft and transformers", "written-out LoRA", "written-out LoRA and RMSNorm")
+SAMPLING = ("torch's linear", "weight on the left")
 
 
 def model(size: str, work: Path):
@@ -86,10 +91,33 @@ def measure(size: str, work: Path) -> dict:
             switch.use(variant)
             step()  # the first after a switch: its allocations settle
             times[variant].append(step())
+    switch.use(VARIANTS[-1])  # as ftjob builds it
+    times.update(sampling(net))
     return {"size": size, "params": common.param_count(common.model_dir(size, work)),
             "swapped": len(switch.classes), "times": times,
             "best": {v: min(t) for v, t in times.items()},
             "median": {v: sorted(t)[len(t) // 2] for v, t in times.items()}}  # fmt: skip
+
+
+def sampling(net) -> dict[str, list[float]]:
+    """CPU seconds of a sampling by ftjob's engine, with and without thin.py's turned
+    products, the two alternating round by round."""
+    from unittest import mock
+
+    from ftjob.trainer.model import thin
+    from ftjob.trainer.objectives.generate import KvSampling
+
+    engine = KvSampling(16, temperature=1.0, top_p=1.0, eos=(2,), pad=0, synced=False)
+    prompts = [list(range(5, 20))] * 8
+    times = {v: [] for v in SAMPLING}
+    for k in range(ROUNDS):
+        for variant in SAMPLING if k % 2 else SAMPLING[::-1]:
+            plain = mock.patch.object(thin, "turned", lambda rows, weight: False)
+            with plain if variant == SAMPLING[0] else contextlib.nullcontext():
+                start = time.process_time()
+                engine.complete(net, prompts, torch.Generator().manual_seed(k))
+                times[variant].append(time.process_time() - start)
+    return times
 
 
 def run(work: Path, quick: bool) -> dict:
@@ -107,5 +135,18 @@ def run(work: Path, quick: bool) -> dict:
         )  # fmt: skip
         for kind in ("best", "median")
         for variant in VARIANTS[1:]
+    ]
+    plain, turned = SAMPLING
+    what = (f"{c['size']} ({c['params'] / 1e6:.0f}M) LoRA r16, 8 completions of a 15-token "
+            f"prompt, 16 tokens, 1 thread, {ROUNDS} rounds")  # fmt: skip
+    rows += [
+        row(
+            f"CPU s a sampling ({kind}), {turned} vs {plain}, {what}",
+            c[kind][turned],
+            c[kind][plain],
+            plain,
+            c[kind][plain] / c[kind][turned],
+        )  # fmt: skip
+        for kind in ("best", "median")
     ]
     return {"cases": [c], "rows": rows}

@@ -13,6 +13,16 @@ from bench import common
 from bench.report import row
 
 STEPS = {"tiny": 8, "medium": 10}
+# Warm-up steps left out of both sides' rates (allocation, first-touch page faults): the same
+# number a side, passed to TRL's worker as --skip.
+SKIP = 2
+
+
+def trl_args(model: Path, steps: int, seq: int, micro_batch: int, method: str) -> list[str]:
+    """bench.trl_worker's arguments for the job :func:`common.job` makes of the same values."""
+    return ["--model", str(model), "--data", str(common.CHAT_DATA), "--steps", str(steps),
+            "--seq", str(seq), "--micro-batch", str(micro_batch), "--method", method,
+            "--skip", str(SKIP)]  # fmt: skip
 
 
 def compare(size: str, work: Path, method: str = "full", steps: int | None = None,
@@ -21,8 +31,7 @@ def compare(size: str, work: Path, method: str = "full", steps: int | None = Non
     (others' jobs on a shared machine only ever slow a run down)."""
     model = common.model_dir(size, work)
     steps = steps or STEPS.get(size, 6)
-    args = ["--model", str(model), "--data", str(common.CHAT_DATA), "--steps", str(steps),
-            "--seq", str(seq), "--micro-batch", str(micro_batch), "--method", method]  # fmt: skip
+    args = trl_args(model, steps, seq, micro_batch, method)
     ours, theirs = [], []
     for i in range(pairs):
         name = f"tput-{size}-{method}" + (f"-{i}" if i else "")
@@ -31,7 +40,8 @@ def compare(size: str, work: Path, method: str = "full", steps: int | None = Non
         ours.append(common.ftjob_run(doc, work))
         wall, out = common.torchrun("bench.trl_worker", args, 2, work)
         theirs.append({**common.last_json(out, "TRL"), "wall": wall})
-    mine = max(r.steady_tokens_per_second() for r in ours)
+    rates = [r.steady_tokens_per_second(SKIP) for r in ours]
+    mine = max(rates)
     best = max(t["tokensPerSecond"] for t in theirs)
     return {
         "model": size,
@@ -41,7 +51,7 @@ def compare(size: str, work: Path, method: str = "full", steps: int | None = Non
         "seq": seq,
         "microBatch": micro_batch,
         "ftjob": {"tokensPerSecond": mine,
-                  "runs": [r.steady_tokens_per_second() for r in ours],
+                  "runs": rates,
                   "wall": [r.wall for r in ours], "losses": ours[0].losses(),
                   "trainPeakRssMiB": ours[0].progress.get("trainPeakRssMiB")},
         "baseline": {"tokensPerSecond": best, "runs": [t["tokensPerSecond"] for t in theirs],
@@ -65,7 +75,8 @@ def run(work: Path, quick: bool) -> dict:
         cases.append(compare("190m", work, **LORA_190M))
     rows = [
         row(
-            f"tokens/s, {c['model']} ({c['params'] / 1e6:.1f}M) {c['method']}, 2 procs, "
+            f"tokens/s after {SKIP} warm-up steps, {c['model']} ({c['params'] / 1e6:.1f}M) "
+            f"{c['method']}, 2 procs, "
             f"seq {c['seq']} x mb {c['microBatch']}, {c['steps']} steps, "
             f"best of {len(c['ftjob']['runs'])}",
             c["ftjob"]["tokensPerSecond"],

@@ -60,7 +60,7 @@ class Clock(TrainerCallback):
         return sum(rates) / len(rates) if rates else None
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True)
@@ -79,7 +79,11 @@ def main() -> None:
     # checkpointing (on) and transformers' own attention (sdpa); --attention and
     # --activation-checkpointing are ignored. --bf16 still says the dtype (TRL's default on GPUs).
     p.add_argument("--trl-defaults", action="store_true")
-    a = p.parse_args()
+    return p
+
+
+def main() -> None:
+    a = parser().parse_args()
     cuda = torch.cuda.is_available()
     tok = AutoTokenizer.from_pretrained(a.model)
     attn = "sdpa" if a.trl_defaults else a.attention

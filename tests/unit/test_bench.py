@@ -132,8 +132,17 @@ def test_trls_steady_rate_leaves_out_the_warm_up_steps():
 def test_steady_tokens_per_second_skips_the_warm_up_step():
     log = [{"event": "step", "tokensPerSecond": t} for t in (10.0, 100.0, 200.0)]
     run = common.Run(1.0, {"tokensPerSecond": 5.0}, log + [{"event": "eval"}], "")
-    assert run.steady_tokens_per_second() == 150.0
-    assert common.Run(1.0, {"tokensPerSecond": 5.0}, [], "").steady_tokens_per_second() == 5.0
+    assert run.steady_tokens_per_second(1) == 150.0
+    assert run.steady_tokens_per_second(2) == 200.0
+    assert common.Run(1.0, {"tokensPerSecond": 5.0}, [], "").steady_tokens_per_second(1) == 5.0
+
+
+def test_the_throughput_suite_leaves_out_the_same_warm_up_steps_on_both_sides(tmp_path):
+    from bench import throughput
+    from bench.trl_worker import parser
+
+    a = parser().parse_args(throughput.trl_args(tmp_path, 8, 256, 2, "lora"))
+    assert a.skip == throughput.SKIP == 2 and (a.steps, a.seq, a.micro_batch) == (8, 256, 2)
 
 
 def test_last_json_reads_the_workers_tagged_line():
