@@ -74,3 +74,14 @@ def test_linears_swaps_a_networks_plain_linear_layers_for_the_sampling_only():
             raise RuntimeError("a failed sampling")
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert [type(m) for m in net] == [nn.Linear, nn.ReLU, Custom]
+
+
+def test_a_compiled_network_samples_through_its_own_linear():
+    net = nn.Sequential(nn.Linear(48, 40), nn.ReLU(), nn.Linear(40, 8))
+    compiled = torch.compile(net, backend="eager", dynamic=True)
+    with torch.no_grad(), thin.linears(net):
+        for rows in (16, 8, 4):  # traced with a symbolic row count
+            x = torch.randn(rows, 48)
+            torch.testing.assert_close(
+                compiled(x), net[2](net[1](F.linear(x, net[0].weight, net[0].bias)))
+            )
