@@ -122,31 +122,24 @@ def sampling(net) -> dict[str, list[float]]:
 
 def run(work: Path, quick: bool) -> dict:
     c = measure("medium" if quick else "190m", work)
-    base = VARIANTS[0]
-    what = (f"{c['size']} ({c['params'] / 1e6:.0f}M) LoRA r16 forward + backward, 512 tokens, "
-            f"1 thread, {ROUNDS} rounds")  # fmt: skip
-    rows = [
+    size = f"{c['size']} ({c['params'] / 1e6:.0f}M) LoRA r16"
+    steps = f"{size} forward + backward, 512 tokens, 1 thread, {ROUNDS} rounds"
+    samplings = f"{size}, 8 completions of a 15-token prompt, 16 tokens, 1 thread, {ROUNDS} rounds"
+    return {"cases": [c], "rows": _rows(c, "a step", VARIANTS, steps)
+                                  + _rows(c, "a sampling", SAMPLING, samplings)}  # fmt: skip
+
+
+def _rows(c: dict, unit: str, variants: tuple[str, ...], what: str) -> list[dict]:
+    """Each variant but the first against the first (the library's own), best and median."""
+    base = variants[0]
+    return [
         row(
-            f"CPU s a step ({kind}), {variant} vs {base}, {what}",
+            f"CPU s {unit} ({kind}), {variant} vs {base}, {what}",
             c[kind][variant],
             c[kind][base],
             base,
             c[kind][base] / c[kind][variant],
         )  # fmt: skip
         for kind in ("best", "median")
-        for variant in VARIANTS[1:]
+        for variant in variants[1:]
     ]
-    plain, turned = SAMPLING
-    what = (f"{c['size']} ({c['params'] / 1e6:.0f}M) LoRA r16, 8 completions of a 15-token "
-            f"prompt, 16 tokens, 1 thread, {ROUNDS} rounds")  # fmt: skip
-    rows += [
-        row(
-            f"CPU s a sampling ({kind}), {turned} vs {plain}, {what}",
-            c[kind][turned],
-            c[kind][plain],
-            plain,
-            c[kind][plain] / c[kind][turned],
-        )  # fmt: skip
-        for kind in ("best", "median")
-    ]
-    return {"cases": [c], "rows": rows}
