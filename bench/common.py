@@ -185,6 +185,26 @@ def ftjob_run(doc: dict, work: Path, env: dict | None = None, timeout: float = 6
     return run
 
 
+def alternate(
+    runs: int, name: str, doc_for, worker: str, args: list[str], work: Path,
+    processes: int = 2, env: dict | None = None,
+) -> tuple[list[Run], list[dict]]:  # fmt: skip
+    """``ftjob run`` of ``doc_for(name)`` and the TRL ``worker`` in turn, ``runs`` times each
+    (others' work on a shared machine only ever slows a run down: the suites take each side's
+    best). Run i's job is named ``name-i`` (the first ``name``): each is run, not cached. A
+    worker's TRL record gets its wall time, and each rank's peak RSS where it tagged them."""
+    ours, theirs = [], []
+    for i in range(runs):
+        ours.append(ftjob_run(doc_for(name + (f"-{i}" if i else "")), work, env=env))
+        wall, out = torchrun(worker, args, processes, work, env=env)
+        record = {**last_json(out, "TRL"), "wall": wall}
+        ranks = sorted(tagged(out, "TRL-RANK"), key=lambda r: r["rank"])
+        if ranks:
+            record["peakRssMiB"] = [r["peakRssMiB"] for r in ranks]
+        theirs.append(record)
+    return ours, theirs
+
+
 def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
     """torchrun (standalone) of a bench worker as a module (``bench.trl_worker``), from the
     repo's root: run as a script, bench/ would come first on its path and bench/operator.py

@@ -147,15 +147,10 @@ def compare(work: Path, s: Setup) -> dict:
     ordered = work / "dpo" / f"pairs-{s.seq}-ftjob-order.jsonl"
     ordered.write_text("".join(records[i] + "\n" for i in ftjob_order(s, len(records))))
     threads = {"OMP_NUM_THREADS": "1"}
-    ours, theirs = [], []
-    for i in range(s.runs):  # others' work on a shared machine only ever slows a run down
-        name = f"dpo-{s.size}" + (f"-{i}" if i else "")
-        ours.append(common.ftjob_run(job(name, model, data, s), work, env=threads))
-        wall, out = common.torchrun(WORKER, trl_args(model, ordered, s), s.processes, work,
-                                    env=threads)  # fmt: skip
-        ranks = sorted(common.tagged(out, "TRL-RANK"), key=lambda r: r["rank"])
-        theirs.append({**common.last_json(out, "TRL"), "wall": wall,
-                       "peakRssMiB": [r["peakRssMiB"] for r in ranks]})  # fmt: skip
+    ours, theirs = common.alternate(
+        s.runs, f"dpo-{s.size}", lambda name: job(name, model, data, s), WORKER,
+        trl_args(model, ordered, s), work, s.processes, env=threads,
+    )  # fmt: skip
     rates = [steady(r.log, s.skip, s.micro_batch * s.processes) for r in ours]
     pairs_per_second, tokens_per_second = max(rates, key=lambda r: r[0] or 0.0)
     best = max(theirs, key=lambda t: t["pairsPerSecond"] or 0.0)

@@ -82,14 +82,10 @@ def trl_args(model: Path, s: Setup) -> list[str]:
 def compare(work: Path, s: Setup) -> dict:
     model = common.model_dir(s.size, work)
     threads = {"OMP_NUM_THREADS": "1"}
-    ours, theirs = [], []
-    for i in range(s.runs):  # others' work on a shared machine only ever slows a run down
-        name = f"grpo-{s.size}" + (f"-{i}" if i else "")
-        ours.append(common.ftjob_run(job(name, model, s), work, env=threads))
-        wall, out = common.torchrun(WORKER, trl_args(model, s), s.processes, work, env=threads)
-        ranks = sorted(common.tagged(out, "TRL-RANK"), key=lambda r: r["rank"])
-        theirs.append({**common.last_json(out, "TRL"), "wall": wall,
-                       "peakRssMiB": [r["peakRssMiB"] for r in ranks]})  # fmt: skip
+    ours, theirs = common.alternate(
+        s.runs, f"grpo-{s.size}", lambda name: job(name, model, s), WORKER,
+        trl_args(model, s), work, s.processes, env=threads,
+    )  # fmt: skip
     rates = [dpo.steady(r.log, s.skip, 1)[0] for r in ours]
     steps = [e for e in ours[0].log if e.get("event") == "step"]
     return {

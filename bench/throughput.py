@@ -32,14 +32,12 @@ def compare(size: str, work: Path, method: str = "full", steps: int | None = Non
     model = common.model_dir(size, work)
     steps = steps or STEPS.get(size, 6)
     args = trl_args(model, steps, seq, micro_batch, method)
-    ours, theirs = [], []
-    for i in range(pairs):
-        name = f"tput-{size}-{method}" + (f"-{i}" if i else "")
-        doc = common.job(name, model, steps=steps, seq=seq, micro_batch=micro_batch,
-                         method=method)  # fmt: skip
-        ours.append(common.ftjob_run(doc, work))
-        wall, out = common.torchrun("bench.trl_worker", args, 2, work)
-        theirs.append({**common.last_json(out, "TRL"), "wall": wall})
+    ours, theirs = common.alternate(
+        pairs, f"tput-{size}-{method}",
+        lambda name: common.job(name, model, steps=steps, seq=seq, micro_batch=micro_batch,
+                                method=method),
+        "bench.trl_worker", args, work,
+    )  # fmt: skip
     rates = [r.steady_tokens_per_second(SKIP) for r in ours]
     mine = max(rates)
     best = max(t["tokensPerSecond"] for t in theirs)
