@@ -12,7 +12,9 @@ from pathlib import Path
 from bench import common
 from bench.report import row
 
-STEPS = {"tiny": 8, "medium": 10}
+# Steps a run: enough after the warm-up that the median per-step rate (common.steady) stands
+# on a dozen steps or more.
+STEPS = {"tiny": 16, "medium": 16}
 # Warm-up steps left out of both sides' rates (allocation, first-touch page faults): the same
 # number a side, passed to TRL's worker as --skip.
 SKIP = 2
@@ -38,7 +40,7 @@ def compare(size: str, work: Path, method: str = "full", steps: int | None = Non
                                 method=method),
         "bench.trl_worker", args, work,
     )  # fmt: skip
-    rates = [r.steady_tokens_per_second(SKIP) for r in ours]
+    rates = [r.steady_tokens_per_second(SKIP) for r in ours]  # each run's median step
     mine = max(rates)
     best = max(t["tokensPerSecond"] for t in theirs)
     return {
@@ -50,9 +52,11 @@ def compare(size: str, work: Path, method: str = "full", steps: int | None = Non
         "microBatch": micro_batch,
         "ftjob": {"tokensPerSecond": mine,
                   "runs": rates,
+                  "stepRates": [r.step_rates(SKIP) for r in ours],
                   "wall": [r.wall for r in ours], "losses": ours[0].losses(),
                   "trainPeakRssMiB": ours[0].progress.get("trainPeakRssMiB")},
         "baseline": {"tokensPerSecond": best, "runs": [t["tokensPerSecond"] for t in theirs],
+                     "stepRates": [t["stepRates"] for t in theirs],
                      "wall": [t["wall"] for t in theirs], "losses": theirs[0]["losses"],
                      "wrapper": theirs[0]["wrapper"], "peakRssMiB": theirs[0]["peakRssMiB"]},
         "ratio": mine / best if best else None,
@@ -62,8 +66,8 @@ def compare(size: str, work: Path, method: str = "full", steps: int | None = Non
 # Best of 3 a side (issue 50's CPU goal): others' work on a shared machine only slows a run.
 PAIRS = 3
 # The 190M LoRA row has the dpo suite's shape (bench/dpo.py FULL): seq 256, two sequences a
-# rank (a pair there), 8 steps.
-LORA_190M = dict(method="lora", steps=8, seq=256, micro_batch=2, pairs=PAIRS)
+# rank (a pair there); 14 steps (12 after the warm-up).
+LORA_190M = dict(method="lora", steps=14, seq=256, micro_batch=2, pairs=PAIRS)
 
 
 def run(work: Path, quick: bool) -> dict:
@@ -73,8 +77,8 @@ def run(work: Path, quick: bool) -> dict:
         cases.append(compare("190m", work, **LORA_190M))
     rows = [
         row(
-            f"tokens/s after {SKIP} warm-up steps, {c['model']} ({c['params'] / 1e6:.1f}M) "
-            f"{c['method']}, 2 procs, "
+            f"tokens/s (median step) after {SKIP} warm-up steps, "
+            f"{c['model']} ({c['params'] / 1e6:.1f}M) {c['method']}, 2 procs, "
             f"seq {c['seq']} x mb {c['microBatch']}, {c['steps']} steps, "
             f"best of {len(c['ftjob']['runs'])}",
             c["ftjob"]["tokensPerSecond"],

@@ -10,7 +10,7 @@ cu_seq_lens), into a model built with ftjob's packed attention (``--attention ft
 default: torch's varlen flash kernel on GPUs, per-document SDPA on CPU), so that both sides
 run the same kernel class. On CPU accelerate wraps the model in DDP (it has no FSDP on CPU),
 so this is DDP versus ftjob's FSDP2; on GPUs pass --fsdp for accelerate's FSDP2.
-Prints ``TRL {json}`` on rank 0: steady tokens/s (the mean of per-step rates after --skip
+Prints ``TRL {json}`` on rank 0: steady tokens/s (the median of per-step rates after --skip
 warm-up steps, as bench/common.py reads ftjob's) and per-step losses.
 """
 
@@ -27,6 +27,8 @@ import torch
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
+
+from bench import common
 
 
 class Clock(TrainerCallback):
@@ -50,14 +52,18 @@ class Clock(TrainerCallback):
             # the flattened rows hold no padding).
             self.tokens.append(logs["num_tokens"])
 
-    def steady_tokens_per_second(self, skip: int) -> float | None:
-        """Mean of per-step rates after the first ``skip`` steps (step k's rate: its tokens
-        over the time since step k-1 ended, so step 1 never counts)."""
-        rates = [
+    def rates(self, skip: int) -> list[float]:
+        """Tokens/s of each step after the first ``skip`` (step k's: its tokens over the time
+        since step k-1 ended, so step 1 never counts)."""
+        return [
             (self.tokens[k] - self.tokens[k - 1]) / (self.ends[k] - self.ends[k - 1])
             for k in range(max(skip, 1), min(len(self.ends), len(self.tokens)))
         ]
-        return sum(rates) / len(rates) if rates else None
+
+    def steady_tokens_per_second(self, skip: int) -> float | None:
+        """The steady rate of :meth:`rates` (bench.common.steady, as ftjob's side takes its)."""
+        rates = self.rates(skip)
+        return common.steady(rates) if rates else None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -150,6 +156,7 @@ def main() -> None:
     trainer.train()
     result = {
         "tokensPerSecond": clock.steady_tokens_per_second(a.skip),
+        "stepRates": clock.rates(a.skip),
         "firstStepAt": clock.first_step_at,
         "losses": clock.losses,
         "wrapper": type(trainer.model_wrapped).__name__,

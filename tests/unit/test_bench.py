@@ -125,8 +125,9 @@ def test_trls_steady_rate_leaves_out_the_warm_up_steps():
     clock = Clock()
     clock.ends = [1.0, 3.0, 4.0, 4.5]  # step k ends here
     clock.tokens = [100, 200, 300, 400]  # tokens trained so far, after step k
+    assert clock.rates(skip=2) == [100 / 1.0, 100 / 0.5]
     assert clock.steady_tokens_per_second(skip=2) == (100 / 1.0 + 100 / 0.5) / 2
-    assert clock.steady_tokens_per_second(skip=0) == (50 + 100 + 200) / 3  # step 1: no start
+    assert clock.steady_tokens_per_second(skip=0) == 100  # step 1: no start; 50, 100, 200
 
 
 def test_steady_tokens_per_second_skips_the_warm_up_step():
@@ -134,6 +135,13 @@ def test_steady_tokens_per_second_skips_the_warm_up_step():
     run = common.Run(1.0, {"tokensPerSecond": 5.0}, log + [{"event": "eval"}], "")
     assert run.steady_tokens_per_second(1) == 150.0
     assert run.steady_tokens_per_second(2) == 200.0
+
+
+def test_a_steady_rate_is_the_median_step_a_burst_on_the_machine_leaves_out():
+    log = [{"event": "step", "tokensPerSecond": t} for t in (10.0, 100.0, 104.0, 20.0, 102.0)]
+    run = common.Run(1.0, {}, log, "")
+    assert run.step_rates(1) == [100.0, 104.0, 20.0, 102.0]
+    assert run.steady_tokens_per_second(1) == 101.0  # the mean, 81.5, would carry the burst
     assert common.Run(1.0, {"tokensPerSecond": 5.0}, [], "").steady_tokens_per_second(1) == 5.0
 
 
@@ -141,8 +149,8 @@ def test_the_throughput_suite_leaves_out_the_same_warm_up_steps_on_both_sides(tm
     from bench import throughput
     from bench.trl_worker import parser
 
-    a = parser().parse_args(throughput.trl_args(tmp_path, 8, 256, 2, "lora"))
-    assert a.skip == throughput.SKIP == 2 and (a.steps, a.seq, a.micro_batch) == (8, 256, 2)
+    a = parser().parse_args(throughput.trl_args(tmp_path, 14, 256, 2, "lora"))
+    assert a.skip == throughput.SKIP == 2 and (a.steps, a.seq, a.micro_batch) == (14, 256, 2)
 
 
 def test_last_json_reads_the_workers_tagged_line():
