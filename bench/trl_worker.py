@@ -9,7 +9,7 @@ packing, padding-free (each micro-batch flattened to one row, documents delimite
 cu_seq_lens), into a model built with ftjob's packed attention (``--attention ftjob``, the
 default: torch's varlen flash kernel on GPUs, per-document SDPA on CPU), so that both sides
 run the same kernel class. On CPU accelerate wraps the model in DDP (it has no FSDP on CPU),
-so this is DDP versus ftjob's FSDP2; on GPUs pass --fsdp for accelerate's FSDP2.
+as ftjob's sharding auto does at the bench's sizes; on GPUs pass --fsdp for accelerate's FSDP2.
 Prints ``TRL {json}`` on rank 0: steady tokens/s (the median of per-step rates after --skip
 warm-up steps, as bench/common.py reads ftjob's) and per-step losses.
 """
