@@ -151,6 +151,40 @@ def test_a_shared_prompt_gives_two_rows_log_probabilities_on_the_gpu():
     for shared in (True, False):
         batch = data.collate(pairs.rows(PAIRS, shared=shared), PAD).to("cuda")
         with torch.no_grad():
-            got[shared] = sequence_logps(net, model_inputs(net, batch), batch.labels, batch.spans)
+            got[shared] = sequence_logps(net, model_inputs(net, batch), batch)
     report("shared-prompt", shared=got[True].tolist(), rows=got[False].tolist())
     torch.testing.assert_close(got[True].float(), got[False].float(), rtol=2e-2, atol=5e-2)
+
+
+def test_the_head_picks_its_learned_rows_without_waiting_for_the_gpu():
+    """objectives/loss.py hands the head the learned rows only, found by torch.nonzero_static
+    with a host count: no device-to-host sync (torch's sync debug mode raises on one; the
+    control, torch.nonzero, does), and the loss and gradients of the rows it keeps equal the
+    all-rows ones (tests/host_reads.py counts nonzero_static as no read on this ground)."""
+    from ftjob.trainer.data.tokenize import IGNORE
+    from ftjob.trainer.objectives import loss
+
+    torch.manual_seed(0)
+    hidden = torch.randn(512, 64, device="cuda", requires_grad=True)
+    weight = torch.randn(1000, 64, device="cuda", requires_grad=True)
+    targets = torch.randint(0, 1000, (512,), device="cuda")
+    targets[100:] = IGNORE
+    results = []
+    for learned in (None, 100):
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = loss.linear_cross_entropy(hidden, weight, targets, learned=learned)
+            out.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        results.append((out.detach(), hidden.grad.clone(), weight.grad.clone()))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            torch.nonzero(targets != IGNORE)  # the control: the mode sees a sync
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -203,6 +203,59 @@ def test_log_probabilities_keep_no_logits_for_backward_and_make_one_chunk_at_a_t
     assert max(s.numel() for s in made) == 1024 * 1000
 
 
+def test_the_head_computes_only_the_learned_rows_with_the_same_values_and_gradients(
+    monkeypatch,
+):
+    """Told how many targets are learned (a chat batch's assistant turns), the loss, the
+    per-token log-probabilities and the entropy equal the all-rows ones, gradients too, while
+    the head's logits are made for the learned rows alone (the control: all rows without)."""
+    hidden, weight, targets = head_case(0.3)
+    targets[40:] = IGNORE  # a prompt-heavy batch: 35 of 300 targets learned
+    learned = int((targets != IGNORE).sum())
+    made = []  # the rows of every chunk of logits (tokens x vocabulary) the head makes
+    real = torch.Tensor.float
+    vocab = weight.shape[0]
+    monkeypatch.setattr(
+        torch.Tensor,
+        "float",
+        lambda t: (made.append(t.shape[0] * (t.shape[-1] == vocab)), real(t))[1],
+    )
+
+    def run(compute, count):
+        made.clear()
+        hidden.grad = weight.grad = None
+        out = compute(count)
+        (out * torch.linspace(0.5, 1.5, out.numel()).view(out.shape)).sum().backward()
+        return out.detach(), hidden.grad.clone(), weight.grad.clone(), sum(made)
+
+    def summed(count):
+        return loss.linear_cross_entropy(hidden, weight, targets, chunk=64, learned=count)
+
+    entropies = {}
+
+    def per_token(count):
+        entropies[count] = torch.full((300,), 7.0)  # stale values the call must overwrite
+        return loss.linear_logprobs(hidden, weight, targets, chunk=64,
+                                    entropy=entropies[count], learned=count)  # fmt: skip
+
+    for compute in (summed, per_token):
+        *every, rows_all = run(compute, None)
+        *some, rows_learned = run(compute, learned)
+        for a, b in zip(every, some, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert rows_all >= 300 and rows_learned == rows_all * learned // 300
+    torch.testing.assert_close(entropies[None], entropies[learned], rtol=1e-6, atol=1e-6)
+    assert (entropies[learned][40:] == 0).all()
+
+
+def test_token_loss_tells_the_head_how_many_targets_each_batch_learns():
+    """data.Batch.labelled, which the head selects by, is the count of the targets the loss
+    takes: a row's next tokens, first labels masked, and a padded row."""
+    b = batch(0)
+    assert b.labelled == int((data.next_tokens(b.labels) != IGNORE).sum())
+    assert b.labelled < b.labels.numel()
+
+
 def pair_batch(pad_id: int) -> data.Batch:
     """Two preference pairs as DPO collates them: chosen rows, then rejected rows, with the
     prompt's labels masked."""
@@ -225,7 +278,7 @@ def test_dpo_log_probabilities_through_the_installed_head_equal_plain_logits():
     assert loss.install(fused)
     b = pair_batch(plain.config.pad_token_id or 0)
     inputs = loss.model_inputs(fused, b)
-    got = loss.sequence_logps(fused, inputs, b.labels, b.spans)
+    got = loss.sequence_logps(fused, inputs, b)
     want = whole_logits.response_logps(plain(**loss.model_inputs(plain, b)).logits, b.labels)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     weights = torch.tensor([0.5, -1.0, 2.0, 0.25])  # a pair loss's gradient, row by row
@@ -262,11 +315,11 @@ def test_a_lora_head_takes_the_chunked_loss_with_equal_values_and_gradients():
     inputs = loss.model_inputs(fused, b)
     with torch.no_grad(), reference.adapters_off(fused), reference.adapters_off(plain):
         torch.testing.assert_close(
-            loss.sequence_logps(fused, inputs, b.labels, b.spans),
+            loss.sequence_logps(fused, inputs, b),
             whole_logits.response_logps(plain(**inputs).logits, b.labels),
             rtol=1e-6, atol=1e-6,
         )  # fmt: skip
-    policy = loss.sequence_logps(fused, inputs, b.labels, b.spans)
+    policy = loss.sequence_logps(fused, inputs, b)
     reference = whole_logits.response_logps(plain(**inputs).logits, b.labels)
     torch.testing.assert_close(policy, reference, rtol=1e-6, atol=1e-6)
     # As a step weighs them: the mean over labelled tokens; a DPO pair loss's gradient per

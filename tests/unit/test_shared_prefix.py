@@ -49,9 +49,9 @@ def logps_and_grads(net, batch: data.Batch, per_token: bool):
     net.zero_grad()
     inputs = model_inputs(net, batch)
     if per_token:
-        got = span_view(token_logps(net, inputs, batch.labels), batch.spans)
+        got = span_view(token_logps(net, inputs, batch.labels, learned=batch.labelled), batch.spans)
     else:
-        got = sequence_logps(net, inputs, batch.labels, batch.spans)
+        got = sequence_logps(net, inputs, batch)
     (got * torch.linspace(0.5, 1.5, got.numel()).view(got.shape)).sum().backward()
     return got.detach(), {n: p.grad.clone() for n, p in net.named_parameters()}
 

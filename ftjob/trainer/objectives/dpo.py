@@ -68,7 +68,7 @@ class Dpo(Offline):
     def policy_logps(self, net, batch: data.Batch, device) -> torch.Tensor:
         """[2B] response log-probabilities of the batch's pairs under ``net`` as it is."""
         on = batch.to(device)
-        return sequence_logps(net, model_inputs(net, on), on.labels, on.spans)
+        return sequence_logps(net, model_inputs(net, on), on)
 
     def count(self, batch: data.Batch) -> int:
         """What the step's loss is a mean over: pairs (half the sequences)."""
@@ -84,8 +84,8 @@ class Dpo(Offline):
         else:
             # The reference first, under no_grad: nothing of it waits for the policy's backward.
             with torch.no_grad(), adapters_off(net):
-                reference = sequence_logps(net, inputs, on.labels, on.spans)
-        policy = sequence_logps(net, inputs, on.labels, on.spans)
+                reference = sequence_logps(net, inputs, on)
+        policy = sequence_logps(net, inputs, on)
         return preference.dpo(
             policy,
             reference,

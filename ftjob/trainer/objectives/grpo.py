@@ -371,7 +371,7 @@ class Grpo:
         on = b.batch.to(device)
         spread = torch.zeros(on.labels.shape, device=device) if entropy else None
         every = token_logps(net, model_inputs(net, on), on.labels, self.settings.temperature,
-                            entropy=spread)  # fmt: skip
+                            entropy=spread, learned=on.labelled)  # fmt: skip
         logps = span_view(every, on.spans)
         if not entropy:
             return logps

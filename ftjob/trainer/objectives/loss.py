@@ -15,6 +15,12 @@ adapted by peft's LoRA (``lm_head`` in targetModules) computes the same way from
 weight, W + scaling * B @ A, when its adapters have no dropout; with dropout it keeps whole
 logits.
 
+Only the positions that are learned reach the head's matmuls: a chat micro-batch learns from
+its assistant turns alone (28% of the bundled chat data's tokens), and a GRPO or DPO batch from
+its completions, so the rest of the logits would be computed only to be multiplied by zero. The
+caller says how many targets are learned (a host count from collate), so selecting them never
+waits for the device (``torch.nonzero_static``).
+
 The head stays the model's own ``nn.Linear`` (same parameter, same name, so checkpoints,
 FSDP and the export see nothing new); :func:`install` gives it a forward that computes the
 loss when the caller has set targets on it (:func:`token_loss`), and plain logits otherwise.
@@ -82,13 +88,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
+def learned_rows(targets: torch.Tensor, learned: int | None) -> torch.Tensor | None:
+    """The indices of ``targets`` [N] that are not IGNORE, given how many there are (``learned``,
+    a host number: nothing waits for the device to count them); None where every row is
+    learned or the count is not known, and the head takes all rows."""
+    if learned is None or learned >= targets.numel():
+        return None
+    return torch.nonzero_static(targets != IGNORE, size=learned).squeeze(1)
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
     chunk: int = LOSS_CHUNK_TOKENS,
+    learned: int | None = None,
 ) -> torch.Tensor:
-    """Summed next-token loss of ``hidden`` [N, h] through a head ``weight`` [V, h] (fp32)."""
+    """Summed next-token loss of ``hidden`` [N, h] through a head ``weight`` [V, h] (fp32);
+    with ``learned`` (how many targets are not IGNORE), over those rows alone."""
+    rows = learned_rows(targets, learned)
+    if rows is not None:  # autograd scatters the rows' gradients back (index_select's backward)
+        hidden, targets = hidden.index_select(0, rows), targets.index_select(0, rows)
     # forward() runs with grad mode off: whether backward will come is asked here.
     return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, torch.is_grad_enabled())
 
@@ -160,12 +180,23 @@ def linear_logprobs(
     targets: torch.Tensor,
     chunk: int = LOSS_CHUNK_TOKENS,
     entropy: torch.Tensor | None = None,
+    learned: int | None = None,
 ) -> torch.Tensor:
     """[N] fp32: each token's log-probability of its target through a head ``weight`` [V, h]
     (0 where the target is IGNORE); the full [N, V] logits never exist. ``entropy`` [N] fp32,
     if given, is filled with each labelled position's entropy of the whole distribution (no
-    gradient flows through it)."""
-    return _LinearLogProbs.apply(hidden, weight, targets, chunk, entropy)
+    gradient flows through it). With ``learned`` (how many targets are not IGNORE) the head
+    computes those rows alone."""
+    rows = learned_rows(targets, learned)
+    if rows is None:
+        return _LinearLogProbs.apply(hidden, weight, targets, chunk, entropy)
+    some = None if entropy is None else entropy.new_zeros(rows.numel())
+    logps = _LinearLogProbs.apply(
+        hidden.index_select(0, rows), weight, targets.index_select(0, rows), chunk, some
+    )
+    if entropy is not None:
+        entropy.zero_().index_copy_(0, rows, some)
+    return logps.new_zeros(targets.numel()).index_copy(0, rows, logps)
 
 
 class _Asked:
@@ -176,6 +207,7 @@ class _Asked:
     per_token: bool = False
     temperature: float = 1.0  # GRPO's log-probabilities are those of the sampling temperature
     entropy: torch.Tensor | None = None  # per_token: filled with each position's entropy
+    learned: int | None = None  # how many targets are not IGNORE (a host number), if known
 
     def _loss(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         flat, targets = hidden.flatten(0, -2), self.targets.flatten()
@@ -183,8 +215,9 @@ class _Asked:
             weight = weight / self.temperature  # logits / T, the logits never whole
         if self.per_token:
             ent = None if self.entropy is None else self.entropy.view(-1)
-            return linear_logprobs(flat, weight, targets, entropy=ent).view(self.targets.shape)
-        return linear_cross_entropy(flat, weight, targets)
+            every = linear_logprobs(flat, weight, targets, entropy=ent, learned=self.learned)
+            return every.view(self.targets.shape)
+        return linear_cross_entropy(flat, weight, targets, learned=self.learned)
 
 
 class _LossHead(_Asked, nn.Linear):
@@ -247,14 +280,17 @@ def install(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _targets(head: nn.Module, targets: torch.Tensor, per_token: bool = False, temperature=1.0,
-             entropy: torch.Tensor | None = None):  # fmt: skip
-    head.targets, head.per_token, head.temperature = targets, per_token, temperature
-    head.entropy = entropy
+def _targets(head: nn.Module, targets: torch.Tensor, learned: int | None, **asked):
+    """``head`` asked for the loss of ``targets`` (and :class:`_Asked`'s other fields) for one
+    forward, then for plain logits again."""
+    head.targets, head.learned = targets, learned
+    for name, value in asked.items():
+        setattr(head, name, value)
     try:
         yield
     finally:
-        head.targets, head.per_token, head.temperature, head.entropy = None, False, 1.0, None
+        for name in ("targets", "learned", "per_token", "temperature", "entropy"):
+            vars(head).pop(name, None)  # back to the class's defaults
 
 
 def model_inputs(net: nn.Module, on) -> dict:
@@ -275,7 +311,7 @@ def token_loss(net: nn.Module, batch, device: torch.device) -> tuple[torch.Tenso
     inputs = model_inputs(net, on)
     head = net.get_output_embeddings()
     if isinstance(head, _Asked):
-        with _targets(head, targets):
+        with _targets(head, targets, batch.labelled):
             return net(**inputs).logits, batch.labelled
     logits = net(**inputs).logits
     loss = torch.nn.functional.cross_entropy(
@@ -284,12 +320,11 @@ def token_loss(net: nn.Module, batch, device: torch.device) -> tuple[torch.Tenso
     return loss, batch.labelled
 
 
-def sequence_logps(
-    net: nn.Module, inputs: dict, labels: torch.Tensor, spans: tuple[tuple[int, int], ...]
-) -> torch.Tensor:
-    """[N] fp32: each of the batch's sequences' (data.Batch.spans) summed log-probability of
-    its response tokens (DPO's), through the installed head chunk by chunk."""
-    return span_view(token_logps(net, inputs, labels), spans).sum(dim=1)
+def sequence_logps(net: nn.Module, inputs: dict, on) -> torch.Tensor:
+    """[N] fp32: each of the ``data.Batch`` ``on``'s sequences' (its spans) summed
+    log-probability of its response tokens (DPO's), through the installed head chunk by
+    chunk."""
+    return span_view(token_logps(net, inputs, on.labels, learned=on.labelled), on.spans).sum(1)
 
 
 def span_view(every: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -306,17 +341,19 @@ def span_view(every: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.
 
 def token_logps(
     net: nn.Module, inputs: dict, labels: torch.Tensor, temperature: float = 1.0,
-    entropy: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None, learned: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """[B, S] fp32: at each position, the log-probability of the next labelled token under
     logits / ``temperature`` (GRPO's), 0 where the next token is not labelled; through the
     installed head chunk by chunk, or the model's whole logits where it has none. ``entropy``
     [B, S] fp32, if given, is filled with each such position's entropy of the next-token
-    distribution (TRL's ``entropy``; no gradient)."""
+    distribution (TRL's ``entropy``; no gradient). ``learned``: how many positions have a
+    labelled next token (``data.Batch.labelled``); the head then computes those alone."""
     head = net.get_output_embeddings()
     targets = next_tokens(labels)
     if isinstance(head, _Asked):
-        with _targets(head, targets, per_token=True, temperature=temperature, entropy=entropy):
+        asked = dict(per_token=True, temperature=temperature, entropy=entropy)
+        with _targets(head, targets, learned, **asked):
             return net(**inputs).logits
     logits = net(**inputs).logits.float() / temperature
     every = torch.log_softmax(logits, dim=-1)
