@@ -1,5 +1,6 @@
 """Suite kernels: what ftjob's written-out backwards (trainer/model/lora.py's LoRA layers,
-trainer/model/norms.py's RMSNorm) save in a step, against peft's and transformers' own forward;
+trainer/model/norms.py's RMSNorm, trainer/model/rotary.py's rotary embedding) save in a step,
+against peft's and transformers' own forward;
 and what sampling's weight-on-the-left products (trainer/model/thin.py) save in a GRPO
 sampling (8 completions of one prompt, 16 tokens: the grpo suite's shape), against torch's
 linear.
@@ -24,7 +25,12 @@ from bench import common
 from bench.report import row
 
 ROUNDS = 12
-VARIANTS = ("peft and transformers", "written-out LoRA", "written-out LoRA and RMSNorm")
+VARIANTS = (
+    "peft and transformers",
+    "written-out LoRA",
+    "written-out LoRA and RMSNorm",
+    "written-out LoRA, RMSNorm and rotary",
+)
 SAMPLING = ("torch's linear", "weight on the left")
 
 
@@ -57,20 +63,22 @@ def batch(tokens: int = 512, seed: int = 1) -> tuple[torch.Tensor, dict]:
 
 
 class Switch:
-    """Each LoRA layer's and RMSNorm's class, as peft and transformers build them and as
-    ftjob's fuse() leaves them, to set by variant."""
+    """Each LoRA layer's, RMSNorm's and attention's class, as peft and transformers build them
+    and as ftjob's fuse() leaves them, to set by variant."""
 
     def __init__(self, net):
-        from ftjob.trainer.model import lora, norms
+        from ftjob.trainer.model import lora, norms, rotary
 
         before = {m: type(m) for m in net.modules()}
         lora.fuse(net)
         norms.fuse(net)
+        rotary.fuse(net)
         self.classes = {m: (before[m], type(m)) for m in net.modules() if type(m) is not before[m]}
 
     def use(self, variant: str) -> None:
         for module, (plain, fused) in self.classes.items():
-            written = "RMSNorm" in variant if "Norm" in plain.__name__ else "LoRA" in variant
+            kind = next((k for k in ("Norm", "Attention") if k in plain.__name__), "LoRA")
+            written = {"Norm": "RMSNorm", "Attention": "rotary", "LoRA": "LoRA"}[kind] in variant
             module.__class__ = fused if written else plain
 
 

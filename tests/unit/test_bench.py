@@ -304,16 +304,19 @@ def test_the_kernels_suite_switches_each_layer_between_its_two_classes():
     tiny = AutoModelForCausalLM.from_pretrained(common.TINY_MODEL)
     net = get_peft_model(tiny, LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
     switch = kernels.Switch(net)
-    assert len(switch.classes) == 2 * 2 + 2 * 2 + 1  # adapted layers, norms, the final norm
+    # adapted layers, norms, the final norm, attentions
+    assert len(switch.classes) == 2 * 2 + 2 * 2 + 1 + 2
 
     def names() -> set[str]:
         return {type(m).__name__ for m in switch.classes}
 
     switch.use(kernels.VARIANTS[0])
-    assert names() == {"Linear", "LlamaRMSNorm"}
+    assert names() == {"Linear", "LlamaRMSNorm", "LlamaAttention"}
     switch.use(kernels.VARIANTS[1])
-    assert names() == {"FusedLoraLinear", "LlamaRMSNorm"}
+    assert names() == {"FusedLoraLinear", "LlamaRMSNorm", "LlamaAttention"}
     switch.use(kernels.VARIANTS[2])
-    assert names() == {"FusedLoraLinear", "FusedLlamaRMSNorm"}
+    assert names() == {"FusedLoraLinear", "FusedLlamaRMSNorm", "LlamaAttention"}
+    switch.use(kernels.VARIANTS[3])
+    assert names() == {"FusedLoraLinear", "FusedLlamaRMSNorm", "RotaryLlamaAttention"}
     ids, kwargs = kernels.batch(tokens=64)
     assert ids.shape == (1, 64) and int(kwargs["cu_seq_lens_q"][-1]) == 64
