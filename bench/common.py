@@ -203,17 +203,26 @@ def alternate(
 ) -> tuple[list[Run], list[dict]]:  # fmt: skip
     """``ftjob run`` of ``doc_for(name)`` and the TRL ``worker`` in turn, ``runs`` times each
     (others' work on a shared machine only ever slows a run down: the suites take each side's
-    best). Run i's job is named ``name-i`` (the first ``name``): each is run, not cached. A
+    best), which side goes first flipped every other pair: a machine that drifts faster or
+    slower over the minutes of a suite (seen: one side's runs 1,055 to 1,607 tokens/s) favours
+    neither. Run i's job is named ``name-i`` (the first ``name``): each is run, not cached. A
     worker's TRL record gets its wall time, and each rank's peak RSS where it tagged them."""
     ours, theirs = [], []
-    for i in range(runs):
-        ours.append(ftjob_run(doc_for(name + (f"-{i}" if i else "")), work, env=env))
+
+    def baseline() -> None:
         wall, out = torchrun(worker, args, processes, work, env=env)
         record = {**last_json(out, "TRL"), "wall": wall}
         ranks = sorted(tagged(out, "TRL-RANK"), key=lambda r: r["rank"])
         if ranks:
             record["peakRssMiB"] = [r["peakRssMiB"] for r in ranks]
         theirs.append(record)
+
+    for i in range(runs):
+        if i % 2:
+            baseline()
+        ours.append(ftjob_run(doc_for(name + (f"-{i}" if i else "")), work, env=env))
+        if not i % 2:
+            baseline()
     return ours, theirs
 
 

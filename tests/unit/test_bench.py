@@ -320,3 +320,22 @@ def test_the_kernels_suite_switches_each_layer_between_its_two_classes():
     assert names() == {"FusedLoraLinear", "FusedLlamaRMSNorm", "RotaryLlamaAttention"}
     ids, kwargs = kernels.batch(tokens=64)
     assert ids.shape == (1, 64) and int(kwargs["cu_seq_lens_q"][-1]) == 64
+
+
+def test_the_sides_take_turns_going_first_so_a_drifting_machine_favours_neither(monkeypatch):
+    order = []
+
+    def ours(doc, work, env=None):
+        order.append(("ftjob", doc))
+        return doc
+
+    def theirs(worker, args, processes, work, env=None):
+        order.append(("trl", worker))
+        return 1.0, 'TRL {"tokensPerSecond": 1.0}\n'
+
+    monkeypatch.setattr(common, "ftjob_run", ours)
+    monkeypatch.setattr(common, "torchrun", theirs)
+    got, records = common.alternate(4, "job", lambda name: name, "worker", [], Path("."))
+    assert [side for side, _ in order] == ["ftjob", "trl", "trl", "ftjob"] * 2
+    assert got == ["job", "job-1", "job-2", "job-3"] and len(records) == 4
+    assert records[0] == {"tokensPerSecond": 1.0, "wall": 1.0}
