@@ -36,6 +36,14 @@ def assert_rounding(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -
     assert error <= torch.finfo(dtype).eps * 4 * want.float().abs().max()
 
 
+def trained(net) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The tiny model's loss on a fixed batch, and every parameter's gradient."""
+    ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    loss = net(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in net.named_parameters()}
+
+
 @pytest.mark.parametrize("cls", [LlamaRMSNorm, Qwen2RMSNorm])
 @pytest.mark.parametrize(("dtype", "weight_dtype"), [
     (torch.float32, torch.float32),
@@ -65,13 +73,7 @@ def test_the_tiny_model_trains_alike_and_a_norm_of_other_code_is_left_alone():
     reference = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
     fused = copy.deepcopy(reference)
     assert norms.fuse(fused) == 2 * 2 + 1  # two per decoder layer and the final one
-    ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
-    results = []
-    for net in (reference, fused):
-        loss = net(input_ids=ids, labels=ids).loss
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in net.named_parameters()}))
-    (want, want_grads), (got, grads) = results
+    (want, want_grads), (got, grads) = (trained(net) for net in (reference, fused))
     assert torch.equal(got, want)
     for name, grad in grads.items():
         assert_rounding(grad, want_grads[name], torch.float32)

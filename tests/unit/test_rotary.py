@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_norms import assert_rounding, trained
 from transformers import AutoModelForCausalLM
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention, GPTNeoXConfig
 from transformers.models.llama import modeling_llama
@@ -18,14 +19,6 @@ from transformers.models.llama import modeling_llama
 from ftjob.trainer.model import rotary
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-model"
-
-
-def assert_rounding(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    """Equal to the dtype's rounding of the largest entry (a multiply-add rounds once where
-    a product and a sum round twice)."""
-    assert got.dtype == want.dtype and got.shape == want.shape
-    error = (got.float() - want.float()).abs().max()
-    assert error <= torch.finfo(dtype).eps * 4 * want.float().abs().max()
 
 
 @pytest.mark.parametrize(("dtype", "table_dtype"), [
@@ -65,13 +58,7 @@ def test_the_tiny_model_trains_alike_and_other_rotary_code_is_left_alone():
     assert rotary.fuse(fused) == 2  # one attention per decoder layer
     assert type(fused.model.layers[0].self_attn).__name__ == "RotaryLlamaAttention"
     assert modeling_llama.apply_rotary_pos_emb is not rotary.apply_rotary_pos_emb  # untouched
-    ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
-    results = []
-    for net in (reference, fused):
-        loss = net(input_ids=ids, labels=ids).loss
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in net.named_parameters()}))
-    (want, want_grads), (got, grads) = results
+    (want, want_grads), (got, grads) = (trained(net) for net in (reference, fused))
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     for name, grad in grads.items():
         assert_rounding(grad, want_grads[name], torch.float32)

@@ -19,16 +19,13 @@ import functools
 import torch
 from torch import nn
 
+from ftjob.trainer.model.swap import swap
+
 
 def fuse(model: nn.Module) -> int:
     """Give every RMSNorm of ``model`` whose forward is Llama's code :class:`RmsNorm`; how
     many there were."""
-    fused = 0
-    for module in model.modules():
-        if _llama_code(type(module)):
-            module.__class__ = _fused(type(module))
-            fused += 1
-    return fused
+    return swap(model, lambda cls: _fused(cls) if _llama_code(cls) else None)
 
 
 def _llama_code(cls: type) -> bool:

@@ -22,16 +22,13 @@ import types
 import torch
 from torch import nn
 
+from ftjob.trainer.model.swap import swap
+
 
 def fuse(model: nn.Module) -> int:
     """Give every attention module of ``model`` whose forward calls Llama's rotary code
     :func:`apply_rotary_pos_emb` instead; how many there were."""
-    fused = 0
-    for module in model.modules():
-        if _calls_llama_rotary(type(module)):
-            module.__class__ = _fused(type(module))
-            fused += 1
-    return fused
+    return swap(model, lambda cls: _fused(cls) if _calls_llama_rotary(cls) else None)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
