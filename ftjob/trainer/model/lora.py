@@ -25,6 +25,8 @@ import functools
 import torch
 from torch import nn
 
+from ftjob.trainer.model.swap import swap
+
 
 def fuse(model: nn.Module) -> int:
     """Give every peft LoRA linear layer of ``model`` but its output head the fused forward;
@@ -32,12 +34,9 @@ def fuse(model: nn.Module) -> int:
     from peft.tuners.lora import Linear as LoraLinear
 
     head = model.get_output_embeddings()
-    fused = 0
-    for module in model.modules():
-        if type(module) is LoraLinear and module is not head:
-            module.__class__ = _fused(LoraLinear)
-            fused += 1
-    return fused
+    return swap(
+        model, lambda m: _fused(LoraLinear) if type(m) is LoraLinear and m is not head else None
+    )
 
 
 @functools.cache

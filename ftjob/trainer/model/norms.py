@@ -25,7 +25,7 @@ from ftjob.trainer.model.swap import swap
 def fuse(model: nn.Module) -> int:
     """Give every RMSNorm of ``model`` whose forward is Llama's code :class:`RmsNorm`; how
     many there were."""
-    return swap(model, lambda cls: _fused(cls) if _llama_code(cls) else None)
+    return swap(model, lambda m: _fused(type(m)) if _llama_code(type(m)) else None)
 
 
 def _llama_code(cls: type) -> bool:

@@ -28,7 +28,7 @@ from ftjob.trainer.model.swap import swap
 def fuse(model: nn.Module) -> int:
     """Give every attention module of ``model`` whose forward calls Llama's rotary code
     :func:`apply_rotary_pos_emb` instead; how many there were."""
-    return swap(model, lambda cls: _fused(cls) if _calls_llama_rotary(cls) else None)
+    return swap(model, lambda m: _fused(type(m)) if _calls_llama_rotary(type(m)) else None)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):

@@ -88,7 +88,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def learned_rows(targets: torch.Tensor, learned: int | None) -> torch.Tensor | None:
+def _learned_rows(targets: torch.Tensor, learned: int | None) -> torch.Tensor | None:
     """The indices of ``targets`` [N] that are not IGNORE, given how many there are (``learned``,
     a host number: nothing waits for the device to count them); None where every row is
     learned or the count is not known, and the head takes all rows."""
@@ -106,7 +106,7 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """Summed next-token loss of ``hidden`` [N, h] through a head ``weight`` [V, h] (fp32);
     with ``learned`` (how many targets are not IGNORE), over those rows alone."""
-    rows = learned_rows(targets, learned)
+    rows = _learned_rows(targets, learned)
     if rows is not None:  # autograd scatters the rows' gradients back (index_select's backward)
         hidden, targets = hidden.index_select(0, rows), targets.index_select(0, rows)
     # forward() runs with grad mode off: whether backward will come is asked here.
@@ -187,7 +187,7 @@ def linear_logprobs(
     if given, is filled with each labelled position's entropy of the whole distribution (no
     gradient flows through it). With ``learned`` (how many targets are not IGNORE) the head
     computes those rows alone."""
-    rows = learned_rows(targets, learned)
+    rows = _learned_rows(targets, learned)
     if rows is None:
         return _LinearLogProbs.apply(hidden, weight, targets, chunk, entropy)
     some = None if entropy is None else entropy.new_zeros(rows.numel())
