@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from ftjob.api.jobspec import parse_spec
+from ftjob.api.schema import SpecError
 from ftjob.job import launch
 
 
@@ -125,6 +126,18 @@ def test_fabric_nccl_and_user_environment():
     )
     env = command(s).env
     assert env["WANDB_MODE"] == "offline" and env["NCCL_SOCKET_IFNAME"] == "eth0"
+
+
+def test_env_takes_ftjobs_knobs_and_refuses_its_wiring():
+    """A profile's window is the user's to set in spec.env (docs/gpu.md tells a cluster job to);
+    the variables ftjob wires torchrun and the trainer with are refused, naming the field."""
+    knob = parse_spec({**_raw(), "env": [{"name": "FTJOB_PROFILE_STEPS", "value": "3"}]})
+    assert command(knob).env["FTJOB_PROFILE_STEPS"] == "3"
+    for name in ("FTJOB_GRACE_SECONDS", "FTJOB_JOB_DIR", "PET_NNODES", "RANK", "HF_TOKEN"):
+        with pytest.raises(SpecError) as e:
+            parse_spec({**_raw(), "env": [{"name": name, "value": "1"}]})
+        (error,) = e.value.errors
+        assert error.path == "spec.env" and "FTJOB_PROFILE_STEPS" in str(error), (name, error)
 
 
 def test_token_travels_only_as_a_secret_reference():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ftjob.api import contract
 from ftjob.api import kubevalidation as kv
 from ftjob.api.jobspec.fields import DNS_SUBDOMAIN_HINT, SecretKeyRef
 from ftjob.api.schema import Rule, api_field
@@ -13,6 +14,9 @@ ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 # Variables ftjob sets itself for torchrun and the trainer; a user value would break wiring.
 RESERVED_ENV_PREFIXES = ("PET_", "FTJOB_", "TORCHELASTIC_")
 RESERVED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "HF_TOKEN")
+# ftjob's own variables that are the user's to set: knobs, not wiring (a profile's window, which
+# `ftjob run --profile-steps` sets and a cluster job sets in spec.env).
+USER_ENV = (contract.PROFILE_STEPS_ENV,)
 
 
 @dataclass(kw_only=True)

@@ -18,6 +18,7 @@ from ftjob.api.jobspec.data import DatasetSpec
 from ftjob.api.jobspec.env import (
     RESERVED_ENV,
     RESERVED_ENV_PREFIXES,
+    USER_ENV,
     EnvVar,
     PullSecret,
     SecretsSpec,
@@ -62,10 +63,10 @@ _FP8_CEL = "[" + ", ".join(f"'{name}'" for name in FP8_GPU_TYPES) + "]"
 COMPILE_VERIFIED_ON_GPU = False
 
 
-_RESERVED_CEL = " || ".join(
+_RESERVED_CEL = "(" + " || ".join(
     [f"e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES]
     + [f"e.name == '{n}'" for n in RESERVED_ENV]
-)
+) + ") && !(e.name in [" + ", ".join(f"'{n}'" for n in USER_ENV) + "])"
 
 # The processes of a job, in CEL (ResourcesSpec.world_size), and a step's completions (GRPO).
 _WORLD_CEL = (
@@ -381,7 +382,8 @@ class FineTuneJobSpec:
         Rule(
             f"!self.env.exists(e, {_RESERVED_CEL})",
             "env may not set variables ftjob manages (PET_*, FTJOB_*, TORCHELASTIC_*, "
-            "MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, HF_TOKEN)",
+            "MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, HF_TOKEN); of ftjob's own "
+            f"it takes {', '.join(USER_ENV)}",
             ".env",
         ),
     )
