@@ -63,10 +63,11 @@ _FP8_CEL = "[" + ", ".join(f"'{name}'" for name in FP8_GPU_TYPES) + "]"
 COMPILE_VERIFIED_ON_GPU = False
 
 
-_RESERVED_CEL = "(" + " || ".join(
-    [f"e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES]
-    + [f"e.name == '{n}'" for n in RESERVED_ENV]
-) + ") && !(e.name in [" + ", ".join(f"'{n}'" for n in USER_ENV) + "])"
+_RESERVED = [f"e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES] + [
+    f"e.name == '{n}'" for n in RESERVED_ENV
+]
+_USER = ", ".join(f"'{n}'" for n in USER_ENV)
+_RESERVED_CEL = f"({' || '.join(_RESERVED)}) && !(e.name in [{_USER}])"
 
 # The processes of a job, in CEL (ResourcesSpec.world_size), and a step's completions (GRPO).
 _WORLD_CEL = (
