@@ -136,7 +136,11 @@ class FineTuneJobSpec:
         max_length=512,
     )
     env: list[EnvVar] = api_field(
-        "env: extra environment variables of the training processes.", factory=list, max_items=64
+        "env: extra environment variables of the training processes; not those ftjob wires "
+        "them with (PET_*, TORCHELASTIC_*, MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, "
+        f"WORLD_SIZE, HF_TOKEN, FTJOB_*) but {', '.join(USER_ENV)} (N: profile N steps).",
+        factory=list,
+        max_items=64,
     )
     image_pull_secrets: list[PullSecret] = api_field(
         "imagePullSecrets: Secrets the pods pull the trainer image with (a private registry).",
