@@ -68,6 +68,8 @@ _RESERVED = [f"e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES] + [
 ]
 _USER = ", ".join(f"'{n}'" for n in USER_ENV)
 _RESERVED_CEL = f"({' || '.join(_RESERVED)}) && !(e.name in [{_USER}])"
+# The same, in words: env's description and its rule's message.
+_WIRED = ", ".join([f"{p}*" for p in RESERVED_ENV_PREFIXES] + list(RESERVED_ENV))
 
 # The processes of a job, in CEL (ResourcesSpec.world_size), and a step's completions (GRPO).
 _WORLD_CEL = (
@@ -137,8 +139,7 @@ class FineTuneJobSpec:
     )
     env: list[EnvVar] = api_field(
         "env: extra environment variables of the training processes; not those ftjob wires "
-        "them with (PET_*, TORCHELASTIC_*, MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, "
-        f"WORLD_SIZE, HF_TOKEN, FTJOB_*) but {', '.join(USER_ENV)} (N: profile N steps).",
+        f"them with ({_WIRED}) but {', '.join(USER_ENV)} (N: profile N steps).",
         factory=list,
         max_items=64,
     )
@@ -386,9 +387,8 @@ class FineTuneJobSpec:
         ),
         Rule(
             f"!self.env.exists(e, {_RESERVED_CEL})",
-            "env may not set variables ftjob manages (PET_*, FTJOB_*, TORCHELASTIC_*, "
-            "MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, HF_TOKEN); of ftjob's own "
-            f"it takes {', '.join(USER_ENV)}",
+            f"env may not set variables ftjob manages ({_WIRED}); of ftjob's own it takes "
+            f"{', '.join(USER_ENV)}",
             ".env",
         ),
     )
