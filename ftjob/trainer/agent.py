@@ -58,6 +58,18 @@ from ftjob.job import lease
 from ftjob.trainer.gang import preempt, signal_watch, termination
 
 TERMINATION_ENV = "FTJOB_TERMINATION_LOG"
+# inductor's compile pool: each process left alone starts min(32, the node's CPUs) compile
+# workers (torch._inductor.config.decide_compile_threads), so 8 workers on a node start 256
+# processes that compete for its CPUs and memory while they compile (pytorch#190941). A value
+# the job sets (spec.env) stands.
+COMPILE_THREADS_ENV = "TORCHINDUCTOR_COMPILE_THREADS"
+TORCH_COMPILE_THREADS_CAP = 32
+
+
+def compile_threads(cpus: int, workers: int) -> int:
+    """Each of a node's ``workers`` its share of the node's ``cpus`` for inductor's compile
+    pool, at most torch's own cap; 1 compiles in the worker itself, starting no pool."""
+    return max(1, min(TORCH_COMPILE_THREADS_CAP, cpus // max(1, workers)))
 
 
 class NodeRanks(RendezvousHandler):
@@ -120,6 +132,9 @@ class Agent(LocalElasticAgent):
         self.restarts, self._restarting, self._ending = 0, False, False
         # The workers' environment (ftjob.trainer.model.parallel, progress, __main__).
         os.environ[contract.RESTARTS_IN_PLACE_ENV] = "0"
+        cpus = len(os.sched_getaffinity(0))
+        shared = compile_threads(cpus, self.get_worker_group().spec.local_world_size)
+        os.environ.setdefault(COMPILE_THREADS_ENV, str(shared))
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, *args, **kwargs) -> None:
         # Workers in the training loop take SIGTERM as "checkpoint at the next step boundary"

@@ -79,3 +79,28 @@ def test_the_agent_stops_its_workers_as_either_torch_asks(monkeypatch):
         (signal.SIGTERM, 45)
     ]
     assert _shutdown_under(monkeypatch, torch_211, True, signal.SIGTERM) == [(signal.SIGKILL,)]
+
+
+def _agent_of(workers: int) -> agent.Agent:
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    spec = WorkerSpec(role="trainer", local_world_size=workers, rdzv_handler=None,
+                      entrypoint="python", args=())  # fmt: skip
+    return agent.Agent(spec=spec, logs_specs=DefaultLogsSpecs(), node_rank=0, termination=None)
+
+
+def test_the_workers_share_the_nodes_cpus_for_inductors_compile_pool(monkeypatch):
+    """Left alone, each worker would start min(32, the node's CPUs) compile processes: 8
+    workers on a 64-CPU node, 256. The agent gives its workers their share, and a value the job
+    set (spec.env reaches the agent's environment) stands."""
+    assert [agent.compile_threads(64, n) for n in (1, 2, 8)] == [32, 32, 8]
+    assert agent.compile_threads(2, 2) == 1 and agent.compile_threads(4, 8) == 1
+    monkeypatch.setenv(agent.COMPILE_THREADS_ENV, "")  # so that the test's own value is undone
+    monkeypatch.delenv(agent.COMPILE_THREADS_ENV)
+    monkeypatch.setattr(agent.os, "sched_getaffinity", lambda pid: set(range(96)))
+    _agent_of(8)
+    assert agent.os.environ[agent.COMPILE_THREADS_ENV] == "12"
+    monkeypatch.setenv(agent.COMPILE_THREADS_ENV, "3")
+    _agent_of(8)
+    assert agent.os.environ[agent.COMPILE_THREADS_ENV] == "3"
