@@ -72,6 +72,13 @@ def compile_threads(cpus: int, workers: int) -> int:
     return max(1, min(TORCH_COMPILE_THREADS_CAP, cpus // max(1, workers)))
 
 
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (Linux's affinity; elsewhere, the machine's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 class NodeRanks(RendezvousHandler):
     """c10d's rendezvous, with each node's rank its own node rank (a permutation of c10d's
     ranks: every node asks for its own, and two nodes asking for one are refused)."""
@@ -132,8 +139,7 @@ class Agent(LocalElasticAgent):
         self.restarts, self._restarting, self._ending = 0, False, False
         # The workers' environment (ftjob.trainer.model.parallel, progress, __main__).
         os.environ[contract.RESTARTS_IN_PLACE_ENV] = "0"
-        cpus = len(os.sched_getaffinity(0))
-        shared = compile_threads(cpus, self.get_worker_group().spec.local_world_size)
+        shared = compile_threads(_usable_cpus(), self.get_worker_group().spec.local_world_size)
         os.environ.setdefault(COMPILE_THREADS_ENV, str(shared))
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, *args, **kwargs) -> None:
