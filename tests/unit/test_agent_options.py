@@ -96,8 +96,9 @@ def test_the_workers_share_the_nodes_cpus_for_inductors_compile_pool(monkeypatch
     set (spec.env reaches the agent's environment) stands."""
     assert [agent.compile_threads(64, n) for n in (1, 2, 8)] == [32, 32, 8]
     assert agent.compile_threads(2, 2) == 1 and agent.compile_threads(4, 8) == 1
-    monkeypatch.setenv(agent.COMPILE_THREADS_ENV, "")  # so that the test's own value is undone
-    monkeypatch.delenv(agent.COMPILE_THREADS_ENV)
+    for name in (agent.COMPILE_THREADS_ENV, contract.RESTARTS_IN_PLACE_ENV):
+        monkeypatch.setenv(name, "")  # so that what the agents set is undone after the test
+        monkeypatch.delenv(name)
     monkeypatch.setattr(agent.os, "sched_getaffinity", lambda pid: set(range(96)))
     _agent_of(8)
     assert agent.os.environ[agent.COMPILE_THREADS_ENV] == "12"
