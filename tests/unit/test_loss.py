@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from ftjob.trainer.data import batches as data
 from ftjob.trainer.data.tokenize import IGNORE
+from ftjob.trainer.model import gemm
 from ftjob.trainer.objectives import loss
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-model"
@@ -70,6 +71,14 @@ def test_no_logits_are_kept_for_backward_and_only_one_chunk_exists_at_a_time(mon
     assert max(s.numel() for s in made) == 1024 * 1000
 
 
+def tiny() -> torch.nn.Module:
+    """The tiny model in float32 with the trainer's products (gemm.py: oneDNN's on some CPUs):
+    the layers under the head multiply alike on both sides of a comparison."""
+    net = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    gemm.fuse(net)
+    return net
+
+
 def batch(pad_id: int) -> data.Batch:
     g = torch.Generator().manual_seed(1)
     rows = []
@@ -82,7 +91,7 @@ def batch(pad_id: int) -> data.Batch:
 
 
 def test_token_loss_through_the_installed_head_equals_plain_logits():
-    plain = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    plain = tiny()
     fused = copy.deepcopy(plain)
     assert loss.install(fused)
     b = batch(plain.config.pad_token_id or 0)
@@ -273,7 +282,7 @@ def test_dpo_log_probabilities_through_the_installed_head_equal_plain_logits():
     """DPO's per-row log-probabilities (policy and reference) and their gradients, chunked
     through the head, equal whole_logits.response_logps of the model's whole logits."""
 
-    plain = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    plain = tiny()
     fused = copy.deepcopy(plain)
     assert loss.install(fused)
     b = pair_batch(plain.config.pad_token_id or 0)

@@ -1,5 +1,6 @@
 """trainer/model/thin.py: a sampled token's linear products with the weight on the left, on
-CPU, for the rows where that is the faster GEMM, and the same values.
+CPU, for the rows where that is the faster GEMM in MKL, and the same values; where oneDNN is
+the faster library (trainer/model/gemm.py), its product instead.
 
     python -m pytest tests/unit/test_thin.py -q
 """
@@ -11,7 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ftjob.trainer.model import thin
+from ftjob.trainer.model import gemm, thin
+
+
+@pytest.fixture(autouse=True)
+def mkl(monkeypatch):
+    """MKL's products, whose orientations thin.py's table is about, whatever this CPU is."""
+    monkeypatch.setattr(gemm, "onednn", lambda: False)
 
 
 def mm_shapes(fn) -> list[list[list[int]]]:
@@ -85,3 +92,16 @@ def test_a_compiled_network_samples_through_its_own_linear():
             torch.testing.assert_close(
                 compiled(x), net[2](net[1](F.linear(x, net[0].weight, net[0].bias)))
             )
+
+
+def test_where_onednn_is_the_faster_library_a_thin_product_goes_there(monkeypatch):
+    monkeypatch.setattr(gemm, "onednn", lambda: True)
+    layer = nn.Linear(48, 40)
+    x = torch.randn(16, 1, 48)
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        got = thin.linear(x, layer.weight, layer.bias)
+    names = [
+        e.name for e in prof.events() if e.name.startswith(("aten::mm", "aten::addmm", "mkldnn"))
+    ]
+    assert names == ["mkldnn::_linear_pointwise"]
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-6, atol=1e-6)

@@ -33,7 +33,7 @@ from ftjob.api.source import Hub, parse
 from ftjob.job import installed, modelfiles
 from ftjob.job.inputs import resolve  # here too: the trainer's modules call model.resolve
 from ftjob.plan.modelshape import NF4_BLOCK, NF4_SCALE_BLOCK
-from ftjob.trainer.model import attention, float8, norms, rotary, weights
+from ftjob.trainer.model import attention, float8, gemm, norms, rotary, weights
 from ftjob.trainer.model.lora import fuse
 from ftjob.trainer.model.parallel import Dist, is_sharded
 
@@ -119,6 +119,7 @@ def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase, frozen: boo
     model = _adapters(model, spec)
     # precision fp8: before sharding, so FSDP sees Float8Linear (and gathers float8 weights).
     converted = float8.convert(model, spec)
+    gemm.fuse(model)  # float32 products on CPU through oneDNN where MKL runs at half speed
     if frozen:
         model.requires_grad_(False)
     for p in model.parameters():

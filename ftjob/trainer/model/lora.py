@@ -25,6 +25,7 @@ import functools
 import torch
 from torch import nn
 
+from ftjob.trainer.model import gemm
 from ftjob.trainer.model.swap import swap
 
 
@@ -64,7 +65,7 @@ def _plain_adapter(layer, x: torch.Tensor) -> str | None:
     name = layer.active_adapters[0]
     if name not in layer.lora_A or name in layer.lora_variant:
         return None
-    if layer.lora_B[name].bias is not None or type(layer.base_layer) is not nn.Linear:
+    if layer.lora_B[name].bias is not None or type(layer.base_layer) not in gemm.LINEARS:
         return None
     if torch.is_autocast_enabled(x.device.type):
         return None
@@ -83,7 +84,7 @@ class LoraMatmuls(torch.autograd.Function):
     def forward(ctx, x, dropped, weight, bias, a, b, scaling):
         x2 = x.reshape(-1, x.shape[-1])
         d2 = x2 if dropped is x else dropped.reshape(-1, dropped.shape[-1])
-        y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+        y = gemm.linear(x2, weight, bias)
         h = torch.mm(d2, a.t())
         y.addmm_(h, b.t(), alpha=scaling)
         ctx.save_for_backward(x2, d2, weight, a, b, h)
@@ -98,7 +99,7 @@ class LoraMatmuls(torch.autograd.Function):
         dh = _scaled(dy2.mm(b), ctx.scaling)
         dx = dx_dropped = None
         if need[0] or need[1]:
-            dx = dy2.mm(weight)
+            dx = gemm.mm(dy2, weight)
             if ctx.shared:
                 dx.addmm_(dh, a)  # the adapter's share, in the GEMM that writes the base's
             else:
@@ -107,7 +108,7 @@ class LoraMatmuls(torch.autograd.Function):
         return (
             dx,
             dx_dropped,
-            dy2.t().mm(x2) if need[2] else None,
+            gemm.mm(dy2.t(), x2) if need[2] else None,
             dy2.sum(0) if need[3] else None,
             dh.t().mm(d2) if need[4] else None,
             _scaled(dy2.t().mm(h), ctx.scaling) if need[5] else None,

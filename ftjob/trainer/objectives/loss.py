@@ -39,7 +39,7 @@ from torch import nn
 from ftjob.plan.modelshape import LOSS_CHUNK_TOKENS
 from ftjob.trainer.data.batches import next_tokens
 from ftjob.trainer.data.tokenize import IGNORE
-from ftjob.trainer.model import attention
+from ftjob.trainer.model import attention, gemm
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -59,7 +59,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.size(0), chunk):
             h, t = hidden[start : start + chunk], targets[start : start + chunk]
-            logits = (h @ weight.t()).float()  # this chunk only, in fp32
+            logits = gemm.linear(h, weight).float()  # this chunk only, in fp32
             learn = t != IGNORE
             index = t.clamp(min=0).unsqueeze(1)
             norm = torch.logsumexp(logits, dim=-1)
@@ -71,9 +71,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad.scatter_add_(1, index, torch.full_like(index, -1, dtype=grad.dtype))
             grad = (grad * learn.unsqueeze(1)).to(h.dtype)
             if grad_hidden is not None:
-                grad_hidden[start : start + chunk] = grad @ weight
+                grad_hidden[start : start + chunk] = gemm.mm(grad, weight)
             if grad_weight is not None:
-                grad_weight += (grad.t() @ h).float()
+                grad_weight += gemm.mm(grad.t(), h).float()
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
@@ -161,9 +161,9 @@ class _LinearLogProbs(torch.autograd.Function):
                 grad.scatter_add_(1, t.clamp(min=0).unsqueeze(1), g.unsqueeze(1))
                 grad = grad.to(h.dtype)
                 if grad_hidden is not None:
-                    grad_hidden[start:end] = grad @ weight
+                    grad_hidden[start:end] = gemm.mm(grad, weight)
                 if grad_weight is not None:
-                    grad_weight += (grad.t() @ h).float()
+                    grad_weight += gemm.mm(grad.t(), h).float()
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
@@ -171,7 +171,7 @@ class _LinearLogProbs(torch.autograd.Function):
 
 def _chunk_logits(hidden, weight, start: int, chunk: int) -> torch.Tensor:
     """One chunk's logits, in fp32."""
-    return (hidden[start : start + chunk] @ weight.t()).float()
+    return gemm.linear(hidden[start : start + chunk], weight).float()
 
 
 def linear_logprobs(
@@ -220,8 +220,8 @@ class _Asked:
         return linear_cross_entropy(flat, weight, targets, learned=self.learned)
 
 
-class _LossHead(_Asked, nn.Linear):
-    """The plain output head, asked for a loss (:class:`_Asked`)."""
+class _LossHead(_Asked, gemm.Linear):
+    """The plain output head, asked for a loss (:class:`_Asked`); else gemm.py's products."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.targets is None:  # evaluation by other code, generation, the export's checks
@@ -257,7 +257,7 @@ def _mergeable(head: nn.Module) -> bool:
         return False
     base = head.base_layer
     return (
-        type(base) is nn.Linear
+        type(base) in gemm.LINEARS
         and base.bias is None
         and all(isinstance(d, nn.Identity) for d in head.lora_dropout.values())
         and not any(head.use_dora.values())
@@ -270,7 +270,7 @@ def install(model: nn.Module) -> bool:
     neither a plain bias-free linear layer nor such a layer adapted by LoRA without dropout,
     which keeps plain logits."""
     head = model.get_output_embeddings()
-    if type(head) is nn.Linear and head.bias is None:
+    if type(head) in gemm.LINEARS and head.bias is None:
         head.__class__ = _LossHead
         return True
     if _mergeable(head):
