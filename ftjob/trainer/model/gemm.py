@@ -2,10 +2,11 @@
 
 torch's CPU wheels multiply float32 matrices with MKL (``torch.mm``, ``F.linear`` and their
 derivatives). MKL chooses its kernels by the CPU's vendor: on a CPU that is not Intel's it runs
-its AVX2 kernels even where the CPU has AVX-512 (AMD's Zen 4 and 5), and no environment
-variable changes that any more (MKL_ENABLE_INSTRUCTIONS, MKL_DEBUG_CPU_TYPE: measured, no
-effect). oneDNN, in the same wheels (``torch.ops.mkldnn._linear_pointwise``, inductor's CPU
-linear), chooses by instruction set. On an AMD EPYC with AVX-512 (Zen 5, one thread, 512 rows):
+its AVX2 kernels even where the CPU has AVX-512 (AMD's Zen 5 here; Zen 4's too, not
+measured), and no environment variable changes that any more (MKL_ENABLE_INSTRUCTIONS,
+MKL_DEBUG_CPU_TYPE, MKL_CBWR: measured, no effect). oneDNN, in the same wheels
+(``torch.ops.mkldnn._linear_pointwise``, inductor's CPU linear), chooses by instruction set.
+On an AMD EPYC with AVX-512 (Zen 5, one thread, 512 rows):
 MKL 103-108 GFLOP/s, oneDNN 213-249 for each product a linear layer's forward and backward
 make (``x W^T``, ``dy W``, ``dy^T x``; transposed views are taken as they are, no copy), and
 faster at every thin shape sampling makes from 4 rows up.
@@ -41,10 +42,8 @@ def onednn() -> bool:
         return False
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512") and _vendor() not in (
-        "",
-        "GenuineIntel",
-    )
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return avx512 and _vendor() not in ("", "GenuineIntel")
 
 
 def _vendor() -> str:
@@ -65,7 +64,7 @@ def takes(*tensors: torch.Tensor | None) -> bool:
         return False
     return all(
         t is None
-        or (type(t) in (torch.Tensor, nn.Parameter) and t.dtype == torch.float32 and not t.is_cuda)
+        or (type(t) in (torch.Tensor, nn.Parameter) and t.dtype == torch.float32 and t.is_cpu)
         for t in tensors
     )
 
