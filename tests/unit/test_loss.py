@@ -73,7 +73,7 @@ def test_no_logits_are_kept_for_backward_and_only_one_chunk_exists_at_a_time(mon
 
 def tiny() -> torch.nn.Module:
     """The tiny model in float32 with the trainer's products (gemm.py: oneDNN's on some CPUs):
-    the layers under the head multiply alike on both sides of a comparison."""
+    plain logits and the installed head's chunks multiply in the same library."""
     net = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
     gemm.fuse(net)
     return net
