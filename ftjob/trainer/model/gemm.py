@@ -62,6 +62,11 @@ def takes(*tensors: torch.Tensor | None) -> bool:
     inductor's to choose) nor CPU autocast (which casts what F.linear gets) is on."""
     if torch.compiler.is_compiling() or not onednn() or torch.is_autocast_enabled("cpu"):
         return False
+    return plain_cpu_float32(*tensors)
+
+
+def plain_cpu_float32(*tensors: torch.Tensor | None) -> bool:
+    """Each is a plain (no subclass) float32 CPU tensor, or None (an absent bias)."""
     return all(
         t is None
         or (type(t) in (torch.Tensor, nn.Parameter) and t.dtype == torch.float32 and t.is_cpu)
@@ -72,14 +77,16 @@ def takes(*tensors: torch.Tensor | None) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through oneDNN where :func:`takes` says so. Not
     differentiable: for no-grad code and autograd functions' own forward and backward."""
-    if takes(x, weight, bias):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    return _onednn(x, weight, bias) if takes(x, weight, bias) else F.linear(x, weight, bias)
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of two matrices, as :func:`linear` (oneDNN takes ``b.t()`` as it is)."""
-    return linear(a, b.t()) if takes(a, b) else torch.mm(a, b)
+    return _onednn(a, b.t(), None) if takes(a, b) else torch.mm(a, b)
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 class Products(torch.autograd.Function):
@@ -90,7 +97,7 @@ class Products(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.bias = bias is not None
-        return linear(x, weight, bias)
+        return _onednn(x, weight, bias)  # Linear.forward asked takes() already
 
     @staticmethod
     def backward(ctx, dy):

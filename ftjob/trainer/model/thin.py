@@ -49,8 +49,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if gemm.takes(x, weight, bias) and not torch.is_grad_enabled():
         return gemm.linear(x, weight, bias)  # oneDNN: faster than either orientation in MKL
     rows = x.numel() // max(x.shape[-1], 1)
-    plain = type(x) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter)
-    measured = plain and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+    measured = gemm.plain_cpu_float32(x, weight)
     if not (measured and turned(rows, weight)) or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1]).t()
