@@ -50,6 +50,16 @@ def test_the_rule_reads_the_cpu_vendor_and_torchs_instruction_set(
         gemm.onednn.cache_clear()
 
 
+def test_the_vendor_is_read_from_the_kernels_own_cpuinfo():
+    """The file the rule reads in production, as this machine's kernel writes it."""
+    import platform
+
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert gemm._vendor() in ("AuthenticAMD", "GenuineIntel", "HygonGenuine", "CentaurHauls")
+    else:  # Arm's cpuinfo has no vendor_id line: the rule keeps torch's own products
+        assert gemm._vendor() == ""
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("trains", [True, False])  # a frozen weight: the input's gradient only
 def test_a_linear_layer_in_onednn_gives_torchs_values_and_gradients(onednn, bias, trains):
@@ -98,6 +108,9 @@ def test_what_oneDNN_does_not_take_is_torchs_own_product(onednn):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert ops(lambda: layer(x)) == ["aten::addmm"]  # autocast's cast, then torch's
     compiled = torch.compile(layer, backend="eager")
+    with torch.no_grad():
+        compiled(x)  # traced here: the graph holds torch's linear, which runs below
+        assert ops(lambda: compiled(x)) == ["aten::addmm"]
     torch.testing.assert_close(compiled(x), F.linear(x, layer.weight, layer.bias))
 
 
