@@ -152,3 +152,16 @@ def test_the_trainer_builds_its_layers_with_onednns_products_and_its_loss_head(o
         adapted = [m for m in net.modules() if type(m).__name__ == "FusedLoraLinear"]
         assert adapted and all(type(m.base_layer) is gemm.Linear for m in adapted)
     assert loss.install(net)  # the head takes the chunked loss, its chunks oneDNN's products
+
+
+def test_a_product_oneDNN_refuses_is_torchs_own(onednn):
+    """oneDNN's refusal ("could not create a primitive") names no cause; torch's product runs
+    instead: its values where it has them, its own words where the operands are wrong. (Memory
+    short of oneDNN's working space is the case that matters: test_status's host-oom run.)"""
+    x, w = torch.randn(5, 0), torch.randn(40, 0)  # an empty inner dimension: zeros
+    with pytest.raises(RuntimeError, match="could not create a primitive"):
+        torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    with pytest.warns(UserWarning, match="oneDNN refused"):
+        assert torch.equal(gemm.linear(x, w), torch.zeros(5, 40))
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="cannot be multiplied"):
+        gemm.mm(torch.randn(5, 96), torch.randn(95, 40))

@@ -17,12 +17,14 @@ network's plain linear layers :class:`Linear` (oneDNN forward and backward); LoR
 (lora.py), the chunked head (objectives/loss.py) and sampling (thin.py) take :func:`linear`
 and :func:`mm` for their own products. Only plain float32 CPU tensors outside torch.compile
 and autocast qualify (:func:`takes`); everything else, GPUs and Intel's CPUs among it, keeps
-torch's own products: nothing else was measured.
+torch's own products: nothing else was measured. A product oneDNN refuses (short of memory for
+its working space, say) is torch's, with a warning.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 
 import torch
@@ -32,6 +34,8 @@ from torch import nn
 from ftjob.trainer.model.swap import swap
 
 _CPUINFO = Path("/proc/cpuinfo")
+# How oneDNN (through torch's ideep) says it cannot make a product, whatever the cause.
+_REFUSED = "could not create a primitive"
 
 
 @functools.cache
@@ -86,7 +90,18 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    try:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    except RuntimeError as e:
+        if not str(e).startswith(_REFUSED):
+            raise  # torch's own words already (its allocator's, when memory is short)
+        # oneDNN's refusal names no cause: an operand it has no kernel for (an empty inner
+        # dimension), a shape torch would refuse in clearer words, or memory short of its
+        # working space before any tensor is asked for (a container's limit). torch's product
+        # runs instead, and says what is wrong if anything is: under a memory limit its
+        # allocator's words, which the termination record names HostOOM.
+        warnings.warn(f"oneDNN refused a float32 product ({e}); torch's own runs", stacklevel=2)
+        return F.linear(x, weight, bias)
 
 
 class Products(torch.autograd.Function):
