@@ -130,13 +130,34 @@ def test_fuse_swaps_plain_linear_layers_only_where_the_rule_holds(monkeypatch):
 
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_the_trainer_builds_its_layers_with_onednns_products_and_its_loss_head(onednn, method):
+    net = _built(method, gpus=0)
+    linears = [m for m in net.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is gemm.Linear for m in linears)
+    if method == "lora":  # the adapters' products still added inside the base's (lora.py)
+        adapted = [m for m in net.modules() if type(m).__name__ == "FusedLoraLinear"]
+        assert adapted and all(type(m.base_layer) is gemm.Linear for m in adapted)
+    from ftjob.trainer.objectives import loss
+
+    assert loss.install(net)  # the head takes the chunked loss, its chunks oneDNN's products
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_a_gpu_jobs_layers_stay_torchs_on_any_host(onednn, method):
+    """A GPU job multiplies in cuBLAS: its layers keep torch's class even where the host CPU
+    is one the rule takes (an AMD host of GPUs), so its step is the one measured before."""
+    net = _built(method, gpus=1)
+    assert not any(isinstance(m, gemm.Linear) for m in net.modules())
+    assert any(type(m) is nn.Linear for m in net.modules())
+
+
+def _built(method: str, gpus: int) -> nn.Module:
+    """The trainer's model (load.build, on the meta device) of the bundled tiny model."""
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
     from ftjob.api.jobspec import parse_spec
     from ftjob.trainer.model import load
-    from ftjob.trainer.objectives import loss
 
     tiny = Path(__file__).resolve().parents[2] / "examples" / "tiny-model"
     spec = parse_spec({
@@ -144,14 +165,9 @@ def test_the_trainer_builds_its_layers_with_onednns_products_and_its_loss_head(o
         "dataset": {"source": "d.jsonl"},
         "method": {"type": method},
         "training": {"maxSteps": 1},
+        "resources": {"gpusPerNode": gpus},
     })  # fmt: skip
-    net = load.build(spec, AutoTokenizer.from_pretrained(tiny)).model
-    linears = [m for m in net.modules() if isinstance(m, nn.Linear)]
-    assert linears and all(type(m) is gemm.Linear for m in linears)
-    if method == "lora":  # the adapters' products still added inside the base's (lora.py)
-        adapted = [m for m in net.modules() if type(m).__name__ == "FusedLoraLinear"]
-        assert adapted and all(type(m.base_layer) is gemm.Linear for m in adapted)
-    assert loss.install(net)  # the head takes the chunked loss, its chunks oneDNN's products
+    return load.build(spec, AutoTokenizer.from_pretrained(tiny)).model
 
 
 def test_a_product_oneDNN_refuses_is_torchs_own(onednn):

@@ -119,7 +119,8 @@ def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase, frozen: boo
     model = _adapters(model, spec)
     # precision fp8: before sharding, so FSDP sees Float8Linear (and gathers float8 weights).
     converted = float8.convert(model, spec)
-    gemm.fuse(model)  # float32 products on CPU through oneDNN where MKL runs at half speed
+    if spec.resources.gpus_per_node == 0:  # a CPU job (parallel.init reads the same field)
+        gemm.fuse(model)  # float32 products through oneDNN where MKL runs at half speed
     if frozen:
         model.requires_grad_(False)
     for p in model.parameters():
