@@ -7,18 +7,14 @@ the faster library (trainer/model/gemm.py), its product instead.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ftjob.trainer.model import gemm, thin
-
-
-@pytest.fixture(autouse=True)
-def mkl(monkeypatch):
-    """MKL's products, whose orientations thin.py's table is about, whatever this CPU is."""
-    monkeypatch.setattr(gemm, "onednn", lambda: False)
 
 
 def mm_shapes(fn) -> list[list[list[int]]]:
@@ -94,14 +90,19 @@ def test_a_compiled_network_samples_through_its_own_linear():
             )
 
 
-def test_where_onednn_is_the_faster_library_a_thin_product_goes_there(monkeypatch):
+def test_where_onednn_is_the_faster_library_sampling_keeps_its_product(monkeypatch):
+    """A CPU job's layers where gemm.py's rule holds are gemm.Linear (load.build fuses them):
+    thin.linears leaves them be, and a sampled token's products are oneDNN's."""
     monkeypatch.setattr(gemm, "onednn", lambda: True)
-    layer = nn.Linear(48, 40)
+    net = nn.Sequential(nn.Linear(48, 40), nn.ReLU(), nn.Linear(40, 48))
+    plain = copy.deepcopy(net)
+    assert gemm.fuse(net) == 2
     x = torch.randn(16, 1, 48)
-    with torch.no_grad(), torch.profiler.profile() as prof:
-        got = thin.linear(x, layer.weight, layer.bias)
+    with torch.no_grad(), thin.linears(net), torch.profiler.profile() as prof:
+        assert [type(m) for m in net] == [gemm.Linear, nn.ReLU, gemm.Linear]
+        got = net(x)
     names = [
         e.name for e in prof.events() if e.name.startswith(("aten::mm", "aten::addmm", "mkldnn"))
     ]
-    assert names == ["mkldnn::_linear_pointwise"]
-    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-6, atol=1e-6)
+    assert names == ["mkldnn::_linear_pointwise"] * 2
+    torch.testing.assert_close(got, plain(x), rtol=1e-5, atol=1e-5)

@@ -14,11 +14,12 @@ faster at every thin shape sampling makes from 4 rows up.
 :func:`onednn` is that rule: it reads the CPU, never a clock, so every run on a machine computes
 the same values (the two libraries' sums differ in the last bits). :func:`fuse` gives a
 network's plain linear layers :class:`Linear` (oneDNN forward and backward); LoRA's layers
-(lora.py), the chunked head (objectives/loss.py) and sampling (thin.py) take :func:`linear`
-and :func:`mm` for their own products. Only plain float32 CPU tensors outside torch.compile
-and autocast qualify (:func:`takes`); everything else, GPUs and Intel's CPUs among it, keeps
-torch's own products: nothing else was measured. A product oneDNN refuses (short of memory for
-its working space, say) is torch's, with a warning.
+(lora.py) and the chunked head (objectives/loss.py) take :func:`linear` and :func:`mm` for
+their own products; sampling keeps the layers' (thin.py turns plain ``nn.Linear`` only).
+Only plain float32 CPU tensors outside torch.compile and autocast qualify (:func:`takes`);
+everything else, GPUs and Intel's CPUs among it, keeps torch's own products: nothing else was
+measured. A product oneDNN refuses (short of memory for its working space, say) is torch's,
+with a warning.
 """
 
 from __future__ import annotations

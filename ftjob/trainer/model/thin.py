@@ -12,7 +12,8 @@ The rule reads shapes only, never a clock, so a resumed run samples what the fir
 (the two orientations' values can differ in the last bit). Other dtypes (bf16 takes oneDNN's
 kernels on CPU) and GPUs keep torch's own: nothing here was measured there. The table is
 MKL's: where gemm.py sends float32 products to oneDNN (AVX-512 CPUs that are not Intel's),
-oneDNN's product is faster than either orientation from 4 rows up, and :func:`linear` takes it.
+oneDNN's product is faster than either orientation from 4 rows up, and :func:`linears` leaves
+those layers (gemm.Linear, not plain ``nn.Linear``) as they are.
 """
 
 from __future__ import annotations
@@ -44,13 +45,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """``F.linear(x, weight, bias)``, as ``(weight @ x^T)^T`` where :func:`turned` says so,
     for plain float32 CPU tensors outside autograd and outside torch.compile (whose kernels
     are inductor's to choose)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
-    if gemm.takes(x, weight, bias) and not torch.is_grad_enabled():
-        return gemm.linear(x, weight, bias)  # oneDNN: faster than either orientation in MKL
     rows = x.numel() // max(x.shape[-1], 1)
-    measured = gemm.plain_cpu_float32(x, weight)
-    if not (measured and turned(rows, weight)) or torch.is_grad_enabled():
+    if not (gemm.plain_cpu_float32(x, weight) and turned(rows, weight)):
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1]).t()
     y = torch.mm(weight, x2) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x2)
