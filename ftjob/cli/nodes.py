@@ -134,7 +134,7 @@ def local_env(spec, rank: int, job_dir: Path) -> dict[str, str]:
         "FTJOB_TERMINATION_LOG": str(JobFolder(job_dir).node_termination(rank)),
     }
     r = spec.resources
-    if r.gpus_per_node:
+    if r.on_gpu:
         gpus = range(rank * r.gpus_per_node, (rank + 1) * r.gpus_per_node)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     elif "OMP_NUM_THREADS" not in os.environ:

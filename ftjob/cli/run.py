@@ -296,7 +296,7 @@ def _describe(summary: failure.Summary) -> list[str]:
 def _missing_gpus(spec) -> str | None:
     """Why this machine cannot run a GPU job (None if it can), said before any process starts."""
     r = spec.resources
-    if not r.gpus_per_node:
+    if not r.on_gpu:
         return None
     import torch  # only GPU jobs pay for the import
 

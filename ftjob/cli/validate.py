@@ -145,7 +145,7 @@ def memory_verdict(checked: CheckedJob, strict: bool = False) -> None:
             return
     else:  # no machine's memory: a cluster's job; it changes a CPU job's layout, not a verdict
         planned = condition_of(checked.spec, checked.shape, None)
-    if planned["reason"] == "Unknown" and not checked.spec.resources.gpus_per_node:
+    if planned["reason"] == "Unknown" and not checked.spec.resources.on_gpu:
         return  # a CPU job without resources.memory: `ftjob run`'s, in this machine's memory
     if planned["reason"] == "Unknown":
         checked.notes.append(
@@ -186,7 +186,7 @@ def with_profile(
 def warnings(spec: FineTuneJobSpec) -> list[str]:
     """What is valid but likely wrong for a cluster. A CPU-only job is left alone: it is the
     kind ``ftjob run`` runs on this machine, where no image is pulled."""
-    if not spec.resources.gpus_per_node:
+    if not spec.resources.on_gpu:
         return []
     note = render.image_warning(spec)
     return [note] if note else []
@@ -217,7 +217,7 @@ def _model_shape(spec: FineTuneJobSpec, root: Path | None) -> ModelShape | None:
 def summary(spec: FineTuneJobSpec) -> str:
     """One line a person can check the job's shape against."""
     r, m = spec.resources, spec.method
-    if r.gpus_per_node:
+    if r.on_gpu:
         unit = _count(r.gpus_per_node, "GPU", "GPUs")
     else:
         unit = _count(r.nproc_per_node, "CPU process", "CPU processes")

@@ -117,7 +117,7 @@ def node_command(
         # every node join. Said, not left to socket.getfqdn(), which inside a pod or a
         # container need not give a name the other nodes can resolve.
         env["PET_LOCAL_ADDR"] = node_addr
-    if r.gpus_per_node:
+    if r.on_gpu:
         env.update(fabric_env(spec))  # includes the user's ncclEnv
     else:
         # torchrun would pin every process to 1 thread; give each its share of the pod's CPUs.

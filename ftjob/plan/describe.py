@@ -48,7 +48,7 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
     """The plan as lines a person reads top to bottom; relative data sources are looked up
     under ``source_root`` (the job file's folder)."""
     e, s, r = result.estimate, result.shape, spec.resources
-    device = r.gpu_type or ("CPU process" if not r.gpus_per_node else "GPU (gpuType unset)")
+    device = r.gpu_type or ("GPU (gpuType unset)" if r.on_gpu else "CPU process")
     rows = [
         (
             "model",
@@ -66,7 +66,7 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
         ("sharding", _sharding_text(spec, e)),
         *_context_rows(spec, e),
         (
-            "per GPU" if r.gpus_per_node else "per process",
+            "per GPU" if r.on_gpu else "per process",
             f"weights {gib(e.weights)}"
             + (f" + reference {gib(e.reference)}" if e.reference else "")
             + f" + gradients {gib(e.gradients)} + optimizer "
@@ -76,7 +76,7 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
             # 0 bytes of weights, gradients and optimizer are not a mistake: say where they are.
             + (
                 "; weights, gradients and optimizer states live in CPU memory (cpuOffload)"
-                if spec.parallelism.cpu_offload and r.gpus_per_node
+                if spec.parallelism.cpu_offload and r.on_gpu
                 else ""
             ),
         ),
@@ -102,7 +102,7 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
             total = f", {steps} steps ~ {_duration(e.step_seconds * steps)}"
         text = _throughput_text(e, tokens, ddp=limits.ddp(spec, e.sharding))
         rows.append(("throughput", text + total + _assumed_peak(r.gpu_type)))
-    elif r.gpus_per_node:
+    elif r.on_gpu:
         rows.append(("throughput", f"{tokens:,} tokens/step (set resources.gpuType for time)"))
     else:
         rows.append(("throughput", f"{tokens:,} tokens/step (no time estimate on CPU)"))
@@ -117,7 +117,7 @@ def describe(spec: FineTuneJobSpec, result: Plan, source_root: Path | None = Non
             )
         )
     rows.append(("verdict", verdict_text(result)))
-    unit = "GPU" if r.gpus_per_node else "process"
+    unit = "GPU" if r.on_gpu else "process"
     for option in result.options:
         step = option.estimate.step_seconds
         rows.append(
@@ -179,7 +179,7 @@ def _kl_reference_text(spec: FineTuneJobSpec, e: Estimate) -> str:
     forward = "one forward per micro-batch of each generation batch (counted in the step time)"
     if spec.method.type != "full":
         return f"the same network with its adapters off: {forward}, no extra weights"
-    unit = "GPU" if spec.resources.gpus_per_node else "process"
+    unit = "GPU" if spec.resources.on_gpu else "process"
     where = (
         "in CPU memory (cpuOffload)"
         if spec.parallelism.cpu_offload

@@ -275,7 +275,7 @@ def checkpoint_stride(
     explicit = stride_of(spec.training.activation_checkpointing)
     if explicit is not None:
         return explicit
-    if device_bytes is None or spec.resources.gpus_per_node == 0:
+    if device_bytes is None or not spec.resources.on_gpu:
         return 1
     for stride in AUTO_STRIDES[:-1]:
         e = estimate_at(spec, shape, stride, device_bytes, sharding)
@@ -294,7 +294,6 @@ def estimate_at(
     """The estimate at a given checkpoint stride and sharding (both resolved) on a GPU of
     ``device_bytes`` (None: CPU or an unknown GPU); :func:`estimate` resolves them."""
     r, t, method = spec.resources, spec.training, spec.method.type
-    on_gpu = r.gpus_per_node > 0
     act_bytes = 2 if spec.bf16_compute() else FP32
     lora = spec.method.lora_settings()
     adapter = shape.lora_params(lora.r, lora.target_modules) if lora else 0
@@ -337,7 +336,7 @@ def estimate_at(
     sampling = kv_cache_bytes(spec, shape, act_bytes)
     if sampling:
         activations = max(activations, (sampling + gathered) * FRAGMENTATION)
-    reserved = GPU_RESERVED_BYTES if on_gpu else PROCESS_BASELINE_BYTES
+    reserved = GPU_RESERVED_BYTES if r.on_gpu else PROCESS_BASELINE_BYTES
 
     device_total = weights + reference + gradients + optimizer + activations + temporaries
     device_total += reserved
@@ -355,7 +354,7 @@ def estimate_at(
         activations=activations,
         temporaries=temporaries,
         reserved=reserved,
-        device_bytes=device_bytes if on_gpu else None,
+        device_bytes=device_bytes if r.on_gpu else None,
         pod_memory=quantity(r.memory) if r.memory else None,
         cpu_phases=cpu.phases,
         page_cache_per_node=cpu.page_cache,
@@ -363,7 +362,7 @@ def estimate_at(
         checkpoint_stride=stride,
         notes=notes,
         problem=problem,
-        on_gpu=on_gpu,
+        on_gpu=r.on_gpu,
         sharding=sharding,
         context_parallel=spec.context_parallel,
         reference=reference,
@@ -549,7 +548,7 @@ def _cpu_memory(
     """A pod's CPU memory. ``shards``: one process's shard of all the states, and of the
     weights alone; ``device_total``: one process's device memory (a CPU job's whole memory);
     ``frozen_bytes``: bytes of a weight as training holds it."""
-    nproc, on_gpu = spec.resources.nproc_per_node, spec.resources.gpus_per_node > 0
+    nproc, on_gpu = spec.resources.nproc_per_node, spec.resources.on_gpu
     states, weights = shards
     offload = spec.parallelism.cpu_offload
     qlora = spec.method.type == "qlora"
@@ -751,7 +750,7 @@ def _notes(
 
 
 def _compiled_on_gpu(spec: FineTuneJobSpec) -> bool:
-    return spec.resources.gpus_per_node > 0 and spec.compile_enabled(True)
+    return spec.resources.on_gpu and spec.compile_enabled(True)
 
 
 def _dpo_note(spec: FineTuneJobSpec) -> str:

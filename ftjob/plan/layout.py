@@ -55,7 +55,7 @@ def budget(
     ``ftjob run`` runs on) shared by all the job's processes, as ``ftjob run`` starts them all
     there."""
     r = spec.resources
-    if r.gpus_per_node:
+    if r.on_gpu:
         if device_bytes is None:
             return Budget(None, "no GPU memory known (set resources.gpuType)")
         return Budget(device_bytes, f"{gib(device_bytes)} per GPU")
@@ -92,7 +92,7 @@ def candidates(spec: FineTuneJobSpec) -> list[str]:
 def choose(spec: FineTuneJobSpec, shape: ModelShape, b: Budget) -> Layout:
     """The sharding for this job: the spec's when set; for auto the fastest candidate that
     fits ``b`` within TIGHT, or, where nothing fits, the one that needs the least memory."""
-    device = b.per_process if spec.resources.gpus_per_node else None
+    device = b.per_process if spec.resources.on_gpu else None
     explicit = spec.parallelism.sharding
     if explicit != "auto":
         return Layout(explicit, checkpoint_stride(spec, shape, device, explicit), "")
@@ -219,6 +219,6 @@ def fits_budget(spec: FineTuneJobSpec, shape: ModelShape, b: Budget) -> bool:
     if b.per_process is None:
         return False
     chosen = choose(spec, shape, b)
-    device = b.per_process if spec.resources.gpus_per_node else None
+    device = b.per_process if spec.resources.on_gpu else None
     e = estimate_at(spec, shape, chosen.stride, device, chosen.sharding)
     return _fits(e, TIGHT * b.per_process)

@@ -107,7 +107,7 @@ def _candidates(
         yield "sharding: full (more traffic between nodes)", {"parallelism__sharding": "full"}
     volume = "" if spec.checkpoint.volume else "; needs a shared checkpoint.volume"
     for factor in (2, 4):
-        if r.gpus_per_node:
+        if r.on_gpu:
             n = r.nodes * factor
             yield f"nodes: {n} (more GPUs{volume})", {"resources__nodes": n}
     if m.type == "full":
@@ -202,5 +202,5 @@ def plan(
         shape=shape,
         estimate=base,
         options=options,
-        on_gpus=spec.resources.gpus_per_node > 0,
+        on_gpus=spec.resources.on_gpu,
     )

@@ -26,7 +26,7 @@ def requests(spec: FineTuneJobSpec) -> dict[str, str]:
         amounts["cpu"] = str(r.cpu)
     if r.memory is not None:
         amounts["memory"] = str(r.memory)
-    if r.gpus_per_node:
+    if r.on_gpu:
         amounts[r.gpu] = str(r.gpus_per_node)
     if spec.network.fabric == "efa":
         amounts[EFA_RESOURCE] = str(spec.network.efa_devices_per_node)

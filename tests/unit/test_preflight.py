@@ -53,8 +53,8 @@ def test_the_transport_is_read_from_nccl_s_init_lines(lines, chosen):
 
 
 def test_mode_auto_is_on_for_gpu_jobs_only_and_the_floor_follows_the_fabric():
-    assert not spec().preflight.enabled(0) and spec().preflight.enabled(8)
-    assert spec(mode="on").preflight.enabled(0) and not spec(mode="off").preflight.enabled(8)
+    assert not spec().preflight.enabled(False) and spec().preflight.enabled(True)
+    assert spec(mode="on").preflight.enabled(False) and not spec(mode="off").preflight.enabled(True)
     p = spec().preflight
     assert p.bus_floor("efa", 2) == 10 and p.bus_floor("efa", 1) is None
     assert p.bus_floor("tcp", 4) is None

@@ -447,7 +447,7 @@ class FineTuneJobSpec:
         """bf16, fp32 or fp8 (auto resolved; auto never picks fp8: it changes numerics)."""
         if self.training.precision != "auto":
             return self.training.precision
-        return "bf16" if self.resources.gpus_per_node > 0 else "fp32"
+        return "bf16" if self.resources.on_gpu else "fp32"
 
     def bf16_compute(self) -> bool:
         """Whether the ops outside float8 matmuls compute in bf16 (precision bf16 and fp8)."""
@@ -544,7 +544,7 @@ def ineffective(spec: FineTuneJobSpec, raw: dict[str, Any]) -> list[str]:
             f"maxSteps {steps}: the learning rate never reaches its peak; lower warmup (e.g. "
             '"3%") or raise maxSteps'
         )
-    if t.precision == "fp8" and spec.resources.gpus_per_node == 0:
+    if t.precision == "fp8" and not spec.resources.on_gpu:
         out.append(
             "spec.training.precision: fp8 on CPU is emulated (float8 rounding without float8 "
             "speed): it tests what fp8 does to a job's numerics; train with fp32 or bf16"

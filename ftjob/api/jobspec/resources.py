@@ -64,6 +64,11 @@ class ResourcesSpec:
     )
 
     @property
+    def on_gpu(self) -> bool:
+        """The processes train on GPUs (CUDA, NCCL); gpusPerNode 0 trains on CPU (gloo)."""
+        return self.gpus_per_node > 0
+
+    @property
     def nproc_per_node(self) -> int:
         return self.gpus_per_node or self.processes_per_node or 1
 

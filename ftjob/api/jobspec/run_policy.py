@@ -151,8 +151,8 @@ class PreflightSpec:
         maximum=3600,
     )
 
-    def enabled(self, gpus_per_node: int) -> bool:
-        return self.mode == "on" or (self.mode == "auto" and gpus_per_node > 0)
+    def enabled(self, on_gpu: bool) -> bool:
+        return self.mode == "on" or (self.mode == "auto" and on_gpu)
 
     def bus_floor(self, fabric: str, nodes: int) -> float | None:
         """The bus bandwidth floor in force (GB/s), or None."""

@@ -69,7 +69,7 @@ FABRIC_FIX = {
 
 
 def enabled(spec: FineTuneJobSpec) -> bool:
-    return spec.preflight.enabled(spec.resources.gpus_per_node)
+    return spec.preflight.enabled(spec.resources.on_gpu)
 
 
 def nccl_log(spec: FineTuneJobSpec, job_dir: Path, rank: int) -> Path | None:
@@ -77,7 +77,7 @@ def nccl_log(spec: FineTuneJobSpec, job_dir: Path, rank: int) -> Path | None:
     this rank's, from which :func:`transport` reads what it chose. None when NCCL is not
     used, the preflight is off, or the job already sends NCCL's log somewhere
     (NCCL_DEBUG_FILE in network.ncclEnv). NCCL's warnings then go to that file too."""
-    if not enabled(spec) or spec.resources.gpus_per_node == 0:
+    if not enabled(spec) or not spec.resources.on_gpu:
         return None
     if os.environ.get("NCCL_DEBUG_FILE"):
         return None

@@ -51,7 +51,7 @@ def config(spec: FineTuneJobSpec):
     recipe = Float8LinearConfig.from_recipe_name(spec.training.fp8_scaling())
     return dataclasses.replace(
         recipe,
-        emulate=spec.resources.gpus_per_node == 0,
+        emulate=not spec.resources.on_gpu,
         enable_fsdp_float8_all_gather=float8_all_gather(spec),
         # A batch's token count is the inner dimension of the weight gradient's matmul; it
         # varies with the longest row, and float8 matmuls take only multiples of 16.
@@ -82,7 +82,7 @@ def convert(model: nn.Module, spec: FineTuneJobSpec) -> list[str]:
 
 def _device_problem(spec: FineTuneJobSpec):
     """A GPU job on a device without float8 tensor cores (gpuType unset or wrong)."""
-    if spec.resources.gpus_per_node == 0 or not torch.cuda.is_available():
+    if not spec.resources.on_gpu or not torch.cuda.is_available():
         return None
     found = torch.cuda.get_device_capability()
     if found >= FP8_MIN_CAPABILITY:
@@ -128,7 +128,7 @@ def like(own: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 def words(spec: FineTuneJobSpec, converted: list[str]) -> str:
     """The run's log line: what computes in float8, how, and where it is emulated."""
     how = "emulated on CPU: float8 rounding without float8 speed"
-    if spec.resources.gpus_per_node:
+    if spec.resources.on_gpu:
         how = "on float8 tensor cores"
     gathers = "; FSDP all-gathers them in float8" if float8_all_gather(spec) else ""
     return (

@@ -119,7 +119,7 @@ def build(spec: FineTuneJobSpec, tokenizer: PreTrainedTokenizerBase, frozen: boo
     model = _adapters(model, spec)
     # precision fp8: before sharding, so FSDP sees Float8Linear (and gathers float8 weights).
     converted = float8.convert(model, spec)
-    if spec.resources.gpus_per_node == 0:  # a CPU job (parallel.init reads the same field)
+    if not spec.resources.on_gpu:
         gemm.fuse(model)  # float32 products through oneDNN where MKL runs at half speed
     if frozen:
         model.requires_grad_(False)

@@ -58,7 +58,7 @@ def init(spec: FineTuneJobSpec) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if spec.resources.gpus_per_node > 0:
+    if spec.resources.on_gpu:
         if not torch.cuda.is_available():
             raise RuntimeError("the spec asks for GPUs (resources.gpusPerNode) but none is visible")
         device = torch.device("cuda", local_rank)
@@ -238,8 +238,9 @@ def _resolved(model: nn.Module, spec: FineTuneJobSpec, sharding: str, speed: Spe
     if speed is not None:
         return speed
     shape = ModelShape.from_config(model.config.to_dict())
-    on_gpu = spec.resources.gpus_per_node > 0
-    return Speed(checkpoint_stride(spec, shape, None, sharding), spec.compile_enabled(on_gpu))
+    return Speed(
+        checkpoint_stride(spec, shape, None, sharding), spec.compile_enabled(spec.resources.on_gpu)
+    )
 
 
 def _speed_up(model: nn.Module, speed: Speed) -> list[nn.Module]:
